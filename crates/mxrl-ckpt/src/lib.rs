@@ -1,0 +1,35 @@
+//! mxrl-ckpt: Hugging Face checkpoints in and out of mxrl.
+//!
+//! - **Reading** ([`Checkpoint`]): `model.safetensors` or a sharded
+//!   `model.safetensors.index.json`, memory-mapped, with strict validation ([`parse_header`],
+//!   [`parse_index`]): truncation, overlapping or out-of-file offsets, unknown or mismatched
+//!   dtypes, missing shards and index entries are errors that name the file, tensor and field.
+//! - **Writing** ([`ShardWriter`], [`StagedDir`]): shards are streamed tensor by tensor after
+//!   a header computed up front; an output directory is built as `DST.partial` and renamed to
+//!   `DST` only when complete, and an existing `DST` is only replaced on request.
+//! - **Synthetic checkpoints** ([`synth`]): small models in the real HF layouts of Qwen3-MoE,
+//!   Qwen2-MoE and DeepSeek-V3 (incl. block-FP8 storage), sharded so expert gate/up pairs
+//!   straddle shards.
+#![deny(missing_docs)]
+
+mod dtype;
+mod error;
+mod header;
+mod reader;
+pub mod synth;
+mod values;
+mod writer;
+
+pub use dtype::Dtype;
+pub use error::{CkptError, Result};
+pub use header::{
+    index_json, parse_header, parse_index, Header, Index, TensorInfo, MAX_HEADER_LEN,
+};
+pub use reader::{Checkpoint, SafetensorsFile, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+pub use values::{
+    check_finite, count_nonfinite, f32_bytes, f32_from_bytes, f32_to_bf16_bytes, to_f32,
+};
+pub use writer::{
+    copy_other_files, header_bytes, partial_path, write_json, write_safetensors, ShardWriter,
+    StagedDir, TensorSpec,
+};

@@ -1,0 +1,327 @@
+//! Writing: safetensors shards streamed tensor by tensor, and output directories that appear
+//! under their final name only when complete.
+
+use crate::dtype::Dtype;
+use crate::error::{CkptError, Result};
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// Name, dtype and shape of one tensor to be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// New spec.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<usize>) -> Self {
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape,
+        }
+    }
+
+    /// Bytes of data.
+    pub fn nbytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// Builds the header bytes (length prefix + JSON padded with spaces to a multiple of 8) for
+/// tensors laid out back to back in the given order.
+pub fn header_bytes(specs: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    let mut obj = Map::new();
+    if !metadata.is_empty() {
+        obj.insert("__metadata__".into(), json!(metadata));
+    }
+    let mut off = 0usize;
+    for s in specs {
+        let n = s.nbytes();
+        obj.insert(
+            s.name.clone(),
+            json!({"dtype": s.dtype.name(), "shape": s.shape, "data_offsets": [off, off + n]}),
+        );
+        off += n;
+    }
+    let mut text = serde_json::to_vec(&Value::Object(obj)).expect("header serializes");
+    while (8 + text.len()) % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + text.len());
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out
+}
+
+/// Streams one safetensors file: the header is written first from the full list of specs,
+/// then each tensor's bytes in that order, so memory holds one tensor at a time.
+pub struct ShardWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+    specs: Vec<TensorSpec>,
+    next: usize,
+    bytes: u64,
+}
+
+impl ShardWriter {
+    /// Creates `path` and writes its header. Tensor names must be unique.
+    pub fn create(
+        path: impl Into<PathBuf>,
+        specs: Vec<TensorSpec>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Self> {
+        let path = path.into();
+        let mut seen = std::collections::HashSet::new();
+        for s in &specs {
+            if !seen.insert(s.name.as_str()) {
+                return Err(CkptError::Invalid(format!(
+                    "{}: tensor `{}` would be written twice",
+                    path.display(),
+                    s.name
+                )));
+            }
+        }
+        let f = File::create(&path).map_err(|e| CkptError::io(&path, "create", e))?;
+        let mut out = BufWriter::with_capacity(8 << 20, f);
+        let h = header_bytes(&specs, metadata);
+        out.write_all(&h)
+            .map_err(|e| CkptError::io(&path, "write", e))?;
+        Ok(ShardWriter {
+            path,
+            out,
+            specs,
+            next: 0,
+            bytes: h.len() as u64,
+        })
+    }
+
+    /// The spec of the tensor expected next, if any.
+    pub fn next_spec(&self) -> Option<&TensorSpec> {
+        self.specs.get(self.next)
+    }
+
+    /// Writes the next tensor's bytes; its name and byte length must match the next spec.
+    pub fn write_tensor(&mut self, name: &str, data: &[u8]) -> Result<()> {
+        let spec = self.specs.get(self.next).ok_or_else(|| {
+            CkptError::Invalid(format!(
+                "{}: tensor `{name}` written after the last declared tensor",
+                self.path.display()
+            ))
+        })?;
+        if spec.name != name || spec.nbytes() != data.len() {
+            return Err(CkptError::Invalid(format!(
+                "{}: expected tensor `{}` ({} bytes) next, got `{name}` ({} bytes)",
+                self.path.display(),
+                spec.name,
+                spec.nbytes(),
+                data.len()
+            )));
+        }
+        self.out
+            .write_all(data)
+            .map_err(|e| CkptError::io(&self.path, "write", e))?;
+        self.bytes += data.len() as u64;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Flushes and syncs the file; every declared tensor must have been written. Returns the
+    /// file size.
+    pub fn finish(mut self) -> Result<u64> {
+        if self.next != self.specs.len() {
+            return Err(CkptError::Invalid(format!(
+                "{}: {} of {} tensors written (next: `{}`)",
+                self.path.display(),
+                self.next,
+                self.specs.len(),
+                self.specs[self.next].name
+            )));
+        }
+        self.out
+            .flush()
+            .map_err(|e| CkptError::io(&self.path, "write", e))?;
+        let f = self
+            .out
+            .into_inner()
+            .map_err(|e| CkptError::io(&self.path, "write", e.into_error()))?;
+        f.sync_all()
+            .map_err(|e| CkptError::io(&self.path, "sync", e))?;
+        Ok(self.bytes)
+    }
+}
+
+/// Writes a whole safetensors file from in-memory tensors (names, dtypes, shapes, bytes).
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(TensorSpec, Vec<u8>)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<u64> {
+    let specs = tensors.iter().map(|(s, _)| s.clone()).collect();
+    let mut w = ShardWriter::create(path, specs, metadata)?;
+    for (s, d) in tensors {
+        w.write_tensor(&s.name, d)?;
+    }
+    w.finish()
+}
+
+/// Writes `value` as pretty JSON to `path` (with a trailing newline).
+pub fn write_json(path: &Path, value: &Value) -> Result<()> {
+    let mut s = serde_json::to_string_pretty(value).expect("JSON serializes");
+    s.push('\n');
+    fs::write(path, s).map_err(|e| CkptError::io(path, "write", e))
+}
+
+/// An output directory under construction: everything is written into `DST.partial`, which is
+/// renamed to `DST` by [`StagedDir::commit`]. Dropped without a commit, the partial directory is
+/// removed, so a failed run never leaves anything under the final name.
+#[derive(Debug)]
+pub struct StagedDir {
+    dst: PathBuf,
+    partial: PathBuf,
+    force: bool,
+    committed: bool,
+}
+
+/// `DST.partial` for an output directory `DST`.
+pub fn partial_path(dst: &Path) -> PathBuf {
+    let mut s = dst.as_os_str().to_os_string();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+impl StagedDir {
+    /// Starts writing `dst`. Fails if `dst` exists and `force` is false. A stale `DST.partial`
+    /// left by an interrupted run is removed.
+    pub fn create(dst: &Path, force: bool) -> Result<Self> {
+        if dst.as_os_str().is_empty() {
+            return Err(CkptError::Invalid("output directory path is empty".into()));
+        }
+        if dst.exists() && !force {
+            return Err(CkptError::OutputExists { path: dst.into() });
+        }
+        let partial = partial_path(dst);
+        if partial.exists() {
+            fs::remove_dir_all(&partial).map_err(|e| CkptError::io(&partial, "remove", e))?;
+        }
+        fs::create_dir_all(&partial).map_err(|e| CkptError::io(&partial, "create", e))?;
+        Ok(StagedDir {
+            dst: dst.into(),
+            partial,
+            force,
+            committed: false,
+        })
+    }
+
+    /// The directory to write into (`DST.partial`).
+    pub fn path(&self) -> &Path {
+        &self.partial
+    }
+
+    /// The final directory.
+    pub fn dst(&self) -> &Path {
+        &self.dst
+    }
+
+    /// Renames `DST.partial` to `DST` (replacing an existing `DST` only when created with
+    /// `force`). Returns the final path.
+    pub fn commit(mut self) -> Result<PathBuf> {
+        if self.dst.exists() {
+            if !self.force {
+                return Err(CkptError::OutputExists {
+                    path: self.dst.clone(),
+                });
+            }
+            let mut old = self.dst.as_os_str().to_os_string();
+            old.push(".old");
+            let old = PathBuf::from(old);
+            if old.exists() {
+                fs::remove_dir_all(&old).map_err(|e| CkptError::io(&old, "remove", e))?;
+            }
+            fs::rename(&self.dst, &old).map_err(|e| CkptError::io(&self.dst, "rename", e))?;
+            fs::rename(&self.partial, &self.dst)
+                .map_err(|e| CkptError::io(&self.partial, "rename", e))?;
+            self.committed = true;
+            let rm = if old.is_dir() {
+                fs::remove_dir_all(&old)
+            } else {
+                fs::remove_file(&old)
+            };
+            rm.map_err(|e| CkptError::io(&old, "remove", e))?;
+        } else {
+            fs::rename(&self.partial, &self.dst)
+                .map_err(|e| CkptError::io(&self.partial, "rename", e))?;
+            self.committed = true;
+        }
+        Ok(self.dst.clone())
+    }
+}
+
+impl Drop for StagedDir {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_dir_all(&self.partial);
+        }
+    }
+}
+
+/// Copies every regular file of `src` (recursively) into `dst`, except those for which
+/// `skip(relative_path)` is true. Returns the relative paths copied, sorted.
+pub fn copy_other_files(
+    src: &Path,
+    dst: &Path,
+    skip: &dyn Fn(&str) -> bool,
+) -> Result<Vec<String>> {
+    let mut copied = Vec::new();
+    copy_rec(src, dst, "", skip, &mut copied)?;
+    copied.sort();
+    Ok(copied)
+}
+
+fn copy_rec(
+    src: &Path,
+    dst: &Path,
+    rel: &str,
+    skip: &dyn Fn(&str) -> bool,
+    copied: &mut Vec<String>,
+) -> Result<()> {
+    let dir = if rel.is_empty() {
+        src.to_path_buf()
+    } else {
+        src.join(rel)
+    };
+    let rd = fs::read_dir(&dir).map_err(|e| CkptError::io(&dir, "read directory", e))?;
+    for ent in rd {
+        let ent = ent.map_err(|e| CkptError::io(&dir, "read directory", e))?;
+        let name = ent.file_name().to_string_lossy().into_owned();
+        let r = if rel.is_empty() {
+            name.clone()
+        } else {
+            format!("{rel}/{name}")
+        };
+        if skip(&r) {
+            continue;
+        }
+        let ft = ent
+            .file_type()
+            .map_err(|e| CkptError::io(ent.path(), "stat", e))?;
+        if ft.is_dir() {
+            let d = dst.join(&r);
+            fs::create_dir_all(&d).map_err(|e| CkptError::io(&d, "create", e))?;
+            copy_rec(src, dst, &r, skip, copied)?;
+        } else if ft.is_file() || ft.is_symlink() {
+            let to = dst.join(&r);
+            fs::copy(ent.path(), &to).map_err(|e| CkptError::io(ent.path(), "copy", e))?;
+            copied.push(r);
+        }
+    }
+    Ok(())
+}
