@@ -426,7 +426,7 @@ fn tensor_bytes(spec: &SynthSpec, t: &TensorSpec) -> Vec<u8> {
             for i in 0..numel {
                 if cols > 0 && i % cols == 0 {
                     // Per-row scale 2^[-9, -3], so rows span several binades.
-                    s = (-(rng.gen_range(3..10) as i32) as f32).exp2();
+                    s = (-rng.gen_range(3i32..10) as f32).exp2();
                 }
                 let u: f32 = rng.gen::<f32>() * 2.0 - 1.0;
                 let x = if is_norm { 1.0 + 0.125 * u } else { u * s };
@@ -436,7 +436,7 @@ fn tensor_bytes(spec: &SynthSpec, t: &TensorSpec) -> Vec<u8> {
         Dtype::F32 if t.name.ends_with("weight_scale_inv") => {
             let pow2 = spec.fp8 == Some(Fp8Scales::PowerOfTwo);
             for _ in 0..numel {
-                let e = -(rng.gen_range(8..13) as i32) as f32;
+                let e = -rng.gen_range(8i32..13) as f32;
                 let m = if pow2 { 1.0 } else { 1.0 + rng.gen::<f32>() };
                 out.extend_from_slice(&(e.exp2() * m).to_le_bytes());
             }

@@ -53,9 +53,8 @@ pub fn header_bytes(specs: &[TensorSpec], metadata: &BTreeMap<String, String>) -
         off += n;
     }
     let mut text = serde_json::to_vec(&Value::Object(obj)).expect("header serializes");
-    while (8 + text.len()) % 8 != 0 {
-        text.push(b' ');
-    }
+    // 8 + len must be a multiple of 8 so the data section is 8-byte aligned.
+    text.resize(text.len().next_multiple_of(8), b' ');
     let mut out = Vec::with_capacity(8 + text.len());
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(&text);
