@@ -1,0 +1,313 @@
+//! Batched decode with per-sequence KV caches, and seeded sampling.
+
+use crate::error::{ModelError, Result};
+use crate::model::{KvCache, Model, Pass, RoutingTrace};
+use mxrl_tensor::loss::logprobs_forward;
+use mxrl_tensor::routing::Routes;
+use mxrl_tensor::SeqLayout;
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings of [`Model::generate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` means greedy (argmax, lowest id among ties).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose probability mass
+    /// reaches `top_p` (`1.0` = off).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (`0` = off).
+    pub top_k: usize,
+    /// Seed; prompt `i` of a call samples from ChaCha8 seeded with `seed + i`, so a sequence's
+    /// samples do not depend on its batch-mates.
+    pub seed: u64,
+    /// Maximum number of new tokens per sequence.
+    pub max_new_tokens: usize,
+    /// Generation of a sequence ends after it samples one of these tokens.
+    pub stop_tokens: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            max_new_tokens: 16,
+            stop_tokens: Vec::new(),
+        }
+    }
+}
+
+/// Result of [`Model::prefill`].
+#[derive(Clone, Debug)]
+pub struct Prefilled {
+    /// One filled cache per prompt.
+    pub caches: Vec<KvCache>,
+    /// Logits `[V]` at the last position of each prompt.
+    pub last_logits: Vec<Vec<f32>>,
+    /// Routing of each prompt's tokens.
+    pub routing: Vec<RoutingTrace>,
+}
+
+/// Result of [`Model::decode_step`].
+#[derive(Clone, Debug)]
+pub struct DecodeStep {
+    /// Logits `[V]` per row.
+    pub logits: Vec<Vec<f32>>,
+    /// Per layer, the routes of the new tokens (`[rows, k]`; `None` for dense layers).
+    pub routes: Vec<Option<Routes>>,
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was sampled (it is included in `tokens`).
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// One generated sequence.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The new tokens.
+    pub tokens: Vec<u32>,
+    /// `log softmax(logits / temperature)[token]` of each new token under the full (not top-k /
+    /// top-p truncated) distribution at the sampling temperature (temperature 1 when greedy) —
+    /// the quantity the trainer recomputes with [`crate::ForwardOptions::temperature`].
+    pub logprobs: Vec<f32>,
+    /// Routing of every token the model consumed: the prompt followed by all new tokens but
+    /// the last, i.e. exactly the inputs of [`crate::SeqInput::next_token`] over
+    /// `prompt ++ tokens`, so it can be replayed in the training forward.
+    pub routing: RoutingTrace,
+    /// Why generation stopped.
+    pub finish: FinishReason,
+}
+
+/// Picks a token from one row of logits; returns `(token, logprob)` as documented on
+/// [`Generation::logprobs`].
+pub fn sample_token(logits: &[f32], sp: &SamplingParams, rng: &mut impl Rng) -> (u32, f32) {
+    let v = logits.len();
+    if sp.temperature == 0.0 {
+        let mut best = 0;
+        for i in 1..v {
+            if logits[i] > logits[best] {
+                best = i;
+            }
+        }
+        let (lp, _) = logprobs_forward(logits, &[best as u32], 1, v, 1.0);
+        return (best as u32, lp[0]);
+    }
+    let inv_t = 1.0 / sp.temperature;
+    let m = logits
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b * inv_t));
+    let p: Vec<f32> = logits.iter().map(|&z| (z * inv_t - m).exp()).collect();
+    let mut order: Vec<usize> = (0..v).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let mut keep = if sp.top_k > 0 { sp.top_k.min(v) } else { v };
+    if sp.top_p < 1.0 {
+        let total: f64 = p.iter().map(|&x| x as f64).sum();
+        let mut acc = 0.0f64;
+        for (i, &idx) in order.iter().enumerate().take(keep) {
+            acc += p[idx] as f64;
+            if acc >= sp.top_p as f64 * total {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    let kept = &order[..keep.max(1)];
+    let mass: f64 = kept.iter().map(|&i| p[i] as f64).sum();
+    let mut u = rng.gen::<f64>() * mass;
+    let mut tok = kept[kept.len() - 1];
+    for &i in kept {
+        u -= p[i] as f64;
+        if u < 0.0 {
+            tok = i;
+            break;
+        }
+    }
+    let (lp, _) = logprobs_forward(logits, &[tok as u32], 1, v, sp.temperature);
+    (tok as u32, lp[0])
+}
+
+fn append_routes(
+    trace: &mut RoutingTrace,
+    layer_routes: &[Option<Routes>],
+    row0: usize,
+    rows: usize,
+) {
+    for (dst, src) in trace.layers.iter_mut().zip(layer_routes) {
+        if let (Some(d), Some(s)) = (dst.as_mut(), src.as_ref()) {
+            let k = s.top_k;
+            d.ids.extend_from_slice(&s.ids[row0 * k..(row0 + rows) * k]);
+            d.weights
+                .extend_from_slice(&s.weights[row0 * k..(row0 + rows) * k]);
+        }
+    }
+}
+
+impl Model {
+    fn empty_trace(&self) -> RoutingTrace {
+        let c = self.config();
+        RoutingTrace {
+            layers: (0..c.num_layers)
+                .map(|l| {
+                    c.is_moe_layer(l).then(|| Routes {
+                        top_k: c.num_experts_per_tok,
+                        ids: Vec::new(),
+                        weights: Vec::new(),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Runs the prompts through the model, filling one fresh [`KvCache`] per prompt.
+    pub fn prefill(&self, prompts: &[&[u32]]) -> Result<Prefilled> {
+        let c = self.config();
+        let mut tokens = Vec::new();
+        let mut lens = Vec::new();
+        for (b, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(ModelError::Input(format!("prompt {b} is empty")));
+            }
+            self.check_tokens(p, &format!("prompt {b}"))?;
+            tokens.extend_from_slice(p);
+            lens.push(p.len());
+        }
+        let layout = SeqLayout::new(&lens);
+        let mut caches = vec![KvCache::new(c.num_layers); prompts.len()];
+        let trunk = self.trunk(
+            &tokens,
+            &layout.positions(),
+            Pass::Prefill {
+                layout: &layout,
+                caches: Some(&mut caches),
+            },
+            None,
+            false,
+        );
+        let h = c.hidden_size;
+        let mut last_h = Vec::with_capacity(prompts.len() * h);
+        for b in 0..prompts.len() {
+            let r = layout.offset(b) + layout.len(b) - 1;
+            last_h.extend_from_slice(&trunk.h_final[r * h..(r + 1) * h]);
+        }
+        let logits = self.lm_head(&last_h, prompts.len());
+        let v = c.vocab_size;
+        let rows = logits.chunks(v).map(|r| r.to_vec()).collect();
+        let traces = (0..prompts.len())
+            .map(|b| {
+                let mut t = self.empty_trace();
+                append_routes(&mut t, &trunk.routes, layout.offset(b), layout.len(b));
+                t
+            })
+            .collect();
+        Ok(Prefilled {
+            caches,
+            last_logits: rows,
+            routing: traces,
+        })
+    }
+
+    /// One decode step: token `tokens[r]` is appended to `caches[r]` (at position
+    /// `caches[r].len()`).
+    pub fn decode_step(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<DecodeStep> {
+        if tokens.len() != caches.len() {
+            return Err(ModelError::Input(format!(
+                "decode_step: {} tokens for {} caches",
+                tokens.len(),
+                caches.len()
+            )));
+        }
+        self.check_tokens(tokens, "decode tokens")?;
+        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let trunk = self.trunk(tokens, &positions, Pass::Decode { caches }, None, false);
+        let logits = self.lm_head(&trunk.h_final, tokens.len());
+        let v = self.config().vocab_size;
+        Ok(DecodeStep {
+            logits: logits.chunks(v).map(|r| r.to_vec()).collect(),
+            routes: trunk.routes,
+        })
+    }
+
+    /// Samples continuations of a batch of prompts with batched decode (all unfinished
+    /// sequences advance together, each against its own KV cache).
+    pub fn generate(&self, prompts: &[&[u32]], sp: &SamplingParams) -> Result<Vec<Generation>> {
+        if !(sp.temperature >= 0.0 && sp.temperature.is_finite()) {
+            return Err(ModelError::Input(format!(
+                "temperature {} must be ≥ 0",
+                sp.temperature
+            )));
+        }
+        if !(sp.top_p > 0.0 && sp.top_p <= 1.0) {
+            return Err(ModelError::Input(format!(
+                "top_p {} must be in (0, 1]",
+                sp.top_p
+            )));
+        }
+        let Prefilled {
+            mut caches,
+            last_logits: mut logits,
+            routing: mut traces,
+        } = self.prefill(prompts)?;
+        let b = prompts.len();
+        let mut rngs: Vec<rand_chacha::ChaCha8Rng> = (0..b)
+            .map(|i| rand_chacha::ChaCha8Rng::seed_from_u64(sp.seed.wrapping_add(i as u64)))
+            .collect();
+        let mut out: Vec<(Vec<u32>, Vec<f32>, Option<FinishReason>)> =
+            vec![(Vec::new(), Vec::new(), None); b];
+        let mut active: Vec<usize> = (0..b).collect();
+        if sp.max_new_tokens == 0 {
+            for o in out.iter_mut() {
+                o.2 = Some(FinishReason::Length);
+            }
+            active.clear();
+        }
+        // logits[j] belongs to active[j]
+        while !active.is_empty() {
+            let mut next_active = Vec::new();
+            let mut feed = Vec::new();
+            for (j, &i) in active.iter().enumerate() {
+                let (tok, lp) = sample_token(&logits[j], sp, &mut rngs[i]);
+                out[i].0.push(tok);
+                out[i].1.push(lp);
+                if sp.stop_tokens.contains(&tok) {
+                    out[i].2 = Some(FinishReason::Stop);
+                } else if out[i].0.len() >= sp.max_new_tokens {
+                    out[i].2 = Some(FinishReason::Length);
+                } else {
+                    next_active.push(i);
+                    feed.push(tok);
+                }
+            }
+            if next_active.is_empty() {
+                break;
+            }
+            let mut step_caches: Vec<KvCache> = next_active
+                .iter()
+                .map(|&i| std::mem::replace(&mut caches[i], KvCache::new(0)))
+                .collect();
+            let DecodeStep { logits: lg, routes } = self.decode_step(&feed, &mut step_caches)?;
+            for (j, (&i, c)) in next_active.iter().zip(step_caches).enumerate() {
+                caches[i] = c;
+                append_routes(&mut traces[i], &routes, j, 1);
+            }
+            logits = lg;
+            active = next_active;
+        }
+        Ok(out
+            .into_iter()
+            .zip(traces)
+            .map(|((tokens, logprobs, fin), routing)| Generation {
+                tokens,
+                logprobs,
+                routing,
+                finish: fin.expect("every sequence finishes"),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,1293 @@
+//! The MoE transformer: structure, random init, forward (prefill / decode) and backward.
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::linear::{Linear, LinearPrecision, Prepared};
+use crate::params::{Grads, NormalRng, ParamId, ParamStore, TensorRole};
+use mxrl_tensor::activation::{sigmoid, swiglu_backward, swiglu_forward};
+use mxrl_tensor::attention::{
+    attention_backward, attention_decode, attention_forward, AttnProbs, AttnShape,
+};
+use mxrl_tensor::loss::{logprobs_backward, logprobs_forward};
+use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
+use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
+use mxrl_tensor::rope::{rope_backward, rope_forward, RopeTable};
+use mxrl_tensor::routing::{
+    load_balancing_loss, router_backward, router_forward, RouteMode, RouterState, Routes,
+};
+use mxrl_tensor::SeqLayout;
+use std::ops::{Deref, DerefMut};
+
+#[derive(Clone, Debug)]
+struct Mlp {
+    gate_up: Linear,
+    down: Linear,
+    inter: usize,
+}
+
+#[derive(Clone, Debug)]
+struct SharedExpert {
+    mlp: Mlp,
+    gate: Linear,
+}
+
+#[derive(Clone, Debug)]
+enum Ffn {
+    Dense(Mlp),
+    Moe {
+        router: Linear,
+        experts: Vec<Mlp>,
+        shared: Option<SharedExpert>,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Layer {
+    ln1: ParamId,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<ParamId>,
+    k_norm: Option<ParamId>,
+    ln2: ParamId,
+    ffn: Ffn,
+}
+
+/// Replay input of one layer for the packed batch: ids and weights `[N, k]` (`None`: dense).
+pub(crate) type PackedRoutes = Option<(Vec<u32>, Vec<f32>)>;
+
+/// Routing decisions of one sequence: for every decoder layer, the [`Routes`] of the sequence's
+/// tokens (`None` for dense layers). Expert ids **and** combine weights, in slot order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingTrace {
+    /// One entry per decoder layer.
+    pub layers: Vec<Option<Routes>>,
+}
+
+impl RoutingTrace {
+    /// Number of tokens covered (0 for a model without MoE layers).
+    pub fn num_tokens(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|r| r.num_tokens())
+            .next()
+            .unwrap_or(0)
+    }
+}
+
+/// How the training forward replays captured routing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayKind {
+    /// Replay expert ids; recompute combine weights from the current router (router trains).
+    Ids,
+    /// Replay expert ids and combine weights verbatim (full-decision replay).
+    Full,
+}
+
+/// One sequence of a forward batch: input tokens and, per input position, the target token
+/// whose logprob is wanted (`targets[t]` is usually `tokens[t+1]`).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// Input token ids `[T]`.
+    pub tokens: &'a [u32],
+    /// Target token ids `[T]`.
+    pub targets: &'a [u32],
+}
+
+impl<'a> SeqInput<'a> {
+    /// Next-token form of a full sequence `s`: tokens `s[..T-1]`, targets `s[1..]`.
+    pub fn next_token(seq: &'a [u32]) -> Self {
+        let t = seq.len().saturating_sub(1);
+        SeqInput {
+            tokens: &seq[..t],
+            targets: &seq[seq.len() - t..],
+        }
+    }
+}
+
+/// Options of [`Model::forward`].
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardOptions<'a> {
+    /// Logprobs are of `softmax(logits / temperature)` (1.0: the model's distribution).
+    pub temperature: f32,
+    /// Also return the logits `[T, V]` of every sequence.
+    pub return_logits: bool,
+    /// Keep what backward needs (the returned [`Tape`]).
+    pub train: bool,
+    /// Replay the given routing (one trace per sequence, covering all of its tokens).
+    pub replay: Option<(&'a [RoutingTrace], ReplayKind)>,
+}
+
+impl Default for ForwardOptions<'_> {
+    fn default() -> Self {
+        ForwardOptions {
+            temperature: 1.0,
+            return_logits: false,
+            train: false,
+            replay: None,
+        }
+    }
+}
+
+/// Result of [`Model::forward`].
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// Per sequence, `log p(targets[t] | tokens[..=t])` `[T]`.
+    pub logprobs: Vec<Vec<f32>>,
+    /// Per sequence, logits `[T, V]` row-major (when asked for).
+    pub logits: Option<Vec<Vec<f32>>>,
+    /// Per sequence, the routing used.
+    pub routing: Vec<RoutingTrace>,
+    /// Auxiliary load-balancing loss over all MoE layers and tokens (`None` without MoE layers).
+    pub aux_loss: Option<f32>,
+    /// Saved activations for [`Model::backward`] (when `train`).
+    pub tape: Option<Tape>,
+}
+
+struct MlpTape {
+    x: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    y: Vec<f32>,
+}
+
+enum FfnTape {
+    Dense(MlpTape),
+    Moe {
+        routes: Routes,
+        state: RouterState,
+        dispatch: Dispatch,
+        experts: Vec<MlpTape>,
+        shared: Option<(MlpTape, Vec<f32>)>,
+    },
+}
+
+pub(crate) struct LayerTape {
+    x_in: Vec<f32>,
+    rstd1: Vec<f32>,
+    h1: Vec<f32>,
+    q_pre: Vec<f32>,
+    rstd_q: Vec<f32>,
+    k_pre: Vec<f32>,
+    rstd_k: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: AttnProbs,
+    att: Vec<f32>,
+    x_mid: Vec<f32>,
+    rstd2: Vec<f32>,
+    h2: Vec<f32>,
+    ffn: FfnTape,
+}
+
+/// Activations saved by a training forward, consumed by [`Model::backward`].
+pub struct Tape {
+    layout: SeqLayout,
+    tokens: Vec<u32>,
+    targets: Vec<u32>,
+    temperature: f32,
+    rope: RopeTable,
+    layers: Vec<LayerTape>,
+    x_final: Vec<f32>,
+    rstd_final: Vec<f32>,
+    h_final: Vec<f32>,
+    logits: Vec<f32>,
+    lse: Vec<f32>,
+    version: u64,
+}
+
+impl std::fmt::Debug for Tape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tape({} tokens)", self.tokens.len())
+    }
+}
+
+/// Per-sequence key/value cache: for every layer, keys and values `[len, Hkv·D]` (f32).
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for a model with `num_layers` layers.
+    pub fn new(num_layers: usize) -> Self {
+        KvCache {
+            k: vec![Vec::new(); num_layers],
+            v: vec![Vec::new(); num_layers],
+            len: 0,
+        }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Attention mode of one pass.
+pub(crate) enum Pass<'a> {
+    /// Causal attention inside each packed sequence from position 0; optionally fills caches.
+    Prefill {
+        layout: &'a SeqLayout,
+        caches: Option<&'a mut [KvCache]>,
+    },
+    /// One new token per cache (row `r` belongs to `caches[r]`).
+    Decode { caches: &'a mut [KvCache] },
+}
+
+/// Result of the shared trunk pass.
+pub(crate) struct TrunkOut {
+    pub h_final: Vec<f32>,
+    pub routes: Vec<Option<Routes>>,
+    pub probs: Vec<Option<Vec<f32>>>,
+    pub layers: Vec<LayerTape>,
+    pub x_final: Vec<f32>,
+    pub rstd_final: Vec<f32>,
+    pub rope: RopeTable,
+}
+
+/// A Qwen3-MoE / Qwen2-MoE causal language model on the CPU backend.
+///
+/// Parameters are f32 master weights in a [`ParamStore`]; each linear layer multiplies a
+/// prepared copy chosen by its [`LinearPrecision`] (rebuilt when the parameters change through
+/// [`Model::params_mut`]).
+#[derive(Clone, Debug)]
+pub struct Model {
+    config: ModelConfig,
+    params: ParamStore,
+    embed: ParamId,
+    lm_head: ParamId,
+    norm: ParamId,
+    layers: Vec<Layer>,
+    precision: Vec<Option<LinearPrecision>>,
+    prepared: Vec<Prepared>,
+    version: u64,
+}
+
+/// Mutable access to a model's parameters; when dropped, the model rebuilds the prepared
+/// (rounded / quantized) weights from the new master values and bumps its weight version.
+pub struct ParamsMut<'a> {
+    model: &'a mut Model,
+}
+
+impl Deref for ParamsMut<'_> {
+    type Target = ParamStore;
+    fn deref(&self) -> &ParamStore {
+        &self.model.params
+    }
+}
+
+impl DerefMut for ParamsMut<'_> {
+    fn deref_mut(&mut self) -> &mut ParamStore {
+        &mut self.model.params
+    }
+}
+
+impl Drop for ParamsMut<'_> {
+    fn drop(&mut self) {
+        self.model.prepare();
+        self.model.version += 1;
+    }
+}
+
+impl Model {
+    /// Builds the parameter layout of `config` with all values zero.
+    pub fn zeros(config: &ModelConfig) -> Result<Self> {
+        config.validate()?;
+        let c = config;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let mut ps = ParamStore::default();
+        let embed = ps.push(
+            "model.embed_tokens.weight".into(),
+            vec![c.vocab_size, h],
+            TensorRole::Embedding,
+            None,
+        );
+        let mut precision_default = Vec::new();
+        let mut lin = |ps: &mut ParamStore,
+                       name: String,
+                       n: usize,
+                       k: usize,
+                       bias: bool,
+                       role: TensorRole,
+                       layer: usize| {
+            let w = ps.push(format!("{name}.weight"), vec![n, k], role, Some(layer));
+            precision_default.push(w);
+            let b = bias.then(|| {
+                ps.push(
+                    format!("{name}.bias"),
+                    vec![n],
+                    TensorRole::Bias,
+                    Some(layer),
+                )
+            });
+            Linear { w, b, n, k }
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let ln1 = ps.push(
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                TensorRole::Norm,
+                Some(l),
+            );
+            let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+            let a = TensorRole::Attention;
+            let q = lin(
+                &mut ps,
+                format!("{p}.self_attn.q_proj"),
+                qd,
+                h,
+                c.qkv_bias,
+                a,
+                l,
+            );
+            let k = lin(
+                &mut ps,
+                format!("{p}.self_attn.k_proj"),
+                kvd,
+                h,
+                c.qkv_bias,
+                a,
+                l,
+            );
+            let v = lin(
+                &mut ps,
+                format!("{p}.self_attn.v_proj"),
+                kvd,
+                h,
+                c.qkv_bias,
+                a,
+                l,
+            );
+            let o = lin(&mut ps, format!("{p}.self_attn.o_proj"), h, qd, false, a, l);
+            let (q_norm, k_norm) = match c.arch {
+                Arch::Qwen3Moe => (
+                    Some(ps.push(
+                        format!("{p}.self_attn.q_norm.weight"),
+                        vec![d],
+                        TensorRole::Norm,
+                        Some(l),
+                    )),
+                    Some(ps.push(
+                        format!("{p}.self_attn.k_norm.weight"),
+                        vec![d],
+                        TensorRole::Norm,
+                        Some(l),
+                    )),
+                ),
+                Arch::Qwen2Moe => (None, None),
+            };
+            let ln2 = ps.push(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                TensorRole::Norm,
+                Some(l),
+            );
+            let mut mlp = |ps: &mut ParamStore, name: String, inter: usize, role| Mlp {
+                gate_up: lin(
+                    ps,
+                    format!("{name}.gate_up_proj"),
+                    2 * inter,
+                    h,
+                    false,
+                    role,
+                    l,
+                ),
+                down: lin(ps, format!("{name}.down_proj"), h, inter, false, role, l),
+                inter,
+            };
+            let ffn = if c.is_moe_layer(l) {
+                let router = Linear {
+                    w: ps.push(
+                        format!("{p}.mlp.gate.weight"),
+                        vec![c.num_experts, h],
+                        TensorRole::Router,
+                        Some(l),
+                    ),
+                    b: None,
+                    n: c.num_experts,
+                    k: h,
+                };
+                let experts = (0..c.num_experts)
+                    .map(|e| {
+                        mlp(
+                            &mut ps,
+                            format!("{p}.mlp.experts.{e}"),
+                            c.moe_intermediate_size,
+                            TensorRole::Expert,
+                        )
+                    })
+                    .collect();
+                let shared = (c.shared_expert_intermediate_size > 0).then(|| {
+                    let m = mlp(
+                        &mut ps,
+                        format!("{p}.mlp.shared_expert"),
+                        c.shared_expert_intermediate_size,
+                        TensorRole::SharedExpert,
+                    );
+                    let gate = Linear {
+                        w: ps.push(
+                            format!("{p}.mlp.shared_expert_gate.weight"),
+                            vec![1, h],
+                            TensorRole::SharedExpertGate,
+                            Some(l),
+                        ),
+                        b: None,
+                        n: 1,
+                        k: h,
+                    };
+                    SharedExpert { mlp: m, gate }
+                });
+                Ffn::Moe {
+                    router,
+                    experts,
+                    shared,
+                }
+            } else {
+                Ffn::Dense(mlp(
+                    &mut ps,
+                    format!("{p}.mlp"),
+                    c.intermediate_size,
+                    TensorRole::DenseMlp,
+                ))
+            };
+            layers.push(Layer {
+                ln1,
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+                ln2,
+                ffn,
+            });
+        }
+        let norm = ps.push("model.norm.weight".into(), vec![h], TensorRole::Norm, None);
+        let lm_head = if c.tie_word_embeddings {
+            embed
+        } else {
+            ps.push(
+                "lm_head.weight".into(),
+                vec![c.vocab_size, h],
+                TensorRole::LmHead,
+                None,
+            )
+        };
+        let mut precision = vec![None; ps.len()];
+        for w in precision_default {
+            precision[w] = Some(LinearPrecision::F32);
+        }
+        // Router, shared-expert gate and lm_head are linears too.
+        for layer in &layers {
+            if let Ffn::Moe { router, shared, .. } = &layer.ffn {
+                precision[router.w] = Some(LinearPrecision::F32);
+                if let Some(s) = shared {
+                    precision[s.gate.w] = Some(LinearPrecision::F32);
+                }
+            }
+        }
+        precision[lm_head] = Some(LinearPrecision::F32);
+        let mut m = Model {
+            config: config.clone(),
+            params: ps,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            precision,
+            prepared: Vec::new(),
+            version: 0,
+        };
+        m.prepare();
+        Ok(m)
+    }
+
+    /// Random initialization from a seed (HF `_init_weights`: linear and embedding weights
+    /// `N(0, initializer_range²)`, norms 1, biases 0). Same seed → same bytes.
+    pub fn random(config: &ModelConfig, seed: u64) -> Result<Self> {
+        let mut m = Model::zeros(config)?;
+        let std = config.initializer_range as f64;
+        let mut rng = NormalRng::new(seed);
+        {
+            let mut ps = m.params_mut();
+            for p in ps.iter_mut() {
+                match p.role {
+                    TensorRole::Norm => p.data.fill(1.0),
+                    TensorRole::Bias => p.data.fill(0.0),
+                    _ => {
+                        for x in p.data.iter_mut() {
+                            *x = (rng.sample() * std) as f32;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(m)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// All parameters by name (for optimizers, export and weight sync).
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Mutable parameters; prepared weights are rebuilt when the guard is dropped.
+    pub fn params_mut(&mut self) -> ParamsMut<'_> {
+        ParamsMut { model: self }
+    }
+
+    /// Weight version: incremented every time [`Model::params_mut`] is released.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Names of every linear-layer weight (the tensors a precision plan decides on), with
+    /// their current GEMM precision.
+    pub fn linear_precisions(&self) -> Vec<(&str, LinearPrecision)> {
+        self.precision
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.map(|p| (self.params.get(i).name.as_str(), p)))
+            .collect()
+    }
+
+    /// Sets the GEMM precision of the linear whose weight is named `name`.
+    pub fn set_precision(&mut self, name: &str, prec: LinearPrecision) -> Result<()> {
+        let id = self
+            .params
+            .id(name)
+            .filter(|&i| self.precision[i].is_some())
+            .ok_or_else(|| ModelError::BadTensor {
+                name: name.into(),
+                message: "not a linear-layer weight of this model".into(),
+            })?;
+        self.precision[id] = Some(prec);
+        self.prepared[id] = Prepared::build(prec, self.params.data(id));
+        Ok(())
+    }
+
+    /// Sets every linear's precision by a rule on (weight name, role).
+    pub fn set_precision_by(&mut self, rule: impl Fn(&str, TensorRole) -> LinearPrecision) {
+        for i in 0..self.params.len() {
+            if self.precision[i].is_some() {
+                let p = self.params.get(i);
+                self.precision[i] = Some(rule(&p.name, p.role));
+            }
+        }
+        self.prepare();
+    }
+
+    fn prepare(&mut self) {
+        self.prepared = (0..self.params.len())
+            .map(|i| match self.precision[i] {
+                Some(p) => Prepared::build(p, self.params.data(i)),
+                None => Prepared::Master,
+            })
+            .collect();
+    }
+
+    fn lin_fwd(&self, l: &Linear, x: &[f32], m: usize) -> Vec<f32> {
+        let prec = self.precision[l.w].expect("linear weight has a precision");
+        l.forward(&self.params, &self.prepared[l.w], prec, x, m)
+    }
+
+    fn lin_bwd(&self, l: &Linear, x: &[f32], dy: &[f32], m: usize, g: &mut Grads) -> Vec<f32> {
+        let prec = self.precision[l.w].expect("linear weight has a precision");
+        l.backward(&self.params, &self.prepared[l.w], prec, x, dy, m, g)
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            q_heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    pub(crate) fn check_tokens(&self, tokens: &[u32], what: &str) -> Result<()> {
+        let v = self.config.vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
+            return Err(ModelError::Input(format!(
+                "{what}: token id {t} ≥ vocab_size {v}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn mlp_forward(&self, mlp: &Mlp, x: Vec<f32>, m: usize) -> MlpTape {
+        let gu = self.lin_fwd(&mlp.gate_up, &x, m);
+        let mut act = vec![0.0; m * mlp.inter];
+        swiglu_forward(&gu, m, mlp.inter, &mut act);
+        let y = self.lin_fwd(&mlp.down, &act, m);
+        MlpTape { x, gu, act, y }
+    }
+
+    fn mlp_backward(
+        &self,
+        mlp: &Mlp,
+        t: &MlpTape,
+        dy: &[f32],
+        m: usize,
+        g: &mut Grads,
+    ) -> Vec<f32> {
+        let dact = self.lin_bwd(&mlp.down, &t.act, dy, m, g);
+        let mut dgu = vec![0.0; m * 2 * mlp.inter];
+        swiglu_backward(&dact, &t.gu, m, mlp.inter, &mut dgu);
+        self.lin_bwd(&mlp.gate_up, &t.x, &dgu, m, g)
+    }
+
+    /// The decoder trunk over `n` packed rows: embeddings → layers → final norm.
+    /// `replay[l]`: routing to replay for layer `l` (packed `[n, k]`).
+    pub(crate) fn trunk(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        mut pass: Pass<'_>,
+        replay: Option<(&[PackedRoutes], ReplayKind)>,
+        keep: bool,
+    ) -> TrunkOut {
+        let c = &self.config;
+        let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
+        let (hq, hkv) = (c.num_heads, c.num_kv_heads);
+        let emb = self.params.data(self.embed);
+        let mut x = Vec::with_capacity(n * h);
+        for &t in tokens {
+            x.extend_from_slice(&emb[t as usize * h..(t as usize + 1) * h]);
+        }
+        let rope = RopeTable::new(positions, d, c.rope_theta);
+        let shape = self.attn_shape();
+        let mut routes_out = Vec::with_capacity(c.num_layers);
+        let mut probs_out = Vec::with_capacity(c.num_layers);
+        let mut tapes = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut h1 = vec![0.0; n * h];
+            let mut rstd1 = vec![0.0; n];
+            rmsnorm_forward(
+                &x,
+                self.params.data(layer.ln1),
+                n,
+                h,
+                c.rms_norm_eps,
+                &mut h1,
+                &mut rstd1,
+            );
+            let q_pre = self.lin_fwd(&layer.q, &h1, n);
+            let k_pre = self.lin_fwd(&layer.k, &h1, n);
+            let v = self.lin_fwd(&layer.v, &h1, n);
+            let (mut q, mut k) = (q_pre.clone(), k_pre.clone());
+            let mut rstd_q = Vec::new();
+            let mut rstd_k = Vec::new();
+            if let (Some(qn), Some(kn)) = (layer.q_norm, layer.k_norm) {
+                rstd_q = vec![0.0; n * hq];
+                rstd_k = vec![0.0; n * hkv];
+                rmsnorm_forward(
+                    &q_pre,
+                    self.params.data(qn),
+                    n * hq,
+                    d,
+                    c.rms_norm_eps,
+                    &mut q,
+                    &mut rstd_q,
+                );
+                rmsnorm_forward(
+                    &k_pre,
+                    self.params.data(kn),
+                    n * hkv,
+                    d,
+                    c.rms_norm_eps,
+                    &mut k,
+                    &mut rstd_k,
+                );
+            }
+            rope_forward(&mut q, n, hq, &rope);
+            rope_forward(&mut k, n, hkv, &rope);
+            let mut att = vec![0.0; n * hq * d];
+            let kvs = hkv * d;
+            let probs = match &mut pass {
+                Pass::Prefill { layout, caches } => {
+                    if let Some(caches) = caches {
+                        for (b, cache) in caches.iter_mut().enumerate() {
+                            let (o, len) = (layout.offset(b), layout.len(b));
+                            cache.k[li].extend_from_slice(&k[o * kvs..(o + len) * kvs]);
+                            cache.v[li].extend_from_slice(&v[o * kvs..(o + len) * kvs]);
+                        }
+                    }
+                    attention_forward(&q, &k, &v, layout, shape, &mut att)
+                }
+                Pass::Decode { caches } => {
+                    let mut scratch = Vec::new();
+                    for (r, cache) in caches.iter_mut().enumerate() {
+                        cache.k[li].extend_from_slice(&k[r * kvs..(r + 1) * kvs]);
+                        cache.v[li].extend_from_slice(&v[r * kvs..(r + 1) * kvs]);
+                        let len = cache.k[li].len() / kvs;
+                        scratch.resize(len, 0.0);
+                        attention_decode(
+                            &q[r * hq * d..(r + 1) * hq * d],
+                            &cache.k[li],
+                            &cache.v[li],
+                            len,
+                            shape,
+                            &mut scratch,
+                            &mut att[r * hq * d..(r + 1) * hq * d],
+                        );
+                    }
+                    AttnProbs::default()
+                }
+            };
+            let o = self.lin_fwd(&layer.o, &att, n);
+            let x_in = if keep { x.clone() } else { Vec::new() };
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let mut h2 = vec![0.0; n * h];
+            let mut rstd2 = vec![0.0; n];
+            rmsnorm_forward(
+                &x,
+                self.params.data(layer.ln2),
+                n,
+                h,
+                c.rms_norm_eps,
+                &mut h2,
+                &mut rstd2,
+            );
+            let x_mid = if keep { x.clone() } else { Vec::new() };
+            let (ffn_out, ffn_tape, lr, lp) = match &layer.ffn {
+                Ffn::Dense(mlp) => {
+                    let t = self.mlp_forward(mlp, h2.clone(), n);
+                    (t.y.clone(), FfnTape::Dense(t), None, None)
+                }
+                Ffn::Moe {
+                    router,
+                    experts,
+                    shared,
+                } => {
+                    let e = c.num_experts;
+                    let logits = self.lin_fwd(router, &h2, n);
+                    let mode = match replay.and_then(|(r, kind)| r[li].as_ref().map(|x| (x, kind)))
+                    {
+                        Some(((ids, _), ReplayKind::Ids)) => RouteMode::ReplayIds(ids),
+                        Some(((ids, w), ReplayKind::Full)) => RouteMode::ReplayFull(ids, w),
+                        None => RouteMode::Compute,
+                    };
+                    let (routes, state) = router_forward(
+                        &logits,
+                        n,
+                        e,
+                        c.num_experts_per_tok,
+                        c.norm_topk_prob,
+                        mode,
+                    );
+                    let dispatch = Dispatch::new(&routes, e);
+                    let mut out = vec![0.0f32; n * h];
+                    let mut etapes = Vec::with_capacity(e);
+                    for (ei, mlp) in experts.iter().enumerate() {
+                        let rows = dispatch.rows(ei);
+                        let xe = gather(&h2, h, rows);
+                        let t = self.mlp_forward(mlp, xe, rows.len());
+                        combine_forward(&t.y, h, rows, &routes, &mut out);
+                        etapes.push(t);
+                    }
+                    let shared_tape = shared.as_ref().map(|s| {
+                        let t = self.mlp_forward(&s.mlp, h2.clone(), n);
+                        let gl = self.lin_fwd(&s.gate, &h2, n);
+                        for (r, row) in out.chunks_mut(h).enumerate() {
+                            let g = sigmoid(gl[r]);
+                            for (a, &b) in row.iter_mut().zip(&t.y[r * h..(r + 1) * h]) {
+                                *a += g * b;
+                            }
+                        }
+                        (t, gl)
+                    });
+                    let probs = state.probs.clone();
+                    let r2 = routes.clone();
+                    (
+                        out,
+                        FfnTape::Moe {
+                            routes,
+                            state,
+                            dispatch,
+                            experts: etapes,
+                            shared: shared_tape,
+                        },
+                        Some(r2),
+                        Some(probs),
+                    )
+                }
+            };
+            for (a, b) in x.iter_mut().zip(&ffn_out) {
+                *a += b;
+            }
+            routes_out.push(lr);
+            probs_out.push(lp);
+            if keep {
+                tapes.push(LayerTape {
+                    x_in,
+                    rstd1,
+                    h1,
+                    q_pre,
+                    rstd_q,
+                    k_pre,
+                    rstd_k,
+                    q,
+                    k,
+                    v,
+                    probs,
+                    att,
+                    x_mid,
+                    rstd2,
+                    h2,
+                    ffn: ffn_tape,
+                });
+            }
+        }
+        if let Pass::Prefill {
+            layout,
+            caches: Some(caches),
+        } = &mut pass
+        {
+            for (b, cache) in caches.iter_mut().enumerate() {
+                cache.len += layout.len(b);
+            }
+        }
+        if let Pass::Decode { caches } = &mut pass {
+            for cache in caches.iter_mut() {
+                cache.len += 1;
+            }
+        }
+        let mut hf = vec![0.0; n * h];
+        let mut rstd_final = vec![0.0; n];
+        rmsnorm_forward(
+            &x,
+            self.params.data(self.norm),
+            n,
+            h,
+            c.rms_norm_eps,
+            &mut hf,
+            &mut rstd_final,
+        );
+        TrunkOut {
+            h_final: hf,
+            routes: routes_out,
+            probs: probs_out,
+            layers: tapes,
+            x_final: if keep { x } else { Vec::new() },
+            rstd_final,
+            rope,
+        }
+    }
+
+    /// Logits `[n, V]` from final hidden states `[n, H]`.
+    pub(crate) fn lm_head(&self, hf: &[f32], n: usize) -> Vec<f32> {
+        let l = Linear {
+            w: self.lm_head,
+            b: None,
+            n: self.config.vocab_size,
+            k: self.config.hidden_size,
+        };
+        self.lin_fwd(&l, hf, n)
+    }
+
+    /// Forward over a batch of variable-length sequences: per-token logprobs of the given
+    /// targets, optionally logits, the routing used, the auxiliary loss and (when
+    /// `opts.train`) the tape for [`Model::backward`].
+    pub fn forward(
+        &self,
+        batch: &[SeqInput<'_>],
+        opts: &ForwardOptions<'_>,
+    ) -> Result<ForwardOutput> {
+        let c = &self.config;
+        if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
+            return Err(ModelError::Input(format!(
+                "temperature {} must be positive and finite",
+                opts.temperature
+            )));
+        }
+        let mut tokens = Vec::new();
+        let mut targets = Vec::new();
+        let mut lens = Vec::new();
+        for (b, s) in batch.iter().enumerate() {
+            if s.tokens.len() != s.targets.len() {
+                return Err(ModelError::Input(format!(
+                    "sequence {b}: {} tokens but {} targets",
+                    s.tokens.len(),
+                    s.targets.len()
+                )));
+            }
+            self.check_tokens(s.tokens, &format!("sequence {b} tokens"))?;
+            self.check_tokens(s.targets, &format!("sequence {b} targets"))?;
+            tokens.extend_from_slice(s.tokens);
+            targets.extend_from_slice(s.targets);
+            lens.push(s.tokens.len());
+        }
+        let layout = SeqLayout::new(&lens);
+        let n = tokens.len();
+        let packed_replay = match opts.replay {
+            Some((traces, kind)) => Some((self.pack_replay(traces, &lens)?, kind)),
+            None => None,
+        };
+        let positions = layout.positions();
+        let trunk = self.trunk(
+            &tokens,
+            &positions,
+            Pass::Prefill {
+                layout: &layout,
+                caches: None,
+            },
+            packed_replay.as_ref().map(|(r, k)| (r.as_slice(), *k)),
+            opts.train,
+        );
+        let v = c.vocab_size;
+        let logits = self.lm_head(&trunk.h_final, n);
+        let (lp, lse) = logprobs_forward(&logits, &targets, n, v, opts.temperature);
+        let aux_layers: Vec<(&[f32], &[u32])> = trunk
+            .probs
+            .iter()
+            .zip(&trunk.routes)
+            .filter_map(|(p, r)| Some((p.as_ref()?.as_slice(), r.as_ref()?.ids.as_slice())))
+            .collect();
+        let aux_loss =
+            (!aux_layers.is_empty()).then(|| load_balancing_loss(&aux_layers, c.num_experts).0);
+        let split = |x: &[f32], w: usize| -> Vec<Vec<f32>> {
+            (0..layout.num_seqs())
+                .map(|b| x[layout.offset(b) * w..(layout.offset(b) + layout.len(b)) * w].to_vec())
+                .collect()
+        };
+        let routing = (0..layout.num_seqs())
+            .map(|b| RoutingTrace {
+                layers: trunk
+                    .routes
+                    .iter()
+                    .map(|r| {
+                        r.as_ref().map(|r| {
+                            let k = r.top_k;
+                            let (o, l) = (layout.offset(b), layout.len(b));
+                            Routes {
+                                top_k: k,
+                                ids: r.ids[o * k..(o + l) * k].to_vec(),
+                                weights: r.weights[o * k..(o + l) * k].to_vec(),
+                            }
+                        })
+                    })
+                    .collect(),
+            })
+            .collect();
+        let logprobs = split(&lp, 1);
+        let logits_out = opts.return_logits.then(|| split(&logits, v));
+        let tape = opts.train.then(|| Tape {
+            layout: layout.clone(),
+            tokens,
+            targets,
+            temperature: opts.temperature,
+            rope: trunk.rope,
+            layers: trunk.layers,
+            x_final: trunk.x_final,
+            rstd_final: trunk.rstd_final,
+            h_final: trunk.h_final,
+            logits,
+            lse,
+            version: self.version,
+        });
+        Ok(ForwardOutput {
+            logprobs,
+            logits: logits_out,
+            routing,
+            aux_loss,
+            tape,
+        })
+    }
+
+    fn pack_replay(&self, traces: &[RoutingTrace], lens: &[usize]) -> Result<Vec<PackedRoutes>> {
+        let c = &self.config;
+        if traces.len() != lens.len() {
+            return Err(ModelError::Input(format!(
+                "routing replay: {} traces for {} sequences",
+                traces.len(),
+                lens.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            if !c.is_moe_layer(l) {
+                out.push(None);
+                continue;
+            }
+            let k = c.num_experts_per_tok;
+            let mut ids = Vec::new();
+            let mut w = Vec::new();
+            for (b, t) in traces.iter().enumerate() {
+                let r = t.layers.get(l).and_then(|r| r.as_ref()).ok_or_else(|| {
+                    ModelError::Input(format!(
+                        "routing replay: sequence {b} has no routes for MoE layer {l}"
+                    ))
+                })?;
+                if r.top_k != k || r.ids.len() != lens[b] * k || r.weights.len() != lens[b] * k {
+                    return Err(ModelError::Input(format!(
+                        "routing replay: sequence {b} layer {l}: {} ids / {} weights with top_k {}, expected {}×{k}",
+                        r.ids.len(),
+                        r.weights.len(),
+                        r.top_k,
+                        lens[b]
+                    )));
+                }
+                if let Some(&bad) = r.ids.iter().find(|&&i| i as usize >= c.num_experts) {
+                    return Err(ModelError::Input(format!(
+                        "routing replay: sequence {b} layer {l}: expert id {bad} ≥ num_experts {}",
+                        c.num_experts
+                    )));
+                }
+                ids.extend_from_slice(&r.ids);
+                w.extend_from_slice(&r.weights);
+            }
+            out.push(Some((ids, w)));
+        }
+        Ok(out)
+    }
+
+    /// Backward from `dlogprobs` (per sequence, `∂L/∂logprob[t]`, same shapes as the forward's
+    /// logprobs) and, when `aux_loss_coef ≠ 0`, `aux_loss_coef · aux_loss` added to the loss.
+    /// Returns the gradients of all parameters (f32).
+    pub fn backward(
+        &self,
+        tape: &Tape,
+        dlogprobs: &[Vec<f32>],
+        aux_loss_coef: f32,
+    ) -> Result<Grads> {
+        let c = &self.config;
+        if tape.version != self.version {
+            return Err(ModelError::Input(format!(
+                "tape was recorded with weight version {}, model is at {}",
+                tape.version, self.version
+            )));
+        }
+        let layout = &tape.layout;
+        if dlogprobs.len() != layout.num_seqs()
+            || dlogprobs
+                .iter()
+                .zip(layout.lens())
+                .any(|(d, &l)| d.len() != l)
+        {
+            return Err(ModelError::Input(format!(
+                "dlogprobs: expected lengths {:?}, got {:?}",
+                layout.lens(),
+                dlogprobs.iter().map(|d| d.len()).collect::<Vec<_>>()
+            )));
+        }
+        let dlp: Vec<f32> = dlogprobs.iter().flatten().copied().collect();
+        let (n, h, d, v) = (tape.tokens.len(), c.hidden_size, c.head_dim, c.vocab_size);
+        let (hq, hkv) = (c.num_heads, c.num_kv_heads);
+        let mut g = self.params.zero_grads();
+        let mut dlogits = vec![0.0; n * v];
+        logprobs_backward(
+            &dlp,
+            &tape.logits,
+            &tape.lse,
+            &tape.targets,
+            n,
+            v,
+            tape.temperature,
+            &mut dlogits,
+        );
+        let head = Linear {
+            w: self.lm_head,
+            b: None,
+            n: v,
+            k: h,
+        };
+        let dhf = self.lin_bwd(&head, &tape.h_final, &dlogits, n, &mut g);
+        let mut dx = vec![0.0; n * h];
+        rmsnorm_backward(
+            &dhf,
+            &tape.x_final,
+            self.params.data(self.norm),
+            &tape.rstd_final,
+            n,
+            h,
+            &mut dx,
+            g.get_mut(self.norm),
+        );
+        // aux loss gradient w.r.t. each MoE layer's router probabilities
+        let mut aux_dprobs: Vec<Option<Vec<f32>>> = vec![None; c.num_layers];
+        if aux_loss_coef != 0.0 {
+            let mut idx = Vec::new();
+            let mut pairs: Vec<(&[f32], &[u32])> = Vec::new();
+            for (l, t) in tape.layers.iter().enumerate() {
+                if let FfnTape::Moe { routes, state, .. } = &t.ffn {
+                    idx.push(l);
+                    pairs.push((&state.probs, &routes.ids));
+                }
+            }
+            let (_, grads) = load_balancing_loss(&pairs, c.num_experts);
+            for (l, gr) in idx.into_iter().zip(grads) {
+                aux_dprobs[l] = Some(gr.into_iter().map(|x| x * aux_loss_coef).collect());
+            }
+        }
+        let shape = self.attn_shape();
+        for (li, (layer, t)) in self.layers.iter().zip(&tape.layers).enumerate().rev() {
+            // FFN block: x = x_mid + ffn(rmsnorm(x_mid))
+            let mut dh2 = vec![0.0f32; n * h];
+            match (&layer.ffn, &t.ffn) {
+                (Ffn::Dense(mlp), FfnTape::Dense(mt)) => {
+                    dh2 = self.mlp_backward(mlp, mt, &dx, n, &mut g);
+                }
+                (
+                    Ffn::Moe {
+                        router,
+                        experts,
+                        shared,
+                    },
+                    FfnTape::Moe {
+                        routes,
+                        state,
+                        dispatch,
+                        experts: et,
+                        shared: st,
+                    },
+                ) => {
+                    let e = c.num_experts;
+                    let k = c.num_experts_per_tok;
+                    let mut dweights = vec![0.0f32; n * k];
+                    for (ei, (mlp, mt)) in experts.iter().zip(et).enumerate() {
+                        let rows = dispatch.rows(ei);
+                        if rows.is_empty() {
+                            continue;
+                        }
+                        let dy = combine_backward(&dx, &mt.y, h, rows, routes, &mut dweights);
+                        let dxe = self.mlp_backward(mlp, mt, &dy, rows.len(), &mut g);
+                        gather_backward(&dxe, h, rows, &mut dh2);
+                    }
+                    if let (Some(s), Some((smt, gl))) = (shared, st) {
+                        // out += sigmoid(gl) · y_s
+                        let mut dys = vec![0.0f32; n * h];
+                        let mut dgl = vec![0.0f32; n];
+                        for r in 0..n {
+                            let sg = sigmoid(gl[r]);
+                            let mut dot = 0.0f32;
+                            for j in 0..h {
+                                dys[r * h + j] = sg * dx[r * h + j];
+                                dot += dx[r * h + j] * smt.y[r * h + j];
+                            }
+                            dgl[r] = dot * sg * (1.0 - sg);
+                        }
+                        let a = self.mlp_backward(&s.mlp, smt, &dys, n, &mut g);
+                        let b = self.lin_bwd(&s.gate, &t.h2, &dgl, n, &mut g);
+                        for ((o, x), y) in dh2.iter_mut().zip(&a).zip(&b) {
+                            *o += x + y;
+                        }
+                    }
+                    let mut dlogits_r = vec![0.0f32; n * e];
+                    router_backward(
+                        &dweights,
+                        routes,
+                        state,
+                        n,
+                        e,
+                        c.norm_topk_prob,
+                        aux_dprobs[li].as_deref(),
+                        &mut dlogits_r,
+                    );
+                    let dr = self.lin_bwd(router, &t.h2, &dlogits_r, n, &mut g);
+                    for (o, x) in dh2.iter_mut().zip(&dr) {
+                        *o += x;
+                    }
+                }
+                _ => unreachable!("tape layer kind matches the model layer kind"),
+            }
+            let mut dxm = vec![0.0f32; n * h];
+            rmsnorm_backward(
+                &dh2,
+                &t.x_mid,
+                self.params.data(layer.ln2),
+                &t.rstd2,
+                n,
+                h,
+                &mut dxm,
+                g.get_mut(layer.ln2),
+            );
+            for (a, b) in dx.iter_mut().zip(&dxm) {
+                *a += b;
+            }
+            // attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), …)), h1 = rmsnorm(x_in)
+            let datt = self.lin_bwd(&layer.o, &t.att, &dx, n, &mut g);
+            let mut dq = vec![0.0f32; n * hq * d];
+            let mut dk = vec![0.0f32; n * hkv * d];
+            let mut dv = vec![0.0f32; n * hkv * d];
+            attention_backward(
+                &datt, &t.q, &t.k, &t.v, &t.probs, layout, shape, &mut dq, &mut dk, &mut dv,
+            );
+            rope_backward(&mut dq, n, hq, &tape.rope);
+            rope_backward(&mut dk, n, hkv, &tape.rope);
+            if let (Some(qn), Some(kn)) = (layer.q_norm, layer.k_norm) {
+                let mut dqp = vec![0.0f32; n * hq * d];
+                rmsnorm_backward(
+                    &dq,
+                    &t.q_pre,
+                    self.params.data(qn),
+                    &t.rstd_q,
+                    n * hq,
+                    d,
+                    &mut dqp,
+                    g.get_mut(qn),
+                );
+                dq = dqp;
+                let mut dkp = vec![0.0f32; n * hkv * d];
+                rmsnorm_backward(
+                    &dk,
+                    &t.k_pre,
+                    self.params.data(kn),
+                    &t.rstd_k,
+                    n * hkv,
+                    d,
+                    &mut dkp,
+                    g.get_mut(kn),
+                );
+                dk = dkp;
+            }
+            let mut dh1 = self.lin_bwd(&layer.q, &t.h1, &dq, n, &mut g);
+            for (lin, dd) in [(&layer.k, &dk), (&layer.v, &dv)] {
+                let r = self.lin_bwd(lin, &t.h1, dd, n, &mut g);
+                for (a, b) in dh1.iter_mut().zip(&r) {
+                    *a += b;
+                }
+            }
+            let mut dxi = vec![0.0f32; n * h];
+            rmsnorm_backward(
+                &dh1,
+                &t.x_in,
+                self.params.data(layer.ln1),
+                &t.rstd1,
+                n,
+                h,
+                &mut dxi,
+                g.get_mut(layer.ln1),
+            );
+            for (a, b) in dx.iter_mut().zip(&dxi) {
+                *a += b;
+            }
+        }
+        let demb = g.get_mut(self.embed);
+        for (r, &tok) in tape.tokens.iter().enumerate() {
+            let row = &mut demb[tok as usize * h..(tok as usize + 1) * h];
+            for (a, b) in row.iter_mut().zip(&dx[r * h..(r + 1) * h]) {
+                *a += b;
+            }
+        }
+        Ok(g)
+    }
+}
