@@ -1,0 +1,1012 @@
+//! Model inventory: every tensor of a checkpoint with its Hugging Face name, canonical
+//! mxrl name, role, layer, expert, projection, shape and dtype.
+//!
+//! Built from a bare `config.json` (shapes implied by the config) or from a Hugging Face
+//! model directory (config + safetensors headers and index; no weight bytes are read).
+//!
+//! Canonical mxrl names (what `name = "..."` rule globs see):
+//!
+//! | tensor | mxrl name |
+//! |---|---|
+//! | embeddings / final norm / lm_head | `embed`, `final_norm`, `lm_head` |
+//! | layer norms | `layers.{i}.attn_norm`, `layers.{i}.mlp_norm` |
+//! | attention | `layers.{i}.attn.{q,k,v,o}` (+ `.bias`), `layers.{i}.attn.{q_norm,k_norm}` |
+//! | MLA | `layers.{i}.attn.{q_a,q_a_norm,q_b,kv_a,kv_a_norm,kv_b,o}` |
+//! | dense MLP | `layers.{i}.mlp.{gate,up,down}` |
+//! | MoE | `layers.{i}.moe.router` (+ `.bias`), `layers.{i}.moe.experts.{e}.{gate,up,down}`, `layers.{i}.moe.shared.{gate,up,down}`, `layers.{i}.moe.shared_gate` |
+//! | MTP module j | `mtp.{j}.{embed,enorm,hnorm,eh_proj,head_norm,head}` and `mtp.{j}.attn.*`, `mtp.{j}.moe.*`, `mtp.{j}.{attn_norm,mlp_norm}` |
+//!
+//! A linear weight's canonical name has no `.weight` suffix; norms and embeddings
+//! likewise; biases end in `.bias`.
+
+use crate::error::PlanError;
+use crate::role::{Proj, Role};
+use crate::stored::{self, StoredTensor};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Supported architectures (`model_type` in `config.json`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// `llama`: dense, optional attention / MLP biases.
+    Llama,
+    /// `qwen2`: dense, q/k/v biases.
+    Qwen2,
+    /// `qwen3`: dense, q/k RMSNorm.
+    Qwen3,
+    /// `qwen2_moe`: routed experts + one shared expert with a sigmoid gate, q/k/v biases.
+    Qwen2Moe,
+    /// `qwen3_moe`: routed experts, q/k RMSNorm.
+    Qwen3Moe,
+    /// `deepseek_v3`: MLA, shared experts, first-k dense layers, MTP modules.
+    DeepseekV3,
+}
+
+impl Arch {
+    /// The `model_type` spelling.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::DeepseekV3 => "deepseek_v3",
+        }
+    }
+
+    const ALL: [Arch; 6] = [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Qwen2Moe,
+        Arch::Qwen3Moe,
+        Arch::DeepseekV3,
+    ];
+}
+
+/// What kind of parameter a tensor is. Only [`TensorKind::Linear`] weights are ever
+/// quantized; everything else is stored BF16 whatever the recipe says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    /// A 2-D GEMM weight `[N, K]` (out features, in features; K is the contraction dim).
+    Linear,
+    /// A linear layer's bias.
+    Bias,
+    /// A norm weight.
+    Norm,
+    /// An embedding table (a gather, not a GEMM).
+    Embedding,
+    /// A router's score-correction bias (DeepSeek-V3 `e_score_correction_bias`).
+    RouterBias,
+}
+
+/// One tensor of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TensorInfo {
+    /// Hugging Face checkpoint name, e.g. `model.layers.3.mlp.experts.7.up_proj.weight`.
+    pub hf: String,
+    /// Canonical mxrl name, e.g. `layers.3.moe.experts.7.up`.
+    pub mxrl: String,
+    /// Role.
+    pub role: Role,
+    /// Parameter kind.
+    pub kind: TensorKind,
+    /// Decoder layer index (`None` for embeddings, final norm, lm_head and MTP modules).
+    pub layer: Option<usize>,
+    /// MTP module index (DeepSeek-V3), `None` elsewhere.
+    pub mtp: Option<usize>,
+    /// Routed expert index.
+    pub expert: Option<usize>,
+    /// MLP projection (routed, shared and dense MLPs).
+    pub proj: Option<Proj>,
+    /// Logical shape (`[N, K]` for linear weights).
+    pub shape: Vec<usize>,
+    /// Logical dtype as safetensors spells it (`BF16`, `F32`, ...).
+    pub dtype: String,
+}
+
+impl TensorInfo {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// `[N, K]` of a linear weight, `None` otherwise.
+    pub fn linear_dims(&self) -> Option<(usize, usize)> {
+        (self.kind == TensorKind::Linear && self.shape.len() == 2)
+            .then(|| (self.shape[0], self.shape[1]))
+    }
+
+    /// The canonical name of the module this tensor belongs to with its last segment
+    /// removed (`layers.3.moe.experts.7.up` → `layers.3.moe.experts.7`).
+    pub fn mxrl_parent(&self) -> &str {
+        self.mxrl.rsplit_once('.').map(|(p, _)| p).unwrap_or("")
+    }
+}
+
+/// All tensors of a model, in checkpoint order.
+#[derive(Debug, Clone)]
+pub struct Inventory {
+    arch: Arch,
+    num_layers: usize,
+    num_mtp: usize,
+    tensors: Vec<TensorInfo>,
+    by_hf: HashMap<String, usize>,
+    by_mxrl: HashMap<String, usize>,
+    source: String,
+}
+
+impl Inventory {
+    /// Architecture.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// Number of decoder layers (`num_hidden_layers`; MTP modules not counted).
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Number of MTP modules present.
+    pub fn num_mtp(&self) -> usize {
+        self.num_mtp
+    }
+
+    /// Tensors in checkpoint order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// Where the inventory came from (file or directory).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Look a tensor up by its Hugging Face name.
+    pub fn by_hf(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_hf.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Look a tensor up by its canonical mxrl name.
+    pub fn by_mxrl(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_mxrl.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Position of a tensor (by HF name) in checkpoint order.
+    pub fn index_of_hf(&self, name: &str) -> Option<usize> {
+        self.by_hf.get(name).copied()
+    }
+
+    /// Inventory implied by a `config.json` file.
+    pub fn from_config_path(path: &Path) -> Result<Inventory, PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Inventory::from_config_json(&text, &path.display().to_string())
+    }
+
+    /// Inventory implied by `config.json` text; `origin` names it in errors.
+    pub fn from_config_json(text: &str, origin: &str) -> Result<Inventory, PlanError> {
+        let v: Value = serde_json::from_str(text).map_err(|e| PlanError::Config {
+            origin: origin.to_string(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let cfg = Cfg {
+            v: &v,
+            origin: origin.to_string(),
+        };
+        let model_type = cfg.str_req("model_type")?;
+        let arch = Arch::ALL
+            .into_iter()
+            .find(|a| a.model_type() == model_type)
+            .ok_or_else(|| PlanError::UnsupportedArch {
+                origin: origin.to_string(),
+                model_type: model_type.to_string(),
+                supported: Arch::ALL.map(|a| a.model_type()).join(", "),
+            })?;
+        let (tensors, num_layers, num_mtp) = build(arch, &cfg)?;
+        Ok(Inventory::assemble(
+            arch,
+            num_layers,
+            num_mtp,
+            tensors,
+            origin.to_string(),
+        ))
+    }
+
+    /// Inventory of a Hugging Face model directory: `config.json` gives the architecture,
+    /// the safetensors headers (via `model.safetensors.index.json` when present) give the
+    /// tensors actually stored, their shapes, dtypes and checkpoint order. Only headers
+    /// are read. Tensors the architecture does not have are an error listing all of them;
+    /// so are missing ones (an absent MTP module as a whole is allowed). Quantized
+    /// tensors (scale companions, packed NVFP4) are folded into their logical weight.
+    pub fn from_model_dir(dir: &Path) -> Result<Inventory, PlanError> {
+        let expected = Inventory::from_config_path(&dir.join("config.json"))?;
+        let stored = stored::scan_dir(dir)?;
+        expected.reconcile(dir, &stored)
+    }
+
+    /// Match a config-derived inventory against the logical tensors of a checkpoint and
+    /// return the inventory in checkpoint order with stored shapes and dtypes.
+    pub(crate) fn reconcile(
+        &self,
+        dir: &Path,
+        stored: &[StoredTensor],
+    ) -> Result<Inventory, PlanError> {
+        let stored_names: HashMap<&str, &StoredTensor> =
+            stored.iter().map(|s| (s.name.as_str(), s)).collect();
+        let unknown: Vec<String> = stored
+            .iter()
+            .filter(|s| !self.by_hf.contains_key(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        if !unknown.is_empty() {
+            return Err(PlanError::UnknownTensors {
+                dir: dir.to_path_buf(),
+                names: unknown,
+            });
+        }
+        let missing: Vec<&TensorInfo> = self
+            .tensors
+            .iter()
+            .filter(|t| !stored_names.contains_key(t.hf.as_str()))
+            .collect();
+        let mtp_missing = missing.iter().filter(|t| t.mtp.is_some()).count();
+        let all_mtp_missing = mtp_missing > 0
+            && mtp_missing == self.tensors.iter().filter(|t| t.mtp.is_some()).count();
+        let real_missing: Vec<String> = missing
+            .iter()
+            .filter(|t| !(all_mtp_missing && t.mtp.is_some()))
+            .map(|t| t.hf.clone())
+            .collect();
+        if !real_missing.is_empty() {
+            return Err(PlanError::MissingTensors {
+                dir: dir.to_path_buf(),
+                names: real_missing,
+            });
+        }
+        let mut out: Vec<(usize, usize, TensorInfo)> = Vec::new();
+        for t in &self.tensors {
+            let Some(s) = stored_names.get(t.hf.as_str()) else {
+                continue; // a dropped MTP module
+            };
+            if s.logical_shape != t.shape {
+                return Err(PlanError::ShapeMismatch {
+                    tensor: t.hf.clone(),
+                    expected: t.shape.clone(),
+                    found: s.logical_shape.clone(),
+                });
+            }
+            let mut t = t.clone();
+            t.dtype = s.dtype.clone();
+            out.push((s.order.0, s.order.1, t));
+        }
+        out.sort_by_key(|(f, o, _)| (*f, *o));
+        let num_mtp = if all_mtp_missing { 0 } else { self.num_mtp };
+        Ok(Inventory::assemble(
+            self.arch,
+            self.num_layers,
+            num_mtp,
+            out.into_iter().map(|(_, _, t)| t).collect(),
+            dir.display().to_string(),
+        ))
+    }
+
+    fn assemble(
+        arch: Arch,
+        num_layers: usize,
+        num_mtp: usize,
+        tensors: Vec<TensorInfo>,
+        source: String,
+    ) -> Inventory {
+        let by_hf = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.hf.clone(), i))
+            .collect();
+        let by_mxrl = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.mxrl.clone(), i))
+            .collect();
+        Inventory {
+            arch,
+            num_layers,
+            num_mtp,
+            tensors,
+            by_hf,
+            by_mxrl,
+            source,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// config.json access
+
+struct Cfg<'a> {
+    v: &'a Value,
+    origin: String,
+}
+
+impl Cfg<'_> {
+    fn err(&self, message: String) -> PlanError {
+        PlanError::Config {
+            origin: self.origin.clone(),
+            message,
+        }
+    }
+    fn str_req(&self, key: &str) -> Result<&str, PlanError> {
+        self.v
+            .get(key)
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.err(format!("field `{key}` (a string) is missing")))
+    }
+    fn usize_req(&self, key: &str) -> Result<usize, PlanError> {
+        match self.v.get(key) {
+            Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
+                self.err(format!(
+                    "field `{key}` must be a non-negative integer, got {x}"
+                ))
+            }),
+            None => Err(self.err(format!("field `{key}` (an integer) is missing"))),
+        }
+    }
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize, PlanError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(_) => self.usize_req(key),
+        }
+    }
+    /// `None` when absent or JSON null (e.g. DeepSeek `q_lora_rank: null`).
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>, PlanError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => self.usize_req(key).map(Some),
+        }
+    }
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool, PlanError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| self.err(format!("field `{key}` must be a boolean, got {x}"))),
+        }
+    }
+    fn usize_list(&self, key: &str) -> Result<Vec<usize>, PlanError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64().map(|n| n as usize).ok_or_else(|| {
+                        self.err(format!("field `{key}` must be a list of integers"))
+                    })
+                })
+                .collect(),
+            Some(x) => Err(self.err(format!("field `{key}` must be a list, got {x}"))),
+        }
+    }
+    /// `torch_dtype` (or transformers-5 `dtype`) as a safetensors dtype name.
+    fn dtype(&self) -> Result<String, PlanError> {
+        let s = self
+            .v
+            .get("torch_dtype")
+            .or_else(|| self.v.get("dtype"))
+            .and_then(Value::as_str)
+            .unwrap_or("bfloat16");
+        Ok(match s {
+            "bfloat16" => "BF16",
+            "float16" => "F16",
+            "float32" => "F32",
+            other => return Err(self.err(format!("unsupported torch_dtype `{other}`"))),
+        }
+        .to_string())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// tensor lists per architecture
+
+struct Builder {
+    out: Vec<TensorInfo>,
+    dtype: String,
+}
+
+/// Where a block of tensors lives: HF prefix, mxrl prefix, layer / MTP index.
+#[derive(Clone)]
+struct At {
+    hf: String,
+    mx: String,
+    layer: Option<usize>,
+    mtp: Option<usize>,
+}
+
+impl At {
+    fn sub(&self, hf: &str, mx: &str) -> At {
+        At {
+            hf: format!("{}{hf}", self.hf),
+            mx: format!("{}{mx}", self.mx),
+            layer: self.layer,
+            mtp: self.mtp,
+        }
+    }
+}
+
+impl Builder {
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        at: &At,
+        hf: &str,
+        mx: &str,
+        role: Role,
+        kind: TensorKind,
+        shape: Vec<usize>,
+        expert: Option<usize>,
+        proj: Option<Proj>,
+    ) {
+        let role = if at.mtp.is_some() { Role::Mtp } else { role };
+        let dtype = if kind == TensorKind::RouterBias {
+            "F32".to_string()
+        } else {
+            self.dtype.clone()
+        };
+        self.out.push(TensorInfo {
+            hf: format!("{}{hf}", at.hf),
+            mxrl: format!("{}{mx}", at.mx),
+            role,
+            kind,
+            layer: at.layer,
+            mtp: at.mtp,
+            expert,
+            proj,
+            shape,
+            dtype,
+        });
+    }
+
+    /// A linear layer `[n, k]` with an optional bias.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &mut self,
+        at: &At,
+        hf: &str,
+        mx: &str,
+        role: Role,
+        n: usize,
+        k: usize,
+        bias: bool,
+        expert: Option<usize>,
+        proj: Option<Proj>,
+    ) {
+        self.push(
+            at,
+            &format!("{hf}.weight"),
+            mx,
+            role,
+            TensorKind::Linear,
+            vec![n, k],
+            expert,
+            proj,
+        );
+        if bias {
+            self.push(
+                at,
+                &format!("{hf}.bias"),
+                &format!("{mx}.bias"),
+                role,
+                TensorKind::Bias,
+                vec![n],
+                expert,
+                proj,
+            );
+        }
+    }
+
+    fn norm(&mut self, at: &At, hf: &str, mx: &str, dim: usize) {
+        self.push(
+            at,
+            &format!("{hf}.weight"),
+            mx,
+            Role::Norm,
+            TensorKind::Norm,
+            vec![dim],
+            None,
+            None,
+        );
+    }
+
+    /// SwiGLU MLP: gate_proj, up_proj, down_proj.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &mut self,
+        at: &At,
+        role: Role,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        expert: Option<usize>,
+    ) {
+        self.linear(
+            at,
+            "gate_proj",
+            "gate",
+            role,
+            inter,
+            hidden,
+            bias,
+            expert,
+            Some(Proj::Gate),
+        );
+        self.linear(
+            at,
+            "up_proj",
+            "up",
+            role,
+            inter,
+            hidden,
+            bias,
+            expert,
+            Some(Proj::Up),
+        );
+        self.linear(
+            at,
+            "down_proj",
+            "down",
+            role,
+            hidden,
+            inter,
+            bias,
+            expert,
+            Some(Proj::Down),
+        );
+    }
+}
+
+struct Attn {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool,
+}
+
+fn std_attention(b: &mut Builder, at: &At, a: &Attn) {
+    let at = at.sub("self_attn.", "attn.");
+    let q = a.heads * a.head_dim;
+    let kv = a.kv_heads * a.head_dim;
+    b.linear(
+        &at,
+        "q_proj",
+        "q",
+        Role::AttnQ,
+        q,
+        a.hidden,
+        a.qkv_bias,
+        None,
+        None,
+    );
+    b.linear(
+        &at,
+        "k_proj",
+        "k",
+        Role::AttnK,
+        kv,
+        a.hidden,
+        a.qkv_bias,
+        None,
+        None,
+    );
+    b.linear(
+        &at,
+        "v_proj",
+        "v",
+        Role::AttnV,
+        kv,
+        a.hidden,
+        a.qkv_bias,
+        None,
+        None,
+    );
+    b.linear(
+        &at,
+        "o_proj",
+        "o",
+        Role::AttnO,
+        a.hidden,
+        q,
+        a.o_bias,
+        None,
+        None,
+    );
+    if a.qk_norm {
+        b.norm(&at, "q_norm", "q_norm", a.head_dim);
+        b.norm(&at, "k_norm", "k_norm", a.head_dim);
+    }
+}
+
+struct Mla {
+    hidden: usize,
+    heads: usize,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: usize,
+    qk_nope: usize,
+    qk_rope: usize,
+    v_head: usize,
+    bias: bool,
+}
+
+fn mla_attention(b: &mut Builder, at: &At, m: &Mla) {
+    let at = at.sub("self_attn.", "attn.");
+    let qk_head = m.qk_nope + m.qk_rope;
+    match m.q_lora_rank {
+        Some(r) => {
+            b.linear(
+                &at,
+                "q_a_proj",
+                "q_a",
+                Role::MlaQA,
+                r,
+                m.hidden,
+                m.bias,
+                None,
+                None,
+            );
+            b.norm(&at, "q_a_layernorm", "q_a_norm", r);
+            b.linear(
+                &at,
+                "q_b_proj",
+                "q_b",
+                Role::MlaQB,
+                m.heads * qk_head,
+                r,
+                false,
+                None,
+                None,
+            );
+        }
+        None => {
+            b.linear(
+                &at,
+                "q_proj",
+                "q",
+                Role::AttnQ,
+                m.heads * qk_head,
+                m.hidden,
+                false,
+                None,
+                None,
+            );
+        }
+    }
+    b.linear(
+        &at,
+        "kv_a_proj_with_mqa",
+        "kv_a",
+        Role::MlaKvA,
+        m.kv_lora_rank + m.qk_rope,
+        m.hidden,
+        m.bias,
+        None,
+        None,
+    );
+    b.norm(&at, "kv_a_layernorm", "kv_a_norm", m.kv_lora_rank);
+    b.linear(
+        &at,
+        "kv_b_proj",
+        "kv_b",
+        Role::MlaKvB,
+        m.heads * (m.qk_nope + m.v_head),
+        m.kv_lora_rank,
+        false,
+        None,
+        None,
+    );
+    b.linear(
+        &at,
+        "o_proj",
+        "o",
+        Role::AttnO,
+        m.hidden,
+        m.heads * m.v_head,
+        m.bias,
+        None,
+        None,
+    );
+}
+
+fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), PlanError> {
+    let hidden = c.usize_req("hidden_size")?;
+    let layers = c.usize_req("num_hidden_layers")?;
+    let vocab = c.usize_req("vocab_size")?;
+    let heads = c.usize_req("num_attention_heads")?;
+    let tie = c.bool_or("tie_word_embeddings", false)?;
+    let mut b = Builder {
+        out: Vec::new(),
+        dtype: c.dtype()?,
+    };
+    let root = At {
+        hf: String::new(),
+        mx: String::new(),
+        layer: None,
+        mtp: None,
+    };
+    b.push(
+        &root,
+        "model.embed_tokens.weight",
+        "embed",
+        Role::Embedding,
+        TensorKind::Embedding,
+        vec![vocab, hidden],
+        None,
+        None,
+    );
+    let layer_at = |i: usize| At {
+        hf: format!("model.layers.{i}."),
+        mx: format!("layers.{i}."),
+        layer: Some(i),
+        mtp: None,
+    };
+    let mut num_mtp = 0;
+    match arch {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            let kv_heads = c.usize_or("num_key_value_heads", heads)?;
+            if heads == 0 || (hidden % heads != 0 && c.usize_opt("head_dim")?.is_none()) {
+                return Err(c.err(format!(
+                    "hidden_size {hidden} is not a multiple of num_attention_heads {heads} and head_dim is not given"
+                )));
+            }
+            let head_dim = c.usize_or("head_dim", hidden / heads)?;
+            let attention_bias = c.bool_or("attention_bias", false)?;
+            let attn = Attn {
+                hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                qkv_bias: match arch {
+                    Arch::Qwen2 | Arch::Qwen2Moe => true,
+                    _ => attention_bias,
+                },
+                o_bias: match arch {
+                    Arch::Qwen2 | Arch::Qwen2Moe => false,
+                    _ => attention_bias,
+                },
+                qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            };
+            let mlp_bias = arch == Arch::Llama && c.bool_or("mlp_bias", false)?;
+            let inter = c.usize_req("intermediate_size")?;
+            let moe = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
+            let (experts, moe_inter, step, mlp_only) = if moe {
+                (
+                    c.usize_req("num_experts")?,
+                    c.usize_req("moe_intermediate_size")?,
+                    c.usize_or("decoder_sparse_step", 1)?.max(1),
+                    c.usize_list("mlp_only_layers")?,
+                )
+            } else {
+                (0, 0, 1, Vec::new())
+            };
+            let shared_inter = if arch == Arch::Qwen2Moe {
+                c.usize_or("shared_expert_intermediate_size", 0)?
+            } else {
+                0
+            };
+            for i in 0..layers {
+                let at = layer_at(i);
+                std_attention(&mut b, &at, &attn);
+                let is_moe = moe && experts > 0 && !mlp_only.contains(&i) && (i + 1) % step == 0;
+                if is_moe {
+                    let m = at.sub("mlp.", "moe.");
+                    b.linear(
+                        &m,
+                        "gate",
+                        "router",
+                        Role::Router,
+                        experts,
+                        hidden,
+                        false,
+                        None,
+                        None,
+                    );
+                    for e in 0..experts {
+                        let ea = m.sub(&format!("experts.{e}."), &format!("experts.{e}."));
+                        b.mlp(&ea, Role::RoutedExpert, hidden, moe_inter, false, Some(e));
+                    }
+                    if shared_inter > 0 {
+                        let sa = m.sub("shared_expert.", "shared.");
+                        b.mlp(&sa, Role::SharedExpert, hidden, shared_inter, false, None);
+                        b.linear(
+                            &m,
+                            "shared_expert_gate",
+                            "shared_gate",
+                            Role::SharedExpertGate,
+                            1,
+                            hidden,
+                            false,
+                            None,
+                            None,
+                        );
+                    }
+                } else {
+                    let m = at.sub("mlp.", "mlp.");
+                    b.mlp(&m, Role::DenseMlp, hidden, inter, mlp_bias, None);
+                }
+                b.norm(&at, "input_layernorm", "attn_norm", hidden);
+                b.norm(&at, "post_attention_layernorm", "mlp_norm", hidden);
+            }
+        }
+        Arch::DeepseekV3 => {
+            let mla = Mla {
+                hidden,
+                heads,
+                q_lora_rank: c.usize_opt("q_lora_rank")?,
+                kv_lora_rank: c.usize_req("kv_lora_rank")?,
+                qk_nope: c.usize_req("qk_nope_head_dim")?,
+                qk_rope: c.usize_req("qk_rope_head_dim")?,
+                v_head: c.usize_req("v_head_dim")?,
+                bias: c.bool_or("attention_bias", false)?,
+            };
+            let inter = c.usize_req("intermediate_size")?;
+            let moe_inter = c.usize_req("moe_intermediate_size")?;
+            let routed = c.usize_req("n_routed_experts")?;
+            let shared = c.usize_or("n_shared_experts", 0)?;
+            let first_dense = c.usize_or("first_k_dense_replace", 0)?;
+            let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
+            num_mtp = c.usize_or("num_nextn_predict_layers", 0)?;
+            let ds_layer = |b: &mut Builder, at: &At, is_moe: bool| {
+                mla_attention(b, at, &mla);
+                if is_moe {
+                    let m = at.sub("mlp.", "moe.");
+                    for e in 0..routed {
+                        let ea = m.sub(&format!("experts.{e}."), &format!("experts.{e}."));
+                        b.mlp(&ea, Role::RoutedExpert, hidden, moe_inter, false, Some(e));
+                    }
+                    b.linear(
+                        &m,
+                        "gate",
+                        "router",
+                        Role::Router,
+                        routed,
+                        hidden,
+                        false,
+                        None,
+                        None,
+                    );
+                    b.push(
+                        &m,
+                        "gate.e_score_correction_bias",
+                        "router.bias",
+                        Role::Router,
+                        TensorKind::RouterBias,
+                        vec![routed],
+                        None,
+                        None,
+                    );
+                    if shared > 0 {
+                        let sa = m.sub("shared_experts.", "shared.");
+                        b.mlp(
+                            &sa,
+                            Role::SharedExpert,
+                            hidden,
+                            moe_inter * shared,
+                            false,
+                            None,
+                        );
+                    }
+                } else {
+                    let m = at.sub("mlp.", "mlp.");
+                    b.mlp(&m, Role::DenseMlp, hidden, inter, false, None);
+                }
+                b.norm(at, "input_layernorm", "attn_norm", hidden);
+                b.norm(at, "post_attention_layernorm", "mlp_norm", hidden);
+            };
+            for i in 0..layers {
+                let is_moe = routed > 0 && i >= first_dense && i % freq == 0;
+                ds_layer(&mut b, &layer_at(i), is_moe);
+            }
+            // Norm and head come before the MTP modules (which follow the main layers).
+            b.norm(&root, "model.norm", "final_norm", hidden);
+            if !tie {
+                b.linear(
+                    &root,
+                    "lm_head",
+                    "lm_head",
+                    Role::LmHead,
+                    vocab,
+                    hidden,
+                    false,
+                    None,
+                    None,
+                );
+            }
+            for j in 0..num_mtp {
+                let at = At {
+                    hf: format!("model.layers.{}.", layers + j),
+                    mx: format!("mtp.{j}."),
+                    layer: None,
+                    mtp: Some(j),
+                };
+                b.push(
+                    &at,
+                    "embed_tokens.weight",
+                    "embed",
+                    Role::Embedding,
+                    TensorKind::Embedding,
+                    vec![vocab, hidden],
+                    None,
+                    None,
+                );
+                b.norm(&at, "enorm", "enorm", hidden);
+                b.norm(&at, "hnorm", "hnorm", hidden);
+                b.linear(
+                    &at,
+                    "eh_proj",
+                    "eh_proj",
+                    Role::Mtp,
+                    hidden,
+                    2 * hidden,
+                    false,
+                    None,
+                    None,
+                );
+                ds_layer(&mut b, &at, routed > 0);
+                b.norm(&at, "shared_head.norm", "head_norm", hidden);
+                b.linear(
+                    &at,
+                    "shared_head.head",
+                    "head",
+                    Role::LmHead,
+                    vocab,
+                    hidden,
+                    false,
+                    None,
+                    None,
+                );
+            }
+            return Ok((b.out, layers, num_mtp));
+        }
+    }
+    b.norm(&root, "model.norm", "final_norm", hidden);
+    if !tie {
+        b.linear(
+            &root,
+            "lm_head",
+            "lm_head",
+            Role::LmHead,
+            vocab,
+            hidden,
+            false,
+            None,
+            None,
+        );
+    }
+    Ok((b.out, layers, num_mtp))
+}
+
+/// Count tensors per role (for summaries and tests).
+pub fn count_by_role(tensors: &[TensorInfo]) -> BTreeMap<Role, usize> {
+    let mut m = BTreeMap::new();
+    for t in tensors {
+        *m.entry(t.role).or_insert(0) += 1;
+    }
+    m
+}
+
+/// The `config.json` path of a model argument: a directory's `config.json`, or the
+/// file itself.
+pub fn config_path(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        model.join("config.json")
+    } else {
+        model.to_path_buf()
+    }
+}
