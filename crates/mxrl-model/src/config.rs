@@ -85,6 +85,8 @@ struct Raw {
     intermediate_size: Option<usize>,
     moe_intermediate_size: Option<usize>,
     num_experts: Option<usize>,
+    /// transformers ≥ 5 writes `num_experts` of Qwen3-MoE as `num_local_experts`.
+    num_local_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
@@ -173,7 +175,7 @@ impl ModelConfig {
             .rope_theta
             .or(raw.rope_parameters.as_ref().and_then(|r| r.rope_theta))
             .unwrap_or(10000.0);
-        let num_experts = raw.num_experts.unwrap_or(0);
+        let num_experts = raw.num_experts.or(raw.num_local_experts).unwrap_or(0);
         let cfg = ModelConfig {
             arch,
             vocab_size: need(raw.vocab_size, "vocab_size")?,
