@@ -9,6 +9,26 @@
 
 use crate::SeqLayout;
 
+/// Dot product in f32 with 8 interleaved partial sums (lane `c % 8` accumulates element `c`
+/// in index order), combined as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`. A fixed order that
+/// the compiler can vectorize; error bound `γ_{⌈n/8⌉+3}` relative to `Σ|a·b|`.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut l = [0.0f32; 8];
+    let chunks = n / 8;
+    for i in 0..chunks {
+        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
+        for j in 0..8 {
+            l[j] += x[j] * y[j];
+        }
+    }
+    for c in chunks * 8..n {
+        l[c % 8] += a[c] * b[c];
+    }
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
 /// Head geometry of one attention layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
@@ -55,11 +75,7 @@ pub fn attend_row(
     let mut mx = f32::NEG_INFINITY;
     for j in 0..len {
         let kj = &keys[j * stride..j * stride + d];
-        let mut s = 0.0f32;
-        for c in 0..d {
-            s += q[c] * kj[c];
-        }
-        let s = s * scale;
+        let s = dot(q, kj) * scale;
         probs[j] = s;
         mx = mx.max(s);
     }
@@ -76,8 +92,8 @@ pub fn attend_row(
     for j in 0..len {
         let vj = &values[j * stride..j * stride + d];
         let p = probs[j];
-        for c in 0..d {
-            out[c] += p * vj[c];
+        for (o, &x) in out.iter_mut().zip(vj) {
+            *o += p * x;
         }
     }
 }
@@ -181,28 +197,26 @@ pub fn attention_backward(
                 let p = &probs.data[probs.offsets[b] + (h * tl + i) * tl..][..i + 1];
                 let qo = (t0 + i) * qs + h * d;
                 let doi = &dout[qo..qo + d];
-                let mut dot = 0.0f32;
+                let mut pdp = 0.0f32;
                 for j in 0..=i {
                     let vo = (t0 + j) * kvs + kh * d;
-                    let vj = &v[vo..vo + d];
-                    let mut dp = 0.0f32;
-                    for c in 0..d {
-                        dp += doi[c] * vj[c];
-                    }
+                    let dp = dot(doi, &v[vo..vo + d]);
                     ds[j] = dp;
-                    dot += p[j] * dp;
+                    pdp += p[j] * dp;
                     // dv_j += P_ij · dO_i
-                    let dvj = &mut dv[vo..vo + d];
-                    for c in 0..d {
-                        dvj[c] += p[j] * doi[c];
+                    let pj = p[j];
+                    for (o, &x) in dv[vo..vo + d].iter_mut().zip(doi) {
+                        *o += pj * x;
                     }
                 }
                 for j in 0..=i {
-                    let s = p[j] * (ds[j] - dot) * scale;
+                    let s = p[j] * (ds[j] - pdp) * scale;
                     let ko = (t0 + j) * kvs + kh * d;
-                    for c in 0..d {
-                        dq[qo + c] += s * k[ko + c];
-                        dk[ko + c] += s * q[qo + c];
+                    for (o, &x) in dq[qo..qo + d].iter_mut().zip(&k[ko..ko + d]) {
+                        *o += s * x;
+                    }
+                    for (o, &x) in dk[ko..ko + d].iter_mut().zip(&q[qo..qo + d]) {
+                        *o += s * x;
                     }
                 }
             }
@@ -258,6 +272,18 @@ mod tests {
         let mut out = vec![0.0; q.len()];
         attention_forward(q, k, v, layout, SHAPE, &mut out);
         out
+    }
+
+    #[test]
+    fn dot_matches_f64_reference_within_its_bound() {
+        for n in [0usize, 1, 7, 8, 9, 16, 33, 128] {
+            let a = test_values(n, 200 + n as u64, 2.0);
+            let b = test_values(n, 300 + n as u64, 2.0);
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+            let got = dot(&a, &b) as f64;
+            assert!((got - exact).abs() <= gamma(n.div_ceil(8) + 3) * mag, "n = {n}");
+        }
     }
 
     #[test]
