@@ -1,0 +1,4 @@
+//! Subcommands, one module each.
+
+pub mod inspect;
+pub mod quantize;

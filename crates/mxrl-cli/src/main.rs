@@ -1,0 +1,30 @@
+//! `mxrl`: the command-line entry point. One file per subcommand in `cmd/`.
+
+mod cmd;
+mod st;
+
+use clap::{Parser, Subcommand};
+
+/// Low-precision RL of LLMs with MXFP8 / NVFP4 under one bit-exact precision contract.
+#[derive(Parser, Debug)]
+#[command(name = "mxrl", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand, Debug)]
+enum Commands {
+    /// Quantize tensors of a safetensors file, or reproduce / check a quantizer vector file.
+    Quantize(cmd::quantize::Args),
+    /// List tensors, dtypes, shapes, detected quantization formats and contract hash.
+    Inspect(cmd::inspect::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Commands::Quantize(a) => cmd::quantize::run(a),
+        Commands::Inspect(a) => cmd::inspect::run(a),
+    }
+}
