@@ -215,10 +215,24 @@ fn export_ignore(plan: &PrecisionPlan, inv: &Inventory) -> Export {
             covered_layers.insert(l);
         }
     }
+    // Whole MTP modules kept BF16 (stored as layers num_layers + j).
+    let mut covered_mtp = HashSet::new();
+    for j in 0..inv.num_mtp() {
+        let members: Vec<usize> = linear
+            .iter()
+            .filter(|(_, t)| t.mtp == Some(j))
+            .map(|(i, _)| *i)
+            .collect();
+        if !members.is_empty() && members.iter().all(|&i| fmt_of(i) == Format::Bf16) {
+            patterns.push(format!("model.layers.{}.*", inv.num_layers() + j));
+            covered_mtp.insert(j);
+        }
+    }
     let rest: Vec<(usize, &TensorInfo)> = linear
         .iter()
         .copied()
         .filter(|(_, t)| !t.layer.is_some_and(|l| covered_layers.contains(&l)))
+        .filter(|(_, t)| !t.mtp.is_some_and(|j| covered_mtp.contains(&j)))
         .collect();
     // Generic names (layer / expert index → *) that are BF16 wherever they occur.
     let mut by_generic: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -344,9 +358,23 @@ fn export_te_yaml(plan: &PrecisionPlan, inv: &Inventory) -> Export {
             }
         }
     }
+    let mtp_of = |m: &(String, Vec<usize>)| inv.tensors()[m.1[0]].mtp;
+    let mut covered_mtp = HashSet::new();
+    for j in 0..inv.num_mtp() {
+        let ms: Vec<&(String, Vec<usize>)> =
+            modules.iter().filter(|m| mtp_of(m) == Some(j)).collect();
+        if let Some(first) = ms.first() {
+            let f = fmt_of(first);
+            if f != default && ms.iter().all(|m| fmt_of(m) == f) {
+                matchers.push((format!("mtp_{j}_{f}"), format!("mtp.layers.{j}.*"), f));
+                covered_mtp.insert(j);
+            }
+        }
+    }
     let rest: Vec<&(String, Vec<usize>)> = modules
         .iter()
         .filter(|m| !layer_of(m).is_some_and(|l| covered.contains(&l)))
+        .filter(|m| !mtp_of(m).is_some_and(|j| covered_mtp.contains(&j)))
         .collect();
     let mut by_generic: BTreeMap<String, Vec<Format>> = BTreeMap::new();
     for m in &rest {
