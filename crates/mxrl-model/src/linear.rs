@@ -5,7 +5,7 @@
 //! the precision plan plug in here, and nowhere else.
 
 use crate::params::{Grads, ParamId, ParamStore};
-use mxrl_tensor::gemm::{matmul_nn, matmul_nt, sgemm_into};
+use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_nt_dot, sgemm_into};
 use mxrl_tensor::precision::{round_bf16, round_bf16_vec};
 use std::borrow::Cow;
 
@@ -18,6 +18,11 @@ pub enum LinearPrecision {
     /// forward `bf16(x)·bf16(W)ᵀ`, dgrad `bf16(dy)·bf16(W)`, wgrad `bf16(dy)ᵀ·bf16(x)`.
     Bf16,
 }
+
+/// Up to this many rows the forward GEMM runs as independent dot products
+/// ([`matmul_nt_dot`], no operand packing: decode steps and sparsely used experts); above it,
+/// the packed, cache-blocked GEMM. Both accumulate in f32; their summation orders differ.
+pub(crate) const SMALL_M: usize = 8;
 
 /// A linear layer: weight `[n, k]` and optional bias `[n]` living in the [`ParamStore`].
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +77,12 @@ impl Linear {
     ) -> Vec<f32> {
         debug_assert_eq!(x.len(), m * self.k);
         let xo = operand(prec, x);
-        let mut y = matmul_nt(&xo, self.weight(params, prep), m, self.k, self.n);
+        let w = self.weight(params, prep);
+        let mut y = if m <= SMALL_M {
+            matmul_nt_dot(&xo, w, m, self.k, self.n)
+        } else {
+            matmul_nt(&xo, w, m, self.k, self.n)
+        };
         if let Some(b) = self.b {
             let bias = params.data(b);
             for row in y.chunks_mut(self.n) {

@@ -7,27 +7,8 @@
 //! [`attend_row`], shared by prefill and decode so that both give the same bits for the same
 //! inputs.
 
+pub use crate::gemm::dot;
 use crate::SeqLayout;
-
-/// Dot product in f32 with 8 interleaved partial sums (lane `c % 8` accumulates element `c`
-/// in index order), combined as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`. A fixed order that
-/// the compiler can vectorize; error bound `γ_{⌈n/8⌉+3}` relative to `Σ|a·b|`.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let mut l = [0.0f32; 8];
-    let chunks = n / 8;
-    for i in 0..chunks {
-        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
-        for j in 0..8 {
-            l[j] += x[j] * y[j];
-        }
-    }
-    for c in chunks * 8..n {
-        l[c % 8] += a[c] * b[c];
-    }
-    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
-}
 
 /// Head geometry of one attention layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -280,9 +261,16 @@ mod tests {
             let a = test_values(n, 200 + n as u64, 2.0);
             let b = test_values(n, 300 + n as u64, 2.0);
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+            let mag: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                .sum();
             let got = dot(&a, &b) as f64;
-            assert!((got - exact).abs() <= gamma(n.div_ceil(8) + 3) * mag, "n = {n}");
+            assert!(
+                (got - exact).abs() <= gamma(n.div_ceil(8) + 3) * mag,
+                "n = {n}"
+            );
         }
     }
 

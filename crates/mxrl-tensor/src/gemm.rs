@@ -131,6 +131,54 @@ pub fn sgemm_into(
     }
 }
 
+/// Dot product in f32 with 8 interleaved partial sums (lane `c % 8` accumulates element `c`
+/// in index order), combined as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`. A fixed order that
+/// the compiler can vectorize; error bound `γ_{⌈n/8⌉+3}` relative to `Σ|a·b|`.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut l = [0.0f32; 8];
+    let chunks = n / 8;
+    for i in 0..chunks {
+        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
+        for j in 0..8 {
+            l[j] += x[j] * y[j];
+        }
+    }
+    for c in chunks * 8..n {
+        l[c % 8] += a[c] * b[c];
+    }
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// `C[m,n] = A[m,k] · B[n,k]ᵀ` as `m·n` independent [`dot`] products (no packing): the fast
+/// path for few rows (decode), where packing the whole weight would dominate. Each element's
+/// summation order depends only on `k`, so a row's result does not depend on `m`.
+/// Reference: [`matmul_reference`].
+pub fn matmul_nt_dot(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    assert_eq!(
+        a.len(),
+        m * k,
+        "matmul_nt_dot: A has {} elements, expected {m}×{k}",
+        a.len()
+    );
+    assert_eq!(
+        b.len(),
+        n * k,
+        "matmul_nt_dot: B has {} elements, expected {n}×{k}",
+        b.len()
+    );
+    let mut c = vec![0.0f32; m * n];
+    // weight rows outermost: each B row is read from memory once and reused for all m rows
+    for j in 0..n {
+        let bj = &b[j * k..(j + 1) * k];
+        for i in 0..m {
+            c[i * n + j] = dot(&a[i * k..(i + 1) * k], bj);
+        }
+    }
+    c
+}
+
 /// Reference `C[m,n] = A[m,k] · B[n,k]ᵀ`: a triple loop, f32 accumulation in index order.
 pub fn matmul_reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0.0f32; m * n];
@@ -204,6 +252,21 @@ mod tests {
             assert_close(&matmul_nn(&a, &bt, m, k, n), &want, &a, &b, m, k, n);
             let at = transpose(&a, m, k); // [k, m]
             assert_close(&matmul_tn(&at, &bt, m, k, n), &want, &a, &b, m, k, n);
+        }
+    }
+
+    #[test]
+    fn dot_path_agrees_with_reference_and_is_row_independent() {
+        for &(m, k, n, seed) in &[(1, 1, 1, 5u64), (3, 17, 5, 6), (8, 64, 70, 7)] {
+            let a = rnd(m * k, seed);
+            let b = rnd(n * k, seed + 100);
+            let want = matmul_reference(&a, &b, m, k, n);
+            let got = matmul_nt_dot(&a, &b, m, k, n);
+            assert_close(&got, &want, &a, &b, m, k, n);
+            for i in 0..m {
+                let row = matmul_nt_dot(&a[i * k..(i + 1) * k], &b, 1, k, n);
+                assert_eq!(row, got[i * n..(i + 1) * n], "row {i} depends on m");
+            }
         }
     }
 
