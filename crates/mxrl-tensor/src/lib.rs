@@ -23,6 +23,7 @@
 //! | [`loss`] | log-softmax, per-token logprobs, cross-entropy |
 //! | [`optim`] | AdamW with f32 master weights, global grad norm and clipping |
 //! | [`gradcheck`] | finite-difference gradient checking with a derived error bound |
+//! | [`qlinear`] | quantized linear `y = x·Wᵀ` (BF16/MXFP8/NVFP4/FP8-block) with `lowp` / `high_precision` / `dequantized` backward, prepared weights, memory accounting |
 #![deny(missing_docs)]
 
 pub mod activation;
@@ -34,6 +35,7 @@ pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod precision;
+pub mod qlinear;
 pub mod rope;
 pub mod routing;
 
