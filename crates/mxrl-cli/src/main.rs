@@ -19,6 +19,8 @@ enum Commands {
     Quantize(cmd::quantize::Args),
     /// List tensors, dtypes, shapes, detected quantization formats and contract hash.
     Inspect(cmd::inspect::Args),
+    /// Measurements reproducing the seed's experiments (`bench memory`).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,5 +28,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Commands::Quantize(a) => cmd::quantize::run(a),
         Commands::Inspect(a) => cmd::inspect::run(a),
+        Commands::Bench(a) => cmd::bench::run(a),
     }
 }

@@ -54,6 +54,7 @@
 //! forward + backward of a device implementation for `mxrl bench memory`.
 
 use crate::gemm;
+use crate::precision::round_bf16_vec;
 use half::bf16;
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, AmaxScope, Format, FormatError, Fp8Blocks, Padding, QuantizedTensor,
@@ -313,11 +314,6 @@ fn check_len(
         });
     }
     Ok(())
-}
-
-/// Round to BF16 (round to nearest even, NaN kept) and widen back: the operand of a BF16 GEMM.
-pub fn bf16_operand(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
 }
 
 fn to_bf16(x: &[f32]) -> Vec<bf16> {
@@ -641,7 +637,9 @@ impl PreparedWeight {
         version: u64,
     ) -> Result<Self, QLinearError> {
         let operand = match &stored {
-            None => Operand::Plain(bf16_operand(w.expect("BF16 weights are built from values"))),
+            None => Operand::Plain(round_bf16_vec(
+                w.expect("BF16 weights are built from values"),
+            )),
             Some(q) => Operand::from_quantized(q).map_err(contract_err(name))?,
         };
         let backward = match (spec.format, spec.backward, w) {
@@ -798,7 +796,7 @@ impl PreparedWeight {
         m: usize,
     ) -> Result<Vec<f32>, QLinearError> {
         let xo = match qx {
-            None => Operand::Plain(bf16_operand(x)),
+            None => Operand::Plain(round_bf16_vec(x)),
             Some(q) => Operand::from_quantized(q).map_err(contract_err(&self.name))?,
         };
         Ok(emulated_nt(&xo, &self.operand, m, self.k, self.n))
@@ -895,7 +893,7 @@ impl PreparedWeight {
                         })
                     }
                 };
-                let dyb = bf16_operand(dy);
+                let dyb = round_bf16_vec(dy);
                 let dx = gemm::matmul_nn(&dyb, w, m, n, k);
                 let dw = gemm::matmul_tn(&dyb, &widen(x), n, m, k);
                 Ok(Grads { dx, dw })
@@ -910,7 +908,7 @@ impl PreparedWeight {
                         &w_deq
                     }
                 };
-                let dyb = bf16_operand(dy);
+                let dyb = round_bf16_vec(dy);
                 let dx = gemm::matmul_nn(&dyb, w, m, n, k);
                 let x = qx.dequantize().map_err(err)?;
                 let dw = gemm::matmul_tn(&dyb, &x, n, m, k);

@@ -1,4 +1,5 @@
 //! Subcommands, one module each.
 
+pub mod bench;
 pub mod inspect;
 pub mod quantize;
