@@ -55,6 +55,9 @@
 //! **Layouts** ([`layout`]): [`pack_nibbles`] / [`unpack_nibbles`], [`swizzle_128x4`] /
 //! [`unswizzle_128x4`], [`swizzle_offset`], [`swizzled_len`].
 //!
+//! **Corner cases** ([`corner`]): [`corner::ELEMENT_CASES`] (hand-derived expected bytes) and
+//! [`corner::tensor_cases`] — the one table every path (reference, fast CPU, CUDA) runs.
+//!
 //! **Contract identity**: [`CONTRACT_VERSION`], [`contract_hash`] (16 hex digits, SHA-256 of
 //! [`contract_params`]), metadata keys [`META_CONTRACT_VERSION`], [`META_CONTRACT_HASH`].
 //!
@@ -68,6 +71,7 @@
 #![deny(missing_docs)]
 
 mod contract;
+pub mod corner;
 pub mod element;
 mod error;
 mod fast;

@@ -1,4 +1,5 @@
 //! Shared loader for vector files in the quant-contract §6 layout (included by tests).
+#![allow(dead_code)]
 
 use mxrl_formats::{Padding, QuantizedTensor, Scheme};
 use safetensors::{Dtype, SafeTensors};
