@@ -21,6 +21,24 @@ pub struct Args {
 enum What {
     /// Memory each backward mode keeps (seed experiment: x [2048, 2048] BF16, 8192 outputs).
     Memory(MemoryArgs),
+    /// GPU quantizers on CUDA device 0: byte equality with the CPU library and throughput
+    /// against a device-to-device copy measured in the same run (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Quantize(QuantizeArgs),
+}
+
+#[cfg(feature = "cuda")]
+#[derive(clap::Args, Debug)]
+struct QuantizeArgs {
+    /// Rows M of the input.
+    #[arg(long, default_value_t = 8192)]
+    rows: usize,
+    /// Columns K of the input.
+    #[arg(long, default_value_t = 8192)]
+    cols: usize,
+    /// Timed calls per measurement (after one warm-up).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,7 +66,68 @@ struct MemoryArgs {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Memory(a) => memory(a),
+        #[cfg(feature = "cuda")]
+        What::Quantize(a) => quantize_gpu(a),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn quantize_gpu(a: QuantizeArgs) -> Result<()> {
+    use mxrl_cuda::{CpuDevice, CudaDevice, Input, QuantDevice};
+    use mxrl_formats::Scheme;
+    let dev = CudaDevice::shared(0)?;
+    println!(
+        "{}: NVRTC options {:?}, module key {}",
+        dev.name(),
+        dev.nvrtc_options(),
+        dev.module_key()
+    );
+    let (rows, cols) = (a.rows, a.cols);
+    let x: Vec<f32> = fill(rows * cols, 7)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi((i / cols % 9) as i32 * 4 - 16))
+        .collect();
+    let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let schemes = [
+        Scheme::MXFP8_ROW,
+        Scheme::MXFP8_COL,
+        Scheme::NVFP4_TENSOR,
+        Scheme::NVFP4_ROW,
+    ];
+    println!(
+        "{:<13} {:<5} {:>6} {:>11} {:>9} {:>10} {:>9} {:>6}",
+        "scheme", "dtype", "bytes", "quant ms", "GB/s", "memcpy ms", "GB/s", "ratio"
+    );
+    for scheme in schemes {
+        for input in [Input::Bf16(&xb), Input::F32(&x)] {
+            let gpu = dev.quantize(input, [rows, cols], scheme)?;
+            let cpu = CpuDevice.quantize(input, [rows, cols], scheme)?;
+            let same = gpu == cpu;
+            let t = dev.time_quantize(input, [rows, cols], scheme, a.iters)?;
+            println!(
+                "{:<13} {:<5} {:>6} {:>11.3} {:>9.0} {:>10.3} {:>9.0} {:>6.2}",
+                t.scheme,
+                t.dtype,
+                if same { "equal" } else { "DIFFER" },
+                t.quantize_ms,
+                t.quantize_gbps(),
+                t.memcpy_ms,
+                t.memcpy_gbps(),
+                t.quantize_gbps() / t.memcpy_gbps()
+            );
+            if !same {
+                bail!(
+                    "{scheme} {}: GPU bytes differ from the CPU library",
+                    t.dtype
+                );
+            }
+        }
+    }
+    println!(
+        "GB/s count input read + data/scales/amax written (quantize) and read + write (memcpy)"
+    );
+    Ok(())
 }
 
 /// The seed's table (TransformerEngine#2644, `torch.cuda` allocated MB, BF16, input

@@ -1,0 +1,876 @@
+//! The CUDA device: NVRTC-compiled quantizer kernels and their typed launchers.
+//!
+//! The only `unsafe` of mxrl outside memory-mapping and the GEMM wrapper lives here: one
+//! launcher per kernel, each checking shapes and stating why the launch is sound.
+#![allow(unsafe_code)]
+
+use crate::{module_cache_key, module_source, DeviceError, Input, QuantDevice, NVRTC_OPTIONS};
+use cudarc::cublas::{sys as cublas_sys, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use mxrl_formats::{
+    AmaxScope, FormatError, MxBlocks, Nvfp4Blocks, QuantizedTensor, ScaleLayout, Scales, Scheme,
+    Usage, MXFP8_BLOCK, NVFP4_BLOCK,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+const THREADS: u32 = 256;
+
+/// Compiled modules by `(device ordinal, cache key)`; the key covers source and options.
+type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
+
+fn module_cache() -> &'static ModuleCache {
+    static CACHE: OnceLock<ModuleCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Shared devices by ordinal (tests and tools reuse one context and module per GPU).
+fn device_cache() -> &'static Mutex<HashMap<usize, Arc<CudaDevice>>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+struct Kernels {
+    mxfp8_row_f32: CudaFunction,
+    mxfp8_row_bf16: CudaFunction,
+    mxfp8_col_f32: CudaFunction,
+    mxfp8_col_bf16: CudaFunction,
+    mxfp8_row_dequantize: CudaFunction,
+    amax_f32: CudaFunction,
+    amax_bf16: CudaFunction,
+    nvfp4_f32: CudaFunction,
+    nvfp4_bf16: CudaFunction,
+    nvfp4_dequantize: CudaFunction,
+}
+
+/// A high-precision input resident on the GPU (BF16 kept as its 16-bit pattern).
+pub enum DeviceInput {
+    /// f32 values.
+    F32(CudaSlice<f32>),
+    /// BF16 bit patterns.
+    Bf16(CudaSlice<u16>),
+}
+
+impl DeviceInput {
+    fn len(&self) -> usize {
+        match self {
+            DeviceInput::F32(s) => s.len(),
+            DeviceInput::Bf16(s) => s.len(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            DeviceInput::F32(s) => 4 * s.len(),
+            DeviceInput::Bf16(s) => 2 * s.len(),
+        }
+    }
+}
+
+/// A quantized tensor resident on the GPU: data, compact scales and (NVFP4) amax bit patterns.
+pub struct DeviceQuantized {
+    /// The scheme.
+    pub scheme: Scheme,
+    /// `[M, K]`.
+    pub shape: [usize; 2],
+    /// Element bytes.
+    pub data: CudaSlice<u8>,
+    /// Compact byte scales.
+    pub scales: CudaSlice<u8>,
+    /// NVFP4 amax as f32 bit patterns (per tensor: 1, per row: M); empty otherwise.
+    pub amax_bits: Option<CudaSlice<u32>>,
+}
+
+/// Timing of one quantizer against a device-to-device copy of the same input, measured with
+/// CUDA events in one run.
+#[derive(Debug, Clone)]
+pub struct QuantizeTiming {
+    /// Scheme name.
+    pub scheme: String,
+    /// Input shape.
+    pub shape: [usize; 2],
+    /// Input dtype (`f32` / `bf16`).
+    pub dtype: &'static str,
+    /// Bytes the quantizer reads and writes (input + data + scales + amax).
+    pub quantize_bytes: usize,
+    /// Mean milliseconds per quantize call.
+    pub quantize_ms: f64,
+    /// Bytes the copy moves (input read + written).
+    pub memcpy_bytes: usize,
+    /// Mean milliseconds per copy.
+    pub memcpy_ms: f64,
+}
+
+impl QuantizeTiming {
+    /// Quantizer throughput, GB/s (10⁹ bytes).
+    pub fn quantize_gbps(&self) -> f64 {
+        self.quantize_bytes as f64 / self.quantize_ms / 1e6
+    }
+    /// Copy throughput, GB/s.
+    pub fn memcpy_gbps(&self) -> f64 {
+        self.memcpy_bytes as f64 / self.memcpy_ms / 1e6
+    }
+}
+
+/// One CUDA GPU with the quantizer module loaded.
+pub struct CudaDevice {
+    ordinal: usize,
+    name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    options: Vec<String>,
+    cache_key: String,
+    k: Kernels,
+    blas: Mutex<Option<CudaBlas>>,
+}
+
+impl CudaDevice {
+    fn err(&self, what: impl std::fmt::Display) -> DeviceError {
+        DeviceError::Cuda {
+            device: self.name(),
+            what: what.to_string(),
+        }
+    }
+
+    /// Open GPU `ordinal`, compile (or reuse) the quantizer module.
+    ///
+    /// # Errors
+    /// No driver / no such GPU (the driver's message), or an NVRTC compile error with its log.
+    pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
+        let dev = format!("cuda:{ordinal}");
+        let e = |what: String| DeviceError::Cuda {
+            device: dev.clone(),
+            what,
+        };
+        // SAFETY: only asks whether the dynamically loaded driver library can be found.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(e(
+                "the CUDA driver library (libcuda) cannot be loaded".into()
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|x| e(format!("cuInit/context: {x:?}")))?;
+        let name = format!(
+            "{dev} ({})",
+            ctx.name().unwrap_or_else(|_| "unknown".into())
+        );
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|x| e(format!("compute capability: {x:?}")))?;
+        let arch: Option<&'static str> = match (major, minor) {
+            (7, 5) => Some("compute_75"),
+            (8, 0) => Some("compute_80"),
+            (8, 6) => Some("compute_86"),
+            (8, 9) => Some("compute_89"),
+            (9, 0) => Some("compute_90"),
+            (10, 0) => Some("compute_100"),
+            (12, 0) => Some("compute_120"),
+            _ => None,
+        };
+        let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+        if let Some(a) = arch {
+            options.push(format!("--gpu-architecture={a}"));
+        }
+        let source = module_source();
+        let cache_key = module_cache_key(&source, &options);
+        let module = {
+            let mut cache = module_cache().lock().expect("module cache poisoned");
+            match cache.get(&(ordinal, cache_key.clone())) {
+                Some(m) => m.clone(),
+                None => {
+                    // SAFETY: only asks whether the NVRTC library can be found.
+                    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                        return Err(e("the NVRTC library (libnvrtc) cannot be loaded".into()));
+                    }
+                    eprintln!(
+                        "mxrl-cuda: compiling quantizer kernels for {name} (module key \
+                         {cache_key}) with NVRTC options {options:?}"
+                    );
+                    let opts = CompileOptions {
+                        fmad: Some(false),
+                        ftz: Some(false),
+                        prec_div: Some(true),
+                        prec_sqrt: Some(true),
+                        use_fast_math: None,
+                        arch,
+                        name: Some("mxrl_quant.cu".into()),
+                        ..Default::default()
+                    };
+                    let ptx = compile_ptx_with_opts(&source, opts)
+                        .map_err(|x| e(format!("NVRTC compile failed: {x}")))?;
+                    let m = ctx
+                        .load_module(ptx)
+                        .map_err(|x| e(format!("load module: {x:?}")))?;
+                    cache.insert((ordinal, cache_key.clone()), m.clone());
+                    m
+                }
+            }
+        };
+        let f = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(|x| e(format!("kernel {n}: {x:?}")))
+        };
+        let k = Kernels {
+            mxfp8_row_f32: f("mxfp8_row_f32")?,
+            mxfp8_row_bf16: f("mxfp8_row_bf16")?,
+            mxfp8_col_f32: f("mxfp8_col_f32")?,
+            mxfp8_col_bf16: f("mxfp8_col_bf16")?,
+            mxfp8_row_dequantize: f("mxfp8_row_dequantize")?,
+            amax_f32: f("amax_f32")?,
+            amax_bf16: f("amax_bf16")?,
+            nvfp4_f32: f("nvfp4_f32")?,
+            nvfp4_bf16: f("nvfp4_bf16")?,
+            nvfp4_dequantize: f("nvfp4_dequantize")?,
+        };
+        let stream = ctx.default_stream();
+        Ok(CudaDevice {
+            ordinal,
+            name,
+            ctx,
+            stream,
+            options,
+            cache_key,
+            k,
+            blas: Mutex::new(None),
+        })
+    }
+
+    /// The process-wide shared device for `ordinal` (opened on first use).
+    ///
+    /// # Errors
+    /// As [`CudaDevice::new`].
+    pub fn shared(ordinal: usize) -> Result<Arc<CudaDevice>, DeviceError> {
+        let mut cache = device_cache().lock().expect("device cache poisoned");
+        if let Some(d) = cache.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(CudaDevice::new(ordinal)?);
+        cache.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    /// The NVRTC options the module was compiled with.
+    pub fn nvrtc_options(&self) -> &[String] {
+        &self.options
+    }
+
+    /// The module cache key (source + options).
+    pub fn module_key(&self) -> &str {
+        &self.cache_key
+    }
+
+    /// GPU ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Copy a host input to the GPU.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn upload(&self, x: Input<'_>) -> Result<DeviceInput, DeviceError> {
+        Ok(match x {
+            Input::F32(v) => DeviceInput::F32(self.stream.clone_htod(v).map_err(|e| self.err(e))?),
+            Input::Bf16(v) => {
+                let bits: Vec<u16> = v.iter().map(|b| b.to_bits()).collect();
+                DeviceInput::Bf16(self.stream.clone_htod(&bits).map_err(|e| self.err(e))?)
+            }
+        })
+    }
+
+    /// An output buffer every element of which the next kernel writes.
+    fn output<T: cudarc::driver::DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, DeviceError> {
+        // SAFETY: the buffer is only handed to a launcher whose kernel writes each of its
+        // `len` elements before anything reads it (stated in that launcher's SAFETY comment).
+        unsafe { self.stream.alloc::<T>(len) }.map_err(|e| self.err(e))
+    }
+
+    fn grid(&self, threads_total: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (threads_total.div_ceil(THREADS as usize) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn check(&self, x: &DeviceInput, shape: [usize; 2], scheme: Scheme) -> Result<(), DeviceError> {
+        let n = shape[0] * shape[1];
+        if x.len() != n {
+            return Err(FormatError::LengthMismatch {
+                what: "input",
+                shape: shape.to_vec(),
+                expected: n,
+                got: x.len(),
+            }
+            .into());
+        }
+        let (bm, bk) = match scheme {
+            Scheme::MXFP8_ROW => (1, MXFP8_BLOCK),
+            Scheme::MXFP8_COL => (MXFP8_BLOCK, 1),
+            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => (1, NVFP4_BLOCK),
+            other => {
+                return Err(DeviceError::Unsupported {
+                    device: self.name(),
+                    scheme: other.name(),
+                })
+            }
+        };
+        for (dim, size, block) in [("M", shape[0], bm), ("K", shape[1], bk)] {
+            if size % block != 0 {
+                return Err(FormatError::NotMultiple {
+                    scheme: scheme.name(),
+                    dim,
+                    size,
+                    block,
+                    shape: shape.to_vec(),
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Launch the MXFP8 row-wise quantizer (`mxfp8_row_{f32,bf16}`): one warp per 32-element
+    /// block along K. Returns data `[M, K]` and scales `[M, K/32]`.
+    ///
+    /// # Errors
+    /// Shape errors (K % 32 ≠ 0, length mismatch) or a driver error.
+    pub fn mxfp8_row(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+    ) -> Result<DeviceQuantized, DeviceError> {
+        self.check(x, shape, Scheme::MXFP8_ROW)?;
+        let n = x.len();
+        let n_blocks = (n / MXFP8_BLOCK) as u64;
+        let mut data = self.output::<u8>(n)?;
+        let mut scales = self.output::<u8>(n / MXFP8_BLOCK)?;
+        if n > 0 {
+            let cfg = self.grid(n / 8);
+            let mut b = match x {
+                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.mxfp8_row_f32),
+                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.mxfp8_row_bf16),
+            };
+            match x {
+                DeviceInput::F32(s) => b.arg(s),
+                DeviceInput::Bf16(s) => b.arg(s),
+            };
+            b.arg(&mut data).arg(&mut scales).arg(&n_blocks);
+            // SAFETY: thread t < 4·n_blocks = n/8 reads x[8t..8t+8) with one or two 16-byte
+            // loads (aligned: allocation base + 16·t or 32·t bytes) and writes data[8t..8t+8)
+            // as one aligned u64 and, for t % 4 == 0, scales[t/4]; x and data hold n elements,
+            // scales n/32 (checked/allocated above); threads past n/8 only shuffle zeros and
+            // write nothing; arguments match the C signature (T*, u8*, u8*, u64).
+            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        }
+        Ok(DeviceQuantized {
+            scheme: Scheme::MXFP8_ROW,
+            shape,
+            data,
+            scales,
+            amax_bits: None,
+        })
+    }
+
+    /// Launch the MXFP8 column-wise quantizer (`mxfp8_col_{f32,bf16}`): one thread per
+    /// (32-row strip, column), quantized from the high-precision input. Data `[M, K]`, scales
+    /// `[M/32, K]`.
+    ///
+    /// # Errors
+    /// Shape errors (M % 32 ≠ 0, length mismatch) or a driver error.
+    pub fn mxfp8_col(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+    ) -> Result<DeviceQuantized, DeviceError> {
+        self.check(x, shape, Scheme::MXFP8_COL)?;
+        let n = x.len();
+        let (strips, cols) = ((shape[0] / MXFP8_BLOCK) as u64, shape[1] as u64);
+        let mut data = self.output::<u8>(n)?;
+        let mut scales = self.output::<u8>(n / MXFP8_BLOCK)?;
+        if n > 0 {
+            let cfg = self.grid((strips * cols) as usize);
+            let mut b = match x {
+                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.mxfp8_col_f32),
+                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.mxfp8_col_bf16),
+            };
+            match x {
+                DeviceInput::F32(s) => b.arg(s),
+                DeviceInput::Bf16(s) => b.arg(s),
+            };
+            b.arg(&mut data).arg(&mut scales).arg(&strips).arg(&cols);
+            // SAFETY: thread t < strips·cols reads and writes rows 32·(t/cols)..+32 of column
+            // t%cols, all < M·K = n elements (M = 32·strips); scales has strips·cols = n/32
+            // entries; threads past strips·cols return first; argument types match
+            // (T*, u8*, u8*, u64, u64).
+            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        }
+        Ok(DeviceQuantized {
+            scheme: Scheme::MXFP8_COL,
+            shape,
+            data,
+            scales,
+            amax_bits: None,
+        })
+    }
+
+    /// Launch the amax kernel (`amax_{f32,bf16}`): per row (one CUDA block per row) or per
+    /// tensor (grid-stride + atomicMax on the bit pattern). NaN is ignored.
+    ///
+    /// # Errors
+    /// Shape errors (K % 16 ≠ 0, length mismatch) or a driver error.
+    pub fn amax(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scope: AmaxScope,
+    ) -> Result<CudaSlice<u32>, DeviceError> {
+        let scheme = Scheme::Nvfp4(mxrl_formats::Nvfp4Scheme {
+            amax: scope,
+            blocks: Nvfp4Blocks::Vector,
+        });
+        self.check(x, shape, scheme)?; // length and K % 16 (the loads take 8 elements)
+        let (rows, cols) = (shape[0] as u64, shape[1] as u64);
+        let (len, cfg, per_row) = match scope {
+            AmaxScope::PerRow => (
+                shape[0],
+                LaunchConfig {
+                    grid_dim: (shape[0] as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                1i32,
+            ),
+            AmaxScope::PerTensor => {
+                let blocks = (x.len() / 8).div_ceil(THREADS as usize).clamp(1, 4096) as u32;
+                (
+                    1,
+                    LaunchConfig {
+                        grid_dim: (blocks, 1, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                    0i32,
+                )
+            }
+        };
+        let mut out = self
+            .stream
+            .alloc_zeros::<u32>(len)
+            .map_err(|e| self.err(e))?;
+        if len > 0 && x.len() > 0 {
+            let mut b = match x {
+                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_f32),
+                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_bf16),
+            };
+            match x {
+                DeviceInput::F32(s) => b.arg(s),
+                DeviceInput::Bf16(s) => b.arg(s),
+            };
+            b.arg(&mut out).arg(&rows).arg(&cols).arg(&per_row);
+            // SAFETY: (8-element aligned loads; callers guarantee cols % 16 == 0.) Per row,
+            // block r < rows reads x[r·cols..(r+1)·cols) and writes out[r]
+            // (out has rows entries); per tensor, the grid-stride loop reads x[0..rows·cols)
+            // and atomically updates out[0] (zero-initialised, 1 entry); blockDim = 256 ≤ the
+            // kernel's 32-warp shared array; argument types match (T*, u32*, u64, u64, int).
+            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        }
+        Ok(out)
+    }
+
+    /// Launch the NVFP4 quantizer (`nvfp4_{f32,bf16}`) with a precomputed amax (bit patterns,
+    /// 1 per tensor or M per row). Data `[M, K/2]` packed low nibble first, scales `[M, K/16]`.
+    ///
+    /// # Errors
+    /// Shape errors (K % 16 ≠ 0, length mismatch, amax length) or a driver error.
+    pub fn nvfp4_with_amax(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scope: AmaxScope,
+        amax_bits: CudaSlice<u32>,
+    ) -> Result<DeviceQuantized, DeviceError> {
+        let scheme = Scheme::Nvfp4(mxrl_formats::Nvfp4Scheme {
+            amax: scope,
+            blocks: Nvfp4Blocks::Vector,
+        });
+        self.check(x, shape, scheme)?;
+        let want = match scope {
+            AmaxScope::PerTensor => 1,
+            AmaxScope::PerRow => shape[0],
+        };
+        if amax_bits.len() != want {
+            return Err(FormatError::LengthMismatch {
+                what: "amax",
+                shape: vec![want],
+                expected: want,
+                got: amax_bits.len(),
+            }
+            .into());
+        }
+        let n = x.len();
+        let (n64, cols, per_row) = (
+            n as u64,
+            shape[1] as u64,
+            i32::from(scope == AmaxScope::PerRow),
+        );
+        let mut data = self.output::<u8>(n / 2)?;
+        let mut scales = self.output::<u8>(n / NVFP4_BLOCK)?;
+        if n > 0 {
+            let cfg = self.grid(n / 8);
+            let mut b = match x {
+                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_f32),
+                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_bf16),
+            };
+            match x {
+                DeviceInput::F32(s) => b.arg(s),
+                DeviceInput::Bf16(s) => b.arg(s),
+            };
+            b.arg(&amax_bits)
+                .arg(&mut data)
+                .arg(&mut scales)
+                .arg(&n64)
+                .arg(&cols)
+                .arg(&per_row);
+            // SAFETY: thread t with 8t < n reads x[8t..8t+8) (aligned 16-byte loads) and
+            // amax[8t/cols] (per row, < M entries) or amax[0]; it writes data[4t..4t+4) as one
+            // aligned u32 (n/2 entries) and, for even t, scales[8t/16] (n/16 entries); threads
+            // past n/8 only shuffle zeros and write nothing; K % 16 == 0 was checked, so a
+            // thread pair (one 16-block) never straddles rows; argument types match
+            // (T*, u32*, u8*, u8*, u64, u64, int).
+            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        }
+        Ok(DeviceQuantized {
+            scheme,
+            shape,
+            data,
+            scales,
+            amax_bits: Some(amax_bits),
+        })
+    }
+
+    /// NVFP4 quantize: amax kernel then [`CudaDevice::nvfp4_with_amax`].
+    ///
+    /// # Errors
+    /// As the two launchers.
+    pub fn nvfp4(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scope: AmaxScope,
+    ) -> Result<DeviceQuantized, DeviceError> {
+        let scheme = Scheme::Nvfp4(mxrl_formats::Nvfp4Scheme {
+            amax: scope,
+            blocks: Nvfp4Blocks::Vector,
+        });
+        self.check(x, shape, scheme)?;
+        let amax = self.amax(x, shape, scope)?;
+        self.nvfp4_with_amax(x, shape, scope, amax)
+    }
+
+    /// Launch a dequantizer (`mxfp8_row_dequantize` or `nvfp4_dequantize`) → f32 `[M, K]`.
+    ///
+    /// # Errors
+    /// Unsupported scheme (column-wise MXFP8) or a driver error.
+    pub fn dequantize_device(&self, q: &DeviceQuantized) -> Result<CudaSlice<f32>, DeviceError> {
+        let n = q.shape[0] * q.shape[1];
+        let mut out = self.output::<f32>(n)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let cfg = self.grid(n);
+        let n64 = n as u64;
+        match (q.scheme, &q.amax_bits) {
+            (Scheme::Mxfp8(s), _) if s.usage == Usage::RowWise && s.blocks == MxBlocks::Vector => {
+                assert!(q.data.len() == n && q.scales.len() == n / MXFP8_BLOCK);
+                let mut b = self.stream.launch_builder(&self.k.mxfp8_row_dequantize);
+                b.arg(&q.data).arg(&q.scales).arg(&mut out).arg(&n64);
+                // SAFETY: thread i < n reads data[i], scales[i/32] (lengths asserted above)
+                // and writes out[i] (n entries); types match (u8*, u8*, float*, u64).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+            (Scheme::Nvfp4(s), Some(amax)) if s.blocks == Nvfp4Blocks::Vector => {
+                let per_row = i32::from(s.amax == AmaxScope::PerRow);
+                let want_amax = if per_row == 1 { q.shape[0] } else { 1 };
+                assert!(q.data.len() == n / 2 && q.scales.len() == n / NVFP4_BLOCK);
+                assert_eq!(amax.len(), want_amax);
+                let cols = q.shape[1] as u64;
+                let mut b = self.stream.launch_builder(&self.k.nvfp4_dequantize);
+                b.arg(&q.data)
+                    .arg(&q.scales)
+                    .arg(amax)
+                    .arg(&mut out)
+                    .arg(&n64)
+                    .arg(&cols)
+                    .arg(&per_row);
+                // SAFETY: thread i < n reads data[i/2], scales[i/16], amax[i/cols] or amax[0]
+                // (lengths asserted above) and writes out[i]; types match
+                // (u8*, u8*, u32*, float*, u64, u64, int).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+            _ => {
+                return Err(DeviceError::Unsupported {
+                    device: self.name(),
+                    scheme: q.scheme.name(),
+                })
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copy a device tensor back into a host [`QuantizedTensor`] (compact scales).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn download(&self, q: &DeviceQuantized) -> Result<QuantizedTensor, DeviceError> {
+        let data = self.stream.clone_dtoh(&q.data).map_err(|e| self.err(e))?;
+        let scales = self.stream.clone_dtoh(&q.scales).map_err(|e| self.err(e))?;
+        let amax = match &q.amax_bits {
+            Some(a) => self
+                .stream
+                .clone_dtoh(a)
+                .map_err(|e| self.err(e))?
+                .into_iter()
+                .map(f32::from_bits)
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok(QuantizedTensor {
+            scheme: q.scheme,
+            shape: q.shape.to_vec(),
+            padded_shape: q.shape.to_vec(),
+            data,
+            scales: Scales::Bytes(scales),
+            scale_layout: ScaleLayout::Compact,
+            amax,
+        })
+    }
+
+    /// Upload a host quantized tensor (compact or swizzled scales) to the GPU.
+    ///
+    /// # Errors
+    /// An invalid tensor, FP32 scales (FP8 block is not on this device), or a driver error.
+    pub fn upload_quantized(&self, q: &QuantizedTensor) -> Result<DeviceQuantized, DeviceError> {
+        let q = q.clone().with_scale_layout(ScaleLayout::Compact)?;
+        let (Scales::Bytes(scales), &[m, k]) = (&q.scales, &q.shape[..]) else {
+            return Err(DeviceError::Unsupported {
+                device: self.name(),
+                scheme: q.scheme.name(),
+            });
+        };
+        if q.padded_shape != q.shape {
+            return Err(DeviceError::Unsupported {
+                device: self.name(),
+                scheme: format!("{} padded to {:?}", q.scheme, q.padded_shape),
+            });
+        }
+        let up8 = |v: &[u8]| self.stream.clone_htod(v).map_err(|e| self.err(e));
+        let amax_bits = if q.amax.is_empty() {
+            None
+        } else {
+            let bits: Vec<u32> = q.amax.iter().map(|a| a.to_bits()).collect();
+            Some(self.stream.clone_htod(&bits).map_err(|e| self.err(e))?)
+        };
+        Ok(DeviceQuantized {
+            scheme: q.scheme,
+            shape: [m, k],
+            data: up8(&q.data)?,
+            scales: up8(scales)?,
+            amax_bits,
+        })
+    }
+
+    /// Quantize an input already on the GPU with `scheme`.
+    ///
+    /// # Errors
+    /// Unsupported scheme, shape or driver errors.
+    pub fn quantize_device(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scheme: Scheme,
+    ) -> Result<DeviceQuantized, DeviceError> {
+        match scheme {
+            Scheme::MXFP8_ROW => self.mxfp8_row(x, shape),
+            Scheme::MXFP8_COL => self.mxfp8_col(x, shape),
+            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => self.nvfp4(x, shape, s.amax),
+            other => Err(DeviceError::Unsupported {
+                device: self.name(),
+                scheme: other.name(),
+            }),
+        }
+    }
+
+    /// Time `scheme` on an input of `shape` (values from `x`) against a device-to-device copy
+    /// of the same input, `iters` calls each after one warm-up, with CUDA events.
+    ///
+    /// # Errors
+    /// Unsupported scheme, shape or driver errors.
+    pub fn time_quantize(
+        &self,
+        x: Input<'_>,
+        shape: [usize; 2],
+        scheme: Scheme,
+        iters: usize,
+    ) -> Result<QuantizeTiming, DeviceError> {
+        let dx = self.upload(x)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let q = self.quantize_device(&dx, shape, scheme)?;
+        let out_bytes =
+            q.data.len() + q.scales.len() + 4 * q.amax_bits.as_ref().map_or(0, |a| a.len());
+        drop(q);
+        let start = self.stream.record_event(timing).map_err(|e| self.err(e))?;
+        for _ in 0..iters {
+            self.quantize_device(&dx, shape, scheme)?;
+        }
+        let stop = self.stream.record_event(timing).map_err(|e| self.err(e))?;
+        stop.synchronize().map_err(|e| self.err(e))?;
+        let quantize_ms =
+            f64::from(start.elapsed_ms(&stop).map_err(|e| self.err(e))?) / iters as f64;
+        let copy = |src: &DeviceInput| -> Result<(), DeviceError> {
+            match src {
+                DeviceInput::F32(s) => drop(self.stream.clone_dtod(s).map_err(|e| self.err(e))?),
+                DeviceInput::Bf16(s) => drop(self.stream.clone_dtod(s).map_err(|e| self.err(e))?),
+            }
+            Ok(())
+        };
+        copy(&dx)?;
+        let start = self.stream.record_event(timing).map_err(|e| self.err(e))?;
+        for _ in 0..iters {
+            copy(&dx)?;
+        }
+        let stop = self.stream.record_event(timing).map_err(|e| self.err(e))?;
+        stop.synchronize().map_err(|e| self.err(e))?;
+        let memcpy_ms = f64::from(start.elapsed_ms(&stop).map_err(|e| self.err(e))?) / iters as f64;
+        Ok(QuantizeTiming {
+            scheme: scheme.name(),
+            shape,
+            dtype: match x {
+                Input::F32(_) => "f32",
+                Input::Bf16(_) => "bf16",
+            },
+            quantize_bytes: dx.bytes() + out_bytes,
+            quantize_ms,
+            memcpy_bytes: 2 * dx.bytes(),
+            memcpy_ms,
+        })
+    }
+
+    /// Emulated MXFP8 GEMM `y [m, n] = deq(a) [m, k] · deq(b) [n, k]ᵀ` (f32, row-major): both
+    /// row-wise operands are dequantized by the contract kernel, then multiplied by one cuBLAS
+    /// SGEMM in `CUBLAS_PEDANTIC_MATH` (f32 products, f32 accumulation, no TF32). These are the
+    /// operands the CPU emulation (`mxrl_tensor::qlinear`) multiplies; only the summation order
+    /// differs.
+    ///
+    /// # Errors
+    /// Operands that are not row-wise MXFP8 of one K, no cuBLAS library, or a driver error.
+    pub fn mxfp8_gemm_nt(
+        &self,
+        a: &DeviceQuantized,
+        b: &DeviceQuantized,
+    ) -> Result<CudaSlice<f32>, DeviceError> {
+        if a.scheme != Scheme::MXFP8_ROW
+            || b.scheme != Scheme::MXFP8_ROW
+            || a.shape[1] != b.shape[1]
+        {
+            return Err(self.err(format!(
+                "mxfp8_gemm_nt needs two row-wise MXFP8 operands of one K, got {} {:?} and {} {:?}",
+                a.scheme, a.shape, b.scheme, b.shape
+            )));
+        }
+        let ([m, k], n) = (a.shape, b.shape[0]);
+        let xa = self.dequantize_device(a)?;
+        let xb = self.dequantize_device(b)?;
+        let mut y = self.output::<f32>(m * n)?;
+        let mut guard = self.blas.lock().expect("cuBLAS handle poisoned");
+        if guard.is_none() {
+            // SAFETY: only asks whether the cuBLAS library can be found.
+            if !unsafe { cublas_sys::is_culib_present() } {
+                return Err(self.err("the cuBLAS library (libcublas) cannot be loaded"));
+            }
+            let blas =
+                CudaBlas::new(self.stream.clone()).map_err(|e| self.err(format!("{e:?}")))?;
+            // SAFETY: `blas.handle()` is a live handle owned by `blas`; setting the math mode
+            // only changes which algorithms cuBLAS may pick for later calls on it.
+            let st = unsafe {
+                cublas_sys::cublasSetMathMode(
+                    *blas.handle(),
+                    cublas_sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+                )
+            };
+            if st != cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(self.err(format!("cublasSetMathMode: {st:?}")));
+            }
+            *guard = Some(blas);
+        }
+        let blas = guard.as_ref().expect("initialised above");
+        let dim =
+            |v: usize| i32::try_from(v).map_err(|_| self.err(format!("dimension {v} exceeds i32")));
+        // Row-major y[m,n] is column-major yᵀ [n, m] = deq(b) · deq(a)ᵀ: A = b's buffer seen as
+        // column-major [k, n] (transposed), B = a's buffer as column-major [k, m].
+        let cfg = GemmConfig {
+            transa: cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            transb: cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m: dim(n)?,
+            n: dim(m)?,
+            k: dim(k)?,
+            alpha: 1.0f32,
+            lda: dim(k)?,
+            ldb: dim(k)?,
+            beta: 0.0f32,
+            ldc: dim(n)?,
+        };
+        if m > 0 && n > 0 {
+            // SAFETY: A (xb) holds n·k f32 read as k×n with lda = k, B (xa) holds m·k read as
+            // k×m with ldb = k, C (y) holds m·n written as n×m with ldc = n; all three were
+            // allocated with exactly those lengths on this stream, and C aliases neither.
+            unsafe { blas.gemm(cfg, &xb, &xa, &mut y) }.map_err(|e| self.err(format!("{e:?}")))?;
+        }
+        Ok(y)
+    }
+
+    /// Copy a device f32 buffer to the host.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn download_f32(&self, v: &CudaSlice<f32>) -> Result<Vec<f32>, DeviceError> {
+        self.stream.clone_dtoh(v).map_err(|e| self.err(e))
+    }
+
+    /// Wait for all queued work.
+    ///
+    /// # Errors
+    /// A driver error (e.g. a faulting kernel).
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        self.ctx.synchronize().map_err(|e| self.err(e))
+    }
+}
+
+impl QuantDevice for CudaDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn quantize(
+        &self,
+        x: Input<'_>,
+        shape: [usize; 2],
+        scheme: Scheme,
+    ) -> Result<QuantizedTensor, DeviceError> {
+        let dx = self.upload(x)?;
+        let q = self.quantize_device(&dx, shape, scheme)?;
+        self.download(&q)
+    }
+
+    fn dequantize(&self, q: &QuantizedTensor) -> Result<Vec<f32>, DeviceError> {
+        let dq = self.upload_quantized(q)?;
+        let out = self.dequantize_device(&dq)?;
+        self.stream.clone_dtoh(&out).map_err(|e| self.err(e))
+    }
+}
