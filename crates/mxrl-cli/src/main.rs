@@ -21,6 +21,8 @@ enum Commands {
     Inspect(cmd::inspect::Args),
     /// Measurements reproducing the seed's experiments (`bench memory`).
     Bench(cmd::bench::Args),
+    /// Resolve a precision recipe against a model: per-tensor plan, exports, checkpoint audit.
+    Plan(cmd::plan::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,5 +31,6 @@ fn main() -> anyhow::Result<()> {
         Commands::Quantize(a) => cmd::quantize::run(a),
         Commands::Inspect(a) => cmd::inspect::run(a),
         Commands::Bench(a) => cmd::bench::run(a),
+        Commands::Plan(a) => cmd::plan::run(a),
     }
 }

@@ -96,7 +96,9 @@ pub fn summary_table(plan: &PrecisionPlan) -> String {
         "layers", "role", "tensors", "format", "bytes"
     );
     let rows = |label: &str, sig: &Sig, times: usize, s: &mut String| {
-        for (role, fmt, count, bytes) in sig {
+        let mut sig = sig.clone();
+        sig.sort_by_key(|r| (r.0, r.1));
+        for (role, fmt, count, bytes) in &sig {
             let _ = writeln!(
                 s,
                 "{:<12} {:<20} {:>8} {:<10} {:>12}",

@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod inspect;
+pub mod plan;
 pub mod quantize;
