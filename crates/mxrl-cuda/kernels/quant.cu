@@ -253,3 +253,24 @@ extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, co
     float mult = __fmul_rn(__fmul_rn(e4m3_value(scales[i / MXRL_NVFP4_BLOCK]), a), MXRL_R2688);
     out[i] = __fmul_rn(e2m1_value(code), mult);
 }
+
+// ---- NVFP4 GEMM emulation helpers (mxrl_tensor::qlinear's arithmetic) ----
+
+// GEMM operand without the FP32 second-level scale: e2m1_value(code) * e4m3_value(block scale),
+// exact in f32 (<= 2 x 4 significant bits).
+extern "C" __global__ void nvfp4_prescaled(const u8* data, const u8* scales, float* out, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u32 code = (data[i >> 1] >> (4u * (u32)(i & 1u))) & 0xFu;
+    out[i] = __fmul_rn(e2m1_value(code), e4m3_value(scales[i / MXRL_NVFP4_BLOCK]));
+}
+
+// y[i, j] = fl(alpha_i * y[i, j]), alpha_i = fl(fl(amax_a[i or 0] * amax_b) * MXRL_NVFP4_ALPHA_FACTOR_INV)
+// (TE's compute_nvfp4_per_tensor_scale order; one alpha per row for per-token activations).
+extern "C" __global__ void nvfp4_apply_alpha(float* y, const u32* amax_a, const u32* amax_b, u64 m, u64 n, int per_row) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m * n) return;
+    float aa = __uint_as_float(amax_a[per_row ? i / n : 0]);
+    float alpha = __fmul_rn(__fmul_rn(aa, __uint_as_float(amax_b[0])), MXRL_NVFP4_ALPHA_FACTOR_INV);
+    y[i] = __fmul_rn(alpha, y[i]);
+}

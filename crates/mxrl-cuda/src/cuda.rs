@@ -44,6 +44,8 @@ struct Kernels {
     nvfp4_f32: CudaFunction,
     nvfp4_bf16: CudaFunction,
     nvfp4_dequantize: CudaFunction,
+    nvfp4_prescaled: CudaFunction,
+    nvfp4_apply_alpha: CudaFunction,
 }
 
 /// A high-precision input resident on the GPU (BF16 kept as its 16-bit pattern).
@@ -224,6 +226,8 @@ impl CudaDevice {
             nvfp4_f32: f("nvfp4_f32")?,
             nvfp4_bf16: f("nvfp4_bf16")?,
             nvfp4_dequantize: f("nvfp4_dequantize")?,
+            nvfp4_prescaled: f("nvfp4_prescaled")?,
+            nvfp4_apply_alpha: f("nvfp4_apply_alpha")?,
         };
         let stream = ctx.default_stream();
         Ok(CudaDevice {
@@ -787,6 +791,86 @@ impl CudaDevice {
         let ([m, k], n) = (a.shape, b.shape[0]);
         let xa = self.dequantize_device(a)?;
         let xb = self.dequantize_device(b)?;
+        self.sgemm_nt(&xa, &xb, m, k, n)
+    }
+
+    /// Emulated NVFP4 GEMM `y [m, n]`, as `mxrl_tensor::qlinear` computes it: operands
+    /// `e2m1 × e4m3(block scale)` (exact, kernel `nvfp4_prescaled`), one cuBLAS SGEMM in
+    /// pedantic math, then `y = fl(α · acc)` with `α = fl(fl(amax_a · amax_b) ·
+    /// fl(1/(6·6·448·448)))` per row of a per-token `a` (kernel `nvfp4_apply_alpha`).
+    ///
+    /// # Errors
+    /// `a` not NVFP4 (per tensor or per row), `b` not per-tensor NVFP4, K mismatch, no cuBLAS,
+    /// or a driver error.
+    pub fn nvfp4_gemm_nt(
+        &self,
+        a: &DeviceQuantized,
+        b: &DeviceQuantized,
+    ) -> Result<CudaSlice<f32>, DeviceError> {
+        let (Scheme::Nvfp4(sa), Scheme::NVFP4_TENSOR, Some(amax_a), Some(amax_b)) =
+            (a.scheme, b.scheme, &a.amax_bits, &b.amax_bits)
+        else {
+            return Err(self.err(format!(
+                "nvfp4_gemm_nt needs NVFP4 activations and a per-tensor NVFP4 weight, got {} and {}",
+                a.scheme, b.scheme
+            )));
+        };
+        if sa.blocks != Nvfp4Blocks::Vector || a.shape[1] != b.shape[1] {
+            return Err(self.err(format!(
+                "nvfp4_gemm_nt: operands {} {:?} and {} {:?} do not share K",
+                a.scheme, a.shape, b.scheme, b.shape
+            )));
+        }
+        let ([m, k], n) = (a.shape, b.shape[0]);
+        let pa = self.prescaled(a)?;
+        let pb = self.prescaled(b)?;
+        let mut y = self.sgemm_nt(&pa, &pb, m, k, n)?;
+        let per_row = i32::from(sa.amax == AmaxScope::PerRow);
+        assert_eq!(amax_a.len(), if per_row == 1 { m } else { 1 });
+        assert_eq!(amax_b.len(), 1);
+        let (m64, n64) = (m as u64, n as u64);
+        if m * n > 0 {
+            let mut bld = self.stream.launch_builder(&self.k.nvfp4_apply_alpha);
+            bld.arg(&mut y)
+                .arg(amax_a)
+                .arg(amax_b)
+                .arg(&m64)
+                .arg(&n64)
+                .arg(&per_row);
+            // SAFETY: thread i < m·n reads amax_a[i/n] (m entries, per row) or amax_a[0],
+            // amax_b[0] (lengths asserted above), and rescales y[i] in place (m·n entries);
+            // types match (float*, u32*, u32*, u64, u64, int).
+            unsafe { bld.launch(self.grid(m * n)) }.map_err(|e| self.err(e))?;
+        }
+        Ok(y)
+    }
+
+    /// `e2m1 × e4m3(block scale)` of an NVFP4 tensor (the GEMM operand before α).
+    fn prescaled(&self, q: &DeviceQuantized) -> Result<CudaSlice<f32>, DeviceError> {
+        let n = q.shape[0] * q.shape[1];
+        assert!(q.data.len() == n / 2 && q.scales.len() == n / NVFP4_BLOCK);
+        let mut out = self.output::<f32>(n)?;
+        if n > 0 {
+            let n64 = n as u64;
+            let mut b = self.stream.launch_builder(&self.k.nvfp4_prescaled);
+            b.arg(&q.data).arg(&q.scales).arg(&mut out).arg(&n64);
+            // SAFETY: thread i < n reads data[i/2], scales[i/16] (lengths asserted above) and
+            // writes out[i] (n entries); types match (u8*, u8*, float*, u64).
+            unsafe { b.launch(self.grid(n)) }.map_err(|e| self.err(e))?;
+        }
+        Ok(out)
+    }
+
+    /// Row-major `y [m, n] = a [m, k] · b [n, k]ᵀ` by one cuBLAS SGEMM in pedantic math.
+    fn sgemm_nt(
+        &self,
+        xa: &CudaSlice<f32>,
+        xb: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, DeviceError> {
+        assert!(xa.len() == m * k && xb.len() == n * k);
         let mut y = self.output::<f32>(m * n)?;
         let mut guard = self.blas.lock().expect("cuBLAS handle poisoned");
         if guard.is_none() {
@@ -830,7 +914,7 @@ impl CudaDevice {
             // SAFETY: A (xb) holds n·k f32 read as k×n with lda = k, B (xa) holds m·k read as
             // k×m with ldb = k, C (y) holds m·n written as n×m with ldc = n; all three were
             // allocated with exactly those lengths on this stream, and C aliases neither.
-            unsafe { blas.gemm(cfg, &xb, &xa, &mut y) }.map_err(|e| self.err(format!("{e:?}")))?;
+            unsafe { blas.gemm(cfg, xb, xa, &mut y) }.map_err(|e| self.err(format!("{e:?}")))?;
         }
         Ok(y)
     }

@@ -19,6 +19,11 @@
 //!   also builds on machines without CUDA; a CUDA test there fails loudly (no silent skip).
 //!
 //! # API
+//! Kernels (one typed launcher each on `CudaDevice`): MXFP8 row-wise and column-wise quantize,
+//! NVFP4 amax (per tensor / per row) and quantize, MXFP8 and NVFP4 dequantize, and the emulated
+//! GEMMs `mxfp8_gemm_nt` / `nvfp4_gemm_nt` (exact operands, one cuBLAS SGEMM in pedantic math,
+//! NVFP4's α applied after the sum — the arithmetic of `mxrl_tensor::qlinear`).
+//!
 //! [`QuantDevice`] (quantize / dequantize on a device, host buffers in and out) implemented by
 //! [`CpuDevice`] (the contract library) and, with `cuda`, `CudaDevice`; [`test_device!`] writes
 //! one test per device.

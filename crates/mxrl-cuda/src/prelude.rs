@@ -4,7 +4,8 @@
 //! (`R448`, `R6`, `R2688`), the NVFP4 numerator, the E4M3 encoding parameters and NaN codes,
 //! the E4M3 decode table and the E2M1 rounding thresholds all come from here, printed as exact
 //! bit patterns. The E2M1 thresholds are derived from `E2M1_VALUES` with the contract's rule
-//! (round to nearest, ties to the even code), not copied.
+//! (round to nearest, ties to the even code), not copied. The NVFP4 GEMM output factor comes
+//! from `mxrl_tensor::qlinear::NVFP4_ALPHA_FACTOR_INV`, the CPU emulation's constant.
 
 use mxrl_formats::element::{E2M1_NAN, E4M3_NAN, UE8M0_NAN};
 use mxrl_formats::{
@@ -67,6 +68,11 @@ pub fn cuda_prelude() -> String {
         f32_lit(NVFP4_GLOBAL_NUMERATOR)
     );
     let _ = writeln!(w, "#define MXRL_F32_MAX {}", f32_lit(f32::MAX));
+    let _ = writeln!(
+        w,
+        "#define MXRL_NVFP4_ALPHA_FACTOR_INV {}",
+        f32_lit(mxrl_tensor::qlinear::NVFP4_ALPHA_FACTOR_INV)
+    );
     let _ = writeln!(w, "#define MXRL_E4M3_MAN {man}u");
     let _ = writeln!(w, "#define MXRL_E4M3_BIAS {bias}");
     let _ = writeln!(w, "#define MXRL_E4M3_MAX_CODE 0x{max_code:02X}u");
@@ -159,6 +165,10 @@ mod tests {
             format!("0x{:08X}u", R448.to_bits()),
             format!("0x{:08X}u", R6.to_bits()),
             format!("0x{:08X}u", R2688.to_bits()),
+            format!(
+                "0x{:08X}u",
+                mxrl_tensor::qlinear::NVFP4_ALPHA_FACTOR_INV.to_bits()
+            ),
             format!("#define MXRL_MXFP8_BLOCK {MXFP8_BLOCK}"),
             format!("#define MXRL_NVFP4_BLOCK {NVFP4_BLOCK}"),
             contract_hash().to_string(),

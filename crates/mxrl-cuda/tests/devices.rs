@@ -295,6 +295,68 @@ fn mxfp8_gemm_is_the_f32_sum_of_the_contract_operands() {
     }
 }
 
+/// The GPU's emulated NVFP4 GEMM against the CPU linear layer (`mxrl_tensor::qlinear`), per-
+/// token and per-tensor activations: same operands and α, different summation order.
+#[cfg(feature = "cuda")]
+#[test]
+fn nvfp4_gemm_matches_the_cpu_linear() {
+    use mxrl_formats::{e2m1_decode, e4m3_decode, Format};
+    use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
+    let dev = mxrl_cuda::CudaDevice::shared(0).expect("CUDA device 0");
+    let (m, k, n) = (40, 256, 48);
+    let x = family("random", m, k, 21);
+    let w = family("random", n, k, 22);
+    for scaling in [ActScaling::PerToken, ActScaling::PerTensor] {
+        let spec = LinearSpec::new(Format::Nvfp4, BackwardMode::Dequantized)
+            .unwrap()
+            .with_act_scaling(scaling)
+            .unwrap();
+        let cpu = PreparedWeight::quantize("t", &w, n, k, spec, 0)
+            .unwrap()
+            .forward_inference(&x, m)
+            .unwrap();
+        let xs = spec.activation_scheme().unwrap();
+        let dq = |v: &[f32], r: usize, s: Scheme| {
+            let d = dev.upload(Input::F32(v)).unwrap();
+            dev.quantize_device(&d, [r, k], s).unwrap()
+        };
+        let (qa, qb) = (dq(&x, m, xs), dq(&w, n, Scheme::NVFP4_TENSOR));
+        let gpu = dev
+            .download_f32(&dev.nvfp4_gemm_nt(&qa, &qb).unwrap())
+            .unwrap();
+        // Bound: both sum the same exact products a'b' (a' = e2m1·sf) in f32, so the sums
+        // differ by ≤ 2γ_{K−1}·Σ|a'b'|; both scale by the same f32 α and round once more
+        // (≤ u·|y| each): |Δy| ≤ |α|·2γ_{K−1}·Σ|a'b'|·(1 + u) + u·(|y_gpu| + |y_cpu|).
+        let pre = |v: &[f32], r: usize, s: Scheme| -> (Vec<f32>, Vec<f32>) {
+            let q = reference::quantize(v, &[r, k], s, Padding::Reject).unwrap();
+            let sc = q.scales.as_bytes().unwrap();
+            let p = (0..r * k)
+                .map(|i| e2m1_decode(q.data[i / 2] >> (4 * (i % 2))) * e4m3_decode(sc[i / 16]))
+                .collect();
+            (p, q.amax)
+        };
+        let ((pa, aa), (pb, ab)) = (pre(&x, m, xs), pre(&w, n, Scheme::NVFP4_TENSOR));
+        let u = 2f64.powi(-24);
+        let g = (k - 1) as f64 * u / (1.0 - (k - 1) as f64 * u);
+        for i in 0..m {
+            let alpha =
+                mxrl_tensor::qlinear::nvfp4_alpha(if aa.len() == 1 { aa[0] } else { aa[i] }, ab[0]);
+            for j in 0..n {
+                let mag: f64 = (0..k)
+                    .map(|p| (pa[i * k + p] as f64 * pb[j * k + p] as f64).abs())
+                    .sum();
+                let (yg, yc) = (gpu[i * n + j] as f64, cpu[i * n + j] as f64);
+                let tol =
+                    alpha.abs() as f64 * 2.0 * g * mag * (1.0 + u) + u * (yg.abs() + yc.abs());
+                assert!(
+                    (yg - yc).abs() <= tol,
+                    "{scaling:?} ({i},{j}): gpu {yg} cpu {yc} tol {tol}"
+                );
+            }
+        }
+    }
+}
+
 /// Quantizer throughput against a device-to-device copy in the same run (H200 numbers in
 /// BENCHMARKS.md): `cargo test -p mxrl-cuda --features cuda --release -- --ignored --nocapture`.
 #[cfg(feature = "cuda")]
