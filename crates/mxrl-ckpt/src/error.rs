@@ -117,6 +117,9 @@ pub enum CkptError {
         /// What is wrong and what was expected.
         msg: String,
     },
+    /// The precision plan could not be built (recipe, inventory, format constraints).
+    #[error("precision plan: {0}")]
+    Plan(#[from] mxrl_plan::PlanError),
     /// Any other invalid request (paths, options, metadata).
     #[error("{0}")]
     Invalid(String),

@@ -12,14 +12,19 @@
 //!   straddle shards.
 #![deny(missing_docs)]
 
+pub mod convert;
+pub mod dequant;
 mod dtype;
 mod error;
 mod header;
 mod reader;
 pub mod synth;
 mod values;
+pub mod verify;
 mod writer;
 
+pub use convert::{convert, ConvertOptions, ConvertSummary, Method, NoProgress, Nvfp4Container, Progress, HF_QUANT_CONFIG, MXRL_JSON};
+pub use dequant::{dequantize, DequantSummary};
 pub use dtype::Dtype;
 pub use error::{CkptError, Result};
 pub use header::{
@@ -29,6 +34,7 @@ pub use reader::{Checkpoint, SafetensorsFile, TensorView, CONFIG_FILE, INDEX_FIL
 pub use values::{
     check_finite, count_nonfinite, f32_bytes, f32_from_bytes, f32_to_bf16_bytes, to_f32,
 };
+pub use verify::{verify, VerifyItem, VerifyReport};
 pub use writer::{
     copy_other_files, header_bytes, partial_path, write_json, write_safetensors, ShardWriter,
     StagedDir, TensorSpec,

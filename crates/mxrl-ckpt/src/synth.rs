@@ -122,20 +122,22 @@ pub struct SynthSpec {
 }
 
 impl SynthSpec {
-    /// The smallest useful model of a family (a few hundred KB), 3 shards.
+    /// A small model of a family (one to a few MB), 3 shards.
     pub fn tiny(arch: Arch) -> Self {
+        // Every GEMM K is a multiple of 128 (so every format, FP8 128x128 blocks included, can
+        // take it), except DeepSeek's kv_b (K = kv_lora_rank = 32), which recipes keep BF16.
         let base = SynthSpec {
             arch,
-            layers: 2,
-            hidden: 64,
-            intermediate: 128,
-            moe_intermediate: 32,
-            shared_intermediate: 64,
+            layers: 4,
+            hidden: 128,
+            intermediate: 256,
+            moe_intermediate: 128,
+            shared_intermediate: 128,
             experts: 4,
             top_k: 2,
             heads: 4,
             kv_heads: 2,
-            head_dim: 16,
+            head_dim: 32,
             vocab: 96,
             first_k_dense: 0,
             q_lora_rank: 0,
@@ -151,22 +153,18 @@ impl SynthSpec {
         };
         match arch {
             Arch::Qwen3Moe | Arch::Qwen2Moe => base,
-            // H = 256 so that FP8 128x128 blocks tile the expert weights in 2 x 1 / 1 x 2.
+            // H = 256 so that FP8 128x128 blocks tile the expert weights 1 x 2 / 2 x 1.
             Arch::DeepseekV3 => SynthSpec {
-                layers: 3,
                 hidden: 256,
-                intermediate: 160,
-                moe_intermediate: 32,
-                shared_intermediate: 32,
                 heads: 2,
                 kv_heads: 2,
                 head_dim: 0,
                 first_k_dense: 1,
-                q_lora_rank: 64,
+                q_lora_rank: 128,
                 kv_lora_rank: 32,
                 qk_nope_head_dim: 32,
                 qk_rope_head_dim: 16,
-                v_head_dim: 32,
+                v_head_dim: 64,
                 ..base
             },
         }

@@ -82,7 +82,7 @@ fn deepseek_fp8_layout_has_block_scales() {
     let w = ck
         .tensor("model.layers.1.mlp.experts.0.gate_proj.weight")
         .unwrap();
-    assert_eq!((w.dtype, w.shape), (Dtype::F8E4m3, &[32usize, 256][..]));
+    assert_eq!((w.dtype, w.shape), (Dtype::F8E4m3, &[128usize, 256][..]));
     let s = ck
         .tensor("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv")
         .unwrap();
