@@ -35,8 +35,8 @@ use crate::values::{check_finite, f32_to_bf16_bytes, to_f32};
 use crate::writer::{copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec};
 use mxrl_formats::{
     amax_of, contract_hash, e4m3_decode, quantize, quantize_nvfp4_with_amax, AmaxScope, Format,
-    Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION,
-    META_CONTRACT_HASH, META_CONTRACT_VERSION,
+    Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
+    META_CONTRACT_VERSION,
 };
 use mxrl_plan::{export, resolve, ExportKind, Inventory, PrecisionPlan, Recipe};
 use rayon::prelude::*;
@@ -288,7 +288,11 @@ fn output_specs(
         ],
         (Format::Fp8Block, _) => vec![
             s("weight", Dtype::F8E4m3, vec![n, k]),
-            s("weight_scale_inv", Dtype::F32, vec![n.div_ceil(128), k.div_ceil(128)]),
+            s(
+                "weight_scale_inv",
+                Dtype::F32,
+                vec![n.div_ceil(128), k.div_ceil(128)],
+            ),
         ],
     })
 }
@@ -435,9 +439,8 @@ pub(crate) fn prepare<'a>(
                 ex.render_diffs()
             )));
         }
-        let v: Value = serde_json::from_str(&ex.text).map_err(|e| {
-            CkptError::Invalid(format!("exclude list export is not JSON: {e}"))
-        })?;
+        let v: Value = serde_json::from_str(&ex.text)
+            .map_err(|e| CkptError::Invalid(format!("exclude list export is not JSON: {e}")))?;
         v["exclude_modules"]
             .as_array()
             .map(|a| {
@@ -665,8 +668,14 @@ pub(crate) fn run_job<'a>(
                             amax = pa;
                         }
                     }
-                    let q = quantize_nvfp4_with_amax(&x, &[n, k], NVFP4_WEIGHT, Padding::Reject, &[amax])
-                        .map_err(|e| fmt_err(&job.name, e))?;
+                    let q = quantize_nvfp4_with_amax(
+                        &x,
+                        &[n, k],
+                        NVFP4_WEIGHT,
+                        Padding::Reject,
+                        &[amax],
+                    )
+                    .map_err(|e| fmt_err(&job.name, e))?;
                     let g = Nvfp4Global::from_amax(amax);
                     let sc = q.scales.as_bytes().expect("nvfp4 byte scales").to_vec();
                     let (second, input) = match container {
@@ -719,7 +728,10 @@ pub(crate) trait Sink {
 pub(crate) fn shard_metadata() -> BTreeMap<String, String> {
     [
         ("format".to_string(), "pt".to_string()),
-        (META_CONTRACT_VERSION.to_string(), CONTRACT_VERSION.to_string()),
+        (
+            META_CONTRACT_VERSION.to_string(),
+            CONTRACT_VERSION.to_string(),
+        ),
         (META_CONTRACT_HASH.to_string(), contract_hash().to_string()),
     ]
     .into()
@@ -876,7 +888,13 @@ pub struct ConvertSummary {
 
 impl std::fmt::Display for ConvertSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "wrote {} ({} shard(s), plan {})", self.out.display(), self.shards, &self.plan_hash[..self.plan_hash.len().min(16)])?;
+        writeln!(
+            f,
+            "wrote {} ({} shard(s), plan {})",
+            self.out.display(),
+            self.shards,
+            &self.plan_hash[..self.plan_hash.len().min(16)]
+        )?;
         for ((fmt, method), n) in &self.tensors {
             writeln!(f, "  {fmt:<9} {method:<10} {n:>6} tensors")?;
         }
@@ -939,19 +957,32 @@ pub fn convert(
     let ck = Checkpoint::open(src)?;
     let p = prepare(&ck, recipe, recipe_label, opts.nvfp4)?;
     let staged = StagedDir::create(dst, opts.force)?;
-    let bytes_in: u64 = p.shards.iter().flat_map(|(_, j)| j).map(|j| j.in_bytes).sum();
+    let bytes_in: u64 = p
+        .shards
+        .iter()
+        .flat_map(|(_, j)| j)
+        .map(|j| j.in_bytes)
+        .sum();
     progress.start(bytes_in);
     let mut sink = WriteSink {
         dir: staged.path(),
         cur: None,
         bytes: 0,
     };
-    let amaxes = run(&p, &mut sink, opts.allow_nonfinite, opts.chunk_bytes, progress)?;
+    let amaxes = run(
+        &p,
+        &mut sink,
+        opts.allow_nonfinite,
+        opts.chunk_bytes,
+        progress,
+    )?;
     let out = staged.path();
     if let Some(idx) = output_index(&p) {
         write_json(&out.join(INDEX_FILE), &idx)?;
     } else if p.shards.len() != 1 || p.shards[0].0 != SINGLE_FILE {
-        return Err(CkptError::Invalid("unsharded checkpoint with several files".into()));
+        return Err(CkptError::Invalid(
+            "unsharded checkpoint with several files".into(),
+        ));
     }
     write_json(&out.join(CONFIG_FILE), &p.config)?;
     if let Some(h) = &p.hf_quant_config {

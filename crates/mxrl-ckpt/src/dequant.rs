@@ -123,20 +123,39 @@ fn classify(ck: &Checkpoint, prefix: &str) -> Result<Group> {
     let dims = |t: &TensorView<'_>| -> Result<(usize, usize)> {
         match *t.shape {
             [n, k] => Ok((n, k)),
-            _ => Err(bad(t.name, format!("expected a 2-D tensor, found {:?}", t.shape))),
+            _ => Err(bad(
+                t.name,
+                format!("expected a 2-D tensor, found {:?}", t.shape),
+            )),
         }
     };
     let mut g = if let Some(p) = get("weight_packed") {
         let (n, kh) = dims(&p)?;
         let k = kh * 2;
         expect(&p, Dtype::U8, &[n, kh], "packed NVFP4 data")?;
-        let s = get("weight_scale").ok_or_else(|| bad(p.name, format!("`{}` is missing", name("weight_scale"))))?;
+        let s = get("weight_scale")
+            .ok_or_else(|| bad(p.name, format!("`{}` is missing", name("weight_scale"))))?;
         expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-        let g2 = get("weight_global_scale").ok_or_else(|| bad(p.name, format!("`{}` is missing", name("weight_global_scale"))))?;
+        let g2 = get("weight_global_scale").ok_or_else(|| {
+            bad(
+                p.name,
+                format!("`{}` is missing", name("weight_global_scale")),
+            )
+        })?;
         if g2.dtype != Dtype::F32 || g2.numel() != 1 {
-            return Err(bad(g2.name, format!("must be one F32, found {} {:?}", g2.dtype, g2.shape)));
+            return Err(bad(
+                g2.name,
+                format!("must be one F32, found {} {:?}", g2.dtype, g2.shape),
+            ));
         }
-        mk(StoredForm::Nvfp4CompressedTensors, name("weight_packed"), Some(name("weight_scale")), Some(name("weight_global_scale")), n, k)
+        mk(
+            StoredForm::Nvfp4CompressedTensors,
+            name("weight_packed"),
+            Some(name("weight_scale")),
+            Some(name("weight_global_scale")),
+            n,
+            k,
+        )
     } else if let Some(w) = get("weight") {
         let sinv = get("weight_scale_inv");
         let s = get("weight_scale");
@@ -203,7 +222,9 @@ fn f32_at(d: &[u8], i: usize) -> f32 {
 /// Dequantized f32 values of a quantized group (formulas in the module docs).
 fn dequant_values(ck: &Checkpoint, g: &Group) -> Result<Vec<f32>> {
     let d = ck.tensor(&g.data)?.data;
-    let s = ck.tensor(g.scale.as_ref().expect("quantized group has a scale"))?.data;
+    let s = ck
+        .tensor(g.scale.as_ref().expect("quantized group has a scale"))?
+        .data;
     let (n, k) = (g.n, g.k);
     let mut out = Vec::with_capacity(n * k);
     match g.form {
@@ -223,7 +244,11 @@ fn dequant_values(ck: &Checkpoint, g: &Group) -> Result<Vec<f32>> {
             }
         }
         StoredForm::Nvfp4ModelOpt | StoredForm::Nvfp4CompressedTensors => {
-            let s2 = f32_at(ck.tensor(g.scale2.as_ref().expect("nvfp4 second scale"))?.data, 0);
+            let s2 = f32_at(
+                ck.tensor(g.scale2.as_ref().expect("nvfp4 second scale"))?
+                    .data,
+                0,
+            );
             let mo = g.form == StoredForm::Nvfp4ModelOpt;
             for i in 0..n {
                 for jb in 0..k / 16 {
@@ -312,8 +337,9 @@ pub fn dequantize(
             }
             Some((p, _)) => p.to_string(),
             None => match name.strip_suffix(".weight") {
-                Some(p) if ck.contains(&format!("{p}.weight_scale_inv"))
-                    || ck.contains(&format!("{p}.weight_scale")) =>
+                Some(p)
+                    if ck.contains(&format!("{p}.weight_scale_inv"))
+                        || ck.contains(&format!("{p}.weight_scale")) =>
                 {
                     p.to_string()
                 }
@@ -347,7 +373,11 @@ pub fn dequantize(
             wm.insert(s.name.clone(), file.clone());
             total_size += s.nbytes() as u64;
         }
-        let mut w = ShardWriter::create(staged.path().join(file), specs, &[("format".to_string(), "pt".to_string())].into())?;
+        let mut w = ShardWriter::create(
+            staged.path().join(file),
+            specs,
+            &[("format".to_string(), "pt".to_string())].into(),
+        )?;
         for chunk in items.chunks(64) {
             let outs: Vec<Result<Option<(String, Cow<'_, [u8]>)>>> = chunk
                 .par_iter()
@@ -360,12 +390,18 @@ pub fn dequantize(
                             Ok(Some((n.clone(), Cow::Borrowed(t.data))))
                         }
                         Item::Group(g) => {
-                            for part in [Some(&g.data), g.scale.as_ref(), g.scale2.as_ref()].into_iter().flatten() {
+                            for part in [Some(&g.data), g.scale.as_ref(), g.scale2.as_ref()]
+                                .into_iter()
+                                .flatten()
+                            {
                                 check_finite(&ck.tensor(part)?, false)?;
                             }
                             let v = dequant_values(&ck, g)?;
                             progress.advance(g.in_bytes);
-                            Ok(Some((specs[0].name.clone(), Cow::Owned(f32_to_bf16_bytes(&v)))))
+                            Ok(Some((
+                                specs[0].name.clone(),
+                                Cow::Owned(f32_to_bf16_bytes(&v)),
+                            )))
                         }
                     };
                     r
@@ -380,7 +416,10 @@ pub fn dequantize(
         bytes_out += w.finish()?;
     }
     if ck.index().is_some() {
-        write_json(&staged.path().join(INDEX_FILE), &index_json(&wm, total_size))?;
+        write_json(
+            &staged.path().join(INDEX_FILE),
+            &index_json(&wm, total_size),
+        )?;
     }
     let mut cfg = cfg;
     let o = cfg.as_object_mut().expect("config is an object");

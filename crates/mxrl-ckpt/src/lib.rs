@@ -23,7 +23,10 @@ mod values;
 pub mod verify;
 mod writer;
 
-pub use convert::{convert, ConvertOptions, ConvertSummary, Method, NoProgress, Nvfp4Container, Progress, HF_QUANT_CONFIG, MXRL_JSON};
+pub use convert::{
+    convert, ConvertOptions, ConvertSummary, Method, NoProgress, Nvfp4Container, Progress,
+    HF_QUANT_CONFIG, MXRL_JSON,
+};
 pub use dequant::{dequantize, DequantSummary};
 pub use dtype::Dtype;
 pub use error::{CkptError, Result};

@@ -92,14 +92,17 @@ impl Sink for CompareSink<'_> {
         self.cur = self.dst.shards().iter().find(|s| s.file_name() == file);
         self.expected = specs.iter().map(|s| s.name.clone()).collect();
         match self.cur {
-            None => self.report.push(file, false, "shard missing from the converted checkpoint"),
+            None => self
+                .report
+                .push(file, false, "shard missing from the converted checkpoint"),
             Some(f) => {
                 let have: BTreeSet<String> =
                     f.header().tensors.iter().map(|t| t.name.clone()).collect();
                 let extra: Vec<_> = have.difference(&self.expected).cloned().collect();
                 let missing: Vec<_> = self.expected.difference(&have).cloned().collect();
                 if extra.is_empty() && missing.is_empty() {
-                    self.report.push(file, true, format!("{} tensors", have.len()));
+                    self.report
+                        .push(file, true, format!("{} tensors", have.len()));
                 } else {
                     self.report.push(
                         file,
@@ -132,7 +135,11 @@ impl Sink for CompareSink<'_> {
         } else if f.data(t) != data {
             let stored = f.data(t);
             let n = stored.iter().zip(data).filter(|(a, b)| a != b).count();
-            let first = stored.iter().zip(data).position(|(a, b)| a != b).unwrap_or(0);
+            let first = stored
+                .iter()
+                .zip(data)
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
             self.report.push(
                 &spec.name,
                 false,
@@ -160,11 +167,13 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         return Ok(None);
     }
     let b = std::fs::read(path).map_err(|e| CkptError::io(path, "read", e))?;
-    serde_json::from_slice(&b).map(Some).map_err(|e| CkptError::Config {
-        file: path.display().to_string(),
-        field: "(file)".into(),
-        msg: format!("not valid JSON: {e}"),
-    })
+    serde_json::from_slice(&b)
+        .map(Some)
+        .map_err(|e| CkptError::Config {
+            file: path.display().to_string(),
+            field: "(file)".into(),
+            msg: format!("not valid JSON: {e}"),
+        })
 }
 
 fn compare_json(r: &mut VerifyReport, what: &str, got: Option<&Value>, want: Option<&Value>) {
@@ -198,8 +207,12 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
         field: f.into(),
         msg: "missing or of the wrong type".into(),
     };
-    let version = rec["contract"]["version"].as_u64().ok_or_else(|| field("contract.version"))?;
-    let hash = rec["contract"]["hash"].as_str().ok_or_else(|| field("contract.hash"))?;
+    let version = rec["contract"]["version"]
+        .as_u64()
+        .ok_or_else(|| field("contract.version"))?;
+    let hash = rec["contract"]["hash"]
+        .as_str()
+        .ok_or_else(|| field("contract.hash"))?;
     r.push(
         "contract",
         version == u64::from(CONTRACT_VERSION) && hash == contract_hash(),
@@ -208,8 +221,12 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
             contract_hash()
         ),
     );
-    let toml = rec["recipe"]["toml"].as_str().ok_or_else(|| field("recipe.toml"))?;
-    let label = rec["recipe"]["source"].as_str().ok_or_else(|| field("recipe.source"))?;
+    let toml = rec["recipe"]["toml"]
+        .as_str()
+        .ok_or_else(|| field("recipe.toml"))?;
+    let label = rec["recipe"]["source"]
+        .as_str()
+        .ok_or_else(|| field("recipe.source"))?;
     let recipe = Recipe::from_toml_str(toml, &format!("{} recipe.toml", rec_path.display()))?;
     let container = rec["nvfp4_container"]
         .as_str()
@@ -226,7 +243,12 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
         format!("recorded {rec_plan}, re-resolved {}", p.plan.hash()),
     );
 
-    let total: u64 = p.shards.iter().flat_map(|(_, j)| j).map(|j| j.in_bytes).sum();
+    let total: u64 = p
+        .shards
+        .iter()
+        .flat_map(|(_, j)| j)
+        .map(|j| j.in_bytes)
+        .sum();
     progress.start(total);
     let mut sink = CompareSink {
         dst: &dst,
@@ -246,7 +268,12 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
 
     compare_json(&mut r, CONFIG_FILE, dst.config(), Some(&p.config));
     let hq = read_json(&converted.join(HF_QUANT_CONFIG))?;
-    compare_json(&mut r, HF_QUANT_CONFIG, hq.as_ref(), p.hf_quant_config.as_ref());
+    compare_json(
+        &mut r,
+        HF_QUANT_CONFIG,
+        hq.as_ref(),
+        p.hf_quant_config.as_ref(),
+    );
     compare_json(&mut r, MXRL_JSON, Some(&rec), Some(&mxrl_json(&p, &amaxes)));
     let idx = read_json(&converted.join(INDEX_FILE))?;
     compare_json(&mut r, INDEX_FILE, idx.as_ref(), output_index(&p).as_ref());
@@ -281,7 +308,8 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
         if crate::convert::is_weight_or_record(rel) {
             continue;
         }
-        let a = std::fs::read(src.join(rel)).map_err(|e| CkptError::io(src.join(rel), "read", e))?;
+        let a =
+            std::fs::read(src.join(rel)).map_err(|e| CkptError::io(src.join(rel), "read", e))?;
         match std::fs::read(converted.join(rel)) {
             Ok(b) if a == b => r.push(rel.as_str(), true, "copied unchanged"),
             Ok(_) => r.push(rel.as_str(), false, "differs from the source"),
@@ -296,7 +324,11 @@ fn collect_files(root: &Path, rel: &str, out: &mut BTreeMap<String, ()>) -> Resu
     for e in std::fs::read_dir(&dir).map_err(|e| CkptError::io(&dir, "read directory", e))? {
         let e = e.map_err(|e| CkptError::io(&dir, "read directory", e))?;
         let name = e.file_name().to_string_lossy().into_owned();
-        let r = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+        let r = if rel.is_empty() {
+            name
+        } else {
+            format!("{rel}/{name}")
+        };
         if e.path().is_dir() {
             collect_files(root, &r, out)?;
         } else {

@@ -7,9 +7,7 @@ use mxrl_ckpt::{
     convert, dequantize, partial_path, verify, Checkpoint, ConvertOptions, Dtype, NoProgress,
     Nvfp4Container, SafetensorsFile, HF_QUANT_CONFIG, MXRL_JSON,
 };
-use mxrl_formats::{
-    e2m1_decode, e4m3_decode, QuantizedTensor, R2688, ScaleLayout, Scales, Scheme,
-};
+use mxrl_formats::{e2m1_decode, e4m3_decode, QuantizedTensor, ScaleLayout, Scales, Scheme, R2688};
 use mxrl_plan::Recipe;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -134,7 +132,10 @@ fn check_dequantized(conv: &Checkpoint, deq: &Checkpoint, rec: &Value) {
                     padded_shape: vec![n, k],
                     data: conv.tensor(&format!("{p}.weight")).unwrap().data.to_vec(),
                     scales: Scales::Bytes(
-                        conv.tensor(&format!("{p}.weight_scale_inv")).unwrap().data.to_vec(),
+                        conv.tensor(&format!("{p}.weight_scale_inv"))
+                            .unwrap()
+                            .data
+                            .to_vec(),
                     ),
                     scale_layout: ScaleLayout::Compact,
                     amax: vec![],
@@ -205,15 +206,32 @@ fn every_architecture_converts_to_every_format_verifies_and_dequantizes() {
         assert!(!info.straddling.is_empty());
         for case in cases() {
             let what = format!("{sname} -> {} ({})", case.label, case.container.name());
-            let dst = root.path().join(format!("out-{}-{}", case.label, case.container.name()));
-            let sum = convert(&src, &case.recipe, case.label, &dst, &opts(case.container), &NoProgress)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let dst = root
+                .path()
+                .join(format!("out-{}-{}", case.label, case.container.name()));
+            let sum = convert(
+                &src,
+                &case.recipe,
+                case.label,
+                &dst,
+                &opts(case.container),
+                &NoProgress,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert!(!partial_path(&dst).exists());
             let conv = Checkpoint::open(&dst).unwrap();
             // One output shard per input shard, same names; index total_size consistent.
-            let names: Vec<_> = conv.shards().iter().map(|s| s.file_name().to_string()).collect();
+            let names: Vec<_> = conv
+                .shards()
+                .iter()
+                .map(|s| s.file_name().to_string())
+                .collect();
             assert_eq!(names, info.files, "{what}");
-            assert_eq!(conv.index().unwrap().total_size, Some(conv.total_data_bytes()), "{what}");
+            assert_eq!(
+                conv.index().unwrap().total_size,
+                Some(conv.total_data_bytes()),
+                "{what}"
+            );
             // Contract recorded in every shard and in mxrl.json.
             for s in conv.shards() {
                 assert_eq!(
@@ -226,8 +244,15 @@ fn every_architecture_converts_to_every_format_verifies_and_dequantizes() {
             assert_eq!(rec["contract"]["hash"], mxrl_formats::contract_hash());
             assert_eq!(rec["plan_hash"].as_str().unwrap(), sum.plan_hash);
             // Tokenizer and other files copied unchanged.
-            for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
-                assert_eq!(std::fs::read(src.join(f)).unwrap(), std::fs::read(dst.join(f)).unwrap());
+            for f in [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json",
+            ] {
+                assert_eq!(
+                    std::fs::read(src.join(f)).unwrap(),
+                    std::fs::read(dst.join(f)).unwrap()
+                );
             }
             let cfg = read_json(&dst.join("config.json"));
             let q = &cfg["quantization_config"];
@@ -255,13 +280,19 @@ fn every_architecture_converts_to_every_format_verifies_and_dequantizes() {
                     assert_eq!(h["quantization"]["exclude_modules"], q["ignore"]);
                     // Compact exclusion: whole layers and generic names, never per-expert lists.
                     let ex = q["ignore"].as_array().unwrap();
-                    assert!(ex.iter().any(|p| p.as_str().unwrap().ends_with(".*")), "{what}: {ex:?}");
+                    assert!(
+                        ex.iter().any(|p| p.as_str().unwrap().ends_with(".*")),
+                        "{what}: {ex:?}"
+                    );
                     // A layer index appears only in whole-layer prefixes, an expert index never.
                     for p in ex.iter().map(|p| p.as_str().unwrap()) {
                         let segs: Vec<&str> = p.split('.').collect();
                         let indexed = segs.iter().filter(|s| s.parse::<usize>().is_ok()).count();
                         let whole_layer = segs.len() == 4 && segs[3] == "*";
-                        assert!(indexed == 0 || (indexed == 1 && whole_layer), "{what}: {p} in {ex:?}");
+                        assert!(
+                            indexed == 0 || (indexed == 1 && whole_layer),
+                            "{what}: {p} in {ex:?}"
+                        );
                     }
                 }
                 (_, Nvfp4Container::CompressedTensors) => {
@@ -292,18 +323,28 @@ fn every_architecture_converts_to_every_format_verifies_and_dequantizes() {
                         conv.tensor(&format!("{pg}.{sg}")).unwrap().data,
                         conv.tensor(&format!("{pu}.{sg}")).unwrap().data
                     );
-                    assert_ne!(conv.shard_of(&format!("{pg}.{sg}")), conv.shard_of(&format!("{pu}.{sg}")));
+                    assert_ne!(
+                        conv.shard_of(&format!("{pg}.{sg}")),
+                        conv.shard_of(&format!("{pu}.{sg}"))
+                    );
                 }
-                assert!(straddled_nvfp4 > 0, "{what}: no NVFP4 pair straddles shards");
+                assert!(
+                    straddled_nvfp4 > 0,
+                    "{what}: no NVFP4 pair straddles shards"
+                );
             }
             let report = verify(&src, &dst, &NoProgress).unwrap();
             assert!(report.is_clean(), "{what}:\n{}", report.render());
             assert!(report.items.len() > conv.len() / 2);
 
-            let deq = root.path().join(format!("deq-{}-{}", case.label, case.container.name()));
+            let deq = root
+                .path()
+                .join(format!("deq-{}-{}", case.label, case.container.name()));
             dequantize(&dst, &deq, false, &NoProgress).unwrap();
             let d = Checkpoint::open(&deq).unwrap();
-            assert!(read_json(&deq.join("config.json")).get("quantization_config").is_none());
+            assert!(read_json(&deq.join("config.json"))
+                .get("quantization_config")
+                .is_none());
             assert!(!deq.join(MXRL_JSON).exists() && !deq.join(HF_QUANT_CONFIG).exists());
             // Exactly the logical tensors of the source, all scales gone.
             let mut want: Vec<String> = Checkpoint::open(&src)
@@ -338,7 +379,15 @@ fn fp8_sources_dequantize_exactly_and_repack_losslessly() {
         write_synthetic(&spec, &src).unwrap();
         let s = Checkpoint::open(&src).unwrap();
         let dst = root.path().join("mx");
-        convert(&src, &Recipe::preset("mxfp8").unwrap(), "mxfp8", &dst, &opts(Nvfp4Container::ModelOpt), &NoProgress).unwrap();
+        convert(
+            &src,
+            &Recipe::preset("mxfp8").unwrap(),
+            "mxfp8",
+            &dst,
+            &opts(Nvfp4Container::ModelOpt),
+            &NoProgress,
+        )
+        .unwrap();
         let c = Checkpoint::open(&dst).unwrap();
         let rec = read_json(&dst.join(MXRL_JSON));
         let mut repacked = 0;
@@ -347,18 +396,24 @@ fn fp8_sources_dequantize_exactly_and_repack_losslessly() {
             if st.dtype != Dtype::F8E4m3 {
                 continue;
             }
-            let sinv = mxrl_ckpt::f32_from_bytes(s.tensor(&format!("{name}_scale_inv")).unwrap().data);
+            let sinv =
+                mxrl_ckpt::f32_from_bytes(s.tensor(&format!("{name}_scale_inv")).unwrap().data);
             let k = st.shape[1];
             let exact: Vec<f32> = st
                 .data
                 .iter()
                 .enumerate()
-                .map(|(i, &q)| e4m3_decode(q) * sinv[(i / k / 128) * k.div_ceil(128) + (i % k) / 128])
+                .map(|(i, &q)| {
+                    e4m3_decode(q) * sinv[(i / k / 128) * k.div_ceil(128) + (i % k) / 128]
+                })
                 .collect();
             match (e["format"].as_str().unwrap(), e["method"].as_str().unwrap()) {
                 ("bf16", "dequantize") => {
                     let got = c.tensor(name).unwrap();
-                    let want: Vec<u8> = exact.iter().flat_map(|&x| bf16_bits(x).to_le_bytes()).collect();
+                    let want: Vec<u8> = exact
+                        .iter()
+                        .flat_map(|&x| bf16_bits(x).to_le_bytes())
+                        .collect();
                     assert_eq!(got.data, &want[..], "{name}");
                 }
                 ("mxfp8", "repack") => {
@@ -388,14 +443,25 @@ fn fp8_sources_dequantize_exactly_and_repack_losslessly() {
 
 fn assert_nothing_left(dst: &Path) {
     assert!(!dst.exists(), "{} exists", dst.display());
-    assert!(!partial_path(dst).exists(), "{} exists", partial_path(dst).display());
+    assert!(
+        !partial_path(dst).exists(),
+        "{} exists",
+        partial_path(dst).display()
+    );
 }
 
 fn convert_err(src: &Path, recipe: &str, want: &[&str]) -> PathBuf {
     let dst = src.parent().unwrap().join("out");
-    let e = convert(src, &Recipe::load(recipe).unwrap(), recipe, &dst, &opts(Nvfp4Container::ModelOpt), &NoProgress)
-        .expect_err("conversion must fail")
-        .to_string();
+    let e = convert(
+        src,
+        &Recipe::load(recipe).unwrap(),
+        recipe,
+        &dst,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .expect_err("conversion must fail")
+    .to_string();
     for w in want {
         assert!(e.contains(w), "`{e}` lacks `{w}`");
     }
@@ -418,7 +484,15 @@ fn gate_without_up_is_an_error_naming_both() {
     let (_r, src) = qwen_with(|s| {
         s.omit.insert(up.into());
     });
-    convert_err(&src, "nvfp4-hp", &["model.layers.1.mlp.experts.2.gate_proj.weight", up, "missing"]);
+    convert_err(
+        &src,
+        "nvfp4-hp",
+        &[
+            "model.layers.1.mlp.experts.2.gate_proj.weight",
+            up,
+            "missing",
+        ],
+    );
 }
 
 #[test]
@@ -427,13 +501,25 @@ fn nonfinite_weights_are_refused_with_count_unless_allowed() {
     let (_r, src) = qwen_with(|s| {
         s.poison.insert(t.into(), 5);
     });
-    convert_err(&src, "nvfp4-hp", &[t, "5 of 16384 values are NaN or Inf", "--allow-nonfinite"]);
+    convert_err(
+        &src,
+        "nvfp4-hp",
+        &[t, "5 of 16384 values are NaN or Inf", "--allow-nonfinite"],
+    );
     let dst = src.parent().unwrap().join("ok");
     let o = ConvertOptions {
         allow_nonfinite: true,
         ..opts(Nvfp4Container::ModelOpt)
     };
-    convert(&src, &Recipe::preset("nvfp4-hp").unwrap(), "nvfp4-hp", &dst, &o, &NoProgress).unwrap();
+    convert(
+        &src,
+        &Recipe::preset("nvfp4-hp").unwrap(),
+        "nvfp4-hp",
+        &dst,
+        &o,
+        &NoProgress,
+    )
+    .unwrap();
     assert!(verify(&src, &dst, &NoProgress).unwrap().is_clean());
 }
 
@@ -444,7 +530,15 @@ fn existing_output_is_kept_without_force_and_replaced_with_it() {
     std::fs::create_dir(&dst).unwrap();
     std::fs::write(dst.join("precious"), "x").unwrap();
     let r = Recipe::preset("mxfp8").unwrap();
-    let e = convert(&src, &r, "mxfp8", &dst, &opts(Nvfp4Container::ModelOpt), &NoProgress).unwrap_err();
+    let e = convert(
+        &src,
+        &r,
+        "mxfp8",
+        &dst,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("--force"), "{e}");
     assert_eq!(std::fs::read(dst.join("precious")).unwrap(), b"x");
     assert!(!partial_path(&dst).exists());
@@ -461,10 +555,20 @@ fn existing_output_is_kept_without_force_and_replaced_with_it() {
 fn output_inside_source_is_refused() {
     let (_r, src) = qwen_with(|_| {});
     let dst = src.join("converted");
-    let e = convert(&src, &Recipe::preset("mxfp8").unwrap(), "mxfp8", &dst, &opts(Nvfp4Container::ModelOpt), &NoProgress)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("must not be, contain or lie inside the source"), "{e}");
+    let e = convert(
+        &src,
+        &Recipe::preset("mxfp8").unwrap(),
+        "mxfp8",
+        &dst,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("must not be, contain or lie inside the source"),
+        "{e}"
+    );
     assert_nothing_left(&dst);
 }
 
@@ -474,20 +578,35 @@ fn truncated_shard_is_refused() {
     let f = src.join("model-00002-of-00003.safetensors");
     let b = std::fs::read(&f).unwrap();
     std::fs::write(&f, &b[..b.len() / 2]).unwrap();
-    convert_err(&src, "mxfp8", &["model-00002-of-00003.safetensors", "run past the end"]);
+    convert_err(
+        &src,
+        "mxfp8",
+        &["model-00002-of-00003.safetensors", "run past the end"],
+    );
 }
 
 #[test]
 fn missing_shard_and_index_entries_are_refused() {
     let (_r, src) = qwen_with(|_| {});
     std::fs::remove_file(src.join("model-00003-of-00003.safetensors")).unwrap();
-    convert_err(&src, "mxfp8", &["model-00003-of-00003.safetensors", "is missing"]);
+    convert_err(
+        &src,
+        "mxfp8",
+        &["model-00003-of-00003.safetensors", "is missing"],
+    );
     let (_r, src) = qwen_with(|_| {});
     let p = src.join("model.safetensors.index.json");
     let mut idx = read_json(&p);
-    idx["weight_map"].as_object_mut().unwrap().remove("lm_head.weight");
+    idx["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .remove("lm_head.weight");
     std::fs::write(&p, idx.to_string()).unwrap();
-    convert_err(&src, "mxfp8", &["lm_head.weight", "has no entry in weight_map"]);
+    convert_err(
+        &src,
+        "mxfp8",
+        &["lm_head.weight", "has no entry in weight_map"],
+    );
 }
 
 /// Rewrites one tensor's header entry in a shard (keeping the data), re-padding the header.
@@ -518,7 +637,11 @@ fn unsupported_and_mismatched_dtypes_are_refused() {
 
     let (_r, src) = qwen_with(|_| {});
     patch_entry(&shard_of(&src, t), t, |e| e["dtype"] = "F32".into());
-    convert_err(&src, "mxfp8", &[t, "needs 65536 bytes", "mismatched dtype or shape"]);
+    convert_err(
+        &src,
+        "mxfp8",
+        &[t, "needs 65536 bytes", "mismatched dtype or shape"],
+    );
 
     // A dtype the header allows but a quantized weight cannot come from.
     let (_r, src) = qwen_with(|_| {});
@@ -532,7 +655,13 @@ fn overlapping_offsets_are_refused() {
     let (_r, src) = qwen_with(|_| {});
     let f = shard_of(&src, t);
     let sf = SafetensorsFile::open(&f).unwrap();
-    let e = sf.header().tensors.iter().find(|x| x.name == t).unwrap().clone();
+    let e = sf
+        .header()
+        .tensors
+        .iter()
+        .find(|x| x.name == t)
+        .unwrap()
+        .clone();
     drop(sf);
     patch_entry(&f, t, |v| {
         v["data_offsets"] = serde_json::json!([e.begin - 8, e.end - 8]);
@@ -556,18 +685,36 @@ fn plans_mixing_two_quantized_formats_are_refused() {
         "name = \"mixed\"\nbackward = \"high_precision\"\ndefault = \"mxfp8\"\nnvfp4_activation_scale = \"per_token\"\n[[rule]]\nrole = \"routed_expert\"\nformat = \"nvfp4\"\n",
     )
     .unwrap();
-    convert_err(&src, recipe.to_str().unwrap(), &["mxfp8 and nvfp4", "one quantized format"]);
+    convert_err(
+        &src,
+        recipe.to_str().unwrap(),
+        &["mxfp8 and nvfp4", "one quantized format"],
+    );
 }
 
 #[test]
 fn verify_reports_a_changed_byte_and_a_changed_config() {
     let (_r, src) = qwen_with(|_| {});
     let dst = src.parent().unwrap().join("out");
-    convert(&src, &Recipe::preset("nvfp4-hp").unwrap(), "nvfp4-hp", &dst, &opts(Nvfp4Container::ModelOpt), &NoProgress).unwrap();
+    convert(
+        &src,
+        &Recipe::preset("nvfp4-hp").unwrap(),
+        "nvfp4-hp",
+        &dst,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .unwrap();
     let t = "model.layers.0.mlp.experts.0.up_proj.weight_scale";
     let f = shard_of(&dst, t);
     let sf = SafetensorsFile::open(&f).unwrap();
-    let e = sf.header().tensors.iter().find(|x| x.name == t).unwrap().clone();
+    let e = sf
+        .header()
+        .tensors
+        .iter()
+        .find(|x| x.name == t)
+        .unwrap()
+        .clone();
     let off = sf.header().data_start + e.begin + 3;
     drop(sf);
     let mut b = std::fs::read(&f).unwrap();
@@ -578,7 +725,16 @@ fn verify_reports_a_changed_byte_and_a_changed_config() {
     cfg["quantization_config"]["ignore"] = serde_json::json!([]);
     std::fs::write(&cfgp, cfg.to_string()).unwrap();
     let r = verify(&src, &dst, &NoProgress).unwrap();
-    let bad: Vec<_> = r.items.iter().filter(|i| !i.ok).map(|i| i.item.as_str()).collect();
+    let bad: Vec<_> = r
+        .items
+        .iter()
+        .filter(|i| !i.ok)
+        .map(|i| i.item.as_str())
+        .collect();
     assert_eq!(bad, [t, "config.json"], "{}", r.render());
-    assert!(r.render().contains("1 of 1024 bytes differ"), "{}", r.render());
+    assert!(
+        r.render().contains("1 of 1024 bytes differ"),
+        "{}",
+        r.render()
+    );
 }
