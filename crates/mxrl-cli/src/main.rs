@@ -23,6 +23,18 @@ enum Commands {
     Bench(cmd::bench::Args),
     /// Resolve a precision recipe against a model: per-tensor plan, exports, checkpoint audit.
     Plan(cmd::plan::Args),
+    /// Convert a Hugging Face checkpoint to MXFP8 / NVFP4 / FP8-block by a precision plan.
+    Convert(cmd::convert::Args),
+    /// Dequantize a converted (or block-FP8) checkpoint back to BF16.
+    Dequantize(cmd::dequantize::Args),
+    /// Re-derive a converted checkpoint from its source and compare every byte.
+    Verify(cmd::verify::Args),
+    /// Write a synthetic checkpoint in a real HF MoE layout (tests, benchmarks).
+    #[command(hide = true)]
+    Synth(cmd::synth::Args),
+    /// Benchmark conversion against a plain copy of the same bytes.
+    #[command(hide = true)]
+    CkptBench(cmd::ckpt_bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,5 +44,10 @@ fn main() -> anyhow::Result<()> {
         Commands::Inspect(a) => cmd::inspect::run(a),
         Commands::Bench(a) => cmd::bench::run(a),
         Commands::Plan(a) => cmd::plan::run(a),
+        Commands::Convert(a) => cmd::convert::run(a),
+        Commands::Dequantize(a) => cmd::dequantize::run(a),
+        Commands::Verify(a) => cmd::verify::run(a),
+        Commands::Synth(a) => cmd::synth::run(a),
+        Commands::CkptBench(a) => cmd::ckpt_bench::run(a),
     }
 }

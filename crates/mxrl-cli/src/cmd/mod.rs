@@ -1,6 +1,12 @@
 //! Subcommands, one module each.
 
 pub mod bench;
+pub mod ckpt_bench;
+pub mod convert;
+pub mod dequantize;
 pub mod inspect;
 pub mod plan;
+mod progress;
 pub mod quantize;
+pub mod synth;
+pub mod verify;
