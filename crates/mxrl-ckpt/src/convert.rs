@@ -599,12 +599,15 @@ fn fmt_err(name: &str, e: mxrl_formats::FormatError) -> CkptError {
 }
 
 /// The output bytes of one job (in `job.outputs` order) and, for NVFP4, the amax used.
+pub(crate) type JobOutput<'a> = (Vec<Cow<'a, [u8]>>, Option<f32>);
+
+/// Converts one job (see [`JobOutput`]).
 pub(crate) fn run_job<'a>(
     ck: &'a Checkpoint,
     job: &Job,
     container: Nvfp4Container,
     allow_nonfinite: bool,
-) -> Result<(Vec<Cow<'a, [u8]>>, Option<f32>)> {
+) -> Result<JobOutput<'a>> {
     let t = ck.tensor(&job.name)?;
     check_finite(&t, allow_nonfinite)?;
     let scale = match &job.scale {

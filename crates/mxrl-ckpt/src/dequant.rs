@@ -298,6 +298,11 @@ impl std::fmt::Display for DequantSummary {
     }
 }
 
+/// An output shard: its file name and items with their output specs.
+type ShardItems = (String, Vec<(Item, Vec<TensorSpec>)>);
+/// An output tensor's name and bytes.
+type Named<'a> = (String, Cow<'a, [u8]>);
+
 enum Item {
     Group(Group),
     /// Dropped static input scales.
@@ -321,7 +326,7 @@ pub fn dequantize(
     let cfg = ck.require_config()?.clone();
     // Group by weight prefix; every companion must belong to a recognized group.
     let mut seen = HashSet::new();
-    let mut shards: Vec<(String, Vec<(Item, Vec<TensorSpec>)>)> = ck
+    let mut shards: Vec<ShardItems> = ck
         .shards()
         .iter()
         .map(|s| (s.file_name().to_string(), Vec::new()))
@@ -379,7 +384,7 @@ pub fn dequantize(
             &[("format".to_string(), "pt".to_string())].into(),
         )?;
         for chunk in items.chunks(64) {
-            let outs: Vec<Result<Option<(String, Cow<'_, [u8]>)>>> = chunk
+            let outs: Vec<Result<Option<Named<'_>>>> = chunk
                 .par_iter()
                 .map(|(item, specs)| {
                     let r = match item {
