@@ -60,6 +60,7 @@ use mxrl_formats::{
     e2m1_decode, e4m3_decode, AmaxScope, Format, FormatError, Fp8Blocks, Padding, QuantizedTensor,
     ScaleLayout, Scales, Scheme, FP8_BLOCK,
 };
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -235,20 +236,6 @@ pub enum QLinearError {
         /// The shape as text.
         shape: String,
     },
-    /// A dimension that is not a multiple of the format's block.
-    #[error("linear `{name}`: {dim} = {value} is not a multiple of {block} ({reason})")]
-    Alignment {
-        /// Weight name.
-        name: String,
-        /// Dimension name (`K`, `N`, `M`).
-        dim: &'static str,
-        /// Its value.
-        value: usize,
-        /// The required multiple.
-        block: usize,
-        /// Why.
-        reason: &'static str,
-    },
     /// Backward called with a context from a different weight version.
     #[error("linear `{name}`: backward with weight version {weight} but the forward used version {saved}")]
     StaleWeight {
@@ -405,12 +392,27 @@ impl Operand {
     }
 }
 
+/// Up to this many rows the forward GEMM runs as independent dot products
+/// ([`gemm::matmul_nt_dot`]: decode steps, sparsely routed experts); above it, the packed GEMM.
+/// Both accumulate the same exact products in f32, in different orders (the module's bounds
+/// hold for any order). Same threshold as the model's BF16 linears.
+pub const SMALL_M: usize = 8;
+
+/// Forward GEMM `a[m,k] · b[n,k]ᵀ` (f32 accumulation), choosing the path by [`SMALL_M`].
+fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    if m <= SMALL_M {
+        gemm::matmul_nt_dot(a, b, m, k, n)
+    } else {
+        gemm::matmul_nt(a, b, m, k, n)
+    }
+}
+
 /// Emulated forward GEMM `y[m,n] = a[m,k] · b[n,k]ᵀ` of two operands of the same format.
 fn emulated_nt(a: &Operand, b: &Operand, m: usize, k: usize, n: usize) -> Vec<f32> {
     match (a, b) {
-        (Operand::Plain(a), Operand::Plain(b)) => gemm::matmul_nt(a, b, m, k, n),
+        (Operand::Plain(a), Operand::Plain(b)) => gemm_nt(a, b, m, k, n),
         (Operand::Nvfp4 { pre: pa, amax: aa }, Operand::Nvfp4 { pre: pb, amax: ab }) => {
-            let mut acc = gemm::matmul_nt(pa, pb, m, k, n);
+            let mut acc = gemm_nt(pa, pb, m, k, n);
             debug_assert_eq!(ab.len(), 1, "NVFP4 weights carry one per-tensor amax");
             for i in 0..m {
                 let alpha = nvfp4_alpha(if aa.len() == 1 { aa[0] } else { aa[i] }, ab[0]);
@@ -445,7 +447,7 @@ fn emulated_nt(a: &Operand, b: &Operand, m: usize, k: usize, n: usize) -> Vec<f3
                     pb[j * FP8_BLOCK..(j + 1) * FP8_BLOCK]
                         .copy_from_slice(&eb[j * k + blk * FP8_BLOCK..][..FP8_BLOCK]);
                 }
-                let p = gemm::matmul_nt(&pa, &pb, m, FP8_BLOCK, n);
+                let p = gemm_nt(&pa, &pb, m, FP8_BLOCK, n);
                 for i in 0..m {
                     let s_a = sa[(i / ta) * nb + blk];
                     for j in 0..n {
@@ -848,6 +850,56 @@ impl PreparedWeight {
     /// [`QLinearError::NeedsHighPrecisionWeight`] for a weight built from stored bytes only
     /// in a mode that needs the original, shape or quantizer errors.
     pub fn backward(&self, saved: &Saved, dy: &[f32]) -> Result<Grads, QLinearError> {
+        let ops = self.backward_operands(saved, dy)?;
+        let (m, k, n) = (saved.m, self.k, self.n);
+        let dx = gemm::matmul_nn(&ops.dy_dgrad, &ops.w, m, n, k);
+        let dw = gemm::matmul_tn(ops.dy_wgrad(), &ops.x, n, m, k);
+        Ok(Grads { dx, dw })
+    }
+
+    /// [`PreparedWeight::backward`] in the model's convention: returns `dx [M, K]` and
+    /// **accumulates** `dW` into `dw_acc [N, K]` (`dW += dyᵀ·x` inside the GEMM, operands exactly
+    /// as in `backward`). With `dw_acc` all zeros the result equals `backward`'s `dw`.
+    ///
+    /// # Errors
+    /// As [`PreparedWeight::backward`], and a wrong `dw_acc` length.
+    pub fn backward_accumulate(
+        &self,
+        saved: &Saved,
+        dy: &[f32],
+        dw_acc: &mut [f32],
+    ) -> Result<Vec<f32>, QLinearError> {
+        check_len(
+            &self.name,
+            "weight gradient accumulator",
+            dw_acc.len(),
+            self.n,
+            self.k,
+        )?;
+        let ops = self.backward_operands(saved, dy)?;
+        let (m, k, n) = (saved.m, self.k, self.n);
+        let dx = gemm::matmul_nn(&ops.dy_dgrad, &ops.w, m, n, k);
+        // dW[n, k] += dy[m, n]ᵀ · x[m, k]: logical A = dyᵀ (strides (1, n)), B = x.
+        gemm::sgemm_into(
+            ops.dy_wgrad(),
+            (1, n as isize),
+            &ops.x,
+            (k as isize, 1),
+            dw_acc,
+            n,
+            m,
+            k,
+            true,
+        );
+        Ok(dx)
+    }
+
+    /// The backward GEMM operands of the mode (see the module doc table).
+    fn backward_operands<'a>(
+        &'a self,
+        saved: &Saved,
+        dy: &[f32],
+    ) -> Result<BackwardOperands<'a>, QLinearError> {
         if saved.version != self.version {
             return Err(QLinearError::StaleWeight {
                 name: self.name.clone(),
@@ -855,66 +907,74 @@ impl PreparedWeight {
                 saved: saved.version,
             });
         }
-        let (m, k, n) = (saved.m, self.k, self.n);
+        let (m, n) = (saved.m, self.n);
         check_len(&self.name, "output gradient dy", dy.len(), m, n)?;
-        let err = contract_err(&self.name);
-        match &saved.kept {
+        let err = || contract_err(&self.name);
+        let needs_original = || QLinearError::NeedsHighPrecisionWeight {
+            name: self.name.clone(),
+            mode: self.spec.backward,
+        };
+        Ok(match &saved.kept {
             Kept::ColumnWise(x_col) => {
                 let WeightBackward::ColumnWise(w_col) = &self.backward else {
-                    return Err(QLinearError::NeedsHighPrecisionWeight {
-                        name: self.name.clone(),
-                        mode: self.spec.backward,
-                    });
+                    return Err(needs_original());
                 };
-                let dy_row = mxrl_formats::quantize(dy, &[m, n], Scheme::MXFP8_ROW, Padding::Zero)
-                    .and_then(|q| q.dequantize())
-                    .map_err(contract_err(&self.name))?;
-                let w_col = w_col.dequantize().map_err(contract_err(&self.name))?;
-                let dx = gemm::matmul_nn(&dy_row, &w_col, m, n, k);
-                let dy_col = mxrl_formats::quantize(dy, &[m, n], Scheme::MXFP8_COL, Padding::Zero)
-                    .and_then(|q| q.dequantize())
-                    .map_err(contract_err(&self.name))?;
-                let x_col = x_col.dequantize().map_err(err)?;
-                let dw = gemm::matmul_tn(&dy_col, &x_col, n, m, k);
-                Ok(Grads { dx, dw })
+                let quant = |scheme| {
+                    mxrl_formats::quantize(dy, &[m, n], scheme, Padding::Zero)
+                        .and_then(|q| q.dequantize())
+                        .map_err(err())
+                };
+                BackwardOperands {
+                    dy_dgrad: quant(Scheme::MXFP8_ROW)?,
+                    w: Cow::Owned(w_col.dequantize().map_err(err())?),
+                    dy_wgrad: Some(quant(Scheme::MXFP8_COL)?),
+                    x: x_col.dequantize().map_err(err())?,
+                }
             }
             Kept::Original(x) => {
-                let w_bf16;
-                let w: &[f32] = match (&self.backward, &self.operand) {
-                    (WeightBackward::Original(w), _) => {
-                        w_bf16 = widen(w);
-                        &w_bf16
+                let w: Cow<'a, [f32]> = match (&self.backward, &self.operand) {
+                    (WeightBackward::Original(w), _) => Cow::Owned(widen(w)),
+                    (WeightBackward::Nothing, Operand::Plain(w)) if self.stored.is_none() => {
+                        Cow::Borrowed(w)
                     }
-                    (WeightBackward::Nothing, Operand::Plain(w)) if self.stored.is_none() => w,
-                    _ => {
-                        return Err(QLinearError::NeedsHighPrecisionWeight {
-                            name: self.name.clone(),
-                            mode: self.spec.backward,
-                        })
-                    }
+                    _ => return Err(needs_original()),
                 };
-                let dyb = round_bf16_vec(dy);
-                let dx = gemm::matmul_nn(&dyb, w, m, n, k);
-                let dw = gemm::matmul_tn(&dyb, &widen(x), n, m, k);
-                Ok(Grads { dx, dw })
+                BackwardOperands {
+                    dy_dgrad: round_bf16_vec(dy),
+                    w,
+                    dy_wgrad: None,
+                    x: widen(x),
+                }
             }
             Kept::Forward(qx) => {
-                let w_deq;
-                let w: &[f32] = match &self.operand {
+                let w: Cow<'a, [f32]> = match &self.operand {
                     // MXFP8: the forward operand *is* the contract dequantization.
-                    Operand::Plain(w) => w,
-                    _ => {
-                        w_deq = self.dequantized()?;
-                        &w_deq
-                    }
+                    Operand::Plain(w) => Cow::Borrowed(w),
+                    _ => Cow::Owned(self.dequantized()?),
                 };
-                let dyb = round_bf16_vec(dy);
-                let dx = gemm::matmul_nn(&dyb, w, m, n, k);
-                let x = qx.dequantize().map_err(err)?;
-                let dw = gemm::matmul_tn(&dyb, &x, n, m, k);
-                Ok(Grads { dx, dw })
+                BackwardOperands {
+                    dy_dgrad: round_bf16_vec(dy),
+                    w,
+                    dy_wgrad: None,
+                    x: qx.dequantize().map_err(err())?,
+                }
             }
-        }
+        })
+    }
+}
+
+/// Operands of the two backward GEMMs: dgrad `dy_dgrad [M, N] · w [N, K]`, wgrad
+/// `dy_wgradᵀ · x [M, K]` (`dy_wgrad` = `dy_dgrad` unless the mode quantizes dy twice).
+struct BackwardOperands<'a> {
+    dy_dgrad: Vec<f32>,
+    w: Cow<'a, [f32]>,
+    dy_wgrad: Option<Vec<f32>>,
+    x: Vec<f32>,
+}
+
+impl BackwardOperands<'_> {
+    fn dy_wgrad(&self) -> &[f32] {
+        self.dy_wgrad.as_deref().unwrap_or(&self.dy_dgrad)
     }
 }
 
@@ -1209,7 +1269,7 @@ mod tests {
         let want = matmul_reference(&xd, &wd, m, k, n);
         assert_within(&y, &want, &xd, &wd, (m, k, n), (k - 1, k - 1, 0), "mxfp8");
         // And the forward multiplies exactly those operands: same GEMM, same bits.
-        assert_eq!(y, gemm::matmul_nt(&xd, &wd, m, k, n));
+        assert_eq!(y, gemm_nt(&xd, &wd, m, k, n));
     }
 
     #[test]
@@ -1291,7 +1351,7 @@ mod tests {
         let y = pw.forward_inference(&x, m).unwrap();
         let xb: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
         let wb: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-        assert_eq!(y, gemm::matmul_nt(&xb, &wb, m, k, n));
+        assert_eq!(y, gemm_nt(&xb, &wb, m, k, n));
     }
 
     #[test]
@@ -1401,6 +1461,37 @@ mod tests {
         let err: f32 = g.dx.iter().zip(&dx_true).map(|(a, b)| (a - b).abs()).sum();
         let mag: f32 = dx_true.iter().map(|v| v.abs()).sum();
         assert!(err < 0.1 * mag, "dgrad far from dy·W: {err} vs {mag}");
+    }
+
+    #[test]
+    fn backward_accumulate_adds_the_same_weight_gradient() {
+        let (m, k, n) = (9, 64, 32);
+        let x = data(m, k, 30);
+        let w = data(n, k, 31);
+        let dy = data(m, n, 32);
+        for mode in BackwardMode::ALL {
+            let pw = PreparedWeight::quantize("t", &w, n, k, spec(Format::Mxfp8, mode), 0).unwrap();
+            let (_, saved) = pw.forward(&x, m).unwrap();
+            let want = pw.backward(&saved, &dy).unwrap();
+            let mut acc = vec![0.0f32; n * k];
+            let dx = pw.backward_accumulate(&saved, &dy, &mut acc).unwrap();
+            assert_eq!(dx, want.dx, "{mode}");
+            assert_eq!(acc, want.dw, "{mode}: zero accumulator");
+            // Accumulating onto a non-zero gradient: one extra rounding per element.
+            let init = data(n, k, 33);
+            let mut acc = init.clone();
+            pw.backward_accumulate(&saved, &dy, &mut acc).unwrap();
+            for ((a, i), d) in acc.iter().zip(&init).zip(&want.dw) {
+                let tol = 2.0 * f32::EPSILON * (i.abs() + d.abs());
+                assert!((a - (i + d)).abs() <= tol, "{mode}: {a} vs {i} + {d}");
+            }
+        }
+        let pw = PreparedWeight::quantize("t.acc", &w, n, k, LinearSpec::bf16(), 0).unwrap();
+        let (_, saved) = pw.forward(&x, m).unwrap();
+        let e = pw
+            .backward_accumulate(&saved, &dy, &mut [0.0; 3])
+            .unwrap_err();
+        assert!(e.to_string().contains("t.acc"), "{e}");
     }
 
     #[test]
