@@ -55,7 +55,7 @@ pub use glob::{Glob, GlobError};
 pub use inventory::{config_path, count_by_role, Arch, Inventory, TensorInfo, TensorKind};
 pub use layers::{format_ranges, LayerSpec, LayerSpecError};
 pub use mxrl_formats::Format;
-pub use names::{megatron_name, sglang_module, FusedPart, MegatronName};
+pub use names::{megatron_name, sglang_module, FusedPart, MegatronMap, MegatronName};
 pub use plan::{
     entry_bytes, format_constraint, resolve, AmaxGroup, Decision, PlanEntry, PrecisionPlan,
     RuleSummary, Totals,

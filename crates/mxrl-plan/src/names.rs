@@ -175,6 +175,43 @@ pub fn megatron_name(inv: &Inventory, t: &TensorInfo) -> Option<MegatronName> {
     }
 }
 
+/// Reverse index Megatron-Core parameter → HF tensors (with their fused slice), for
+/// converting Megatron weights back to Hugging Face names (live export).
+#[derive(Debug, Clone)]
+pub struct MegatronMap {
+    by_param: std::collections::HashMap<String, Vec<(usize, Option<FusedPart>)>>,
+}
+
+impl MegatronMap {
+    /// Index every tensor of `inv` that has a Megatron parameter.
+    pub fn new(inv: &Inventory) -> MegatronMap {
+        let mut by_param: std::collections::HashMap<String, Vec<(usize, Option<FusedPart>)>> =
+            std::collections::HashMap::new();
+        for (i, t) in inv.tensors().iter().enumerate() {
+            if let Some(m) = megatron_name(inv, t) {
+                by_param.entry(m.param).or_default().push((i, m.part));
+            }
+        }
+        MegatronMap { by_param }
+    }
+
+    /// The inventory positions (and fused slices) a Megatron parameter holds, in
+    /// checkpoint order: q, k, v for `linear_qkv`; gate, up for `linear_fc1`.
+    pub fn members(&self, param: &str) -> &[(usize, Option<FusedPart>)] {
+        self.by_param.get(param).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// Number of distinct Megatron parameters.
+    pub fn len(&self) -> usize {
+        self.by_param.len()
+    }
+
+    /// Whether no tensor has a Megatron parameter.
+    pub fn is_empty(&self) -> bool {
+        self.by_param.is_empty()
+    }
+}
+
 /// The SGLang module a linear weight is loaded into at rollout time (fused names:
 /// `qkv_proj`, `gate_up_proj`, `fused_qkv_a_proj_with_mqa`, FusedMoE `experts`), or
 /// `None` for non-linear tensors.
@@ -278,6 +315,49 @@ mod tests {
                 megatron_name(&inv, t).unwrap_or_else(|| panic!("{} has no Megatron name", t.hf));
             assert!(seen.insert((n.param.clone(), n.part)), "duplicate {n:?}");
         }
+    }
+
+    #[test]
+    fn megatron_map_inverts_the_mapping() {
+        let inv = Inventory::from_config_json(QWEN2_MOE_TINY, "tiny").unwrap();
+        let map = MegatronMap::new(&inv);
+        let qkv: Vec<(&str, Option<FusedPart>)> = map
+            .members("decoder.layers.1.self_attention.linear_qkv.weight")
+            .iter()
+            .map(|(i, p)| (inv.tensors()[*i].hf.as_str(), *p))
+            .collect();
+        assert_eq!(
+            qkv,
+            [
+                ("model.layers.1.self_attn.q_proj.weight", Some(FusedPart::Q)),
+                ("model.layers.1.self_attn.k_proj.weight", Some(FusedPart::K)),
+                ("model.layers.1.self_attn.v_proj.weight", Some(FusedPart::V)),
+            ]
+        );
+        let fc1: Vec<&str> = map
+            .members("decoder.layers.1.mlp.experts.linear_fc1.weight0")
+            .iter()
+            .map(|(i, _)| inv.tensors()[*i].hf.as_str())
+            .collect();
+        assert_eq!(
+            fc1,
+            [
+                "model.layers.1.mlp.experts.0.gate_proj.weight",
+                "model.layers.1.mlp.experts.0.up_proj.weight"
+            ]
+        );
+        // Every tensor is reachable from exactly one parameter.
+        let total: usize = inv
+            .tensors()
+            .iter()
+            .filter_map(|t| megatron_name(&inv, t))
+            .map(|m| m.param)
+            .collect::<std::collections::HashSet<_>>()
+            .iter()
+            .map(|p| map.members(p).len())
+            .sum();
+        assert_eq!(total, inv.tensors().len());
+        assert!(map.members("decoder.layers.9.nothing").is_empty());
     }
 
     #[test]
