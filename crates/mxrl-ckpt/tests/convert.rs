@@ -738,3 +738,67 @@ fn verify_reports_a_changed_byte_and_a_changed_config() {
         r.render()
     );
 }
+
+#[test]
+fn verify_refuses_a_recorded_contract_or_plan_that_differs() {
+    let (_r, src) = qwen_with(|_| {});
+    let dst = src.parent().unwrap().join("out");
+    convert(
+        &src,
+        &Recipe::preset("mxfp8").unwrap(),
+        "mxfp8",
+        &dst,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .unwrap();
+    let p = dst.join(MXRL_JSON);
+    let mut rec = read_json(&p);
+    rec["contract"]["hash"] = "0000000000000000".into();
+    rec["plan_hash"] = "feed".into();
+    std::fs::write(&p, rec.to_string()).unwrap();
+    let r = verify(&src, &dst, &NoProgress).unwrap();
+    let bad: Vec<_> = r
+        .items
+        .iter()
+        .filter(|i| !i.ok)
+        .map(|i| i.item.as_str())
+        .collect();
+    assert_eq!(bad, ["contract", "plan", MXRL_JSON], "{}", r.render());
+}
+
+#[test]
+fn dequantize_refuses_unrecognized_layouts_and_existing_outputs() {
+    let (_r, src) = qwen_with(|_| {});
+    let conv = src.parent().unwrap().join("conv");
+    convert(
+        &src,
+        &Recipe::preset("nvfp4-hp").unwrap(),
+        "nvfp4-hp",
+        &conv,
+        &opts(Nvfp4Container::ModelOpt),
+        &NoProgress,
+    )
+    .unwrap();
+    let deq = src.parent().unwrap().join("deq");
+    std::fs::create_dir(&deq).unwrap();
+    let e = dequantize(&conv, &deq, false, &NoProgress)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--force"), "{e}");
+    std::fs::remove_dir(&deq).unwrap();
+    // A block scale of the wrong shape.
+    let t = "model.layers.0.mlp.experts.0.gate_proj.weight_scale";
+    patch_entry(&shard_of(&conv, t), t, |v| {
+        let s = v["shape"].as_array().unwrap().clone();
+        v["shape"] = serde_json::json!([s[1], s[0]]);
+    });
+    let e = dequantize(&conv, &deq, false, &NoProgress)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(t) && e.contains("NVFP4 block scale must be F8_E4M3 [128, 8]"),
+        "{e}"
+    );
+    assert_nothing_left(&deq);
+}
