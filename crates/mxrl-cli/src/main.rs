@@ -35,6 +35,10 @@ enum Commands {
     /// Benchmark conversion against a plain copy of the same bytes.
     #[command(hide = true)]
     CkptBench(cmd::ckpt_bench::Args),
+    /// Run a model over a token sequence; write logits and logprobs to safetensors.
+    Forward(cmd::forward::Args),
+    /// Sample a continuation of a prompt with a model.
+    Generate(cmd::generate::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +53,7 @@ fn main() -> anyhow::Result<()> {
         Commands::Verify(a) => cmd::verify::run(a),
         Commands::Synth(a) => cmd::synth::run(a),
         Commands::CkptBench(a) => cmd::ckpt_bench::run(a),
+        Commands::Forward(a) => cmd::forward::run(a),
+        Commands::Generate(a) => cmd::generate::run(a),
     }
 }

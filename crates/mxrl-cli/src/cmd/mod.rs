@@ -4,6 +4,8 @@ pub mod bench;
 pub mod ckpt_bench;
 pub mod convert;
 pub mod dequantize;
+pub mod forward;
+pub mod generate;
 pub mod inspect;
 pub mod plan;
 mod progress;

@@ -1,0 +1,94 @@
+//! `mxrl forward`: run a model over one token sequence and write its logits and logprobs.
+//!
+//! Output (safetensors, written atomically): `logits` F32 `[T, V]` (every position),
+//! `logprobs` F32 `[T-1]` (`log p(tokens[t+1] | tokens[..=t])`), `tokens` I32 `[T]`;
+//! metadata names the model directory and the weight precision.
+
+use crate::st::{write_atomic, OwnedTensor};
+use anyhow::{bail, Context, Result};
+use mxrl_model::{ForwardOptions, Model, SeqInput};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+/// Arguments of `mxrl forward`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Hugging Face model directory (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Input token ids, comma separated (e.g. `1,2,3`).
+    #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
+    tokens: Vec<u32>,
+    /// Run every linear layer with BF16 GEMM operands (f32 accumulation) instead of f32.
+    #[arg(long)]
+    bf16: bool,
+    /// Output safetensors file.
+    #[arg(long, value_name = "FILE.safetensors")]
+    out: PathBuf,
+}
+
+/// Parses the tokens into the forward's inputs: all `T` positions, with the targets of the
+/// first `T-1` the next tokens (the last target is a placeholder whose logprob is dropped).
+pub fn run(a: Args) -> Result<()> {
+    let mut model =
+        Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    if a.bf16 {
+        model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16);
+    }
+    let t = a.tokens.len();
+    if t == 0 {
+        bail!("--tokens: at least one token is needed");
+    }
+    let mut targets = a.tokens[1..].to_vec();
+    targets.push(a.tokens[0]);
+    let out = model.forward(
+        &[SeqInput {
+            tokens: &a.tokens,
+            targets: &targets,
+        }],
+        &ForwardOptions {
+            return_logits: true,
+            ..Default::default()
+        },
+    )?;
+    let v = model.config().vocab_size;
+    let logits = &out.logits.as_ref().expect("logits were asked for")[0];
+    let logprobs = &out.logprobs[0][..t - 1];
+    let tokens: Vec<u8> = a
+        .tokens
+        .iter()
+        .flat_map(|&x| (x as i32).to_le_bytes())
+        .collect();
+    let mut meta = HashMap::new();
+    meta.insert("model".to_string(), a.model.display().to_string());
+    meta.insert(
+        "precision".to_string(),
+        if a.bf16 { "bf16" } else { "f32" }.to_string(),
+    );
+    write_atomic(
+        &a.out,
+        vec![
+            ("logits".into(), OwnedTensor::f32(vec![t, v], logits)),
+            ("logprobs".into(), OwnedTensor::f32(vec![t - 1], logprobs)),
+            (
+                "tokens".into(),
+                OwnedTensor {
+                    dtype: safetensors::Dtype::I32,
+                    shape: vec![t],
+                    bytes: tokens,
+                },
+            ),
+        ],
+        meta,
+    )?;
+    let mean = if t > 1 {
+        logprobs.iter().map(|&x| x as f64).sum::<f64>() / (t - 1) as f64
+    } else {
+        0.0
+    };
+    println!(
+        "{}: {t} tokens, vocab {v}, mean next-token logprob {mean:.6}",
+        a.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! `mxrl generate`: sample a continuation of a prompt (text through the model directory's
+//! `tokenizer.json`, or token ids) and print the new tokens with their logprobs.
+
+use anyhow::{bail, Context, Result};
+use mxrl_model::{FinishReason, Model, SamplingParams};
+use std::path::{Path, PathBuf};
+
+/// Arguments of `mxrl generate`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json]).
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Prompt text, tokenized with DIR/tokenizer.json.
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    prompt: Option<String>,
+    /// Prompt token ids, comma separated.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    tokens: Option<Vec<u32>>,
+    /// Maximum number of new tokens.
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop token ids (default: `eos_token_id` of config.json, if any).
+    #[arg(long, value_delimiter = ',')]
+    stop: Option<Vec<u32>>,
+}
+
+fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(match v.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => Vec::new(),
+    })
+}
+
+fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
+}
+
+/// Runs the command.
+pub fn run(a: Args) -> Result<()> {
+    let model =
+        Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let tokenizer = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
+        Some(load_tokenizer(&a.model)?)
+    } else {
+        None
+    };
+    let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
+        (Some(text), _) => {
+            let tok = tokenizer.as_ref().expect("loaded above for --prompt");
+            let enc = tok
+                .encode(text.as_str(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing --prompt: {e}"))?;
+            enc.get_ids().to_vec()
+        }
+        (None, Some(t)) => t.clone(),
+        (None, None) => bail!("give --prompt or --tokens"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    let sp = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        max_new_tokens: a.max_new_tokens,
+        stop_tokens: match a.stop {
+            Some(s) => s,
+            None => eos_from_config(&a.model)?,
+        },
+    };
+    let g = model.generate(&[&prompt], &sp)?.remove(0);
+    println!(
+        "prompt tokens: {}",
+        prompt
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    println!(
+        "new tokens:    {}",
+        g.tokens
+            .iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    println!(
+        "logprobs:      {}",
+        g.logprobs
+            .iter()
+            .map(|x| format!("{x:.4}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    if let Some(tok) = &tokenizer {
+        let text = tok
+            .decode(&g.tokens, false)
+            .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
+        println!("text:          {text}");
+    }
+    let why = match g.finish {
+        FinishReason::Stop => "stop token",
+        FinishReason::Length => "max_new_tokens",
+    };
+    println!("finished:      {why}");
+    Ok(())
+}
