@@ -35,7 +35,8 @@
 //! - [`quantize`]`(x, shape, scheme, padding) -> Result<QuantizedTensor>` — the production path
 //!   (rayon-parallel fast CPU loops), byte-identical to
 //!   [`reference::quantize`] (the named reference every fast path and CUDA kernel is tested
-//!   against).
+//!   against). [`quantize_into`] does the same into an existing [`QuantizedTensor`], reusing its
+//!   buffers (no allocation in a training loop).
 //! - [`quantize_nvfp4_stacked`]`(&[TensorRef], Nvfp4Scheme, padding)` — several tensors (an
 //!   expert's gate and up) under one shared per-tensor amax; equals quantizing them stacked
 //!   along M. [`quantize_nvfp4_with_amax`] takes the amax from the caller.
@@ -92,7 +93,7 @@ pub use element::{
     E4M3_VALUES, E5M2_MAX, E5M2_VALUES,
 };
 pub use error::FormatError;
-pub use fast::{quantize, quantize_nvfp4_stacked, quantize_nvfp4_with_amax};
+pub use fast::{quantize, quantize_into, quantize_nvfp4_stacked, quantize_nvfp4_with_amax};
 pub use format::Format;
 pub use input::{HighPrecision, TensorRef};
 pub use layout::{

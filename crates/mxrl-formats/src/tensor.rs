@@ -223,6 +223,20 @@ pub struct QuantizedTensor {
 }
 
 impl QuantizedTensor {
+    /// An empty tensor of `scheme` (no elements): the starting point for
+    /// [`quantize_into`](crate::quantize_into) buffers.
+    pub fn empty(scheme: Scheme) -> Self {
+        QuantizedTensor {
+            scheme,
+            shape: Vec::new(),
+            padded_shape: Vec::new(),
+            data: Vec::new(),
+            scales: Scales::Bytes(Vec::new()),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        }
+    }
+
     pub(crate) fn geometry(&self) -> Result<Geometry, FormatError> {
         let n = self.padded_shape.iter().product();
         let g = Geometry::new(&self.padded_shape, n, self.scheme, Padding::Reject)?;

@@ -69,17 +69,19 @@ fn assert_same(r: &QuantizedTensor, f: &QuantizedTensor, what: &str) {
 }
 
 fn check<T: HighPrecision>(x: &[T], shape: &[usize], seed: u64) {
+    // One reused output buffer across all schemes exercises `quantize_into`'s buffer reuse
+    // (different sizes, byte vs f32 scales, with and without amax).
+    let mut reused = QuantizedTensor::empty(Scheme::MXFP8_ROW);
     for scheme in ALL_SCHEMES {
         let r = reference::quantize(x, shape, scheme, Padding::Zero).unwrap();
         let f = mxrl_formats::quantize(x, shape, scheme, Padding::Zero).unwrap();
-        assert_same(
-            &r,
-            &f,
-            &format!(
-                "seed {seed} shape {shape:?} dtype {} scheme {scheme}",
-                T::DTYPE
-            ),
+        let what = format!(
+            "seed {seed} shape {shape:?} dtype {} scheme {scheme}",
+            T::DTYPE
         );
+        assert_same(&r, &f, &what);
+        mxrl_formats::quantize_into(x, shape, scheme, Padding::Zero, &mut reused).unwrap();
+        assert_same(&r, &reused, &format!("{what} (quantize_into)"));
     }
 }
 
