@@ -1,0 +1,31 @@
+//! mxrl-rl: the RL loop of mxrl — tasks and rewards, rollout, GRPO trainer, live weight sync,
+//! mismatch metrics, the ablation runner and its report.
+//!
+//! Design:
+//! - The loop talks to models through two small traits ([`RolloutPolicy`], [`TrainPolicy`]):
+//!   the rollout engine holds its own copy of the weights in the plan's formats; the trainer
+//!   holds f32 masters and exports the plan-quantized bytes that a weight update ships.
+//! - Weight updates ([`sync`]) carry a version and the quantizer contract hash, travel in
+//!   checksummed buckets and are applied atomically; a mismatched hash is refused.
+//! - Every step writes one JSON line of metrics ([`metrics`]); the report ([`report`]) is
+//!   regenerated from those files alone.
+#![deny(missing_docs)]
+
+pub mod ablate;
+pub mod grpo;
+pub mod metrics;
+pub mod optim;
+pub mod policy;
+pub mod report;
+pub mod runner;
+pub mod sampling;
+pub mod sync;
+pub mod tabular;
+pub mod task;
+pub mod text;
+pub mod wire;
+
+pub use policy::{
+    LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
+    TrainForward, TrainPolicy, TrainSeq, WireTensor,
+};

@@ -1,0 +1,237 @@
+//! What the RL loop needs from a model, as two small traits.
+//!
+//! - [`RolloutPolicy`]: the sampling side. Holds its **own copy** of the weights in the plan's
+//!   formats, generates `n` samples per prompt with per-token logprobs (and, for MoE models, the
+//!   routing decisions and per-layer probes), and swaps in a verified weight set atomically.
+//! - [`TrainPolicy`]: the learning side. f32 master weights; a training forward that returns
+//!   per-token logprobs of the response tokens (optionally replaying the rollout's routing), a
+//!   backward from d(loss)/d(logprob), named parameters for AdamW, and an export of the weights
+//!   quantized by the plan ([`WireTensor`]s, exactly the bytes the rollout will hold).
+//!
+//! Both sides compute logprobs of the **tempered** distribution `softmax(logits / T)`.
+
+use mxrl_formats::Format;
+use serde::{Deserialize, Serialize};
+
+/// Sampling settings of the rollout engine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingConfig {
+    /// Softmax temperature (> 0).
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1 disables it.
+    pub top_p: f32,
+    /// Longest response, in tokens.
+    pub max_new_tokens: usize,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens: 8,
+        }
+    }
+}
+
+/// The routing decisions of one sequence: for every position fed to the model
+/// (`prompt + response[..len-1]`), every MoE layer, the top-k expert ids **in order** and
+/// their combine weights. Flattened as `[position][layer][k]`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RoutingTrace {
+    /// MoE layers.
+    pub layers: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Expert ids, `[position][layer][k]`.
+    pub ids: Vec<u32>,
+    /// Combine weights, same layout as `ids`.
+    pub weights: Vec<f32>,
+}
+
+impl RoutingTrace {
+    /// Positions covered.
+    pub fn positions(&self) -> usize {
+        self.ids
+            .len()
+            .checked_div(self.layers * self.top_k)
+            .unwrap_or(0)
+    }
+
+    /// Fraction of (position, layer) pairs, over the positions both traces cover, whose expert
+    /// **sets** agree, per layer. `None` when the shapes differ.
+    pub fn agreement_per_layer(&self, other: &RoutingTrace) -> Option<Vec<(usize, usize)>> {
+        if self.layers != other.layers || self.top_k != other.top_k {
+            return None;
+        }
+        let (l, k) = (self.layers, self.top_k);
+        let n = self.positions().min(other.positions());
+        let mut out = vec![(0usize, 0usize); l];
+        for p in 0..n {
+            for (li, o) in out.iter_mut().enumerate() {
+                let base = (p * l + li) * k;
+                let mut a: Vec<u32> = self.ids[base..base + k].to_vec();
+                let mut b: Vec<u32> = other.ids[base..base + k].to_vec();
+                a.sort_unstable();
+                b.sort_unstable();
+                o.0 += usize::from(a == b);
+                o.1 += 1;
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Per-layer hidden-state probes of one sequence: `[layer][position][hidden]` flattened, the
+/// residual stream after each layer, for the positions of the response tokens' predictions.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct LayerProbes {
+    /// Layers probed.
+    pub layers: usize,
+    /// Width of one probe vector.
+    pub width: usize,
+    /// Values, `[layer][position][width]`.
+    pub values: Vec<f32>,
+}
+
+/// One generated response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Index of the prompt in the batch.
+    pub prompt_index: usize,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Response token ids (including the end-of-sequence token when sampled).
+    pub response: Vec<u32>,
+    /// Rollout logprob of each response token under the rollout's weights.
+    pub logprobs: Vec<f32>,
+    /// Routing decisions of the rollout (MoE models).
+    pub routing: Option<RoutingTrace>,
+    /// Per-layer hidden-state probes of the rollout.
+    pub probes: Option<LayerProbes>,
+}
+
+/// What the trainer is given for one sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainSeq<'a> {
+    /// Prompt token ids.
+    pub prompt: &'a [u32],
+    /// Response token ids (their logprobs are computed).
+    pub response: &'a [u32],
+    /// Routing to replay, when routing replay is on.
+    pub replay: Option<&'a RoutingTrace>,
+}
+
+/// The training forward's outputs for one sequence.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TrainForward {
+    /// logprob of every response token.
+    pub logprobs: Vec<f32>,
+    /// Entropy of the tempered next-token distribution at every response position.
+    pub entropy: Vec<f32>,
+    /// The routing the model itself would choose (for the routing-agreement metric), MoE only.
+    pub routing: Option<RoutingTrace>,
+    /// Per-layer probes, same layout as the rollout's.
+    pub probes: Option<LayerProbes>,
+}
+
+/// A trainable parameter as the optimizer sees it.
+#[derive(Debug)]
+pub struct ParamMut<'a> {
+    /// Stable name (checkpoint key).
+    pub name: &'a str,
+    /// f32 master values.
+    pub value: &'a mut [f32],
+    /// Accumulated gradient (same length).
+    pub grad: &'a mut [f32],
+    /// The format this tensor is stored in by the plan (weight decay is 0 for low-precision
+    /// weights).
+    pub format: Format,
+}
+
+/// One tensor of a weight update, already in the plan's storage format.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Storage format.
+    pub format: Format,
+    /// Logical shape `[rows, cols]` (cols = K, the contraction dim).
+    pub shape: Vec<usize>,
+    /// Element data (BF16 little-endian bytes, E4M3 bytes, packed E2M1 nibbles).
+    pub data: Vec<u8>,
+    /// Block scales (empty for BF16).
+    pub scales: Vec<u8>,
+    /// Second-level f32 scales / amax (NVFP4), empty otherwise.
+    pub amax: Vec<f32>,
+}
+
+impl WireTensor {
+    /// Bytes this tensor occupies on the wire (data + scales + amax).
+    pub fn byte_len(&self) -> usize {
+        self.data.len() + self.scales.len() + 4 * self.amax.len()
+    }
+}
+
+/// Errors a policy can report.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// A weight update does not match the model's tensors.
+    #[error("weight update: {0}")]
+    Update(String),
+    /// A shape or input was invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// The model backend failed.
+    #[error("model: {0}")]
+    Backend(String),
+}
+
+/// The sampling side of the loop.
+pub trait RolloutPolicy {
+    /// Generate `n` samples for each prompt. Sample `j` of prompt `i` draws its randomness from
+    /// `seed`, `i` and `j` only, so the same call gives the same tokens.
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        cfg: &SamplingConfig,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Sample>, PolicyError>;
+
+    /// Replace all weights with `tensors` atomically: validate every tensor (names, formats,
+    /// shapes, byte lengths) first; on any error nothing changes.
+    fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError>;
+
+    /// The weights as held now, in wire form (for `--check-weight-sync`).
+    fn weights(&self) -> Vec<WireTensor>;
+}
+
+/// The learning side of the loop.
+pub trait TrainPolicy {
+    /// Forward a micro-batch, keeping what [`TrainPolicy::backward`] needs.
+    fn forward(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<TrainForward>, PolicyError>;
+
+    /// Accumulate parameter gradients of `Σ dlogp[s][t] · logprob[s][t]` for the micro-batch of
+    /// the last forward.
+    fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError>;
+
+    /// Named parameters with their gradients.
+    fn params(&mut self) -> Vec<ParamMut<'_>>;
+
+    /// Set every gradient to zero.
+    fn zero_grad(&mut self) {
+        for p in self.params() {
+            p.grad.fill(0.0);
+        }
+    }
+
+    /// The weights quantized by the plan, in the rollout's layout (the bytes a weight update
+    /// ships). Must use the same quantizer as checkpoint conversion.
+    fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError>;
+}
