@@ -39,6 +39,16 @@ enum Commands {
     Forward(cmd::forward::Args),
     /// Sample a continuation of a prompt with a model.
     Generate(cmd::generate::Args),
+    /// GRPO with a precision recipe, live weight sync and mismatch metrics (resumable).
+    Rl(cmd::rl::Args),
+    /// Supervised warm-up on the arithmetic task; writes a model directory.
+    Sft(cmd::sft::Args),
+    /// Run the RL loop once per recipe (plus a noise seed) and write the report.
+    Ablate(cmd::ablate::Args),
+    /// Regenerate report.md and plots of an ablation directory.
+    Report(cmd::report::Args),
+    /// The main job: tiny MoE, SFT warm-up, BF16/MXFP8/NVFP4 ablation, runs/demo/report.md.
+    Demo(cmd::demo::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -55,5 +65,10 @@ fn main() -> anyhow::Result<()> {
         Commands::CkptBench(a) => cmd::ckpt_bench::run(a),
         Commands::Forward(a) => cmd::forward::run(a),
         Commands::Generate(a) => cmd::generate::run(a),
+        Commands::Rl(a) => cmd::rl::run(a),
+        Commands::Sft(a) => cmd::sft::run(a),
+        Commands::Ablate(a) => cmd::ablate::run(a),
+        Commands::Report(a) => cmd::report::run(a),
+        Commands::Demo(a) => cmd::demo::run(a),
     }
 }

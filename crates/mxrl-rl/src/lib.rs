@@ -14,11 +14,13 @@
 pub mod ablate;
 pub mod grpo;
 pub mod metrics;
+pub mod moe;
 pub mod optim;
 pub mod policy;
 pub mod report;
 pub mod runner;
 pub mod sampling;
+pub mod session;
 pub mod sync;
 pub mod tabular;
 pub mod task;

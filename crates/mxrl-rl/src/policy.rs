@@ -206,6 +206,14 @@ pub trait RolloutPolicy {
 
     /// The weights as held now, in wire form (for `--check-weight-sync`).
     fn weights(&self) -> Vec<WireTensor>;
+
+    /// Bitwise mode: logprobs of the response tokens computed with exactly the trainer's
+    /// forward (same kernels, same batch shapes as the trainer's micro-batch `batch`).
+    fn score(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, PolicyError>;
 }
 
 /// The learning side of the loop.

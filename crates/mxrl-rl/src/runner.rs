@@ -64,6 +64,9 @@ pub struct RlConfig {
     pub micro_batch: usize,
     /// Replay the rollout's routing in the training forward.
     pub routing_replay: bool,
+    /// Bitwise mode: the rollout re-scores its samples with exactly the trainer's forward
+    /// (same kernels, same micro-batch shapes), so rollout logprobs equal trainer logprobs.
+    pub bitwise: bool,
     /// Compare the rollout's bytes with the trainer's after every update.
     pub check_weight_sync: bool,
     /// Bucket size of weight updates (bytes).
@@ -86,6 +89,7 @@ impl Default for RlConfig {
             adam: AdamWConfig::default(),
             micro_batch: 16,
             routing_replay: true,
+            bitwise: false,
             check_weight_sync: false,
             bucket_bytes: 1 << 20,
             spike_factor: 5.0,
@@ -355,13 +359,33 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
 
         // 1. Rollout with the served weights.
         let t0 = Instant::now();
-        let samples = self.rollout.policy.generate(
+        let mut samples = self.rollout.policy.generate(
             &prompts,
             cfg.samples,
             &cfg.sampling,
             self.codec.eos,
             cfg.seed.wrapping_mul(1_000_003).wrapping_add(step),
         )?;
+        if cfg.bitwise {
+            for mb in samples.chunks_mut(cfg.micro_batch) {
+                let seqs: Vec<TrainSeq<'_>> = mb
+                    .iter()
+                    .map(|s| TrainSeq {
+                        prompt: &s.prompt,
+                        response: &s.response,
+                        replay: if cfg.routing_replay {
+                            s.routing.as_ref()
+                        } else {
+                            None
+                        },
+                    })
+                    .collect();
+                let lps = self.rollout.policy.score(&seqs, cfg.sampling.temperature)?;
+                for (s, lp) in mb.iter_mut().zip(lps) {
+                    s.logprobs = lp;
+                }
+            }
+        }
         let rollout_s = t0.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.response.len()).sum();
 

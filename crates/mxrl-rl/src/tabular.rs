@@ -241,6 +241,33 @@ impl RolloutPolicy for TabularRollout {
     fn weights(&self) -> Vec<WireTensor> {
         self.wire.clone()
     }
+
+    fn score(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, PolicyError> {
+        let v = self.shape.vocab;
+        let mut lp = Vec::new();
+        Ok(batch
+            .iter()
+            .map(|s| {
+                s.response
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &y)| {
+                        let row = self.shape.row(s.prompt, t);
+                        log_softmax_tempered(
+                            &self.weights[row * v..(row + 1) * v],
+                            temperature,
+                            &mut lp,
+                        );
+                        lp[y as usize]
+                    })
+                    .collect()
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]

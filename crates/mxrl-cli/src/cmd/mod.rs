@@ -1,8 +1,10 @@
 //! Subcommands, one module each.
 
+pub mod ablate;
 pub mod bench;
 pub mod ckpt_bench;
 pub mod convert;
+pub mod demo;
 pub mod dequantize;
 pub mod forward;
 pub mod generate;
@@ -10,5 +12,8 @@ pub mod inspect;
 pub mod plan;
 mod progress;
 pub mod quantize;
+pub mod report;
+pub mod rl;
+pub mod sft;
 pub mod synth;
 pub mod verify;
