@@ -86,6 +86,8 @@ pub struct RunSummary {
     pub initial_reward: f64,
     /// Final reward (mean of the last 10% of steps, at least one).
     pub final_reward: f64,
+    /// Standard error of `final_reward` (std of the per-step rewards in the window / √n).
+    pub final_se: f64,
     /// Mean reward over all steps.
     pub mean_reward: f64,
     /// Mean `train_rollout_logprob_abs_diff`.
@@ -126,6 +128,22 @@ pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
         steps: m.len(),
         initial_reward: mean(m.iter().take(w).map(|x| x.reward_mean)),
         final_reward: mean(m.iter().rev().take(w).map(|x| x.reward_mean)),
+        final_se: {
+            let f = mean(m.iter().rev().take(w).map(|x| x.reward_mean));
+            let n = m.len().min(w);
+            if n > 1 {
+                (m.iter()
+                    .rev()
+                    .take(w)
+                    .map(|x| (x.reward_mean - f).powi(2))
+                    .sum::<f64>()
+                    / (n - 1) as f64)
+                    .sqrt()
+                    / (n as f64).sqrt()
+            } else {
+                0.0
+            }
+        },
         mean_reward: mean(m.iter().map(|x| x.reward_mean)),
         mean_abs_diff: mean(m.iter().map(|x| x.train_rollout_logprob_abs_diff)),
         mean_k3: mean(m.iter().map(|x| x.k3_kl)),
@@ -444,11 +462,13 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
         (b.final_reward - bf.final_reward)
             .abs()
             .max((b.mean_reward - bf.mean_reward).abs())
+            .max(2.0 * bf.final_se)
     });
     match (noise, bf2) {
         (Some(n), Some(b2)) => out.push(format!(
-            "Run-to-run noise (BF16 seed {} vs {}): {:.3} in reward (max of final and mean reward differences).",
-            "1", b2.name, n
+            "Run-to-run noise: {n:.3} in reward (the larger of `bf16` vs `{}` final/mean reward differences and 2× the standard error of BF16's final-window reward, {:.3}).",
+            b2.name,
+            2.0 * bf.final_se
         )),
         _ => out.push("No second BF16 seed: run-to-run noise is unknown.".into()),
     }
