@@ -2,9 +2,10 @@
 
 use crate::error::PlanError;
 use crate::inventory::Inventory;
+use crate::plan::META_PLAN_HASH;
 use crate::plan::{resolve, PrecisionPlan};
 use crate::recipe::Recipe;
-use crate::stored::{scan_dir, StoredFormat, StoredTensor};
+use crate::stored::{checkpoint_metadata, scan_dir, StoredFormat, StoredTensor};
 use mxrl_formats::Format;
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -32,12 +33,15 @@ pub struct AuditReport {
     pub checked: usize,
     /// Every disagreement, in checkpoint order.
     pub findings: Vec<AuditFinding>,
+    /// Shard files whose recorded plan hash (metadata `mxrl.plan_hash`) differs from
+    /// the plan: (file, recorded hash).
+    pub hash_mismatches: Vec<(String, String)>,
 }
 
 impl AuditReport {
     /// No drift at all.
     pub fn is_clean(&self) -> bool {
-        self.findings.is_empty()
+        self.findings.is_empty() && self.hash_mismatches.is_empty()
     }
 
     /// A readable report listing every differing tensor.
@@ -50,6 +54,13 @@ impl AuditReport {
             self.checked,
             self.findings.len()
         );
+        for (file, h) in &self.hash_mismatches {
+            let _ = writeln!(
+                s,
+                "  {file}: records plan hash {h}, expected {}",
+                self.plan_hash
+            );
+        }
         for f in &self.findings {
             let planned = f
                 .planned
@@ -140,15 +151,26 @@ pub fn audit(plan: &PrecisionPlan, stored: &[StoredTensor]) -> AuditReport {
         plan_hash: plan.hash().to_string(),
         checked,
         findings: all,
+        hash_mismatches: Vec::new(),
     }
 }
 
 /// Audit a checkpoint directory: the inventory comes from its `config.json`, the plan
 /// from resolving `recipe` against it, the stored formats from its safetensors headers.
+/// A shard whose metadata records another plan hash (`mxrl.plan_hash`) is drift too.
 pub fn audit_dir(dir: &Path, recipe: &Recipe) -> Result<(PrecisionPlan, AuditReport), PlanError> {
     let inv = Inventory::from_config_path(&dir.join("config.json"))?;
     let plan = resolve(&inv, recipe)?;
     let stored = scan_dir(dir)?;
-    let report = audit(&plan, &stored);
+    let mut report = audit(&plan, &stored);
+    for (file, meta) in checkpoint_metadata(dir)? {
+        if let Some(h) = meta.get(META_PLAN_HASH) {
+            if h != plan.hash() {
+                report
+                    .hash_mismatches
+                    .push((file.display().to_string(), h.clone()));
+            }
+        }
+    }
     Ok((plan, report))
 }

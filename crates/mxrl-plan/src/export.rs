@@ -104,29 +104,7 @@ impl Export {
 
 /// Python-`fnmatch`-style full match: `*` any run (dots included), `?` one character.
 pub fn fnmatch(pattern: &str, name: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let s: Vec<char> = name.chars().collect();
-    let (mut pi, mut si) = (0usize, 0usize);
-    let mut star: Option<(usize, usize)> = None;
-    while si < s.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == s[si]) {
-            pi += 1;
-            si += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            star = Some((pi, si));
-            pi += 1;
-        } else if let Some((sp, ss)) = star {
-            pi = sp + 1;
-            si = ss + 1;
-            star = Some((sp, ss + 1));
-        } else {
-            return false;
-        }
-    }
-    while pi < p.len() && p[pi] == '*' {
-        pi += 1;
-    }
-    pi == p.len()
+    crate::glob::match_one_segment(pattern.as_bytes(), name.as_bytes())
 }
 
 /// HF module name of a tensor (its name without `.weight`).
@@ -522,15 +500,18 @@ fn pick_tokens(
     // candidates: (entry index, full name, token); choose the token when every candidate
     // whose name contains it is BF16 in the plan, else the full name.
     let mut out: Vec<String> = Vec::new();
+    let mut safe_cache: HashMap<&str, bool> = HashMap::new();
     for (i, full, tok) in candidates {
         if fmt_of(*i) != Format::Bf16 {
             continue;
         }
         let safe = tok.as_ref().filter(|tok| {
-            candidates
-                .iter()
-                .filter(|(_, n, _)| n.contains(tok.as_str()))
-                .all(|(j, _, _)| fmt_of(*j) == Format::Bf16)
+            *safe_cache.entry(tok.as_str()).or_insert_with(|| {
+                candidates
+                    .iter()
+                    .filter(|(_, n, _)| n.contains(tok.as_str()))
+                    .all(|(j, _, _)| fmt_of(*j) == Format::Bf16)
+            })
         });
         let s = safe.cloned().unwrap_or_else(|| full.clone());
         if !out.contains(&s) {

@@ -23,7 +23,7 @@ enum Seg {
     /// `**`: any number of whole segments.
     AnySegments,
     /// A segment pattern with `*` / `?` wildcards confined to the segment.
-    Pattern(Vec<char>),
+    Pattern(Vec<u8>),
 }
 
 /// Error for a pattern that cannot be compiled.
@@ -59,7 +59,7 @@ impl Glob {
             } else if seg.contains("**") {
                 return Err(err("`**` must be a whole segment"));
             } else {
-                segments.push(Seg::Pattern(seg.chars().collect()));
+                segments.push(Seg::Pattern(seg.as_bytes().to_vec()));
             }
         }
         Ok(Glob {
@@ -94,24 +94,25 @@ fn match_segments(pat: &[Seg], parts: &[&str]) -> bool {
         }
         Some((Seg::Pattern(p), rest)) => match parts.split_first() {
             Some((first, tail)) => {
-                let s: Vec<char> = first.chars().collect();
-                match_one_segment(p, &s) && match_segments(rest, tail)
+                match_one_segment(p, first.as_bytes()) && match_segments(rest, tail)
             }
             None => false,
         },
     }
 }
 
-/// Wildcard match of one segment: `*` = any run, `?` = one character.
-fn match_one_segment(p: &[char], s: &[char]) -> bool {
+/// Wildcard match of one segment: `*` = any run, `?` = one byte. Patterns and names
+/// are compared as bytes; `?` against a multi-byte UTF-8 character would match one of
+/// its bytes, which tensor names (ASCII) never exercise.
+pub(crate) fn match_one_segment(p: &[u8], s: &[u8]) -> bool {
     // Iterative matcher with single backtrack point (classic wildcard algorithm).
     let (mut pi, mut si) = (0usize, 0usize);
     let mut star: Option<(usize, usize)> = None;
     while si < s.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == s[si]) {
+        if pi < p.len() && (p[pi] == b'?' || p[pi] == s[si]) {
             pi += 1;
             si += 1;
-        } else if pi < p.len() && p[pi] == '*' {
+        } else if pi < p.len() && p[pi] == b'*' {
             star = Some((pi, si));
             pi += 1;
         } else if let Some((sp, ss)) = star {
@@ -122,7 +123,7 @@ fn match_one_segment(p: &[char], s: &[char]) -> bool {
             return false;
         }
     }
-    while pi < p.len() && p[pi] == '*' {
+    while pi < p.len() && p[pi] == b'*' {
         pi += 1;
     }
     pi == p.len()

@@ -58,11 +58,13 @@ pub use mxrl_formats::Format;
 pub use names::{megatron_name, sglang_module, FusedPart, MegatronMap, MegatronName};
 pub use plan::{
     entry_bytes, format_constraint, resolve, AmaxGroup, Decision, PlanEntry, PrecisionPlan,
-    RuleSummary, Totals,
+    RuleSummary, Totals, META_PLAN_HASH,
 };
 pub use recipe::{
     preset_toml, ActivationScale, BackwardMode, Recipe, RecipeFile, Rule, RuleFile, PRESETS,
 };
 pub use report::summary_table;
 pub use role::{Proj, Role, UnknownName};
-pub use stored::{read_header, scan_dir, HeaderEntry, StoredFormat, StoredTensor};
+pub use stored::{
+    checkpoint_metadata, read_header, scan_dir, HeaderEntry, StoredFormat, StoredTensor,
+};

@@ -116,6 +116,10 @@ pub struct PrecisionPlan {
 /// Version tag of the plan hash input; bump when its canonical form changes.
 const PLAN_HASH_VERSION: &str = "mxrl-plan/1";
 
+/// Safetensors metadata key under which checkpoints and weight-update messages carry
+/// [`PrecisionPlan::hash`]; [`crate::audit_dir`] checks it when present.
+pub const META_PLAN_HASH: &str = "mxrl.plan_hash";
+
 fn rule_matches(rule: &Rule, layers: &Option<HashSet<usize>>, t: &TensorInfo) -> bool {
     if let Some(set) = layers {
         match t.layer {
@@ -298,7 +302,8 @@ fn check_fused(entries: &[PlanEntry]) -> Result<(), PlanError> {
 fn plan_hash(recipe: &Recipe, entries: &[PlanEntry]) -> String {
     let mut h = Sha256::new();
     h.update(format!(
-        "{PLAN_HASH_VERSION}\nbackward={}\nnvfp4_activation_scale={}\n",
+        "{PLAN_HASH_VERSION}\nquant_contract={}\nbackward={}\nnvfp4_activation_scale={}\n",
+        mxrl_formats::contract_hash(),
         recipe.backward.name(),
         recipe.nvfp4_activation_scale.name()
     ));
@@ -333,8 +338,9 @@ impl PrecisionPlan {
     }
 
     /// Hex SHA-256 of the plan's decisions (tensor names, shapes, formats, backward
-    /// modes, NVFP4 activation scale). Independent of how the recipe was written: two
-    /// recipes that decide the same thing hash the same.
+    /// modes, NVFP4 activation scale) and of the quantizer contract
+    /// ([`mxrl_formats::contract_hash`]) the formats are produced by. Independent of how
+    /// the recipe was written: two recipes that decide the same thing hash the same.
     pub fn hash(&self) -> &str {
         &self.hash
     }
@@ -342,6 +348,11 @@ impl PrecisionPlan {
     /// The first 16 hex digits of [`PrecisionPlan::hash`].
     pub fn short_hash(&self) -> &str {
         &self.hash[..16]
+    }
+
+    /// The quantizer contract hash bound into [`PrecisionPlan::hash`].
+    pub fn quant_contract(&self) -> &'static str {
+        mxrl_formats::contract_hash()
     }
 
     /// The recipe the plan was resolved from.
@@ -447,9 +458,23 @@ impl PrecisionPlan {
                     .collect(),
             )
         };
+        let rules: Vec<Value> = self
+            .rules
+            .iter()
+            .map(|r| {
+                json!({
+                    "index": r.index,
+                    "rule": r.description,
+                    "layers": r.layers,
+                    "decided": r.decided,
+                })
+            })
+            .collect();
         json!({
             "contract": self.hash,
+            "quant_contract": self.quant_contract(),
             "recipe": self.recipe.file(),
+            "rules": rules,
             "arch": self.arch,
             "num_layers": self.num_layers,
             "tensors": tensors,

@@ -244,6 +244,42 @@ fn shard_files(dir: &Path) -> Result<Vec<Shard>, PlanError> {
     Ok(files.into_iter().map(|f| (f, None)).collect())
 }
 
+/// The `__metadata__` map of every safetensors file of a model directory (headers only).
+pub fn checkpoint_metadata(
+    dir: &Path,
+) -> Result<Vec<(PathBuf, BTreeMap<String, String>)>, PlanError> {
+    let mut out = Vec::new();
+    for (file, _) in shard_files(dir)? {
+        let bad = |message: String| PlanError::Safetensors {
+            path: file.clone(),
+            message,
+        };
+        let mut f = std::fs::File::open(&file).map_err(|source| PlanError::Io {
+            path: file.clone(),
+            source,
+        })?;
+        let mut len8 = [0u8; 8];
+        f.read_exact(&mut len8)
+            .map_err(|_| bad("file shorter than the 8-byte header length".into()))?;
+        let n = u64::from_le_bytes(len8);
+        if n > MAX_HEADER {
+            return Err(bad(format!("header length {n} is implausible")));
+        }
+        let mut header = vec![0u8; n as usize];
+        f.read_exact(&mut header)
+            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
+        let mut map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
+            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+        let meta: BTreeMap<String, String> = match map.remove("__metadata__") {
+            None => BTreeMap::new(),
+            Some(v) => serde_json::from_value(v)
+                .map_err(|e| bad(format!("__metadata__ is not a map of strings: {e}")))?,
+        };
+        out.push((file, meta));
+    }
+    Ok(out)
+}
+
 /// Read every header of a model directory and group the stored tensors into logical
 /// tensors in checkpoint order (file order, then data offset).
 pub fn scan_dir(dir: &Path) -> Result<Vec<StoredTensor>, PlanError> {

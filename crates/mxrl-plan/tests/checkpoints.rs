@@ -63,8 +63,22 @@ fn parts(t: &TensorInfo, how: Store) -> Vec<Part> {
     }
 }
 
-/// Write `shards` safetensors files (tensors dealt round-robin by layer) plus an index.
+/// Write `shards` safetensors files (tensors dealt in order) plus an index.
 fn write_ckpt(dir: &Path, config: &str, tensors: &[Part], shards: usize) {
+    write_ckpt_meta(dir, config, tensors, shards, None)
+}
+
+/// As [`write_ckpt`], recording `plan_hash` under `mxrl.plan_hash` in every shard.
+fn write_ckpt_meta(
+    dir: &Path,
+    config: &str,
+    tensors: &[Part],
+    shards: usize,
+    plan_hash: Option<&str>,
+) {
+    let meta = plan_hash.map(|h| {
+        std::collections::HashMap::from([(mxrl_plan::META_PLAN_HASH.to_string(), h.to_string())])
+    });
     std::fs::write(dir.join("config.json"), config).unwrap();
     let mut files: BTreeMap<String, Vec<&Part>> = BTreeMap::new();
     let mut weight_map = serde_json::Map::new();
@@ -86,7 +100,7 @@ fn write_ckpt(dir: &Path, config: &str, tensors: &[Part], shards: usize) {
             .zip(&data)
             .map(|((n, d, sh), b)| (n.clone(), TensorView::new(*d, sh.clone(), b).unwrap()))
             .collect();
-        safetensors::serialize_to_file(views, &None, &dir.join(f)).unwrap();
+        safetensors::serialize_to_file(views, &meta, &dir.join(f)).unwrap();
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
@@ -364,5 +378,39 @@ fn audit_lists_every_drifted_tensor() {
     assert!(
         text.contains("5 differ") && text.contains(drift_mx),
         "{text}"
+    );
+}
+
+#[test]
+fn audit_checks_the_recorded_plan_hash() {
+    let inv = tiny_inv();
+    let plan = resolve(&inv, &Recipe::preset("mxfp8-hp").unwrap()).unwrap();
+    let fmt = |t: &TensorInfo| {
+        if plan.by_hf(&t.hf).unwrap().format == Format::Mxfp8 {
+            Store::Mxfp8
+        } else {
+            Store::Bf16
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_ckpt_meta(
+        dir.path(),
+        TINY,
+        &all_parts(&inv, fmt),
+        2,
+        Some(plan.hash()),
+    );
+    let (_, report) = audit_dir(dir.path(), &Recipe::preset("mxfp8-hp").unwrap()).unwrap();
+    assert!(report.is_clean(), "{}", report.render());
+    // Same bytes, but the shards say they were written for another plan (dequantized
+    // backward): refused.
+    let (_, report) = audit_dir(dir.path(), &Recipe::preset("mxfp8-dq").unwrap()).unwrap();
+    assert!(report.findings.is_empty());
+    assert_eq!(report.hash_mismatches.len(), 2);
+    assert!(!report.is_clean());
+    assert!(
+        report.render().contains("records plan hash"),
+        "{}",
+        report.render()
     );
 }

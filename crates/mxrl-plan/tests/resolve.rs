@@ -488,6 +488,10 @@ fn json_has_one_entry_per_hf_tensor_in_checkpoint_order() {
     let plan = resolve(&inv, &Recipe::preset("mxfp8").unwrap()).unwrap();
     let j = plan.to_json();
     assert_eq!(j["contract"], plan.hash());
+    assert_eq!(j["quant_contract"], mxrl_formats::contract_hash());
+    // tiny_moe has 4 layers: 15% of 4 = 0.6 → 1 layer.
+    assert_eq!(j["rules"][0]["layers"], serde_json::json!([3]));
+    assert_eq!(j["rules"][0]["rule"], "layers = \"last 15%\" → bf16");
     assert_eq!(j["recipe"]["name"], "mxfp8");
     let ts = j["tensors"].as_array().unwrap();
     assert_eq!(ts.len(), inv.tensors().len());
