@@ -66,5 +66,6 @@ pub use recipe::{
 pub use report::summary_table;
 pub use role::{Proj, Role, UnknownName};
 pub use stored::{
-    checkpoint_metadata, read_header, scan_dir, HeaderEntry, StoredFormat, StoredTensor,
+    checkpoint_metadata, read_header, scan_dir, FileMetadata, HeaderEntry, StoredFormat,
+    StoredTensor,
 };

@@ -244,10 +244,11 @@ fn shard_files(dir: &Path) -> Result<Vec<Shard>, PlanError> {
     Ok(files.into_iter().map(|f| (f, None)).collect())
 }
 
+/// A shard file and its `__metadata__` map.
+pub type FileMetadata = (PathBuf, BTreeMap<String, String>);
+
 /// The `__metadata__` map of every safetensors file of a model directory (headers only).
-pub fn checkpoint_metadata(
-    dir: &Path,
-) -> Result<Vec<(PathBuf, BTreeMap<String, String>)>, PlanError> {
+pub fn checkpoint_metadata(dir: &Path) -> Result<Vec<FileMetadata>, PlanError> {
     let mut out = Vec::new();
     for (file, _) in shard_files(dir)? {
         let bad = |message: String| PlanError::Safetensors {
