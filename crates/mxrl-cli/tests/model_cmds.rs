@@ -155,3 +155,52 @@ fn out_of_vocabulary_token_is_reported() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("token id 99"));
     assert!(!out.exists(), "a failed run must not leave an output file");
 }
+
+#[test]
+fn forward_with_a_recipe_quantizes_per_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let d = dir.path().to_str().unwrap();
+    let run = |extra: &[&str], name: &str| -> Vec<u8> {
+        let out = dir.path().join(name);
+        let mut args = vec![
+            "forward",
+            "--model",
+            d,
+            "--tokens",
+            "1,2,3,4",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = mxrl(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read(out).unwrap()
+    };
+    let plain = run(&[], "a.safetensors");
+    let nvfp4 = run(&["--recipe", "nvfp4-dq"], "b.safetensors");
+    let logits = |b: &[u8]| -> Vec<u8> {
+        safetensors::SafeTensors::deserialize(b)
+            .unwrap()
+            .tensor("logits")
+            .unwrap()
+            .data()
+            .to_vec()
+    };
+    assert_ne!(logits(&plain), logits(&nvfp4), "the recipe changed nothing");
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&nvfp4).unwrap();
+    let p = meta.metadata().as_ref().unwrap()["precision"].clone();
+    assert!(p.starts_with("recipe nvfp4-dq, plan "), "{p}");
+    let o = mxrl(&[
+        "forward",
+        "--model",
+        d,
+        "--tokens",
+        "1",
+        "--recipe",
+        "no-such-recipe",
+        "--out",
+        "/dev/null/x",
+    ]);
+    assert!(!o.status.success());
+}

@@ -7,16 +7,22 @@
 use crate::params::{Grads, ParamId, ParamStore};
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_nt_dot, sgemm_into};
 use mxrl_tensor::precision::{round_bf16, round_bf16_vec};
+use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, QLinearError};
 use std::borrow::Cow;
 
 /// GEMM operand precision of one linear layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinearPrecision {
     /// f32 operands (the reference; used for parity with f32 PyTorch and gradient checks).
     F32,
     /// BF16 operands (round-to-nearest-even of x, W and, in backward, dy), f32 accumulation:
     /// forward `bf16(x)·bf16(W)ᵀ`, dgrad `bf16(dy)·bf16(W)`, wgrad `bf16(dy)ᵀ·bf16(x)`.
     Bf16,
+    /// A block format (MXFP8 / NVFP4 / FP8-block) with its backward mode, through
+    /// [`mxrl_tensor::qlinear`]: the weight is quantized once per weight version with the
+    /// contract library (a fused gate_up weight as one tensor, so NVFP4 gives it one amax),
+    /// activations are quantized on every forward.
+    Quantized(LinearSpec),
 }
 
 /// Up to this many rows the forward GEMM runs as independent dot products
@@ -40,21 +46,34 @@ pub(crate) enum Prepared {
     Master,
     /// A BF16-rounded copy of the master weight.
     Bf16(Vec<f32>),
+    /// The quantized weight of a block-format linear.
+    Quant(Box<PreparedWeight>),
 }
 
 impl Prepared {
-    pub(crate) fn build(prec: LinearPrecision, master: &[f32]) -> Prepared {
-        match prec {
+    /// Builds the GEMM weight of `name` (`[n, k]`) for `prec` at weight version `version`.
+    pub(crate) fn build(
+        prec: LinearPrecision,
+        name: &str,
+        master: &[f32],
+        n: usize,
+        k: usize,
+        version: u64,
+    ) -> Result<Prepared, QLinearError> {
+        Ok(match prec {
             LinearPrecision::F32 => Prepared::Master,
             LinearPrecision::Bf16 => Prepared::Bf16(round_bf16_vec(master)),
-        }
+            LinearPrecision::Quantized(spec) => Prepared::Quant(Box::new(
+                PreparedWeight::quantize(name, master, n, k, spec, version)?,
+            )),
+        })
     }
 }
 
 fn operand(prec: LinearPrecision, x: &[f32]) -> Cow<'_, [f32]> {
     match prec {
-        LinearPrecision::F32 => Cow::Borrowed(x),
         LinearPrecision::Bf16 => Cow::Owned(x.iter().map(|&v| round_bf16(v)).collect()),
+        _ => Cow::Borrowed(x),
     }
 }
 
@@ -63,6 +82,7 @@ impl Linear {
         match prep {
             Prepared::Master => params.data(self.w),
             Prepared::Bf16(w) => w,
+            Prepared::Quant(_) => unreachable!("quantized weights take the qlinear path"),
         }
     }
 
@@ -76,6 +96,15 @@ impl Linear {
         m: usize,
     ) -> Vec<f32> {
         debug_assert_eq!(x.len(), m * self.k);
+        if let Prepared::Quant(pw) = prep {
+            // Shapes and the weight were validated when the weight was prepared; the
+            // activation quantizer cannot fail on finite or non-finite f32 input.
+            let mut y = pw
+                .forward_inference(x, m)
+                .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
+            self.add_bias(params, &mut y);
+            return y;
+        }
         let xo = operand(prec, x);
         let w = self.weight(params, prep);
         let mut y = if m <= SMALL_M {
@@ -83,6 +112,11 @@ impl Linear {
         } else {
             matmul_nt(&xo, w, m, self.k, self.n)
         };
+        self.add_bias(params, &mut y);
+        y
+    }
+
+    fn add_bias(&self, params: &ParamStore, y: &mut [f32]) {
         if let Some(b) = self.b {
             let bias = params.data(b);
             for row in y.chunks_mut(self.n) {
@@ -91,7 +125,6 @@ impl Linear {
                 }
             }
         }
-        y
     }
 
     /// Backward for `m` rows: given the forward input `x: [m, k]` (as passed to
@@ -116,6 +149,17 @@ impl Linear {
                     *a += c;
                 }
             }
+        }
+        if let Prepared::Quant(pw) = prep {
+            // The training forward keeps only the f32 input; quantization is deterministic,
+            // so re-running the forward quantization here reproduces exactly the operands
+            // (and the `Saved` context) the forward used.
+            let (_, saved) = pw
+                .forward(x, m)
+                .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
+            return pw
+                .backward_accumulate(&saved, dy, grads.get_mut(self.w))
+                .unwrap_or_else(|e| panic!("quantized linear backward: {e}"));
         }
         let dyo = operand(prec, dy);
         let xo = operand(prec, x);

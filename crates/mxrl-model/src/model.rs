@@ -295,8 +295,8 @@ impl DerefMut for ParamsMut<'_> {
 
 impl Drop for ParamsMut<'_> {
     fn drop(&mut self) {
-        self.model.prepare();
         self.model.version += 1;
+        self.model.prepare();
     }
 }
 
@@ -578,29 +578,136 @@ impl Model {
                 name: name.into(),
                 message: "not a linear-layer weight of this model".into(),
             })?;
+        let p = self.params.get(id);
+        let prepared =
+            Prepared::build(prec, &p.name, &p.data, p.shape[0], p.shape[1], self.version).map_err(
+                |e| ModelError::BadTensor {
+                    name: name.into(),
+                    message: format!("cannot run with {prec:?}: {e}"),
+                },
+            )?;
         self.precision[id] = Some(prec);
-        self.prepared[id] = Prepared::build(prec, self.params.data(id));
+        self.prepared[id] = prepared;
         Ok(())
     }
 
     /// Sets every linear's precision by a rule on (weight name, role).
-    pub fn set_precision_by(&mut self, rule: impl Fn(&str, TensorRole) -> LinearPrecision) {
+    ///
+    /// # Errors
+    /// A weight that cannot take its format (e.g. K not a multiple of the block size); then
+    /// no precision is changed.
+    pub fn set_precision_by(
+        &mut self,
+        rule: impl Fn(&str, TensorRole) -> LinearPrecision,
+    ) -> Result<()> {
+        let old = self.precision.clone();
         for i in 0..self.params.len() {
             if self.precision[i].is_some() {
                 let p = self.params.get(i);
                 self.precision[i] = Some(rule(&p.name, p.role));
             }
         }
-        self.prepare();
+        if let Err(e) = self.try_prepare() {
+            self.precision = old;
+            self.prepare();
+            return Err(e);
+        }
+        Ok(())
     }
 
-    fn prepare(&mut self) {
-        self.prepared = (0..self.params.len())
-            .map(|i| match self.precision[i] {
-                Some(p) => Prepared::build(p, self.params.data(i)),
+    /// Takes every linear's precision from a resolved [`mxrl_plan::PrecisionPlan`]: a fused
+    /// `gate_up_proj` follows its HF `gate_proj` / `up_proj` entries (which the plan keeps
+    /// equal), BF16 entries run as [`LinearPrecision::Bf16`], block formats as
+    /// [`LinearPrecision::Quantized`] with the plan's backward mode and NVFP4 activation
+    /// scaling.
+    ///
+    /// # Errors
+    /// A linear the plan does not cover, fused parts with different decisions, or a format
+    /// the weight cannot take; then no precision is changed.
+    pub fn apply_plan(&mut self, plan: &mxrl_plan::PrecisionPlan) -> Result<()> {
+        use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec};
+        let mut decided = Vec::new();
+        for i in 0..self.params.len() {
+            if self.precision[i].is_none() {
+                continue;
+            }
+            let name = &self.params.get(i).name;
+            let mut prec = None;
+            for hf in crate::hf::hf_names(name) {
+                let e = plan.by_hf(&hf).ok_or_else(|| ModelError::BadTensor {
+                    name: hf.clone(),
+                    message: "not covered by the precision plan".into(),
+                })?;
+                let p = if e.format == mxrl_formats::Format::Bf16 {
+                    LinearPrecision::Bf16
+                } else {
+                    let mode = match e.backward {
+                        mxrl_plan::BackwardMode::Lowp => BackwardMode::Lowp,
+                        mxrl_plan::BackwardMode::HighPrecision => BackwardMode::HighPrecision,
+                        mxrl_plan::BackwardMode::Dequantized => BackwardMode::Dequantized,
+                    };
+                    let bad = |e: mxrl_tensor::qlinear::QLinearError| ModelError::BadTensor {
+                        name: hf.clone(),
+                        message: e.to_string(),
+                    };
+                    let mut spec = LinearSpec::new(e.format, mode).map_err(bad)?;
+                    if e.format == mxrl_formats::Format::Nvfp4 {
+                        let scaling = match plan.nvfp4_activation_scale() {
+                            mxrl_plan::ActivationScale::PerToken => ActScaling::PerToken,
+                            mxrl_plan::ActivationScale::PerTensor => ActScaling::PerTensor,
+                        };
+                        spec = spec.with_act_scaling(scaling).map_err(bad)?;
+                    }
+                    LinearPrecision::Quantized(spec)
+                };
+                match prec {
+                    None => prec = Some(p),
+                    Some(q) if q == p => {}
+                    Some(q) => {
+                        return Err(ModelError::BadTensor {
+                            name: name.clone(),
+                            message: format!("fused parts disagree in the plan: {q:?} vs {p:?}"),
+                        })
+                    }
+                }
+            }
+            decided.push((i, prec.expect("hf_names gives at least one name")));
+        }
+        let old = self.precision.clone();
+        for (i, p) in decided {
+            self.precision[i] = Some(p);
+        }
+        if let Err(e) = self.try_prepare() {
+            self.precision = old;
+            self.prepare();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn try_prepare(&mut self) -> Result<()> {
+        let mut prepared = Vec::with_capacity(self.params.len());
+        for i in 0..self.params.len() {
+            let p = self.params.get(i);
+            prepared.push(match self.precision[i] {
+                Some(prec) => {
+                    Prepared::build(prec, &p.name, &p.data, p.shape[0], p.shape[1], self.version)
+                        .map_err(|e| ModelError::BadTensor {
+                            name: p.name.clone(),
+                            message: format!("cannot run with {prec:?}: {e}"),
+                        })?
+                }
                 None => Prepared::Master,
-            })
-            .collect();
+            });
+        }
+        self.prepared = prepared;
+        Ok(())
+    }
+
+    /// Rebuilds the prepared weights; every precision was validated when it was set.
+    fn prepare(&mut self) {
+        self.try_prepare()
+            .unwrap_or_else(|e| panic!("precisions were validated when set: {e}"));
     }
 
     fn lin_fwd(&self, l: &Linear, x: &[f32], m: usize) -> Vec<f32> {

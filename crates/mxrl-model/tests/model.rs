@@ -458,7 +458,7 @@ fn bf16_linears_change_logprobs_by_bf16_sized_amounts() {
     let c = small(Arch::Qwen3Moe);
     let f32m = perturbed(&c, 21);
     let mut b = f32m.clone();
-    b.set_precision_by(|_, _| LinearPrecision::Bf16);
+    b.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
     assert!(b
         .linear_precisions()
         .iter()
@@ -480,4 +480,74 @@ fn bf16_linears_change_logprobs_by_bf16_sized_amounts() {
 fn kv_cache_reports_length() {
     let k = KvCache::new(2);
     assert!(k.is_empty());
+}
+
+/// The model takes every linear's format from the plan (fused gate_up from its HF gate/up
+/// entries), and a quantized model still runs forward, backward and generation.
+#[test]
+fn precision_plan_decides_every_linear() {
+    let c = ModelConfig::tiny();
+    let base = Model::random(&c, 31).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    mxrl_model::hf::save_hf(&base, dir.path()).unwrap();
+    let inv = mxrl_plan::Inventory::from_config_path(&dir.path().join("config.json")).unwrap();
+    let seq: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8, 9];
+    let f32_lp = base
+        .forward(&[SeqInput::next_token(&seq)], &ForwardOptions::default())
+        .unwrap()
+        .logprobs;
+    for preset in ["bf16", "mxfp8", "mxfp8-dq", "nvfp4-hp", "nvfp4-dq"] {
+        let plan = mxrl_plan::resolve(&inv, &mxrl_plan::Recipe::load(preset).unwrap()).unwrap();
+        let mut m = base.clone();
+        m.apply_plan(&plan).unwrap();
+        let mut quantized = 0;
+        for (name, prec) in m.linear_precisions() {
+            let names = mxrl_model::hf::hf_names(name);
+            for hf in names {
+                let e = plan.by_hf(&hf).unwrap();
+                match prec {
+                    LinearPrecision::Bf16 => {
+                        assert_eq!(e.format, mxrl_formats::Format::Bf16, "{hf}")
+                    }
+                    LinearPrecision::Quantized(spec) => {
+                        quantized += 1;
+                        assert_eq!(spec.format(), e.format, "{hf}");
+                        assert_eq!(spec.backward().name(), e.backward.name(), "{hf}");
+                    }
+                    LinearPrecision::F32 => panic!("{preset}: {hf} left at f32"),
+                }
+            }
+        }
+        assert_eq!(quantized > 0, preset != "bf16", "{preset}");
+        let out = m
+            .forward(
+                &[SeqInput::next_token(&seq)],
+                &ForwardOptions {
+                    train: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let g = m
+            .backward(out.tape.as_ref().unwrap(), &[vec![1.0; 8]], 0.0)
+            .unwrap();
+        assert!(g.grads.iter().flatten().all(|x| x.is_finite()), "{preset}");
+        let d: f32 = out.logprobs[0]
+            .iter()
+            .zip(&f32_lp[0])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        // a 0.02-std random model has near-uniform logits: low precision moves them slightly
+        assert!(d.is_finite() && d < 0.1, "{preset}: max |Δlogprob| {d}");
+        let gen = m
+            .generate(
+                &[&seq[..3]],
+                &SamplingParams {
+                    max_new_tokens: 4,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(gen[0].tokens.len(), 4);
+    }
 }

@@ -19,8 +19,13 @@ pub struct Args {
     /// Input token ids, comma separated (e.g. `1,2,3`).
     #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
     tokens: Vec<u32>,
-    /// Run every linear layer with BF16 GEMM operands (f32 accumulation) instead of f32.
-    #[arg(long)]
+    /// Precision recipe (a preset such as `mxfp8` / `nvfp4-dq`, or a recipe TOML file):
+    /// every linear layer runs in the format and backward mode its plan entry says.
+    /// Without it, all linears run with f32 operands.
+    #[arg(long, value_name = "R")]
+    recipe: Option<String>,
+    /// Run every linear layer with BF16 GEMM operands (f32 accumulation).
+    #[arg(long, conflicts_with = "recipe")]
     bf16: bool,
     /// Output safetensors file.
     #[arg(long, value_name = "FILE.safetensors")]
@@ -32,8 +37,19 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let mut model =
         Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let mut precision = "f32".to_string();
     if a.bf16 {
-        model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16);
+        model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16)?;
+        precision = "bf16".into();
+    }
+    if let Some(r) = &a.recipe {
+        let recipe = mxrl_plan::Recipe::load(r)?;
+        let inv = mxrl_plan::Inventory::from_config_path(&a.model.join("config.json"))?;
+        let plan = mxrl_plan::resolve(&inv, &recipe)?;
+        model
+            .apply_plan(&plan)
+            .with_context(|| format!("applying recipe {r}"))?;
+        precision = format!("recipe {r}, plan {}", plan.short_hash());
     }
     let t = a.tokens.len();
     if t == 0 {
@@ -61,10 +77,7 @@ pub fn run(a: Args) -> Result<()> {
         .collect();
     let mut meta = HashMap::new();
     meta.insert("model".to_string(), a.model.display().to_string());
-    meta.insert(
-        "precision".to_string(),
-        if a.bf16 { "bf16" } else { "f32" }.to_string(),
-    );
+    meta.insert("precision".to_string(), precision);
     write_atomic(
         &a.out,
         vec![
