@@ -81,10 +81,12 @@ fn set_precisions(model: &mut Model, formats: &[Format]) {
         .zip(formats)
         .map(|(p, f)| (p.name.clone(), *f))
         .collect();
-    model.set_precision_by(|name, _| match by_name.get(name) {
-        Some(Format::Nvfp4) => LinearPrecision::F32,
-        _ => LinearPrecision::Bf16,
-    });
+    model
+        .set_precision_by(|name, _| match by_name.get(name) {
+            Some(Format::Nvfp4) => LinearPrecision::F32,
+            _ => LinearPrecision::Bf16,
+        })
+        .expect("f32 and bf16 linears accept every weight shape");
 }
 
 fn export(
