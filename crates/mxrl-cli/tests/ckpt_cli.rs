@@ -65,6 +65,53 @@ fn convert_inspect_verify_dequantize_round_trip() {
         );
         assert!(ins.contains("contract: none recorded"), "{ins}");
     }
+    // MXFP8 and FP8-block outputs of a block-FP8 DeepSeek-V3 source, through inspect too.
+    let ds = root.path().join("ds");
+    ok(&[
+        "synth",
+        "--arch",
+        "deepseek-v3",
+        "--fp8",
+        "pow2",
+        "--out",
+        p(&ds),
+    ]);
+    let fp8_recipe = root.path().join("fp8.toml");
+    std::fs::write(
+        &fp8_recipe,
+        "name = \"fp8\"\nbackward = \"high_precision\"\ndefault = \"fp8_block\"\nnvfp4_activation_scale = \"per_token\"\n[[rule]]\nrole = \"mla_kv_b\"\nformat = \"bf16\"\n[[rule]]\nrole = \"router\"\nformat = \"bf16\"\n[[rule]]\nrole = \"lm_head\"\nformat = \"bf16\"\n",
+    )
+    .unwrap();
+    for (i, (recipe, label)) in [("mxfp8", "mxfp8 data"), (p(&fp8_recipe), "fp8_block data")]
+        .into_iter()
+        .enumerate()
+    {
+        let dst = root.path().join(format!("ds-{i}"));
+        ok(&[
+            "convert",
+            "--model",
+            p(&ds),
+            "--recipe",
+            recipe,
+            "--out",
+            p(&dst),
+        ]);
+        let ins = ok(&["inspect", p(&dst)]);
+        assert_eq!(ins.matches("matches this build").count(), 3, "{ins}");
+        assert!(ins.contains(label), "{ins}");
+        ok(&[
+            "verify",
+            "--source",
+            p(&ds),
+            "--converted",
+            p(&dst),
+            "--quiet",
+        ]);
+        let deq = root.path().join(format!("ds-deq-{i}"));
+        ok(&["dequantize", "--model", p(&dst), "--out", p(&deq)]);
+        let ins = ok(&["inspect", "--summary", p(&deq)]);
+        assert!(!ins.contains("fp8") && !ins.contains("mxfp8"), "{ins}");
+    }
     // Refusal: existing output without --force exits non-zero and keeps it.
     let dst = root.path().join("nv-modelopt");
     let (okk, out) = mxrl(&[

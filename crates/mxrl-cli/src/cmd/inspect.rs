@@ -81,7 +81,12 @@ fn detect(name: &str, e: &Entry, all: &BTreeMap<String, Entry>) -> String {
             .map(|b| all.contains_key(&format!("{b}.{suffix}")))
             .unwrap_or(false)
     };
+    let scale_inv_dtype = name
+        .strip_suffix(".weight")
+        .and_then(|b| all.get(&format!("{b}.weight_scale_inv")))
+        .map(|s| s.dtype.as_str());
     match e.dtype.as_str() {
+        "F8_E4M3" if scale_inv_dtype == Some("U8") => "mxfp8 data (SGLang, ue8m0 scale_inv)".into(),
         "F8_E4M3" if sibling("weight_scale_inv") => "fp8_block data (DeepSeek scale_inv)".into(),
         "F8_E4M3" if sibling("weight_scale") => "fp8 e4m3 data (per-tensor/channel scale)".into(),
         "F8_E4M3" => "fp8 e4m3 data".into(),
@@ -89,6 +94,7 @@ fn detect(name: &str, e: &Entry, all: &BTreeMap<String, Entry>) -> String {
         "U8" if sibling("weight_scale_2") => "nvfp4 packed data (ModelOpt)".into(),
         "U8" if sibling("weight_scale") => "mx/nv packed or fp8 data".into(),
         "F8_E8M0" | "E8M0" => "mxfp8 ue8m0 scale".into(),
+        "U8" if name.ends_with("weight_scale_inv") => "mxfp8 ue8m0 scale".into(),
         _ if name.ends_with("weight_scale_inv") => "fp8_block scale_inv".into(),
         _ if name.ends_with("weight_scale_2") => "nvfp4 global scale".into(),
         _ if name.ends_with("weight_scale") => "block scale".into(),
