@@ -8,7 +8,7 @@ use crate::policy::{PolicyError, TrainPolicy};
 use crate::runner::RunError;
 use crate::task::{load_jsonl, ArithmeticTask, ChatTemplate, TaskSource};
 use crate::text::{char_tokenizer_json, TextCodec, CHAR_VOCAB};
-use mxrl_model::{Arch, Model, ModelConfig};
+use mxrl_model::{Model, ModelConfig};
 use std::path::Path;
 
 /// The demo's tiny MoE (Qwen3-MoE layout): the char-level vocabulary (128), hidden 64,
@@ -16,27 +16,9 @@ use std::path::Path;
 /// contraction dim is a multiple of 32, so MXFP8 and NVFP4 blocks tile it exactly.
 pub fn demo_config() -> ModelConfig {
     ModelConfig {
-        arch: Arch::Qwen3Moe,
         vocab_size: CHAR_VOCAB,
-        hidden_size: 64,
-        num_layers: 4,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-6,
-        intermediate_size: 128,
-        moe_intermediate_size: 32,
-        num_experts: 8,
-        num_experts_per_tok: 2,
-        norm_topk_prob: true,
-        decoder_sparse_step: 1,
-        mlp_only_layers: vec![],
-        shared_expert_intermediate_size: 0,
-        qkv_bias: false,
-        tie_word_embeddings: false,
         initializer_range: 0.05,
-        router_aux_loss_coef: 0.001,
+        ..ModelConfig::tiny()
     }
 }
 
