@@ -48,7 +48,7 @@ pub use generate::{sample_token, DecodeStep, FinishReason, Generation, Prefilled
 pub use linear::LinearPrecision;
 pub use model::{
     ForwardOptions, ForwardOutput, KvCache, Model, ParamsMut, ReplayKind, RoutingTrace, SeqInput,
-    Tape,
+    Tape, WeightValue,
 };
 pub use mxrl_tensor::routing::Routes;
 pub use params::{Grads, Param, ParamId, ParamStore, TensorRole};

@@ -11,6 +11,7 @@ use mxrl_tensor::attention::{
 use mxrl_tensor::loss::{logprobs_backward, logprobs_forward};
 use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
 use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
+use mxrl_tensor::qlinear::PreparedWeight;
 use mxrl_tensor::rope::{rope_backward, rope_forward, RopeTable};
 use mxrl_tensor::routing::{
     load_balancing_loss, router_backward, router_forward, RouteMode, RouterState, Routes,
@@ -271,6 +272,9 @@ pub struct Model {
     layers: Vec<Layer>,
     precision: Vec<Option<LinearPrecision>>,
     prepared: Vec<Prepared>,
+    /// `stored[i]`: the prepared weight `i` was built from stored quantized bytes
+    /// ([`Model::load_weights`]) and is kept as is until the parameters are edited.
+    stored: Vec<bool>,
     version: u64,
 }
 
@@ -295,9 +299,22 @@ impl DerefMut for ParamsMut<'_> {
 
 impl Drop for ParamsMut<'_> {
     fn drop(&mut self) {
+        // Edited master values are authoritative again: weights installed from stored bytes
+        // are rebuilt from them like every other weight.
+        self.model.stored.fill(false);
         self.model.version += 1;
         self.model.prepare();
     }
+}
+
+/// One tensor of [`Model::load_weights`].
+#[derive(Clone, Debug)]
+pub enum WeightValue {
+    /// Plain values (f32; BF16 weights arrive as their exact f32 values).
+    Values(Vec<f32>),
+    /// Stored quantized bytes of a quantized linear's weight (a converted checkpoint, a
+    /// weight-sync message): the GEMM uses these bytes as they are, never re-quantized.
+    Quantized(mxrl_formats::QuantizedTensor),
 }
 
 impl Model {
@@ -507,6 +524,7 @@ impl Model {
             lm_head,
             norm,
             layers,
+            stored: vec![false; precision.len()],
             precision,
             prepared: Vec::new(),
             version: 0,
@@ -588,6 +606,7 @@ impl Model {
             )?;
         self.precision[id] = Some(prec);
         self.prepared[id] = prepared;
+        self.stored[id] = false;
         Ok(())
     }
 
@@ -689,6 +708,16 @@ impl Model {
         let mut prepared = Vec::with_capacity(self.params.len());
         for i in 0..self.params.len() {
             let p = self.params.get(i);
+            if self.stored[i] {
+                if let (Some(LinearPrecision::Quantized(spec)), Some(Prepared::Quant(pw))) =
+                    (self.precision[i], self.prepared.get(i))
+                {
+                    if pw.spec() == spec {
+                        prepared.push(Prepared::Quant(pw.clone()));
+                        continue;
+                    }
+                }
+            }
             prepared.push(match self.precision[i] {
                 Some(prec) => {
                     Prepared::build(prec, &p.name, &p.data, p.shape[0], p.shape[1], self.version)
@@ -700,7 +729,114 @@ impl Model {
                 None => Prepared::Master,
             });
         }
+        for (i, p) in prepared.iter().enumerate() {
+            if !matches!(p, Prepared::Quant(_)) {
+                self.stored[i] = false;
+            }
+        }
         self.prepared = prepared;
+        Ok(())
+    }
+
+    /// The prepared quantized weight of the linear whose weight is `name` (`None` when that
+    /// linear does not run in a block format): its [`PreparedWeight::stored`] bytes are what a
+    /// converted checkpoint or a weight update carries.
+    pub fn prepared_weight(&self, name: &str) -> Option<&PreparedWeight> {
+        let id = self.params.id(name)?;
+        match self.prepared.get(id)? {
+            Prepared::Quant(pw) => Some(pw),
+            _ => None,
+        }
+    }
+
+    /// Whether the quantized weight `name` runs from stored bytes installed by
+    /// [`Model::load_weights`] (rather than quantized from the master values).
+    pub fn runs_stored_bytes(&self, name: &str) -> bool {
+        self.params.id(name).is_some_and(|i| self.stored[i])
+    }
+
+    /// Replaces the named tensors atomically and bumps the weight version: everything is
+    /// validated and prepared first; on any error nothing changes.
+    ///
+    /// - [`WeightValue::Values`]: any parameter; its master values are replaced and its GEMM
+    ///   weight is rebuilt for the linear's precision.
+    /// - [`WeightValue::Quantized`]: only a linear running as [`LinearPrecision::Quantized`]
+    ///   whose weight scheme the bytes have (set it with [`Model::apply_plan`] first). The
+    ///   GEMM uses exactly these bytes ([`PreparedWeight::from_quantized`]); the master values
+    ///   become their contract dequantization. They stay in use until the parameters are
+    ///   edited through [`Model::params_mut`] or the linear's precision changes. Without the
+    ///   high-precision weight, such a linear supports forward and the `dequantized` backward
+    ///   only (the serving side).
+    ///
+    /// # Errors
+    /// An unknown name, a wrong length or shape, stored bytes of another scheme, invalid
+    /// stored bytes — each naming the tensor.
+    pub fn load_weights(&mut self, updates: Vec<(String, WeightValue)>) -> Result<()> {
+        let version = self.version + 1;
+        let ids: std::collections::HashMap<&str, ParamId> = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.as_str(), i))
+            .collect();
+        let mut staged = Vec::with_capacity(updates.len());
+        for (name, value) in updates {
+            let bad = |message: String| ModelError::BadTensor {
+                name: name.clone(),
+                message,
+            };
+            let id = *ids
+                .get(name.as_str())
+                .ok_or_else(|| bad("not a parameter of this model".into()))?;
+            let p = self.params.get(id);
+            let numel: usize = p.shape.iter().product();
+            let (values, prepared, stored) = match value {
+                WeightValue::Values(v) => {
+                    if v.len() != numel {
+                        return Err(bad(format!(
+                            "{} values for shape {:?} ({numel} expected)",
+                            v.len(),
+                            p.shape
+                        )));
+                    }
+                    let prep = match self.precision[id] {
+                        Some(prec) => {
+                            Prepared::build(prec, &p.name, &v, p.shape[0], p.shape[1], version)
+                                .map_err(|e| bad(format!("cannot run with {prec:?}: {e}")))?
+                        }
+                        None => Prepared::Master,
+                    };
+                    (v, prep, false)
+                }
+                WeightValue::Quantized(q) => {
+                    let Some(LinearPrecision::Quantized(spec)) = self.precision[id] else {
+                        return Err(bad(format!(
+                            "stored {} bytes sent, but this tensor runs as {:?}; apply the \
+                             precision plan first",
+                            q.scheme, self.precision[id]
+                        )));
+                    };
+                    if q.shape != p.shape {
+                        return Err(bad(format!(
+                            "stored shape {:?}, the model has {:?}",
+                            q.shape, p.shape
+                        )));
+                    }
+                    let values = q.dequantize().map_err(|e| bad(e.to_string()))?;
+                    let pw = PreparedWeight::from_quantized(&p.name, q, spec, version, None)
+                        .map_err(|e| bad(e.to_string()))?;
+                    (values, Prepared::Quant(Box::new(pw)), true)
+                }
+            };
+            staged.push((id, values, prepared, stored));
+        }
+        // Everything validated: swap.
+        for (id, values, prepared, stored) in staged {
+            self.params.replace_data(id, values);
+            self.prepared[id] = prepared;
+            self.stored[id] = stored;
+        }
+        self.version = version;
         Ok(())
     }
 

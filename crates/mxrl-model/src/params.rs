@@ -115,6 +115,11 @@ impl ParamStore {
         self.params.iter_mut()
     }
 
+    pub(crate) fn replace_data(&mut self, id: ParamId, values: Vec<f32>) {
+        debug_assert_eq!(values.len(), self.params[id].data.len());
+        self.params[id].data = values;
+    }
+
     pub(crate) fn data(&self, id: ParamId) -> &[f32] {
         &self.params[id].data
     }

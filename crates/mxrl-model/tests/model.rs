@@ -3,7 +3,7 @@
 
 use mxrl_model::{
     Arch, ForwardOptions, KvCache, LinearPrecision, Model, ModelConfig, ReplayKind, SamplingParams,
-    SeqInput,
+    SeqInput, WeightValue,
 };
 use mxrl_tensor::gradcheck::{check_with_step, gamma, test_values, Eval};
 
@@ -550,4 +550,156 @@ fn precision_plan_decides_every_linear() {
             .unwrap();
         assert_eq!(gen[0].tokens.len(), 4);
     }
+}
+
+/// A tiny model under the `preset` plan (its HF inventory from a saved config).
+fn planned(preset: &str, seed: u64) -> Model {
+    let c = ModelConfig::tiny();
+    let mut m = Model::random(&c, seed).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    mxrl_model::hf::save_hf(&m, dir.path()).unwrap();
+    let inv = mxrl_plan::Inventory::from_config_path(&dir.path().join("config.json")).unwrap();
+    let plan = mxrl_plan::resolve(&inv, &mxrl_plan::Recipe::load(preset).unwrap()).unwrap();
+    m.apply_plan(&plan).unwrap();
+    m
+}
+
+/// Everything a weight update would carry: stored bytes for quantized linears, values else.
+fn as_update(m: &Model) -> Vec<(String, WeightValue)> {
+    m.params()
+        .iter()
+        .map(|p| {
+            let v = match m.prepared_weight(&p.name).and_then(|pw| pw.stored()) {
+                Some(q) => WeightValue::Quantized(q.clone()),
+                None => WeightValue::Values(p.data.clone()),
+            };
+            (p.name.clone(), v)
+        })
+        .collect()
+}
+
+fn logprobs_of(m: &Model) -> Vec<Vec<f32>> {
+    let seq: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8, 9];
+    m.forward(&[SeqInput::next_token(&seq)], &ForwardOptions::default())
+        .unwrap()
+        .logprobs
+}
+
+/// A model given another model's stored bytes computes bit-identical logprobs and keeps the
+/// bytes as sent (never re-quantized), for every low-precision recipe.
+#[test]
+fn stored_bytes_are_used_as_sent() {
+    for preset in ["mxfp8", "mxfp8-dq", "nvfp4-hp", "nvfp4-dq"] {
+        let src = planned(preset, 41);
+        let mut dst = planned(preset, 42);
+        assert_ne!(logprobs_of(&src), logprobs_of(&dst), "{preset}");
+        let v0 = dst.version();
+        dst.load_weights(as_update(&src)).unwrap();
+        assert_eq!(dst.version(), v0 + 1);
+        assert_eq!(logprobs_of(&src), logprobs_of(&dst), "{preset}");
+        let mut n = 0;
+        for (name, _) in src.linear_precisions() {
+            if let Some(q) = src.prepared_weight(name).and_then(|pw| pw.stored()) {
+                let got = dst.prepared_weight(name).unwrap().stored().unwrap();
+                assert_eq!(got.data, q.data, "{preset} {name}");
+                assert_eq!(got.scales, q.scales, "{preset} {name}");
+                assert_eq!(got.amax, q.amax, "{preset} {name}");
+                assert!(dst.runs_stored_bytes(name));
+                n += 1;
+            }
+        }
+        assert!(n > 0, "{preset}: nothing quantized");
+    }
+}
+
+/// NVFP4 bytes quantized with a second-level scale from a larger amax (as a checkpoint whose
+/// gate and up share one amax has): re-quantizing their dequantization would choose another
+/// amax and other bytes; the model keeps the bytes it was given.
+#[test]
+fn nvfp4_bytes_with_a_foreign_amax_are_not_requantized() {
+    let mut m = planned("nvfp4-hp", 43);
+    let (name, n, k) = m
+        .linear_precisions()
+        .into_iter()
+        .find(|(_, p)| matches!(p, LinearPrecision::Quantized(_)))
+        .map(|(name, _)| {
+            let p = m.params().by_name(name).unwrap();
+            (name.to_string(), p.shape[0], p.shape[1])
+        })
+        .unwrap();
+    let w = m.params().by_name(&name).unwrap().data.clone();
+    let amax = 3.0 * w.iter().fold(0.0f32, |a, &x| a.max(x.abs()));
+    let mxrl_formats::Scheme::Nvfp4(per_tensor) = mxrl_formats::Scheme::NVFP4_TENSOR else {
+        unreachable!("NVFP4_TENSOR is an NVFP4 scheme")
+    };
+    let q = mxrl_formats::quantize_nvfp4_with_amax(
+        &w,
+        &[n, k],
+        per_tensor,
+        mxrl_formats::Padding::Reject,
+        &[amax],
+    )
+    .unwrap();
+    let requant = mxrl_formats::quantize(
+        &q.dequantize().unwrap(),
+        &[n, k],
+        mxrl_formats::Scheme::NVFP4_TENSOR,
+        mxrl_formats::Padding::Reject,
+    )
+    .unwrap();
+    assert_ne!(requant.amax, q.amax, "the test needs a foreign amax");
+    m.load_weights(vec![(name.clone(), WeightValue::Quantized(q.clone()))])
+        .unwrap();
+    let got = m.prepared_weight(&name).unwrap().stored().unwrap();
+    assert_eq!((&got.data, &got.amax), (&q.data, &q.amax));
+    // Changing another linear's precision keeps the installed bytes.
+    let other = m
+        .linear_precisions()
+        .into_iter()
+        .map(|(n, _)| n.to_string())
+        .find(|n| *n != name && n.contains("q_proj"))
+        .unwrap();
+    m.set_precision(&other, LinearPrecision::Bf16).unwrap();
+    assert_eq!(
+        m.prepared_weight(&name).unwrap().stored().unwrap().amax,
+        q.amax
+    );
+    // Editing the parameters makes the master values authoritative again.
+    drop(m.params_mut());
+    assert!(!m.runs_stored_bytes(&name));
+    assert_eq!(
+        m.prepared_weight(&name).unwrap().stored().unwrap().amax,
+        requant.amax
+    );
+}
+
+/// A bad update names the tensor and changes nothing.
+#[test]
+fn bad_weight_update_changes_nothing() {
+    let src = planned("mxfp8", 44);
+    let mut dst = planned("nvfp4-hp", 45);
+    let before = logprobs_of(&dst);
+    let v0 = dst.version();
+    // MXFP8 bytes for NVFP4 linears.
+    let e = dst.load_weights(as_update(&src)).unwrap_err().to_string();
+    assert!(e.contains("model.") && e.contains("mxfp8"), "{e}");
+    // An unknown name after valid tensors.
+    let mut u = as_update(&planned("nvfp4-hp", 46));
+    u.push(("model.nope.weight".into(), WeightValue::Values(vec![0.0])));
+    let e = dst.load_weights(u).unwrap_err().to_string();
+    assert!(e.contains("model.nope.weight"), "{e}");
+    // A wrong length.
+    let e = dst
+        .load_weights(vec![(
+            "model.norm.weight".into(),
+            WeightValue::Values(vec![1.0; 3]),
+        )])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.norm.weight") && e.contains("3 values"),
+        "{e}"
+    );
+    assert_eq!(dst.version(), v0);
+    assert_eq!(logprobs_of(&dst), before);
 }
