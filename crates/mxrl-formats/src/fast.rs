@@ -62,24 +62,13 @@ fn ue8m0_recip_fast(s: u8) -> f32 {
     f32::from_bits(bits)
 }
 
-/// `max|x|` of 32 f32 values, NaN ignored: eight independent lanes, then the lanes. The
-/// result is order-independent (the maximum of non-NaN, non-negative values; `|x|` is never
-/// −0), so it equals the sequential [`crate::amax_of`].
+/// `max|x|` of one block (a multiple of 8 f32 values: 16 for NVFP4, 32 for MXFP8), NaN
+/// ignored: eight independent lanes, then the lanes. The result is order-independent (the
+/// maximum of non-NaN, non-negative values; `|x|` is never −0), so it equals the sequential
+/// [`crate::amax_of`].
 #[inline(always)]
-fn amax32(b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    for c in b.chunks_exact(8) {
-        for l in 0..8 {
-            let a = c[l].abs();
-            acc[l] = if a > acc[l] { a } else { acc[l] };
-        }
-    }
-    acc.iter().fold(0.0f32, |m, &a| if a > m { a } else { m })
-}
-
-/// `max|x|` of 16 f32 values (see [`amax32`]).
-#[inline(always)]
-fn amax16(b: &[f32]) -> f32 {
+fn amax_block(b: &[f32]) -> f32 {
+    debug_assert_eq!(b.len() % 8, 0);
     let mut acc = [0.0f32; 8];
     for c in b.chunks_exact(8) {
         for l in 0..8 {
@@ -147,7 +136,7 @@ fn nvfp4_rows<T: HighPrecision>(
                         .zip(enc.iter_mut())
                         .zip(buf.chunks_exact(16))
                     {
-                        let sdec = (amax16(blk) * g.mult).min(f32::MAX);
+                        let sdec = (amax_block(blk) * g.mult).min(f32::MAX);
                         // sdec is never NaN (bmax ignores NaN, mult is finite), so clamping
                         // negatives to +0 gives exactly ue4m3_encode.
                         let scale = e4m3_fast(if sdec > 0.0 { sdec } else { 0.0 });
@@ -189,7 +178,7 @@ fn pack16(codes: &[u8; 16]) -> [u8; 8] {
 }
 
 /// `max|x|` of a slice, NaN ignored (same as [`crate::amax_of`]): eight independent lanes so
-/// the loop has no serial dependency (order-independent, see [`amax32`]).
+/// the loop has no serial dependency (order-independent, see [`amax_block`]).
 #[inline(always)]
 fn amax_slice<T: HighPrecision>(x: &[T]) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -444,7 +433,7 @@ fn mxfp8<T: HighPrecision>(
                                 .zip(inv.iter_mut())
                                 .zip(buf.chunks_exact(32))
                             {
-                                let scale = ue8m0_fast(amax32(blk) * R448);
+                                let scale = ue8m0_fast(amax_block(blk) * R448);
                                 *s = scale;
                                 *i = ue8m0_recip_fast(scale);
                             }
