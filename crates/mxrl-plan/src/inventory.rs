@@ -510,6 +510,24 @@ impl Builder {
         }
     }
 
+    /// `model.norm` and, unless tied to the embedding, `lm_head`.
+    fn final_norm_and_head(&mut self, root: &At, tie: bool, vocab: usize, hidden: usize) {
+        self.norm(root, "model.norm", "final_norm", hidden);
+        if !tie {
+            self.linear(
+                root,
+                "lm_head",
+                "lm_head",
+                Role::LmHead,
+                vocab,
+                hidden,
+                false,
+                None,
+                None,
+            );
+        }
+    }
+
     fn norm(&mut self, at: &At, hf: &str, mx: &str, dim: usize) {
         self.push(
             at,
@@ -914,20 +932,7 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
                 ds_layer(&mut b, &layer_at(i), is_moe);
             }
             // Norm and head come before the MTP modules (which follow the main layers).
-            b.norm(&root, "model.norm", "final_norm", hidden);
-            if !tie {
-                b.linear(
-                    &root,
-                    "lm_head",
-                    "lm_head",
-                    Role::LmHead,
-                    vocab,
-                    hidden,
-                    false,
-                    None,
-                    None,
-                );
-            }
+            b.final_norm_and_head(&root, tie, vocab, hidden);
             for j in 0..num_mtp {
                 let at = At {
                     hf: format!("model.layers.{}.", layers + j),
@@ -975,20 +980,7 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
             return Ok((b.out, layers, num_mtp));
         }
     }
-    b.norm(&root, "model.norm", "final_norm", hidden);
-    if !tie {
-        b.linear(
-            &root,
-            "lm_head",
-            "lm_head",
-            Role::LmHead,
-            vocab,
-            hidden,
-            false,
-            None,
-            None,
-        );
-    }
+    b.final_norm_and_head(&root, tie, vocab, hidden);
     Ok((b.out, layers, num_mtp))
 }
 
