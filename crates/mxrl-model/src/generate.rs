@@ -1,7 +1,7 @@
 //! Batched decode with per-sequence KV caches, and seeded sampling.
 
 use crate::error::{ModelError, Result};
-use crate::model::{KvCache, Model, Pass, RoutingTrace};
+use crate::model::{HiddenStates, KvCache, Model, Pass, RoutingTrace};
 use mxrl_tensor::loss::logprobs_forward;
 use mxrl_tensor::routing::Routes;
 use mxrl_tensor::SeqLayout;
@@ -83,6 +83,9 @@ pub struct Generation {
     pub routing: RoutingTrace,
     /// Why generation stopped.
     pub finish: FinishReason,
+    /// The residual stream after every decoder layer for the same tokens as `routing` (the
+    /// prompt's from prefill, then one per decode step) — [`Model::generate_capturing`] only.
+    pub hidden: Option<HiddenStates>,
 }
 
 /// Picks a token from one row of logits; returns `(token, logprob)` as documented on
@@ -167,6 +170,15 @@ impl Model {
 
     /// Runs the prompts through the model, filling one fresh [`KvCache`] per prompt.
     pub fn prefill(&self, prompts: &[&[u32]]) -> Result<Prefilled> {
+        Ok(self.prefill_impl(prompts, false)?.0)
+    }
+
+    /// [`Model::prefill`], plus (when `capture`) each prompt's per-layer residual stream.
+    fn prefill_impl(
+        &self,
+        prompts: &[&[u32]],
+        capture: bool,
+    ) -> Result<(Prefilled, Option<Vec<HiddenStates>>)> {
         let c = self.config();
         let mut tokens = Vec::new();
         let mut lens = Vec::new();
@@ -189,6 +201,7 @@ impl Model {
             },
             None,
             false,
+            capture,
         );
         let h = c.hidden_size;
         let mut last_h = Vec::with_capacity(prompts.len() * h);
@@ -206,16 +219,37 @@ impl Model {
                 t
             })
             .collect();
-        Ok(Prefilled {
-            caches,
-            last_logits: rows,
-            routing: traces,
-        })
+        let hidden = capture.then(|| {
+            (0..prompts.len())
+                .map(|b| {
+                    HiddenStates::from_packed(&trunk.hidden, h, layout.offset(b), layout.len(b))
+                })
+                .collect()
+        });
+        Ok((
+            Prefilled {
+                caches,
+                last_logits: rows,
+                routing: traces,
+            },
+            hidden,
+        ))
     }
 
     /// One decode step: token `tokens[r]` is appended to `caches[r]` (at position
     /// `caches[r].len()`).
     pub fn decode_step(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<DecodeStep> {
+        Ok(self.decode_step_impl(tokens, caches, false)?.0)
+    }
+
+    /// [`Model::decode_step`], plus (when `capture`) the per-layer residual stream of the new
+    /// rows (`[layer][rows·H]`).
+    fn decode_step_impl(
+        &self,
+        tokens: &[u32],
+        caches: &mut [KvCache],
+        capture: bool,
+    ) -> Result<(DecodeStep, Vec<Vec<f32>>)> {
         if tokens.len() != caches.len() {
             return Err(ModelError::Input(format!(
                 "decode_step: {} tokens for {} caches",
@@ -225,18 +259,49 @@ impl Model {
         }
         self.check_tokens(tokens, "decode tokens")?;
         let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
-        let trunk = self.trunk(tokens, &positions, Pass::Decode { caches }, None, false);
+        let trunk = self.trunk(
+            tokens,
+            &positions,
+            Pass::Decode { caches },
+            None,
+            false,
+            capture,
+        );
         let logits = self.lm_head(&trunk.h_final, tokens.len());
         let v = self.config().vocab_size;
-        Ok(DecodeStep {
-            logits: logits.chunks(v).map(|r| r.to_vec()).collect(),
-            routes: trunk.routes,
-        })
+        Ok((
+            DecodeStep {
+                logits: logits.chunks(v).map(|r| r.to_vec()).collect(),
+                routes: trunk.routes,
+            },
+            trunk.hidden,
+        ))
     }
 
     /// Samples continuations of a batch of prompts with batched decode (all unfinished
     /// sequences advance together, each against its own KV cache).
     pub fn generate(&self, prompts: &[&[u32]], sp: &SamplingParams) -> Result<Vec<Generation>> {
+        self.generate_impl(prompts, sp, false)
+    }
+
+    /// [`Model::generate`] that also returns each sequence's residual stream after every
+    /// decoder layer ([`Generation::hidden`]): the prompt's from prefill, then one row per
+    /// decode step, covering the same tokens as [`Generation::routing`]. Tokens and logprobs
+    /// are those [`Model::generate`] gives.
+    pub fn generate_capturing(
+        &self,
+        prompts: &[&[u32]],
+        sp: &SamplingParams,
+    ) -> Result<Vec<Generation>> {
+        self.generate_impl(prompts, sp, true)
+    }
+
+    fn generate_impl(
+        &self,
+        prompts: &[&[u32]],
+        sp: &SamplingParams,
+        capture: bool,
+    ) -> Result<Vec<Generation>> {
         if !(sp.temperature >= 0.0 && sp.temperature.is_finite()) {
             return Err(ModelError::Input(format!(
                 "temperature {} must be ≥ 0",
@@ -249,11 +314,14 @@ impl Model {
                 sp.top_p
             )));
         }
-        let Prefilled {
-            mut caches,
-            last_logits: mut logits,
-            routing: mut traces,
-        } = self.prefill(prompts)?;
+        let (
+            Prefilled {
+                mut caches,
+                last_logits: mut logits,
+                routing: mut traces,
+            },
+            mut hidden,
+        ) = self.prefill_impl(prompts, capture)?;
         let b = prompts.len();
         let mut rngs: Vec<rand_chacha::ChaCha8Rng> = (0..b)
             .map(|i| rand_chacha::ChaCha8Rng::seed_from_u64(sp.seed.wrapping_add(i as u64)))
@@ -291,22 +359,29 @@ impl Model {
                 .iter()
                 .map(|&i| std::mem::replace(&mut caches[i], KvCache::new(0)))
                 .collect();
-            let DecodeStep { logits: lg, routes } = self.decode_step(&feed, &mut step_caches)?;
+            let (DecodeStep { logits: lg, routes }, step_hidden) =
+                self.decode_step_impl(&feed, &mut step_caches, capture)?;
             for (j, (&i, c)) in next_active.iter().zip(step_caches).enumerate() {
                 caches[i] = c;
                 append_routes(&mut traces[i], &routes, j, 1);
+                if let Some(hs) = hidden.as_mut() {
+                    hs[i].append_packed(&step_hidden, j, 1);
+                }
             }
             logits = lg;
             active = next_active;
         }
+        let mut hidden = hidden.map(|h| h.into_iter().map(Some).collect::<Vec<_>>());
         Ok(out
             .into_iter()
             .zip(traces)
-            .map(|((tokens, logprobs, fin), routing)| Generation {
+            .enumerate()
+            .map(|(i, ((tokens, logprobs, fin), routing))| Generation {
                 tokens,
                 logprobs,
                 routing,
                 finish: fin.expect("every sequence finishes"),
+                hidden: hidden.as_mut().and_then(|h| h[i].take()),
             })
             .collect())
     }

@@ -21,6 +21,8 @@
 //! - Rollout: [`Model::generate`] (batched decode, per-sequence KV caches, seeded
 //!   temperature / top-k / top-p sampling) returns tokens, per-token logprobs and routing;
 //!   [`Model::prefill`] and [`Model::decode_step`] are the building blocks.
+//! - Per-layer drift: [`Model::forward_capturing`] and [`Model::generate_capturing`] also
+//!   return [`HiddenStates`], the residual stream after every decoder layer per token.
 //! - Optimizer pieces live in [`mxrl_tensor::optim`] (AdamW, grad norm, clipping).
 //!
 //! # Parameter names
@@ -47,8 +49,8 @@ pub use error::{ModelError, Result};
 pub use generate::{sample_token, DecodeStep, FinishReason, Generation, Prefilled, SamplingParams};
 pub use linear::LinearPrecision;
 pub use model::{
-    ForwardOptions, ForwardOutput, KvCache, Model, ParamsMut, ReplayKind, RoutingTrace, SeqInput,
-    Tape, WeightValue,
+    ForwardOptions, ForwardOutput, HiddenStates, KvCache, Model, ParamsMut, ReplayKind,
+    RoutingTrace, SeqInput, Tape, WeightValue,
 };
 pub use mxrl_tensor::routing::Routes;
 pub use params::{Grads, Param, ParamId, ParamStore, TensorRole};

@@ -132,6 +132,53 @@ impl Default for ForwardOptions<'_> {
     }
 }
 
+/// Residual-stream states of one sequence: for every decoder layer, the hidden state after
+/// that layer (attention and FFN residuals added) at every position, f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HiddenStates {
+    /// Hidden size H.
+    pub hidden_size: usize,
+    /// `layers[l]`: `[T, H]` row-major, the residual stream after decoder layer `l`.
+    pub layers: Vec<Vec<f32>>,
+}
+
+impl HiddenStates {
+    /// Positions covered.
+    pub fn num_tokens(&self) -> usize {
+        self.layers
+            .first()
+            .map_or(0, |l| l.len() / self.hidden_size.max(1))
+    }
+
+    /// The hidden state `[H]` after layer `layer` at position `pos`.
+    ///
+    /// # Panics
+    /// If `layer` or `pos` is out of range.
+    pub fn at(&self, layer: usize, pos: usize) -> &[f32] {
+        let h = self.hidden_size;
+        &self.layers[layer][pos * h..(pos + 1) * h]
+    }
+
+    /// Rows `[row0, row0 + rows)` of packed per-layer states `[n, H]`.
+    pub(crate) fn from_packed(packed: &[Vec<f32>], h: usize, row0: usize, rows: usize) -> Self {
+        HiddenStates {
+            hidden_size: h,
+            layers: packed
+                .iter()
+                .map(|x| x[row0 * h..(row0 + rows) * h].to_vec())
+                .collect(),
+        }
+    }
+
+    /// Appends rows `[row0, row0 + rows)` of packed per-layer states `[n, H]`.
+    pub(crate) fn append_packed(&mut self, packed: &[Vec<f32>], row0: usize, rows: usize) {
+        let h = self.hidden_size;
+        for (dst, src) in self.layers.iter_mut().zip(packed) {
+            dst.extend_from_slice(&src[row0 * h..(row0 + rows) * h]);
+        }
+    }
+}
+
 /// Result of [`Model::forward`].
 #[derive(Debug)]
 pub struct ForwardOutput {
@@ -145,6 +192,9 @@ pub struct ForwardOutput {
     pub aux_loss: Option<f32>,
     /// Saved activations for [`Model::backward`] (when `train`).
     pub tape: Option<Tape>,
+    /// Per sequence, the residual stream after every decoder layer
+    /// ([`Model::forward_capturing`] only; `None` from [`Model::forward`]).
+    pub hidden: Option<Vec<HiddenStates>>,
 }
 
 struct MlpTape {
@@ -198,6 +248,80 @@ pub struct Tape {
     logits: Vec<f32>,
     lse: Vec<f32>,
     version: u64,
+}
+
+fn f32_bytes(v: &[f32]) -> usize {
+    4 * v.len()
+}
+
+impl MlpTape {
+    fn nbytes(&self) -> usize {
+        f32_bytes(&self.x) + f32_bytes(&self.gu) + f32_bytes(&self.act) + f32_bytes(&self.y)
+    }
+}
+
+impl LayerTape {
+    fn nbytes(&self) -> usize {
+        let f = [
+            &self.x_in,
+            &self.rstd1,
+            &self.h1,
+            &self.q_pre,
+            &self.rstd_q,
+            &self.k_pre,
+            &self.rstd_k,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.x_mid,
+            &self.rstd2,
+            &self.h2,
+        ]
+        .iter()
+        .map(|v| f32_bytes(v))
+        .sum::<usize>();
+        let ffn = match &self.ffn {
+            FfnTape::Dense(t) => t.nbytes(),
+            FfnTape::Moe {
+                routes,
+                state,
+                dispatch,
+                experts,
+                shared,
+            } => {
+                4 * (routes.ids.len() + routes.weights.len() + state.probs.len())
+                    + 8 * dispatch.entries.len()
+                    + std::mem::size_of::<usize>() * dispatch.starts.len()
+                    + experts.iter().map(MlpTape::nbytes).sum::<usize>()
+                    + shared
+                        .as_ref()
+                        .map_or(0, |(t, gl)| t.nbytes() + f32_bytes(gl))
+            }
+        };
+        f + self.probs.nbytes() + ffn
+    }
+}
+
+impl Tape {
+    /// Bytes of the saved activations this tape holds for backward (f32 and integer buffers
+    /// at their CPU sizes; a quantized linear's saved input at its device-format size,
+    /// [`mxrl_tensor::qlinear::Saved::kept_bytes`]). The logits and the final-norm state
+    /// are included; the RoPE table is not (it is recomputable from the positions).
+    pub fn nbytes(&self) -> usize {
+        8 * self.tokens.len()
+            + self.layers.iter().map(LayerTape::nbytes).sum::<usize>()
+            + [
+                &self.x_final,
+                &self.rstd_final,
+                &self.h_final,
+                &self.logits,
+                &self.lse,
+            ]
+            .iter()
+            .map(|v| f32_bytes(v))
+            .sum::<usize>()
+    }
 }
 
 impl std::fmt::Debug for Tape {
@@ -255,6 +379,8 @@ pub(crate) struct TrunkOut {
     pub x_final: Vec<f32>,
     pub rstd_final: Vec<f32>,
     pub rope: RopeTable,
+    /// Per layer, the residual stream after the layer `[n, H]` (empty unless captured).
+    pub hidden: Vec<Vec<f32>>,
 }
 
 /// A Qwen3-MoE / Qwen2-MoE causal language model on the CPU backend.
@@ -905,6 +1031,7 @@ impl Model {
         mut pass: Pass<'_>,
         replay: Option<(&[PackedRoutes], ReplayKind)>,
         keep: bool,
+        capture: bool,
     ) -> TrunkOut {
         let c = &self.config;
         let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
@@ -919,6 +1046,7 @@ impl Model {
         let mut routes_out = Vec::with_capacity(c.num_layers);
         let mut probs_out = Vec::with_capacity(c.num_layers);
         let mut tapes = Vec::new();
+        let mut hidden = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h1 = vec![0.0; n * h];
             let mut rstd1 = vec![0.0; n];
@@ -1077,6 +1205,9 @@ impl Model {
             for (a, b) in x.iter_mut().zip(&ffn_out) {
                 *a += b;
             }
+            if capture {
+                hidden.push(x.clone());
+            }
             routes_out.push(lr);
             probs_out.push(lp);
             if keep {
@@ -1133,6 +1264,7 @@ impl Model {
             x_final: if keep { x } else { Vec::new() },
             rstd_final,
             rope,
+            hidden,
         }
     }
 
@@ -1154,6 +1286,57 @@ impl Model {
         &self,
         batch: &[SeqInput<'_>],
         opts: &ForwardOptions<'_>,
+    ) -> Result<ForwardOutput> {
+        self.forward_impl(batch, opts, false)
+    }
+
+    /// [`Model::forward`] that also returns, per sequence, the residual stream after every
+    /// decoder layer at every position ([`ForwardOutput::hidden`]). Everything else is computed
+    /// by the same operations, so logprobs, logits, routing and tape are identical to
+    /// [`Model::forward`]'s. The last layer's state gives the logits through
+    /// [`Model::logits_from_residual`].
+    pub fn forward_capturing(
+        &self,
+        batch: &[SeqInput<'_>],
+        opts: &ForwardOptions<'_>,
+    ) -> Result<ForwardOutput> {
+        self.forward_impl(batch, opts, true)
+    }
+
+    /// Logits `[n, V]` from residual-stream states `[n, H]` after the last decoder layer: the
+    /// final RMSNorm and the lm_head, the same operations the forward runs.
+    ///
+    /// # Errors
+    /// `residual.len()` not a multiple of the hidden size.
+    pub fn logits_from_residual(&self, residual: &[f32]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        if residual.len() % h != 0 {
+            return Err(ModelError::Input(format!(
+                "residual of {} values is not a whole number of rows of hidden size {h}",
+                residual.len()
+            )));
+        }
+        let n = residual.len() / h;
+        let mut hf = vec![0.0; n * h];
+        let mut rstd = vec![0.0; n];
+        rmsnorm_forward(
+            residual,
+            self.params.data(self.norm),
+            n,
+            h,
+            c.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
+        );
+        Ok(self.lm_head(&hf, n))
+    }
+
+    fn forward_impl(
+        &self,
+        batch: &[SeqInput<'_>],
+        opts: &ForwardOptions<'_>,
+        capture: bool,
     ) -> Result<ForwardOutput> {
         let c = &self.config;
         if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
@@ -1195,6 +1378,7 @@ impl Model {
             },
             packed_replay.as_ref().map(|(r, k)| (r.as_slice(), *k)),
             opts.train,
+            capture,
         );
         let v = c.vocab_size;
         let logits = self.lm_head(&trunk.h_final, n);
@@ -1233,6 +1417,18 @@ impl Model {
             .collect();
         let logprobs = split(&lp, 1);
         let logits_out = opts.return_logits.then(|| split(&logits, v));
+        let hidden = capture.then(|| {
+            (0..layout.num_seqs())
+                .map(|b| {
+                    HiddenStates::from_packed(
+                        &trunk.hidden,
+                        c.hidden_size,
+                        layout.offset(b),
+                        layout.len(b),
+                    )
+                })
+                .collect()
+        });
         let tape = opts.train.then(|| Tape {
             layout: layout.clone(),
             tokens,
@@ -1253,6 +1449,7 @@ impl Model {
             routing,
             aux_loss,
             tape,
+            hidden,
         })
     }
 

@@ -703,3 +703,135 @@ fn bad_weight_update_changes_nothing() {
     assert_eq!(dst.version(), v0);
     assert_eq!(logprobs_of(&dst), before);
 }
+
+/// Hidden-state capture changes nothing else (logprobs, logits and routing are bitwise those
+/// of the plain forward), has one `[T, H]` state per layer and sequence, and the last layer's
+/// state is the residual stream the logits came from: the final RMSNorm and lm_head over it
+/// reproduce the forward's logits bitwise, and an independent f64 evaluation of those two ops
+/// agrees within a derived bound. Checked for both architectures and a quantized plan.
+#[test]
+fn hidden_capture_is_the_residual_stream_the_logits_came_from() {
+    let mut models: Vec<(String, Model)> = [Arch::Qwen3Moe, Arch::Qwen2Moe]
+        .into_iter()
+        .map(|a| (format!("{a:?}"), perturbed(&small(a), 61)))
+        .collect();
+    models.push(("mxfp8".into(), planned("mxfp8", 62)));
+    models.push(("nvfp4-dq".into(), planned("nvfp4-dq", 63)));
+    for (what, m) in &models {
+        let c = m.config().clone();
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let data: Vec<Vec<u32>> = seqs()
+            .into_iter()
+            .map(|s| s.into_iter().map(|t| t % v as u32).collect())
+            .collect();
+        let batch: Vec<SeqInput> = data.iter().map(|s| SeqInput::next_token(s)).collect();
+        let opts = ForwardOptions {
+            return_logits: true,
+            ..Default::default()
+        };
+        let plain = m.forward(&batch, &opts).unwrap();
+        let cap = m.forward_capturing(&batch, &opts).unwrap();
+        assert!(plain.hidden.is_none());
+        assert_eq!(plain.logprobs, cap.logprobs, "{what}");
+        assert_eq!(plain.logits, cap.logits, "{what}");
+        assert_eq!(plain.routing, cap.routing, "{what}");
+        let hidden = cap.hidden.as_ref().unwrap();
+        assert_eq!(hidden.len(), batch.len());
+        for (hs, s) in hidden.iter().zip(&batch) {
+            assert_eq!(hs.layers.len(), c.num_layers, "{what}");
+            assert_eq!(hs.num_tokens(), s.tokens.len(), "{what}");
+            assert!(hs.layers.iter().all(|l| l.len() == s.tokens.len() * h));
+            // Layers differ from each other (each adds its residual).
+            assert_ne!(hs.layers[0], hs.layers[c.num_layers - 1], "{what}");
+        }
+        // One sequence alone: the lm_head GEMM runs with the same shape as in the forward.
+        let one = m.forward_capturing(&batch[..1], &opts).unwrap();
+        let last = one.hidden.as_ref().unwrap()[0].layers[c.num_layers - 1].clone();
+        let logits = m.logits_from_residual(&last).unwrap();
+        assert_eq!(&logits, &one.logits.as_ref().unwrap()[0], "{what}");
+        if what.starts_with("Qwen") {
+            // f32 model: rstd and y = x·rstd·g carry ≤ γ_{H+4} relative error, the lm_head
+            // dot product adds γ_H relative to Σ|y_j·w_j|: |Δlogit| ≤ γ_{2H+8}·Σ|y_j·w_j|.
+            let g = m
+                .params()
+                .by_name("model.norm.weight")
+                .unwrap()
+                .data
+                .clone();
+            let head = if c.tie_word_embeddings {
+                "model.embed_tokens.weight"
+            } else {
+                "lm_head.weight"
+            };
+            let w = &m.params().by_name(head).unwrap().data;
+            let bound = mxrl_tensor::gradcheck::gamma(2 * h + 8);
+            for (t, row) in last.chunks(h).enumerate() {
+                let ms: f64 = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / h as f64;
+                let rstd = 1.0 / (ms + c.rms_norm_eps as f64).sqrt();
+                let y: Vec<f64> = row
+                    .iter()
+                    .zip(&g)
+                    .map(|(&x, &g)| x as f64 * rstd * g as f64)
+                    .collect();
+                for o in 0..v {
+                    let wr = &w[o * h..(o + 1) * h];
+                    let exact: f64 = y.iter().zip(wr).map(|(a, &b)| a * b as f64).sum();
+                    let mag: f64 = y.iter().zip(wr).map(|(a, &b)| (a * b as f64).abs()).sum();
+                    let got = logits[t * v + o] as f64;
+                    assert!(
+                        (got - exact).abs() <= bound * mag,
+                        "{what} pos {t} logit {o}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(models[0].1.logits_from_residual(&[0.0; 5]).is_err());
+}
+
+/// Generation with capture samples the same tokens and logprobs as without, returns one
+/// state per consumed token and layer, and the decode-time states (prefill for the prompt,
+/// then one per KV-cache decode step) equal the full forward's over the same tokens within the
+/// decode-vs-forward summation-order tolerance, scaled by the state's magnitude.
+#[test]
+fn decode_hidden_capture_matches_the_full_forward() {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let c = small(arch);
+        let model = perturbed(&c, 64);
+        let prompts: [&[u32]; 2] = [&[2, 7, 7, 1], &[5, 3]];
+        let sp = SamplingParams {
+            temperature: 0.9,
+            max_new_tokens: 5,
+            seed: 13,
+            ..Default::default()
+        };
+        let plain = model.generate(&prompts, &sp).unwrap();
+        let cap = model.generate_capturing(&prompts, &sp).unwrap();
+        for (b, (p, g)) in plain.iter().zip(&cap).enumerate() {
+            assert!(p.hidden.is_none());
+            assert_eq!(p.tokens, g.tokens);
+            assert_eq!(p.logprobs, g.logprobs);
+            let hs = g.hidden.as_ref().unwrap();
+            assert_eq!(hs.num_tokens(), g.routing.num_tokens());
+            let mut full = prompts[b].to_vec();
+            full.extend_from_slice(&g.tokens);
+            let fwd = model
+                .forward_capturing(&[SeqInput::next_token(&full)], &ForwardOptions::default())
+                .unwrap();
+            let want = &fwd.hidden.as_ref().unwrap()[0];
+            assert_eq!(want.num_tokens(), hs.num_tokens());
+            for l in 0..c.num_layers {
+                for t in 0..hs.num_tokens() {
+                    let (a, w) = (hs.at(l, t), want.at(l, t));
+                    let scale = w.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                    for (x, y) in a.iter().zip(w) {
+                        assert!(
+                            (x - y).abs() <= order_tol() * scale,
+                            "{arch:?} seq {b} layer {l} pos {t}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

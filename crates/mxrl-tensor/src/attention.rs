@@ -87,6 +87,13 @@ pub struct AttnProbs {
     offsets: Vec<usize>,
 }
 
+impl AttnProbs {
+    /// Bytes held (probabilities and block offsets).
+    pub fn nbytes(&self) -> usize {
+        4 * self.data.len() + std::mem::size_of::<usize>() * self.offsets.len()
+    }
+}
+
 /// Causal GQA attention forward over a packed batch (prefill from position 0).
 ///
 /// `q: [N, Hq·D]`, `k, v: [N, Hkv·D]` → `out: [N, Hq·D]`, plus the probabilities for backward.

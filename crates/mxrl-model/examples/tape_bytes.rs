@@ -1,0 +1,81 @@
+//! Bytes a training forward keeps for backward ([`mxrl_model::Tape::nbytes`]) per recipe.
+//!
+//! `cargo run --release -p mxrl-model --example tape_bytes -- [tiny|20m] [batch] [seq_len]`
+//!
+//! The `bf16` recipe (no quantized linear) is the baseline of the same run.
+
+use mxrl_model::{Arch, ForwardOptions, Model, ModelConfig, SeqInput};
+
+fn config(name: &str) -> ModelConfig {
+    match name {
+        "tiny" => ModelConfig::tiny(),
+        "20m" => {
+            // Same shape as the `bench_model` example's ~20M-parameter MoE.
+            let mut c = ModelConfig::tiny();
+            c.arch = Arch::Qwen3Moe;
+            c.vocab_size = 4096;
+            c.hidden_size = 256;
+            c.num_layers = 6;
+            c.num_heads = 8;
+            c.num_kv_heads = 4;
+            c.head_dim = 32;
+            c.num_experts = 16;
+            c.num_experts_per_tok = 2;
+            c.moe_intermediate_size = 256;
+            c
+        }
+        other => panic!("unknown config {other:?}: use tiny or 20m"),
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let name = args.get(1).map(String::as_str).unwrap_or("tiny");
+    let batch: usize = args.get(2).map(|s| s.parse().expect("batch")).unwrap_or(4);
+    let len: usize = args
+        .get(3)
+        .map(|s| s.parse().expect("seq_len"))
+        .unwrap_or(64);
+    let c = config(name);
+    let base = Model::random(&c, 0).expect("valid config");
+    let inv = mxrl_plan::Inventory::from_config_json(&c.to_json(), name).expect("inventory");
+    let v = c.vocab_size as u32;
+    let seqs: Vec<Vec<u32>> = (0..batch)
+        .map(|b| {
+            (0..len + 1)
+                .map(|t| ((b * 131 + t * 17) as u32) % v)
+                .collect()
+        })
+        .collect();
+    let inputs: Vec<SeqInput> = seqs.iter().map(|s| SeqInput::next_token(s)).collect();
+    println!(
+        "config {name}: {} params, batch {batch} × {len} tokens",
+        base.params().num_elements()
+    );
+    let mut baseline = None;
+    for preset in [
+        "bf16", "mxfp8", "mxfp8-hp", "mxfp8-dq", "nvfp4-hp", "nvfp4-dq",
+    ] {
+        let plan = mxrl_plan::resolve(&inv, &mxrl_plan::Recipe::load(preset).expect("preset"))
+            .expect("plan");
+        let mut m = base.clone();
+        m.apply_plan(&plan).expect("apply plan");
+        let out = m
+            .forward(
+                &inputs,
+                &ForwardOptions {
+                    train: true,
+                    ..Default::default()
+                },
+            )
+            .expect("forward");
+        let bytes = out.tape.expect("train forward keeps a tape").nbytes();
+        let b0 = *baseline.get_or_insert(bytes);
+        println!(
+            "{preset:>9}: tape {:>12} bytes ({:.2} MiB, {:.3}× bf16)",
+            bytes,
+            bytes as f64 / (1 << 20) as f64,
+            bytes as f64 / b0 as f64
+        );
+    }
+}
