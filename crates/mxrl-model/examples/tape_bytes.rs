@@ -2,7 +2,8 @@
 //!
 //! `cargo run --release -p mxrl-model --example tape_bytes -- [tiny|20m] [batch] [seq_len]`
 //!
-//! The `bf16` recipe (no quantized linear) is the baseline of the same run.
+//! Baselines of the same run: the reference tape ([`Model::forward_recompute_reference`]:
+//! f32 inputs of every linear, re-quantized in backward) and the `bf16` recipe.
 
 use mxrl_model::{Arch, ForwardOptions, Model, ModelConfig, SeqInput};
 
@@ -60,22 +61,25 @@ fn main() {
             .expect("plan");
         let mut m = base.clone();
         m.apply_plan(&plan).expect("apply plan");
-        let out = m
-            .forward(
-                &inputs,
-                &ForwardOptions {
-                    train: true,
-                    ..Default::default()
-                },
-            )
-            .expect("forward");
-        let bytes = out.tape.expect("train forward keeps a tape").nbytes();
-        let b0 = *baseline.get_or_insert(bytes);
+        let opts = ForwardOptions {
+            train: true,
+            ..Default::default()
+        };
+        let tape_bytes =
+            |out: mxrl_model::ForwardOutput| out.tape.expect("train forward keeps a tape").nbytes();
+        let saved = tape_bytes(m.forward(&inputs, &opts).expect("forward"));
+        let reference = tape_bytes(
+            m.forward_recompute_reference(&inputs, &opts)
+                .expect("forward"),
+        );
+        let b0 = *baseline.get_or_insert(saved);
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
         println!(
-            "{preset:>9}: tape {:>12} bytes ({:.2} MiB, {:.3}× bf16)",
-            bytes,
-            bytes as f64 / (1 << 20) as f64,
-            bytes as f64 / b0 as f64
+            "{preset:>9}: tape {saved:>10} B ({:.2} MiB), reference {reference:>10} B ({:.2} MiB): {:.3}× reference, {:.3}× bf16",
+            mib(saved),
+            mib(reference),
+            saved as f64 / reference as f64,
+            saved as f64 / b0 as f64
         );
     }
 }

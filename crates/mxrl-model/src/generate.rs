@@ -1,7 +1,7 @@
 //! Batched decode with per-sequence KV caches, and seeded sampling.
 
 use crate::error::{ModelError, Result};
-use crate::model::{HiddenStates, KvCache, Model, Pass, RoutingTrace};
+use crate::model::{HiddenStates, Keep, KvCache, Model, Pass, RoutingTrace};
 use mxrl_tensor::loss::logprobs_forward;
 use mxrl_tensor::routing::Routes;
 use mxrl_tensor::SeqLayout;
@@ -200,7 +200,7 @@ impl Model {
                 caches: Some(&mut caches),
             },
             None,
-            false,
+            Keep::Nothing,
             capture,
         );
         let h = c.hidden_size;
@@ -264,7 +264,7 @@ impl Model {
             &positions,
             Pass::Decode { caches },
             None,
-            false,
+            Keep::Nothing,
             capture,
         );
         let logits = self.lm_head(&trunk.h_final, tokens.len());

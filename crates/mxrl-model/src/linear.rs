@@ -7,7 +7,7 @@
 use crate::params::{Grads, ParamId, ParamStore};
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_nt_dot, sgemm_into};
 use mxrl_tensor::precision::{round_bf16, round_bf16_vec};
-use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, QLinearError};
+use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, QLinearError, Saved};
 use std::borrow::Cow;
 
 /// GEMM operand precision of one linear layer.
@@ -116,6 +116,29 @@ impl Linear {
         y
     }
 
+    /// Training forward: as [`Linear::forward`] (bitwise the same `y`), and for a quantized
+    /// linear also the context its backward needs ([`Saved`]: the forward's quantized `x`, its
+    /// column-wise copy or its BF16 rounding, per the backward mode), so that backward needs
+    /// neither the f32 input nor a second quantization. `None` for F32 / BF16 linears, whose
+    /// backward reads the f32 input.
+    pub(crate) fn forward_saving(
+        &self,
+        params: &ParamStore,
+        prep: &Prepared,
+        prec: LinearPrecision,
+        x: &[f32],
+        m: usize,
+    ) -> (Vec<f32>, Option<Saved>) {
+        if let Prepared::Quant(pw) = prep {
+            let (mut y, saved) = pw
+                .forward(x, m)
+                .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
+            self.add_bias(params, &mut y);
+            return (y, Some(saved));
+        }
+        (self.forward(params, prep, prec, x, m), None)
+    }
+
     fn add_bias(&self, params: &ParamStore, y: &mut [f32]) {
         if let Some(b) = self.b {
             let bias = params.data(b);
@@ -127,9 +150,14 @@ impl Linear {
         }
     }
 
-    /// Backward for `m` rows: given the forward input `x: [m, k]` (as passed to
-    /// [`Linear::forward`]) and `dy: [m, n]`, accumulates `dW += dyᵀ·x` (and `db += Σ_rows dy`)
-    /// into `grads` and returns `dx = dy·W: [m, k]`.
+    /// Backward for `m` rows: given `dy: [m, n]` and what the forward kept — for a quantized
+    /// linear its [`Saved`] context from [`Linear::forward_saving`], else the forward input
+    /// `x: [m, k]` — accumulates `dW += dyᵀ·x` (and `db += Σ_rows dy`) into `grads` and returns
+    /// `dx = dy·W: [m, k]`.
+    ///
+    /// A quantized linear given `x` but no context re-runs the forward quantization of `x`
+    /// (deterministic, so it rebuilds exactly the context the forward had): the reference the
+    /// saved-context path is tested against.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
@@ -137,6 +165,7 @@ impl Linear {
         prep: &Prepared,
         prec: LinearPrecision,
         x: &[f32],
+        saved: Option<&Saved>,
         dy: &[f32],
         m: usize,
         grads: &mut Grads,
@@ -151,16 +180,22 @@ impl Linear {
             }
         }
         if let Prepared::Quant(pw) = prep {
-            // The training forward keeps only the f32 input; quantization is deterministic,
-            // so re-running the forward quantization here reproduces exactly the operands
-            // (and the `Saved` context) the forward used.
-            let (_, saved) = pw
-                .forward(x, m)
-                .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
+            let recomputed;
+            let saved = match saved {
+                Some(s) => s,
+                None => {
+                    recomputed = pw
+                        .forward(x, m)
+                        .unwrap_or_else(|e| panic!("quantized linear forward: {e}"))
+                        .1;
+                    &recomputed
+                }
+            };
             return pw
-                .backward_accumulate(&saved, dy, grads.get_mut(self.w))
+                .backward_accumulate(saved, dy, grads.get_mut(self.w))
                 .unwrap_or_else(|e| panic!("quantized linear backward: {e}"));
         }
+        debug_assert!(saved.is_none(), "only quantized linears save a context");
         let dyo = operand(prec, dy);
         let xo = operand(prec, x);
         // dW[n, k] += dy[m, n]ᵀ · x[m, k]: logical A = dyᵀ (strides (1, n)), B = x.

@@ -11,7 +11,7 @@ use mxrl_tensor::attention::{
 use mxrl_tensor::loss::{logprobs_backward, logprobs_forward};
 use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
 use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
-use mxrl_tensor::qlinear::PreparedWeight;
+use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, Saved};
 use mxrl_tensor::rope::{rope_backward, rope_forward, RopeTable};
 use mxrl_tensor::routing::{
     load_balancing_loss, router_backward, router_forward, RouteMode, RouterState, Routes,
@@ -197,12 +197,33 @@ pub struct ForwardOutput {
     pub hidden: Option<Vec<HiddenStates>>,
 }
 
+/// What a training forward keeps of an MLP. The f32 input `x` (experts only; a dense or
+/// shared MLP reads the layer's `h2`) and `act` are kept only where the linear reading them
+/// saved no quantized context; `y` only where backward needs it (routed and shared experts).
 struct MlpTape {
     x: Vec<f32>,
     gu: Vec<f32>,
     act: Vec<f32>,
     y: Vec<f32>,
+    gu_saved: Option<Saved>,
+    down_saved: Option<Saved>,
 }
+
+/// What a pass keeps for backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Nothing (inference, decode).
+    Nothing,
+    /// Each quantized linear's [`Saved`] context (its f32 input is dropped when no other
+    /// consumer needs it); f32 inputs of the other linears.
+    Saved,
+    /// The f32 input of every linear; backward re-runs the forward quantization of a quantized
+    /// linear's input to rebuild its context (the reference of [`Keep::Saved`]).
+    Recompute,
+}
+
+/// Shared expert of a training forward: its MLP, gate logits and the gate linear's context.
+type SharedTape = (MlpTape, Vec<f32>, Option<Saved>);
 
 enum FfnTape {
     Dense(MlpTape),
@@ -211,7 +232,8 @@ enum FfnTape {
         state: RouterState,
         dispatch: Dispatch,
         experts: Vec<MlpTape>,
-        shared: Option<(MlpTape, Vec<f32>)>,
+        shared: Option<Box<SharedTape>>,
+        router_saved: Option<Saved>,
     },
 }
 
@@ -232,6 +254,12 @@ pub(crate) struct LayerTape {
     rstd2: Vec<f32>,
     h2: Vec<f32>,
     ffn: FfnTape,
+    /// Contexts of the quantized q/k/v projections; linears with the same spec and weight
+    /// version read the same input into the same context, so they share one entry.
+    qkv_saved: Vec<Saved>,
+    /// Index into `qkv_saved` of q, k and v (`None`: not quantized; `h1` is kept).
+    qkv_idx: [Option<usize>; 3],
+    o_saved: Option<Saved>,
 }
 
 /// Activations saved by a training forward, consumed by [`Model::backward`].
@@ -247,6 +275,7 @@ pub struct Tape {
     h_final: Vec<f32>,
     logits: Vec<f32>,
     lse: Vec<f32>,
+    head_saved: Option<Saved>,
     version: u64,
 }
 
@@ -254,9 +283,18 @@ fn f32_bytes(v: &[f32]) -> usize {
     4 * v.len()
 }
 
+fn saved_bytes(s: &Option<Saved>) -> usize {
+    s.as_ref().map_or(0, Saved::kept_bytes)
+}
+
 impl MlpTape {
     fn nbytes(&self) -> usize {
-        f32_bytes(&self.x) + f32_bytes(&self.gu) + f32_bytes(&self.act) + f32_bytes(&self.y)
+        f32_bytes(&self.x)
+            + f32_bytes(&self.gu)
+            + f32_bytes(&self.act)
+            + f32_bytes(&self.y)
+            + saved_bytes(&self.gu_saved)
+            + saved_bytes(&self.down_saved)
     }
 }
 
@@ -289,17 +327,22 @@ impl LayerTape {
                 dispatch,
                 experts,
                 shared,
+                router_saved,
             } => {
-                4 * (routes.ids.len() + routes.weights.len() + state.probs.len())
+                saved_bytes(router_saved)
+                    + 4 * (routes.ids.len() + routes.weights.len() + state.probs.len())
                     + 8 * dispatch.entries.len()
                     + std::mem::size_of::<usize>() * dispatch.starts.len()
                     + experts.iter().map(MlpTape::nbytes).sum::<usize>()
-                    + shared
-                        .as_ref()
-                        .map_or(0, |(t, gl)| t.nbytes() + f32_bytes(gl))
+                    + shared.as_deref().map_or(0, |(t, gl, gs)| {
+                        t.nbytes() + f32_bytes(gl) + saved_bytes(gs)
+                    })
             }
         };
-        f + self.probs.nbytes() + ffn
+        f + self.probs.nbytes()
+            + ffn
+            + self.qkv_saved.iter().map(Saved::kept_bytes).sum::<usize>()
+            + saved_bytes(&self.o_saved)
     }
 }
 
@@ -321,6 +364,7 @@ impl Tape {
             .iter()
             .map(|v| f32_bytes(v))
             .sum::<usize>()
+            + saved_bytes(&self.head_saved)
     }
 }
 
@@ -770,7 +814,7 @@ impl Model {
     /// A linear the plan does not cover, fused parts with different decisions, or a format
     /// the weight cannot take; then no precision is changed.
     pub fn apply_plan(&mut self, plan: &mxrl_plan::PrecisionPlan) -> Result<()> {
-        use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec};
+        use mxrl_tensor::qlinear::{ActScaling, BackwardMode};
         let mut decided = Vec::new();
         for i in 0..self.params.len() {
             if self.precision[i].is_none() {
@@ -977,9 +1021,38 @@ impl Model {
         l.forward(&self.params, &self.prepared[l.w], prec, x, m)
     }
 
-    fn lin_bwd(&self, l: &Linear, x: &[f32], dy: &[f32], m: usize, g: &mut Grads) -> Vec<f32> {
+    /// Forward of one linear in a pass that keeps `keep`: with [`Keep::Saved`] a quantized
+    /// linear also returns its backward context (same `y` bitwise).
+    fn lin_fwd_keep(
+        &self,
+        l: &Linear,
+        x: &[f32],
+        m: usize,
+        keep: Keep,
+    ) -> (Vec<f32>, Option<Saved>) {
         let prec = self.precision[l.w].expect("linear weight has a precision");
-        l.backward(&self.params, &self.prepared[l.w], prec, x, dy, m, g)
+        match keep {
+            // No context for zero rows (unused experts): backward skips them.
+            Keep::Saved if m > 0 => l.forward_saving(&self.params, &self.prepared[l.w], prec, x, m),
+            _ => (
+                l.forward(&self.params, &self.prepared[l.w], prec, x, m),
+                None,
+            ),
+        }
+    }
+
+    /// Backward of one linear from its saved context, or from its f32 input `x`.
+    fn lin_bwd(
+        &self,
+        l: &Linear,
+        x: &[f32],
+        saved: Option<&Saved>,
+        dy: &[f32],
+        m: usize,
+        g: &mut Grads,
+    ) -> Vec<f32> {
+        let prec = self.precision[l.w].expect("linear weight has a precision");
+        l.backward(&self.params, &self.prepared[l.w], prec, x, saved, dy, m, g)
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -1000,26 +1073,40 @@ impl Model {
         Ok(())
     }
 
-    fn mlp_forward(&self, mlp: &Mlp, x: Vec<f32>, m: usize) -> MlpTape {
-        let gu = self.lin_fwd(&mlp.gate_up, &x, m);
+    /// SwiGLU MLP forward over `m` rows of `x` (not stored: the caller keeps the input where
+    /// `gu_saved` is `None` and backward needs it).
+    fn mlp_forward(&self, mlp: &Mlp, x: &[f32], m: usize, keep: Keep) -> MlpTape {
+        let (gu, gu_saved) = self.lin_fwd_keep(&mlp.gate_up, x, m, keep);
         let mut act = vec![0.0; m * mlp.inter];
         swiglu_forward(&gu, m, mlp.inter, &mut act);
-        let y = self.lin_fwd(&mlp.down, &act, m);
-        MlpTape { x, gu, act, y }
+        let (y, down_saved) = self.lin_fwd_keep(&mlp.down, &act, m, keep);
+        if down_saved.is_some() {
+            act = Vec::new();
+        }
+        MlpTape {
+            x: Vec::new(),
+            gu,
+            act,
+            y,
+            gu_saved,
+            down_saved,
+        }
     }
 
+    /// MLP backward; `x` is the MLP's f32 input where its gate_up saved no context.
     fn mlp_backward(
         &self,
         mlp: &Mlp,
         t: &MlpTape,
+        x: &[f32],
         dy: &[f32],
         m: usize,
         g: &mut Grads,
     ) -> Vec<f32> {
-        let dact = self.lin_bwd(&mlp.down, &t.act, dy, m, g);
+        let dact = self.lin_bwd(&mlp.down, &t.act, t.down_saved.as_ref(), dy, m, g);
         let mut dgu = vec![0.0; m * 2 * mlp.inter];
         swiglu_backward(&dact, &t.gu, m, mlp.inter, &mut dgu);
-        self.lin_bwd(&mlp.gate_up, &t.x, &dgu, m, g)
+        self.lin_bwd(&mlp.gate_up, x, t.gu_saved.as_ref(), &dgu, m, g)
     }
 
     /// The decoder trunk over `n` packed rows: embeddings → layers → final norm.
@@ -1030,10 +1117,11 @@ impl Model {
         positions: &[usize],
         mut pass: Pass<'_>,
         replay: Option<(&[PackedRoutes], ReplayKind)>,
-        keep: bool,
+        keep_mode: Keep,
         capture: bool,
     ) -> TrunkOut {
         let c = &self.config;
+        let keep = keep_mode != Keep::Nothing;
         let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
         let (hq, hkv) = (c.num_heads, c.num_kv_heads);
         let emb = self.params.data(self.embed);
@@ -1059,9 +1147,35 @@ impl Model {
                 &mut h1,
                 &mut rstd1,
             );
-            let q_pre = self.lin_fwd(&layer.q, &h1, n);
-            let k_pre = self.lin_fwd(&layer.k, &h1, n);
-            let v = self.lin_fwd(&layer.v, &h1, n);
+            // q, k and v read h1; quantized ones with one spec and weight version share one
+            // saved context (it depends only on x, the spec and the version).
+            let mut qkv_ctx: Vec<(LinearSpec, u64, Saved)> = Vec::new();
+            let mut qkv_idx = [None; 3];
+            let mut qkv_out = Vec::with_capacity(3);
+            for (j, lin) in [&layer.q, &layer.k, &layer.v].into_iter().enumerate() {
+                let id = match (&self.prepared[lin.w], keep_mode) {
+                    (Prepared::Quant(pw), Keep::Saved) => Some((pw.spec(), pw.version())),
+                    _ => None,
+                };
+                let shared = id.and_then(|(sp, ver)| {
+                    qkv_ctx.iter().position(|(s, v, _)| *s == sp && *v == ver)
+                });
+                if let Some(i) = shared {
+                    qkv_idx[j] = Some(i);
+                    qkv_out.push(self.lin_fwd(lin, &h1, n));
+                    continue;
+                }
+                let (y, saved) = self.lin_fwd_keep(lin, &h1, n, keep_mode);
+                if let (Some(saved), Some((sp, ver))) = (saved, id) {
+                    qkv_idx[j] = Some(qkv_ctx.len());
+                    qkv_ctx.push((sp, ver, saved));
+                }
+                qkv_out.push(y);
+            }
+            let v = qkv_out.pop().expect("three projections");
+            let k_pre = qkv_out.pop().expect("three projections");
+            let q_pre = qkv_out.pop().expect("three projections");
+            let qkv_saved: Vec<Saved> = qkv_ctx.into_iter().map(|(_, _, s)| s).collect();
             let (mut q, mut k) = (q_pre.clone(), k_pre.clone());
             let mut rstd_q = Vec::new();
             let mut rstd_k = Vec::new();
@@ -1122,7 +1236,7 @@ impl Model {
                     AttnProbs::default()
                 }
             };
-            let o = self.lin_fwd(&layer.o, &att, n);
+            let (o, o_saved) = self.lin_fwd_keep(&layer.o, &att, n, keep_mode);
             let x_in = if keep { x.clone() } else { Vec::new() };
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -1139,10 +1253,13 @@ impl Model {
                 &mut rstd2,
             );
             let x_mid = if keep { x.clone() } else { Vec::new() };
-            let (ffn_out, ffn_tape, lr, lp) = match &layer.ffn {
+            // h2 is kept only for a linear reading it that saved no context.
+            let (ffn_out, ffn_tape, lr, lp, h2_needed) = match &layer.ffn {
                 Ffn::Dense(mlp) => {
-                    let t = self.mlp_forward(mlp, h2.clone(), n);
-                    (t.y.clone(), FfnTape::Dense(t), None, None)
+                    let mut t = self.mlp_forward(mlp, &h2, n, keep_mode);
+                    let y = std::mem::take(&mut t.y);
+                    let needed = t.gu_saved.is_none();
+                    (y, FfnTape::Dense(t), None, None, needed)
                 }
                 Ffn::Moe {
                     router,
@@ -1150,7 +1267,7 @@ impl Model {
                     shared,
                 } => {
                     let e = c.num_experts;
-                    let logits = self.lin_fwd(router, &h2, n);
+                    let (logits, router_saved) = self.lin_fwd_keep(router, &h2, n, keep_mode);
                     let mode = match replay.and_then(|(r, kind)| r[li].as_ref().map(|x| (x, kind)))
                     {
                         Some(((ids, _), ReplayKind::Ids)) => RouteMode::ReplayIds(ids),
@@ -1171,21 +1288,28 @@ impl Model {
                     for (ei, mlp) in experts.iter().enumerate() {
                         let rows = dispatch.rows(ei);
                         let xe = gather(&h2, h, rows);
-                        let t = self.mlp_forward(mlp, xe, rows.len());
+                        let mut t = self.mlp_forward(mlp, &xe, rows.len(), keep_mode);
                         combine_forward(&t.y, h, rows, &routes, &mut out);
+                        if keep && t.gu_saved.is_none() {
+                            t.x = xe;
+                        }
                         etapes.push(t);
                     }
                     let shared_tape = shared.as_ref().map(|s| {
-                        let t = self.mlp_forward(&s.mlp, h2.clone(), n);
-                        let gl = self.lin_fwd(&s.gate, &h2, n);
+                        let t = self.mlp_forward(&s.mlp, &h2, n, keep_mode);
+                        let (gl, gate_saved) = self.lin_fwd_keep(&s.gate, &h2, n, keep_mode);
                         for (r, row) in out.chunks_mut(h).enumerate() {
                             let g = sigmoid(gl[r]);
                             for (a, &b) in row.iter_mut().zip(&t.y[r * h..(r + 1) * h]) {
                                 *a += g * b;
                             }
                         }
-                        (t, gl)
+                        Box::new((t, gl, gate_saved))
                     });
+                    let needed = router_saved.is_none()
+                        || shared_tape
+                            .as_ref()
+                            .is_some_and(|b| b.0.gu_saved.is_none() || b.2.is_none());
                     let probs = state.probs.clone();
                     let r2 = routes.clone();
                     (
@@ -1196,9 +1320,11 @@ impl Model {
                             dispatch,
                             experts: etapes,
                             shared: shared_tape,
+                            router_saved,
                         },
                         Some(r2),
                         Some(probs),
+                        needed,
                     )
                 }
             };
@@ -1211,10 +1337,11 @@ impl Model {
             routes_out.push(lr);
             probs_out.push(lp);
             if keep {
+                let h1_needed = qkv_idx.iter().any(Option::is_none);
                 tapes.push(LayerTape {
                     x_in,
                     rstd1,
-                    h1,
+                    h1: if h1_needed { h1 } else { Vec::new() },
                     q_pre,
                     rstd_q,
                     k_pre,
@@ -1223,11 +1350,14 @@ impl Model {
                     k,
                     v,
                     probs,
-                    att,
+                    att: if o_saved.is_none() { att } else { Vec::new() },
                     x_mid,
                     rstd2,
-                    h2,
+                    h2: if h2_needed { h2 } else { Vec::new() },
                     ffn: ffn_tape,
+                    qkv_saved,
+                    qkv_idx,
+                    o_saved,
                 });
             }
         }
@@ -1287,7 +1417,22 @@ impl Model {
         batch: &[SeqInput<'_>],
         opts: &ForwardOptions<'_>,
     ) -> Result<ForwardOutput> {
-        self.forward_impl(batch, opts, false)
+        self.forward_impl(batch, opts, false, Keep::Saved)
+    }
+
+    /// [`Model::forward`] whose tape (when `opts.train`) keeps the f32 input of every linear
+    /// instead of a quantized linear's saved context, so that [`Model::backward`] re-runs the
+    /// forward quantization of each quantized linear's input to rebuild that context.
+    ///
+    /// This is the reference of the saved-context tape: quantization is deterministic, so
+    /// both give bitwise the same gradients (tested for every recipe), and the reference keeps
+    /// more memory ([`Tape::nbytes`]). Outputs other than the tape equal [`Model::forward`]'s.
+    pub fn forward_recompute_reference(
+        &self,
+        batch: &[SeqInput<'_>],
+        opts: &ForwardOptions<'_>,
+    ) -> Result<ForwardOutput> {
+        self.forward_impl(batch, opts, false, Keep::Recompute)
     }
 
     /// [`Model::forward`] that also returns, per sequence, the residual stream after every
@@ -1300,7 +1445,7 @@ impl Model {
         batch: &[SeqInput<'_>],
         opts: &ForwardOptions<'_>,
     ) -> Result<ForwardOutput> {
-        self.forward_impl(batch, opts, true)
+        self.forward_impl(batch, opts, true, Keep::Saved)
     }
 
     /// Logits `[n, V]` from residual-stream states `[n, H]` after the last decoder layer: the
@@ -1337,8 +1482,14 @@ impl Model {
         batch: &[SeqInput<'_>],
         opts: &ForwardOptions<'_>,
         capture: bool,
+        train_keep: Keep,
     ) -> Result<ForwardOutput> {
         let c = &self.config;
+        let keep = if opts.train {
+            train_keep
+        } else {
+            Keep::Nothing
+        };
         if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
             return Err(ModelError::Input(format!(
                 "temperature {} must be positive and finite",
@@ -1377,11 +1528,17 @@ impl Model {
                 caches: None,
             },
             packed_replay.as_ref().map(|(r, k)| (r.as_slice(), *k)),
-            opts.train,
+            keep,
             capture,
         );
         let v = c.vocab_size;
-        let logits = self.lm_head(&trunk.h_final, n);
+        let head = Linear {
+            w: self.lm_head,
+            b: None,
+            n: c.vocab_size,
+            k: c.hidden_size,
+        };
+        let (logits, head_saved) = self.lin_fwd_keep(&head, &trunk.h_final, n, keep);
         let (lp, lse) = logprobs_forward(&logits, &targets, n, v, opts.temperature);
         let aux_layers: Vec<(&[f32], &[u32])> = trunk
             .probs
@@ -1438,9 +1595,14 @@ impl Model {
             layers: trunk.layers,
             x_final: trunk.x_final,
             rstd_final: trunk.rstd_final,
-            h_final: trunk.h_final,
+            h_final: if head_saved.is_some() {
+                Vec::new()
+            } else {
+                trunk.h_final
+            },
             logits,
             lse,
+            head_saved,
             version: self.version,
         });
         Ok(ForwardOutput {
@@ -1550,7 +1712,14 @@ impl Model {
             n: v,
             k: h,
         };
-        let dhf = self.lin_bwd(&head, &tape.h_final, &dlogits, n, &mut g);
+        let dhf = self.lin_bwd(
+            &head,
+            &tape.h_final,
+            tape.head_saved.as_ref(),
+            &dlogits,
+            n,
+            &mut g,
+        );
         let mut dx = vec![0.0; n * h];
         rmsnorm_backward(
             &dhf,
@@ -1584,7 +1753,7 @@ impl Model {
             let mut dh2 = vec![0.0f32; n * h];
             match (&layer.ffn, &t.ffn) {
                 (Ffn::Dense(mlp), FfnTape::Dense(mt)) => {
-                    dh2 = self.mlp_backward(mlp, mt, &dx, n, &mut g);
+                    dh2 = self.mlp_backward(mlp, mt, &t.h2, &dx, n, &mut g);
                 }
                 (
                     Ffn::Moe {
@@ -1598,6 +1767,7 @@ impl Model {
                         dispatch,
                         experts: et,
                         shared: st,
+                        router_saved,
                     },
                 ) => {
                     let e = c.num_experts;
@@ -1609,10 +1779,10 @@ impl Model {
                             continue;
                         }
                         let dy = combine_backward(&dx, &mt.y, h, rows, routes, &mut dweights);
-                        let dxe = self.mlp_backward(mlp, mt, &dy, rows.len(), &mut g);
+                        let dxe = self.mlp_backward(mlp, mt, &mt.x, &dy, rows.len(), &mut g);
                         gather_backward(&dxe, h, rows, &mut dh2);
                     }
-                    if let (Some(s), Some((smt, gl))) = (shared, st) {
+                    if let (Some(s), Some((smt, gl, gs))) = (shared, st.as_deref()) {
                         // out += sigmoid(gl) · y_s
                         let mut dys = vec![0.0f32; n * h];
                         let mut dgl = vec![0.0f32; n];
@@ -1625,8 +1795,8 @@ impl Model {
                             }
                             dgl[r] = dot * sg * (1.0 - sg);
                         }
-                        let a = self.mlp_backward(&s.mlp, smt, &dys, n, &mut g);
-                        let b = self.lin_bwd(&s.gate, &t.h2, &dgl, n, &mut g);
+                        let a = self.mlp_backward(&s.mlp, smt, &t.h2, &dys, n, &mut g);
+                        let b = self.lin_bwd(&s.gate, &t.h2, gs.as_ref(), &dgl, n, &mut g);
                         for ((o, x), y) in dh2.iter_mut().zip(&a).zip(&b) {
                             *o += x + y;
                         }
@@ -1642,7 +1812,8 @@ impl Model {
                         aux_dprobs[li].as_deref(),
                         &mut dlogits_r,
                     );
-                    let dr = self.lin_bwd(router, &t.h2, &dlogits_r, n, &mut g);
+                    let dr =
+                        self.lin_bwd(router, &t.h2, router_saved.as_ref(), &dlogits_r, n, &mut g);
                     for (o, x) in dh2.iter_mut().zip(&dr) {
                         *o += x;
                     }
@@ -1664,7 +1835,7 @@ impl Model {
                 *a += b;
             }
             // attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), …)), h1 = rmsnorm(x_in)
-            let datt = self.lin_bwd(&layer.o, &t.att, &dx, n, &mut g);
+            let datt = self.lin_bwd(&layer.o, &t.att, t.o_saved.as_ref(), &dx, n, &mut g);
             let mut dq = vec![0.0f32; n * hq * d];
             let mut dk = vec![0.0f32; n * hkv * d];
             let mut dv = vec![0.0f32; n * hkv * d];
@@ -1699,9 +1870,10 @@ impl Model {
                 );
                 dk = dkp;
             }
-            let mut dh1 = self.lin_bwd(&layer.q, &t.h1, &dq, n, &mut g);
-            for (lin, dd) in [(&layer.k, &dk), (&layer.v, &dv)] {
-                let r = self.lin_bwd(lin, &t.h1, dd, n, &mut g);
+            let ctx = |j: usize| t.qkv_idx[j].map(|i| &t.qkv_saved[i]);
+            let mut dh1 = self.lin_bwd(&layer.q, &t.h1, ctx(0), &dq, n, &mut g);
+            for (j, lin, dd) in [(1, &layer.k, &dk), (2, &layer.v, &dv)] {
+                let r = self.lin_bwd(lin, &t.h1, ctx(j), dd, n, &mut g);
                 for (a, b) in dh1.iter_mut().zip(&r) {
                     *a += b;
                 }
