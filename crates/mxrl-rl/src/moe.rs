@@ -1,30 +1,47 @@
-//! The RL traits for the MoE transformer of `mxrl-model`, under a precision plan of `mxrl-plan`.
+//! The RL traits for the MoE transformer of `mxrl-model`, run under a precision plan of
+//! `mxrl-plan`: trainer and rollout are the same quantized model.
 //!
-//! - Every parameter gets its storage format from the plan (model names map to plan names; a
-//!   fused `gate_up_proj` takes its `gate_proj` entry — the plan guarantees gate and up agree).
-//! - Trainer: f32 masters + gradients live here; the model multiplies the **effective**
-//!   weights `dequantize(quantize_plan(master))` (exactly the values the rollout holds), and
-//!   weight gradients pass straight through to the masters. Refreshed lazily after each
-//!   optimizer step.
-//! - Rollout: holds the wire tensors it was sent and a model whose weights are their
-//!   contract dequantization; [`RolloutPolicy::load_weights`] validates and dequantizes every
-//!   tensor before it changes anything.
-//! - GEMM operands: BF16-rounded activations and weights for BF16 / MXFP8 tensors (MXFP8
-//!   values are BF16-exact), f32 for NVFP4 tensors (their per-tensor FP32 scale makes the
-//!   dequantized values not BF16-exact); f32 accumulation throughout.
+//! - **Plan.** Both sides call [`Model::apply_plan`]: every linear the plan stores in a block
+//!   format runs as a quantized linear (`mxrl_tensor::qlinear`): activations are quantized on
+//!   every forward (NVFP4 per token, α applied after the f32 sum), the weight once per weight
+//!   version (a fused `gate_up_proj` as one tensor, so NVFP4 gives gate and up one amax), and
+//!   the backward GEMMs follow the plan's backward mode (`lowp`, `high_precision`,
+//!   `dequantized`). BF16 linears round operands to BF16; f32 accumulation throughout. Model
+//!   names map to plan names; a fused `gate_up_proj` takes its `gate_proj` entry (the plan
+//!   keeps gate and up equal).
+//! - **Trainer** ([`MoeTrainer`]): f32 master weights and gradients live here. The model holds
+//!   the masters of the quantized linears (their bytes are `quantize(master)` with the plan's
+//!   scheme, the bytes `mxrl convert` writes; `high_precision` backward multiplies the BF16
+//!   master) and the BF16 values of every other tensor (BF16 linears, router, norms,
+//!   embeddings: the plan stores them BF16, so the trainer computes with exactly the values
+//!   it ships). Gradients are [`Model::backward`]'s, with the plan's backward modes; they
+//!   update the f32 masters (for the BF16 tensors: the usual BF16-parameter / FP32-master
+//!   split). After an optimizer step [`TrainPolicy::refresh_weights`] puts the masters back
+//!   into the model, which re-quantizes each weight once for the new version.
+//! - **Export** ([`TrainPolicy::export_weights`]): the trainer's own bytes, never
+//!   re-quantized: for quantized linears the stored tensor its forward multiplies
+//!   (`PreparedWeight::stored`, converted losslessly by [`crate::wire::from_quantized`]), BF16
+//!   for everything else.
+//! - **Rollout** ([`MoeRollout`]): the same model under the same plan. [`RolloutPolicy::
+//!   load_weights`] checks every tensor (name, shape, plan format, bytes) and installs them
+//!   atomically with [`Model::load_weights`]: quantized linears get the sent bytes as their
+//!   stored weight (used as sent, no dequantize-requantize), the rest their BF16 values.
+//!   Generation (KV-cache decode) therefore multiplies exactly the trainer's bytes with
+//!   quantized activations; [`RolloutPolicy::weights`] reads back what the model holds.
 
 use crate::policy::{
     LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
     TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::sampling::{entropy, log_softmax_tempered};
-use crate::wire::{dequantize, quantize};
+use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
-    ForwardOptions, LinearPrecision, Model, ModelConfig, ReplayKind, Routes, SamplingParams,
-    SeqInput, Tape,
+    ForwardOptions, Model, ModelConfig, ReplayKind, Routes, SamplingParams, SeqInput, Tape,
+    WeightValue,
 };
 use mxrl_plan::{PrecisionPlan, Recipe};
+use mxrl_tensor::precision::round_bf16;
 use std::collections::BTreeMap;
 
 fn be<E: std::fmt::Display>(e: E) -> PolicyError {
@@ -74,46 +91,59 @@ fn rows_cols(shape: &[usize]) -> (usize, usize) {
     (shape.iter().product::<usize>() / c.max(1), c)
 }
 
-fn set_precisions(model: &mut Model, formats: &[Format]) {
-    let by_name: BTreeMap<String, Format> = model
+/// Apply `plan` to `model` and check that the model runs exactly the plan's storage formats:
+/// a parameter the plan stores in a block format is a quantized linear of that format, every
+/// other one is stored BF16. Returns the formats and which parameters are quantized linears.
+fn apply_plan(
+    model: &mut Model,
+    plan: &PrecisionPlan,
+) -> Result<(Vec<Format>, Vec<bool>), PolicyError> {
+    let formats = formats_for(model, plan)?;
+    model.apply_plan(plan).map_err(be)?;
+    let quantized = model
         .params()
         .iter()
-        .zip(formats)
-        .map(|(p, f)| (p.name.clone(), *f))
-        .collect();
-    model
-        .set_precision_by(|name, _| match by_name.get(name) {
-            Some(Format::Nvfp4) => LinearPrecision::F32,
-            _ => LinearPrecision::Bf16,
+        .zip(&formats)
+        .map(|(p, &f)| {
+            let runs = model.prepared_weight(&p.name).map(|pw| pw.spec().format());
+            match runs {
+                Some(g) if g == f && f != Format::Bf16 => Ok(true),
+                None if f == Format::Bf16 => Ok(false),
+                _ => Err(PolicyError::Invalid(format!(
+                    "parameter {}: the plan stores it as {f}, the model runs it as {}",
+                    p.name,
+                    runs.map_or("a BF16/f32 tensor".to_string(), |g| format!("a {g} linear"))
+                ))),
+            }
         })
-        .expect("f32 and bf16 linears accept every weight shape");
+        .collect::<Result<Vec<bool>, _>>()?;
+    Ok((formats, quantized))
 }
 
-fn export(
-    model: &Model,
-    formats: &[Format],
-    values: &[Vec<f32>],
-) -> Result<Vec<WireTensor>, PolicyError> {
+/// What a model holds, in wire form: the stored bytes of its quantized linears, BF16 for the
+/// rest (their values are BF16-exact, so this is lossless).
+fn held_weights(model: &Model, quantized: &[bool]) -> Result<Vec<WireTensor>, PolicyError> {
     model
         .params()
         .iter()
-        .zip(formats)
-        .zip(values)
-        .map(|((p, f), v)| {
-            let (r, c) = rows_cols(&p.shape);
-            let mut w = quantize(&p.name, *f, r, c, v)?;
-            w.shape = p.shape.clone();
-            Ok(w)
+        .zip(quantized)
+        .map(|(p, &q)| {
+            if q {
+                let stored = model
+                    .prepared_weight(&p.name)
+                    .and_then(|pw| pw.stored())
+                    .ok_or_else(|| {
+                        PolicyError::Invalid(format!(
+                            "parameter {}: a quantized linear without stored bytes",
+                            p.name
+                        ))
+                    })?;
+                from_quantized(&p.name, stored)
+            } else {
+                Ok(bf16_wire(&p.name, p.shape.clone(), &p.data))
+            }
         })
         .collect()
-}
-
-fn wire_rows_cols(t: &WireTensor) -> WireTensor {
-    let (r, c) = rows_cols(&t.shape);
-    WireTensor {
-        shape: vec![r, c],
-        ..t.clone()
-    }
 }
 
 /// Model routing (per layer, `None` for dense) → the loop's flat trace over MoE layers.
@@ -170,6 +200,7 @@ fn from_trace(cfg: &ModelConfig, t: &RoutingTrace) -> mxrl_model::RoutingTrace {
 pub struct MoeTrainer {
     model: Model,
     formats: Vec<Format>,
+    quantized: Vec<bool>,
     master: Vec<Vec<f32>>,
     grad: Vec<Vec<f32>>,
     names: Vec<String>,
@@ -186,6 +217,7 @@ impl Clone for MoeTrainer {
         MoeTrainer {
             model: self.model.clone(),
             formats: self.formats.clone(),
+            quantized: self.quantized.clone(),
             master: self.master.clone(),
             grad: self.grad.iter().map(|g| vec![0.0; g.len()]).collect(),
             names: self.names.clone(),
@@ -203,33 +235,20 @@ impl std::fmt::Debug for MoeTrainer {
     }
 }
 
-fn scatter_bf(model: &mut Model, values: &[Vec<f32>]) -> Result<(), PolicyError> {
-    let names: Vec<String> = model.params().iter().map(|p| p.name.clone()).collect();
-    let mut ps = model.params_mut();
-    for (n, v) in names.iter().zip(values) {
-        ps.set(n, v).map_err(be)?;
-    }
-    Ok(())
-}
-
 impl MoeTrainer {
-    /// Wrap `model` (its current weights become the f32 masters) under `formats` (one per
-    /// parameter, from [`formats_for`]).
-    pub fn new(mut model: Model, formats: Vec<Format>) -> Result<MoeTrainer, PolicyError> {
-        if formats.len() != model.params().len() {
-            return Err(PolicyError::Invalid(format!(
-                "{} formats for {} parameters",
-                formats.len(),
-                model.params().len()
-            )));
-        }
-        set_precisions(&mut model, &formats);
+    /// Wrap `model` (its current weights become the f32 masters) and run it under `plan`.
+    ///
+    /// # Errors
+    /// A parameter the plan does not cover, or one whose plan format the model cannot run.
+    pub fn new(mut model: Model, plan: &PrecisionPlan) -> Result<MoeTrainer, PolicyError> {
+        let (formats, quantized) = apply_plan(&mut model, plan)?;
         let master: Vec<Vec<f32>> = model.params().iter().map(|p| p.data.clone()).collect();
         let names = model.params().iter().map(|p| p.name.clone()).collect();
         let grad = master.iter().map(|m| vec![0.0; m.len()]).collect();
         let mut t = MoeTrainer {
             model,
             formats,
+            quantized,
             master,
             grad,
             names,
@@ -247,33 +266,57 @@ impl MoeTrainer {
         self.model.config()
     }
 
+    /// The model the trainer runs (under the plan; up to date after
+    /// [`TrainPolicy::refresh_weights`]).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Storage format of every parameter (store order), from the plan.
+    pub fn formats(&self) -> &[Format] {
+        &self.formats
+    }
+
     /// The model with the f32 master weights (for saving a checkpoint).
     pub fn master_model(&self) -> Result<Model, PolicyError> {
         let mut m = self.model.clone();
-        scatter_bf(&mut m, &self.master)?;
+        let mut ps = m.params_mut();
+        for (n, v) in self.names.iter().zip(&self.master) {
+            ps.set(n, v).map_err(be)?;
+        }
+        drop(ps);
         Ok(m)
     }
 
-    /// A rollout engine holding this trainer's exported weights.
-    pub fn rollout(&self) -> Result<MoeRollout, PolicyError> {
+    /// A rollout engine under the same plan, holding this trainer's exported weights.
+    pub fn rollout(&mut self) -> Result<MoeRollout, PolicyError> {
+        self.refresh()?;
         let mut r = MoeRollout {
             model: self.model.clone(),
-            wire: Vec::new(),
+            formats: self.formats.clone(),
+            quantized: self.quantized.clone(),
             replay_kind: self.replay_kind,
         };
         r.load_weights(&self.export_weights()?)?;
         Ok(r)
     }
 
+    /// Put the masters into the model: quantized linears get the f32 masters (quantized once
+    /// for the new weight version when the guard drops), every other tensor its BF16 value.
     fn refresh(&mut self) -> Result<(), PolicyError> {
         if !self.dirty {
             return Ok(());
         }
-        let eff: Vec<Vec<f32>> = export(&self.model, &self.formats, &self.master)?
-            .iter()
-            .map(|w| dequantize(&wire_rows_cols(w)))
-            .collect::<Result<_, _>>()?;
-        scatter_bf(&mut self.model, &eff)?;
+        let mut ps = self.model.params_mut();
+        for ((n, v), &q) in self.names.iter().zip(&self.master).zip(&self.quantized) {
+            if q {
+                ps.set(n, v).map_err(be)?;
+            } else {
+                let b: Vec<f32> = v.iter().map(|&x| round_bf16(x)).collect();
+                ps.set(n, &b).map_err(be)?;
+            }
+        }
+        drop(ps);
         self.tape = None;
         self.dirty = false;
         Ok(())
@@ -434,8 +477,26 @@ impl TrainPolicy for MoeTrainer {
             .collect()
     }
 
+    fn zero_grad(&mut self) {
+        // Gradients only: the weights (and the tape of a pending backward) stay valid.
+        for g in &mut self.grad {
+            g.fill(0.0);
+        }
+    }
+
+    fn refresh_weights(&mut self) -> Result<(), PolicyError> {
+        self.refresh()
+    }
+
     fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError> {
-        export(&self.model, &self.formats, &self.master)
+        if self.dirty {
+            return Err(PolicyError::Invalid(
+                "export_weights: the parameters changed since the last refresh_weights; \
+                 refresh first so the export is the bytes the trainer multiplies"
+                    .into(),
+            ));
+        }
+        held_weights(&self.model, &self.quantized)
     }
 }
 
@@ -443,14 +504,37 @@ impl TrainPolicy for MoeTrainer {
 #[derive(Clone)]
 pub struct MoeRollout {
     model: Model,
-    wire: Vec<WireTensor>,
+    formats: Vec<Format>,
+    quantized: Vec<bool>,
     /// Replay kind used by [`RolloutPolicy::score`] (must equal the trainer's).
     pub replay_kind: ReplayKind,
 }
 
 impl std::fmt::Debug for MoeRollout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MoeRollout({} tensors)", self.wire.len())
+        write!(f, "MoeRollout({} tensors)", self.formats.len())
+    }
+}
+
+impl MoeRollout {
+    /// A rollout engine running `model` under `plan`, with the model's own weights (quantized
+    /// from its values) until the first [`RolloutPolicy::load_weights`].
+    ///
+    /// # Errors
+    /// As [`MoeTrainer::new`].
+    pub fn new(mut model: Model, plan: &PrecisionPlan) -> Result<MoeRollout, PolicyError> {
+        let (formats, quantized) = apply_plan(&mut model, plan)?;
+        Ok(MoeRollout {
+            model,
+            formats,
+            quantized,
+            replay_kind: ReplayKind::Ids,
+        })
+    }
+
+    /// The model the rollout runs.
+    pub fn model(&self) -> &Model {
+        &self.model
     }
 }
 
@@ -499,27 +583,36 @@ impl RolloutPolicy for MoeRollout {
                 params.len()
             )));
         }
-        let mut values = Vec::with_capacity(tensors.len());
-        let mut formats = Vec::with_capacity(tensors.len());
-        for (t, p) in tensors.iter().zip(params.iter()) {
+        let mut updates = Vec::with_capacity(tensors.len());
+        for (i, (t, p)) in tensors.iter().zip(params.iter()).enumerate() {
             if t.name != p.name || t.shape != p.shape {
                 return Err(PolicyError::Update(format!(
                     "expected `{}` {:?}, got `{}` {:?}",
                     p.name, p.shape, t.name, t.shape
                 )));
             }
-            values.push(dequantize(&wire_rows_cols(t))?);
-            formats.push(t.format);
+            if t.format != self.formats[i] {
+                return Err(PolicyError::Update(format!(
+                    "tensor {}: sent as {}, the precision plan stores it as {}",
+                    t.name, t.format, self.formats[i]
+                )));
+            }
+            let v = if self.quantized[i] {
+                WeightValue::Quantized(to_quantized(t)?)
+            } else {
+                WeightValue::Values(bf16_values(t)?)
+            };
+            updates.push((p.name.clone(), v));
         }
-        // Everything verified: now swap.
-        set_precisions(&mut self.model, &formats);
-        scatter_bf(&mut self.model, &values)?;
-        self.wire = tensors.to_vec();
-        Ok(())
+        // Everything decoded; the model validates and prepares every tensor before it swaps.
+        self.model
+            .load_weights(updates)
+            .map_err(|e| PolicyError::Update(e.to_string()))
     }
 
     fn weights(&self) -> Vec<WireTensor> {
-        self.wire.clone()
+        held_weights(&self.model, &self.quantized)
+            .unwrap_or_else(|e| panic!("the rollout holds only wire-representable weights: {e}"))
     }
 
     fn score(

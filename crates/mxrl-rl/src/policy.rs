@@ -239,7 +239,16 @@ pub trait TrainPolicy {
         }
     }
 
+    /// Bring the weights the forward multiplies (and [`TrainPolicy::export_weights`] ships) up
+    /// to date after the parameters were changed through [`TrainPolicy::params`]: a quantizing
+    /// policy quantizes them here, once per weight version. The loop calls it before every
+    /// export; the default does nothing.
+    fn refresh_weights(&mut self) -> Result<(), PolicyError> {
+        Ok(())
+    }
+
     /// The weights quantized by the plan, in the rollout's layout (the bytes a weight update
-    /// ships). Must use the same quantizer as checkpoint conversion.
+    /// ships). Must use the same quantizer as checkpoint conversion. A policy whose parameters
+    /// changed since its last [`TrainPolicy::refresh_weights`] may refuse.
     fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError>;
 }

@@ -311,6 +311,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
 
     fn sync(&mut self, version: u64) -> Result<(u64, f64), RunError> {
         let t = Instant::now();
+        self.trainer.refresh_weights()?;
         let ex = self.trainer.export_weights()?;
         let u = WeightUpdate::build(version, &self.contract_hash, &ex, self.cfg.bucket_bytes);
         let rep = self.rollout.apply(&u)?;

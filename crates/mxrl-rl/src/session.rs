@@ -66,7 +66,7 @@ pub fn build(model: &Model, recipe: &str) -> Result<Built<MoeTrainer, MoeRollout
     let plan = plan_for(model.config(), recipe)?;
     let formats = formats_for(model, &plan)?;
     let bytes = weight_bytes(model, &formats);
-    let trainer = MoeTrainer::new(model.clone(), formats)?;
+    let mut trainer = MoeTrainer::new(model.clone(), &plan)?;
     let rollout = trainer.rollout()?;
     let reference = Some(trainer.clone());
     Ok(Built {

@@ -8,7 +8,11 @@ use crate::policy::{PolicyError, WireTensor};
 use half::bf16;
 use mxrl_formats::{Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme};
 
-fn scheme_of(format: Format) -> Option<Scheme> {
+/// The wire scheme of a storage format (`None` for BF16): MXFP8 row-wise 1×32 blocks, NVFP4
+/// 1×16 blocks with one per-tensor FP32 amax, FP8-block 128×128 tiles with exact FP32
+/// `scale_inv` — exactly the weight schemes of the quantized linear
+/// (`mxrl_tensor::qlinear::LinearSpec::weight_scheme`) and of `mxrl convert`.
+pub fn wire_scheme(format: Format) -> Option<Scheme> {
     match format {
         Format::Mxfp8 => Some(Scheme::MXFP8_ROW),
         Format::Nvfp4 => Some(Scheme::NVFP4_TENSOR),
@@ -36,90 +40,153 @@ pub fn quantize(
             values.len()
         )));
     }
-    match format {
-        Format::Bf16 => Ok(WireTensor {
-            name: name.into(),
-            format,
-            shape: vec![rows, cols],
-            data: values
-                .iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            scales: Vec::new(),
-            amax: Vec::new(),
-        }),
-        other => {
-            let scheme = scheme_of(other).expect("non-BF16 formats have a scheme");
+    match wire_scheme(format) {
+        None => Ok(bf16_wire(name, vec![rows, cols], values)),
+        Some(scheme) => {
             let q = mxrl_formats::quantize(values, &[rows, cols], scheme, Padding::Reject)
                 .map_err(|e| PolicyError::Invalid(format!("tensor {name}: {e}")))?;
-            let scales = match q.scales {
-                Scales::Bytes(b) => b,
-                Scales::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            };
-            Ok(WireTensor {
-                name: name.into(),
-                format,
-                shape: vec![rows, cols],
-                data: q.data,
-                scales,
-                amax: q.amax,
-            })
+            from_quantized(name, &q)
         }
     }
 }
 
-/// Dequantize a wire tensor to f32 (exact: every stored value is representable in f32).
-pub fn dequantize(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
-    let n: usize = t.shape.iter().product();
-    match t.format {
-        Format::Bf16 => {
-            if t.data.len() != 2 * n {
-                return Err(PolicyError::Update(format!(
-                    "tensor {}: {} data bytes, expected {} for BF16 {:?}",
-                    t.name,
-                    t.data.len(),
-                    2 * n,
-                    t.shape
-                )));
-            }
-            Ok(t.data
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect())
-        }
-        other => {
-            let scheme = scheme_of(other).expect("non-BF16 formats have a scheme");
-            let scales = if other == Format::Fp8Block {
-                if t.scales.len() % 4 != 0 {
-                    return Err(PolicyError::Update(format!(
-                        "tensor {}: {} FP8-block scale bytes is not a whole number of f32",
-                        t.name,
-                        t.scales.len()
-                    )));
-                }
-                Scales::F32(
-                    t.scales
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                )
-            } else {
-                Scales::Bytes(t.scales.clone())
-            };
-            let q = QuantizedTensor {
-                scheme,
-                shape: t.shape.clone(),
-                padded_shape: t.shape.clone(),
-                data: t.data.clone(),
-                scales,
-                scale_layout: ScaleLayout::Compact,
-                amax: t.amax.clone(),
-            };
-            q.validate()
-                .and_then(|_| q.dequantize())
-                .map_err(|e| PolicyError::Update(format!("tensor {}: {e}", t.name)))
-        }
+/// A BF16 wire tensor of `values` (round to nearest even; lossless for BF16-exact values).
+pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
+    WireTensor {
+        name: name.into(),
+        format: Format::Bf16,
+        shape,
+        data: values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        scales: Vec::new(),
+        amax: Vec::new(),
     }
+}
+
+/// A stored quantized tensor (a quantized linear's forward weight, a converted checkpoint
+/// tensor) in wire form, losslessly: data, scales (FP32 scales as little-endian bytes) and
+/// amax are copied as they are. [`to_quantized`] gives back an equal tensor.
+///
+/// # Errors
+/// A scheme that is not its format's [`wire_scheme`], a non-compact scale layout, a padded
+/// or non-2-D tensor — each naming `name`.
+pub fn from_quantized(name: &str, q: &QuantizedTensor) -> Result<WireTensor, PolicyError> {
+    let format = q.scheme.format();
+    if wire_scheme(format) != Some(q.scheme)
+        || q.scale_layout != ScaleLayout::Compact
+        || q.padded_shape != q.shape
+        || q.shape.len() != 2
+    {
+        return Err(PolicyError::Invalid(format!(
+            "tensor {name}: stored as {} {:?} (padded {:?}, {:?} scales); the wire carries \
+             unpadded 2-D {} tensors with compact scales",
+            q.scheme.name(),
+            q.shape,
+            q.padded_shape,
+            q.scale_layout,
+            wire_scheme(format).map_or_else(|| format.name().to_string(), |s| s.name()),
+        )));
+    }
+    let scales = match &q.scales {
+        Scales::Bytes(b) => b.clone(),
+        Scales::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    };
+    Ok(WireTensor {
+        name: name.into(),
+        format,
+        shape: q.shape.clone(),
+        data: q.data.clone(),
+        scales,
+        amax: q.amax.clone(),
+    })
+}
+
+/// A wire tensor of a block format → the stored quantized tensor it carries (validated by
+/// the contract library; nothing is re-quantized).
+///
+/// # Errors
+/// A BF16 tensor, FP32 scale bytes that are not whole f32s, or bytes that do not form a
+/// valid tensor of the wire scheme for its shape — each naming the tensor.
+pub fn to_quantized(t: &WireTensor) -> Result<QuantizedTensor, PolicyError> {
+    let scheme = wire_scheme(t.format).ok_or_else(|| {
+        PolicyError::Update(format!(
+            "tensor {}: BF16 has no quantized form (send its values)",
+            t.name
+        ))
+    })?;
+    let scales = if t.format == Format::Fp8Block {
+        if t.scales.len() % 4 != 0 {
+            return Err(PolicyError::Update(format!(
+                "tensor {}: {} FP8-block scale bytes is not a whole number of f32",
+                t.name,
+                t.scales.len()
+            )));
+        }
+        Scales::F32(
+            t.scales
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        )
+    } else {
+        Scales::Bytes(t.scales.clone())
+    };
+    let q = QuantizedTensor {
+        scheme,
+        shape: t.shape.clone(),
+        padded_shape: t.shape.clone(),
+        data: t.data.clone(),
+        scales,
+        scale_layout: ScaleLayout::Compact,
+        amax: t.amax.clone(),
+    };
+    q.validate()
+        .map_err(|e| PolicyError::Update(format!("tensor {}: {e}", t.name)))?;
+    Ok(q)
+}
+
+/// Decode a BF16 wire tensor to its (exact) f32 values.
+///
+/// # Errors
+/// Another format, or a byte count that is not 2 per element of its shape.
+pub fn bf16_values(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
+    let n: usize = t.shape.iter().product();
+    if t.format != Format::Bf16 || t.data.len() != 2 * n || !t.scales.is_empty() || !t.amax.is_empty() {
+        return Err(PolicyError::Update(format!(
+            "tensor {}: {} {:?} with {} data / {} scale bytes / {} amax, expected BF16 with {} \
+             data bytes and no scales",
+            t.name,
+            t.format,
+            t.shape,
+            t.data.len(),
+            t.scales.len(),
+            t.amax.len(),
+            2 * n
+        )));
+    }
+    Ok(t.data
+        .chunks_exact(2)
+        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect())
+}
+
+/// Dequantize a wire tensor to f32 (exact: every stored value is representable in f32).
+/// A block-format tensor is read as its rows × last-dim matrix.
+pub fn dequantize(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
+    if t.format == Format::Bf16 {
+        return bf16_values(t);
+    }
+    let c = *t.shape.last().unwrap_or(&1);
+    let n: usize = t.shape.iter().product();
+    let as_matrix = WireTensor {
+        shape: vec![n / c.max(1), c],
+        ..t.clone()
+    };
+    to_quantized(&as_matrix)?
+        .dequantize()
+        .map_err(|e| PolicyError::Update(format!("tensor {}: {e}", t.name)))
 }
 
 #[cfg(test)]
@@ -138,7 +205,7 @@ mod tests {
             let d = dequantize(&w).unwrap();
             // Quantizing the dequantized values of the same bytes again through the
             // contract library gives back values equal to `d` (no drift through the wire).
-            if let Some(s) = scheme_of(f) {
+            if let Some(s) = wire_scheme(f) {
                 let q = mxrl_formats::quantize(&x, &[r, c], s, Padding::Reject).unwrap();
                 assert_eq!(q.data, w.data, "{f}");
                 let want = q.dequantize().unwrap();
@@ -154,5 +221,44 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("tensor w"));
+    }
+
+    /// QuantizedTensor → WireTensor → QuantizedTensor gives back an equal tensor (every
+    /// field, FP32 scales of FP8-block included) for each wire scheme; other schemes, padded
+    /// tensors and swizzled scales are refused rather than silently changed.
+    #[test]
+    fn quantized_wire_conversion_is_lossless_and_refuses_other_layouts() {
+        let (r, c) = (128, 256);
+        let x: Vec<f32> = (0..r * c)
+            .map(|i| ((i * 7919) % 1009) as f32 / 37.0 - 13.0)
+            .collect();
+        for f in [Format::Mxfp8, Format::Nvfp4, Format::Fp8Block] {
+            let s = wire_scheme(f).unwrap();
+            let q = mxrl_formats::quantize(&x, &[r, c], s, Padding::Reject).unwrap();
+            let w = from_quantized("w", &q).unwrap();
+            assert_eq!((w.format, w.shape.clone()), (f, vec![r, c]));
+            assert_eq!(w.byte_len(), q.nbytes(), "{f}");
+            let back = to_quantized(&w).unwrap();
+            assert_eq!(back, q, "{f}");
+            assert_eq!(
+                back.amax.iter().map(|a| a.to_bits()).collect::<Vec<_>>(),
+                q.amax.iter().map(|a| a.to_bits()).collect::<Vec<_>>()
+            );
+            // The same bytes as quantizing through the wire entry point.
+            assert_eq!(quantize("w", f, r, c, &x).unwrap(), w, "{f}");
+        }
+        for s in [Scheme::NVFP4_ROW, Scheme::MXFP8_COL] {
+            let q = mxrl_formats::quantize(&x, &[r, c], s, Padding::Reject).unwrap();
+            let e = from_quantized("w.nope", &q).unwrap_err().to_string();
+            assert!(e.contains("w.nope"), "{e}");
+        }
+        let padded =
+            mxrl_formats::quantize(&x[..r * 40], &[r, 40], Scheme::MXFP8_ROW, Padding::Zero)
+                .unwrap();
+        assert!(from_quantized("p", &padded).is_err());
+        let mut bad = quantize("w", Format::Nvfp4, r, c, &x).unwrap();
+        bad.amax.clear();
+        assert!(to_quantized(&bad).unwrap_err().to_string().contains("tensor w"));
+        assert!(to_quantized(&bf16_wire("b", vec![2], &[1.0, 2.0])).is_err());
     }
 }
