@@ -539,7 +539,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     }
     let _ = writeln!(
         s,
-        "- Timing note: rollout/train times are wall-clock of this machine; on CPU the block formats are emulated (contract dequantization, then f32/BF16-operand GEMM with f32 accumulation), so time differences between recipes are not format speedups."
+        "- Timing note: rollout/train times are wall-clock of this machine; on CPU the block-format GEMMs are emulated (operands quantized by the contract quantizer and decoded exactly, f32 accumulation), so time differences between recipes are not format speedups."
     );
     let _ = writeln!(s, "\n## Summary\n");
     let _ = writeln!(

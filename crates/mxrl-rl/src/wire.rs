@@ -153,7 +153,11 @@ pub fn to_quantized(t: &WireTensor) -> Result<QuantizedTensor, PolicyError> {
 /// Another format, or a byte count that is not 2 per element of its shape.
 pub fn bf16_values(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
     let n: usize = t.shape.iter().product();
-    if t.format != Format::Bf16 || t.data.len() != 2 * n || !t.scales.is_empty() || !t.amax.is_empty() {
+    if t.format != Format::Bf16
+        || t.data.len() != 2 * n
+        || !t.scales.is_empty()
+        || !t.amax.is_empty()
+    {
         return Err(PolicyError::Update(format!(
             "tensor {}: {} {:?} with {} data / {} scale bytes / {} amax, expected BF16 with {} \
              data bytes and no scales",
@@ -258,7 +262,10 @@ mod tests {
         assert!(from_quantized("p", &padded).is_err());
         let mut bad = quantize("w", Format::Nvfp4, r, c, &x).unwrap();
         bad.amax.clear();
-        assert!(to_quantized(&bad).unwrap_err().to_string().contains("tensor w"));
+        assert!(to_quantized(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("tensor w"));
         assert!(to_quantized(&bf16_wire("b", vec![2], &[1.0, 2.0])).is_err());
     }
 }
