@@ -29,5 +29,5 @@ pub mod wire;
 
 pub use policy::{
     LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
-    TrainForward, TrainPolicy, TrainSeq, WireTensor,
+    Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };

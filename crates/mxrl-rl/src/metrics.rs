@@ -45,7 +45,11 @@ pub struct StepMetrics {
     /// Per MoE layer: fraction of (token, layer) routing decisions where the trainer's own
     /// expert set equals the rollout's.
     pub routing_agreement: Vec<f64>,
-    /// Per layer: mean relative L2 difference of the hidden state, trainer vs rollout.
+    /// Per decoder layer: mean over the response tokens' predicting positions of
+    /// `‖h_train − h_rollout‖₂ / ‖h_rollout‖₂`, `h` the residual stream after the layer. The
+    /// rollout's states come from its own generation (KV-cache decode, its weights and
+    /// kernels) or, in bitwise mode, from its re-scoring forward; the trainer's from its
+    /// training forward (with routing replay when on). Empty when a policy gives no probes.
     pub hidden_diff: Vec<f64>,
     /// Rollout wall time (s).
     pub rollout_s: f64,

@@ -28,17 +28,22 @@
 //!   stored weight (used as sent, no dequantize-requantize), the rest their BF16 values.
 //!   Generation (KV-cache decode) therefore multiplies exactly the trainer's bytes with
 //!   quantized activations; [`RolloutPolicy::weights`] reads back what the model holds.
+//! - **Probes** ([`LayerProbes`], the per-layer `hidden_diff` metric): the residual stream
+//!   after every decoder layer at the positions that predict the response tokens. The
+//!   trainer's come from its training forward; the rollout's from its generation
+//!   ([`Model::generate_capturing`]: prefill + KV-cache decode with its own weights) or, in
+//!   bitwise mode, from its re-scoring forward ([`RolloutPolicy::score_with_probes`]).
 
 use crate::policy::{
     LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
-    TrainForward, TrainPolicy, TrainSeq, WireTensor,
+    Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::sampling::{entropy, log_softmax_tempered};
 use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
-    ForwardOptions, Model, ModelConfig, ReplayKind, Routes, SamplingParams, SeqInput, Tape,
-    WeightValue,
+    ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, Routes, SamplingParams, SeqInput,
+    Tape, WeightValue,
 };
 use mxrl_plan::{PrecisionPlan, Recipe};
 use mxrl_tensor::precision::round_bf16;
@@ -330,13 +335,30 @@ fn seq_tokens(s: &TrainSeq<'_>) -> (Vec<u32>, Vec<u32>) {
     (full[..t].to_vec(), full[1..].to_vec())
 }
 
-/// Forward a batch through `model`; returns per-sequence (response logprobs, entropy, trace)
-/// and the tape when `train`.
+/// Per-layer probes of the last `r` positions of captured residual streams (the positions
+/// that predict the `r` response tokens).
+fn probes_of(h: &HiddenStates, r: usize) -> LayerProbes {
+    let (w, t) = (h.hidden_size, h.num_tokens());
+    let start = t.saturating_sub(r);
+    LayerProbes {
+        layers: h.layers.len(),
+        width: w,
+        values: h
+            .layers
+            .iter()
+            .flat_map(|l| l[start * w..t * w].iter().copied())
+            .collect(),
+    }
+}
+
+/// Forward a batch through `model`; returns per-sequence (response logprobs, entropy, routing,
+/// probes when `probes`) and the tape when `train`.
 fn model_forward(
     model: &Model,
     batch: &[TrainSeq<'_>],
     temperature: f32,
     train: bool,
+    probes: bool,
     replay_kind: ReplayKind,
 ) -> Result<(Vec<TrainForward>, Option<Tape>), PolicyError> {
     if batch
@@ -366,17 +388,18 @@ fn model_forward(
         } else {
             None
         };
-    let out = model
-        .forward(
-            &inputs,
-            &ForwardOptions {
-                temperature,
-                return_logits: true,
-                train,
-                replay: replay.as_deref().map(|r| (r, replay_kind)),
-            },
-        )
-        .map_err(be)?;
+    let opts = ForwardOptions {
+        temperature,
+        return_logits: true,
+        train,
+        replay: replay.as_deref().map(|r| (r, replay_kind)),
+    };
+    let out = if probes {
+        model.forward_capturing(&inputs, &opts)
+    } else {
+        model.forward(&inputs, &opts)
+    }
+    .map_err(be)?;
     let v = model.config().vocab_size;
     let logits = out.logits.unwrap_or_default();
     let mut res = Vec::with_capacity(batch.len());
@@ -396,6 +419,11 @@ fn model_forward(
             }
         }
         f.routing = out.routing.get(i).and_then(to_trace);
+        f.probes = out
+            .hidden
+            .as_ref()
+            .and_then(|h| h.get(i))
+            .map(|h| probes_of(h, r));
         res.push(f);
     }
     Ok((res, out.tape))
@@ -408,8 +436,14 @@ impl TrainPolicy for MoeTrainer {
         temperature: f32,
     ) -> Result<Vec<TrainForward>, PolicyError> {
         self.refresh()?;
-        let (mut fw, tape) =
-            model_forward(&self.model, batch, temperature, true, self.replay_kind)?;
+        let (mut fw, tape) = model_forward(
+            &self.model,
+            batch,
+            temperature,
+            true,
+            true,
+            self.replay_kind,
+        )?;
         // With replay, the routing returned is the replayed one; the trainer's own choice
         // (for the routing-agreement metric) comes from a forward without replay.
         if batch.iter().any(|s| s.replay.is_some()) {
@@ -417,7 +451,14 @@ impl TrainPolicy for MoeTrainer {
                 .iter()
                 .map(|s| TrainSeq { replay: None, ..*s })
                 .collect();
-            let (own, _) = model_forward(&self.model, &free, temperature, false, self.replay_kind)?;
+            let (own, _) = model_forward(
+                &self.model,
+                &free,
+                temperature,
+                false,
+                false,
+                self.replay_kind,
+            )?;
             for (f, o) in fw.iter_mut().zip(own) {
                 f.routing = o.routing;
             }
@@ -559,17 +600,17 @@ impl RolloutPolicy for MoeRollout {
             max_new_tokens: cfg.max_new_tokens,
             stop_tokens: vec![eos],
         };
-        let gens = self.model.generate(&expanded, &sp).map_err(be)?;
+        let gens = self.model.generate_capturing(&expanded, &sp).map_err(be)?;
         Ok(gens
             .into_iter()
             .enumerate()
             .map(|(i, g)| Sample {
                 prompt_index: i / n,
                 prompt: prompts[i / n].clone(),
+                probes: g.hidden.as_ref().map(|h| probes_of(h, g.tokens.len())),
                 response: g.tokens,
                 logprobs: g.logprobs,
                 routing: to_trace(&g.routing),
-                probes: None::<LayerProbes>,
             })
             .collect())
     }
@@ -620,7 +661,36 @@ impl RolloutPolicy for MoeRollout {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError> {
-        let (fw, _) = model_forward(&self.model, batch, temperature, false, self.replay_kind)?;
+        let (fw, _) = model_forward(
+            &self.model,
+            batch,
+            temperature,
+            false,
+            false,
+            self.replay_kind,
+        )?;
         Ok(fw.into_iter().map(|f| f.logprobs).collect())
+    }
+
+    fn score_with_probes(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Scored>, PolicyError> {
+        let (fw, _) = model_forward(
+            &self.model,
+            batch,
+            temperature,
+            false,
+            true,
+            self.replay_kind,
+        )?;
+        Ok(fw
+            .into_iter()
+            .map(|f| Scored {
+                logprobs: f.logprobs,
+                probes: f.probes,
+            })
+            .collect())
     }
 }

@@ -1,4 +1,6 @@
-//! AdamW on f32 master weights, with global gradient-norm clipping.
+//! AdamW on f32 master weights, with global gradient-norm clipping: the loop's view of
+//! [`mxrl_tensor::optim`] (the one AdamW update and clipping of the workspace) — moments kept by
+//! parameter name (so checkpoints store them by name), weight decay by the plan's format.
 
 use crate::policy::ParamMut;
 use mxrl_formats::Format;
@@ -57,12 +59,8 @@ pub struct AdamW {
 
 /// Global L2 norm of all gradients (accumulated in f64).
 pub fn grad_norm(params: &[ParamMut<'_>]) -> f64 {
-    params
-        .iter()
-        .flat_map(|p| p.grad.iter())
-        .map(|&g| (g as f64) * (g as f64))
-        .sum::<f64>()
-        .sqrt()
+    let g: Vec<&[f32]> = params.iter().map(|p| &*p.grad).collect();
+    mxrl_tensor::optim::global_grad_norm(&g)
 }
 
 impl AdamW {
@@ -75,21 +73,28 @@ impl AdamW {
         }
     }
 
-    /// Clip gradients to `max_grad_norm` and take one AdamW step; returns the gradient norm
-    /// before clipping. Weight decay is applied only to BF16 parameters (the plan's
-    /// low-precision weights get 0, as the recipe requires).
+    /// Clip gradients to `max_grad_norm` (in place, `mxrl_tensor::optim::clip_grad_norm`) and
+    /// take one AdamW step (`mxrl_tensor::optim::adamw_update`, PyTorch's order of
+    /// operations); returns the gradient norm before clipping. Weight decay is applied only
+    /// to BF16 parameters (the plan's low-precision weights get 0, as the recipe requires).
     pub fn step(&mut self, params: &mut [ParamMut<'_>]) -> f64 {
-        let norm = grad_norm(params);
-        let c = &self.cfg;
-        let scale = if c.max_grad_norm > 0.0 && norm > c.max_grad_norm as f64 {
-            (c.max_grad_norm as f64 / (norm + 1e-6)) as f32
-        } else {
-            1.0
+        let c = self.cfg;
+        let norm = {
+            let mut g: Vec<&mut [f32]> = params.iter_mut().map(|p| &mut *p.grad).collect();
+            if c.max_grad_norm > 0.0 {
+                mxrl_tensor::optim::clip_grad_norm(&mut g, c.max_grad_norm as f64)
+            } else {
+                let v: Vec<&[f32]> = g.iter().map(|x| &**x).collect();
+                mxrl_tensor::optim::global_grad_norm(&v)
+            }
         };
         self.step += 1;
-        let t = self.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
+        let tc = mxrl_tensor::optim::AdamWConfig {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+        };
         for p in params.iter_mut() {
             let st = self.state.entry(p.name.to_string()).or_default();
             if st.m.len() != p.value.len() {
@@ -101,14 +106,9 @@ impl AdamW {
             } else {
                 0.0
             };
-            for i in 0..p.value.len() {
-                let g = p.grad[i] * scale;
-                st.m[i] = c.beta1 * st.m[i] + (1.0 - c.beta1) * g;
-                st.v[i] = c.beta2 * st.v[i] + (1.0 - c.beta2) * g * g;
-                let mh = st.m[i] / bc1;
-                let vh = st.v[i] / bc2;
-                p.value[i] -= c.lr * (mh / (vh.sqrt() + c.eps) + wd * p.value[i]);
-            }
+            mxrl_tensor::optim::adamw_update(
+                p.value, p.grad, &mut st.m, &mut st.v, self.step, &tc, wd,
+            );
         }
         norm
     }
@@ -147,8 +147,9 @@ mod tests {
         ];
         let n = opt.step(&mut ps);
         assert!((n - (0.25f64 + 0.0625 + 0.25).sqrt()).abs() < 1e-7);
-        // Step 1: m̂ = g, v̂ = g², update = sign(g)·g/(|g|+ε) ≈ ±1 (ε = 1e-8 shifts it by 2e-8).
-        // a[0] = 1 − 0.1·(1 + 0.5·1) = 0.85; a[1] = −2 − 0.1·(−1 + 0.5·(−2)) = −1.8.
+        // Step 1: m̂ = g, v̂ = g², update = sign(g)·g/(|g|+ε) ≈ ±1 (ε = 1e-8 shifts it by 2e-8);
+        // decay first (PyTorch): p·(1 − lr·wd) = p·0.95.
+        // a[0] = 0.95 − 0.1·1 = 0.85; a[1] = −1.9 − 0.1·(−1) = −1.8.
         assert!(
             (w1[0] - 0.85).abs() < 1e-6 && (w1[1] + 1.8).abs() < 1e-6,
             "{w1:?}"

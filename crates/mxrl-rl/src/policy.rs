@@ -135,6 +135,15 @@ pub struct TrainForward {
     pub probes: Option<LayerProbes>,
 }
 
+/// One sequence re-scored by the rollout ([`RolloutPolicy::score_with_probes`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Scored {
+    /// logprob of every response token.
+    pub logprobs: Vec<f32>,
+    /// Per-layer probes from the same forward, when the policy has them.
+    pub probes: Option<LayerProbes>,
+}
+
 /// A trainable parameter as the optimizer sees it.
 #[derive(Debug)]
 pub struct ParamMut<'a> {
@@ -214,6 +223,24 @@ pub trait RolloutPolicy {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError>;
+
+    /// [`RolloutPolicy::score`] that also returns each sequence's per-layer probes from the
+    /// same forward, so bitwise mode compares hidden states computed like the trainer's. The
+    /// default gives no probes (the generation's probes are kept).
+    fn score_with_probes(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Scored>, PolicyError> {
+        Ok(self
+            .score(batch, temperature)?
+            .into_iter()
+            .map(|logprobs| Scored {
+                logprobs,
+                probes: None,
+            })
+            .collect())
+    }
 }
 
 /// The learning side of the loop.

@@ -381,9 +381,15 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                         },
                     })
                     .collect();
-                let lps = self.rollout.policy.score(&seqs, cfg.sampling.temperature)?;
-                for (s, lp) in mb.iter_mut().zip(lps) {
-                    s.logprobs = lp;
+                let scored = self
+                    .rollout
+                    .policy
+                    .score_with_probes(&seqs, cfg.sampling.temperature)?;
+                for (s, sc) in mb.iter_mut().zip(scored) {
+                    s.logprobs = sc.logprobs;
+                    if sc.probes.is_some() {
+                        s.probes = sc.probes;
+                    }
                 }
             }
         }

@@ -43,9 +43,10 @@ fn cfg(steps: u64, bitwise: bool) -> RlConfig {
 
 /// Bitwise mode: with the rollout re-scoring through the trainer's forward and micro-batch
 /// shapes, rollout and trainer logprobs are bit-identical under every recipe (the metric is
-/// the exact mean of |Δ| over all response tokens, so 0.0 means every token matched).
+/// the exact mean of |Δ| over all response tokens, so 0.0 means every token matched), and so
+/// are the per-layer residual-stream probes (`hidden_diff` 0 in every layer).
 /// Without it, decode (KV cache, few-row kernels) and the training forward differ in f32
-/// summation order, which the mismatch metric sees.
+/// summation order, which the mismatch and per-layer hidden-state metrics see.
 #[test]
 fn bitwise_mode_makes_rollout_and_trainer_logprobs_identical_for_every_recipe() {
     let codec = TextCodec::char_level();
@@ -68,12 +69,21 @@ fn bitwise_mode_makes_rollout_and_trainer_logprobs_identical_for_every_recipe() 
             .unwrap();
             let mut ms = Vec::new();
             run.run(&mut |m| ms.push(m.clone())).unwrap();
+            let layers = model.config().num_layers;
             for m in &ms {
+                assert_eq!(m.hidden_diff.len(), layers, "{r}: {m:?}");
                 if bitwise {
                     assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{r}: {m:?}");
                     assert_eq!(m.k3_kl, 0.0, "{r}");
+                    assert!(m.hidden_diff.iter().all(|&d| d == 0.0), "{r}: {m:?}");
                 } else {
                     assert!(m.train_rollout_logprob_abs_diff < 1e-2, "{r}: {m:?}");
+                    assert!(m.hidden_diff.iter().all(|d| d.is_finite()), "{r}");
+                    if r != "bf16" {
+                        // Decode and the training forward sum in different orders; the
+                        // quantizers turn such differences into visible hidden-state drift.
+                        assert!(m.hidden_diff.iter().any(|&d| d > 0.0), "{r}: {m:?}");
+                    }
                 }
                 assert!(m.tokens > 0 && m.grad_norm.is_finite());
                 assert!(
@@ -508,5 +518,64 @@ fn reward_rises_on_the_moe_for_bf16_and_low_precision_recipes() {
             "{r}: reward did not rise: first {m0:.3}±{s0:.3}, last {m1:.3}±{s1:.3}, all {rw:?}"
         );
         eprintln!("{r}: reward {m0:.3}±{s0:.3} → {m1:.3}±{s1:.3}");
+    }
+}
+
+/// Probe layout: `[layer][j][width]` where row `j` is the residual stream at position
+/// `prompt_len − 1 + j` (the position whose logits predict `response[j]`), as the model's own
+/// capture of the same batch has it; the rollout's generation probes have the same shape.
+#[test]
+fn probes_are_the_residual_stream_at_the_response_predicting_positions() {
+    let codec = TextCodec::char_level();
+    let (model, _) = demo_model(10).unwrap();
+    let mut b = build(&model, "nvfp4-hp").unwrap();
+    let batch = batch_of(&codec, 3);
+    let seqs: Vec<TrainSeq<'_>> = batch
+        .iter()
+        .map(|(p, r)| TrainSeq {
+            prompt: p,
+            response: r,
+            replay: None,
+        })
+        .collect();
+    let fw = b.trainer.forward(&seqs, 1.0).unwrap();
+    let h = model.config().hidden_size;
+    // The same batch through the model's capturing forward (same shapes, so same kernels).
+    let full: Vec<Vec<u32>> = batch
+        .iter()
+        .map(|(p, r)| [&p[..], &r[..]].concat())
+        .collect();
+    let inputs: Vec<mxrl_model::SeqInput<'_>> = full
+        .iter()
+        .map(|s| mxrl_model::SeqInput::next_token(s))
+        .collect();
+    let out = b
+        .trainer
+        .model()
+        .forward_capturing(&inputs, &mxrl_model::ForwardOptions::default())
+        .unwrap();
+    let hidden = out.hidden.unwrap();
+    for (((p, r), f), hs) in batch.iter().zip(&fw).zip(&hidden) {
+        let pr = f.probes.as_ref().unwrap();
+        assert_eq!((pr.layers, pr.width), (model.config().num_layers, h));
+        let want: Vec<f32> = hs
+            .layers
+            .iter()
+            .flat_map(|l| {
+                l[(p.len() - 1) * h..(p.len() - 1 + r.len()) * h]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        assert_eq!(pr.values, want);
+    }
+    let prompts: Vec<Vec<u32>> = batch.iter().map(|(p, _)| p.clone()).collect();
+    let samples = b
+        .rollout
+        .generate(&prompts, 2, &SamplingConfig::default(), codec.eos, 3)
+        .unwrap();
+    for s in &samples {
+        let pr = s.probes.as_ref().unwrap();
+        assert_eq!(pr.values.len(), pr.layers * s.response.len() * h);
     }
 }
