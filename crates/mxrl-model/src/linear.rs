@@ -1,11 +1,13 @@
 //! The one linear-layer abstraction every projection of the model goes through.
 //!
 //! `y[m, n] = x[m, k] · W[n, k]ᵀ (+ b)`, with the GEMM operands chosen by the layer's
-//! [`LinearPrecision`] and f32 accumulation ([`mxrl_tensor::gemm`]). The quantized formats of
-//! the precision plan plug in here, and nowhere else.
+//! [`LinearPrecision`] and f32 accumulation. The quantized formats of the precision plan plug
+//! in here, and nowhere else. Every GEMM runs on the process-wide GEMM backend
+//! ([`mxrl_tensor::backend`]: the CPU by default, a GPU with `--device cuda`); prepared
+//! weights are resident operands a device keeps between calls.
 
 use crate::params::{Grads, ParamId, ParamStore};
-use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_nt_dot, sgemm_into};
+use mxrl_tensor::backend::{linear_nn, linear_nt, linear_tn_into, GemmOperand, WeightView};
 use mxrl_tensor::precision::{round_bf16, round_bf16_vec};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, QLinearError, Saved};
 use std::borrow::Cow;
@@ -25,11 +27,6 @@ pub enum LinearPrecision {
     Quantized(LinearSpec),
 }
 
-/// Up to this many rows the forward GEMM runs as independent dot products
-/// ([`matmul_nt_dot`], no operand packing: decode steps and sparsely used experts); above it,
-/// the packed, cache-blocked GEMM. Both accumulate in f32; their summation orders differ.
-pub(crate) const SMALL_M: usize = 8;
-
 /// A linear layer: weight `[n, k]` and optional bias `[n]` living in the [`ParamStore`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Linear {
@@ -44,8 +41,8 @@ pub(crate) struct Linear {
 pub(crate) enum Prepared {
     /// Multiply the f32 master weight directly.
     Master,
-    /// A BF16-rounded copy of the master weight.
-    Bf16(Vec<f32>),
+    /// A BF16-rounded copy of the master weight (resident for this weight version).
+    Bf16(GemmOperand),
     /// The quantized weight of a block-format linear.
     Quant(Box<PreparedWeight>),
 }
@@ -62,7 +59,9 @@ impl Prepared {
     ) -> Result<Prepared, QLinearError> {
         Ok(match prec {
             LinearPrecision::F32 => Prepared::Master,
-            LinearPrecision::Bf16 => Prepared::Bf16(round_bf16_vec(master)),
+            LinearPrecision::Bf16 => {
+                Prepared::Bf16(GemmOperand::resident(round_bf16_vec(master), version))
+            }
             LinearPrecision::Quantized(spec) => Prepared::Quant(Box::new(
                 PreparedWeight::quantize(name, master, n, k, spec, version)?,
             )),
@@ -78,10 +77,11 @@ fn operand(prec: LinearPrecision, x: &[f32]) -> Cow<'_, [f32]> {
 }
 
 impl Linear {
-    fn weight<'a>(&self, params: &'a ParamStore, prep: &'a Prepared) -> &'a [f32] {
+    fn weight<'a>(&self, params: &'a ParamStore, prep: &'a Prepared) -> WeightView<'a> {
         match prep {
-            Prepared::Master => params.data(self.w),
-            Prepared::Bf16(w) => w,
+            // The master changes in place between versions: never cached on a device.
+            Prepared::Master => WeightView::transient(params.data(self.w)),
+            Prepared::Bf16(w) => w.view(),
             Prepared::Quant(_) => unreachable!("quantized weights take the qlinear path"),
         }
     }
@@ -107,11 +107,7 @@ impl Linear {
         }
         let xo = operand(prec, x);
         let w = self.weight(params, prep);
-        let mut y = if m <= SMALL_M {
-            matmul_nt_dot(&xo, w, m, self.k, self.n)
-        } else {
-            matmul_nt(&xo, w, m, self.k, self.n)
-        };
+        let mut y = linear_nt(&xo, w, m, self.k, self.n);
         self.add_bias(params, &mut y);
         y
     }
@@ -198,18 +194,8 @@ impl Linear {
         debug_assert!(saved.is_none(), "only quantized linears save a context");
         let dyo = operand(prec, dy);
         let xo = operand(prec, x);
-        // dW[n, k] += dy[m, n]ᵀ · x[m, k]: logical A = dyᵀ (strides (1, n)), B = x.
-        sgemm_into(
-            &dyo,
-            (1, self.n as isize),
-            &xo,
-            (self.k as isize, 1),
-            grads.get_mut(self.w),
-            self.n,
-            m,
-            self.k,
-            true,
-        );
-        matmul_nn(&dyo, self.weight(params, prep), m, self.n, self.k)
+        // dW[n, k] += dy[m, n]ᵀ · x[m, k].
+        linear_tn_into(&dyo, &xo, grads.get_mut(self.w), self.n, m, self.k, true);
+        linear_nn(&dyo, self.weight(params, prep), m, self.n, self.k)
     }
 }

@@ -9,6 +9,11 @@
 //! (`matrixmultiply`, multi-threaded) sums in a different order, so the two agree within the
 //! f32 accumulation bound of the reduction length, not bitwise.
 
+/// Up to this many rows a linear layer's forward GEMM runs as independent dot products
+/// ([`matmul_nt_dot`], no operand packing: decode steps, sparsely routed experts); above it,
+/// the packed GEMM ([`matmul_nt`]). Both accumulate in f32, in different orders.
+pub const SMALL_M: usize = 8;
+
 /// `C[m,n] = A[m,k] · B[n,k]ᵀ` (B given row-major as `[n, k]`).
 pub fn matmul_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0.0f32; m * n];

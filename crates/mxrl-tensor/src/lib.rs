@@ -13,6 +13,7 @@
 //! | module | ops |
 //! |---|---|
 //! | [`gemm`] | f32 GEMM `nt`/`nn`/`tn` (+ triple-loop reference) |
+//! | [`backend`] | the process-wide GEMM backend of the linear layers (CPU reference default; a device implements [`backend::GemmBackend`]), resident weight operands |
 //! | [`precision`] | BF16 rounding of GEMM operands ([`precision::round_bf16`]) |
 //! | [`norm`] | RMSNorm |
 //! | [`rope`] | rotary position embedding (rotate-half form) |
@@ -28,6 +29,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod backend;
 pub mod gemm;
 pub mod gradcheck;
 pub mod loss;

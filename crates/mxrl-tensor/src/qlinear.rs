@@ -53,6 +53,7 @@
 //! ([`PreparedWeight::emulation_bytes`]). [`memory_model`] replays the allocations of one
 //! forward + backward of a device implementation for `mxrl bench memory`.
 
+use crate::backend::{self, GemmOperand, WeightView};
 use crate::gemm;
 use crate::precision::round_bf16_vec;
 use half::bf16;
@@ -60,9 +61,9 @@ use mxrl_formats::{
     e2m1_decode, e4m3_decode, AmaxScope, Format, FormatError, Fp8Blocks, Padding, QuantizedTensor,
     ScaleLayout, Scales, Scheme, FP8_BLOCK,
 };
-use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
 /// How backward GEMM operands are chosen (the `architecture.md` table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -328,12 +329,14 @@ pub const FP8_BLOCK_EMULATION: &str =
     "y = Σ_b fl(fl(sx[i,b]·sw[j/128,b]) · Σ_{k∈b} e4m3(x[i,k])·e4m3(W[j,k])), f32";
 
 /// The f32 GEMM operand decoded from a quantized tensor (products exact, see module doc).
+/// Weight operands are resident ([`GemmOperand::resident`]: a GEMM device may keep them),
+/// activation operands transient.
 #[derive(Debug, Clone)]
 enum Operand {
     /// Values multiplied as they are: BF16-rounded originals or exact MXFP8 dequantization.
-    Plain(Vec<f32>),
+    Plain(GemmOperand),
     /// NVFP4: `e2m1 × e4m3(block scale)` per element; FP32 amax per tensor (1) or per row.
-    Nvfp4 { pre: Vec<f32>, amax: Vec<f32> },
+    Nvfp4 { pre: GemmOperand, amax: Vec<f32> },
     /// FP8 block: raw E4M3 values and the compact f32 `scale_inv` matrix
     /// (`[rows/128, K/128]` for weights, `[rows, K/128]` for activations).
     Fp8Block {
@@ -343,12 +346,21 @@ enum Operand {
     },
 }
 
+/// A weight operand (resident, keyed with the weight version) or an activation (transient).
+fn gemm_operand(values: Vec<f32>, resident: Option<u64>) -> GemmOperand {
+    match resident {
+        Some(version) => GemmOperand::resident(values, version),
+        None => GemmOperand::transient(values),
+    }
+}
+
 impl Operand {
-    fn from_quantized(q: &QuantizedTensor) -> Result<Self, FormatError> {
+    /// Decode `q`; `resident`: the weight version of a weight operand, `None` for activations.
+    fn from_quantized(q: &QuantizedTensor, resident: Option<u64>) -> Result<Self, FormatError> {
         let q = q.clone().with_scale_layout(ScaleLayout::Compact)?;
         let (rows, k) = (q.shape[0], q.shape[1]);
         match (q.scheme, &q.scales) {
-            (Scheme::Mxfp8(_), _) => Ok(Operand::Plain(q.dequantize()?)),
+            (Scheme::Mxfp8(_), _) => Ok(Operand::Plain(gemm_operand(q.dequantize()?, resident))),
             (Scheme::Nvfp4(s), Scales::Bytes(scales)) => {
                 let mut pre = Vec::with_capacity(rows * k);
                 for i in 0..rows {
@@ -364,7 +376,10 @@ impl Operand {
                     AmaxScope::PerTensor => q.amax.clone(),
                     AmaxScope::PerRow => q.amax[..rows].to_vec(),
                 };
-                Ok(Operand::Nvfp4 { pre, amax })
+                Ok(Operand::Nvfp4 {
+                    pre: gemm_operand(pre, resident),
+                    amax,
+                })
             }
             (Scheme::Fp8Block(s), Scales::F32(scale_inv)) => Ok(Operand::Fp8Block {
                 elems: q.data.iter().map(|&c| e4m3_decode(c)).collect(),
@@ -392,27 +407,25 @@ impl Operand {
     }
 }
 
-/// Up to this many rows the forward GEMM runs as independent dot products
-/// ([`gemm::matmul_nt_dot`]: decode steps, sparsely routed experts); above it, the packed GEMM.
-/// Both accumulate the same exact products in f32, in different orders (the module's bounds
-/// hold for any order). Same threshold as the model's BF16 linears.
-pub const SMALL_M: usize = 8;
+/// Up to this many rows the forward GEMM runs as independent dot products on the CPU
+/// backend ([`gemm::matmul_nt_dot`]: decode steps, sparsely routed experts); above it, the
+/// packed GEMM. Both accumulate the same exact products in f32, in different orders (the
+/// module's bounds hold for any order). Same threshold as the model's BF16 linears.
+pub const SMALL_M: usize = gemm::SMALL_M;
 
-/// Forward GEMM `a[m,k] · b[n,k]ᵀ` (f32 accumulation), choosing the path by [`SMALL_M`].
+/// Forward GEMM `a[m,k] · b[n,k]ᵀ` (f32 accumulation) of an unkeyed `b` on the current
+/// GEMM backend ([`crate::backend`]).
 fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-    if m <= SMALL_M {
-        gemm::matmul_nt_dot(a, b, m, k, n)
-    } else {
-        gemm::matmul_nt(a, b, m, k, n)
-    }
+    backend::linear_nt(a, WeightView::transient(b), m, k, n)
 }
 
-/// Emulated forward GEMM `y[m,n] = a[m,k] · b[n,k]ᵀ` of two operands of the same format.
+/// Emulated forward GEMM `y[m,n] = a[m,k] · b[n,k]ᵀ` of two operands of the same format, on
+/// the current GEMM backend (a resident `b` may stay on the device).
 fn emulated_nt(a: &Operand, b: &Operand, m: usize, k: usize, n: usize) -> Vec<f32> {
     match (a, b) {
-        (Operand::Plain(a), Operand::Plain(b)) => gemm_nt(a, b, m, k, n),
+        (Operand::Plain(a), Operand::Plain(b)) => backend::linear_nt(a, b.view(), m, k, n),
         (Operand::Nvfp4 { pre: pa, amax: aa }, Operand::Nvfp4 { pre: pb, amax: ab }) => {
-            let mut acc = gemm_nt(pa, pb, m, k, n);
+            let mut acc = backend::linear_nt(pa, pb.view(), m, k, n);
             debug_assert_eq!(ab.len(), 1, "NVFP4 weights carry one per-tensor amax");
             for i in 0..m {
                 let alpha = nvfp4_alpha(if aa.len() == 1 { aa[0] } else { aa[i] }, ab[0]);
@@ -513,6 +526,9 @@ pub struct PreparedWeight {
     stored: Option<QuantizedTensor>,
     operand: Operand,
     backward: WeightBackward,
+    /// The dgrad operand `[N, K]` of the backward mode, built on first use and kept (resident)
+    /// for this weight version when it is not the forward operand itself.
+    dgrad: OnceLock<GemmOperand>,
 }
 
 impl PreparedWeight {
@@ -639,10 +655,11 @@ impl PreparedWeight {
         version: u64,
     ) -> Result<Self, QLinearError> {
         let operand = match &stored {
-            None => Operand::Plain(round_bf16_vec(
-                w.expect("BF16 weights are built from values"),
+            None => Operand::Plain(GemmOperand::resident(
+                round_bf16_vec(w.expect("BF16 weights are built from values")),
+                version,
             )),
-            Some(q) => Operand::from_quantized(q).map_err(contract_err(name))?,
+            Some(q) => Operand::from_quantized(q, Some(version)).map_err(contract_err(name))?,
         };
         let backward = match (spec.format, spec.backward, w) {
             (Format::Bf16, _, _) | (_, BackwardMode::Dequantized, _) => WeightBackward::Nothing,
@@ -662,6 +679,7 @@ impl PreparedWeight {
             stored,
             operand,
             backward,
+            dgrad: OnceLock::new(),
         })
     }
 
@@ -709,9 +727,10 @@ impl PreparedWeight {
         }
     }
 
-    /// Bytes of this CPU emulation's cached f32 GEMM operand (not a device-format cost).
+    /// Bytes of this CPU emulation's cached f32 GEMM operands (the forward operand, and the
+    /// dgrad operand once a backward has built it; not a device-format cost).
     pub fn emulation_bytes(&self) -> usize {
-        4 * self.operand.len()
+        4 * (self.operand.len() + self.dgrad.get().map_or(0, |w| w.len()))
     }
 
     /// The values the forward GEMM multiplies W by, dequantized to f32 with the contract
@@ -721,7 +740,7 @@ impl PreparedWeight {
     /// A quantizer error (invalid stored tensor).
     pub fn dequantized(&self) -> Result<Vec<f32>, QLinearError> {
         match (&self.stored, &self.operand) {
-            (None, Operand::Plain(v)) => Ok(v.clone()),
+            (None, Operand::Plain(v)) => Ok(v.to_vec()),
             (Some(q), _) => q.dequantize().map_err(contract_err(&self.name)),
             (None, _) => unreachable!("BF16 weights have a plain operand"),
         }
@@ -798,8 +817,8 @@ impl PreparedWeight {
         m: usize,
     ) -> Result<Vec<f32>, QLinearError> {
         let xo = match qx {
-            None => Operand::Plain(round_bf16_vec(x)),
-            Some(q) => Operand::from_quantized(q).map_err(contract_err(&self.name))?,
+            None => Operand::Plain(GemmOperand::transient(round_bf16_vec(x))),
+            Some(q) => Operand::from_quantized(q, None).map_err(contract_err(&self.name))?,
         };
         Ok(emulated_nt(&xo, &self.operand, m, self.k, self.n))
     }
@@ -852,8 +871,8 @@ impl PreparedWeight {
     pub fn backward(&self, saved: &Saved, dy: &[f32]) -> Result<Grads, QLinearError> {
         let ops = self.backward_operands(saved, dy)?;
         let (m, k, n) = (saved.m, self.k, self.n);
-        let dx = gemm::matmul_nn(&ops.dy_dgrad, &ops.w, m, n, k);
-        let dw = gemm::matmul_tn(ops.dy_wgrad(), &ops.x, n, m, k);
+        let dx = backend::linear_nn(&ops.dy_dgrad, ops.w.view(), m, n, k);
+        let dw = backend::linear_tn(ops.dy_wgrad(), &ops.x, n, m, k);
         Ok(Grads { dx, dw })
     }
 
@@ -878,28 +897,31 @@ impl PreparedWeight {
         )?;
         let ops = self.backward_operands(saved, dy)?;
         let (m, k, n) = (saved.m, self.k, self.n);
-        let dx = gemm::matmul_nn(&ops.dy_dgrad, &ops.w, m, n, k);
-        // dW[n, k] += dy[m, n]ᵀ · x[m, k]: logical A = dyᵀ (strides (1, n)), B = x.
-        gemm::sgemm_into(
-            ops.dy_wgrad(),
-            (1, n as isize),
-            &ops.x,
-            (k as isize, 1),
-            dw_acc,
-            n,
-            m,
-            k,
-            true,
-        );
+        let dx = backend::linear_nn(&ops.dy_dgrad, ops.w.view(), m, n, k);
+        // dW[n, k] += dy[m, n]ᵀ · x[m, k].
+        backend::linear_tn_into(ops.dy_wgrad(), &ops.x, dw_acc, n, m, k, true);
         Ok(dx)
     }
 
+    /// The dgrad weight operand built by `build` once per weight version (resident, so a GEMM
+    /// device keeps it too); later calls reuse the same values.
+    fn dgrad_operand(
+        &self,
+        build: impl FnOnce() -> Result<Vec<f32>, QLinearError>,
+    ) -> Result<GemmOperand, QLinearError> {
+        if let Some(w) = self.dgrad.get() {
+            return Ok(w.clone());
+        }
+        let w = GemmOperand::resident(build()?, self.version);
+        Ok(self.dgrad.get_or_init(|| w).clone())
+    }
+
     /// The backward GEMM operands of the mode (see the module doc table).
-    fn backward_operands<'a>(
-        &'a self,
+    fn backward_operands(
+        &self,
         saved: &Saved,
         dy: &[f32],
-    ) -> Result<BackwardOperands<'a>, QLinearError> {
+    ) -> Result<BackwardOperands, QLinearError> {
         if saved.version != self.version {
             return Err(QLinearError::StaleWeight {
                 name: self.name.clone(),
@@ -926,16 +948,16 @@ impl PreparedWeight {
                 };
                 BackwardOperands {
                     dy_dgrad: quant(Scheme::MXFP8_ROW)?,
-                    w: Cow::Owned(w_col.dequantize().map_err(err())?),
+                    w: self.dgrad_operand(|| w_col.dequantize().map_err(err()))?,
                     dy_wgrad: Some(quant(Scheme::MXFP8_COL)?),
                     x: x_col.dequantize().map_err(err())?,
                 }
             }
             Kept::Original(x) => {
-                let w: Cow<'a, [f32]> = match (&self.backward, &self.operand) {
-                    (WeightBackward::Original(w), _) => Cow::Owned(widen(w)),
+                let w = match (&self.backward, &self.operand) {
+                    (WeightBackward::Original(w), _) => self.dgrad_operand(|| Ok(widen(w)))?,
                     (WeightBackward::Nothing, Operand::Plain(w)) if self.stored.is_none() => {
-                        Cow::Borrowed(w)
+                        w.clone()
                     }
                     _ => return Err(needs_original()),
                 };
@@ -947,10 +969,10 @@ impl PreparedWeight {
                 }
             }
             Kept::Forward(qx) => {
-                let w: Cow<'a, [f32]> = match &self.operand {
+                let w = match &self.operand {
                     // MXFP8: the forward operand *is* the contract dequantization.
-                    Operand::Plain(w) => Cow::Borrowed(w),
-                    _ => Cow::Owned(self.dequantized()?),
+                    Operand::Plain(w) => w.clone(),
+                    _ => self.dgrad_operand(|| self.dequantized())?,
                 };
                 BackwardOperands {
                     dy_dgrad: round_bf16_vec(dy),
@@ -965,14 +987,14 @@ impl PreparedWeight {
 
 /// Operands of the two backward GEMMs: dgrad `dy_dgrad [M, N] · w [N, K]`, wgrad
 /// `dy_wgradᵀ · x [M, K]` (`dy_wgrad` = `dy_dgrad` unless the mode quantizes dy twice).
-struct BackwardOperands<'a> {
+struct BackwardOperands {
     dy_dgrad: Vec<f32>,
-    w: Cow<'a, [f32]>,
+    w: GemmOperand,
     dy_wgrad: Option<Vec<f32>>,
     x: Vec<f32>,
 }
 
-impl BackwardOperands<'_> {
+impl BackwardOperands {
     fn dy_wgrad(&self) -> &[f32] {
         self.dy_wgrad.as_deref().unwrap_or(&self.dy_dgrad)
     }
