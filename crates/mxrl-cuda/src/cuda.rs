@@ -862,7 +862,7 @@ impl CudaDevice {
     }
 
     /// Row-major `y [m, n] = a [m, k] · b [n, k]ᵀ` by one cuBLAS SGEMM in pedantic math.
-    fn sgemm_nt(
+    pub(crate) fn sgemm_nt(
         &self,
         xa: &CudaSlice<f32>,
         xb: &CudaSlice<f32>,
@@ -872,6 +872,77 @@ impl CudaDevice {
     ) -> Result<CudaSlice<f32>, DeviceError> {
         assert!(xa.len() == m * k && xb.len() == n * k);
         let mut y = self.output::<f32>(m * n)?;
+        // Row-major y[m,n] is column-major yᵀ [n, m] = b · aᵀ: A = b's buffer seen as
+        // column-major [k, n] (transposed), B = a's buffer as column-major [k, m].
+        self.sgemm_cm(true, false, n, m, k, xb, k, xa, k, &mut y, n)?;
+        Ok(y)
+    }
+
+    /// Row-major `c [m, n] = a [m, k] · b [k, n]` by one cuBLAS SGEMM in pedantic math.
+    pub(crate) fn sgemm_nn(
+        &self,
+        xa: &CudaSlice<f32>,
+        xb: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, DeviceError> {
+        assert!(xa.len() == m * k && xb.len() == k * n);
+        let mut c = self.output::<f32>(m * n)?;
+        // Column-major cᵀ [n, m] = bᵀ · aᵀ: b's buffer is column-major bᵀ [n, k] (ld n),
+        // a's buffer column-major aᵀ [k, m] (ld k); neither transposed.
+        self.sgemm_cm(false, false, n, m, k, xb, n, xa, k, &mut c, n)?;
+        Ok(c)
+    }
+
+    /// Row-major `c [m, n] = a [k, m]ᵀ · b [k, n]` by one cuBLAS SGEMM in pedantic math.
+    pub(crate) fn sgemm_tn(
+        &self,
+        xa: &CudaSlice<f32>,
+        xb: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, DeviceError> {
+        assert!(xa.len() == k * m && xb.len() == k * n);
+        let mut c = self.output::<f32>(m * n)?;
+        // Column-major cᵀ [n, m] = bᵀ · a: b's buffer is column-major bᵀ [n, k] (ld n), a's
+        // buffer column-major aᵀ [m, k] (ld m), transposed to a [k, m].
+        self.sgemm_cm(false, true, n, m, k, xb, n, xa, m, &mut c, n)?;
+        Ok(c)
+    }
+
+    /// Column-major `C [m, n] = op(A) · op(B)` (`op(A)` `[m, k]`, `op(B)` `[k, n]`, β = 0) by
+    /// one cuBLAS SGEMM on the device's handle in `CUBLAS_PEDANTIC_MATH` (f32 products and
+    /// accumulation, no TF32). One handle on one stream, default (deterministic) atomics
+    /// mode: the same call on the same GPU gives the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm_cm(
+        &self,
+        trans_a: bool,
+        trans_b: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &CudaSlice<f32>,
+        lda: usize,
+        b: &CudaSlice<f32>,
+        ldb: usize,
+        c: &mut CudaSlice<f32>,
+        ldc: usize,
+    ) -> Result<(), DeviceError> {
+        let (ra, ca) = if trans_a { (k, m) } else { (m, k) };
+        let (rb, cb) = if trans_b { (n, k) } else { (k, n) };
+        // Stored (column-major) extents: A is ra × ca with ld ≥ ra, likewise B and C.
+        assert!(lda >= ra.max(1) && ldb >= rb.max(1) && ldc >= m.max(1));
+        assert!(a.len() >= lda * ca && b.len() >= ldb * cb && c.len() >= ldc * n);
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            // An empty sum: C = 0 (not left to the library's quick-return rules).
+            return self.stream.memset_zeros(c).map_err(|e| self.err(e));
+        }
         let mut guard = self.blas.lock().expect("cuBLAS handle poisoned");
         if guard.is_none() {
             // SAFETY: only asks whether the cuBLAS library can be found.
@@ -896,27 +967,39 @@ impl CudaDevice {
         let blas = guard.as_ref().expect("initialised above");
         let dim =
             |v: usize| i32::try_from(v).map_err(|_| self.err(format!("dimension {v} exceeds i32")));
-        // Row-major y[m,n] is column-major yᵀ [n, m] = deq(b) · deq(a)ᵀ: A = b's buffer seen as
-        // column-major [k, n] (transposed), B = a's buffer as column-major [k, m].
+        let op = |t: bool| {
+            if t {
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         let cfg = GemmConfig {
-            transa: cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-            transb: cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-            m: dim(n)?,
-            n: dim(m)?,
+            transa: op(trans_a),
+            transb: op(trans_b),
+            m: dim(m)?,
+            n: dim(n)?,
             k: dim(k)?,
             alpha: 1.0f32,
-            lda: dim(k)?,
-            ldb: dim(k)?,
+            lda: dim(lda)?,
+            ldb: dim(ldb)?,
             beta: 0.0f32,
-            ldc: dim(n)?,
+            ldc: dim(ldc)?,
         };
-        if m > 0 && n > 0 {
-            // SAFETY: A (xb) holds n·k f32 read as k×n with lda = k, B (xa) holds m·k read as
-            // k×m with ldb = k, C (y) holds m·n written as n×m with ldc = n; all three were
-            // allocated with exactly those lengths on this stream, and C aliases neither.
-            unsafe { blas.gemm(cfg, xb, xa, &mut y) }.map_err(|e| self.err(format!("{e:?}")))?;
-        }
-        Ok(y)
+        // SAFETY: A holds ≥ lda·ca f32 read as ra × ca (column-major, ld = lda ≥ ra), B holds
+        // ≥ ldb·cb read as rb × cb, C holds ≥ ldc·n written as m × n (asserted above); all
+        // three live on this device's stream, and C is exclusively borrowed, so it aliases
+        // neither input.
+        unsafe { blas.gemm(cfg, a, b, c) }.map_err(|e| self.err(format!("{e:?}")))?;
+        Ok(())
+    }
+
+    /// Copy host f32 values to a new device buffer.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub(crate) fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>, DeviceError> {
+        self.stream.clone_htod(v).map_err(|e| self.err(e))
     }
 
     /// Copy a device f32 buffer to the host.

@@ -24,6 +24,12 @@
 //! GEMMs `mxfp8_gemm_nt` / `nvfp4_gemm_nt` (exact operands, one cuBLAS SGEMM in pedantic math,
 //! NVFP4's α applied after the sum — the arithmetic of `mxrl_tensor::qlinear`).
 //!
+//! `CudaGemm` (feature `cuda`) is the GPU implementation of the linear layers' GEMM hook
+//! ([`mxrl_tensor::backend::GemmBackend`]): cuBLAS SGEMM in pedantic math on exactly the CPU
+//! emulation's f32 operands (only the summation order differs), deterministic for equal shapes,
+//! resident weight operands cached on the device by their key. `mxrl … --device cuda`
+//! selects it for the process.
+//!
 //! [`QuantDevice`] (quantize / dequantize on a device, host buffers in and out) implemented by
 //! [`CpuDevice`] (the contract library) and, with `cuda`, `CudaDevice`; [`test_device!`] writes
 //! one test per device.
@@ -34,7 +40,11 @@ mod prelude;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod gemm;
+#[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, QuantizeTiming};
+#[cfg(feature = "cuda")]
+pub use gemm::{CudaGemm, GemmStats};
 
 pub use prelude::cuda_prelude;
 

@@ -28,6 +28,8 @@ pub struct Args {
     out: PathBuf,
     #[command(flatten)]
     rl: RlArgs,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// Run an ablation of `model_dir` into `out`; returns the report path.
@@ -59,7 +61,7 @@ pub fn ablate(
         cfg: rl.config(),
         out: out.to_path_buf(),
         model: format!(
-            "{} ({:?}, {} layers, hidden {}, {} experts top-{}, vocab {}, {} parameters)",
+            "{} ({:?}, {} layers, hidden {}, {} experts top-{}, vocab {}, {} parameters; linear GEMMs on {})",
             model_dir.display(),
             c.arch,
             c.num_layers,
@@ -67,7 +69,8 @@ pub fn ablate(
             c.num_experts,
             c.num_experts_per_tok,
             c.vocab_size,
-            model.params().num_elements()
+            model.params().num_elements(),
+            mxrl_tensor::backend::gemm_backend().name()
         ),
         task: task_desc,
     };
@@ -76,6 +79,8 @@ pub fn ablate(
 
 /// Run `mxrl ablate`.
 pub fn run(a: Args) -> Result<()> {
+    let gemm = a.device.select()?;
+    eprintln!("mxrl ablate: linear GEMMs on {gemm}");
     let p = ablate(&a.model, &a.recipes, a.noise_seed, &a.out, &a.rl)?;
     eprintln!("report: {}", p.display());
     Ok(())

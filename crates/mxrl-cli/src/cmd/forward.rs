@@ -30,11 +30,14 @@ pub struct Args {
     /// Output safetensors file.
     #[arg(long, value_name = "FILE.safetensors")]
     out: PathBuf,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// Parses the tokens into the forward's inputs: all `T` positions, with the targets of the
 /// first `T-1` the next tokens (the last target is a placeholder whose logprob is dropped).
 pub fn run(a: Args) -> Result<()> {
+    a.device.select()?;
     let mut model =
         Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
     let mut precision = "f32".to_string();

@@ -35,6 +35,8 @@ pub struct Args {
     /// Stop token ids (default: `eos_token_id` of config.json, if any).
     #[arg(long, value_delimiter = ',')]
     stop: Option<Vec<u32>>,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
@@ -63,6 +65,7 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
 
 /// Runs the command.
 pub fn run(a: Args) -> Result<()> {
+    a.device.select()?;
     let model =
         Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
     let tokenizer = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {

@@ -6,6 +6,7 @@ pub mod ckpt_bench;
 pub mod convert;
 pub mod demo;
 pub mod dequantize;
+pub mod device;
 pub mod forward;
 pub mod generate;
 pub mod inspect;

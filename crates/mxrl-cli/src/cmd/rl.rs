@@ -138,10 +138,14 @@ pub struct Args {
     out: PathBuf,
     #[command(flatten)]
     rl: RlArgs,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// Run `mxrl rl`.
 pub fn run(a: Args) -> Result<()> {
+    let gemm = a.device.select()?;
+    eprintln!("mxrl rl: linear GEMMs on {gemm}");
     let (model, codec) = load_model_dir(&a.model)?;
     let task = task_source(
         a.rl.task.as_deref(),

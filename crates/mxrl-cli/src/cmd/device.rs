@@ -1,0 +1,81 @@
+//! `--device cpu|cuda`: where the linear layers' GEMMs run (the rest of the model stays on the
+//! host). `cuda` installs `mxrl_cuda::CudaGemm` on GPU 0 as the process-wide GEMM backend:
+//! cuBLAS f32 SGEMM (pedantic math, no TF32) on exactly the operands the CPU emulation
+//! multiplies, so only the summation order differs; weights stay resident on the GPU.
+
+use anyhow::Result;
+
+/// Device of the linear layers' GEMMs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU reference backend.
+    #[default]
+    Cpu,
+    /// GPU 0 through cuBLAS (needs a binary built with `--features cuda`).
+    Cuda,
+}
+
+/// The `--device` option.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct DeviceArgs {
+    /// Where the linear layers' GEMMs run: `cpu`, or `cuda` (GPU 0, cuBLAS f32 SGEMM on the
+    /// same operands as the CPU emulation; the rest of the model stays on the host).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+}
+
+impl DeviceArgs {
+    /// Select the process-wide GEMM backend; returns a one-line description.
+    ///
+    /// # Errors
+    /// `cuda` in a binary built without the `cuda` feature, or no usable GPU.
+    pub fn select(&self) -> Result<String> {
+        match self.device {
+            Device::Cpu => Ok(mxrl_tensor::backend::gemm_backend().name()),
+            Device::Cuda => select_cuda(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn select_cuda() -> Result<String> {
+    let g = mxrl_cuda::CudaGemm::new(0)
+        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    let name = mxrl_tensor::backend::GemmBackend::name(&g);
+    mxrl_tensor::backend::set_gemm_backend(std::sync::Arc::new(g));
+    Ok(name)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn select_cuda() -> Result<String> {
+    anyhow::bail!(
+        "--device cuda: this mxrl binary was built without CUDA support; rebuild it with \
+         `cargo build --release -p mxrl-cli --features cuda` (CUDA libraries are loaded at run \
+         time, so the build itself needs no CUDA installation)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_is_the_default_and_selects_the_reference_backend() {
+        let d = DeviceArgs::default();
+        assert_eq!(d.device, Device::Cpu);
+        assert!(d.select().unwrap().starts_with("cpu"));
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let e = DeviceArgs {
+            device: Device::Cuda,
+        }
+        .select()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("built without CUDA support"), "{e}");
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+}
