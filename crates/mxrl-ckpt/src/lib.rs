@@ -7,6 +7,9 @@
 //! - **Writing** ([`ShardWriter`], [`StagedDir`]): shards are streamed tensor by tensor after
 //!   a header computed up front; an output directory is built as `DST.partial` and renamed to
 //!   `DST` only when complete, and an existing `DST` is only replaced on request.
+//! - **Loading converted checkpoints** ([`load_quantized`]): the stored quantized bytes of
+//!   every weight (never re-quantized), the recorded recipe and plan, NVFP4 amax checked
+//!   against the stored second-level scales; [`stack_rows`] fuses gate/up parts.
 //! - **Synthetic checkpoints** ([`synth`]): small models in the real HF layouts of Qwen3-MoE,
 //!   Qwen2-MoE and DeepSeek-V3 (incl. block-FP8 storage), sharded so expert gate/up pairs
 //!   straddle shards.
@@ -17,6 +20,7 @@ pub mod dequant;
 mod dtype;
 mod error;
 mod header;
+pub mod load;
 mod reader;
 pub mod synth;
 mod values;
@@ -33,6 +37,7 @@ pub use error::{CkptError, Result};
 pub use header::{
     index_json, parse_header, parse_index, Header, Index, TensorInfo, MAX_HEADER_LEN,
 };
+pub use load::{is_converted, load_quantized, stack_rows, QuantizedCheckpoint, StoredWeight};
 pub use reader::{Checkpoint, SafetensorsFile, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 pub use values::{
     check_finite, count_nonfinite, f32_bytes, f32_from_bytes, f32_to_bf16_bytes, to_f32,

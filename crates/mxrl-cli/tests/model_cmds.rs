@@ -204,3 +204,115 @@ fn forward_with_a_recipe_quantizes_per_the_plan() {
     ]);
     assert!(!o.status.success());
 }
+
+/// `mxrl forward` and `mxrl generate` take an `mxrl convert` output (detected by its
+/// mxrl.json): the logprobs are bitwise those of the library's converted-checkpoint loader and
+/// of the original model under the same plan, generation matches the library, and an extra
+/// `--recipe` is refused.
+#[test]
+fn forward_and_generate_run_a_converted_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    tiny_model(&src);
+    let dst = dir.path().join("nvfp4");
+    let recipe = mxrl_plan::Recipe::load("nvfp4-dq").unwrap();
+    mxrl_ckpt::convert(
+        &src,
+        &recipe,
+        "nvfp4-dq",
+        &dst,
+        &mxrl_ckpt::ConvertOptions::default(),
+        &mxrl_ckpt::NoProgress,
+    )
+    .unwrap();
+    let loaded = Model::load_converted(&dst).unwrap();
+    let mut orig = Model::load_hf(&src).unwrap();
+    let inv = mxrl_plan::Inventory::from_model_dir(&src).unwrap();
+    orig.apply_plan(&mxrl_plan::resolve(&inv, &recipe).unwrap())
+        .unwrap();
+    let d = dst.to_str().unwrap();
+    let out = dir.path().join("fwd.safetensors");
+    let o = mxrl(&[
+        "forward",
+        "--model",
+        d,
+        "--tokens",
+        "1,2,3,4,30",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logprobs: Vec<f32> = st
+        .tensor("logprobs")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let toks = [1u32, 2, 3, 4, 30];
+    for m in [&loaded, &orig] {
+        let want = m
+            .forward(&[SeqInput::next_token(&toks)], &ForwardOptions::default())
+            .unwrap();
+        assert_eq!(logprobs, want.logprobs[0]);
+    }
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let precision = &meta.metadata().as_ref().unwrap()["precision"];
+    assert!(
+        precision.contains("converted") && precision.contains("nvfp4-dq"),
+        "{precision}"
+    );
+
+    let o = mxrl(&[
+        "generate",
+        "--model",
+        d,
+        "--tokens",
+        "1,2,3",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "5",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    let g = &loaded
+        .generate(
+            &[&[1, 2, 3]],
+            &SamplingParams {
+                temperature: 0.0,
+                max_new_tokens: 5,
+                ..Default::default()
+            },
+        )
+        .unwrap()[0];
+    let want = g
+        .tokens
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(line(&stdout, "new tokens:"), want);
+    assert!(line(&stdout, "weights:").contains("converted"), "{stdout}");
+
+    let o = mxrl(&[
+        "forward",
+        "--model",
+        d,
+        "--tokens",
+        "1,2",
+        "--recipe",
+        "mxfp8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("converted checkpoint") && err.contains("--recipe"),
+        "{err}"
+    );
+}

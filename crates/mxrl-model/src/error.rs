@@ -53,6 +53,15 @@ pub enum ModelError {
         /// Expected vs found.
         message: String,
     },
+    /// An mxrl-converted checkpoint could not be loaded (the message names the file and
+    /// tensor).
+    #[error("{dir}: converted checkpoint: {message}")]
+    Checkpoint {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
     /// Bad runtime input (token ids, lengths, replay tables, gradients).
     #[error("invalid input: {0}")]
     Input(String),

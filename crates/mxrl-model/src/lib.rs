@@ -9,6 +9,7 @@
 //! - [`ModelConfig`]: from an HF `config.json` ([`ModelConfig::from_dir`]) or built in code
 //!   ([`ModelConfig::tiny`]).
 //! - [`Model`]: [`Model::random`] (seeded), [`Model::load_hf`] (BF16/F32 safetensors),
+//!   [`Model::load_converted`] (an `mxrl convert` output, quantized weights used as stored),
 //!   [`Model::params`] / [`Model::params_mut`] (named f32 master weights for the optimizer and
 //!   weight export; prepared GEMM weights are rebuilt when the guard drops),
 //!   [`Model::set_precision`] (per-linear GEMM precision).
@@ -37,6 +38,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod converted;
 mod error;
 mod generate;
 pub mod hf;

@@ -3,6 +3,9 @@
 //! Output (safetensors, written atomically): `logits` F32 `[T, V]` (every position),
 //! `logprobs` F32 `[T-1]` (`log p(tokens[t+1] | tokens[..=t])`), `tokens` I32 `[T]`;
 //! metadata names the model directory and the weight precision.
+//!
+//! `--model` may be an `mxrl convert` output (a directory with `mxrl.json`): its quantized
+//! weights run as stored, under the recipe the checkpoint records.
 
 use crate::st::{write_atomic, OwnedTensor};
 use anyhow::{bail, Context, Result};
@@ -13,7 +16,9 @@ use std::path::PathBuf;
 /// Arguments of `mxrl forward`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Hugging Face model directory (config.json + safetensors).
+    /// Hugging Face model directory (config.json + safetensors), or an `mxrl convert` output
+    /// (detected by its mxrl.json; its recorded recipe applies and quantized weights run as
+    /// stored).
     #[arg(long, value_name = "DIR")]
     model: PathBuf,
     /// Input token ids, comma separated (e.g. `1,2,3`).
@@ -34,13 +39,50 @@ pub struct Args {
     device: super::device::DeviceArgs,
 }
 
+/// Loads `dir` as an mxrl-converted checkpoint when it has `mxrl.json` (quantized weights used
+/// as stored), else as a Hugging Face checkpoint with f32 linears; returns the model and a
+/// description of its precision.
+pub fn load_model(dir: &std::path::Path) -> Result<(Model, String)> {
+    if !mxrl_ckpt::is_converted(dir) {
+        let m = Model::load_hf(dir).with_context(|| format!("loading {}", dir.display()))?;
+        return Ok((m, "f32".into()));
+    }
+    let m = Model::load_converted(dir)
+        .with_context(|| format!("loading converted checkpoint {}", dir.display()))?;
+    let record = dir.join(mxrl_ckpt::MXRL_JSON);
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&record)
+            .with_context(|| format!("reading {}", record.display()))?,
+    )
+    .with_context(|| format!("parsing {}", record.display()))?;
+    let field = |p: &str| {
+        v.pointer(p)
+            .and_then(|x| x.as_str())
+            .unwrap_or("?")
+            .to_string()
+    };
+    let hash = field("/plan_hash");
+    Ok((
+        m,
+        format!(
+            "converted checkpoint: recipe {}, plan {}, stored quantized weights",
+            field("/recipe/source"),
+            &hash[..hash.len().min(16)]
+        ),
+    ))
+}
+
 /// Parses the tokens into the forward's inputs: all `T` positions, with the targets of the
 /// first `T-1` the next tokens (the last target is a placeholder whose logprob is dropped).
 pub fn run(a: Args) -> Result<()> {
     a.device.select()?;
-    let mut model =
-        Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
-    let mut precision = "f32".to_string();
+    let (mut model, mut precision) = load_model(&a.model)?;
+    if mxrl_ckpt::is_converted(&a.model) && (a.bf16 || a.recipe.is_some()) {
+        bail!(
+            "{} is a converted checkpoint: it runs the recipe its mxrl.json records; --recipe and --bf16 apply to unquantized checkpoints only",
+            a.model.display()
+        );
+    }
     if a.bf16 {
         model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16)?;
         precision = "bf16".into();

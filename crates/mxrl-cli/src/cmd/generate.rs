@@ -2,13 +2,14 @@
 //! `tokenizer.json`, or token ids) and print the new tokens with their logprobs.
 
 use anyhow::{bail, Context, Result};
-use mxrl_model::{FinishReason, Model, SamplingParams};
+use mxrl_model::{FinishReason, SamplingParams};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl generate`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json]).
+    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json]), or an
+    /// `mxrl convert` output (detected by its mxrl.json; quantized weights run as stored).
     #[arg(long, value_name = "DIR")]
     model: PathBuf,
     /// Prompt text, tokenized with DIR/tokenizer.json.
@@ -66,8 +67,8 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
 /// Runs the command.
 pub fn run(a: Args) -> Result<()> {
     a.device.select()?;
-    let model =
-        Model::load_hf(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let (model, precision) = super::forward::load_model(&a.model)?;
+    println!("weights: {precision}");
     let tokenizer = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
         Some(load_tokenizer(&a.model)?)
     } else {
