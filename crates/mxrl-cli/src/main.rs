@@ -41,6 +41,8 @@ enum Commands {
     Generate(cmd::generate::Args),
     /// GRPO with a precision recipe, live weight sync and mismatch metrics (resumable).
     Rl(cmd::rl::Args),
+    /// Serve a model's rollout engine over a Unix socket or TCP (for `mxrl rl --rollout`).
+    RolloutServer(cmd::rollout_server::Args),
     /// Supervised warm-up on the arithmetic task; writes a model directory.
     Sft(cmd::sft::Args),
     /// Run the RL loop once per recipe (plus a noise seed) and write the report.
@@ -66,6 +68,7 @@ fn main() -> anyhow::Result<()> {
         Commands::Forward(a) => cmd::forward::run(a),
         Commands::Generate(a) => cmd::generate::run(a),
         Commands::Rl(a) => cmd::rl::run(a),
+        Commands::RolloutServer(a) => cmd::rollout_server::run(a),
         Commands::Sft(a) => cmd::sft::run(a),
         Commands::Ablate(a) => cmd::ablate::run(a),
         Commands::Report(a) => cmd::report::run(a),

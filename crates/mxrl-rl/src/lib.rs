@@ -20,6 +20,7 @@ pub mod policy;
 pub mod report;
 pub mod runner;
 pub mod sampling;
+pub mod server;
 pub mod session;
 pub mod sync;
 pub mod tabular;

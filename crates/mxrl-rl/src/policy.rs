@@ -216,6 +216,25 @@ pub trait RolloutPolicy {
     /// The weights as held now, in wire form (for `--check-weight-sync`).
     fn weights(&self) -> Vec<WireTensor>;
 
+    /// [`RolloutPolicy::load_weights`] for weight `version` (the rollout engine calls this).
+    /// A policy that lives elsewhere (the rollout server's client,
+    /// [`crate::server::RemoteRollout`]) forwards the version; the default ignores it.
+    fn load_weights_versioned(
+        &mut self,
+        version: u64,
+        tensors: &[WireTensor],
+    ) -> Result<(), PolicyError> {
+        let _ = version;
+        self.load_weights(tensors)
+    }
+
+    /// `--check-weight-sync`: the held weights equal `expected` byte for byte. The default
+    /// compares [`RolloutPolicy::weights`] with [`crate::sync::check_equal`]; a remote policy
+    /// compares SHA-256 digests computed where the weights live.
+    fn check_weights(&self, expected: &[WireTensor]) -> Result<(), crate::sync::SyncError> {
+        crate::sync::check_equal(&self.weights(), expected)
+    }
+
     /// Bitwise mode: logprobs of the response tokens computed with exactly the trainer's
     /// forward (same kernels, same batch shapes as the trainer's micro-batch `batch`).
     fn score(

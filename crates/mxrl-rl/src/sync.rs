@@ -8,9 +8,11 @@
 //! `load_weights` validates every tensor before it changes anything. A failed or partial update
 //! leaves the rollout serving the previous version and is reported as an error.
 //!
-//! Over a socket ([`write_update`] / [`read_update`]) the same messages travel as frames:
-//! `b"MXWU" | kind: u8 | len: u64 LE | payload`, kinds Header (JSON), Bucket
-//! (`index: u32 LE | sha256: [u8; 32] | payload`), Commit (`version: u64 LE`), Ack (JSON).
+//! Over a socket ([`write_update`] / [`read_update`]) the same messages travel as frames
+//! ([`write_frame`] / [`read_frame`]): `b"MXWU" | kind: u8 | len: u64 LE | payload`, kinds
+//! [`K_HEADER`] (JSON), [`K_BUCKET`] (`index: u32 LE | sha256: [u8; 32] | payload`),
+//! [`K_COMMIT`] (`version: u64 LE`), [`K_ACK`] (JSON). The rollout server
+//! ([`crate::server`]) adds request/response kinds on the same framing.
 
 use crate::policy::{PolicyError, RolloutPolicy, WireTensor};
 use mxrl_formats::Format;
@@ -142,7 +144,7 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
-fn serialize_tensor(t: &WireTensor, out: &mut Vec<u8>) {
+pub(crate) fn serialize_tensor(t: &WireTensor, out: &mut Vec<u8>) {
     put_bytes(out, t.name.as_bytes());
     out.push(format_code(t.format));
     out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
@@ -179,7 +181,7 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn deserialize_tensors(payload: &[u8]) -> Option<Vec<WireTensor>> {
+pub(crate) fn deserialize_tensors(payload: &[u8]) -> Option<Vec<WireTensor>> {
     let mut c = Cursor { b: payload, at: 0 };
     let mut out = Vec::new();
     while c.at < payload.len() {
@@ -212,7 +214,7 @@ fn deserialize_tensors(payload: &[u8]) -> Option<Vec<WireTensor>> {
     Some(out)
 }
 
-fn sha256(b: &[u8]) -> [u8; 32] {
+pub(crate) fn sha256(b: &[u8]) -> [u8; 32] {
     Sha256::digest(b).into()
 }
 
@@ -379,7 +381,7 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
             });
         }
         self.policy
-            .load_weights(tensors)
+            .load_weights_versioned(version, tensors)
             .map_err(|source| SyncError::Policy { version, source })?;
         self.version = version;
         Ok(())
@@ -403,7 +405,7 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
     /// `--check-weight-sync`: the rollout's bytes equal `expected` (the trainer's export),
     /// tensor by tensor.
     pub fn check(&self, expected: &[WireTensor]) -> Result<(), SyncError> {
-        check_equal(&self.policy.weights(), expected)
+        self.policy.check_weights(expected)
     }
 }
 
@@ -443,10 +445,14 @@ pub fn check_equal(got: &[WireTensor], expected: &[WireTensor]) -> Result<(), Sy
 }
 
 const MAGIC: &[u8; 4] = b"MXWU";
-const K_HEADER: u8 = 1;
-const K_BUCKET: u8 = 2;
-const K_COMMIT: u8 = 3;
-const K_ACK: u8 = 4;
+/// Frame kind: update header (JSON [`UpdateHeader`]).
+pub const K_HEADER: u8 = 1;
+/// Frame kind: one bucket (`index: u32 LE | sha256: [u8; 32] | payload`).
+pub const K_BUCKET: u8 = 2;
+/// Frame kind: end of an update (`version: u64 LE`).
+pub const K_COMMIT: u8 = 3;
+/// Frame kind: the receiver's answer to an update (JSON [`Ack`]).
+pub const K_ACK: u8 = 4;
 /// Largest frame accepted (guards against a corrupt length).
 pub const MAX_FRAME: u64 = 1 << 34;
 
@@ -454,7 +460,8 @@ fn tr<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> SyncError + '_ {
     move |e| SyncError::Transport(format!("{what}: {e}"))
 }
 
-fn write_frame<W: Write>(w: &mut W, kind: u8, parts: &[&[u8]]) -> Result<(), SyncError> {
+/// Write one frame `b"MXWU" | kind | len: u64 LE | parts...` (not flushed).
+pub fn write_frame<W: Write>(w: &mut W, kind: u8, parts: &[&[u8]]) -> Result<(), SyncError> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     w.write_all(MAGIC).map_err(tr("write"))?;
     w.write_all(&[kind]).map_err(tr("write"))?;
@@ -466,9 +473,28 @@ fn write_frame<W: Write>(w: &mut W, kind: u8, parts: &[&[u8]]) -> Result<(), Syn
     Ok(())
 }
 
-fn read_frame<R: Read>(r: &mut R) -> Result<(u8, Vec<u8>), SyncError> {
+/// Read one frame: `(kind, payload)`. A connection closed before or inside the frame is a
+/// [`SyncError::Transport`] error.
+pub fn read_frame<R: Read>(r: &mut R) -> Result<(u8, Vec<u8>), SyncError> {
+    read_frame_opt(r)?.ok_or_else(|| {
+        SyncError::Transport("connection closed before a complete frame header".into())
+    })
+}
+
+/// Read one frame, or `None` when the peer closed the connection cleanly at a frame boundary.
+pub fn read_frame_opt<R: Read>(r: &mut R) -> Result<Option<(u8, Vec<u8>)>, SyncError> {
     let mut head = [0u8; 13];
-    r.read_exact(&mut head)
+    let first = loop {
+        match r.read(&mut head[..1]) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(SyncError::Transport(format!("reading a frame header: {e}"))),
+        }
+    };
+    if first == 0 {
+        return Ok(None);
+    }
+    r.read_exact(&mut head[1..])
         .map_err(tr("connection closed before a complete frame header"))?;
     if &head[..4] != MAGIC {
         return Err(SyncError::Transport(format!(
@@ -485,7 +511,7 @@ fn read_frame<R: Read>(r: &mut R) -> Result<(u8, Vec<u8>), SyncError> {
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload)
         .map_err(tr("connection closed in the middle of a frame"))?;
-    Ok((head[4], payload))
+    Ok(Some((head[4], payload)))
 }
 
 /// The receiver's answer to an update.

@@ -15,6 +15,7 @@ mod progress;
 pub mod quantize;
 pub mod report;
 pub mod rl;
+pub mod rollout_server;
 pub mod sft;
 pub mod synth;
 pub mod verify;

@@ -1,14 +1,19 @@
 //! `mxrl rl`: GRPO on a model directory with one precision recipe, live weight sync and
 //! per-step metrics; resumable from `RUN_DIR/checkpoint.safetensors`.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use mxrl_rl::ablate::{progress_line, step_bar};
 use mxrl_rl::grpo::{GrpoConfig, IsCorrection, IsLevel};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
+use mxrl_rl::server::{Endpoint, RemoteRollout};
 use mxrl_rl::session::{build, load_model_dir, task_source};
-use mxrl_rl::SamplingConfig;
-use std::path::PathBuf;
+use mxrl_rl::task::TaskSource;
+use mxrl_rl::text::TextCodec;
+use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// Hyper-parameters shared by `rl`, `ablate` and `demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -136,6 +141,11 @@ pub struct Args {
     /// Run directory (metrics.jsonl, checkpoint.safetensors).
     #[arg(long, default_value = "runs/rl")]
     out: PathBuf,
+    /// Rollout engine: in this process (default); a running `mxrl rollout-server` at
+    /// unix:PATH or tcp:HOST:PORT; or `spawn`: a rollout-server child process on
+    /// RUN_DIR/rollout.sock (log in RUN_DIR/rollout-server.log), stopped at the end.
+    #[arg(long)]
+    rollout: Option<String>,
     #[command(flatten)]
     rl: RlArgs,
     #[command(flatten)]
@@ -165,30 +175,195 @@ pub fn run(a: Args) -> Result<()> {
         cfg.prompts_per_step,
         cfg.samples
     );
+    match a.rollout.as_deref() {
+        None => {
+            drive(
+                &a.recipe,
+                &a.out,
+                cfg,
+                b.trainer,
+                b.rollout,
+                b.reference,
+                task,
+                &codec,
+                &b.contract_hash,
+            )?;
+        }
+        Some(spec) => {
+            let spawned = if spec == "spawn" {
+                Some(SpawnedServer::start(&a.model, &a.recipe, &a.out)?)
+            } else {
+                None
+            };
+            let ep: Endpoint = match &spawned {
+                Some(s) => s.endpoint.clone(),
+                None => spec.parse()?,
+            };
+            let mut remote = RemoteRollout::connect(&ep, &b.contract_hash)?;
+            let info = remote.info().clone();
+            if info.recipe != a.recipe {
+                bail!(
+                    "rollout server {ep} serves recipe `{}`, this run uses `{}`",
+                    info.recipe,
+                    a.recipe
+                );
+            }
+            eprintln!(
+                "rollout: server {ep} (model {}, {} tensors, serving v{})",
+                info.model, info.tensors, info.version
+            );
+            remote.bucket_bytes = cfg.bucket_bytes;
+            let remote = drive(
+                &a.recipe,
+                &a.out,
+                cfg,
+                b.trainer,
+                remote,
+                b.reference,
+                task,
+                &codec,
+                &b.contract_hash,
+            )?;
+            if let Some(s) = spawned {
+                remote.shutdown_server()?;
+                s.wait(Duration::from_secs(10))?;
+            }
+        }
+    }
+    eprintln!("metrics: {}", a.out.join("metrics.jsonl").display());
+    Ok(())
+}
+
+/// Run (or resume) the loop in `out` with `rollout`; hands the rollout policy back.
+#[allow(clippy::too_many_arguments)]
+fn drive<T: TrainPolicy, R: RolloutPolicy>(
+    name: &str,
+    out: &Path,
+    cfg: RlConfig,
+    trainer: T,
+    rollout: R,
+    reference: Option<T>,
+    task: TaskSource,
+    codec: &TextCodec,
+    contract_hash: &str,
+) -> Result<R> {
     let mut run = RlRun::new(
         cfg.clone(),
-        b.trainer,
-        b.rollout,
-        b.reference,
+        trainer,
+        rollout,
+        reference,
         task,
-        &codec,
-        &a.out,
-        &b.contract_hash,
+        codec,
+        out,
+        contract_hash,
     )?;
     if run.state.step > 0 {
-        eprintln!(
-            "resuming from step {} ({})",
-            run.state.step,
-            a.out.display()
-        );
+        eprintln!("resuming from step {} ({})", run.state.step, out.display());
     }
-    let pb = step_bar(&a.recipe, cfg.steps);
+    let pb = step_bar(name, cfg.steps);
     pb.set_position(run.state.step);
     run.run(&mut |m| {
         pb.set_message(progress_line(m));
         pb.inc(1);
     })?;
     pb.finish();
-    eprintln!("metrics: {}", a.out.join("metrics.jsonl").display());
-    Ok(())
+    Ok(run.rollout.policy)
+}
+
+/// `--rollout spawn`: `mxrl rollout-server` as a child process on `RUN_DIR/rollout.sock`,
+/// killed when dropped unless it already exited.
+struct SpawnedServer {
+    child: Child,
+    endpoint: Endpoint,
+    log: PathBuf,
+}
+
+impl SpawnedServer {
+    fn start(model: &Path, recipe: &str, out: &Path) -> Result<Self> {
+        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+        let socket = out.join("rollout.sock");
+        // sun_path holds 108 bytes including the terminating NUL.
+        if socket.as_os_str().len() > 107 {
+            bail!(
+                "{}: a Unix socket path must be shorter than 108 bytes; use a shorter --out, \
+                 or start `mxrl rollout-server` yourself and pass --rollout",
+                socket.display()
+            );
+        }
+        let log = out.join("rollout-server.log");
+        let f =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = Command::new(std::env::current_exe().context("locating the mxrl binary")?)
+            .arg("rollout-server")
+            .arg("--model")
+            .arg(model)
+            .args(["--recipe", recipe])
+            .arg("--listen")
+            .arg(format!("unix:{}", socket.display()))
+            .stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .spawn()
+            .context("starting `mxrl rollout-server`")?;
+        let mut s = SpawnedServer {
+            child,
+            endpoint: Endpoint::Unix(socket.clone()),
+            log,
+        };
+        let t = Instant::now();
+        loop {
+            if let Some(st) = s.child.try_wait()? {
+                bail!(
+                    "the rollout server exited ({st}) before listening on {}; its log {}:\n{}",
+                    s.endpoint,
+                    s.log.display(),
+                    std::fs::read_to_string(&s.log).unwrap_or_default()
+                );
+            }
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return Ok(s);
+            }
+            if t.elapsed() > Duration::from_secs(300) {
+                bail!(
+                    "the rollout server did not listen on {} within 300 s; its log: {}",
+                    s.endpoint,
+                    s.log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait for the child to exit after a shutdown request (killed on drop after `limit`).
+    fn wait(mut self, limit: Duration) -> Result<()> {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if let Some(st) = self.child.try_wait()? {
+                if !st.success() {
+                    bail!(
+                        "the rollout server exited with {st}; its log: {}",
+                        self.log.display()
+                    );
+                }
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        bail!(
+            "the rollout server did not exit within {} s of the shutdown request; killing it",
+            limit.as_secs()
+        )
+    }
+}
+
+impl Drop for SpawnedServer {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            if let Endpoint::Unix(p) = &self.endpoint {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        let _ = self.child.wait();
+    }
 }
