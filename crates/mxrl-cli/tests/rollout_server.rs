@@ -145,6 +145,7 @@ fn final_export(model: &Path, run: &Path) -> Vec<mxrl_rl::WireTensor> {
     load_checkpoint(run, &mut b.trainer, &mut opt)
         .unwrap()
         .expect("the run wrote a checkpoint");
+    b.trainer.refresh_weights().unwrap();
     b.trainer.export_weights().unwrap()
 }
 
@@ -233,6 +234,7 @@ fn dropped_connection_mid_update_leaves_the_server_on_its_version() {
             *v = *v * 0.5 + 0.01;
         }
     }
+    b.trainer.refresh_weights().unwrap();
     let new = b.trainer.export_weights().unwrap();
     let u = WeightUpdate::build(1, &b.contract_hash, &new, 16 << 10);
     assert!(u.buckets.len() >= 3, "{} buckets", u.buckets.len());

@@ -143,7 +143,8 @@ pub struct Args {
     out: PathBuf,
     /// Rollout engine: in this process (default); a running `mxrl rollout-server` at
     /// unix:PATH or tcp:HOST:PORT; or `spawn`: a rollout-server child process on
-    /// RUN_DIR/rollout.sock (log in RUN_DIR/rollout-server.log), stopped at the end.
+    /// RUN_DIR/rollout.sock (log in RUN_DIR/rollout-server.log, same --device), stopped at
+    /// the end.
     #[arg(long)]
     rollout: Option<String>,
     #[command(flatten)]
@@ -191,7 +192,12 @@ pub fn run(a: Args) -> Result<()> {
         }
         Some(spec) => {
             let spawned = if spec == "spawn" {
-                Some(SpawnedServer::start(&a.model, &a.recipe, &a.out)?)
+                Some(SpawnedServer::start(
+                    &a.model,
+                    &a.recipe,
+                    &a.out,
+                    a.device.device,
+                )?)
             } else {
                 None
             };
@@ -279,7 +285,12 @@ struct SpawnedServer {
 }
 
 impl SpawnedServer {
-    fn start(model: &Path, recipe: &str, out: &Path) -> Result<Self> {
+    fn start(
+        model: &Path,
+        recipe: &str,
+        out: &Path,
+        device: super::device::Device,
+    ) -> Result<Self> {
         std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
         let socket = out.join("rollout.sock");
         // sun_path holds 108 bytes including the terminating NUL.
@@ -298,6 +309,11 @@ impl SpawnedServer {
             .arg("--model")
             .arg(model)
             .args(["--recipe", recipe])
+            .arg("--device")
+            .arg(match device {
+                super::device::Device::Cpu => "cpu",
+                super::device::Device::Cuda => "cuda",
+            })
             .arg("--listen")
             .arg(format!("unix:{}", socket.display()))
             .stdin(Stdio::null())

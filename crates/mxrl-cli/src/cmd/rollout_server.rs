@@ -21,11 +21,14 @@ pub struct Args {
     /// Where to listen: unix:PATH or tcp:HOST:PORT (port 0 picks a free port).
     #[arg(long)]
     listen: String,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// Run `mxrl rollout-server` until a client asks it to shut down (or the process is killed).
 pub fn run(a: Args) -> Result<()> {
     let ep: Endpoint = a.listen.parse()?;
+    let gemm = a.device.select()?;
     let (model, _codec) = load_model_dir(&a.model)?;
     let b = build(&model, &a.recipe).with_context(|| format!("recipe {}", a.recipe))?;
     let engine = RolloutEngine::new(b.rollout, 0, &b.contract_hash);
@@ -34,7 +37,7 @@ pub fn run(a: Args) -> Result<()> {
     // The first line is what a parent process waits for.
     println!("mxrl rollout-server: listening on {}", server.endpoint());
     println!(
-        "model {model_name} · recipe {} · contract {} · weights {:?} · serving v0",
+        "model {model_name} · recipe {} · contract {} · weights {:?} · GEMMs on {gemm} · serving v0",
         a.recipe, b.contract_hash, b.weight_bytes
     );
     server.serve(&mut |ev| println!("{ev}"))?;
