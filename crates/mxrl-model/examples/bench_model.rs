@@ -6,29 +6,11 @@
 //! same `mxrl_tensor::gemm` path, reported as GFLOP/s, so model throughput can be read as a
 //! fraction of what the GEMM alone achieves on this machine.
 
-use mxrl_model::{Arch, ForwardOptions, Model, ModelConfig, SamplingParams, SeqInput};
+use mxrl_model::{ForwardOptions, Model, SamplingParams, SeqInput};
 use std::time::Instant;
 
-fn config(name: &str) -> ModelConfig {
-    match name {
-        "tiny" => ModelConfig::tiny(),
-        "20m" => {
-            let mut c = ModelConfig::tiny();
-            c.arch = Arch::Qwen3Moe;
-            c.vocab_size = 4096;
-            c.hidden_size = 256;
-            c.num_layers = 6;
-            c.num_heads = 8;
-            c.num_kv_heads = 4;
-            c.head_dim = 32;
-            c.num_experts = 16;
-            c.num_experts_per_tok = 2;
-            c.moe_intermediate_size = 256;
-            c
-        }
-        other => panic!("unknown config {other:?}: use tiny or 20m"),
-    }
-}
+mod common;
+use common::config;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

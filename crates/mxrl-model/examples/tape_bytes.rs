@@ -5,29 +5,10 @@
 //! Baselines of the same run: the reference tape ([`Model::forward_recompute_reference`]:
 //! f32 inputs of every linear, re-quantized in backward) and the `bf16` recipe.
 
-use mxrl_model::{Arch, ForwardOptions, Model, ModelConfig, SeqInput};
+use mxrl_model::{ForwardOptions, Model, SeqInput};
 
-fn config(name: &str) -> ModelConfig {
-    match name {
-        "tiny" => ModelConfig::tiny(),
-        "20m" => {
-            // Same shape as the `bench_model` example's ~20M-parameter MoE.
-            let mut c = ModelConfig::tiny();
-            c.arch = Arch::Qwen3Moe;
-            c.vocab_size = 4096;
-            c.hidden_size = 256;
-            c.num_layers = 6;
-            c.num_heads = 8;
-            c.num_kv_heads = 4;
-            c.head_dim = 32;
-            c.num_experts = 16;
-            c.num_experts_per_tok = 2;
-            c.moe_intermediate_size = 256;
-            c
-        }
-        other => panic!("unknown config {other:?}: use tiny or 20m"),
-    }
-}
+mod common;
+use common::config;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
