@@ -83,15 +83,13 @@ fn forward_writes_the_library_logits_and_logprobs() {
     assert_eq!(logprobs, want.logprobs[0]);
 }
 
-#[test]
-fn generate_from_tokens_and_from_text() {
-    let dir = tempfile::tempdir().unwrap();
-    let m = tiny_model(dir.path());
-    let d = dir.path().to_str().unwrap();
+/// `mxrl generate --model DIR --tokens 1,2,3` greedily for 5 tokens prints the tokens `model`
+/// generates itself; returns the command's stdout and those tokens.
+fn greedy_generate_matches(dir: &str, model: &Model) -> (String, Vec<u32>) {
     let o = mxrl(&[
         "generate",
         "--model",
-        d,
+        dir,
         "--tokens",
         "1,2,3",
         "--temperature",
@@ -101,7 +99,7 @@ fn generate_from_tokens_and_from_text() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout).to_string();
-    let g = &m
+    let g = &model
         .generate(
             &[&[1, 2, 3]],
             &SamplingParams {
@@ -118,6 +116,20 @@ fn generate_from_tokens_and_from_text() {
         .collect::<Vec<_>>()
         .join(",");
     assert_eq!(line(&stdout, "new tokens:"), want);
+    (stdout, g.tokens.clone())
+}
+
+#[test]
+fn generate_from_tokens_and_from_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let d = dir.path().to_str().unwrap();
+    let (_, tokens) = greedy_generate_matches(d, &m);
+    let want = tokens
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let o = mxrl(&[
         "generate",
         "--model",
@@ -133,7 +145,7 @@ fn generate_from_tokens_and_from_text() {
     let stdout = String::from_utf8_lossy(&o.stdout).to_string();
     assert_eq!(line(&stdout, "prompt tokens:"), "1,2,3");
     assert_eq!(line(&stdout, "new tokens:"), want);
-    let text: Vec<String> = g.tokens.iter().map(|t| format!("w{t}")).collect();
+    let text: Vec<String> = tokens.iter().map(|t| format!("w{t}")).collect();
     assert_eq!(line(&stdout, "text:"), text.join(" "));
 }
 
@@ -266,36 +278,7 @@ fn forward_and_generate_run_a_converted_checkpoint() {
         "{precision}"
     );
 
-    let o = mxrl(&[
-        "generate",
-        "--model",
-        d,
-        "--tokens",
-        "1,2,3",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "5",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
-    let g = &loaded
-        .generate(
-            &[&[1, 2, 3]],
-            &SamplingParams {
-                temperature: 0.0,
-                max_new_tokens: 5,
-                ..Default::default()
-            },
-        )
-        .unwrap()[0];
-    let want = g
-        .tokens
-        .iter()
-        .map(|t| t.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    assert_eq!(line(&stdout, "new tokens:"), want);
+    let (stdout, _) = greedy_generate_matches(d, &loaded);
     assert!(line(&stdout, "weights:").contains("converted"), "{stdout}");
 
     let o = mxrl(&[
