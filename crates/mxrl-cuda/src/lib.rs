@@ -42,6 +42,9 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
+pub mod gpu;
+pub mod ops;
+#[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, QuantizeTiming};
 #[cfg(feature = "cuda")]
 pub use gemm::{CudaGemm, GemmStats};

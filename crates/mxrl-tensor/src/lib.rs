@@ -24,6 +24,7 @@
 //! | [`loss`] | log-softmax, per-token logprobs, cross-entropy |
 //! | [`optim`] | AdamW with f32 master weights, global grad norm and clipping |
 //! | [`gradcheck`] | finite-difference gradient checking with a derived error bound |
+//! | [`tolerance`] | derived bounds for comparing a device with the CPU reference (summation order only) |
 //! | [`qlinear`] | quantized linear `y = x·Wᵀ` (BF16/MXFP8/NVFP4/FP8-block) with `lowp` / `high_precision` / `dequantized` backward, prepared weights, memory accounting |
 #![deny(missing_docs)]
 
@@ -40,6 +41,7 @@ pub mod precision;
 pub mod qlinear;
 pub mod rope;
 pub mod routing;
+pub mod tolerance;
 
 mod layout;
 pub use layout::SeqLayout;

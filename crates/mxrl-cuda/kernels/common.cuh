@@ -1,0 +1,62 @@
+// Device helpers shared by the engine's op kernels (placed after the generated prelude).
+// Numerics: compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true (no fast
+// math). Reductions run in a fixed order (tree shapes depend only on the launch shape), never
+// with atomics, so equal inputs and shapes give equal bits.
+#ifndef MXRL_COMMON_CUH
+#define MXRL_COMMON_CUH
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef FULL_MASK
+#define FULL_MASK 0xFFFFFFFFu
+#endif
+
+// BF16 <-> f32. BF16 is carried as its 16-bit pattern (u16); widening is exact, narrowing is
+// round-to-nearest-even with NaN kept quiet (the rule of mxrl_tensor::precision::round_bf16 /
+// half::bf16::from_f32).
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x0040u);
+    u32 r = u + 0x7FFFu + ((u >> 16) & 1u);
+    return (u16)(r >> 16);
+}
+__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// Warp reductions (butterfly: every lane ends with the same value, fixed order).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block reductions over blockDim.x threads (a multiple of 32, at most 1024); `scratch` holds 32
+// floats of shared memory. Every thread returns the total.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : -__int_as_float(0x7f800000);
+    return warp_max(t);
+}
+
+#endif

@@ -1,0 +1,266 @@
+//! The device context of the CUDA engine: one GPU, one stream, NVRTC-compiled op modules.
+//!
+//! Every op family (`ops::*`) compiles its kernel source through [`Gpu::module`], which prepends
+//! the generated contract prelude ([`crate::cuda_prelude`]) and the common device helpers
+//! ([`COMMON_SOURCE`]), compiles with [`crate::NVRTC_OPTIONS`] plus the device's architecture,
+//! logs the options once, and caches the module by `(ordinal, key of source and options)`.
+//! Nothing else compiles or launches kernels; launchers live next to their kernels' Rust
+//! wrappers and check shapes before the `unsafe` launch.
+#![allow(unsafe_code)]
+
+use crate::{module_cache_key, DeviceError, NVRTC_OPTIONS};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Device helpers shared by every op kernel (bf16 conversion, warp reductions, ...):
+/// `kernels/common.cuh`, placed after the prelude and before each op source.
+pub const COMMON_SOURCE: &str = include_str!("../kernels/common.cuh");
+
+type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
+
+fn modules() -> &'static ModuleCache {
+    static CACHE: OnceLock<ModuleCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The NVRTC `--gpu-architecture` value for a compute capability (`None`: NVRTC's default).
+pub fn arch_for(major: i32, minor: i32) -> Option<&'static str> {
+    match (major, minor) {
+        (7, 5) => Some("compute_75"),
+        (8, 0) => Some("compute_80"),
+        (8, 6) => Some("compute_86"),
+        (8, 9) => Some("compute_89"),
+        (9, 0) => Some("compute_90"),
+        (10, 0) => Some("compute_100"),
+        (12, 0) => Some("compute_120"),
+        _ => None,
+    }
+}
+
+/// The full source of an op module: prelude + common helpers + the op's kernels.
+pub fn op_module_source(source: &str) -> String {
+    format!("{}\n{}\n{}", crate::cuda_prelude(), COMMON_SOURCE, source)
+}
+
+/// Compiles an op module's source with the engine's NVRTC options for `arch` (no GPU needed:
+/// NVRTC runs on the host). Used by [`Gpu::module`] and by the host-side compile check.
+///
+/// # Errors
+/// NVRTC not loadable, or a compile error with NVRTC's log.
+pub fn compile_op_module(
+    name: &str,
+    source: &str,
+    arch: Option<&'static str>,
+) -> Result<Ptx, DeviceError> {
+    // SAFETY: only asks whether the NVRTC library can be found.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(DeviceError::Cuda {
+            device: "nvrtc".into(),
+            what: "the NVRTC library (libnvrtc) cannot be loaded".into(),
+        });
+    }
+    let opts = CompileOptions {
+        fmad: Some(false),
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        use_fast_math: None,
+        arch,
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(op_module_source(source), opts).map_err(|x| DeviceError::Cuda {
+        device: "nvrtc".into(),
+        what: format!("NVRTC compile of {name} failed: {x}"),
+    })
+}
+
+/// One CUDA GPU as the engine uses it: context, the stream every op runs on, and the module
+/// cache. Cheap to clone (`Arc`s).
+#[derive(Clone)]
+pub struct Gpu {
+    ordinal: usize,
+    name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Option<&'static str>,
+    options: Vec<String>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({})", self.name)
+    }
+}
+
+fn shared_gpus() -> &'static Mutex<HashMap<usize, Gpu>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Gpu>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` (its primary context and a new stream).
+    ///
+    /// # Errors
+    /// No driver, no such GPU: the driver's message.
+    pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
+        let dev = format!("cuda:{ordinal}");
+        let e = |what: String| DeviceError::Cuda {
+            device: dev.clone(),
+            what,
+        };
+        // SAFETY: only asks whether the dynamically loaded driver library can be found.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(e(
+                "the CUDA driver library (libcuda) cannot be loaded".into()
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|x| e(format!("cuInit/context: {x:?}")))?;
+        let name = format!(
+            "{dev} ({})",
+            ctx.name().unwrap_or_else(|_| "unknown".into())
+        );
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|x| e(format!("compute capability: {x:?}")))?;
+        let arch = arch_for(major, minor);
+        let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+        if let Some(a) = arch {
+            options.push(format!("--gpu-architecture={a}"));
+        }
+        let stream = ctx
+            .new_stream()
+            .map_err(|x| e(format!("new stream: {x:?}")))?;
+        Ok(Gpu {
+            ordinal,
+            name,
+            ctx,
+            stream,
+            arch,
+            options,
+        })
+    }
+
+    /// The process-wide shared handle of GPU `ordinal` (opened on first use).
+    ///
+    /// # Errors
+    /// As [`Gpu::new`].
+    pub fn shared(ordinal: usize) -> Result<Self, DeviceError> {
+        let mut cache = shared_gpus().lock().expect("gpu cache poisoned");
+        if let Some(g) = cache.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        let g = Gpu::new(ordinal)?;
+        cache.insert(ordinal, g.clone());
+        Ok(g)
+    }
+
+    /// `cuda:N (device name)`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// GPU ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The context.
+    pub fn ctx(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every op of this engine runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// NVRTC options (numerics) the op modules are compiled with.
+    pub fn nvrtc_options(&self) -> &[String] {
+        &self.options
+    }
+
+    /// A device error naming this GPU.
+    pub fn err(&self, what: impl std::fmt::Display) -> DeviceError {
+        DeviceError::Cuda {
+            device: self.name.clone(),
+            what: what.to_string(),
+        }
+    }
+
+    /// The compiled module of an op family (compiled on first use, then cached).
+    ///
+    /// # Errors
+    /// An NVRTC compile error (with its log) or a module load error.
+    pub fn module(&self, name: &str, source: &str) -> Result<Arc<CudaModule>, DeviceError> {
+        let key = module_cache_key(&op_module_source(source), &self.options);
+        let mut cache = modules().lock().expect("module cache poisoned");
+        if let Some(m) = cache.get(&(self.ordinal, key.clone())) {
+            return Ok(m.clone());
+        }
+        eprintln!(
+            "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options {:?}",
+            self.name, self.options
+        );
+        let ptx = compile_op_module(name, source, self.arch).map_err(|e| self.err(e))?;
+        let m = self
+            .ctx
+            .load_module(ptx)
+            .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
+        cache.insert((self.ordinal, key), m.clone());
+        Ok(m)
+    }
+
+    /// A zero-filled device buffer.
+    ///
+    /// # Errors
+    /// Out of device memory (the driver's message).
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, DeviceError> {
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+    }
+
+    /// Copies host data to a new device buffer.
+    ///
+    /// # Errors
+    /// Out of device memory or a driver error.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, DeviceError> {
+        if host.is_empty() {
+            // cudarc refuses zero-length allocations on some drivers; keep one element.
+            // SAFETY: a one-element buffer nobody reads (its length is tracked by the caller).
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(|x| self.err(format!("{x:?}")));
+        }
+        self.stream
+            .clone_htod(host)
+            .map_err(|x| self.err(format!("upload of {} elements: {x:?}", host.len())))
+    }
+
+    /// Copies a device buffer (or view) back to the host (synchronizes the stream).
+    ///
+    /// # Errors
+    /// A driver error (including one from an earlier asynchronous launch).
+    pub fn download<T: DeviceRepr + Default + Clone, S: cudarc::driver::DevicePtr<T>>(
+        &self,
+        src: &S,
+    ) -> Result<Vec<T>, DeviceError> {
+        self.stream
+            .clone_dtoh(src)
+            .map_err(|x| self.err(format!("download: {x:?}")))
+    }
+
+    /// Waits for every queued op; reports an asynchronous launch failure.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn sync(&self) -> Result<(), DeviceError> {
+        self.stream
+            .synchronize()
+            .map_err(|x| self.err(format!("synchronize: {x:?}")))
+    }
+}

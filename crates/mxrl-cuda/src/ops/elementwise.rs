@@ -1,0 +1,136 @@
+//! Elementwise ops and the embedding gather (kernels `kernels/ops_elementwise.cu`).
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_elementwise.cu");
+
+const THREADS: u32 = 256;
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The loaded kernels.
+pub struct Elementwise {
+    gpu: Gpu,
+    to_bf16: CudaFunction,
+    add_inplace: CudaFunction,
+    embed_gather: CudaFunction,
+}
+
+fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+impl Elementwise {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_elementwise", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(Elementwise {
+            gpu: gpu.clone(),
+            to_bf16: f("to_bf16")?,
+            add_inplace: f("add_inplace")?,
+            embed_gather: f("embed_gather")?,
+        })
+    }
+
+    /// `out[i] = bf16(x[i])` (bit patterns), `i < n`. Reference:
+    /// `mxrl_tensor::precision::round_bf16`.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn to_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, u16>,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "to_bf16 x", x.len(), n)?;
+        check_len(&self.gpu, "to_bf16 out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.gpu.stream().launch_builder(&self.to_bf16);
+        b.arg(x).arg(out).arg(&n64);
+        // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
+        // argument types match (const float*, u16*, u64).
+        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `y[i] += x[i]`, `i < n`.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn add_inplace(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        x: &CudaView<'_, f32>,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "add y", y.len(), n)?;
+        check_len(&self.gpu, "add x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.gpu.stream().launch_builder(&self.add_inplace);
+        b.arg(y).arg(x).arg(&n64);
+        // SAFETY: thread i < n reads x[i], y[i] and writes y[i]; both hold ≥ n (checked).
+        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `out[r] = table[tokens[r]]` for `r < rows`, rows of width `h`. Token ids must be
+    /// `< vocab` (checked by the caller on the host, where the ids come from).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn embed_gather(
+        &self,
+        table: &CudaView<'_, f32>,
+        vocab: usize,
+        tokens: &CudaView<'_, u32>,
+        out: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        h: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "embed table", table.len(), vocab * h)?;
+        check_len(&self.gpu, "embed tokens", tokens.len(), rows)?;
+        check_len(&self.gpu, "embed out", out.len(), rows * h)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let h64 = h as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.embed_gather);
+        b.arg(table).arg(tokens).arg(out).arg(&h64);
+        // SAFETY: block r < rows reads tokens[r] (< vocab, the caller's contract) and copies
+        // table row tokens[r] (vocab·h elements checked) into out row r (rows·h checked).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+}
