@@ -1,0 +1,165 @@
+//! The device engine (one model definition over a backend's op set) on the CPU backend against
+//! the CPU model with every linear at `LinearPrecision::Bf16`: the same functions in the same
+//! order, so the results are bitwise equal.
+
+use mxrl_model::engine::cpu_engine;
+use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput};
+use mxrl_tensor::gradcheck::test_values;
+
+/// Qwen3-MoE with a dense layer, GQA, q/k norms; Qwen2-MoE (no shared expert) with q/k/v bias
+/// and tied embeddings.
+fn small(arch: Arch) -> ModelConfig {
+    let mut c = ModelConfig::tiny();
+    c.arch = arch;
+    c.vocab_size = 40;
+    c.hidden_size = 32;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.intermediate_size = 24;
+    c.moe_intermediate_size = 16;
+    c.num_experts = 6;
+    c.num_experts_per_tok = 2;
+    c.mlp_only_layers = vec![1];
+    c.initializer_range = 0.3;
+    if arch == Arch::Qwen2Moe {
+        c.qkv_bias = true;
+        c.tie_word_embeddings = true;
+        c.norm_topk_prob = false;
+    }
+    c
+}
+
+fn bf16_model(c: &ModelConfig, seed: u64) -> Model {
+    let mut m = Model::random(c, seed).unwrap();
+    {
+        let mut ps = m.params_mut();
+        for (i, p) in ps.iter_mut().enumerate() {
+            if p.name.ends_with("bias") || p.name.contains("norm") {
+                let r = test_values(p.data.len(), 500 + i as u64, 0.3);
+                for (x, d) in p.data.iter_mut().zip(r) {
+                    *x += d;
+                }
+            }
+        }
+    }
+    m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
+    m
+}
+
+fn seqs() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 5, 9, 2, 14, 3, 33, 21, 8],
+        vec![7, 0],
+        vec![4, 4, 11, 39, 25],
+        vec![12],
+    ]
+}
+
+fn logprobs_bitwise(arch: Arch) {
+    let c = small(arch);
+    let m = bf16_model(&c, 7);
+    let e = cpu_engine(&m, 64).unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s
+        .iter()
+        .map(|q| SeqInput {
+            tokens: q,
+            targets: &q[..],
+        })
+        .collect();
+    for temperature in [1.0f32, 0.7] {
+        let want = m
+            .forward(
+                &batch,
+                &ForwardOptions {
+                    temperature,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+            .logprobs;
+        let got = e.logprobs(&batch, temperature).unwrap();
+        for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+            let gb: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            let wb: Vec<u32> = w.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(
+                gb, wb,
+                "{arch:?} τ={temperature} sequence {b}: {g:?} vs {w:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn engine_logprobs_equal_the_cpu_model_bitwise_qwen3() {
+    logprobs_bitwise(Arch::Qwen3Moe);
+}
+
+#[test]
+fn engine_logprobs_equal_the_cpu_model_bitwise_qwen2_without_shared_expert() {
+    logprobs_bitwise(Arch::Qwen2Moe);
+}
+
+#[test]
+fn engine_prefill_and_decode_are_deterministic_and_refuse_a_full_cache() {
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 9);
+    let e = cpu_engine(&m, 64).unwrap();
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
+    let (mut st, logits) = e.prefill(&prompts, 11).unwrap();
+    assert_eq!(st.lens(), &[9, 2, 5, 1]);
+    assert_eq!(logits.len(), 4 * c.vocab_size);
+    assert!(logits.iter().all(|x| x.is_finite()));
+    let (_, again) = e.prefill(&prompts, 11).unwrap();
+    assert_eq!(
+        logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        again.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    let step = e.decode_step(&mut st, &[3, 4, 5, 6]).unwrap();
+    assert_eq!(st.lens(), &[10, 3, 6, 2]);
+    assert!(step.iter().all(|x| x.is_finite()));
+    e.decode_step(&mut st, &[1, 1, 1, 1]).unwrap();
+    // Sequence 0 now holds 11 tokens = max_len: the next step is refused, naming it.
+    let err = e
+        .decode_step(&mut st, &[1, 1, 1, 1])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("sequence 0 is full"), "{err}");
+    let g1 = e.generate_greedy(&prompts, 4).unwrap();
+    let g2 = e.generate_greedy(&prompts, 4).unwrap();
+    assert_eq!(g1, g2);
+    assert!(g1.iter().all(|g| g.len() == 4));
+}
+
+#[test]
+fn engine_refuses_shared_experts_and_bad_input_with_named_errors() {
+    let mut c = small(Arch::Qwen2Moe);
+    c.shared_expert_intermediate_size = 10;
+    let m = bf16_model(&c, 1);
+    let err = cpu_engine(&m, 16)
+        .err()
+        .expect("shared experts refused")
+        .to_string();
+    assert!(err.contains("shared_expert_intermediate_size"), "{err}");
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 1);
+    let e = cpu_engine(&m, 8).unwrap();
+    let long: Vec<u32> = (0..9).collect();
+    let err = e
+        .logprobs(
+            &[SeqInput {
+                tokens: &long,
+                targets: &long,
+            }],
+            1.0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max positions 8"), "{err}");
+    let err = e.prefill(&[&[1, 99]], 4).err().unwrap().to_string();
+    assert!(err.contains("token id 99"), "{err}");
+}
