@@ -467,7 +467,7 @@ impl<B: Backend> Engine<B> {
             }
             tokens.extend_from_slice(s.tokens);
             targets.extend_from_slice(s.targets);
-            pos.extend((0..s.tokens.len() as u32).map(|p| p));
+            pos.extend(0..s.tokens.len() as u32);
         }
         self.check_tokens(&tokens, "input")?;
         self.check_tokens(&targets, "target")?;
