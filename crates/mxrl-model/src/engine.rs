@@ -123,22 +123,60 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// A shared expert (not supported by the engine yet), or a device failure.
     pub fn from_model(model: &Model, b: B, max_pos: usize) -> Result<Self> {
-        let cfg = model.config().clone();
+        let ps = model.params();
+        Self::build(model.config().clone(), b, max_pos, |name, _| {
+            ps.by_name(name)
+                .map(|p| p.data.clone())
+                .ok_or_else(|| ModelError::BadTensor {
+                    name: name.into(),
+                    message: "missing from the model".into(),
+                })
+        })
+    }
+
+    /// Random weights generated tensor by tensor (HF init: linear and embedding weights
+    /// `N(0, initializer_range²)`, norms 1, biases 0) from a counter-based generator, so
+    /// no full f32 copy of the model exists on the host; same seed → same weights. Meant for
+    /// benchmarks at real width.
+    ///
+    /// # Errors
+    /// As [`Engine::build`].
+    pub fn random(cfg: &ModelConfig, b: B, max_pos: usize, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let std = cfg.initializer_range;
+        let mut counter = 0u64;
+        Self::build(cfg.clone(), b, max_pos, |name, shape| {
+            let n: usize = shape.iter().product();
+            counter += 1;
+            Ok(if name.contains("norm") {
+                vec![1.0; n]
+            } else if name.ends_with("bias") {
+                vec![0.0; n]
+            } else {
+                normal_values(n, seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15), std)
+            })
+        })
+    }
+
+    /// Builds the device weights from a source of f32 tensors by HF name and shape (routed
+    /// experts are read per expert and stacked on the host one layer at a time).
+    ///
+    /// # Errors
+    /// A shared expert (not supported by the engine yet), a source error, a device failure.
+    pub fn build(
+        cfg: ModelConfig,
+        b: B,
+        max_pos: usize,
+        mut src: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
         if cfg.shared_expert_intermediate_size > 0 {
             return Err(ModelError::Config {
                 field: "shared_expert_intermediate_size",
                 message: "the device engine does not run shared experts yet (Qwen2-MoE)".into(),
             });
         }
-        let ps = model.params();
-        let get = |name: &str| -> Result<&[f32]> {
-            ps.by_name(name)
-                .map(|p| p.data.as_slice())
-                .ok_or_else(|| ModelError::BadTensor {
-                    name: name.into(),
-                    message: "missing from the model".into(),
-                })
-        };
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_heads * d, cfg.num_kv_heads * d);
         let up_f = |v: &[f32]| b.upload_f32(v).map_err(dev);
         let up_bf16 = |v: &[f32]| -> Result<B::Bf16> {
             let f = b.upload_f32(v).map_err(dev)?;
@@ -150,76 +188,131 @@ impl<B: Backend> Engine<B> {
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let a = format!("{p}.self_attn");
+            let mut get = |name: String, shape: &[usize]| src(&name, shape);
             let bias = if cfg.qkv_bias {
                 Some([
-                    up_f(get(&format!("{a}.q_proj.bias"))?)?,
-                    up_f(get(&format!("{a}.k_proj.bias"))?)?,
-                    up_f(get(&format!("{a}.v_proj.bias"))?)?,
+                    up_f(&get(format!("{a}.q_proj.bias"), &[qd])?)?,
+                    up_f(&get(format!("{a}.k_proj.bias"), &[kvd])?)?,
+                    up_f(&get(format!("{a}.v_proj.bias"), &[kvd])?)?,
                 ])
             } else {
                 None
             };
             let qk_norm = match cfg.arch {
                 Arch::Qwen3Moe => Some([
-                    up_f(get(&format!("{a}.q_norm.weight"))?)?,
-                    up_f(get(&format!("{a}.k_norm.weight"))?)?,
+                    up_f(&get(format!("{a}.q_norm.weight"), &[d])?)?,
+                    up_f(&get(format!("{a}.k_norm.weight"), &[d])?)?,
                 ]),
                 Arch::Qwen2Moe => None,
             };
             let attn = Attention {
-                q: up_bf16(get(&format!("{a}.q_proj.weight"))?)?,
-                k: up_bf16(get(&format!("{a}.k_proj.weight"))?)?,
-                v: up_bf16(get(&format!("{a}.v_proj.weight"))?)?,
-                o: up_bf16(get(&format!("{a}.o_proj.weight"))?)?,
+                q: up_bf16(&get(format!("{a}.q_proj.weight"), &[qd, h])?)?,
+                k: up_bf16(&get(format!("{a}.k_proj.weight"), &[kvd, h])?)?,
+                v: up_bf16(&get(format!("{a}.v_proj.weight"), &[kvd, h])?)?,
+                o: up_bf16(&get(format!("{a}.o_proj.weight"), &[h, qd])?)?,
                 bias,
                 qk_norm,
             };
             let ffn = if cfg.is_moe_layer(l) {
-                let e = cfg.num_experts;
-                let mut gu = Vec::new();
-                let mut dn = Vec::new();
+                let (e, f) = (cfg.num_experts, cfg.moe_intermediate_size);
+                let mut gu = Vec::with_capacity(e * 2 * f * h);
+                let mut dn = Vec::with_capacity(e * h * f);
                 for x in 0..e {
-                    gu.extend_from_slice(get(&format!("{p}.mlp.experts.{x}.gate_up_proj.weight"))?);
-                    dn.extend_from_slice(get(&format!("{p}.mlp.experts.{x}.down_proj.weight"))?);
+                    gu.extend_from_slice(&get(
+                        format!("{p}.mlp.experts.{x}.gate_up_proj.weight"),
+                        &[2 * f, h],
+                    )?);
+                    dn.extend_from_slice(&get(
+                        format!("{p}.mlp.experts.{x}.down_proj.weight"),
+                        &[h, f],
+                    )?);
                 }
                 Ffn::Moe(MoeBlock {
-                    router: up_bf16(get(&format!("{p}.mlp.gate.weight"))?)?,
+                    router: up_bf16(&get(format!("{p}.mlp.gate.weight"), &[e, h])?)?,
                     gate_up: up_bf16(&gu)?,
                     down: up_bf16(&dn)?,
-                    f: cfg.moe_intermediate_size,
+                    f,
                 })
             } else {
+                let f = cfg.intermediate_size;
                 Ffn::Dense(DenseMlp {
-                    gate_up: up_bf16(get(&format!("{p}.mlp.gate_up_proj.weight"))?)?,
-                    down: up_bf16(get(&format!("{p}.mlp.down_proj.weight"))?)?,
-                    f: cfg.intermediate_size,
+                    gate_up: up_bf16(&get(format!("{p}.mlp.gate_up_proj.weight"), &[2 * f, h])?)?,
+                    down: up_bf16(&get(format!("{p}.mlp.down_proj.weight"), &[h, f])?)?,
+                    f,
                 })
             };
             layers.push(Layer {
-                ln1: up_f(get(&format!("{p}.input_layernorm.weight"))?)?,
+                ln1: up_f(&get(format!("{p}.input_layernorm.weight"), &[h])?)?,
                 attn,
-                ln2: up_f(get(&format!("{p}.post_attention_layernorm.weight"))?)?,
+                ln2: up_f(&get(format!("{p}.post_attention_layernorm.weight"), &[h])?)?,
                 ffn,
             });
         }
-        let head_name = if cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+        let v = cfg.vocab_size;
+        let embed_vals = src("model.embed_tokens.weight", &[v, h])?;
+        let embed = up_f(&embed_vals)?;
+        let head = if cfg.tie_word_embeddings {
+            up_bf16(&embed_vals)?
         } else {
-            "lm_head.weight"
+            up_bf16(&src("lm_head.weight", &[v, h])?)?
         };
+        drop(embed_vals);
+        let norm = up_f(&src("model.norm.weight", &[h])?)?;
         let rope = b
             .rope_table(max_pos.max(1), cfg.head_dim, cfg.rope_theta)
             .map_err(dev)?;
         Ok(Engine {
-            embed: up_f(get("model.embed_tokens.weight")?)?,
-            head: up_bf16(get(head_name)?)?,
-            norm: up_f(get("model.norm.weight")?)?,
+            embed,
+            head,
+            norm,
             layers,
             rope,
             max_pos,
             cfg,
             b,
         })
+    }
+
+    /// Parameters held (counted from the configuration; tied embeddings once).
+    pub fn num_parameters(&self) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h * if c.tie_word_embeddings { 1 } else { 2 } + h;
+        for l in 0..c.num_layers {
+            n += 2 * h + h * qd + 2 * h * kvd + qd * h;
+            if c.qkv_bias {
+                n += qd + 2 * kvd;
+            }
+            if c.arch == Arch::Qwen3Moe {
+                n += 2 * d;
+            }
+            n += if c.is_moe_layer(l) {
+                c.num_experts * (h + 3 * h * c.moe_intermediate_size)
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        n
+    }
+
+    /// Weight bytes one decode step reads at batch `batch` if each token touches `top_k`
+    /// distinct experts (all `min(E, batch·k)` experts at most), BF16: the roofline numerator.
+    pub fn decode_weight_bytes(&self, batch: usize) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h;
+        for l in 0..c.num_layers {
+            n += h * qd + 2 * h * kvd + qd * h;
+            n += if c.is_moe_layer(l) {
+                let used = (batch * c.num_experts_per_tok).min(c.num_experts);
+                c.num_experts * h + used * 3 * h * c.moe_intermediate_size
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        2 * n
     }
 
     /// The configuration.
@@ -700,6 +793,32 @@ impl<B: Backend> Engine<B> {
         }
         Ok(out)
     }
+}
+
+/// `n` values `N(0, std²)` from a counter-based generator (SplitMix64 of `seed + i`, Box–Muller
+/// per pair), in parallel and deterministic.
+fn normal_values(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    use rayon::prelude::*;
+    fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(2).enumerate().for_each(|(i, pair)| {
+        let a = mix(seed.wrapping_add(2 * i as u64));
+        let b = mix(seed.wrapping_add(2 * i as u64 + 1));
+        let u1 = ((a >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (b >> 11) as f64 / (1u64 << 53) as f64;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        pair[0] = (r * t.cos()) as f32 * std;
+        if pair.len() > 1 {
+            pair[1] = (r * t.sin()) as f32 * std;
+        }
+    });
+    out
 }
 
 enum Pass<'a, B: Backend> {
