@@ -163,3 +163,132 @@ fn engine_refuses_shared_experts_and_bad_input_with_named_errors() {
     let err = e.prefill(&[&[1, 99]], 4).err().unwrap().to_string();
     assert!(err.contains("token id 99"), "{err}");
 }
+
+/// The model's gradient (or value) of an engine parameter: routed experts stacked per layer.
+fn model_tensor(m: &Model, g: &mxrl_model::Grads, name: &str, grads: bool) -> Vec<f32> {
+    let get = |n: &str| -> Vec<f32> {
+        let id = m.params().id(n).unwrap_or_else(|| panic!("{n} missing"));
+        if grads {
+            g.get(id).to_vec()
+        } else {
+            m.params().get(id).data.clone()
+        }
+    };
+    if let Some((pre, post)) = name.split_once(".experts.*.") {
+        let e = m.config().num_experts;
+        (0..e)
+            .flat_map(|x| get(&format!("{pre}.experts.{x}.{post}")))
+            .collect()
+    } else {
+        get(name)
+    }
+}
+
+fn gradients_bitwise(arch: Arch) {
+    let c = small(arch);
+    let m = bf16_model(&c, 11);
+    let mut e = cpu_engine(&m, 64).unwrap();
+    e.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let temperature = 0.9;
+    let out = m
+        .forward(
+            &batch,
+            &ForwardOptions {
+                temperature,
+                train: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let dl: Vec<Vec<f32>> = out
+        .logprobs
+        .iter()
+        .enumerate()
+        .map(|(b, l)| test_values(l.len(), 70 + b as u64, 1.0))
+        .collect();
+    let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    let (lp, tape) = e.forward_train(&batch, temperature).unwrap();
+    assert_eq!(lp, out.logprobs);
+    e.zero_grads().unwrap();
+    e.backward(&tape, &dl).unwrap();
+    let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
+    assert!(names.len() > 10);
+    for name in &names {
+        let got = e.grad_values(name).unwrap();
+        let want = model_tensor(&m, &g, name, true);
+        assert!(
+            want.iter().any(|&x| x != 0.0),
+            "{name}: zero gradient tests nothing"
+        );
+        let gb: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        let wb: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(gb, wb, "{arch:?} gradient of {name}");
+    }
+    // One AdamW step equals the shared CPU AdamW on the model's masters, with weight decay
+    // on linear and embedding weights only.
+    let cfg = mxrl_tensor::optim::AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let norm = e.optimizer_step(&cfg, 0.1, Some(1e9)).unwrap();
+    let all: Vec<Vec<f32>> = names
+        .iter()
+        .map(|n| model_tensor(&m, &g, n, true))
+        .collect();
+    let views: Vec<&[f32]> = all.iter().map(|v| v.as_slice()).collect();
+    assert_eq!(norm, mxrl_tensor::optim::global_grad_norm(&views));
+    for name in &names {
+        let mut p = model_tensor(&m, &g, name, false);
+        let gr = model_tensor(&m, &g, name, true);
+        let (mut mm, mut vv) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+        let wd = if name.contains("norm") || name.ends_with("bias") {
+            0.0
+        } else {
+            0.1
+        };
+        mxrl_tensor::optim::adamw_update(&mut p, &gr, &mut mm, &mut vv, 1, &cfg, wd);
+        let got = e.param_values(name).unwrap();
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            p.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{name} after one AdamW step"
+        );
+    }
+    // The BF16 operands follow the new masters: the next forward equals a model holding them.
+    let mut m2 = m.clone();
+    {
+        let mut ps = m2.params_mut();
+        for name in &names {
+            let vals = e.param_values(name).unwrap();
+            if let Some((pre, post)) = name.split_once(".experts.*.") {
+                let per = vals.len() / c.num_experts;
+                for x in 0..c.num_experts {
+                    ps.set(
+                        &format!("{pre}.experts.{x}.{post}"),
+                        &vals[x * per..(x + 1) * per],
+                    )
+                    .unwrap();
+                }
+            } else {
+                ps.set(name, &vals).unwrap();
+            }
+        }
+    }
+    let want = m2
+        .forward(&batch, &ForwardOptions::default())
+        .unwrap()
+        .logprobs;
+    assert_eq!(e.logprobs(&batch, 1.0).unwrap(), want);
+}
+
+#[test]
+fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen3() {
+    gradients_bitwise(Arch::Qwen3Moe);
+}
+
+#[test]
+fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen2_bias_tied() {
+    gradients_bitwise(Arch::Qwen2Moe);
+}

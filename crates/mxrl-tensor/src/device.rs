@@ -372,6 +372,228 @@ pub trait Backend {
         logprob: &mut Self::F32,
         lse: &mut Self::F32,
     ) -> DResult<()>;
+
+    // ---- backward and optimizer ----
+
+    /// RMSNorm backward (reference `norm::rmsnorm_backward`): `dx` overwritten, `dw` += .
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rmsnorm_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::F32,
+        w: &Self::F32,
+        rstd: &Self::F32,
+        rows: usize,
+        d: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::linear`] with BF16 operands: `dW[n, k] += bf16(dy)ᵀ·x` (f32),
+    /// then `dx[m, k] = bf16(dy)·W` (overwritten) when `dx` is given — the CPU model's order.
+    /// `dy: [m, n]` f32.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        m: usize,
+        k: usize,
+        n: usize,
+        dx: Option<&mut Self::F32>,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::grouped_linear`]: per expert, `dW[e] += bf16(dy_e)ᵀ·x_e` and
+    /// `dx_e = bf16(dy_e)·W[e]` over the expert's packed rows.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn grouped_linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// SwiGLU backward (reference `activation::swiglu_backward`): `dact: [rows, F]`, the
+    /// forward's `gu: [rows, 2F]` → `dgu` (overwritten).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn swiglu_backward(
+        &self,
+        dact: &Self::F32,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        dgu: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Combine backward (reference `moe::combine_backward` for experts in order): `dy[row] =
+    /// w·dout[token]` (overwritten, `[N·k, h]`) and `dweights[token, slot] += dout[token]·y[row]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn combine_backward(
+        &self,
+        dout: &Self::F32,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Self::F32,
+        dweights: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Gather backward (reference `moe::gather_backward` for experts in order): `dx[token] +=
+    /// dg[row]` over the packed rows `dg: [N·k, h]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn gather_backward(
+        &self,
+        dg: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dx: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Router backward (reference `routing::router_backward`, no extra probability gradient):
+    /// `dweights: [N, k]` → `dlogits: [N, E]` (overwritten).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn router_backward(
+        &self,
+        dweights: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        dlogits: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Attention backward (reference `attention::attention_backward`): `dq, dk, dv`
+    /// overwritten, from the forward's `q, k, v, out, lse`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn attention_backward(
+        &self,
+        dout: &Self::F32,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        out: &Self::F32,
+        lse: &Self::F32,
+        layout: &SeqLayout,
+        offsets: &Self::U32,
+        shape: AttnShape,
+        dq: &mut Self::F32,
+        dk: &mut Self::F32,
+        dv: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RoPE backward in place (reference `rope::rope_backward`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rope_backward(
+        &self,
+        dx: &mut Self::F32,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Self::U32,
+        table: &Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::head_logprobs`] from `dlogprob: [N]`: `dh: [N, H]`
+    /// (overwritten) and `dW: [V, H]` (+=), BF16 operands `bf16(dlogits)`, `h`, `W`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn head_backward(
+        &self,
+        h: &Self::Bf16,
+        w: &Self::Bf16,
+        targets: &Self::U32,
+        lse: &Self::F32,
+        dlogprob: &Self::F32,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        dh: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Embedding backward: `dtable[tokens[r]] += dx[r]` in row order (`host_tokens`: the same
+    /// ids on the host).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn embed_backward(
+        &self,
+        dx: &Self::F32,
+        tokens: &Self::U32,
+        host_tokens: &[u32],
+        h: usize,
+        dtable: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Sum of squares of the first `n` entries of each buffer, accumulated into the global
+    /// gradient norm the way `optim::global_grad_norm` does (f64 on the CPU).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64>;
+    /// Multiplies the first `n` entries of `x` by `s` (gradient clipping).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()>;
+    /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) that
+    /// also refreshes the BF16 GEMM copy `op` when given.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn adamw(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        n: usize,
+        step: u64,
+        cfg: &crate::optim::AdamWConfig,
+        weight_decay: f32,
+        op: Option<&mut Self::Bf16>,
+    ) -> DResult<()>;
+    /// Bias gradient: `db[j] += Σ_r dy[r, j]` over `rows` rows in row order.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn bias_backward(
+        &self,
+        dy: &Self::F32,
+        rows: usize,
+        n: usize,
+        db: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Sets the first `n` entries to zero.
+    ///
+    /// # Errors
+    /// Device failure.
+    fn fill_zero(&self, x: &mut Self::F32, n: usize) -> DResult<()>;
 }
 
 /// The CPU backend: the functions of this crate, as the CPU model calls them (bitwise).
@@ -851,6 +1073,421 @@ impl Backend for CpuBackend {
         let (lp, l) = logprobs_forward(&z, &targets[..n], n, vocab, temperature);
         logprob[..n].copy_from_slice(&lp);
         lse[..n].copy_from_slice(&l);
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rstd: &Vec<f32>,
+        rows: usize,
+        d: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        for (what, len, want) in [
+            ("dy", dy.len(), rows * d),
+            ("x", x.len(), rows * d),
+            ("w", w.len(), d),
+            ("rstd", rstd.len(), rows),
+            ("dx", dx.len(), rows * d),
+            ("dw", dw.len(), d),
+        ] {
+            need(&format!("rmsnorm_backward {what}"), len, want)?;
+        }
+        crate::norm::rmsnorm_backward(
+            &dy[..rows * d],
+            &x[..rows * d],
+            &w[..d],
+            &rstd[..rows],
+            rows,
+            d,
+            &mut dx[..rows * d],
+            &mut dw[..d],
+        );
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+        dx: Option<&mut Vec<f32>>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("linear_backward dy", dy.len(), m * n)?;
+        need("linear_backward x", x.len(), m * k)?;
+        need("linear_backward w", w.len(), n * k)?;
+        need("linear_backward dw", dw.len(), n * k)?;
+        let dyo: Vec<f32> = dy[..m * n].iter().map(|&v| round_bf16(v)).collect();
+        CpuGemm
+            .tn_into(&dyo, &x[..m * k], &mut dw[..n * k], n, m, k, true)
+            .expect("the CPU GEMM cannot fail");
+        if let Some(dx) = dx {
+            need("linear_backward dx", dx.len(), m * k)?;
+            let r = CpuGemm
+                .nn(&dyo, WeightView::transient(&w[..n * k]), m, n, k)
+                .expect("the CPU GEMM cannot fail");
+            dx[..m * k].copy_from_slice(&r);
+        }
+        Ok(())
+    }
+
+    fn grouped_linear_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        offsets: &Vec<u32>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("grouped_backward offsets", offsets.len(), experts + 1)?;
+        need("grouped_backward dx", dx.len(), rows * k)?;
+        need("grouped_backward dw", dw.len(), experts * n * k)?;
+        for e in 0..experts {
+            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let dys = dy[a * n..b * n].to_vec();
+            let xs = x[a * k..b * k].to_vec();
+            let ws = w[e * n * k..(e + 1) * n * k].to_vec();
+            let mut dxs = vec![0.0f32; (b - a) * k];
+            let mut dws = dw[e * n * k..(e + 1) * n * k].to_vec();
+            self.linear_backward(&dys, &xs, &ws, b - a, k, n, Some(&mut dxs), &mut dws)?;
+            dx[a * k..b * k].copy_from_slice(&dxs);
+            dw[e * n * k..(e + 1) * n * k].copy_from_slice(&dws);
+        }
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dact: &Vec<f32>,
+        gu: &Vec<f32>,
+        rows: usize,
+        f: usize,
+        dgu: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("swiglu_backward dact", dact.len(), rows * f)?;
+        need("swiglu_backward gu", gu.len(), rows * 2 * f)?;
+        need("swiglu_backward dgu", dgu.len(), rows * 2 * f)?;
+        crate::activation::swiglu_backward(
+            &dact[..rows * f],
+            &gu[..rows * 2 * f],
+            rows,
+            f,
+            &mut dgu[..rows * 2 * f],
+        );
+        Ok(())
+    }
+
+    fn combine_backward(
+        &self,
+        dout: &Vec<f32>,
+        y: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Vec<f32>,
+        dweights: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("combine_backward dy", dy.len(), n * k * h)?;
+        need("combine_backward dweights", dweights.len(), n * k)?;
+        let routes = Routes {
+            top_k: k,
+            ids: route.ids[..n * k].to_vec(),
+            weights: route.weights[..n * k].to_vec(),
+        };
+        for x in 0..e {
+            let (a, b) = (route.offsets[x] as usize, route.offsets[x + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let rows: Vec<(u32, u32)> = route.perm[a..b]
+                .iter()
+                .map(|&ts| (ts / k as u32, ts % k as u32))
+                .collect();
+            let r = crate::moe::combine_backward(
+                &dout[..n * h],
+                &y[a * h..b * h],
+                h,
+                &rows,
+                &routes,
+                &mut dweights[..n * k],
+            );
+            dy[a * h..b * h].copy_from_slice(&r);
+        }
+        Ok(())
+    }
+
+    fn gather_backward(
+        &self,
+        dg: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dx: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("gather_backward dx", dx.len(), n * h)?;
+        for x in 0..e {
+            let (a, b) = (route.offsets[x] as usize, route.offsets[x + 1] as usize);
+            let rows: Vec<(u32, u32)> = route.perm[a..b]
+                .iter()
+                .map(|&ts| (ts / k as u32, ts % k as u32))
+                .collect();
+            crate::moe::gather_backward(&dg[a * h..b * h], h, &rows, &mut dx[..n * h]);
+        }
+        Ok(())
+    }
+
+    fn router_backward(
+        &self,
+        dweights: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        dlogits: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("router_backward dlogits", dlogits.len(), n * e)?;
+        let routes = Routes {
+            top_k: k,
+            ids: route.ids[..n * k].to_vec(),
+            weights: route.weights[..n * k].to_vec(),
+        };
+        let state = crate::routing::RouterState {
+            probs: route.probs[..n * e].to_vec(),
+            weights_frozen: false,
+        };
+        crate::routing::router_backward(
+            &dweights[..n * k],
+            &routes,
+            &state,
+            n,
+            e,
+            norm_topk_prob,
+            None,
+            &mut dlogits[..n * e],
+        );
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        dout: &Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        _out: &Vec<f32>,
+        _lse: &Vec<f32>,
+        layout: &SeqLayout,
+        _offsets: &Vec<u32>,
+        shape: AttnShape,
+        dq: &mut Vec<f32>,
+        dk: &mut Vec<f32>,
+        dv: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let n = layout.num_tokens();
+        let (qd, kvd) = (
+            shape.q_heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        need("attention_backward dq", dq.len(), n * qd)?;
+        need("attention_backward dk", dk.len(), n * kvd)?;
+        need("attention_backward dv", dv.len(), n * kvd)?;
+        // The CPU reference keeps no probabilities between forward and backward here: it
+        // recomputes them with the same forward (bitwise the forward's).
+        let mut scratch = vec![0.0f32; n * qd];
+        let probs = attention_forward(
+            &q[..n * qd],
+            &k[..n * kvd],
+            &v[..n * kvd],
+            layout,
+            shape,
+            &mut scratch,
+        );
+        crate::attention::attention_backward(
+            &dout[..n * qd],
+            &q[..n * qd],
+            &k[..n * kvd],
+            &v[..n * kvd],
+            &probs,
+            layout,
+            shape,
+            &mut dq[..n * qd],
+            &mut dk[..n * kvd],
+            &mut dv[..n * kvd],
+        );
+        Ok(())
+    }
+
+    fn rope_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Vec<u32>,
+        table: &Vec<f32>,
+    ) -> DResult<()> {
+        let half = head_dim / 2;
+        need("rope_backward dx", dx.len(), rows * heads * head_dim)?;
+        let max_pos = table.len() / (2 * half.max(1));
+        let (cos, sin) = table.split_at(max_pos * half);
+        for r in 0..rows {
+            let p = pos[r] as usize;
+            if p >= max_pos {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("position {p} beyond the RoPE table ({max_pos})"),
+                ));
+            }
+            let (cs, sn) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for hh in 0..heads {
+                let v = &mut dx[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
+                // The arithmetic of rope::rope_backward (sign −1).
+                for i in 0..half {
+                    let (a, b) = (v[i], v[i + half]);
+                    let s = -sn[i];
+                    v[i] = a * cs[i] - b * s;
+                    v[i + half] = b * cs[i] + a * s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn head_backward(
+        &self,
+        h: &Vec<f32>,
+        w: &Vec<f32>,
+        targets: &Vec<u32>,
+        lse: &Vec<f32>,
+        dlogprob: &Vec<f32>,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        dh: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("head_backward dh", dh.len(), n * hidden)?;
+        let z = Self::nt(&h[..n * hidden], &w[..vocab * hidden], n, hidden, vocab);
+        let mut dz = vec![0.0f32; n * vocab];
+        crate::loss::logprobs_backward(
+            &dlogprob[..n],
+            &z,
+            &lse[..n],
+            &targets[..n],
+            n,
+            vocab,
+            temperature,
+            &mut dz,
+        );
+        self.linear_backward(&dz, h, w, n, hidden, vocab, Some(dh), dw)
+    }
+
+    fn embed_backward(
+        &self,
+        dx: &Vec<f32>,
+        _tokens: &Vec<u32>,
+        host_tokens: &[u32],
+        h: usize,
+        dtable: &mut Vec<f32>,
+    ) -> DResult<()> {
+        for (r, &t) in host_tokens.iter().enumerate() {
+            let t = t as usize;
+            need("embed_backward dtable", dtable.len(), (t + 1) * h)?;
+            for (a, &b) in dtable[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&dx[r * h..(r + 1) * h])
+            {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
+    fn grad_norm(&self, grads: &[(&Vec<f32>, usize)]) -> DResult<f64> {
+        let slices: Vec<&[f32]> = grads.iter().map(|(g, n)| &g[..*n]).collect();
+        Ok(crate::optim::global_grad_norm(&slices))
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, n: usize, s: f32) -> DResult<()> {
+        for v in &mut x[..n] {
+            *v *= s;
+        }
+        Ok(())
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Vec<f32>,
+        grad: &Vec<f32>,
+        m: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+        n: usize,
+        step: u64,
+        cfg: &crate::optim::AdamWConfig,
+        weight_decay: f32,
+        op: Option<&mut Vec<f32>>,
+    ) -> DResult<()> {
+        crate::optim::adamw_update(
+            &mut param[..n],
+            &grad[..n],
+            &mut m[..n],
+            &mut v[..n],
+            step,
+            cfg,
+            weight_decay,
+        );
+        if let Some(op) = op {
+            for (o, &p) in op[..n].iter_mut().zip(&param[..n]) {
+                *o = round_bf16(p);
+            }
+        }
+        Ok(())
+    }
+
+    fn fill_zero(&self, x: &mut Vec<f32>, n: usize) -> DResult<()> {
+        x[..n].fill(0.0);
+        Ok(())
+    }
+
+    fn bias_backward(
+        &self,
+        dy: &Vec<f32>,
+        rows: usize,
+        n: usize,
+        db: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("bias_backward dy", dy.len(), rows * n)?;
+        need("bias_backward db", db.len(), n)?;
+        for row in dy[..rows * n].chunks(n) {
+            for (a, &c) in db[..n].iter_mut().zip(row) {
+                *a += c;
+            }
+        }
         Ok(())
     }
 }
