@@ -684,6 +684,7 @@ impl<B: Backend> Engine<B> {
                     probs: z(n * e)?,
                     offsets: b.upload_u32(&vec![0; e + 1]).map_err(dev)?,
                     perm: b.upload_u32(&vec![0; rows]).map_err(dev)?,
+                    row_of: b.upload_u32(&vec![0; rows]).map_err(dev)?,
                 };
                 b.route(&logits, n, e, k, c.norm_topk_prob, &mut route)
                     .map_err(dev)?;

@@ -92,6 +92,8 @@ pub struct RouteBufs<B: Backend + ?Sized> {
     pub offsets: B::U32,
     /// Packed row → `token·k + slot`, `[N·k]`.
     pub perm: B::U32,
+    /// `token·k + slot` → packed row, `[N·k]` (the inverse of `perm`).
+    pub row_of: B::U32,
 }
 
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
@@ -990,6 +992,10 @@ impl Backend for CpuBackend {
         out.probs = state.probs;
         out.offsets = d.starts.iter().map(|&s| s as u32).collect();
         out.perm = d.entries.iter().map(|&(t, s)| t * k as u32 + s).collect();
+        out.row_of = vec![0; n * k];
+        for (r, &ts) in out.perm.iter().enumerate() {
+            out.row_of[ts as usize] = r as u32;
+        }
         Ok(())
     }
 
