@@ -501,6 +501,24 @@ impl<B: Backend> Engine<B> {
         n
     }
 
+    /// Parameters one token's forward multiplies (attention, router, its `top_k` experts or
+    /// the dense MLP, the head; embeddings are a gather and not counted).
+    pub fn active_parameters(&self) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h;
+        for l in 0..c.num_layers {
+            n += h * qd + 2 * h * kvd + qd * h;
+            n += if c.is_moe_layer(l) {
+                c.num_experts * h + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        n
+    }
+
     /// Weight bytes one decode step reads at batch `batch` if each token touches `top_k`
     /// distinct experts (all `min(E, batch·k)` experts at most), BF16: the roofline numerator.
     pub fn decode_weight_bytes(&self, batch: usize) -> usize {

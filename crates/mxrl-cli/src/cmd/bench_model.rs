@@ -40,12 +40,25 @@ pub struct ModelArgs {
     /// Timed prefill repetitions (after one warm-up).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Training step shape: sequences × tokens (forward + backward + AdamW); 0 skips it.
+    #[arg(long, default_value_t = 8)]
+    train_seqs: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 512)]
+    train_len: usize,
+    /// Timed training steps (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    train_steps: usize,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
     /// Write the results as JSON.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// Dense BF16 peak of the device in TFLOP/s for the MFU figure (H200: 989 by the
+    /// datasheet).
+    #[arg(long, default_value_t = 989.0)]
+    peak_tflops: f64,
 }
 
 /// The benchmark configuration.
@@ -91,6 +104,11 @@ struct Results {
     decode: Vec<(usize, f64, Option<f64>)>,
     copy_gbps: Option<f64>,
     peak_device_bytes: Option<usize>,
+    train_tokens: usize,
+    train_step_ms: Option<f64>,
+    train_tokens_per_s: Option<f64>,
+    /// Model FLOPs utilisation of the training step against `--peak-tflops`.
+    train_mfu: Option<f64>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -102,12 +120,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(a: ModelArgs) -> Result<()> {
     let cfg = bench_config(a.layers, a.small);
     cfg.validate()?;
-    let max_pos = a.prefill.max(a.prompt + a.steps + 4);
+    let max_pos = a.prefill.max(a.prompt + a.steps + 4).max(a.train_len);
     let r = match a.device.as_str() {
         "cpu" => {
             eprintln!("building the model on the CPU ...");
-            let e = Engine::random(&cfg, CpuBackend, max_pos, 1)?;
-            measure(&e, &a, None, || None)?
+            let mut e = Engine::random(&cfg, CpuBackend, max_pos, 1)?;
+            measure(&mut e, &a, None, |_| None)?
         }
         "cuda" | "cuda:0" => cuda(&cfg, &a, max_pos)?,
         other => bail!("--device {other}: expected cpu or cuda"),
@@ -124,8 +142,8 @@ fn cuda(cfg: &ModelConfig, a: &ModelArgs, max_pos: usize) -> Result<Results> {
         "{}: device copy {copy:.0} GB/s; building the model on the device ...",
         b.name()
     );
-    let e = Engine::random(cfg, b, max_pos, 1)?;
-    measure(&e, a, Some(copy), || e.backend().peak_bytes())
+    let mut e = Engine::random(cfg, b, max_pos, 1)?;
+    measure(&mut e, a, Some(copy), |e| e.backend().peak_bytes())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -137,10 +155,10 @@ fn cuda(_: &ModelConfig, _: &ModelArgs, _: usize) -> Result<Results> {
 }
 
 fn measure<B: Backend>(
-    e: &Engine<B>,
+    e: &mut Engine<B>,
     a: &ModelArgs,
     copy_gbps: Option<f64>,
-    peak: impl Fn() -> Option<usize>,
+    peak: impl Fn(&Engine<B>) -> Option<usize>,
 ) -> Result<Results> {
     let v = e.config().vocab_size as u32;
     let tokens: Vec<u32> = (0..a.prefill as u32).map(|i| (i * 7919 + 13) % v).collect();
@@ -206,7 +224,55 @@ fn measure<B: Backend>(
         eprintln!("decode batch {bs}: {ms:.3} ms/step");
         r.decode.push((bs, ms, roof));
     }
-    r.peak_device_bytes = peak();
+    if a.train_seqs > 0 && a.train_len > 1 {
+        e.enable_training()?;
+        let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
+            .map(|s| {
+                (0..a.train_len as u32)
+                    .map(|i| (i * 131 + s as u32 * 977 + 5) % v)
+                    .collect()
+            })
+            .collect();
+        let batch: Vec<SeqInput> = seqs.iter().map(|q| SeqInput::next_token(q)).collect();
+        let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        let cfg = mxrl_tensor::optim::AdamWConfig {
+            lr: 1e-5,
+            ..Default::default()
+        };
+        let mut times = Vec::new();
+        for step in 0..a.train_steps + 1 {
+            let t = Instant::now();
+            let (lp, tape) = e.forward_train(&batch, 1.0)?;
+            // Loss = −mean logprob: dL/dlogprob = −1/N per token.
+            let dl: Vec<Vec<f32>> = lp
+                .iter()
+                .map(|l| vec![-1.0 / ntok as f32; l.len()])
+                .collect();
+            e.zero_grads()?;
+            e.backward(&tape, &dl)?;
+            drop(tape);
+            e.optimizer_step(&cfg, 0.0, Some(1.0))?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            eprintln!("train step {step}: {ms:.1} ms");
+            if step > 0 {
+                times.push(ms);
+            }
+        }
+        let ms = median(times);
+        r.train_tokens = ntok;
+        r.train_step_ms = Some(ms);
+        let tps = ntok as f64 / (ms / 1e3);
+        r.train_tokens_per_s = Some(tps);
+        // 6 × active parameters per token (forward 2, backward 4) plus attention
+        // (12 · layers · T · Hq·D per token for causal attention fwd+bwd, halved by causality).
+        let c = e.config();
+        let active = e.active_parameters() as f64;
+        let attn =
+            6.0 * c.num_layers as f64 * a.train_len as f64 * (c.num_heads * c.head_dim) as f64;
+        let flops_per_token = 6.0 * active + attn;
+        r.train_mfu = Some(flops_per_token * tps / (a.peak_tflops * 1e12));
+    }
+    r.peak_device_bytes = peak(e);
     Ok(r)
 }
 
@@ -266,7 +332,17 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             p as f64 / (1u64 << 30) as f64
         );
     }
-    println!("training step: not yet on the device engine");
+    if let Some(ms) = r.train_step_ms {
+        let theirs = hf_get(&["train_tokens_per_s"]);
+        let tps = r.train_tokens_per_s.unwrap_or(0.0);
+        println!(
+            "| training step {} tokens (fwd+bwd+AdamW) | {ms:.1} ms, {tps:.0} tok/s, MFU {:.1}% | {} | {} | | |",
+            r.train_tokens,
+            100.0 * r.train_mfu.unwrap_or(0.0),
+            theirs.map_or("-".into(), |x| format!("{x:.0} tok/s")),
+            theirs.map_or("-".into(), |t| format!("{:.2}×", tps / t)),
+        );
+    }
     if let Some(p) = &a.json_out {
         std::fs::write(p, serde_json::to_string_pretty(r)?)
             .with_context(|| format!("writing {}", p.display()))?;
