@@ -4,11 +4,25 @@
 //! `mxrl_tensor` function its doc comment names; `tests/ops_*.rs` compare against it.
 
 #[cfg(feature = "cuda")]
+pub mod attention;
+#[cfg(feature = "cuda")]
 pub mod elementwise;
+#[cfg(feature = "cuda")]
+pub mod norm;
+#[cfg(feature = "cuda")]
+pub mod rope;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
-pub const SOURCES: &[(&str, &str)] = &[(
-    "ops_elementwise",
-    include_str!("../../kernels/ops_elementwise.cu"),
-)];
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "ops_elementwise",
+        include_str!("../../kernels/ops_elementwise.cu"),
+    ),
+    ("ops_norm", include_str!("../../kernels/ops_norm.cu")),
+    ("ops_rope", include_str!("../../kernels/ops_rope.cu")),
+    (
+        "ops_attention",
+        include_str!("../../kernels/ops_attention.cu"),
+    ),
+];
