@@ -38,14 +38,27 @@ const WARPS: usize = 8;
 const THREADS: u32 = (WARPS * 32) as u32;
 const MAX_GRID_YZ: usize = 65_535;
 
+/// `D` rounded up to 4 (`att_d4`): the zero-padded row width of the shared tiles.
+fn d4(d: usize) -> usize {
+    d.div_ceil(4) * 4
+}
+/// Row stride of the shared tiles (`att_stride`): `d4` when `d4/4` is odd, else `d4 + 4`.
+fn stride(d: usize) -> usize {
+    let d4 = d4(d);
+    if (d4 / 4) % 2 == 1 {
+        d4
+    } else {
+        d4 + 4
+    }
+}
 fn smem_fwd(d: usize) -> usize {
-    4 * (2 * BC * (d + 1) + WARPS * d + WARPS * BC)
+    4 * (2 * BC * stride(d) + WARPS * d4(d) + WARPS * BC)
 }
 fn smem_dq(d: usize) -> usize {
-    4 * (2 * BC * (d + 1) + 2 * WARPS * d + WARPS * BC)
+    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + WARPS * BC)
 }
 fn smem_dkdv(d: usize) -> usize {
-    4 * (2 * BC * (d + 1) + 2 * WARPS * d + 2 * WARPS * BC + 2 * BC)
+    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + 2 * WARPS * BC + 2 * BC)
 }
 
 /// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
