@@ -495,10 +495,13 @@ impl Attention {
         check_len(g, "attention decode out", out.len(), batch * hq * d)?;
         let need = decode_scratch_len(batch, max_len, shape);
         check_len(g, "attention decode scratch", scratch.len(), need)?;
+        if max_len == 0 {
+            return Err(g.err("attention decode: a KV cache of max_len 0 holds no keys"));
+        }
         if batch == 0 {
             return Ok(());
         }
-        let nsplit = max_len.div_ceil(DECODE_CHUNK).max(1);
+        let nsplit = max_len.div_ceil(DECODE_CHUNK);
         if nsplit > MAX_GRID_YZ {
             return Err(g.err(format!("attention decode: max_len {max_len} too large")));
         }
@@ -513,7 +516,8 @@ impl Attention {
             nsplit as u32,
             shape.scale(),
         );
-        if max_len > 0 {
+        // Scoped: the builder borrows the partial buffers mutably until it is dropped.
+        {
             let cfg = LaunchConfig {
                 grid_dim: (batch as u32, hkv as u32, nsplit as u32),
                 block_dim: (THREADS, 1, 1),
