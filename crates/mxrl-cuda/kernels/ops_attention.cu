@@ -15,7 +15,8 @@
 // columns 4*lane + 128*c. The zero padding adds exact zeros to the dots and is never written.
 
 #define ATT_BC 32
-#define ATT_WARPS 8
+#define ATT_WARPS 16
+#define ATT_DEC_WARPS 4
 #define ATT_MAX_D 256
 #define ATT_CPL (ATT_MAX_D / 128)
 #define ATT_DEC_CHUNK 64
@@ -371,13 +372,13 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
     vc[o] = f32_to_bf16(v_new[idx]);
 }
 
-// Decode, pass 1. Grid (B, hkv, ceil(max_len / ATT_DEC_CHUNK)), block ATT_WARPS*32. Block
+// Decode, pass 1. Grid (B, hkv, ceil(max_len / ATT_DEC_CHUNK)), block ATT_DEC_WARPS*32. Block
 // (b, kh, s) covers keys s*CHUNK .. min(len_b, (s+1)*CHUNK) of slot b; warp w takes the group's
-// query heads w, w + ATT_WARPS, ... For each it writes the chunk's running max m, sum l of
+// query heads w, w + ATT_DEC_WARPS, ... For each it writes the chunk's running max m, sum l of
 // exp(s - m) and unnormalized o = sum exp(s - m) v to part_m, part_l: [B, hq, nsplit] and
 // part_o: [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
-// Dynamic shared memory (floats): 2*ATT_BC*stride + ATT_WARPS*d4 + ATT_WARPS*ATT_BC.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+// Dynamic shared memory (floats): 2*ATT_BC*stride + ATT_DEC_WARPS*d4 + ATT_DEC_WARPS*ATT_BC.
+extern "C" __global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
 attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                     const u32* __restrict__ lens, float* __restrict__ part_m,
                     float* __restrict__ part_l, float* __restrict__ part_o, u32 hq, u32 hkv, u32 D,
@@ -388,7 +389,7 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
     float* ks = smem;
     float* vs = ks + ATT_BC * sk;
     float* qs = vs + ATT_BC * sk;
-    float* ps = qs + ATT_WARPS * d4;
+    float* ps = qs + ATT_DEC_WARPS * d4;
     const u32 b = blockIdx.x, kh = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const u32 len = lens[b];
     if (len > max_len) return;  // the combine writes NaN for this sequence
@@ -402,7 +403,7 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
     const u16* vbase = vc + (u64)b * max_len * row + (u64)kh * D;
     float* qw = qs + w * d4;
     float* pw = ps + w * ATT_BC;
-    for (u32 hb = 0; hb < g; hb += ATT_WARPS) {
+    for (u32 hb = 0; hb < g; hb += ATT_DEC_WARPS) {
         const u32 hh = hb + w;
         const bool active = hh < g;  // warp-uniform
         const u32 h = kh * g + hh;

@@ -34,8 +34,10 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Keys per decode chunk (`ATT_DEC_CHUNK`): one block of the first decode pass.
 pub const DECODE_CHUNK: usize = 64;
 const BC: usize = 32;
-const WARPS: usize = 8;
+const WARPS: usize = 16;
 const THREADS: u32 = (WARPS * 32) as u32;
+const DEC_WARPS: usize = 4;
+const DEC_THREADS: u32 = (DEC_WARPS * 32) as u32;
 const MAX_GRID_YZ: usize = 65_535;
 
 /// `D` rounded up to 4 (`att_d4`): the zero-padded row width of the shared tiles.
@@ -53,6 +55,9 @@ fn stride(d: usize) -> usize {
 }
 fn smem_fwd(d: usize) -> usize {
     4 * (2 * BC * stride(d) + WARPS * d4(d) + WARPS * BC)
+}
+fn smem_dec(d: usize) -> usize {
+    4 * (2 * BC * stride(d) + DEC_WARPS * d4(d) + DEC_WARPS * BC)
 }
 fn smem_dq(d: usize) -> usize {
     4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + WARPS * BC)
@@ -142,7 +147,7 @@ impl Attention {
             (&a.dkdv, smem_dkdv(MAX_HEAD_DIM), "attn_bwd_dkdv"),
             (
                 &a.dec_partial,
-                smem_fwd(MAX_HEAD_DIM),
+                smem_dec(MAX_HEAD_DIM),
                 "attn_decode_partial",
             ),
         ] {
@@ -241,7 +246,7 @@ impl Attention {
             .arg(&d32)
             .arg(&scale);
         // SAFETY: block (x, b, h) reads offsets[b], offsets[b+1] (B+1 checked) and touches rows
-        // offsets[b] + i for i < T_b ≤ max_len (x·8 + warp < T_b), rows < offsets[B] ≤ N (the
+        // offsets[b] + i for i < T_b ≤ max_len (x·16 + warp < T_b), rows < offsets[B] ≤ N (the
         // caller's offsets contract) of q/out (N·Hq·D checked), k/v (N·Hkv·D checked) and lse
         // (N·Hq checked), head slices h·D + d < Hq·D, kh·D + d < Hkv·D (geometry checked);
         // shared memory smem_fwd(D) ≤ the attribute set in `new`; types match the kernel.
@@ -520,8 +525,8 @@ impl Attention {
         {
             let cfg = LaunchConfig {
                 grid_dim: (batch as u32, hkv as u32, nsplit as u32),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: smem_fwd(d) as u32,
+                block_dim: (DEC_THREADS, 1, 1),
+                shared_mem_bytes: smem_dec(d) as u32,
             };
             let mut b = g.stream().launch_builder(&self.dec_partial);
             b.arg(q)
@@ -541,7 +546,7 @@ impl Attention {
             // (slots·max_len·Hkv·D checked), q row b (batch·Hq·D checked), and writes
             // part_m/part_l[(b·Hq + h)·nsplit + s] (batch·Hq·nsplit each) and part_o at that
             // index ·D (+D): the three splits of scratch hold exactly that
-            // (decode_scratch_len checked); shared memory smem_fwd(D) ≤ the attribute.
+            // (decode_scratch_len checked); shared memory smem_dec(D) ≤ the attribute.
             unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         }
         let cfg = LaunchConfig {
