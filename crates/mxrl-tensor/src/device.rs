@@ -204,8 +204,8 @@ pub trait Backend {
     fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::F32> {
         let pos: Vec<usize> = (0..max_pos).collect();
         let t = RopeTable::new(&pos, head_dim, theta);
-        let mut v = t.cos_values().to_vec();
-        v.extend_from_slice(t.sin_values());
+        let mut v = t.cos().to_vec();
+        v.extend_from_slice(t.sin());
         self.upload_f32(&v)
     }
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ` with BF16 operands, f32 accumulation (overwrites `y`).

@@ -47,13 +47,18 @@ impl RopeTable {
         self.cos.is_empty()
     }
 
-    /// Cosines `[positions, D/2]`, row-major.
-    pub fn cos_values(&self) -> &[f32] {
+    /// Half the head width, `D/2` (the table's row width).
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// The cosines, row-major `[len, D/2]` (row `t` for the `t`-th position given to [`RopeTable::new`]).
+    pub fn cos(&self) -> &[f32] {
         &self.cos
     }
 
-    /// Sines `[positions, D/2]`, row-major.
-    pub fn sin_values(&self) -> &[f32] {
+    /// The sines, row-major `[len, D/2]`, like [`RopeTable::cos`].
+    pub fn sin(&self) -> &[f32] {
         &self.sin
     }
 }

@@ -4,9 +4,15 @@
 //! `mxrl_tensor` function its doc comment names; `tests/ops_*.rs` compare against it.
 
 #[cfg(feature = "cuda")]
+pub mod attention;
+#[cfg(feature = "cuda")]
 pub mod elementwise;
 #[cfg(feature = "cuda")]
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod norm;
+#[cfg(feature = "cuda")]
+pub mod rope;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
@@ -16,4 +22,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../kernels/ops_elementwise.cu"),
     ),
     ("ops_engine", include_str!("../../kernels/ops_engine.cu")),
+    ("ops_norm", include_str!("../../kernels/ops_norm.cu")),
+    ("ops_rope", include_str!("../../kernels/ops_rope.cu")),
+    (
+        "ops_attention",
+        include_str!("../../kernels/ops_attention.cu"),
+    ),
 ];
