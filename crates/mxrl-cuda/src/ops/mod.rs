@@ -5,10 +5,21 @@
 
 #[cfg(feature = "cuda")]
 pub mod elementwise;
+#[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
+pub mod router;
+#[cfg(feature = "cuda")]
+pub mod swiglu;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
-pub const SOURCES: &[(&str, &str)] = &[(
-    "ops_elementwise",
-    include_str!("../../kernels/ops_elementwise.cu"),
-)];
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "ops_elementwise",
+        include_str!("../../kernels/ops_elementwise.cu"),
+    ),
+    ("ops_moe", include_str!("../../kernels/ops_moe.cu")),
+    ("ops_router", include_str!("../../kernels/ops_router.cu")),
+    ("ops_swiglu", include_str!("../../kernels/ops_swiglu.cu")),
+];
