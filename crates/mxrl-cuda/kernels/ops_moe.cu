@@ -12,7 +12,14 @@
 //   moe_scatter per entry i: pos = base of its block + entries of its expert in earlier warps
 //               of the block + lanes below it in its warp with the same expert
 //               (__match_any_sync); perm[pos] = i, row_of[i] = pos.
+// Decode-sized inputs (N*k <= 1024, E <= 256) take moe_dispatch_small instead: the same three
+// passes in one block's shared memory, one launch.
 // Ids >= E (a caller error) are dropped: row_of = MOE_INVALID, no packed row, no contribution.
+//
+// Row kernels use float4 accesses when H % 4 == 0 and the base pointers are 16-byte aligned
+// (checked at run time, uniform per launch); otherwise the same per-element arithmetic on
+// scalars. Either way every output element is computed by the same operations in the same
+// order.
 
 #define MOE_THREADS 256
 #define MOE_WARPS (MOE_THREADS / 32)
@@ -113,6 +120,64 @@ extern "C" __global__ void moe_scan(u32* __restrict__ hist, u32 e, u32 g, u32* _
     }
 }
 
+#define MOE_SMALL_THREADS 1024
+#define MOE_SMALL_WARPS (MOE_SMALL_THREADS / 32)
+#define MOE_SMALL_MAX_EXPERTS 256
+
+// The whole dispatch in one block of MOE_SMALL_THREADS threads for total <= MOE_SMALL_THREADS
+// entries and e <= MOE_SMALL_MAX_EXPERTS: entry i = threadIdx.x; per-warp counts, per-expert
+// prefix over warps, exclusive scan over experts, then pos = offsets[x] + earlier warps +
+// lanes below. Writes offsets[0..=e], perm, row_of as moe_scan + moe_scatter do.
+extern "C" __global__ void moe_dispatch_small(const u32* __restrict__ ids, u32 total, u32 e,
+                                              u32* __restrict__ offsets, u32* __restrict__ perm,
+                                              u32* __restrict__ row_of) {
+    __shared__ u32 tab[MOE_SMALL_WARPS * MOE_SMALL_MAX_EXPERTS];
+    __shared__ u32 off[MOE_SMALL_MAX_EXPERTS];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u32 x = tid < total ? ids[tid] : MOE_INVALID;
+    if (x >= e) x = MOE_INVALID;
+    const u32 same = __match_any_sync(FULL_MASK, x);
+    const u32 below = __popc(same & ((1u << lane) - 1u));
+    for (u32 j = tid; j < MOE_SMALL_WARPS * e; j += MOE_SMALL_THREADS) tab[j] = 0;
+    __syncthreads();
+    if (x != MOE_INVALID && below == 0) tab[warp * e + x] = __popc(same);
+    __syncthreads();
+    for (u32 xx = tid; xx < e; xx += MOE_SMALL_THREADS) {
+        u32 run = 0;
+        for (u32 w = 0; w < MOE_SMALL_WARPS; ++w) {
+            const u32 c = tab[w * e + xx];
+            tab[w * e + xx] = run;
+            run += c;
+        }
+        off[xx] = run;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        u32 carry = 0;
+        for (u32 base = 0; base < e; base += 32) {
+            const u32 xx = base + lane;
+            const u32 v = xx < e ? off[xx] : 0;
+            const u32 inc = moe_warp_incl_scan_u32(v);
+            if (xx < e) {
+                off[xx] = carry + inc - v;
+                offsets[xx] = carry + inc - v;
+            }
+            carry += __shfl_sync(FULL_MASK, inc, 31);
+        }
+        if (lane == 0) offsets[e] = carry;
+    }
+    __syncthreads();
+    if (tid < total) {
+        if (x != MOE_INVALID) {
+            const u32 pos = off[x] + tab[warp * e + x] + below;
+            perm[pos] = tid;
+            row_of[tid] = pos;
+        } else {
+            row_of[tid] = MOE_INVALID;
+        }
+    }
+}
+
 // perm[pos] = i and row_of[i] = pos for every flat entry i = t*k + s (row_of = MOE_INVALID for
 // a dropped id). Grid and shared memory as moe_hist; `bases` is moe_scan's output.
 extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, u64 total, u32 e,
@@ -142,6 +207,10 @@ extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, u64 total, u
     }
 }
 
+__device__ __forceinline__ bool moe_aligned16(const void* a, const void* b) {
+    return ((((u64)a) | ((u64)b)) & 15) == 0;
+}
+
 // out[p, :] = x[perm[p] / k, :] for packed rows p < offsets[e] (grid: one block per possible
 // row, N*k; rows past offsets[e] exist only for dropped ids and are left untouched).
 extern "C" __global__ void moe_gather_f32(const float* __restrict__ x, const u32* __restrict__ perm,
@@ -151,7 +220,13 @@ extern "C" __global__ void moe_gather_f32(const float* __restrict__ x, const u32
     if (p >= offsets[e]) return;
     const float* src = x + (u64)(perm[p] / k) * h;
     float* dst = out + (u64)p * h;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) dst[j] = src[j];
+    if ((h & 3) == 0 && moe_aligned16(src, dst)) {
+        const float4* s4 = (const float4*)src;
+        float4* d4 = (float4*)dst;
+        for (u64 j = threadIdx.x; j < (h >> 2); j += blockDim.x) d4[j] = s4[j];
+    } else {
+        for (u64 j = threadIdx.x; j < h; j += blockDim.x) dst[j] = src[j];
+    }
 }
 
 // As moe_gather_f32, writing bf16(x) bit patterns (round to nearest even).
@@ -162,15 +237,31 @@ extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, const u3
     if (p >= offsets[e]) return;
     const float* src = x + (u64)(perm[p] / k) * h;
     u16* dst = out + (u64)p * h;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) dst[j] = f32_to_bf16(src[j]);
+    if ((h & 3) == 0 && ((((u64)src) & 15) | (((u64)dst) & 7)) == 0) {
+        const float4* s4 = (const float4*)src;
+        uint2* d2 = (uint2*)dst;
+        for (u64 j = threadIdx.x; j < (h >> 2); j += blockDim.x) {
+            const float4 v = s4[j];
+            uint2 o;
+            o.x = (u32)f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+            o.y = (u32)f32_to_bf16(v.z) | ((u32)f32_to_bf16(v.w) << 16);
+            d2[j] = o;
+        }
+    } else {
+        for (u64 j = threadIdx.x; j < h; j += blockDim.x) dst[j] = f32_to_bf16(src[j]);
+    }
 }
 
-// Token t's packed rows (rows_s[s] = row_of[t*k + s]) and its valid slots in ascending packed
-// row order (order_s[0..nvalid)): ascending row = ascending expert (then slot), the order in
-// which the CPU reference visits a token's experts. Every thread of the block returns nvalid.
-__device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, u64 t, u32 k,
-                                               u32* rows_s, u32* order_s) {
-    for (u32 s = threadIdx.x; s < k; s += blockDim.x) rows_s[s] = row_of[t * k + s];
+// Token t's packed rows (rows_s[s] = row_of[t*k + s]), weights (w_s[s] = w[t*k + s] when w is
+// given) and its valid slots in ascending packed row order (order_s[0..nvalid)): ascending row
+// = ascending expert (then slot), the order in which the CPU reference visits a token's
+// experts. Every thread of the block returns nvalid.
+__device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, const float* __restrict__ w,
+                                               u64 t, u32 k, u32* rows_s, float* w_s, u32* order_s) {
+    for (u32 s = threadIdx.x; s < k; s += blockDim.x) {
+        rows_s[s] = row_of[t * k + s];
+        if (w) w_s[s] = w[t * k + s];
+    }
     __syncthreads();
     for (u32 s = threadIdx.x; s < k; s += blockDim.x) {
         const u32 r = rows_s[s];
@@ -186,22 +277,40 @@ __device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, u
 }
 
 // out[t, j] = Σ_s w[t, s]·y[row(t, s), j], summed from 0 in ascending row (expert) order.
-// Grid (n, ceil(h / blockDim.x)).
+// Grid (n, ceil(h / (4·blockDim.x))): each thread owns 4 consecutive columns.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        const u32* __restrict__ row_of, float* __restrict__ out,
                                        u32 k, u64 h) {
     __shared__ u32 rows_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
     __shared__ u32 order_s[MOE_MAX_TOP_K];
     const u64 t = blockIdx.x;
-    const u32 nv = moe_token_order(row_of, t, k, rows_s, order_s);
-    const u64 j = (u64)blockIdx.y * blockDim.x + threadIdx.x;
-    if (j >= h) return;
-    float acc = 0.0f;
-    for (u32 q = 0; q < nv; ++q) {
-        const u32 s = order_s[q];
-        acc = __fadd_rn(acc, __fmul_rn(w[t * k + s], y[(u64)rows_s[s] * h + j]));
+    const u32 nv = moe_token_order(row_of, w, t, k, rows_s, w_s, order_s);
+    const u64 j0 = ((u64)blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (j0 >= h) return;
+    float* o = out + t * h;
+    if ((h & 3) == 0 && moe_aligned16(y, out)) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (u32 q = 0; q < nv; ++q) {
+            const u32 s = order_s[q];
+            const float ws = w_s[s];
+            const float4 v = *(const float4*)(y + (u64)rows_s[s] * h + j0);
+            acc.x = __fadd_rn(acc.x, __fmul_rn(ws, v.x));
+            acc.y = __fadd_rn(acc.y, __fmul_rn(ws, v.y));
+            acc.z = __fadd_rn(acc.z, __fmul_rn(ws, v.z));
+            acc.w = __fadd_rn(acc.w, __fmul_rn(ws, v.w));
+        }
+        *(float4*)(o + j0) = acc;
+    } else {
+        for (u64 j = j0; j < j0 + 4 && j < h; ++j) {
+            float acc = 0.0f;
+            for (u32 q = 0; q < nv; ++q) {
+                const u32 s = order_s[q];
+                acc = __fadd_rn(acc, __fmul_rn(w_s[s], y[(u64)rows_s[s] * h + j]));
+            }
+            o[j] = acc;
+        }
     }
-    out[t * h + j] = acc;
 }
 
 // dx[t, j] = Σ_s dg[row(t, s), j], summed from 0 in ascending row (expert) order. Grid as
@@ -211,17 +320,32 @@ extern "C" __global__ void moe_gather_bwd(const float* __restrict__ dg, const u3
     __shared__ u32 rows_s[MOE_MAX_TOP_K];
     __shared__ u32 order_s[MOE_MAX_TOP_K];
     const u64 t = blockIdx.x;
-    const u32 nv = moe_token_order(row_of, t, k, rows_s, order_s);
-    const u64 j = (u64)blockIdx.y * blockDim.x + threadIdx.x;
-    if (j >= h) return;
-    float acc = 0.0f;
-    for (u32 q = 0; q < nv; ++q) acc = __fadd_rn(acc, dg[(u64)rows_s[order_s[q]] * h + j]);
-    dx[t * h + j] = acc;
+    const u32 nv = moe_token_order(row_of, (const float*)0, t, k, rows_s, (float*)0, order_s);
+    const u64 j0 = ((u64)blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (j0 >= h) return;
+    float* o = dx + t * h;
+    if ((h & 3) == 0 && moe_aligned16(dg, dx)) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (u32 q = 0; q < nv; ++q) {
+            const float4 v = *(const float4*)(dg + (u64)rows_s[order_s[q]] * h + j0);
+            acc.x = __fadd_rn(acc.x, v.x);
+            acc.y = __fadd_rn(acc.y, v.y);
+            acc.z = __fadd_rn(acc.z, v.z);
+            acc.w = __fadd_rn(acc.w, v.w);
+        }
+        *(float4*)(o + j0) = acc;
+    } else {
+        for (u64 j = j0; j < j0 + 4 && j < h; ++j) {
+            float acc = 0.0f;
+            for (u32 q = 0; q < nv; ++q) acc = __fadd_rn(acc, dg[(u64)rows_s[order_s[q]] * h + j]);
+            o[j] = acc;
+        }
+    }
 }
 
 // One block per flat slot ts = t*k + s: dy[row, :] = w[ts]·dout[t, :] and
-// dw[ts] = 0 + Σ_j dout[t, j]·y[row, j] (per-thread strided partial sums, then the fixed
-// block_sum tree). A dropped slot gets dw = 0 and no dy row.
+// dw[ts] = 0 + Σ_j dout[t, j]·y[row, j] (per-thread strided partial sums — over float4 chunks
+// when aligned — then the fixed block_sum tree). A dropped slot gets dw = 0 and no dy row.
 extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const float* __restrict__ y,
                                            const float* __restrict__ w, const u32* __restrict__ row_of,
                                            float* __restrict__ dy, float* __restrict__ dw, u32 k, u64 h) {
@@ -237,10 +361,25 @@ extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const
     const float* yr = y + (u64)r * h;
     float* dyr = dy + (u64)r * h;
     float part = 0.0f;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
-        const float dv = d[j];
-        dyr[j] = __fmul_rn(wv, dv);
-        part = __fadd_rn(part, __fmul_rn(dv, yr[j]));
+    if ((h & 3) == 0 && moe_aligned16(d, yr) && moe_aligned16(dyr, dyr)) {
+        const float4* d4 = (const float4*)d;
+        const float4* y4 = (const float4*)yr;
+        float4* o4 = (float4*)dyr;
+        for (u64 j = threadIdx.x; j < (h >> 2); j += blockDim.x) {
+            const float4 dv = d4[j], yv = y4[j];
+            o4[j] = make_float4(__fmul_rn(wv, dv.x), __fmul_rn(wv, dv.y), __fmul_rn(wv, dv.z),
+                                __fmul_rn(wv, dv.w));
+            part = __fadd_rn(part, __fmul_rn(dv.x, yv.x));
+            part = __fadd_rn(part, __fmul_rn(dv.y, yv.y));
+            part = __fadd_rn(part, __fmul_rn(dv.z, yv.z));
+            part = __fadd_rn(part, __fmul_rn(dv.w, yv.w));
+        }
+    } else {
+        for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+            const float dv = d[j];
+            dyr[j] = __fmul_rn(wv, dv);
+            part = __fadd_rn(part, __fmul_rn(dv, yr[j]));
+        }
     }
     const float tot = block_sum(part, scratch);
     if (threadIdx.x == 0) dw[ts] = __fadd_rn(0.0f, tot);

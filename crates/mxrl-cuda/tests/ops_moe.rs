@@ -4,7 +4,9 @@
 //! Dispatch, gather, combine, the dy rows and gather backward are bitwise; the combine
 //! backward's dweights are within `two_order_sum_bound(H, Σ|dout·y|)` (a fixed tree on the
 //! device, a sequential sum on the CPU). Shapes include 0-token experts, N = 1, k = E, N = 0
-//! and several dispatch blocks.
+//! and several dispatch blocks; both dispatch paths (one launch for `N·k ≤ 1024, E ≤ 256`,
+//! three otherwise) and both access paths of the row kernels (float4, scalar for unaligned
+//! views or `H % 4 ≠ 0`).
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::gpu::Gpu;
@@ -269,6 +271,8 @@ fn moe_ops_match_reference_on_ragged_shapes() {
         (33, 64, 8, 129, 12),
         (300, 8, 8, 17, 8),
         (128, 128, 8, 2048, 128),
+        (129, 64, 8, 40, 64),
+        (100, 512, 8, 12, 300),
         (1000, 64, 8, 96, 40),
         (513, 1024, 16, 3, 1024),
         (4096, 128, 8, 64, 128),
@@ -385,4 +389,142 @@ fn launchers_reject_bad_shapes_and_short_buffers() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("moe dispatch ids"), "{err}");
+}
+
+/// Views that start one element into their buffers are not 16-byte aligned: the row kernels
+/// take their scalar path and must give the same bits as the float4 path.
+#[test]
+fn unaligned_views_give_the_same_bits() {
+    let g = gpu();
+    let ops = Moe::new(&g).unwrap();
+    let (n, e, k, h) = (9usize, 8usize, 3usize, 64usize);
+    let routes = random_routes(n, k, e, 77);
+    let dd = dispatch(&g, &ops, &routes.ids, n, e, k);
+    let y = values(n * k * h, 78);
+    let dout = values(n * h, 79);
+    let shifted = |v: &[f32]| {
+        let mut s = vec![0.5f32];
+        s.extend_from_slice(v);
+        s
+    };
+    let (ya, ys) = (g.upload(&y).unwrap(), g.upload(&shifted(&y)).unwrap());
+    let (da, ds) = (g.upload(&dout).unwrap(), g.upload(&shifted(&dout)).unwrap());
+    let w = g.upload(&routes.weights).unwrap();
+    let mut oa = g.zeros::<f32>(n * h).unwrap();
+    let mut os = g.zeros::<f32>(n * h + 1).unwrap();
+    ops.combine(
+        &ya.as_view(),
+        &w.as_view(),
+        &dd.row_of.as_view(),
+        &mut oa.as_view_mut(),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    ops.combine(
+        &ys.slice(1..),
+        &w.as_view(),
+        &dd.row_of.as_view(),
+        &mut os.slice_mut(1..),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    let (a, b) = (g.download(&oa).unwrap(), g.download(&os).unwrap());
+    assert_eq!(bits_eq(&a[..n * h], &b[1..]), None, "combine");
+    ops.gather_backward(
+        &ya.as_view(),
+        &dd.row_of.as_view(),
+        &mut oa.as_view_mut(),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    ops.gather_backward(
+        &ys.slice(1..),
+        &dd.row_of.as_view(),
+        &mut os.slice_mut(1..),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    let (a, b) = (g.download(&oa).unwrap(), g.download(&os).unwrap());
+    assert_eq!(bits_eq(&a[..n * h], &b[1..]), None, "gather backward");
+    let mut dya = g.zeros::<f32>(n * k * h).unwrap();
+    let mut dys = g.zeros::<f32>(n * k * h + 1).unwrap();
+    let mut dwa = g.zeros::<f32>(n * k).unwrap();
+    let mut dws = g.zeros::<f32>(n * k).unwrap();
+    ops.combine_backward(
+        &da.as_view(),
+        &ya.as_view(),
+        &w.as_view(),
+        &dd.row_of.as_view(),
+        &mut dya.as_view_mut(),
+        &mut dwa.as_view_mut(),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    ops.combine_backward(
+        &ds.slice(1..),
+        &ys.slice(1..),
+        &w.as_view(),
+        &dd.row_of.as_view(),
+        &mut dys.slice_mut(1..),
+        &mut dws.as_view_mut(),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    let (a, b) = (g.download(&dya).unwrap(), g.download(&dys).unwrap());
+    assert_eq!(
+        bits_eq(&a[..n * k * h], &b[1..]),
+        None,
+        "combine backward dy"
+    );
+    // dweights: the same bound as against the reference (the partial-sum tree differs)
+    let (a, b) = (g.download(&dwa).unwrap(), g.download(&dws).unwrap());
+    let row_of = g.download(&dd.row_of).unwrap();
+    let v = mxrl_tensor::tolerance::violations(&b[..n * k], &a[..n * k], |i| {
+        let p = row_of[i] as usize;
+        let abs: f64 = (0..h)
+            .map(|c| (dout[(i / k) * h + c] as f64 * y[p * h + c] as f64).abs())
+            .sum();
+        two_order_sum_bound(h, abs)
+    });
+    assert!(v.is_empty(), "combine backward dweights {v:#?}");
+    let x = values(n * h, 80);
+    let (xa, xs) = (g.upload(&x).unwrap(), g.upload(&shifted(&x)).unwrap());
+    let mut pa = g.zeros::<u16>(n * k * h).unwrap();
+    let mut ps = g.zeros::<u16>(n * k * h + 1).unwrap();
+    ops.gather_bf16(
+        &xa.as_view(),
+        &dd.perm.as_view(),
+        &dd.offsets.as_view(),
+        &mut pa.as_view_mut(),
+        n,
+        h,
+        e,
+        k,
+    )
+    .unwrap();
+    ops.gather_bf16(
+        &xs.slice(1..),
+        &dd.perm.as_view(),
+        &dd.offsets.as_view(),
+        &mut ps.slice_mut(1..),
+        n,
+        h,
+        e,
+        k,
+    )
+    .unwrap();
+    let (a, b) = (g.download(&pa).unwrap(), g.download(&ps).unwrap());
+    assert_eq!(&a[..n * k * h], &b[1..], "gather bf16");
 }

@@ -49,6 +49,13 @@ pub const MAX_TOP_K: usize = 256;
 pub const INVALID_ROW: u32 = u32::MAX;
 
 const THREADS: u32 = 256;
+/// Threads per block of the per-token kernels (combine, gather backward; 4 columns each).
+const TOKEN_THREADS: u32 = 128;
+/// The single-launch dispatch (`moe_dispatch_small`) handles up to this many entries `N·k`
+/// (its block size) ...
+const SMALL_DISPATCH_ENTRIES: usize = 1024;
+/// ... and up to this many experts (its shared-memory table).
+const SMALL_DISPATCH_EXPERTS: usize = 256;
 
 fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
     if got < want {
@@ -75,6 +82,7 @@ pub struct Moe {
     hist: CudaFunction,
     scan: CudaFunction,
     scatter: CudaFunction,
+    dispatch_small: CudaFunction,
     gather_f32: CudaFunction,
     gather_bf16: CudaFunction,
     combine: CudaFunction,
@@ -98,6 +106,7 @@ impl Moe {
             hist: f("moe_hist")?,
             scan: f("moe_scan")?,
             scatter: f("moe_scatter")?,
+            dispatch_small: f("moe_dispatch_small")?,
             gather_f32: f("moe_gather_f32")?,
             gather_bf16: f("moe_gather_bf16")?,
             combine: f("moe_combine")?,
@@ -127,8 +136,9 @@ impl Moe {
 
     /// Builds the dispatch of `ids: [N, k]` (u32, each `< E`) on the device: writes
     /// `offsets: [E + 1]`, `perm: [N·k]` and `row_of: [N·k]` (module doc), using `scratch`
-    /// (≥ [`dispatch_scratch_len`] u32). Three launches, integer prefix sums only:
-    /// deterministic. Reference: `mxrl_tensor::moe::Dispatch::new` (equal, element for element).
+    /// (≥ [`dispatch_scratch_len`] u32). Integer prefix sums only: deterministic.
+    /// One launch for `N·k ≤ 1024` and `E ≤ 256` (decode), else three (per-block counts, scan,
+    /// scatter). Reference: `mxrl_tensor::moe::Dispatch::new` (equal, element for element).
     ///
     /// # Errors
     /// `E` outside `1..=1024`, `k` outside `1..=256`, `N·k ≥ 2³¹`, short buffers; launch errors.
@@ -156,6 +166,27 @@ impl Moe {
         check_len(&self.gpu, "moe dispatch offsets", offsets.len(), e + 1)?;
         check_len(&self.gpu, "moe dispatch perm", perm.len(), total)?;
         check_len(&self.gpu, "moe dispatch row_of", row_of.len(), total)?;
+        if total <= SMALL_DISPATCH_ENTRIES && e <= SMALL_DISPATCH_EXPERTS {
+            let (total32, e32) = (total as u32, e as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (SMALL_DISPATCH_ENTRIES as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.gpu.stream().launch_builder(&self.dispatch_small);
+            b.arg(ids)
+                .arg(&total32)
+                .arg(&e32)
+                .arg(&mut *offsets)
+                .arg(&mut *perm)
+                .arg(&mut *row_of);
+            // SAFETY: one block of 1024 threads; thread i reads ids[i] only when i < N·k ≤ 1024
+            // (checked length), writes row_of[i] (N·k checked) and perm[pos], pos < offsets[E]
+            // ≤ N·k; offsets[0..=E] (E + 1 checked); static shared memory sized for E ≤ 256
+            // (checked above); types (const u32*, u32, u32, u32*, u32*, u32*).
+            unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+            return Ok(());
+        }
         let g = dispatch_blocks(n, k);
         let (total64, e32, g32) = (total as u64, e as u32, g as u32);
         let cfg = LaunchConfig {
@@ -326,17 +357,19 @@ impl Moe {
         Ok(())
     }
 
+    /// Grid of the per-token row kernels: one block row per token, each thread 4 columns.
     fn token_cols_cfg(&self, what: &str, n: usize, h: usize) -> Result<LaunchConfig, DeviceError> {
-        let cols = h.div_ceil(THREADS as usize);
+        let per_block = 4 * TOKEN_THREADS as usize;
+        let cols = h.div_ceil(per_block);
         if cols > 65_535 {
             return Err(self.gpu.err(format!(
                 "{what}: hidden size {h} exceeds {}",
-                65_535 * THREADS
+                65_535 * per_block
             )));
         }
         Ok(LaunchConfig {
             grid_dim: (n as u32, cols as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (TOKEN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         })
     }
