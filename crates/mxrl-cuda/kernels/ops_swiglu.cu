@@ -12,27 +12,28 @@ __device__ __forceinline__ float swiglu_silu(float g) {
     return __fdiv_rn(g, __fadd_rn(1.0f, swiglu_exp(-g)));
 }
 
-// h[r, j] = silu(gu[r, j]) * gu[r, F + j], i = r*F + j < rows*F (grid-stride).
+// Rows r = blockIdx.x, blockIdx.x + gridDim.x, ... (grid-stride); columns j = threadIdx.x,
+// threadIdx.x + blockDim.x, ... < f: no index division, coalesced rows.
+
+// h[r, j] = silu(gu[r, j]) * gu[r, F + j].
 extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ h,
                                       u64 rows, u64 f) {
-    const u64 n = rows * f;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const u64 r = i / f, j = i - r * f;
-        const float g = gu[r * 2 * f + j], u = gu[r * 2 * f + f + j];
-        h[i] = __fmul_rn(swiglu_silu(g), u);
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* g = gu + r * 2 * f;
+        for (u64 j = threadIdx.x; j < f; j += blockDim.x) h[r * f + j] = __fmul_rn(swiglu_silu(g[j]), g[f + j]);
     }
 }
 
-// As swiglu_fwd, also writing hb[i] = bf16(h[i]) (bit patterns, round to nearest even).
+// As swiglu_fwd, also writing hb[r, j] = bf16(h[r, j]) (bit patterns, round to nearest even).
 extern "C" __global__ void swiglu_fwd_bf16(const float* __restrict__ gu, float* __restrict__ h,
                                            u16* __restrict__ hb, u64 rows, u64 f) {
-    const u64 n = rows * f;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const u64 r = i / f, j = i - r * f;
-        const float g = gu[r * 2 * f + j], u = gu[r * 2 * f + f + j];
-        const float v = __fmul_rn(swiglu_silu(g), u);
-        h[i] = v;
-        hb[i] = f32_to_bf16(v);
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* g = gu + r * 2 * f;
+        for (u64 j = threadIdx.x; j < f; j += blockDim.x) {
+            const float v = __fmul_rn(swiglu_silu(g[j]), g[f + j]);
+            h[r * f + j] = v;
+            hb[r * f + j] = f32_to_bf16(v);
+        }
     }
 }
 
@@ -40,14 +41,16 @@ extern "C" __global__ void swiglu_fwd_bf16(const float* __restrict__ gu, float* 
 // dgu[r, F + j] = dh·(g·s)
 extern "C" __global__ void swiglu_bwd(const float* __restrict__ dh, const float* __restrict__ gu,
                                       float* __restrict__ dgu, u64 rows, u64 f) {
-    const u64 n = rows * f;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const u64 r = i / f, j = i - r * f;
-        const float g = gu[r * 2 * f + j], u = gu[r * 2 * f + f + j];
-        const float d = dh[i];
-        const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, swiglu_exp(-g)));
-        const float c = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
-        dgu[r * 2 * f + j] = __fmul_rn(__fmul_rn(d, u), c);
-        dgu[r * 2 * f + f + j] = __fmul_rn(d, __fmul_rn(g, s));
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* gr = gu + r * 2 * f;
+        float* dr = dgu + r * 2 * f;
+        for (u64 j = threadIdx.x; j < f; j += blockDim.x) {
+            const float g = gr[j], u = gr[f + j];
+            const float d = dh[r * f + j];
+            const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, swiglu_exp(-g)));
+            const float c = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
+            dr[j] = __fmul_rn(__fmul_rn(d, u), c);
+            dr[f + j] = __fmul_rn(d, __fmul_rn(g, s));
+        }
     }
 }

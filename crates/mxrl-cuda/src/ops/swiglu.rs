@@ -21,17 +21,14 @@ use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKern
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_swiglu.cu");
 
+/// Threads per block: each block walks rows, its threads the row's columns.
 const THREADS: u32 = 256;
-/// Grid-stride kernels: at most this many blocks (16 per SM of a 132-SM H200).
+/// Row-strided kernels: at most this many blocks (16 per SM of a 132-SM H200).
 const MAX_BLOCKS: usize = 132 * 16;
 
-fn grid(n: usize) -> LaunchConfig {
+fn grid(rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (
-            n.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32,
-            1,
-            1,
-        ),
+        grid_dim: (rows.clamp(1, MAX_BLOCKS) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -100,17 +97,17 @@ impl Swiglu {
             None => {
                 let mut b = self.gpu.stream().launch_builder(&self.fwd);
                 b.arg(gu).arg(h).arg(&r64).arg(&f64_);
-                // SAFETY: element i < rows·F reads gu[r·2F + j] and gu[r·2F + F + j] (< 2·rows·F,
-                // checked) and writes h[i] (rows·F checked); argument types match the kernel's
-                // (const float*, float*, u64, u64).
-                unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+                // SAFETY: row r < rows, column j < F reads gu[r·2F + j] and gu[r·2F + F + j]
+                // (< 2·rows·F, checked) and writes h[r·F + j] (rows·F checked); argument types
+                // match the kernel's (const float*, float*, u64, u64).
+                unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
             }
             Some(hb) => {
                 let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
                 b.arg(gu).arg(h).arg(hb).arg(&r64).arg(&f64_);
-                // SAFETY: as above, plus hb[i] (rows·F checked); (const float*, float*, u16*,
+                // SAFETY: as above, plus hb[r·F + j] (rows·F checked); (const float*, float*, u16*,
                 // u64, u64).
-                unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+                unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
             }
         }
         Ok(())
@@ -141,10 +138,10 @@ impl Swiglu {
         let (r64, f64_) = (rows as u64, f as u64);
         let mut b = self.gpu.stream().launch_builder(&self.bwd);
         b.arg(dh).arg(gu).arg(dgu).arg(&r64).arg(&f64_);
-        // SAFETY: element i = r·F + j < rows·F reads dh[i] (rows·F checked), gu[r·2F + j] and
+        // SAFETY: row r < rows, column j < F reads dh[r·F + j] (rows·F checked), gu[r·2F + j] and
         // gu[r·2F + F + j] and writes dgu at the same two offsets (2·rows·F checked); types
         // (const float*, const float*, float*, u64, u64).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }
