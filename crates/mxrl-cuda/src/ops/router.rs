@@ -17,6 +17,10 @@
 //!   order, ties by the lower expert id, compared as `f32::total_cmp` does (so it equals the
 //!   reference's whenever the probabilities do; it can differ only between two experts whose
 //!   probabilities are within the bound above).
+//! - Non-finite logits: `−∞` (a masked expert) gives probability 0 on both devices; a NaN or
+//!   `+∞` logit makes the row's probabilities NaN on both, but NaN sign bits are not portable
+//!   (x86 propagates the input's, CUDA returns its canonical NaN), so the selection among NaNs
+//!   may differ from the reference's.
 //! - Backward, given equal inputs, is bitwise the reference's.
 //! - Auxiliary loss: per-expert counts are exact; probability sums are f64 in a fixed order
 //!   (deterministic), the loss within `mxrl_tensor::tolerance::aux_loss_bound`; its gradient
