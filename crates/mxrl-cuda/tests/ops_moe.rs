@@ -2,8 +2,8 @@
 //! `mxrl_tensor::moe::{Dispatch, gather, gather_backward, combine_forward, combine_backward}`
 //! (the CPU reference called per expert `0..E` into zeroed outputs, as the model does).
 //! Dispatch, gather, combine, the dy rows and gather backward are bitwise; the combine
-//! backward's dweights are within `two_order_sum_bound(H, Σ|dout·y|)` (a fixed tree on the
-//! device, a sequential sum on the CPU). Shapes include 0-token experts, N = 1, k = E, N = 0
+//! backward's dweights are within `two_order_sum_bound(H, Σ|fl(dout·y)|)` (the same rounded
+//! products on both devices, summed in a fixed tree on the device, sequentially on the CPU). Shapes include 0-token experts, N = 1, k = E, N = 0
 //! and several dispatch blocks; both dispatch paths (one launch for `N·k ≤ 1024, E ≤ 256`,
 //! three otherwise) and both access paths of the row kernels (float4, scalar for unaligned
 //! views or `H % 4 ≠ 0`).
@@ -227,7 +227,7 @@ fn check_case(
         let tok = i / k;
         let p = row_of[i] as usize;
         let abs: f64 = (0..h)
-            .map(|c| (dout[tok * h + c] as f64 * y[p * h + c] as f64).abs())
+            .map(|c| (dout[tok * h + c] * y[p * h + c]).abs() as f64)
             .sum();
         two_order_sum_bound(h, abs)
     });
@@ -494,7 +494,7 @@ fn unaligned_views_give_the_same_bits() {
     let v = mxrl_tensor::tolerance::violations(&b[..n * k], &a[..n * k], |i| {
         let p = row_of[i] as usize;
         let abs: f64 = (0..h)
-            .map(|c| (dout[(i / k) * h + c] as f64 * y[p * h + c] as f64).abs())
+            .map(|c| (dout[(i / k) * h + c] * y[p * h + c]).abs() as f64)
             .sum();
         two_order_sum_bound(h, abs)
     });
