@@ -454,7 +454,7 @@ impl Moe {
     /// writes `dy[row_of[t, s]] = weights[t, s] · dout[t]` (`dy: [N·k, H]`, bitwise as the
     /// reference) and `dweights[t, s] = Σ_j dout[t, j] · y[row, j]` (`[N, k]` f32, overwritten;
     /// f32 partial sums in a fixed tree: deterministic, within
-    /// `mxrl_tensor::tolerance::two_order_sum_bound(H, Σ|dout·y|)` of the reference's
+    /// `mxrl_tensor::tolerance::two_order_sum_bound(H, Σ|fl(dout·y)|)` of the reference's
     /// sequential sum). Reference: `mxrl_tensor::moe::combine_backward` per expert into zeroed
     /// dweights.
     ///
