@@ -343,17 +343,21 @@ extern "C" __global__ void moe_gather_bwd(const float* __restrict__ dg, const u3
     }
 }
 
-// One block per flat slot ts = t*k + s: dy[row, :] = w[ts]·dout[t, :] and
-// dw[ts] = 0 + Σ_j dout[t, j]·y[row, j] (per-thread strided partial sums — over float4 chunks
-// when aligned — then the fixed block_sum tree). A dropped slot gets dw = 0 and no dy row.
+// One warp per flat slot ts = t*k + s < total (blockDim.x / 32 slots per block):
+// dy[row, :] = w[ts]·dout[t, :] and dw[ts] = 0 + Σ_j dout[t, j]·y[row, j] (per-lane strided
+// partial sums — over float4 chunks when aligned — then the fixed warp_sum butterfly). A
+// dropped slot gets dw = 0 and no dy row. Every exit is uniform across its warp.
 extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const float* __restrict__ y,
                                            const float* __restrict__ w, const u32* __restrict__ row_of,
-                                           float* __restrict__ dy, float* __restrict__ dw, u32 k, u64 h) {
-    __shared__ float scratch[32];
-    const u64 ts = blockIdx.x, t = ts / k;
+                                           float* __restrict__ dy, float* __restrict__ dw, u64 total,
+                                           u32 k, u64 h) {
+    const u32 lane = threadIdx.x & 31;
+    const u64 ts = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (ts >= total) return;
+    const u64 t = ts / k;
     const u32 r = row_of[ts];
     if (r == MOE_INVALID) {
-        if (threadIdx.x == 0) dw[ts] = 0.0f;
+        if (lane == 0) dw[ts] = 0.0f;
         return;
     }
     const float wv = w[ts];
@@ -365,7 +369,7 @@ extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const
         const float4* d4 = (const float4*)d;
         const float4* y4 = (const float4*)yr;
         float4* o4 = (float4*)dyr;
-        for (u64 j = threadIdx.x; j < (h >> 2); j += blockDim.x) {
+        for (u64 j = lane; j < (h >> 2); j += 32) {
             const float4 dv = d4[j], yv = y4[j];
             o4[j] = make_float4(__fmul_rn(wv, dv.x), __fmul_rn(wv, dv.y), __fmul_rn(wv, dv.z),
                                 __fmul_rn(wv, dv.w));
@@ -375,12 +379,12 @@ extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const
             part = __fadd_rn(part, __fmul_rn(dv.w, yv.w));
         }
     } else {
-        for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        for (u64 j = lane; j < h; j += 32) {
             const float dv = d[j];
             dyr[j] = __fmul_rn(wv, dv);
             part = __fadd_rn(part, __fmul_rn(dv, yr[j]));
         }
     }
-    const float tot = block_sum(part, scratch);
-    if (threadIdx.x == 0) dw[ts] = __fadd_rn(0.0f, tot);
+    const float tot = warp_sum(part);
+    if (lane == 0) dw[ts] = __fadd_rn(0.0f, tot);
 }

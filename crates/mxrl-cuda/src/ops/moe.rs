@@ -453,7 +453,7 @@ impl Moe {
     /// Combine backward: given `dout: [N, H]` and the packed expert outputs `y: [N·k, H]`,
     /// writes `dy[row_of[t, s]] = weights[t, s] · dout[t]` (`dy: [N·k, H]`, bitwise as the
     /// reference) and `dweights[t, s] = Σ_j dout[t, j] · y[row, j]` (`[N, k]` f32, overwritten;
-    /// f32 partial sums in a fixed tree: deterministic, within
+    /// one warp per slot, f32 partial sums in a fixed tree: deterministic, within
     /// `mxrl_tensor::tolerance::two_order_sum_bound(H, Σ|fl(dout·y)|)` of the reference's
     /// sequential sum). Reference: `mxrl_tensor::moe::combine_backward` per expert into zeroed
     /// dweights.
@@ -498,7 +498,13 @@ impl Moe {
         if n == 0 {
             return Ok(());
         }
-        let (k32, h64) = (k as u32, h as u64);
+        let (total64, k32, h64) = ((n * k) as u64, k as u32, h as u64);
+        let slots_per_block = THREADS as usize / 32;
+        let cfg = LaunchConfig {
+            grid_dim: ((n * k).div_ceil(slots_per_block) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.gpu.stream().launch_builder(&self.combine_bwd);
         b.arg(dout)
             .arg(y)
@@ -506,13 +512,14 @@ impl Moe {
             .arg(row_of)
             .arg(dy)
             .arg(dweights)
+            .arg(&total64)
             .arg(&k32)
             .arg(&h64);
-        // SAFETY: block ts < N·k reads row_of[ts], weights[ts] (N·k checked), dout row ts/k < N
-        // (N·H checked), y and dy row row_of[ts] < N·k (N·k·H checked; invalid rows skipped) and
-        // writes dweights[ts]; block_sum needs a multiple of 32 threads (256); types
-        // (const float* ×3, const u32*, float*, float*, u32, u64).
-        unsafe { b.launch(Self::rows_cfg(n * k)) }.map_err(|x| self.gpu.err(x))?;
+        // SAFETY: warp ts < N·k (one per slot, 8 per block; warps past N·k exit) reads
+        // row_of[ts], weights[ts] (N·k checked), dout row ts/k < N (N·H checked), y and dy row
+        // row_of[ts] < N·k (N·k·H checked; invalid rows skipped) and writes dweights[ts];
+        // types (const float* ×3, const u32*, float*, float*, u64, u32, u64).
+        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 }
