@@ -332,4 +332,47 @@ mod tests {
             );
         }
     }
+    /// A device whose exp is one ulp off (either way) on every call stays within the SwiGLU
+    /// forward and backward bounds of a correct one, over a sweep that includes the
+    /// cancellation of `1 + g·(1 − s)` near `g ≈ −1.28`.
+    #[test]
+    fn swiglu_bounds_cover_an_exp_one_ulp_off() {
+        let gs = crate::gradcheck::test_values(20_000, 11, 30.0);
+        let ups = crate::gradcheck::test_values(20_000, 12, 3.0);
+        let dhs = crate::gradcheck::test_values(20_000, 13, 2.0);
+        let near = crate::gradcheck::test_values(2_000, 14, 0.01);
+        let cases = gs
+            .iter()
+            .zip(&ups)
+            .zip(&dhs)
+            .map(|((&g, &u), &d)| (g, u, d))
+            .chain(near.iter().map(|&x| (-1.278_464_5 + x, 1.5, -0.75)));
+        for (g, up, dh) in cases {
+            for bump in [-1i32, 1] {
+                let exp_bad = |x: f32| f32::from_bits((x.exp().to_bits() as i32 + bump) as u32);
+                let fwd = |e: f32| g / (1.0 + e) * up;
+                let bwd = |e: f32| {
+                    let s = 1.0 / (1.0 + e);
+                    (dh * up * (s * (1.0 + g * (1.0 - s))), dh * (g * s))
+                };
+                let (e, eb) = ((-g).exp(), exp_bad(-g));
+                let b = swiglu_forward_bound(g, up, 1, 1);
+                let (h, hb) = (fwd(e), fwd(eb));
+                assert!(
+                    ((h - hb) as f64).abs() <= b,
+                    "g={g} up={up}: {h:e} vs {hb:e}, {b:e}"
+                );
+                let (bg, bu) = swiglu_backward_bounds(dh, g, up, 1, 1);
+                let ((dg, du), (dgb, dub)) = (bwd(e), bwd(eb));
+                assert!(
+                    ((dg - dgb) as f64).abs() <= bg,
+                    "g={g}: dgate {dg:e} vs {dgb:e}, {bg:e}"
+                );
+                assert!(
+                    ((du - dub) as f64).abs() <= bu,
+                    "g={g}: dup {du:e} vs {dub:e}, {bu:e}"
+                );
+            }
+        }
+    }
 }
