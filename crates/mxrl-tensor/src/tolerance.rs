@@ -375,4 +375,47 @@ mod tests {
             }
         }
     }
+    /// A softmax whose exps are each one ulp off (pseudo-random direction) and whose sums run
+    /// in reverse order stays within the probability and normalized-weight bounds.
+    #[test]
+    fn softmax_and_topk_bounds_cover_perturbed_exps_and_order() {
+        let (n, c, k) = (200, 64, 8);
+        let x = crate::gradcheck::test_values(n * c, 21, 6.0);
+        let dir = crate::gradcheck::test_values(n * c, 22, 1.0);
+        for r in 0..n {
+            let xr = &x[r * c..(r + 1) * c];
+            let mx = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let e: Vec<f32> = xr.iter().map(|v| (v - mx).exp()).collect();
+            let eb: Vec<f32> = e
+                .iter()
+                .zip(&dir[r * c..(r + 1) * c])
+                .map(|(v, d)| {
+                    f32::from_bits(if *d < 0.0 {
+                        v.to_bits() - 1
+                    } else {
+                        v.to_bits() + 1
+                    })
+                })
+                .collect();
+            let s: f32 = e.iter().sum();
+            let sb: f32 = eb.iter().rev().sum();
+            let p: Vec<f32> = e.iter().map(|v| v / s).collect();
+            let pb: Vec<f32> = eb.iter().map(|v| v / sb).collect();
+            for j in 0..c {
+                let b = softmax_prob_bound(p[j], c, 1, 1);
+                assert!(((p[j] - pb[j]) as f64).abs() <= b, "row {r} [{j}]");
+            }
+            // the first k columns stand for the selected experts
+            let sel: f32 = p[..k].iter().sum();
+            let selb: f32 = pb[..k].iter().rev().sum();
+            for j in 0..k {
+                let (w, wb) = (p[j] / sel, pb[j] / selb);
+                let b = topk_norm_weight_bound(w, k, c, 1, 1);
+                assert!(
+                    ((w - wb) as f64).abs() <= b,
+                    "row {r} slot {j}: {w:e} vs {wb:e}"
+                );
+            }
+        }
+    }
 }
