@@ -10,9 +10,15 @@ pub mod elementwise;
 #[cfg(feature = "cuda")]
 pub mod engine;
 #[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
 pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod rope;
+#[cfg(feature = "cuda")]
+pub mod router;
+#[cfg(feature = "cuda")]
+pub mod swiglu;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
@@ -28,4 +34,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         "ops_attention",
         include_str!("../../kernels/ops_attention.cu"),
     ),
+    ("ops_moe", include_str!("../../kernels/ops_moe.cu")),
+    ("ops_router", include_str!("../../kernels/ops_router.cu")),
+    ("ops_swiglu", include_str!("../../kernels/ops_swiglu.cu")),
 ];
