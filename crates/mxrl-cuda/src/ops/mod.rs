@@ -5,10 +5,15 @@
 
 #[cfg(feature = "cuda")]
 pub mod elementwise;
+#[cfg(feature = "cuda")]
+pub mod gemm;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
-pub const SOURCES: &[(&str, &str)] = &[(
-    "ops_elementwise",
-    include_str!("../../kernels/ops_elementwise.cu"),
-)];
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "ops_elementwise",
+        include_str!("../../kernels/ops_elementwise.cu"),
+    ),
+    ("ops_gemm", include_str!("../../kernels/ops_gemm.cu")),
+];

@@ -1,0 +1,340 @@
+// Grouped expert GEMMs of the engine (BF16 operands as u16 bit patterns, f32 accumulation and
+// output) and the small-M ("decode") grouped GEMV.
+//
+// Layout: the activation is packed expert-major; rows of expert e are offsets[e]..offsets[e+1]
+// of an [R, ·] matrix (offsets: u32 [E+1] in device memory, read by the kernels, never by the
+// host). The expert weights are stacked row-major [E, N, K]. References (mxrl_tensor::gemm on
+// the widened BF16 values, per expert): forward = matmul_nt, dgrad = matmul_nn, wgrad =
+// matmul_tn added to the existing dW.
+//
+// Requirements (checked by the launchers): N and K multiples of 8; x, w, dy 16-byte aligned;
+// outputs 8-byte aligned. Offsets are clamped to [0, R] and a decreasing offset gives an empty
+// expert, so no access ever leaves the buffers; rows outside every expert's range are not
+// written.
+//
+// Determinism: every output element is owned by exactly one thread of one block, and its sum
+// runs in an order fixed by the shapes (tensor-core mma over k-tiles in increasing order, or a
+// fixed per-lane order followed by a butterfly). No atomics.
+
+#define GT_M 64                  // rows of a block tile (output rows)
+#define GT_N 64                  // columns of a block tile (output columns)
+#define GT_K 32                  // reduction depth of one shared-memory stage
+#define GT_LD (GT_K + 8)         // shared row stride in bf16 (80 bytes: 16-byte multiple, no
+                                 // bank conflicts on the fragment loads)
+#define GT_THREADS 128           // 4 warps, 2 x 2, each owning a 32 x 32 output tile
+#define NO_EXPERT 0xFFFFFFFFu
+
+// Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
+__device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
+    hi = min(off[e + 1], R);
+    lo = min(off[e], hi);
+}
+
+// Maps row tile t (blockIdx.x) to (expert, first row, end row): tiles are numbered expert by
+// expert, ceil(rows_e / GT_M) per expert. Warp 0 scans the offsets 32 experts at a time
+// (inclusive warp scan of the tile counts); job[0] = NO_EXPERT when t is a surplus tile.
+__device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t, u32* job) {
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u32 carry = 0;
+        bool found = false;
+        for (u32 base = 0; base < E; base += 32) {
+            const u32 e = base + lane;
+            u32 lo = 0, hi = 0, nt = 0;
+            if (e < E) {
+                expert_rows(off, e, R, lo, hi);
+                nt = (hi - lo + GT_M - 1) / GT_M;
+            }
+            u32 inc = nt;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_up_sync(FULL_MASK, inc, o);
+                if ((int)lane >= o) inc += v;
+            }
+            const u32 exc = inc - nt;
+            const bool mine = nt > 0 && t >= carry + exc && t < carry + inc;
+            if (mine) {
+                job[0] = e;
+                job[1] = lo + (t - carry - exc) * GT_M;
+                job[2] = hi;
+            }
+            if (__ballot_sync(FULL_MASK, mine) != 0) {
+                found = true;
+                break;
+            }
+            carry += __shfl_sync(FULL_MASK, inc, 31);
+        }
+        if (!found && lane == 0) job[0] = NO_EXPERT;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 ld_u32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+
+// d += a · b for one m16n8k16 tile (BF16 operands, f32 accumulator).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc += As · Bsᵀ over one stage: As [GT_M][GT_K] (output rows × reduction), Bs [GT_N][GT_K]
+// (output columns × reduction), both reduction-contiguous in shared memory. Warp w owns rows
+// (w >> 1)·32 .. +32 and columns (w & 1)·32 .. +32: 2 × 4 mma tiles per k16 step.
+// Fragment layout (PTX ISA, mma.m16n8k16 .bf16): g = lane / 4, t = lane % 4;
+// A regs: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..);
+// B regs: (k 2t..2t+1, n g), (k 2t+8..2t+9, n g); C: (g, 2t..2t+1), (g+8, 2t..2t+1).
+__device__ __forceinline__ void mma_stage(const u16 (*As)[GT_LD], const u16 (*Bs)[GT_LD], float acc[2][4][4]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+#pragma unroll
+    for (int kk = 0; kk < GT_K; kk += 16) {
+        u32 a[2][4], b[4][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = wm + i * 16 + g;
+            a[i][0] = ld_u32(&As[r][kk + 2 * t]);
+            a[i][1] = ld_u32(&As[r + 8][kk + 2 * t]);
+            a[i][2] = ld_u32(&As[r][kk + 2 * t + 8]);
+            a[i][3] = ld_u32(&As[r + 8][kk + 2 * t + 8]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int c = wn + j * 8 + g;
+            b[j][0] = ld_u32(&Bs[c][kk + 2 * t]);
+            b[j][1] = ld_u32(&Bs[c][kk + 2 * t + 8]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
+    }
+}
+
+// tile[i][j] = src[(row0 + i)·ld + col0 + j] for row0 + i < row_end and col0 + j < col_end,
+// else 0 (i < ROWS, j < GT_K). 16-byte loads along j: ld, col0 and col_end are multiples of 8
+// and src is 16-byte aligned, so a vector is entirely inside or entirely outside.
+template <int ROWS>
+__device__ __forceinline__ void load_direct(u16 (*tile)[GT_LD], const u16* __restrict__ src, u64 ld, u64 row0,
+                                            u64 row_end, u64 col0, u64 col_end) {
+    constexpr int VPR = GT_K / 8;
+    for (int v = threadIdx.x; v < ROWS * VPR; v += GT_THREADS) {
+        const int i = v / VPR, j = (v % VPR) * 8;
+        const u64 r = row0 + i, c = col0 + j;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (r < row_end && c < col_end) val = *reinterpret_cast<const uint4*>(src + r * ld + c);
+        *reinterpret_cast<uint4*>(&tile[i][j]) = val;
+    }
+}
+
+// tile[i][j] = src[(red0 + j)·ld + out0 + i] for red0 + j < red_end and out0 + i < out_end,
+// else 0 (i < ROWS, j < GT_K): the source is contiguous along the tile's rows (a transposed
+// load). 16-byte loads along i (ld, out0, out_end multiples of 8), scattered into shared memory.
+template <int ROWS>
+__device__ __forceinline__ void load_trans(u16 (*tile)[GT_LD], const u16* __restrict__ src, u64 ld, u64 red0,
+                                           u64 red_end, u64 out0, u64 out_end) {
+    constexpr int VPR = ROWS / 8;
+    for (int v = threadIdx.x; v < GT_K * VPR; v += GT_THREADS) {
+        const int j = v / VPR, i = (v % VPR) * 8;
+        const u64 rr = red0 + j, c = out0 + i;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (rr < red_end && c < out_end) val = *reinterpret_cast<const uint4*>(src + rr * ld + c);
+        const u32 w[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            tile[i + 2 * q][j] = (u16)(w[q] & 0xFFFFu);
+            tile[i + 2 * q + 1][j] = (u16)(w[q] >> 16);
+        }
+    }
+}
+
+// out[(row0 + m)·ld + col0 + c] (+)= acc for the block tile, rows < row_end, columns < col_end
+// (col_end a multiple of 8, so a column pair is entirely inside or outside). With `accumulate`
+// the stored value is old + acc (one f32 addition).
+__device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
+                                           u64 col_end, const float acc[2][4][4], bool accumulate) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u64 c = col0 + wn + j * 8 + 2 * t;
+            if (c >= col_end) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u64 r = row0 + wm + i * 16 + g + h * 8;
+                if (r >= row_end) continue;
+                float2* p = reinterpret_cast<float2*>(out + r * ld + c);
+                float2 v = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                if (accumulate) {
+                    const float2 o = *p;
+                    v.x = __fadd_rn(o.x, v.x);
+                    v.y = __fadd_rn(o.y, v.y);
+                }
+                *p = v;
+            }
+        }
+}
+
+// Forward: y[r, n] = Σ_k x[r, k]·w[e][n, k] for every row r of expert e.
+// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(R/GT_M) + E, ceil(N/GT_N)); block
+// x-index = row tile (expert-major), surplus tiles exit.
+extern "C" __global__ void __launch_bounds__(GT_THREADS)
+    grouped_nt_tiled(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
+                     float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+    __shared__ u32 job[3];
+    __shared__ __align__(16) u16 As[GT_M][GT_LD];
+    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
+    locate_row_tile(off, E, R, blockIdx.x, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 n0 = (u64)blockIdx.y * GT_N;
+    const u16* we = w + e * (u64)N * K;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    for (u64 k0 = 0; k0 < K; k0 += GT_K) {
+        load_direct<GT_M>(As, x, K, r0, r1, k0, K);
+        load_direct<GT_N>(Bs, we, K, n0, N, k0, K);
+        __syncthreads();
+        mma_stage(As, Bs, acc);
+        __syncthreads();
+    }
+    store_tile(y, N, r0, r1, n0, N, acc, false);
+}
+
+// Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
+// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(R/GT_M) + E, ceil(K/GT_N)).
+extern "C" __global__ void __launch_bounds__(GT_THREADS)
+    grouped_nn_tiled(const u16* __restrict__ dy, const u16* __restrict__ w, const u32* __restrict__ off,
+                     float* __restrict__ dx, u32 E, u32 R, u32 N, u32 K) {
+    __shared__ u32 job[3];
+    __shared__ __align__(16) u16 As[GT_M][GT_LD];
+    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
+    locate_row_tile(off, E, R, blockIdx.x, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 c0 = (u64)blockIdx.y * GT_N;  // first output column (index into K)
+    const u16* we = w + e * (u64)N * K;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    for (u64 n0 = 0; n0 < N; n0 += GT_K) {
+        load_direct<GT_M>(As, dy, N, r0, r1, n0, N);
+        load_trans<GT_N>(Bs, we, K, n0, N, c0, K);
+        __syncthreads();
+        mma_stage(As, Bs, acc);
+        __syncthreads();
+    }
+    store_tile(dx, K, r0, r1, c0, K, acc, false);
+}
+
+// Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
+// dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/GT_M), ceil(K/GT_N), E); a
+// block of an expert with no rows exits without touching dw.
+extern "C" __global__ void __launch_bounds__(GT_THREADS)
+    grouped_tn_tiled(const u16* __restrict__ dy, const u16* __restrict__ x, const u32* __restrict__ off,
+                     float* __restrict__ dw, u32 E, u32 R, u32 N, u32 K) {
+    __shared__ __align__(16) u16 As[GT_M][GT_LD];
+    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
+    const u32 e = blockIdx.z;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    const u64 n0 = (u64)blockIdx.x * GT_M, k0 = (u64)blockIdx.y * GT_N;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    for (u64 r = lo; r < hi; r += GT_K) {
+        load_trans<GT_M>(As, dy, N, r, hi, n0, N);
+        load_trans<GT_N>(Bs, x, K, r, hi, k0, K);
+        __syncthreads();
+        mma_stage(As, Bs, acc);
+        __syncthreads();
+    }
+    store_tile(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+}
+
+// ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte
+// loads, and applied to all its rows (up to SM_RB rows per pass; more rows take more passes
+// over the same, cache-resident, weight slice).
+#define SM_WARPS 8
+#define SM_NB 4    // output columns per warp
+#define SM_RB 8    // rows per pass
+
+__device__ __forceinline__ void widen8(uint4 v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        f[2 * q] = __uint_as_float(w[q] << 16);
+        f[2 * q + 1] = __uint_as_float(w[q] & 0xFFFF0000u);
+    }
+}
+
+// Forward, small M: y[r, n] = Σ_k x[r, k]·w[e][n, k] (same operands and layout as
+// grouped_nt_tiled). Grid (ceil(N / (SM_WARPS·SM_NB)), E), block SM_WARPS·32. Warp w of block
+// (bx, e) owns columns (bx·SM_WARPS + w)·SM_NB .. +SM_NB of expert e. Lane l sums k = 8l + 256i
+// + h in increasing i then h (f32, separate multiply and add), then a butterfly over the lanes.
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    grouped_nt_small_m(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
+                       float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 n0 = ((u64)blockIdx.x * SM_WARPS + warp) * SM_NB;
+    if (n0 >= N) return;  // N is a multiple of 8, so n0 < N implies n0 + SM_NB <= N
+    const u16* we = w + (u64)e * N * K + n0 * K;
+    for (u64 rb = lo; rb < hi; rb += SM_RB) {
+        const u32 nr = (u32)min((u64)SM_RB, hi - rb);
+        float acc[SM_RB][SM_NB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r)
+#pragma unroll
+            for (int q = 0; q < SM_NB; ++q) acc[r][q] = 0.0f;
+        for (u64 k = (u64)lane * 8; k < K; k += 256) {
+            float wv[SM_NB][8];
+#pragma unroll
+            for (int q = 0; q < SM_NB; ++q) widen8(*reinterpret_cast<const uint4*>(we + q * (u64)K + k), wv[q]);
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) {
+                if ((u32)r < nr) {
+                    float xv[8];
+                    widen8(*reinterpret_cast<const uint4*>(x + (rb + r) * K + k), xv);
+#pragma unroll
+                    for (int q = 0; q < SM_NB; ++q)
+#pragma unroll
+                        for (int h = 0; h < 8; ++h) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(xv[h], wv[q][h]));
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) {
+            if ((u32)r < nr) {
+#pragma unroll
+                for (int q = 0; q < SM_NB; ++q) {
+                    const float s = warp_sum(acc[r][q]);
+                    if (lane == q) y[(rb + r) * N + n0 + q] = s;
+                }
+            }
+        }
+    }
+}
