@@ -69,7 +69,44 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
     __syncthreads();
 }
 
-__device__ __forceinline__ u32 ld_u32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+// ---- Tensor-core main loop. A block computes a GT_M × GT_N output tile as Σ over reduction
+// stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
+// "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
+// contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
+// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), two
+// stages in flight, and fragments come from ldmatrix (.trans for MN-contiguous tiles).
+
+#define MN_LD(ROWS) ((ROWS) + 8)  // row stride of an MN-contiguous tile (bf16; 144 bytes)
+
+// An operand: element (o, r) (output index o, reduction index r) is p[o·ld + r] when K-
+// contiguous, p[r·ld + o] when MN-contiguous; valid for o < out_end, r < red_end.
+struct Operand {
+    const u16* p;
+    u64 ld, out0, out_end, red_end;
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const u32 n = valid ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
 
 // d += a · b for one m16n8k16 tile (BF16 operands, f32 accumulator).
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
@@ -80,80 +117,119 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// acc += As · Bsᵀ over one stage: As [GT_M][GT_K] (output rows × reduction), Bs [GT_N][GT_K]
-// (output columns × reduction), both reduction-contiguous in shared memory. Warp w owns rows
-// (w >> 1)·32 .. +32 and columns (w & 1)·32 .. +32: 2 × 4 mma tiles per k16 step.
-// Fragment layout (PTX ISA, mma.m16n8k16 .bf16): g = lane / 4, t = lane % 4;
-// A regs: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..);
-// B regs: (k 2t..2t+1, n g), (k 2t+8..2t+9, n g); C: (g, 2t..2t+1), (g+8, 2t..2t+1).
-__device__ __forceinline__ void mma_stage(const u16 (*As)[GT_LD], const u16 (*Bs)[GT_LD], float acc[2][4][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+// Issues the cp.async copies of one ROWS × GT_K stage of `op` (reduction indices red0 ..
+// red0 + GT_K) into `tile`. ld, out0, out_end (and red_end for MN-contiguous operands) are
+// multiples of 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely
+// outside; K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the
+// wgrad's row reduction, always MN-contiguous.
+template <bool MN, int ROWS>
+__device__ __forceinline__ void issue_stage(u16* tile, const Operand& op, u64 red0) {
+    if (!MN) {
+        constexpr int VPR = GT_K / 8;
+        for (int v = threadIdx.x; v < ROWS * VPR; v += GT_THREADS) {
+            const int i = v / VPR, j = (v % VPR) * 8;
+            const u64 o = op.out0 + i, r = red0 + j;
+            const bool ok = o < op.out_end && r < op.red_end;
+            cp_async16(tile + i * GT_LD + j, ok ? op.p + o * op.ld + r : op.p, ok);
+        }
+    } else {
+        constexpr int VPR = ROWS / 8;
+        for (int v = threadIdx.x; v < GT_K * VPR; v += GT_THREADS) {
+            const int j = v / VPR, i = (v % VPR) * 8;
+            const u64 o = op.out0 + i, r = red0 + j;
+            const bool ok = o < op.out_end && r < op.red_end;
+            cp_async16(tile + j * MN_LD(ROWS) + i, ok ? op.p + r * op.ld + o : op.p, ok);
+        }
+    }
+}
+
+// A fragment (16 output rows from m0, reduction kk .. kk+16) of the mma.m16n8k16 layout
+// (PTX ISA: g = lane / 4, t = lane % 4; regs (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+// (g+8, 2t+8..)): ldmatrix matrix i ∈ 0..4 covers rows m0 + 8·(i & 1), reduction kk + 8·(i >> 1);
+// lane l supplies row l % 8 of matrix l / 8.
+template <bool MN, int ROWS>
+__device__ __forceinline__ void frag_a(u32* a, const u16* tile, int m0, int kk) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    if (!MN)
+        ldsm_x4(a, tile + (m0 + 8 * (i & 1) + j) * GT_LD + kk + 8 * (i >> 1));
+    else
+        ldsm_x4_trans(a, tile + (kk + 8 * (i >> 1) + j) * MN_LD(ROWS) + m0 + 8 * (i & 1));
+}
+
+// B fragments of two n8 tiles (output columns n0 .. n0+16, reduction kk .. kk+16; regs
+// (k 2t..2t+1, n g), (k 2t+8.., n g)): matrix i covers columns n0 + 8·(i >> 1), reduction
+// kk + 8·(i & 1), so r = {b0[0], b0[1], b1[0], b1[1]}.
+template <bool MN, int ROWS>
+__device__ __forceinline__ void frag_b2(u32* r, const u16* tile, int n0, int kk) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    if (!MN)
+        ldsm_x4(r, tile + (n0 + 8 * (i >> 1) + j) * GT_LD + kk + 8 * (i & 1));
+    else
+        ldsm_x4_trans(r, tile + (kk + 8 * (i & 1) + j) * MN_LD(ROWS) + n0 + 8 * (i >> 1));
+}
+
+template <bool MN, int ROWS>
+struct TileSize {
+    static constexpr int elems = MN ? GT_K * MN_LD(ROWS) : ROWS * GT_LD;
+};
+
+// acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's GT_M × GT_N tile, the
+// reduction in stages of GT_K in increasing order (fixed: deterministic). Warp w owns output
+// rows (w >> 1)·32 .. +32 and columns (w & 1)·32 .. +32 (2 × 4 mma tiles per k16 step).
+template <bool A_MN, bool B_MN>
+__device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
+                                         float acc[2][4][4]) {
+    __shared__ __align__(128) u16 As[2][TileSize<A_MN, GT_M>::elems];
+    __shared__ __align__(128) u16 Bs[2][TileSize<B_MN, GT_N>::elems];
+    const int warp = threadIdx.x >> 5;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
 #pragma unroll
-    for (int kk = 0; kk < GT_K; kk += 16) {
-        u32 a[2][4], b[4][2];
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = wm + i * 16 + g;
-            a[i][0] = ld_u32(&As[r][kk + 2 * t]);
-            a[i][1] = ld_u32(&As[r + 8][kk + 2 * t]);
-            a[i][2] = ld_u32(&As[r][kk + 2 * t + 8]);
-            a[i][3] = ld_u32(&As[r + 8][kk + 2 * t + 8]);
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    const u64 nk = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
+    if (nk == 0) return;
+    issue_stage<A_MN, GT_M>(As[0], A, red_lo);
+    issue_stage<B_MN, GT_N>(Bs[0], B, red_lo);
+    cp_async_commit();
+    for (u64 kt = 0; kt < nk; ++kt) {
+        const int cur = (int)(kt & 1);
+        if (kt + 1 < nk) {
+            issue_stage<A_MN, GT_M>(As[cur ^ 1], A, red_lo + (kt + 1) * GT_K);
+            issue_stage<B_MN, GT_N>(Bs[cur ^ 1], B, red_lo + (kt + 1) * GT_K);
         }
+        cp_async_commit();   // possibly empty: keeps "all but the newest group" = stage kt
+        cp_async_wait_1();
+        __syncthreads();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int c = wn + j * 8 + g;
-            b[j][0] = ld_u32(&Bs[c][kk + 2 * t]);
-            b[j][1] = ld_u32(&Bs[c][kk + 2 * t + 8]);
+        for (int kk = 0; kk < GT_K; kk += 16) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) frag_a<A_MN, GT_M>(a[i], As[cur], wm + 16 * i, kk);
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 r[4];
+                frag_b2<B_MN, GT_N>(r, Bs[cur], wn + 8 * j, kk);
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
         }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
-    }
-}
-
-// tile[i][j] = src[(row0 + i)·ld + col0 + j] for row0 + i < row_end and col0 + j < col_end,
-// else 0 (i < ROWS, j < GT_K). 16-byte loads along j: ld, col0 and col_end are multiples of 8
-// and src is 16-byte aligned, so a vector is entirely inside or entirely outside.
-template <int ROWS>
-__device__ __forceinline__ void load_direct(u16 (*tile)[GT_LD], const u16* __restrict__ src, u64 ld, u64 row0,
-                                            u64 row_end, u64 col0, u64 col_end) {
-    constexpr int VPR = GT_K / 8;
-    for (int v = threadIdx.x; v < ROWS * VPR; v += GT_THREADS) {
-        const int i = v / VPR, j = (v % VPR) * 8;
-        const u64 r = row0 + i, c = col0 + j;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (r < row_end && c < col_end) val = *reinterpret_cast<const uint4*>(src + r * ld + c);
-        *reinterpret_cast<uint4*>(&tile[i][j]) = val;
-    }
-}
-
-// tile[i][j] = src[(red0 + j)·ld + out0 + i] for red0 + j < red_end and out0 + i < out_end,
-// else 0 (i < ROWS, j < GT_K): the source is contiguous along the tile's rows (a transposed
-// load). 16-byte loads along i (ld, out0, out_end multiples of 8), scattered into shared memory.
-template <int ROWS>
-__device__ __forceinline__ void load_trans(u16 (*tile)[GT_LD], const u16* __restrict__ src, u64 ld, u64 red0,
-                                           u64 red_end, u64 out0, u64 out_end) {
-    constexpr int VPR = ROWS / 8;
-    for (int v = threadIdx.x; v < GT_K * VPR; v += GT_THREADS) {
-        const int j = v / VPR, i = (v % VPR) * 8;
-        const u64 rr = red0 + j, c = out0 + i;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (rr < red_end && c < out_end) val = *reinterpret_cast<const uint4*>(src + rr * ld + c);
-        const u32 w[4] = {val.x, val.y, val.z, val.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            tile[i + 2 * q][j] = (u16)(w[q] & 0xFFFFu);
-            tile[i + 2 * q + 1][j] = (u16)(w[q] >> 16);
-        }
+        __syncthreads();  // the next iteration refills this stage's buffers
     }
 }
 
 // out[(row0 + m)·ld + col0 + c] (+)= acc for the block tile, rows < row_end, columns < col_end
-// (col_end a multiple of 8, so a column pair is entirely inside or outside). With `accumulate`
-// the stored value is old + acc (one f32 addition).
+// (col_end a multiple of 8, so a column pair is entirely inside or outside). C fragment: regs
+// (g, 2t..2t+1), (g+8, 2t..2t+1). With `accumulate` the stored value is old + acc (one f32
+// addition).
 __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
                                            u64 col_end, const float acc[2][4][4], bool accumulate) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -188,27 +264,14 @@ extern "C" __global__ void __launch_bounds__(GT_THREADS)
     grouped_nt_tiled(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
                      float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
     __shared__ u32 job[3];
-    __shared__ __align__(16) u16 As[GT_M][GT_LD];
-    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
     locate_row_tile(off, E, R, blockIdx.x, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
     const u64 n0 = (u64)blockIdx.y * GT_N;
-    const u16* we = w + e * (u64)N * K;
+    const Operand A = {x, K, r0, r1, K};
+    const Operand B = {w + e * (u64)N * K, K, n0, N, K};
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    for (u64 k0 = 0; k0 < K; k0 += GT_K) {
-        load_direct<GT_M>(As, x, K, r0, r1, k0, K);
-        load_direct<GT_N>(Bs, we, K, n0, N, k0, K);
-        __syncthreads();
-        mma_stage(As, Bs, acc);
-        __syncthreads();
-    }
+    mainloop<false, false>(A, B, 0, K, acc);
     store_tile(y, N, r0, r1, n0, N, acc, false);
 }
 
@@ -218,57 +281,33 @@ extern "C" __global__ void __launch_bounds__(GT_THREADS)
     grouped_nn_tiled(const u16* __restrict__ dy, const u16* __restrict__ w, const u32* __restrict__ off,
                      float* __restrict__ dx, u32 E, u32 R, u32 N, u32 K) {
     __shared__ u32 job[3];
-    __shared__ __align__(16) u16 As[GT_M][GT_LD];
-    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
     locate_row_tile(off, E, R, blockIdx.x, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
     const u64 c0 = (u64)blockIdx.y * GT_N;  // first output column (index into K)
-    const u16* we = w + e * (u64)N * K;
+    const Operand A = {dy, N, r0, r1, N};
+    const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    for (u64 n0 = 0; n0 < N; n0 += GT_K) {
-        load_direct<GT_M>(As, dy, N, r0, r1, n0, N);
-        load_trans<GT_N>(Bs, we, K, n0, N, c0, K);
-        __syncthreads();
-        mma_stage(As, Bs, acc);
-        __syncthreads();
-    }
+    mainloop<false, true>(A, B, 0, N, acc);
     store_tile(dx, K, r0, r1, c0, K, acc, false);
 }
 
 // Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
 // dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/GT_M), ceil(K/GT_N), E); a
-// block of an expert with no rows exits without touching dw.
+// block of an expert with no rows exits without touching dw. The reduction runs over the
+// expert's rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
 extern "C" __global__ void __launch_bounds__(GT_THREADS)
     grouped_tn_tiled(const u16* __restrict__ dy, const u16* __restrict__ x, const u32* __restrict__ off,
                      float* __restrict__ dw, u32 E, u32 R, u32 N, u32 K) {
-    __shared__ __align__(16) u16 As[GT_M][GT_LD];
-    __shared__ __align__(16) u16 Bs[GT_N][GT_LD];
     const u32 e = blockIdx.z;
     u32 lo, hi;
     expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;
     const u64 n0 = (u64)blockIdx.x * GT_M, k0 = (u64)blockIdx.y * GT_N;
+    const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
+    const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    for (u64 r = lo; r < hi; r += GT_K) {
-        load_trans<GT_M>(As, dy, N, r, hi, n0, N);
-        load_trans<GT_N>(Bs, x, K, r, hi, k0, K);
-        __syncthreads();
-        mma_stage(As, Bs, acc);
-        __syncthreads();
-    }
+    mainloop<true, true>(A, B, lo, hi, acc);
     store_tile(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
 }
 
