@@ -20,7 +20,7 @@ mod bench {
     use cudarc::driver::sys::CUevent_flags;
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
-    use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath};
+    use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile};
     use rand::seq::index::sample;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
@@ -179,112 +179,63 @@ mod bench {
             let wb = (EXPERTS * n * k * 2) as f64;
             let cp = copy_ms(&g, reps, EXPERTS * n * k * 2);
             let case = format!("train {TRAIN_TOKENS} tok, {name} N={n} K={k}");
-            // Forward.
-            let t = time(&g, reps, || {
-                ops.grouped_nt_tiled(
-                    &a.as_view(),
-                    &w.as_view(),
-                    &off.as_view(),
-                    &mut out.as_view_mut(),
-                    s,
-                )
-                .expect("grouped nt");
-            });
-            let cb = time(&g, reps, || {
-                ops.dense_nt(&a.as_view(), &w.as_view(), &mut out.as_view_mut(), r, n, k)
-                    .expect("dense nt");
-            });
-            rows_out.push(Row {
-                case: case.clone(),
-                op: "fwd grouped tiled".into(),
-                ms: t,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: Some(cb),
-            });
-            rows_out.push(Row {
-                case: case.clone(),
-                op: "fwd cuBLAS dense".into(),
-                ms: cb,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: None,
-            });
-            // Dgrad.
-            let t = time(&g, reps, || {
-                ops.grouped_nn(
-                    &d.as_view(),
-                    &w.as_view(),
-                    &off.as_view(),
-                    &mut out.as_view_mut(),
-                    s,
-                )
-                .expect("grouped nn");
-            });
-            let cb = time(&g, reps, || {
-                ops.dense_nn(&d.as_view(), &w.as_view(), &mut out.as_view_mut(), r, n, k)
-                    .expect("dense nn");
-            });
-            rows_out.push(Row {
-                case: case.clone(),
-                op: "dgrad grouped tiled".into(),
-                ms: t,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: Some(cb),
-            });
-            rows_out.push(Row {
-                case: case.clone(),
-                op: "dgrad cuBLAS dense".into(),
-                ms: cb,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: None,
-            });
-            // Wgrad (accumulating into dW).
-            let t = time(&g, reps, || {
-                ops.grouped_tn(
-                    &d.as_view(),
-                    &a.as_view(),
-                    &off.as_view(),
-                    &mut dw_max.as_view_mut(),
-                    s,
-                )
-                .expect("grouped tn");
-            });
-            let cb = time(&g, reps, || {
-                ops.dense_tn(
-                    &d.as_view(),
-                    &a.as_view(),
-                    &mut dw_max.as_view_mut(),
-                    r,
-                    n,
-                    k,
-                )
-                .expect("dense tn");
-            });
-            rows_out.push(Row {
-                case: case.clone(),
-                op: "wgrad grouped tiled".into(),
-                ms: t,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: Some(cb),
-            });
-            rows_out.push(Row {
-                case,
-                op: "wgrad cuBLAS dense".into(),
-                ms: cb,
-                flops,
-                weight_bytes: wb,
-                copy_ms: cp,
-                cublas_ms: None,
-            });
+            for op in ["fwd", "dgrad", "wgrad"] {
+                let cb = time(&g, reps, || {
+                    let (av, dv, wv) = (a.as_view(), d.as_view(), w.as_view());
+                    match op {
+                        "fwd" => ops.dense_nt(&av, &wv, &mut out.as_view_mut(), r, n, k),
+                        "dgrad" => ops.dense_nn(&dv, &wv, &mut out.as_view_mut(), r, n, k),
+                        _ => ops.dense_tn(&dv, &av, &mut dw_max.as_view_mut(), r, n, k),
+                    }
+                    .expect("cuBLAS");
+                });
+                for tile in Tile::ALL {
+                    let t = time(&g, reps, || {
+                        let (av, dv, wv, ov) =
+                            (a.as_view(), d.as_view(), w.as_view(), off.as_view());
+                        match op {
+                            "fwd" => ops.grouped_nt_tiled_with(
+                                tile,
+                                &av,
+                                &wv,
+                                &ov,
+                                &mut out.as_view_mut(),
+                                s,
+                            ),
+                            "dgrad" => {
+                                ops.grouped_nn_with(tile, &dv, &wv, &ov, &mut out.as_view_mut(), s)
+                            }
+                            _ => ops.grouped_tn_with(
+                                tile,
+                                &dv,
+                                &av,
+                                &ov,
+                                &mut dw_max.as_view_mut(),
+                                s,
+                            ),
+                        }
+                        .expect("grouped");
+                    });
+                    rows_out.push(Row {
+                        case: case.clone(),
+                        op: format!("{op} grouped {tile:?}"),
+                        ms: t,
+                        flops,
+                        weight_bytes: wb,
+                        copy_ms: cp,
+                        cublas_ms: Some(cb),
+                    });
+                }
+                rows_out.push(Row {
+                    case: case.clone(),
+                    op: format!("{op} cuBLAS dense"),
+                    ms: cb,
+                    flops,
+                    weight_bytes: wb,
+                    copy_ms: cp,
+                    cublas_ms: None,
+                });
+            }
         }
 
         // ---- Decode steps: batch tokens × top-8 rows, random routing.

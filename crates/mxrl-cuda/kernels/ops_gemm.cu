@@ -16,12 +16,11 @@
 // runs in an order fixed by the shapes (tensor-core mma over k-tiles in increasing order, or a
 // fixed per-lane order followed by a butterfly). No atomics.
 
-#define GT_M 64                  // rows of a block tile (output rows)
-#define GT_N 64                  // columns of a block tile (output columns)
+// Block tiles: BM × BN outputs (64 × 64 with 4 warps, or 128 × 128 with 8 warps), the warps
+// arranged 2 × (BN / 32), each owning a (BM / 2) × 32 output tile.
 #define GT_K 32                  // reduction depth of one shared-memory stage
-#define GT_LD (GT_K + 8)         // shared row stride in bf16 (80 bytes: 16-byte multiple, no
-                                 // bank conflicts on the fragment loads)
-#define GT_THREADS 128           // 4 warps, 2 x 2, each owning a 32 x 32 output tile
+#define GT_LD (GT_K + 8)         // K-contiguous row stride in bf16 (80 bytes: 16-byte multiple,
+                                 // conflict-free ldmatrix rows)
 #define NO_EXPERT 0xFFFFFFFFu
 
 // Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
@@ -31,8 +30,9 @@ __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, 
 }
 
 // Maps row tile t (blockIdx.x) to (expert, first row, end row): tiles are numbered expert by
-// expert, ceil(rows_e / GT_M) per expert. Warp 0 scans the offsets 32 experts at a time
+// expert, ceil(rows_e / BM) per expert. Warp 0 scans the offsets 32 experts at a time
 // (inclusive warp scan of the tile counts); job[0] = NO_EXPERT when t is a surplus tile.
+template <int BM>
 __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t, u32* job) {
     if (threadIdx.x < 32) {
         const u32 lane = threadIdx.x;
@@ -43,7 +43,7 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
             u32 lo = 0, hi = 0, nt = 0;
             if (e < E) {
                 expert_rows(off, e, R, lo, hi);
-                nt = (hi - lo + GT_M - 1) / GT_M;
+                nt = (hi - lo + BM - 1) / BM;
             }
             u32 inc = nt;
 #pragma unroll
@@ -55,7 +55,7 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
             const bool mine = nt > 0 && t >= carry + exc && t < carry + inc;
             if (mine) {
                 job[0] = e;
-                job[1] = lo + (t - carry - exc) * GT_M;
+                job[1] = lo + (t - carry - exc) * BM;
                 job[2] = hi;
             }
             if (__ballot_sync(FULL_MASK, mine) != 0) {
@@ -69,7 +69,7 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
     __syncthreads();
 }
 
-// ---- Tensor-core main loop. A block computes a GT_M × GT_N output tile as Σ over reduction
+// ---- Tensor-core main loop. A block computes a BM × BN output tile as Σ over reduction
 // stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
 // "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
 // contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
@@ -122,11 +122,11 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 // multiples of 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely
 // outside; K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the
 // wgrad's row reduction, always MN-contiguous.
-template <bool MN, int ROWS>
+template <bool MN, int ROWS, int THREADS>
 __device__ __forceinline__ void issue_stage(u16* tile, const Operand& op, u64 red0) {
     if (!MN) {
         constexpr int VPR = GT_K / 8;
-        for (int v = threadIdx.x; v < ROWS * VPR; v += GT_THREADS) {
+        for (int v = threadIdx.x; v < ROWS * VPR; v += THREADS) {
             const int i = v / VPR, j = (v % VPR) * 8;
             const u64 o = op.out0 + i, r = red0 + j;
             const bool ok = o < op.out_end && r < op.red_end;
@@ -134,7 +134,7 @@ __device__ __forceinline__ void issue_stage(u16* tile, const Operand& op, u64 re
         }
     } else {
         constexpr int VPR = ROWS / 8;
-        for (int v = threadIdx.x; v < GT_K * VPR; v += GT_THREADS) {
+        for (int v = threadIdx.x; v < GT_K * VPR; v += THREADS) {
             const int j = v / VPR, i = (v % VPR) * 8;
             const u64 o = op.out0 + i, r = red0 + j;
             const bool ok = o < op.out_end && r < op.red_end;
@@ -173,52 +173,62 @@ struct TileSize {
     static constexpr int elems = MN ? GT_K * MN_LD(ROWS) : ROWS * GT_LD;
 };
 
-// acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's GT_M × GT_N tile, the
+// acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's BM × BN tile, the
 // reduction in stages of GT_K in increasing order (fixed: deterministic). Warp w owns output
-// rows (w >> 1)·32 .. +32 and columns (w & 1)·32 .. +32 (2 × 4 mma tiles per k16 step).
-template <bool A_MN, bool B_MN>
+// rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·32 .. +32: MI × 4 mma tiles
+// per k16 step (MI = BM / 32).
+template <int BM, int BN>
+struct Cfg {
+    static constexpr int WN_WARPS = BN / 32;
+    static constexpr int THREADS = 64 * WN_WARPS;
+    static constexpr int WM = BM / 2;
+    static constexpr int MI = WM / 16;
+};
+
+template <int BM, int BN, bool A_MN, bool B_MN>
 __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
-                                         float acc[2][4][4]) {
-    __shared__ __align__(128) u16 As[2][TileSize<A_MN, GT_M>::elems];
-    __shared__ __align__(128) u16 Bs[2][TileSize<B_MN, GT_N>::elems];
+                                         float acc[Cfg<BM, BN>::MI][4][4]) {
+    typedef Cfg<BM, BN> C;
+    __shared__ __align__(128) u16 As[2][TileSize<A_MN, BM>::elems];
+    __shared__ __align__(128) u16 Bs[2][TileSize<B_MN, BN>::elems];
     const int warp = threadIdx.x >> 5;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < C::MI; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
     const u64 nk = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
     if (nk == 0) return;
-    issue_stage<A_MN, GT_M>(As[0], A, red_lo);
-    issue_stage<B_MN, GT_N>(Bs[0], B, red_lo);
+    issue_stage<A_MN, BM, C::THREADS>(As[0], A, red_lo);
+    issue_stage<B_MN, BN, C::THREADS>(Bs[0], B, red_lo);
     cp_async_commit();
     for (u64 kt = 0; kt < nk; ++kt) {
         const int cur = (int)(kt & 1);
         if (kt + 1 < nk) {
-            issue_stage<A_MN, GT_M>(As[cur ^ 1], A, red_lo + (kt + 1) * GT_K);
-            issue_stage<B_MN, GT_N>(Bs[cur ^ 1], B, red_lo + (kt + 1) * GT_K);
+            issue_stage<A_MN, BM, C::THREADS>(As[cur ^ 1], A, red_lo + (kt + 1) * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs[cur ^ 1], B, red_lo + (kt + 1) * GT_K);
         }
-        cp_async_commit();   // possibly empty: keeps "all but the newest group" = stage kt
+        cp_async_commit();  // possibly empty: keeps "all but the newest group" = stage kt
         cp_async_wait_1();
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < GT_K; kk += 16) {
-            u32 a[2][4], b[4][2];
+            u32 a[C::MI][4], b[4][2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) frag_a<A_MN, GT_M>(a[i], As[cur], wm + 16 * i, kk);
+            for (int i = 0; i < C::MI; ++i) frag_a<A_MN, BM>(a[i], As[cur], wm + 16 * i, kk);
 #pragma unroll
             for (int j = 0; j < 4; j += 2) {
                 u32 r[4];
-                frag_b2<B_MN, GT_N>(r, Bs[cur], wn + 8 * j, kk);
+                frag_b2<B_MN, BN>(r, Bs[cur], wn + 8 * j, kk);
                 b[j][0] = r[0];
                 b[j][1] = r[1];
                 b[j + 1][0] = r[2];
                 b[j + 1][1] = r[3];
             }
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < C::MI; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
         }
@@ -230,13 +240,15 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
 // (col_end a multiple of 8, so a column pair is entirely inside or outside). C fragment: regs
 // (g, 2t..2t+1), (g+8, 2t..2t+1). With `accumulate` the stored value is old + acc (one f32
 // addition).
+template <int BM, int BN>
 __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
-                                           u64 col_end, const float acc[2][4][4], bool accumulate) {
+                                           u64 col_end, const float acc[Cfg<BM, BN>::MI][4][4], bool accumulate) {
+    typedef Cfg<BM, BN> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < C::MI; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u64 c = col0 + wn + j * 8 + 2 * t;
@@ -258,57 +270,83 @@ __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 
 }
 
 // Forward: y[r, n] = Σ_k x[r, k]·w[e][n, k] for every row r of expert e.
-// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(R/GT_M) + E, ceil(N/GT_N)); block
+// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(R/BM) + E, ceil(N/BN)); block
 // x-index = row tile (expert-major), surplus tiles exit.
-extern "C" __global__ void __launch_bounds__(GT_THREADS)
-    grouped_nt_tiled(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
-                     float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const u16* __restrict__ w,
+                                                const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,
+                                                u32 N, u32 K) {
     __shared__ u32 job[3];
-    locate_row_tile(off, E, R, blockIdx.x, job);
+    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 n0 = (u64)blockIdx.y * GT_N;
+    const u64 n0 = (u64)blockIdx.y * BN;
     const Operand A = {x, K, r0, r1, K};
     const Operand B = {w + e * (u64)N * K, K, n0, N, K};
-    float acc[2][4][4];
-    mainloop<false, false>(A, B, 0, K, acc);
-    store_tile(y, N, r0, r1, n0, N, acc, false);
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, false, false>(A, B, 0, K, acc);
+    store_tile<BM, BN>(y, N, r0, r1, n0, N, acc, false);
 }
 
 // Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
-// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(R/GT_M) + E, ceil(K/GT_N)).
-extern "C" __global__ void __launch_bounds__(GT_THREADS)
-    grouped_nn_tiled(const u16* __restrict__ dy, const u16* __restrict__ w, const u32* __restrict__ off,
-                     float* __restrict__ dx, u32 E, u32 R, u32 N, u32 K) {
+// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(R/BM) + E, ceil(K/BN)).
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, const u16* __restrict__ w,
+                                                const u32* __restrict__ off, float* __restrict__ dx, u32 E, u32 R,
+                                                u32 N, u32 K) {
     __shared__ u32 job[3];
-    locate_row_tile(off, E, R, blockIdx.x, job);
+    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 c0 = (u64)blockIdx.y * GT_N;  // first output column (index into K)
+    const u64 c0 = (u64)blockIdx.y * BN;  // first output column (index into K)
     const Operand A = {dy, N, r0, r1, N};
     const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
-    float acc[2][4][4];
-    mainloop<false, true>(A, B, 0, N, acc);
-    store_tile(dx, K, r0, r1, c0, K, acc, false);
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, false, true>(A, B, 0, N, acc);
+    store_tile<BM, BN>(dx, K, r0, r1, c0, K, acc, false);
 }
 
 // Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
-// dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/GT_M), ceil(K/GT_N), E); a
-// block of an expert with no rows exits without touching dw. The reduction runs over the
-// expert's rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
-extern "C" __global__ void __launch_bounds__(GT_THREADS)
-    grouped_tn_tiled(const u16* __restrict__ dy, const u16* __restrict__ x, const u32* __restrict__ off,
-                     float* __restrict__ dw, u32 E, u32 R, u32 N, u32 K) {
+// dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/BM), ceil(K/BN), E); a block
+// of an expert with no rows exits without touching dw. The reduction runs over the expert's
+// rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
+                                                const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
+                                                u32 N, u32 K) {
     const u32 e = blockIdx.z;
     u32 lo, hi;
     expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;
-    const u64 n0 = (u64)blockIdx.x * GT_M, k0 = (u64)blockIdx.y * GT_N;
+    const u64 n0 = (u64)blockIdx.x * BM, k0 = (u64)blockIdx.y * BN;
     const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
-    float acc[2][4][4];
-    mainloop<true, true>(A, B, lo, hi, acc);
-    store_tile(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, true, true>(A, B, lo, hi, acc);
+    store_tile<BM, BN>(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+}
+
+#define GROUPED_ARGS                                                                                  \
+    const u16 *__restrict__ a, const u16 *__restrict__ b, const u32 *__restrict__ off, float *__restrict__ out, \
+        u32 E, u32 R, u32 N, u32 K
+// Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads.
+extern "C" __global__ void __launch_bounds__(128) grouped_nt_t64(GROUPED_ARGS) {
+    grouped_nt_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nt_t128(GROUPED_ARGS) {
+    grouped_nt_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(128) grouped_nn_t64(GROUPED_ARGS) {
+    grouped_nn_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nn_t128(GROUPED_ARGS) {
+    grouped_nn_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(128) grouped_tn_t64(GROUPED_ARGS) {
+    grouped_tn_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_tn_t128(GROUPED_ARGS) {
+    grouped_tn_body<128, 128>(a, b, off, out, E, R, N, K);
 }
 
 // ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte

@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::gpu::Gpu;
-use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, SMALL_M_ROWS_PER_EXPERT};
+use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
 use mxrl_tensor::precision::round_bf16;
 use mxrl_tensor::tolerance::{
@@ -164,7 +164,16 @@ fn reference_nt(c: &Case, x: &Bf16, w: &Bf16, sum: SumBound) -> (Vec<f32>, Vec<f
     (y, b)
 }
 
-fn run_nt(g: &Gpu, ops: &Gemm, c: &Case, x: &Bf16, w: &Bf16, path: GroupedPath) -> Vec<f32> {
+/// The forward on `path` (`tile`: the tiled path's block tile, `None` = the launcher's pick).
+fn run_nt(
+    g: &Gpu,
+    ops: &Gemm,
+    c: &Case,
+    x: &Bf16,
+    w: &Bf16,
+    path: GroupedPath,
+    tile: Option<Tile>,
+) -> Vec<f32> {
     let s = c.shape();
     let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
     let doff = g.upload(&offsets_of(&c.counts)).unwrap();
@@ -172,7 +181,10 @@ fn run_nt(g: &Gpu, ops: &Gemm, c: &Case, x: &Bf16, w: &Bf16, path: GroupedPath) 
     let (xv, wv, ov) = (dx.as_view(), dw.as_view(), doff.as_view());
     let mut yv = y.as_view_mut();
     match path {
-        GroupedPath::Tiled => ops.grouped_nt_tiled(&xv, &wv, &ov, &mut yv, s),
+        GroupedPath::Tiled => match tile {
+            Some(t) => ops.grouped_nt_tiled_with(t, &xv, &wv, &ov, &mut yv, s),
+            None => ops.grouped_nt_tiled(&xv, &wv, &ov, &mut yv, s),
+        },
         GroupedPath::SmallM => ops.grouped_nt_small_m(&xv, &wv, &ov, &mut yv, s),
     }
     .unwrap();
@@ -211,9 +223,17 @@ fn grouped_forward_tiled_and_small_m_match_reference() {
         let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
         let (want, tc) = reference_nt(&c, &x, &w, tensor_core_sum_bound);
         let (_, ieee) = reference_nt(&c, &x, &w, two_order_sum_bound);
-        let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled);
-        assert_grouped(&format!("tiled nt {c:?}"), seed, &tiled, &want, &tc);
-        let small = run_nt(&g, &ops, &c, &x, &w, GroupedPath::SmallM);
+        for tile in Tile::ALL {
+            let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled, Some(tile));
+            assert_grouped(
+                &format!("tiled {tile:?} nt {c:?}"),
+                seed,
+                &tiled,
+                &want,
+                &tc,
+            );
+        }
+        let small = run_nt(&g, &ops, &c, &x, &w, GroupedPath::SmallM, None);
         assert_grouped(&format!("small-M nt {c:?}"), seed, &small, &want, &ieee);
     }
 }
@@ -247,7 +267,7 @@ fn grouped_forward_picks_small_m_for_decode_row_counts_and_matches_it_bitwise() 
         assert_eq!(path, want_path, "seed {seed}");
         let mut auto = g.download(&y).unwrap();
         auto.truncate(s.rows * s.n);
-        let explicit = run_nt(&g, &ops, &c, &x, &w, path);
+        let explicit = run_nt(&g, &ops, &c, &x, &w, path, None);
         let same = auto
             .iter()
             .zip(&explicit)
@@ -287,18 +307,27 @@ fn grouped_dgrad_matches_reference() {
         }
         let (ddy, dw) = (g.upload(&dy.bits).unwrap(), g.upload(&w.bits).unwrap());
         let doff = g.upload(&off).unwrap();
-        let mut dx = g.upload(&vec![f32::NAN; s.rows * k]).unwrap();
-        ops.grouped_nn(
-            &ddy.as_view(),
-            &dw.as_view(),
-            &doff.as_view(),
-            &mut dx.as_view_mut(),
-            s,
-        )
-        .unwrap();
-        let mut got = g.download(&dx).unwrap();
-        got.truncate(s.rows * k);
-        assert_grouped(&format!("grouped nn {c:?}"), seed, &got, &want, &bound);
+        for tile in Tile::ALL {
+            let mut dx = g.upload(&vec![f32::NAN; s.rows * k]).unwrap();
+            ops.grouped_nn_with(
+                tile,
+                &ddy.as_view(),
+                &dw.as_view(),
+                &doff.as_view(),
+                &mut dx.as_view_mut(),
+                s,
+            )
+            .unwrap();
+            let mut got = g.download(&dx).unwrap();
+            got.truncate(s.rows * k);
+            assert_grouped(
+                &format!("grouped nn {tile:?} {c:?}"),
+                seed,
+                &got,
+                &want,
+                &bound,
+            );
+        }
     }
 }
 
@@ -315,41 +344,47 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
         let off = offsets_of(&c.counts);
         let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
         let doff = g.upload(&off).unwrap();
-        let mut dw = g.upload(&old).unwrap();
-        ops.grouped_tn(
-            &ddy.as_view(),
-            &dx.as_view(),
-            &doff.as_view(),
-            &mut dw.as_view_mut(),
-            s,
-        )
-        .unwrap();
-        let got = g.download(&dw).unwrap();
-        for (e, &rows) in c.counts.iter().enumerate() {
-            let r0 = off[e] as usize;
-            let span = e * n * k..(e + 1) * n * k;
-            let (got_e, old_e) = (&got[span.clone()], &old[span]);
-            if rows == 0 {
-                let same = got_e
-                    .iter()
-                    .zip(old_e)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "seed {seed}: expert {e} has no rows but dW changed");
-                continue;
+        for tile in Tile::ALL {
+            let mut dw = g.upload(&old).unwrap();
+            ops.grouped_tn_with(
+                tile,
+                &ddy.as_view(),
+                &dx.as_view(),
+                &doff.as_view(),
+                &mut dw.as_view_mut(),
+                s,
+            )
+            .unwrap();
+            let got = g.download(&dw).unwrap();
+            for (e, &rows) in c.counts.iter().enumerate() {
+                let r0 = off[e] as usize;
+                let span = e * n * k..(e + 1) * n * k;
+                let (got_e, old_e) = (&got[span.clone()], &old[span]);
+                if rows == 0 {
+                    let same = got_e
+                        .iter()
+                        .zip(old_e)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "seed {seed} {tile:?}: expert {e} has no rows but dW changed"
+                    );
+                    continue;
+                }
+                let dye = &dy.f[r0 * n..(r0 + rows) * n];
+                let xe = &x.f[r0 * k..(r0 + rows) * k];
+                let sum = matmul_tn(dye, xe, n, rows, k);
+                let want: Vec<f32> = old_e.iter().zip(&sum).map(|(a, b)| a + b).collect();
+                let bound =
+                    gemm_tn_bounds_with(dye, xe, Some(old_e), n, rows, k, tensor_core_sum_bound);
+                assert_within(
+                    &format!("grouped tn {tile:?} expert {e} of {c:?}"),
+                    seed,
+                    got_e,
+                    &want,
+                    &bound,
+                );
             }
-            let dye = &dy.f[r0 * n..(r0 + rows) * n];
-            let xe = &x.f[r0 * k..(r0 + rows) * k];
-            let sum = matmul_tn(dye, xe, n, rows, k);
-            let want: Vec<f32> = old_e.iter().zip(&sum).map(|(a, b)| a + b).collect();
-            let bound =
-                gemm_tn_bounds_with(dye, xe, Some(old_e), n, rows, k, tensor_core_sum_bound);
-            assert_within(
-                &format!("grouped tn expert {e} of {c:?}"),
-                seed,
-                got_e,
-                &want,
-                &bound,
-            );
         }
     }
 }
@@ -364,7 +399,7 @@ fn grouped_kernels_are_deterministic() {
     let w = bf16_values(s.experts * s.n * s.k, 12);
     let (da, dw) = (g.upload(&a.bits).unwrap(), g.upload(&w.bits).unwrap());
     let doff = g.upload(&offsets_of(&c.counts)).unwrap();
-    let run = |which: usize| -> Vec<u32> {
+    let run = |which: usize, tile: Tile| -> Vec<u32> {
         let len = match which {
             0 | 1 => s.rows * s.n,
             2 => s.rows * s.k,
@@ -374,10 +409,10 @@ fn grouped_kernels_are_deterministic() {
         let (av, wv, ov) = (da.as_view(), dw.as_view(), doff.as_view());
         let mut yv = out.as_view_mut();
         match which {
-            0 => ops.grouped_nt_tiled(&av, &wv, &ov, &mut yv, s),
+            0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
             1 => ops.grouped_nt_small_m(&av, &wv, &ov, &mut yv, s),
-            2 => ops.grouped_nn(&av, &wv, &ov, &mut yv, s),
-            _ => ops.grouped_tn(&av, &av, &ov, &mut yv, s),
+            2 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
+            _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s),
         }
         .unwrap();
         g.download(&out)
@@ -386,8 +421,14 @@ fn grouped_kernels_are_deterministic() {
             .map(|v| v.to_bits())
             .collect()
     };
-    for which in 0..4 {
-        assert_eq!(run(which), run(which), "kernel {which}: two runs differ");
+    for tile in Tile::ALL {
+        for which in 0..4 {
+            assert_eq!(
+                run(which, tile),
+                run(which, tile),
+                "kernel {which} ({tile:?}): two runs differ"
+            );
+        }
     }
 }
 

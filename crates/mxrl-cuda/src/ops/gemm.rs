@@ -41,11 +41,52 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_gemm.cu");
 
-/// Output rows of one block tile of the tiled grouped kernels (`GT_M` in the kernel source).
-pub const TILE_M: usize = 64;
-/// Output columns of one block tile (`GT_N`).
-pub const TILE_N: usize = 64;
-const TILE_THREADS: u32 = 128;
+/// Block tile of the tensor-core grouped kernels (output rows × output columns; the kernels
+/// `*_t64` / `*_t128` of the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tile {
+    /// 64 × 64 outputs, 4 warps (each 32 × 32).
+    T64,
+    /// 128 × 128 outputs, 8 warps (each 64 × 32): half the operand traffic per FLOP.
+    T128,
+}
+
+impl Tile {
+    /// Both tiles.
+    pub const ALL: [Tile; 2] = [Tile::T64, Tile::T128];
+
+    /// Output rows (= columns) of the tile.
+    pub fn size(self) -> usize {
+        match self {
+            Tile::T64 => 64,
+            Tile::T128 => 128,
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            Tile::T64 => 128,
+            Tile::T128 => 256,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Tile::T64 => 0,
+            Tile::T128 => 1,
+        }
+    }
+
+    /// The tile the plain launchers use: 128 × 128 when the experts average at least 128
+    /// rows (training and prefill), else 64 × 64 (fewer wasted rows on small experts).
+    pub fn for_shape(s: Grouped) -> Self {
+        if s.rows >= 128 * s.experts.max(1) {
+            Tile::T128
+        } else {
+            Tile::T64
+        }
+    }
+}
 /// Output columns one block of the small-M kernel covers (`SM_WARPS · SM_NB`).
 const SMALL_M_COLS: usize = 32;
 const SMALL_M_THREADS: u32 = 256;
@@ -159,9 +200,9 @@ fn blas_for(gpu: &Gpu) -> Result<Arc<Mutex<Blas>>, DeviceError> {
 pub struct Gemm {
     gpu: Gpu,
     blas: Arc<Mutex<Blas>>,
-    nt_tiled: CudaFunction,
-    nn_tiled: CudaFunction,
-    tn_tiled: CudaFunction,
+    nt_tiled: [CudaFunction; 2],
+    nn_tiled: [CudaFunction; 2],
+    tn_tiled: [CudaFunction; 2],
     nt_small_m: CudaFunction,
 }
 
@@ -209,9 +250,9 @@ impl Gemm {
         Ok(Gemm {
             gpu: gpu.clone(),
             blas: blas_for(gpu)?,
-            nt_tiled: f("grouped_nt_tiled")?,
-            nn_tiled: f("grouped_nn_tiled")?,
-            tn_tiled: f("grouped_tn_tiled")?,
+            nt_tiled: [f("grouped_nt_t64")?, f("grouped_nt_t128")?],
+            nn_tiled: [f("grouped_nn_t64")?, f("grouped_nn_t128")?],
+            tn_tiled: [f("grouped_tn_t64")?, f("grouped_tn_t128")?],
             nt_small_m: f("grouped_nt_small_m")?,
         })
     }
@@ -453,14 +494,30 @@ impl Gemm {
         Ok(path)
     }
 
-    /// [`Gemm::grouped_nt`] on the tensor-core tiles (64 × 64 output tiles, `mma.m16n8k16`
-    /// BF16 → f32), grid `(⌈R/64⌉ + E, ⌈N/64⌉)`: block `x` maps to (expert, row tile) from
-    /// the device offsets; surplus blocks exit.
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Tile::for_shape`].
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
     pub fn grouped_nt_tiled(
         &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_nt_tiled_with(Tile::for_shape(s), x, w, offsets, y, s)
+    }
+
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile` × `tile` outputs per block,
+    /// `cp.async` stages, `mma.m16n8k16` BF16 → f32), grid `(⌈R/tile⌉ + E, ⌈N/tile⌉)`: block
+    /// `x` maps to (expert, row tile) from the device offsets; surplus blocks exit.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nt_tiled_with(
+        &self,
+        tile: Tile,
         x: &CudaView<'_, u16>,
         w: &CudaView<'_, u16>,
         offsets: &CudaView<'_, u32>,
@@ -474,16 +531,18 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
-        let cfg = self.row_tile_grid("grouped_nt", s, s.n)?;
+        let cfg = self.row_tile_grid("grouped_nt", tile, s, s.n)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.nt_tiled);
+        let mut b = g.stream().launch_builder(&self.nt_tiled[tile.index()]);
         b.arg(x).arg(w).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n, k are
-        // multiples of 8 and x, w 16-byte / y 8-byte aligned (checked), as the vector loads and
-        // float2 stores need; the kernel clamps offsets to [0, R], bounds-checks rows < R,
-        // columns < N and k < K, and the grid covers Σ⌈rows_e/64⌉ ≤ ⌈R/64⌉ + E row tiles.
-        // Argument types match (const u16*, const u16*, const u32*, float*, u32 × 4).
+        // multiples of 8 and x, w 16-byte / y 8-byte aligned (checked), as the 16-byte copies
+        // and float2 stores need; the kernel clamps offsets to [0, R], bounds-checks rows < R,
+        // columns < N and k < K (out-of-range chunks are zero-filled, not read), and the grid
+        // covers Σ⌈rows_e/tile⌉ ≤ ⌈R/tile⌉ + E row tiles. The block size is the kernel's
+        // (`tile.threads()`). Argument types match (const u16*, const u16*, const u32*,
+        // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -546,13 +605,29 @@ impl Gemm {
 
     /// Grouped dgrad `dX[r, :] = dY[r, :] · W[e]` for every row `r` of expert `e`: `dY [R, N]`
     /// BF16, `W [E, N, K]` BF16, `dX [R, K]` f32 (overwritten on the experts' rows), f32
-    /// accumulation on tensor cores, one launch, grid `(⌈R/64⌉ + E, ⌈K/64⌉)`. Reference, per
+    /// accumulation on tensor cores, one launch with [`Tile::for_shape`]. Reference, per
     /// expert: [`mxrl_tensor::gemm::matmul_nn`] on the widened values.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
     pub fn grouped_nn(
         &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dx: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_nn_with(Tile::for_shape(s), dy, w, offsets, dx, s)
+    }
+
+    /// [`Gemm::grouped_nn`] with block tile `tile`: grid `(⌈R/tile⌉ + E, ⌈K/tile⌉)`.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nn_with(
+        &self,
+        tile: Tile,
         dy: &CudaView<'_, u16>,
         w: &CudaView<'_, u16>,
         offsets: &CudaView<'_, u32>,
@@ -566,15 +641,16 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.k == 0 {
             return Ok(());
         }
-        let cfg = self.row_tile_grid("grouped_nn", s, s.k)?;
+        let cfg = self.row_tile_grid("grouped_nn", tile, s, s.k)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.nn_tiled);
+        let mut b = g.stream().launch_builder(&self.nn_tiled[tile.index()]);
         b.arg(dy).arg(w).arg(offsets).arg(dx);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: dy holds R·N, w E·N·K, offsets E+1 and dx R·K elements (checked); n, k are
         // multiples of 8 with dy, w 16-byte / dx 8-byte aligned (checked); the kernel clamps
-        // offsets to [0, R] and bounds-checks rows < R, n < N and output columns < K; the grid
-        // covers every row tile (Σ⌈rows_e/64⌉ ≤ ⌈R/64⌉ + E). Argument types match.
+        // offsets to [0, R] and bounds-checks rows < R, n < N and output columns < K
+        // (out-of-range chunks zero-filled, not read); the grid covers every row tile
+        // (Σ⌈rows_e/tile⌉ ≤ ⌈R/tile⌉ + E); block size `tile.threads()`. Argument types match.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -582,13 +658,29 @@ impl Gemm {
     /// Grouped wgrad `dW[e] += dY[rows of e]ᵀ · X[rows of e]` for every expert: `dY [R, N]`
     /// BF16, `X [R, K]` BF16, `dW [E, N, K]` f32 (accumulated: `old + Σ`, the sum over the
     /// expert's rows in increasing order on tensor cores, added once). Experts without rows
-    /// leave their `dW[e]` untouched. One launch, grid `(⌈N/64⌉, ⌈K/64⌉, E)`. Reference, per
+    /// leave their `dW[e]` untouched. One launch with [`Tile::for_shape`]. Reference, per
     /// expert: [`mxrl_tensor::gemm::matmul_tn`] on the widened values plus the old dW.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
     pub fn grouped_tn(
         &self,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s)
+    }
+
+    /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/tile⌉, ⌈K/tile⌉, E)`.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_tn_with(
+        &self,
+        tile: Tile,
         dy: &CudaView<'_, u16>,
         x: &CudaView<'_, u16>,
         offsets: &CudaView<'_, u32>,
@@ -602,7 +694,7 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.n == 0 || s.k == 0 {
             return Ok(());
         }
-        let (gx, gy) = (s.n.div_ceil(TILE_M), s.k.div_ceil(TILE_N));
+        let (gx, gy) = (s.n.div_ceil(tile.size()), s.k.div_ceil(tile.size()));
         if gy > 65_535 || s.experts > 65_535 {
             return Err(g.err(format!(
                 "grouped_tn: k = {} or {} experts exceed the grid limits (65535 tiles / experts)",
@@ -611,30 +703,32 @@ impl Gemm {
         }
         let cfg = LaunchConfig {
             grid_dim: (gx as u32, gy as u32, s.experts as u32),
-            block_dim: (TILE_THREADS, 1, 1),
+            block_dim: (tile.threads(), 1, 1),
             shared_mem_bytes: 0,
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.tn_tiled);
+        let mut b = g.stream().launch_builder(&self.tn_tiled[tile.index()]);
         b.arg(dy).arg(x).arg(offsets).arg(dw);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: dy holds R·N, x R·K, offsets E+1 and dw E·N·K elements (checked); n, k are
         // multiples of 8 with dy, x 16-byte / dw 8-byte aligned (checked); block (·, ·, e)
         // reads offsets[e], offsets[e+1] (e < E), clamps them to [0, R], and bounds-checks
-        // n < N, k < K. Argument types match.
+        // n < N, k < K and rows < offsets[e+1] (out-of-range chunks zero-filled, not read);
+        // block size `tile.threads()`. Argument types match.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
-    /// Launch shape of the row-tiled grouped kernels: `(⌈R/64⌉ + E, ⌈cols/64⌉)` blocks of 128.
+    /// Launch shape of the row-tiled grouped kernels: `(⌈R/tile⌉ + E, ⌈cols/tile⌉)` blocks.
     fn row_tile_grid(
         &self,
         op: &str,
+        tile: Tile,
         s: Grouped,
         cols: usize,
     ) -> Result<LaunchConfig, DeviceError> {
-        let gx = s.rows.div_ceil(TILE_M) + s.experts;
-        let gy = cols.div_ceil(TILE_N);
+        let gx = s.rows.div_ceil(tile.size()) + s.experts;
+        let gy = cols.div_ceil(tile.size());
         if gx > i32::MAX as usize || gy > 65_535 {
             return Err(self
                 .gpu
@@ -642,7 +736,7 @@ impl Gemm {
         }
         Ok(LaunchConfig {
             grid_dim: (gx as u32, gy as u32, 1),
-            block_dim: (TILE_THREADS, 1, 1),
+            block_dim: (tile.threads(), 1, 1),
             shared_mem_bytes: 0,
         })
     }
