@@ -272,16 +272,6 @@ mod bench {
                     )
                     .expect("small-M");
                 });
-                let tiled = time(&g, reps, || {
-                    ops.grouped_nt_tiled(
-                        &a.as_view(),
-                        &w.as_view(),
-                        &off.as_view(),
-                        &mut out.as_view_mut(),
-                        s,
-                    )
-                    .expect("tiled");
-                });
                 rows_out.push(Row {
                     case: case.clone(),
                     op: "fwd grouped small-M".into(),
@@ -291,15 +281,28 @@ mod bench {
                     copy_ms: cp,
                     cublas_ms: Some(cb),
                 });
-                rows_out.push(Row {
-                    case: case.clone(),
-                    op: "fwd grouped tiled".into(),
-                    ms: tiled,
-                    flops,
-                    weight_bytes: wb,
-                    copy_ms: cp,
-                    cublas_ms: Some(cb),
-                });
+                for tile in Tile::ALL {
+                    let tiled = time(&g, reps, || {
+                        ops.grouped_nt_tiled_with(
+                            tile,
+                            &a.as_view(),
+                            &w.as_view(),
+                            &off.as_view(),
+                            &mut out.as_view_mut(),
+                            s,
+                        )
+                        .expect("tiled");
+                    });
+                    rows_out.push(Row {
+                        case: case.clone(),
+                        op: format!("fwd grouped {tile:?}"),
+                        ms: tiled,
+                        flops,
+                        weight_bytes: wb,
+                        copy_ms: cp,
+                        cublas_ms: Some(cb),
+                    });
+                }
                 rows_out.push(Row {
                     case,
                     op: "fwd cuBLAS dense (same FLOPs)".into(),

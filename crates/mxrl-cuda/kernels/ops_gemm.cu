@@ -16,8 +16,9 @@
 // runs in an order fixed by the shapes (tensor-core mma over k-tiles in increasing order, or a
 // fixed per-lane order followed by a butterfly). No atomics.
 
-// Block tiles: BM × BN outputs (64 × 64 with 4 warps, or 128 × 128 with 8 warps), the warps
-// arranged 2 × (BN / 32), each owning a (BM / 2) × 32 output tile.
+// Block tiles: BM × BN outputs (64 × 64 with 4 warps; 128 × 128 or, for decode-sized experts,
+// 32 × 128 with 8 warps), the warps arranged 2 × (BN / 32), each owning a (BM / 2) × 32 output
+// tile.
 #define GT_K 32                  // reduction depth of one shared-memory stage
 #define GT_LD (GT_K + 8)         // K-contiguous row stride in bf16 (80 bytes: 16-byte multiple,
                                  // conflict-free ldmatrix rows)
@@ -329,12 +330,16 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
 #define GROUPED_ARGS                                                                                  \
     const u16 *__restrict__ a, const u16 *__restrict__ b, const u32 *__restrict__ off, float *__restrict__ out, \
         u32 E, u32 R, u32 N, u32 K
-// Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads.
+// Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads;
+// 32x128 = 32 × 128 tiles, 256 threads.
 extern "C" __global__ void __launch_bounds__(128) grouped_nt_t64(GROUPED_ARGS) {
     grouped_nt_body<64, 64>(a, b, off, out, E, R, N, K);
 }
 extern "C" __global__ void __launch_bounds__(256) grouped_nt_t128(GROUPED_ARGS) {
     grouped_nt_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nt_t32x128(GROUPED_ARGS) {
+    grouped_nt_body<32, 128>(a, b, off, out, E, R, N, K);
 }
 extern "C" __global__ void __launch_bounds__(128) grouped_nn_t64(GROUPED_ARGS) {
     grouped_nn_body<64, 64>(a, b, off, out, E, R, N, K);
@@ -342,11 +347,17 @@ extern "C" __global__ void __launch_bounds__(128) grouped_nn_t64(GROUPED_ARGS) {
 extern "C" __global__ void __launch_bounds__(256) grouped_nn_t128(GROUPED_ARGS) {
     grouped_nn_body<128, 128>(a, b, off, out, E, R, N, K);
 }
+extern "C" __global__ void __launch_bounds__(256) grouped_nn_t32x128(GROUPED_ARGS) {
+    grouped_nn_body<32, 128>(a, b, off, out, E, R, N, K);
+}
 extern "C" __global__ void __launch_bounds__(128) grouped_tn_t64(GROUPED_ARGS) {
     grouped_tn_body<64, 64>(a, b, off, out, E, R, N, K);
 }
 extern "C" __global__ void __launch_bounds__(256) grouped_tn_t128(GROUPED_ARGS) {
     grouped_tn_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_tn_t32x128(GROUPED_ARGS) {
+    grouped_tn_body<32, 128>(a, b, off, out, E, R, N, K);
 }
 
 // ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte

@@ -42,31 +42,43 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const SOURCE: &str = include_str!("../../kernels/ops_gemm.cu");
 
 /// Block tile of the tensor-core grouped kernels (output rows × output columns; the kernels
-/// `*_t64` / `*_t128` of the source).
+/// `*_t64` / `*_t128` / `*_t32x128` of the source).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tile {
     /// 64 × 64 outputs, 4 warps (each 32 × 32).
     T64,
     /// 128 × 128 outputs, 8 warps (each 64 × 32): half the operand traffic per FLOP.
     T128,
+    /// 32 × 128 outputs, 8 warps (each 16 × 32): experts with few rows (decode).
+    T32x128,
 }
 
 impl Tile {
-    /// Both tiles.
-    pub const ALL: [Tile; 2] = [Tile::T64, Tile::T128];
+    /// Every tile.
+    pub const ALL: [Tile; 3] = [Tile::T64, Tile::T128, Tile::T32x128];
 
-    /// Output rows (= columns) of the tile.
-    pub fn size(self) -> usize {
+    /// Output rows of the tile (rows of the activation for forward and dgrad, rows of the
+    /// expert weight for wgrad).
+    pub fn rows(self) -> usize {
         match self {
             Tile::T64 => 64,
             Tile::T128 => 128,
+            Tile::T32x128 => 32,
+        }
+    }
+
+    /// Output columns of the tile.
+    pub fn cols(self) -> usize {
+        match self {
+            Tile::T64 => 64,
+            Tile::T128 | Tile::T32x128 => 128,
         }
     }
 
     fn threads(self) -> u32 {
         match self {
             Tile::T64 => 128,
-            Tile::T128 => 256,
+            Tile::T128 | Tile::T32x128 => 256,
         }
     }
 
@@ -74,6 +86,7 @@ impl Tile {
         match self {
             Tile::T64 => 0,
             Tile::T128 => 1,
+            Tile::T32x128 => 2,
         }
     }
 
@@ -200,9 +213,9 @@ fn blas_for(gpu: &Gpu) -> Result<Arc<Mutex<Blas>>, DeviceError> {
 pub struct Gemm {
     gpu: Gpu,
     blas: Arc<Mutex<Blas>>,
-    nt_tiled: [CudaFunction; 2],
-    nn_tiled: [CudaFunction; 2],
-    tn_tiled: [CudaFunction; 2],
+    nt_tiled: [CudaFunction; 3],
+    nn_tiled: [CudaFunction; 3],
+    tn_tiled: [CudaFunction; 3],
     nt_small_m: CudaFunction,
 }
 
@@ -250,9 +263,21 @@ impl Gemm {
         Ok(Gemm {
             gpu: gpu.clone(),
             blas: blas_for(gpu)?,
-            nt_tiled: [f("grouped_nt_t64")?, f("grouped_nt_t128")?],
-            nn_tiled: [f("grouped_nn_t64")?, f("grouped_nn_t128")?],
-            tn_tiled: [f("grouped_tn_t64")?, f("grouped_tn_t128")?],
+            nt_tiled: [
+                f("grouped_nt_t64")?,
+                f("grouped_nt_t128")?,
+                f("grouped_nt_t32x128")?,
+            ],
+            nn_tiled: [
+                f("grouped_nn_t64")?,
+                f("grouped_nn_t128")?,
+                f("grouped_nn_t32x128")?,
+            ],
+            tn_tiled: [
+                f("grouped_tn_t64")?,
+                f("grouped_tn_t128")?,
+                f("grouped_tn_t32x128")?,
+            ],
             nt_small_m: f("grouped_nt_small_m")?,
         })
     }
@@ -509,8 +534,8 @@ impl Gemm {
         self.grouped_nt_tiled_with(Tile::for_shape(s), x, w, offsets, y, s)
     }
 
-    /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile` × `tile` outputs per block,
-    /// `cp.async` stages, `mma.m16n8k16` BF16 → f32), grid `(⌈R/tile⌉ + E, ⌈N/tile⌉)`: block
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile.rows()` × `tile.cols()` outputs per
+    /// block, `cp.async` stages, `mma.m16n8k16` BF16 → f32), grid `(⌈R/rows⌉ + E, ⌈N/cols⌉)`: block
     /// `x` maps to (expert, row tile) from the device offsets; surplus blocks exit.
     ///
     /// # Errors
@@ -540,7 +565,7 @@ impl Gemm {
         // multiples of 8 and x, w 16-byte / y 8-byte aligned (checked), as the 16-byte copies
         // and float2 stores need; the kernel clamps offsets to [0, R], bounds-checks rows < R,
         // columns < N and k < K (out-of-range chunks are zero-filled, not read), and the grid
-        // covers Σ⌈rows_e/tile⌉ ≤ ⌈R/tile⌉ + E row tiles. The block size is the kernel's
+        // covers Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E row tiles. The block size is the kernel's
         // (`tile.threads()`). Argument types match (const u16*, const u16*, const u32*,
         // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
@@ -621,7 +646,7 @@ impl Gemm {
         self.grouped_nn_with(Tile::for_shape(s), dy, w, offsets, dx, s)
     }
 
-    /// [`Gemm::grouped_nn`] with block tile `tile`: grid `(⌈R/tile⌉ + E, ⌈K/tile⌉)`.
+    /// [`Gemm::grouped_nn`] with block tile `tile`: grid `(⌈R/rows⌉ + E, ⌈K/cols⌉)`.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
@@ -650,7 +675,7 @@ impl Gemm {
         // multiples of 8 with dy, w 16-byte / dx 8-byte aligned (checked); the kernel clamps
         // offsets to [0, R] and bounds-checks rows < R, n < N and output columns < K
         // (out-of-range chunks zero-filled, not read); the grid covers every row tile
-        // (Σ⌈rows_e/tile⌉ ≤ ⌈R/tile⌉ + E); block size `tile.threads()`. Argument types match.
+        // (Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E); block size `tile.threads()`. Argument types match.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -674,7 +699,7 @@ impl Gemm {
         self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s)
     }
 
-    /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/tile⌉, ⌈K/tile⌉, E)`.
+    /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/rows⌉, ⌈K/cols⌉, E)`.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
@@ -694,7 +719,7 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.n == 0 || s.k == 0 {
             return Ok(());
         }
-        let (gx, gy) = (s.n.div_ceil(tile.size()), s.k.div_ceil(tile.size()));
+        let (gx, gy) = (s.n.div_ceil(tile.rows()), s.k.div_ceil(tile.cols()));
         if gy > 65_535 || s.experts > 65_535 {
             return Err(g.err(format!(
                 "grouped_tn: k = {} or {} experts exceed the grid limits (65535 tiles / experts)",
@@ -719,7 +744,7 @@ impl Gemm {
         Ok(())
     }
 
-    /// Launch shape of the row-tiled grouped kernels: `(⌈R/tile⌉ + E, ⌈cols/tile⌉)` blocks.
+    /// Launch shape of the row-tiled grouped kernels: `(⌈R/rows⌉ + E, ⌈cols/tile cols⌉)` blocks.
     fn row_tile_grid(
         &self,
         op: &str,
@@ -727,8 +752,8 @@ impl Gemm {
         s: Grouped,
         cols: usize,
     ) -> Result<LaunchConfig, DeviceError> {
-        let gx = s.rows.div_ceil(tile.size()) + s.experts;
-        let gy = cols.div_ceil(tile.size());
+        let gx = s.rows.div_ceil(tile.rows()) + s.experts;
+        let gy = cols.div_ceil(tile.cols());
         if gx > i32::MAX as usize || gy > 65_535 {
             return Err(self
                 .gpu
