@@ -74,8 +74,9 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
 // stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
 // "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
 // contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
-// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), two
-// stages in flight, and fragments come from ldmatrix (.trans for MN-contiguous tiles).
+// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), two or
+// three stages in flight (Cfg::STAGES), and fragments come from ldmatrix (.trans for
+// MN-contiguous tiles).
 
 #define MN_LD(ROWS) ((ROWS) + 8)  // row stride of an MN-contiguous tile (bf16; 144 bytes)
 
@@ -94,7 +95,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits until at most N of this thread's most recent cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -184,14 +189,17 @@ struct Cfg {
     static constexpr int THREADS = 64 * WN_WARPS;
     static constexpr int WM = BM / 2;
     static constexpr int MI = WM / 16;
+    // Stages in flight: 3 while the buffers fit the 48 KB of static shared memory, else 2.
+    static constexpr int STAGES = (BM + BN) * GT_LD * 2 * 3 <= 40 * 1024 ? 3 : 2;
 };
 
 template <int BM, int BN, bool A_MN, bool B_MN>
 __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
                                          float acc[Cfg<BM, BN>::MI][4][4]) {
     typedef Cfg<BM, BN> C;
-    __shared__ __align__(128) u16 As[2][TileSize<A_MN, BM>::elems];
-    __shared__ __align__(128) u16 Bs[2][TileSize<B_MN, BN>::elems];
+    constexpr int S = C::STAGES;
+    __shared__ __align__(128) u16 As[S][TileSize<A_MN, BM>::elems];
+    __shared__ __align__(128) u16 Bs[S][TileSize<B_MN, BN>::elems];
     const int warp = threadIdx.x >> 5;
     const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
 #pragma unroll
@@ -202,18 +210,28 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
     const u64 nk = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
     if (nk == 0) return;
-    issue_stage<A_MN, BM, C::THREADS>(As[0], A, red_lo);
-    issue_stage<B_MN, BN, C::THREADS>(Bs[0], B, red_lo);
-    cp_async_commit();
-    for (u64 kt = 0; kt < nk; ++kt) {
-        const int cur = (int)(kt & 1);
-        if (kt + 1 < nk) {
-            issue_stage<A_MN, BM, C::THREADS>(As[cur ^ 1], A, red_lo + (kt + 1) * GT_K);
-            issue_stage<B_MN, BN, C::THREADS>(Bs[cur ^ 1], B, red_lo + (kt + 1) * GT_K);
+    // Prologue: stages 0 .. S-2, one commit group each (empty when past the end).
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if ((u64)st < nk) {
+            issue_stage<A_MN, BM, C::THREADS>(As[st], A, red_lo + (u64)st * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs[st], B, red_lo + (u64)st * GT_K);
         }
-        cp_async_commit();  // possibly empty: keeps "all but the newest group" = stage kt
-        cp_async_wait_1();
+        cp_async_commit();
+    }
+    for (u64 kt = 0; kt < nk; ++kt) {
+        // Refill the buffer computed in iteration kt - 1 (released by its trailing barrier)
+        // with stage kt + S - 1. Group g holds stage g; after this commit groups 0 .. kt+S-1
+        // exist, so "at most S - 1 pending" means groups 0 .. kt (stage kt) have landed.
+        const u64 nxt = kt + S - 1;
+        if (nxt < nk) {
+            issue_stage<A_MN, BM, C::THREADS>(As[nxt % S], A, red_lo + nxt * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs[nxt % S], B, red_lo + nxt * GT_K);
+        }
+        cp_async_commit();
+        cp_async_wait<S - 1>();
         __syncthreads();
+        const int cur = (int)(kt % S);
 #pragma unroll
         for (int kk = 0; kk < GT_K; kk += 16) {
             u32 a[C::MI][4], b[4][2];

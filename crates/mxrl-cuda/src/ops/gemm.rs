@@ -8,8 +8,9 @@
 //! - wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (reference [`mxrl_tensor::gemm::matmul_tn`] added to
 //!   the old `dW`),
 //!
-//! each on the widened BF16 values. The tiled grouped kernels stage 64 × 64 × 32 operand tiles
-//! in shared memory with 16-byte `cp.async` copies (two stages in flight), read fragments with
+//! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand tiles
+//! in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
+//! 128 × 128 tile), read fragments with
 //! `ldmatrix` (`.trans` where the source is contiguous along the output index) and multiply
 //! with `mma.sync.m16n8k16` BF16 → f32. Only the summation order differs from the reference; the
 //! bounds are `mxrl_tensor::tolerance::gemm_*_bounds_with` with
