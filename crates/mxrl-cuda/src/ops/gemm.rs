@@ -8,11 +8,11 @@
 //! - wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (reference [`mxrl_tensor::gemm::matmul_tn`] added to
 //!   the old `dW`),
 //!
-//! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand tiles
-//! in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
-//! 128 × 128 tile), read fragments with
-//! `ldmatrix` (`.trans` where the source is contiguous along the output index) and multiply
-//! with `mma.sync.m16n8k16` BF16 → f32. Only the summation order differs from the reference; the
+//! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand
+//! tiles in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
+//! 128 × 128 tile), read fragments with `ldmatrix` (`.trans` where the source is contiguous
+//! along the output index) and multiply with `mma.sync.m16n8k16` BF16 → f32. Only the
+//! summation order differs from the reference; the
 //! bounds are `mxrl_tensor::tolerance::gemm_*_bounds_with` with
 //! `mxrl_tensor::tolerance::tensor_core_sum_bound` (tensor cores: cuBLAS and the tiled grouped
 //! kernels) or `two_order_sum_bound` (the small-M kernel: IEEE f32 adds on CUDA cores).
