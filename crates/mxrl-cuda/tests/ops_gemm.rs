@@ -235,6 +235,16 @@ fn grouped_forward_tiled_and_small_m_match_reference() {
         }
         let small = run_nt(&g, &ops, &c, &x, &w, GroupedPath::SmallM, None);
         assert_grouped(&format!("small-M nt {c:?}"), seed, &small, &want, &ieee);
+        // Decode path against the tiled path directly: the tiled result is within 2·γ_{3k}·Σ
+        // of the exact sum and the small-M one within γ_k·Σ, together `tensor_core_sum_bound`.
+        let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled, Some(Tile::T64));
+        assert_grouped(
+            &format!("small-M vs tiled nt {c:?}"),
+            seed,
+            &small,
+            &tiled,
+            &tc,
+        );
     }
 }
 
