@@ -319,6 +319,10 @@ impl Gemm {
             dim_i32(g, "ldc", ldc)?,
         );
         let alpha = 1.0f32;
+        // cuBLAS runs on the calling thread's current context: make it this GPU's.
+        g.ctx()
+            .bind_to_thread()
+            .map_err(|e| g.err(format!("bind context: {e:?}")))?;
         let blas = self.blas.lock().expect("cuBLAS handle poisoned");
         let stream = g.stream();
         let (pa, _ra) = a.device_ptr(stream);
