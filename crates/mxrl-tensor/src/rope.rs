@@ -46,6 +46,16 @@ impl RopeTable {
     pub fn is_empty(&self) -> bool {
         self.cos.is_empty()
     }
+
+    /// Cosines `[positions, D/2]`, row-major.
+    pub fn cos_values(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// Sines `[positions, D/2]`, row-major.
+    pub fn sin_values(&self) -> &[f32] {
+        &self.sin
+    }
 }
 
 /// RoPE forward, in place: `x: [n, heads·D]`, row `t` rotated by the table's row `t`.

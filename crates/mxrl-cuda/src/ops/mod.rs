@@ -6,6 +6,8 @@
 #[cfg(feature = "cuda")]
 pub mod elementwise;
 #[cfg(feature = "cuda")]
+pub mod engine;
+#[cfg(feature = "cuda")]
 pub mod gemm;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
@@ -15,5 +17,6 @@ pub const SOURCES: &[(&str, &str)] = &[
         "ops_elementwise",
         include_str!("../../kernels/ops_elementwise.cu"),
     ),
+    ("ops_engine", include_str!("../../kernels/ops_engine.cu")),
     ("ops_gemm", include_str!("../../kernels/ops_gemm.cu")),
 ];
