@@ -33,7 +33,7 @@ if [[ $what == *bench* ]]; then
   summary+=("bench_model rc=${PIPESTATUS[0]}")
 fi
 if [[ $what == *gemm* ]]; then
-  timeout 300 .dev/bench_gemm 2>&1 | tee "$out/bench_gemm.log" | tail -45
+  timeout 300 .dev/bench_gemm 2>&1 | tee "$out/bench_gemm.log" | tail -80
   summary+=("bench_gemm rc=${PIPESTATUS[0]}")
 fi
 echo "=== summary"
