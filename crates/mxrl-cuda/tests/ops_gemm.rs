@@ -138,6 +138,24 @@ fn fixed_cases() -> Vec<Case> {
     ]
 }
 
+/// Model-like routing: `tokens` tokens each sent to 8 distinct random experts of 64 (the
+/// benchmark config's top-8 of 64), so every expert has tens of rows and several row tiles.
+fn routed_case(tokens: usize, seed: u64, n: usize, k: usize) -> Case {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut counts = vec![0usize; 64];
+    for _ in 0..tokens {
+        for e in rand::seq::index::sample(&mut rng, 64, 8) {
+            counts[e] += 1;
+        }
+    }
+    Case {
+        counts,
+        n,
+        k,
+        extra: 0,
+    }
+}
+
 fn all_cases() -> Vec<(u64, Case)> {
     let mut v: Vec<(u64, Case)> = fixed_cases()
         .into_iter()
@@ -145,6 +163,7 @@ fn all_cases() -> Vec<(u64, Case)> {
         .map(|(i, c)| (1000 + i as u64, c))
         .collect();
     v.extend((0..8).map(|s| (s, random_case(s))));
+    v.push((2000, routed_case(512, 2000, 264, 520)));
     v
 }
 
