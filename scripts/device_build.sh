@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
-# .dev/ (git-ignored): the mxrl binary with CUDA support and the CUDA test binaries of
-# mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
+# .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmark (mxrl-cuda's
+# bench_gemm example) and the CUDA test binaries of mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
 # no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,8 @@ out=.dev
 rm -rf "$out" && mkdir -p "$out/tests"
 cargo build --release -p mxrl-cli --features cuda
 cp target/release/mxrl "$out/mxrl"
+cargo build --release -p mxrl-cuda --features cuda --example bench_gemm
+cp target/release/examples/bench_gemm "$out/bench_gemm"
 for pkg in mxrl-cuda mxrl-model; do
   cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c '
@@ -24,5 +26,5 @@ for line in sys.stdin:
         print(dst)
 ' "$out/tests" "$pkg"
 done
-strip "$out/mxrl" "$out"/tests/*
+strip "$out/mxrl" "$out/bench_gemm" "$out"/tests/*
 du -sh "$out"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
-# transformers baseline and `mxrl bench model` in the same call. Logs go to $OUT when set.
-# Usage: scripts/device_run.sh [tests] [bench] [hf]   (default: all three)
+# transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. Logs go to
+# $OUT when set.
+# Usage: scripts/device_run.sh [tests] [bench] [hf] [gemm]   (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
 mkdir -p "$out"
-what=${*:-tests bench hf}
+what=${*:-tests bench hf gemm}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 summary=()
@@ -30,6 +31,10 @@ if [[ $what == *bench* ]]; then
   [[ -f $out/hf.json ]] && hf=(--hf-json "$out/hf.json")
   timeout 400 .dev/mxrl bench model --device cuda "${hf[@]}" --json-out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20
   summary+=("bench_model rc=${PIPESTATUS[0]}")
+fi
+if [[ $what == *gemm* ]]; then
+  timeout 300 .dev/bench_gemm 2>&1 | tee "$out/bench_gemm.log" | tail -80
+  summary+=("bench_gemm rc=${PIPESTATUS[0]}")
 fi
 echo "=== summary"
 printf '%s\n' "${summary[@]}"

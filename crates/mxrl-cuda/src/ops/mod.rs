@@ -10,6 +10,8 @@ pub mod elementwise;
 #[cfg(feature = "cuda")]
 pub mod engine;
 #[cfg(feature = "cuda")]
+pub mod gemm;
+#[cfg(feature = "cuda")]
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod norm;
@@ -37,4 +39,5 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("ops_moe", include_str!("../../kernels/ops_moe.cu")),
     ("ops_router", include_str!("../../kernels/ops_router.cu")),
     ("ops_swiglu", include_str!("../../kernels/ops_swiglu.cu")),
+    ("ops_gemm", include_str!("../../kernels/ops_gemm.cu")),
 ];
