@@ -5,10 +5,27 @@
 
 #[cfg(feature = "cuda")]
 pub mod elementwise;
+#[cfg(feature = "cuda")]
+pub mod embed_backward;
+#[cfg(feature = "cuda")]
+pub mod head;
+#[cfg(feature = "cuda")]
+pub mod optim;
+#[cfg(feature = "cuda")]
+pub mod sample;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
-pub const SOURCES: &[(&str, &str)] = &[(
-    "ops_elementwise",
-    include_str!("../../kernels/ops_elementwise.cu"),
-)];
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "ops_elementwise",
+        include_str!("../../kernels/ops_elementwise.cu"),
+    ),
+    ("ops_head", include_str!("../../kernels/ops_head.cu")),
+    ("ops_optim", include_str!("../../kernels/ops_optim.cu")),
+    (
+        "ops_embed_backward",
+        include_str!("../../kernels/ops_embed_backward.cu"),
+    ),
+    ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
+];
