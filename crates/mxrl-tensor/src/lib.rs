@@ -21,6 +21,7 @@
 //! | [`activation`] | softmax, SiLU, SwiGLU |
 //! | [`routing`] | top-k softmax router (`norm_topk_prob`), routing replay, aux load-balancing loss |
 //! | [`moe`] | MoE dispatch / combine |
+//! | [`embedding`] | token embedding gather and scatter-add backward |
 //! | [`loss`] | log-softmax, per-token logprobs, cross-entropy |
 //! | [`optim`] | AdamW with f32 master weights, global grad norm and clipping |
 //! | [`gradcheck`] | finite-difference gradient checking with a derived error bound |
@@ -31,6 +32,7 @@
 pub mod activation;
 pub mod attention;
 pub mod backend;
+pub mod embedding;
 pub mod gemm;
 pub mod gradcheck;
 pub mod loss;

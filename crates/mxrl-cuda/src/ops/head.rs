@@ -128,13 +128,17 @@ impl Blas {
         }
         let dim = |v: usize| i32::try_from(v).map_err(|_| g.err(format!("dimension {v} > i32")));
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
-        // Row-major C [m, n] is column-major Cᵀ [n, m] = op(B)ᵀ · op(A)ᵀ.
-        let (ta, tb, lda, ldb) = match layout {
-            // Cᵀ = B · Aᵀ: B [n, k] row-major = column-major [k, n] → transposed; A likewise.
+        // Row-major C [m, n] is column-major Cᵀ [n, m] = op(B)ᵀ · op(A)ᵀ: cuBLAS's first
+        // operand is B, its second A. Each tuple: (op of B, op of A, ld of B, ld of A).
+        let (op_b, op_a, ld_b, ld_a) = match layout {
+            // Cᵀ = B · Aᵀ: B [n, k] row-major is column-major [k, n] (ld k) → transposed;
+            // A [m, k] row-major is column-major [k, m] (ld k) as needed.
             Layout::Nt => (T, N, k, k),
-            // Cᵀ = Bᵀ · Aᵀ: B [k, n] row-major = column-major Bᵀ [n, k] (ld n), A col-major [k, m].
+            // Cᵀ = Bᵀ · Aᵀ: B [k, n] row-major is column-major [n, k] (ld n) as needed;
+            // A [m, k] row-major is column-major [k, m] (ld k) as needed.
             Layout::Nn => (N, N, n, k),
-            // Cᵀ = Bᵀ · A: B as above, A [k, m] row-major = column-major Aᵀ [m, k] → transposed.
+            // Cᵀ = Bᵀ · A: B as in Nn (ld n); A [k, m] row-major is column-major [m, k]
+            // (ld m) → transposed.
             Layout::Tn => (N, T, n, m),
         };
         let (dt, compute) = match a.dt {
@@ -156,18 +160,18 @@ impl Blas {
         unsafe {
             blas_result::gemm_ex(
                 *self.blas.handle(),
-                ta,
-                tb,
+                op_b,
+                op_a,
                 dim(n)?,
                 dim(m)?,
                 dim(k)?,
                 &alpha as *const f32 as *const c_void,
                 b.ptr as *const c_void,
                 dt,
-                dim(ldb)?,
+                dim(ld_b)?,
                 a.ptr as *const c_void,
                 dt,
-                dim(lda)?,
+                dim(ld_a)?,
                 &beta as *const f32 as *const c_void,
                 c as *mut c_void,
                 blas_sys::cudaDataType::CUDA_R_32F,
@@ -242,6 +246,11 @@ impl Head {
                 "head: hidden {}, vocabulary {} and chunk {} must be ≥ 1",
                 s.h, s.v, s.chunk
             )));
+        }
+        if s.t > i32::MAX as usize {
+            return Err(self
+                .gpu
+                .err(format!("head: {} tokens exceed one launch", s.t)));
         }
         Ok(())
     }

@@ -152,7 +152,7 @@ impl Optim {
             .arg(&decay);
         // SAFETY: grid-stride over i < n: reads grad[i], reads/writes p[i], m[i], v[i], writes
         // p_bf16[i] (each ≥ n, checked), reads grad_scale[0] (≥ 1, checked); the argument list
-        // matches the kernel's (pointers, u64, nine f32).
+        // matches the kernel's (six pointers, u64, eight f32).
         unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
         Ok(())
     }

@@ -105,6 +105,9 @@ impl Sampler {
         if params.top_p.is_nan() || params.top_p < 0.0 {
             return Err(g.err(format!("sample: top_p {} must be ≥ 0", params.top_p)));
         }
+        if rows > i32::MAX as usize {
+            return Err(g.err(format!("sample: {rows} rows exceed one launch")));
+        }
         if v >= u32::MAX as usize {
             return Err(g.err(format!("sample: vocabulary {v} exceeds u32 token ids")));
         }
