@@ -23,6 +23,7 @@ nothing is downloaded.
 """
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -266,39 +267,54 @@ def main(argv=None):
               "peak_bytes": peak_bytes(), "times_ms": times})
 
     if "decode" not in skip:
+        # transformers >= 5.2x names the cache argument `cache` (`past_key_values` deprecated).
+        params = inspect.signature(model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "past_key_values"
+
+        def cache_of(o):
+            c = getattr(o, "cache", None) if cache_kw == "cache" else None
+            return c if c is not None else getattr(o, "past_key_values", None)
+
         for b in shape["decode_batches"]:
             prompt = ids(b, shape["prompt"])
             reset_peak()
             with torch.inference_mode():
                 out = model(input_ids=prompt, use_cache=True)
-                cache = out.past_key_values
-                nxt = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
-                state = {"cache": cache, "next": nxt}
+                state = {"cache": cache_of(out),
+                         "next": out.logits[:, -1, :].argmax(dim=-1, keepdim=True)}
+                if state["cache"] is None:
+                    raise SystemExit("bench_hf: the model returned no KV cache")
 
                 def decode_step():
-                    o = model(input_ids=state["next"], past_key_values=state["cache"],
-                              use_cache=True)
-                    state["cache"] = o.past_key_values
+                    o = model(input_ids=state["next"], use_cache=True,
+                              **{cache_kw: state["cache"]})
+                    state["cache"] = cache_of(o)
                     state["next"] = o.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
                 ms, times = timer.median_ms(decode_step, warmup, steps)
+            # The steps really extended the cache (no recomputation of the prompt).
+            want_len = shape["prompt"] + warmup + steps
+            got_len = state["cache"].get_seq_length() if hasattr(state["cache"], "get_seq_length") \
+                else None
+            if got_len is not None and got_len != want_len:
+                raise SystemExit(f"bench_hf: KV cache holds {got_len} positions, {want_len} expected")
             wbytes = decode_weight_bytes(shape, b)
             fig = {"figure": "decode", "batch": b, "prompt": shape["prompt"], "ms_per_step": ms,
                    "tokens_per_s": b / (ms * 1e-3), "weight_bytes_per_step": wbytes,
-                   "peak_bytes": peak_bytes(), "times_ms": times}
+                   "cache_positions": got_len, "peak_bytes": peak_bytes(), "times_ms": times}
             if copy_gbs:
                 roof = wbytes / (copy_gbs * 1e9) * 1e3
                 fig["roofline_ms"] = roof
                 fig["ratio_to_roofline"] = ms / roof
             emit(fig)
-            del state, cache, out, prompt
+            del state, out, prompt
             if cuda:
                 torch.cuda.empty_cache()
 
     # Summary table.
     print()
     print(f"transformers {machine['transformers']} eager, torch {machine['torch']}, "
-          f"{machine['device']}, {n_params / 1e9:.2f} B parameters")
+          f"{machine['device']}, {n_params / 1e6:.1f} M parameters")
     print(f"{'figure':<22} {'value':>14} {'unit':<10} {'peak GiB':>9}")
     for f in figures:
         pk = f.get("peak_bytes")
