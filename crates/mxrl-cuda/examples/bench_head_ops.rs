@@ -25,7 +25,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     use cudarc::driver::sys::CUevent_flags;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::embed_backward::{EmbedBackward, EmbedGrouping};
-    use mxrl_cuda::ops::head::{Head, HeadOutputs, HeadShape};
+    use mxrl_cuda::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape};
     use mxrl_cuda::ops::optim::{AdamWParam, Optim};
     use mxrl_cuda::ops::sample::{SampleParams, Sampler};
     use mxrl_tensor::optim::AdamWConfig;
@@ -109,21 +109,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let dl = g.upload(&vec![1.0f32; t])?;
     let mut dh = g.zeros::<f32>(t * h)?;
     let mut dw = g.zeros::<f32>(v * h)?;
-    let ms = time(&mut || {
-        head.backward(
-            &hb.as_view(),
-            &wb.as_view(),
-            &tg.as_view(),
-            &lse.as_view(),
-            &dl.as_view(),
-            1.0,
-            shape,
-            &mut dh.as_view_mut(),
-            &mut dw.as_view_mut(),
-        )
-    })?;
-    let floor = flops / (bf16_tf * 1e12) * 1e3 + 2.0 * flops / (f32_tf * 1e12) * 1e3;
-    println!("head backward: {ms:.3} ms, {:.2}× the floor {floor:.3} ms (BF16 recompute + two f32 GEMMs)", ms / floor);
+    let head_f32 = Head::new(&g)?;
+    let head_x3 = Head::new(&g)?.with_grad_gemm(HeadGradGemm::Bf16x3);
+    for hd in [&head_f32, &head_x3] {
+        let ms = time(&mut || {
+            hd.backward(
+                &hb.as_view(),
+                &wb.as_view(),
+                &tg.as_view(),
+                &lse.as_view(),
+                &dl.as_view(),
+                1.0,
+                shape,
+                &mut dh.as_view_mut(),
+                &mut dw.as_view_mut(),
+            )
+        })?;
+        let floor = match hd.grad_gemm() {
+            HeadGradGemm::F32 => {
+                flops / (bf16_tf * 1e12) * 1e3 + 2.0 * flops / (f32_tf * 1e12) * 1e3
+            }
+            HeadGradGemm::Bf16x3 => 7.0 * flops / (bf16_tf * 1e12) * 1e3,
+        };
+        println!(
+            "head backward ({:?} GEMMs): {ms:.3} ms, {:.2}× the floor {floor:.3} ms",
+            hd.grad_gemm(),
+            ms / floor
+        );
+    }
     drop((dh, dw, hb, wb, tg));
 
     // Decode: full logits + sampling.

@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::gpu::Gpu;
-use mxrl_cuda::ops::head::{Head, HeadOutputs, HeadShape};
+use mxrl_cuda::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape};
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
 use mxrl_tensor::gradcheck::gamma;
 use mxrl_tensor::loss::{log_softmax_forward, logprobs_backward, logprobs_forward};
@@ -228,8 +228,21 @@ fn head_forward_matches_logprobs_forward_and_entropy() {
 
 #[test]
 fn head_backward_matches_logprobs_backward_and_gemms() {
+    head_backward_case(HeadGradGemm::F32);
+}
+
+#[test]
+fn head_backward_bf16x3_matches_logprobs_backward_and_gemms() {
+    head_backward_case(HeadGradGemm::Bf16x3);
+}
+
+/// The backward in one GEMM mode. Bf16x3 sums three BF16 parts of `dz` (their products exact
+/// in f32), so its sums are three times as long and `dz` is represented to within `2⁻²⁴·|dz|`
+/// (= u·|dz|, added to the per-entry `dz` bound).
+fn head_backward_case(mode: HeadGradGemm) {
     let g = gpu();
-    let head = Head::new(&g).unwrap();
+    let head = Head::new(&g).unwrap().with_grad_gemm(mode);
+    let parts = if mode == HeadGradGemm::Bf16x3 { 3 } else { 1 };
     for c in CASES {
         let Case {
             t,
@@ -271,8 +284,13 @@ fn head_backward_matches_logprobs_backward_and_gemms() {
                 let arg = y - r.lse[row] as f64;
                 let darg = r.delta_y[row] + r.lse_bound[row] + 2.0 * U * arg.abs() * 1.01;
                 let p = arg.exp();
-                dzb[row * v + j] =
-                    gabs * p * ((darg.exp() - 1.0) + 10.0 * U * darg.exp()) + 2.0 * U * gabs;
+                dzb[row * v + j] = gabs * p * ((darg.exp() - 1.0) + 10.0 * U * darg.exp())
+                    + 2.0 * U * gabs
+                    + if parts == 3 {
+                        U * (dz_abs_bound(gabs, p, darg))
+                    } else {
+                        0.0
+                    };
             }
         }
         // Propagate: Σ dzb·|b| + 2γ_{n+chunks+1}·Σ(|dz| + dzb)·|b| (+ the initial value's add).
@@ -287,7 +305,7 @@ fn head_backward_matches_logprobs_backward_and_gemms() {
                     a += ((dz[row * v + j] as f64).abs() + dzb[row * v + j]) * wv;
                 }
                 a += (dh0[row * hd + k] as f64).abs();
-                bdh[row * hd + k] = e + 2.0 * gamma(v + chunks + 1) * a;
+                bdh[row * hd + k] = e + 2.0 * gamma(parts * (v + chunks) + 1) * a;
             }
         }
         let mut bdw = vec![0.0f64; v * hd];
@@ -300,7 +318,7 @@ fn head_backward_matches_logprobs_backward_and_gemms() {
                     a += ((dz[row * v + j] as f64).abs() + dzb[row * v + j]) * hv;
                 }
                 a += (dw0[j * hd + k] as f64).abs();
-                bdw[j * hd + k] = e + 2.0 * gamma(t + 2) * a;
+                bdw[j * hd + k] = e + 2.0 * gamma(parts * (t + 1) + 2) * a;
             }
         }
 
@@ -344,12 +362,17 @@ fn head_backward_matches_logprobs_backward_and_gemms() {
         let got_dh = g.download(&gdh).unwrap();
         let got_dw = g.download(&gdw).unwrap();
         let f = violations(&got_dh, &want_dh, |i| bdh[i]);
-        assert!(f.is_empty(), "dh, case {c:?}: {f:#?}");
+        assert!(f.is_empty(), "dh, {mode:?}, case {c:?}: {f:#?}");
         let f = violations(&got_dw, &want_dw, |i| bdw[i]);
-        assert!(f.is_empty(), "dW, case {c:?}: {f:#?}");
+        assert!(f.is_empty(), "dW, {mode:?}, case {c:?}: {f:#?}");
         // The gradient is not trivially within bound: it moved the buffers.
         assert!(got_dh.iter().zip(&dh0).any(|(a, b)| a != b), "case {c:?}");
     }
+}
+
+/// Largest `|dz|` of an entry: `|g|·(p·e^{darg} + 1)` (the softmax term plus the target's `g`).
+fn dz_abs_bound(gabs: f64, p: f64, darg: f64) -> f64 {
+    gabs * (p * darg.exp() + 1.0)
 }
 
 #[test]

@@ -207,15 +207,32 @@ pub struct HeadOutputs<'a, 'b, 'c> {
     pub entropy: &'a mut CudaViewMut<'c, f32>,
 }
 
+/// How the backward's two GEMMs (`dz · W`, `dzᵀ · h`) multiply the f32 `dz` by the BF16
+/// operands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HeadGradGemm {
+    /// f32 GEMMs (`CUBLAS_COMPUTE_32F_PEDANTIC`) on f32 copies of the BF16 operands: f32
+    /// products, f32 accumulation, CUDA cores.
+    #[default]
+    F32,
+    /// `dz` split into three BF16 parts (`dz = hi + mid + lo` to within `2⁻²⁴·|dz|`), each
+    /// multiplied on BF16 tensor cores with f32 accumulation (products exact) and summed into
+    /// the same f32 output: the f32 result to within the split's residual and a sum three
+    /// times as long, at three BF16 GEMMs' cost instead of two f32 ones.
+    Bf16x3,
+}
+
 /// The loaded kernels and the family's cuBLAS handle.
 pub struct Head {
     gpu: Gpu,
     blas: Blas,
+    grad_gemm: HeadGradGemm,
     init: CudaFunction,
     chunk_fwd: CudaFunction,
     finish: CudaFunction,
     chunk_bwd: CudaFunction,
     to_f32: CudaFunction,
+    split3: CudaFunction,
 }
 
 impl Head {
@@ -232,12 +249,25 @@ impl Head {
         Ok(Head {
             gpu: gpu.clone(),
             blas: Blas::new(gpu)?,
+            grad_gemm: HeadGradGemm::default(),
             init: f("head_init")?,
             chunk_fwd: f("head_chunk_fwd")?,
             finish: f("head_finish")?,
             chunk_bwd: f("head_chunk_bwd")?,
             to_f32: f("head_bf16_to_f32")?,
+            split3: f("head_split_bf16x3")?,
         })
+    }
+
+    /// The same kernels with the backward's GEMMs done as `mode` says.
+    pub fn with_grad_gemm(mut self, mode: HeadGradGemm) -> Self {
+        self.grad_gemm = mode;
+        self
+    }
+
+    /// How the backward's GEMMs multiply.
+    pub fn grad_gemm(&self) -> HeadGradGemm {
+        self.grad_gemm
     }
 
     fn check_shape(&self, s: &HeadShape) -> Result<(), DeviceError> {
@@ -439,11 +469,40 @@ impl Head {
         Ok(())
     }
 
+    /// Splits `x[0..n)` into three BF16 parts at `parts[i·stride ..]`, `i < 3`.
+    fn split_bf16x3(
+        &self,
+        x: &CudaSlice<f32>,
+        parts: &mut CudaSlice<u16>,
+        n: usize,
+        stride: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "split in", x.len(), n)?;
+        check_len(&self.gpu, "split parts", parts.len(), 3 * stride)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if n > stride {
+            return Err(self.gpu.err("split: part stride below the length"));
+        }
+        let n64 = n as u64;
+        let (mut a, mut rest) = parts.split_at_mut(stride);
+        let (mut b, mut c) = rest.split_at_mut(stride);
+        let mut l = self.gpu.stream().launch_builder(&self.split3);
+        l.arg(x).arg(&mut a).arg(&mut b).arg(&mut c).arg(&n64);
+        // SAFETY: grid-stride over i < n ≤ stride: reads x[i] (≥ n, checked), writes element i
+        // of three disjoint views of `stride` elements each (3·stride held, checked).
+        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
     /// Chunked backward from `dlogprob [t]` (with the forward's `lse [t]`): recomputes each
     /// chunk's logits, `dz = (onehot − softmax(z/τ))·dlogprob/τ`, and accumulates
     /// `dh [t, h] += dz · W[chunk]` and `dw [v, h]` rows of the chunk `+= dzᵀ · h` (f32).
     ///
-    /// Dtypes: `h_bf16`, `w_bf16` BF16 bit patterns, everything else f32; accumulation f32.
+    /// Dtypes: `h_bf16`, `w_bf16` BF16 bit patterns, everything else f32; accumulation f32;
+    /// the GEMMs as [`Head::grad_gemm`] says ([`HeadGradGemm::F32`] unless chosen with
+    /// [`Head::with_grad_gemm`]).
     /// References: `mxrl_tensor::loss::logprobs_backward` for `dz`, then
     /// `mxrl_tensor::gemm::matmul_nn(dz, W)` and `matmul_tn(dz, h)`.
     ///
@@ -481,9 +540,17 @@ impl Head {
         let inv_t = 1.0f32 / temperature;
         let chunk = chunk.min(v);
         let mut z: CudaSlice<f32> = g.zeros(t * chunk)?;
-        let mut hf: CudaSlice<f32> = g.zeros(t * h)?;
-        let mut wf: CudaSlice<f32> = g.zeros(chunk * h)?;
-        self.bf16_to_f32(h_bf16, &mut hf, t * h)?;
+        let split = self.grad_gemm == HeadGradGemm::Bf16x3;
+        // F32 mode: f32 copies of h and of each W chunk; Bf16x3 mode: dz's three BF16 parts.
+        let (mut hf, mut wf, mut parts): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u16>) = if split
+        {
+            (g.zeros(1)?, g.zeros(1)?, g.zeros(3 * t * chunk)?)
+        } else {
+            (g.zeros(t * h)?, g.zeros(chunk * h)?, g.zeros(1)?)
+        };
+        if !split {
+            self.bf16_to_f32(h_bf16, &mut hf, t * h)?;
+        }
         let t64 = t as u64;
         let mut c0 = 0usize;
         while c0 < v {
@@ -529,6 +596,66 @@ impl Head {
                 // SAFETY: grid-stride over i < t·cols (≤ z's t·chunk): reads/writes z[i],
                 // reads targets, lse, dlogprob at i / cols < t (each ≥ t, checked).
                 unsafe { b.launch(grid(t * cols)) }.map_err(|e| g.err(e))?;
+            }
+            if split {
+                self.split_bf16x3(&z, &mut parts, t * cols, t * chunk)?;
+                for i in 0..3 {
+                    let part = parts.slice(i * t * chunk..i * t * chunk + t * cols);
+                    let (pp, _g1) = part.device_ptr(s);
+                    let dz = Operand {
+                        ptr: pp,
+                        dt: Dt::Bf16,
+                        len: t * cols,
+                    };
+                    {
+                        let (wp, _g2) = wc.device_ptr(s);
+                        let dhl = dh.len();
+                        let (dp, _g3) = dh.device_ptr_mut(s);
+                        // dh [t, h] += part [t, cols] · Wc [cols, h]
+                        self.blas.gemm(
+                            Layout::Nn,
+                            t,
+                            h,
+                            cols,
+                            dz,
+                            Operand {
+                                ptr: wp,
+                                dt: Dt::Bf16,
+                                len: cols * h,
+                            },
+                            1.0,
+                            dp,
+                            dhl,
+                        )?;
+                    }
+                    let dz = Operand {
+                        ptr: pp,
+                        dt: Dt::Bf16,
+                        len: t * cols,
+                    };
+                    let mut dwc = dw.slice_mut(c0 * h..(c0 + cols) * h);
+                    let (hp, _g2) = h_bf16.device_ptr(s);
+                    let dwl = dwc.len();
+                    let (dp, _g3) = dwc.device_ptr_mut(s);
+                    // dWc [cols, h] += part [t, cols]ᵀ · h [t, h]
+                    self.blas.gemm(
+                        Layout::Tn,
+                        cols,
+                        h,
+                        t,
+                        dz,
+                        Operand {
+                            ptr: hp,
+                            dt: Dt::Bf16,
+                            len: t * h,
+                        },
+                        1.0,
+                        dp,
+                        dwl,
+                    )?;
+                }
+                c0 += cols;
+                continue;
             }
             self.bf16_to_f32(&wc, &mut wf, cols * h)?;
             {
