@@ -22,6 +22,7 @@
 //! | [`activation`] | softmax, SiLU, SwiGLU |
 //! | [`routing`] | top-k softmax router (`norm_topk_prob`), routing replay, aux load-balancing loss |
 //! | [`moe`] | MoE dispatch / combine |
+//! | [`embedding`] | token embedding gather and scatter-add backward |
 //! | [`loss`] | log-softmax, per-token logprobs, cross-entropy |
 //! | [`optim`] | AdamW with f32 master weights, global grad norm and clipping |
 //! | [`gradcheck`] | finite-difference gradient checking with a derived error bound |
@@ -32,7 +33,11 @@
 pub mod activation;
 pub mod attention;
 pub mod backend;
+<<<<<<< HEAD
 pub mod device;
+=======
+pub mod embedding;
+>>>>>>> gpu-head
 pub mod gemm;
 pub mod gradcheck;
 pub mod loss;

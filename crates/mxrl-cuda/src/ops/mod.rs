@@ -8,17 +8,25 @@ pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod elementwise;
 #[cfg(feature = "cuda")]
+pub mod embed_backward;
+#[cfg(feature = "cuda")]
 pub mod engine;
 #[cfg(feature = "cuda")]
 pub mod gemm;
+#[cfg(feature = "cuda")]
+pub mod head;
 #[cfg(feature = "cuda")]
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod norm;
 #[cfg(feature = "cuda")]
+pub mod optim;
+#[cfg(feature = "cuda")]
 pub mod rope;
 #[cfg(feature = "cuda")]
 pub mod router;
+#[cfg(feature = "cuda")]
+pub mod sample;
 #[cfg(feature = "cuda")]
 pub mod swiglu;
 
@@ -40,4 +48,11 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("ops_router", include_str!("../../kernels/ops_router.cu")),
     ("ops_swiglu", include_str!("../../kernels/ops_swiglu.cu")),
     ("ops_gemm", include_str!("../../kernels/ops_gemm.cu")),
+    ("ops_head", include_str!("../../kernels/ops_head.cu")),
+    ("ops_optim", include_str!("../../kernels/ops_optim.cu")),
+    (
+        "ops_embed_backward",
+        include_str!("../../kernels/ops_embed_backward.cu"),
+    ),
+    ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
 ];

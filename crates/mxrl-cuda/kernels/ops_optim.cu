@@ -1,0 +1,95 @@
+// AdamW on f32 master weights with the BF16 copy written in the same pass, the global gradient
+// norm (deterministic two-stage f64 reduction) and gradient scaling. References
+// (mxrl_tensor::optim): adamw_update, global_grad_norm, clip_grad_norm.
+
+// One AdamW step over i < n, the operation order of mxrl_tensor::optim::adamw_update in f32:
+//   g = grad[i]·scale[0]       (the clipping coefficient; 1 when not clipping)
+//   p ← p·decay;  m ← β₁·m + (1−β₁)·g;  v ← β₂·v + ((1−β₂)·g)·g
+//   p ← p − (step_size·m) / (√v / bc2_sqrt + ε);  p_bf16 = bf16(p)
+// with decay = 1 − lr·wd, step_size = lr/(1−β₁ᵗ), bc2_sqrt = √(1−β₂ᵗ) computed on the host
+// exactly as the reference does. Grid-stride.
+extern "C" __global__ void adamw_step(float* __restrict__ p, const float* __restrict__ grad,
+                                      float* __restrict__ m, float* __restrict__ v,
+                                      u16* __restrict__ p_bf16, const float* __restrict__ scale,
+                                      u64 n, float beta1, float beta2, float one_m_beta1,
+                                      float one_m_beta2, float eps, float step_size,
+                                      float bc2_sqrt, float decay) {
+    const float sc = scale[0];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const float g = __fmul_rn(grad[i], sc);
+        float pi = __fmul_rn(p[i], decay);
+        const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(one_m_beta1, g));
+        const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(one_m_beta2, g), g));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        pi = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), denom));
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        p_bf16[i] = f32_to_bf16(pi);
+    }
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block sum of doubles (blockDim.x a multiple of 32); every thread returns the total.
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double t = lane < nw ? scratch[lane] : 0.0;
+    return warp_sum_f64(t);
+}
+
+// Stage 1: block b of gridDim.x writes partial[b] = Σ x[i]² (f64, exact squares) over the
+// grid-stride set i ≡ b·blockDim + thread (mod gridDim·blockDim), i < n. The grid size is a
+// function of n alone (the launcher's), so the tree is fixed.
+extern "C" __global__ void sumsq_partial(const float* __restrict__ x, u64 n,
+                                         double* __restrict__ partial) {
+    __shared__ double red[32];
+    double acc = 0.0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const double d = (double)x[i];
+        acc = __dadd_rn(acc, __dmul_rn(d, d));
+    }
+    acc = block_sum_f64(acc, red);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// Stage 2 (one block): total = Σ partial[0..np) in a fixed order; out_norm[0] = √total;
+// out_scale[0] = f32(max_norm / (norm + 1e-6)) when that is < 1 (clip_grad_norm's
+// coefficient), else 1. max_norm < 0 disables clipping (scale 1).
+extern "C" __global__ void sumsq_final(const double* __restrict__ partial, u64 np,
+                                       double max_norm, double* __restrict__ out_norm,
+                                       float* __restrict__ out_scale) {
+    __shared__ double red[32];
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < np; i += blockDim.x) acc = __dadd_rn(acc, partial[i]);
+    acc = block_sum_f64(acc, red);
+    if (threadIdx.x == 0) {
+        const double norm = __dsqrt_rn(acc);
+        out_norm[0] = norm;
+        float sc = 1.0f;
+        if (max_norm >= 0.0) {
+            const double coef = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+            if (coef < 1.0) sc = __double2float_rn(coef);
+        }
+        out_scale[0] = sc;
+    }
+}
+
+// x[i] ← x[i]·scale[0], i < n (clipping by the coefficient of sumsq_final). Grid-stride.
+extern "C" __global__ void scale_inplace(float* __restrict__ x, const float* __restrict__ scale,
+                                         u64 n) {
+    const float sc = scale[0];
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        x[i] = __fmul_rn(x[i], sc);
+}

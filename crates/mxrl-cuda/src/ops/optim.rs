@@ -1,0 +1,259 @@
+//! AdamW with the BF16 operand copy written in the same pass, the global gradient norm and
+//! clipping by scale, on device f32 buffers (kernels `kernels/ops_optim.cu`).
+//!
+//! # Numerics
+//! AdamW follows `mxrl_tensor::optim::adamw_update`'s operation order in f32 with the
+//! host-computed bias-correction terms of the reference (`lr/(1−β₁ᵗ)` and `√(1−β₂ᵗ)` in f64,
+//! rounded to f32), and IEEE division and square root (no FMA contraction): the updated weights
+//! and moments are bitwise the reference's. The grad norm sums exact f64 squares in a fixed
+//! two-stage tree (per-buffer block partials, then one block over all partials); it differs
+//! from the reference's sequential f64 sum only in order.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use mxrl_tensor::optim::AdamWConfig;
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_optim.cu");
+
+const THREADS: u32 = 256;
+/// Most blocks of a stage-1 norm launch (a function of the buffer length alone).
+const NORM_BLOCKS: usize = 256;
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn norm_blocks(n: usize) -> usize {
+    n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS)
+}
+
+fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+/// One parameter tensor of an AdamW step (all `[n]`).
+pub struct AdamWParam<'a, 'b> {
+    /// f32 master weights (updated in place).
+    pub param: &'a mut CudaViewMut<'b, f32>,
+    /// Gradient.
+    pub grad: &'a CudaView<'b, f32>,
+    /// First moment (updated).
+    pub m: &'a mut CudaViewMut<'b, f32>,
+    /// Second moment (updated).
+    pub v: &'a mut CudaViewMut<'b, f32>,
+    /// BF16 copy of the new weights (bit patterns), written in the same pass.
+    pub param_bf16: &'a mut CudaViewMut<'b, u16>,
+    /// Element count.
+    pub n: usize,
+    /// Weight decay of this tensor.
+    pub weight_decay: f32,
+}
+
+/// Result of [`Optim::grad_norm`]: device scalars.
+pub struct GradNorm {
+    /// `√(Σ g²)` (f64, `[1]`).
+    pub norm: CudaSlice<f64>,
+    /// The clipping coefficient `max_norm/(norm + 1e-6)` as f32 when below 1, else 1 (`[1]`);
+    /// pass to [`Optim::adamw_step`] or [`Optim::scale`].
+    pub scale: CudaSlice<f32>,
+}
+
+/// The loaded kernels.
+pub struct Optim {
+    gpu: Gpu,
+    adamw: CudaFunction,
+    partial: CudaFunction,
+    final_: CudaFunction,
+    scale: CudaFunction,
+}
+
+impl Optim {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_optim", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(Optim {
+            gpu: gpu.clone(),
+            adamw: f("adamw_step")?,
+            partial: f("sumsq_partial")?,
+            final_: f("sumsq_final")?,
+            scale: f("scale_inplace")?,
+        })
+    }
+
+    /// One AdamW step (`step ≥ 1`) of one tensor with its gradient multiplied by
+    /// `grad_scale[0]` first (the clipping coefficient of [`Optim::grad_norm`]; a buffer
+    /// holding 1.0 for none), and the BF16 copy of the new weights written in the same pass.
+    /// f32 throughout. Reference: `mxrl_tensor::optim::adamw_update` (after
+    /// `clip_grad_norm`'s scaling) and `mxrl_tensor::precision::round_bf16`; bitwise.
+    ///
+    /// # Errors
+    /// `step = 0`, short buffers; launch errors.
+    pub fn adamw_step(
+        &self,
+        p: AdamWParam<'_, '_>,
+        grad_scale: &CudaView<'_, f32>,
+        step: u64,
+        cfg: &AdamWConfig,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        if step == 0 {
+            return Err(g.err("AdamW step counts from 1"));
+        }
+        let n = p.n;
+        check_len(g, "adamw param", p.param.len(), n)?;
+        check_len(g, "adamw grad", p.grad.len(), n)?;
+        check_len(g, "adamw m", p.m.len(), n)?;
+        check_len(g, "adamw v", p.v.len(), n)?;
+        check_len(g, "adamw bf16 copy", p.param_bf16.len(), n)?;
+        check_len(g, "adamw grad scale", grad_scale.len(), 1)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // The reference's host-side terms, computed the same way.
+        let bc1 = 1.0 - (cfg.beta1 as f64).powi(step as i32);
+        let bc2 = 1.0 - (cfg.beta2 as f64).powi(step as i32);
+        let step_size = (cfg.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let decay = 1.0 - cfg.lr * p.weight_decay;
+        let (omb1, omb2) = (1.0 - cfg.beta1, 1.0 - cfg.beta2);
+        let n64 = n as u64;
+        let mut b = g.stream().launch_builder(&self.adamw);
+        b.arg(&mut *p.param)
+            .arg(p.grad)
+            .arg(&mut *p.m)
+            .arg(&mut *p.v)
+            .arg(&mut *p.param_bf16)
+            .arg(grad_scale)
+            .arg(&n64)
+            .arg(&cfg.beta1)
+            .arg(&cfg.beta2)
+            .arg(&omb1)
+            .arg(&omb2)
+            .arg(&cfg.eps)
+            .arg(&step_size)
+            .arg(&bc2_sqrt)
+            .arg(&decay);
+        // SAFETY: grid-stride over i < n: reads grad[i], reads/writes p[i], m[i], v[i], writes
+        // p_bf16[i] (each ≥ n, checked), reads grad_scale[0] (≥ 1, checked); the argument list
+        // matches the kernel's (six pointers, u64, eight f32).
+        unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Global L2 norm of many gradient buffers (`grads[i]` of `lens[i]` elements) and the
+    /// clipping coefficient for `max_norm` (`None`: no clipping, scale 1). f64 accumulation of
+    /// exact squares in a fixed two-stage tree. References:
+    /// `mxrl_tensor::optim::{global_grad_norm, clip_grad_norm}`.
+    ///
+    /// # Errors
+    /// Mismatched lists, short buffers, out of device memory; launch errors.
+    pub fn grad_norm(
+        &self,
+        grads: &[CudaView<'_, f32>],
+        lens: &[usize],
+        max_norm: Option<f64>,
+    ) -> Result<GradNorm, DeviceError> {
+        let g = &self.gpu;
+        if grads.len() != lens.len() {
+            return Err(g.err(format!(
+                "grad norm: {} buffers, {} lengths",
+                grads.len(),
+                lens.len()
+            )));
+        }
+        if let Some(mn) = max_norm {
+            if mn.is_nan() || mn < 0.0 {
+                return Err(g.err(format!("grad norm: max_norm {mn} must be ≥ 0")));
+            }
+        }
+        for (i, (x, &n)) in grads.iter().zip(lens).enumerate() {
+            check_len(g, &format!("grad norm buffer {i}"), x.len(), n)?;
+        }
+        let total_blocks: usize = lens
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| norm_blocks(n))
+            .sum();
+        let mut partial: CudaSlice<f64> = g.zeros(total_blocks.max(1))?;
+        let mut off = 0usize;
+        for (x, &n) in grads.iter().zip(lens) {
+            if n == 0 {
+                continue;
+            }
+            let nb = norm_blocks(n);
+            let mut dst = partial.slice_mut(off..off + nb);
+            let n64 = n as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (nb as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = g.stream().launch_builder(&self.partial);
+            b.arg(x).arg(&n64).arg(&mut dst);
+            // SAFETY: grid-stride over i < n reads x[i] (≥ n, checked); block k < nb writes
+            // dst[k] (nb elements).
+            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            off += nb;
+        }
+        let mut norm: CudaSlice<f64> = g.zeros(1)?;
+        let mut scale: CudaSlice<f32> = g.zeros(1)?;
+        let np = total_blocks as u64;
+        let mn = max_norm.unwrap_or(-1.0);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.final_);
+        b.arg(&partial)
+            .arg(&np)
+            .arg(&mn)
+            .arg(&mut norm)
+            .arg(&mut scale);
+        // SAFETY: one block reads partial[0..np) (np = total_blocks ≤ its length) and writes
+        // norm[0], scale[0] (one element each).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(GradNorm { norm, scale })
+    }
+
+    /// `x[i] *= scale[0]`, `i < n` (clipping a gradient by [`GradNorm::scale`]). Reference:
+    /// the scaling loop of `mxrl_tensor::optim::clip_grad_norm`; bitwise.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn scale(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        scale: &CudaView<'_, f32>,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "scale x", x.len(), n)?;
+        check_len(&self.gpu, "scale factor", scale.len(), 1)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.gpu.stream().launch_builder(&self.scale);
+        b.arg(x).arg(scale).arg(&n64);
+        // SAFETY: grid-stride over i < n reads/writes x[i] (≥ n, checked), reads scale[0].
+        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+}
