@@ -33,11 +33,8 @@
 pub mod activation;
 pub mod attention;
 pub mod backend;
-<<<<<<< HEAD
 pub mod device;
-=======
 pub mod embedding;
->>>>>>> gpu-head
 pub mod gemm;
 pub mod gradcheck;
 pub mod loss;
