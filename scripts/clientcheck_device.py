@@ -7,7 +7,10 @@ logits/NAME.safetensors with mxrl's own `mxrl forward` logits, cases.json) and w
 compressed-tensors and its small dependencies in .whl/ (installed to /tmp/site first).
 
 For each converted checkpoint, one line:
-  - load: `AutoModelForCausalLM.from_pretrained` with output_loading_info. A load that raises,
+  - load: `AutoModelForCausalLM.from_pretrained` with output_loading_info, on the CPU in float32,
+    else on the GPU in bfloat16, and for `fp8`/`mxfp8` checkpoints finally with transformers'
+    own dequantize-at-load mode (FineGrainedFP8Config from the checkpoint's config,
+    dequantize=True; then the modules check does not apply). A load (or first forward) that raises,
     or that reports missing / unexpected / mismatched keys (weights left at their random
     initialisation or dropped), is a layout transformers cannot load: LIMIT, with the
     library's own message. It is counted apart from PASS/FAIL and recorded in
@@ -102,9 +105,16 @@ def main():
     if torch.cuda.is_available():
         attempts.append(("cuda", torch.bfloat16))
 
-    def load(path, device, dtype):
+    def load(path, device, dtype, dequantize=False):
+        kw = {}
+        if dequantize:
+            # transformers' own FP8 dequantize-at-load mode, configured from the checkpoint's
+            # quantization_config (modules_to_not_convert included), dequantize switched on.
+            from transformers import FineGrainedFP8Config
+            qc = json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+            kw["quantization_config"] = FineGrainedFP8Config.from_dict({**qc, "dequantize": True})
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, output_loading_info=True)
+            path, dtype=dtype, output_loading_info=True, **kw)
         model.to(device).eval()
         return model, info
 
@@ -112,6 +122,17 @@ def main():
         with torch.no_grad():
             ids = torch.tensor([tokens], device=device)
             return model(ids).logits[0].float().cpu()
+
+    def module_report(model):
+        """(every linear module, those compressed-tensors or transformers' FP8 quantize)."""
+        linears, quantized = [], []
+        for mn, mod in model.named_modules():
+            cls = type(mod).__name__
+            if isinstance(mod, torch.nn.Linear) or cls.endswith("Linear"):
+                linears.append(mn)
+                if getattr(mod, "quantization_scheme", None) is not None or "FP8" in cls.upper():
+                    quantized.append(mn)
+        return linears, quantized
 
     src = os.path.join(args.dir, "src")
     m0 = load_file(os.path.join(args.dir, "logits", "src.safetensors"))["logits"]
@@ -125,8 +146,7 @@ def main():
             del model
         return source_logits[key]
 
-    results = []
-    for case in cases["cases"]:
+    def run_case(case):
         name = case["name"]
         path = os.path.join(args.dir, "ckpt", name)
         rec = json.load(open(os.path.join(path, "mxrl.json")))
@@ -137,32 +157,32 @@ def main():
              "quantized_format": rec.get("quantized_format"), "errors": []}
         model = None
         capture.messages = []
-        for device, dtype in attempts:
+        qm = (json.load(open(os.path.join(path, "config.json"))).get("quantization_config")
+              or {}).get("quant_method")
+        tries = [(d, t, False) for d, t in attempts]
+        if qm in ("fp8", "mxfp8"):
+            tries.append(("cpu", torch.float32, True))
+        for device, dtype, deq in tries:
             try:
-                model, info = load(path, device, dtype)
-                r["device"], r["dtype"] = device, str(dtype)
+                model, info = load(path, device, dtype, deq)
+                linears, quantized = module_report(model)  # before the first forward
+                a = logits_of(model, device)
+                r["device"], r["dtype"], r["dequantized_at_load"] = device, str(dtype), deq
                 break
             except Exception as e:  # noqa: BLE001
                 msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-                r["errors"].append(f"{device}/{dtype}: {msg[:1500]}")
+                r["errors"].append(f"{device}/{dtype}{'/dequantize' if deq else ''}: {msg[:1500]}")
+                model = None
         r["warnings"] = capture.messages[:10]
         if model is None:
             r["status"] = "LIMIT"
-            r["why"] = "from_pretrained raised: " + " | ".join(r["errors"])
-            results.append(r)
-            print(f"LIMIT {name}: {r['why'][:600]}", flush=True)
-            continue
+            r["why"] = "from_pretrained or the forward raised: " + " | ".join(r["errors"])
+            print(f"LIMIT {name}: {r['why'][:800]}", flush=True)
+            return r
         bad_keys = {k: sorted(info.get(k) or [])[:8] for k in
                     ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
         r["loading_info"] = {k: len(info.get(k) or []) for k in
                              ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        linears, quantized = [], []
-        for mn, mod in model.named_modules():
-            cls = type(mod).__name__
-            if isinstance(mod, torch.nn.Linear) or cls.endswith("Linear"):
-                linears.append(mn)
-                if getattr(mod, "quantization_scheme", None) is not None or "FP8" in cls.upper():
-                    quantized.append(mn)
         want = sorted(x for x in linears if x in mxrl_q)
         outside = sorted(x for x in mxrl_q if x not in set(linears))
         r["modules"] = {"linear": len(linears), "client_quantized": len(quantized),
@@ -174,14 +194,15 @@ def main():
                 "client_only": sorted(set(quantized) - set(want))[:10],
                 "mxrl_only": sorted(set(want) - set(quantized))[:10]}
         device = r["device"]
-        a = logits_of(model, device)
         b = source(device, model.dtype)
         e_a = (a - m).abs().max().item()
         e_b = (b - m).abs().max().item()
         e_0 = (b - m0).abs().max().item()
         r.update(finite=bool(torch.isfinite(a).all()), max_abs_client_vs_mxrl=e_a,
                  max_abs_source_vs_mxrl=e_b, max_abs_source_vs_mxrl_source=e_0)
-        checks = {"finite": r["finite"], "modules": r["modules_match"]}
+        checks = {"finite": r["finite"]}
+        if not deq:  # dequantized at load: no quantized modules to compare
+            checks["modules"] = r["modules_match"]
         if not mxrl_q:
             checks["equals_source"] = bool(torch.equal(a, b))
         else:
@@ -204,8 +225,8 @@ def main():
             r["why"] = f"loading_info reports {bad_keys}; warnings {r['warnings'][:3]}"
         else:
             r["status"] = "PASS" if all(checks.values()) else "FAIL"
-        results.append(r)
-        line = (f"{r['status']} {name}: on {device}/{dtype}, linears {len(linears)}, "
+        line = (f"{r['status']} {name}: on {device}/{dtype}{' (dequantized at load)' if deq else ''}, "
+                f"linears {len(linears)}, "
                 f"client-quantized {len(quantized)} (mxrl {len(want)}, match {r['modules_match']}), "
                 f"quantized outside nn.Linear {len(outside)}; max|A-M| {e_a:.3e}, "
                 f"max|B-M| {e_b:.3e}, max|B-M0| {e_0:.3e}")
@@ -214,8 +235,23 @@ def main():
         line += f"; checks {checks}"
         if r["status"] == "LIMIT":
             line += f"; {r['why']}"
+        if r["errors"]:
+            line += "; earlier attempts failed: " + " | ".join(e[:300] for e in r["errors"])
         print(line, flush=True)
         del model
+        return r
+
+    results = []
+    for case in cases["cases"]:
+        try:
+            r = run_case(case)
+        except Exception:  # noqa: BLE001
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr, flush=True)
+            r = {"name": case["name"], "status": "FAIL",
+                 "why": "check raised: " + tb.strip().splitlines()[-1]}
+            print(f"FAIL {case['name']}: {r['why']}", flush=True)
+        results.append(r)
 
     n_pass = sum(r["status"] == "PASS" for r in results)
     n_fail = sum(r["status"] == "FAIL" for r in results)
