@@ -134,14 +134,12 @@ def main():
                     quantized.append(mn)
         return linears, quantized
 
-    src = os.path.join(args.dir, "src")
-    m0 = load_file(os.path.join(args.dir, "logits", "src.safetensors"))["logits"]
     source_logits = {}
 
-    def source(device, dtype):
-        key = (device, str(dtype))
+    def source(src, device, dtype):
+        key = (src, device, str(dtype))
         if key not in source_logits:
-            model, _ = load(src, device, dtype)
+            model, _ = load(os.path.join(args.dir, src), device, dtype)
             source_logits[key] = logits_of(model, device)
             del model
         return source_logits[key]
@@ -153,7 +151,10 @@ def main():
         mxrl_q = {k[: -len(".weight")] for k, v in rec["tensors"].items()
                   if v["format"] != "bf16" and k.endswith(".weight")}
         m = load_file(os.path.join(args.dir, "logits", f"{name}.safetensors"))["logits"]
-        r = {"name": name, "recipe": case["recipe"], "format": case["format"],
+        src = case.get("src", "src")
+        m0 = load_file(os.path.join(args.dir, "logits", f"{src}.safetensors"))["logits"]
+        r = {"name": name, "source": case.get("src", "src"), "recipe": case["recipe"],
+             "format": case["format"],
              "quantized_format": rec.get("quantized_format"), "errors": []}
         model = None
         capture.messages = []
@@ -194,7 +195,7 @@ def main():
                 "client_only": sorted(set(quantized) - set(want))[:10],
                 "mxrl_only": sorted(set(want) - set(quantized))[:10]}
         device = r["device"]
-        b = source(device, model.dtype)
+        b = source(src, device, model.dtype)
         e_a = (a - m).abs().max().item()
         e_b = (b - m).abs().max().item()
         e_0 = (b - m0).abs().max().item()
