@@ -718,6 +718,28 @@ fn plans_mixing_two_quantized_formats_are_refused() {
 }
 
 #[test]
+fn plans_no_serving_engine_can_load_are_refused() {
+    // vLLM and SGLang load a layer's routed experts as one FusedMoE module: one BF16 expert
+    // among NVFP4 ones cannot be expressed by any exclusion list, so nothing is written.
+    let (_r, src) = qwen_with(|_| {});
+    let recipe = src.parent().unwrap().join("one-expert.toml");
+    std::fs::write(
+        &recipe,
+        "name = \"one-expert\"\nbackward = \"high_precision\"\ndefault = \"bf16\"\n[[rule]]\nname = \"layers.0.moe.experts.1.*\"\nformat = \"bf16\"\n[[rule]]\nrole = \"routed_expert\"\nformat = \"nvfp4\"\n",
+    )
+    .unwrap();
+    convert_err(
+        &src,
+        recipe.to_str().unwrap(),
+        &[
+            "cannot be served",
+            "`model.layers.0.mlp.experts` as one fused module",
+            "model.layers.0.mlp.experts.1.gate_proj bf16",
+        ],
+    );
+}
+
+#[test]
 fn verify_reports_a_changed_byte_and_a_changed_config() {
     let (_r, src) = qwen_with(|_| {});
     let dst = src.parent().unwrap().join("out");
