@@ -120,9 +120,13 @@ impl CudaBackend {
         s.memcpy_dtod(&src, &mut dst).map_err(e)?;
         let mut times = Vec::new();
         for _ in 0..10 {
-            let a = s.record_event(None).map_err(e)?;
+            let a = s
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(e)?;
             s.memcpy_dtod(&src, &mut dst).map_err(e)?;
-            let b = s.record_event(None).map_err(e)?;
+            let b = s
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(e)?;
             b.synchronize().map_err(e)?;
             times.push(a.elapsed_ms(&b).map_err(e)? as f64);
         }

@@ -133,6 +133,10 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|x| e(format!("new stream: {x:?}")))?;
+        // SAFETY: every buffer of the engine is created and used on this one stream, so the
+        // per-buffer events cudarc records to order work across streams are never needed (and
+        // events recorded outside a CUDA-graph capture cannot be waited on inside it).
+        unsafe { ctx.disable_event_tracking() };
         Ok(Gpu {
             ordinal,
             name,

@@ -238,6 +238,11 @@ pub fn attention_decode(
     let kvs = hkv * d;
     assert!(k_cache.len() >= len * kvs && v_cache.len() >= len * kvs);
     assert_eq!(q.len(), hq * d);
+    if len == 0 {
+        // Nothing to attend to: a zero output (the cache may be empty).
+        out[..hq * d].fill(0.0);
+        return;
+    }
     for h in 0..hq {
         let kh = h / g;
         attend_row(
