@@ -30,7 +30,8 @@ if [[ $what == *hf* ]]; then
 fi
 if [[ $what == *bench* ]]; then
   hf=()
-  [[ -f $out/hf.json ]] && hf=(--hf-json "$out/hf.json")
+  if [[ -f $out/hf.json ]]; then hf=(--hf-json "$out/hf.json")
+  elif [[ -f .dev/hf.json ]]; then hf=(--hf-json .dev/hf.json); fi
   echo "===== bench model" >>"$log"
   timeout 420 .dev/mxrl bench model --device cuda "${hf[@]}" --json-out "$out/bench.json" >>"$log" 2>&1
   summary+=("bench_model rc=$?")
