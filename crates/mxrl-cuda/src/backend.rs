@@ -341,10 +341,19 @@ impl Backend for CudaBackend {
         k_cache: &mut Self::Bf16,
         v_cache: &mut Self::Bf16,
     ) -> DResult<()> {
+        // The kernel converts whole rows; any split of a row into heads of an even width
+        // ≤ 256 gives the same bytes.
+        let d = (2..=256usize)
+            .rev()
+            .step_by(2)
+            .find(|d| kv_width % d == 0)
+            .ok_or_else(|| {
+                DeviceError::new(self.gpu.name(), format!("kv width {kv_width} is odd"))
+            })?;
         let shape = AttnShape {
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: kv_width,
+            q_heads: kv_width / d,
+            kv_heads: kv_width / d,
+            head_dim: d,
         };
         self.attn
             .kv_append(
