@@ -65,6 +65,9 @@ pub enum ModelError {
     /// Bad runtime input (token ids, lengths, replay tables, gradients).
     #[error("invalid input: {0}")]
     Input(String),
+    /// The device failed (out of memory, a failed launch); the device's message.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Result alias of this crate.

@@ -39,6 +39,7 @@
 
 mod config;
 mod converted;
+pub mod engine;
 mod error;
 mod generate;
 pub mod hf;

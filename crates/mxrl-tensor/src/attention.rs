@@ -124,6 +124,10 @@ pub fn attention_forward(
     let (qs, kvs) = (hq * d, hkv * d);
     for (b, &poff) in offsets.iter().enumerate() {
         let (t0, tl) = (layout.offset(b), layout.len(b));
+        if tl == 0 {
+            // An empty sequence has no rows; its offset may be the end of the batch.
+            continue;
+        }
         for h in 0..hq {
             let kh = h / g;
             let keys = &k[t0 * kvs + kh * d..];
@@ -178,6 +182,10 @@ pub fn attention_backward(
     let mut ds = Vec::new();
     for b in 0..layout.num_seqs() {
         let (t0, tl) = (layout.offset(b), layout.len(b));
+        if tl == 0 {
+            // An empty sequence has no rows; its offset may be the end of the batch.
+            continue;
+        }
         ds.resize(tl, 0.0f32);
         for h in 0..hq {
             let kh = h / g;
@@ -248,6 +256,31 @@ pub fn attention_decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn empty_trailing_sequence_does_not_index_past_the_batch() {
+        // A trailing empty sequence starts at row N; with two kv heads the head offset used to
+        // slice beyond the keys.
+        let shape = AttnShape {
+            q_heads: 2,
+            kv_heads: 2,
+            head_dim: 4,
+        };
+        let layout = SeqLayout::new(&[3, 0]);
+        let q = crate::gradcheck::test_values(3 * 8, 1, 1.0);
+        let k = crate::gradcheck::test_values(3 * 8, 2, 1.0);
+        let v = crate::gradcheck::test_values(3 * 8, 3, 1.0);
+        let mut out = vec![0.0; 3 * 8];
+        let probs = attention_forward(&q, &k, &v, &layout, shape, &mut out);
+        let (mut dq, mut dk, mut dv) = (vec![0.0; 24], vec![0.0; 24], vec![0.0; 24]);
+        attention_backward(
+            &out, &q, &k, &v, &probs, &layout, shape, &mut dq, &mut dk, &mut dv,
+        );
+        let single = SeqLayout::new(&[3]);
+        let mut out1 = vec![0.0; 3 * 8];
+        attention_forward(&q, &k, &v, &single, shape, &mut out1);
+        assert_eq!(out, out1);
+    }
     use crate::gradcheck::{check, gamma, test_values, Eval};
 
     const SHAPE: AttnShape = AttnShape {

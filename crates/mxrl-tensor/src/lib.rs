@@ -13,6 +13,7 @@
 //! | module | ops |
 //! |---|---|
 //! | [`gemm`] | f32 GEMM `nt`/`nn`/`tn` (+ triple-loop reference) |
+//! | [`device`] | the op set every device implements ([`device::Backend`]) and the CPU reference implementation; [`device::Device`] |
 //! | [`backend`] | the process-wide GEMM backend of the linear layers (CPU reference default; a device implements [`backend::GemmBackend`]), resident weight operands |
 //! | [`precision`] | BF16 rounding of GEMM operands ([`precision::round_bf16`]) |
 //! | [`norm`] | RMSNorm |
@@ -32,6 +33,7 @@
 pub mod activation;
 pub mod attention;
 pub mod backend;
+pub mod device;
 pub mod embedding;
 pub mod gemm;
 pub mod gradcheck;

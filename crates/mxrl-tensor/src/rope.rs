@@ -46,6 +46,21 @@ impl RopeTable {
     pub fn is_empty(&self) -> bool {
         self.cos.is_empty()
     }
+
+    /// Half the head width, `D/2` (the table's row width).
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// The cosines, row-major `[len, D/2]` (row `t` for the `t`-th position given to [`RopeTable::new`]).
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// The sines, row-major `[len, D/2]`, like [`RopeTable::cos`].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
 }
 
 /// RoPE forward, in place: `x: [n, heads·D]`, row `t` rotated by the table's row `t`.

@@ -21,6 +21,9 @@ pub struct Args {
 enum What {
     /// Memory each backward mode keeps (seed experiment: x [2048, 2048] BF16, 8192 outputs).
     Memory(MemoryArgs),
+    /// The device engine at real width (2.63 B Qwen3-MoE, random weights): prefill, decode
+    /// ms/step per batch size, decode roofline; ratios to transformers with `--hf-json`.
+    Model(super::bench_model::ModelArgs),
     /// GPU quantizers on CUDA device 0: byte equality with the CPU library and throughput
     /// against a device-to-device copy measured in the same run (feature `cuda`).
     #[cfg(feature = "cuda")]
@@ -66,6 +69,7 @@ struct MemoryArgs {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Memory(a) => memory(a),
+        What::Model(a) => super::bench_model::run(a),
         #[cfg(feature = "cuda")]
         What::Quantize(a) => quantize_gpu(a),
     }

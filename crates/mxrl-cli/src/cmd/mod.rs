@@ -2,6 +2,7 @@
 
 pub mod ablate;
 pub mod bench;
+pub mod bench_model;
 pub mod ckpt_bench;
 pub mod convert;
 pub mod demo;

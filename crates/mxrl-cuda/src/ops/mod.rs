@@ -4,15 +4,31 @@
 //! `mxrl_tensor` function its doc comment names; `tests/ops_*.rs` compare against it.
 
 #[cfg(feature = "cuda")]
+pub mod attention;
+#[cfg(feature = "cuda")]
 pub mod elementwise;
 #[cfg(feature = "cuda")]
 pub mod embed_backward;
 #[cfg(feature = "cuda")]
+pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod gemm;
+#[cfg(feature = "cuda")]
 pub mod head;
+#[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
+pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod optim;
 #[cfg(feature = "cuda")]
+pub mod rope;
+#[cfg(feature = "cuda")]
+pub mod router;
+#[cfg(feature = "cuda")]
 pub mod sample;
+#[cfg(feature = "cuda")]
+pub mod swiglu;
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
@@ -21,6 +37,17 @@ pub const SOURCES: &[(&str, &str)] = &[
         "ops_elementwise",
         include_str!("../../kernels/ops_elementwise.cu"),
     ),
+    ("ops_engine", include_str!("../../kernels/ops_engine.cu")),
+    ("ops_norm", include_str!("../../kernels/ops_norm.cu")),
+    ("ops_rope", include_str!("../../kernels/ops_rope.cu")),
+    (
+        "ops_attention",
+        include_str!("../../kernels/ops_attention.cu"),
+    ),
+    ("ops_moe", include_str!("../../kernels/ops_moe.cu")),
+    ("ops_router", include_str!("../../kernels/ops_router.cu")),
+    ("ops_swiglu", include_str!("../../kernels/ops_swiglu.cu")),
+    ("ops_gemm", include_str!("../../kernels/ops_gemm.cu")),
     ("ops_head", include_str!("../../kernels/ops_head.cu")),
     ("ops_optim", include_str!("../../kernels/ops_optim.cu")),
     (

@@ -1,0 +1,351 @@
+//! `mxrl bench model`: the device engine on a fixed configuration (by default the 2.63 B
+//! Qwen3-MoE the team measured transformers on: vocab 32 000, hidden 2048, 8 layers, 16 q /
+//! 4 kv heads of 128, 64 experts top-8, moe_intermediate 768, BF16, random weights): prefill of
+//! one sequence (per-token logprobs), decode ms/step at several batch sizes after a prompt,
+//! the decode roofline (weight bytes per step over the measured device copy bandwidth) and,
+//! with `--hf-json`, the ratios to transformers' eager model timed by `scripts/bench_hf.py` in
+//! the same device call.
+
+use anyhow::{bail, Context, Result};
+use mxrl_model::engine::Engine;
+use mxrl_model::{Arch, ModelConfig, SeqInput};
+use mxrl_tensor::device::{Backend, CpuBackend};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `mxrl bench model`.
+#[derive(clap::Args, Debug)]
+pub struct ModelArgs {
+    /// `cpu` or `cuda` (GPU 0; needs a binary built with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Layers of the benchmark configuration.
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    /// A smaller configuration (hidden 256, 8 experts, vocab 1000) for a quick check.
+    #[arg(long)]
+    small: bool,
+    /// Prefill length (one sequence).
+    #[arg(long, default_value_t = 512)]
+    prefill: usize,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 8, 32, 128])]
+    batches: Vec<usize>,
+    /// Prompt length before decoding.
+    #[arg(long, default_value_t = 128)]
+    prompt: usize,
+    /// Timed decode steps per batch size (after two warm-up steps).
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+    /// Timed prefill repetitions (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Training step shape: sequences × tokens (forward + backward + AdamW); 0 skips it.
+    #[arg(long, default_value_t = 8)]
+    train_seqs: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 512)]
+    train_len: usize,
+    /// Timed training steps (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    train_steps: usize,
+    /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
+    #[arg(long)]
+    hf_json: Option<PathBuf>,
+    /// Write the results as JSON.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    /// Dense BF16 peak of the device in TFLOP/s for the MFU figure (H200: 989 by the
+    /// datasheet).
+    #[arg(long, default_value_t = 989.0)]
+    peak_tflops: f64,
+}
+
+/// The benchmark configuration.
+pub fn bench_config(layers: usize, small: bool) -> ModelConfig {
+    let mut c = ModelConfig::tiny();
+    c.arch = Arch::Qwen3Moe;
+    c.vocab_size = 32_000;
+    c.hidden_size = 2048;
+    c.num_layers = layers;
+    c.num_heads = 16;
+    c.num_kv_heads = 4;
+    c.head_dim = 128;
+    c.intermediate_size = 6144;
+    c.moe_intermediate_size = 768;
+    c.num_experts = 64;
+    c.num_experts_per_tok = 8;
+    c.mlp_only_layers = Vec::new();
+    c.decoder_sparse_step = 1;
+    c.norm_topk_prob = true;
+    c.tie_word_embeddings = false;
+    c.initializer_range = 0.02;
+    if small {
+        c.vocab_size = 1000;
+        c.hidden_size = 256;
+        c.num_heads = 4;
+        c.num_kv_heads = 2;
+        c.head_dim = 64;
+        c.moe_intermediate_size = 128;
+        c.num_experts = 8;
+        c.num_experts_per_tok = 2;
+    }
+    c
+}
+
+#[derive(serde::Serialize, Default, Debug)]
+struct Results {
+    device: String,
+    parameters: usize,
+    prefill_tokens: usize,
+    prefill_ms: f64,
+    prefill_tokens_per_s: f64,
+    /// (batch, ms/step, roofline ms/step)
+    decode: Vec<(usize, f64, Option<f64>)>,
+    copy_gbps: Option<f64>,
+    peak_device_bytes: Option<usize>,
+    train_tokens: usize,
+    train_step_ms: Option<f64>,
+    train_tokens_per_s: Option<f64>,
+    /// Model FLOPs utilisation of the training step against `--peak-tflops`.
+    train_mfu: Option<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("finite timings"));
+    v[v.len() / 2]
+}
+
+/// Run `mxrl bench model`.
+pub fn run(a: ModelArgs) -> Result<()> {
+    let cfg = bench_config(a.layers, a.small);
+    cfg.validate()?;
+    let max_pos = a.prefill.max(a.prompt + a.steps + 4).max(a.train_len);
+    let r = match a.device.as_str() {
+        "cpu" => {
+            eprintln!("building the model on the CPU ...");
+            let mut e = Engine::random(&cfg, CpuBackend, max_pos, 1)?;
+            measure(&mut e, &a, None, |_| None)?
+        }
+        "cuda" | "cuda:0" => cuda(&cfg, &a, max_pos)?,
+        other => bail!("--device {other}: expected cpu or cuda"),
+    };
+    print_results(&r, &a)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(cfg: &ModelConfig, a: &ModelArgs, max_pos: usize) -> Result<Results> {
+    let b = mxrl_cuda::backend::CudaBackend::new(0)
+        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    let copy = b.copy_bandwidth_gbps(1 << 30)?;
+    eprintln!(
+        "{}: device copy {copy:.0} GB/s; building the model on the device ...",
+        b.name()
+    );
+    let mut e = Engine::random(cfg, b, max_pos, 1)?;
+    measure(&mut e, a, Some(copy), |e| e.backend().peak_bytes())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &ModelConfig, _: &ModelArgs, _: usize) -> Result<Results> {
+    bail!(
+        "--device cuda: this mxrl binary was built without CUDA support; rebuild it with \
+         `cargo build --release -p mxrl-cli --features cuda`"
+    )
+}
+
+fn measure<B: Backend>(
+    e: &mut Engine<B>,
+    a: &ModelArgs,
+    copy_gbps: Option<f64>,
+    peak: impl Fn(&Engine<B>) -> Option<usize>,
+) -> Result<Results> {
+    let v = e.config().vocab_size as u32;
+    let tokens: Vec<u32> = (0..a.prefill as u32).map(|i| (i * 7919 + 13) % v).collect();
+    let batch = [SeqInput {
+        tokens: &tokens,
+        targets: &tokens,
+    }];
+    let mut r = Results {
+        device: a.device.clone(),
+        parameters: e.num_parameters(),
+        prefill_tokens: a.prefill,
+        copy_gbps,
+        ..Default::default()
+    };
+    e.logprobs(&batch, 1.0)?; // warm-up (module compilation, allocations)
+    let mut times = Vec::new();
+    for _ in 0..a.reps.max(1) {
+        let t = Instant::now();
+        let lp = e.logprobs(&batch, 1.0)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        if !lp[0].iter().all(|x| x.is_finite()) {
+            bail!("non-finite logprobs in the prefill benchmark");
+        }
+    }
+    r.prefill_ms = median(times);
+    r.prefill_tokens_per_s = a.prefill as f64 / (r.prefill_ms / 1e3);
+    eprintln!("prefill {} tokens: {:.2} ms", a.prefill, r.prefill_ms);
+    for &bs in &a.batches {
+        let prompts: Vec<Vec<u32>> = (0..bs)
+            .map(|s| {
+                (0..a.prompt as u32)
+                    .map(|i| (i * 31 + s as u32 * 101 + 7) % v)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let (mut st, _) = e.prefill(&refs, a.prompt + a.steps + 3)?;
+        let mut next: Vec<u32> = (0..bs as u32).map(|i| (i * 17 + 3) % v).collect();
+        let mut times = Vec::new();
+        for step in 0..a.steps + 2 {
+            let t = Instant::now();
+            let logits = e.decode_step(&mut st, &next)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if step >= 2 {
+                times.push(ms);
+            }
+            let vv = v as usize;
+            next = logits
+                .chunks(vv)
+                .map(|row| {
+                    let mut best = 0;
+                    for (i, &x) in row.iter().enumerate() {
+                        if x > row[best] {
+                            best = i;
+                        }
+                    }
+                    best as u32
+                })
+                .collect();
+        }
+        let ms = median(times);
+        let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
+        eprintln!("decode batch {bs}: {ms:.3} ms/step");
+        r.decode.push((bs, ms, roof));
+    }
+    if a.train_seqs > 0 && a.train_len > 1 {
+        e.enable_training()?;
+        let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
+            .map(|s| {
+                (0..a.train_len as u32)
+                    .map(|i| (i * 131 + s as u32 * 977 + 5) % v)
+                    .collect()
+            })
+            .collect();
+        let batch: Vec<SeqInput> = seqs.iter().map(|q| SeqInput::next_token(q)).collect();
+        let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        let cfg = mxrl_tensor::optim::AdamWConfig {
+            lr: 1e-5,
+            ..Default::default()
+        };
+        let mut times = Vec::new();
+        for step in 0..a.train_steps + 1 {
+            let t = Instant::now();
+            let (lp, tape) = e.forward_train(&batch, 1.0)?;
+            // Loss = −mean logprob: dL/dlogprob = −1/N per token.
+            let dl: Vec<Vec<f32>> = lp
+                .iter()
+                .map(|l| vec![-1.0 / ntok as f32; l.len()])
+                .collect();
+            e.zero_grads()?;
+            e.backward(&tape, &dl)?;
+            drop(tape);
+            e.optimizer_step(&cfg, 0.0, Some(1.0))?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            eprintln!("train step {step}: {ms:.1} ms");
+            if step > 0 {
+                times.push(ms);
+            }
+        }
+        let ms = median(times);
+        r.train_tokens = ntok;
+        r.train_step_ms = Some(ms);
+        let tps = ntok as f64 / (ms / 1e3);
+        r.train_tokens_per_s = Some(tps);
+        // 6 × active parameters per token (forward 2, backward 4) plus attention
+        // (12 · layers · T · Hq·D per token for causal attention fwd+bwd, halved by causality).
+        let c = e.config();
+        let active = e.active_parameters() as f64;
+        let attn =
+            6.0 * c.num_layers as f64 * a.train_len as f64 * (c.num_heads * c.head_dim) as f64;
+        let flops_per_token = 6.0 * active + attn;
+        r.train_mfu = Some(flops_per_token * tps / (a.peak_tflops * 1e12));
+    }
+    r.peak_device_bytes = peak(e);
+    Ok(r)
+}
+
+fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
+    let hf: Option<serde_json::Value> = match &a.hf_json {
+        Some(p) => Some(
+            serde_json::from_str(
+                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("{}: not JSON", p.display()))?,
+        ),
+        None => None,
+    };
+    let hf_get = |path: &[&str]| -> Option<f64> {
+        let mut v = hf.as_ref()?;
+        for k in path {
+            v = v.get(k)?;
+        }
+        v.as_f64()
+    };
+    println!(
+        "mxrl bench model: {} parameters, device {}",
+        r.parameters, r.device
+    );
+    if let Some(g) = r.copy_gbps {
+        println!("device copy bandwidth (read + write): {g:.0} GB/s");
+    }
+    let ratio = |ours: f64, theirs: Option<f64>| {
+        theirs.map_or(String::from("-"), |t| format!("{:.2}×", t / ours))
+    };
+    println!(
+        "| figure | mxrl | transformers | speedup vs transformers | roofline | mxrl / roofline |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let hf_prefill = hf_get(&["prefill_ms"]);
+    println!(
+        "| prefill {} tokens | {:.2} ms | {} | {} | | |",
+        r.prefill_tokens,
+        r.prefill_ms,
+        hf_prefill.map_or("-".into(), |x| format!("{x:.2} ms")),
+        ratio(r.prefill_ms, hf_prefill)
+    );
+    for &(bs, ms, roof) in &r.decode {
+        let key = format!("{bs}");
+        let theirs = hf_get(&["decode_ms", &key]);
+        println!(
+            "| decode batch {bs} | {ms:.3} ms/step | {} | {} | {} | {} |",
+            theirs.map_or("-".into(), |x| format!("{x:.3} ms")),
+            ratio(ms, theirs),
+            roof.map_or("-".into(), |x| format!("{x:.3} ms")),
+            roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
+        );
+    }
+    if let Some(p) = r.peak_device_bytes {
+        println!(
+            "peak device memory: {:.2} GiB",
+            p as f64 / (1u64 << 30) as f64
+        );
+    }
+    if let Some(ms) = r.train_step_ms {
+        let theirs = hf_get(&["train_tokens_per_s"]);
+        let tps = r.train_tokens_per_s.unwrap_or(0.0);
+        println!(
+            "| training step {} tokens (fwd+bwd+AdamW) | {ms:.1} ms, {tps:.0} tok/s, MFU {:.1}% | {} | {} | | |",
+            r.train_tokens,
+            100.0 * r.train_mfu.unwrap_or(0.0),
+            theirs.map_or("-".into(), |x| format!("{x:.0} tok/s")),
+            theirs.map_or("-".into(), |t| format!("{:.2}×", tps / t)),
+        );
+    }
+    if let Some(p) = &a.json_out {
+        std::fs::write(p, serde_json::to_string_pretty(r)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}

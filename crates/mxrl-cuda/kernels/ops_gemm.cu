@@ -1,0 +1,446 @@
+// Grouped expert GEMMs of the engine (BF16 operands as u16 bit patterns, f32 accumulation and
+// output) and the small-M ("decode") grouped GEMV.
+//
+// Layout: the activation is packed expert-major; rows of expert e are offsets[e]..offsets[e+1]
+// of an [R, ·] matrix (offsets: u32 [E+1] in device memory, read by the kernels, never by the
+// host). The expert weights are stacked row-major [E, N, K]. References (mxrl_tensor::gemm on
+// the widened BF16 values, per expert): forward = matmul_nt, dgrad = matmul_nn, wgrad =
+// matmul_tn added to the existing dW.
+//
+// Requirements (checked by the launchers): N and K multiples of 8; x, w, dy 16-byte aligned;
+// outputs 8-byte aligned. Offsets are clamped to [0, R] and a decreasing offset gives an empty
+// expert, so no access ever leaves the buffers; rows outside every expert's range are not
+// written.
+//
+// Determinism: every output element is owned by exactly one thread of one block, and its sum
+// runs in an order fixed by the shapes (tensor-core mma over k-tiles in increasing order, or a
+// fixed per-lane order followed by a butterfly). No atomics.
+
+// Block tiles: BM × BN outputs (64 × 64 with 4 warps; 128 × 128 or, for decode-sized experts,
+// 32 × 128 with 8 warps), the warps arranged 2 × (BN / 32), each owning a (BM / 2) × 32 output
+// tile.
+#define GT_K 32                  // reduction depth of one shared-memory stage
+#define GT_LD (GT_K + 8)         // K-contiguous row stride in bf16 (80 bytes: 16-byte multiple,
+                                 // conflict-free ldmatrix rows)
+#define NO_EXPERT 0xFFFFFFFFu
+
+// Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
+__device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
+    hi = min(off[e + 1], R);
+    lo = min(off[e], hi);
+}
+
+// Maps row tile t (blockIdx.x) to (expert, first row, end row): tiles are numbered expert by
+// expert, ceil(rows_e / BM) per expert. Warp 0 scans the offsets 32 experts at a time
+// (inclusive warp scan of the tile counts); job[0] = NO_EXPERT when t is a surplus tile.
+template <int BM>
+__device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t, u32* job) {
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u32 carry = 0;
+        bool found = false;
+        for (u32 base = 0; base < E; base += 32) {
+            const u32 e = base + lane;
+            u32 lo = 0, hi = 0, nt = 0;
+            if (e < E) {
+                expert_rows(off, e, R, lo, hi);
+                nt = (hi - lo + BM - 1) / BM;
+            }
+            u32 inc = nt;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_up_sync(FULL_MASK, inc, o);
+                if ((int)lane >= o) inc += v;
+            }
+            const u32 exc = inc - nt;
+            const bool mine = nt > 0 && t >= carry + exc && t < carry + inc;
+            if (mine) {
+                job[0] = e;
+                job[1] = lo + (t - carry - exc) * BM;
+                job[2] = hi;
+            }
+            if (__ballot_sync(FULL_MASK, mine) != 0) {
+                found = true;
+                break;
+            }
+            carry += __shfl_sync(FULL_MASK, inc, 31);
+        }
+        if (!found && lane == 0) job[0] = NO_EXPERT;
+    }
+    __syncthreads();
+}
+
+// ---- Tensor-core main loop. A block computes a BM × BN output tile as Σ over reduction
+// stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
+// "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
+// contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
+// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), two or
+// three stages in flight (Cfg::STAGES), and fragments come from ldmatrix (.trans for
+// MN-contiguous tiles).
+
+#define MN_LD(ROWS) ((ROWS) + 8)  // row stride of an MN-contiguous tile (bf16; 144 bytes)
+
+// An operand: element (o, r) (output index o, reduction index r) is p[o·ld + r] when K-
+// contiguous, p[r·ld + o] when MN-contiguous; valid for o < out_end, r < red_end.
+struct Operand {
+    const u16* p;
+    u64 ld, out0, out_end, red_end;
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const u32 n = valid ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's most recent cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// d += a · b for one m16n8k16 tile (BF16 operands, f32 accumulator).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Issues the cp.async copies of one ROWS × GT_K stage of `op` (reduction indices red0 ..
+// red0 + GT_K) into `tile`. ld, out0, out_end (and red_end for MN-contiguous operands) are
+// multiples of 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely
+// outside; K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the
+// wgrad's row reduction, always MN-contiguous.
+template <bool MN, int ROWS, int THREADS>
+__device__ __forceinline__ void issue_stage(u16* tile, const Operand& op, u64 red0) {
+    if (!MN) {
+        constexpr int VPR = GT_K / 8;
+        for (int v = threadIdx.x; v < ROWS * VPR; v += THREADS) {
+            const int i = v / VPR, j = (v % VPR) * 8;
+            const u64 o = op.out0 + i, r = red0 + j;
+            const bool ok = o < op.out_end && r < op.red_end;
+            cp_async16(tile + i * GT_LD + j, ok ? op.p + o * op.ld + r : op.p, ok);
+        }
+    } else {
+        constexpr int VPR = ROWS / 8;
+        for (int v = threadIdx.x; v < GT_K * VPR; v += THREADS) {
+            const int j = v / VPR, i = (v % VPR) * 8;
+            const u64 o = op.out0 + i, r = red0 + j;
+            const bool ok = o < op.out_end && r < op.red_end;
+            cp_async16(tile + j * MN_LD(ROWS) + i, ok ? op.p + r * op.ld + o : op.p, ok);
+        }
+    }
+}
+
+// A fragment (16 output rows from m0, reduction kk .. kk+16) of the mma.m16n8k16 layout
+// (PTX ISA: g = lane / 4, t = lane % 4; regs (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+// (g+8, 2t+8..)): ldmatrix matrix i ∈ 0..4 covers rows m0 + 8·(i & 1), reduction kk + 8·(i >> 1);
+// lane l supplies row l % 8 of matrix l / 8.
+template <bool MN, int ROWS>
+__device__ __forceinline__ void frag_a(u32* a, const u16* tile, int m0, int kk) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    if (!MN)
+        ldsm_x4(a, tile + (m0 + 8 * (i & 1) + j) * GT_LD + kk + 8 * (i >> 1));
+    else
+        ldsm_x4_trans(a, tile + (kk + 8 * (i >> 1) + j) * MN_LD(ROWS) + m0 + 8 * (i & 1));
+}
+
+// B fragments of two n8 tiles (output columns n0 .. n0+16, reduction kk .. kk+16; regs
+// (k 2t..2t+1, n g), (k 2t+8.., n g)): matrix i covers columns n0 + 8·(i >> 1), reduction
+// kk + 8·(i & 1), so r = {b0[0], b0[1], b1[0], b1[1]}.
+template <bool MN, int ROWS>
+__device__ __forceinline__ void frag_b2(u32* r, const u16* tile, int n0, int kk) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    if (!MN)
+        ldsm_x4(r, tile + (n0 + 8 * (i >> 1) + j) * GT_LD + kk + 8 * (i & 1));
+    else
+        ldsm_x4_trans(r, tile + (kk + 8 * (i & 1) + j) * MN_LD(ROWS) + n0 + 8 * (i >> 1));
+}
+
+template <bool MN, int ROWS>
+struct TileSize {
+    static constexpr int elems = MN ? GT_K * MN_LD(ROWS) : ROWS * GT_LD;
+};
+
+// acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's BM × BN tile, the
+// reduction in stages of GT_K in increasing order (fixed: deterministic). Warp w owns output
+// rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·32 .. +32: MI × 4 mma tiles
+// per k16 step (MI = BM / 32).
+template <int BM, int BN>
+struct Cfg {
+    static constexpr int WN_WARPS = BN / 32;
+    static constexpr int THREADS = 64 * WN_WARPS;
+    static constexpr int WM = BM / 2;
+    static constexpr int MI = WM / 16;
+    // Stages in flight: 3 while the buffers fit the 48 KB of static shared memory, else 2.
+    static constexpr int STAGES = (BM + BN) * GT_LD * 2 * 3 <= 40 * 1024 ? 3 : 2;
+};
+
+template <int BM, int BN, bool A_MN, bool B_MN>
+__device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
+                                         float acc[Cfg<BM, BN>::MI][4][4]) {
+    typedef Cfg<BM, BN> C;
+    constexpr int S = C::STAGES;
+    __shared__ __align__(128) u16 As[S][TileSize<A_MN, BM>::elems];
+    __shared__ __align__(128) u16 Bs[S][TileSize<B_MN, BN>::elems];
+    const int warp = threadIdx.x >> 5;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
+#pragma unroll
+    for (int i = 0; i < C::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    const u64 nk = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
+    if (nk == 0) return;
+    // Prologue: stages 0 .. S-2, one commit group each (empty when past the end).
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if ((u64)st < nk) {
+            issue_stage<A_MN, BM, C::THREADS>(As[st], A, red_lo + (u64)st * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs[st], B, red_lo + (u64)st * GT_K);
+        }
+        cp_async_commit();
+    }
+    for (u64 kt = 0; kt < nk; ++kt) {
+        // Refill the buffer computed in iteration kt - 1 (released by its trailing barrier)
+        // with stage kt + S - 1. Group g holds stage g; after this commit groups 0 .. kt+S-1
+        // exist, so "at most S - 1 pending" means groups 0 .. kt (stage kt) have landed.
+        const u64 nxt = kt + S - 1;
+        if (nxt < nk) {
+            issue_stage<A_MN, BM, C::THREADS>(As[nxt % S], A, red_lo + nxt * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs[nxt % S], B, red_lo + nxt * GT_K);
+        }
+        cp_async_commit();
+        cp_async_wait<S - 1>();
+        __syncthreads();
+        const int cur = (int)(kt % S);
+#pragma unroll
+        for (int kk = 0; kk < GT_K; kk += 16) {
+            u32 a[C::MI][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < C::MI; ++i) frag_a<A_MN, BM>(a[i], As[cur], wm + 16 * i, kk);
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 r[4];
+                frag_b2<B_MN, BN>(r, Bs[cur], wn + 8 * j, kk);
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < C::MI; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
+        }
+        __syncthreads();  // the next iteration refills this stage's buffers
+    }
+}
+
+// out[(row0 + m)·ld + col0 + c] (+)= acc for the block tile, rows < row_end, columns < col_end
+// (col_end a multiple of 8, so a column pair is entirely inside or outside). C fragment: regs
+// (g, 2t..2t+1), (g+8, 2t..2t+1). With `accumulate` the stored value is old + acc (one f32
+// addition).
+template <int BM, int BN>
+__device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
+                                           u64 col_end, const float acc[Cfg<BM, BN>::MI][4][4], bool accumulate) {
+    typedef Cfg<BM, BN> C;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
+#pragma unroll
+    for (int i = 0; i < C::MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u64 c = col0 + wn + j * 8 + 2 * t;
+            if (c >= col_end) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u64 r = row0 + wm + i * 16 + g + h * 8;
+                if (r >= row_end) continue;
+                float2* p = reinterpret_cast<float2*>(out + r * ld + c);
+                float2 v = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                if (accumulate) {
+                    const float2 o = *p;
+                    v.x = __fadd_rn(o.x, v.x);
+                    v.y = __fadd_rn(o.y, v.y);
+                }
+                *p = v;
+            }
+        }
+}
+
+// Forward: y[r, n] = Σ_k x[r, k]·w[e][n, k] for every row r of expert e.
+// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(R/BM) + E, ceil(N/BN)); block
+// x-index = row tile (expert-major), surplus tiles exit.
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const u16* __restrict__ w,
+                                                const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,
+                                                u32 N, u32 K) {
+    __shared__ u32 job[3];
+    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 n0 = (u64)blockIdx.y * BN;
+    const Operand A = {x, K, r0, r1, K};
+    const Operand B = {w + e * (u64)N * K, K, n0, N, K};
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, false, false>(A, B, 0, K, acc);
+    store_tile<BM, BN>(y, N, r0, r1, n0, N, acc, false);
+}
+
+// Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
+// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(R/BM) + E, ceil(K/BN)).
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, const u16* __restrict__ w,
+                                                const u32* __restrict__ off, float* __restrict__ dx, u32 E, u32 R,
+                                                u32 N, u32 K) {
+    __shared__ u32 job[3];
+    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 c0 = (u64)blockIdx.y * BN;  // first output column (index into K)
+    const Operand A = {dy, N, r0, r1, N};
+    const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, false, true>(A, B, 0, N, acc);
+    store_tile<BM, BN>(dx, K, r0, r1, c0, K, acc, false);
+}
+
+// Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
+// dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/BM), ceil(K/BN), E); a block
+// of an expert with no rows exits without touching dw. The reduction runs over the expert's
+// rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
+template <int BM, int BN>
+__device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
+                                                const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
+                                                u32 N, u32 K) {
+    const u32 e = blockIdx.z;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    const u64 n0 = (u64)blockIdx.x * BM, k0 = (u64)blockIdx.y * BN;
+    const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
+    const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
+    float acc[Cfg<BM, BN>::MI][4][4];
+    mainloop<BM, BN, true, true>(A, B, lo, hi, acc);
+    store_tile<BM, BN>(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+}
+
+#define GROUPED_ARGS                                                                                  \
+    const u16 *__restrict__ a, const u16 *__restrict__ b, const u32 *__restrict__ off, float *__restrict__ out, \
+        u32 E, u32 R, u32 N, u32 K
+// Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads;
+// 32x128 = 32 × 128 tiles, 256 threads.
+extern "C" __global__ void __launch_bounds__(128) grouped_nt_t64(GROUPED_ARGS) {
+    grouped_nt_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nt_t128(GROUPED_ARGS) {
+    grouped_nt_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nt_t32x128(GROUPED_ARGS) {
+    grouped_nt_body<32, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(128) grouped_nn_t64(GROUPED_ARGS) {
+    grouped_nn_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nn_t128(GROUPED_ARGS) {
+    grouped_nn_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_nn_t32x128(GROUPED_ARGS) {
+    grouped_nn_body<32, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(128) grouped_tn_t64(GROUPED_ARGS) {
+    grouped_tn_body<64, 64>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_tn_t128(GROUPED_ARGS) {
+    grouped_tn_body<128, 128>(a, b, off, out, E, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) grouped_tn_t32x128(GROUPED_ARGS) {
+    grouped_tn_body<32, 128>(a, b, off, out, E, R, N, K);
+}
+
+// ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte
+// loads, and applied to all its rows (up to SM_RB rows per pass; more rows take more passes
+// over the same, cache-resident, weight slice).
+#define SM_WARPS 8
+#define SM_NB 4    // output columns per warp
+#define SM_RB 8    // rows per pass
+
+__device__ __forceinline__ void widen8(uint4 v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        f[2 * q] = __uint_as_float(w[q] << 16);
+        f[2 * q + 1] = __uint_as_float(w[q] & 0xFFFF0000u);
+    }
+}
+
+// Forward, small M: y[r, n] = Σ_k x[r, k]·w[e][n, k] (same operands and layout as
+// grouped_nt_tiled). Grid (ceil(N / (SM_WARPS·SM_NB)), E), block SM_WARPS·32. Warp w of block
+// (bx, e) owns columns (bx·SM_WARPS + w)·SM_NB .. +SM_NB of expert e. Lane l sums k = 8l + 256i
+// + h in increasing i then h (f32, separate multiply and add), then a butterfly over the lanes.
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    grouped_nt_small_m(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
+                       float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 n0 = ((u64)blockIdx.x * SM_WARPS + warp) * SM_NB;
+    if (n0 >= N) return;  // N is a multiple of 8, so n0 < N implies n0 + SM_NB <= N
+    const u16* we = w + (u64)e * N * K + n0 * K;
+    for (u64 rb = lo; rb < hi; rb += SM_RB) {
+        const u32 nr = (u32)min((u64)SM_RB, hi - rb);
+        float acc[SM_RB][SM_NB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r)
+#pragma unroll
+            for (int q = 0; q < SM_NB; ++q) acc[r][q] = 0.0f;
+        for (u64 k = (u64)lane * 8; k < K; k += 256) {
+            float wv[SM_NB][8];
+#pragma unroll
+            for (int q = 0; q < SM_NB; ++q) widen8(*reinterpret_cast<const uint4*>(we + q * (u64)K + k), wv[q]);
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) {
+                if ((u32)r < nr) {
+                    float xv[8];
+                    widen8(*reinterpret_cast<const uint4*>(x + (rb + r) * K + k), xv);
+#pragma unroll
+                    for (int q = 0; q < SM_NB; ++q)
+#pragma unroll
+                        for (int h = 0; h < 8; ++h) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(xv[h], wv[q][h]));
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) {
+            if ((u32)r < nr) {
+#pragma unroll
+                for (int q = 0; q < SM_NB; ++q) {
+                    const float s = warp_sum(acc[r][q]);
+                    if (lane == q) y[(rb + r) * N + n0 + q] = s;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,575 @@
+//! Causal GQA attention (kernels `kernels/ops_attention.cu`): the training forward and backward
+//! over packed sequences, and decode over a BF16 KV cache.
+//!
+//! Layout (f32, row-major): `q, out, dout, dq: [N, Hq·D]`, `k, v, dk, dv: [N, Hkv·D]`,
+//! `lse: [N, Hq]`; sequence `b` owns rows `offsets[b]..offsets[b+1]` (`u32 [B+1]` on the
+//! device); query head `h` reads kv head `h / (Hq/Hkv)`; scale `1/√D`
+//! (`mxrl_tensor::attention::AttnShape::scale`). Any even `D ≤ 256`.
+//!
+//! The forward is flash-style: tiles of 32 keys in shared memory, an online softmax in
+//! registers, `O(T)` memory per head (no `[T, T]` matrix anywhere). The backward recomputes the
+//! probabilities from `lse`: `delta = rowsum(dout∘out)`, one kernel for `dq` iterating over key
+//! tiles and one for `dk, dv` iterating over query tiles (the group's query heads summed in
+//! order), no atomics. Decode splits each sequence into chunks of
+//! [`DECODE_CHUNK`] keys (a constant, so a sequence's result does not depend on the batch) and
+//! combines the chunks in order. Every reduction order depends only on the shapes and the
+//! offsets/lengths, so equal inputs give equal bits.
+//!
+//! References: `mxrl_tensor::attention::{attention_forward, attention_backward,
+//! attention_decode}`; the summation order differs (online softmax), bounds in
+//! `mxrl_tensor::tolerance::attention_*`.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use mxrl_tensor::attention::AttnShape;
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_attention.cu");
+
+/// Largest head width the kernels take (`ATT_MAX_D`).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Keys per decode chunk (`ATT_DEC_CHUNK`): one block of the first decode pass.
+pub const DECODE_CHUNK: usize = 64;
+const BC: usize = 32;
+const WARPS: usize = 16;
+const THREADS: u32 = (WARPS * 32) as u32;
+const DEC_WARPS: usize = 4;
+const DEC_THREADS: u32 = (DEC_WARPS * 32) as u32;
+const MAX_GRID_YZ: usize = 65_535;
+
+/// `D` rounded up to 4 (`att_d4`): the zero-padded row width of the shared tiles.
+fn d4(d: usize) -> usize {
+    d.div_ceil(4) * 4
+}
+/// Row stride of the shared tiles (`att_stride`): `d4` when `d4/4` is odd, else `d4 + 4`.
+fn stride(d: usize) -> usize {
+    let d4 = d4(d);
+    if (d4 / 4) % 2 == 1 {
+        d4
+    } else {
+        d4 + 4
+    }
+}
+fn smem_fwd(d: usize) -> usize {
+    4 * (2 * BC * stride(d) + WARPS * d4(d) + WARPS * BC)
+}
+fn smem_dec(d: usize) -> usize {
+    4 * (2 * BC * stride(d) + DEC_WARPS * d4(d) + DEC_WARPS * BC)
+}
+fn smem_dq(d: usize) -> usize {
+    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + WARPS * BC)
+}
+fn smem_dkdv(d: usize) -> usize {
+    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + 2 * WARPS * BC + 2 * BC)
+}
+
+/// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
+pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
+    (n * shape.q_heads).max(1)
+}
+
+/// Elements of the scratch [`Attention::decode`] needs for `batch` sequences in a cache of
+/// `max_len` positions: per (sequence, query head, chunk) a running max, a sum and `D` partial
+/// outputs, `batch·Hq·ceil(max_len/DECODE_CHUNK)·(D + 2)` (at least one).
+pub fn decode_scratch_len(batch: usize, max_len: usize, shape: AttnShape) -> usize {
+    (batch * shape.q_heads * max_len.div_ceil(DECODE_CHUNK) * (shape.head_dim + 2)).max(1)
+}
+
+fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {
+    let d = s.head_dim;
+    if s.kv_heads == 0 || s.q_heads == 0 || s.q_heads % s.kv_heads != 0 {
+        return Err(gpu.err(format!(
+            "{op}: {} query heads are not a positive multiple of {} kv heads",
+            s.q_heads, s.kv_heads
+        )));
+    }
+    if d == 0 || d % 2 != 0 || d > MAX_HEAD_DIM {
+        return Err(gpu.err(format!(
+            "{op}: head_dim {d} must be even and in 2..={MAX_HEAD_DIM}"
+        )));
+    }
+    if s.q_heads > MAX_GRID_YZ {
+        return Err(gpu.err(format!(
+            "{op}: {} query heads exceed {MAX_GRID_YZ}",
+            s.q_heads
+        )));
+    }
+    Ok(())
+}
+
+/// The loaded attention kernels.
+pub struct Attention {
+    gpu: Gpu,
+    fwd: CudaFunction,
+    delta: CudaFunction,
+    dq: CudaFunction,
+    dkdv: CudaFunction,
+    append: CudaFunction,
+    dec_partial: CudaFunction,
+    dec_combine: CudaFunction,
+}
+
+impl Attention {
+    /// Loads (compiling on first use) the module on `gpu` and allows the tile kernels the
+    /// dynamic shared memory of `D = 256` (above the default 48 KB).
+    ///
+    /// # Errors
+    /// NVRTC, module-load or attribute errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_attention", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        let a = Attention {
+            gpu: gpu.clone(),
+            fwd: f("attn_fwd")?,
+            delta: f("attn_bwd_delta")?,
+            dq: f("attn_bwd_dq")?,
+            dkdv: f("attn_bwd_dkdv")?,
+            append: f("kv_append")?,
+            dec_partial: f("attn_decode_partial")?,
+            dec_combine: f("attn_decode_combine")?,
+        };
+        for (func, bytes, name) in [
+            (&a.fwd, smem_fwd(MAX_HEAD_DIM), "attn_fwd"),
+            (&a.dq, smem_dq(MAX_HEAD_DIM), "attn_bwd_dq"),
+            (&a.dkdv, smem_dkdv(MAX_HEAD_DIM), "attn_bwd_dkdv"),
+            (
+                &a.dec_partial,
+                smem_dec(MAX_HEAD_DIM),
+                "attn_decode_partial",
+            ),
+        ] {
+            func.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|x| {
+                gpu.err(format!(
+                    "{name}: allowing {bytes} B of shared memory: {x:?}"
+                ))
+            })?;
+        }
+        Ok(a)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_packed(
+        &self,
+        op: &str,
+        offsets: &CudaView<'_, u32>,
+        num_seqs: usize,
+        max_len: usize,
+        n: usize,
+        shape: AttnShape,
+    ) -> Result<(), DeviceError> {
+        check_shape(&self.gpu, op, shape)?;
+        check_len(
+            &self.gpu,
+            &format!("{op} offsets"),
+            offsets.len(),
+            num_seqs + 1,
+        )?;
+        if num_seqs > MAX_GRID_YZ {
+            return Err(self
+                .gpu
+                .err(format!("{op}: {num_seqs} sequences exceed {MAX_GRID_YZ}")));
+        }
+        if max_len > n || n > u32::MAX as usize {
+            return Err(self.gpu.err(format!(
+                "{op}: longest sequence {max_len} with {n} rows (rows must fit u32 and hold it)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Training forward: `q: [N, Hq·D]`, `k, v: [N, Hkv·D]`, device `offsets: u32 [B+1]` →
+    /// `out: [N, Hq·D]`, `lse: [N, Hq]` (log-sum-exp of the scaled scores of each row, for the
+    /// backward). Causal inside each sequence; f32 accumulation. `max_len` must be at least
+    /// the longest sequence (`max_b offsets[b+1] − offsets[b]`, known to the host that built the
+    /// offsets; rows of longer sequences would be left unwritten), offsets nondecreasing with
+    /// `offsets[B] ≤ N`. Reference: `mxrl_tensor::attention::attention_forward`.
+    ///
+    /// # Errors
+    /// A bad head geometry, short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        num_seqs: usize,
+        max_len: usize,
+        n: usize,
+        shape: AttnShape,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let op = "attention forward";
+        self.check_packed(op, offsets, num_seqs, max_len, n, shape)?;
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        check_len(&self.gpu, "attention forward q", q.len(), n * hq * d)?;
+        check_len(&self.gpu, "attention forward k", k.len(), n * hkv * d)?;
+        check_len(&self.gpu, "attention forward v", v.len(), n * hkv * d)?;
+        check_len(&self.gpu, "attention forward out", out.len(), n * hq * d)?;
+        check_len(&self.gpu, "attention forward lse", lse.len(), n * hq)?;
+        if num_seqs == 0 || max_len == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hq as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_fwd(d) as u32,
+        };
+        let (hq32, hkv32, d32, scale) = (hq as u32, hkv as u32, d as u32, shape.scale());
+        let mut b = self.gpu.stream().launch_builder(&self.fwd);
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(offsets)
+            .arg(out)
+            .arg(lse)
+            .arg(&hq32)
+            .arg(&hkv32)
+            .arg(&d32)
+            .arg(&scale);
+        // SAFETY: block (x, b, h) reads offsets[b], offsets[b+1] (B+1 checked) and touches rows
+        // offsets[b] + i for i < T_b ≤ max_len (x·16 + warp < T_b), rows < offsets[B] ≤ N (the
+        // caller's offsets contract) of q/out (N·Hq·D checked), k/v (N·Hkv·D checked) and lse
+        // (N·Hq checked), head slices h·D + d < Hq·D, kh·D + d < Hkv·D (geometry checked);
+        // shared memory smem_fwd(D) ≤ the attribute set in `new`; types match the kernel.
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// Training backward: `dout, out: [N, Hq·D]`, `q`, `k, v`, `lse` (from
+    /// [`Attention::forward`]) → `dq: [N, Hq·D]`, `dk, dv: [N, Hkv·D]` (overwritten on the
+    /// sequences' rows). `delta: [N·Hq]` scratch ([`backward_scratch_len`]) receives
+    /// `rowsum(dout∘out)`. With `p_ij = exp(s_ij − lse_i)` and
+    /// `ds_ij = p_ij·(dout_i·v_j − delta_i)`: `dq_i = scale·Σ_j ds_ij k_j`,
+    /// `dk_j = scale·Σ_{h,i} ds_ij q_i`, `dv_j = Σ_{h,i} p_ij dout_i` (the group's query heads in
+    /// order). f32 accumulation, no atomics. Offsets and `max_len` as in the forward.
+    /// Reference: `mxrl_tensor::attention::attention_backward`.
+    ///
+    /// # Errors
+    /// A bad head geometry, short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        dout: &CudaView<'_, f32>,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        num_seqs: usize,
+        max_len: usize,
+        n: usize,
+        shape: AttnShape,
+        delta: &mut CudaViewMut<'_, f32>,
+        dq: &mut CudaViewMut<'_, f32>,
+        dk: &mut CudaViewMut<'_, f32>,
+        dv: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let op = "attention backward";
+        self.check_packed(op, offsets, num_seqs, max_len, n, shape)?;
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let g = &self.gpu;
+        check_len(g, "attention backward dout", dout.len(), n * hq * d)?;
+        check_len(g, "attention backward q", q.len(), n * hq * d)?;
+        check_len(g, "attention backward k", k.len(), n * hkv * d)?;
+        check_len(g, "attention backward v", v.len(), n * hkv * d)?;
+        check_len(g, "attention backward out", out.len(), n * hq * d)?;
+        check_len(g, "attention backward lse", lse.len(), n * hq)?;
+        check_len(g, "attention backward delta", delta.len(), n * hq)?;
+        check_len(g, "attention backward dq", dq.len(), n * hq * d)?;
+        check_len(g, "attention backward dk", dk.len(), n * hkv * d)?;
+        check_len(g, "attention backward dv", dv.len(), n * hkv * d)?;
+        if num_seqs == 0 || max_len == 0 || n == 0 {
+            return Ok(());
+        }
+        let (n64, hq32, hkv32, d32, scale) =
+            (n as u64, hq as u32, hkv as u32, d as u32, shape.scale());
+        let cfg = LaunchConfig {
+            grid_dim: ((n * hq).div_ceil(WARPS) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.delta);
+        b.arg(dout)
+            .arg(out)
+            .arg(&mut *delta)
+            .arg(&n64)
+            .arg(&hq32)
+            .arg(&d32);
+        // SAFETY: warp r·Hq + h < N·Hq reads dout/out[(r·Hq + h)·D + d], d < D (N·Hq·D checked)
+        // and writes delta[r·Hq + h] (N·Hq checked); types match (2 × const float*, float*, u64,
+        // u32, u32).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+
+        let delta_v = delta.slice(..);
+        let cfg = LaunchConfig {
+            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hq as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_dq(d) as u32,
+        };
+        let mut b = g.stream().launch_builder(&self.dq);
+        b.arg(dout)
+            .arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(lse)
+            .arg(&delta_v)
+            .arg(offsets)
+            .arg(dq)
+            .arg(&hq32)
+            .arg(&hkv32)
+            .arg(&d32)
+            .arg(&scale);
+        // SAFETY: as the forward: rows offsets[b] + i < offsets[B] ≤ N of dout/q/dq (N·Hq·D),
+        // k/v (N·Hkv·D), lse/delta (N·Hq), all checked; shared memory smem_dq(D) ≤ the
+        // attribute set in `new`; types match the kernel.
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hkv as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_dkdv(d) as u32,
+        };
+        let mut b = g.stream().launch_builder(&self.dkdv);
+        b.arg(dout)
+            .arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(lse)
+            .arg(&delta_v)
+            .arg(offsets)
+            .arg(dk)
+            .arg(dv)
+            .arg(&hq32)
+            .arg(&hkv32)
+            .arg(&d32)
+            .arg(&scale);
+        // SAFETY: block (x, b, kh) touches key rows offsets[b] + j (j < T_b) of k/v/dk/dv
+        // (N·Hkv·D checked) and query rows offsets[b] + i (i < T_b) of q/dout (N·Hq·D) and
+        // lse/delta (N·Hq), heads kh·g + hh < Hq; shared memory smem_dkdv(D) ≤ the attribute
+        // set in `new`; types match the kernel.
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// KV-cache append: for each sequence `b < batch` writes `k_new[b], v_new[b]` (`[batch,
+    /// Hkv·D]` f32) rounded to BF16 (nearest even; bit patterns) at position `lens[b] − 1` of
+    /// slot `b` of `k_cache, v_cache: [slots, max_len, Hkv, D]`. `lens: u32 [batch]` on the
+    /// device is each sequence's length including the new token; a length of 0 or above
+    /// `max_len` writes nothing. Reference: `mxrl_tensor::precision::round_bf16` of the rows.
+    ///
+    /// # Errors
+    /// A bad head geometry, more sequences than slots, short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_append(
+        &self,
+        k_new: &CudaView<'_, f32>,
+        v_new: &CudaView<'_, f32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        lens: &CudaView<'_, u32>,
+        batch: usize,
+        slots: usize,
+        max_len: usize,
+        shape: AttnShape,
+    ) -> Result<(), DeviceError> {
+        check_shape(&self.gpu, "kv_append", shape)?;
+        let row = shape.kv_heads * shape.head_dim;
+        self.check_cache("kv_append", batch, slots, max_len, row)?;
+        let g = &self.gpu;
+        check_len(g, "kv_append k_new", k_new.len(), batch * row)?;
+        check_len(g, "kv_append v_new", v_new.len(), batch * row)?;
+        check_len(g, "kv_append k_cache", k_cache.len(), slots * max_len * row)?;
+        check_len(g, "kv_append v_cache", v_cache.len(), slots * max_len * row)?;
+        check_len(g, "kv_append lens", lens.len(), batch)?;
+        if batch == 0 || max_len == 0 {
+            return Ok(());
+        }
+        let (b32, row32, ml32) = (batch as u32, row as u32, max_len as u32);
+        let cfg = LaunchConfig {
+            grid_dim: ((batch * row).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.append);
+        b.arg(k_new)
+            .arg(v_new)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(lens)
+            .arg(&b32)
+            .arg(&row32)
+            .arg(&ml32);
+        // SAFETY: thread b·row + e < batch·row reads k_new/v_new at that index (checked) and
+        // lens[b] (batch checked); it writes cache element (b·max_len + lens[b] − 1)·row + e
+        // only when 1 ≤ lens[b] ≤ max_len, inside slot b < batch ≤ slots (slots·max_len·row
+        // checked); types match (2 × const float*, 2 × u16*, const u32*, 3 × u32).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    fn check_cache(
+        &self,
+        op: &str,
+        batch: usize,
+        slots: usize,
+        max_len: usize,
+        row: usize,
+    ) -> Result<(), DeviceError> {
+        if batch > slots {
+            return Err(self
+                .gpu
+                .err(format!("{op}: {batch} sequences but {slots} cache slots")));
+        }
+        if batch > MAX_GRID_YZ.min(i32::MAX as usize)
+            || max_len > u32::MAX as usize
+            || slots
+                .checked_mul(max_len)
+                .and_then(|x| x.checked_mul(row))
+                .is_none()
+        {
+            return Err(self.gpu.err(format!(
+                "{op}: cache [{slots}, {max_len}, {row}] or batch {batch} too large"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Decode attention: one new token per sequence, `q: [batch, Hq·D]` f32, against the BF16
+    /// caches `k_cache, v_cache: [slots, max_len, Hkv, D]` (slot `b` = sequence `b`, already
+    /// holding the new token's k/v, see [`Attention::kv_append`]) with device `lens: u32
+    /// [batch]` (length including the new token) → `out: [batch, Hq·D]`. f32 accumulation;
+    /// each sequence is split into chunks of [`DECODE_CHUNK`] keys combined in order through
+    /// `scratch` ([`decode_scratch_len`]). A length of 0 gives zeros, one above `max_len` NaN.
+    /// Reference: `mxrl_tensor::attention::attention_decode` on the BF16 values of the cache.
+    ///
+    /// # Errors
+    /// A bad head geometry, more sequences than slots, short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        q: &CudaView<'_, f32>,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        lens: &CudaView<'_, u32>,
+        batch: usize,
+        slots: usize,
+        max_len: usize,
+        shape: AttnShape,
+        scratch: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        check_shape(&self.gpu, "attention decode", shape)?;
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let row = hkv * d;
+        self.check_cache("attention decode", batch, slots, max_len, row)?;
+        let g = &self.gpu;
+        check_len(g, "attention decode q", q.len(), batch * hq * d)?;
+        check_len(
+            g,
+            "attention decode k_cache",
+            k_cache.len(),
+            slots * max_len * row,
+        )?;
+        check_len(
+            g,
+            "attention decode v_cache",
+            v_cache.len(),
+            slots * max_len * row,
+        )?;
+        check_len(g, "attention decode lens", lens.len(), batch)?;
+        check_len(g, "attention decode out", out.len(), batch * hq * d)?;
+        let need = decode_scratch_len(batch, max_len, shape);
+        check_len(g, "attention decode scratch", scratch.len(), need)?;
+        if max_len == 0 {
+            return Err(g.err("attention decode: a KV cache of max_len 0 holds no keys"));
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let nsplit = max_len.div_ceil(DECODE_CHUNK);
+        if nsplit > MAX_GRID_YZ {
+            return Err(g.err(format!("attention decode: max_len {max_len} too large")));
+        }
+        let parts = batch * hq * nsplit;
+        let (mut part_m, mut rest) = scratch.split_at_mut(parts);
+        let (mut part_l, mut part_o) = rest.split_at_mut(parts);
+        let (hq32, hkv32, d32, ml32, ns32, scale) = (
+            hq as u32,
+            hkv as u32,
+            d as u32,
+            max_len as u32,
+            nsplit as u32,
+            shape.scale(),
+        );
+        // Scoped: the builder borrows the partial buffers mutably until it is dropped.
+        {
+            let cfg = LaunchConfig {
+                grid_dim: (batch as u32, hkv as u32, nsplit as u32),
+                block_dim: (DEC_THREADS, 1, 1),
+                shared_mem_bytes: smem_dec(d) as u32,
+            };
+            let mut b = g.stream().launch_builder(&self.dec_partial);
+            b.arg(q)
+                .arg(k_cache)
+                .arg(v_cache)
+                .arg(lens)
+                .arg(&mut part_m)
+                .arg(&mut part_l)
+                .arg(&mut part_o)
+                .arg(&hq32)
+                .arg(&hkv32)
+                .arg(&d32)
+                .arg(&ml32)
+                .arg(&scale);
+            // SAFETY: block (b, kh, s) returns unless lens[b] ≤ max_len and s·64 < lens[b]; it
+            // reads cache positions < lens[b] ≤ max_len of slot b < batch ≤ slots
+            // (slots·max_len·Hkv·D checked), q row b (batch·Hq·D checked), and writes
+            // part_m/part_l[(b·Hq + h)·nsplit + s] (batch·Hq·nsplit each) and part_o at that
+            // index ·D (+D): the three splits of scratch hold exactly that
+            // (decode_scratch_len checked); shared memory smem_dec(D) ≤ the attribute.
+            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, hq as u32, 1),
+            block_dim: (d.div_ceil(32).clamp(1, 8) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.dec_combine);
+        let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
+        b.arg(&pm)
+            .arg(&pl)
+            .arg(&po)
+            .arg(lens)
+            .arg(out)
+            .arg(&hq32)
+            .arg(&d32)
+            .arg(&ml32)
+            .arg(&ns32);
+        // SAFETY: block (b, h) reads lens[b] and, for 1 ≤ lens[b] ≤ max_len, the partials of
+        // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes out row
+        // b, head h (batch·Hq·D checked); types match (3 × const float*, const u32*, float*,
+        // 4 × u32).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! Small engine ops (kernels `kernels/ops_engine.cu`): bias add and its gradient, scaling,
+//! the prefill KV-cache fill. Bitwise with `mxrl_tensor::device::CpuBackend`.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_engine.cu");
+
+const THREADS: u32 = 256;
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn check(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+/// The loaded kernels.
+pub struct EngineOps {
+    gpu: Gpu,
+    add_bias: CudaFunction,
+    bias_backward: CudaFunction,
+    scale: CudaFunction,
+    kv_fill: CudaFunction,
+}
+
+impl EngineOps {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_engine", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(EngineOps {
+            gpu: gpu.clone(),
+            add_bias: f("add_bias")?,
+            bias_backward: f("bias_backward")?,
+            scale: f("scale")?,
+            kv_fill: f("kv_fill")?,
+        })
+    }
+
+    /// `y[r, j] += b[j]` for `r < rows`, `j < n`.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn add_bias(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        b: &CudaView<'_, f32>,
+        rows: usize,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check(&self.gpu, "add_bias y", y.len(), rows * n)?;
+        check(&self.gpu, "add_bias b", b.len(), n)?;
+        if rows * n == 0 {
+            return Ok(());
+        }
+        let (r, c) = (rows as u64, n as u64);
+        let mut l = self.gpu.stream().launch_builder(&self.add_bias);
+        l.arg(y).arg(b).arg(&r).arg(&c);
+        // SAFETY: thread i < rows·n reads b[i % n] and updates y[i]; lengths checked above.
+        unsafe { l.launch(grid(rows * n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `db[j] += Σ_r dy[r, j]` in row order.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn bias_backward(
+        &self,
+        dy: &CudaView<'_, f32>,
+        db: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check(&self.gpu, "bias_backward dy", dy.len(), rows * n)?;
+        check(&self.gpu, "bias_backward db", db.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (r, c) = (rows as u64, n as u64);
+        let mut l = self.gpu.stream().launch_builder(&self.bias_backward);
+        l.arg(dy).arg(db).arg(&r).arg(&c);
+        // SAFETY: thread j < n reads dy[r·n + j] for r < rows and updates db[j]; checked above.
+        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `x[i] *= s`, `i < n`.
+    ///
+    /// # Errors
+    /// Short buffer; launch errors.
+    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32, n: usize) -> Result<(), DeviceError> {
+        check(&self.gpu, "scale x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let c = n as u64;
+        let mut l = self.gpu.stream().launch_builder(&self.scale);
+        l.arg(x).arg(&s).arg(&c);
+        // SAFETY: thread i < n updates x[i]; checked above.
+        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// Writes packed prefill rows `k, v: [N, w]` into BF16 caches `[slots, max_len, w]`: row
+    /// `r` of sequence `row_seq[r]` at position `r − offsets[row_seq[r]]`. The caller
+    /// guarantees every sequence fits (`len ≤ max_len`) and `row_seq`/`offsets` describe the
+    /// packed batch.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_fill(
+        &self,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        row_seq: &CudaView<'_, u32>,
+        offsets: &CudaView<'_, u32>,
+        k_cache: &mut CudaViewMut<'_, u16>,
+        v_cache: &mut CudaViewMut<'_, u16>,
+        rows: usize,
+        slots: usize,
+        w: usize,
+        max_len: usize,
+    ) -> Result<(), DeviceError> {
+        check(&self.gpu, "kv_fill k", k.len(), rows * w)?;
+        check(&self.gpu, "kv_fill v", v.len(), rows * w)?;
+        check(&self.gpu, "kv_fill row_seq", row_seq.len(), rows)?;
+        check(&self.gpu, "kv_fill offsets", offsets.len(), slots)?;
+        check(
+            &self.gpu,
+            "kv_fill k_cache",
+            k_cache.len(),
+            slots * max_len * w,
+        )?;
+        check(
+            &self.gpu,
+            "kv_fill v_cache",
+            v_cache.len(),
+            slots * max_len * w,
+        )?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (w64, ml) = (w as u64, max_len as u64);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.gpu.stream().launch_builder(&self.kv_fill);
+        l.arg(k)
+            .arg(v)
+            .arg(row_seq)
+            .arg(offsets)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&w64)
+            .arg(&ml);
+        // SAFETY: block r < rows reads k, v row r (rows·w checked) and writes cache row
+        // (b·max_len + p)·w.. with b = row_seq[r] < slots and p = r − offsets[b] < max_len (the
+        // caller's contract on the packed layout); cache lengths checked above.
+        unsafe { l.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,773 @@
+//! GEMMs of the engine (kernels `kernels/ops_gemm.cu`): dense BF16 GEMMs through cuBLAS and
+//! the grouped expert GEMMs (own tensor-core kernels, one launch per projection).
+//!
+//! All operands are BF16 bit patterns (`u16`) in device memory, every product is exact in f32
+//! and sums accumulate in f32; outputs are f32. Row-major shapes as in [`mxrl_tensor::gemm`]:
+//! - forward `y[m,n] = x[m,k] · W[n,k]ᵀ` (reference [`mxrl_tensor::gemm::matmul_nt`]),
+//! - dgrad `dx[m,k] = dy[m,n] · W[n,k]` (reference [`mxrl_tensor::gemm::matmul_nn`]),
+//! - wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (reference [`mxrl_tensor::gemm::matmul_tn`] added to
+//!   the old `dW`),
+//!
+//! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand
+//! tiles in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
+//! 128 × 128 tile), read fragments with `ldmatrix` (`.trans` where the source is contiguous
+//! along the output index) and multiply with `mma.sync.m16n8k16` BF16 → f32. Only the
+//! summation order differs from the reference; the
+//! bounds are `mxrl_tensor::tolerance::gemm_*_bounds_with` with
+//! `mxrl_tensor::tolerance::tensor_core_sum_bound` (tensor cores: cuBLAS and the tiled grouped
+//! kernels) or `two_order_sum_bound` (the small-M kernel: IEEE f32 adds on CUDA cores).
+//!
+//! Deterministic: equal inputs and shapes give equal bits. The grouped kernels own every output
+//! element in one thread and sum in an order fixed by the shapes; cuBLAS runs on one handle per
+//! stream with atomics disallowed and a fixed workspace, so it picks the same algorithm (no
+//! split-K atomics) for the same shapes.
+//!
+//! Grouped layout: the activation is packed expert-major, the rows of expert `e` are
+//! `offsets[e]..offsets[e+1]` (`offsets: u32 [E+1]` in **device** memory — no launcher reads it
+//! on the host, so a decode step can be captured in a CUDA graph); expert weights are stacked
+//! `[E, N, K]`. Offsets are clamped to `[0, R]` inside the kernels (an invalid table gives wrong
+//! rows, never an out-of-bounds access); rows outside every expert's range are not written.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_gemm.cu");
+
+/// Block tile of the tensor-core grouped kernels (output rows × output columns; the kernels
+/// `*_t64` / `*_t128` / `*_t32x128` of the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tile {
+    /// 64 × 64 outputs, 4 warps (each 32 × 32).
+    T64,
+    /// 128 × 128 outputs, 8 warps (each 64 × 32): half the operand traffic per FLOP.
+    T128,
+    /// 32 × 128 outputs, 8 warps (each 16 × 32): experts with few rows (decode).
+    T32x128,
+}
+
+impl Tile {
+    /// Every tile.
+    pub const ALL: [Tile; 3] = [Tile::T64, Tile::T128, Tile::T32x128];
+
+    /// Output rows of the tile (rows of the activation for forward and dgrad, rows of the
+    /// expert weight for wgrad).
+    pub fn rows(self) -> usize {
+        match self {
+            Tile::T64 => 64,
+            Tile::T128 => 128,
+            Tile::T32x128 => 32,
+        }
+    }
+
+    /// Output columns of the tile.
+    pub fn cols(self) -> usize {
+        match self {
+            Tile::T64 => 64,
+            Tile::T128 | Tile::T32x128 => 128,
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            Tile::T64 => 128,
+            Tile::T128 | Tile::T32x128 => 256,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Tile::T64 => 0,
+            Tile::T128 => 1,
+            Tile::T32x128 => 2,
+        }
+    }
+
+    /// The tile the plain launchers use: 128 × 128 when the experts average at least 128
+    /// rows (training and prefill), else 64 × 64 (fewer wasted rows on small experts).
+    pub fn for_shape(s: Grouped) -> Self {
+        if s.rows >= 128 * s.experts.max(1) {
+            Tile::T128
+        } else {
+            Tile::T64
+        }
+    }
+}
+/// Output columns one block of the small-M kernel covers (`SM_WARPS · SM_NB`).
+const SMALL_M_COLS: usize = 32;
+const SMALL_M_THREADS: u32 = 256;
+
+/// [`Gemm::grouped_nt`] takes the small-M (GEMV-style) kernel when the total row count is at
+/// most this many rows per expert on average (`rows ≤ SMALL_M_ROWS_PER_EXPERT · experts`):
+/// decode steps, where each used expert sees a handful of rows and the weight bytes dominate.
+pub const SMALL_M_ROWS_PER_EXPERT: usize = 4;
+
+/// cuBLAS workspace per handle (fixed, so the algorithm choice never depends on what the
+/// library could allocate, and no allocation happens inside a captured graph).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// Shape of a grouped expert GEMM: `experts` experts, `rows` packed rows (`R`), weights
+/// `[experts, n, k]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grouped {
+    /// Number of experts `E` (offsets hold `E + 1` entries).
+    pub experts: usize,
+    /// Packed rows `R` of the activation (`offsets[E] ≤ R`).
+    pub rows: usize,
+    /// Output features `N` of the forward (rows of each expert's weight); a multiple of 8.
+    pub n: usize,
+    /// Input features `K` of the forward (columns of each expert's weight); a multiple of 8.
+    pub k: usize,
+}
+
+/// Which kernel a grouped forward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupedPath {
+    /// Tensor-core tiles (`mma.m16n8k16`, 64 × 64 block tiles).
+    Tiled,
+    /// GEMV-style: each used expert's weights read once, all its rows computed from them.
+    SmallM,
+}
+
+impl GroupedPath {
+    /// The path [`Gemm::grouped_nt`] picks for a shape (host-known sizes only).
+    pub fn for_shape(s: Grouped) -> Self {
+        if s.rows <= SMALL_M_ROWS_PER_EXPERT * s.experts {
+            GroupedPath::SmallM
+        } else {
+            GroupedPath::Tiled
+        }
+    }
+}
+
+struct Blas {
+    // Field order is drop order: the handle is destroyed before its workspace is freed.
+    handle: CudaBlas,
+    _workspace: CudaSlice<u8>,
+}
+
+type BlasCache = Mutex<HashMap<(usize, usize), Arc<Mutex<Blas>>>>;
+
+fn blas_handles() -> &'static BlasCache {
+    static CACHE: OnceLock<BlasCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The cuBLAS handle of `gpu`'s stream (created on first use: atomics disallowed, default math
+/// with tensor cores, a fixed workspace).
+fn blas_for(gpu: &Gpu) -> Result<Arc<Mutex<Blas>>, DeviceError> {
+    let key = (gpu.ordinal(), gpu.stream().cu_stream() as usize);
+    let mut cache = blas_handles().lock().expect("cuBLAS cache poisoned");
+    if let Some(h) = cache.get(&key) {
+        return Ok(h.clone());
+    }
+    // SAFETY: only asks whether the cuBLAS library can be found.
+    if !unsafe { blas_sys::is_culib_present() } {
+        return Err(gpu.err("the cuBLAS library (libcublas) cannot be loaded"));
+    }
+    let handle = CudaBlas::new(gpu.stream().clone()).map_err(|e| gpu.err(format!("{e:?}")))?;
+    let mut workspace = gpu.zeros::<u8>(BLAS_WORKSPACE)?;
+    {
+        let (ws, _rec) = workspace.device_ptr_mut(gpu.stream());
+        // SAFETY: `handle.handle()` is a live handle owned by `handle`; the workspace is a
+        // device buffer of BLAS_WORKSPACE bytes on the handle's stream that lives as long as
+        // the handle (both are kept in `Blas`, the handle dropped first).
+        unsafe {
+            blas_sys::cublasSetAtomicsMode(
+                *handle.handle(),
+                blas_sys::cublasAtomicsMode_t::CUBLAS_ATOMICS_NOT_ALLOWED,
+            )
+            .result()
+            .map_err(|e| gpu.err(format!("cublasSetAtomicsMode: {e:?}")))?;
+            blas_sys::cublasSetMathMode(
+                *handle.handle(),
+                blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+            )
+            .result()
+            .map_err(|e| gpu.err(format!("cublasSetMathMode: {e:?}")))?;
+            blas_sys::cublasSetWorkspace_v2(
+                *handle.handle(),
+                ws as *mut std::ffi::c_void,
+                BLAS_WORKSPACE,
+            )
+            .result()
+            .map_err(|e| gpu.err(format!("cublasSetWorkspace: {e:?}")))?;
+        }
+    }
+    let h = Arc::new(Mutex::new(Blas {
+        handle,
+        _workspace: workspace,
+    }));
+    cache.insert(key, h.clone());
+    Ok(h)
+}
+
+/// The loaded GEMM kernels and the stream's cuBLAS handle.
+pub struct Gemm {
+    gpu: Gpu,
+    blas: Arc<Mutex<Blas>>,
+    nt_tiled: [CudaFunction; 3],
+    nn_tiled: [CudaFunction; 3],
+    tn_tiled: [CudaFunction; 3],
+    nt_small_m: CudaFunction,
+}
+
+fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+fn mul(gpu: &Gpu, what: &str, a: usize, b: usize) -> Result<usize, DeviceError> {
+    a.checked_mul(b)
+        .ok_or_else(|| gpu.err(format!("{what}: {a} × {b} elements overflow")))
+}
+
+fn check_align(
+    gpu: &Gpu,
+    what: &str,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    bytes: u64,
+) -> Result<(), DeviceError> {
+    if ptr % bytes != 0 {
+        return Err(gpu.err(format!(
+            "{what}: device address {ptr:#x} is not {bytes}-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
+fn dim_i32(gpu: &Gpu, what: &str, v: usize) -> Result<i32, DeviceError> {
+    i32::try_from(v).map_err(|_| gpu.err(format!("{what} = {v} exceeds cuBLAS' i32 range")))
+}
+
+impl Gemm {
+    /// Loads (compiling on first use) the module on `gpu` and gets its stream's cuBLAS handle.
+    ///
+    /// # Errors
+    /// NVRTC, module-load or cuBLAS errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_gemm", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(Gemm {
+            gpu: gpu.clone(),
+            blas: blas_for(gpu)?,
+            nt_tiled: [
+                f("grouped_nt_t64")?,
+                f("grouped_nt_t128")?,
+                f("grouped_nt_t32x128")?,
+            ],
+            nn_tiled: [
+                f("grouped_nn_t64")?,
+                f("grouped_nn_t128")?,
+                f("grouped_nn_t32x128")?,
+            ],
+            tn_tiled: [
+                f("grouped_tn_t64")?,
+                f("grouped_tn_t128")?,
+                f("grouped_tn_t32x128")?,
+            ],
+            nt_small_m: f("grouped_nt_small_m")?,
+        })
+    }
+
+    /// Column-major `C[m,n] = α·op(A)·op(B) + β·C` by one `cublasGemmEx` (BF16 A and B, f32 C,
+    /// `CUBLAS_COMPUTE_32F`). The caller has checked every extent: A holds `lda × (k or m)`,
+    /// B `ldb × (n or k)`, C `ldc × n` elements, `m, n, k ≥ 1`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_ex(
+        &self,
+        ta: bool,
+        tb: bool,
+        (m, n, k): (usize, usize, usize),
+        a: &CudaView<'_, u16>,
+        lda: usize,
+        b: &CudaView<'_, u16>,
+        ldb: usize,
+        c: &mut CudaViewMut<'_, f32>,
+        ldc: usize,
+        beta: f32,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (mi, ni, ki) = (
+            dim_i32(g, "m", m)?,
+            dim_i32(g, "n", n)?,
+            dim_i32(g, "k", k)?,
+        );
+        let (lda, ldb, ldc) = (
+            dim_i32(g, "lda", lda)?,
+            dim_i32(g, "ldb", ldb)?,
+            dim_i32(g, "ldc", ldc)?,
+        );
+        let alpha = 1.0f32;
+        // cuBLAS runs on the calling thread's current context: make it this GPU's.
+        g.ctx()
+            .bind_to_thread()
+            .map_err(|e| g.err(format!("bind context: {e:?}")))?;
+        let blas = self.blas.lock().expect("cuBLAS handle poisoned");
+        let stream = g.stream();
+        let (pa, _ra) = a.device_ptr(stream);
+        let (pb, _rb) = b.device_ptr(stream);
+        let (pc, _rc) = c.device_ptr_mut(stream);
+        // SAFETY: the handle is live and bound to this stream; A, B and C are device buffers
+        // on this stream whose extents the caller checked against (m, n, k, ld*); C is
+        // exclusively borrowed, so it aliases neither input; alpha and beta are host f32
+        // values (pointer mode host) alive for the call.
+        unsafe {
+            blas_result::gemm_ex(
+                *blas.handle.handle(),
+                op(ta),
+                op(tb),
+                mi,
+                ni,
+                ki,
+                (&alpha) as *const f32 as *const _,
+                pa as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                lda,
+                pb as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ldb,
+                (&beta) as *const f32 as *const _,
+                pc as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                ldc,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| g.err(format!("cublasGemmEx: {e:?}")))
+    }
+
+    /// Dense forward `y[m,n] = x[m,k] · W[n,k]ᵀ` (cuBLAS; x, W BF16; y f32, overwritten).
+    /// Reference: [`mxrl_tensor::gemm::matmul_nt`] on the widened values.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond cuBLAS' i32 range; cuBLAS errors.
+    pub fn dense_nt(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        y: &mut CudaViewMut<'_, f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "dense_nt x", x.len(), mul(g, "x", m, k)?)?;
+        check_len(g, "dense_nt w", w.len(), mul(g, "w", n, k)?)?;
+        check_len(g, "dense_nt y", y.len(), mul(g, "y", m, n)?)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.zero(y, m * n);
+        }
+        // Row-major y[m,n] is column-major yᶜ[n,m] = W·xᵀ: W's buffer is column-major [k,n]
+        // (ld k), taken transposed; x's buffer is column-major [k,m] (ld k) = xᵀ.
+        self.gemm_ex(true, false, (n, m, k), w, k, x, k, y, n, 0.0)
+    }
+
+    /// Dense dgrad `dx[m,k] = dy[m,n] · W[n,k]` (cuBLAS; dy, W BF16; dx f32, overwritten).
+    /// Reference: [`mxrl_tensor::gemm::matmul_nn`] on the widened values.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond cuBLAS' i32 range; cuBLAS errors.
+    pub fn dense_nn(
+        &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        dx: &mut CudaViewMut<'_, f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "dense_nn dy", dy.len(), mul(g, "dy", m, n)?)?;
+        check_len(g, "dense_nn w", w.len(), mul(g, "w", n, k)?)?;
+        check_len(g, "dense_nn dx", dx.len(), mul(g, "dx", m, k)?)?;
+        if m == 0 || k == 0 {
+            return Ok(());
+        }
+        if n == 0 {
+            return self.zero(dx, m * k);
+        }
+        // Row-major dx[m,k] is column-major dxᶜ[k,m] = Wᶜ·dyᶜ: W's buffer is column-major
+        // [k,n] (ld k), dy's is column-major [n,m] (ld n); neither transposed.
+        self.gemm_ex(false, false, (k, m, n), w, k, dy, n, dx, k, 0.0)
+    }
+
+    /// Dense wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (cuBLAS, β = 1; dy, x BF16; dW f32).
+    /// Reference: [`mxrl_tensor::gemm::matmul_tn`] on the widened values, added to the old dW.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond cuBLAS' i32 range; cuBLAS errors.
+    pub fn dense_tn(
+        &self,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        dw: &mut CudaViewMut<'_, f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "dense_tn dy", dy.len(), mul(g, "dy", m, n)?)?;
+        check_len(g, "dense_tn x", x.len(), mul(g, "x", m, k)?)?;
+        check_len(g, "dense_tn dw", dw.len(), mul(g, "dw", n, k)?)?;
+        if m == 0 || n == 0 || k == 0 {
+            return Ok(());
+        }
+        // Row-major dW[n,k] is column-major dWᶜ[k,n] = xᶜ·dyᶜᵀ: x's buffer is column-major
+        // [k,m] (ld k), dy's is column-major [n,m] (ld n), taken transposed to [m,n].
+        self.gemm_ex(false, true, (k, n, m), x, k, dy, n, dw, k, 1.0)
+    }
+
+    fn zero(&self, y: &mut CudaViewMut<'_, f32>, len: usize) -> Result<(), DeviceError> {
+        let mut head = y.slice_mut(0..len);
+        self.gpu
+            .stream()
+            .memset_zeros(&mut head)
+            .map_err(|e| self.gpu.err(format!("memset: {e:?}")))
+    }
+
+    /// Checks a grouped shape and its buffers: `n`, `k` multiples of 8, sizes within the
+    /// kernels' u32 range, operand lengths and alignments. `a` is `[R, a_cols]`, `b` the
+    /// stacked weight `[E, n, k]`, `out` has `out_len` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn check_grouped(
+        &self,
+        op: &str,
+        s: Grouped,
+        a: (&CudaView<'_, u16>, usize),
+        b: &CudaView<'_, u16>,
+        b_len: usize,
+        offsets: &CudaView<'_, u32>,
+        out: &mut CudaViewMut<'_, f32>,
+        out_len: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        if s.n % 8 != 0 || s.k % 8 != 0 {
+            return Err(g.err(format!(
+                "{op}: n = {} and k = {} must be multiples of 8 (16-byte operand loads)",
+                s.n, s.k
+            )));
+        }
+        for (what, v) in [
+            ("experts", s.experts),
+            ("rows", s.rows),
+            ("n", s.n),
+            ("k", s.k),
+        ] {
+            if u32::try_from(v).is_err() {
+                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
+            }
+        }
+        let a_len = mul(g, op, s.rows, a.1)?;
+        check_len(g, &format!("{op} activation"), a.0.len(), a_len)?;
+        check_len(g, &format!("{op} weight/operand"), b.len(), b_len)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        check_len(g, &format!("{op} output"), out.len(), out_len)?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} activation"), a.0.device_ptr(stream).0, 16)?;
+        check_align(
+            g,
+            &format!("{op} weight/operand"),
+            b.device_ptr(stream).0,
+            16,
+        )?;
+        check_align(g, &format!("{op} output"), out.device_ptr_mut(stream).0, 8)?;
+        Ok(())
+    }
+
+    /// Grouped forward `Y[r, :] = X[r, :] · W[e]ᵀ` for every row `r` of every expert `e`:
+    /// `X [R, K]` BF16, `W [E, N, K]` BF16, `Y [R, N]` f32 (overwritten on the experts' rows),
+    /// f32 accumulation, one launch. Picks [`GroupedPath::for_shape`]: the small-M kernel
+    /// for decode-sized row counts, the tensor-core tiles otherwise. Reference, per expert:
+    /// [`mxrl_tensor::gemm::matmul_nt`] on the widened values.
+    ///
+    /// # Errors
+    /// `n` or `k` not a multiple of 8, short or misaligned buffers, sizes beyond u32 or the
+    /// grid limits; launch errors.
+    pub fn grouped_nt(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<GroupedPath, DeviceError> {
+        let path = GroupedPath::for_shape(s);
+        match path {
+            GroupedPath::Tiled => self.grouped_nt_tiled(x, w, offsets, y, s)?,
+            GroupedPath::SmallM => self.grouped_nt_small_m(x, w, offsets, y, s)?,
+        }
+        Ok(path)
+    }
+
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Tile::for_shape`].
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nt_tiled(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_nt_tiled_with(Tile::for_shape(s), x, w, offsets, y, s)
+    }
+
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile.rows()` × `tile.cols()` outputs per
+    /// block, `cp.async` stages, `mma.m16n8k16` BF16 → f32), grid `(⌈R/rows⌉ + E, ⌈N/cols⌉)`: block
+    /// `x` maps to (expert, row tile) from the device offsets; surplus blocks exit.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nt_tiled_with(
+        &self,
+        tile: Tile,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let y_len = mul(g, "y", s.rows, s.n)?;
+        self.check_grouped("grouped_nt", s, (x, s.k), w, w_len, offsets, y, y_len)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = self.row_tile_grid("grouped_nt", tile, s, s.n)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.nt_tiled[tile.index()]);
+        b.arg(x).arg(w).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n, k are
+        // multiples of 8 and x, w 16-byte / y 8-byte aligned (checked), as the 16-byte copies
+        // and float2 stores need; the kernel clamps offsets to [0, R], bounds-checks rows < R,
+        // columns < N and k < K (out-of-range chunks are zero-filled, not read), and the grid
+        // covers Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E row tiles. The block size is the kernel's
+        // (`tile.threads()`). Argument types match (const u16*, const u16*, const u32*,
+        // float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// [`Gemm::grouped_nt`] on the small-M kernel: grid `(⌈N/32⌉, E)`, each block reads its
+    /// expert's 32 weight rows once with 16-byte loads and computes all of the expert's rows
+    /// (8 per pass); blocks of experts without rows exit at once. Also a dense small-M linear
+    /// with `E = 1`, `offsets = [0, M]`. Summation on CUDA cores in IEEE f32 (bound
+    /// `two_order_sum_bound`).
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nt_small_m(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let y_len = mul(g, "y", s.rows, s.n)?;
+        self.check_grouped(
+            "grouped_nt_small_m",
+            s,
+            (x, s.k),
+            w,
+            w_len,
+            offsets,
+            y,
+            y_len,
+        )?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        if s.experts > 65_535 {
+            return Err(g.err(format!(
+                "grouped_nt_small_m: {} experts exceed the grid's y limit 65535",
+                s.experts
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (s.n.div_ceil(SMALL_M_COLS) as u32, s.experts as u32, 1),
+            block_dim: (SMALL_M_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.nt_small_m);
+        b.arg(x).arg(w).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n, k are
+        // multiples of 8 and x, w 16-byte aligned (checked), so each lane's 16-byte loads at
+        // k = 8l + 256i < K stay inside a row; block (bx, e) reads offsets[e], offsets[e+1]
+        // (e < E), clamps them to [0, R], and warps whose columns start at or beyond N exit.
+        // Argument types match (const u16*, const u16*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Grouped dgrad `dX[r, :] = dY[r, :] · W[e]` for every row `r` of expert `e`: `dY [R, N]`
+    /// BF16, `W [E, N, K]` BF16, `dX [R, K]` f32 (overwritten on the experts' rows), f32
+    /// accumulation on tensor cores, one launch with [`Tile::for_shape`]. Reference, per
+    /// expert: [`mxrl_tensor::gemm::matmul_nn`] on the widened values.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nn(
+        &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dx: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_nn_with(Tile::for_shape(s), dy, w, offsets, dx, s)
+    }
+
+    /// [`Gemm::grouped_nn`] with block tile `tile`: grid `(⌈R/rows⌉ + E, ⌈K/cols⌉)`.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_nn_with(
+        &self,
+        tile: Tile,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dx: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let dx_len = mul(g, "dx", s.rows, s.k)?;
+        self.check_grouped("grouped_nn", s, (dy, s.n), w, w_len, offsets, dx, dx_len)?;
+        if s.experts == 0 || s.rows == 0 || s.k == 0 {
+            return Ok(());
+        }
+        let cfg = self.row_tile_grid("grouped_nn", tile, s, s.k)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.nn_tiled[tile.index()]);
+        b.arg(dy).arg(w).arg(offsets).arg(dx);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: dy holds R·N, w E·N·K, offsets E+1 and dx R·K elements (checked); n, k are
+        // multiples of 8 with dy, w 16-byte / dx 8-byte aligned (checked); the kernel clamps
+        // offsets to [0, R] and bounds-checks rows < R, n < N and output columns < K
+        // (out-of-range chunks zero-filled, not read); the grid covers every row tile
+        // (Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E); block size `tile.threads()`. Argument types match.
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Grouped wgrad `dW[e] += dY[rows of e]ᵀ · X[rows of e]` for every expert: `dY [R, N]`
+    /// BF16, `X [R, K]` BF16, `dW [E, N, K]` f32 (accumulated: `old + Σ`, the sum over the
+    /// expert's rows in increasing order on tensor cores, added once). Experts without rows
+    /// leave their `dW[e]` untouched. One launch with [`Tile::for_shape`]. Reference, per
+    /// expert: [`mxrl_tensor::gemm::matmul_tn`] on the widened values plus the old dW.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_tn(
+        &self,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s)
+    }
+
+    /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/rows⌉, ⌈K/cols⌉, E)`.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`].
+    pub fn grouped_tn_with(
+        &self,
+        tile: Tile,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let x_len = mul(g, "x", s.rows, s.k)?;
+        let dw_len = mul(g, "dw", mul(g, "dw", s.experts, s.n)?, s.k)?;
+        self.check_grouped("grouped_tn", s, (dy, s.n), x, x_len, offsets, dw, dw_len)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 || s.k == 0 {
+            return Ok(());
+        }
+        let (gx, gy) = (s.n.div_ceil(tile.rows()), s.k.div_ceil(tile.cols()));
+        if gy > 65_535 || s.experts > 65_535 {
+            return Err(g.err(format!(
+                "grouped_tn: k = {} or {} experts exceed the grid limits (65535 tiles / experts)",
+                s.k, s.experts
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (gx as u32, gy as u32, s.experts as u32),
+            block_dim: (tile.threads(), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.tn_tiled[tile.index()]);
+        b.arg(dy).arg(x).arg(offsets).arg(dw);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: dy holds R·N, x R·K, offsets E+1 and dw E·N·K elements (checked); n, k are
+        // multiples of 8 with dy, x 16-byte / dw 8-byte aligned (checked); block (·, ·, e)
+        // reads offsets[e], offsets[e+1] (e < E), clamps them to [0, R], and bounds-checks
+        // n < N, k < K and rows < offsets[e+1] (out-of-range chunks zero-filled, not read);
+        // block size `tile.threads()`. Argument types match.
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Launch shape of the row-tiled grouped kernels: `(⌈R/rows⌉ + E, ⌈cols/tile cols⌉)` blocks.
+    fn row_tile_grid(
+        &self,
+        op: &str,
+        tile: Tile,
+        s: Grouped,
+        cols: usize,
+    ) -> Result<LaunchConfig, DeviceError> {
+        let gx = s.rows.div_ceil(tile.rows()) + s.experts;
+        let gy = cols.div_ceil(tile.cols());
+        if gx > i32::MAX as usize || gy > 65_535 {
+            return Err(self
+                .gpu
+                .err(format!("{op}: grid ({gx}, {gy}) exceeds the launch limits")));
+        }
+        Ok(LaunchConfig {
+            grid_dim: (gx as u32, gy as u32, 1),
+            block_dim: (tile.threads(), 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+}

@@ -1,0 +1,211 @@
+//! RMSNorm forward and backward (kernels `kernels/ops_norm.cu`).
+//!
+//! Used with rows = tokens (width = hidden) and for the per-head q/k norms (rows = tokens·heads,
+//! width = head_dim). f32 in, f32 out, f32 accumulation. Reference:
+//! `mxrl_tensor::norm::{rmsnorm_forward, rmsnorm_backward}`; every per-element operation is the
+//! reference's, only the row sums and the `dw` sum over rows run in another fixed order
+//! (bound: `mxrl_tensor::tolerance::rmsnorm_*`). Deterministic: the block size, the row chunks of
+//! the `dw` partial sums and every reduction tree depend only on `(rows, d)`.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_norm.cu");
+
+/// Rows summed by one block of the `dw` partial sums (at least; more when `rows` would need
+/// more than 65 535 chunks).
+pub const DW_ROWS_PER_CHUNK: usize = 64;
+
+const MAX_GRID_Y: usize = 65_535;
+
+fn rows_per_chunk(rows: usize) -> usize {
+    DW_ROWS_PER_CHUNK.max(rows.div_ceil(MAX_GRID_Y))
+}
+
+/// Elements of the scratch buffer [`Norm::backward`] needs for `rows × d`: `[chunks, d]` with
+/// `chunks = ceil(rows / rows_per_chunk)` (at least one element).
+pub fn backward_scratch_len(rows: usize, d: usize) -> usize {
+    (rows.div_ceil(rows_per_chunk(rows)) * d).max(1)
+}
+
+/// Threads per block of the per-row kernels: one warp per 32 columns up to 256 (a function of
+/// `d` only, so the reduction tree is fixed by the shape).
+fn row_threads(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+fn check_dims(gpu: &Gpu, op: &str, rows: usize, d: usize) -> Result<(), DeviceError> {
+    if rows > i32::MAX as usize || d > u32::MAX as usize || rows.checked_mul(d).is_none() {
+        return Err(gpu.err(format!("{op}: shape [{rows}, {d}] too large")));
+    }
+    Ok(())
+}
+
+/// The loaded RMSNorm kernels.
+pub struct Norm {
+    gpu: Gpu,
+    fwd: CudaFunction,
+    bwd_dx: CudaFunction,
+    dw_partial: CudaFunction,
+    dw_reduce: CudaFunction,
+}
+
+impl Norm {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_norm", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(Norm {
+            gpu: gpu.clone(),
+            fwd: f("rmsnorm_fwd")?,
+            bwd_dx: f("rmsnorm_bwd_dx")?,
+            dw_partial: f("rmsnorm_bwd_dw_partial")?,
+            dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
+        })
+    }
+
+    /// RMSNorm forward: `x: [rows, d]`, `w: [d]` → `y: [rows, d]`, `rstd: [rows]` with
+    /// `rstd[r] = 1/sqrt(Σ_j x[r,j]²/d + eps)`, `y[r,j] = (x[r,j]·rstd[r])·w[j]`; f32
+    /// accumulation. Reference: `mxrl_tensor::norm::rmsnorm_forward`.
+    ///
+    /// # Errors
+    /// Short buffers, a shape too large for one launch; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
+        rstd: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
+        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
+        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let d32 = d as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_threads(d), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.fwd);
+        b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
+        // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
+        // and rstd[r]; every buffer holds at least that (checked above); argument types match
+        // (const float*, const float*, float*, float*, u32, float).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// RMSNorm backward: `dy, x: [rows, d]`, `w: [d]`, `rstd: [rows]` (from the forward) →
+    /// `dx: [rows, d]` (overwritten) and `dw: [d]` (**accumulated**, `+=`):
+    /// `dx[r,j] = (rstd·w[j])·dy[r,j] − x[r,j]·(Σ_i w[i]·dy[r,i]·x[r,i])·rstd³/d`,
+    /// `dw[j] += Σ_r (dy[r,j]·x[r,j])·rstd[r]`. f32 accumulation. `dw` is summed
+    /// deterministically: per chunk of rows into `scratch: [chunks, d]`
+    /// ([`backward_scratch_len`]), then over the chunks in order. Reference:
+    /// `mxrl_tensor::norm::rmsnorm_backward`.
+    ///
+    /// # Errors
+    /// Short buffers, a shape too large for one launch; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        dy: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        rstd: &CudaView<'_, f32>,
+        dx: &mut CudaViewMut<'_, f32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        scratch: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+    ) -> Result<(), DeviceError> {
+        check_dims(&self.gpu, "rmsnorm backward", rows, d)?;
+        check_len(&self.gpu, "rmsnorm backward dy", dy.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm backward x", x.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm backward w", w.len(), d)?;
+        check_len(&self.gpu, "rmsnorm backward rstd", rstd.len(), rows)?;
+        check_len(&self.gpu, "rmsnorm backward dx", dx.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm backward dw", dw.len(), d)?;
+        check_len(
+            &self.gpu,
+            "rmsnorm backward scratch",
+            scratch.len(),
+            backward_scratch_len(rows, d),
+        )?;
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let d32 = d as u32;
+        let rows32 = rows as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_threads(d), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.bwd_dx);
+        b.arg(dy).arg(x).arg(w).arg(rstd).arg(&mut *dx).arg(&d32);
+        // SAFETY: block r < rows reads dy, x rows r (rows·d checked), w[..d], rstd[r] and
+        // writes dx row r (rows·d checked); types match (4 × const float*, float*, u32).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+
+        let rpc = rows_per_chunk(rows);
+        let chunks = rows.div_ceil(rpc);
+        let rpc32 = rpc as u32;
+        let chunks32 = chunks as u32;
+        let col_blocks = d.div_ceil(128) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (col_blocks, chunks as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.dw_partial);
+        b.arg(dy)
+            .arg(x)
+            .arg(rstd)
+            .arg(&mut *scratch)
+            .arg(&rows32)
+            .arg(&d32)
+            .arg(&rpc32);
+        // SAFETY: thread (column j < d, chunk c < chunks) reads dy, x at rows of chunk c (all
+        // < rows, rows·d checked) and rstd of those rows, and writes scratch[c·d + j]
+        // (chunks·d checked via backward_scratch_len); chunks ≤ 65 535 by rows_per_chunk.
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (col_blocks, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.dw_reduce);
+        let partial = scratch.slice(..);
+        b.arg(&partial).arg(dw).arg(&chunks32).arg(&d32);
+        // SAFETY: thread j < d reads scratch[c·d + j] for c < chunks (checked) and updates
+        // dw[j] (d checked); types match (const float*, float*, u32, u32).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,191 @@
+//! Rotary position embedding forward and backward, in place (kernels `kernels/ops_rope.cu`).
+//!
+//! The device table holds cos/sin for positions `0..max_pos`, built once on the host by
+//! `mxrl_tensor::rope::RopeTable` (so the values are the CPU's); each row's position comes from
+//! a device `u32 [n]`. The arithmetic is the reference's (two products and one sum per output),
+//! so the result is bitwise `mxrl_tensor::rope::{rope_forward, rope_backward}`.
+#![allow(unsafe_code)]
+
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use mxrl_tensor::rope::RopeTable;
+
+/// Kernel source of this family.
+pub const SOURCE: &str = include_str!("../../kernels/ops_rope.cu");
+
+const THREADS: u32 = 256;
+
+/// cos/sin of positions `0..max_pos` on the device: `[max_pos, D/2]` each, f32.
+pub struct RopeDeviceTable {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    max_pos: usize,
+    head_dim: usize,
+}
+
+impl RopeDeviceTable {
+    /// Builds `RopeTable::new(0..max_pos, head_dim, theta)` on the host and uploads it.
+    ///
+    /// # Errors
+    /// An odd or zero `head_dim`, `max_pos` beyond `u32`; out of device memory.
+    pub fn new(
+        gpu: &Gpu,
+        max_pos: usize,
+        head_dim: usize,
+        theta: f64,
+    ) -> Result<Self, DeviceError> {
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(gpu.err(format!(
+                "RoPE table: head_dim {head_dim} must be even and > 0"
+            )));
+        }
+        if max_pos > u32::MAX as usize {
+            return Err(gpu.err(format!(
+                "RoPE table: max_pos {max_pos} beyond u32 positions"
+            )));
+        }
+        let positions: Vec<usize> = (0..max_pos).collect();
+        let t = RopeTable::new(&positions, head_dim, theta);
+        Ok(RopeDeviceTable {
+            cos: gpu.upload(t.cos())?,
+            sin: gpu.upload(t.sin())?,
+            max_pos,
+            head_dim,
+        })
+    }
+
+    /// Number of positions (`0..max_pos`).
+    pub fn max_pos(&self) -> usize {
+        self.max_pos
+    }
+
+    /// Head width `D`.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+/// The loaded RoPE kernel.
+pub struct Rope {
+    gpu: Gpu,
+    apply: CudaFunction,
+}
+
+impl Rope {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_rope", SOURCE)?;
+        let apply = m
+            .load_function("rope_apply")
+            .map_err(|x| gpu.err(format!("kernel rope_apply: {x:?}")))?;
+        Ok(Rope {
+            gpu: gpu.clone(),
+            apply,
+        })
+    }
+
+    /// RoPE forward in place on `x: [n, heads·D]` (f32), row `t` rotated by position
+    /// `pos[t]` (`u32 [n]` on the device) of `table`:
+    /// `y[i] = x[i]·cos − x[i+D/2]·sin`, `y[i+D/2] = x[i+D/2]·cos + x[i]·sin`.
+    /// A position `≥ table.max_pos()` turns its row into NaN. Reference:
+    /// `mxrl_tensor::rope::rope_forward` (bitwise).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn forward(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        pos: &CudaView<'_, u32>,
+        n: usize,
+        heads: usize,
+        table: &RopeDeviceTable,
+    ) -> Result<(), DeviceError> {
+        self.apply(x, pos, n, heads, table, 1.0, "rope forward")
+    }
+
+    /// RoPE backward in place: turns `dy: [n, heads·D]` into `dx` by the transposed rotation
+    /// (`dx[i] = dy[i]·cos + dy[i+D/2]·sin`, `dx[i+D/2] = dy[i+D/2]·cos − dy[i]·sin`).
+    /// Reference: `mxrl_tensor::rope::rope_backward` (bitwise).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn backward(
+        &self,
+        dy: &mut CudaViewMut<'_, f32>,
+        pos: &CudaView<'_, u32>,
+        n: usize,
+        heads: usize,
+        table: &RopeDeviceTable,
+    ) -> Result<(), DeviceError> {
+        self.apply(dy, pos, n, heads, table, -1.0, "rope backward")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn apply(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        pos: &CudaView<'_, u32>,
+        n: usize,
+        heads: usize,
+        table: &RopeDeviceTable,
+        sign: f32,
+        op: &str,
+    ) -> Result<(), DeviceError> {
+        let half = table.head_dim / 2;
+        let total = n
+            .checked_mul(heads)
+            .and_then(|v| v.checked_mul(table.head_dim))
+            .ok_or_else(|| self.gpu.err(format!("{op}: shape too large")))?;
+        if x.len() < total {
+            return Err(self.gpu.err(format!(
+                "{op}: x holds {} elements, [{n}, {heads}·{}] needed",
+                x.len(),
+                table.head_dim
+            )));
+        }
+        if pos.len() < n {
+            return Err(self.gpu.err(format!(
+                "{op}: positions hold {} entries, {n} needed",
+                pos.len()
+            )));
+        }
+        let threads_total = total / 2;
+        let blocks = threads_total.div_ceil(THREADS as usize);
+        if heads > u32::MAX as usize || half > u32::MAX as usize || blocks > i32::MAX as usize {
+            return Err(self
+                .gpu
+                .err(format!("{op}: shape too large for one launch")));
+        }
+        if threads_total == 0 {
+            return Ok(());
+        }
+        let (n64, heads32, half32, maxp32) =
+            (n as u64, heads as u32, half as u32, table.max_pos as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.apply);
+        b.arg(x)
+            .arg(&table.cos)
+            .arg(&table.sin)
+            .arg(pos)
+            .arg(&n64)
+            .arg(&heads32)
+            .arg(&half32)
+            .arg(&maxp32)
+            .arg(&sign);
+        // SAFETY: thread idx < n·heads·half touches x[(t·heads + h)·D + i] and
+        // x[... + i + half] with t < n (n·heads·D checked), reads pos[t] (n checked) and, only
+        // when pos[t] < max_pos, table entries pos[t]·half + i < max_pos·half (the table's
+        // length by construction); types match (float*, 2 × const float*, const u32*, u64,
+        // u32, u32, u32, float).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+}

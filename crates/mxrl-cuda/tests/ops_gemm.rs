@@ -1,0 +1,610 @@
+//! The GEMM family on the GPU against its CPU references (`mxrl_tensor::gemm::matmul_nt / nn /
+//! tn` on the widened BF16 operands, per expert for the grouped kernels), within the derived
+//! bounds of `mxrl_tensor::tolerance` (tensor cores: `tensor_core_sum_bound`; the small-M
+//! kernel's IEEE f32 adds: `two_order_sum_bound`). Shapes are random from printed seeds and
+//! include experts with 0 rows, 1 row, row counts off the 64-row tile, more than 32 experts (the
+//! offset scan's second chunk), odd dense shapes and `k = 0`. Outputs are pre-filled with NaN so
+//! an entry a kernel forgets to write fails the comparison.
+#![cfg(feature = "cuda")]
+
+use mxrl_cuda::gpu::Gpu;
+use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
+use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
+use mxrl_tensor::precision::round_bf16;
+use mxrl_tensor::tolerance::{
+    gemm_nn_bounds_with, gemm_nt_bounds_with, gemm_tn_bounds_with, tensor_core_sum_bound,
+    two_order_sum_bound, violations, SumBound,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn gpu() -> Gpu {
+    Gpu::shared(0).unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"))
+}
+
+/// BF16 operand: the exact f32 values and their bit patterns.
+struct Bf16 {
+    f: Vec<f32>,
+    bits: Vec<u16>,
+}
+
+fn bf16_values(n: usize, seed: u64) -> Bf16 {
+    let f: Vec<f32> = mxrl_tensor::gradcheck::test_values(n, seed, 2.0)
+        .into_iter()
+        .map(round_bf16)
+        .collect();
+    let bits = f.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    Bf16 { f, bits }
+}
+
+fn assert_within(what: &str, seed: u64, got: &[f32], want: &[f32], bound: &[f64]) {
+    let v = violations(got, want, |i| bound[i]);
+    assert!(v.is_empty(), "{what} (seed {seed}): {v:?}");
+}
+
+fn offsets_of(counts: &[usize]) -> Vec<u32> {
+    let mut o = vec![0u32];
+    for c in counts {
+        o.push(o.last().unwrap() + *c as u32);
+    }
+    o
+}
+
+/// A grouped problem: per-expert row counts (packed expert-major), N, K, and `extra` rows
+/// after the last expert that belong to no expert.
+#[derive(Debug, Clone)]
+struct Case {
+    counts: Vec<usize>,
+    n: usize,
+    k: usize,
+    extra: usize,
+}
+
+impl Case {
+    fn rows(&self) -> usize {
+        self.counts.iter().sum::<usize>() + self.extra
+    }
+    fn shape(&self) -> Grouped {
+        Grouped {
+            experts: self.counts.len(),
+            rows: self.rows(),
+            n: self.n,
+            k: self.k,
+        }
+    }
+}
+
+fn random_case(seed: u64) -> Case {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let e = [1usize, 3, 8, 33, 70][rng.gen_range(0..5)];
+    let max_rows = if e > 8 { 24 } else { 150 };
+    let counts = (0..e)
+        .map(|_| {
+            if rng.gen_bool(0.3) {
+                0
+            } else if rng.gen_bool(0.2) {
+                1
+            } else {
+                rng.gen_range(1..=max_rows)
+            }
+        })
+        .collect();
+    Case {
+        counts,
+        n: 8 * rng.gen_range(1..=24),
+        k: 8 * rng.gen_range(1..=40),
+        extra: if rng.gen_bool(0.3) { 3 } else { 0 },
+    }
+}
+
+/// Fixed cases: 0-row experts, 1 row, 63 / 64 / 65 / 130 rows around the 64-row tile, N and K
+/// off the 64-column tile and the 32-deep stage; a single dense expert; decode-like routing
+/// over 128 experts (1–3 rows each, mostly empty).
+fn fixed_cases() -> Vec<Case> {
+    let mut decode = vec![0usize; 128];
+    for (i, c) in decode.iter_mut().enumerate() {
+        *c = match i % 11 {
+            0 => 1,
+            4 => 3,
+            7 => 2,
+            _ => 0,
+        };
+    }
+    vec![
+        Case {
+            counts: vec![0, 1, 63, 64, 65, 0, 130, 7],
+            n: 72,
+            k: 40,
+            extra: 0,
+        },
+        Case {
+            counts: vec![200],
+            n: 136,
+            k: 264,
+            extra: 0,
+        },
+        Case {
+            counts: vec![0, 0, 0, 5],
+            n: 8,
+            k: 8,
+            extra: 2,
+        },
+        Case {
+            counts: decode,
+            n: 96,
+            k: 256,
+            extra: 0,
+        },
+    ]
+}
+
+/// Model-like routing: `tokens` tokens each sent to 8 distinct random experts of 64 (the
+/// benchmark config's top-8 of 64), so every expert has tens of rows and several row tiles.
+fn routed_case(tokens: usize, seed: u64, n: usize, k: usize) -> Case {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut counts = vec![0usize; 64];
+    for _ in 0..tokens {
+        for e in rand::seq::index::sample(&mut rng, 64, 8) {
+            counts[e] += 1;
+        }
+    }
+    Case {
+        counts,
+        n,
+        k,
+        extra: 0,
+    }
+}
+
+fn all_cases() -> Vec<(u64, Case)> {
+    let mut v: Vec<(u64, Case)> = fixed_cases()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (1000 + i as u64, c))
+        .collect();
+    v.extend((0..8).map(|s| (s, random_case(s))));
+    v.push((2000, routed_case(512, 2000, 264, 520)));
+    v
+}
+
+/// Per-expert reference of the forward plus its bound; rows of no expert stay NaN.
+fn reference_nt(c: &Case, x: &Bf16, w: &Bf16, sum: SumBound) -> (Vec<f32>, Vec<f64>) {
+    let (n, k) = (c.n, c.k);
+    let mut y = vec![f32::NAN; c.rows() * n];
+    let mut b = vec![0.0f64; c.rows() * n];
+    let off = offsets_of(&c.counts);
+    for (e, &rows) in c.counts.iter().enumerate() {
+        let r0 = off[e] as usize;
+        let xe = &x.f[r0 * k..(r0 + rows) * k];
+        let we = &w.f[e * n * k..(e + 1) * n * k];
+        y[r0 * n..(r0 + rows) * n].copy_from_slice(&matmul_nt(xe, we, rows, k, n));
+        b[r0 * n..(r0 + rows) * n].copy_from_slice(&gemm_nt_bounds_with(xe, we, rows, k, n, sum));
+    }
+    (y, b)
+}
+
+/// The forward on `path` (`tile`: the tiled path's block tile, `None` = the launcher's pick).
+fn run_nt(
+    g: &Gpu,
+    ops: &Gemm,
+    c: &Case,
+    x: &Bf16,
+    w: &Bf16,
+    path: GroupedPath,
+    tile: Option<Tile>,
+) -> Vec<f32> {
+    let s = c.shape();
+    let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+    let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+    let mut y = g.upload(&vec![f32::NAN; s.rows * s.n]).unwrap();
+    let (xv, wv, ov) = (dx.as_view(), dw.as_view(), doff.as_view());
+    let mut yv = y.as_view_mut();
+    match path {
+        GroupedPath::Tiled => match tile {
+            Some(t) => ops.grouped_nt_tiled_with(t, &xv, &wv, &ov, &mut yv, s),
+            None => ops.grouped_nt_tiled(&xv, &wv, &ov, &mut yv, s),
+        },
+        GroupedPath::SmallM => ops.grouped_nt_small_m(&xv, &wv, &ov, &mut yv, s),
+    }
+    .unwrap();
+    let mut out = g.download(&y).unwrap();
+    out.truncate(s.rows * s.n);
+    out
+}
+
+/// NaN-filled entries (rows of no expert) must stay NaN; every other entry within the bound.
+fn assert_grouped(what: &str, seed: u64, got: &[f32], want: &[f32], bound: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what} (seed {seed}): length");
+    let (mut g2, mut w2, mut b2) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..want.len() {
+        if want[i].is_nan() {
+            assert!(
+                got[i].is_nan(),
+                "{what} (seed {seed}): [{i}] belongs to no expert but was written ({})",
+                got[i]
+            );
+        } else {
+            g2.push(got[i]);
+            w2.push(want[i]);
+            b2.push(bound[i]);
+        }
+    }
+    assert_within(what, seed, &g2, &w2, &b2);
+}
+
+#[test]
+fn grouped_forward_tiled_and_small_m_match_reference() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let x = bf16_values(s.rows * s.k, seed * 3 + 1);
+        let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
+        let (want, tc) = reference_nt(&c, &x, &w, tensor_core_sum_bound);
+        let (_, ieee) = reference_nt(&c, &x, &w, two_order_sum_bound);
+        for tile in Tile::ALL {
+            let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled, Some(tile));
+            assert_grouped(
+                &format!("tiled {tile:?} nt {c:?}"),
+                seed,
+                &tiled,
+                &want,
+                &tc,
+            );
+        }
+        let small = run_nt(&g, &ops, &c, &x, &w, GroupedPath::SmallM, None);
+        assert_grouped(&format!("small-M nt {c:?}"), seed, &small, &want, &ieee);
+        // Decode path against the tiled path directly: the tiled result is within 2·γ_{3k}·Σ
+        // of the exact sum and the small-M one within γ_k·Σ, together `tensor_core_sum_bound`.
+        let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled, Some(Tile::T64));
+        assert_grouped(
+            &format!("small-M vs tiled nt {c:?}"),
+            seed,
+            &small,
+            &tiled,
+            &tc,
+        );
+    }
+}
+
+#[test]
+fn grouped_forward_picks_small_m_for_decode_row_counts_and_matches_it_bitwise() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let want_path = if s.rows <= SMALL_M_ROWS_PER_EXPERT * s.experts {
+            GroupedPath::SmallM
+        } else {
+            GroupedPath::Tiled
+        };
+        assert_eq!(GroupedPath::for_shape(s), want_path);
+        let x = bf16_values(s.rows * s.k, seed + 7);
+        let w = bf16_values(s.experts * s.n * s.k, seed + 8);
+        let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+        let mut y = g.upload(&vec![f32::NAN; s.rows * s.n]).unwrap();
+        let path = ops
+            .grouped_nt(
+                &dx.as_view(),
+                &dw.as_view(),
+                &doff.as_view(),
+                &mut y.as_view_mut(),
+                s,
+            )
+            .unwrap();
+        assert_eq!(path, want_path, "seed {seed}");
+        let mut auto = g.download(&y).unwrap();
+        auto.truncate(s.rows * s.n);
+        let explicit = run_nt(&g, &ops, &c, &x, &w, path, None);
+        let same = auto
+            .iter()
+            .zip(&explicit)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "seed {seed}: grouped_nt differs from its own {path:?} path"
+        );
+    }
+}
+
+#[test]
+fn grouped_dgrad_matches_reference() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let (n, k) = (s.n, s.k);
+        let dy = bf16_values(s.rows * n, seed * 5 + 1);
+        let w = bf16_values(s.experts * n * k, seed * 5 + 2);
+        let off = offsets_of(&c.counts);
+        let mut want = vec![f32::NAN; s.rows * k];
+        let mut bound = vec![0.0f64; s.rows * k];
+        for (e, &rows) in c.counts.iter().enumerate() {
+            let r0 = off[e] as usize;
+            let dye = &dy.f[r0 * n..(r0 + rows) * n];
+            let we = &w.f[e * n * k..(e + 1) * n * k];
+            want[r0 * k..(r0 + rows) * k].copy_from_slice(&matmul_nn(dye, we, rows, n, k));
+            bound[r0 * k..(r0 + rows) * k].copy_from_slice(&gemm_nn_bounds_with(
+                dye,
+                we,
+                rows,
+                n,
+                k,
+                tensor_core_sum_bound,
+            ));
+        }
+        let (ddy, dw) = (g.upload(&dy.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let doff = g.upload(&off).unwrap();
+        for tile in Tile::ALL {
+            let mut dx = g.upload(&vec![f32::NAN; s.rows * k]).unwrap();
+            ops.grouped_nn_with(
+                tile,
+                &ddy.as_view(),
+                &dw.as_view(),
+                &doff.as_view(),
+                &mut dx.as_view_mut(),
+                s,
+            )
+            .unwrap();
+            let mut got = g.download(&dx).unwrap();
+            got.truncate(s.rows * k);
+            assert_grouped(
+                &format!("grouped nn {tile:?} {c:?}"),
+                seed,
+                &got,
+                &want,
+                &bound,
+            );
+        }
+    }
+}
+
+#[test]
+fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let (n, k) = (s.n, s.k);
+        let dy = bf16_values(s.rows * n, seed * 7 + 1);
+        let x = bf16_values(s.rows * k, seed * 7 + 2);
+        let old = mxrl_tensor::gradcheck::test_values(s.experts * n * k, seed * 7 + 3, 5.0);
+        let off = offsets_of(&c.counts);
+        let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
+        let doff = g.upload(&off).unwrap();
+        for tile in Tile::ALL {
+            let mut dw = g.upload(&old).unwrap();
+            ops.grouped_tn_with(
+                tile,
+                &ddy.as_view(),
+                &dx.as_view(),
+                &doff.as_view(),
+                &mut dw.as_view_mut(),
+                s,
+            )
+            .unwrap();
+            let got = g.download(&dw).unwrap();
+            for (e, &rows) in c.counts.iter().enumerate() {
+                let r0 = off[e] as usize;
+                let span = e * n * k..(e + 1) * n * k;
+                let (got_e, old_e) = (&got[span.clone()], &old[span]);
+                if rows == 0 {
+                    let same = got_e
+                        .iter()
+                        .zip(old_e)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "seed {seed} {tile:?}: expert {e} has no rows but dW changed"
+                    );
+                    continue;
+                }
+                let dye = &dy.f[r0 * n..(r0 + rows) * n];
+                let xe = &x.f[r0 * k..(r0 + rows) * k];
+                let sum = matmul_tn(dye, xe, n, rows, k);
+                let want: Vec<f32> = old_e.iter().zip(&sum).map(|(a, b)| a + b).collect();
+                let bound =
+                    gemm_tn_bounds_with(dye, xe, Some(old_e), n, rows, k, tensor_core_sum_bound);
+                assert_within(
+                    &format!("grouped tn {tile:?} expert {e} of {c:?}"),
+                    seed,
+                    got_e,
+                    &want,
+                    &bound,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_kernels_are_deterministic() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let c = random_case(3);
+    let s = c.shape();
+    let a = bf16_values(s.rows * s.k.max(s.n), 11);
+    let w = bf16_values(s.experts * s.n * s.k, 12);
+    let (da, dw) = (g.upload(&a.bits).unwrap(), g.upload(&w.bits).unwrap());
+    let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+    let run = |which: usize, tile: Tile| -> Vec<u32> {
+        let len = match which {
+            0 | 1 => s.rows * s.n,
+            2 => s.rows * s.k,
+            _ => s.experts * s.n * s.k,
+        };
+        let mut out = g.zeros::<f32>(len).unwrap();
+        let (av, wv, ov) = (da.as_view(), dw.as_view(), doff.as_view());
+        let mut yv = out.as_view_mut();
+        match which {
+            0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
+            1 => ops.grouped_nt_small_m(&av, &wv, &ov, &mut yv, s),
+            2 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
+            _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s),
+        }
+        .unwrap();
+        g.download(&out)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    for tile in Tile::ALL {
+        for which in 0..4 {
+            assert_eq!(
+                run(which, tile),
+                run(which, tile),
+                "kernel {which} ({tile:?}): two runs differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn grouped_launchers_reject_bad_shapes_with_clear_errors() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let x = g.zeros::<u16>(64 * 64).unwrap();
+    let w = g.zeros::<u16>(2 * 64 * 64).unwrap();
+    let off = g.upload(&[0u32, 10, 20]).unwrap();
+    let mut y = g.zeros::<f32>(64 * 64).unwrap();
+    let ok = Grouped {
+        experts: 2,
+        rows: 20,
+        n: 64,
+        k: 64,
+    };
+    let err = |r: Result<(), mxrl_cuda::DeviceError>| r.unwrap_err().to_string();
+    // K not a multiple of 8.
+    let e = err(ops.grouped_nt_tiled(
+        &x.as_view(),
+        &w.as_view(),
+        &off.as_view(),
+        &mut y.as_view_mut(),
+        Grouped { k: 60, ..ok },
+    ));
+    assert!(e.contains("multiples of 8"), "{e}");
+    // Weights too short for 3 experts (and offsets too short).
+    let e = err(ops.grouped_nn(
+        &x.as_view(),
+        &w.as_view(),
+        &off.as_view(),
+        &mut y.as_view_mut(),
+        Grouped { experts: 3, ..ok },
+    ));
+    assert!(e.contains("weight") && e.contains("needed"), "{e}");
+    // An activation view starting one element in: not 16-byte aligned.
+    let e = err(ops.grouped_nt_small_m(
+        &x.slice(1..),
+        &w.as_view(),
+        &off.as_view(),
+        &mut y.as_view_mut(),
+        ok,
+    ));
+    assert!(e.contains("aligned"), "{e}");
+    // The valid shape runs.
+    ops.grouped_tn(
+        &x.as_view(),
+        &x.as_view(),
+        &off.as_view(),
+        &mut y.slice_mut(0..2048),
+        Grouped { n: 8, k: 128, ..ok },
+    )
+    .unwrap();
+}
+
+#[test]
+fn dense_cublas_gemms_match_reference_on_odd_shapes() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let shapes = [
+        (1, 1, 1),
+        (1, 8, 16),
+        (3, 5, 7),
+        (17, 33, 65),
+        (64, 64, 64),
+        (130, 72, 300),
+        (0, 4, 4),
+        (5, 0, 3),
+        (4, 6, 0),
+    ];
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        let seed = 500 + i as u64;
+        let x = bf16_values(m * k, seed * 4 + 1); // [m, k]
+        let w = bf16_values(n * k, seed * 4 + 2); // [n, k]
+        let dy = bf16_values(m * n, seed * 4 + 3); // [m, n]
+        let old = mxrl_tensor::gradcheck::test_values(n * k, seed * 4 + 4, 3.0);
+        let (dx_, dw_, ddy) = (
+            g.upload(&x.bits).unwrap(),
+            g.upload(&w.bits).unwrap(),
+            g.upload(&dy.bits).unwrap(),
+        );
+        // Forward.
+        let mut y = g.upload(&vec![f32::NAN; m * n]).unwrap();
+        ops.dense_nt(
+            &dx_.as_view(),
+            &dw_.as_view(),
+            &mut y.as_view_mut(),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let mut got = g.download(&y).unwrap();
+        got.truncate(m * n);
+        let want = matmul_nt(&x.f, &w.f, m, k, n);
+        let b = gemm_nt_bounds_with(&x.f, &w.f, m, k, n, tensor_core_sum_bound);
+        assert_within(&format!("dense nt {m}x{n}x{k}"), seed, &got, &want, &b);
+        // Same call, same bits.
+        ops.dense_nt(
+            &dx_.as_view(),
+            &dw_.as_view(),
+            &mut y.as_view_mut(),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let again = g.download(&y).unwrap();
+        assert!(
+            got.iter()
+                .zip(&again)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "dense nt {m}x{n}x{k}: two runs differ"
+        );
+        // Dgrad.
+        let mut dx = g.upload(&vec![f32::NAN; m * k]).unwrap();
+        ops.dense_nn(
+            &ddy.as_view(),
+            &dw_.as_view(),
+            &mut dx.as_view_mut(),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let mut got = g.download(&dx).unwrap();
+        got.truncate(m * k);
+        let want = matmul_nn(&dy.f, &w.f, m, n, k);
+        let b = gemm_nn_bounds_with(&dy.f, &w.f, m, n, k, tensor_core_sum_bound);
+        assert_within(&format!("dense nn {m}x{n}x{k}"), seed, &got, &want, &b);
+        // Wgrad, accumulated into the old dW.
+        let mut dwg = g.upload(&old).unwrap();
+        ops.dense_tn(
+            &ddy.as_view(),
+            &dx_.as_view(),
+            &mut dwg.as_view_mut(),
+            m,
+            n,
+            k,
+        )
+        .unwrap();
+        let mut got = g.download(&dwg).unwrap();
+        got.truncate(n * k);
+        let sum = matmul_tn(&dy.f, &x.f, n, m, k);
+        let want: Vec<f32> = old.iter().zip(&sum).map(|(a, b)| a + b).collect();
+        let b = gemm_tn_bounds_with(&dy.f, &x.f, Some(&old), n, m, k, tensor_core_sum_bound);
+        assert_within(&format!("dense tn {m}x{n}x{k}"), seed, &got, &want, &b);
+    }
+}

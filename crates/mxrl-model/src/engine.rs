@@ -1,0 +1,1600 @@
+//! The MoE transformer written once over a device's op set ([`Backend`]): blocks with their
+//! weights on the device, a device-resident forward (per-token logprobs) and batched decode
+//! over a preallocated BF16 KV cache.
+//!
+//! ```text
+//! x = embed(tokens)
+//! for layer: x += attention(rmsnorm(x)); x += ffn(rmsnorm(x))     (ffn: MoeBlock | DenseMlp)
+//! logprob = log_softmax(lm_head(rmsnorm(x)) / τ)[target]
+//! ```
+//!
+//! Numerics: every linear multiplies BF16 operands with f32 accumulation (the products of
+//! [`LinearPrecision::Bf16`](crate::LinearPrecision::Bf16)); the residual stream, norms, softmax,
+//! router and loss are f32; the KV cache is BF16. On [`CpuBackend`] each op is the CPU model's
+//! own function, so [`Engine`] on the CPU reproduces [`Model`] with every linear at
+//! `LinearPrecision::Bf16` (bitwise for the forward; decode differs only by the BF16 KV cache).
+//! A GPU backend runs the same definition; only summation orders differ.
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::model::{Model, SeqInput};
+use mxrl_tensor::attention::AttnShape;
+use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
+use mxrl_tensor::SeqLayout;
+
+fn dev(e: DeviceError) -> ModelError {
+    ModelError::Device(e.to_string())
+}
+
+/// One parameter on the device: f32 master values and, for a linear weight, its BF16 GEMM
+/// operand (refreshed by every optimizer step).
+struct Param<B: Backend> {
+    name: String,
+    len: usize,
+    master: B::F32,
+    op: Option<B::Bf16>,
+    /// Weight decay applies (linear and embedding weights; not norms and biases).
+    decay: bool,
+}
+
+/// Attention block: `q/k/v/o` weights, optional q/k/v biases and per-head q/k norms.
+struct Attention {
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    bias: Option<[usize; 3]>,
+    qk_norm: Option<[usize; 2]>,
+}
+
+/// SwiGLU MLP of a dense layer: fused gate/up `[2F, H]` and down `[H, F]`.
+struct DenseMlp {
+    gate_up: usize,
+    down: usize,
+    f: usize,
+}
+
+/// Routed experts of an MoE layer: router `[E, H]`, stacked gate/up `[E, 2F, H]` and down
+/// `[E, H, F]`.
+struct MoeBlock {
+    router: usize,
+    gate_up: usize,
+    down: usize,
+    f: usize,
+}
+
+enum Ffn {
+    Dense(DenseMlp),
+    Moe(MoeBlock),
+}
+
+struct Layer {
+    ln1: usize,
+    attn: Attention,
+    ln2: usize,
+    ffn: Ffn,
+}
+
+/// The per-head q/k norms' inputs and reciprocal RMS: `(q_pre, rstd_q, k_pre, rstd_k)`.
+type QkNormTape<B> = (
+    <B as Backend>::F32,
+    <B as Backend>::F32,
+    <B as Backend>::F32,
+    <B as Backend>::F32,
+);
+
+/// A checked, packed batch: layout, tokens, targets, positions.
+type Packed = (SeqLayout, Vec<u32>, Vec<u32>, Vec<u32>);
+
+/// What a training forward keeps of one layer for backward (all on the device).
+struct LayerTape<B: Backend> {
+    x_in: B::F32,
+    rstd1: B::F32,
+    h1b: B::Bf16,
+    q_pre: Option<QkNormTape<B>>,
+    q: B::F32,
+    k: B::F32,
+    v: B::F32,
+    att: B::F32,
+    lse: B::F32,
+    attb: B::Bf16,
+    x_mid: B::F32,
+    rstd2: B::F32,
+    h2b: B::Bf16,
+    ffn: FfnTape<B>,
+}
+
+enum FfnTape<B: Backend> {
+    Dense {
+        gu: B::F32,
+        actb: B::Bf16,
+    },
+    Moe {
+        route: RouteBufs<B>,
+        xg: B::Bf16,
+        gu: B::F32,
+        actb: B::Bf16,
+        y: B::F32,
+    },
+}
+
+/// Activations of a training forward ([`Engine::forward_train`]), consumed by
+/// [`Engine::backward`]; device buffers only.
+pub struct Tape<B: Backend> {
+    layout: SeqLayout,
+    tokens: Vec<u32>,
+    tokens_dev: B::U32,
+    targets: B::U32,
+    offsets: B::U32,
+    pos: B::U32,
+    temperature: f32,
+    layers: Vec<LayerTape<B>>,
+    x_final: B::F32,
+    rstd_final: B::F32,
+    hfb: B::Bf16,
+    lse: B::F32,
+}
+
+/// A Qwen3-MoE / Qwen2-MoE (without shared experts) model on one device: every parameter,
+/// gradient and optimizer moment lives there.
+pub struct Engine<B: Backend> {
+    b: B,
+    cfg: ModelConfig,
+    params: Vec<Param<B>>,
+    embed: usize,
+    head: usize,
+    norm: usize,
+    layers: Vec<Layer>,
+    rope: B::F32,
+    max_pos: usize,
+    train: Option<TrainState<B>>,
+}
+
+/// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
+struct TrainState<B: Backend> {
+    grads: Vec<B::F32>,
+    m: Vec<B::F32>,
+    v: Vec<B::F32>,
+    step: u64,
+}
+
+/// A batch being decoded: BF16 KV caches `[slots, max_len, Hkv·D]` per layer and the
+/// current length of every sequence.
+pub struct DecodeState<B: Backend> {
+    k: Vec<B::Bf16>,
+    v: Vec<B::Bf16>,
+    lens: Vec<u32>,
+    max_len: usize,
+}
+
+impl<B: Backend> DecodeState<B> {
+    /// Tokens held by every sequence.
+    pub fn lens(&self) -> &[u32] {
+        &self.lens
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Uploads `model`'s weights to backend `b` (BF16 copies of the linear weights, f32
+    /// embeddings and norms). `max_pos`: the longest sequence it will run (RoPE table size).
+    ///
+    /// # Errors
+    /// A shared expert (not supported by the engine yet), or a device failure.
+    pub fn from_model(model: &Model, b: B, max_pos: usize) -> Result<Self> {
+        let ps = model.params();
+        Self::build(model.config().clone(), b, max_pos, |name, _| {
+            ps.by_name(name)
+                .map(|p| p.data.clone())
+                .ok_or_else(|| ModelError::BadTensor {
+                    name: name.into(),
+                    message: "missing from the model".into(),
+                })
+        })
+    }
+
+    /// Random weights generated tensor by tensor (HF init: linear and embedding weights
+    /// `N(0, initializer_range²)`, norms 1, biases 0) from a counter-based generator, so
+    /// no full f32 copy of the model exists on the host; same seed → same weights. Meant for
+    /// benchmarks at real width.
+    ///
+    /// # Errors
+    /// As [`Engine::build`].
+    pub fn random(cfg: &ModelConfig, b: B, max_pos: usize, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let std = cfg.initializer_range;
+        let mut counter = 0u64;
+        Self::build(cfg.clone(), b, max_pos, |name, shape| {
+            let n: usize = shape.iter().product();
+            counter += 1;
+            Ok(if name.contains("norm") {
+                vec![1.0; n]
+            } else if name.ends_with("bias") {
+                vec![0.0; n]
+            } else {
+                normal_values(n, seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15), std)
+            })
+        })
+    }
+
+    /// Builds the device weights from a source of f32 tensors by HF name and shape (routed
+    /// experts are read per expert and stacked on the host one layer at a time).
+    ///
+    /// # Errors
+    /// A shared expert (not supported by the engine yet), a source error, a device failure.
+    pub fn build(
+        cfg: ModelConfig,
+        b: B,
+        max_pos: usize,
+        mut src: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        if cfg.shared_expert_intermediate_size > 0 {
+            return Err(ModelError::Config {
+                field: "shared_expert_intermediate_size",
+                message: "the device engine does not run shared experts yet (Qwen2-MoE)".into(),
+            });
+        }
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let mut params: Vec<Param<B>> = Vec::new();
+        // Uploads one parameter; `linear`: also its BF16 GEMM operand.
+        let push = |params: &mut Vec<Param<B>>,
+                    name: String,
+                    vals: Vec<f32>,
+                    linear: bool,
+                    decay: bool|
+         -> Result<usize> {
+            let master = b.upload_f32(&vals).map_err(dev)?;
+            let op = if linear {
+                let mut o = b.zeros_bf16(vals.len()).map_err(dev)?;
+                b.to_bf16(&master, &mut o, vals.len()).map_err(dev)?;
+                Some(o)
+            } else {
+                None
+            };
+            params.push(Param {
+                name,
+                len: vals.len(),
+                master,
+                op,
+                decay,
+            });
+            Ok(params.len() - 1)
+        };
+        let v = cfg.vocab_size;
+        let embed_vals = src("model.embed_tokens.weight", &[v, h])?;
+        let embed = push(
+            &mut params,
+            "model.embed_tokens.weight".into(),
+            embed_vals.clone(),
+            cfg.tie_word_embeddings,
+            true,
+        )?;
+        drop(embed_vals);
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
+            let mut one = |params: &mut Vec<Param<B>>,
+                           name: String,
+                           shape: &[usize],
+                           linear: bool,
+                           decay: bool|
+             -> Result<usize> {
+                let vals = src(&name, shape)?;
+                push(params, name, vals, linear, decay)
+            };
+            let ln1 = one(
+                &mut params,
+                format!("{p}.input_layernorm.weight"),
+                &[h],
+                false,
+                false,
+            )?;
+            let q = one(
+                &mut params,
+                format!("{a}.q_proj.weight"),
+                &[qd, h],
+                true,
+                true,
+            )?;
+            let k = one(
+                &mut params,
+                format!("{a}.k_proj.weight"),
+                &[kvd, h],
+                true,
+                true,
+            )?;
+            let vv = one(
+                &mut params,
+                format!("{a}.v_proj.weight"),
+                &[kvd, h],
+                true,
+                true,
+            )?;
+            let o = one(
+                &mut params,
+                format!("{a}.o_proj.weight"),
+                &[h, qd],
+                true,
+                true,
+            )?;
+            let bias = if cfg.qkv_bias {
+                Some([
+                    one(&mut params, format!("{a}.q_proj.bias"), &[qd], false, false)?,
+                    one(
+                        &mut params,
+                        format!("{a}.k_proj.bias"),
+                        &[kvd],
+                        false,
+                        false,
+                    )?,
+                    one(
+                        &mut params,
+                        format!("{a}.v_proj.bias"),
+                        &[kvd],
+                        false,
+                        false,
+                    )?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = match cfg.arch {
+                Arch::Qwen3Moe => Some([
+                    one(
+                        &mut params,
+                        format!("{a}.q_norm.weight"),
+                        &[d],
+                        false,
+                        false,
+                    )?,
+                    one(
+                        &mut params,
+                        format!("{a}.k_norm.weight"),
+                        &[d],
+                        false,
+                        false,
+                    )?,
+                ]),
+                Arch::Qwen2Moe => None,
+            };
+            let ln2 = one(
+                &mut params,
+                format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+                false,
+                false,
+            )?;
+            let ffn = if cfg.is_moe_layer(l) {
+                let (e, f) = (cfg.num_experts, cfg.moe_intermediate_size);
+                let router = one(
+                    &mut params,
+                    format!("{p}.mlp.gate.weight"),
+                    &[e, h],
+                    true,
+                    true,
+                )?;
+                let mut gu = Vec::with_capacity(e * 2 * f * h);
+                let mut dn = Vec::with_capacity(e * h * f);
+                for x in 0..e {
+                    gu.extend_from_slice(&src(
+                        &format!("{p}.mlp.experts.{x}.gate_up_proj.weight"),
+                        &[2 * f, h],
+                    )?);
+                    dn.extend_from_slice(&src(
+                        &format!("{p}.mlp.experts.{x}.down_proj.weight"),
+                        &[h, f],
+                    )?);
+                }
+                let gate_up = push(
+                    &mut params,
+                    format!("{p}.mlp.experts.*.gate_up_proj.weight"),
+                    gu,
+                    true,
+                    true,
+                )?;
+                let down = push(
+                    &mut params,
+                    format!("{p}.mlp.experts.*.down_proj.weight"),
+                    dn,
+                    true,
+                    true,
+                )?;
+                Ffn::Moe(MoeBlock {
+                    router,
+                    gate_up,
+                    down,
+                    f,
+                })
+            } else {
+                let f = cfg.intermediate_size;
+                Ffn::Dense(DenseMlp {
+                    gate_up: one(
+                        &mut params,
+                        format!("{p}.mlp.gate_up_proj.weight"),
+                        &[2 * f, h],
+                        true,
+                        true,
+                    )?,
+                    down: one(
+                        &mut params,
+                        format!("{p}.mlp.down_proj.weight"),
+                        &[h, f],
+                        true,
+                        true,
+                    )?,
+                    f,
+                })
+            };
+            layers.push(Layer {
+                ln1,
+                attn: Attention {
+                    q,
+                    k,
+                    v: vv,
+                    o,
+                    bias,
+                    qk_norm,
+                },
+                ln2,
+                ffn,
+            });
+        }
+        let norm = {
+            let vals = src("model.norm.weight", &[h])?;
+            push(&mut params, "model.norm.weight".into(), vals, false, false)?
+        };
+        let head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            let vals = src("lm_head.weight", &[v, h])?;
+            push(&mut params, "lm_head.weight".into(), vals, true, true)?
+        };
+        let rope = b
+            .rope_table(max_pos.max(1), cfg.head_dim, cfg.rope_theta)
+            .map_err(dev)?;
+        Ok(Engine {
+            params,
+            embed,
+            head,
+            norm,
+            layers,
+            rope,
+            max_pos,
+            cfg,
+            b,
+            train: None,
+        })
+    }
+
+    fn w(&self, i: usize) -> &B::F32 {
+        &self.params[i].master
+    }
+
+    fn op(&self, i: usize) -> &B::Bf16 {
+        self.params[i]
+            .op
+            .as_ref()
+            .expect("linear weights carry a BF16 operand")
+    }
+
+    /// Parameters held (counted from the configuration; tied embeddings once).
+    pub fn num_parameters(&self) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h * if c.tie_word_embeddings { 1 } else { 2 } + h;
+        for l in 0..c.num_layers {
+            n += 2 * h + h * qd + 2 * h * kvd + qd * h;
+            if c.qkv_bias {
+                n += qd + 2 * kvd;
+            }
+            if c.arch == Arch::Qwen3Moe {
+                n += 2 * d;
+            }
+            n += if c.is_moe_layer(l) {
+                c.num_experts * (h + 3 * h * c.moe_intermediate_size)
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        n
+    }
+
+    /// Parameters one token's forward multiplies (attention, router, its `top_k` experts or
+    /// the dense MLP, the head; embeddings are a gather and not counted).
+    pub fn active_parameters(&self) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h;
+        for l in 0..c.num_layers {
+            n += h * qd + 2 * h * kvd + qd * h;
+            n += if c.is_moe_layer(l) {
+                c.num_experts * h + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        n
+    }
+
+    /// Weight bytes one decode step reads at batch `batch` if each token touches `top_k`
+    /// distinct experts (all `min(E, batch·k)` experts at most), BF16: the roofline numerator.
+    pub fn decode_weight_bytes(&self, batch: usize) -> usize {
+        let c = &self.cfg;
+        let (h, d, v) = (c.hidden_size, c.head_dim, c.vocab_size);
+        let (qd, kvd) = (c.num_heads * d, c.num_kv_heads * d);
+        let mut n = v * h;
+        for l in 0..c.num_layers {
+            n += h * qd + 2 * h * kvd + qd * h;
+            n += if c.is_moe_layer(l) {
+                let used = (batch * c.num_experts_per_tok).min(c.num_experts);
+                c.num_experts * h + used * 3 * h * c.moe_intermediate_size
+            } else {
+                3 * h * c.intermediate_size
+            };
+        }
+        2 * n
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.b
+    }
+
+    fn shape(&self) -> AttnShape {
+        AttnShape {
+            q_heads: self.cfg.num_heads,
+            kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    fn check_tokens(&self, tokens: &[u32], what: &str) -> Result<()> {
+        let v = self.cfg.vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= v) {
+            return Err(ModelError::Input(format!(
+                "{what}: token id {t} ≥ vocab_size {v}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One decoder layer over `n` rows: returns the new residual stream and the layer's
+    /// tape (dropped by inference callers).
+    fn layer(
+        &self,
+        li: usize,
+        n: usize,
+        x_in: B::F32,
+        pass: &mut Pass<'_, B>,
+    ) -> Result<(B::F32, LayerTape<B>)> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let l = &self.layers[li];
+        let (hd, hq, hkv, d) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
+        let (qd, kvd) = (hq * d, hkv * d);
+        let eps = c.rms_norm_eps;
+        let z = |m: usize| b.zeros_f32(m).map_err(dev);
+        let zb = |m: usize| b.zeros_bf16(m).map_err(dev);
+        // x_mid = x_in + attention(rmsnorm(x_in))
+        let mut h1 = z(n * hd)?;
+        let mut rstd1 = z(n)?;
+        b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
+            .map_err(dev)?;
+        let mut h1b = zb(n * hd)?;
+        b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
+        drop(h1);
+        let (mut q, mut k, mut v) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
+        b.linear(&h1b, self.op(l.attn.q), n, hd, qd, &mut q)
+            .map_err(dev)?;
+        b.linear(&h1b, self.op(l.attn.k), n, hd, kvd, &mut k)
+            .map_err(dev)?;
+        b.linear(&h1b, self.op(l.attn.v), n, hd, kvd, &mut v)
+            .map_err(dev)?;
+        if let Some([bq, bk, bv]) = l.attn.bias {
+            b.add_bias(&mut q, self.w(bq), n, qd).map_err(dev)?;
+            b.add_bias(&mut k, self.w(bk), n, kvd).map_err(dev)?;
+            b.add_bias(&mut v, self.w(bv), n, kvd).map_err(dev)?;
+        }
+        let mut q_pre = None;
+        if let Some([nq, nk]) = l.attn.qk_norm {
+            let (mut qn, mut kn) = (z(n * qd)?, z(n * kvd)?);
+            let (mut rq, mut rk) = (z(n * hq)?, z(n * hkv)?);
+            b.rmsnorm(&q, self.w(nq), n * hq, d, eps, &mut qn, &mut rq)
+                .map_err(dev)?;
+            b.rmsnorm(&k, self.w(nk), n * hkv, d, eps, &mut kn, &mut rk)
+                .map_err(dev)?;
+            let qp = std::mem::replace(&mut q, qn);
+            let kp = std::mem::replace(&mut k, kn);
+            q_pre = Some((qp, rq, kp, rk));
+        }
+        let shape = self.shape();
+        let mut att = z(n * qd)?;
+        let mut lse = z(n * hq)?;
+        match pass {
+            Pass::Prefill {
+                layout,
+                offsets,
+                pos,
+                cache,
+            } => {
+                b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
+                b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
+                if let Some(st) = cache {
+                    b.kv_fill(
+                        &k,
+                        &v,
+                        layout,
+                        kvd,
+                        st.max_len,
+                        &mut st.k[li],
+                        &mut st.v[li],
+                    )
+                    .map_err(dev)?;
+                }
+                b.attention(&q, &k, &v, layout, offsets, shape, &mut att, &mut lse)
+                    .map_err(dev)?;
+            }
+            Pass::Decode { st, lens, pos } => {
+                b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
+                b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
+                b.kv_append(
+                    &k,
+                    &v,
+                    lens,
+                    n,
+                    kvd,
+                    st.max_len,
+                    &mut st.k[li],
+                    &mut st.v[li],
+                )
+                .map_err(dev)?;
+                let host: Vec<u32> = st.lens.iter().map(|&x| x + 1).collect();
+                b.attention_decode(
+                    &q, &st.k[li], &st.v[li], lens, &host, st.max_len, shape, &mut att,
+                )
+                .map_err(dev)?;
+            }
+        }
+        let mut attb = zb(n * qd)?;
+        b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
+        let mut x_mid = z(n * hd)?;
+        b.linear(&attb, self.op(l.attn.o), n, qd, hd, &mut x_mid)
+            .map_err(dev)?;
+        // o + x_in: the same f32 sum as the CPU model's `x += o`.
+        b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
+        // x_out = x_mid + ffn(rmsnorm(x_mid))
+        let mut h2 = z(n * hd)?;
+        let mut rstd2 = z(n)?;
+        b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
+            .map_err(dev)?;
+        let mut h2b = zb(n * hd)?;
+        b.to_bf16(&h2, &mut h2b, n * hd).map_err(dev)?;
+        let (x_out, ffn) = match &l.ffn {
+            Ffn::Dense(m) => {
+                let mut gu = z(n * 2 * m.f)?;
+                b.linear(&h2b, self.op(m.gate_up), n, hd, 2 * m.f, &mut gu)
+                    .map_err(dev)?;
+                let mut actb = zb(n * m.f)?;
+                b.swiglu_bf16(&gu, n, m.f, &mut actb).map_err(dev)?;
+                let mut y = z(n * hd)?;
+                b.linear(&actb, self.op(m.down), n, m.f, hd, &mut y)
+                    .map_err(dev)?;
+                b.add(&mut y, &x_mid, n * hd).map_err(dev)?;
+                (y, FfnTape::Dense { gu, actb })
+            }
+            Ffn::Moe(m) => {
+                let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                let rows = n * k;
+                let mut logits = z(n * e)?;
+                b.linear(&h2b, self.op(m.router), n, hd, e, &mut logits)
+                    .map_err(dev)?;
+                let mut route = RouteBufs {
+                    ids: b.upload_u32(&vec![0; rows]).map_err(dev)?,
+                    weights: z(rows)?,
+                    probs: z(n * e)?,
+                    offsets: b.upload_u32(&vec![0; e + 1]).map_err(dev)?,
+                    perm: b.upload_u32(&vec![0; rows]).map_err(dev)?,
+                    row_of: b.upload_u32(&vec![0; rows]).map_err(dev)?,
+                };
+                b.route(&logits, n, e, k, c.norm_topk_prob, &mut route)
+                    .map_err(dev)?;
+                let mut xg = zb(rows * hd)?;
+                b.gather_bf16(&h2, &route.perm, rows, k, hd, &mut xg)
+                    .map_err(dev)?;
+                let mut gu = z(rows * 2 * m.f)?;
+                b.grouped_linear(
+                    &xg,
+                    self.op(m.gate_up),
+                    &route.offsets,
+                    e,
+                    rows,
+                    hd,
+                    2 * m.f,
+                    &mut gu,
+                )
+                .map_err(dev)?;
+                let mut actb = zb(rows * m.f)?;
+                b.swiglu_bf16(&gu, rows, m.f, &mut actb).map_err(dev)?;
+                let mut y = z(rows * hd)?;
+                b.grouped_linear(
+                    &actb,
+                    self.op(m.down),
+                    &route.offsets,
+                    e,
+                    rows,
+                    m.f,
+                    hd,
+                    &mut y,
+                )
+                .map_err(dev)?;
+                // Σ over experts into zeros, then + x_mid: the CPU model's `x += out`.
+                let mut out = z(n * hd)?;
+                b.combine(&y, &route, n, e, k, hd, &mut out).map_err(dev)?;
+                b.add(&mut out, &x_mid, n * hd).map_err(dev)?;
+                (
+                    out,
+                    FfnTape::Moe {
+                        route,
+                        xg,
+                        gu,
+                        actb,
+                        y,
+                    },
+                )
+            }
+        };
+        Ok((
+            x_out,
+            LayerTape {
+                x_in,
+                rstd1,
+                h1b,
+                q_pre,
+                q,
+                k,
+                v,
+                att,
+                lse,
+                attb,
+                x_mid,
+                rstd2,
+                h2b,
+                ffn,
+            },
+        ))
+    }
+
+    /// Checks a batch and packs it: tokens, targets, positions.
+    fn pack(&self, batch: &[SeqInput<'_>], temperature: f32) -> Result<Packed> {
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(ModelError::Input(format!(
+                "temperature {temperature} must be positive and finite"
+            )));
+        }
+        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
+        let layout = SeqLayout::new(&lens);
+        let n = layout.num_tokens();
+        let mut tokens = Vec::with_capacity(n);
+        let mut targets = Vec::with_capacity(n);
+        let mut pos = Vec::with_capacity(n);
+        for (i, s) in batch.iter().enumerate() {
+            if s.targets.len() != s.tokens.len() {
+                return Err(ModelError::Input(format!(
+                    "sequence {i}: {} tokens but {} targets",
+                    s.tokens.len(),
+                    s.targets.len()
+                )));
+            }
+            if s.tokens.len() > self.max_pos {
+                return Err(ModelError::Input(format!(
+                    "sequence {i} of {} tokens exceeds the engine's max positions {}",
+                    s.tokens.len(),
+                    self.max_pos
+                )));
+            }
+            tokens.extend_from_slice(s.tokens);
+            targets.extend_from_slice(s.targets);
+            pos.extend(0..s.tokens.len() as u32);
+        }
+        self.check_tokens(&tokens, "input")?;
+        self.check_tokens(&targets, "target")?;
+        Ok((layout, tokens, targets, pos))
+    }
+
+    fn run_forward(&self, batch: &[SeqInput<'_>], temperature: f32) -> Result<(Tape<B>, B::F32)> {
+        let b = &self.b;
+        let (layout, tokens, targets, pos) = self.pack(batch, temperature)?;
+        let n = tokens.len();
+        let hd = self.cfg.hidden_size;
+        let tokens_dev = b.upload_u32(&tokens).map_err(dev)?;
+        let pos_dev = b.upload_u32(&pos).map_err(dev)?;
+        let offsets = b.upload_u32(&seq_offsets(&layout)).map_err(dev)?;
+        let mut x = b.zeros_f32(n * hd).map_err(dev)?;
+        b.embed(
+            self.w(self.embed),
+            self.cfg.vocab_size,
+            &tokens_dev,
+            n,
+            hd,
+            &mut x,
+        )
+        .map_err(dev)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        {
+            let mut pass = Pass::Prefill {
+                layout: &layout,
+                offsets: &offsets,
+                pos: &pos_dev,
+                cache: None,
+            };
+            for li in 0..self.layers.len() {
+                let (nx, t) = self.layer(li, n, x, &mut pass)?;
+                x = nx;
+                layers.push(t);
+            }
+        }
+        let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
+        let mut rstd_final = b.zeros_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            n,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd_final,
+        )
+        .map_err(dev)?;
+        let mut hfb = b.zeros_bf16(n * hd).map_err(dev)?;
+        b.to_bf16(&hf, &mut hfb, n * hd).map_err(dev)?;
+        let targets_dev = b.upload_u32(&targets).map_err(dev)?;
+        let mut lp = b.zeros_f32(n).map_err(dev)?;
+        let mut lse = b.zeros_f32(n).map_err(dev)?;
+        b.head_logprobs(
+            &hfb,
+            self.op(self.head),
+            &targets_dev,
+            n,
+            hd,
+            self.cfg.vocab_size,
+            temperature,
+            &mut lp,
+            &mut lse,
+        )
+        .map_err(dev)?;
+        Ok((
+            Tape {
+                layout,
+                tokens,
+                tokens_dev,
+                targets: targets_dev,
+                offsets,
+                pos: pos_dev,
+                temperature,
+                layers,
+                x_final: x,
+                rstd_final,
+                hfb,
+                lse,
+            },
+            lp,
+        ))
+    }
+
+    fn split(&self, layout: &SeqLayout, lp: &B::F32) -> Result<Vec<Vec<f32>>> {
+        let all = self.b.download_f32(lp, layout.num_tokens()).map_err(dev)?;
+        Ok((0..layout.num_seqs())
+            .map(|s| all[layout.offset(s)..layout.offset(s) + layout.len(s)].to_vec())
+            .collect())
+    }
+
+    /// Per-token logprobs of every sequence's targets (`softmax(logits / temperature)`),
+    /// computed on the device; only token ids go up and logprobs come back.
+    ///
+    /// # Errors
+    /// Token ids out of range, sequences longer than the engine's `max_pos`, device failures.
+    pub fn logprobs(&self, batch: &[SeqInput<'_>], temperature: f32) -> Result<Vec<Vec<f32>>> {
+        if batch.iter().all(|s| s.tokens.is_empty()) {
+            self.pack(batch, temperature)?;
+            return Ok(batch.iter().map(|_| Vec::new()).collect());
+        }
+        let (tape, lp) = self.run_forward(batch, temperature)?;
+        self.split(&tape.layout, &lp)
+    }
+
+    /// Training forward: per-token logprobs and the device tape for [`Engine::backward`].
+    ///
+    /// # Errors
+    /// As [`Engine::logprobs`].
+    pub fn forward_train(
+        &self,
+        batch: &[SeqInput<'_>],
+        temperature: f32,
+    ) -> Result<(Vec<Vec<f32>>, Tape<B>)> {
+        if batch.iter().all(|s| s.tokens.is_empty()) {
+            return Err(ModelError::Input(
+                "training forward of an empty batch".into(),
+            ));
+        }
+        let (tape, lp) = self.run_forward(batch, temperature)?;
+        let out = self.split(&tape.layout, &lp)?;
+        Ok((out, tape))
+    }
+
+    /// Embeds and runs every layer over packed sequences, filling `cache`; returns the
+    /// final-norm hidden states `[n, H]` f32.
+    fn prefill_hidden(
+        &self,
+        tokens: &[u32],
+        pos: &[u32],
+        layout: &SeqLayout,
+        cache: Option<&mut DecodeState<B>>,
+    ) -> Result<B::F32> {
+        let b = &self.b;
+        let n = tokens.len();
+        let hd = self.cfg.hidden_size;
+        let tk = b.upload_u32(tokens).map_err(dev)?;
+        let ps = b.upload_u32(pos).map_err(dev)?;
+        let offsets = b.upload_u32(&seq_offsets(layout)).map_err(dev)?;
+        let mut x = b.zeros_f32(n * hd).map_err(dev)?;
+        b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
+            .map_err(dev)?;
+        let mut pass = Pass::Prefill {
+            layout,
+            offsets: &offsets,
+            pos: &ps,
+            cache,
+        };
+        for li in 0..self.layers.len() {
+            x = self.layer(li, n, x, &mut pass)?.0;
+        }
+        let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
+        let mut rstd = b.zeros_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            n,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
+        )
+        .map_err(dev)?;
+        Ok(hf)
+    }
+
+    /// Logits `[rows, V]` (f32, on the host) of final hidden states `hf: [rows, H]`.
+    fn logits_of(&self, hf: &B::F32, rows: usize) -> Result<Vec<f32>> {
+        let b = &self.b;
+        let (hd, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let mut hb = b.zeros_bf16(rows * hd).map_err(dev)?;
+        b.to_bf16(hf, &mut hb, rows * hd).map_err(dev)?;
+        let mut z = b.zeros_f32(rows * v).map_err(dev)?;
+        b.linear(&hb, self.op(self.head), rows, hd, v, &mut z)
+            .map_err(dev)?;
+        b.download_f32(&z, rows * v).map_err(dev)
+    }
+
+    /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
+    /// sequence; returns it and the logits `[B, V]` of every prompt's last position.
+    ///
+    /// # Errors
+    /// Empty prompts, prompts longer than `max_len` or the engine's `max_pos`, bad token
+    /// ids, device failures (out of memory for the cache).
+    pub fn prefill(
+        &self,
+        prompts: &[&[u32]],
+        max_len: usize,
+    ) -> Result<(DecodeState<B>, Vec<f32>)> {
+        let b = &self.b;
+        if max_len > self.max_pos {
+            return Err(ModelError::Input(format!(
+                "max_len {max_len} exceeds the engine's max positions {}",
+                self.max_pos
+            )));
+        }
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        if let Some(i) = lens.iter().position(|&l| l == 0 || l > max_len) {
+            return Err(ModelError::Input(format!(
+                "prompt {i} has {} tokens (1..={max_len} allowed)",
+                lens[i]
+            )));
+        }
+        let layout = SeqLayout::new(&lens);
+        let tokens: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
+        self.check_tokens(&tokens, "prompt")?;
+        let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let kvd = self.cfg.num_kv_heads * self.cfg.head_dim;
+        let slots = prompts.len();
+        let mut st = DecodeState {
+            k: (0..self.layers.len())
+                .map(|_| b.zeros_bf16(slots * max_len * kvd).map_err(dev))
+                .collect::<Result<_>>()?,
+            v: (0..self.layers.len())
+                .map(|_| b.zeros_bf16(slots * max_len * kvd).map_err(dev))
+                .collect::<Result<_>>()?,
+            lens: lens.iter().map(|&l| l as u32).collect(),
+            max_len,
+        };
+        let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
+        // Last position of every prompt.
+        let hd = self.cfg.hidden_size;
+        let all = b.download_f32(&hf, tokens.len() * hd).map_err(dev)?;
+        let mut last = Vec::with_capacity(slots * hd);
+        for s in 0..slots {
+            let r = layout.offset(s) + layout.len(s) - 1;
+            last.extend_from_slice(&all[r * hd..(r + 1) * hd]);
+        }
+        let last = b.upload_f32(&last).map_err(dev)?;
+        let logits = self.logits_of(&last, slots)?;
+        Ok((st, logits))
+    }
+
+    /// One decode step: appends `tokens[b]` to sequence `b` and returns the logits `[B, V]`
+    /// of the next position.
+    ///
+    /// # Errors
+    /// A full cache, bad token ids, device failures.
+    pub fn decode_step(&self, st: &mut DecodeState<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let b = &self.b;
+        let n = tokens.len();
+        if n != st.lens.len() {
+            return Err(ModelError::Input(format!(
+                "{n} tokens for {} sequences",
+                st.lens.len()
+            )));
+        }
+        if let Some(i) = st.lens.iter().position(|&l| l as usize >= st.max_len) {
+            return Err(ModelError::Input(format!(
+                "sequence {i} is full ({} tokens)",
+                st.max_len
+            )));
+        }
+        self.check_tokens(tokens, "decode")?;
+        let hd = self.cfg.hidden_size;
+        let tk = b.upload_u32(tokens).map_err(dev)?;
+        let pos = b.upload_u32(&st.lens).map_err(dev)?;
+        let new_lens: Vec<u32> = st.lens.iter().map(|&l| l + 1).collect();
+        let lens = b.upload_u32(&new_lens).map_err(dev)?;
+        let mut x = b.zeros_f32(n * hd).map_err(dev)?;
+        b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
+            .map_err(dev)?;
+        {
+            let mut pass = Pass::Decode {
+                st: &mut *st,
+                lens: &lens,
+                pos: &pos,
+            };
+            for li in 0..self.layers.len() {
+                x = self.layer(li, n, x, &mut pass)?.0;
+            }
+        }
+        st.lens = new_lens;
+        let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
+        let mut rstd = b.zeros_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            n,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
+        )
+        .map_err(dev)?;
+        self.logits_of(&hf, n)
+    }
+
+    /// Greedy decoding of `new_tokens` tokens after each prompt (ties to the lowest id):
+    /// the generated ids per prompt.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill`] and [`Engine::decode_step`].
+    pub fn generate_greedy(&self, prompts: &[&[u32]], new_tokens: usize) -> Result<Vec<Vec<u32>>> {
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let (mut st, mut logits) = self.prefill(prompts, longest + new_tokens)?;
+        let v = self.cfg.vocab_size;
+        let mut out = vec![Vec::with_capacity(new_tokens); prompts.len()];
+        for step in 0..new_tokens {
+            let next: Vec<u32> = logits
+                .chunks(v)
+                .map(|row| {
+                    let mut best = 0;
+                    for (i, &x) in row.iter().enumerate() {
+                        if x > row[best] {
+                            best = i;
+                        }
+                    }
+                    best as u32
+                })
+                .collect();
+            for (o, &t) in out.iter_mut().zip(&next) {
+                o.push(t);
+            }
+            if step + 1 < new_tokens {
+                logits = self.decode_step(&mut st, &next)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Allocates gradients and AdamW moments on the device (once; zero).
+    ///
+    /// # Errors
+    /// Out of device memory.
+    pub fn enable_training(&mut self) -> Result<()> {
+        if self.train.is_some() {
+            return Ok(());
+        }
+        let b = &self.b;
+        let z = |p: &Param<B>| b.zeros_f32(p.len).map_err(dev);
+        self.train = Some(TrainState {
+            grads: self.params.iter().map(z).collect::<Result<_>>()?,
+            m: self.params.iter().map(z).collect::<Result<_>>()?,
+            v: self.params.iter().map(z).collect::<Result<_>>()?,
+            step: 0,
+        });
+        Ok(())
+    }
+
+    /// Sets every gradient to zero.
+    ///
+    /// # Errors
+    /// Training not enabled; device failure.
+    pub fn zero_grads(&mut self) -> Result<()> {
+        let b = &self.b;
+        let st = self
+            .train
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        for (g, p) in st.grads.iter_mut().zip(&self.params) {
+            b.fill_zero(g, p.len).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of a [`Engine::forward_train`] from `dlogprobs` (per sequence,
+    /// `∂L/∂logprob[t]`): **accumulates** every parameter's gradient on the device (call
+    /// [`Engine::zero_grads`] first for a fresh step). The order of every f32 operation is the
+    /// CPU model's (`Model::backward`), so the CPU engine's gradients equal it bitwise.
+    ///
+    /// # Errors
+    /// Training not enabled, `dlogprobs` of the wrong shape, device failures.
+    pub fn backward(&mut self, tape: &Tape<B>, dlogprobs: &[Vec<f32>]) -> Result<()> {
+        let layout = &tape.layout;
+        if dlogprobs.len() != layout.num_seqs()
+            || dlogprobs
+                .iter()
+                .zip(layout.lens())
+                .any(|(d, &l)| d.len() != l)
+        {
+            return Err(ModelError::Input(format!(
+                "dlogprobs: expected lengths {:?}, got {:?}",
+                layout.lens(),
+                dlogprobs.iter().map(|d| d.len()).collect::<Vec<_>>()
+            )));
+        }
+        let mut st = self
+            .train
+            .take()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        let r = self.backward_into(tape, dlogprobs, &mut st.grads);
+        self.train = Some(st);
+        r
+    }
+
+    fn backward_into(
+        &self,
+        tape: &Tape<B>,
+        dlogprobs: &[Vec<f32>],
+        g: &mut [B::F32],
+    ) -> Result<()> {
+        let b = &self.b;
+        let c = &self.cfg;
+        let layout = &tape.layout;
+        let n = layout.num_tokens();
+        let (hd, hq, hkv, d, v) = (
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.vocab_size,
+        );
+        let (qd, kvd) = (hq * d, hkv * d);
+        let z = |m: usize| b.zeros_f32(m).map_err(dev);
+        let dlp: Vec<f32> = dlogprobs.iter().flatten().copied().collect();
+        let dlp = b.upload_f32(&dlp).map_err(dev)?;
+        let mut dhf = z(n * hd)?;
+        b.head_backward(
+            &tape.hfb,
+            self.op(self.head),
+            &tape.targets,
+            &tape.lse,
+            &dlp,
+            n,
+            hd,
+            v,
+            tape.temperature,
+            &mut dhf,
+            &mut g[self.head],
+        )
+        .map_err(dev)?;
+        let mut dx = z(n * hd)?;
+        b.rmsnorm_backward(
+            &dhf,
+            &tape.x_final,
+            self.w(self.norm),
+            &tape.rstd_final,
+            n,
+            hd,
+            &mut dx,
+            &mut g[self.norm],
+        )
+        .map_err(dev)?;
+        let shape = self.shape();
+        for (l, t) in self.layers.iter().zip(&tape.layers).rev() {
+            // FFN block: x_out = x_mid + ffn(rmsnorm(x_mid))
+            let mut dh2 = z(n * hd)?;
+            match (&l.ffn, &t.ffn) {
+                (Ffn::Dense(m), FfnTape::Dense { gu, actb }) => {
+                    let mut dact = z(n * m.f)?;
+                    b.linear_backward(
+                        &dx,
+                        actb,
+                        self.op(m.down),
+                        n,
+                        m.f,
+                        hd,
+                        Some(&mut dact),
+                        &mut g[m.down],
+                    )
+                    .map_err(dev)?;
+                    let mut dgu = z(n * 2 * m.f)?;
+                    b.swiglu_backward(&dact, gu, n, m.f, &mut dgu)
+                        .map_err(dev)?;
+                    b.linear_backward(
+                        &dgu,
+                        &t.h2b,
+                        self.op(m.gate_up),
+                        n,
+                        hd,
+                        2 * m.f,
+                        Some(&mut dh2),
+                        &mut g[m.gate_up],
+                    )
+                    .map_err(dev)?;
+                }
+                (
+                    Ffn::Moe(m),
+                    FfnTape::Moe {
+                        route,
+                        xg,
+                        gu,
+                        actb,
+                        y,
+                    },
+                ) => {
+                    let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                    let rows = n * k;
+                    let mut dweights = z(rows)?;
+                    let mut dy = z(rows * hd)?;
+                    b.combine_backward(&dx, y, route, n, e, k, hd, &mut dy, &mut dweights)
+                        .map_err(dev)?;
+                    let mut dact = z(rows * m.f)?;
+                    b.grouped_linear_backward(
+                        &dy,
+                        actb,
+                        self.op(m.down),
+                        &route.offsets,
+                        e,
+                        rows,
+                        m.f,
+                        hd,
+                        &mut dact,
+                        &mut g[m.down],
+                    )
+                    .map_err(dev)?;
+                    let mut dgu = z(rows * 2 * m.f)?;
+                    b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
+                        .map_err(dev)?;
+                    let mut dxg = z(rows * hd)?;
+                    b.grouped_linear_backward(
+                        &dgu,
+                        xg,
+                        self.op(m.gate_up),
+                        &route.offsets,
+                        e,
+                        rows,
+                        hd,
+                        2 * m.f,
+                        &mut dxg,
+                        &mut g[m.gate_up],
+                    )
+                    .map_err(dev)?;
+                    b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
+                        .map_err(dev)?;
+                    let mut dlogits = z(n * e)?;
+                    b.router_backward(&dweights, route, n, e, k, c.norm_topk_prob, &mut dlogits)
+                        .map_err(dev)?;
+                    let mut dr = z(n * hd)?;
+                    b.linear_backward(
+                        &dlogits,
+                        &t.h2b,
+                        self.op(m.router),
+                        n,
+                        hd,
+                        e,
+                        Some(&mut dr),
+                        &mut g[m.router],
+                    )
+                    .map_err(dev)?;
+                    b.add(&mut dh2, &dr, n * hd).map_err(dev)?;
+                }
+                _ => unreachable!("tape layer kind matches the layer kind"),
+            }
+            let mut dxm = z(n * hd)?;
+            b.rmsnorm_backward(
+                &dh2,
+                &t.x_mid,
+                self.w(l.ln2),
+                &t.rstd2,
+                n,
+                hd,
+                &mut dxm,
+                &mut g[l.ln2],
+            )
+            .map_err(dev)?;
+            b.add(&mut dx, &dxm, n * hd).map_err(dev)?;
+            // Attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), ...)), h1 = rmsnorm(x_in)
+            let mut datt = z(n * qd)?;
+            b.linear_backward(
+                &dx,
+                &t.attb,
+                self.op(l.attn.o),
+                n,
+                qd,
+                hd,
+                Some(&mut datt),
+                &mut g[l.attn.o],
+            )
+            .map_err(dev)?;
+            let (mut dq, mut dk, mut dv) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
+            b.attention_backward(
+                &datt,
+                &t.q,
+                &t.k,
+                &t.v,
+                &t.att,
+                &t.lse,
+                layout,
+                &tape.offsets,
+                shape,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            )
+            .map_err(dev)?;
+            b.rope_backward(&mut dq, n, hq, d, &tape.pos, &self.rope)
+                .map_err(dev)?;
+            b.rope_backward(&mut dk, n, hkv, d, &tape.pos, &self.rope)
+                .map_err(dev)?;
+            if let (Some([nq, nk]), Some((qp, rq, kp, rk))) = (l.attn.qk_norm, &t.q_pre) {
+                let mut dqp = z(n * qd)?;
+                b.rmsnorm_backward(&dq, qp, self.w(nq), rq, n * hq, d, &mut dqp, &mut g[nq])
+                    .map_err(dev)?;
+                dq = dqp;
+                let mut dkp = z(n * kvd)?;
+                b.rmsnorm_backward(&dk, kp, self.w(nk), rk, n * hkv, d, &mut dkp, &mut g[nk])
+                    .map_err(dev)?;
+                dk = dkp;
+            }
+            let mut dh1 = z(n * hd)?;
+            let mut tmp = z(n * hd)?;
+            for (j, (wi, dd, width)) in [
+                (l.attn.q, &dq, qd),
+                (l.attn.k, &dk, kvd),
+                (l.attn.v, &dv, kvd),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if let Some(bias) = l.attn.bias {
+                    b.bias_backward(dd, n, width, &mut g[bias[j]])
+                        .map_err(dev)?;
+                }
+                let out = if j == 0 { &mut dh1 } else { &mut tmp };
+                b.linear_backward(dd, &t.h1b, self.op(wi), n, hd, width, Some(out), &mut g[wi])
+                    .map_err(dev)?;
+                if j > 0 {
+                    b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
+                }
+            }
+            let mut dxi = z(n * hd)?;
+            b.rmsnorm_backward(
+                &dh1,
+                &t.x_in,
+                self.w(l.ln1),
+                &t.rstd1,
+                n,
+                hd,
+                &mut dxi,
+                &mut g[l.ln1],
+            )
+            .map_err(dev)?;
+            b.add(&mut dx, &dxi, n * hd).map_err(dev)?;
+        }
+        b.embed_backward(&dx, &tape.tokens_dev, &tape.tokens, hd, &mut g[self.embed])
+            .map_err(dev)?;
+        Ok(())
+    }
+
+    /// Global gradient norm, clipping to `max_norm` (when given, PyTorch's rule), then one
+    /// AdamW step on every parameter with weight decay `weight_decay` on linear and embedding
+    /// weights (0 on norms and biases); refreshes the BF16 GEMM operands in the same pass.
+    /// Returns the norm before clipping.
+    ///
+    /// # Errors
+    /// Training not enabled; a non-finite gradient norm (nothing is updated); device failure.
+    pub fn optimizer_step(
+        &mut self,
+        cfg: &mxrl_tensor::optim::AdamWConfig,
+        weight_decay: f32,
+        max_norm: Option<f64>,
+    ) -> Result<f64> {
+        let b = &self.b;
+        let st = self
+            .train
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        let norm = {
+            let views: Vec<(&B::F32, usize)> = st
+                .grads
+                .iter()
+                .zip(&self.params)
+                .map(|(g, p)| (g, p.len))
+                .collect();
+            b.grad_norm(&views).map_err(dev)?
+        };
+        if !norm.is_finite() {
+            return Err(ModelError::Input(format!(
+                "non-finite gradient norm {norm}: no parameter was updated"
+            )));
+        }
+        if let Some(mx) = max_norm {
+            let coef = mx / (norm + 1e-6);
+            if coef < 1.0 {
+                for (g, p) in st.grads.iter_mut().zip(&self.params) {
+                    b.scale(g, p.len, coef as f32).map_err(dev)?;
+                }
+            }
+        }
+        st.step += 1;
+        for (i, p) in self.params.iter_mut().enumerate() {
+            let wd = if p.decay { weight_decay } else { 0.0 };
+            b.adamw(
+                &mut p.master,
+                &st.grads[i],
+                &mut st.m[i],
+                &mut st.v[i],
+                p.len,
+                st.step,
+                cfg,
+                wd,
+                p.op.as_mut(),
+            )
+            .map_err(dev)?;
+        }
+        Ok(norm)
+    }
+
+    /// A parameter's master values (HF name; routed experts stacked as
+    /// `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight`), copied to the host.
+    ///
+    /// # Errors
+    /// Unknown name; device failure.
+    pub fn param_values(&self, name: &str) -> Result<Vec<f32>> {
+        let p =
+            self.params
+                .iter()
+                .find(|p| p.name == name)
+                .ok_or_else(|| ModelError::BadTensor {
+                    name: name.into(),
+                    message: "not a parameter of this engine".into(),
+                })?;
+        self.b.download_f32(&p.master, p.len).map_err(dev)
+    }
+
+    /// A parameter's gradient, copied to the host (names as [`Engine::param_values`]).
+    ///
+    /// # Errors
+    /// Unknown name, training not enabled; device failure.
+    pub fn grad_values(&self, name: &str) -> Result<Vec<f32>> {
+        let i = self
+            .params
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| ModelError::BadTensor {
+                name: name.into(),
+                message: "not a parameter of this engine".into(),
+            })?;
+        let st = self
+            .train
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        self.b
+            .download_f32(&st.grads[i], self.params[i].len)
+            .map_err(dev)
+    }
+
+    /// Names of the parameters (routed experts stacked per layer).
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+}
+
+/// `[B + 1]` row offsets of packed sequences.
+fn seq_offsets(layout: &SeqLayout) -> Vec<u32> {
+    let mut o: Vec<u32> = (0..layout.num_seqs())
+        .map(|i| layout.offset(i) as u32)
+        .collect();
+    o.push(layout.num_tokens() as u32);
+    o
+}
+
+/// `n` values `N(0, std²)` from a counter-based generator (SplitMix64 of `seed + i`, Box–Muller
+/// per pair), in parallel and deterministic.
+fn normal_values(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    use rayon::prelude::*;
+    fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(2).enumerate().for_each(|(i, pair)| {
+        let a = mix(seed.wrapping_add(2 * i as u64));
+        let b = mix(seed.wrapping_add(2 * i as u64 + 1));
+        let u1 = ((a >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (b >> 11) as f64 / (1u64 << 53) as f64;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        pair[0] = (r * t.cos()) as f32 * std;
+        if pair.len() > 1 {
+            pair[1] = (r * t.sin()) as f32 * std;
+        }
+    });
+    out
+}
+
+enum Pass<'a, B: Backend> {
+    Prefill {
+        layout: &'a SeqLayout,
+        offsets: &'a B::U32,
+        pos: &'a B::U32,
+        cache: Option<&'a mut DecodeState<B>>,
+    },
+    Decode {
+        st: &'a mut DecodeState<B>,
+        lens: &'a B::U32,
+        pos: &'a B::U32,
+    },
+}
+
+/// The CPU engine of a model (the reference of every device engine).
+///
+/// # Errors
+/// As [`Engine::from_model`].
+pub fn cpu_engine(model: &Model, max_pos: usize) -> Result<Engine<CpuBackend>> {
+    Engine::from_model(model, CpuBackend, max_pos)
+}

@@ -1,0 +1,294 @@
+//! The device engine (one model definition over a backend's op set) on the CPU backend against
+//! the CPU model with every linear at `LinearPrecision::Bf16`: the same functions in the same
+//! order, so the results are bitwise equal.
+
+use mxrl_model::engine::cpu_engine;
+use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput};
+use mxrl_tensor::gradcheck::test_values;
+
+/// Qwen3-MoE with a dense layer, GQA, q/k norms; Qwen2-MoE (no shared expert) with q/k/v bias
+/// and tied embeddings.
+fn small(arch: Arch) -> ModelConfig {
+    let mut c = ModelConfig::tiny();
+    c.arch = arch;
+    c.vocab_size = 40;
+    c.hidden_size = 32;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.intermediate_size = 24;
+    c.moe_intermediate_size = 16;
+    c.num_experts = 6;
+    c.num_experts_per_tok = 2;
+    c.mlp_only_layers = vec![1];
+    c.initializer_range = 0.3;
+    if arch == Arch::Qwen2Moe {
+        c.qkv_bias = true;
+        c.tie_word_embeddings = true;
+        c.norm_topk_prob = false;
+    }
+    c
+}
+
+fn bf16_model(c: &ModelConfig, seed: u64) -> Model {
+    let mut m = Model::random(c, seed).unwrap();
+    {
+        let mut ps = m.params_mut();
+        for (i, p) in ps.iter_mut().enumerate() {
+            if p.name.ends_with("bias") || p.name.contains("norm") {
+                let r = test_values(p.data.len(), 500 + i as u64, 0.3);
+                for (x, d) in p.data.iter_mut().zip(r) {
+                    *x += d;
+                }
+            }
+        }
+    }
+    m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
+    m
+}
+
+fn seqs() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 5, 9, 2, 14, 3, 33, 21, 8],
+        vec![7, 0],
+        vec![4, 4, 11, 39, 25],
+        vec![12],
+    ]
+}
+
+fn logprobs_bitwise(arch: Arch) {
+    let c = small(arch);
+    let m = bf16_model(&c, 7);
+    let e = cpu_engine(&m, 64).unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s
+        .iter()
+        .map(|q| SeqInput {
+            tokens: q,
+            targets: &q[..],
+        })
+        .collect();
+    for temperature in [1.0f32, 0.7] {
+        let want = m
+            .forward(
+                &batch,
+                &ForwardOptions {
+                    temperature,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+            .logprobs;
+        let got = e.logprobs(&batch, temperature).unwrap();
+        for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+            let gb: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            let wb: Vec<u32> = w.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(
+                gb, wb,
+                "{arch:?} τ={temperature} sequence {b}: {g:?} vs {w:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn engine_logprobs_equal_the_cpu_model_bitwise_qwen3() {
+    logprobs_bitwise(Arch::Qwen3Moe);
+}
+
+#[test]
+fn engine_logprobs_equal_the_cpu_model_bitwise_qwen2_without_shared_expert() {
+    logprobs_bitwise(Arch::Qwen2Moe);
+}
+
+#[test]
+fn engine_prefill_and_decode_are_deterministic_and_refuse_a_full_cache() {
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 9);
+    let e = cpu_engine(&m, 64).unwrap();
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
+    let (mut st, logits) = e.prefill(&prompts, 11).unwrap();
+    assert_eq!(st.lens(), &[9, 2, 5, 1]);
+    assert_eq!(logits.len(), 4 * c.vocab_size);
+    assert!(logits.iter().all(|x| x.is_finite()));
+    let (_, again) = e.prefill(&prompts, 11).unwrap();
+    assert_eq!(
+        logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        again.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    let step = e.decode_step(&mut st, &[3, 4, 5, 6]).unwrap();
+    assert_eq!(st.lens(), &[10, 3, 6, 2]);
+    assert!(step.iter().all(|x| x.is_finite()));
+    e.decode_step(&mut st, &[1, 1, 1, 1]).unwrap();
+    // Sequence 0 now holds 11 tokens = max_len: the next step is refused, naming it.
+    let err = e
+        .decode_step(&mut st, &[1, 1, 1, 1])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("sequence 0 is full"), "{err}");
+    let g1 = e.generate_greedy(&prompts, 4).unwrap();
+    let g2 = e.generate_greedy(&prompts, 4).unwrap();
+    assert_eq!(g1, g2);
+    assert!(g1.iter().all(|g| g.len() == 4));
+}
+
+#[test]
+fn engine_refuses_shared_experts_and_bad_input_with_named_errors() {
+    let mut c = small(Arch::Qwen2Moe);
+    c.shared_expert_intermediate_size = 10;
+    let m = bf16_model(&c, 1);
+    let err = cpu_engine(&m, 16)
+        .err()
+        .expect("shared experts refused")
+        .to_string();
+    assert!(err.contains("shared_expert_intermediate_size"), "{err}");
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 1);
+    let e = cpu_engine(&m, 8).unwrap();
+    let long: Vec<u32> = (0..9).collect();
+    let err = e
+        .logprobs(
+            &[SeqInput {
+                tokens: &long,
+                targets: &long,
+            }],
+            1.0,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max positions 8"), "{err}");
+    let err = e.prefill(&[&[1, 99]], 4).err().unwrap().to_string();
+    assert!(err.contains("token id 99"), "{err}");
+}
+
+/// The model's gradient (or value) of an engine parameter: routed experts stacked per layer.
+fn model_tensor(m: &Model, g: &mxrl_model::Grads, name: &str, grads: bool) -> Vec<f32> {
+    let get = |n: &str| -> Vec<f32> {
+        let id = m.params().id(n).unwrap_or_else(|| panic!("{n} missing"));
+        if grads {
+            g.get(id).to_vec()
+        } else {
+            m.params().get(id).data.clone()
+        }
+    };
+    if let Some((pre, post)) = name.split_once(".experts.*.") {
+        let e = m.config().num_experts;
+        (0..e)
+            .flat_map(|x| get(&format!("{pre}.experts.{x}.{post}")))
+            .collect()
+    } else {
+        get(name)
+    }
+}
+
+fn gradients_bitwise(arch: Arch) {
+    let c = small(arch);
+    let m = bf16_model(&c, 11);
+    let mut e = cpu_engine(&m, 64).unwrap();
+    e.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let temperature = 0.9;
+    let out = m
+        .forward(
+            &batch,
+            &ForwardOptions {
+                temperature,
+                train: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let dl: Vec<Vec<f32>> = out
+        .logprobs
+        .iter()
+        .enumerate()
+        .map(|(b, l)| test_values(l.len(), 70 + b as u64, 1.0))
+        .collect();
+    let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    let (lp, tape) = e.forward_train(&batch, temperature).unwrap();
+    assert_eq!(lp, out.logprobs);
+    e.zero_grads().unwrap();
+    e.backward(&tape, &dl).unwrap();
+    let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
+    assert!(names.len() > 10);
+    for name in &names {
+        let got = e.grad_values(name).unwrap();
+        let want = model_tensor(&m, &g, name, true);
+        assert!(
+            want.iter().any(|&x| x != 0.0),
+            "{name}: zero gradient tests nothing"
+        );
+        let gb: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        let wb: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(gb, wb, "{arch:?} gradient of {name}");
+    }
+    // One AdamW step equals the shared CPU AdamW on the model's masters, with weight decay
+    // on linear and embedding weights only.
+    let cfg = mxrl_tensor::optim::AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let norm = e.optimizer_step(&cfg, 0.1, Some(1e9)).unwrap();
+    let all: Vec<Vec<f32>> = names
+        .iter()
+        .map(|n| model_tensor(&m, &g, n, true))
+        .collect();
+    let views: Vec<&[f32]> = all.iter().map(|v| v.as_slice()).collect();
+    assert_eq!(norm, mxrl_tensor::optim::global_grad_norm(&views));
+    for name in &names {
+        let mut p = model_tensor(&m, &g, name, false);
+        let gr = model_tensor(&m, &g, name, true);
+        let (mut mm, mut vv) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+        let wd = if name.contains("norm") || name.ends_with("bias") {
+            0.0
+        } else {
+            0.1
+        };
+        mxrl_tensor::optim::adamw_update(&mut p, &gr, &mut mm, &mut vv, 1, &cfg, wd);
+        let got = e.param_values(name).unwrap();
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            p.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{name} after one AdamW step"
+        );
+    }
+    // The BF16 operands follow the new masters: the next forward equals a model holding them.
+    let mut m2 = m.clone();
+    {
+        let mut ps = m2.params_mut();
+        for name in &names {
+            let vals = e.param_values(name).unwrap();
+            if let Some((pre, post)) = name.split_once(".experts.*.") {
+                let per = vals.len() / c.num_experts;
+                for x in 0..c.num_experts {
+                    ps.set(
+                        &format!("{pre}.experts.{x}.{post}"),
+                        &vals[x * per..(x + 1) * per],
+                    )
+                    .unwrap();
+                }
+            } else {
+                ps.set(name, &vals).unwrap();
+            }
+        }
+    }
+    let want = m2
+        .forward(&batch, &ForwardOptions::default())
+        .unwrap()
+        .logprobs;
+    assert_eq!(e.logprobs(&batch, 1.0).unwrap(), want);
+}
+
+#[test]
+fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen3() {
+    gradients_bitwise(Arch::Qwen3Moe);
+}
+
+#[test]
+fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen2_bias_tied() {
+    gradients_bitwise(Arch::Qwen2Moe);
+}

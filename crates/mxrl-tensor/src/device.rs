@@ -1,0 +1,1499 @@
+//! The op set every device implements, and the CPU implementation (the reference).
+//!
+//! A model is written once over [`Backend`] (see `mxrl_model::engine`); a backend owns its
+//! buffers (`F32`, `Bf16`, `U32`) and runs every op on them. [`CpuBackend`] implements each op
+//! with the functions of this crate, in the order the CPU model uses them, so the CPU engine is
+//! bitwise the CPU model; a GPU backend (`mxrl_cuda::backend::CudaBackend`) implements the same
+//! ops with kernels and must match the CPU within the bounds of [`crate::tolerance`].
+//!
+//! Conventions: row-major, explicit shapes, lengths checked by the backend (a mismatch is a
+//! [`DeviceError`], never a panic). BF16 operands are carried by the backend's `Bf16` type
+//! (on the CPU: the exactly widened f32 values of the rounded numbers). Linear layers multiply
+//! BF16 operands with f32 accumulation (`y = bf16(x)·bf16(W)ᵀ`), the products of
+//! `LinearPrecision::Bf16`.
+
+use crate::attention::{attention_decode, attention_forward, AttnShape};
+use crate::backend::{CpuGemm, GemmBackend, WeightView};
+use crate::loss::logprobs_forward;
+use crate::moe::{combine_forward, Dispatch};
+use crate::norm::rmsnorm_forward;
+use crate::precision::round_bf16;
+use crate::rope::RopeTable;
+use crate::routing::{router_forward, RouteMode, Routes};
+use crate::SeqLayout;
+
+/// Where a model lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// The host CPU (the reference backend).
+    Cpu,
+    /// CUDA GPU with this ordinal.
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda or cuda:N)")),
+        }
+    }
+}
+
+/// A device failure (out of memory, a failed launch, a shape the device refuses).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{device}: {what}")]
+pub struct DeviceError {
+    /// The device.
+    pub device: String,
+    /// What failed.
+    pub what: String,
+}
+
+impl DeviceError {
+    /// An error on `device`.
+    pub fn new(device: impl Into<String>, what: impl Into<String>) -> Self {
+        DeviceError {
+            device: device.into(),
+            what: what.into(),
+        }
+    }
+}
+
+/// Result of a backend op.
+pub type DResult<T> = Result<T, DeviceError>;
+
+/// Routing of one MoE layer as the engine passes it between ops: ids `[N, k]`, combine weights
+/// `[N, k]`, softmax probabilities `[N, E]`, and the expert-major dispatch (`offsets [E+1]`,
+/// `perm [N·k]`: packed row → `token·k + slot`).
+pub struct RouteBufs<B: Backend + ?Sized> {
+    /// Expert ids `[N, k]`.
+    pub ids: B::U32,
+    /// Combine weights `[N, k]`.
+    pub weights: B::F32,
+    /// Router probabilities `[N, E]`.
+    pub probs: B::F32,
+    /// Expert row offsets `[E + 1]` into the packed rows.
+    pub offsets: B::U32,
+    /// Packed row → `token·k + slot`, `[N·k]`.
+    pub perm: B::U32,
+    /// `token·k + slot` → packed row, `[N·k]` (the inverse of `perm`).
+    pub row_of: B::U32,
+}
+
+/// The op set of a device. Shapes in each doc; buffers may be longer than needed.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// f32 buffer.
+    type F32;
+    /// BF16 buffer (GEMM operands, KV cache).
+    type Bf16;
+    /// u32 buffer (token ids, expert ids, offsets).
+    type U32;
+
+    /// The device.
+    fn device(&self) -> Device;
+
+    /// Zero-filled buffers.
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn zeros_f32(&self, n: usize) -> DResult<Self::F32>;
+    /// See [`Backend::zeros_f32`].
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn zeros_bf16(&self, n: usize) -> DResult<Self::Bf16>;
+    /// Host → device copies.
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn upload_f32(&self, v: &[f32]) -> DResult<Self::F32>;
+    /// See [`Backend::upload_f32`].
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn upload_u32(&self, v: &[u32]) -> DResult<Self::U32>;
+    /// Device → host copies (the first `n` elements).
+    ///
+    /// # Errors
+    /// A device failure (also of an earlier queued op).
+    fn download_f32(&self, b: &Self::F32, n: usize) -> DResult<Vec<f32>>;
+    /// See [`Backend::download_f32`].
+    ///
+    /// # Errors
+    /// A device failure.
+    fn download_u32(&self, b: &Self::U32, n: usize) -> DResult<Vec<u32>>;
+
+    /// `out[i] = bf16(x[i])`, `i < n` (round to nearest even).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn to_bf16(&self, x: &Self::F32, out: &mut Self::Bf16, n: usize) -> DResult<()>;
+    /// `y[i] += x[i]`, `i < n`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn add(&self, y: &mut Self::F32, x: &Self::F32, n: usize) -> DResult<()>;
+    /// `y[r, :] += b[:]` for `r < rows` (bias).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn add_bias(&self, y: &mut Self::F32, b: &Self::F32, rows: usize, n: usize) -> DResult<()>;
+    /// `out[r] = table[tokens[r]]`, `table: [vocab, h]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn embed(
+        &self,
+        table: &Self::F32,
+        vocab: usize,
+        tokens: &Self::U32,
+        rows: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RMSNorm forward (reference [`rmsnorm_forward`]): `x: [rows, d]` → `y`, `rstd: [rows]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rmsnorm(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: &mut Self::F32,
+        rstd: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RoPE forward in place on `x: [rows, heads·D]`, row `r` at position `pos[r]`, with the
+    /// table over positions `0..` built by [`Backend::rope_table`].
+    ///
+    /// # Errors
+    /// Short buffers; a position beyond the table; device failure.
+    fn rope(
+        &self,
+        x: &mut Self::F32,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Self::U32,
+        table: &Self::F32,
+    ) -> DResult<()>;
+    /// The RoPE table of positions `0..max_pos` as this backend's [`Backend::rope`] reads it:
+    /// `[max_pos, D/2]` cos then sin (values of [`RopeTable::new`]).
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::F32> {
+        let pos: Vec<usize> = (0..max_pos).collect();
+        let t = RopeTable::new(&pos, head_dim, theta);
+        let mut v = t.cos().to_vec();
+        v.extend_from_slice(t.sin());
+        self.upload_f32(&v)
+    }
+    /// `y[m, n] = x[m, k] · W[n, k]ᵀ` with BF16 operands, f32 accumulation (overwrites `y`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn linear(
+        &self,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        m: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
+    /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)
+    /// into the same rows of `y: [R, n]`. `host_offsets`: the same offsets when the host
+    /// has them (the CPU backend needs them; a GPU reads `offsets`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn grouped_linear(
+        &self,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Causal GQA attention inside packed sequences (reference [`attention_forward`]):
+    /// `q: [N, Hq·D]`, `k, v: [N, Hkv·D]` → `out: [N, Hq·D]`, `lse: [N, Hq]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn attention(
+        &self,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        layout: &SeqLayout,
+        offsets: &Self::U32,
+        shape: AttnShape,
+        out: &mut Self::F32,
+        lse: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Writes rows `k, v: [B, Hkv·D]` into the BF16 caches `[slots, max_len, Hkv·D]` at
+    /// position `lens[b] − 1` of slot `b`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn kv_append(
+        &self,
+        k: &Self::F32,
+        v: &Self::F32,
+        lens: &Self::U32,
+        batch: usize,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()>;
+    /// Writes the rows of packed sequences (prefill) into the caches: sequence `b`'s rows
+    /// `layout.offset(b)..` at positions `0..len(b)` of slot `b`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn kv_fill(
+        &self,
+        k: &Self::F32,
+        v: &Self::F32,
+        layout: &SeqLayout,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()>;
+    /// Decode attention: `q: [B, Hq·D]` against slot `b`'s first `lens[b]` cached rows
+    /// (reference [`attention_decode`] on the BF16 cache values) → `out: [B, Hq·D]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn attention_decode(
+        &self,
+        q: &Self::F32,
+        k_cache: &Self::Bf16,
+        v_cache: &Self::Bf16,
+        lens: &Self::U32,
+        host_lens: &[u32],
+        max_len: usize,
+        shape: AttnShape,
+        out: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):
+    /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn route(
+        &self,
+        logits: &Self::F32,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        out: &mut RouteBufs<Self>,
+    ) -> DResult<()>;
+    /// Gathers `x: [N, h]` rows into expert-major packed BF16 rows `[N·k, h]` per `perm`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn gather_bf16(
+        &self,
+        x: &Self::F32,
+        perm: &Self::U32,
+        rows: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()>;
+    /// SwiGLU on the fused gate/up output `gu: [rows, 2F]` → BF16 activation `[rows, F]`
+    /// (reference `activation::swiglu_forward`, then BF16 rounding for the next GEMM).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn swiglu_bf16(
+        &self,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()>;
+    /// Combine (reference [`combine_forward`] called for experts in order): `out[t] +=
+    /// Σ w[t, s]·y[row(t, s)]` over expert-major rows `y: [N·k, h]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn combine(
+        &self,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Per-token logprobs of `targets` under `softmax(h·Wᵀ/τ)` without materialising
+    /// `[N, V]` (reference: `lm_head` then [`logprobs_forward`]): `h: [N, H]` BF16,
+    /// `W: [V, H]` BF16 → `logprob: [N]`, `lse: [N]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn head_logprobs(
+        &self,
+        h: &Self::Bf16,
+        w: &Self::Bf16,
+        targets: &Self::U32,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        logprob: &mut Self::F32,
+        lse: &mut Self::F32,
+    ) -> DResult<()>;
+
+    // ---- backward and optimizer ----
+
+    /// RMSNorm backward (reference `norm::rmsnorm_backward`): `dx` overwritten, `dw` += .
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rmsnorm_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::F32,
+        w: &Self::F32,
+        rstd: &Self::F32,
+        rows: usize,
+        d: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::linear`] with BF16 operands: `dW[n, k] += bf16(dy)ᵀ·x` (f32),
+    /// then `dx[m, k] = bf16(dy)·W` (overwritten) when `dx` is given — the CPU model's order.
+    /// `dy: [m, n]` f32.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        m: usize,
+        k: usize,
+        n: usize,
+        dx: Option<&mut Self::F32>,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::grouped_linear`]: per expert, `dW[e] += bf16(dy_e)ᵀ·x_e` and
+    /// `dx_e = bf16(dy_e)·W[e]` over the expert's packed rows.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn grouped_linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// SwiGLU backward (reference `activation::swiglu_backward`): `dact: [rows, F]`, the
+    /// forward's `gu: [rows, 2F]` → `dgu` (overwritten).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn swiglu_backward(
+        &self,
+        dact: &Self::F32,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        dgu: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Combine backward (reference `moe::combine_backward` for experts in order): `dy[row] =
+    /// w·dout[token]` (overwritten, `[N·k, h]`) and `dweights[token, slot] += dout[token]·y[row]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn combine_backward(
+        &self,
+        dout: &Self::F32,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Self::F32,
+        dweights: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Gather backward (reference `moe::gather_backward` for experts in order): `dx[token] +=
+    /// dg[row]` over the packed rows `dg: [N·k, h]`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn gather_backward(
+        &self,
+        dg: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dx: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Router backward (reference `routing::router_backward`, no extra probability gradient):
+    /// `dweights: [N, k]` → `dlogits: [N, E]` (overwritten).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn router_backward(
+        &self,
+        dweights: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        dlogits: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Attention backward (reference `attention::attention_backward`): `dq, dk, dv`
+    /// overwritten, from the forward's `q, k, v, out, lse`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn attention_backward(
+        &self,
+        dout: &Self::F32,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        out: &Self::F32,
+        lse: &Self::F32,
+        layout: &SeqLayout,
+        offsets: &Self::U32,
+        shape: AttnShape,
+        dq: &mut Self::F32,
+        dk: &mut Self::F32,
+        dv: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RoPE backward in place (reference `rope::rope_backward`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rope_backward(
+        &self,
+        dx: &mut Self::F32,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Self::U32,
+        table: &Self::F32,
+    ) -> DResult<()>;
+    /// Backward of [`Backend::head_logprobs`] from `dlogprob: [N]`: `dh: [N, H]`
+    /// (overwritten) and `dW: [V, H]` (+=), BF16 operands `bf16(dlogits)`, `h`, `W`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn head_backward(
+        &self,
+        h: &Self::Bf16,
+        w: &Self::Bf16,
+        targets: &Self::U32,
+        lse: &Self::F32,
+        dlogprob: &Self::F32,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        dh: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Embedding backward: `dtable[tokens[r]] += dx[r]` in row order (`host_tokens`: the same
+    /// ids on the host).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn embed_backward(
+        &self,
+        dx: &Self::F32,
+        tokens: &Self::U32,
+        host_tokens: &[u32],
+        h: usize,
+        dtable: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Sum of squares of the first `n` entries of each buffer, accumulated into the global
+    /// gradient norm the way `optim::global_grad_norm` does (f64 on the CPU).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64>;
+    /// Multiplies the first `n` entries of `x` by `s` (gradient clipping).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()>;
+    /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) that
+    /// also refreshes the BF16 GEMM copy `op` when given.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn adamw(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        n: usize,
+        step: u64,
+        cfg: &crate::optim::AdamWConfig,
+        weight_decay: f32,
+        op: Option<&mut Self::Bf16>,
+    ) -> DResult<()>;
+    /// Bias gradient: `db[j] += Σ_r dy[r, j]` over `rows` rows in row order.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn bias_backward(
+        &self,
+        dy: &Self::F32,
+        rows: usize,
+        n: usize,
+        db: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Sets the first `n` entries to zero.
+    ///
+    /// # Errors
+    /// Device failure.
+    fn fill_zero(&self, x: &mut Self::F32, n: usize) -> DResult<()>;
+}
+
+/// The CPU backend: the functions of this crate, as the CPU model calls them (bitwise).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+fn need(what: &str, got: usize, want: usize) -> DResult<()> {
+    if got < want {
+        return Err(DeviceError::new(
+            "cpu",
+            format!("{what}: buffer of {got} elements, {want} needed"),
+        ));
+    }
+    Ok(())
+}
+
+impl CpuBackend {
+    /// The CPU reference GEMM `y = a·wᵀ` exactly as the CPU model's linear layers run it
+    /// (dot products for few rows, packed GEMM otherwise).
+    fn nt(a: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        CpuGemm
+            .nt(a, WeightView::transient(w), m, k, n)
+            .expect("the CPU GEMM cannot fail")
+    }
+}
+
+impl Backend for CpuBackend {
+    type F32 = Vec<f32>;
+    type Bf16 = Vec<f32>;
+    type U32 = Vec<u32>;
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn zeros_f32(&self, n: usize) -> DResult<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+
+    fn zeros_bf16(&self, n: usize) -> DResult<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+
+    fn upload_f32(&self, v: &[f32]) -> DResult<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> DResult<Vec<u32>> {
+        Ok(v.to_vec())
+    }
+
+    fn download_f32(&self, b: &Vec<f32>, n: usize) -> DResult<Vec<f32>> {
+        need("download", b.len(), n)?;
+        Ok(b[..n].to_vec())
+    }
+
+    fn download_u32(&self, b: &Vec<u32>, n: usize) -> DResult<Vec<u32>> {
+        need("download", b.len(), n)?;
+        Ok(b[..n].to_vec())
+    }
+
+    fn to_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {
+        need("to_bf16 x", x.len(), n)?;
+        need("to_bf16 out", out.len(), n)?;
+        for (o, &v) in out[..n].iter_mut().zip(&x[..n]) {
+            *o = round_bf16(v);
+        }
+        Ok(())
+    }
+
+    fn add(&self, y: &mut Vec<f32>, x: &Vec<f32>, n: usize) -> DResult<()> {
+        need("add y", y.len(), n)?;
+        need("add x", x.len(), n)?;
+        for (a, &b) in y[..n].iter_mut().zip(&x[..n]) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn add_bias(&self, y: &mut Vec<f32>, b: &Vec<f32>, rows: usize, n: usize) -> DResult<()> {
+        need("bias y", y.len(), rows * n)?;
+        need("bias b", b.len(), n)?;
+        for r in 0..rows {
+            for (a, &c) in y[r * n..(r + 1) * n].iter_mut().zip(&b[..n]) {
+                *a += c;
+            }
+        }
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        table: &Vec<f32>,
+        vocab: usize,
+        tokens: &Vec<u32>,
+        rows: usize,
+        h: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("embed table", table.len(), vocab * h)?;
+        need("embed tokens", tokens.len(), rows)?;
+        need("embed out", out.len(), rows * h)?;
+        for (r, &t) in tokens[..rows].iter().enumerate() {
+            let t = t as usize;
+            if t >= vocab {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("token {t} ≥ vocab {vocab}"),
+                ));
+            }
+            out[r * h..(r + 1) * h].copy_from_slice(&table[t * h..(t + 1) * h]);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("rmsnorm x", x.len(), rows * d)?;
+        need("rmsnorm w", w.len(), d)?;
+        need("rmsnorm y", y.len(), rows * d)?;
+        need("rmsnorm rstd", rstd.len(), rows)?;
+        rmsnorm_forward(
+            &x[..rows * d],
+            &w[..d],
+            rows,
+            d,
+            eps,
+            &mut y[..rows * d],
+            &mut rstd[..rows],
+        );
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Vec<u32>,
+        table: &Vec<f32>,
+    ) -> DResult<()> {
+        let half = head_dim / 2;
+        need("rope x", x.len(), rows * heads * head_dim)?;
+        need("rope pos", pos.len(), rows)?;
+        let max_pos = table.len() / (2 * half.max(1));
+        let (cos, sin) = table.split_at(max_pos * half);
+        for r in 0..rows {
+            let p = pos[r] as usize;
+            if p >= max_pos {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("position {p} beyond the RoPE table ({max_pos})"),
+                ));
+            }
+            let (cs, sn) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for hh in 0..heads {
+                let v = &mut x[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
+                // The arithmetic of rope::rope_forward (sign +1).
+                for i in 0..half {
+                    let (a, b) = (v[i], v[i + half]);
+                    let s = sn[i];
+                    v[i] = a * cs[i] - b * s;
+                    v[i + half] = b * cs[i] + a * s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("linear x", x.len(), m * k)?;
+        need("linear w", w.len(), n * k)?;
+        need("linear y", y.len(), m * n)?;
+        let r = Self::nt(&x[..m * k], &w[..n * k], m, k, n);
+        y[..m * n].copy_from_slice(&r);
+        Ok(())
+    }
+
+    fn grouped_linear(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        offsets: &Vec<u32>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("grouped x", x.len(), rows * k)?;
+        need("grouped w", w.len(), experts * n * k)?;
+        need("grouped offsets", offsets.len(), experts + 1)?;
+        need("grouped y", y.len(), rows * n)?;
+        for e in 0..experts {
+            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+            if a > b || b > rows {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("bad expert offsets {a}..{b}"),
+                ));
+            }
+            if a == b {
+                continue;
+            }
+            let r = Self::nt(
+                &x[a * k..b * k],
+                &w[e * n * k..(e + 1) * n * k],
+                b - a,
+                k,
+                n,
+            );
+            y[a * n..b * n].copy_from_slice(&r);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        layout: &SeqLayout,
+        _offsets: &Vec<u32>,
+        shape: AttnShape,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let n = layout.num_tokens();
+        let (qd, kvd) = (
+            shape.q_heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        need("attention q", q.len(), n * qd)?;
+        need("attention k", k.len(), n * kvd)?;
+        need("attention v", v.len(), n * kvd)?;
+        need("attention out", out.len(), n * qd)?;
+        need("attention lse", lse.len(), n * shape.q_heads)?;
+        let _probs = attention_forward(
+            &q[..n * qd],
+            &k[..n * kvd],
+            &v[..n * kvd],
+            layout,
+            shape,
+            &mut out[..n * qd],
+        );
+        Ok(())
+    }
+
+    fn kv_append(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        lens: &Vec<u32>,
+        batch: usize,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("kv_append k", k.len(), batch * kv_width)?;
+        need("kv_append v", v.len(), batch * kv_width)?;
+        need("kv_append lens", lens.len(), batch)?;
+        for b in 0..batch {
+            let p = lens[b] as usize;
+            if p == 0 || p > max_len {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("KV cache slot {b}: length {p} outside 1..={max_len}"),
+                ));
+            }
+            let dst = (b * max_len + p - 1) * kv_width;
+            need("kv cache", k_cache.len().min(v_cache.len()), dst + kv_width)?;
+            for j in 0..kv_width {
+                k_cache[dst + j] = round_bf16(k[b * kv_width + j]);
+                v_cache[dst + j] = round_bf16(v[b * kv_width + j]);
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_fill(
+        &self,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        layout: &SeqLayout,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> DResult<()> {
+        for b in 0..layout.num_seqs() {
+            let (o, len) = (layout.offset(b), layout.len(b));
+            if len > max_len {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("sequence {b} of {len} tokens exceeds the KV cache ({max_len})"),
+                ));
+            }
+            let dst = b * max_len * kv_width;
+            need(
+                "kv cache",
+                k_cache.len().min(v_cache.len()),
+                dst + len * kv_width,
+            )?;
+            for j in 0..len * kv_width {
+                k_cache[dst + j] = round_bf16(k[o * kv_width + j]);
+                v_cache[dst + j] = round_bf16(v[o * kv_width + j]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention_decode(
+        &self,
+        q: &Vec<f32>,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        _lens: &Vec<u32>,
+        host_lens: &[u32],
+        max_len: usize,
+        shape: AttnShape,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let (qd, kvd) = (
+            shape.q_heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let batch = host_lens.len();
+        need("decode q", q.len(), batch * qd)?;
+        need("decode out", out.len(), batch * qd)?;
+        let mut scratch = vec![0.0f32; max_len];
+        for (b, &len) in host_lens.iter().enumerate() {
+            let len = len as usize;
+            let base = b * max_len * kvd;
+            need(
+                "decode cache",
+                k_cache.len().min(v_cache.len()),
+                base + len * kvd,
+            )?;
+            attention_decode(
+                &q[b * qd..(b + 1) * qd],
+                &k_cache[base..base + len * kvd],
+                &v_cache[base..base + len * kvd],
+                len,
+                shape,
+                &mut scratch[..len],
+                &mut out[b * qd..(b + 1) * qd],
+            );
+        }
+        Ok(())
+    }
+
+    fn route(
+        &self,
+        logits: &Vec<f32>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        out: &mut RouteBufs<Self>,
+    ) -> DResult<()> {
+        need("route logits", logits.len(), n * e)?;
+        let (routes, state) = router_forward(
+            &logits[..n * e],
+            n,
+            e,
+            k,
+            norm_topk_prob,
+            RouteMode::Compute,
+        );
+        let d = Dispatch::new(&routes, e);
+        out.ids = routes.ids;
+        out.weights = routes.weights;
+        out.probs = state.probs;
+        out.offsets = d.starts.iter().map(|&s| s as u32).collect();
+        out.perm = d.entries.iter().map(|&(t, s)| t * k as u32 + s).collect();
+        out.row_of = vec![0; n * k];
+        for (r, &ts) in out.perm.iter().enumerate() {
+            out.row_of[ts as usize] = r as u32;
+        }
+        Ok(())
+    }
+
+    fn gather_bf16(
+        &self,
+        x: &Vec<f32>,
+        perm: &Vec<u32>,
+        rows: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("gather perm", perm.len(), rows)?;
+        need("gather out", out.len(), rows * h)?;
+        for (r, &ts) in perm[..rows].iter().enumerate() {
+            let t = ts as usize / top_k;
+            need("gather x", x.len(), (t + 1) * h)?;
+            for j in 0..h {
+                out[r * h + j] = round_bf16(x[t * h + j]);
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu_bf16(&self, gu: &Vec<f32>, rows: usize, f: usize, out: &mut Vec<f32>) -> DResult<()> {
+        need("swiglu gu", gu.len(), rows * 2 * f)?;
+        need("swiglu out", out.len(), rows * f)?;
+        crate::activation::swiglu_forward(&gu[..rows * 2 * f], rows, f, &mut out[..rows * f]);
+        for v in &mut out[..rows * f] {
+            *v = round_bf16(*v);
+        }
+        Ok(())
+    }
+
+    fn combine(
+        &self,
+        y: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("combine y", y.len(), n * k * h)?;
+        need("combine out", out.len(), n * h)?;
+        let routes = Routes {
+            top_k: k,
+            ids: route.ids[..n * k].to_vec(),
+            weights: route.weights[..n * k].to_vec(),
+        };
+        for x in 0..e {
+            let (a, b) = (route.offsets[x] as usize, route.offsets[x + 1] as usize);
+            let rows: Vec<(u32, u32)> = route.perm[a..b]
+                .iter()
+                .map(|&ts| (ts / k as u32, ts % k as u32))
+                .collect();
+            combine_forward(&y[a * h..b * h], h, &rows, &routes, &mut out[..n * h]);
+        }
+        Ok(())
+    }
+
+    fn head_logprobs(
+        &self,
+        h: &Vec<f32>,
+        w: &Vec<f32>,
+        targets: &Vec<u32>,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        logprob: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("head h", h.len(), n * hidden)?;
+        need("head w", w.len(), vocab * hidden)?;
+        need("head targets", targets.len(), n)?;
+        need("head logprob", logprob.len(), n)?;
+        need("head lse", lse.len(), n)?;
+        let z = Self::nt(&h[..n * hidden], &w[..vocab * hidden], n, hidden, vocab);
+        let (lp, l) = logprobs_forward(&z, &targets[..n], n, vocab, temperature);
+        logprob[..n].copy_from_slice(&lp);
+        lse[..n].copy_from_slice(&l);
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rstd: &Vec<f32>,
+        rows: usize,
+        d: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        for (what, len, want) in [
+            ("dy", dy.len(), rows * d),
+            ("x", x.len(), rows * d),
+            ("w", w.len(), d),
+            ("rstd", rstd.len(), rows),
+            ("dx", dx.len(), rows * d),
+            ("dw", dw.len(), d),
+        ] {
+            need(&format!("rmsnorm_backward {what}"), len, want)?;
+        }
+        crate::norm::rmsnorm_backward(
+            &dy[..rows * d],
+            &x[..rows * d],
+            &w[..d],
+            &rstd[..rows],
+            rows,
+            d,
+            &mut dx[..rows * d],
+            &mut dw[..d],
+        );
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+        dx: Option<&mut Vec<f32>>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("linear_backward dy", dy.len(), m * n)?;
+        need("linear_backward x", x.len(), m * k)?;
+        need("linear_backward w", w.len(), n * k)?;
+        need("linear_backward dw", dw.len(), n * k)?;
+        let dyo: Vec<f32> = dy[..m * n].iter().map(|&v| round_bf16(v)).collect();
+        CpuGemm
+            .tn_into(&dyo, &x[..m * k], &mut dw[..n * k], n, m, k, true)
+            .expect("the CPU GEMM cannot fail");
+        if let Some(dx) = dx {
+            need("linear_backward dx", dx.len(), m * k)?;
+            let r = CpuGemm
+                .nn(&dyo, WeightView::transient(&w[..n * k]), m, n, k)
+                .expect("the CPU GEMM cannot fail");
+            dx[..m * k].copy_from_slice(&r);
+        }
+        Ok(())
+    }
+
+    fn grouped_linear_backward(
+        &self,
+        dy: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        offsets: &Vec<u32>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("grouped_backward offsets", offsets.len(), experts + 1)?;
+        need("grouped_backward dx", dx.len(), rows * k)?;
+        need("grouped_backward dw", dw.len(), experts * n * k)?;
+        for e in 0..experts {
+            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let dys = dy[a * n..b * n].to_vec();
+            let xs = x[a * k..b * k].to_vec();
+            let ws = w[e * n * k..(e + 1) * n * k].to_vec();
+            let mut dxs = vec![0.0f32; (b - a) * k];
+            let mut dws = dw[e * n * k..(e + 1) * n * k].to_vec();
+            self.linear_backward(&dys, &xs, &ws, b - a, k, n, Some(&mut dxs), &mut dws)?;
+            dx[a * k..b * k].copy_from_slice(&dxs);
+            dw[e * n * k..(e + 1) * n * k].copy_from_slice(&dws);
+        }
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dact: &Vec<f32>,
+        gu: &Vec<f32>,
+        rows: usize,
+        f: usize,
+        dgu: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("swiglu_backward dact", dact.len(), rows * f)?;
+        need("swiglu_backward gu", gu.len(), rows * 2 * f)?;
+        need("swiglu_backward dgu", dgu.len(), rows * 2 * f)?;
+        crate::activation::swiglu_backward(
+            &dact[..rows * f],
+            &gu[..rows * 2 * f],
+            rows,
+            f,
+            &mut dgu[..rows * 2 * f],
+        );
+        Ok(())
+    }
+
+    fn combine_backward(
+        &self,
+        dout: &Vec<f32>,
+        y: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Vec<f32>,
+        dweights: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("combine_backward dy", dy.len(), n * k * h)?;
+        need("combine_backward dweights", dweights.len(), n * k)?;
+        let routes = Routes {
+            top_k: k,
+            ids: route.ids[..n * k].to_vec(),
+            weights: route.weights[..n * k].to_vec(),
+        };
+        for x in 0..e {
+            let (a, b) = (route.offsets[x] as usize, route.offsets[x + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let rows: Vec<(u32, u32)> = route.perm[a..b]
+                .iter()
+                .map(|&ts| (ts / k as u32, ts % k as u32))
+                .collect();
+            let r = crate::moe::combine_backward(
+                &dout[..n * h],
+                &y[a * h..b * h],
+                h,
+                &rows,
+                &routes,
+                &mut dweights[..n * k],
+            );
+            dy[a * h..b * h].copy_from_slice(&r);
+        }
+        Ok(())
+    }
+
+    fn gather_backward(
+        &self,
+        dg: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dx: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("gather_backward dx", dx.len(), n * h)?;
+        for x in 0..e {
+            let (a, b) = (route.offsets[x] as usize, route.offsets[x + 1] as usize);
+            let rows: Vec<(u32, u32)> = route.perm[a..b]
+                .iter()
+                .map(|&ts| (ts / k as u32, ts % k as u32))
+                .collect();
+            crate::moe::gather_backward(&dg[a * h..b * h], h, &rows, &mut dx[..n * h]);
+        }
+        Ok(())
+    }
+
+    fn router_backward(
+        &self,
+        dweights: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        dlogits: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("router_backward dlogits", dlogits.len(), n * e)?;
+        let routes = Routes {
+            top_k: k,
+            ids: route.ids[..n * k].to_vec(),
+            weights: route.weights[..n * k].to_vec(),
+        };
+        let state = crate::routing::RouterState {
+            probs: route.probs[..n * e].to_vec(),
+            weights_frozen: false,
+        };
+        crate::routing::router_backward(
+            &dweights[..n * k],
+            &routes,
+            &state,
+            n,
+            e,
+            norm_topk_prob,
+            None,
+            &mut dlogits[..n * e],
+        );
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        dout: &Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        _out: &Vec<f32>,
+        _lse: &Vec<f32>,
+        layout: &SeqLayout,
+        _offsets: &Vec<u32>,
+        shape: AttnShape,
+        dq: &mut Vec<f32>,
+        dk: &mut Vec<f32>,
+        dv: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let n = layout.num_tokens();
+        let (qd, kvd) = (
+            shape.q_heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        need("attention_backward dq", dq.len(), n * qd)?;
+        need("attention_backward dk", dk.len(), n * kvd)?;
+        need("attention_backward dv", dv.len(), n * kvd)?;
+        // The CPU reference keeps no probabilities between forward and backward here: it
+        // recomputes them with the same forward (bitwise the forward's).
+        let mut scratch = vec![0.0f32; n * qd];
+        let probs = attention_forward(
+            &q[..n * qd],
+            &k[..n * kvd],
+            &v[..n * kvd],
+            layout,
+            shape,
+            &mut scratch,
+        );
+        crate::attention::attention_backward(
+            &dout[..n * qd],
+            &q[..n * qd],
+            &k[..n * kvd],
+            &v[..n * kvd],
+            &probs,
+            layout,
+            shape,
+            &mut dq[..n * qd],
+            &mut dk[..n * kvd],
+            &mut dv[..n * kvd],
+        );
+        Ok(())
+    }
+
+    fn rope_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos: &Vec<u32>,
+        table: &Vec<f32>,
+    ) -> DResult<()> {
+        let half = head_dim / 2;
+        need("rope_backward dx", dx.len(), rows * heads * head_dim)?;
+        let max_pos = table.len() / (2 * half.max(1));
+        let (cos, sin) = table.split_at(max_pos * half);
+        for r in 0..rows {
+            let p = pos[r] as usize;
+            if p >= max_pos {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("position {p} beyond the RoPE table ({max_pos})"),
+                ));
+            }
+            let (cs, sn) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            for hh in 0..heads {
+                let v = &mut dx[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
+                // The arithmetic of rope::rope_backward (sign −1).
+                for i in 0..half {
+                    let (a, b) = (v[i], v[i + half]);
+                    let s = -sn[i];
+                    v[i] = a * cs[i] - b * s;
+                    v[i + half] = b * cs[i] + a * s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn head_backward(
+        &self,
+        h: &Vec<f32>,
+        w: &Vec<f32>,
+        targets: &Vec<u32>,
+        lse: &Vec<f32>,
+        dlogprob: &Vec<f32>,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        dh: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("head_backward dh", dh.len(), n * hidden)?;
+        let z = Self::nt(&h[..n * hidden], &w[..vocab * hidden], n, hidden, vocab);
+        let mut dz = vec![0.0f32; n * vocab];
+        crate::loss::logprobs_backward(
+            &dlogprob[..n],
+            &z,
+            &lse[..n],
+            &targets[..n],
+            n,
+            vocab,
+            temperature,
+            &mut dz,
+        );
+        self.linear_backward(&dz, h, w, n, hidden, vocab, Some(dh), dw)
+    }
+
+    fn embed_backward(
+        &self,
+        dx: &Vec<f32>,
+        _tokens: &Vec<u32>,
+        host_tokens: &[u32],
+        h: usize,
+        dtable: &mut Vec<f32>,
+    ) -> DResult<()> {
+        for (r, &t) in host_tokens.iter().enumerate() {
+            let t = t as usize;
+            need("embed_backward dtable", dtable.len(), (t + 1) * h)?;
+            for (a, &b) in dtable[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&dx[r * h..(r + 1) * h])
+            {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
+    fn grad_norm(&self, grads: &[(&Vec<f32>, usize)]) -> DResult<f64> {
+        let slices: Vec<&[f32]> = grads.iter().map(|(g, n)| &g[..*n]).collect();
+        Ok(crate::optim::global_grad_norm(&slices))
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, n: usize, s: f32) -> DResult<()> {
+        for v in &mut x[..n] {
+            *v *= s;
+        }
+        Ok(())
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Vec<f32>,
+        grad: &Vec<f32>,
+        m: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+        n: usize,
+        step: u64,
+        cfg: &crate::optim::AdamWConfig,
+        weight_decay: f32,
+        op: Option<&mut Vec<f32>>,
+    ) -> DResult<()> {
+        crate::optim::adamw_update(
+            &mut param[..n],
+            &grad[..n],
+            &mut m[..n],
+            &mut v[..n],
+            step,
+            cfg,
+            weight_decay,
+        );
+        if let Some(op) = op {
+            for (o, &p) in op[..n].iter_mut().zip(&param[..n]) {
+                *o = round_bf16(p);
+            }
+        }
+        Ok(())
+    }
+
+    fn fill_zero(&self, x: &mut Vec<f32>, n: usize) -> DResult<()> {
+        x[..n].fill(0.0);
+        Ok(())
+    }
+
+    fn bias_backward(
+        &self,
+        dy: &Vec<f32>,
+        rows: usize,
+        n: usize,
+        db: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("bias_backward dy", dy.len(), rows * n)?;
+        need("bias_backward db", db.len(), n)?;
+        for row in dy[..rows * n].chunks(n) {
+            for (a, &c) in db[..n].iter_mut().zip(row) {
+                *a += c;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
+# .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmark (mxrl-cuda's
+# bench_gemm example) and the CUDA test binaries of mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
+# no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.dev
+rm -rf "$out" && mkdir -p "$out/tests"
+cargo build --release -p mxrl-cli --features cuda
+cp target/release/mxrl "$out/mxrl"
+cargo build --release -p mxrl-cuda --features cuda --example bench_gemm
+cp target/release/examples/bench_gemm "$out/bench_gemm"
+for pkg in mxrl-cuda mxrl-model; do
+  cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
+    | python3 -c '
+import json, sys, shutil, os
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except Exception: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        name = m["target"]["name"]
+        kind = m["target"]["kind"][0]
+        dst = os.path.join(sys.argv[1], f"{sys.argv[2]}-{kind}-{name}")
+        shutil.copy(m["executable"], dst)
+        print(dst)
+' "$out/tests" "$pkg"
+done
+strip "$out/mxrl" "$out/bench_gemm" "$out"/tests/*
+du -sh "$out"
