@@ -2,12 +2,12 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. Logs go to
 # $OUT when set.
-# Usage: scripts/device_run.sh [tests] [bench] [hf] [gemm]   (default: all four)
+# Usage: scripts/device_run.sh [tests] [bench] [hf] [gemm] [headops]   (default: all five)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
 mkdir -p "$out"
-what=${*:-tests bench hf gemm}
+what=${*:-tests bench hf gemm headops}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 summary=()
@@ -35,6 +35,10 @@ fi
 if [[ $what == *gemm* ]]; then
   timeout 300 .dev/bench_gemm 2>&1 | tee "$out/bench_gemm.log" | tail -80
   summary+=("bench_gemm rc=${PIPESTATUS[0]}")
+fi
+if [[ $what == *headops* ]]; then
+  timeout 300 .dev/bench_head_ops 2>&1 | tee "$out/bench_head_ops.log" | tail -40
+  summary+=("bench_head_ops rc=${PIPESTATUS[0]}")
 fi
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
