@@ -84,6 +84,24 @@ const CASES: &[Case] = &[
         tau: 0.6,
         seed: 14,
     },
+    // a real vocabulary with the default chunk (three full chunks and a ragged one)
+    Case {
+        t: 8,
+        hd: 64,
+        v: 32000,
+        chunk: mxrl_cuda::ops::head::DEFAULT_CHUNK,
+        tau: 1.0,
+        seed: 15,
+    },
+    // a peaked distribution (low temperature: the max dominates, far tails underflow)
+    Case {
+        t: 6,
+        hd: 48,
+        v: 700,
+        chunk: 128,
+        tau: 0.1,
+        seed: 16,
+    },
 ];
 
 /// The reference's per-row quantities and the derived bounds.
