@@ -86,13 +86,6 @@ extern "C" __global__ void sumsq_final(const double* __restrict__ partial, u64 n
     }
 }
 
-// x[i] ← x[i]·s, i < n (a coefficient known on the host). Grid-stride.
-extern "C" __global__ void scale_by_value(float* __restrict__ x, float s, u64 n) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (u64)gridDim.x * blockDim.x)
-        x[i] = __fmul_rn(x[i], s);
-}
-
 // x[i] ← x[i]·scale[0], i < n (clipping by the coefficient of sumsq_final). Grid-stride.
 extern "C" __global__ void scale_inplace(float* __restrict__ x, const float* __restrict__ scale,
                                          u64 n) {

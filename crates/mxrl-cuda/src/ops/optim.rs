@@ -65,7 +65,8 @@ pub struct GradNorm {
     /// `√(Σ g²)` (f64, `[1]`).
     pub norm: CudaSlice<f64>,
     /// The clipping coefficient `max_norm/(norm + 1e-6)` as f32 when below 1, else 1 (`[1]`);
-    /// pass to [`Optim::adamw_step`] or [`Optim::scale`].
+    /// pass to [`Optim::adamw_step`] or [`Optim::scale`] (with a host coefficient, clipping is
+    /// `ops::engine`'s `scale`).
     pub scale: CudaSlice<f32>,
 }
 
@@ -76,7 +77,6 @@ pub struct Optim {
     partial: CudaFunction,
     final_: CudaFunction,
     scale: CudaFunction,
-    scale_value: CudaFunction,
     /// `[1.0]`: the gradient scale of an unclipped step.
     one: CudaSlice<f32>,
     /// A one-element stand-in for an absent BF16 copy (never written).
@@ -100,7 +100,6 @@ impl Optim {
             partial: f("sumsq_partial")?,
             final_: f("sumsq_final")?,
             scale: f("scale_inplace")?,
-            scale_value: f("scale_by_value")?,
             one: gpu.upload(&[1.0f32])?,
             no_bf16: gpu.zeros(1)?,
         })
@@ -200,29 +199,6 @@ impl Optim {
     ) -> Result<f64, DeviceError> {
         let r = self.grad_norm(grads, lens, None)?;
         Ok(self.gpu.download(&r.norm)?[0])
-    }
-
-    /// `x[i] *= s`, `i < n`, with a coefficient known on the host. Reference: the scaling
-    /// loop of `mxrl_tensor::optim::clip_grad_norm`; bitwise.
-    ///
-    /// # Errors
-    /// Short buffers; launch errors.
-    pub fn scale_by(
-        &self,
-        x: &mut CudaViewMut<'_, f32>,
-        s: f32,
-        n: usize,
-    ) -> Result<(), DeviceError> {
-        check_len(&self.gpu, "scale x", x.len(), n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let n64 = n as u64;
-        let mut b = self.gpu.stream().launch_builder(&self.scale_value);
-        b.arg(x).arg(&s).arg(&n64);
-        // SAFETY: grid-stride over i < n reads/writes x[i] (≥ n, checked).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
-        Ok(())
     }
 
     /// Global L2 norm of many gradient buffers (`grads[i]` of `lens[i]` elements) and the
