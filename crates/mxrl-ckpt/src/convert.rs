@@ -38,7 +38,7 @@ use mxrl_formats::{
     Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
     META_CONTRACT_VERSION,
 };
-use mxrl_plan::{export, resolve, ExportKind, Inventory, PrecisionPlan, Recipe};
+use mxrl_plan::{check_list, client_list, resolve, Inventory, ListKind, PrecisionPlan, Recipe};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::borrow::Cow;
@@ -431,26 +431,28 @@ pub(crate) fn prepare<'a>(
             in_bytes,
         });
     }
-    let exclude = if quant.is_some() {
-        let ex = export(&plan, &inv, ExportKind::Ignore);
-        if !ex.is_exact() {
-            return Err(CkptError::Invalid(format!(
-                "the plan cannot be written as a serving-engine exclude list:\n{}",
-                ex.render_diffs()
-            )));
+    let exclude = match exclusion_list_kind(quant, container) {
+        Some(kind) => {
+            // Explicit module names, checked under every serving client's own rule
+            // (`mxrl_plan::clients`, sources cited there).
+            let list = client_list(&plan, &inv, kind).map_err(|e| {
+                CkptError::Invalid(format!(
+                    "the plan (recipe {recipe_label}, plan {}) cannot be served: {e}",
+                    plan.short_hash()
+                ))
+            })?;
+            let diffs = check_list(&plan, &inv, kind, &list);
+            if !diffs.is_empty() {
+                return Err(CkptError::Invalid(format!(
+                    "the `{}` list cannot express the plan under the serving clients' rules; {} decision(s) differ:\n{}",
+                    kind.key(),
+                    diffs.len(),
+                    diffs.iter().take(20).map(|d| format!("  {d}")).collect::<Vec<_>>().join("\n")
+                )));
+            }
+            list
         }
-        let v: Value = serde_json::from_str(&ex.text)
-            .map_err(|e| CkptError::Invalid(format!("exclude list export is not JSON: {e}")))?;
-        v["exclude_modules"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.as_str().map(String::from))
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default()
-    } else {
-        Vec::new()
+        None => Vec::new(),
     };
     let (config, hf_quant_config) = output_config(&src_cfg, quant, container, &exclude);
     Ok(Prepared {
@@ -464,6 +466,19 @@ pub(crate) fn prepare<'a>(
         config,
         hf_quant_config,
     })
+}
+
+/// Which exclusion list a checkpoint of quantized format `quant` carries (`None`: no
+/// quantization config).
+fn exclusion_list_kind(quant: Option<Format>, container: Nvfp4Container) -> Option<ListKind> {
+    match (quant, container) {
+        (None | Some(Format::Bf16), _) => None,
+        (Some(Format::Mxfp8 | Format::Fp8Block), _) => Some(ListKind::Fp8ModulesToNotConvert),
+        (Some(Format::Nvfp4), Nvfp4Container::ModelOpt) => Some(ListKind::ModelOptExclude),
+        (Some(Format::Nvfp4), Nvfp4Container::CompressedTensors) => {
+            Some(ListKind::CompressedTensorsIgnore)
+        }
+    }
 }
 
 /// `config.json` (and ModelOpt's `hf_quant_config.json`) of the output.

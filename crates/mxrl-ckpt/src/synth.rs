@@ -97,7 +97,8 @@ pub struct SynthSpec {
     pub head_dim: usize,
     /// Vocabulary size.
     pub vocab: usize,
-    /// DeepSeek-V3: dense layers at the start.
+    /// Dense (MLP-only) layers at the start: DeepSeek-V3 `first_k_dense_replace`, Qwen
+    /// `mlp_only_layers` = `[0, first_k_dense)`.
     pub first_k_dense: usize,
     /// DeepSeek-V3: q LoRA rank.
     pub q_lora_rank: usize,
@@ -272,7 +273,7 @@ impl SynthSpec {
                 vec![h],
             );
             let m = format!("{p}.mlp");
-            if self.arch == Arch::DeepseekV3 && l < self.first_k_dense {
+            if l < self.first_k_dense {
                 lin(&mut t, format!("{m}.gate_proj"), self.intermediate, h);
                 lin(&mut t, format!("{m}.up_proj"), self.intermediate, h);
                 lin(&mut t, format!("{m}.down_proj"), h, self.intermediate);
@@ -338,7 +339,10 @@ impl SynthSpec {
                 o.insert("num_experts".into(), json!(self.experts));
                 o.insert("intermediate_size".into(), json!(self.intermediate));
                 o.insert("decoder_sparse_step".into(), json!(1));
-                o.insert("mlp_only_layers".into(), json!([]));
+                o.insert(
+                    "mlp_only_layers".into(),
+                    json!((0..self.first_k_dense).collect::<Vec<_>>()),
+                );
                 o.insert("norm_topk_prob".into(), json!(true));
                 o.insert("attention_bias".into(), json!(false));
             }
@@ -351,7 +355,10 @@ impl SynthSpec {
                     json!(self.shared_intermediate),
                 );
                 o.insert("decoder_sparse_step".into(), json!(1));
-                o.insert("mlp_only_layers".into(), json!([]));
+                o.insert(
+                    "mlp_only_layers".into(),
+                    json!((0..self.first_k_dense).collect::<Vec<_>>()),
+                );
                 o.insert("norm_topk_prob".into(), json!(false));
             }
             Arch::DeepseekV3 => {

@@ -278,28 +278,53 @@ fn every_architecture_converts_to_every_format_verifies_and_dequantizes() {
                     assert_eq!(q["quant_algo"], "NVFP4");
                     let h = read_json(&dst.join(HF_QUANT_CONFIG));
                     assert_eq!(h["quantization"]["exclude_modules"], q["ignore"]);
-                    // Compact exclusion: whole layers and generic names, never per-expert lists.
-                    let ex = q["ignore"].as_array().unwrap();
-                    assert!(
-                        ex.iter().any(|p| p.as_str().unwrap().ends_with(".*")),
-                        "{what}: {ex:?}"
-                    );
-                    // A layer index appears only in whole-layer prefixes, an expert index never.
-                    for p in ex.iter().map(|p| p.as_str().unwrap()) {
-                        let segs: Vec<&str> = p.split('.').collect();
-                        let indexed = segs.iter().filter(|s| s.parse::<usize>().is_ok()).count();
-                        let whole_layer = segs.len() == 4 && segs[3] == "*";
-                        assert!(
-                            indexed == 0 || (indexed == 1 && whole_layer),
-                            "{what}: {p} in {ex:?}"
-                        );
-                    }
                 }
                 (_, Nvfp4Container::CompressedTensors) => {
                     assert_eq!(q["quant_method"], "compressed-tensors");
                     assert_eq!(q["format"], "nvfp4-pack-quantized");
                     assert!(!dst.join(HF_QUANT_CONFIG).exists());
                 }
+            }
+            // The exclusion list names modules explicitly (every client's rule reads that
+            // the same way, mxrl_plan::clients): no quantized module, every BF16 linear.
+            let key = match (case.label, case.container) {
+                ("mxfp8" | "fp8-block", _) => "modules_to_not_convert",
+                _ => "ignore",
+            };
+            let list: Vec<&str> = q[key]
+                .as_array()
+                .unwrap_or_else(|| panic!("{what}: no {key}"))
+                .iter()
+                .map(|p| p.as_str().unwrap())
+                .collect();
+            if case.label == "fp8-block" {
+                assert_eq!(q["ignored_layers"], q[key], "{what}");
+            }
+            let t = rec["tensors"].as_object().unwrap();
+            for (name, e) in t {
+                let Some(m) = name.strip_suffix(".weight") else {
+                    continue;
+                };
+                if e["format"] != "bf16" {
+                    assert!(!list.contains(&m), "{what}: quantized {m} excluded");
+                } else if m.ends_with("_proj") || m.ends_with("mlp.gate") || m == "lm_head" {
+                    assert!(list.contains(&m), "{what}: BF16 {m} not excluded: {list:?}");
+                }
+            }
+            for m in &list {
+                assert!(!m.contains('*') && !m.starts_with("re:"), "{what}: {m}");
+                let fused = [
+                    "qkv_proj",
+                    "gate_up_proj",
+                    "experts",
+                    "fused_qkv_a_proj_with_mqa",
+                ]
+                .iter()
+                .any(|f| m.ends_with(&format!(".{f}")));
+                assert!(
+                    t.contains_key(&format!("{m}.weight")) || fused,
+                    "{what}: {m} names no module"
+                );
             }
             // Gate/up share one amax, also across shards.
             if case.label.starts_with("nvfp4") {
@@ -689,6 +714,28 @@ fn plans_mixing_two_quantized_formats_are_refused() {
         &src,
         recipe.to_str().unwrap(),
         &["mxfp8 and nvfp4", "one quantized format"],
+    );
+}
+
+#[test]
+fn plans_no_serving_engine_can_load_are_refused() {
+    // vLLM and SGLang load a layer's routed experts as one FusedMoE module: one BF16 expert
+    // among NVFP4 ones cannot be expressed by any exclusion list, so nothing is written.
+    let (_r, src) = qwen_with(|_| {});
+    let recipe = src.parent().unwrap().join("one-expert.toml");
+    std::fs::write(
+        &recipe,
+        "name = \"one-expert\"\nbackward = \"high_precision\"\ndefault = \"bf16\"\n[[rule]]\nname = \"layers.0.moe.experts.1.*\"\nformat = \"bf16\"\n[[rule]]\nrole = \"routed_expert\"\nformat = \"nvfp4\"\n",
+    )
+    .unwrap();
+    convert_err(
+        &src,
+        recipe.to_str().unwrap(),
+        &[
+            "cannot be served",
+            "`model.layers.0.mlp.experts` as one fused module",
+            "model.layers.0.mlp.experts.1.gate_proj bf16",
+        ],
     );
 }
 

@@ -225,3 +225,36 @@ fn staged_dir_dropped_without_commit_leaves_nothing() {
     assert!(!partial_path(&dst).exists());
     assert!(files(d.path()).is_empty());
 }
+
+#[test]
+fn qwen_dense_leading_layers_match_the_plan_inventory() {
+    // `first_k_dense` writes Qwen `mlp_only_layers` (here: every layer dense); the tensors
+    // written must be exactly the ones the architecture's inventory expects from config.json.
+    for (arch, dense) in [
+        (Arch::Qwen3Moe, 4),
+        (Arch::Qwen3Moe, 2),
+        (Arch::Qwen2Moe, 1),
+    ] {
+        let d = tmp();
+        let spec = SynthSpec {
+            first_k_dense: dense,
+            ..SynthSpec::tiny(arch)
+        };
+        write_synthetic(&spec, d.path()).unwrap();
+        let ck = Checkpoint::open(d.path()).unwrap();
+        let cfg = ck.config().unwrap();
+        let want: Vec<usize> = (0..dense).collect();
+        assert_eq!(cfg["mlp_only_layers"], serde_json::json!(want), "{arch:?}");
+        assert!(
+            ck.contains("model.layers.0.mlp.gate_proj.weight"),
+            "{arch:?}"
+        );
+        assert!(!ck.contains("model.layers.0.mlp.gate.weight"), "{arch:?}");
+        let inv = mxrl_plan::Inventory::from_model_dir(d.path()).unwrap();
+        let mut got: Vec<&str> = ck.names().iter().map(|s| s.as_str()).collect();
+        let mut exp: Vec<&str> = inv.tensors().iter().map(|t| t.hf.as_str()).collect();
+        got.sort();
+        exp.sort();
+        assert_eq!(got, exp, "{arch:?} dense {dense}");
+    }
+}

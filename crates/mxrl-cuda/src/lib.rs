@@ -38,6 +38,8 @@
 mod prelude;
 
 #[cfg(feature = "cuda")]
+pub mod backend;
+#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 mod gemm;

@@ -145,7 +145,7 @@ pub struct Engine<B: Backend> {
     head: usize,
     norm: usize,
     layers: Vec<Layer>,
-    rope: B::F32,
+    rope: B::Rope,
     max_pos: usize,
     train: Option<TrainState<B>>,
 }
@@ -707,7 +707,7 @@ impl<B: Backend> Engine<B> {
                 b.route(&logits, n, e, k, c.norm_topk_prob, &mut route)
                     .map_err(dev)?;
                 let mut xg = zb(rows * hd)?;
-                b.gather_bf16(&h2, &route.perm, rows, k, hd, &mut xg)
+                b.gather_bf16(&h2, &route, n, e, k, hd, &mut xg)
                     .map_err(dev)?;
                 let mut gu = z(rows * 2 * m.f)?;
                 b.grouped_linear(

@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `miles` | `--num-layers-at-{start,end}-in-bf16`, `--extra-high-precision-layers-{hf,megatron}` | layer counts; **substring** match on HF names (conversion/rollout view) and on Megatron parameter names (training view); quantizes linear weights except router, lm_head and shared-expert gate (`nvfp4`: routed experts only) |
 //! | `te-yaml` | Megatron TE precision YAML: `configs` + ordered glob `matchers` | first matching enabled matcher decides a Megatron module; `*` matches any run of characters including dots (Python `fnmatch`); router, output layer and shared-expert gate are not TE modules and stay BF16; fused modules (`linear_qkv`, `linear_fc1`, grouped experts) take one format |
-//! | `ignore` | ModelOpt / SGLang `exclude_modules` | a linear weight is BF16 iff its HF module name (tensor name minus `.weight`) fully matches a pattern, `*` crossing dots |
+//! | `ignore` | ModelOpt `exclude_modules` (explicit module names, fused engine names included; `clients` module) | every ModelOpt client's own rule (`fnmatch`, vLLM's exact/substring/`fnmatch`, SGLang's full match with packed shards) must quantize exactly the plan's quantized linears |
 //!
 //! The quantized format of a foreign export is the plan's most common non-BF16 format
 //! (those syntaxes have one); tensors the plan gives another format show up as
@@ -172,79 +172,54 @@ pub fn resolve_ignore_list(inv: &Inventory, patterns: &[String], quant: Format) 
 
 fn export_ignore(plan: &PrecisionPlan, inv: &Inventory) -> Export {
     let quant = main_quant_format(plan).unwrap_or(Format::Bf16);
-    let linear: Vec<(usize, &TensorInfo)> = inv
-        .tensors()
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.kind == TensorKind::Linear)
-        .collect();
-    let fmt_of = |i: usize| plan.entries()[i].format;
-    // Whole layers kept BF16.
-    let mut patterns = Vec::new();
-    let mut covered_layers = HashSet::new();
-    for l in 0..inv.num_layers() {
-        let members: Vec<usize> = linear
+    let kind = crate::clients::ListKind::ModelOptExclude;
+    // A plan the engines cannot serve (a fused module in mixed formats) still gets a list:
+    // its BF16 linears by name; the check then shows what each client makes of it.
+    let list = crate::clients::client_list(plan, inv, kind).unwrap_or_else(|_| {
+        inv.tensors()
             .iter()
-            .filter(|(_, t)| t.layer == Some(l))
-            .map(|(i, _)| *i)
-            .collect();
-        if !members.is_empty() && members.iter().all(|&i| fmt_of(i) == Format::Bf16) {
-            patterns.push(format!("model.layers.{l}.*"));
-            covered_layers.insert(l);
-        }
-    }
-    // Whole MTP modules kept BF16 (stored as layers num_layers + j).
-    let mut covered_mtp = HashSet::new();
-    for j in 0..inv.num_mtp() {
-        let members: Vec<usize> = linear
-            .iter()
-            .filter(|(_, t)| t.mtp == Some(j))
-            .map(|(i, _)| *i)
-            .collect();
-        if !members.is_empty() && members.iter().all(|&i| fmt_of(i) == Format::Bf16) {
-            patterns.push(format!("model.layers.{}.*", inv.num_layers() + j));
-            covered_mtp.insert(j);
-        }
-    }
-    let rest: Vec<(usize, &TensorInfo)> = linear
-        .iter()
-        .copied()
-        .filter(|(_, t)| !t.layer.is_some_and(|l| covered_layers.contains(&l)))
-        .filter(|(_, t)| !t.mtp.is_some_and(|j| covered_mtp.contains(&j)))
+            .zip(plan.entries())
+            .filter(|(t, e)| t.kind == TensorKind::Linear && e.format == Format::Bf16)
+            .map(|(t, _)| hf_module(t).to_string())
+            .collect()
+    });
+    let mut d: Vec<ExportDiff> = crate::clients::check_list(plan, inv, kind, &list)
+        .into_iter()
+        .map(|c| ExportDiff {
+            hf: c.hf,
+            view: c.client.name(),
+            planned: c.planned,
+            exported: match c.client_quantizes {
+                Ok(true) => quant,
+                Ok(false) => Format::Bf16,
+                // The client refuses the checkpoint: the planned format is not served.
+                Err(_) if c.planned == Format::Bf16 => quant,
+                Err(_) => Format::Bf16,
+            },
+        })
         .collect();
-    // Generic names (layer / expert index → *) that are BF16 wherever they occur.
-    let mut by_generic: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    for (i, t) in &rest {
-        by_generic
-            .entry(generic(hf_module(t)))
-            .or_default()
-            .push(*i);
-    }
-    let mut seen = HashSet::new();
-    for (i, t) in &rest {
-        if fmt_of(*i) != Format::Bf16 {
-            continue;
-        }
-        let g = generic(hf_module(t));
-        if by_generic[&g].iter().all(|&j| fmt_of(j) == Format::Bf16) {
-            if seen.insert(g.clone()) {
-                patterns.push(g);
-            }
-        } else {
-            patterns.push(hf_module(t).to_string());
-        }
-    }
-    let got = resolve_ignore_list(inv, &patterns, quant);
+    // Tensors of another quantized format than the one the syntax can name.
+    d.extend(
+        plan.entries()
+            .iter()
+            .filter(|e| e.format != Format::Bf16 && e.format != quant)
+            .map(|e| ExportDiff {
+                hf: e.tensor.hf.clone(),
+                view: "modelopt",
+                planned: e.format,
+                exported: quant,
+            }),
+    );
     let text = serde_json::to_string_pretty(&serde_json::json!({
         "quant_algo": quant_algo(quant),
-        "exclude_modules": patterns,
+        "exclude_modules": list,
     }))
     .expect("JSON of strings")
         + "\n";
     Export {
         kind: ExportKind::Ignore,
         text,
-        diffs: diffs(plan, "modelopt", &got),
+        diffs: d,
     }
 }
 

@@ -33,6 +33,7 @@
 #![deny(missing_docs)]
 
 mod audit;
+mod clients;
 mod error;
 mod export;
 mod glob;
@@ -46,6 +47,7 @@ mod role;
 mod stored;
 
 pub use audit::{audit, audit_dir, AuditFinding, AuditReport};
+pub use clients::{check_list, client_decisions, client_list, Client, ClientDiff, ListKind};
 pub use error::PlanError;
 pub use export::{
     export, fnmatch, resolve_ignore_list, resolve_miles, resolve_te_matchers, Export, ExportDiff,

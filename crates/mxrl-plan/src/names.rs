@@ -216,6 +216,19 @@ impl MegatronMap {
 /// `qkv_proj`, `gate_up_proj`, `fused_qkv_a_proj_with_mqa`, FusedMoE `experts`), or
 /// `None` for non-linear tensors.
 pub fn sglang_module(inv: &Inventory, t: &TensorInfo) -> Option<String> {
+    sglang_module_with(has_q_lora(inv), t)
+}
+
+/// Whether the model has MLA query LoRA (`q_a_proj`), which SGLang fuses with
+/// `kv_a_proj_with_mqa`.
+pub(crate) fn has_q_lora(inv: &Inventory) -> bool {
+    inv.tensors()
+        .iter()
+        .any(|x| x.hf.ends_with("self_attn.q_a_proj.weight"))
+}
+
+/// [`sglang_module`] with [`has_q_lora`] computed once by the caller.
+pub(crate) fn sglang_module_with(q_lora: bool, t: &TensorInfo) -> Option<String> {
     if t.kind != crate::inventory::TensorKind::Linear {
         return None;
     }
@@ -228,10 +241,6 @@ pub fn sglang_module(inv: &Inventory, t: &TensorInfo) -> Option<String> {
             format!("{head}.{m}")
         }
     };
-    let q_lora = inv
-        .tensors()
-        .iter()
-        .any(|x| x.hf.ends_with("self_attn.q_a_proj.weight"));
     Some(match last {
         "q_proj" | "k_proj" | "v_proj" => join("qkv_proj"),
         "q_a_proj" | "kv_a_proj_with_mqa" if q_lora => join("fused_qkv_a_proj_with_mqa"),

@@ -105,6 +105,8 @@ pub trait Backend {
     type Bf16;
     /// u32 buffer (token ids, expert ids, offsets).
     type U32;
+    /// The RoPE table of positions `0..max_pos` ([`Backend::rope_table`]).
+    type Rope;
 
     /// The device.
     fn device(&self) -> Device;
@@ -194,20 +196,13 @@ pub trait Backend {
         heads: usize,
         head_dim: usize,
         pos: &Self::U32,
-        table: &Self::F32,
+        table: &Self::Rope,
     ) -> DResult<()>;
-    /// The RoPE table of positions `0..max_pos` as this backend's [`Backend::rope`] reads it:
-    /// `[max_pos, D/2]` cos then sin (values of [`RopeTable::new`]).
+    /// The RoPE table of positions `0..max_pos` (values of [`RopeTable::new`]).
     ///
     /// # Errors
-    /// Out of memory.
-    fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::F32> {
-        let pos: Vec<usize> = (0..max_pos).collect();
-        let t = RopeTable::new(&pos, head_dim, theta);
-        let mut v = t.cos().to_vec();
-        v.extend_from_slice(t.sin());
-        self.upload_f32(&v)
-    }
+    /// An odd head width; out of memory.
+    fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::Rope>;
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ` with BF16 operands, f32 accumulation (overwrites `y`).
     ///
     /// # Errors
@@ -323,8 +318,9 @@ pub trait Backend {
     fn gather_bf16(
         &self,
         x: &Self::F32,
-        perm: &Self::U32,
-        rows: usize,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
         top_k: usize,
         h: usize,
         out: &mut Self::Bf16,
@@ -518,7 +514,7 @@ pub trait Backend {
         heads: usize,
         head_dim: usize,
         pos: &Self::U32,
-        table: &Self::F32,
+        table: &Self::Rope,
     ) -> DResult<()>;
     /// Backward of [`Backend::head_logprobs`] from `dlogprob: [N]`: `dh: [N, H]`
     /// (overwritten) and `dW: [V, H]` (+=), BF16 operands `bf16(dlogits)`, `h`, `W`.
@@ -626,9 +622,25 @@ impl Backend for CpuBackend {
     type F32 = Vec<f32>;
     type Bf16 = Vec<f32>;
     type U32 = Vec<u32>;
+    type Rope = Vec<f32>;
 
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    /// `[max_pos, D/2]` cosines then sines.
+    fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Vec<f32>> {
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(DeviceError::new(
+                "cpu",
+                format!("RoPE head_dim {head_dim} must be even"),
+            ));
+        }
+        let pos: Vec<usize> = (0..max_pos).collect();
+        let t = RopeTable::new(&pos, head_dim, theta);
+        let mut v = t.cos().to_vec();
+        v.extend_from_slice(t.sin());
+        Ok(v)
     }
 
     fn zeros_f32(&self, n: usize) -> DResult<Vec<f32>> {
@@ -1002,12 +1014,15 @@ impl Backend for CpuBackend {
     fn gather_bf16(
         &self,
         x: &Vec<f32>,
-        perm: &Vec<u32>,
-        rows: usize,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
         top_k: usize,
         h: usize,
         out: &mut Vec<f32>,
     ) -> DResult<()> {
+        let perm = &route.perm;
+        let rows = n * top_k;
         need("gather perm", perm.len(), rows)?;
         need("gather out", out.len(), rows * h)?;
         for (r, &ts) in perm[..rows].iter().enumerate() {

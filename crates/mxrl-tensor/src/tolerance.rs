@@ -504,16 +504,6 @@ pub fn attention_backward_bounds(
     (fin(edq, mdq, gq), fin(edk, mdk, gk), fin(edv, mdv, gk))
 }
 
-/// Unit roundoff of f64 (`2⁻⁵³`).
-pub const F64_UNIT_ROUNDOFF: f64 = 1.0 / 9_007_199_254_740_992.0;
-
-/// `γ_n = n·u / (1 − n·u)` with `u = 2⁻⁵³`: the relative error bound of an f64 reduction of
-/// length `n`.
-pub fn gamma_f64(n: usize) -> f64 {
-    let nu = n as f64 * F64_UNIT_ROUNDOFF;
-    nu / (1.0 - nu)
-}
-
 /// Largest error, in ulps of the exact result, of the f32 `exp` the CPU reference calls
 /// (`f32::exp` → the platform libm's `expf`; glibc ≥ 2.27 and musl share the Arm optimized
 /// routine whose documented error is 0.502 ulp). One ulp is used.

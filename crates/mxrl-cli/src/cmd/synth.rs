@@ -35,6 +35,10 @@ pub struct Args {
     /// DeepSeek-V3 only: store linear weights as block FP8 with `pow2` or `arbitrary` scales.
     #[arg(long)]
     fp8: Option<String>,
+    /// Dense (MLP-only) layers at the start (DeepSeek-V3 `first_k_dense_replace`, Qwen
+    /// `mlp_only_layers`); may be all layers.
+    #[arg(long)]
+    dense_layers: Option<usize>,
 }
 
 /// Run `mxrl synth`.
@@ -72,6 +76,12 @@ pub fn run(a: Args) -> Result<()> {
     }
     if let Some(v) = a.shards {
         s.shards = v;
+    }
+    if let Some(v) = a.dense_layers {
+        if v > s.layers {
+            bail!("--dense-layers {v}: the model has {} layers", s.layers);
+        }
+        s.first_k_dense = v;
     }
     s.fp8 = match a.fp8.as_deref() {
         None => None,

@@ -1,0 +1,955 @@
+//! The CUDA backend of the engine: [`mxrl_tensor::device::Backend`] on device buffers, every op
+//! one of the typed launchers in [`crate::ops`]. Buffers are `CudaSlice`s on the backend's
+//! stream; nothing but token ids, lengths and positions goes up per call, and only what the
+//! caller downloads comes back.
+//!
+//! Numerics: BF16 operands on tensor cores with f32 accumulation (cuBLAS `GemmEx` for dense
+//! linears, the grouped expert kernels for routed experts), f32 for everything else, no fast
+//! math, deterministic (no atomics in reductions). The reference of every op is
+//! [`mxrl_tensor::device::CpuBackend`]; only summation orders (and a few ulps of `exp`) differ.
+
+use crate::gpu::Gpu;
+use crate::ops::attention::{self, Attention};
+use crate::ops::elementwise::Elementwise;
+use crate::ops::embed_backward::{EmbedBackward, EmbedGrouping};
+use crate::ops::engine::EngineOps;
+use crate::ops::gemm::{Gemm, Grouped};
+use crate::ops::head::{Head, HeadOutputs, HeadShape, DEFAULT_CHUNK};
+use crate::ops::moe::{self, Moe};
+use crate::ops::norm::{self, Norm};
+use crate::ops::optim::{AdamWParam, Optim};
+use crate::ops::rope::{Rope, RopeDeviceTable};
+use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
+use crate::ops::swiglu::Swiglu;
+use crate::DeviceError as CudaError;
+use cudarc::driver::CudaSlice;
+use mxrl_tensor::attention::AttnShape;
+use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
+use mxrl_tensor::optim::AdamWConfig;
+use mxrl_tensor::SeqLayout;
+use std::cell::{Cell, RefCell};
+
+fn de(e: CudaError) -> DeviceError {
+    match e {
+        CudaError::Cuda { device, what } => DeviceError::new(device, what),
+        other => DeviceError::new("cuda", other.to_string()),
+    }
+}
+
+/// The engine's CUDA backend on one GPU.
+pub struct CudaBackend {
+    gpu: Gpu,
+    ew: Elementwise,
+    eng: EngineOps,
+    norm: Norm,
+    rope: Rope,
+    attn: Attention,
+    moe: Moe,
+    router: Router,
+    swiglu: Swiglu,
+    gemm: Gemm,
+    head: Head,
+    optim: Optim,
+    embed_bwd: EmbedBackward,
+    one: CudaSlice<f32>,
+    /// BF16 scratch for the optimizer's copy of parameters that have no GEMM operand.
+    bf16_scratch: RefCell<Option<CudaSlice<u16>>>,
+    peak: Cell<usize>,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` and loads (compiling on first use) every op module.
+    ///
+    /// # Errors
+    /// No usable GPU, NVRTC or module-load errors.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        let gpu = Gpu::shared(ordinal)?;
+        Ok(CudaBackend {
+            ew: Elementwise::new(&gpu)?,
+            eng: EngineOps::new(&gpu)?,
+            norm: Norm::new(&gpu)?,
+            rope: Rope::new(&gpu)?,
+            attn: Attention::new(&gpu)?,
+            moe: Moe::new(&gpu)?,
+            router: Router::new(&gpu)?,
+            swiglu: Swiglu::new(&gpu)?,
+            gemm: Gemm::new(&gpu)?,
+            head: Head::new(&gpu)?,
+            optim: Optim::new(&gpu)?,
+            embed_bwd: EmbedBackward::new(&gpu)?,
+            one: gpu.upload(&[1.0f32])?,
+            bf16_scratch: RefCell::new(None),
+            peak: Cell::new(0),
+            gpu,
+        })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// `cuda:N (name)`.
+    pub fn name(&self) -> String {
+        self.gpu.name().to_string()
+    }
+
+    /// Largest device memory in use (total − free) seen at a synchronizing call (downloads).
+    pub fn peak_bytes(&self) -> Option<usize> {
+        self.note_memory();
+        Some(self.peak.get())
+    }
+
+    fn note_memory(&self) {
+        if let Ok((free, total)) = self.gpu.ctx().mem_get_info() {
+            self.peak.set(self.peak.get().max(total - free));
+        }
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second / 10⁹) of a `bytes`
+    /// buffer, median of 10 copies after a warm-up, timed with CUDA events.
+    ///
+    /// # Errors
+    /// Out of memory; driver errors.
+    pub fn copy_bandwidth_gbps(&self, bytes: usize) -> Result<f64, CudaError> {
+        let n = bytes / 4;
+        let s = self.gpu.stream();
+        let src = self.gpu.upload(&vec![1.0f32; n])?;
+        let mut dst = self.gpu.zeros::<f32>(n)?;
+        let e = |x| self.gpu.err(format!("{x:?}"));
+        s.memcpy_dtod(&src, &mut dst).map_err(e)?;
+        let mut times = Vec::new();
+        for _ in 0..10 {
+            let a = s.record_event(None).map_err(e)?;
+            s.memcpy_dtod(&src, &mut dst).map_err(e)?;
+            let b = s.record_event(None).map_err(e)?;
+            b.synchronize().map_err(e)?;
+            times.push(a.elapsed_ms(&b).map_err(e)? as f64);
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+        let ms = times[times.len() / 2];
+        Ok(2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9)
+    }
+
+    fn bf16(&self, x: &CudaSlice<f32>, n: usize) -> DResult<CudaSlice<u16>> {
+        let mut o = self.gpu.zeros::<u16>(n).map_err(de)?;
+        self.ew
+            .to_bf16(&x.as_view(), &mut o.as_view_mut(), n)
+            .map_err(de)?;
+        Ok(o)
+    }
+}
+
+impl Backend for CudaBackend {
+    type F32 = CudaSlice<f32>;
+    type Bf16 = CudaSlice<u16>;
+    type U32 = CudaSlice<u32>;
+    type Rope = RopeDeviceTable;
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.gpu.ordinal())
+    }
+
+    fn zeros_f32(&self, n: usize) -> DResult<Self::F32> {
+        self.gpu.zeros(n).map_err(de)
+    }
+
+    fn zeros_bf16(&self, n: usize) -> DResult<Self::Bf16> {
+        self.gpu.zeros(n).map_err(de)
+    }
+
+    fn upload_f32(&self, v: &[f32]) -> DResult<Self::F32> {
+        self.gpu.upload(v).map_err(de)
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> DResult<Self::U32> {
+        self.gpu.upload(v).map_err(de)
+    }
+
+    fn download_f32(&self, b: &Self::F32, n: usize) -> DResult<Vec<f32>> {
+        let r = self.gpu.download(&b.slice(0..n)).map_err(de);
+        self.note_memory();
+        r
+    }
+
+    fn download_u32(&self, b: &Self::U32, n: usize) -> DResult<Vec<u32>> {
+        self.gpu.download(&b.slice(0..n)).map_err(de)
+    }
+
+    fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::Rope> {
+        RopeDeviceTable::new(&self.gpu, max_pos, head_dim, theta).map_err(de)
+    }
+
+    fn to_bf16(&self, x: &Self::F32, out: &mut Self::Bf16, n: usize) -> DResult<()> {
+        self.ew
+            .to_bf16(&x.as_view(), &mut out.as_view_mut(), n)
+            .map_err(de)
+    }
+
+    fn add(&self, y: &mut Self::F32, x: &Self::F32, n: usize) -> DResult<()> {
+        self.ew
+            .add_inplace(&mut y.as_view_mut(), &x.as_view(), n)
+            .map_err(de)
+    }
+
+    fn add_bias(&self, y: &mut Self::F32, b: &Self::F32, rows: usize, n: usize) -> DResult<()> {
+        self.eng
+            .add_bias(&mut y.as_view_mut(), &b.as_view(), rows, n)
+            .map_err(de)
+    }
+
+    fn embed(
+        &self,
+        table: &Self::F32,
+        vocab: usize,
+        tokens: &Self::U32,
+        rows: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.ew
+            .embed_gather(
+                &table.as_view(),
+                vocab,
+                &tokens.as_view(),
+                &mut out.as_view_mut(),
+                rows,
+                h,
+            )
+            .map_err(de)
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: &mut Self::F32,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        self.norm
+            .forward(
+                &x.as_view(),
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                &mut rstd.as_view_mut(),
+                rows,
+                d,
+                eps,
+            )
+            .map_err(de)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Self::F32,
+        rows: usize,
+        heads: usize,
+        _head_dim: usize,
+        pos: &Self::U32,
+        table: &Self::Rope,
+    ) -> DResult<()> {
+        self.rope
+            .forward(&mut x.as_view_mut(), &pos.as_view(), rows, heads, table)
+            .map_err(de)
+    }
+
+    fn linear(
+        &self,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        m: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        self.gemm
+            .dense_nt(&x.as_view(), &w.as_view(), &mut y.as_view_mut(), m, n, k)
+            .map_err(de)
+    }
+
+    fn grouped_linear(
+        &self,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        self.gemm
+            .grouped_nt(
+                &x.as_view(),
+                &w.as_view(),
+                &offsets.as_view(),
+                &mut y.as_view_mut(),
+                Grouped {
+                    experts,
+                    rows,
+                    n,
+                    k,
+                },
+            )
+            .map(|_| ())
+            .map_err(de)
+    }
+
+    fn attention(
+        &self,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        layout: &SeqLayout,
+        offsets: &Self::U32,
+        shape: AttnShape,
+        out: &mut Self::F32,
+        lse: &mut Self::F32,
+    ) -> DResult<()> {
+        let max_len = layout.lens().iter().copied().max().unwrap_or(0);
+        self.attn
+            .forward(
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &offsets.as_view(),
+                layout.num_seqs(),
+                max_len,
+                layout.num_tokens(),
+                shape,
+                &mut out.as_view_mut(),
+                &mut lse.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn kv_append(
+        &self,
+        k: &Self::F32,
+        v: &Self::F32,
+        lens: &Self::U32,
+        batch: usize,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let shape = AttnShape {
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: kv_width,
+        };
+        self.attn
+            .kv_append(
+                &k.as_view(),
+                &v.as_view(),
+                &mut k_cache.as_view_mut(),
+                &mut v_cache.as_view_mut(),
+                &lens.as_view(),
+                batch,
+                batch,
+                max_len,
+                shape,
+            )
+            .map_err(de)
+    }
+
+    fn kv_fill(
+        &self,
+        k: &Self::F32,
+        v: &Self::F32,
+        layout: &SeqLayout,
+        kv_width: usize,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()> {
+        if let Some(b) = layout.lens().iter().position(|&l| l > max_len) {
+            return Err(DeviceError::new(
+                self.gpu.name(),
+                format!(
+                    "sequence {b} of {} tokens exceeds the KV cache ({max_len})",
+                    layout.len(b)
+                ),
+            ));
+        }
+        let mut row_seq = Vec::with_capacity(layout.num_tokens());
+        let mut offs = Vec::with_capacity(layout.num_seqs());
+        for b in 0..layout.num_seqs() {
+            offs.push(layout.offset(b) as u32);
+            row_seq.extend(std::iter::repeat_n(b as u32, layout.len(b)));
+        }
+        let rs = self.gpu.upload(&row_seq).map_err(de)?;
+        let of = self.gpu.upload(&offs).map_err(de)?;
+        self.eng
+            .kv_fill(
+                &k.as_view(),
+                &v.as_view(),
+                &rs.as_view(),
+                &of.as_view(),
+                &mut k_cache.as_view_mut(),
+                &mut v_cache.as_view_mut(),
+                layout.num_tokens(),
+                layout.num_seqs(),
+                kv_width,
+                max_len,
+            )
+            .map_err(de)
+    }
+
+    fn attention_decode(
+        &self,
+        q: &Self::F32,
+        k_cache: &Self::Bf16,
+        v_cache: &Self::Bf16,
+        lens: &Self::U32,
+        host_lens: &[u32],
+        max_len: usize,
+        shape: AttnShape,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        let batch = host_lens.len();
+        let mut scratch = self
+            .gpu
+            .zeros::<f32>(attention::decode_scratch_len(batch, max_len, shape))
+            .map_err(de)?;
+        self.attn
+            .decode(
+                &q.as_view(),
+                &k_cache.as_view(),
+                &v_cache.as_view(),
+                &lens.as_view(),
+                batch,
+                batch,
+                max_len,
+                shape,
+                &mut scratch.as_view_mut(),
+                &mut out.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn route(
+        &self,
+        logits: &Self::F32,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        out: &mut RouteBufs<Self>,
+    ) -> DResult<()> {
+        self.router
+            .forward(
+                &logits.as_view(),
+                DeviceRouteMode::Compute,
+                &mut out.probs.as_view_mut(),
+                &mut out.ids.as_view_mut(),
+                &mut out.weights.as_view_mut(),
+                n,
+                e,
+                k,
+                norm_topk_prob,
+            )
+            .map_err(de)?;
+        let mut scratch = self
+            .gpu
+            .zeros::<u32>(moe::dispatch_scratch_len(n, k, e))
+            .map_err(de)?;
+        self.moe
+            .dispatch(
+                &out.ids.as_view(),
+                n,
+                e,
+                k,
+                &mut scratch.as_view_mut(),
+                &mut out.offsets.as_view_mut(),
+                &mut out.perm.as_view_mut(),
+                &mut out.row_of.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn gather_bf16(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()> {
+        self.moe
+            .gather_bf16(
+                &x.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut out.as_view_mut(),
+                n,
+                h,
+                e,
+                top_k,
+            )
+            .map_err(de)
+    }
+
+    fn swiglu_bf16(
+        &self,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let mut h = self.gpu.zeros::<f32>(rows * f).map_err(de)?;
+        self.swiglu
+            .forward(
+                &gu.as_view(),
+                &mut h.as_view_mut(),
+                Some(&mut out.as_view_mut()),
+                rows,
+                f,
+            )
+            .map_err(de)
+    }
+
+    fn combine(
+        &self,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        k: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .combine(
+                &y.as_view(),
+                &route.weights.as_view(),
+                &route.row_of.as_view(),
+                &mut out.as_view_mut(),
+                n,
+                h,
+                k,
+            )
+            .map_err(de)
+    }
+
+    fn head_logprobs(
+        &self,
+        h: &Self::Bf16,
+        w: &Self::Bf16,
+        targets: &Self::U32,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        logprob: &mut Self::F32,
+        lse: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut entropy = self.gpu.zeros::<f32>(n).map_err(de)?;
+        let mut lp = logprob.as_view_mut();
+        let mut ls = lse.as_view_mut();
+        let mut en = entropy.as_view_mut();
+        self.head
+            .forward(
+                &h.as_view(),
+                &w.as_view(),
+                &targets.as_view(),
+                temperature,
+                HeadShape {
+                    t: n,
+                    h: hidden,
+                    v: vocab,
+                    chunk: DEFAULT_CHUNK.min(vocab.max(1)),
+                },
+                HeadOutputs {
+                    logprob: &mut lp,
+                    lse: &mut ls,
+                    entropy: &mut en,
+                },
+            )
+            .map_err(de)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::F32,
+        w: &Self::F32,
+        rstd: &Self::F32,
+        rows: usize,
+        d: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut scratch = self
+            .gpu
+            .zeros::<f32>(norm::backward_scratch_len(rows, d))
+            .map_err(de)?;
+        self.norm
+            .backward(
+                &dy.as_view(),
+                &x.as_view(),
+                &w.as_view(),
+                &rstd.as_view(),
+                &mut dx.as_view_mut(),
+                &mut dw.as_view_mut(),
+                &mut scratch.as_view_mut(),
+                rows,
+                d,
+            )
+            .map_err(de)
+    }
+
+    fn linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        m: usize,
+        k: usize,
+        n: usize,
+        dx: Option<&mut Self::F32>,
+        dw: &mut Self::F32,
+    ) -> DResult<()> {
+        let dyb = self.bf16(dy, m * n)?;
+        self.gemm
+            .dense_tn(&dyb.as_view(), &x.as_view(), &mut dw.as_view_mut(), m, n, k)
+            .map_err(de)?;
+        if let Some(dx) = dx {
+            self.gemm
+                .dense_nn(&dyb.as_view(), &w.as_view(), &mut dx.as_view_mut(), m, n, k)
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+
+    fn grouped_linear_backward(
+        &self,
+        dy: &Self::F32,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()> {
+        let dyb = self.bf16(dy, rows * n)?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        self.gemm
+            .grouped_tn(
+                &dyb.as_view(),
+                &x.as_view(),
+                &offsets.as_view(),
+                &mut dw.as_view_mut(),
+                s,
+            )
+            .map_err(de)?;
+        self.gemm
+            .grouped_nn(
+                &dyb.as_view(),
+                &w.as_view(),
+                &offsets.as_view(),
+                &mut dx.as_view_mut(),
+                s,
+            )
+            .map_err(de)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dact: &Self::F32,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        dgu: &mut Self::F32,
+    ) -> DResult<()> {
+        self.swiglu
+            .backward(
+                &dact.as_view(),
+                &gu.as_view(),
+                &mut dgu.as_view_mut(),
+                rows,
+                f,
+            )
+            .map_err(de)
+    }
+
+    fn combine_backward(
+        &self,
+        dout: &Self::F32,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Self::F32,
+        dweights: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .combine_backward(
+                &dout.as_view(),
+                &y.as_view(),
+                &route.weights.as_view(),
+                &route.row_of.as_view(),
+                &mut dy.as_view_mut(),
+                &mut dweights.as_view_mut(),
+                n,
+                h,
+                k,
+            )
+            .map_err(de)
+    }
+
+    fn gather_backward(
+        &self,
+        dg: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        k: usize,
+        h: usize,
+        dx: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .gather_backward(
+                &dg.as_view(),
+                &route.row_of.as_view(),
+                &mut dx.as_view_mut(),
+                n,
+                h,
+                k,
+            )
+            .map_err(de)
+    }
+
+    fn router_backward(
+        &self,
+        dweights: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+        dlogits: &mut Self::F32,
+    ) -> DResult<()> {
+        self.router
+            .backward(
+                &route.probs.as_view(),
+                &route.ids.as_view(),
+                &route.weights.as_view(),
+                Some(&dweights.as_view()),
+                ExtraDprobs::None,
+                &mut dlogits.as_view_mut(),
+                n,
+                e,
+                k,
+                norm_topk_prob,
+            )
+            .map_err(de)
+    }
+
+    fn attention_backward(
+        &self,
+        dout: &Self::F32,
+        q: &Self::F32,
+        k: &Self::F32,
+        v: &Self::F32,
+        out: &Self::F32,
+        lse: &Self::F32,
+        layout: &SeqLayout,
+        offsets: &Self::U32,
+        shape: AttnShape,
+        dq: &mut Self::F32,
+        dk: &mut Self::F32,
+        dv: &mut Self::F32,
+    ) -> DResult<()> {
+        let n = layout.num_tokens();
+        let max_len = layout.lens().iter().copied().max().unwrap_or(0);
+        let mut delta = self
+            .gpu
+            .zeros::<f32>(attention::backward_scratch_len(n, shape))
+            .map_err(de)?;
+        self.attn
+            .backward(
+                &dout.as_view(),
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &out.as_view(),
+                &lse.as_view(),
+                &offsets.as_view(),
+                layout.num_seqs(),
+                max_len,
+                n,
+                shape,
+                &mut delta.as_view_mut(),
+                &mut dq.as_view_mut(),
+                &mut dk.as_view_mut(),
+                &mut dv.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn rope_backward(
+        &self,
+        dx: &mut Self::F32,
+        rows: usize,
+        heads: usize,
+        _head_dim: usize,
+        pos: &Self::U32,
+        table: &Self::Rope,
+    ) -> DResult<()> {
+        self.rope
+            .backward(&mut dx.as_view_mut(), &pos.as_view(), rows, heads, table)
+            .map_err(de)
+    }
+
+    fn head_backward(
+        &self,
+        h: &Self::Bf16,
+        w: &Self::Bf16,
+        targets: &Self::U32,
+        lse: &Self::F32,
+        dlogprob: &Self::F32,
+        n: usize,
+        hidden: usize,
+        vocab: usize,
+        temperature: f32,
+        dh: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()> {
+        self.head
+            .backward(
+                &h.as_view(),
+                &w.as_view(),
+                &targets.as_view(),
+                &lse.as_view(),
+                &dlogprob.as_view(),
+                temperature,
+                HeadShape {
+                    t: n,
+                    h: hidden,
+                    v: vocab,
+                    chunk: DEFAULT_CHUNK.min(vocab.max(1)),
+                },
+                &mut dh.as_view_mut(),
+                &mut dw.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn embed_backward(
+        &self,
+        dx: &Self::F32,
+        _tokens: &Self::U32,
+        host_tokens: &[u32],
+        h: usize,
+        dtable: &mut Self::F32,
+    ) -> DResult<()> {
+        let vocab = dtable.len() / h.max(1);
+        let g = EmbedGrouping::new(host_tokens, vocab)
+            .map_err(|e| DeviceError::new(self.gpu.name(), e))?;
+        let dg = self.embed_bwd.upload(&g).map_err(de)?;
+        self.embed_bwd
+            .run(
+                &mut dtable.as_view_mut(),
+                vocab,
+                &dx.as_view(),
+                host_tokens.len(),
+                h,
+                &dg,
+            )
+            .map_err(de)
+    }
+
+    fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64> {
+        let views: Vec<_> = grads.iter().map(|(g, _)| g.as_view()).collect();
+        let lens: Vec<usize> = grads.iter().map(|(_, n)| *n).collect();
+        let r = self.optim.grad_norm(&views, &lens, None).map_err(de)?;
+        let v = self.gpu.download(&r.norm).map_err(de)?;
+        Ok(v[0])
+    }
+
+    fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()> {
+        self.eng.scale(&mut x.as_view_mut(), s, n).map_err(de)
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        n: usize,
+        step: u64,
+        cfg: &AdamWConfig,
+        weight_decay: f32,
+        op: Option<&mut Self::Bf16>,
+    ) -> DResult<()> {
+        let mut scratch_guard;
+        let op: &mut CudaSlice<u16> = match op {
+            Some(o) => o,
+            None => {
+                scratch_guard = self.bf16_scratch.borrow_mut();
+                if scratch_guard.as_ref().is_none_or(|s| s.len() < n) {
+                    *scratch_guard = Some(self.gpu.zeros::<u16>(n).map_err(de)?);
+                }
+                scratch_guard.as_mut().expect("allocated above")
+            }
+        };
+        let mut pv = param.as_view_mut();
+        let gv = grad.as_view();
+        let mut mv = m.as_view_mut();
+        let mut vv = v.as_view_mut();
+        let mut ov = op.as_view_mut();
+        self.optim
+            .adamw_step(
+                AdamWParam {
+                    param: &mut pv,
+                    grad: &gv,
+                    m: &mut mv,
+                    v: &mut vv,
+                    param_bf16: &mut ov,
+                    n,
+                    weight_decay,
+                },
+                &self.one.as_view(),
+                step,
+                cfg,
+            )
+            .map_err(de)
+    }
+
+    fn fill_zero(&self, x: &mut Self::F32, n: usize) -> DResult<()> {
+        self.gpu
+            .stream()
+            .memset_zeros(&mut x.slice_mut(0..n))
+            .map_err(|e| DeviceError::new(self.gpu.name(), format!("memset: {e:?}")))
+    }
+
+    fn bias_backward(
+        &self,
+        dy: &Self::F32,
+        rows: usize,
+        n: usize,
+        db: &mut Self::F32,
+    ) -> DResult<()> {
+        self.eng
+            .bias_backward(&dy.as_view(), &mut db.as_view_mut(), rows, n)
+            .map_err(de)
+    }
+}

@@ -1,0 +1,227 @@
+//! The device engine (`mxrl_model::engine::Engine`) on the CUDA backend against the same
+//! engine on the CPU backend (itself bitwise the CPU model, `mxrl-model/tests/engine.rs`).
+//!
+//! What is asserted: the GPU engine runs every path (logprobs, prefill, batched decode over the
+//! BF16 KV cache, training forward/backward, AdamW), is deterministic (two runs give the same
+//! bits), its results are finite, its greedy tokens equal the CPU engine's where the CPU's top
+//! two logits are separated by more than the GPU/CPU logit difference seen at that step, and a
+//! few AdamW steps on a fixed batch lower its loss. Each op is checked against its CPU
+//! reference within derived bounds by the `ops_*` tests; the end-to-end GPU–CPU differences
+//! (through RMSNorm, softmax and top-k routing, which have no tighter composed bound) are
+//! printed, not asserted.
+#![cfg(feature = "cuda")]
+
+use mxrl_cuda::backend::CudaBackend;
+use mxrl_model::engine::{cpu_engine, Engine};
+use mxrl_model::{Arch, LinearPrecision, Model, ModelConfig, SeqInput};
+use mxrl_tensor::optim::AdamWConfig;
+
+fn config() -> ModelConfig {
+    let mut c = ModelConfig::tiny();
+    c.arch = Arch::Qwen3Moe;
+    c.vocab_size = 96;
+    c.hidden_size = 64;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 16;
+    c.intermediate_size = 48;
+    c.moe_intermediate_size = 32;
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.mlp_only_layers = vec![1];
+    c.initializer_range = 0.2;
+    c
+}
+
+fn model() -> Model {
+    let mut m = Model::random(&config(), 5).unwrap();
+    m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
+    m
+}
+
+fn gpu_engine(m: &Model) -> Engine<CudaBackend> {
+    let b = CudaBackend::new(0)
+        .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"));
+    Engine::from_model(m, b, 64).unwrap()
+}
+
+fn seqs() -> Vec<Vec<u32>> {
+    (0..5)
+        .map(|s| {
+            (0..(7 + 9 * s) as u32)
+                .map(|i| (i * 37 + s as u32 * 11 + 3) % 96)
+                .collect()
+        })
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max)
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn gpu_engine_logprobs_are_deterministic_and_close_to_the_cpu_engine() {
+    let m = model();
+    let (g, c) = (gpu_engine(&m), cpu_engine(&m, 64).unwrap());
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let lg = g.logprobs(&batch, 1.0).unwrap();
+    let lg2 = g.logprobs(&batch, 1.0).unwrap();
+    assert_eq!(bits(&lg), bits(&lg2), "two GPU runs differ");
+    let lc = c.logprobs(&batch, 1.0).unwrap();
+    let mut worst = 0.0f64;
+    for (a, b) in lg.iter().zip(&lc) {
+        assert!(a.iter().all(|x| x.is_finite()));
+        worst = worst.max(max_abs_diff(a, b));
+    }
+    println!("logprobs: max |gpu - cpu| = {worst:.3e}");
+}
+
+#[test]
+fn gpu_engine_decode_is_deterministic_and_follows_the_cpu_engine() {
+    let m = model();
+    let (g, c) = (gpu_engine(&m), cpu_engine(&m, 64).unwrap());
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
+    let v = config().vocab_size;
+    let (mut sg, mut zg) = g.prefill(&prompts, 32).unwrap();
+    let (mut sc, mut zc) = c.prefill(&prompts, 32).unwrap();
+    let mut agreed = 0;
+    let mut compared = 0;
+    for step in 0..12 {
+        let d = max_abs_diff(&zg, &zc);
+        println!("step {step}: max |logit gpu - cpu| = {d:.3e}");
+        assert!(zg.iter().all(|x| x.is_finite()));
+        // Feed both engines the same tokens (the CPU's greedy choice); compare the GPU's choice
+        // wherever the CPU's margin exceeds the observed logit difference.
+        let mut next = Vec::new();
+        for b in 0..prompts.len() {
+            let rc = &zc[b * v..(b + 1) * v];
+            let rg = &zg[b * v..(b + 1) * v];
+            let arg = |r: &[f32]| {
+                let mut best = 0;
+                for (i, &x) in r.iter().enumerate() {
+                    if x > r[best] {
+                        best = i;
+                    }
+                }
+                best
+            };
+            let (ac, ag) = (arg(rc), arg(rg));
+            let second = rc
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != ac)
+                .map(|(_, &x)| x)
+                .fold(f32::NEG_INFINITY, f32::max);
+            if (rc[ac] - second) as f64 > 2.0 * d {
+                compared += 1;
+                assert_eq!(ag, ac, "step {step} sequence {b}: GPU greedy token differs");
+                agreed += 1;
+            }
+            next.push(ac as u32);
+        }
+        zg = g.decode_step(&mut sg, &next).unwrap();
+        zc = c.decode_step(&mut sc, &next).unwrap();
+    }
+    println!("greedy agreement where decidable: {agreed}/{compared}");
+    assert!(compared > 0);
+    // Determinism of decode: a fresh prefill + the same steps gives the same bits.
+    let run = || {
+        let (mut st, mut z) = g.prefill(&prompts, 32).unwrap();
+        for t in 0..4u32 {
+            z = g.decode_step(&mut st, &vec![t + 1; prompts.len()]).unwrap();
+        }
+        z
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(
+        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
+    let m = model();
+    let mut g = gpu_engine(&m);
+    let mut c = cpu_engine(&m, 64).unwrap();
+    g.enable_training().unwrap();
+    c.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+    let dl = |lp: &[Vec<f32>]| -> Vec<Vec<f32>> {
+        lp.iter()
+            .map(|l| vec![-1.0 / ntok as f32; l.len()])
+            .collect()
+    };
+    // Gradients: GPU twice (bitwise), GPU vs CPU printed per parameter.
+    let grads = |e: &mut Engine<CudaBackend>| {
+        let (lp, tape) = e.forward_train(&batch, 1.0).unwrap();
+        e.zero_grads().unwrap();
+        e.backward(&tape, &dl(&lp)).unwrap();
+        let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
+        names
+            .iter()
+            .map(|n| (n.clone(), e.grad_values(n).unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let g1 = grads(&mut g);
+    let g2 = grads(&mut g);
+    for ((n, a), (_, b)) in g1.iter().zip(&g2) {
+        assert_eq!(
+            a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "gradient of {n} differs between two GPU runs"
+        );
+        assert!(a.iter().all(|x| x.is_finite()), "{n}");
+    }
+    let (lp, tape) = c.forward_train(&batch, 1.0).unwrap();
+    c.zero_grads().unwrap();
+    c.backward(&tape, &dl(&lp)).unwrap();
+    for (n, a) in &g1 {
+        let b = c.grad_values(n).unwrap();
+        let norm: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let diff: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        println!(
+            "grad {n}: |gpu - cpu| / |cpu| = {:.3e}",
+            diff / norm.max(1e-30)
+        );
+    }
+    // A few AdamW steps on the same batch lower the mean negative logprob.
+    let cfg = AdamWConfig {
+        lr: 3e-3,
+        ..Default::default()
+    };
+    let mut losses = Vec::new();
+    for _ in 0..8 {
+        let (lp, tape) = g.forward_train(&batch, 1.0).unwrap();
+        let loss: f64 = -lp.iter().flatten().map(|&x| x as f64).sum::<f64>() / ntok as f64;
+        losses.push(loss);
+        g.zero_grads().unwrap();
+        g.backward(&tape, &dl(&lp)).unwrap();
+        let norm = g.optimizer_step(&cfg, 0.0, Some(1.0)).unwrap();
+        assert!(norm.is_finite());
+    }
+    println!("GPU training losses: {losses:?}");
+    assert!(
+        losses[7] < losses[0] - 0.05,
+        "loss did not fall: {losses:?}"
+    );
+}
