@@ -696,10 +696,19 @@ pub fn swiglu_backward_bounds(dh: f32, g: f32, up: f32, ulps_a: u32, ulps_b: u32
     ((a.0 + b.0) * m, (a.1 + b.1) * m)
 }
 
+/// Unit roundoff of f64 (`2⁻⁵³`).
+pub const F64_UNIT_ROUNDOFF: f64 = 1.0 / 9_007_199_254_740_992.0;
+
+/// `γ_n = n·u/(1 − n·u)` for f64's unit roundoff.
+pub fn gamma_f64(n: usize) -> f64 {
+    let nu = n.max(1) as f64 * F64_UNIT_ROUNDOFF;
+    nu / (1.0 - nu)
+}
+
 /// `2·γ_n·abs_sum` in f64 arithmetic: two f64 evaluations (any orders) of a sum of `n` terms
 /// (e.g. exact squares of f32 values) whose absolute values add up to `abs_sum`.
 pub fn two_order_sum_bound_f64(n: usize, abs_sum: f64) -> f64 {
-    2.0 * gamma_f64(n.max(1)) * abs_sum
+    2.0 * gamma_f64(n) * abs_sum
 }
 
 /// Relative difference between two f32 evaluations of one row's softmax normaliser
