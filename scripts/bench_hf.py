@@ -15,9 +15,8 @@ timed with CUDA events after warm-up (medians):
   roofline it implies (active weight bytes per step / that bandwidth).
 
 Prints one JSON object per figure (one line each), then a summary table. `--json-out FILE`
-also writes everything as one JSON document (written to FILE.partial, then renamed): the
-figures, and the flat keys `mxrl bench model --hf-json` reads (`train_tokens_per_s`,
-`prefill_ms`, `decode_ms` by batch size, `copy_gb_per_s`, `peak_bytes`).
+also writes everything as one JSON document (written to FILE.partial, then renamed), whose
+`figures` list `mxrl bench model --hf-json` reads.
 `--quick` uses small shapes (a smoke check; `--device cpu --quick` runs without a GPU).
 
 Needs torch and transformers (tested against the APIs of torch 2.x and transformers 4.5x/5.x);
@@ -339,19 +338,6 @@ def main(argv=None):
     if args.json_out:
         doc = {"script": "scripts/bench_hf.py", "quick": args.quick, "machine": machine,
                "warmup": warmup, "iters": iters, "decode_steps": steps, "figures": figures}
-        # Flat keys read by `mxrl bench model --hf-json` (absent when the phase was skipped).
-        for f in figures:
-            if f["figure"] == "train_step":
-                doc["train_tokens_per_s"] = f["tokens_per_s"]
-                doc["train_step_ms"] = f["ms"]
-            elif f["figure"] == "prefill":
-                doc["prefill_ms"] = f["ms"]
-            elif f["figure"] == "decode":
-                doc.setdefault("decode_ms", {})[str(f["batch"])] = f["ms_per_step"]
-            elif f["figure"] == "device_copy":
-                doc["copy_gb_per_s"] = f["gb_per_s_read_plus_write"]
-        if cuda:
-            doc["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         tmp = args.json_out + ".partial"
         with open(tmp, "w") as fh:
             json.dump(doc, fh, indent=1)

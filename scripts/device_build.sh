@@ -13,7 +13,7 @@ cargo build --release -p mxrl-cuda --features cuda --example bench_gemm
 cp target/release/examples/bench_gemm "$out/bench_gemm"
 cargo build --release -p mxrl-cuda --features cuda --example bench_head_ops
 cp target/release/examples/bench_head_ops "$out/bench_head_ops"
-for pkg in mxrl-cuda mxrl-model; do
+for pkg in mxrl-cuda; do
   cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys, shutil, os

@@ -1,44 +1,59 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
-# transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. Logs go to
-# $OUT when set.
-# Usage: scripts/device_run.sh [tests] [bench] [hf] [gemm] [headops]   (default: all five)
+# transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
+# go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [headops] [clients]
+#   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
 mkdir -p "$out"
-what=${*:-tests bench hf gemm headops}
+log=$out/device.log
+what=${*:-tests hf bench}
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 summary=()
 if [[ $what == *tests* ]]; then
   for t in .dev/tests/*; do
     name=$(basename "$t")
-    timeout 300 "$t" --test-threads=1 >"$out/$name.log" 2>&1
+    start=$(date +%s)
+    echo "===== $name" >>"$log"
+    timeout 240 "$t" --test-threads=1 --nocapture >>"$log" 2>&1
     rc=$?
-    res=$(grep -E '^test result' "$out/$name.log" | tail -1)
-    summary+=("$name rc=$rc ${res:-no result}")
-    grep -E '^test .* FAILED|panicked' "$out/$name.log" | head -5
+    res=$(sed -n "/===== $name/,\$p" "$log" | grep -E '^test result' | tail -1)
+    summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
   done
 fi
 if [[ $what == *hf* ]]; then
-  timeout 400 python3 scripts/bench_hf.py --json-out "$out/hf.json" >"$out/hf.log" 2>&1
+  echo "===== bench_hf" >>"$log"
+  timeout 420 python3 scripts/bench_hf.py --json-out "$out/hf.json" >>"$log" 2>&1
   summary+=("bench_hf rc=$?")
-  tail -15 "$out/hf.log"
 fi
 if [[ $what == *bench* ]]; then
   hf=()
   [[ -f $out/hf.json ]] && hf=(--hf-json "$out/hf.json")
-  timeout 400 .dev/mxrl bench model --device cuda "${hf[@]}" --json-out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20
-  summary+=("bench_model rc=${PIPESTATUS[0]}")
+  echo "===== bench model" >>"$log"
+  timeout 420 .dev/mxrl bench model --device cuda "${hf[@]}" --json-out "$out/bench.json" >>"$log" 2>&1
+  summary+=("bench_model rc=$?")
+  sed -n '/^mxrl bench model:/,$p' "$log" | tail -15
 fi
 if [[ $what == *gemm* ]]; then
-  timeout 300 .dev/bench_gemm 2>&1 | tee "$out/bench_gemm.log" | tail -80
-  summary+=("bench_gemm rc=${PIPESTATUS[0]}")
+  echo "===== bench_gemm" >>"$log"
+  timeout 300 .dev/bench_gemm >>"$log" 2>&1
+  summary+=("bench_gemm rc=$?")
 fi
 if [[ $what == *headops* ]]; then
-  timeout 300 .dev/bench_head_ops 2>&1 | tee "$out/bench_head_ops.log" | tail -40
-  summary+=("bench_head_ops rc=${PIPESTATUS[0]}")
+  echo "===== bench_head_ops" >>"$log"
+  timeout 300 .dev/bench_head_ops >>"$log" 2>&1
+  summary+=("bench_head_ops rc=$?")
+  sed -n '/===== bench_head_ops/,$p' "$log" | tail -30
 fi
+if [[ $what == *clients* ]]; then
+  echo "===== clientcheck" >>"$log"
+  timeout 420 python3 scripts/clientcheck_device.py --dir .clientcheck --wheels .whl --out "$out/clientcheck.json" >>"$log" 2>&1
+  summary+=("clientcheck rc=$?")
+fi
+echo "=== failures"
+grep -E '^test .* FAILED|panicked at|^thread .* panicked' "$log" | head -20
 echo "=== summary"
 printf '%s\n' "${summary[@]}"

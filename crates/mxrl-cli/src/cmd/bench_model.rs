@@ -286,12 +286,20 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
         ),
         None => None,
     };
-    let hf_get = |path: &[&str]| -> Option<f64> {
-        let mut v = hf.as_ref()?;
-        for k in path {
-            v = v.get(k)?;
-        }
-        v.as_f64()
+    // scripts/bench_hf.py: {"figures": [{"figure": "train_step" | "prefill" | "decode", ...}]}.
+    let figure = |kind: &str, batch: Option<usize>, key: &str| -> Option<f64> {
+        hf.as_ref()?
+            .get("figures")?
+            .as_array()?
+            .iter()
+            .find(|f| {
+                f.get("figure").and_then(|x| x.as_str()) == Some(kind)
+                    && batch.is_none_or(|b| {
+                        f.get("batch").and_then(|x| x.as_u64()) == Some(b as u64)
+                    })
+            })?
+            .get(key)?
+            .as_f64()
     };
     println!(
         "mxrl bench model: {} parameters, device {}",
@@ -307,7 +315,7 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
         "| figure | mxrl | transformers | speedup vs transformers | roofline | mxrl / roofline |"
     );
     println!("|---|---|---|---|---|---|");
-    let hf_prefill = hf_get(&["prefill_ms"]);
+    let hf_prefill = figure("prefill", None, "ms");
     println!(
         "| prefill {} tokens | {:.2} ms | {} | {} | | |",
         r.prefill_tokens,
@@ -316,8 +324,7 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
         ratio(r.prefill_ms, hf_prefill)
     );
     for &(bs, ms, roof) in &r.decode {
-        let key = format!("{bs}");
-        let theirs = hf_get(&["decode_ms", &key]);
+        let theirs = figure("decode", Some(bs), "ms_per_step");
         println!(
             "| decode batch {bs} | {ms:.3} ms/step | {} | {} | {} | {} |",
             theirs.map_or("-".into(), |x| format!("{x:.3} ms")),
@@ -333,7 +340,7 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
         );
     }
     if let Some(ms) = r.train_step_ms {
-        let theirs = hf_get(&["train_tokens_per_s"]);
+        let theirs = figure("train_step", None, "tokens_per_s");
         let tps = r.train_tokens_per_s.unwrap_or(0.0);
         println!(
             "| training step {} tokens (fwd+bwd+AdamW) | {ms:.1} ms, {tps:.0} tok/s, MFU {:.1}% | {} | {} | | |",
