@@ -294,9 +294,8 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             .iter()
             .find(|f| {
                 f.get("figure").and_then(|x| x.as_str()) == Some(kind)
-                    && batch.is_none_or(|b| {
-                        f.get("batch").and_then(|x| x.as_u64()) == Some(b as u64)
-                    })
+                    && batch
+                        .is_none_or(|b| f.get("batch").and_then(|x| x.as_u64()) == Some(b as u64))
             })?
             .get(key)?
             .as_f64()
