@@ -15,7 +15,8 @@ timed with CUDA events after warm-up (medians):
   roofline it implies (active weight bytes per step / that bandwidth).
 
 Prints one JSON object per figure (one line each), then a summary table. `--json-out FILE`
-also writes everything as one JSON document (written to FILE.partial, then renamed).
+also writes everything as one JSON document (written to FILE.partial, then renamed), whose
+`figures` list `mxrl bench model --hf-json` reads.
 `--quick` uses small shapes (a smoke check; `--device cpu --quick` runs without a GPU).
 
 Needs torch and transformers (tested against the APIs of torch 2.x and transformers 4.5x/5.x);

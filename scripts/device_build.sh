@@ -11,6 +11,8 @@ cargo build --release -p mxrl-cli --features cuda
 cp target/release/mxrl "$out/mxrl"
 cargo build --release -p mxrl-cuda --features cuda --example bench_gemm
 cp target/release/examples/bench_gemm "$out/bench_gemm"
+cargo build --release -p mxrl-cuda --features cuda --example bench_head_ops
+cp target/release/examples/bench_head_ops "$out/bench_head_ops"
 for pkg in mxrl-cuda; do
   cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c '
@@ -26,5 +28,5 @@ for line in sys.stdin:
         print(dst)
 ' "$out/tests" "$pkg"
 done
-strip "$out/mxrl" "$out/bench_gemm" "$out"/tests/*
+strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out"/tests/*
 du -sh "$out"

@@ -2,7 +2,8 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [clients]   (default: tests hf bench)
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [headops] [clients]
+#   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
@@ -41,6 +42,12 @@ if [[ $what == *gemm* ]]; then
   echo "===== bench_gemm" >>"$log"
   timeout 300 .dev/bench_gemm >>"$log" 2>&1
   summary+=("bench_gemm rc=$?")
+fi
+if [[ $what == *headops* ]]; then
+  echo "===== bench_head_ops" >>"$log"
+  timeout 300 .dev/bench_head_ops >>"$log" 2>&1
+  summary+=("bench_head_ops rc=$?")
+  sed -n '/===== bench_head_ops/,$p' "$log" | tail -30
 fi
 if [[ $what == *clients* ]]; then
   echo "===== clientcheck" >>"$log"

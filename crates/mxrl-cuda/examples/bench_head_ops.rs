@@ -224,7 +224,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 grad: &gr.as_view(),
                 m: &mut m.as_view_mut(),
                 v: &mut vv.as_view_mut(),
-                param_bf16: &mut pb.as_view_mut(),
+                param_bf16: Some(&mut pb.as_view_mut()),
                 n,
                 weight_decay: 0.01,
             },

@@ -7,10 +7,11 @@
 //   p ← p·decay;  m ← β₁·m + (1−β₁)·g;  v ← β₂·v + ((1−β₂)·g)·g
 //   p ← p − (step_size·m) / (√v / bc2_sqrt + ε);  p_bf16 = bf16(p)
 // with decay = 1 − lr·wd, step_size = lr/(1−β₁ᵗ), bc2_sqrt = √(1−β₂ᵗ) computed on the host
-// exactly as the reference does. Grid-stride.
+// exactly as the reference does; p_bf16 is written only when write_bf16 != 0. Grid-stride.
 extern "C" __global__ void adamw_step(float* __restrict__ p, const float* __restrict__ grad,
                                       float* __restrict__ m, float* __restrict__ v,
-                                      u16* __restrict__ p_bf16, const float* __restrict__ scale,
+                                      u16* __restrict__ p_bf16, int write_bf16,
+                                      const float* __restrict__ scale,
                                       u64 n, float beta1, float beta2, float one_m_beta1,
                                       float one_m_beta2, float eps, float step_size,
                                       float bc2_sqrt, float decay) {
@@ -26,7 +27,7 @@ extern "C" __global__ void adamw_step(float* __restrict__ p, const float* __rest
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;
-        p_bf16[i] = f32_to_bf16(pi);
+        if (write_bf16) p_bf16[i] = f32_to_bf16(pi);
     }
 }
 

@@ -27,7 +27,7 @@ use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::SeqLayout;
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 
 fn de(e: CudaError) -> DeviceError {
     match e {
@@ -51,9 +51,6 @@ pub struct CudaBackend {
     head: Head,
     optim: Optim,
     embed_bwd: EmbedBackward,
-    one: CudaSlice<f32>,
-    /// BF16 scratch for the optimizer's copy of parameters that have no GEMM operand.
-    bf16_scratch: RefCell<Option<CudaSlice<u16>>>,
     peak: Cell<usize>,
 }
 
@@ -77,8 +74,6 @@ impl CudaBackend {
             head: Head::new(&gpu)?,
             optim: Optim::new(&gpu)?,
             embed_bwd: EmbedBackward::new(&gpu)?,
-            one: gpu.upload(&[1.0f32])?,
-            bf16_scratch: RefCell::new(None),
             peak: Cell::new(0),
             gpu,
         })
@@ -913,34 +908,22 @@ impl Backend for CudaBackend {
         weight_decay: f32,
         op: Option<&mut Self::Bf16>,
     ) -> DResult<()> {
-        let mut scratch_guard;
-        let op: &mut CudaSlice<u16> = match op {
-            Some(o) => o,
-            None => {
-                scratch_guard = self.bf16_scratch.borrow_mut();
-                if scratch_guard.as_ref().is_none_or(|s| s.len() < n) {
-                    *scratch_guard = Some(self.gpu.zeros::<u16>(n).map_err(de)?);
-                }
-                scratch_guard.as_mut().expect("allocated above")
-            }
-        };
         let mut pv = param.as_view_mut();
         let gv = grad.as_view();
         let mut mv = m.as_view_mut();
         let mut vv = v.as_view_mut();
-        let mut ov = op.as_view_mut();
+        let mut ov = op.map(|o| o.as_view_mut());
         self.optim
-            .adamw_step(
+            .adamw(
                 AdamWParam {
                     param: &mut pv,
                     grad: &gv,
                     m: &mut mv,
                     v: &mut vv,
-                    param_bf16: &mut ov,
+                    param_bf16: ov.as_mut(),
                     n,
                     weight_decay,
                 },
-                &self.one.as_view(),
                 step,
                 cfg,
             )

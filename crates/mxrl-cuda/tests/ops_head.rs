@@ -84,6 +84,24 @@ const CASES: &[Case] = &[
         tau: 0.6,
         seed: 14,
     },
+    // a real vocabulary with the default chunk (three full chunks and a ragged one)
+    Case {
+        t: 8,
+        hd: 64,
+        v: 32000,
+        chunk: mxrl_cuda::ops::head::DEFAULT_CHUNK,
+        tau: 1.0,
+        seed: 15,
+    },
+    // a peaked distribution (low temperature: the max dominates, far tails underflow)
+    Case {
+        t: 6,
+        hd: 48,
+        v: 700,
+        chunk: 128,
+        tau: 0.1,
+        seed: 16,
+    },
 ];
 
 /// The reference's per-row quantities and the derived bounds.
@@ -136,7 +154,12 @@ fn reference(c: &Case, h: &[f32], w: &[f32], tg: &[u32]) -> Reference {
         // y = fl(z·(1/τ)) on both sides from z's that differ by ≤ dz.
         let delta_y = dz * inv_t as f64 * (1.0 + 2.0 * U) + 2.0 * U * ymax;
         let lb = lse_bound(v, chunks, delta_y, q / s, s.ln(), lse[row] as f64);
-        let ent = mxrl_rl::sampling::entropy(&ls[row * v..(row + 1) * v]);
+        let lr = &ls[row * v..(row + 1) * v];
+        let ent = mxrl_rl::sampling::entropy(lr);
+        let m2: f64 = lr
+            .iter()
+            .map(|&l| (l as f64).exp() * (l as f64) * (l as f64))
+            .sum();
         r.lse_bound.push(lb);
         r.lp_bound
             .push(delta_y + lb + 2.0 * U * (lp[row] as f64).abs() * 1.01);
@@ -148,6 +171,7 @@ fn reference(c: &Case, h: &[f32], w: &[f32], tg: &[u32]) -> Reference {
             q / s,
             s.ln(),
             ent as f64,
+            m2,
         ));
         r.ent.push(ent);
         r.delta_y.push(delta_y);

@@ -60,6 +60,11 @@ fn grad_norm_matches_global_grad_norm_and_clip_scale() {
                 "seed {seed}: norm {got} vs reference {want}, bound {bound:e}"
             );
             let scale = g.download(&r.scale).unwrap()[0];
+            assert_eq!(
+                ops.grad_norm_host(&views, SIZES).unwrap().to_bits(),
+                got.to_bits(),
+                "the host entry returns the same norm"
+            );
             // The reference's clipping of the same grads: same coefficient to within the
             // coefficient's sensitivity to the norm difference plus one f32 rounding.
             let mut cpu = grads.clone();
@@ -134,21 +139,26 @@ fn adamw_step_is_bitwise_adamw_update_with_bf16_copy() {
         }
         for i in 0..SIZES.len() {
             let n = SIZES[i];
-            ops.adamw_step(
-                AdamWParam {
-                    param: &mut dp[i].as_view_mut(),
-                    grad: &dg[i].as_view(),
-                    m: &mut dm[i].as_view_mut(),
-                    v: &mut dv[i].as_view_mut(),
-                    param_bf16: &mut db[i].as_view_mut(),
-                    n,
-                    weight_decay: wds[i],
-                },
-                &r.scale.as_view(),
-                step,
-                &cfg,
-            )
-            .unwrap();
+            // The last tensor has no BF16 copy (a norm weight): its buffer stays zero.
+            let with_copy = i + 1 < SIZES.len();
+            let mut bview = db[i].as_view_mut();
+            let param = AdamWParam {
+                param: &mut dp[i].as_view_mut(),
+                grad: &dg[i].as_view(),
+                m: &mut dm[i].as_view_mut(),
+                v: &mut dv[i].as_view_mut(),
+                param_bf16: with_copy.then_some(&mut bview),
+                n,
+                weight_decay: wds[i],
+            };
+            // Unclipped steps through the convenience entry (scale 1), clipped ones with the
+            // device coefficient.
+            if step <= 2 {
+                ops.adamw(param, step, &cfg).unwrap();
+            } else {
+                ops.adamw_step(param, &r.scale.as_view(), step, &cfg)
+                    .unwrap();
+            }
             let gs: Vec<f32> = grads[i].iter().map(|&x| x * scale).collect();
             adamw_update(&mut p[i], &gs, &mut m[i], &mut v[i], step, &cfg, wds[i]);
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -159,10 +169,13 @@ fn adamw_step_is_bitwise_adamw_update_with_bf16_copy() {
             assert_eq!(bits(&gp[..n]), bits(&p[i]), "param {i} step {step}");
             assert_eq!(bits(&gm[..n]), bits(&m[i]), "m {i} step {step}");
             assert_eq!(bits(&gv[..n]), bits(&v[i]), "v {i} step {step}");
-            let want_b: Vec<u16> = p[i]
-                .iter()
-                .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
-                .collect();
+            let want_b: Vec<u16> = if with_copy {
+                p[i].iter()
+                    .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
+                    .collect()
+            } else {
+                vec![0; n]
+            };
             assert_eq!(&gb[..n], &want_b[..], "bf16 copy {i} step {step}");
         }
     }
@@ -185,7 +198,7 @@ fn optim_rejects_step_zero_and_short_buffers() {
                 grad: &gr.as_view(),
                 m: &mut m.as_view_mut(),
                 v: &mut v.as_view_mut(),
-                param_bf16: &mut b.as_view_mut(),
+                param_bf16: Some(&mut b.as_view_mut()),
                 n: 4,
                 weight_decay: 0.0,
             },

@@ -210,6 +210,36 @@ fn sampling_is_deterministic_per_seed_step_and_row() {
     let (e, _) = run(&g, &s, &logits, rows, v, SampleParams { seed: 43, ..p });
     assert_ne!(a, d);
     assert_ne!(a, e);
+    // The caller's scratch gives the same draws; a short one is refused.
+    let d_logits = g.upload(&logits).unwrap();
+    let mut scratch = g.zeros::<f32>(rows * v).unwrap();
+    let mut tok = g.zeros::<u32>(rows).unwrap();
+    let mut lp = g.zeros::<f32>(rows).unwrap();
+    s.sample_with_scratch(
+        &d_logits.as_view(),
+        rows,
+        v,
+        &p,
+        &mut scratch.as_view_mut(),
+        &mut tok.as_view_mut(),
+        &mut lp.as_view_mut(),
+    )
+    .unwrap();
+    assert_eq!(g.download(&tok).unwrap(), a);
+    let mut short = g.zeros::<f32>(rows * v - 1).unwrap();
+    let e = s
+        .sample_with_scratch(
+            &d_logits.as_view(),
+            rows,
+            v,
+            &p,
+            &mut short.as_view_mut(),
+            &mut tok.as_view_mut(),
+            &mut lp.as_view_mut(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sample scratch"), "{e}");
     // top_k = 1 is greedy whatever the draw.
     let (f, _) = run(&g, &s, &logits, rows, v, SampleParams { top_k: 1, ..p });
     let (gr, _) = run(

@@ -1893,13 +1893,13 @@ impl Model {
                 *a += b;
             }
         }
-        let demb = g.get_mut(self.embed);
-        for (r, &tok) in tape.tokens.iter().enumerate() {
-            let row = &mut demb[tok as usize * h..(tok as usize + 1) * h];
-            for (a, b) in row.iter_mut().zip(&dx[r * h..(r + 1) * h]) {
-                *a += b;
-            }
-        }
+        let rows = tape.tokens.len();
+        mxrl_tensor::embedding::embedding_backward(
+            g.get_mut(self.embed),
+            &dx[..rows * h],
+            &tape.tokens,
+            h,
+        );
         Ok(g)
     }
 }

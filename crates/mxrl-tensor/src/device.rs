@@ -1436,16 +1436,12 @@ impl Backend for CpuBackend {
         h: usize,
         dtable: &mut Vec<f32>,
     ) -> DResult<()> {
-        for (r, &t) in host_tokens.iter().enumerate() {
-            let t = t as usize;
-            need("embed_backward dtable", dtable.len(), (t + 1) * h)?;
-            for (a, &b) in dtable[t * h..(t + 1) * h]
-                .iter_mut()
-                .zip(&dx[r * h..(r + 1) * h])
-            {
-                *a += b;
-            }
+        let rows = host_tokens.len();
+        need("embed_backward dx", dx.len(), rows * h)?;
+        if let Some(&t) = host_tokens.iter().max() {
+            need("embed_backward dtable", dtable.len(), (t as usize + 1) * h)?;
         }
+        crate::embedding::embedding_backward(dtable, &dx[..rows * h], host_tokens, h);
         Ok(())
     }
 

@@ -747,9 +747,10 @@ pub fn lse_bound(v: usize, chunks: usize, delta_y: f64, q_over_s: f64, ln_s: f64
 /// f64 sum): `∂H/∂y_v = −p_v(l_v + H)`, so input and `lse` differences `d = delta_y +
 /// lse_diff` move `H` by at most `2d·(1 + H)`; the relative error `ρ` of `s` (and of `q`,
 /// which sums the same terms times `m − y_v`) moves `ln s` and `q/s` by `ρ·(1 + |ln s| +
-/// 2q/s)`; the remaining roundings (`l_v`, `exp`, the product, `ln`, the quotient and the
-/// final difference, at most 8 units of `u` per quantity) add `8u·(H + |ln s| + q/s)` and the
-/// f64 sum `γ_v·H`.
+/// 2q/s)`; rounding `l_v` (by `u·|l_v|`) moves `exp(l_v)·l_v` by `p_v·|1 + l_v|·u·|l_v|`,
+/// at most `u·(m2 + H)` in total with `m2 = Σ p_v l_v²`; the remaining roundings (`exp`, the
+/// product, `ln`, the quotient and the final difference, at most 8 units of `u` per quantity)
+/// add `8u·(H + |ln s| + q/s)` and the f64 sum `γ_v·H`.
 #[allow(clippy::too_many_arguments)]
 pub fn entropy_bound(
     v: usize,
@@ -759,12 +760,14 @@ pub fn entropy_bound(
     q_over_s: f64,
     ln_s: f64,
     entropy: f64,
+    m2: f64,
 ) -> f64 {
     let u = crate::F32_UNIT_ROUNDOFF;
     let rho = softmax_sum_rel_bound(v, chunks, q_over_s);
     let h = entropy.abs();
     2.0 * (delta_y + lse_diff) * (1.0 + h)
         + rho / (1.0 - rho) * (1.0 + ln_s.abs() + 2.0 * q_over_s)
+        + u * (m2.abs() + h)
         + 8.0 * u * (h + ln_s.abs() + q_over_s)
         + gamma_f64(v) * h
 }

@@ -152,6 +152,10 @@ impl Blas {
             ),
         };
         let alpha = 1.0f32;
+        // cuBLAS runs on the calling thread's current context: make it this GPU's.
+        g.ctx()
+            .bind_to_thread()
+            .map_err(|e| g.err(format!("bind context: {e:?}")))?;
         // SAFETY: B (the first cuBLAS operand) holds ≥ n·k elements and A ≥ m·k of type `dt`
         // (checked above), read with the leading dimensions of their row-major shapes; C holds
         // ≥ m·n f32 written as column-major [n, m] with ld n. All live on the handle's stream;

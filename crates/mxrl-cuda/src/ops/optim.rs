@@ -51,8 +51,9 @@ pub struct AdamWParam<'a, 'b> {
     pub m: &'a mut CudaViewMut<'b, f32>,
     /// Second moment (updated).
     pub v: &'a mut CudaViewMut<'b, f32>,
-    /// BF16 copy of the new weights (bit patterns), written in the same pass.
-    pub param_bf16: &'a mut CudaViewMut<'b, u16>,
+    /// BF16 copy of the new weights (bit patterns), written in the same pass when given
+    /// (the GEMM operand of a linear weight; `None` for norms and biases).
+    pub param_bf16: Option<&'a mut CudaViewMut<'b, u16>>,
     /// Element count.
     pub n: usize,
     /// Weight decay of this tensor.
@@ -64,7 +65,8 @@ pub struct GradNorm {
     /// `√(Σ g²)` (f64, `[1]`).
     pub norm: CudaSlice<f64>,
     /// The clipping coefficient `max_norm/(norm + 1e-6)` as f32 when below 1, else 1 (`[1]`);
-    /// pass to [`Optim::adamw_step`] or [`Optim::scale`].
+    /// pass to [`Optim::adamw_step`] or [`Optim::scale`] (with a host coefficient, clipping is
+    /// `ops::engine`'s `scale`).
     pub scale: CudaSlice<f32>,
 }
 
@@ -75,6 +77,10 @@ pub struct Optim {
     partial: CudaFunction,
     final_: CudaFunction,
     scale: CudaFunction,
+    /// `[1.0]`: the gradient scale of an unclipped step.
+    one: CudaSlice<f32>,
+    /// A one-element stand-in for an absent BF16 copy (never written).
+    no_bf16: CudaSlice<u16>,
 }
 
 impl Optim {
@@ -94,6 +100,8 @@ impl Optim {
             partial: f("sumsq_partial")?,
             final_: f("sumsq_final")?,
             scale: f("scale_inplace")?,
+            one: gpu.upload(&[1.0f32])?,
+            no_bf16: gpu.zeros(1)?,
         })
     }
 
@@ -121,7 +129,9 @@ impl Optim {
         check_len(g, "adamw grad", p.grad.len(), n)?;
         check_len(g, "adamw m", p.m.len(), n)?;
         check_len(g, "adamw v", p.v.len(), n)?;
-        check_len(g, "adamw bf16 copy", p.param_bf16.len(), n)?;
+        if let Some(b) = &p.param_bf16 {
+            check_len(g, "adamw bf16 copy", b.len(), n)?;
+        }
         check_len(g, "adamw grad scale", grad_scale.len(), 1)?;
         if n == 0 {
             return Ok(());
@@ -134,12 +144,17 @@ impl Optim {
         let decay = 1.0 - cfg.lr * p.weight_decay;
         let (omb1, omb2) = (1.0 - cfg.beta1, 1.0 - cfg.beta2);
         let n64 = n as u64;
+        let write_bf16: i32 = p.param_bf16.is_some() as i32;
         let mut b = g.stream().launch_builder(&self.adamw);
         b.arg(&mut *p.param)
             .arg(p.grad)
             .arg(&mut *p.m)
-            .arg(&mut *p.v)
-            .arg(&mut *p.param_bf16)
+            .arg(&mut *p.v);
+        match p.param_bf16 {
+            Some(x) => b.arg(x),
+            None => b.arg(&self.no_bf16),
+        };
+        b.arg(&write_bf16)
             .arg(grad_scale)
             .arg(&n64)
             .arg(&cfg.beta1)
@@ -151,10 +166,39 @@ impl Optim {
             .arg(&bc2_sqrt)
             .arg(&decay);
         // SAFETY: grid-stride over i < n: reads grad[i], reads/writes p[i], m[i], v[i], writes
-        // p_bf16[i] (each ≥ n, checked), reads grad_scale[0] (≥ 1, checked); the argument list
-        // matches the kernel's (six pointers, u64, eight f32).
+        // p_bf16[i] only when a copy of ≥ n elements was given (write_bf16 = 1; the stand-in
+        // is never written), reads grad_scale[0] (≥ 1, checked); the argument list matches
+        // the kernel's (five pointers, i32, pointer, u64, eight f32).
         unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// One AdamW step without clipping (gradient scale 1): [`Optim::adamw_step`] with the
+    /// module's `[1.0]` scale buffer.
+    ///
+    /// # Errors
+    /// As [`Optim::adamw_step`].
+    pub fn adamw(
+        &self,
+        p: AdamWParam<'_, '_>,
+        step: u64,
+        cfg: &AdamWConfig,
+    ) -> Result<(), DeviceError> {
+        self.adamw_step(p, &self.one.as_view(), step, cfg)
+    }
+
+    /// The global gradient norm as an f64 on the host (downloads one value; synchronizes).
+    /// Reference: `mxrl_tensor::optim::global_grad_norm`.
+    ///
+    /// # Errors
+    /// As [`Optim::grad_norm`].
+    pub fn grad_norm_host(
+        &self,
+        grads: &[CudaView<'_, f32>],
+        lens: &[usize],
+    ) -> Result<f64, DeviceError> {
+        let r = self.grad_norm(grads, lens, None)?;
+        Ok(self.gpu.download(&r.norm)?[0])
     }
 
     /// Global L2 norm of many gradient buffers (`grads[i]` of `lens[i]` elements) and the

@@ -83,17 +83,52 @@ impl Sampler {
 
     /// Samples one token per row of `logits [rows, v]` (f32) into `tokens [rows]` with its
     /// logprob in `logprobs [rows]` (f32; the softmax statistics in f32, the kept-set masses
-    /// in f64). Reference: `mxrl_model::generate::sample_token`.
+    /// in f64). Reference: `mxrl_model::generate::sample_token`. Allocates its `[rows, v]`
+    /// f32 scratch (none when greedy); [`Sampler::sample_with_scratch`] takes it from the
+    /// caller (no allocation: for a captured decode step).
     ///
     /// # Errors
     /// A negative or NaN temperature or top-p, `v = 0` with rows, `v ≥ 2³²`, short buffers,
-    /// out of device memory (a `[rows, v]` f32 scratch); launch errors.
+    /// out of device memory; launch errors.
     pub fn sample(
         &self,
         logits: &CudaView<'_, f32>,
         rows: usize,
         v: usize,
         params: &SampleParams,
+        tokens: &mut CudaViewMut<'_, u32>,
+        logprobs: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let n = if params.temperature == 0.0 {
+            1
+        } else {
+            rows * v
+        };
+        let mut scratch: CudaSlice<f32> = self.gpu.zeros(n)?;
+        self.sample_with_scratch(
+            logits,
+            rows,
+            v,
+            params,
+            &mut scratch.as_view_mut(),
+            tokens,
+            logprobs,
+        )
+    }
+
+    /// As [`Sampler::sample`] with the caller's scratch (`[rows, v]` f32 unless greedy, whose
+    /// kernel does not touch it; its contents are overwritten).
+    ///
+    /// # Errors
+    /// As [`Sampler::sample`], and a short scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_with_scratch(
+        &self,
+        logits: &CudaView<'_, f32>,
+        rows: usize,
+        v: usize,
+        params: &SampleParams,
+        scratch: &mut CudaViewMut<'_, f32>,
         tokens: &mut CudaViewMut<'_, u32>,
         logprobs: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
@@ -128,8 +163,14 @@ impl Sampler {
         if v == 0 {
             return Err(g.err("sample: empty vocabulary"));
         }
-        let mut scratch: CudaSlice<f32> = g.zeros(rows * v)?;
         let greedy: i32 = (t == 0.0) as i32;
+        if greedy == 0 && scratch.len() < rows * v {
+            return Err(g.err(format!(
+                "sample scratch: buffer of {} elements, {} needed",
+                scratch.len(),
+                rows * v
+            )));
+        }
         let inv_t: f32 = if t == 0.0 { 1.0 } else { 1.0 / t };
         let (v64, k64) = (v as u64, params.top_k as u64);
         let cfg = LaunchConfig {
@@ -146,11 +187,12 @@ impl Sampler {
             .arg(&params.top_p)
             .arg(&params.seed)
             .arg(&params.step)
-            .arg(&mut scratch)
+            .arg(scratch)
             .arg(tokens)
             .arg(logprobs);
-        // SAFETY: block r < rows reads logits[r·v .. (r+1)·v) (rows·v held, checked) and
-        // reads/writes scratch[r·v .. (r+1)·v) (rows·v allocated), writes tokens[r] and
+        // SAFETY: block r < rows reads logits[r·v .. (r+1)·v) (rows·v held, checked) and,
+        // unless greedy, reads/writes scratch[r·v .. (r+1)·v) (rows·v held, checked; the greedy
+        // branch never touches it), writes tokens[r] and
         // logprobs[r] (≥ rows, checked); tokens written are < v. Argument types match
         // (ptr, u64, i32, f32, u64, f32, u64, u64, ptr, ptr, ptr).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
