@@ -6,7 +6,7 @@
 
 use mxrl_formats::Format;
 use mxrl_rl::policy::{PolicyError, RolloutPolicy, Sample, SamplingConfig, TrainSeq, WireTensor};
-use mxrl_rl::server::{Endpoint, RolloutClient, RolloutServer};
+use mxrl_rl::server::{Endpoint, Limits, ModelShape, RolloutClient, RolloutServer, ServerConfig};
 use mxrl_rl::sync::{RolloutEngine, WeightUpdate};
 use std::time::Instant;
 
@@ -63,28 +63,36 @@ fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let ep = Endpoint::Unix(dir.path().join("bench.sock"));
     let contract = mxrl_rl::wire::contract_hash();
-    let srv = RolloutServer::bind(
-        &ep,
-        RolloutEngine::new(Sink(0), 0, contract),
-        "bf16",
-        "sink",
-    )
-    .expect("bind");
+    let mut limits = Limits::for_model(
+        ModelShape {
+            vocab_size: 1,
+            moe_layers: 0,
+            top_k: 0,
+            num_experts: 0,
+        },
+        &[],
+    );
+    limits.max_tensors = n as u64;
+    limits.max_update_bytes = u64::MAX;
+    let cfg = ServerConfig::new("bf16", "sink", limits);
+    let srv =
+        RolloutServer::bind(&ep, RolloutEngine::new(Sink(0), 0, contract), cfg).expect("bind");
     let stop = srv.stop_handle();
     let h = std::thread::spawn(move || srv.serve(&mut |_| {}).expect("serve"));
-    let mut c = RolloutClient::connect(&ep).expect("connect");
+    let mut c = RolloutClient::connect(&ep, None).expect("connect");
     let mut rates = Vec::new();
     for v in 1..=reps as u64 {
         let u = WeightUpdate::build(v, contract, &tensors, 64 << 20);
         let t = Instant::now();
-        let ack = c.update(&u).expect("update");
+        let (bytes, buckets) = (u.header.bytes, u.buckets.len());
+        let served = c.update(u).expect("update");
         let s = t.elapsed().as_secs_f64();
-        assert_eq!(ack.version, v);
-        let gb = u.header.bytes as f64 / 1e9;
+        assert_eq!(served, v);
+        let gb = bytes as f64 / 1e9;
         println!(
             "update v{v}: {:.3} GB in {} buckets, {s:.3} s, {:.3} GB/s",
             gb,
-            u.buckets.len(),
+            buckets,
             gb / s
         );
         rates.push(gb / s);
