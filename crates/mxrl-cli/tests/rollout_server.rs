@@ -887,3 +887,30 @@ fn the_python_client_drives_a_server() {
         );
     }
 }
+
+/// Readiness is "my child answered with my nonce", not "something listens": with a foreign
+/// server already on RUN_DIR/rollout.sock, `--rollout spawn` refuses to start (its child cannot
+/// bind there) instead of training against the stranger, and the stranger is untouched.
+#[test]
+fn rollout_spawn_never_adopts_a_server_it_did_not_start() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let run = d.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let stranger = Server::start(&model, RECIPE, &run.join("rollout.sock"));
+    let out = mxrl()
+        .args(rl_args(&model, &run))
+        .args(["--rollout", "spawn"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("another server is listening there") && err.contains("rollout-server.log"),
+        "{err}"
+    );
+    let mut c = RolloutClient::connect(&stranger.endpoint, None).unwrap();
+    let info = c.info().unwrap();
+    assert_eq!((info.version, info.instance.as_str()), (0, ""));
+    assert!(!run.join("metrics.jsonl").exists());
+}

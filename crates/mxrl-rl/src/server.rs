@@ -103,7 +103,7 @@ pub enum ServerError {
         /// The server's (or the transport's) message.
         msg: String,
         /// The typed refusal of the `mxrl-refusal-bin` trailer, when the server sent one.
-        refusal: Option<pb::Refusal>,
+        refusal: Option<Box<pb::Refusal>>,
     },
     /// The server refused a weight update; it still serves `serving`.
     #[error(
@@ -2087,7 +2087,8 @@ impl RolloutClient {
             .metadata()
             .get_bin(pb::REFUSAL_TRAILER)
             .and_then(|v| v.to_bytes().ok())
-            .and_then(|b| pb::Refusal::decode(b).ok());
+            .and_then(|b| pb::Refusal::decode(b).ok())
+            .map(Box::new);
         ServerError::Remote {
             peer: self.peer(),
             request: request.into(),
