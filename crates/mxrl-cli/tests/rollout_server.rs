@@ -1,15 +1,21 @@
-//! The rollout engine in its own process (`mxrl rollout-server`): `mxrl rl --rollout` against
-//! it equals the in-process run bit for bit, a connection dropped in the middle of a weight
-//! update changes nothing, and a contract-hash mismatch is refused, across process boundaries.
+//! The rollout engine in its own process (`mxrl rollout-server`, gRPC): `mxrl rl --rollout`
+//! against it equals the in-process run bit for bit; an update stream cut before its commit
+//! changes nothing; a contract-hash mismatch is refused; every attack of the threat model
+//! (garbage bytes, torn and oversized messages, absurd counts, malformed traces,
+//! unauthenticated calls, a wrong token, 1 000 idle connections, EMFILE) is refused or survived
+//! and followed by a real trainer run; a spawned server dies with its trainer; and the Python
+//! client drives a server.
 
 use mxrl_rl::metrics::read_jsonl;
 use mxrl_rl::optim::{AdamW, AdamWConfig};
+use mxrl_rl::proto as pb;
+use mxrl_rl::proto::refusal::Reason;
 use mxrl_rl::runner::load_checkpoint;
-use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, ServerError};
+use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, ServerError, Token};
 use mxrl_rl::session::{build, demo_model, load_model_dir, save_model_dir};
-use mxrl_rl::sync::{check_equal, write_frame, WeightUpdate, K_BUCKET, K_HEADER};
+use mxrl_rl::sync::{check_equal, WeightUpdate};
 use mxrl_rl::TrainPolicy;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -41,28 +47,50 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, recipe: &str, socket: &Path) -> Server {
-        let mut child = mxrl()
+        Server::start_with(model, recipe, &format!("unix:{}", s(socket)), &[], None)
+    }
+
+    /// `mxrl rollout-server --listen LISTEN EXTRA...`, optionally under `sh -c "ulimit -n N"`.
+    fn start_with(
+        model: &Path,
+        recipe: &str,
+        listen: &str,
+        extra: &[&str],
+        fd_limit: Option<u32>,
+    ) -> Server {
+        let mut cmd = match fd_limit {
+            None => mxrl(),
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(env!("CARGO_BIN_EXE_mxrl"));
+                c
+            }
+        };
+        let mut child = cmd
             .args(["rollout-server", "--model", s(model), "--recipe", recipe])
-            .arg("--listen")
-            .arg(format!("unix:{}", s(socket)))
+            .args(["--listen", listen])
+            .args(extra)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut first = String::new();
         out.read_line(&mut first).unwrap();
-        let mut srv = Server {
+        let at = first
+            .trim_end()
+            .strip_prefix("mxrl rollout-server: listening on ")
+            .unwrap_or_else(|| panic!("server exited? first line {first:?}"))
+            .to_string();
+        let srv = Server {
             child,
-            endpoint: Endpoint::Unix(socket.to_path_buf()),
+            endpoint: at.parse().unwrap(),
             lines: Arc::default(),
         };
-        let want = format!("mxrl rollout-server: listening on unix:{}", s(socket));
-        assert_eq!(
-            first.trim_end(),
-            want,
-            "server exited? {:?}",
-            srv.child.try_wait()
-        );
+        if let Some(sock) = listen.strip_prefix("unix:") {
+            assert_eq!(at, format!("unix:{sock}"));
+        }
         let lines = srv.lines.clone();
         std::thread::spawn(move || {
             for l in out.lines() {
@@ -195,7 +223,7 @@ fn rl_against_a_server_process_equals_the_in_process_run() {
     for v in 1..=3 {
         srv.wait_line(&format!("applied weight version {v} "));
     }
-    let mut c = RolloutClient::connect(&srv.endpoint).unwrap();
+    let mut c = RolloutClient::connect(&srv.endpoint, None).unwrap();
     let (v, held) = c.fetch().unwrap();
     assert_eq!(v, 3);
     let want = final_export(&model, &remote_dir);
@@ -216,92 +244,101 @@ fn rl_against_a_server_process_equals_the_in_process_run() {
     );
 }
 
-#[test]
-fn dropped_connection_mid_update_leaves_the_server_on_its_version() {
-    let d = tempfile::tempdir().unwrap();
-    let model = model_dir(d.path());
-    let srv = Server::start(&model, RECIPE, &d.path().join("d.sock"));
-    let mut c = RolloutClient::connect(&srv.endpoint).unwrap();
-    let (v0, before) = c.fetch().unwrap();
-    assert_eq!(v0, 0);
-
-    // New weights: the model's own trainer, every master weight moved.
-    let (m, _) = load_model_dir(&model).unwrap();
+/// New weights for `model`: its own trainer with every master weight moved.
+fn moved_export(model: &Path) -> (Vec<mxrl_rl::WireTensor>, String) {
+    let (m, _) = load_model_dir(model).unwrap();
     let mut b = build(&m, RECIPE).unwrap();
-    check_equal(&before, &b.trainer.export_weights().unwrap()).unwrap();
     for p in b.trainer.params() {
         for v in p.value.iter_mut() {
             *v = *v * 0.5 + 0.01;
         }
     }
     b.trainer.refresh_weights().unwrap();
-    let new = b.trainer.export_weights().unwrap();
-    let u = WeightUpdate::build(1, &b.contract_hash, &new, 16 << 10);
+    (b.trainer.export_weights().unwrap(), b.contract_hash)
+}
+
+fn update_messages(u: &WeightUpdate) -> Vec<pb::UpdateMessage> {
+    use pb::update_message::Kind;
+    let h = &u.header;
+    let mut m = vec![Kind::Header(pb::UpdateHeader {
+        version: h.version,
+        contract_hash: h.contract_hash.clone(),
+        buckets: h.buckets,
+        tensors: h.tensors,
+        bytes: h.bytes,
+    })];
+    for b in &u.buckets {
+        m.push(Kind::Bucket(pb::WeightBucket {
+            index: b.index,
+            sha256: b.checksum.to_vec(),
+            payload: b.payload.clone(),
+        }));
+    }
+    m.push(Kind::Commit(pb::Commit { version: h.version }));
+    m.into_iter()
+        .map(|k| pb::UpdateMessage { kind: Some(k) })
+        .collect()
+}
+
+#[test]
+fn an_update_cut_before_its_commit_leaves_the_server_on_its_version() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let srv = Server::start(&model, RECIPE, &d.path().join("d.sock"));
+    let mut c = RolloutClient::connect(&srv.endpoint, None).unwrap();
+    let (v0, before) = c.fetch().unwrap();
+    assert_eq!(v0, 0);
+    let (new, contract) = moved_export(&model);
+    let u = WeightUpdate::build(1, &contract, &new, 16 << 10);
     assert!(u.buckets.len() >= 3, "{} buckets", u.buckets.len());
 
-    // Header, bucket 0, then half of bucket 1; then the connection drops.
-    {
-        let Endpoint::Unix(p) = &srv.endpoint else {
-            unreachable!()
-        };
-        let mut raw = std::os::unix::net::UnixStream::connect(p).unwrap();
-        let h = serde_json::to_vec(&u.header).unwrap();
-        write_frame(&mut raw, K_HEADER, &[&h]).unwrap();
-        let b0 = &u.buckets[0];
-        write_frame(
-            &mut raw,
-            K_BUCKET,
-            &[&b0.index.to_le_bytes(), &b0.checksum, &b0.payload],
-        )
-        .unwrap();
-        let mut frame = Vec::new();
-        let b1 = &u.buckets[1];
-        write_frame(
-            &mut frame,
-            K_BUCKET,
-            &[&b1.index.to_le_bytes(), &b1.checksum, &b1.payload],
-        )
-        .unwrap();
-        raw.write_all(&frame[..frame.len() / 2]).unwrap();
-    }
-    let line = srv.wait_line("connection dropped");
+    // Header and bucket 0, then the stream ends: refused as incomplete, nothing changed.
+    let msgs = update_messages(&u);
+    let e = c.update_messages(1, msgs[..2].to_vec()).unwrap_err();
+    assert_eq!(e.refusal(), Some(Reason::Incomplete), "{e}");
+    let line = srv.wait_line("refused a weight update");
     assert!(
-        line.contains("weight update v1, before its commit frame") && line.contains("serving v0"),
+        line.contains("before its commit") && line.contains("still serving v0"),
         "{line}"
     );
-
-    // A new connection: still version 0, the same bytes.
-    let mut c2 = RolloutClient::connect(&srv.endpoint).unwrap();
+    let mut c2 = RolloutClient::connect(&srv.endpoint, None).unwrap();
     assert_eq!(c2.info().unwrap().version, 0);
     let (v, held) = c2.fetch().unwrap();
     assert_eq!(v, 0);
     check_equal(&held, &before).unwrap();
 
     // The complete update is accepted afterwards and the server holds its bytes.
-    assert_eq!(c2.update(&u).unwrap().version, 1);
+    assert_eq!(c2.update(u).unwrap(), 1);
     srv.wait_line("applied weight version 1 ");
     let (v, held) = c.fetch().unwrap();
     assert_eq!(v, 1);
     check_equal(&held, &new).unwrap();
 
     // A remote rollout's digest check sees the same bytes.
-    let r = RemoteRollout::connect(&srv.endpoint, &b.contract_hash).unwrap();
+    let r = RemoteRollout::connect(&srv.endpoint, &contract, None).unwrap();
     mxrl_rl::RolloutPolicy::check_weights(&r, &new).unwrap();
     assert!(mxrl_rl::RolloutPolicy::check_weights(&r, &before).is_err());
 
     // Shutdown over the protocol: the process exits cleanly and removes its socket.
     c.shutdown().unwrap();
-    let t = Instant::now();
     let mut srv = srv;
-    let st = loop {
-        if let Some(st) = srv.child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "server did not exit");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let st = wait_exit(&mut srv.child, 20);
     assert!(st.success());
     assert!(!d.path().join("d.sock").exists());
+}
+
+fn wait_exit(child: &mut Child, secs: u64) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "process did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[test]
@@ -315,15 +352,23 @@ fn contract_hash_mismatch_is_refused_across_processes() {
 
     // The server refuses an update made under another contract, on the same connection that
     // keeps working afterwards.
-    let mut c = RolloutClient::connect(&srv.endpoint).unwrap();
+    let mut c = RolloutClient::connect(&srv.endpoint, None).unwrap();
     let info = c.info().unwrap();
     assert_eq!(info.contract_hash, b.contract_hash);
     let e = c
-        .update(&WeightUpdate::build(1, "0123456789abcdef", &ex, 16 << 10))
+        .update(WeightUpdate::build(1, "0123456789abcdef", &ex, 16 << 10))
         .unwrap_err();
     let msg = e.to_string();
     assert!(
-        matches!(e, ServerError::Refused { version: 1, .. }),
+        matches!(
+            e,
+            ServerError::Refused {
+                version: 1,
+                serving: 0,
+                reason: Reason::ContractMismatch,
+                ..
+            }
+        ),
         "{msg}"
     );
     assert!(
@@ -336,7 +381,7 @@ fn contract_hash_mismatch_is_refused_across_processes() {
     assert!(line.contains("0123456789abcdef"), "{line}");
     assert_eq!(c.info().unwrap().version, 0);
     // A client under another contract is turned away before sending anything.
-    let e = RemoteRollout::connect(&srv.endpoint, "0123456789abcdef").unwrap_err();
+    let e = RemoteRollout::connect(&srv.endpoint, "0123456789abcdef", None).unwrap_err();
     assert!(matches!(e, ServerError::Contract { .. }), "{e}");
     // `mxrl rl` against a server of another recipe is a clear error.
     let out = mxrl()
@@ -384,4 +429,488 @@ fn rollout_spawn_starts_and_stops_its_own_server() {
         log.trim_end().ends_with("mxrl rollout-server: shut down"),
         "{log}"
     );
+}
+
+/// A trainer run of 2 steps against `ep` that must succeed (versions 1..=3 applied).
+fn trainer_run(model: &Path, out: &Path, ep: &Endpoint, token_file: Option<&Path>) {
+    let mut c = mxrl();
+    c.args(rl_args(model, out))
+        .arg("--rollout")
+        .arg(ep.to_string());
+    if let Some(f) = token_file {
+        c.arg("--token-file").arg(f);
+    }
+    run_ok(&mut c);
+    let ms = read_jsonl(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        ms.iter().map(|m| m.weight_version).collect::<Vec<_>>(),
+        [1, 2]
+    );
+}
+
+fn generate_req(prompt: Vec<u32>, n: u64, max_new_tokens: u64) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompts: vec![pb::TokenIds { ids: prompt }],
+        n,
+        sampling: Some(pb::SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens,
+        }),
+        eos: 0,
+        seed: 1,
+    }
+}
+
+/// Garbage, torn and oversized messages, absurd counts and malformed routing traces: each is
+/// refused (typed where the server decides, by the framework where a message is too large to
+/// read), the server keeps serving on the same connection, and a real trainer run succeeds.
+#[test]
+fn malformed_and_oversized_requests_are_refused_and_a_trainer_run_then_succeeds() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let sock = d.path().join("a.sock");
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        &format!("unix:{}", s(&sock)),
+        &[
+            "--max-request-bytes",
+            "65536",
+            "--max-bucket-bytes",
+            "65536",
+        ],
+        None,
+    );
+    // Garbage bytes, then a torn HTTP/2 connection (preface, half a frame, close).
+    for junk in [
+        (0..4096u32)
+            .map(|i| (i * 7919 % 251) as u8)
+            .collect::<Vec<u8>>(),
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12\x04\x00\x00".to_vec(),
+    ] {
+        let mut raw = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = raw.write_all(&junk);
+        let _ = raw.shutdown(std::net::Shutdown::Write);
+        let mut sink = Vec::new();
+        let _ = raw.read_to_end(&mut sink);
+    }
+    let mut c = RolloutClient::connect(&srv.endpoint, None).unwrap();
+    let info = c.info().unwrap();
+    assert_eq!(info.version, 0);
+    let (m, _) = load_model_dir(&model).unwrap();
+    let vocab = m.config().vocab_size as u32;
+
+    // Absurd counts and lengths, out-of-vocabulary tokens.
+    for (req, want) in [
+        (generate_req(vec![1], 1 << 40, 4), Reason::LimitExceeded),
+        (generate_req(vec![1], 1, 1 << 40), Reason::LimitExceeded),
+        (generate_req(vec![vocab], 1, 4), Reason::InvalidRequest),
+    ] {
+        let e = c.generate_raw(req).unwrap_err();
+        assert_eq!(e.refusal(), Some(want), "{e}");
+    }
+    // An oversized message: refused from its length prefix, the connection still usable.
+    let e = c
+        .generate_raw(generate_req(vec![1; 100_000], 1, 4))
+        .unwrap_err();
+    assert!(
+        matches!(&e, ServerError::Remote { .. }) && e.to_string().contains("OutOfRange"),
+        "{e}"
+    );
+    // Malformed routing traces (the model has MoE layers): short, wrong top-k, bad expert.
+    let (n_moe, k, experts) = {
+        let c = m.config();
+        let l = (0..c.num_layers).filter(|&l| c.is_moe_layer(l)).count() as u64;
+        (l, c.num_experts_per_tok as u64, c.num_experts as u32)
+    };
+    let positions = 3u64; // prompt 2 + response 2 - 1
+    let full = (positions * n_moe * k) as usize;
+    for (layers, top_k, len, expert) in [
+        (n_moe, k, full - 1, 0),
+        (n_moe, k + 1, full, 0),
+        (n_moe + 1, k, full, 0),
+        (n_moe, k, full, experts),
+    ] {
+        let mut ids = vec![0u32; len];
+        ids[0] = expert;
+        let e = c
+            .score_raw(pb::ScoreRequest {
+                temperature: 1.0,
+                sequences: vec![pb::ScoreSequence {
+                    prompt: vec![1, 2],
+                    response: vec![3, 4],
+                    replay: Some(pb::RoutingTrace {
+                        layers,
+                        top_k,
+                        weights: vec![0.5; len],
+                        ids,
+                    }),
+                }],
+            })
+            .unwrap_err();
+        assert_eq!(e.refusal(), Some(Reason::InvalidRequest), "{e}");
+    }
+    // A header announcing 2^32 - 1 buckets or tensors; a bucket over the size limit.
+    let (new, contract) = moved_export(&model);
+    let mut u = WeightUpdate::build(1, &contract, &new, 16 << 10);
+    for (b, t) in [(u32::MAX, u.header.tensors), (1, u32::MAX)] {
+        u.header.buckets = b;
+        u.header.tensors = t;
+        let e = c
+            .update_messages(1, update_messages(&u)[..1].to_vec())
+            .unwrap_err();
+        assert!(
+            matches!(e.refusal(), Some(Reason::BadUpdate | Reason::LimitExceeded)),
+            "{e}"
+        );
+    }
+    let one_bucket = WeightUpdate::build(1, &contract, &new, usize::MAX);
+    assert!(one_bucket.header.bytes > 65536);
+    assert!(c.update(one_bucket).is_err());
+    assert_eq!(c.info().unwrap().version, 0);
+    srv.wait_line("generate refused");
+
+    trainer_run(&model, &d.path().join("run"), &srv.endpoint, None);
+    for v in 1..=3 {
+        srv.wait_line(&format!("applied weight version {v} "));
+    }
+}
+
+/// TCP: no server without a token, no call without the right token (fetch, update, shutdown,
+/// info), then a trainer with the token file runs; one without it is turned away.
+#[test]
+fn tcp_requires_the_token_and_a_trainer_with_it_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let out = mxrl()
+        .args([
+            "rollout-server",
+            "--model",
+            s(&model),
+            "--listen",
+            "tcp:127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--token-file"), "{err}");
+
+    let tok = d.path().join("token");
+    std::fs::write(&tok, "s3cret-token-for-the-test\n").unwrap();
+    std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        "tcp:127.0.0.1:0",
+        &["--token-file", s(&tok)],
+        None,
+    );
+    let (new, contract) = moved_export(&model);
+    let wrong = Token::new("s3cret-token-for-the-tesT").unwrap();
+    for t in [None, Some(&wrong)] {
+        let mut c = RolloutClient::connect(&srv.endpoint, t).unwrap();
+        for e in [
+            c.fetch().unwrap_err(),
+            c.update(WeightUpdate::build(u64::MAX, &contract, &new, 16 << 10))
+                .unwrap_err(),
+            c.shutdown().unwrap_err(),
+            c.info().unwrap_err(),
+        ] {
+            assert_eq!(e.refusal(), Some(Reason::Unauthenticated), "{e}");
+        }
+    }
+    srv.wait_line("call without a valid token refused");
+    let token = Token::from_file(&tok).unwrap();
+    let mut c = RolloutClient::connect(&srv.endpoint, Some(&token)).unwrap();
+    assert_eq!(c.info().unwrap().version, 0, "nothing changed");
+
+    let out = mxrl()
+        .args(rl_args(&model, &d.path().join("no-token")))
+        .arg("--rollout")
+        .arg(srv.endpoint.to_string())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Unauthenticated"), "{err}");
+    trainer_run(&model, &d.path().join("run"), &srv.endpoint, Some(&tok));
+    assert_eq!(c.info().unwrap().version, 3);
+}
+
+/// 1 000 connections that never speak: the server holds at most --max-connections of them,
+/// closes each after --idle-timeout, and a trainer run succeeds meanwhile.
+#[test]
+fn idle_connections_are_capped_and_closed_and_a_trainer_run_succeeds() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let sock = d.path().join("i.sock");
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        &format!("unix:{}", s(&sock)),
+        &["--max-connections", "64", "--idle-timeout", "2"],
+        None,
+    );
+    let mut idle = Vec::new();
+    for _ in 0..1000 {
+        idle.push(std::os::unix::net::UnixStream::connect(&sock).unwrap());
+    }
+    trainer_run(&model, &d.path().join("run"), &srv.endpoint, None);
+    // The first connections were accepted and then closed by the server for idleness.
+    let mut first = &idle[0];
+    first
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut b = [0u8; 64];
+    let mut closed = false;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30) {
+        match first.read(&mut b) {
+            Ok(0) | Err(_) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {}
+        }
+    }
+    assert!(closed, "an idle connection was never closed");
+}
+
+/// Out of file descriptors: `accept` fails with EMFILE; the server logs it, keeps retrying,
+/// and serves a trainer run once descriptors are free again.
+#[test]
+fn accept_errors_are_not_fatal() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let sock = d.path().join("e.sock");
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        &format!("unix:{}", s(&sock)),
+        &["--max-connections", "10000", "--idle-timeout", "600"],
+        Some(64),
+    );
+    let mut held = Vec::new();
+    for _ in 0..120 {
+        held.push(std::os::unix::net::UnixStream::connect(&sock).unwrap());
+    }
+    let line = srv.wait_line("accept failed");
+    assert!(line.contains("retrying"), "{line}");
+    drop(held);
+    trainer_run(&model, &d.path().join("run"), &srv.endpoint, None);
+}
+
+/// A trainer killed with SIGKILL takes its spawned server with it (the server watches a pipe
+/// only the trainer holds), and the rerun resumes from the checkpoint with a fresh server.
+#[test]
+fn a_spawned_server_dies_with_its_killed_trainer_and_the_rerun_resumes() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let run = d.path().join("run");
+    let mut args = rl_args(&model, &run);
+    let i = args.iter().position(|a| a == "--steps").unwrap();
+    args[i + 1] = "4".into();
+    args.extend(["--checkpoint-every".into(), "1".into()]);
+    let mut trainer = mxrl()
+        .args(&args)
+        .args(["--rollout", "spawn"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !run.join("checkpoint.safetensors").exists() {
+        assert!(
+            trainer.try_wait().unwrap().is_none(),
+            "the trainer ended before its first checkpoint"
+        );
+        assert!(t.elapsed() < Duration::from_secs(300), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    trainer.kill().unwrap(); // SIGKILL
+    trainer.wait().unwrap();
+    let log = run.join("rollout-server.log");
+    let t = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("mxrl rollout-server: shut down") && !run.join("rollout.sock").exists() {
+            assert!(text.contains("standard input closed"), "{text}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the orphaned server is still running: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = mxrl()
+        .args(&args)
+        .args(["--rollout", "spawn"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resuming from step"));
+    let ms = read_jsonl(&run.join("metrics.jsonl")).unwrap();
+    assert_eq!(ms.iter().map(|m| m.step).collect::<Vec<_>>(), [0, 1, 2, 3]);
+}
+
+/// `python3` with grpcio and grpcio-tools importable: as it is, or with both installed (pinned)
+/// into `target/pydeps` by pip. Fails loudly when neither works.
+fn python_with_grpc() -> (String, Option<PathBuf>) {
+    let ok = |pp: Option<&Path>| {
+        let mut c = Command::new("python3");
+        c.args(["-c", "import grpc, grpc_tools"]);
+        if let Some(p) = pp {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().map(|o| o.status.success()).unwrap_or(false)
+    };
+    if ok(None) {
+        return ("python3".into(), None);
+    }
+    let deps = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pydeps");
+    if !ok(Some(&deps)) {
+        let out = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--target"])
+            .arg(&deps)
+            .args(["grpcio==1.68.1", "grpcio-tools==1.68.1"])
+            .output()
+            .expect("running python3 -m pip (python3 with pip is needed for this test)");
+        assert!(
+            out.status.success() && ok(Some(&deps)),
+            "could not make grpcio and grpcio-tools importable (pip install into {}): {}{}",
+            deps.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    ("python3".into(), Some(deps))
+}
+
+/// The Python client (scripts/rollout_client.py, built from the same .proto at run time)
+/// drives a TCP server with its token: info, fetch, digest, an update of weights it changed
+/// itself, typed refusals, generate and score. The server then holds exactly the bytes the
+/// Python side sent, and samples as the Rust client does.
+#[test]
+fn the_python_client_drives_a_server() {
+    use std::os::unix::fs::PermissionsExt;
+    let (py, pythonpath) = python_with_grpc();
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let tok = d.path().join("token");
+    std::fs::write(&tok, "python-client-token-0123\n").unwrap();
+    std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        "tcp:127.0.0.1:0",
+        &["--token-file", s(&tok)],
+        None,
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/rollout_client.py");
+    let mut c = Command::new(&py);
+    c.arg(&script)
+        .args(["--address", &srv.endpoint.to_string()])
+        .args(["--token-file", s(&tok)])
+        .args(["--bucket-bytes", "4096", "selftest"]);
+    if let Some(p) = &pythonpath {
+        c.env("PYTHONPATH", p);
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["protocol"], mxrl_rl::server::PROTOCOL);
+    assert_eq!(
+        (r["version"].as_u64(), r["applied"].as_u64()),
+        (Some(0), Some(1))
+    );
+    for k in ["stale_refusal", "checksum_refusal", "vocab_refusal"] {
+        assert!(r[k].is_string(), "{k}: {r}");
+    }
+    assert_eq!(r["digest_version"], 1);
+
+    // The server holds the original export with every BF16 tensor negated by Python.
+    let token = Token::from_file(&tok).unwrap();
+    let mut rc = RolloutClient::connect(&srv.endpoint, Some(&token)).unwrap();
+    let (v, held) = rc.fetch().unwrap();
+    assert_eq!(v, 1);
+    let (m, _) = load_model_dir(&model).unwrap();
+    let mut want = build(&m, RECIPE).unwrap().trainer.export_weights().unwrap();
+    let mut negated = Vec::new();
+    for t in &mut want {
+        if t.format == mxrl_formats::Format::Bf16 {
+            for b in t.data.iter_mut().skip(1).step_by(2) {
+                *b ^= 0x80;
+            }
+            negated.push(serde_json::Value::from(t.name.clone()));
+        }
+    }
+    assert!(!negated.is_empty());
+    assert_eq!(r["negated"], serde_json::Value::from(negated));
+    check_equal(&held, &want).unwrap();
+    // Python's samples equal the Rust client's for the same request.
+    let cfg = mxrl_rl::SamplingConfig {
+        temperature: 0.8,
+        top_p: 1.0,
+        max_new_tokens: 4,
+    };
+    let (_, samples) = rc
+        .generate(&[vec![1, 2, 3], vec![4]], 2, &cfg, 0, 7)
+        .unwrap();
+    let py_samples: Vec<Vec<u32>> = serde_json::from_value(r["samples"].clone()).unwrap();
+    let py_lps: Vec<Vec<f64>> = serde_json::from_value(r["logprobs"].clone()).unwrap();
+    assert_eq!(
+        samples
+            .iter()
+            .map(|s| s.response.clone())
+            .collect::<Vec<_>>(),
+        py_samples
+    );
+    for (s, l) in samples.iter().zip(&py_lps) {
+        let bits: Vec<u32> = l.iter().map(|&x| (x as f32).to_bits()).collect();
+        assert_eq!(
+            s.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            bits
+        );
+    }
+}
+
+/// Readiness is "my child answered with my nonce", not "something listens": with a foreign
+/// server already on RUN_DIR/rollout.sock, `--rollout spawn` refuses to start (its child cannot
+/// bind there) instead of training against the stranger, and the stranger is untouched.
+#[test]
+fn rollout_spawn_never_adopts_a_server_it_did_not_start() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let run = d.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let stranger = Server::start(&model, RECIPE, &run.join("rollout.sock"));
+    let out = mxrl()
+        .args(rl_args(&model, &run))
+        .args(["--rollout", "spawn"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("another server is listening there") && err.contains("rollout-server.log"),
+        "{err}"
+    );
+    let mut c = RolloutClient::connect(&stranger.endpoint, None).unwrap();
+    let info = c.info().unwrap();
+    assert_eq!((info.version, info.instance.as_str()), (0, ""));
+    assert!(!run.join("metrics.jsonl").exists());
 }

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod moe;
 pub mod optim;
 pub mod policy;
+pub mod proto;
 pub mod report;
 pub mod runner;
 pub mod sampling;

@@ -1,100 +1,61 @@
-//! The rollout engine in its own process: a server that serves any [`RolloutPolicy`] over a
-//! byte stream (Unix socket or TCP), and [`RemoteRollout`], a client that is itself a
-//! [`RolloutPolicy`], so the RL loop ([`crate::runner::RlRun`]) drives a rollout engine in
-//! another process without knowing it.
+//! The rollout engine in its own process: a gRPC service (`proto/rollout.proto`, served with
+//! tonic) for any [`RolloutPolicy`] over a Unix socket or TCP, and [`RemoteRollout`], a client
+//! that is itself a [`RolloutPolicy`], so the RL loop ([`crate::runner::RlRun`]) drives a
+//! rollout engine in another process — or one written against the same `.proto` in another
+//! language — without knowing it.
 //!
-//! # Protocol
+//! # Design
 //!
-//! Every message is a frame of the weight-sync framing ([`crate::sync::write_frame`]):
-//! `b"MXWU" | kind: u8 | len: u64 LE | payload`. A connection carries any number of
-//! exchanges, one at a time; the client always speaks first and the server answers each
-//! request with exactly one frame.
-//!
-//! | request (client → server) | payload | answer (server → client) |
-//! |---|---|---|
-//! | [`K_INFO`] (5) | empty | [`K_INFO_REPLY`] (6): JSON [`ServerInfo`] |
-//! | [`K_GENERATE`] (7) | binary generate request | [`K_SAMPLES`] (8): `version: u64` + samples |
-//! | [`K_SCORE`] (9) | binary score request | [`K_LOGPROBS`] (10): `version: u64` + logprobs |
-//! | [`K_DIGEST`] (11) | empty | [`K_DIGEST_REPLY`] (12): JSON [`WeightsDigest`] |
-//! | [`K_FETCH`] (13) | empty | [`K_WEIGHTS`] (14): `version: u64` + serialized tensors |
-//! | [`K_SHUTDOWN`] (15) | empty | [`K_BYE`] (16): empty; the server stops accepting |
-//! | weight update: [`K_HEADER`] (1), [`K_BUCKET`] (2) × n, [`K_COMMIT`] (3) | as in [`crate::sync`] | [`K_ACK`] (4): JSON [`Ack`] |
-//!
-//! A request the server cannot carry out is answered with [`K_ERROR`] (17, UTF-8 message);
-//! the connection stays usable. Binary payloads are little-endian: a `u32`/`f32` list is
-//! `count: u64` then the values (f32 as IEEE bits, so logprobs and routing weights cross the
-//! socket exactly); an optional routing trace or probe set is a `0`/`1` byte then its fields.
-//! Weight buckets keep the binary tensor records of [`crate::sync`].
-//!
-//! # Weight updates and failures
-//!
-//! The server checks an update exactly as the in-process [`RolloutEngine`] does: the header's
-//! contract hash must equal the server's (else the update is refused), every bucket's SHA-256
-//! and index are verified, the commit must name the header's version, all buckets must be
-//! present, the version must be newer than the one served, and the policy validates every
-//! tensor before it swaps anything. Buckets are assembled outside the engine's lock, so
-//! generation continues on the old version while an update streams in.
-//!
-//! - A refused update (bad hash, checksum, stale version, wrong tensors) is drained up to its
-//!   commit frame and answered with an [`Ack`] carrying the error and the version still served;
-//!   the connection stays in sync and usable.
-//! - A connection that drops mid-update (before the commit frame) changes nothing: the partial
-//!   update is discarded and the server keeps serving its previous version to every client.
-//! - The weight version only advances: a server that served a run up to version `v` refuses a
-//!   new run's version 1. Start a fresh server per run (`mxrl rl --rollout spawn` does).
-//!
-//! `--check-weight-sync` over the socket compares per-tensor SHA-256 digests of data, scales
-//! and amax computed by the server from the bytes it holds ([`K_DIGEST`]) with digests of the
-//! trainer's export; [`K_FETCH`] returns the held bytes themselves.
+//! - **The engine runs on its own thread** and owns the policy; the async runtime only moves
+//!   requests. Generate, score, fetch and install are jobs sent to that thread, each run under
+//!   `catch_unwind`: a panic is answered as `ENGINE_ERROR` and the engine keeps serving. `Info`,
+//!   `Digest` and health read a snapshot the engine thread refreshes after every applied
+//!   update, so a long generation never blocks them.
+//! - **Limits are checked before anything is allocated or queued** ([`Limits`]): each of the
+//!   three services has its own message size limit (enforced by tonic from the length prefix,
+//!   before buffering); a weight update's header is bounded by the model's tensor count and
+//!   weight bytes, and its buckets may not exceed what the header announced; generate and score
+//!   requests are bounded in sequences, lengths and token ids, and routing traces must fit the
+//!   model exactly. Every refusal is a gRPC status plus a typed [`pb::Refusal`] in the binary
+//!   trailer `mxrl-refusal-bin` (reason, served version, the limit), and the connection stays
+//!   usable.
+//! - **Authentication**: on TCP every call must carry `authorization: Bearer <token>` (compared
+//!   in constant time; the server refuses to start on TCP without a token, and only listens on
+//!   loopback addresses: TLS is not implemented). A Unix socket is created owner-only (0600)
+//!   and needs no token.
+//! - **Connections** are capped (`max_connections`; further peers wait in the listen backlog),
+//!   capped in concurrent calls each, and closed after `idle_timeout` without a byte from the
+//!   peer (the Rust and Python clients send HTTP/2 keep-alive pings). An `accept` error
+//!   (EMFILE, ...) is logged and retried, never fatal.
+//! - **Weight updates keep the in-process semantics** of [`crate::sync`]: the contract hash,
+//!   SHA-256 per bucket, versions only forward, atomic apply at an explicit commit. A stream
+//!   that ends before its commit, or any refusal, changes nothing.
 
 use crate::policy::{
     LayerProbes, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig, TrainSeq,
     WireTensor,
 };
+use crate::proto as pb;
 use crate::sync::{
-    deserialize_tensors, read_frame, read_frame_opt, serialize_tensor, sha256, write_frame,
-    write_update, Ack, ApplyReport, Bucket, RolloutEngine, SyncError, UpdateAssembler,
-    UpdateHeader, WeightUpdate, K_ACK, K_BUCKET, K_COMMIT, K_HEADER,
+    format_from_proto, format_to_proto, sha256, Bucket, RolloutEngine, SyncError, UpdateAssembler,
+    UpdateHeader, WeightUpdate,
 };
 use mxrl_formats::Format;
+use pb::refusal::Reason;
+use prost::Message;
 use serde::{Deserialize, Serialize};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::pin::Pin;
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
+use tonic::{Code, Request, Response, Status};
 
-/// Frame kind: server information request (empty).
-pub const K_INFO: u8 = 5;
-/// Frame kind: server information (JSON [`ServerInfo`]).
-pub const K_INFO_REPLY: u8 = 6;
-/// Frame kind: generate request (binary).
-pub const K_GENERATE: u8 = 7;
-/// Frame kind: generated samples (binary).
-pub const K_SAMPLES: u8 = 8;
-/// Frame kind: score request (binary).
-pub const K_SCORE: u8 = 9;
-/// Frame kind: scored logprobs (binary).
-pub const K_LOGPROBS: u8 = 10;
-/// Frame kind: weight digest request (empty).
-pub const K_DIGEST: u8 = 11;
-/// Frame kind: weight digests (JSON [`WeightsDigest`]).
-pub const K_DIGEST_REPLY: u8 = 12;
-/// Frame kind: weight fetch request (empty).
-pub const K_FETCH: u8 = 13;
-/// Frame kind: held weights (`version: u64 LE` + serialized tensors).
-pub const K_WEIGHTS: u8 = 14;
-/// Frame kind: shutdown request (empty).
-pub const K_SHUTDOWN: u8 = 15;
-/// Frame kind: shutdown acknowledged (empty).
-pub const K_BYE: u8 = 16;
-/// Frame kind: a request failed (UTF-8 message).
-pub const K_ERROR: u8 = 17;
-
-/// Protocol revision reported in [`ServerInfo`].
-pub const PROTOCOL: u32 = 1;
+/// Protocol revision reported in `InfoReply.protocol` (the revision of `proto/rollout.proto`).
+pub const PROTOCOL: u32 = 2;
 
 /// Errors of the rollout server and its client. Every message names the peer.
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +63,16 @@ pub enum ServerError {
     /// An address that is neither `unix:PATH` nor `tcp:HOST:PORT`.
     #[error("rollout address `{0}`: expected unix:PATH or tcp:HOST:PORT")]
     Address(String),
-    /// A socket operation failed.
+    /// A configuration the server or client refuses (no token on TCP, a token file readable
+    /// by others, a non-loopback address).
+    #[error("rollout server {peer}: {msg}")]
+    Config {
+        /// The address.
+        peer: String,
+        /// What is wrong and how to fix it.
+        msg: String,
+    },
+    /// A socket or runtime operation failed.
     #[error("rollout server {peer}: {what}: {msg}")]
     Io {
         /// The peer or listening address.
@@ -112,7 +82,7 @@ pub enum ServerError {
         /// The error.
         msg: String,
     },
-    /// The peer sent something other than what the protocol expects.
+    /// The peer answered something the protocol does not allow.
     #[error("rollout server {peer}: {msg}")]
     Protocol {
         /// The peer.
@@ -120,19 +90,24 @@ pub enum ServerError {
         /// What was expected and what arrived.
         msg: String,
     },
-    /// The server could not carry out a request.
-    #[error("rollout server {peer}: {request} failed: {msg}")]
+    /// A call failed: the gRPC status and, when the server refused it, the typed refusal.
+    #[error("rollout server {peer}: {request} failed ({code:?}{}): {msg}",
+        refusal.as_ref().map(|r| format!(", {:?}, serving v{}", r.reason(), r.serving_version)).unwrap_or_default())]
     Remote {
         /// The server.
         peer: String,
-        /// The request.
+        /// The call.
         request: String,
-        /// The server's message.
+        /// gRPC status code.
+        code: Code,
+        /// The server's (or the transport's) message.
         msg: String,
+        /// The typed refusal of the `mxrl-refusal-bin` trailer, when the server sent one.
+        refusal: Option<Box<pb::Refusal>>,
     },
     /// The server refused a weight update; it still serves `serving`.
     #[error(
-        "rollout server {peer} refused weight update v{version} (still serving v{serving}): {msg}"
+        "rollout server {peer} refused weight update v{version} (still serving v{serving}, {reason:?}): {msg}"
     )]
     Refused {
         /// The server.
@@ -141,7 +116,9 @@ pub enum ServerError {
         version: u64,
         /// Version the server serves.
         serving: u64,
-        /// The server's reason.
+        /// Why, as a type.
+        reason: Reason,
+        /// The server's message.
         msg: String,
     },
     /// The server was built under another quantizer contract.
@@ -154,6 +131,17 @@ pub enum ServerError {
         /// Ours.
         ours: String,
     },
+}
+
+impl ServerError {
+    /// The typed refusal of a failed call, if the server sent one.
+    pub fn refusal(&self) -> Option<Reason> {
+        match self {
+            ServerError::Remote { refusal, .. } => refusal.as_ref().map(|r| r.reason()),
+            ServerError::Refused { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
 }
 
 /// Where a rollout server listens: `unix:PATH` or `tcp:HOST:PORT`.
@@ -192,56 +180,518 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
-/// A connected byte stream (either transport).
-#[derive(Debug)]
-pub enum Stream {
-    /// Unix domain socket.
-    Unix(UnixStream),
-    /// TCP (Nagle off).
-    Tcp(TcpStream),
-}
-
-impl Stream {
-    /// Connect to `ep`.
-    pub fn connect(ep: &Endpoint) -> Result<Stream, ServerError> {
-        let io = |e: std::io::Error| ServerError::Io {
+/// Resolve a TCP address and require every resolved address to be loopback (TLS is not
+/// implemented, so a token never crosses a network).
+fn loopback_only(ep: &Endpoint, addr: &str) -> Result<Vec<std::net::SocketAddr>, ServerError> {
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| ServerError::Io {
             peer: ep.to_string(),
-            what: "connect".into(),
+            what: "resolve".into(),
             msg: e.to_string(),
+        })?
+        .collect();
+    if addrs.is_empty() || addrs.iter().any(|a| !a.ip().is_loopback()) {
+        return Err(ServerError::Config {
+            peer: ep.to_string(),
+            msg: format!(
+                "resolves to {addrs:?}: TCP is only served and used on loopback addresses \
+                 (127.0.0.1, ::1), TLS is not implemented; use a Unix socket or an SSH tunnel"
+            ),
+        });
+    }
+    Ok(addrs)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token.
+
+/// The shared secret of a TCP rollout server (`--token-file`). Its `Debug` form hides it.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<hidden>)")
+    }
+}
+
+/// Fewest bytes a token may have.
+pub const MIN_TOKEN_BYTES: usize = 16;
+
+impl Token {
+    /// A token from its text (surrounding whitespace removed): at least [`MIN_TOKEN_BYTES`]
+    /// visible ASCII characters.
+    pub fn new(text: &str) -> Result<Token, String> {
+        let t = text.trim();
+        if t.len() < MIN_TOKEN_BYTES {
+            return Err(format!(
+                "the token has {} characters, at least {MIN_TOKEN_BYTES} are required",
+                t.len()
+            ));
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the token must be visible ASCII characters only".into());
+        }
+        Ok(Token(t.to_string()))
+    }
+
+    /// Read a token file: owner-only permissions (no group/other bits) and the rules of
+    /// [`Token::new`]; errors name the file.
+    pub fn from_file(path: &Path) -> Result<Token, ServerError> {
+        use std::os::unix::fs::PermissionsExt;
+        let err = |msg: String| ServerError::Config {
+            peer: format!("token file {}", path.display()),
+            msg,
         };
-        Ok(match ep {
-            Endpoint::Unix(p) => Stream::Unix(UnixStream::connect(p).map_err(io)?),
-            Endpoint::Tcp(a) => {
-                let s = TcpStream::connect(a.as_str()).map_err(io)?;
-                s.set_nodelay(true).map_err(io)?;
-                Stream::Tcp(s)
-            }
-        })
+        let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(err(format!(
+                "mode {mode:o} lets other users read the token; run chmod 600 on it"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        Token::new(&text).map_err(err)
+    }
+
+    /// Whether `presented` is this token; constant time in the token's content (both sides
+    /// are hashed first, so lengths do not leak either).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        sha256(self.0.as_bytes()).ct_eq(&sha256(presented)).into()
+    }
+
+    fn header(&self) -> MetadataValue<Ascii> {
+        format!("Bearer {}", self.0)
+            .parse()
+            .expect("a visible-ASCII token is a valid header value")
     }
 }
 
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.read(buf),
-            Stream::Tcp(s) => s.read(buf),
+// ---------------------------------------------------------------------------------------------
+// Limits.
+
+/// The model facts a request is validated against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// MoE layers a routing trace must have (0: dense, no trace accepted).
+    pub moe_layers: usize,
+    /// Experts per token of a routing trace.
+    pub top_k: usize,
+    /// Expert ids must be below this.
+    pub num_experts: usize,
+}
+
+impl ModelShape {
+    /// The shape of a model configuration.
+    pub fn of(cfg: &mxrl_model::ModelConfig) -> ModelShape {
+        let moe_layers = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).count();
+        ModelShape {
+            vocab_size: cfg.vocab_size,
+            moe_layers,
+            top_k: if moe_layers > 0 {
+                cfg.num_experts_per_tok
+            } else {
+                0
+            },
+            num_experts: cfg.num_experts,
         }
     }
 }
 
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write(buf),
-            Stream::Tcp(s) => s.write(buf),
+/// What a server accepts (mirrors `Limits` of the `.proto`); anything larger is refused with
+/// `RESOURCE_EXHAUSTED` / `LIMIT_EXCEEDED` before it is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest bucket payload (bytes).
+    pub max_bucket_bytes: u64,
+    /// Largest total payload of one update (bytes).
+    pub max_update_bytes: u64,
+    /// Largest update tensor count (the model's tensor count).
+    pub max_tensors: u64,
+    /// Largest Generate/Score request message (bytes).
+    pub max_request_bytes: u64,
+    /// Largest `prompts × n` of a Generate call, and sequences of a Score call.
+    pub max_sequences: u64,
+    /// Largest `max_new_tokens`.
+    pub max_new_tokens: u64,
+    /// Largest prompt + response length.
+    pub max_sequence_length: u64,
+    /// The model.
+    pub model: ModelShape,
+}
+
+/// Default bucket limit floor (256 MiB); raised to the largest tensor when that is larger.
+pub const DEFAULT_MAX_BUCKET_BYTES: u64 = 256 << 20;
+/// Default sequence length limit (prompt + response), in tokens.
+pub const DEFAULT_MAX_SEQUENCE_LENGTH: u64 = 4096;
+/// Default limit of sequences per Generate/Score call.
+pub const DEFAULT_MAX_SEQUENCES: u64 = 4096;
+/// Default Generate/Score request size limit (64 MiB).
+pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
+/// Size limit of a control request (Info, Digest, Fetch, Shutdown).
+pub const CONTROL_REQUEST_BYTES: usize = 1 << 10;
+/// Framing a bucket message may add to its payload.
+pub const BUCKET_FRAMING_BYTES: u64 = 1 << 10;
+
+impl Limits {
+    /// Defaults for a model holding `weights`: a bucket holds at least its largest tensor, an
+    /// update at most the model's tensors and their bytes (plus per-tensor framing).
+    pub fn for_model(model: ModelShape, weights: &[WireTensor]) -> Limits {
+        let record = |t: &WireTensor| t.byte_len() + t.name.len() + 64 + 10 * t.shape.len();
+        let largest = weights.iter().map(record).max().unwrap_or(0) as u64;
+        let total: u64 = weights.iter().map(|t| record(t) as u64).sum();
+        Limits {
+            max_bucket_bytes: DEFAULT_MAX_BUCKET_BYTES.max(largest),
+            max_update_bytes: total + (1 << 20),
+            max_tensors: weights.len() as u64,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_sequences: DEFAULT_MAX_SEQUENCES,
+            max_new_tokens: DEFAULT_MAX_SEQUENCE_LENGTH,
+            max_sequence_length: DEFAULT_MAX_SEQUENCE_LENGTH,
+            model,
         }
     }
-    fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Stream::Unix(s) => s.flush(),
-            Stream::Tcp(s) => s.flush(),
+
+    fn to_proto(self) -> pb::Limits {
+        pb::Limits {
+            max_bucket_bytes: self.max_bucket_bytes,
+            max_update_bytes: self.max_update_bytes,
+            max_request_bytes: self.max_request_bytes,
+            max_sequences: self.max_sequences,
+            max_new_tokens: self.max_new_tokens,
+            max_sequence_length: self.max_sequence_length,
+            vocab_size: self.model.vocab_size as u64,
+            moe_layers: self.model.moe_layers as u64,
+            top_k: self.model.top_k as u64,
+            num_experts: self.model.num_experts as u64,
         }
     }
+}
+
+/// A refused request: what to answer, before the served version is filled in.
+#[derive(Debug, Clone, PartialEq)]
+struct Refuse {
+    code: Code,
+    reason: Reason,
+    msg: String,
+    limit: Option<(&'static str, u64)>,
+}
+
+impl Refuse {
+    fn invalid(msg: String) -> Refuse {
+        Refuse {
+            code: Code::InvalidArgument,
+            reason: Reason::InvalidRequest,
+            msg,
+            limit: None,
+        }
+    }
+    fn limit(name: &'static str, limit: u64, msg: String) -> Refuse {
+        Refuse {
+            code: Code::ResourceExhausted,
+            reason: Reason::LimitExceeded,
+            msg,
+            limit: Some((name, limit)),
+        }
+    }
+    fn status(self, serving: u64) -> Status {
+        let r = pb::Refusal {
+            reason: self.reason as i32,
+            serving_version: serving,
+            limit: self.limit.map_or(0, |l| l.1),
+            limit_name: self.limit.map_or(String::new(), |l| l.0.to_string()),
+        };
+        let mut md = MetadataMap::new();
+        md.insert_bin(
+            pb::REFUSAL_TRAILER,
+            tonic::metadata::MetadataValue::from_bytes(&r.encode_to_vec()),
+        );
+        Status::with_metadata(self.code, self.msg, md)
+    }
+}
+
+fn check_tokens(l: &Limits, what: &str, ids: &[u32]) -> Result<(), Refuse> {
+    if let Some(&t) = ids.iter().find(|&&t| t as usize >= l.model.vocab_size) {
+        return Err(Refuse::invalid(format!(
+            "{what}: token id {t} is outside the vocabulary of {}",
+            l.model.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+fn check_sampling(l: &Limits, s: Option<&pb::SamplingConfig>) -> Result<SamplingConfig, Refuse> {
+    let s = s.ok_or_else(|| Refuse::invalid("generate: no sampling config".into()))?;
+    if !(s.temperature.is_finite() && s.temperature > 0.0) {
+        return Err(Refuse::invalid(format!(
+            "generate: temperature {} (expected a finite value > 0)",
+            s.temperature
+        )));
+    }
+    if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+        return Err(Refuse::invalid(format!(
+            "generate: top_p {} (expected 0 < top_p <= 1)",
+            s.top_p
+        )));
+    }
+    if s.max_new_tokens > l.max_new_tokens {
+        return Err(Refuse::limit(
+            "max_new_tokens",
+            l.max_new_tokens,
+            format!(
+                "generate: max_new_tokens {} exceeds the limit {}",
+                s.max_new_tokens, l.max_new_tokens
+            ),
+        ));
+    }
+    Ok(SamplingConfig {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        max_new_tokens: s.max_new_tokens as usize,
+    })
+}
+
+/// A validated generate request.
+struct GenJob {
+    prompts: Vec<Vec<u32>>,
+    n: usize,
+    cfg: SamplingConfig,
+    eos: u32,
+    seed: u64,
+}
+
+fn check_generate(l: &Limits, r: pb::GenerateRequest) -> Result<GenJob, Refuse> {
+    let cfg = check_sampling(l, r.sampling.as_ref())?;
+    let total = (r.prompts.len() as u64).checked_mul(r.n);
+    if total.is_none_or(|t| t > l.max_sequences) {
+        return Err(Refuse::limit(
+            "max_sequences",
+            l.max_sequences,
+            format!(
+                "generate: {} prompts × n = {} samples exceeds the limit {}",
+                r.prompts.len(),
+                r.n,
+                l.max_sequences
+            ),
+        ));
+    }
+    if r.eos as usize >= l.model.vocab_size {
+        return Err(Refuse::invalid(format!(
+            "generate: eos {} is outside the vocabulary of {}",
+            r.eos, l.model.vocab_size
+        )));
+    }
+    for (i, p) in r.prompts.iter().enumerate() {
+        if p.ids.is_empty() {
+            return Err(Refuse::invalid(format!("generate: prompt {i} is empty")));
+        }
+        let len = p.ids.len() as u64 + cfg.max_new_tokens as u64;
+        if len > l.max_sequence_length {
+            return Err(Refuse::limit(
+                "max_sequence_length",
+                l.max_sequence_length,
+                format!(
+                    "generate: prompt {i} of {} tokens + max_new_tokens {} exceeds the \
+                     sequence length limit {}",
+                    p.ids.len(),
+                    cfg.max_new_tokens,
+                    l.max_sequence_length
+                ),
+            ));
+        }
+        check_tokens(l, &format!("generate: prompt {i}"), &p.ids)?;
+    }
+    Ok(GenJob {
+        prompts: r.prompts.into_iter().map(|p| p.ids).collect(),
+        n: r.n as usize,
+        cfg,
+        eos: r.eos,
+        seed: r.seed,
+    })
+}
+
+/// An owned, validated [`TrainSeq`].
+struct OwnedSeq {
+    prompt: Vec<u32>,
+    response: Vec<u32>,
+    replay: Option<RoutingTrace>,
+}
+
+/// A routing trace must fit the model exactly: its layers and top-k, one entry per position
+/// fed to the model (`positions`), expert ids below the expert count, finite weights.
+fn check_trace(
+    l: &Limits,
+    what: &str,
+    t: pb::RoutingTrace,
+    positions: usize,
+) -> Result<RoutingTrace, Refuse> {
+    let m = &l.model;
+    if m.moe_layers == 0 {
+        return Err(Refuse::invalid(format!(
+            "{what}: a routing trace for a model without MoE layers"
+        )));
+    }
+    if t.layers != m.moe_layers as u64 || t.top_k != m.top_k as u64 {
+        return Err(Refuse::invalid(format!(
+            "{what}: routing trace of {} layers × top-{} (the model has {} MoE layers, top-{})",
+            t.layers, t.top_k, m.moe_layers, m.top_k
+        )));
+    }
+    let want = positions * m.moe_layers * m.top_k;
+    if t.ids.len() != want || t.weights.len() != want {
+        return Err(Refuse::invalid(format!(
+            "{what}: routing trace with {} ids and {} weights, expected {want} ({positions} \
+             positions × {} layers × top-{})",
+            t.ids.len(),
+            t.weights.len(),
+            m.moe_layers,
+            m.top_k
+        )));
+    }
+    if let Some(&e) = t.ids.iter().find(|&&e| e as usize >= m.num_experts) {
+        return Err(Refuse::invalid(format!(
+            "{what}: routing trace names expert {e}, the model has {}",
+            m.num_experts
+        )));
+    }
+    if t.weights.iter().any(|w| !w.is_finite()) {
+        return Err(Refuse::invalid(format!(
+            "{what}: routing trace has a non-finite weight"
+        )));
+    }
+    Ok(RoutingTrace {
+        layers: m.moe_layers,
+        top_k: m.top_k,
+        ids: t.ids,
+        weights: t.weights,
+    })
+}
+
+fn check_score(l: &Limits, r: pb::ScoreRequest) -> Result<(f32, Vec<OwnedSeq>), Refuse> {
+    if !(r.temperature.is_finite() && r.temperature > 0.0) {
+        return Err(Refuse::invalid(format!(
+            "score: temperature {} (expected a finite value > 0)",
+            r.temperature
+        )));
+    }
+    if r.sequences.len() as u64 > l.max_sequences {
+        return Err(Refuse::limit(
+            "max_sequences",
+            l.max_sequences,
+            format!(
+                "score: {} sequences exceeds the limit {}",
+                r.sequences.len(),
+                l.max_sequences
+            ),
+        ));
+    }
+    let with_replay = r.sequences.iter().filter(|s| s.replay.is_some()).count();
+    if with_replay != 0 && with_replay != r.sequences.len() {
+        return Err(Refuse::invalid(format!(
+            "score: {with_replay} of {} sequences carry a routing trace (all or none)",
+            r.sequences.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(r.sequences.len());
+    for (i, s) in r.sequences.into_iter().enumerate() {
+        let what = format!("score: sequence {i}");
+        if s.prompt.is_empty() || s.response.is_empty() {
+            return Err(Refuse::invalid(format!(
+                "{what}: prompt of {} and response of {} tokens (both must be non-empty)",
+                s.prompt.len(),
+                s.response.len()
+            )));
+        }
+        let len = s.prompt.len() + s.response.len();
+        if len as u64 > l.max_sequence_length {
+            return Err(Refuse::limit(
+                "max_sequence_length",
+                l.max_sequence_length,
+                format!(
+                    "{what}: {len} tokens exceeds the sequence length limit {}",
+                    l.max_sequence_length
+                ),
+            ));
+        }
+        check_tokens(l, &what, &s.prompt)?;
+        check_tokens(l, &what, &s.response)?;
+        let replay = match s.replay {
+            None => None,
+            Some(t) => Some(check_trace(l, &what, t, len - 1)?),
+        };
+        out.push(OwnedSeq {
+            prompt: s.prompt,
+            response: s.response,
+            replay,
+        });
+    }
+    Ok((r.temperature, out))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions.
+
+fn trace_to_proto(t: RoutingTrace) -> pb::RoutingTrace {
+    pb::RoutingTrace {
+        layers: t.layers as u64,
+        top_k: t.top_k as u64,
+        ids: t.ids,
+        weights: t.weights,
+    }
+}
+
+fn sample_to_proto(s: Sample) -> pb::Sample {
+    pb::Sample {
+        prompt_index: s.prompt_index as u64,
+        prompt: s.prompt,
+        response: s.response,
+        logprobs: s.logprobs,
+        routing: s.routing.map(trace_to_proto),
+        probes: s.probes.map(|p| pb::LayerProbes {
+            layers: p.layers as u64,
+            width: p.width as u64,
+            values: p.values,
+        }),
+    }
+}
+
+fn usize_of(v: u64, what: &str) -> Result<usize, String> {
+    usize::try_from(v).map_err(|_| format!("{what} {v} does not fit this machine"))
+}
+
+fn sample_from_proto(s: pb::Sample) -> Result<Sample, String> {
+    Ok(Sample {
+        prompt_index: usize_of(s.prompt_index, "prompt index")?,
+        prompt: s.prompt,
+        response: s.response,
+        logprobs: s.logprobs,
+        routing: s
+            .routing
+            .map(|t| {
+                Ok::<_, String>(RoutingTrace {
+                    layers: usize_of(t.layers, "routing layers")?,
+                    top_k: usize_of(t.top_k, "routing top-k")?,
+                    ids: t.ids,
+                    weights: t.weights,
+                })
+            })
+            .transpose()?,
+        probes: s
+            .probes
+            .map(|p| {
+                Ok::<_, String>(LayerProbes {
+                    layers: usize_of(p.layers, "probe layers")?,
+                    width: usize_of(p.width, "probe width")?,
+                    values: p.values,
+                })
+            })
+            .transpose()?,
+    })
 }
 
 /// What a server says about itself.
@@ -261,6 +711,10 @@ pub struct ServerInfo {
     pub tensors: usize,
     /// Weight bytes held (data + scales + amax).
     pub weight_bytes: u64,
+    /// The nonce the server was started with (empty when none).
+    pub instance: String,
+    /// Largest bucket payload the server accepts.
+    pub max_bucket_bytes: u64,
 }
 
 /// SHA-256 digests of one held tensor.
@@ -284,18 +738,32 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+fn amax_bytes(t: &WireTensor) -> Vec<u8> {
+    t.amax.iter().flat_map(|a| a.to_le_bytes()).collect()
+}
+
 impl TensorDigest {
     /// Digests of `t`.
     pub fn of(t: &WireTensor) -> TensorDigest {
-        let amax: Vec<u8> = t.amax.iter().flat_map(|a| a.to_le_bytes()).collect();
         TensorDigest {
             name: t.name.clone(),
             format: t.format,
             shape: t.shape.clone(),
             data: hex(&sha256(&t.data)),
             scales: hex(&sha256(&t.scales)),
-            amax: hex(&sha256(&amax)),
+            amax: hex(&sha256(&amax_bytes(t))),
         }
+    }
+}
+
+fn digest_to_proto(t: &WireTensor) -> pb::TensorDigest {
+    pb::TensorDigest {
+        name: t.name.clone(),
+        format: format_to_proto(t.format) as i32,
+        shape: t.shape.iter().map(|&d| d as u64).collect(),
+        data_sha256: sha256(&t.data).to_vec(),
+        scales_sha256: sha256(&t.scales).to_vec(),
+        amax_sha256: sha256(&amax_bytes(t)).to_vec(),
     }
 }
 
@@ -352,331 +820,23 @@ pub fn check_digests(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Binary payloads.
-
-#[derive(Default)]
-struct Enc(Vec<u8>);
-
-impl Enc {
-    fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn len(&mut self, v: usize) {
-        self.u64(v as u64);
-    }
-    fn f32(&mut self, v: f32) {
-        self.u32(v.to_bits());
-    }
-    fn u32s(&mut self, v: &[u32]) {
-        self.len(v.len());
-        for &x in v {
-            self.u32(x);
-        }
-    }
-    fn f32s(&mut self, v: &[f32]) {
-        self.len(v.len());
-        for &x in v {
-            self.f32(x);
-        }
-    }
-    fn routing(&mut self, r: Option<&RoutingTrace>) {
-        match r {
-            None => self.u8(0),
-            Some(t) => {
-                self.u8(1);
-                self.len(t.layers);
-                self.len(t.top_k);
-                self.u32s(&t.ids);
-                self.f32s(&t.weights);
-            }
-        }
-    }
-    fn probes(&mut self, p: Option<&LayerProbes>) {
-        match p {
-            None => self.u8(0),
-            Some(p) => {
-                self.u8(1);
-                self.len(p.layers);
-                self.len(p.width);
-                self.f32s(&p.values);
-            }
-        }
-    }
-}
-
-struct Dec<'a> {
-    b: &'a [u8],
-    at: usize,
-    what: &'static str,
-}
-
-impl<'a> Dec<'a> {
-    fn new(b: &'a [u8], what: &'static str) -> Self {
-        Dec { b, at: 0, what }
-    }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
-        let Some(end) = end else {
-            return Err(format!(
-                "{}: truncated at byte {} of {} (needed {n} more)",
-                self.what,
-                self.at,
-                self.b.len()
-            ));
-        };
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-    fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-    fn len(&mut self) -> Result<usize, String> {
-        let v = self.u64()?;
-        usize::try_from(v).map_err(|_| format!("{}: count {v} too large", self.what))
-    }
-    /// A count of `width`-byte items that must fit in the rest of the payload.
-    fn count(&mut self, width: usize) -> Result<usize, String> {
-        let n = self.len()?;
-        let left = self.b.len() - self.at;
-        if n.checked_mul(width).is_none_or(|need| need > left) {
-            return Err(format!(
-                "{}: count {n} at byte {} exceeds the {left} bytes left",
-                self.what, self.at
-            ));
-        }
-        Ok(n)
-    }
-    fn f32(&mut self) -> Result<f32, String> {
-        Ok(f32::from_bits(self.u32()?))
-    }
-    fn u32s(&mut self) -> Result<Vec<u32>, String> {
-        let n = self.count(4)?;
-        (0..n).map(|_| self.u32()).collect()
-    }
-    fn f32s(&mut self) -> Result<Vec<f32>, String> {
-        let n = self.count(4)?;
-        (0..n).map(|_| self.f32()).collect()
-    }
-    fn flag(&mut self) -> Result<bool, String> {
-        match self.u8()? {
-            0 => Ok(false),
-            1 => Ok(true),
-            x => Err(format!(
-                "{}: option flag {x} at byte {} (expected 0 or 1)",
-                self.what,
-                self.at - 1
-            )),
-        }
-    }
-    fn routing(&mut self) -> Result<Option<RoutingTrace>, String> {
-        if !self.flag()? {
-            return Ok(None);
-        }
-        Ok(Some(RoutingTrace {
-            layers: self.len()?,
-            top_k: self.len()?,
-            ids: self.u32s()?,
-            weights: self.f32s()?,
-        }))
-    }
-    fn probes(&mut self) -> Result<Option<LayerProbes>, String> {
-        if !self.flag()? {
-            return Ok(None);
-        }
-        Ok(Some(LayerProbes {
-            layers: self.len()?,
-            width: self.len()?,
-            values: self.f32s()?,
-        }))
-    }
-    fn end(&self) -> Result<(), String> {
-        if self.at != self.b.len() {
-            return Err(format!(
-                "{}: {} trailing bytes",
-                self.what,
-                self.b.len() - self.at
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// A decoded generate request.
-struct GenerateRequest {
-    prompts: Vec<Vec<u32>>,
-    n: usize,
-    cfg: SamplingConfig,
-    eos: u32,
-    seed: u64,
-}
-
-fn encode_generate(
-    prompts: &[Vec<u32>],
-    n: usize,
-    cfg: &SamplingConfig,
-    eos: u32,
-    seed: u64,
-) -> Vec<u8> {
-    let mut e = Enc::default();
-    e.len(n);
-    e.u32(eos);
-    e.u64(seed);
-    e.f32(cfg.temperature);
-    e.f32(cfg.top_p);
-    e.len(cfg.max_new_tokens);
-    e.len(prompts.len());
-    for p in prompts {
-        e.u32s(p);
-    }
-    e.0
-}
-
-fn decode_generate(b: &[u8]) -> Result<GenerateRequest, String> {
-    let mut d = Dec::new(b, "generate request");
-    let n = d.len()?;
-    let eos = d.u32()?;
-    let seed = d.u64()?;
-    let cfg = SamplingConfig {
-        temperature: d.f32()?,
-        top_p: d.f32()?,
-        max_new_tokens: d.len()?,
-    };
-    let np = d.count(8)?;
-    let prompts = (0..np).map(|_| d.u32s()).collect::<Result<_, _>>()?;
-    d.end()?;
-    Ok(GenerateRequest {
-        prompts,
-        n,
-        cfg,
-        eos,
-        seed,
-    })
-}
-
-fn encode_samples(version: u64, samples: &[Sample]) -> Vec<u8> {
-    let mut e = Enc::default();
-    e.u64(version);
-    e.len(samples.len());
-    for s in samples {
-        e.len(s.prompt_index);
-        e.u32s(&s.prompt);
-        e.u32s(&s.response);
-        e.f32s(&s.logprobs);
-        e.routing(s.routing.as_ref());
-        e.probes(s.probes.as_ref());
-    }
-    e.0
-}
-
-fn decode_samples(b: &[u8]) -> Result<(u64, Vec<Sample>), String> {
-    let mut d = Dec::new(b, "samples");
-    let version = d.u64()?;
-    let n = d.count(8)?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        out.push(Sample {
-            prompt_index: d.len()?,
-            prompt: d.u32s()?,
-            response: d.u32s()?,
-            logprobs: d.f32s()?,
-            routing: d.routing()?,
-            probes: d.probes()?,
-        });
-    }
-    d.end()?;
-    Ok((version, out))
-}
-
-/// An owned [`TrainSeq`].
-struct OwnedSeq {
-    prompt: Vec<u32>,
-    response: Vec<u32>,
-    replay: Option<RoutingTrace>,
-}
-
-fn encode_score(batch: &[TrainSeq<'_>], temperature: f32) -> Vec<u8> {
-    let mut e = Enc::default();
-    e.f32(temperature);
-    e.len(batch.len());
-    for s in batch {
-        e.u32s(s.prompt);
-        e.u32s(s.response);
-        e.routing(s.replay);
-    }
-    e.0
-}
-
-fn decode_score(b: &[u8]) -> Result<(f32, Vec<OwnedSeq>), String> {
-    let mut d = Dec::new(b, "score request");
-    let t = d.f32()?;
-    let n = d.count(8)?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        out.push(OwnedSeq {
-            prompt: d.u32s()?,
-            response: d.u32s()?,
-            replay: d.routing()?,
-        });
-    }
-    d.end()?;
-    Ok((t, out))
-}
-
-fn encode_logprobs(version: u64, lps: &[Vec<f32>]) -> Vec<u8> {
-    let mut e = Enc::default();
-    e.u64(version);
-    e.len(lps.len());
-    for l in lps {
-        e.f32s(l);
-    }
-    e.0
-}
-
-fn decode_logprobs(b: &[u8]) -> Result<(u64, Vec<Vec<f32>>), String> {
-    let mut d = Dec::new(b, "logprobs");
-    let version = d.u64()?;
-    let n = d.count(8)?;
-    let out = (0..n).map(|_| d.f32s()).collect::<Result<_, _>>()?;
-    d.end()?;
-    Ok((version, out))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Server.
+// Server: events.
 
 /// Something that happened on the server, for its log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ServerEvent {
-    /// A client connected.
-    Connected {
-        /// The client.
-        peer: String,
-    },
     /// A weight update was verified and applied.
     Applied {
         /// The sender.
         peer: String,
         /// What was applied.
-        report: ApplyReport,
+        version: u64,
+        /// Payload bytes.
+        bytes: u64,
+        /// Buckets.
+        buckets: u32,
     },
-    /// A complete update was refused; nothing changed.
+    /// A weight update was refused; nothing changed.
     Refused {
         /// The sender.
         peer: String,
@@ -685,7 +845,7 @@ pub enum ServerEvent {
         /// Why.
         error: String,
     },
-    /// The connection broke in the middle of an update or a request; nothing changed.
+    /// An update stream broke before its commit; nothing changed.
     Dropped {
         /// The client.
         peer: String,
@@ -694,14 +854,28 @@ pub enum ServerEvent {
         /// What was going on and the transport error.
         error: String,
     },
-    /// A client closed its connection at a message boundary.
-    Disconnected {
+    /// A generate/score/fetch call was refused or failed.
+    Failed {
+        /// The client.
+        peer: String,
+        /// The call.
+        request: &'static str,
+        /// Why.
+        error: String,
+    },
+    /// A call without the right token was refused.
+    Unauthenticated {
         /// The client.
         peer: String,
     },
-    /// A client asked the server to stop.
+    /// `accept` failed (e.g. out of file descriptors); the server retries.
+    AcceptFailed {
+        /// The error.
+        error: String,
+    },
+    /// Shutdown was requested (by a client or the stop handle).
     Shutdown {
-        /// The client.
+        /// Who asked.
         peer: String,
     },
 }
@@ -709,11 +883,14 @@ pub enum ServerEvent {
 impl std::fmt::Display for ServerEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ServerEvent::Connected { peer } => write!(f, "{peer}: connected"),
-            ServerEvent::Applied { peer, report } => write!(
+            ServerEvent::Applied {
+                peer,
+                version,
+                bytes,
+                buckets,
+            } => write!(
                 f,
-                "{peer}: applied weight version {} ({} bytes in {} buckets)",
-                report.version, report.bytes, report.buckets
+                "{peer}: applied weight version {version} ({bytes} bytes in {buckets} buckets)"
             ),
             ServerEvent::Refused {
                 peer,
@@ -729,36 +906,767 @@ impl std::fmt::Display for ServerEvent {
                 error,
             } => write!(
                 f,
-                "{peer}: connection dropped ({error}); still serving v{serving}"
+                "{peer}: update stream dropped ({error}); still serving v{serving}"
             ),
-            ServerEvent::Disconnected { peer } => write!(f, "{peer}: disconnected"),
+            ServerEvent::Failed {
+                peer,
+                request,
+                error,
+            } => write!(f, "{peer}: {request} refused: {error}"),
+            ServerEvent::Unauthenticated { peer } => {
+                write!(f, "{peer}: call without a valid token refused")
+            }
+            ServerEvent::AcceptFailed { error } => {
+                write!(f, "accept failed ({error}); retrying")
+            }
             ServerEvent::Shutdown { peer } => write!(f, "{peer}: shutdown requested"),
         }
     }
 }
 
-struct Shared<P> {
-    engine: Mutex<RolloutEngine<P>>,
-    contract_hash: String,
-    recipe: String,
-    model: String,
-    stop: Arc<AtomicBool>,
+// ---------------------------------------------------------------------------------------------
+// Server: the engine thread.
+
+/// What `Info` and `Digest` read without waiting for the engine.
+struct Snapshot {
+    version: u64,
+    tensors: usize,
+    weight_bytes: u64,
+    digest: Arc<pb::DigestReply>,
 }
 
-impl<P: RolloutPolicy> Shared<P> {
-    fn lock(&self) -> Result<MutexGuard<'_, RolloutEngine<P>>, String> {
-        self.engine.lock().map_err(|_| {
-            "the rollout engine is unusable after a panic in an earlier request".into()
-        })
+fn snapshot_of<P: RolloutPolicy>(e: &RolloutEngine<P>) -> Snapshot {
+    let w = e.policy.weights();
+    Snapshot {
+        version: e.version,
+        tensors: w.len(),
+        weight_bytes: w.iter().map(|t| t.byte_len() as u64).sum(),
+        digest: Arc::new(pb::DigestReply {
+            version: e.version,
+            tensors: w.iter().map(digest_to_proto).collect(),
+        }),
     }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, Refuse>>;
+
+enum Job {
+    Generate(GenJob, Reply<(u64, Vec<Sample>)>),
+    Score(f32, Vec<OwnedSeq>, Reply<(u64, Vec<Vec<f32>>)>),
+    Install(u64, Vec<WireTensor>, Reply<u64>),
+    Weights(oneshot::Sender<(u64, Vec<WireTensor>)>),
+}
+
+fn engine_error(msg: String) -> Refuse {
+    Refuse {
+        code: Code::Internal,
+        reason: Reason::EngineError,
+        msg,
+        limit: None,
+    }
+}
+
+/// Run `f`, turning a panic into an `ENGINE_ERROR` refusal.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, Refuse>) -> Result<T, Refuse> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic".into());
+            Err(engine_error(format!(
+                "{what}: the engine panicked ({msg}); the request was dropped, the engine \
+                 keeps serving"
+            )))
+        }
+    }
+}
+
+fn engine_loop<P: RolloutPolicy>(
+    mut eng: RolloutEngine<P>,
+    jobs: mpsc::Receiver<Job>,
+    snap: Arc<RwLock<Snapshot>>,
+) {
+    for job in jobs {
+        match job {
+            Job::Generate(g, tx) => {
+                let r = guarded("generate", || {
+                    eng.policy
+                        .generate(&g.prompts, g.n, &g.cfg, g.eos, g.seed)
+                        .map_err(|e| engine_error(format!("generate: {e}")))
+                });
+                let _ = tx.send(r.map(|s| (eng.version, s)));
+            }
+            Job::Score(t, seqs, tx) => {
+                let batch: Vec<TrainSeq<'_>> = seqs
+                    .iter()
+                    .map(|s| TrainSeq {
+                        prompt: &s.prompt,
+                        response: &s.response,
+                        replay: s.replay.as_ref(),
+                    })
+                    .collect();
+                let r = guarded("score", || {
+                    eng.policy
+                        .score(&batch, t)
+                        .map_err(|e| engine_error(format!("score: {e}")))
+                });
+                let _ = tx.send(r.map(|l| (eng.version, l)));
+            }
+            Job::Install(v, tensors, tx) => {
+                let r = guarded("weight update", || {
+                    eng.install(v, &tensors).map_err(|e| refuse_sync(&e))
+                });
+                if r.is_ok() {
+                    let s = guarded("weight digest", || Ok(snapshot_of(&eng)));
+                    match s {
+                        Ok(s) => *snap.write().unwrap_or_else(|p| p.into_inner()) = s,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            continue;
+                        }
+                    }
+                }
+                let _ = tx.send(r.map(|()| eng.version));
+            }
+            Job::Weights(tx) => {
+                if let Ok(w) = guarded("fetch", || Ok(eng.policy.weights())) {
+                    let _ = tx.send((eng.version, w));
+                }
+            }
+        }
+    }
+}
+
+/// The typed refusal of a weight-sync error.
+fn refuse_sync(e: &SyncError) -> Refuse {
+    let (code, reason) = match e {
+        SyncError::ContractMismatch { .. } => (Code::FailedPrecondition, Reason::ContractMismatch),
+        SyncError::Stale { .. } => (Code::FailedPrecondition, Reason::StaleVersion),
+        SyncError::Bucket { msg, .. } if msg.contains("SHA-256") => {
+            (Code::DataLoss, Reason::BadChecksum)
+        }
+        SyncError::Bucket { .. } | SyncError::Transport(_) => {
+            (Code::InvalidArgument, Reason::BadUpdate)
+        }
+        SyncError::Incomplete { .. } => (Code::InvalidArgument, Reason::Incomplete),
+        SyncError::Policy { .. } => (Code::InvalidArgument, Reason::RejectedTensors),
+        SyncError::Limit { what, limit, .. } => {
+            return Refuse {
+                code: Code::ResourceExhausted,
+                reason: Reason::LimitExceeded,
+                msg: e.to_string(),
+                limit: Some((
+                    match *what {
+                        "bytes" => "max_update_bytes",
+                        _ => "max_tensors",
+                    },
+                    *limit,
+                )),
+            }
+        }
+        SyncError::Rejected(_) | SyncError::CheckFailed { .. } => {
+            (Code::Internal, Reason::EngineError)
+        }
+    };
+    Refuse {
+        code,
+        reason,
+        msg: e.to_string(),
+        limit: None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server: the services.
+
+/// Who is calling (from the connection).
+#[derive(Debug, Clone)]
+struct ConnInfo(String);
+
+fn peer_of<T>(r: &Request<T>) -> String {
+    r.extensions()
+        .get::<ConnInfo>()
+        .map_or_else(|| "client".into(), |c| c.0.clone())
+}
+
+struct Inner {
+    jobs: Mutex<mpsc::Sender<Job>>,
+    snap: Arc<RwLock<Snapshot>>,
+    cfg: ServerConfig,
+    contract_hash: String,
+    events: Mutex<mpsc::Sender<ServerEvent>>,
+    update_slot: Arc<Semaphore>,
+    stop: watch::Sender<bool>,
+}
+
+#[derive(Clone)]
+struct Svc(Arc<Inner>);
+
+impl Svc {
     fn serving(&self) -> u64 {
-        self.lock().map(|e| e.version).unwrap_or(0)
+        self.0.snap.read().map_or(0, |s| s.version)
+    }
+    fn event(&self, e: ServerEvent) {
+        let _ = self
+            .0
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(e);
+    }
+    fn refuse(&self, peer: &str, request: &'static str, r: Refuse) -> Status {
+        self.event(ServerEvent::Failed {
+            peer: peer.into(),
+            request,
+            error: r.msg.clone(),
+        });
+        r.status(self.serving())
+    }
+    fn submit(&self, job: Job) -> Result<(), Status> {
+        self.0
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job)
+            .map_err(|_| Status::unavailable("the rollout engine has stopped"))
+    }
+    async fn run<T: Send>(
+        &self,
+        peer: &str,
+        request: &'static str,
+        job: impl FnOnce(Reply<T>) -> Job,
+    ) -> Result<T, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(job(tx))?;
+        match rx.await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(r)) => Err(self.refuse(peer, request, r)),
+            Err(_) => Err(self.refuse(
+                peer,
+                request,
+                engine_error(format!("{request}: the engine dropped the request")),
+            )),
+        }
+    }
+}
+
+type UpdateStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::UpdateMessage, Status>> + Send>>;
+
+fn update_messages(u: WeightUpdate) -> impl Iterator<Item = pb::UpdateMessage> {
+    use pb::update_message::Kind;
+    let h = u.header;
+    let version = h.version;
+    std::iter::once(Kind::Header(pb::UpdateHeader {
+        version,
+        contract_hash: h.contract_hash,
+        buckets: h.buckets,
+        tensors: h.tensors,
+        bytes: h.bytes,
+    }))
+    .chain(u.buckets.into_iter().map(|b| {
+        Kind::Bucket(pb::WeightBucket {
+            index: b.index,
+            sha256: b.checksum.to_vec(),
+            payload: b.payload,
+        })
+    }))
+    .chain(std::iter::once(Kind::Commit(pb::Commit { version })))
+    .map(|k| pb::UpdateMessage { kind: Some(k) })
+}
+
+#[tonic::async_trait]
+impl pb::rollout_server::Rollout for Svc {
+    async fn info(&self, _r: Request<pb::InfoRequest>) -> Result<Response<pb::InfoReply>, Status> {
+        let (version, tensors, weight_bytes) = {
+            let s = self.0.snap.read().unwrap_or_else(|p| p.into_inner());
+            (s.version, s.tensors as u64, s.weight_bytes)
+        };
+        let c = &self.0.cfg;
+        Ok(Response::new(pb::InfoReply {
+            protocol: PROTOCOL,
+            version,
+            contract_hash: self.0.contract_hash.clone(),
+            recipe: c.recipe.clone(),
+            model: c.model.clone(),
+            tensors,
+            weight_bytes,
+            instance: c.instance.clone(),
+            limits: Some(c.limits.to_proto()),
+        }))
+    }
+
+    async fn digest(
+        &self,
+        _r: Request<pb::DigestRequest>,
+    ) -> Result<Response<pb::DigestReply>, Status> {
+        let d = self
+            .0
+            .snap
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .digest
+            .clone();
+        Ok(Response::new((*d).clone()))
+    }
+
+    type FetchStream = UpdateStream;
+
+    async fn fetch(&self, r: Request<pb::FetchRequest>) -> Result<Response<UpdateStream>, Status> {
+        let peer = peer_of(&r);
+        let max = self.0.cfg.limits.max_bucket_bytes;
+        let bucket = match r.into_inner().bucket_bytes {
+            0 => max,
+            b => b.min(max),
+        };
+        let (tx, rx) = oneshot::channel();
+        self.submit(Job::Weights(tx))?;
+        let (version, w) = rx.await.map_err(|_| {
+            self.refuse(
+                &peer,
+                "fetch",
+                engine_error("fetch: the engine dropped the request".into()),
+            )
+        })?;
+        let u = WeightUpdate::build(version, &self.0.contract_hash, &w, bucket as usize);
+        drop(w);
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            update_messages(u).map(Ok),
+        ))))
+    }
+
+    async fn shutdown(
+        &self,
+        r: Request<pb::ShutdownRequest>,
+    ) -> Result<Response<pb::ShutdownReply>, Status> {
+        self.event(ServerEvent::Shutdown { peer: peer_of(&r) });
+        let _ = self.0.stop.send(true);
+        Ok(Response::new(pb::ShutdownReply {
+            version: self.serving(),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::sampler_server::Sampler for Svc {
+    async fn generate(
+        &self,
+        r: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateReply>, Status> {
+        let peer = peer_of(&r);
+        let g = check_generate(&self.0.cfg.limits, r.into_inner())
+            .map_err(|e| self.refuse(&peer, "generate", e))?;
+        let (version, samples) = self
+            .run(&peer, "generate", |tx| Job::Generate(g, tx))
+            .await?;
+        Ok(Response::new(pb::GenerateReply {
+            version,
+            samples: samples.into_iter().map(sample_to_proto).collect(),
+        }))
+    }
+
+    async fn score(
+        &self,
+        r: Request<pb::ScoreRequest>,
+    ) -> Result<Response<pb::ScoreReply>, Status> {
+        let peer = peer_of(&r);
+        let (t, seqs) = check_score(&self.0.cfg.limits, r.into_inner())
+            .map_err(|e| self.refuse(&peer, "score", e))?;
+        let (version, lps) = self
+            .run(&peer, "score", |tx| Job::Score(t, seqs, tx))
+            .await?;
+        Ok(Response::new(pb::ScoreReply {
+            version,
+            logprobs: lps
+                .into_iter()
+                .map(|values| pb::Logprobs { values })
+                .collect(),
+        }))
+    }
+}
+
+fn bad_update(msg: String) -> Refuse {
+    Refuse {
+        code: Code::InvalidArgument,
+        reason: Reason::BadUpdate,
+        msg,
+        limit: None,
+    }
+}
+
+impl Svc {
+    /// Receive one update from `s`; `Ok` once it is applied.
+    async fn receive_update(
+        &self,
+        s: &mut tonic::Streaming<pb::UpdateMessage>,
+    ) -> Result<(u64, u64, u32), Result<Refuse, String>> {
+        use pb::update_message::Kind;
+        let l = &self.0.cfg.limits;
+        let next = |m: Result<Option<pb::UpdateMessage>, Status>| match m {
+            Ok(Some(pb::UpdateMessage { kind: Some(k) })) => Ok(Some(k)),
+            Ok(Some(_)) => Err(Ok(bad_update("an update message without a kind".into()))),
+            Ok(None) => Ok(None),
+            // A message over the size limit is refused by tonic while decoding.
+            Err(st) if st.code() == Code::OutOfRange || st.code() == Code::ResourceExhausted => {
+                Err(Ok(Refuse::limit(
+                    "max_bucket_bytes",
+                    l.max_bucket_bytes,
+                    format!("update message refused: {}", st.message()),
+                )))
+            }
+            Err(st) => Err(Err(format!("{}: {}", st.code(), st.message()))),
+        };
+        let h = match next(s.message().await)? {
+            Some(Kind::Header(h)) => h,
+            Some(_) => {
+                return Err(Ok(bad_update(
+                    "the first message of an update must be its header".into(),
+                )))
+            }
+            None => {
+                return Err(Ok(Refuse {
+                    code: Code::InvalidArgument,
+                    reason: Reason::Incomplete,
+                    msg: "the update stream ended before its header".into(),
+                    limit: None,
+                }))
+            }
+        };
+        let header = UpdateHeader {
+            version: h.version,
+            contract_hash: h.contract_hash,
+            buckets: h.buckets,
+            tensors: h.tensors,
+            bytes: h.bytes,
+        };
+        let v = header.version;
+        let serving = self.serving();
+        let mut asm = UpdateAssembler::begin_bounded(
+            header,
+            &self.0.contract_hash,
+            l.max_tensors,
+            l.max_update_bytes,
+        )
+        .map_err(|e| Ok(refuse_sync(&e)))?;
+        if v <= serving {
+            return Err(Ok(refuse_sync(&SyncError::Stale {
+                got: v,
+                current: serving,
+            })));
+        }
+        loop {
+            match next(s.message().await)? {
+                Some(Kind::Bucket(b)) => {
+                    if b.payload.len() as u64 > l.max_bucket_bytes {
+                        return Err(Ok(Refuse::limit(
+                            "max_bucket_bytes",
+                            l.max_bucket_bytes,
+                            format!(
+                                "weight update v{v}: bucket {} of {} bytes exceeds the limit {}",
+                                b.index,
+                                b.payload.len(),
+                                l.max_bucket_bytes
+                            ),
+                        )));
+                    }
+                    let checksum: [u8; 32] = b.sha256.as_slice().try_into().map_err(|_| {
+                        Ok(bad_update(format!(
+                            "weight update v{v}: bucket {} carries a {}-byte checksum, expected \
+                             32 (SHA-256)",
+                            b.index,
+                            b.sha256.len()
+                        )))
+                    })?;
+                    asm.add(&Bucket {
+                        index: b.index,
+                        checksum,
+                        payload: b.payload,
+                    })
+                    .map_err(|e| Ok(refuse_sync(&e)))?;
+                }
+                Some(Kind::Commit(c)) => {
+                    if c.version != v {
+                        return Err(Ok(bad_update(format!(
+                            "weight update v{v}: the commit names version v{}",
+                            c.version
+                        ))));
+                    }
+                    break;
+                }
+                Some(Kind::Header(_)) => {
+                    return Err(Ok(bad_update(format!(
+                        "weight update v{v}: a second header before the commit"
+                    ))))
+                }
+                None => {
+                    return Err(Ok(Refuse {
+                        code: Code::InvalidArgument,
+                        reason: Reason::Incomplete,
+                        msg: format!(
+                            "weight update v{v}: the stream ended before its commit; the \
+                             partial update was discarded"
+                        ),
+                        limit: None,
+                    }))
+                }
+            }
+        }
+        let (bytes, buckets) = (asm.header().bytes, asm.header().buckets);
+        let (version, tensors) = asm.finish().map_err(|e| Ok(refuse_sync(&e)))?;
+        let (tx, rx) = oneshot::channel();
+        self.submit(Job::Install(version, tensors, tx))
+            .map_err(|e| Err(e.message().to_string()))?;
+        match rx.await {
+            Ok(Ok(v)) => Ok((v, bytes, buckets)),
+            Ok(Err(r)) => Err(Ok(r)),
+            Err(_) => Err(Ok(engine_error("the engine dropped the update".into()))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::weight_sync_server::WeightSync for Svc {
+    async fn update_weights(
+        &self,
+        r: Request<tonic::Streaming<pb::UpdateMessage>>,
+    ) -> Result<Response<pb::UpdateReply>, Status> {
+        let peer = peer_of(&r);
+        let Ok(_slot) = self.0.update_slot.clone().try_acquire_owned() else {
+            let st = Refuse {
+                code: Code::Aborted,
+                reason: Reason::Busy,
+                msg: "another weight update is in progress; retry after it".into(),
+                limit: None,
+            };
+            self.event(ServerEvent::Refused {
+                peer,
+                serving: self.serving(),
+                error: st.msg.clone(),
+            });
+            return Err(st.status(self.serving()));
+        };
+        let mut s = r.into_inner();
+        match self.receive_update(&mut s).await {
+            Ok((version, bytes, buckets)) => {
+                self.event(ServerEvent::Applied {
+                    peer,
+                    version,
+                    bytes,
+                    buckets,
+                });
+                Ok(Response::new(pb::UpdateReply {
+                    version,
+                    bytes,
+                    buckets,
+                }))
+            }
+            Err(Ok(refuse)) => {
+                let serving = self.serving();
+                self.event(ServerEvent::Refused {
+                    peer,
+                    serving,
+                    error: refuse.msg.clone(),
+                });
+                Err(refuse.status(serving))
+            }
+            Err(Err(transport)) => {
+                let serving = self.serving();
+                self.event(ServerEvent::Dropped {
+                    peer,
+                    serving,
+                    error: format!(
+                        "before its commit: {transport}; the partial update was discarded"
+                    ),
+                });
+                Err(Status::cancelled(transport))
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server: connections.
+
+/// A connection: the socket, a slot of the connection cap (released when it closes) and an
+/// idle deadline (no byte from the peer for `idle` closes it).
+struct Conn<IO> {
+    io: IO,
+    _slot: OwnedSemaphorePermit,
+    idle: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    peer: String,
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    let at = tokio::time::Instant::now() + self.idle;
+                    self.deadline.as_mut().reset(at);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => match std::future::Future::poll(self.deadline.as_mut(), cx) {
+                Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "idle connection closed",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+            other => other,
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO> tonic::transport::server::Connected for Conn<IO> {
+    type ConnectInfo = ConnInfo;
+    fn connect_info(&self) -> ConnInfo {
+        ConnInfo(self.peer.clone())
+    }
+}
+
+/// Accepting connections: every accept waits for a slot of the connection cap; an accept
+/// error is reported and retried after a pause.
+trait Acceptor: Send + 'static {
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn accept(
+        &self,
+    ) -> impl std::future::Future<Output = std::io::Result<(Self::Io, String)>> + Send;
+}
+
+impl Acceptor for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<(Self::Io, String)> {
+        let (s, a) = tokio::net::TcpListener::accept(self).await?;
+        let _ = s.set_nodelay(true);
+        Ok((s, format!("tcp:{a}")))
+    }
+}
+
+struct UnixAcceptor(
+    tokio::net::UnixListener,
+    String,
+    std::sync::atomic::AtomicU64,
+);
+
+impl Acceptor for UnixAcceptor {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&self) -> std::io::Result<(Self::Io, String)> {
+        let (s, _) = self.0.accept().await?;
+        let n = self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        Ok((s, format!("{} client {n}", self.1)))
+    }
+}
+
+fn incoming<A: Acceptor>(
+    listener: A,
+    slots: Arc<Semaphore>,
+    idle: Duration,
+    events: mpsc::Sender<ServerEvent>,
+) -> impl tokio_stream::Stream<Item = Result<Conn<A::Io>, std::io::Error>> {
+    async_stream::stream! {
+        loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else { break };
+            loop {
+                match listener.accept().await {
+                    Ok((io, peer)) => {
+                        yield Ok(Conn {
+                            io,
+                            _slot: slot,
+                            idle,
+                            deadline: Box::pin(tokio::time::sleep(idle)),
+                            peer,
+                        });
+                        break;
+                    }
+                    Err(e) => {
+                        let _ = events.send(ServerEvent::AcceptFailed { error: e.to_string() });
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server: configuration and entry points.
+
+/// How a server is run.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Precision recipe (reported in `Info`).
+    pub recipe: String,
+    /// Model (reported in `Info`).
+    pub model: String,
+    /// A nonce reported in `Info` (a parent recognizes the child it started).
+    pub instance: String,
+    /// Token required on every call (mandatory on TCP).
+    pub token: Option<Token>,
+    /// Request limits.
+    pub limits: Limits,
+    /// Connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// Concurrent calls per connection.
+    pub max_calls_per_connection: usize,
+    /// A connection without a byte from the peer for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults: 64 connections, 8 calls each, 5 minutes idle, no token, no nonce.
+    pub fn new(recipe: &str, model: &str, limits: Limits) -> ServerConfig {
+        ServerConfig {
+            recipe: recipe.into(),
+            model: model.into(),
+            instance: String::new(),
+            token: None,
+            limits,
+            max_connections: 64,
+            max_calls_per_connection: 8,
+            idle_timeout: Duration::from_secs(300),
+        }
     }
 }
 
 enum Listener {
-    Unix(UnixListener, PathBuf),
-    Tcp(TcpListener),
+    Unix(std::os::unix::net::UnixListener, PathBuf),
+    Tcp(std::net::TcpListener),
 }
 
 impl Drop for Listener {
@@ -769,22 +1677,24 @@ impl Drop for Listener {
     }
 }
 
-/// A handle that stops a running [`RolloutServer::serve`] (as a [`K_SHUTDOWN`] request does).
+/// A handle that stops a running [`RolloutServer::serve`] (as a `Shutdown` call does).
 #[derive(Debug, Clone)]
-pub struct StopHandle(Arc<AtomicBool>);
+pub struct StopHandle(watch::Sender<bool>);
 
 impl StopHandle {
     /// Ask the server to stop accepting connections and return from `serve`.
     pub fn stop(&self) {
-        self.0.store(true, Ordering::SeqCst);
+        let _ = self.0.send(true);
     }
 }
 
-/// A rollout engine listening on an [`Endpoint`].
+/// A rollout engine bound to an [`Endpoint`], ready to [`serve`](RolloutServer::serve).
 pub struct RolloutServer<P> {
-    shared: Arc<Shared<P>>,
+    engine: RolloutEngine<P>,
     listener: Listener,
     endpoint: Endpoint,
+    cfg: ServerConfig,
+    stop: watch::Sender<bool>,
 }
 
 impl<P> std::fmt::Debug for RolloutServer<P> {
@@ -793,14 +1703,18 @@ impl<P> std::fmt::Debug for RolloutServer<P> {
     }
 }
 
-fn bind_unix(path: &Path, ep: &Endpoint) -> Result<UnixListener, ServerError> {
+/// Bind a Unix socket owner-only: created inside a fresh 0700 directory, set to 0600, then
+/// renamed into place, so no other user can ever connect to it. A stale socket file (no
+/// server behind it) is replaced; anything else at the path is an error.
+fn bind_unix(path: &Path, ep: &Endpoint) -> Result<std::os::unix::net::UnixListener, ServerError> {
+    use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+    use std::os::unix::net::{UnixListener, UnixStream};
     let io = |what: &str, e: std::io::Error| ServerError::Io {
         peer: ep.to_string(),
         what: what.into(),
         msg: e.to_string(),
     };
     if let Ok(meta) = std::fs::symlink_metadata(path) {
-        use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
             return Err(io(
                 "bind",
@@ -813,22 +1727,38 @@ fn bind_unix(path: &Path, ep: &Endpoint) -> Result<UnixListener, ServerError> {
                 std::io::Error::other("another server is listening there"),
             ));
         }
-        // A socket file left behind by a server that was killed.
         std::fs::remove_file(path).map_err(|e| io("remove stale socket", e))?;
     }
-    UnixListener::bind(path).map_err(|e| io("bind", e))
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let private = parent.join(format!(".mxrl-sock-{}", std::process::id()));
+    let staged = private.join("s");
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(|e| io(&format!("create {}", private.display()), e))?;
+    let bound = (|| {
+        let l = UnixListener::bind(&staged).map_err(|e| io("bind", e))?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| io("chmod 600", e))?;
+        std::fs::rename(&staged, path).map_err(|e| io("move the socket into place", e))?;
+        Ok(l)
+    })();
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
 }
 
 impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
     /// Listen on `ep` (a TCP port 0 picks a free port; see [`RolloutServer::endpoint`]).
-    /// `engine` is served as is: its version and contract hash are the server's. A stale Unix
-    /// socket file (no server behind it) is replaced; the socket file is removed when the
-    /// server stops.
+    /// `engine` is served as is: its version and contract hash are the server's. On TCP a
+    /// token is required and the address must be loopback.
     pub fn bind(
         ep: &Endpoint,
         engine: RolloutEngine<P>,
-        recipe: &str,
-        model: &str,
+        cfg: ServerConfig,
     ) -> Result<Self, ServerError> {
         let io = |what: &str, e: std::io::Error| ServerError::Io {
             peer: ep.to_string(),
@@ -841,7 +1771,17 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
                 Endpoint::Unix(p.clone()),
             ),
             Endpoint::Tcp(a) => {
-                let l = TcpListener::bind(a.as_str()).map_err(|e| io("bind", e))?;
+                if cfg.token.is_none() {
+                    return Err(ServerError::Config {
+                        peer: ep.to_string(),
+                        msg: "a TCP rollout server needs a shared secret: pass --token-file \
+                              FILE (a file only you can read, at least 16 characters), or \
+                              listen on a Unix socket"
+                            .into(),
+                    });
+                }
+                let addrs = loopback_only(ep, a)?;
+                let l = std::net::TcpListener::bind(&addrs[..]).map_err(|e| io("bind", e))?;
                 let local = l.local_addr().map_err(|e| io("local address", e))?;
                 (Listener::Tcp(l), Endpoint::Tcp(local.to_string()))
             }
@@ -852,15 +1792,11 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
         }
         .map_err(|e| io("set non-blocking", e))?;
         Ok(RolloutServer {
-            shared: Arc::new(Shared {
-                contract_hash: engine.contract_hash.clone(),
-                engine: Mutex::new(engine),
-                recipe: recipe.into(),
-                model: model.into(),
-                stop: Arc::new(AtomicBool::new(false)),
-            }),
+            engine,
             listener,
             endpoint,
+            cfg,
+            stop: watch::channel(false).0,
         })
     }
 
@@ -871,358 +1807,269 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
 
     /// A handle that stops [`RolloutServer::serve`].
     pub fn stop_handle(&self) -> StopHandle {
-        StopHandle(self.shared.stop.clone())
+        StopHandle(self.stop.clone())
     }
 
-    /// Accept clients (one thread each) until a [`K_SHUTDOWN`] request or the stop handle;
-    /// `on_event` sees every [`ServerEvent`] on the calling thread.
+    /// Serve until a `Shutdown` call or the stop handle; `on_event` sees every
+    /// [`ServerEvent`] on the calling thread. The engine runs on a thread of its own.
     pub fn serve(self, on_event: &mut dyn FnMut(&ServerEvent)) -> Result<(), ServerError> {
-        let (tx, rx) = mpsc::channel::<ServerEvent>();
-        let counter = AtomicU64::new(0);
-        let drain = |on_event: &mut dyn FnMut(&ServerEvent)| {
-            while let Ok(ev) = rx.try_recv() {
-                on_event(&ev);
+        let RolloutServer {
+            engine,
+            listener,
+            endpoint,
+            cfg,
+            stop,
+        } = self;
+        let err = |what: &str, e: String| ServerError::Io {
+            peer: endpoint.to_string(),
+            what: what.into(),
+            msg: e,
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("mxrl-rollout-io")
+            .enable_all()
+            .build()
+            .map_err(|e| err("start the runtime", e.to_string()))?;
+        let snap = Arc::new(RwLock::new(snapshot_of(&engine)));
+        let contract_hash = engine.contract_hash.clone();
+        let (jobs_tx, jobs_rx) = mpsc::channel();
+        let engine_snap = snap.clone();
+        let engine_thread = std::thread::Builder::new()
+            .name("mxrl-rollout-engine".into())
+            .spawn(move || engine_loop(engine, jobs_rx, engine_snap))
+            .map_err(|e| err("start the engine thread", e.to_string()))?;
+        let (ev_tx, ev_rx) = mpsc::channel();
+        let inner = Arc::new(Inner {
+            jobs: Mutex::new(jobs_tx),
+            snap,
+            contract_hash,
+            events: Mutex::new(ev_tx.clone()),
+            update_slot: Arc::new(Semaphore::new(1)),
+            stop: stop.clone(),
+            cfg,
+        });
+        let svc = Svc(inner.clone());
+        let task = {
+            let _guard = rt.enter();
+            let slots = Arc::new(Semaphore::new(inner.cfg.max_connections.max(1)));
+            let idle = inner.cfg.idle_timeout;
+            match &listener {
+                Listener::Unix(l, _) => {
+                    let l = l
+                        .try_clone()
+                        .and_then(tokio::net::UnixListener::from_std)
+                        .map_err(|e| err("listen", e.to_string()))?;
+                    let a = UnixAcceptor(l, endpoint.to_string(), Default::default());
+                    rt.spawn(run_grpc(svc, incoming(a, slots, idle, ev_tx), stop))
+                }
+                Listener::Tcp(l) => {
+                    let l = l
+                        .try_clone()
+                        .and_then(tokio::net::TcpListener::from_std)
+                        .map_err(|e| err("listen", e.to_string()))?;
+                    rt.spawn(run_grpc(svc, incoming(l, slots, idle, ev_tx), stop))
+                }
             }
         };
-        while !self.shared.stop.load(Ordering::SeqCst) {
-            let accepted = match &self.listener {
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| {
-                    let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
-                    (Stream::Unix(s), format!("{} client {n}", self.endpoint))
-                }),
-                Listener::Tcp(l) => l
-                    .accept()
-                    .map(|(s, a)| (Stream::Tcp(s), format!("tcp:{a}"))),
-            };
-            match accepted {
-                Ok((s, peer)) => {
-                    let setup = match &s {
-                        Stream::Unix(u) => u.set_nonblocking(false),
-                        Stream::Tcp(t) => {
-                            t.set_nonblocking(false).and_then(|_| t.set_nodelay(true))
-                        }
-                    };
-                    if let Err(e) = setup {
-                        let _ = tx.send(ServerEvent::Dropped {
-                            peer,
-                            serving: self.shared.serving(),
-                            error: format!("socket setup: {e}"),
-                        });
-                        continue;
-                    }
-                    let _ = tx.send(ServerEvent::Connected { peer: peer.clone() });
-                    let shared = self.shared.clone();
-                    let tx = tx.clone();
-                    std::thread::spawn(move || connection(s, peer, &shared, &tx));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    drain(on_event);
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return Err(ServerError::Io {
-                        peer: self.endpoint.to_string(),
-                        what: "accept".into(),
-                        msg: e.to_string(),
-                    })
-                }
+        loop {
+            match ev_rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(ev) => on_event(&ev),
+                Err(mpsc::RecvTimeoutError::Timeout) if task.is_finished() => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
-        drain(on_event);
-        Ok(())
+        let result = rt
+            .block_on(task)
+            .map_err(|e| err("serve", e.to_string()))
+            .and_then(|r| r.map_err(|e| err("serve", e.to_string())));
+        while let Ok(ev) = ev_rx.try_recv() {
+            on_event(&ev);
+        }
+        drop(inner);
+        rt.shutdown_timeout(Duration::from_secs(5));
+        let _ = engine_thread.join();
+        drop(listener);
+        result
     }
 }
 
-fn reply(s: &mut Stream, kind: u8, payload: &[u8]) -> Result<(), SyncError> {
-    write_frame(s, kind, &[payload])?;
-    s.flush()
-        .map_err(|e| SyncError::Transport(format!("flush: {e}")))
-}
-
-/// Serve one client until it disconnects or asks for shutdown.
-fn connection<P: RolloutPolicy>(
-    mut s: Stream,
-    peer: String,
-    sh: &Shared<P>,
-    tx: &mpsc::Sender<ServerEvent>,
-) {
-    let dropped = |error: String| ServerEvent::Dropped {
-        peer: peer.clone(),
-        serving: sh.serving(),
-        error,
+async fn run_grpc<IO, S>(
+    svc: Svc,
+    incoming: S,
+    stop: watch::Sender<bool>,
+) -> Result<(), tonic::transport::Error>
+where
+    S: tokio_stream::Stream<Item = Result<IO, std::io::Error>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + tonic::transport::server::Connected + Unpin + Send + 'static,
+{
+    let cfg = &svc.0.cfg;
+    let token = cfg.token.clone();
+    let events = Mutex::new(
+        svc.0
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    );
+    let events = Arc::new(events);
+    let auth = move |r: Request<()>| -> Result<Request<()>, Status> {
+        let Some(t) = &token else { return Ok(r) };
+        let ok = r
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|p| t.matches(p.as_bytes()));
+        if ok {
+            return Ok(r);
+        }
+        let peer = r
+            .extensions()
+            .get::<ConnInfo>()
+            .map_or_else(|| "client".into(), |c| c.0.clone());
+        let _ = events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(ServerEvent::Unauthenticated { peer });
+        Err(Refuse {
+            code: Code::Unauthenticated,
+            reason: Reason::Unauthenticated,
+            msg: "missing or wrong token (metadata `authorization: Bearer <token>`)".into(),
+            limit: None,
+        }
+        .status(0))
     };
-    loop {
-        let (kind, p) = match read_frame_opt(&mut s) {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                let _ = tx.send(ServerEvent::Disconnected { peer: peer.clone() });
-                return;
-            }
-            Err(e) => {
-                let _ = tx.send(dropped(format!("between requests: {e}")));
-                return;
-            }
-        };
-        let answered = match kind {
-            K_HEADER => match update(&mut s, &peer, sh, &p) {
-                Ok(ev) => {
-                    let _ = tx.send(ev);
-                    Ok(())
-                }
-                Err(ev) => {
-                    let _ = tx.send(ev);
-                    return;
-                }
-            },
-            K_INFO => match info(sh) {
-                Ok(i) => reply(
-                    &mut s,
-                    K_INFO_REPLY,
-                    &serde_json::to_vec(&i).expect("info serializes"),
-                ),
-                Err(e) => reply(&mut s, K_ERROR, e.as_bytes()),
-            },
-            K_GENERATE => match generate(sh, &p) {
-                Ok(b) => reply(&mut s, K_SAMPLES, &b),
-                Err(e) => reply(&mut s, K_ERROR, e.as_bytes()),
-            },
-            K_SCORE => match score(sh, &p) {
-                Ok(b) => reply(&mut s, K_LOGPROBS, &b),
-                Err(e) => reply(&mut s, K_ERROR, e.as_bytes()),
-            },
-            K_DIGEST => match sh.lock() {
-                Ok(e) => {
-                    let d = WeightsDigest {
-                        version: e.version,
-                        tensors: e.policy.weights().iter().map(TensorDigest::of).collect(),
-                    };
-                    drop(e);
-                    reply(
-                        &mut s,
-                        K_DIGEST_REPLY,
-                        &serde_json::to_vec(&d).expect("digest serializes"),
-                    )
-                }
-                Err(e) => reply(&mut s, K_ERROR, e.as_bytes()),
-            },
-            K_FETCH => match sh.lock() {
-                Ok(e) => {
-                    let mut b = e.version.to_le_bytes().to_vec();
-                    for t in e.policy.weights() {
-                        serialize_tensor(&t, &mut b);
-                    }
-                    drop(e);
-                    reply(&mut s, K_WEIGHTS, &b)
-                }
-                Err(e) => reply(&mut s, K_ERROR, e.as_bytes()),
-            },
-            K_SHUTDOWN => {
-                sh.stop.store(true, Ordering::SeqCst);
-                let _ = tx.send(ServerEvent::Shutdown { peer: peer.clone() });
-                let _ = reply(&mut s, K_BYE, &[]);
-                return;
-            }
-            other => {
-                // Out of sync (or not a client of this protocol): say so and close.
-                let msg = format!(
-                    "expected a request frame (kinds 1, 5, 7, 9, 11, 13, 15), got kind {other}"
-                );
-                let _ = reply(&mut s, K_ERROR, msg.as_bytes());
-                let _ = tx.send(dropped(msg));
-                return;
-            }
-        };
-        if let Err(e) = answered {
-            let _ = tx.send(dropped(format!("answering kind {kind}: {e}")));
-            return;
-        }
-    }
-}
-
-fn info<P: RolloutPolicy>(sh: &Shared<P>) -> Result<ServerInfo, String> {
-    let e = sh.lock()?;
-    let w = e.policy.weights();
-    Ok(ServerInfo {
-        protocol: PROTOCOL,
-        version: e.version,
-        contract_hash: sh.contract_hash.clone(),
-        recipe: sh.recipe.clone(),
-        model: sh.model.clone(),
-        tensors: w.len(),
-        weight_bytes: w.iter().map(|t| t.byte_len() as u64).sum(),
-    })
-}
-
-fn generate<P: RolloutPolicy>(sh: &Shared<P>, p: &[u8]) -> Result<Vec<u8>, String> {
-    let r = decode_generate(p)?;
-    let mut e = sh.lock()?;
-    let samples = e
-        .policy
-        .generate(&r.prompts, r.n, &r.cfg, r.eos, r.seed)
-        .map_err(|e| format!("generate: {e}"))?;
-    let v = e.version;
-    drop(e);
-    Ok(encode_samples(v, &samples))
-}
-
-fn score<P: RolloutPolicy>(sh: &Shared<P>, p: &[u8]) -> Result<Vec<u8>, String> {
-    let (t, seqs) = decode_score(p)?;
-    let batch: Vec<TrainSeq<'_>> = seqs
-        .iter()
-        .map(|s| TrainSeq {
-            prompt: &s.prompt,
-            response: &s.response,
-            replay: s.replay.as_ref(),
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<pb::rollout_server::RolloutServer<Svc>>()
+        .await;
+    let limits = cfg.limits;
+    let calls = cfg.max_calls_per_connection.max(1);
+    let mut rx = stop.subscribe();
+    tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(calls)
+        .max_concurrent_streams(Some(calls as u32))
+        .layer(tonic::service::InterceptorLayer::new(auth))
+        .add_service(health)
+        .add_service(
+            pb::rollout_server::RolloutServer::new(svc.clone())
+                .max_decoding_message_size(CONTROL_REQUEST_BYTES),
+        )
+        .add_service(
+            pb::sampler_server::SamplerServer::new(svc.clone())
+                .max_decoding_message_size(limits.max_request_bytes as usize),
+        )
+        .add_service(
+            pb::weight_sync_server::WeightSyncServer::new(svc).max_decoding_message_size(
+                (limits.max_bucket_bytes + BUCKET_FRAMING_BYTES) as usize,
+            ),
+        )
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = rx.wait_for(|s| *s).await;
         })
-        .collect();
-    let mut e = sh.lock()?;
-    let lps = e
-        .policy
-        .score(&batch, t)
-        .map_err(|e| format!("score: {e}"))?;
-    let v = e.version;
-    drop(e);
-    Ok(encode_logprobs(v, &lps))
-}
-
-/// Receive the rest of an update whose header frame carried `header`: buckets are verified as
-/// they arrive (outside the engine lock), the update is installed at its commit frame, and an
-/// [`Ack`] answers it. `Err` means the connection is gone or out of sync (close it).
-fn update<P: RolloutPolicy>(
-    s: &mut Stream,
-    peer: &str,
-    sh: &Shared<P>,
-    header: &[u8],
-) -> Result<ServerEvent, ServerEvent> {
-    let mut failed: Option<SyncError> = None;
-    let mut asm = None;
-    let mut announced = None;
-    match serde_json::from_slice::<UpdateHeader>(header) {
-        Ok(h) => {
-            announced = Some(h.clone());
-            match UpdateAssembler::begin(h, &sh.contract_hash) {
-                Ok(a) => asm = Some(a),
-                Err(e) => failed = Some(e),
-            }
-        }
-        Err(e) => failed = Some(SyncError::Transport(format!("update header JSON: {e}"))),
-    }
-    let v = announced.as_ref().map_or(0, |h| h.version);
-    let dropped = |error: String| ServerEvent::Dropped {
-        peer: peer.into(),
-        serving: sh.serving(),
-        error,
-    };
-    // Read up to the commit frame whatever happens, so the stream stays in sync.
-    loop {
-        let (k, p) = read_frame(s).map_err(|e| {
-            dropped(format!(
-                "in the middle of weight update v{v}, before its commit frame: {e}; the partial update was discarded"
-            ))
-        })?;
-        match k {
-            K_BUCKET => {
-                if let (None, Some(a)) = (&failed, asm.as_mut()) {
-                    let r = if p.len() < 36 {
-                        Err(SyncError::Bucket {
-                            version: v,
-                            index: u32::MAX,
-                            msg: format!("bucket frame of {} bytes, expected at least 36", p.len()),
-                        })
-                    } else {
-                        a.add(&Bucket {
-                            index: u32::from_le_bytes(p[..4].try_into().expect("4 bytes")),
-                            checksum: p[4..36].try_into().expect("32 bytes"),
-                            payload: p[36..].to_vec(),
-                        })
-                    };
-                    if let Err(e) = r {
-                        failed = Some(e);
-                        asm = None;
-                    }
-                }
-            }
-            K_COMMIT => {
-                if failed.is_none() && p != v.to_le_bytes() {
-                    failed = Some(SyncError::Transport(format!(
-                        "commit frame does not name version v{v} of the header"
-                    )));
-                }
-                break;
-            }
-            other => {
-                let msg = format!(
-                    "weight update v{v}: expected a bucket or commit frame, got kind {other}"
-                );
-                let ack = Ack {
-                    version: sh.serving(),
-                    error: Some(msg.clone()),
-                };
-                let _ = reply(s, K_ACK, &serde_json::to_vec(&ack).expect("ack serializes"));
-                return Err(dropped(msg));
-            }
-        }
-    }
-    let result = match (failed, asm, announced) {
-        (Some(e), _, _) => Err(e.to_string()),
-        (None, Some(a), Some(h)) => {
-            a.finish()
-                .map_err(|e| e.to_string())
-                .and_then(|(version, tensors)| {
-                    let mut e = sh.lock()?;
-                    e.install(version, &tensors).map_err(|e| e.to_string())?;
-                    Ok(ApplyReport {
-                        version,
-                        bytes: h.bytes,
-                        buckets: h.buckets,
-                    })
-                })
-        }
-        _ => unreachable!("no failure recorded implies a parsed header and an assembler"),
-    };
-    let serving = sh.serving();
-    let ack = Ack {
-        version: serving,
-        error: result.as_ref().err().cloned(),
-    };
-    let sent = reply(s, K_ACK, &serde_json::to_vec(&ack).expect("ack serializes"));
-    let ev = match result {
-        Ok(report) => ServerEvent::Applied {
-            peer: peer.into(),
-            report,
-        },
-        Err(error) => ServerEvent::Refused {
-            peer: peer.into(),
-            serving,
-            error,
-        },
-    };
-    match sent {
-        Ok(()) => Ok(ev),
-        // The update was handled, but the client will not hear about it: log both.
-        Err(e) => Err(dropped(format!(
-            "{ev}; then the ack could not be sent: {e}"
-        ))),
-    }
+        .await
 }
 
 // ---------------------------------------------------------------------------------------------
 // Client.
 
-/// A connection to a rollout server: one method per request.
-#[derive(Debug)]
+#[derive(Clone)]
+struct Auth(Option<MetadataValue<Ascii>>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut r: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            r.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(r)
+    }
+}
+
+type Chan = tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Auth>;
+
+/// Largest reply message a client accepts (fetched buckets, generated samples).
+const CLIENT_MAX_REPLY: usize = 4 << 30;
+
+/// A connection to a rollout server: one blocking method per call (a small runtime of its own
+/// drives the gRPC channel).
 pub struct RolloutClient {
     endpoint: Endpoint,
-    stream: Stream,
+    control: pb::rollout_client::RolloutClient<Chan>,
+    sampler: pb::sampler_client::SamplerClient<Chan>,
+    sync: pb::weight_sync_client::WeightSyncClient<Chan>,
+    // Last: the channels above are dropped before the runtime that drives them.
+    rt: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for RolloutClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RolloutClient({})", self.endpoint)
+    }
 }
 
 impl RolloutClient {
-    /// Connect to the server at `ep`.
-    pub fn connect(ep: &Endpoint) -> Result<Self, ServerError> {
+    /// Connect to the server at `ep`, sending `token` with every call (needed on TCP).
+    pub fn connect(ep: &Endpoint, token: Option<&Token>) -> Result<Self, ServerError> {
+        let io = |what: &str, msg: String| ServerError::Io {
+            peer: ep.to_string(),
+            what: what.into(),
+            msg,
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("mxrl-rollout-client")
+            .enable_all()
+            .build()
+            .map_err(|e| io("start the runtime", e.to_string()))?;
+        let keep = |e: tonic::transport::Endpoint| {
+            e.http2_keep_alive_interval(Duration::from_secs(30))
+                .keep_alive_timeout(Duration::from_secs(20))
+                .keep_alive_while_idle(true)
+                .initial_stream_window_size(Some(4 << 20))
+                .initial_connection_window_size(Some(16 << 20))
+        };
+        let channel = match ep {
+            Endpoint::Unix(p) => {
+                let p = p.clone();
+                let e = keep(tonic::transport::Endpoint::from_static("http://localhost"));
+                rt.block_on(e.connect_with_connector(tower::service_fn(
+                    move |_: tonic::codegen::http::Uri| {
+                        let p = p.clone();
+                        async move {
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                                tokio::net::UnixStream::connect(p).await?,
+                            ))
+                        }
+                    },
+                )))
+                .map_err(|e| io("connect", transport_msg(&e)))?
+            }
+            Endpoint::Tcp(a) => {
+                loopback_only(ep, a)?;
+                let e = tonic::transport::Endpoint::from_shared(format!("http://{a}"))
+                    .map_err(|e| io("connect", e.to_string()))?;
+                rt.block_on(keep(e).tcp_nodelay(true).connect())
+                    .map_err(|e| io("connect", transport_msg(&e)))?
+            }
+        };
+        let auth = Auth(token.map(Token::header));
         Ok(RolloutClient {
             endpoint: ep.clone(),
-            stream: Stream::connect(ep)?,
+            control: pb::rollout_client::RolloutClient::with_interceptor(
+                channel.clone(),
+                auth.clone(),
+            )
+            .max_decoding_message_size(CLIENT_MAX_REPLY),
+            sampler: pb::sampler_client::SamplerClient::with_interceptor(
+                channel.clone(),
+                auth.clone(),
+            )
+            .max_decoding_message_size(CLIENT_MAX_REPLY),
+            sync: pb::weight_sync_client::WeightSyncClient::with_interceptor(channel, auth)
+                .max_decoding_message_size(CLIENT_MAX_REPLY),
+            rt,
         })
     }
 
@@ -1235,37 +2082,20 @@ impl RolloutClient {
         self.endpoint.to_string()
     }
 
-    fn request(
-        &mut self,
-        kind: u8,
-        payload: &[u8],
-        want: u8,
-        what: &str,
-    ) -> Result<Vec<u8>, ServerError> {
-        let io = |e: SyncError| ServerError::Io {
-            peer: self.endpoint.to_string(),
-            what: what.into(),
-            msg: e.to_string(),
-        };
-        write_frame(&mut self.stream, kind, &[payload]).map_err(io)?;
-        self.stream
-            .flush()
-            .map_err(|e| io(SyncError::Transport(format!("flush: {e}"))))?;
-        let (k, p) = read_frame(&mut self.stream).map_err(io)?;
-        if k == K_ERROR {
-            return Err(ServerError::Remote {
-                peer: self.peer(),
-                request: what.into(),
-                msg: String::from_utf8_lossy(&p).into_owned(),
-            });
+    fn remote(&self, request: &str, s: Status) -> ServerError {
+        let refusal = s
+            .metadata()
+            .get_bin(pb::REFUSAL_TRAILER)
+            .and_then(|v| v.to_bytes().ok())
+            .and_then(|b| pb::Refusal::decode(b).ok())
+            .map(Box::new);
+        ServerError::Remote {
+            peer: self.peer(),
+            request: request.into(),
+            code: s.code(),
+            msg: s.message().to_string(),
+            refusal,
         }
-        if k != want {
-            return Err(ServerError::Protocol {
-                peer: self.peer(),
-                msg: format!("{what}: expected a reply frame of kind {want}, got kind {k}"),
-            });
-        }
-        Ok(p)
     }
 
     fn protocol(&self, msg: String) -> ServerError {
@@ -1275,10 +2105,25 @@ impl RolloutClient {
         }
     }
 
-    /// The server's version, contract, recipe and model.
+    /// The server's version, contract, recipe, model, nonce and limits.
     pub fn info(&mut self) -> Result<ServerInfo, ServerError> {
-        let p = self.request(K_INFO, &[], K_INFO_REPLY, "info")?;
-        serde_json::from_slice(&p).map_err(|e| self.protocol(format!("info reply: {e}")))
+        let r = self
+            .rt
+            .block_on(self.control.info(pb::InfoRequest {}))
+            .map_err(|s| self.remote("info", s))?
+            .into_inner();
+        let limits = r.limits.unwrap_or_default();
+        Ok(ServerInfo {
+            protocol: r.protocol,
+            version: r.version,
+            contract_hash: r.contract_hash,
+            recipe: r.recipe,
+            model: r.model,
+            tensors: usize_of(r.tensors, "tensor count").map_err(|m| self.protocol(m))?,
+            weight_bytes: r.weight_bytes,
+            instance: r.instance,
+            max_bucket_bytes: limits.max_bucket_bytes,
+        })
     }
 
     /// Generate on the server; returns the version that sampled and the samples.
@@ -1290,18 +2135,40 @@ impl RolloutClient {
         eos: u32,
         seed: u64,
     ) -> Result<(u64, Vec<Sample>), ServerError> {
-        let req = encode_generate(prompts, n, cfg, eos, seed);
-        let p = self.request(K_GENERATE, &req, K_SAMPLES, "generate")?;
-        let (v, samples) = decode_samples(&p).map_err(|m| self.protocol(m))?;
-        if samples.len() != prompts.len() * n {
+        let req = pb::GenerateRequest {
+            prompts: prompts
+                .iter()
+                .map(|p| pb::TokenIds { ids: p.clone() })
+                .collect(),
+            n: n as u64,
+            sampling: Some(pb::SamplingConfig {
+                temperature: cfg.temperature,
+                top_p: cfg.top_p,
+                max_new_tokens: cfg.max_new_tokens as u64,
+            }),
+            eos,
+            seed,
+        };
+        let r = self
+            .rt
+            .block_on(self.sampler.generate(req))
+            .map_err(|s| self.remote("generate", s))?
+            .into_inner();
+        if r.samples.len() != prompts.len() * n {
             return Err(self.protocol(format!(
                 "generate: expected {} samples ({} prompts × {n}), got {}",
                 prompts.len() * n,
                 prompts.len(),
-                samples.len()
+                r.samples.len()
             )));
         }
-        Ok((v, samples))
+        let samples = r
+            .samples
+            .into_iter()
+            .map(sample_from_proto)
+            .collect::<Result<_, _>>()
+            .map_err(|m| self.protocol(format!("generate reply: {m}")))?;
+        Ok((r.version, samples))
     }
 
     /// Score on the server (bitwise mode); returns the version and one logprob list per
@@ -1311,97 +2178,228 @@ impl RolloutClient {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<(u64, Vec<Vec<f32>>), ServerError> {
-        let req = encode_score(batch, temperature);
-        let p = self.request(K_SCORE, &req, K_LOGPROBS, "score")?;
-        let (v, lps) = decode_logprobs(&p).map_err(|m| self.protocol(m))?;
-        if lps.len() != batch.len() {
+        let req = pb::ScoreRequest {
+            temperature,
+            sequences: batch
+                .iter()
+                .map(|s| pb::ScoreSequence {
+                    prompt: s.prompt.to_vec(),
+                    response: s.response.to_vec(),
+                    replay: s.replay.cloned().map(trace_to_proto),
+                })
+                .collect(),
+        };
+        self.score_raw(req)
+    }
+
+    /// Send a score request as it is (tests send malformed ones).
+    pub fn score_raw(
+        &mut self,
+        req: pb::ScoreRequest,
+    ) -> Result<(u64, Vec<Vec<f32>>), ServerError> {
+        let n = req.sequences.len();
+        let r = self
+            .rt
+            .block_on(self.sampler.score(req))
+            .map_err(|s| self.remote("score", s))?
+            .into_inner();
+        if r.logprobs.len() != n {
             return Err(self.protocol(format!(
-                "score: expected {} logprob lists, got {}",
-                batch.len(),
-                lps.len()
+                "score: expected {n} logprob lists, got {}",
+                r.logprobs.len()
             )));
         }
-        Ok((v, lps))
+        Ok((
+            r.version,
+            r.logprobs.into_iter().map(|l| l.values).collect(),
+        ))
+    }
+
+    /// Send a generate request as it is (tests send malformed ones).
+    pub fn generate_raw(&mut self, req: pb::GenerateRequest) -> Result<u64, ServerError> {
+        Ok(self
+            .rt
+            .block_on(self.sampler.generate(req))
+            .map_err(|s| self.remote("generate", s))?
+            .into_inner()
+            .version)
     }
 
     /// SHA-256 digests of the weights the server holds.
     pub fn digest(&mut self) -> Result<WeightsDigest, ServerError> {
-        let p = self.request(K_DIGEST, &[], K_DIGEST_REPLY, "weight digest")?;
-        serde_json::from_slice(&p).map_err(|e| self.protocol(format!("digest reply: {e}")))
+        let r = self
+            .rt
+            .block_on(self.control.digest(pb::DigestRequest {}))
+            .map_err(|s| self.remote("weight digest", s))?
+            .into_inner();
+        let tensors = r
+            .tensors
+            .into_iter()
+            .map(|t| {
+                Ok(TensorDigest {
+                    format: format_from_proto(t.format)
+                        .ok_or_else(|| format!("tensor {}: format code {}", t.name, t.format))?,
+                    shape: t
+                        .shape
+                        .iter()
+                        .map(|&d| usize_of(d, "dimension"))
+                        .collect::<Result<_, _>>()?,
+                    data: hex(&t.data_sha256),
+                    scales: hex(&t.scales_sha256),
+                    amax: hex(&t.amax_sha256),
+                    name: t.name,
+                })
+            })
+            .collect::<Result<_, String>>()
+            .map_err(|m| self.protocol(format!("digest reply: {m}")))?;
+        Ok(WeightsDigest {
+            version: r.version,
+            tensors,
+        })
     }
 
-    /// The weights the server holds, byte for byte, and their version.
+    /// The weights the server holds, byte for byte, and their version (every bucket's
+    /// SHA-256 verified).
     pub fn fetch(&mut self) -> Result<(u64, Vec<WireTensor>), ServerError> {
-        let p = self.request(K_FETCH, &[], K_WEIGHTS, "weight fetch")?;
-        if p.len() < 8 {
-            return Err(self.protocol(format!(
-                "weights reply of {} bytes, expected at least 8",
-                p.len()
-            )));
+        use pb::update_message::Kind;
+        let peer = self.peer();
+        let mut s = self
+            .rt
+            .block_on(self.control.fetch(pb::FetchRequest { bucket_bytes: 0 }))
+            .map_err(|s| self.remote("weight fetch", s))?
+            .into_inner();
+        let proto = |msg: String| ServerError::Protocol {
+            peer: peer.clone(),
+            msg: format!("weight fetch: {msg}"),
+        };
+        let mut asm: Option<UpdateAssembler> = None;
+        loop {
+            let m = self
+                .rt
+                .block_on(s.message())
+                .map_err(|st| self.remote("weight fetch", st))?;
+            match m.and_then(|m| m.kind) {
+                Some(Kind::Header(h)) if asm.is_none() => {
+                    let header = UpdateHeader {
+                        version: h.version,
+                        contract_hash: h.contract_hash.clone(),
+                        buckets: h.buckets,
+                        tensors: h.tensors,
+                        bytes: h.bytes,
+                    };
+                    asm = Some(
+                        UpdateAssembler::begin(header, &h.contract_hash)
+                            .map_err(|e| proto(e.to_string()))?,
+                    );
+                }
+                Some(Kind::Bucket(b)) => {
+                    let a = asm
+                        .as_mut()
+                        .ok_or_else(|| proto("bucket before header".into()))?;
+                    let checksum = b
+                        .sha256
+                        .as_slice()
+                        .try_into()
+                        .map_err(|_| proto("checksum of the wrong length".into()))?;
+                    a.add(&Bucket {
+                        index: b.index,
+                        checksum,
+                        payload: b.payload,
+                    })
+                    .map_err(|e| proto(e.to_string()))?;
+                }
+                Some(Kind::Commit(_)) => break,
+                other => return Err(proto(format!("unexpected message {other:?}"))),
+            }
         }
-        let v = u64::from_le_bytes(p[..8].try_into().expect("8 bytes"));
-        let ts = deserialize_tensors(&p[8..])
-            .ok_or_else(|| self.protocol("weights reply: malformed tensor record".into()))?;
-        Ok((v, ts))
+        asm.ok_or_else(|| proto("no header".into()))?
+            .finish()
+            .map_err(|e| proto(e.to_string()))
     }
 
-    /// Send a complete weight update and wait for the server's [`Ack`]. A refused update is
-    /// [`ServerError::Refused`] (the server serves its previous version).
-    pub fn update(&mut self, u: &WeightUpdate) -> Result<Ack, ServerError> {
-        match write_update(&mut self.stream, u) {
-            Ok(a) => Ok(a),
-            Err(SyncError::Rejected(msg)) => Err(ServerError::Refused {
-                peer: self.peer(),
-                version: u.header.version,
-                serving: parse_serving(&msg).unwrap_or(0),
-                msg,
-            }),
-            Err(e) => Err(ServerError::Io {
-                peer: self.peer(),
-                what: format!("weight update v{}", u.header.version),
-                msg: e.to_string(),
-            }),
+    /// Send a complete weight update and wait for the server's reply (the version it now
+    /// serves). A refused update is [`ServerError::Refused`] (the server serves its previous
+    /// version, named in the error).
+    pub fn update(&mut self, u: WeightUpdate) -> Result<u64, ServerError> {
+        let version = u.header.version;
+        self.update_messages(version, update_messages(u).collect())
+    }
+
+    /// Send update messages as they are (tests send malformed streams); `version` names the
+    /// update in errors.
+    pub fn update_messages(
+        &mut self,
+        version: u64,
+        msgs: Vec<pb::UpdateMessage>,
+    ) -> Result<u64, ServerError> {
+        let r = self
+            .rt
+            .block_on(self.sync.update_weights(tokio_stream::iter(msgs)));
+        match r {
+            Ok(r) => Ok(r.into_inner().version),
+            Err(s) => match self.remote(&format!("weight update v{version}"), s) {
+                ServerError::Remote {
+                    refusal: Some(refusal),
+                    msg,
+                    peer,
+                    ..
+                } => Err(ServerError::Refused {
+                    peer,
+                    version,
+                    serving: refusal.serving_version,
+                    reason: refusal.reason(),
+                    msg,
+                }),
+                other => Err(other),
+            },
         }
     }
 
-    /// Ask the server to stop; it finishes the requests in flight and stops accepting.
+    /// Ask the server to stop; it finishes the calls in flight and stops accepting.
     pub fn shutdown(&mut self) -> Result<(), ServerError> {
-        self.request(K_SHUTDOWN, &[], K_BYE, "shutdown").map(|_| ())
+        self.rt
+            .block_on(self.control.shutdown(pb::ShutdownRequest {}))
+            .map_err(|s| self.remote("shutdown", s))?;
+        Ok(())
     }
 }
 
-/// `write_update` reports a refusal as the server's message only; the served version is
-/// carried in the [`Ack`], which the refusal path does not return. The messages of
-/// [`SyncError::Stale`] name it; other refusals leave it unknown.
-fn parse_serving(msg: &str) -> Option<u64> {
-    msg.split("served version v").nth(1).and_then(|r| {
-        r.chars()
-            .take_while(|c| c.is_ascii_digit())
-            .collect::<String>()
-            .parse()
-            .ok()
-    })
+/// A transport error with its causes (tonic's top-level message alone says "transport error").
+fn transport_msg(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
 }
 
 /// A [`RolloutPolicy`] whose weights and sampling live in a rollout server.
 ///
 /// `load_weights_versioned` (called by the rollout engine of [`crate::runner::RlRun`]) sends
-/// a full, versioned, checksummed update and waits for the server's [`Ack`]; a refused or
+/// a full, versioned, checksummed update and waits for the server's reply; a refused or
 /// broken update is an error and leaves the server on its previous version.
 #[derive(Debug)]
 pub struct RemoteRollout {
     client: Mutex<RolloutClient>,
     info: ServerInfo,
     contract_hash: String,
-    /// Bucket size of the updates it sends (bytes).
+    /// Bucket size of the updates it sends (bytes; at most the server's limit).
     pub bucket_bytes: usize,
     version: u64,
 }
 
 impl RemoteRollout {
-    /// Connect to `ep` and check that the server uses the quantizer contract `contract_hash`.
-    pub fn connect(ep: &Endpoint, contract_hash: &str) -> Result<Self, ServerError> {
-        let mut c = RolloutClient::connect(ep)?;
+    /// Connect to `ep` and check that the server speaks this protocol and uses the quantizer
+    /// contract `contract_hash`.
+    pub fn connect(
+        ep: &Endpoint,
+        contract_hash: &str,
+        token: Option<&Token>,
+    ) -> Result<Self, ServerError> {
+        let mut c = RolloutClient::connect(ep, token)?;
         let info = c.info()?;
         if info.protocol != PROTOCOL {
             return Err(ServerError::Protocol {
@@ -1422,9 +2420,9 @@ impl RemoteRollout {
         Ok(RemoteRollout {
             version: info.version,
             client: Mutex::new(c),
-            info,
             contract_hash: contract_hash.into(),
-            bucket_bytes: 1 << 20,
+            bucket_bytes: (1 << 20).min(info.max_bucket_bytes.max(1) as usize),
+            info,
         })
     }
 
@@ -1433,14 +2431,17 @@ impl RemoteRollout {
         &self.info
     }
 
+    /// Set the bucket size of updates, clipped to the server's limit.
+    pub fn set_bucket_bytes(&mut self, bytes: usize) {
+        self.bucket_bytes = bytes.clamp(1, self.info.max_bucket_bytes.max(1) as usize);
+    }
+
     /// The last version the server confirmed.
     pub fn version(&self) -> u64 {
         self.version
     }
 
     fn client(&self) -> MutexGuard<'_, RolloutClient> {
-        // A panic while holding this lock can only come from a caller's panic mid-request;
-        // the stream may then be out of sync, which the next request reports.
         self.client
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -1488,14 +2489,14 @@ impl RolloutPolicy for RemoteRollout {
         tensors: &[WireTensor],
     ) -> Result<(), PolicyError> {
         let u = WeightUpdate::build(version, &self.contract_hash, tensors, self.bucket_bytes);
-        let ack = self
+        let v = self
             .client()
-            .update(&u)
+            .update(u)
             .map_err(|e| PolicyError::Update(e.to_string()))?;
-        if ack.version != version {
+        if v != version {
             return Err(PolicyError::Update(format!(
-                "rollout server {}: acknowledged v{} for update v{version}",
-                self.info.model, ack.version
+                "rollout server {}: acknowledged v{v} for update v{version}",
+                self.info.model
             )));
         }
         self.version = version;
@@ -1550,20 +2551,33 @@ mod tests {
         t
     }
 
-    /// Start a server for `policy` on `ep` in a thread; returns its address, the receiving end
-    /// of its event log and the thread.
+    const SHAPE: ModelShape = ModelShape {
+        vocab_size: 64,
+        moe_layers: 0,
+        top_k: 0,
+        num_experts: 0,
+    };
+
+    struct Running {
+        at: Endpoint,
+        rx: mpsc::Receiver<ServerEvent>,
+        h: std::thread::JoinHandle<()>,
+        stop: StopHandle,
+    }
+
+    /// Start a server for `policy` on `ep` in a thread.
     fn start<P: RolloutPolicy + Send + 'static>(
         ep: &Endpoint,
         policy: P,
         contract: &str,
-    ) -> (
-        Endpoint,
-        mpsc::Receiver<ServerEvent>,
-        std::thread::JoinHandle<()>,
-    ) {
-        let srv =
-            RolloutServer::bind(ep, RolloutEngine::new(policy, 0, contract), "bf16", "t").unwrap();
+        tune: impl FnOnce(&mut ServerConfig),
+    ) -> Running {
+        let limits = Limits::for_model(SHAPE, &policy.weights());
+        let mut cfg = ServerConfig::new("bf16", "t", limits);
+        tune(&mut cfg);
+        let srv = RolloutServer::bind(ep, RolloutEngine::new(policy, 0, contract), cfg).unwrap();
         let at = srv.endpoint().clone();
+        let stop = srv.stop_handle();
         let (tx, rx) = mpsc::channel();
         let h = std::thread::spawn(move || {
             srv.serve(&mut |e| {
@@ -1571,10 +2585,9 @@ mod tests {
             })
             .unwrap();
         });
-        (at, rx, h)
+        Running { at, rx, h, stop }
     }
 
-    /// Events up to (and including) the first that `stop` accepts; waits at most 10 s.
     fn until(
         rx: &mpsc::Receiver<ServerEvent>,
         stop: impl Fn(&ServerEvent) -> bool,
@@ -1582,7 +2595,7 @@ mod tests {
         let mut out = Vec::new();
         loop {
             let e = rx
-                .recv_timeout(Duration::from_secs(10))
+                .recv_timeout(Duration::from_secs(20))
                 .unwrap_or_else(|_| panic!("no matching server event; saw {out:?}"));
             let done = stop(&e);
             out.push(e);
@@ -1590,6 +2603,11 @@ mod tests {
                 return out;
             }
         }
+    }
+
+    fn reason(e: &ServerError) -> Reason {
+        e.refusal()
+            .unwrap_or_else(|| panic!("no typed refusal in {e}"))
     }
 
     #[test]
@@ -1618,87 +2636,18 @@ mod tests {
     }
 
     #[test]
-    fn payloads_round_trip_bit_exactly() {
-        let samples = vec![
-            Sample {
-                prompt_index: 3,
-                prompt: vec![1, 2, 3],
-                response: vec![u32::MAX, 0],
-                logprobs: vec![-0.0, f32::NEG_INFINITY],
-                routing: Some(RoutingTrace {
-                    layers: 2,
-                    top_k: 1,
-                    ids: vec![4, 5],
-                    weights: vec![f32::from_bits(0x3f80_0001), f32::MIN_POSITIVE / 2.0],
-                }),
-                probes: Some(LayerProbes {
-                    layers: 1,
-                    width: 1,
-                    values: vec![f32::NAN],
-                }),
-            },
-            Sample {
-                prompt_index: 0,
-                prompt: vec![],
-                response: vec![],
-                logprobs: vec![],
-                routing: None,
-                probes: None,
-            },
-        ];
-        let b = encode_samples(7, &samples);
-        let (v, back) = decode_samples(&b).unwrap();
-        assert_eq!(v, 7);
-        let bits = |s: &[Sample]| {
-            s.iter()
-                .map(|x| {
-                    (
-                        x.logprobs.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
-                        x.routing
-                            .as_ref()
-                            .map(|r| r.weights.iter().map(|f| f.to_bits()).collect::<Vec<_>>()),
-                        x.probes
-                            .as_ref()
-                            .map(|r| r.values.iter().map(|f| f.to_bits()).collect::<Vec<_>>()),
-                        (x.prompt_index, x.prompt.clone(), x.response.clone()),
-                    )
-                })
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(bits(&back), bits(&samples));
-        // Every truncation of the payload is an error naming the payload, never a panic.
-        for cut in 0..b.len() {
-            let e = decode_samples(&b[..cut]).unwrap_err();
-            assert!(e.starts_with("samples:"), "{e}");
-        }
-        let mut long = b.clone();
-        long.push(0);
-        assert!(decode_samples(&long).unwrap_err().contains("trailing"));
-
-        let cfg = SamplingConfig {
-            temperature: f32::from_bits(0x3f33_3334),
-            top_p: 0.9,
-            max_new_tokens: 5,
-        };
-        let g = decode_generate(&encode_generate(&[vec![1], vec![]], 3, &cfg, 9, 42)).unwrap();
-        assert_eq!(
-            (g.prompts, g.n, g.eos, g.seed, g.cfg.temperature.to_bits()),
-            (vec![vec![1], vec![]], 3, 9, 42, 0x3f33_3334)
-        );
-        assert_eq!(g.cfg, cfg);
-    }
-
-    #[test]
     fn remote_policy_matches_the_local_policy_and_shuts_down() {
         let dir = tempfile::tempdir().unwrap();
+        let token = Token::new("0123456789abcdef-test").unwrap();
         for ep in [
             Endpoint::Unix(dir.path().join("r.sock")),
             Endpoint::Tcp("127.0.0.1:0".into()),
         ] {
             let t0 = trainer(0.0, Format::Mxfp8);
             let mut local = t0.rollout().unwrap();
-            let (at, rx, h) = start(&ep, t0.rollout().unwrap(), "h");
-            let mut remote = RemoteRollout::connect(&at, "h").unwrap();
+            let tok = token.clone();
+            let srv = start(&ep, t0.rollout().unwrap(), "h", |c| c.token = Some(tok));
+            let mut remote = RemoteRollout::connect(&srv.at, "h", Some(&token)).unwrap();
             assert_eq!((remote.info().version, remote.info().tensors), (0, 1));
             let prompts = vec![vec![1, 2], vec![3]];
             let cfg = SamplingConfig {
@@ -1719,6 +2668,7 @@ mod tests {
             sync::check_equal(&remote.weights(), &ex).unwrap();
             let seqs: Vec<TrainSeq<'_>> = a
                 .iter()
+                .filter(|s| !s.response.is_empty())
                 .map(|s| TrainSeq {
                     prompt: &s.prompt,
                     response: &s.response,
@@ -1745,110 +2695,487 @@ mod tests {
             remote.check_weights(&off).unwrap();
 
             remote.shutdown_server().unwrap();
-            h.join().unwrap();
-            let evs: Vec<ServerEvent> = rx.try_iter().collect();
+            srv.h.join().unwrap();
+            let evs: Vec<ServerEvent> = srv.rx.try_iter().collect();
             let applied: Vec<u64> = evs
                 .iter()
                 .filter_map(|e| match e {
-                    ServerEvent::Applied { report, .. } => Some(report.version),
+                    ServerEvent::Applied { version, .. } => Some(*version),
                     _ => None,
                 })
                 .collect();
             assert_eq!(applied, [4, 5]);
-            assert!(matches!(evs.last(), Some(ServerEvent::Shutdown { .. })));
-            if let Endpoint::Unix(p) = &at {
+            assert!(
+                evs.iter()
+                    .any(|e| matches!(e, ServerEvent::Shutdown { .. })),
+                "{evs:?}"
+            );
+            if let Endpoint::Unix(p) = &srv.at {
                 assert!(!p.exists(), "socket file left behind");
             }
         }
     }
 
+    /// Every refusal of an update is typed, carries the served version, changes nothing and
+    /// leaves the connection usable; a stream cut before its commit changes nothing either.
     #[test]
-    fn refused_and_dropped_updates_change_nothing_and_the_connection_survives_a_refusal() {
+    fn refused_and_dropped_updates_change_nothing_and_are_typed() {
+        use pb::update_message::Kind;
         let dir = tempfile::tempdir().unwrap();
         let ep = Endpoint::Unix(dir.path().join("u.sock"));
         let t0 = trainer(0.0, Format::Nvfp4);
         let before = t0.export_weights().unwrap();
-        let (at, rx, h) = start(&ep, t0.rollout().unwrap(), "contract-a");
+        let srv = start(&ep, t0.rollout().unwrap(), "contract-a", |_| {});
         let ex = trainer(2.0, Format::Nvfp4).export_weights().unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let Endpoint::Unix(p) = &srv.at else {
+                unreachable!()
+            };
+            let mode = std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "socket mode {mode:o}");
+        }
 
-        // Client-side contract check at connect.
-        let e = RemoteRollout::connect(&at, "contract-b").unwrap_err();
+        let e = RemoteRollout::connect(&srv.at, "contract-b", None).unwrap_err();
         assert!(matches!(e, ServerError::Contract { .. }), "{e}");
 
-        let mut c = RolloutClient::connect(&at).unwrap();
-        // Server-side contract check: refused, the same connection stays usable.
+        let mut c = RolloutClient::connect(&srv.at, None).unwrap();
         let e = c
-            .update(&WeightUpdate::build(1, "contract-b", &ex, 64))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("contract-b") && e.contains("contract-a") && e.contains("refused"),
-            "{e}"
-        );
-        // A corrupt bucket: refused after the commit, connection still usable.
-        // (The tabular policy has one tensor, so every update here is one bucket; the
-        // multi-bucket case runs across processes in mxrl-cli's tests.)
+            .update(WeightUpdate::build(1, "contract-b", &ex, 64))
+            .unwrap_err();
+        assert_eq!(reason(&e), Reason::ContractMismatch);
+        assert!(e.to_string().contains("contract-b") && e.to_string().contains("contract-a"));
+
         let mut bad = WeightUpdate::build(1, "contract-a", &ex, 64);
         bad.buckets[0].payload[3] ^= 1;
-        let e = c.update(&bad).unwrap_err().to_string();
-        assert!(e.contains("bucket 0") && e.contains("SHA-256"), "{e}");
-        let (v, w) = c.fetch().unwrap();
-        assert_eq!(v, 0);
-        sync::check_equal(&w, &before).unwrap();
+        let e = c.update(bad).unwrap_err();
+        assert_eq!(reason(&e), Reason::BadChecksum);
+        assert!(e.to_string().contains("bucket 0"), "{e}");
 
-        // A connection that dies after the header and half of the bucket frame.
+        // Absurd counts in a header: refused before anything is allocated.
         let u = WeightUpdate::build(1, "contract-a", &ex, 64);
-        let Endpoint::Unix(p) = &at else {
+        let header = |buckets, tensors, bytes| pb::UpdateMessage {
+            kind: Some(Kind::Header(pb::UpdateHeader {
+                version: 1,
+                contract_hash: "contract-a".into(),
+                buckets,
+                tensors,
+                bytes,
+            })),
+        };
+        for (h, want) in [
+            (header(u32::MAX, 1, 100), Reason::BadUpdate),
+            (header(1, u32::MAX, 100), Reason::LimitExceeded),
+            (header(1, 1, 1 << 60), Reason::LimitExceeded),
+        ] {
+            let e = c.update_messages(1, vec![h]).unwrap_err();
+            assert_eq!(reason(&e), want, "{e}");
+        }
+        // A stream that ends before its commit; then one whose commit names another version.
+        let mut msgs: Vec<_> = update_messages(u.clone()).collect();
+        let commit = msgs.pop().unwrap();
+        let e = c.update_messages(1, msgs.clone()).unwrap_err();
+        assert_eq!(reason(&e), Reason::Incomplete);
+        msgs.push(pb::UpdateMessage {
+            kind: Some(Kind::Commit(pb::Commit { version: 9 })),
+        });
+        assert_eq!(
+            reason(&c.update_messages(1, msgs).unwrap_err()),
+            Reason::BadUpdate
+        );
+        drop(commit);
+
+        // A client that goes away in the middle of an update: the stream breaks, nothing
+        // changes.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let Endpoint::Unix(p) = srv.at.clone() else {
             unreachable!()
         };
-        let mut raw = UnixStream::connect(p).unwrap();
-        let hj = serde_json::to_vec(&u.header).unwrap();
-        write_frame(&mut raw, K_HEADER, &[&hj]).unwrap();
-        let mut frame = Vec::new();
-        let b0 = &u.buckets[0];
-        write_frame(
-            &mut frame,
-            K_BUCKET,
-            &[&b0.index.to_le_bytes(), &b0.checksum, &b0.payload],
-        )
-        .unwrap();
-        raw.write_all(&frame[..frame.len() / 2]).unwrap();
-        drop(raw);
-        let evs = until(&rx, |e| matches!(e, ServerEvent::Dropped { .. }));
-        let ServerEvent::Dropped { error, serving, .. } = evs.last().unwrap() else {
-            unreachable!()
+        rt.block_on(async {
+            let ch = tonic::transport::Endpoint::from_static("http://localhost")
+                .connect_with_connector(tower::service_fn(move |_: tonic::codegen::http::Uri| {
+                    let p = p.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                            tokio::net::UnixStream::connect(p).await?,
+                        ))
+                    }
+                }))
+                .await
+                .unwrap();
+            let mut raw = pb::weight_sync_client::WeightSyncClient::new(ch);
+            let first: Vec<_> = update_messages(u.clone()).take(2).collect();
+            let s =
+                tokio_stream::StreamExt::chain(tokio_stream::iter(first), tokio_stream::pending());
+            let r = tokio::time::timeout(Duration::from_millis(500), raw.update_weights(s)).await;
+            assert!(
+                r.is_err(),
+                "the update should still be waiting for its commit"
+            );
+        });
+        drop(rt);
+        // The client's end of the stream closes (or resets) without a commit: the server
+        // logs it as an incomplete or dropped update, still on version 0.
+        let cut = |e: &ServerEvent| match e {
+            ServerEvent::Dropped { peer, .. } | ServerEvent::Refused { peer, .. } => {
+                peer.ends_with("client 3")
+            }
+            _ => false,
         };
-        assert_eq!(*serving, 0);
-        assert!(error.contains("v1, before its commit frame"), "{error}");
+        let evs = until(&srv.rx, cut);
+        match evs.last().unwrap() {
+            ServerEvent::Dropped { serving, error, .. }
+            | ServerEvent::Refused { serving, error, .. } => {
+                assert_eq!(*serving, 0);
+                assert!(error.contains("before its commit"), "{error}");
+            }
+            e => unreachable!("{e:?}"),
+        }
         let (v, w) = c.fetch().unwrap();
         assert_eq!(v, 0);
         sync::check_equal(&w, &before).unwrap();
-
-        // The complete update is accepted afterwards.
-        assert_eq!(c.update(&u).unwrap().version, 1);
+        assert_eq!(c.update(u.clone()).unwrap(), 1);
         let (v, w) = c.fetch().unwrap();
         assert_eq!(v, 1);
         sync::check_equal(&w, &ex).unwrap();
-        // Stale versions are refused and name the served version.
-        let e = c.update(&u).unwrap_err();
+        let e = c.update(u).unwrap_err();
         assert!(
             matches!(
                 e,
                 ServerError::Refused {
                     version: 1,
                     serving: 1,
+                    reason: Reason::StaleVersion,
                     ..
                 }
             ),
             "{e}"
         );
         c.shutdown().unwrap();
-        h.join().unwrap();
-        let refused = evs
-            .iter()
-            .chain(rx.try_iter().collect::<Vec<_>>().iter())
-            .filter(|e| matches!(e, ServerEvent::Refused { .. }))
+        srv.h.join().unwrap();
+    }
+
+    /// Generate and score requests beyond the limits or not fitting the model are refused
+    /// with typed errors before the engine sees them; the connection stays usable.
+    #[test]
+    fn limits_and_malformed_requests_are_refused_and_the_server_keeps_serving() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("l.sock"));
+        let srv = start(
+            &ep,
+            trainer(0.0, Format::Bf16).rollout().unwrap(),
+            "h",
+            |c| {
+                c.limits.max_request_bytes = 4096;
+                c.limits.max_sequence_length = 32;
+                c.limits.max_new_tokens = 16;
+                c.limits.max_sequences = 64;
+            },
+        );
+        let mut c = RolloutClient::connect(&srv.at, None).unwrap();
+        let gen = |prompts: Vec<Vec<u32>>, n: u64, max_new: u64, eos: u32| pb::GenerateRequest {
+            prompts: prompts
+                .into_iter()
+                .map(|ids| pb::TokenIds { ids })
+                .collect(),
+            n,
+            sampling: Some(pb::SamplingConfig {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_new_tokens: max_new,
+            }),
+            eos,
+            seed: 1,
+        };
+        let cases = [
+            (
+                gen(vec![vec![1]], 1 << 40, 4, 0),
+                Reason::LimitExceeded,
+                "max_sequences",
+            ),
+            (
+                gen(vec![vec![1]], 1, 1 << 40, 0),
+                Reason::LimitExceeded,
+                "max_new_tokens",
+            ),
+            (
+                gen(vec![vec![1; 30]], 1, 8, 0),
+                Reason::LimitExceeded,
+                "max_sequence_length",
+            ),
+            (gen(vec![vec![64]], 1, 4, 0), Reason::InvalidRequest, ""),
+            (gen(vec![vec![1]], 1, 4, 99), Reason::InvalidRequest, ""),
+            (gen(vec![vec![]], 1, 4, 0), Reason::InvalidRequest, ""),
+        ];
+        for (req, want, limit) in cases {
+            let e = c.generate_raw(req).unwrap_err();
+            assert_eq!(reason(&e), want, "{e}");
+            if let ServerError::Remote {
+                refusal: Some(r), ..
+            } = &e
+            {
+                assert_eq!(r.limit_name, limit, "{e}");
+                assert_eq!(r.serving_version, 0);
+            }
+        }
+        let mut bad_t = gen(vec![vec![1]], 1, 4, 0);
+        bad_t.sampling.as_mut().unwrap().temperature = f32::NAN;
+        assert_eq!(
+            reason(&c.generate_raw(bad_t).unwrap_err()),
+            Reason::InvalidRequest
+        );
+        // A message over the sampler's size limit is refused by the framework from its length
+        // prefix.
+        let e = c
+            .generate_raw(gen(vec![vec![1; 4000]], 1, 4, 0))
+            .unwrap_err();
+        assert!(
+            matches!(&e, ServerError::Remote { code, .. } if *code == Code::OutOfRange || *code == Code::ResourceExhausted),
+            "{e}"
+        );
+        // A routing trace for this dense model is refused.
+        let e = c
+            .score_raw(pb::ScoreRequest {
+                temperature: 1.0,
+                sequences: vec![pb::ScoreSequence {
+                    prompt: vec![1],
+                    response: vec![2],
+                    replay: Some(pb::RoutingTrace::default()),
+                }],
+            })
+            .unwrap_err();
+        assert_eq!(reason(&e), Reason::InvalidRequest);
+        // Still serving, same connection.
+        assert_eq!(c.info().unwrap().version, 0);
+        let (_, s) = c
+            .generate(
+                &[vec![1, 2]],
+                2,
+                &SamplingConfig {
+                    temperature: 1.0,
+                    top_p: 1.0,
+                    max_new_tokens: 4,
+                },
+                0,
+                3,
+            )
+            .unwrap();
+        assert_eq!(s.len(), 2);
+        srv.stop.stop();
+        srv.h.join().unwrap();
+    }
+
+    #[test]
+    fn routing_traces_must_fit_the_model() {
+        let mut l = Limits::for_model(
+            ModelShape {
+                vocab_size: 10,
+                moe_layers: 2,
+                top_k: 2,
+                num_experts: 4,
+            },
+            &[],
+        );
+        l.max_sequence_length = 100;
+        let seq = |trace: pb::RoutingTrace| pb::ScoreRequest {
+            temperature: 1.0,
+            sequences: vec![pb::ScoreSequence {
+                prompt: vec![1, 2],
+                response: vec![3, 4],
+                replay: Some(trace),
+            }],
+        };
+        // 3 positions (prompt + response - 1) × 2 layers × top-2 = 12 entries.
+        let good = pb::RoutingTrace {
+            layers: 2,
+            top_k: 2,
+            ids: vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3],
+            weights: vec![0.5; 12],
+        };
+        let (_, s) = check_score(&l, seq(good.clone())).unwrap();
+        assert_eq!(s[0].replay.as_ref().unwrap().positions(), 3);
+        let mut short = good.clone();
+        short.ids.truncate(8);
+        short.weights.truncate(8);
+        let mut layers = good.clone();
+        layers.layers = 3;
+        let mut expert = good.clone();
+        expert.ids[5] = 4;
+        let mut nan = good.clone();
+        nan.weights[0] = f32::NAN;
+        let mut ragged = good.clone();
+        ragged.weights.pop();
+        for (t, what) in [
+            (short, "expected 12"),
+            (layers, "3 layers"),
+            (expert, "expert 4"),
+            (nan, "non-finite"),
+            (ragged, "11 weights"),
+        ] {
+            let e = check_score(&l, seq(t)).err().expect("refused");
+            assert_eq!(e.reason, Reason::InvalidRequest);
+            assert!(e.msg.contains(what), "{}", e.msg);
+        }
+        // Some sequences with a trace and some without: refused.
+        let mut mixed = seq(good);
+        mixed.sequences.push(pb::ScoreSequence {
+            prompt: vec![1],
+            response: vec![2],
+            replay: None,
+        });
+        assert!(check_score(&l, mixed)
+            .err()
+            .unwrap()
+            .msg
+            .contains("all or none"));
+    }
+
+    /// A policy that blocks in `generate` until released and panics on `eos == 63`.
+    struct Gate {
+        inner: crate::tabular::TabularRollout,
+        entered: mpsc::Sender<()>,
+        release: Arc<Mutex<mpsc::Receiver<()>>>,
+    }
+
+    impl RolloutPolicy for Gate {
+        fn generate(
+            &mut self,
+            prompts: &[Vec<u32>],
+            n: usize,
+            cfg: &SamplingConfig,
+            eos: u32,
+            seed: u64,
+        ) -> Result<Vec<Sample>, PolicyError> {
+            if eos == 63 {
+                panic!("a bug in the policy");
+            }
+            if eos == 62 {
+                let _ = self.entered.send(());
+                let _ = self.release.lock().unwrap().recv();
+            }
+            self.inner.generate(prompts, n, cfg, eos, seed)
+        }
+        fn load_weights(&mut self, t: &[WireTensor]) -> Result<(), PolicyError> {
+            self.inner.load_weights(t)
+        }
+        fn weights(&self) -> Vec<WireTensor> {
+            self.inner.weights()
+        }
+        fn score(&mut self, b: &[TrainSeq<'_>], t: f32) -> Result<Vec<Vec<f32>>, PolicyError> {
+            self.inner.score(b, t)
+        }
+    }
+
+    #[test]
+    fn a_panic_is_an_error_and_a_long_generation_does_not_block_info_or_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("p.sock"));
+        let (entered_tx, entered) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        let gate = Gate {
+            inner: trainer(0.0, Format::Bf16).rollout().unwrap(),
+            entered: entered_tx,
+            release: Arc::new(Mutex::new(release_rx)),
+        };
+        let srv = start(&ep, gate, "h", |_| {});
+        let cfg = SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens: 3,
+        };
+        let mut c = RolloutClient::connect(&srv.at, None).unwrap();
+        let e = c.generate(&[vec![1]], 1, &cfg, 63, 0).unwrap_err();
+        assert_eq!(reason(&e), Reason::EngineError);
+        assert!(e.to_string().contains("a bug in the policy"), "{e}");
+        // The engine is not poisoned.
+        assert_eq!(c.generate(&[vec![1]], 2, &cfg, 0, 0).unwrap().1.len(), 2);
+
+        // A generation held inside the engine; Info and Digest still answer meanwhile.
+        let at = srv.at.clone();
+        let long = std::thread::spawn(move || {
+            let mut c2 = RolloutClient::connect(&at, None).unwrap();
+            c2.generate(&[vec![1]], 1, &cfg, 62, 0).map(|r| r.1.len())
+        });
+        entered.recv_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!(c.info().unwrap().version, 0);
+        assert_eq!(c.digest().unwrap().tensors.len(), 1);
+        release.send(()).unwrap();
+        assert_eq!(long.join().unwrap().unwrap(), 1);
+        srv.stop.stop();
+        srv.h.join().unwrap();
+    }
+
+    #[test]
+    fn tcp_needs_a_token_on_loopback_and_checks_it_on_every_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = trainer(0.0, Format::Bf16);
+        let limits = Limits::for_model(SHAPE, &t0.rollout().unwrap().weights());
+        let engine = || RolloutEngine::new(t0.rollout().unwrap(), 0, "h");
+        let cfg = ServerConfig::new("bf16", "t", limits);
+        let e = RolloutServer::bind(&Endpoint::Tcp("127.0.0.1:0".into()), engine(), cfg.clone())
+            .unwrap_err();
+        assert!(e.to_string().contains("--token-file"), "{e}");
+        let mut with_token = cfg.clone();
+        with_token.token = Some(Token::new("a-long-enough-secret").unwrap());
+        let e = RolloutServer::bind(&Endpoint::Tcp("0.0.0.0:0".into()), engine(), with_token)
+            .unwrap_err();
+        assert!(e.to_string().contains("loopback"), "{e}");
+
+        // Token files: too short, readable by others, fine.
+        use std::os::unix::fs::PermissionsExt;
+        let f = dir.path().join("tok");
+        std::fs::write(&f, "short\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(Token::from_file(&f)
+            .unwrap_err()
+            .to_string()
+            .contains("at least 16"));
+        std::fs::write(&f, "0123456789abcdef0123\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = Token::from_file(&f).unwrap_err().to_string();
+        assert!(e.contains("chmod 600") && e.contains("tok"), "{e}");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let token = Token::from_file(&f).unwrap();
+        assert!(token.matches(b"0123456789abcdef0123"));
+        assert!(!token.matches(b"0123456789abcdef0124"));
+        assert!(!token.matches(b""));
+        assert!(!format!("{token:?}").contains("0123"));
+
+        let tok = token.clone();
+        let srv = start(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            t0.rollout().unwrap(),
+            "h",
+            |c| c.token = Some(tok),
+        );
+        let wrong = Token::new("0123456789abcdef0124").unwrap();
+        let ex = trainer(1.0, Format::Bf16).export_weights().unwrap();
+        for t in [None, Some(&wrong)] {
+            let mut c = RolloutClient::connect(&srv.at, t).unwrap();
+            for e in [
+                c.info().unwrap_err(),
+                c.fetch().unwrap_err(),
+                c.digest().unwrap_err(),
+                c.update(WeightUpdate::build(1, "h", &ex, 1 << 20))
+                    .unwrap_err(),
+                c.shutdown().unwrap_err(),
+            ] {
+                assert_eq!(reason(&e), Reason::Unauthenticated, "{e}");
+            }
+        }
+        let mut c = RolloutClient::connect(&srv.at, Some(&token)).unwrap();
+        assert_eq!(c.info().unwrap().version, 0, "nothing changed");
+        assert_eq!(
+            c.update(WeightUpdate::build(1, "h", &ex, 1 << 20)).unwrap(),
+            1
+        );
+        c.shutdown().unwrap();
+        srv.h.join().unwrap();
+        let n = srv
+            .rx
+            .try_iter()
+            .filter(|e| matches!(e, ServerEvent::Unauthenticated { .. }))
             .count();
-        assert_eq!(refused, 3);
+        assert_eq!(n, 10);
     }
 }

@@ -1,24 +1,23 @@
 //! Live weight sync: trainer → rollout, quantized once, bucketed, versioned, verified.
 //!
 //! An update is a [`UpdateHeader`] (version, contract hash, bucket count, tensor count, total
-//! bytes) plus buckets; each bucket carries a SHA-256 of its payload (a run of serialized
-//! [`WireTensor`]s, never split). The receiver ([`UpdateAssembler`]) checks the contract hash
-//! first (a mismatch is refused), then every bucket's index and checksum, then completeness; only
-//! then does the rollout engine swap its weights ([`RolloutEngine::apply`]), and the policy's
-//! `load_weights` validates every tensor before it changes anything. A failed or partial update
-//! leaves the rollout serving the previous version and is reported as an error.
+//! bytes) plus buckets; each bucket carries a SHA-256 of its payload (the protobuf encoding of
+//! a `TensorList` of `proto/rollout.proto`, a tensor never split). The receiver
+//! ([`UpdateAssembler`]) checks the contract hash first (a mismatch is refused), then every
+//! bucket's index, size and checksum, then completeness; only then does the rollout engine swap
+//! its weights ([`RolloutEngine::apply`]), and the policy's `load_weights` validates every
+//! tensor before it changes anything. A failed or partial update leaves the rollout serving the
+//! previous version and is reported as an error.
 //!
-//! Over a socket ([`write_update`] / [`read_update`]) the same messages travel as frames
-//! ([`write_frame`] / [`read_frame`]): `b"MXWU" | kind: u8 | len: u64 LE | payload`, kinds
-//! [`K_HEADER`] (JSON), [`K_BUCKET`] (`index: u32 LE | sha256: [u8; 32] | payload`),
-//! [`K_COMMIT`] (`version: u64 LE`), [`K_ACK`] (JSON). The rollout server
-//! ([`crate::server`]) adds request/response kinds on the same framing.
+//! In one process the buckets are handed over as they are; across processes they travel as the
+//! messages of the rollout service's `UpdateWeights` call ([`crate::server`]).
 
 use crate::policy::{PolicyError, RolloutPolicy, WireTensor};
+use crate::proto as pb;
 use mxrl_formats::Format;
+use prost::Message;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::io::{Read, Write};
 
 /// Errors of weight sync.
 #[derive(Debug, thiserror::Error)]
@@ -69,7 +68,20 @@ pub enum SyncError {
         /// The policy's error.
         source: PolicyError,
     },
-    /// Transport failure (connection dropped mid-update, bad frame).
+    /// The header announces more than the receiver accepts (checked before anything is
+    /// allocated).
+    #[error("weight update v{version}: {what} {got} exceeds the limit {limit}")]
+    Limit {
+        /// Update version.
+        version: u64,
+        /// What was counted (`tensors`, `bytes`, `buckets`).
+        what: &'static str,
+        /// The announced value.
+        got: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// Transport failure (connection dropped mid-update, bad message).
     #[error("weight sync transport: {0}")]
     Transport(String),
     /// The receiver rejected the update.
@@ -120,98 +132,82 @@ pub struct WeightUpdate {
     pub buckets: Vec<Bucket>,
 }
 
-fn format_code(f: Format) -> u8 {
+/// The wire format code of a storage format.
+pub fn format_to_proto(f: Format) -> pb::Format {
     match f {
-        Format::Bf16 => 0,
-        Format::Mxfp8 => 1,
-        Format::Nvfp4 => 2,
-        Format::Fp8Block => 3,
+        Format::Bf16 => pb::Format::Bf16,
+        Format::Mxfp8 => pb::Format::Mxfp8,
+        Format::Nvfp4 => pb::Format::Nvfp4,
+        Format::Fp8Block => pb::Format::Fp8Block,
     }
 }
 
-fn format_from_code(c: u8) -> Option<Format> {
-    Some(match c {
-        0 => Format::Bf16,
-        1 => Format::Mxfp8,
-        2 => Format::Nvfp4,
-        3 => Format::Fp8Block,
-        _ => return None,
+/// The storage format of a wire format code (`None` for unspecified or unknown codes).
+pub fn format_from_proto(code: i32) -> Option<Format> {
+    Some(match pb::Format::try_from(code).ok()? {
+        pb::Format::Bf16 => Format::Bf16,
+        pb::Format::Mxfp8 => Format::Mxfp8,
+        pb::Format::Nvfp4 => Format::Nvfp4,
+        pb::Format::Fp8Block => Format::Fp8Block,
+        pb::Format::Unspecified => return None,
     })
 }
 
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
-    out.extend_from_slice(&(b.len() as u64).to_le_bytes());
-    out.extend_from_slice(b);
-}
-
-pub(crate) fn serialize_tensor(t: &WireTensor, out: &mut Vec<u8>) {
-    put_bytes(out, t.name.as_bytes());
-    out.push(format_code(t.format));
-    out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
-    for &d in &t.shape {
-        out.extend_from_slice(&(d as u64).to_le_bytes());
-    }
-    put_bytes(out, &t.data);
-    put_bytes(out, &t.scales);
-    let amax: Vec<u8> = t.amax.iter().flat_map(|a| a.to_le_bytes()).collect();
-    put_bytes(out, &amax);
-}
-
-struct Cursor<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let end = self.at.checked_add(n)?;
-        let s = self.b.get(self.at..end)?;
-        self.at = end;
-        Some(s)
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
-    fn bytes(&mut self) -> Option<&'a [u8]> {
-        let n = usize::try_from(self.u64()?).ok()?;
-        self.take(n)
+/// A tensor as its protobuf message (moves the bytes).
+pub fn tensor_to_proto(t: WireTensor) -> pb::Tensor {
+    pb::Tensor {
+        name: t.name,
+        format: format_to_proto(t.format) as i32,
+        shape: t.shape.iter().map(|&d| d as u64).collect(),
+        data: t.data,
+        scales: t.scales,
+        amax: t.amax,
     }
 }
 
-pub(crate) fn deserialize_tensors(payload: &[u8]) -> Option<Vec<WireTensor>> {
-    let mut c = Cursor { b: payload, at: 0 };
-    let mut out = Vec::new();
-    while c.at < payload.len() {
-        let name = String::from_utf8(c.bytes()?.to_vec()).ok()?;
-        let format = format_from_code(*c.take(1)?.first()?)?;
-        let nd = c.u32()? as usize;
-        let mut shape = Vec::with_capacity(nd.min(8));
-        for _ in 0..nd {
-            shape.push(usize::try_from(c.u64()?).ok()?);
-        }
-        let data = c.bytes()?.to_vec();
-        let scales = c.bytes()?.to_vec();
-        let amax_b = c.bytes()?;
-        if amax_b.len() % 4 != 0 {
-            return None;
-        }
-        let amax = amax_b
-            .chunks_exact(4)
-            .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
-            .collect();
-        out.push(WireTensor {
-            name,
-            format,
-            shape,
-            data,
-            scales,
-            amax,
-        });
+/// A protobuf tensor as a [`WireTensor`]; an unknown format or a dimension that does not fit
+/// `usize` is an error naming the tensor.
+pub fn tensor_from_proto(t: pb::Tensor) -> Result<WireTensor, String> {
+    let format = format_from_proto(t.format)
+        .ok_or_else(|| format!("tensor {}: unknown format code {}", t.name, t.format))?;
+    let shape = t
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| format!("tensor {}: dimension too large in {:?}", t.name, t.shape))?;
+    Ok(WireTensor {
+        name: t.name,
+        format,
+        shape,
+        data: t.data,
+        scales: t.scales,
+        amax: t.amax,
+    })
+}
+
+/// The bucket payload of `tensors`: the encoding of a `TensorList` message.
+pub fn encode_tensors(tensors: &[WireTensor]) -> Vec<u8> {
+    pb::TensorList {
+        tensors: tensors.iter().cloned().map(tensor_to_proto).collect(),
     }
-    Some(out)
+    .encode_to_vec()
+}
+
+/// The tensors of a bucket payload (a `TensorList` encoding).
+pub fn decode_tensors(payload: &[u8]) -> Result<Vec<WireTensor>, String> {
+    pb::TensorList::decode(payload)
+        .map_err(|e| format!("malformed tensor list: {e}"))?
+        .tensors
+        .into_iter()
+        .map(tensor_from_proto)
+        .collect()
+}
+
+/// Encoded size of one tensor inside a `TensorList` (field tag, length prefix and message).
+fn encoded_len_in_list(t: &pb::Tensor) -> usize {
+    let n = t.encoded_len();
+    1 + prost::length_delimiter_len(n) + n
 }
 
 pub(crate) fn sha256(b: &[u8]) -> [u8; 32] {
@@ -219,26 +215,32 @@ pub(crate) fn sha256(b: &[u8]) -> [u8; 32] {
 }
 
 impl WeightUpdate {
-    /// Bucket `tensors` (in order, a tensor never split; a bucket closes once it reaches
-    /// `bucket_bytes`) under `version` and `contract_hash`.
+    /// Bucket `tensors` (in order, a tensor never split; a tensor that would take a non-empty
+    /// bucket past `bucket_bytes` starts the next one, so a bucket's payload is at most
+    /// `max(bucket_bytes, largest single tensor record)`) under `version` and `contract_hash`.
     pub fn build(
         version: u64,
         contract_hash: &str,
         tensors: &[WireTensor],
         bucket_bytes: usize,
     ) -> WeightUpdate {
-        let mut buckets = Vec::new();
-        let mut cur = Vec::new();
+        let mut payloads = Vec::new();
+        let mut cur = pb::TensorList::default();
+        let mut cur_len = 0usize;
         for t in tensors {
-            serialize_tensor(t, &mut cur);
-            if cur.len() >= bucket_bytes {
-                buckets.push(std::mem::take(&mut cur));
+            let p = tensor_to_proto(t.clone());
+            let n = encoded_len_in_list(&p);
+            if !cur.tensors.is_empty() && cur_len + n > bucket_bytes {
+                payloads.push(std::mem::take(&mut cur).encode_to_vec());
+                cur_len = 0;
             }
+            cur.tensors.push(p);
+            cur_len += n;
         }
-        if !cur.is_empty() || buckets.is_empty() {
-            buckets.push(cur);
+        if !cur.tensors.is_empty() || payloads.is_empty() {
+            payloads.push(cur.encode_to_vec());
         }
-        let buckets: Vec<Bucket> = buckets
+        let buckets: Vec<Bucket> = payloads
             .into_iter()
             .enumerate()
             .map(|(i, payload)| Bucket {
@@ -265,23 +267,68 @@ impl WeightUpdate {
 pub struct UpdateAssembler {
     header: UpdateHeader,
     parts: Vec<Option<Vec<WireTensor>>>,
+    received: u64,
 }
 
 impl UpdateAssembler {
-    /// Start assembling; refuses a header whose contract hash differs from `expected_contract`.
+    /// Start assembling; refuses a header whose contract hash differs from `expected_contract`
+    /// or whose counts are inconsistent (no bucket, more buckets than tensors).
     pub fn begin(header: UpdateHeader, expected_contract: &str) -> Result<Self, SyncError> {
+        Self::begin_bounded(header, expected_contract, u64::MAX, u64::MAX)
+    }
+
+    /// [`UpdateAssembler::begin`] that also refuses, before allocating anything, a header
+    /// announcing more than `max_tensors` tensors or `max_bytes` payload bytes. The bucket
+    /// count is bounded by the tensor count (a bucket holds at least one tensor), and the
+    /// buckets' payloads together may not exceed the announced bytes ([`UpdateAssembler::add`]).
+    pub fn begin_bounded(
+        header: UpdateHeader,
+        expected_contract: &str,
+        max_tensors: u64,
+        max_bytes: u64,
+    ) -> Result<Self, SyncError> {
+        let version = header.version;
         if header.contract_hash != expected_contract {
             return Err(SyncError::ContractMismatch {
-                version: header.version,
+                version,
                 got: header.contract_hash,
                 expected: expected_contract.into(),
+            });
+        }
+        let limit = |what, got: u64, limit: u64| SyncError::Limit {
+            version,
+            what,
+            got,
+            limit,
+        };
+        if u64::from(header.tensors) > max_tensors {
+            return Err(limit("tensors", header.tensors.into(), max_tensors));
+        }
+        if header.bytes > max_bytes {
+            return Err(limit("bytes", header.bytes, max_bytes));
+        }
+        let max_buckets = header.tensors.max(1);
+        if header.buckets == 0 || header.buckets > max_buckets {
+            return Err(SyncError::Bucket {
+                version,
+                index: 0,
+                msg: format!(
+                    "header announces {} buckets for {} tensors (expected 1 to {max_buckets})",
+                    header.buckets, header.tensors
+                ),
             });
         }
         let n = header.buckets as usize;
         Ok(UpdateAssembler {
             header,
             parts: vec![None; n],
+            received: 0,
         })
+    }
+
+    /// The header this update started with.
+    pub fn header(&self) -> &UpdateHeader {
+        &self.header
     }
 
     /// Verify and store one bucket.
@@ -301,14 +348,20 @@ impl UpdateAssembler {
         if slot.is_some() {
             return Err(err("received twice".into()));
         }
+        let total = self.received + b.payload.len() as u64;
+        if total > self.header.bytes {
+            return Err(err(format!(
+                "buckets carry {total} payload bytes so far, the header announced {}",
+                self.header.bytes
+            )));
+        }
         if sha256(&b.payload) != b.checksum {
             return Err(err(
                 "SHA-256 of the payload does not match its checksum".into()
             ));
         }
-        *slot = Some(
-            deserialize_tensors(&b.payload).ok_or_else(|| err("malformed tensor record".into()))?,
-        );
+        *slot = Some(decode_tensors(&b.payload).map_err(err)?);
+        self.received = total;
         Ok(())
     }
 
@@ -444,166 +497,6 @@ pub fn check_equal(got: &[WireTensor], expected: &[WireTensor]) -> Result<(), Sy
     Ok(())
 }
 
-const MAGIC: &[u8; 4] = b"MXWU";
-/// Frame kind: update header (JSON [`UpdateHeader`]).
-pub const K_HEADER: u8 = 1;
-/// Frame kind: one bucket (`index: u32 LE | sha256: [u8; 32] | payload`).
-pub const K_BUCKET: u8 = 2;
-/// Frame kind: end of an update (`version: u64 LE`).
-pub const K_COMMIT: u8 = 3;
-/// Frame kind: the receiver's answer to an update (JSON [`Ack`]).
-pub const K_ACK: u8 = 4;
-/// Largest frame accepted (guards against a corrupt length).
-pub const MAX_FRAME: u64 = 1 << 34;
-
-fn tr<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> SyncError + '_ {
-    move |e| SyncError::Transport(format!("{what}: {e}"))
-}
-
-/// Write one frame `b"MXWU" | kind | len: u64 LE | parts...` (not flushed).
-pub fn write_frame<W: Write>(w: &mut W, kind: u8, parts: &[&[u8]]) -> Result<(), SyncError> {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    w.write_all(MAGIC).map_err(tr("write"))?;
-    w.write_all(&[kind]).map_err(tr("write"))?;
-    w.write_all(&(len as u64).to_le_bytes())
-        .map_err(tr("write"))?;
-    for p in parts {
-        w.write_all(p).map_err(tr("write"))?;
-    }
-    Ok(())
-}
-
-/// Read one frame: `(kind, payload)`. A connection closed before or inside the frame is a
-/// [`SyncError::Transport`] error.
-pub fn read_frame<R: Read>(r: &mut R) -> Result<(u8, Vec<u8>), SyncError> {
-    read_frame_opt(r)?.ok_or_else(|| {
-        SyncError::Transport("connection closed before a complete frame header".into())
-    })
-}
-
-/// Read one frame, or `None` when the peer closed the connection cleanly at a frame boundary.
-pub fn read_frame_opt<R: Read>(r: &mut R) -> Result<Option<(u8, Vec<u8>)>, SyncError> {
-    let mut head = [0u8; 13];
-    let first = loop {
-        match r.read(&mut head[..1]) {
-            Ok(n) => break n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(SyncError::Transport(format!("reading a frame header: {e}"))),
-        }
-    };
-    if first == 0 {
-        return Ok(None);
-    }
-    r.read_exact(&mut head[1..])
-        .map_err(tr("connection closed before a complete frame header"))?;
-    if &head[..4] != MAGIC {
-        return Err(SyncError::Transport(format!(
-            "bad frame magic {:02x?}",
-            &head[..4]
-        )));
-    }
-    let len = u64::from_le_bytes(head[5..13].try_into().expect("8 bytes"));
-    if len > MAX_FRAME {
-        return Err(SyncError::Transport(format!(
-            "frame of {len} bytes exceeds the limit"
-        )));
-    }
-    let mut payload = vec![0u8; len as usize];
-    r.read_exact(&mut payload)
-        .map_err(tr("connection closed in the middle of a frame"))?;
-    Ok(Some((head[4], payload)))
-}
-
-/// The receiver's answer to an update.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Ack {
-    /// Version now served.
-    pub version: u64,
-    /// Error message when the update was refused.
-    pub error: Option<String>,
-}
-
-/// Send an update and wait for the receiver's [`Ack`].
-pub fn write_update<S: Read + Write>(s: &mut S, u: &WeightUpdate) -> Result<Ack, SyncError> {
-    let h = serde_json::to_vec(&u.header).map_err(tr("header"))?;
-    write_frame(s, K_HEADER, &[&h])?;
-    for b in &u.buckets {
-        write_frame(
-            s,
-            K_BUCKET,
-            &[&b.index.to_le_bytes(), &b.checksum, &b.payload],
-        )?;
-    }
-    write_frame(s, K_COMMIT, &[&u.header.version.to_le_bytes()])?;
-    s.flush().map_err(tr("flush"))?;
-    let (k, p) = read_frame(s)?;
-    if k != K_ACK {
-        return Err(SyncError::Transport(format!(
-            "expected an ack frame, got kind {k}"
-        )));
-    }
-    let ack: Ack = serde_json::from_slice(&p).map_err(tr("ack"))?;
-    match &ack.error {
-        Some(e) => Err(SyncError::Rejected(e.clone())),
-        None => Ok(ack),
-    }
-}
-
-/// Receive one update from `s` into `engine`, verify it, apply it atomically and answer with
-/// an [`Ack`] (best effort: the connection may already be gone). A dropped connection or any
-/// verification failure leaves the engine serving its previous version.
-pub fn read_update<S: Read + Write, P: RolloutPolicy>(
-    s: &mut S,
-    engine: &mut RolloutEngine<P>,
-) -> Result<ApplyReport, SyncError> {
-    let result = (|| {
-        let (k, p) = read_frame(s)?;
-        if k != K_HEADER {
-            return Err(SyncError::Transport(format!(
-                "expected a header frame, got kind {k}"
-            )));
-        }
-        let header: UpdateHeader = serde_json::from_slice(&p).map_err(tr("header"))?;
-        let (bytes, buckets) = (header.bytes, header.buckets);
-        let mut a = UpdateAssembler::begin(header, &engine.contract_hash)?;
-        loop {
-            let (k, p) = read_frame(s)?;
-            match k {
-                K_BUCKET if p.len() >= 36 => {
-                    let b = Bucket {
-                        index: u32::from_le_bytes(p[..4].try_into().expect("4 bytes")),
-                        checksum: p[4..36].try_into().expect("32 bytes"),
-                        payload: p[36..].to_vec(),
-                    };
-                    a.add(&b)?;
-                }
-                K_COMMIT => break,
-                other => {
-                    return Err(SyncError::Transport(format!(
-                        "unexpected frame kind {other} ({} bytes)",
-                        p.len()
-                    )))
-                }
-            }
-        }
-        let (version, tensors) = a.finish()?;
-        engine.install(version, &tensors)?;
-        Ok(ApplyReport {
-            version,
-            bytes,
-            buckets,
-        })
-    })();
-    let ack = Ack {
-        version: engine.version,
-        error: result.as_ref().err().map(|e| e.to_string()),
-    };
-    if let Ok(j) = serde_json::to_vec(&ack) {
-        let _ = write_frame(s, K_ACK, &[&j]).and_then(|_| s.flush().map_err(tr("flush")));
-    }
-    result
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -691,9 +584,18 @@ mod tests {
         let mut u = WeightUpdate::build(1, "h", &ex, 1 << 10);
         u.buckets[0].payload[40] ^= 1;
         assert!(matches!(eng.apply(&u), Err(SyncError::Bucket { .. })));
+        // A header announcing more buckets than tensors is refused before anything is
+        // allocated; one whose bucket never arrives is incomplete.
         let mut u2 = WeightUpdate::build(1, "h", &ex, 1 << 10);
         u2.header.buckets += 1;
-        assert!(matches!(eng.apply(&u2), Err(SyncError::Incomplete { .. })));
+        let e = eng.apply(&u2).unwrap_err();
+        assert!(
+            e.to_string().contains("announces 2 buckets for 1 tensors"),
+            "{e}"
+        );
+        let mut u3 = WeightUpdate::build(1, "h", &ex, 1 << 10);
+        u3.buckets.clear();
+        assert!(matches!(eng.apply(&u3), Err(SyncError::Incomplete { .. })));
         // A well-formed update whose tensor has the wrong shape is refused by the policy.
         let mut bad = ex.clone();
         bad[0].shape = vec![1, 1];
@@ -703,63 +605,5 @@ mod tests {
         ));
         assert_eq!(eng.version, 0);
         eng.check(&before).unwrap();
-    }
-
-    #[test]
-    fn socket_update_applies_and_dropped_connection_changes_nothing() {
-        use std::os::unix::net::UnixStream;
-        let t0 = trainer(0.0);
-        let before = t0.export_weights().unwrap();
-        let ex = trainer(1.0).export_weights().unwrap();
-        let u = WeightUpdate::build(1, "h", &ex, 256);
-
-        // 1. A sender that dies in the middle of the bucket frame.
-        let (mut a, mut b) = UnixStream::pair().unwrap();
-        let partial = u.clone();
-        let sender = std::thread::spawn(move || {
-            let h = serde_json::to_vec(&partial.header).unwrap();
-            write_frame(&mut a, K_HEADER, &[&h]).unwrap();
-            let b0 = &partial.buckets[0];
-            let mut frame = Vec::new();
-            write_frame(
-                &mut frame,
-                K_BUCKET,
-                &[&b0.index.to_le_bytes(), &b0.checksum, &b0.payload],
-            )
-            .unwrap();
-            a.write_all(&frame[..frame.len() / 2]).unwrap();
-            drop(a);
-        });
-        let mut eng = RolloutEngine::new(t0.rollout().unwrap(), 0, "h");
-        let e = read_update(&mut b, &mut eng).unwrap_err();
-        sender.join().unwrap();
-        assert!(matches!(e, SyncError::Transport(_)), "{e}");
-        assert_eq!(eng.version, 0);
-        eng.check(&before).unwrap();
-
-        // 2. A full update over TCP on the loopback interface.
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let full = u.clone();
-        let sender = std::thread::spawn(move || {
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            write_update(&mut s, &full)
-        });
-        let (mut s, _) = l.accept().unwrap();
-        let rep = read_update(&mut s, &mut eng).unwrap();
-        let ack = sender.join().unwrap().unwrap();
-        assert_eq!((rep.version, ack.version), (1, 1));
-        eng.check(&ex).unwrap();
-
-        // 3. A stale version is rejected and the sender hears why.
-        let (mut a, mut b) = UnixStream::pair().unwrap();
-        let stale = u.clone();
-        let sender = std::thread::spawn(move || write_update(&mut a, &stale));
-        assert!(matches!(
-            read_update(&mut b, &mut eng),
-            Err(SyncError::Stale { .. })
-        ));
-        let e = sender.join().unwrap().unwrap_err();
-        assert!(e.to_string().contains("not newer"), "{e}");
     }
 }

@@ -6,7 +6,7 @@ use mxrl_rl::ablate::{progress_line, step_bar};
 use mxrl_rl::grpo::{GrpoConfig, IsCorrection, IsLevel};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
-use mxrl_rl::server::{Endpoint, RemoteRollout};
+use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, Token};
 use mxrl_rl::session::{build, load_model_dir, task_source};
 use mxrl_rl::task::TaskSource;
 use mxrl_rl::text::TextCodec;
@@ -147,6 +147,10 @@ pub struct Args {
     /// the end.
     #[arg(long)]
     rollout: Option<String>,
+    /// The rollout server's shared secret (needed for --rollout tcp:HOST:PORT): a file only
+    /// you can read, as given to `mxrl rollout-server --token-file`.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
     #[command(flatten)]
     rl: RlArgs,
     #[command(flatten)]
@@ -205,7 +209,8 @@ pub fn run(a: Args) -> Result<()> {
                 Some(s) => s.endpoint.clone(),
                 None => spec.parse()?,
             };
-            let mut remote = RemoteRollout::connect(&ep, &b.contract_hash)?;
+            let token = a.token_file.as_deref().map(Token::from_file).transpose()?;
+            let mut remote = RemoteRollout::connect(&ep, &b.contract_hash, token.as_ref())?;
             let info = remote.info().clone();
             if info.recipe != a.recipe {
                 bail!(
@@ -218,7 +223,7 @@ pub fn run(a: Args) -> Result<()> {
                 "rollout: server {ep} (model {}, {} tensors, serving v{})",
                 info.model, info.tensors, info.version
             );
-            remote.bucket_bytes = cfg.bucket_bytes;
+            remote.set_bucket_bytes(cfg.bucket_bytes);
             let remote = drive(
                 &a.recipe,
                 &a.out,
@@ -277,11 +282,25 @@ fn drive<T: TrainPolicy, R: RolloutPolicy>(
 }
 
 /// `--rollout spawn`: `mxrl rollout-server` as a child process on `RUN_DIR/rollout.sock`,
-/// killed when dropped unless it already exited.
+/// killed when dropped unless it already exited. The child watches its standard input, a pipe
+/// whose other end only this process holds: when this process dies (even by SIGKILL) the
+/// child sees end of file and stops. It is ready when the server on the socket answers Info
+/// with the nonce this process gave it — never merely because something listens there.
 struct SpawnedServer {
     child: Child,
     endpoint: Endpoint,
     log: PathBuf,
+    _lifeline: Option<std::process::ChildStdin>,
+}
+
+/// 128 random bits as hex, from the kernel.
+fn nonce() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .context("reading /dev/urandom for the rollout server's nonce")?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 impl SpawnedServer {
@@ -304,7 +323,8 @@ impl SpawnedServer {
         let log = out.join("rollout-server.log");
         let f =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let child = Command::new(std::env::current_exe().context("locating the mxrl binary")?)
+        let nonce = nonce()?;
+        let mut child = Command::new(std::env::current_exe().context("locating the mxrl binary")?)
             .arg("rollout-server")
             .arg("--model")
             .arg(model)
@@ -316,40 +336,49 @@ impl SpawnedServer {
             })
             .arg("--listen")
             .arg(format!("unix:{}", socket.display()))
-            .stdin(Stdio::null())
+            .args(["--instance", &nonce, "--exit-with-stdin"])
+            .stdin(Stdio::piped())
             .stdout(f.try_clone()?)
             .stderr(f)
             .spawn()
             .context("starting `mxrl rollout-server`")?;
+        let lifeline = child.stdin.take();
         let mut s = SpawnedServer {
             child,
             endpoint: Endpoint::Unix(socket.clone()),
             log,
+            _lifeline: lifeline,
         };
         let t = Instant::now();
         loop {
             if let Some(st) = s.child.try_wait()? {
                 bail!(
-                    "the rollout server exited ({st}) before listening on {}; its log {}:\n{}",
+                    "the rollout server exited ({st}) before serving on {}; its log {}:\n{}",
                     s.endpoint,
                     s.log.display(),
                     std::fs::read_to_string(&s.log).unwrap_or_default()
                 );
             }
-            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                return Ok(s);
+            if socket.exists() {
+                if let Ok(info) =
+                    RolloutClient::connect(&s.endpoint, None).and_then(|mut c| c.info())
+                {
+                    if info.instance == nonce {
+                        return Ok(s);
+                    }
+                }
             }
             if t.elapsed() > Duration::from_secs(300) {
                 bail!(
-                    "the rollout server did not listen on {} within 300 s; its log: {}",
+                    "the rollout server started by this run did not answer on {} within 300 s; \
+                     its log: {}",
                     s.endpoint,
                     s.log.display()
                 );
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
-
     /// Wait for the child to exit after a shutdown request (killed on drop after `limit`).
     fn wait(mut self, limit: Duration) -> Result<()> {
         let t = Instant::now();

@@ -1,12 +1,16 @@
 //! `mxrl rollout-server`: the rollout engine of a model directory and recipe in its own
-//! process, serving generation, scoring and live weight updates over a Unix socket or TCP
-//! (protocol: `mxrl_rl::server`, docs/rollout-server.md). `mxrl rl --rollout ADDR` uses it.
+//! process, serving generation, scoring and live weight updates over gRPC on a Unix socket or
+//! TCP (protocol: `crates/mxrl-rl/proto/rollout.proto`, docs/rollout-server.md). `mxrl rl
+//! --rollout ADDR` and `scripts/rollout_client.py` use it.
 
 use anyhow::{Context, Result};
-use mxrl_rl::server::{Endpoint, RolloutServer};
+use mxrl_rl::server::{Endpoint, Limits, ModelShape, RolloutServer, ServerConfig, Token};
 use mxrl_rl::session::{build, load_model_dir};
 use mxrl_rl::sync::RolloutEngine;
+use mxrl_rl::RolloutPolicy;
+use std::io::Read;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Arguments of `mxrl rollout-server`.
 #[derive(clap::Args, Debug)]
@@ -18,9 +22,42 @@ pub struct Args {
     /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq) or a TOML file.
     #[arg(long, default_value = "bf16")]
     recipe: String,
-    /// Where to listen: unix:PATH or tcp:HOST:PORT (port 0 picks a free port).
+    /// Where to listen: unix:PATH (created 0600) or tcp:HOST:PORT (loopback only, needs
+    /// --token-file; port 0 picks a free port).
     #[arg(long)]
     listen: String,
+    /// File holding the shared secret every call must carry (`authorization: Bearer TOKEN`);
+    /// required on TCP. At least 16 characters, readable by its owner only (chmod 600).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// A nonce reported by the Info call, so a parent knows it reached the child it started.
+    #[arg(long, default_value = "")]
+    instance: String,
+    /// Stop when standard input reaches end of file (the parent that holds its other end died
+    /// or closed it): `mxrl rl --rollout spawn` uses this so its server dies with it.
+    #[arg(long)]
+    exit_with_stdin: bool,
+    /// Largest weight bucket (bytes); default 256 MiB or the model's largest tensor if larger.
+    #[arg(long)]
+    max_bucket_bytes: Option<u64>,
+    /// Largest Generate/Score request message (bytes).
+    #[arg(long, default_value_t = mxrl_rl::server::DEFAULT_MAX_REQUEST_BYTES)]
+    max_request_bytes: u64,
+    /// Largest prompts × n of a Generate call (and sequences of a Score call).
+    #[arg(long, default_value_t = mxrl_rl::server::DEFAULT_MAX_SEQUENCES)]
+    max_sequences: u64,
+    /// Largest prompt + response length in tokens (and largest max_new_tokens).
+    #[arg(long, default_value_t = mxrl_rl::server::DEFAULT_MAX_SEQUENCE_LENGTH)]
+    max_sequence_length: u64,
+    /// Connections served at once (more wait in the listen backlog).
+    #[arg(long, default_value_t = 64)]
+    max_connections: usize,
+    /// Concurrent calls per connection.
+    #[arg(long, default_value_t = 8)]
+    max_calls_per_connection: usize,
+    /// Close a connection after this many seconds without a byte from the peer.
+    #[arg(long, default_value_t = 300.0)]
+    idle_timeout: f64,
     #[command(flatten)]
     device: super::device::DeviceArgs,
 }
@@ -28,16 +65,48 @@ pub struct Args {
 /// Run `mxrl rollout-server` until a client asks it to shut down (or the process is killed).
 pub fn run(a: Args) -> Result<()> {
     let ep: Endpoint = a.listen.parse()?;
+    let token = a.token_file.as_deref().map(Token::from_file).transpose()?;
     let gemm = a.device.select()?;
     let (model, _codec) = load_model_dir(&a.model)?;
     let b = build(&model, &a.recipe).with_context(|| format!("recipe {}", a.recipe))?;
-    let engine = RolloutEngine::new(b.rollout, 0, &b.contract_hash);
+    let mut limits = Limits::for_model(ModelShape::of(model.config()), &b.rollout.weights());
+    if let Some(m) = a.max_bucket_bytes {
+        limits.max_bucket_bytes = m;
+    }
+    limits.max_request_bytes = a.max_request_bytes;
+    limits.max_sequences = a.max_sequences;
+    limits.max_sequence_length = a.max_sequence_length;
+    limits.max_new_tokens = a.max_sequence_length;
+    if !(a.idle_timeout > 0.0 && a.idle_timeout.is_finite()) {
+        anyhow::bail!("--idle-timeout {}: expected seconds > 0", a.idle_timeout);
+    }
     let model_name = a.model.display().to_string();
-    let server = RolloutServer::bind(&ep, engine, &a.recipe, &model_name)?;
+    let mut cfg = ServerConfig::new(&a.recipe, &model_name, limits);
+    cfg.token = token;
+    cfg.instance = a.instance.clone();
+    cfg.max_connections = a.max_connections;
+    cfg.max_calls_per_connection = a.max_calls_per_connection;
+    cfg.idle_timeout = Duration::from_secs_f64(a.idle_timeout);
+    let engine = RolloutEngine::new(b.rollout, 0, &b.contract_hash);
+    let server = RolloutServer::bind(&ep, engine, cfg)?;
+    if a.exit_with_stdin {
+        let stop = server.stop_handle();
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 64];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            println!("mxrl rollout-server: standard input closed (the parent is gone); stopping");
+            stop.stop();
+            // Calls in flight get a few seconds; then the process ends regardless.
+            std::thread::sleep(Duration::from_secs(10));
+            std::process::exit(1);
+        });
+    }
     // The first line is what a parent process waits for.
     println!("mxrl rollout-server: listening on {}", server.endpoint());
     println!(
-        "model {model_name} · recipe {} · contract {} · weights {:?} · GEMMs on {gemm} · serving v0",
+        "model {model_name} · recipe {} · contract {} · weights {:?} · GEMMs on {gemm} · \
+         limits {limits:?} · serving v0",
         a.recipe, b.contract_hash, b.weight_bytes
     );
     server.serve(&mut |ev| println!("{ev}"))?;

@@ -1,0 +1,12 @@
+//! Compiles `proto/rollout.proto` (the rollout service) into Rust with protox, a pure-Rust
+//! protobuf compiler: no system `protoc` is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/rollout.proto");
+    let fds = protox::compile(["rollout.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    Ok(())
+}
