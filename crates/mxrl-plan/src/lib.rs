@@ -33,6 +33,7 @@
 #![deny(missing_docs)]
 
 mod audit;
+mod config;
 mod error;
 mod export;
 mod glob;
@@ -46,6 +47,7 @@ mod role;
 mod stored;
 
 pub use audit::{audit, audit_dir, AuditFinding, AuditReport};
+pub use config::{HfConfig, Limits, MlaConfig, MoeConfig, MoeLayers, MAX_CONFIG_BYTES};
 pub use error::PlanError;
 pub use export::{
     export, fnmatch, resolve_ignore_list, resolve_miles, resolve_te_matchers, Export, ExportDiff,
