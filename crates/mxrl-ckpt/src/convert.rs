@@ -32,7 +32,9 @@ use crate::error::{CkptError, Result};
 use crate::header::index_json;
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 use crate::values::{check_finite, f32_to_bf16_bytes, to_f32};
-use crate::writer::{copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec};
+use crate::writer::{
+    check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
+};
 use mxrl_formats::{
     amax_of, contract_hash, e4m3_decode, quantize, quantize_nvfp4_with_amax, AmaxScope, Format,
     Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
@@ -921,27 +923,6 @@ impl std::fmt::Display for ConvertSummary {
     }
 }
 
-fn absolute(p: &Path) -> PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
-}
-
-/// Refuses an output that is, contains or lies inside the source.
-pub(crate) fn check_distinct(src: &Path, dst: &Path) -> Result<()> {
-    let s = src.canonicalize().unwrap_or_else(|_| absolute(src));
-    let d = match dst.canonicalize() {
-        Ok(d) => d,
-        Err(_) => absolute(dst),
-    };
-    if d == s || d.starts_with(&s) || s.starts_with(&d) {
-        return Err(CkptError::Invalid(format!(
-            "output {} must not be, contain or lie inside the source {}",
-            dst.display(),
-            src.display()
-        )));
-    }
-    Ok(())
-}
-
 /// Converts the checkpoint in `src` by `recipe` into `dst` (see the module docs).
 /// `recipe_label` (a preset name or file path) is recorded in `mxrl.json`.
 pub fn convert(
@@ -953,13 +934,13 @@ pub fn convert(
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
     let t0 = Instant::now();
-    check_distinct(src, dst)?;
+    check_output_vs_source(src, dst)?;
     if dst.exists() && !opts.force {
         return Err(CkptError::OutputExists { path: dst.into() });
     }
     let ck = Checkpoint::open(src)?;
     let p = prepare(&ck, recipe, recipe_label, opts.nvfp4)?;
-    let staged = StagedDir::create(dst, opts.force)?;
+    let staged = StagedDir::create_for(src, dst, opts.force)?;
     let bytes_in: u64 = p
         .shards
         .iter()

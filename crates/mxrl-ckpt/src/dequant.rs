@@ -17,13 +17,15 @@
 //! `quantization_config`, and the source's other files except `hf_quant_config.json` and
 //! `mxrl.json`.
 
-use crate::convert::{check_distinct, is_weight_or_record, Progress};
+use crate::convert::{is_weight_or_record, Progress};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE};
 use crate::values::{check_finite, f32_to_bf16_bytes};
-use crate::writer::{copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec};
+use crate::writer::{
+    check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
+};
 use mxrl_formats::{e2m1_decode, e4m3_decode, ue8m0_decode};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -318,7 +320,7 @@ pub fn dequantize(
     progress: &dyn Progress,
 ) -> Result<DequantSummary> {
     let t0 = Instant::now();
-    check_distinct(src, dst)?;
+    check_output_vs_source(src, dst)?;
     if dst.exists() && !force {
         return Err(CkptError::OutputExists { path: dst.into() });
     }
@@ -366,7 +368,7 @@ pub fn dequantize(
         let spec = TensorSpec::new(format!("{prefix}.weight"), Dtype::Bf16, vec![g.n, g.k]);
         shards[si].1.push((Item::Group(g), vec![spec]));
     }
-    let staged = StagedDir::create(dst, force)?;
+    let staged = StagedDir::create_for(src, dst, force)?;
     let total = ck.total_data_bytes();
     progress.start(total);
     let mut wm = BTreeMap::new();

@@ -44,6 +44,6 @@ pub use values::{
 };
 pub use verify::{verify, VerifyItem, VerifyReport};
 pub use writer::{
-    copy_other_files, header_bytes, partial_path, write_json, write_safetensors, ShardWriter,
-    StagedDir, TensorSpec,
+    backup_path, check_output_vs_source, copy_other_files, header_bytes, partial_path, write_json,
+    write_safetensors, ShardWriter, StagedDir, TensorSpec, STAGING_MARKER,
 };
