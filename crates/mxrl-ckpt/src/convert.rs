@@ -40,7 +40,7 @@ use mxrl_formats::{
     Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
     META_CONTRACT_VERSION,
 };
-use mxrl_plan::{export, resolve, ExportKind, Inventory, PrecisionPlan, Recipe};
+use mxrl_plan::{export, resolve, ExportKind, PrecisionPlan, Recipe};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::borrow::Cow;
@@ -310,7 +310,7 @@ pub(crate) fn prepare<'a>(
     let src_cfg = ck.require_config()?.clone();
     let fp8_src = source_is_block_fp8(ck)?;
     check_gate_up_pairs(ck)?;
-    let inv = Inventory::from_model_dir(ck.dir())?;
+    let inv = ck.model_inventory()?;
     let plan = resolve(&inv, recipe)?;
     let partners: HashMap<String, String> = plan
         .nvfp4_amax_groups()

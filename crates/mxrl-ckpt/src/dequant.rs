@@ -324,6 +324,8 @@ pub fn dequantize(
     if dst.exists() && !force {
         return Err(CkptError::OutputExists { path: dst.into() });
     }
+    // The config is validated (the shared rules and bounds) before any weight file is read.
+    mxrl_plan::HfConfig::from_path(&src.join(crate::reader::CONFIG_FILE))?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?.clone();
     // Group by weight prefix; every companion must belong to a recognized group.

@@ -27,7 +27,7 @@ use crate::values::{f32_from_bytes, to_f32};
 use mxrl_formats::{
     contract_hash, Format, Nvfp4Global, QuantizedTensor, ScaleLayout, Scales, Scheme,
 };
-use mxrl_plan::{resolve, Inventory, PrecisionPlan, Recipe};
+use mxrl_plan::{resolve, PrecisionPlan, Recipe};
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -362,7 +362,7 @@ pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
 
     let ck = Checkpoint::open(dir)?;
     let config = ck.require_config()?.clone();
-    let inv = Inventory::from_model_dir(dir)?;
+    let inv = ck.model_inventory()?;
     let plan = resolve(&inv, &recipe)?;
     let mut accounted = HashSet::new();
     let mut tensors = Vec::with_capacity(entries.len());

@@ -286,7 +286,7 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
         );
     }
 
-    match mxrl_plan::audit_dir(converted, &recipe) {
+    match crate::scan::audit_dir(converted, &recipe) {
         Ok((_, audit)) => {
             let clean = audit.is_clean();
             r.push(

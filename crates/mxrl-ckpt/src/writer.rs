@@ -172,11 +172,49 @@ pub fn write_safetensors(
     w.finish()
 }
 
-/// Writes `value` as pretty JSON to `path` (with a trailing newline).
+/// Writes `value` as pretty JSON to `path` (with a trailing newline), atomically.
 pub fn write_json(path: &Path, value: &Value) -> Result<()> {
     let mut s = serde_json::to_string_pretty(value).expect("JSON serializes");
     s.push('\n');
-    fs::write(path, s).map_err(|e| CkptError::io(path, "write", e))
+    write_atomic(path, |tmp| {
+        fs::write(tmp, &s).map_err(|e| CkptError::io(tmp, "write", e))
+    })
+}
+
+/// The one atomic-write helper: `write` fills a temporary file next to `path`
+/// (`.NAME.tmp-PID`), which is renamed to `path` only when `write` succeeded; on failure the
+/// temporary file is removed and `path` is untouched.
+pub fn write_atomic<T>(path: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    let name = path.file_name().ok_or_else(|| {
+        CkptError::Invalid(format!("output path {} has no file name", path.display()))
+    })?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    match write(&tmp) {
+        Ok(v) => {
+            fs::rename(&tmp, path).map_err(|e| {
+                let _ = fs::remove_file(&tmp);
+                CkptError::io(path, "rename into place", e)
+            })?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// [`write_safetensors`] through [`write_atomic`].
+pub fn write_safetensors_atomic(
+    path: &Path,
+    tensors: &[(TensorSpec, Vec<u8>)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<u64> {
+    write_atomic(path, |tmp| write_safetensors(tmp, tensors, metadata))
 }
 
 /// An output directory under construction: everything is written into `DST.partial`, which is

@@ -17,6 +17,10 @@ pub enum ModelError {
     /// Hugging Face config type of `mxrl-plan`; the message names the file and field).
     #[error(transparent)]
     HfConfig(#[from] mxrl_plan::PlanError),
+    /// A checkpoint file is malformed or inconsistent (the message names the file and
+    /// tensor).
+    #[error(transparent)]
+    Ckpt(#[from] mxrl_ckpt::CkptError),
     /// A valid config the engine does not run.
     #[error("{origin}: config field `{field}`: {message}")]
     Unsupported {
@@ -25,14 +29,6 @@ pub enum ModelError {
         /// The field name as in config.json.
         field: &'static str,
         /// What is not supported.
-        message: String,
-    },
-    /// A weight file could not be parsed.
-    #[error("{path}: invalid safetensors: {message}")]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
         message: String,
     },
     /// A tensor is missing from a checkpoint.

@@ -22,7 +22,7 @@
 use crate::config::HfConfig;
 use crate::error::PlanError;
 use crate::role::{Proj, Role};
-use crate::stored::{self, StoredTensor};
+use crate::stored::StoredTensor;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -202,25 +202,13 @@ impl Inventory {
         Inventory::assemble(cfg.arch, num_layers, num_mtp, tensors, origin.to_string())
     }
 
-    /// Inventory of a Hugging Face model directory: `config.json` gives the architecture,
-    /// the safetensors headers (via `model.safetensors.index.json` when present) give the
-    /// tensors actually stored, their shapes, dtypes and checkpoint order. Only headers
-    /// are read. Tensors the architecture does not have are an error listing all of them;
-    /// so are missing ones (an absent MTP module as a whole is allowed). Quantized
-    /// tensors (scale companions, packed NVFP4) are folded into their logical weight.
-    pub fn from_model_dir(dir: &Path) -> Result<Inventory, PlanError> {
-        let expected = Inventory::from_config_path(&dir.join("config.json"))?;
-        let stored = stored::scan_dir(dir)?;
-        expected.reconcile(dir, &stored)
-    }
-
-    /// Match a config-derived inventory against the logical tensors of a checkpoint and
-    /// return the inventory in checkpoint order with stored shapes and dtypes.
-    pub(crate) fn reconcile(
-        &self,
-        dir: &Path,
-        stored: &[StoredTensor],
-    ) -> Result<Inventory, PlanError> {
+    /// Match a config-derived inventory against the logical tensors of a checkpoint (read by
+    /// `mxrl-ckpt`'s `Checkpoint::stored_tensors`; `mxrl_ckpt::model_inventory` does both) and
+    /// return the inventory in checkpoint order with stored shapes and dtypes. Tensors the
+    /// architecture does not have are an error listing all of them; so are missing ones (an
+    /// absent MTP module as a whole is allowed). Quantized tensors (scale companions, packed
+    /// NVFP4) are folded into their logical weight.
+    pub fn reconcile(&self, dir: &Path, stored: &[StoredTensor]) -> Result<Inventory, PlanError> {
         let stored_names: HashMap<&str, &StoredTensor> =
             stored.iter().map(|s| (s.name.as_str(), s)).collect();
         let unknown: Vec<String> = stored
