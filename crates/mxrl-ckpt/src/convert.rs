@@ -31,6 +31,7 @@ use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use crate::record::{ContractRecord, MxrlRecord, RecipeRecord, TensorRecord};
 use crate::values::{check_finite, f32_to_bf16_bytes, to_f32};
 use crate::writer::{
     check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
@@ -789,33 +790,39 @@ pub(crate) fn run(
 
 /// `mxrl.json`: contract, recipe, plan hash and the per-tensor record.
 pub(crate) fn mxrl_json(p: &Prepared<'_>, amaxes: &BTreeMap<String, f32>) -> Value {
-    let mut tensors = serde_json::Map::new();
+    let mut tensors = BTreeMap::new();
     for (_, jobs) in &p.shards {
         for j in jobs {
-            let mut e = json!({
-                "format": j.format.name(),
-                "method": j.method.name(),
-                "stored": j.outputs.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
-            });
-            if let Some(a) = amaxes.get(&j.name) {
-                e["amax"] = json!(a);
-                e["amax_bits"] = json!(format!("0x{:08X}", a.to_bits()));
-            }
-            if let Some(pn) = &j.partner {
-                e["amax_shared_with"] = json!(pn);
-            }
-            tensors.insert(j.name.clone(), e);
+            let amax = amaxes.get(&j.name).copied();
+            tensors.insert(
+                j.name.clone(),
+                TensorRecord {
+                    format: j.format.name().to_string(),
+                    method: j.method.name().to_string(),
+                    stored: j.outputs.iter().map(|s| s.name.clone()).collect(),
+                    amax,
+                    amax_bits: amax.map(|a| format!("0x{:08X}", a.to_bits())),
+                    amax_shared_with: j.partner.clone(),
+                },
+            );
         }
     }
-    json!({
-        "mxrl_version": env!("CARGO_PKG_VERSION"),
-        "contract": {"version": CONTRACT_VERSION, "hash": contract_hash()},
-        "recipe": {"source": p.recipe_label, "toml": p.plan.recipe().to_toml()},
-        "plan_hash": p.plan.hash(),
-        "nvfp4_container": p.container.name(),
-        "quantized_format": p.quant.map(|f| f.name()),
-        "tensors": tensors,
-    })
+    MxrlRecord {
+        mxrl_version: env!("CARGO_PKG_VERSION").to_string(),
+        contract: ContractRecord {
+            version: CONTRACT_VERSION,
+            hash: contract_hash().to_string(),
+        },
+        recipe: RecipeRecord {
+            source: p.recipe_label.to_string(),
+            toml: p.plan.recipe().to_toml(),
+        },
+        plan_hash: p.plan.hash().to_string(),
+        nvfp4_container: p.container.name().to_string(),
+        quantized_format: p.quant.map(|f| f.name().to_string()),
+        tensors,
+    }
+    .to_value()
 }
 
 /// Expected index of the output (`None` for an unsharded checkpoint).

@@ -28,6 +28,7 @@ mod error;
 mod header;
 pub mod load;
 mod reader;
+mod record;
 mod scan;
 pub mod synth;
 mod values;
@@ -46,6 +47,7 @@ pub use header::{
 };
 pub use load::{is_converted, load_quantized, stack_rows, QuantizedCheckpoint, StoredWeight};
 pub use reader::{Checkpoint, SafetensorsFile, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+pub use record::{ContractRecord, MxrlRecord, RecipeRecord, TensorRecord, MAX_RECORD_BYTES};
 pub use scan::{audit_dir, model_inventory};
 pub use values::{
     check_finite, count_nonfinite, f32_bytes, f32_from_bytes, f32_to_bf16_bytes, to_f32,

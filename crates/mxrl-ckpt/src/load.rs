@@ -23,6 +23,7 @@ use crate::convert::{Nvfp4Container, MXRL_JSON};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::reader::{Checkpoint, TensorView};
+use crate::record::{MxrlRecord, TensorRecord};
 use crate::values::{f32_from_bytes, to_f32};
 use mxrl_formats::{
     contract_hash, Format, Nvfp4Global, QuantizedTensor, ScaleLayout, Scales, Scheme,
@@ -124,7 +125,7 @@ fn read_weight(
     ck: &Checkpoint,
     record: &Path,
     name: &str,
-    entry: &Value,
+    entry: &TensorRecord,
     format: Format,
     stored: &[String],
     container: Nvfp4Container,
@@ -211,18 +212,14 @@ fn read_weight(
             }
             let s = get(1, "E4M3 block scale")?;
             expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-            let bits = entry
-                .get("amax_bits")
-                .and_then(Value::as_str)
-                .and_then(|b| u32::from_str_radix(b.trim_start_matches("0x"), 16).ok())
-                .ok_or_else(|| {
-                    record_err(
-                        record,
-                        format!("tensors.{name}.amax_bits"),
-                        "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
-                    )
-                })?;
-            let amax = f32::from_bits(bits);
+            let amax = entry.amax_from_bits().ok_or_else(|| {
+                record_err(
+                    record,
+                    format!("tensors.{name}.amax_bits"),
+                    "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
+                )
+            })?;
+            let bits = amax.to_bits();
             let g = Nvfp4Global::from_amax(amax);
             let second = get(2, "second-level scale")?;
             let (got, want_v, what) = match container {
@@ -317,48 +314,25 @@ fn read_weight(
 /// stored tensor no record accounts for — each naming the file and tensor or field.
 pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
     let record = dir.join(MXRL_JSON);
-    let text = std::fs::read_to_string(&record).map_err(|e| CkptError::io(&record, "read", e))?;
-    let rec: Value = serde_json::from_str(&text)
-        .map_err(|e| record_err(&record, "(document)", format!("not valid JSON: {e}")))?;
-    let field = |path: &str| -> Result<&Value> {
-        rec.pointer(path).ok_or_else(|| {
-            record_err(
-                &record,
-                path.trim_start_matches('/').replace('/', "."),
-                "missing",
-            )
-        })
-    };
-    let hash = field("/contract/hash")?.as_str().unwrap_or_default();
-    if hash != contract_hash() {
+    let rec = MxrlRecord::read(&record)?;
+    if rec.contract.hash != contract_hash() {
         return Err(record_err(
             &record,
             "contract.hash",
             format!(
-                "converted under quantization contract {hash}, this build implements {}; re-convert the checkpoint",
+                "converted under quantization contract {}, this build implements {}; re-convert the checkpoint",
+                rec.contract.hash,
                 contract_hash()
             ),
         ));
     }
-    let toml = field("/recipe/toml")?
-        .as_str()
-        .ok_or_else(|| record_err(&record, "recipe.toml", "must be a string"))?;
-    let recipe = Recipe::from_toml_str(toml, &format!("{} recipe.toml", record.display()))?;
-    let plan_hash = field("/plan_hash")?
-        .as_str()
-        .ok_or_else(|| record_err(&record, "plan_hash", "must be a string"))?
-        .to_string();
-    let container_name = field("/nvfp4_container")?.as_str().unwrap_or_default();
-    let container = Nvfp4Container::parse(container_name).ok_or_else(|| {
-        record_err(
-            &record,
-            "nvfp4_container",
-            format!("`{container_name}`: expected modelopt or compressed-tensors"),
-        )
-    })?;
-    let entries = field("/tensors")?
-        .as_object()
-        .ok_or_else(|| record_err(&record, "tensors", "must be an object"))?;
+    let recipe = Recipe::from_toml_str(
+        &rec.recipe.toml,
+        &format!("{} recipe.toml", record.display()),
+    )?;
+    let plan_hash = rec.plan_hash.clone();
+    let container = rec.container(&record)?;
+    let entries = &rec.tensors;
 
     let ck = Checkpoint::open(dir)?;
     let config = ck.require_config()?.clone();
@@ -367,7 +341,7 @@ pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
     let mut accounted = HashSet::new();
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, entry) in entries {
-        let fname = entry.get("format").and_then(Value::as_str).unwrap_or("");
+        let fname = entry.format.as_str();
         let format = Format::ALL
             .into_iter()
             .find(|f| f.name() == fname)
@@ -389,15 +363,7 @@ pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
                 ),
             ));
         }
-        let stored: Vec<String> = entry
-            .get("stored")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let stored = entry.stored.clone();
         let w = read_weight(&ck, &record, name, entry, format, &stored, container)?;
         accounted.extend(stored);
         tensors.push((name.clone(), w));
