@@ -120,6 +120,77 @@ fn checked(name: &str, t: &TensorView<'_>, q: QuantizedTensor) -> Result<Quantiz
     Ok(q)
 }
 
+/// The SGLang MXFP8 layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` UE8M0 bytes
+/// `[N, K/32]` as a row-wise MXFP8 tensor (validated; `name` names it in errors).
+pub(crate) fn decode_mxfp8(
+    name: &str,
+    w: &TensorView<'_>,
+    s: &TensorView<'_>,
+) -> Result<QuantizedTensor> {
+    let (n, k) = dims(w)?;
+    expect(w, Dtype::F8E4m3, &[n, k], "MXFP8 weight")?;
+    if k % 32 != 0 {
+        return Err(CkptError::TensorEntry {
+            file: w.file.into(),
+            tensor: w.name.into(),
+            msg: format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape),
+        });
+    }
+    expect(s, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
+    checked(
+        name,
+        w,
+        QuantizedTensor {
+            scheme: Scheme::MXFP8_ROW,
+            shape: vec![n, k],
+            padded_shape: vec![n, k],
+            data: w.data.to_vec(),
+            scales: Scales::Bytes(s.data.to_vec()),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        },
+    )
+}
+
+/// The FP8-block layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` F32
+/// `[ceil(N/128), ceil(K/128)]` as a 128×128-tile FP8-block tensor (validated).
+pub(crate) fn decode_fp8_block(
+    name: &str,
+    w: &TensorView<'_>,
+    s: &TensorView<'_>,
+) -> Result<QuantizedTensor> {
+    let (n, k) = dims(w)?;
+    expect(w, Dtype::F8E4m3, &[n, k], "FP8-block weight")?;
+    let (tn, tk) = (n.div_ceil(128), k.div_ceil(128));
+    expect(s, Dtype::F32, &[tn, tk], "FP8-block scale_inv")?;
+    // The quantizer pads to whole 128×128 tiles with zeros (code 0); convert stores
+    // the unpadded elements.
+    let (np, kp) = (tn * 128, tk * 128);
+    let data = if (np, kp) == (n, k) {
+        w.data.to_vec()
+    } else {
+        let mut d = vec![0u8; np * kp];
+        for i in 0..n {
+            d[i * kp..i * kp + k].copy_from_slice(&w.data[i * k..(i + 1) * k]);
+        }
+        d
+    };
+    let q = checked(
+        name,
+        w,
+        QuantizedTensor {
+            scheme: Scheme::FP8_BLOCK_WEIGHT,
+            shape: vec![n, k],
+            padded_shape: vec![np, kp],
+            data,
+            scales: Scales::F32(f32_from_bytes(s.data)),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        },
+    )?;
+    Ok(q)
+}
+
 /// Reads the weight `name` stored as `stored` (the names recorded in `mxrl.json`) in `format`.
 fn read_weight(
     ck: &Checkpoint,
@@ -171,31 +242,8 @@ fn read_weight(
         Format::Mxfp8 => {
             want(2)?;
             let w = get(0, "E4M3 weight")?;
-            let (n, k) = dims(&w)?;
-            expect(&w, Dtype::F8E4m3, &[n, k], "MXFP8 weight")?;
-            if k % 32 != 0 {
-                return Err(CkptError::TensorEntry {
-                    file: w.file.into(),
-                    tensor: w.name.into(),
-                    msg: format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape),
-                });
-            }
             let s = get(1, "UE8M0 scale")?;
-            expect(&s, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
-            let q = checked(
-                name,
-                &w,
-                QuantizedTensor {
-                    scheme: Scheme::MXFP8_ROW,
-                    shape: vec![n, k],
-                    padded_shape: vec![n, k],
-                    data: w.data.to_vec(),
-                    scales: Scales::Bytes(s.data.to_vec()),
-                    scale_layout: ScaleLayout::Compact,
-                    amax: Vec::new(),
-                },
-            )?;
-            Ok(StoredWeight::Quantized(q))
+            Ok(StoredWeight::Quantized(decode_mxfp8(name, &w, &s)?))
         }
         Format::Nvfp4 => {
             want(4)?;
@@ -270,37 +318,8 @@ fn read_weight(
         Format::Fp8Block => {
             want(2)?;
             let w = get(0, "E4M3 weight")?;
-            let (n, k) = dims(&w)?;
-            expect(&w, Dtype::F8E4m3, &[n, k], "FP8-block weight")?;
             let s = get(1, "F32 scale_inv")?;
-            let (tn, tk) = (n.div_ceil(128), k.div_ceil(128));
-            expect(&s, Dtype::F32, &[tn, tk], "FP8-block scale_inv")?;
-            // The quantizer pads to whole 128×128 tiles with zeros (code 0); convert stores
-            // the unpadded elements.
-            let (np, kp) = (tn * 128, tk * 128);
-            let data = if (np, kp) == (n, k) {
-                w.data.to_vec()
-            } else {
-                let mut d = vec![0u8; np * kp];
-                for i in 0..n {
-                    d[i * kp..i * kp + k].copy_from_slice(&w.data[i * k..(i + 1) * k]);
-                }
-                d
-            };
-            let q = checked(
-                name,
-                &w,
-                QuantizedTensor {
-                    scheme: Scheme::FP8_BLOCK_WEIGHT,
-                    shape: vec![n, k],
-                    padded_shape: vec![np, kp],
-                    data,
-                    scales: Scales::F32(f32_from_bytes(s.data)),
-                    scale_layout: ScaleLayout::Compact,
-                    amax: Vec::new(),
-                },
-            )?;
-            Ok(StoredWeight::Quantized(q))
+            Ok(StoredWeight::Quantized(decode_fp8_block(name, &w, &s)?))
         }
     }
 }
