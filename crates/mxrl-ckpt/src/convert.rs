@@ -31,14 +31,17 @@ use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use crate::record::{ContractRecord, MxrlRecord, RecipeRecord, TensorRecord};
 use crate::values::{check_finite, f32_to_bf16_bytes, to_f32};
-use crate::writer::{copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec};
+use crate::writer::{
+    check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
+};
 use mxrl_formats::{
     amax_of, contract_hash, e4m3_decode, quantize, quantize_nvfp4_with_amax, AmaxScope, Format,
     Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
     META_CONTRACT_VERSION,
 };
-use mxrl_plan::{check_list, client_list, resolve, Inventory, ListKind, PrecisionPlan, Recipe};
+use mxrl_plan::{check_list, client_list, resolve, ListKind, PrecisionPlan, Recipe};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::borrow::Cow;
@@ -308,7 +311,7 @@ pub(crate) fn prepare<'a>(
     let src_cfg = ck.require_config()?.clone();
     let fp8_src = source_is_block_fp8(ck)?;
     check_gate_up_pairs(ck)?;
-    let inv = Inventory::from_model_dir(ck.dir())?;
+    let inv = ck.model_inventory()?;
     let plan = resolve(&inv, recipe)?;
     let partners: HashMap<String, String> = plan
         .nvfp4_amax_groups()
@@ -802,33 +805,39 @@ pub(crate) fn run(
 
 /// `mxrl.json`: contract, recipe, plan hash and the per-tensor record.
 pub(crate) fn mxrl_json(p: &Prepared<'_>, amaxes: &BTreeMap<String, f32>) -> Value {
-    let mut tensors = serde_json::Map::new();
+    let mut tensors = BTreeMap::new();
     for (_, jobs) in &p.shards {
         for j in jobs {
-            let mut e = json!({
-                "format": j.format.name(),
-                "method": j.method.name(),
-                "stored": j.outputs.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
-            });
-            if let Some(a) = amaxes.get(&j.name) {
-                e["amax"] = json!(a);
-                e["amax_bits"] = json!(format!("0x{:08X}", a.to_bits()));
-            }
-            if let Some(pn) = &j.partner {
-                e["amax_shared_with"] = json!(pn);
-            }
-            tensors.insert(j.name.clone(), e);
+            let amax = amaxes.get(&j.name).copied();
+            tensors.insert(
+                j.name.clone(),
+                TensorRecord {
+                    format: j.format.name().to_string(),
+                    method: j.method.name().to_string(),
+                    stored: j.outputs.iter().map(|s| s.name.clone()).collect(),
+                    amax,
+                    amax_bits: amax.map(|a| format!("0x{:08X}", a.to_bits())),
+                    amax_shared_with: j.partner.clone(),
+                },
+            );
         }
     }
-    json!({
-        "mxrl_version": env!("CARGO_PKG_VERSION"),
-        "contract": {"version": CONTRACT_VERSION, "hash": contract_hash()},
-        "recipe": {"source": p.recipe_label, "toml": p.plan.recipe().to_toml()},
-        "plan_hash": p.plan.hash(),
-        "nvfp4_container": p.container.name(),
-        "quantized_format": p.quant.map(|f| f.name()),
-        "tensors": tensors,
-    })
+    MxrlRecord {
+        mxrl_version: env!("CARGO_PKG_VERSION").to_string(),
+        contract: ContractRecord {
+            version: CONTRACT_VERSION,
+            hash: contract_hash().to_string(),
+        },
+        recipe: RecipeRecord {
+            source: p.recipe_label.to_string(),
+            toml: p.plan.recipe().to_toml(),
+        },
+        plan_hash: p.plan.hash().to_string(),
+        nvfp4_container: p.container.name().to_string(),
+        quantized_format: p.quant.map(|f| f.name().to_string()),
+        tensors,
+    }
+    .to_value()
 }
 
 /// Expected index of the output (`None` for an unsharded checkpoint).
@@ -936,27 +945,6 @@ impl std::fmt::Display for ConvertSummary {
     }
 }
 
-fn absolute(p: &Path) -> PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
-}
-
-/// Refuses an output that is, contains or lies inside the source.
-pub(crate) fn check_distinct(src: &Path, dst: &Path) -> Result<()> {
-    let s = src.canonicalize().unwrap_or_else(|_| absolute(src));
-    let d = match dst.canonicalize() {
-        Ok(d) => d,
-        Err(_) => absolute(dst),
-    };
-    if d == s || d.starts_with(&s) || s.starts_with(&d) {
-        return Err(CkptError::Invalid(format!(
-            "output {} must not be, contain or lie inside the source {}",
-            dst.display(),
-            src.display()
-        )));
-    }
-    Ok(())
-}
-
 /// Converts the checkpoint in `src` by `recipe` into `dst` (see the module docs).
 /// `recipe_label` (a preset name or file path) is recorded in `mxrl.json`.
 pub fn convert(
@@ -968,13 +956,13 @@ pub fn convert(
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
     let t0 = Instant::now();
-    check_distinct(src, dst)?;
+    check_output_vs_source(src, dst)?;
     if dst.exists() && !opts.force {
         return Err(CkptError::OutputExists { path: dst.into() });
     }
     let ck = Checkpoint::open(src)?;
     let p = prepare(&ck, recipe, recipe_label, opts.nvfp4)?;
-    let staged = StagedDir::create(dst, opts.force)?;
+    let staged = StagedDir::create_for(src, dst, opts.force)?;
     let bytes_in: u64 = p
         .shards
         .iter()

@@ -7,8 +7,8 @@
 //!
 //! | stored form | value |
 //! |---|---|
-//! | MXFP8: `weight` F8_E4M3 + `weight_scale_inv` U8 | `fl(ue8m0(s) × e4m3(q))` (contract) |
-//! | FP8 block: `weight` F8_E4M3 + `weight_scale_inv` F32 | `fl(e4m3(q) × s)` (contract) |
+//! | MXFP8: `weight` F8_E4M3 + `weight_scale_inv` U8 | `fl(ue8m0(s) × e4m3(q))` (contract; `mxrl_formats::QuantizedTensor::dequantize`) |
+//! | FP8 block: `weight` F8_E4M3 + `weight_scale_inv` F32 | `fl(e4m3(q) × s)` (contract; `mxrl_formats::QuantizedTensor::dequantize`) |
 //! | NVFP4 ModelOpt: `weight` U8 + `weight_scale` F8 + `weight_scale_2` F32 | `fl(fl(e2m1(c) × e4m3(sf)) × scale_2)` (the product `e2m1 × e4m3` is exact) |
 //! | NVFP4 compressed-tensors: `weight_packed` + `weight_scale` + `weight_global_scale` | `fl(e2m1(c) × fl(e4m3(sf) / global))` (as its decompressor computes) |
 //!
@@ -17,14 +17,17 @@
 //! `quantization_config`, and the source's other files except `hf_quant_config.json` and
 //! `mxrl.json`.
 
-use crate::convert::{check_distinct, is_weight_or_record, Progress};
+use crate::convert::{is_weight_or_record, Progress};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
+use crate::load::{decode_fp8_block, decode_mxfp8};
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE};
 use crate::values::{check_finite, f32_to_bf16_bytes};
-use crate::writer::{copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec};
-use mxrl_formats::{e2m1_decode, e4m3_decode, ue8m0_decode};
+use crate::writer::{
+    check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
+};
+use mxrl_formats::{e2m1_decode, e4m3_decode};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
@@ -228,20 +231,17 @@ fn dequant_values(ck: &Checkpoint, g: &Group) -> Result<Vec<f32>> {
     let (n, k) = (g.n, g.k);
     let mut out = Vec::with_capacity(n * k);
     match g.form {
-        StoredForm::Mxfp8 => {
-            for i in 0..n {
-                for j in 0..k {
-                    out.push(ue8m0_decode(s[i * (k / 32) + j / 32]) * e4m3_decode(d[i * k + j]));
-                }
-            }
-        }
-        StoredForm::Fp8Block => {
-            let kb = k.div_ceil(128);
-            for i in 0..n {
-                for j in 0..k {
-                    out.push(e4m3_decode(d[i * k + j]) * f32_at(s, (i / 128) * kb + j / 128));
-                }
-            }
+        // The contract's formulas, in mxrl-formats (`QuantizedTensor::dequantize`), on the
+        // layouts decoded by the loader's decoders.
+        StoredForm::Mxfp8 | StoredForm::Fp8Block => {
+            let w = ck.tensor(&g.data)?;
+            let st = ck.tensor(g.scale.as_ref().expect("quantized group has a scale"))?;
+            let q = if g.form == StoredForm::Mxfp8 {
+                decode_mxfp8(&g.data, &w, &st)?
+            } else {
+                decode_fp8_block(&g.data, &w, &st)?
+            };
+            out = q.dequantize().map_err(|e| bad(&g.data, e.to_string()))?;
         }
         StoredForm::Nvfp4ModelOpt | StoredForm::Nvfp4CompressedTensors => {
             let s2 = f32_at(
@@ -318,10 +318,12 @@ pub fn dequantize(
     progress: &dyn Progress,
 ) -> Result<DequantSummary> {
     let t0 = Instant::now();
-    check_distinct(src, dst)?;
+    check_output_vs_source(src, dst)?;
     if dst.exists() && !force {
         return Err(CkptError::OutputExists { path: dst.into() });
     }
+    // The config is validated (the shared rules and bounds) before any weight file is read.
+    mxrl_plan::HfConfig::from_path(&src.join(crate::reader::CONFIG_FILE))?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?.clone();
     // Group by weight prefix; every companion must belong to a recognized group.
@@ -366,7 +368,7 @@ pub fn dequantize(
         let spec = TensorSpec::new(format!("{prefix}.weight"), Dtype::Bf16, vec![g.n, g.k]);
         shards[si].1.push((Item::Group(g), vec![spec]));
     }
-    let staged = StagedDir::create(dst, force)?;
+    let staged = StagedDir::create_for(src, dst, force)?;
     let total = ck.total_data_bytes();
     progress.start(total);
     let mut wm = BTreeMap::new();

@@ -266,6 +266,15 @@ pub fn parse_header(file: &str, bytes: &[u8]) -> Result<Header> {
             ),
         ));
     }
+    // The reference implementation's own validation as well (header JSON, dtypes, shapes
+    // against offsets, offsets against the buffer): a file mxrl accepts is one the
+    // `safetensors` crate — and so every client built on it — accepts too.
+    if let Err(e) = safetensors::SafeTensors::deserialize(bytes) {
+        return Err(header_err(
+            file,
+            format!("rejected by the safetensors reference reader: {e}"),
+        ));
+    }
     Ok(Header {
         tensors,
         metadata,

@@ -23,11 +23,12 @@ use crate::convert::{Nvfp4Container, MXRL_JSON};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::reader::{Checkpoint, TensorView};
+use crate::record::{MxrlRecord, TensorRecord};
 use crate::values::{f32_from_bytes, to_f32};
 use mxrl_formats::{
     contract_hash, Format, Nvfp4Global, QuantizedTensor, ScaleLayout, Scales, Scheme,
 };
-use mxrl_plan::{resolve, Inventory, PrecisionPlan, Recipe};
+use mxrl_plan::{resolve, PrecisionPlan, Recipe};
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -119,12 +120,83 @@ fn checked(name: &str, t: &TensorView<'_>, q: QuantizedTensor) -> Result<Quantiz
     Ok(q)
 }
 
+/// The SGLang MXFP8 layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` UE8M0 bytes
+/// `[N, K/32]` as a row-wise MXFP8 tensor (validated; `name` names it in errors).
+pub(crate) fn decode_mxfp8(
+    name: &str,
+    w: &TensorView<'_>,
+    s: &TensorView<'_>,
+) -> Result<QuantizedTensor> {
+    let (n, k) = dims(w)?;
+    expect(w, Dtype::F8E4m3, &[n, k], "MXFP8 weight")?;
+    if k % 32 != 0 {
+        return Err(CkptError::TensorEntry {
+            file: w.file.into(),
+            tensor: w.name.into(),
+            msg: format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape),
+        });
+    }
+    expect(s, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
+    checked(
+        name,
+        w,
+        QuantizedTensor {
+            scheme: Scheme::MXFP8_ROW,
+            shape: vec![n, k],
+            padded_shape: vec![n, k],
+            data: w.data.to_vec(),
+            scales: Scales::Bytes(s.data.to_vec()),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        },
+    )
+}
+
+/// The FP8-block layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` F32
+/// `[ceil(N/128), ceil(K/128)]` as a 128×128-tile FP8-block tensor (validated).
+pub(crate) fn decode_fp8_block(
+    name: &str,
+    w: &TensorView<'_>,
+    s: &TensorView<'_>,
+) -> Result<QuantizedTensor> {
+    let (n, k) = dims(w)?;
+    expect(w, Dtype::F8E4m3, &[n, k], "FP8-block weight")?;
+    let (tn, tk) = (n.div_ceil(128), k.div_ceil(128));
+    expect(s, Dtype::F32, &[tn, tk], "FP8-block scale_inv")?;
+    // The quantizer pads to whole 128×128 tiles with zeros (code 0); convert stores
+    // the unpadded elements.
+    let (np, kp) = (tn * 128, tk * 128);
+    let data = if (np, kp) == (n, k) {
+        w.data.to_vec()
+    } else {
+        let mut d = vec![0u8; np * kp];
+        for i in 0..n {
+            d[i * kp..i * kp + k].copy_from_slice(&w.data[i * k..(i + 1) * k]);
+        }
+        d
+    };
+    let q = checked(
+        name,
+        w,
+        QuantizedTensor {
+            scheme: Scheme::FP8_BLOCK_WEIGHT,
+            shape: vec![n, k],
+            padded_shape: vec![np, kp],
+            data,
+            scales: Scales::F32(f32_from_bytes(s.data)),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        },
+    )?;
+    Ok(q)
+}
+
 /// Reads the weight `name` stored as `stored` (the names recorded in `mxrl.json`) in `format`.
 fn read_weight(
     ck: &Checkpoint,
     record: &Path,
     name: &str,
-    entry: &Value,
+    entry: &TensorRecord,
     format: Format,
     stored: &[String],
     container: Nvfp4Container,
@@ -170,31 +242,8 @@ fn read_weight(
         Format::Mxfp8 => {
             want(2)?;
             let w = get(0, "E4M3 weight")?;
-            let (n, k) = dims(&w)?;
-            expect(&w, Dtype::F8E4m3, &[n, k], "MXFP8 weight")?;
-            if k % 32 != 0 {
-                return Err(CkptError::TensorEntry {
-                    file: w.file.into(),
-                    tensor: w.name.into(),
-                    msg: format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape),
-                });
-            }
             let s = get(1, "UE8M0 scale")?;
-            expect(&s, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
-            let q = checked(
-                name,
-                &w,
-                QuantizedTensor {
-                    scheme: Scheme::MXFP8_ROW,
-                    shape: vec![n, k],
-                    padded_shape: vec![n, k],
-                    data: w.data.to_vec(),
-                    scales: Scales::Bytes(s.data.to_vec()),
-                    scale_layout: ScaleLayout::Compact,
-                    amax: Vec::new(),
-                },
-            )?;
-            Ok(StoredWeight::Quantized(q))
+            Ok(StoredWeight::Quantized(decode_mxfp8(name, &w, &s)?))
         }
         Format::Nvfp4 => {
             want(4)?;
@@ -211,18 +260,14 @@ fn read_weight(
             }
             let s = get(1, "E4M3 block scale")?;
             expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-            let bits = entry
-                .get("amax_bits")
-                .and_then(Value::as_str)
-                .and_then(|b| u32::from_str_radix(b.trim_start_matches("0x"), 16).ok())
-                .ok_or_else(|| {
-                    record_err(
-                        record,
-                        format!("tensors.{name}.amax_bits"),
-                        "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
-                    )
-                })?;
-            let amax = f32::from_bits(bits);
+            let amax = entry.amax_from_bits().ok_or_else(|| {
+                record_err(
+                    record,
+                    format!("tensors.{name}.amax_bits"),
+                    "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
+                )
+            })?;
+            let bits = amax.to_bits();
             let g = Nvfp4Global::from_amax(amax);
             let second = get(2, "second-level scale")?;
             let (got, want_v, what) = match container {
@@ -273,37 +318,8 @@ fn read_weight(
         Format::Fp8Block => {
             want(2)?;
             let w = get(0, "E4M3 weight")?;
-            let (n, k) = dims(&w)?;
-            expect(&w, Dtype::F8E4m3, &[n, k], "FP8-block weight")?;
             let s = get(1, "F32 scale_inv")?;
-            let (tn, tk) = (n.div_ceil(128), k.div_ceil(128));
-            expect(&s, Dtype::F32, &[tn, tk], "FP8-block scale_inv")?;
-            // The quantizer pads to whole 128×128 tiles with zeros (code 0); convert stores
-            // the unpadded elements.
-            let (np, kp) = (tn * 128, tk * 128);
-            let data = if (np, kp) == (n, k) {
-                w.data.to_vec()
-            } else {
-                let mut d = vec![0u8; np * kp];
-                for i in 0..n {
-                    d[i * kp..i * kp + k].copy_from_slice(&w.data[i * k..(i + 1) * k]);
-                }
-                d
-            };
-            let q = checked(
-                name,
-                &w,
-                QuantizedTensor {
-                    scheme: Scheme::FP8_BLOCK_WEIGHT,
-                    shape: vec![n, k],
-                    padded_shape: vec![np, kp],
-                    data,
-                    scales: Scales::F32(f32_from_bytes(s.data)),
-                    scale_layout: ScaleLayout::Compact,
-                    amax: Vec::new(),
-                },
-            )?;
-            Ok(StoredWeight::Quantized(q))
+            Ok(StoredWeight::Quantized(decode_fp8_block(name, &w, &s)?))
         }
     }
 }
@@ -317,57 +333,34 @@ fn read_weight(
 /// stored tensor no record accounts for — each naming the file and tensor or field.
 pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
     let record = dir.join(MXRL_JSON);
-    let text = std::fs::read_to_string(&record).map_err(|e| CkptError::io(&record, "read", e))?;
-    let rec: Value = serde_json::from_str(&text)
-        .map_err(|e| record_err(&record, "(document)", format!("not valid JSON: {e}")))?;
-    let field = |path: &str| -> Result<&Value> {
-        rec.pointer(path).ok_or_else(|| {
-            record_err(
-                &record,
-                path.trim_start_matches('/').replace('/', "."),
-                "missing",
-            )
-        })
-    };
-    let hash = field("/contract/hash")?.as_str().unwrap_or_default();
-    if hash != contract_hash() {
+    let rec = MxrlRecord::read(&record)?;
+    if rec.contract.hash != contract_hash() {
         return Err(record_err(
             &record,
             "contract.hash",
             format!(
-                "converted under quantization contract {hash}, this build implements {}; re-convert the checkpoint",
+                "converted under quantization contract {}, this build implements {}; re-convert the checkpoint",
+                rec.contract.hash,
                 contract_hash()
             ),
         ));
     }
-    let toml = field("/recipe/toml")?
-        .as_str()
-        .ok_or_else(|| record_err(&record, "recipe.toml", "must be a string"))?;
-    let recipe = Recipe::from_toml_str(toml, &format!("{} recipe.toml", record.display()))?;
-    let plan_hash = field("/plan_hash")?
-        .as_str()
-        .ok_or_else(|| record_err(&record, "plan_hash", "must be a string"))?
-        .to_string();
-    let container_name = field("/nvfp4_container")?.as_str().unwrap_or_default();
-    let container = Nvfp4Container::parse(container_name).ok_or_else(|| {
-        record_err(
-            &record,
-            "nvfp4_container",
-            format!("`{container_name}`: expected modelopt or compressed-tensors"),
-        )
-    })?;
-    let entries = field("/tensors")?
-        .as_object()
-        .ok_or_else(|| record_err(&record, "tensors", "must be an object"))?;
+    let recipe = Recipe::from_toml_str(
+        &rec.recipe.toml,
+        &format!("{} recipe.toml", record.display()),
+    )?;
+    let plan_hash = rec.plan_hash.clone();
+    let container = rec.container(&record)?;
+    let entries = &rec.tensors;
 
     let ck = Checkpoint::open(dir)?;
     let config = ck.require_config()?.clone();
-    let inv = Inventory::from_model_dir(dir)?;
+    let inv = ck.model_inventory()?;
     let plan = resolve(&inv, &recipe)?;
     let mut accounted = HashSet::new();
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, entry) in entries {
-        let fname = entry.get("format").and_then(Value::as_str).unwrap_or("");
+        let fname = entry.format.as_str();
         let format = Format::ALL
             .into_iter()
             .find(|f| f.name() == fname)
@@ -389,15 +382,7 @@ pub fn load_quantized(dir: &Path) -> Result<QuantizedCheckpoint> {
                 ),
             ));
         }
-        let stored: Vec<String> = entry
-            .get("stored")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let stored = entry.stored.clone();
         let w = read_weight(&ck, &record, name, entry, format, &stored, container)?;
         accounted.extend(stored);
         tensors.push((name.clone(), w));

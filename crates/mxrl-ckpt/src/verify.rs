@@ -9,11 +9,11 @@
 //! finds every tensor stored as planned; copied files equal the source's.
 
 use crate::convert::{
-    mxrl_json, output_index, prepare, run, Job, Nvfp4Container, Progress, Sink, HF_QUANT_CONFIG,
-    MXRL_JSON,
+    mxrl_json, output_index, prepare, run, Job, Progress, Sink, HF_QUANT_CONFIG, MXRL_JSON,
 };
 use crate::error::{CkptError, Result};
 use crate::reader::{Checkpoint, SafetensorsFile, CONFIG_FILE, INDEX_FILE};
+use crate::record::MxrlRecord;
 use crate::writer::TensorSpec;
 use mxrl_formats::{contract_hash, CONTRACT_VERSION};
 use mxrl_plan::Recipe;
@@ -195,48 +195,34 @@ fn compare_json(r: &mut VerifyReport, what: &str, got: Option<&Value>, want: Opt
 pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<VerifyReport> {
     let mut r = VerifyReport::default();
     let rec_path = converted.join(MXRL_JSON);
-    let rec = read_json(&rec_path)?.ok_or_else(|| {
-        CkptError::Invalid(format!(
+    if !rec_path.is_file() {
+        return Err(CkptError::Invalid(format!(
             "{}: missing; {} was not written by `mxrl convert`",
             rec_path.display(),
             converted.display()
-        ))
-    })?;
-    let field = |f: &str| CkptError::Config {
-        file: rec_path.display().to_string(),
-        field: f.into(),
-        msg: "missing or of the wrong type".into(),
-    };
-    let version = rec["contract"]["version"]
-        .as_u64()
-        .ok_or_else(|| field("contract.version"))?;
-    let hash = rec["contract"]["hash"]
-        .as_str()
-        .ok_or_else(|| field("contract.hash"))?;
+        )));
+    }
+    let (typed, rec) = MxrlRecord::read_with_value(&rec_path)?;
+    let (version, hash) = (typed.contract.version, typed.contract.hash.as_str());
     r.push(
         "contract",
-        version == u64::from(CONTRACT_VERSION) && hash == contract_hash(),
+        version == CONTRACT_VERSION && hash == contract_hash(),
         format!(
             "recorded v{version} {hash}, this build v{CONTRACT_VERSION} {}",
             contract_hash()
         ),
     );
-    let toml = rec["recipe"]["toml"]
-        .as_str()
-        .ok_or_else(|| field("recipe.toml"))?;
-    let label = rec["recipe"]["source"]
-        .as_str()
-        .ok_or_else(|| field("recipe.source"))?;
-    let recipe = Recipe::from_toml_str(toml, &format!("{} recipe.toml", rec_path.display()))?;
-    let container = rec["nvfp4_container"]
-        .as_str()
-        .and_then(Nvfp4Container::parse)
-        .ok_or_else(|| field("nvfp4_container"))?;
+    let label = typed.recipe.source.as_str();
+    let recipe = Recipe::from_toml_str(
+        &typed.recipe.toml,
+        &format!("{} recipe.toml", rec_path.display()),
+    )?;
+    let container = typed.container(&rec_path)?;
 
     let ck = Checkpoint::open(src)?;
     let dst = Checkpoint::open(converted)?;
     let p = prepare(&ck, &recipe, label, container)?;
-    let rec_plan = rec["plan_hash"].as_str().unwrap_or("");
+    let rec_plan = typed.plan_hash.as_str();
     r.push(
         "plan",
         rec_plan == p.plan.hash(),
@@ -286,7 +272,7 @@ pub fn verify(src: &Path, converted: &Path, progress: &dyn Progress) -> Result<V
         );
     }
 
-    match mxrl_plan::audit_dir(converted, &recipe) {
+    match crate::scan::audit_dir(converted, &recipe) {
         Ok((_, audit)) => {
             let clean = audit.is_clean();
             r.push(

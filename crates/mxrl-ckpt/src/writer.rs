@@ -172,16 +172,67 @@ pub fn write_safetensors(
     w.finish()
 }
 
-/// Writes `value` as pretty JSON to `path` (with a trailing newline).
+/// Writes `value` as pretty JSON to `path` (with a trailing newline), atomically.
 pub fn write_json(path: &Path, value: &Value) -> Result<()> {
     let mut s = serde_json::to_string_pretty(value).expect("JSON serializes");
     s.push('\n');
-    fs::write(path, s).map_err(|e| CkptError::io(path, "write", e))
+    write_atomic(path, |tmp| {
+        fs::write(tmp, &s).map_err(|e| CkptError::io(tmp, "write", e))
+    })
+}
+
+/// The one atomic-write helper: `write` fills a temporary file next to `path`
+/// (`.NAME.tmp-PID`), which is renamed to `path` only when `write` succeeded; on failure the
+/// temporary file is removed and `path` is untouched.
+pub fn write_atomic<T>(path: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    let name = path.file_name().ok_or_else(|| {
+        CkptError::Invalid(format!("output path {} has no file name", path.display()))
+    })?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    match write(&tmp) {
+        Ok(v) => {
+            fs::rename(&tmp, path).map_err(|e| {
+                let _ = fs::remove_file(&tmp);
+                CkptError::io(path, "rename into place", e)
+            })?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// [`write_safetensors`] through [`write_atomic`].
+pub fn write_safetensors_atomic(
+    path: &Path,
+    tensors: &[(TensorSpec, Vec<u8>)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<u64> {
+    write_atomic(path, |tmp| write_safetensors(tmp, tensors, metadata))
 }
 
 /// An output directory under construction: everything is written into `DST.partial`, which is
 /// renamed to `DST` by [`StagedDir::commit`]. Dropped without a commit, the partial directory is
 /// removed, so a failed run never leaves anything under the final name.
+///
+/// Replacing an existing `DST` (`force`) keeps it until the new directory is complete: commit
+/// renames `DST` to `DST.old`, `DST.partial` to `DST`, then removes `DST.old`. The staging
+/// directory carries a marker file ([`STAGING_MARKER`]) from creation until the end of the
+/// commit, so a later run can tell what an interrupted one left behind:
+/// - `DST.partial` with the marker: stale staging, removed;
+/// - `DST.old` and a marked `DST.partial` but no `DST` (killed between the two renames): the
+///   old output is renamed back to `DST`;
+/// - `DST.old` and a marked `DST` (killed after the second rename): `DST.old` is removed.
+///
+/// A `DST.partial` or `DST.old` without that evidence is never removed: it is an error naming
+/// it. [`StagedDir::create_for`] also refuses `DST`, `DST.partial` or `DST.old` that is, lies
+/// inside or contains the source directory.
 #[derive(Debug)]
 pub struct StagedDir {
     dst: PathBuf,
@@ -190,34 +241,132 @@ pub struct StagedDir {
     committed: bool,
 }
 
+/// Marker file inside a staging directory (and inside `DST` until a commit finishes).
+pub const STAGING_MARKER: &str = ".mxrl-staging";
+
 /// `DST.partial` for an output directory `DST`.
 pub fn partial_path(dst: &Path) -> PathBuf {
-    let mut s = dst.as_os_str().to_os_string();
-    s.push(".partial");
+    suffixed(dst, ".partial")
+}
+
+/// `DST.old` (the previous output while a `--force` commit replaces it).
+pub fn backup_path(dst: &Path) -> PathBuf {
+    suffixed(dst, ".old")
+}
+
+fn suffixed(p: &Path, suffix: &str) -> PathBuf {
+    let mut s = p.as_os_str().to_os_string();
+    s.push(suffix);
     PathBuf::from(s)
 }
 
+/// `p` made absolute with symbolic links resolved as far as it exists.
+fn resolved(p: &Path) -> PathBuf {
+    if let Ok(c) = p.canonicalize() {
+        return c;
+    }
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => resolved(parent).join(name),
+        _ => abs,
+    }
+}
+
+/// Refuses an output directory whose final, staging or backup path is, lies inside or contains
+/// the source directory `src` (writing or replacing it would destroy the input).
+pub fn check_output_vs_source(src: &Path, dst: &Path) -> Result<()> {
+    let s = resolved(src);
+    for (what, p) in [
+        ("output", dst.to_path_buf()),
+        ("staging directory", partial_path(dst)),
+        ("backup directory", backup_path(dst)),
+    ] {
+        let r = resolved(&p);
+        if r == s || r.starts_with(&s) || s.starts_with(&r) {
+            return Err(CkptError::Invalid(format!(
+                "{what} {} must not be, contain or lie inside the source {}",
+                p.display(),
+                src.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn marked(dir: &Path) -> bool {
+    dir.join(STAGING_MARKER).is_file()
+}
+
+fn remove_dir(p: &Path) -> Result<()> {
+    fs::remove_dir_all(p).map_err(|e| CkptError::io(p, "remove", e))
+}
+
+/// Finishes or undoes what an interrupted run left at `dst` (see [`StagedDir`]); never removes
+/// anything without the marker's evidence that mxrl staged it.
+fn recover(dst: &Path) -> Result<()> {
+    let partial = partial_path(dst);
+    let old = backup_path(dst);
+    let foreign = |p: &Path| {
+        CkptError::Invalid(format!(
+            "{} exists and was not left by an interrupted mxrl run; move it away",
+            p.display()
+        ))
+    };
+    if old.exists() {
+        if dst.is_dir() && marked(dst) {
+            // Killed after `partial → dst`: the new output is complete.
+            remove_dir(&old)?;
+        } else if !dst.exists() && partial.is_dir() && marked(&partial) {
+            // Killed between the renames: restore the old output.
+            fs::rename(&old, dst).map_err(|e| CkptError::io(&old, "rename", e))?;
+        } else {
+            return Err(foreign(&old));
+        }
+    }
+    if dst.is_dir() && marked(dst) {
+        let m = dst.join(STAGING_MARKER);
+        fs::remove_file(&m).map_err(|e| CkptError::io(&m, "remove", e))?;
+    }
+    if partial.exists() {
+        if partial.is_dir() && marked(&partial) {
+            remove_dir(&partial)?;
+        } else {
+            return Err(foreign(&partial));
+        }
+    }
+    Ok(())
+}
+
 impl StagedDir {
-    /// Starts writing `dst`. Fails if `dst` exists and `force` is false. A stale `DST.partial`
-    /// left by an interrupted run is removed.
+    /// Starts writing `dst`. Fails if `dst` exists and `force` is false. What an interrupted
+    /// run left behind is recovered first (see [`StagedDir`]).
     pub fn create(dst: &Path, force: bool) -> Result<Self> {
         if dst.as_os_str().is_empty() {
             return Err(CkptError::Invalid("output directory path is empty".into()));
         }
+        recover(dst)?;
         if dst.exists() && !force {
             return Err(CkptError::OutputExists { path: dst.into() });
         }
         let partial = partial_path(dst);
-        if partial.exists() {
-            fs::remove_dir_all(&partial).map_err(|e| CkptError::io(&partial, "remove", e))?;
-        }
         fs::create_dir_all(&partial).map_err(|e| CkptError::io(&partial, "create", e))?;
+        let marker = partial.join(STAGING_MARKER);
+        fs::write(&marker, b"mxrl staging directory\n")
+            .map_err(|e| CkptError::io(&marker, "write", e))?;
         Ok(StagedDir {
             dst: dst.into(),
             partial,
             force,
             committed: false,
         })
+    }
+
+    /// [`StagedDir::create`] for an output made from the source directory `src`: refuses
+    /// output, staging and backup paths that are, contain or lie inside `src` before touching
+    /// anything.
+    pub fn create_for(src: &Path, dst: &Path, force: bool) -> Result<Self> {
+        check_output_vs_source(src, dst)?;
+        StagedDir::create(dst, force)
     }
 
     /// The directory to write into (`DST.partial`).
@@ -231,35 +380,55 @@ impl StagedDir {
     }
 
     /// Renames `DST.partial` to `DST` (replacing an existing `DST` only when created with
-    /// `force`). Returns the final path.
-    pub fn commit(mut self) -> Result<PathBuf> {
+    /// `force`, keeping it as `DST.old` until the new one is in place). Returns the final path.
+    pub fn commit(self) -> Result<PathBuf> {
+        self.commit_with(&mut |_| {})
+    }
+
+    /// [`StagedDir::commit`] calling `step(n)` after its `n`-th filesystem change (1: `DST` →
+    /// `DST.old`, 2: `DST.partial` → `DST`, 3: `DST.old` removed, 4: marker removed), so tests
+    /// can stop the process at each point.
+    #[doc(hidden)]
+    pub fn commit_with(mut self, step: &mut dyn FnMut(u32)) -> Result<PathBuf> {
         if self.dst.exists() {
             if !self.force {
                 return Err(CkptError::OutputExists {
                     path: self.dst.clone(),
                 });
             }
-            let mut old = self.dst.as_os_str().to_os_string();
-            old.push(".old");
-            let old = PathBuf::from(old);
+            let old = backup_path(&self.dst);
             if old.exists() {
-                fs::remove_dir_all(&old).map_err(|e| CkptError::io(&old, "remove", e))?;
+                return Err(CkptError::Invalid(format!(
+                    "{} exists; move it away before replacing {}",
+                    old.display(),
+                    self.dst.display()
+                )));
             }
             fs::rename(&self.dst, &old).map_err(|e| CkptError::io(&self.dst, "rename", e))?;
-            fs::rename(&self.partial, &self.dst)
-                .map_err(|e| CkptError::io(&self.partial, "rename", e))?;
+            step(1);
+            if let Err(e) = fs::rename(&self.partial, &self.dst) {
+                // Put the old output back before reporting.
+                let _ = fs::rename(&old, &self.dst);
+                return Err(CkptError::io(&self.partial, "rename", e));
+            }
             self.committed = true;
+            step(2);
             let rm = if old.is_dir() {
                 fs::remove_dir_all(&old)
             } else {
                 fs::remove_file(&old)
             };
             rm.map_err(|e| CkptError::io(&old, "remove", e))?;
+            step(3);
         } else {
             fs::rename(&self.partial, &self.dst)
                 .map_err(|e| CkptError::io(&self.partial, "rename", e))?;
             self.committed = true;
+            step(2);
         }
+        let marker = self.dst.join(STAGING_MARKER);
+        fs::remove_file(&marker).map_err(|e| CkptError::io(&marker, "remove", e))?;
+        step(4);
         Ok(self.dst.clone())
     }
 }
@@ -274,13 +443,26 @@ impl Drop for StagedDir {
 
 /// Copies every regular file of `src` (recursively) into `dst`, except those for which
 /// `skip(relative_path)` is true. Returns the relative paths copied, sorted.
+///
+/// A symbolic link is followed only to a file inside `src` (or, for a Hugging Face hub cache
+/// snapshot `…/snapshots/REV`, inside that repository's `…/blobs`); a link leading anywhere
+/// else, or to a directory, is an error naming the link and its target.
 pub fn copy_other_files(
     src: &Path,
     dst: &Path,
     skip: &dyn Fn(&str) -> bool,
 ) -> Result<Vec<String>> {
     let mut copied = Vec::new();
-    copy_rec(src, dst, "", skip, &mut copied)?;
+    let root = src
+        .canonicalize()
+        .map_err(|e| CkptError::io(src, "resolve", e))?;
+    let mut allowed = vec![root.clone()];
+    if let Some(repo) = root.parent().filter(|p| p.ends_with("snapshots")) {
+        if let Some(repo) = repo.parent() {
+            allowed.push(repo.join("blobs"));
+        }
+    }
+    copy_rec(src, dst, "", skip, &allowed, &mut copied)?;
     copied.sort();
     Ok(copied)
 }
@@ -290,6 +472,7 @@ fn copy_rec(
     dst: &Path,
     rel: &str,
     skip: &dyn Fn(&str) -> bool,
+    allowed: &[PathBuf],
     copied: &mut Vec<String>,
 ) -> Result<()> {
     let dir = if rel.is_empty() {
@@ -315,8 +498,22 @@ fn copy_rec(
         if ft.is_dir() {
             let d = dst.join(&r);
             fs::create_dir_all(&d).map_err(|e| CkptError::io(&d, "create", e))?;
-            copy_rec(src, dst, &r, skip, copied)?;
+            copy_rec(src, dst, &r, skip, allowed, copied)?;
         } else if ft.is_file() || ft.is_symlink() {
+            if ft.is_symlink() {
+                let link = ent.path();
+                let target = link
+                    .canonicalize()
+                    .map_err(|e| CkptError::io(&link, "resolve symbolic link", e))?;
+                if !target.is_file() || !allowed.iter().any(|a| target.starts_with(a)) {
+                    return Err(CkptError::Invalid(format!(
+                        "{}: symbolic link to {} leads outside the source directory {} (or to a directory); it is not followed",
+                        link.display(),
+                        target.display(),
+                        src.display()
+                    )));
+                }
+            }
             let to = dst.join(&r);
             fs::copy(ent.path(), &to).map_err(|e| CkptError::io(ent.path(), "copy", e))?;
             copied.push(r);

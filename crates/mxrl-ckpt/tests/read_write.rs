@@ -250,7 +250,7 @@ fn qwen_dense_leading_layers_match_the_plan_inventory() {
             "{arch:?}"
         );
         assert!(!ck.contains("model.layers.0.mlp.gate.weight"), "{arch:?}");
-        let inv = mxrl_plan::Inventory::from_model_dir(d.path()).unwrap();
+        let inv = ck.model_inventory().unwrap();
         let mut got: Vec<&str> = ck.names().iter().map(|s| s.as_str()).collect();
         let mut exp: Vec<&str> = inv.tensors().iter().map(|t| t.hf.as_str()).collect();
         got.sort();

@@ -1,9 +1,62 @@
-//! Small safetensors helpers shared by subcommands: typed reads, atomic writes.
+//! Small safetensors helpers shared by subcommands, on the one reader and writer of
+//! `mxrl_ckpt` (strict header validation, errors naming the file and tensor; atomic writes).
 
-use anyhow::{bail, Context, Result};
-use safetensors::{Dtype, SafeTensors};
-use std::collections::HashMap;
+use anyhow::{anyhow, bail, Result};
+use mxrl_ckpt::{write_safetensors_atomic, Dtype, SafetensorsFile, TensorSpec, TensorView};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+
+/// A safetensors file opened by the strict reader, with tensors looked up by name.
+pub struct StFile {
+    file: SafetensorsFile,
+    by_name: HashMap<String, usize>,
+}
+
+impl StFile {
+    /// Maps and validates `path`.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = SafetensorsFile::open(path)?;
+        let by_name = file
+            .header()
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(StFile { file, by_name })
+    }
+
+    /// Tensor names (header order: by data offset).
+    pub fn names(&self) -> Vec<&String> {
+        self.file.header().tensors.iter().map(|t| &t.name).collect()
+    }
+
+    /// A tensor by name, or an error naming the file and the tensor.
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let &i = self
+            .by_name
+            .get(name)
+            .ok_or_else(|| anyhow!("{}: tensor `{name}` not found", self.file.path().display()))?;
+        let t = &self.file.header().tensors[i];
+        Ok(TensorView {
+            name: &t.name,
+            dtype: t.dtype,
+            shape: &t.shape,
+            data: self.file.data(t),
+            file: self.file.file_name(),
+        })
+    }
+
+    /// The `__metadata__` map (empty if none).
+    pub fn metadata(&self) -> HashMap<String, String> {
+        self.file
+            .header()
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+}
 
 /// A float tensor widened to its own element type.
 pub enum FloatData {
@@ -16,22 +69,16 @@ pub enum FloatData {
 }
 
 /// Read a float tensor (F32 / BF16 / F16) by name.
-pub fn read_float(
-    st: &SafeTensors<'_>,
-    name: &str,
-    file: &Path,
-) -> Result<(FloatData, Vec<usize>)> {
-    let t = st
-        .tensor(name)
-        .with_context(|| format!("{}: tensor `{name}` not found", file.display()))?;
-    let b = t.data();
-    let data = match t.dtype() {
+pub fn read_float(st: &StFile, name: &str, file: &Path) -> Result<(FloatData, Vec<usize>)> {
+    let t = st.tensor(name)?;
+    let b = t.data;
+    let data = match t.dtype {
         Dtype::F32 => FloatData::F32(
             b.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
         ),
-        Dtype::BF16 => FloatData::Bf16(
+        Dtype::Bf16 => FloatData::Bf16(
             b.chunks_exact(2)
                 .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
                 .collect(),
@@ -42,18 +89,11 @@ pub fn read_float(
                 .collect(),
         ),
         other => bail!(
-            "{}: tensor `{name}` has dtype {other:?}, expected F32, BF16 or F16",
+            "{}: tensor `{name}` has dtype {other}, expected F32, BF16 or F16",
             file.display()
         ),
     };
-    Ok((data, t.shape().to_vec()))
-}
-
-/// The `__metadata__` map of a safetensors buffer (empty if none).
-pub fn metadata(raw: &[u8], file: &Path) -> Result<HashMap<String, String>> {
-    let (_, meta) = SafeTensors::read_metadata(raw)
-        .map_err(|e| anyhow::anyhow!("{}: not a safetensors file: {e:?}", file.display()))?;
-    Ok(meta.metadata().clone().unwrap_or_default())
+    Ok((data, t.shape.to_vec()))
 }
 
 /// An owned tensor to write.
@@ -85,32 +125,18 @@ impl OwnedTensor {
     }
 }
 
-/// Serialize `tensors` with `metadata` to `path` atomically (temporary file, then rename).
+/// Write `tensors` with `metadata` to `path` with the one shard writer, atomically (temporary
+/// file, then rename).
 pub fn write_atomic(
     path: &Path,
     tensors: Vec<(String, OwnedTensor)>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, t)| {
-            safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| anyhow::anyhow!("tensor `{n}`: {e:?}"))
-        })
-        .collect::<Result<_>>()?;
-    let bytes = safetensors::serialize(views, &Some(metadata))
-        .map_err(|e| anyhow::anyhow!("serializing {}: {e:?}", path.display()))?;
-    let file_name = path
-        .file_name()
-        .with_context(|| format!("output path {} has no file name", path.display()))?;
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    let tensors: Vec<(TensorSpec, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, t)| (TensorSpec::new(n, t.dtype, t.shape), t.bytes))
+        .collect();
+    let metadata: BTreeMap<String, String> = metadata.into_iter().collect();
+    write_safetensors_atomic(path, &tensors, &metadata)?;
     Ok(())
 }

@@ -240,7 +240,7 @@ fn forward_and_generate_run_a_converted_checkpoint() {
     .unwrap();
     let loaded = Model::load_converted(&dst).unwrap();
     let mut orig = Model::load_hf(&src).unwrap();
-    let inv = mxrl_plan::Inventory::from_model_dir(&src).unwrap();
+    let inv = mxrl_ckpt::model_inventory(&src).unwrap();
     orig.apply_plan(&mxrl_plan::resolve(&inv, &recipe).unwrap())
         .unwrap();
     let d = dst.to_str().unwrap();

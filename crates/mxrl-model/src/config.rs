@@ -1,7 +1,7 @@
 //! Model configuration from a Hugging Face `config.json`.
 
 use crate::error::{ModelError, Result};
-use serde::Deserialize;
+use mxrl_plan::{HfConfig, MoeConfig, MoeLayers};
 use std::path::Path;
 
 /// Supported architectures.
@@ -61,210 +61,162 @@ pub struct ModelConfig {
     pub router_aux_loss_coef: f32,
 }
 
-#[derive(Deserialize)]
-struct RawRope {
-    rope_theta: Option<f64>,
-    rope_type: Option<String>,
-    #[serde(rename = "type")]
-    kind: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Raw {
-    model_type: Option<String>,
-    vocab_size: Option<usize>,
-    hidden_size: Option<usize>,
-    num_hidden_layers: Option<usize>,
-    num_attention_heads: Option<usize>,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<RawRope>,
-    rope_parameters: Option<RawRope>,
-    rms_norm_eps: Option<f64>,
-    intermediate_size: Option<usize>,
-    moe_intermediate_size: Option<usize>,
-    num_experts: Option<usize>,
-    /// transformers ≥ 5 writes `num_experts` of Qwen3-MoE as `num_local_experts`.
-    num_local_experts: Option<usize>,
-    num_experts_per_tok: Option<usize>,
-    norm_topk_prob: Option<bool>,
-    decoder_sparse_step: Option<usize>,
-    mlp_only_layers: Option<Vec<usize>>,
-    shared_expert_intermediate_size: Option<usize>,
-    qkv_bias: Option<bool>,
-    attention_bias: Option<bool>,
-    tie_word_embeddings: Option<bool>,
-    initializer_range: Option<f64>,
-    router_aux_loss_coef: Option<f64>,
-    use_sliding_window: Option<bool>,
-    hidden_act: Option<String>,
-}
-
-fn need<T>(v: Option<T>, field: &'static str) -> Result<T> {
-    v.ok_or(ModelError::Config {
-        field,
-        message: "missing".into(),
-    })
-}
-
 impl ModelConfig {
-    /// Reads and validates `DIR/config.json`.
+    /// Reads and validates `DIR/config.json` (the shared Hugging Face config type,
+    /// [`HfConfig`], then the engine's own limits).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+        let hf = HfConfig::from_path(&path)?;
+        Self::from_hf(&hf, &path.display().to_string())
     }
 
     /// Parses and validates config.json text; `origin` names it in errors.
     pub fn from_json(text: &str, origin: &str) -> Result<Self> {
-        let raw: Raw = serde_json::from_str(text).map_err(|source| ModelError::ConfigJson {
-            origin: origin.to_string(),
-            source,
-        })?;
-        let arch = match raw.model_type.as_deref() {
-            Some("qwen3_moe") => Arch::Qwen3Moe,
-            Some("qwen2_moe") => Arch::Qwen2Moe,
-            other => {
-                return Err(ModelError::Config {
-                    field: "model_type",
-                    message: format!("{other:?}: expected \"qwen3_moe\" or \"qwen2_moe\""),
-                })
-            }
-        };
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
-                return Err(ModelError::Config {
-                    field: "hidden_act",
-                    message: format!("{act:?}: only \"silu\" is supported"),
-                });
-            }
-        }
-        if raw.use_sliding_window == Some(true) {
-            return Err(ModelError::Config {
-                field: "use_sliding_window",
-                message: "sliding-window attention is not supported".into(),
-            });
-        }
-        for (field, rope) in [
-            ("rope_scaling", &raw.rope_scaling),
-            ("rope_parameters", &raw.rope_parameters),
-        ] {
-            if let Some(r) = rope {
-                let t = r
-                    .rope_type
-                    .as_deref()
-                    .or(r.kind.as_deref())
-                    .unwrap_or("default");
-                if t != "default" {
-                    return Err(ModelError::Config {
-                        field,
-                        message: format!("rope type {t:?}: only \"default\" RoPE is supported"),
-                    });
-                }
-            }
-        }
-        let hidden_size = need(raw.hidden_size, "hidden_size")?;
-        let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
-        let head_dim = raw.head_dim.unwrap_or(hidden_size / num_heads.max(1));
-        let rope_theta = raw
-            .rope_theta
-            .or(raw.rope_parameters.as_ref().and_then(|r| r.rope_theta))
-            .unwrap_or(10000.0);
-        let num_experts = raw.num_experts.or(raw.num_local_experts).unwrap_or(0);
-        let cfg = ModelConfig {
-            arch,
-            vocab_size: need(raw.vocab_size, "vocab_size")?,
-            hidden_size,
-            num_layers: need(raw.num_hidden_layers, "num_hidden_layers")?,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            rope_theta,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
-            intermediate_size: raw.intermediate_size.unwrap_or(0),
-            moe_intermediate_size: raw.moe_intermediate_size.unwrap_or(0),
-            num_experts,
-            num_experts_per_tok: raw.num_experts_per_tok.unwrap_or(0),
-            norm_topk_prob: raw.norm_topk_prob.unwrap_or(matches!(arch, Arch::Qwen3Moe)),
-            decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
-            mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
-            shared_expert_intermediate_size: match arch {
-                Arch::Qwen2Moe => raw.shared_expert_intermediate_size.unwrap_or(0),
-                Arch::Qwen3Moe => 0,
-            },
-            qkv_bias: match arch {
-                Arch::Qwen2Moe => raw.qkv_bias.unwrap_or(true),
-                Arch::Qwen3Moe => raw.attention_bias.unwrap_or(false),
-            },
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            initializer_range: raw.initializer_range.unwrap_or(0.02) as f32,
-            router_aux_loss_coef: raw.router_aux_loss_coef.unwrap_or(0.001) as f32,
-        };
-        cfg.validate()?;
-        Ok(cfg)
+        Self::from_hf(&HfConfig::from_json(text, origin)?, origin)
     }
 
-    /// Checks internal consistency (sizes positive, heads divisible, top-k ≤ experts).
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field, message: String| Err(ModelError::Config { field, message });
-        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_layers == 0 {
-            return bad(
-                "vocab_size/hidden_size/num_hidden_layers",
-                "must be positive".into(),
-            );
-        }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
-        {
-            return bad(
-                "num_key_value_heads",
-                format!(
-                    "{} must be positive and divide num_attention_heads {}",
-                    self.num_kv_heads, self.num_heads
-                ),
-            );
-        }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad(
-                "head_dim",
-                format!("{} must be positive and even", self.head_dim),
-            );
-        }
-        if self.decoder_sparse_step == 0 {
-            return bad("decoder_sparse_step", "must be ≥ 1".into());
-        }
-        if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_layers) {
-            return bad(
-                "mlp_only_layers",
-                format!("layer {l} ≥ num_hidden_layers {}", self.num_layers),
-            );
-        }
-        let any_moe = (0..self.num_layers).any(|l| self.is_moe_layer(l));
-        let any_dense = (0..self.num_layers).any(|l| !self.is_moe_layer(l));
-        if any_moe {
-            if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
-                return bad(
-                    "num_experts_per_tok",
+    /// The engine's configuration of a parsed, validated [`HfConfig`]; refuses what the
+    /// engine does not run (other architectures, activations, sliding windows, RoPE scaling,
+    /// an o_proj bias), naming `origin` and the field.
+    pub fn from_hf(hf: &HfConfig, origin: &str) -> Result<Self> {
+        let unsupported = |field: &'static str, message: String| ModelError::Unsupported {
+            origin: origin.to_string(),
+            field,
+            message,
+        };
+        let arch = match hf.arch {
+            mxrl_plan::Arch::Qwen3Moe => Arch::Qwen3Moe,
+            mxrl_plan::Arch::Qwen2Moe => Arch::Qwen2Moe,
+            other => {
+                return Err(unsupported(
+                    "model_type",
                     format!(
-                        "{} must be in 1..={}",
-                        self.num_experts_per_tok, self.num_experts
+                        "{:?}: the engine runs \"qwen3_moe\" or \"qwen2_moe\"",
+                        other.model_type()
                     ),
-                );
+                ))
             }
-            if self.moe_intermediate_size == 0 {
-                return bad("moe_intermediate_size", "must be positive".into());
-            }
+        };
+        if hf.hidden_act != "silu" {
+            return Err(unsupported(
+                "hidden_act",
+                format!("{:?}: only \"silu\" is supported", hf.hidden_act),
+            ));
         }
-        if any_dense && self.intermediate_size == 0 {
-            return bad(
-                "intermediate_size",
-                "must be positive (dense layers exist)".into(),
-            );
+        if hf.use_sliding_window {
+            return Err(unsupported(
+                "use_sliding_window",
+                "sliding-window attention is not supported".into(),
+            ));
         }
+        if hf.rope_type != "default" {
+            return Err(unsupported(
+                "rope_parameters",
+                format!(
+                    "rope type {:?}: only \"default\" RoPE is supported",
+                    hf.rope_type
+                ),
+            ));
+        }
+        if hf.o_bias {
+            return Err(unsupported(
+                "attention_bias",
+                "an o_proj bias is not supported".into(),
+            ));
+        }
+        let moe = hf
+            .moe
+            .as_ref()
+            .expect("a validated Qwen MoE config has an MoE part");
+        let MoeLayers::Qwen {
+            decoder_sparse_step,
+            mlp_only_layers,
+        } = &moe.layers
+        else {
+            unreachable!("Qwen MoE layers follow the Qwen rule")
+        };
+        Ok(ModelConfig {
+            arch,
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads: hf.num_key_value_heads,
+            head_dim: hf.head_dim,
+            rope_theta: hf.rope_theta,
+            rms_norm_eps: hf.rms_norm_eps as f32,
+            intermediate_size: hf.intermediate_size,
+            moe_intermediate_size: moe.moe_intermediate_size,
+            num_experts: moe.num_experts,
+            num_experts_per_tok: moe.num_experts_per_tok,
+            norm_topk_prob: moe.norm_topk_prob.unwrap_or(matches!(arch, Arch::Qwen3Moe)),
+            decoder_sparse_step: *decoder_sparse_step,
+            mlp_only_layers: mlp_only_layers.clone(),
+            shared_expert_intermediate_size: moe.shared_intermediate_size,
+            qkv_bias: hf.qkv_bias,
+            tie_word_embeddings: hf.tie_word_embeddings,
+            initializer_range: hf.initializer_range as f32,
+            router_aux_loss_coef: hf.router_aux_loss_coef as f32,
+        })
+    }
+
+    /// The shared Hugging Face config type of this configuration.
+    pub fn to_hf(&self) -> HfConfig {
+        HfConfig {
+            arch: match self.arch {
+                Arch::Qwen3Moe => mxrl_plan::Arch::Qwen3Moe,
+                Arch::Qwen2Moe => mxrl_plan::Arch::Qwen2Moe,
+            },
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_hidden_layers: self.num_layers,
+            num_attention_heads: self.num_heads,
+            num_key_value_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            intermediate_size: self.intermediate_size,
+            qkv_bias: self.qkv_bias,
+            o_bias: false,
+            mlp_bias: false,
+            tie_word_embeddings: self.tie_word_embeddings,
+            dtype: "F32".into(),
+            rope_theta: self.rope_theta,
+            rope_type: "default".into(),
+            rms_norm_eps: self.rms_norm_eps as f64,
+            hidden_act: "silu".into(),
+            use_sliding_window: false,
+            initializer_range: self.initializer_range as f64,
+            router_aux_loss_coef: self.router_aux_loss_coef as f64,
+            moe: Some(MoeConfig {
+                num_experts: self.num_experts,
+                num_experts_per_tok: self.num_experts_per_tok,
+                moe_intermediate_size: self.moe_intermediate_size,
+                norm_topk_prob: Some(self.norm_topk_prob),
+                layers: MoeLayers::Qwen {
+                    decoder_sparse_step: self.decoder_sparse_step,
+                    mlp_only_layers: self.mlp_only_layers.clone(),
+                },
+                shared_intermediate_size: match self.arch {
+                    Arch::Qwen2Moe => self.shared_expert_intermediate_size,
+                    Arch::Qwen3Moe => 0,
+                },
+            }),
+            mla: None,
+            num_mtp: 0,
+        }
+    }
+
+    /// Checks a configuration built in code with the same rules as a loaded one
+    /// ([`HfConfig::validate`]: positive sizes within bounds, heads divisible, top-k ≤
+    /// experts, MoE layer placement, overflow-checked totals).
+    pub fn validate(&self) -> Result<()> {
+        if self.arch == Arch::Qwen3Moe && self.shared_expert_intermediate_size != 0 {
+            return Err(ModelError::Unsupported {
+                origin: "<model config>".into(),
+                field: "shared_expert_intermediate_size",
+                message: "Qwen3-MoE has no shared expert".into(),
+            });
+        }
+        self.to_hf().validate("<model config>")?;
         Ok(())
     }
 

@@ -228,7 +228,8 @@ impl<B: Backend> Engine<B> {
         mut src: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         if cfg.shared_expert_intermediate_size > 0 {
-            return Err(ModelError::Config {
+            return Err(ModelError::Unsupported {
+                origin: "device engine".into(),
                 field: "shared_expert_intermediate_size",
                 message: "the device engine does not run shared experts yet (Qwen2-MoE)".into(),
             });

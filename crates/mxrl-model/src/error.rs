@@ -13,28 +13,22 @@ pub enum ModelError {
         /// The cause.
         source: std::io::Error,
     },
-    /// config.json is not valid JSON of the expected shape.
-    #[error("{origin}: invalid config.json: {source}")]
-    ConfigJson {
-        /// Where the text came from.
+    /// A `config.json` is malformed or breaks a rule of its architecture (the shared
+    /// Hugging Face config type of `mxrl-plan`; the message names the file and field).
+    #[error(transparent)]
+    HfConfig(#[from] mxrl_plan::PlanError),
+    /// A checkpoint file is malformed or inconsistent (the message names the file and
+    /// tensor).
+    #[error(transparent)]
+    Ckpt(#[from] mxrl_ckpt::CkptError),
+    /// A valid config the engine does not run.
+    #[error("{origin}: config field `{field}`: {message}")]
+    Unsupported {
+        /// Where the config came from.
         origin: String,
-        /// The cause.
-        source: serde_json::Error,
-    },
-    /// A config field has a value the engine does not support or that is inconsistent.
-    #[error("config field `{field}`: {message}")]
-    Config {
         /// The field name as in config.json.
         field: &'static str,
-        /// What was wrong and what was expected.
-        message: String,
-    },
-    /// A weight file could not be parsed.
-    #[error("{path}: invalid safetensors: {message}")]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
+        /// What is not supported.
         message: String,
     },
     /// A tensor is missing from a checkpoint.

@@ -9,9 +9,8 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::model::Model;
-use safetensors::{Dtype, SafeTensors};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use mxrl_ckpt::{f32_bytes, to_f32, write_safetensors_atomic, Checkpoint, Dtype, TensorSpec};
+use std::path::Path;
 
 /// The HF tensor names that make up the mxrl parameter `name`: one name, or for a fused
 /// `….gate_up_proj.weight` the pair (`….gate_proj.weight`, `….up_proj.weight`).
@@ -42,73 +41,17 @@ pub fn to_hf_tensors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     out
 }
 
-fn read_f32(path: &Path, st: &SafeTensors<'_>, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-    let t = st.tensor(name).map_err(|e| ModelError::Safetensors {
-        path: path.to_path_buf(),
-        message: format!("{name}: {e}"),
-    })?;
-    let data = t.data();
-    let vals: Vec<f32> = match t.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(ModelError::BadTensor {
-                name: name.into(),
-                message: format!(
-                    "{}: dtype {other:?}, expected F32, BF16 or F16",
-                    path.display()
-                ),
-            })
-        }
-    };
-    Ok((t.shape().to_vec(), vals))
-}
-
 impl Model {
-    /// Loads a model from an HF directory: `config.json` plus `*.safetensors` (one file or
-    /// shards; every file in the directory is indexed). Tensors are widened to f32 exactly.
+    /// Loads a model from an HF directory: `config.json` plus `model.safetensors` or the shards
+    /// of `model.safetensors.index.json`, read through the one strict reader
+    /// ([`mxrl_ckpt::Checkpoint`]: a tensor in two shards, an index entry without its tensor or
+    /// a shard outside the index are errors naming the file). Tensors are widened to f32 exactly.
     /// Every parameter must be present with its expected shape; a tied model ignores a stored
     /// `lm_head.weight`.
     pub fn load_hf(dir: &Path) -> Result<Model> {
+        // The config is validated before any weight file is opened.
         let config = ModelConfig::from_dir(dir)?;
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|source| ModelError::Io {
-                path: dir.to_path_buf(),
-                source,
-            })?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        let mut blobs = Vec::new();
-        for f in &files {
-            blobs.push(std::fs::read(f).map_err(|source| ModelError::Io {
-                path: f.clone(),
-                source,
-            })?);
-        }
-        let mut tables = Vec::new();
-        let mut index: HashMap<String, usize> = HashMap::new();
-        for (i, (f, b)) in files.iter().zip(&blobs).enumerate() {
-            let st = SafeTensors::deserialize(b).map_err(|e| ModelError::Safetensors {
-                path: f.clone(),
-                message: e.to_string(),
-            })?;
-            for name in st.names() {
-                index.insert(name.to_string(), i);
-            }
-            tables.push(st);
-        }
+        let ck = Checkpoint::open(dir)?;
         let mut model = Model::zeros(&config)?;
         let names: Vec<(String, Vec<usize>)> = model
             .params()
@@ -126,18 +69,21 @@ impl Model {
                     shape.clone()
                 };
                 for part in &parts {
-                    let i = *index.get(part).ok_or_else(|| ModelError::MissingTensor {
+                    let t = ck.get(part).ok_or_else(|| ModelError::MissingTensor {
                         dir: dir.to_path_buf(),
                         name: part.clone(),
                     })?;
-                    let (s, v) = read_f32(&files[i], &tables[i], part)?;
-                    if s != part_shape {
+                    if t.shape != part_shape.as_slice() {
                         return Err(ModelError::BadTensor {
                             name: part.clone(),
-                            message: format!("shape {s:?}, expected {part_shape:?}"),
+                            message: format!(
+                                "{}: shape {:?}, expected {part_shape:?}",
+                                dir.join(t.file).display(),
+                                t.shape
+                            ),
                         });
                     }
-                    vals.extend_from_slice(&v);
+                    vals.extend_from_slice(&to_f32(&t)?);
                 }
                 ps.set(&name, &vals)?;
             }
@@ -154,26 +100,15 @@ pub fn save_hf(model: &Model, dir: &Path) -> Result<()> {
         move |source| ModelError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let tensors = to_hf_tensors(model);
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+    let tensors: Vec<(TensorSpec, Vec<u8>)> = to_hf_tensors(model)
         .into_iter()
-        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .map(|(n, s, v)| (TensorSpec::new(n, Dtype::F32, s), f32_bytes(&v)))
         .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            let view = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
-                .expect("shape matches the f32 byte length");
-            (n.clone(), view)
-        })
-        .collect();
-    let st_path = dir.join("model.safetensors");
-    let tmp = dir.join(".model.safetensors.tmp");
-    safetensors::serialize_to_file(views, &None, &tmp).map_err(|e| ModelError::Safetensors {
-        path: tmp.clone(),
-        message: e.to_string(),
-    })?;
-    std::fs::rename(&tmp, &st_path).map_err(io(&st_path))?;
+    write_safetensors_atomic(
+        &dir.join("model.safetensors"),
+        &tensors,
+        &Default::default(),
+    )?;
     let cfg_path = dir.join("config.json");
     let tmp = dir.join(".config.json.tmp");
     std::fs::write(&tmp, model.config().to_json()).map_err(io(&tmp))?;

@@ -109,7 +109,7 @@ fn convert_case(case: &Case, root: &Path, seed: u64) -> (Model, PathBuf) {
     )
     .unwrap();
     let mut orig = Model::load_hf(&src).unwrap();
-    let inv = mxrl_plan::Inventory::from_model_dir(&src).unwrap();
+    let inv = mxrl_ckpt::model_inventory(&src).unwrap();
     orig.apply_plan(&mxrl_plan::resolve(&inv, &case.recipe).unwrap())
         .unwrap();
     (orig, dst)

@@ -424,6 +424,28 @@ fn missing_tensor_is_named() {
     let c = small(Arch::Qwen3Moe);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("config.json"), c.to_json()).unwrap();
+    // No weight file at all: the error names the files it looked for.
+    let err = Model::load_hf(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    // A weight file without one tensor: the error names the tensor.
+    let m = Model::random(&c, 1).unwrap();
+    mxrl_model::hf::save_hf(&m, dir.path()).unwrap();
+    let ck = mxrl_ckpt::Checkpoint::open(dir.path()).unwrap();
+    let keep: Vec<(mxrl_ckpt::TensorSpec, Vec<u8>)> = ck
+        .names()
+        .iter()
+        .filter(|n| n.as_str() != "model.embed_tokens.weight")
+        .map(|n| {
+            let t = ck.tensor(n).unwrap();
+            (
+                mxrl_ckpt::TensorSpec::new(n.clone(), t.dtype, t.shape.to_vec()),
+                t.data.to_vec(),
+            )
+        })
+        .collect();
+    drop(ck);
+    let st = dir.path().join("model.safetensors");
+    mxrl_ckpt::write_safetensors(&st, &keep, &Default::default()).unwrap();
     let err = Model::load_hf(dir.path()).unwrap_err();
     assert!(
         err.to_string().contains("model.embed_tokens.weight"),

@@ -1,15 +1,10 @@
 //! Audits: what a quantized checkpoint actually stores, compared with the plan.
 
-use crate::error::PlanError;
-use crate::inventory::Inventory;
-use crate::plan::META_PLAN_HASH;
-use crate::plan::{resolve, PrecisionPlan};
-use crate::recipe::Recipe;
-use crate::stored::{checkpoint_metadata, scan_dir, StoredFormat, StoredTensor};
+use crate::plan::PrecisionPlan;
+use crate::stored::{StoredFormat, StoredTensor};
 use mxrl_formats::Format;
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::path::Path;
 
 /// One tensor whose stored form disagrees with the plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,24 +148,4 @@ pub fn audit(plan: &PrecisionPlan, stored: &[StoredTensor]) -> AuditReport {
         findings: all,
         hash_mismatches: Vec::new(),
     }
-}
-
-/// Audit a checkpoint directory: the inventory comes from its `config.json`, the plan
-/// from resolving `recipe` against it, the stored formats from its safetensors headers.
-/// A shard whose metadata records another plan hash (`mxrl.plan_hash`) is drift too.
-pub fn audit_dir(dir: &Path, recipe: &Recipe) -> Result<(PrecisionPlan, AuditReport), PlanError> {
-    let inv = Inventory::from_config_path(&dir.join("config.json"))?;
-    let plan = resolve(&inv, recipe)?;
-    let stored = scan_dir(dir)?;
-    let mut report = audit(&plan, &stored);
-    for (file, meta) in checkpoint_metadata(dir)? {
-        if let Some(h) = meta.get(META_PLAN_HASH) {
-            if h != plan.hash() {
-                report
-                    .hash_mismatches
-                    .push((file.display().to_string(), h.clone()));
-            }
-        }
-    }
-    Ok((plan, report))
 }

@@ -59,14 +59,6 @@ pub enum PlanError {
         /// Comma-separated supported types.
         supported: String,
     },
-    /// A safetensors file or index is malformed.
-    #[error("safetensors {path}: {message}")]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        message: String,
-    },
     /// A checkpoint holds tensors the architecture does not have.
     #[error("{dir}: {} tensor(s) not known for this architecture: {}", names.len(), names.join(", "))]
     UnknownTensors {

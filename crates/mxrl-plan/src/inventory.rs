@@ -19,11 +19,11 @@
 //! A linear weight's canonical name has no `.weight` suffix; norms and embeddings
 //! likewise; biases end in `.bias`.
 
+use crate::config::HfConfig;
 use crate::error::PlanError;
 use crate::role::{Proj, Role};
-use crate::stored::{self, StoredTensor};
+use crate::stored::StoredTensor;
 use serde::Serialize;
-use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -58,7 +58,7 @@ impl Arch {
         }
     }
 
-    const ALL: [Arch; 6] = [
+    pub(crate) const ALL: [Arch; 6] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -184,61 +184,31 @@ impl Inventory {
 
     /// Inventory implied by a `config.json` file.
     pub fn from_config_path(path: &Path) -> Result<Inventory, PlanError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Inventory::from_config_json(&text, &path.display().to_string())
+        let cfg = HfConfig::from_path(path)?;
+        Ok(Inventory::from_config(&cfg, &path.display().to_string()))
     }
 
     /// Inventory implied by `config.json` text; `origin` names it in errors.
     pub fn from_config_json(text: &str, origin: &str) -> Result<Inventory, PlanError> {
-        let v: Value = serde_json::from_str(text).map_err(|e| PlanError::Config {
-            origin: origin.to_string(),
-            message: format!("not valid JSON: {e}"),
-        })?;
-        let cfg = Cfg {
-            v: &v,
-            origin: origin.to_string(),
-        };
-        let model_type = cfg.str_req("model_type")?;
-        let arch = Arch::ALL
-            .into_iter()
-            .find(|a| a.model_type() == model_type)
-            .ok_or_else(|| PlanError::UnsupportedArch {
-                origin: origin.to_string(),
-                model_type: model_type.to_string(),
-                supported: Arch::ALL.map(|a| a.model_type()).join(", "),
-            })?;
-        let (tensors, num_layers, num_mtp) = build(arch, &cfg)?;
-        Ok(Inventory::assemble(
-            arch,
-            num_layers,
-            num_mtp,
-            tensors,
-            origin.to_string(),
+        Ok(Inventory::from_config(
+            &HfConfig::from_json(text, origin)?,
+            origin,
         ))
     }
 
-    /// Inventory of a Hugging Face model directory: `config.json` gives the architecture,
-    /// the safetensors headers (via `model.safetensors.index.json` when present) give the
-    /// tensors actually stored, their shapes, dtypes and checkpoint order. Only headers
-    /// are read. Tensors the architecture does not have are an error listing all of them;
-    /// so are missing ones (an absent MTP module as a whole is allowed). Quantized
-    /// tensors (scale companions, packed NVFP4) are folded into their logical weight.
-    pub fn from_model_dir(dir: &Path) -> Result<Inventory, PlanError> {
-        let expected = Inventory::from_config_path(&dir.join("config.json"))?;
-        let stored = stored::scan_dir(dir)?;
-        expected.reconcile(dir, &stored)
+    /// Inventory implied by a parsed, validated configuration; `origin` names its source.
+    pub fn from_config(cfg: &HfConfig, origin: &str) -> Inventory {
+        let (tensors, num_layers, num_mtp) = build(cfg);
+        Inventory::assemble(cfg.arch, num_layers, num_mtp, tensors, origin.to_string())
     }
 
-    /// Match a config-derived inventory against the logical tensors of a checkpoint and
-    /// return the inventory in checkpoint order with stored shapes and dtypes.
-    pub(crate) fn reconcile(
-        &self,
-        dir: &Path,
-        stored: &[StoredTensor],
-    ) -> Result<Inventory, PlanError> {
+    /// Match a config-derived inventory against the logical tensors of a checkpoint (read by
+    /// `mxrl-ckpt`'s `Checkpoint::stored_tensors`; `mxrl_ckpt::model_inventory` does both) and
+    /// return the inventory in checkpoint order with stored shapes and dtypes. Tensors the
+    /// architecture does not have are an error listing all of them; so are missing ones (an
+    /// absent MTP module as a whole is allowed). Quantized tensors (scale companions, packed
+    /// NVFP4) are folded into their logical weight.
+    pub fn reconcile(&self, dir: &Path, stored: &[StoredTensor]) -> Result<Inventory, PlanError> {
         let stored_names: HashMap<&str, &StoredTensor> =
             stored.iter().map(|s| (s.name.as_str(), s)).collect();
         let unknown: Vec<String> = stored
@@ -324,90 +294,6 @@ impl Inventory {
             by_mxrl,
             source,
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// config.json access
-
-struct Cfg<'a> {
-    v: &'a Value,
-    origin: String,
-}
-
-impl Cfg<'_> {
-    fn err(&self, message: String) -> PlanError {
-        PlanError::Config {
-            origin: self.origin.clone(),
-            message,
-        }
-    }
-    fn str_req(&self, key: &str) -> Result<&str, PlanError> {
-        self.v
-            .get(key)
-            .and_then(Value::as_str)
-            .ok_or_else(|| self.err(format!("field `{key}` (a string) is missing")))
-    }
-    fn usize_req(&self, key: &str) -> Result<usize, PlanError> {
-        match self.v.get(key) {
-            Some(x) => x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                self.err(format!(
-                    "field `{key}` must be a non-negative integer, got {x}"
-                ))
-            }),
-            None => Err(self.err(format!("field `{key}` (an integer) is missing"))),
-        }
-    }
-    fn usize_or(&self, key: &str, default: usize) -> Result<usize, PlanError> {
-        match self.v.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(_) => self.usize_req(key),
-        }
-    }
-    /// `None` when absent or JSON null (e.g. DeepSeek `q_lora_rank: null`).
-    fn usize_opt(&self, key: &str) -> Result<Option<usize>, PlanError> {
-        match self.v.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(_) => self.usize_req(key).map(Some),
-        }
-    }
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool, PlanError> {
-        match self.v.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(x) => x
-                .as_bool()
-                .ok_or_else(|| self.err(format!("field `{key}` must be a boolean, got {x}"))),
-        }
-    }
-    fn usize_list(&self, key: &str) -> Result<Vec<usize>, PlanError> {
-        match self.v.get(key) {
-            None | Some(Value::Null) => Ok(Vec::new()),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| {
-                    x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                        self.err(format!("field `{key}` must be a list of integers"))
-                    })
-                })
-                .collect(),
-            Some(x) => Err(self.err(format!("field `{key}` must be a list, got {x}"))),
-        }
-    }
-    /// `torch_dtype` (or transformers-5 `dtype`) as a safetensors dtype name.
-    fn dtype(&self) -> Result<String, PlanError> {
-        let s = self
-            .v
-            .get("torch_dtype")
-            .or_else(|| self.v.get("dtype"))
-            .and_then(Value::as_str)
-            .unwrap_or("bfloat16");
-        Ok(match s {
-            "bfloat16" => "BF16",
-            "float16" => "F16",
-            "float32" => "F32",
-            other => return Err(self.err(format!("unsupported torch_dtype `{other}`"))),
-        }
-        .to_string())
     }
 }
 
@@ -742,15 +628,17 @@ fn mla_attention(b: &mut Builder, at: &At, m: &Mla) {
     );
 }
 
-fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), PlanError> {
-    let hidden = c.usize_req("hidden_size")?;
-    let layers = c.usize_req("num_hidden_layers")?;
-    let vocab = c.usize_req("vocab_size")?;
-    let heads = c.usize_req("num_attention_heads")?;
-    let tie = c.bool_or("tie_word_embeddings", false)?;
+/// The tensors of a validated configuration (sizes bounded by [`HfConfig::validate`]).
+fn build(c: &HfConfig) -> (Vec<TensorInfo>, usize, usize) {
+    let arch = c.arch;
+    let hidden = c.hidden_size;
+    let layers = c.num_hidden_layers;
+    let vocab = c.vocab_size;
+    let heads = c.num_attention_heads;
+    let tie = c.tie_word_embeddings;
     let mut b = Builder {
         out: Vec::new(),
-        dtype: c.dtype()?,
+        dtype: c.dtype.clone(),
     };
     let root = At {
         hf: String::new(),
@@ -777,52 +665,29 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
     let mut num_mtp = 0;
     match arch {
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
-            let kv_heads = c.usize_or("num_key_value_heads", heads)?;
-            if heads == 0 || (hidden % heads != 0 && c.usize_opt("head_dim")?.is_none()) {
-                return Err(c.err(format!(
-                    "hidden_size {hidden} is not a multiple of num_attention_heads {heads} and head_dim is not given"
-                )));
-            }
-            let head_dim = c.usize_or("head_dim", hidden / heads)?;
-            let attention_bias = c.bool_or("attention_bias", false)?;
             let attn = Attn {
                 hidden,
                 heads,
-                kv_heads,
-                head_dim,
-                qkv_bias: match arch {
-                    Arch::Qwen2 | Arch::Qwen2Moe => true,
-                    _ => attention_bias,
-                },
-                o_bias: match arch {
-                    Arch::Qwen2 | Arch::Qwen2Moe => false,
-                    _ => attention_bias,
-                },
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                qkv_bias: c.qkv_bias,
+                o_bias: c.o_bias,
                 qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             };
-            let mlp_bias = arch == Arch::Llama && c.bool_or("mlp_bias", false)?;
-            let inter = c.usize_req("intermediate_size")?;
-            let moe = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
-            let (experts, moe_inter, step, mlp_only) = if moe {
-                (
-                    c.usize_req("num_experts")?,
-                    c.usize_req("moe_intermediate_size")?,
-                    c.usize_or("decoder_sparse_step", 1)?.max(1),
-                    c.usize_list("mlp_only_layers")?,
-                )
-            } else {
-                (0, 0, 1, Vec::new())
-            };
-            let shared_inter = if arch == Arch::Qwen2Moe {
-                c.usize_or("shared_expert_intermediate_size", 0)?
-            } else {
-                0
+            let mlp_bias = c.mlp_bias;
+            let inter = c.intermediate_size;
+            let (experts, moe_inter, shared_inter) = match &c.moe {
+                Some(m) => (
+                    m.num_experts,
+                    m.moe_intermediate_size,
+                    m.shared_intermediate_size,
+                ),
+                None => (0, 0, 0),
             };
             for i in 0..layers {
                 let at = layer_at(i);
                 std_attention(&mut b, &at, &attn);
-                let is_moe = moe && experts > 0 && !mlp_only.contains(&i) && (i + 1) % step == 0;
-                if is_moe {
+                if c.is_moe_layer(i) {
                     let m = at.sub("mlp.", "moe.");
                     b.linear(
                         &m,
@@ -863,23 +728,29 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
             }
         }
         Arch::DeepseekV3 => {
+            let m = c
+                .mla
+                .as_ref()
+                .expect("a validated DeepSeek-V3 config has MLA sizes");
             let mla = Mla {
                 hidden,
                 heads,
-                q_lora_rank: c.usize_opt("q_lora_rank")?,
-                kv_lora_rank: c.usize_req("kv_lora_rank")?,
-                qk_nope: c.usize_req("qk_nope_head_dim")?,
-                qk_rope: c.usize_req("qk_rope_head_dim")?,
-                v_head: c.usize_req("v_head_dim")?,
-                bias: c.bool_or("attention_bias", false)?,
+                q_lora_rank: m.q_lora_rank,
+                kv_lora_rank: m.kv_lora_rank,
+                qk_nope: m.qk_nope_head_dim,
+                qk_rope: m.qk_rope_head_dim,
+                v_head: m.v_head_dim,
+                bias: c.o_bias,
             };
-            let inter = c.usize_req("intermediate_size")?;
-            let moe_inter = c.usize_req("moe_intermediate_size")?;
-            let routed = c.usize_req("n_routed_experts")?;
-            let shared = c.usize_or("n_shared_experts", 0)?;
-            let first_dense = c.usize_or("first_k_dense_replace", 0)?;
-            let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
-            num_mtp = c.usize_or("num_nextn_predict_layers", 0)?;
+            let inter = c.intermediate_size;
+            let moe = c
+                .moe
+                .as_ref()
+                .expect("a validated DeepSeek-V3 config has MoE sizes");
+            let moe_inter = moe.moe_intermediate_size;
+            let routed = moe.num_experts;
+            let shared_inter = moe.shared_intermediate_size;
+            num_mtp = c.num_mtp;
             let ds_layer = |b: &mut Builder, at: &At, is_moe: bool| {
                 mla_attention(b, at, &mla);
                 if is_moe {
@@ -909,16 +780,9 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
                         None,
                         None,
                     );
-                    if shared > 0 {
+                    if shared_inter > 0 {
                         let sa = m.sub("shared_experts.", "shared.");
-                        b.mlp(
-                            &sa,
-                            Role::SharedExpert,
-                            hidden,
-                            moe_inter * shared,
-                            false,
-                            None,
-                        );
+                        b.mlp(&sa, Role::SharedExpert, hidden, shared_inter, false, None);
                     }
                 } else {
                     let m = at.sub("mlp.", "mlp.");
@@ -928,8 +792,7 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
                 b.norm(at, "post_attention_layernorm", "mlp_norm", hidden);
             };
             for i in 0..layers {
-                let is_moe = routed > 0 && i >= first_dense && i % freq == 0;
-                ds_layer(&mut b, &layer_at(i), is_moe);
+                ds_layer(&mut b, &layer_at(i), c.is_moe_layer(i));
             }
             // Norm and head come before the MTP modules (which follow the main layers).
             b.final_norm_and_head(&root, tie, vocab, hidden);
@@ -977,11 +840,11 @@ fn build(arch: Arch, c: &Cfg<'_>) -> Result<(Vec<TensorInfo>, usize, usize), Pla
                     None,
                 );
             }
-            return Ok((b.out, layers, num_mtp));
+            return (b.out, layers, num_mtp);
         }
     }
     b.final_norm_and_head(&root, tie, vocab, hidden);
-    Ok((b.out, layers, num_mtp))
+    (b.out, layers, num_mtp)
 }
 
 /// Count tensors per role (for summaries and tests).

@@ -10,7 +10,7 @@
 //!
 //! ```no_run
 //! use mxrl_plan::{resolve, Inventory, Recipe};
-//! let inv = Inventory::from_model_dir("Qwen3-30B-A3B".as_ref())?;
+//! let inv = Inventory::from_config_path("Qwen3-30B-A3B/config.json".as_ref())?;
 //! let plan = resolve(&inv, &Recipe::load("nvfp4-hp")?)?;
 //! let e = plan.by_hf("model.layers.0.mlp.experts.0.up_proj.weight").unwrap();
 //! println!("{} {} {}", e.format, e.backward, plan.short_hash());
@@ -29,11 +29,14 @@
 //!   Megatron TE precision YAML or a ModelOpt/SGLang ignore list, re-resolves it under
 //!   that tool's matching semantics and reports every tensor whose format would differ.
 //! - **Checkpoints are audited.** [`audit()`] compares what a checkpoint stores (from
-//!   safetensors headers) against the plan.
+//!   safetensors headers, read by `mxrl-ckpt`'s one strict reader) against the plan.
+//! - **One config type.** [`HfConfig`] parses and validates every `config.json` (transformers
+//!   4.x and 5.x spellings) for the inventory, the converter and the model alike.
 #![deny(missing_docs)]
 
 mod audit;
 mod clients;
+mod config;
 mod error;
 mod export;
 mod glob;
@@ -46,8 +49,9 @@ mod report;
 mod role;
 mod stored;
 
-pub use audit::{audit, audit_dir, AuditFinding, AuditReport};
+pub use audit::{audit, AuditFinding, AuditReport};
 pub use clients::{check_list, client_decisions, client_list, Client, ClientDiff, ListKind};
+pub use config::{HfConfig, Limits, MlaConfig, MoeConfig, MoeLayers, MAX_CONFIG_BYTES};
 pub use error::PlanError;
 pub use export::{
     export, fnmatch, resolve_ignore_list, resolve_miles, resolve_te_matchers, Export, ExportDiff,
@@ -67,7 +71,4 @@ pub use recipe::{
 };
 pub use report::summary_table;
 pub use role::{Proj, Role, UnknownName};
-pub use stored::{
-    checkpoint_metadata, read_header, scan_dir, FileMetadata, HeaderEntry, StoredFormat,
-    StoredTensor,
-};
+pub use stored::{group, HeaderEntry, StoredFormat, StoredTensor};

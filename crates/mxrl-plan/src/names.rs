@@ -265,7 +265,7 @@ mod tests {
 
     const QWEN2_MOE_TINY: &str = r#"{"model_type":"qwen2_moe","hidden_size":64,"num_hidden_layers":2,
         "vocab_size":128,"num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":128,
-        "num_experts":2,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
+        "num_experts":2,"num_experts_per_tok":1,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
         "mlp_only_layers":[0]}"#;
 
     #[test]

@@ -117,7 +117,7 @@ pub struct PrecisionPlan {
 const PLAN_HASH_VERSION: &str = "mxrl-plan/1";
 
 /// Safetensors metadata key under which checkpoints and weight-update messages carry
-/// [`PrecisionPlan::hash`]; [`crate::audit_dir`] checks it when present.
+/// [`PrecisionPlan::hash`]; `mxrl_ckpt::audit_dir` checks it when present.
 pub const META_PLAN_HASH: &str = "mxrl.plan_hash";
 
 fn rule_matches(rule: &Rule, layers: &Option<HashSet<usize>>, t: &TensorInfo) -> bool {

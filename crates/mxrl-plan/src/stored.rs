@@ -1,5 +1,6 @@
-//! What a checkpoint stores: safetensors headers (never the data), grouped into logical
-//! tensors, each with its detected storage format.
+//! What a checkpoint stores: safetensors header entries (never the data), grouped into
+//! logical tensors, each with its detected storage format. The entries come from the one
+//! strict reader in `mxrl-ckpt` (`Checkpoint::stored_tensors`); this module only classifies.
 //!
 //! Detection, per logical weight `P.weight` (companions are the tensors `P.<suffix>`):
 //!
@@ -15,13 +16,9 @@
 //! `input_global_scale` and `weight_shape` are accepted companions that do not change
 //! the verdict.
 
-use crate::error::PlanError;
 use mxrl_formats::Format;
-use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
-use std::io::Read;
-use std::path::{Path, PathBuf};
 
 /// Companion suffixes (the last dot-segment of a stored name).
 const COMPANIONS: [&str; 8] = [
@@ -108,213 +105,6 @@ pub struct StoredTensor {
     pub parts: Vec<String>,
     /// Checkpoint order key: (file index, first data offset).
     pub order: (usize, usize),
-}
-
-#[derive(Deserialize)]
-struct RawEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    data_offsets: [usize; 2],
-}
-
-/// Largest header accepted (the safetensors crate uses the same bound).
-const MAX_HEADER: u64 = 100_000_000;
-
-fn dtype_bytes(dtype: &str) -> Option<usize> {
-    Some(match dtype {
-        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 1,
-        "BF16" | "F16" | "I16" | "U16" => 2,
-        "F32" | "I32" | "U32" => 4,
-        "F64" | "I64" | "U64" => 8,
-        _ => return None,
-    })
-}
-
-/// Read only the header of a safetensors file and check it against the file size.
-/// Entries come back sorted by data offset.
-pub fn read_header(path: &Path) -> Result<Vec<HeaderEntry>, PlanError> {
-    let bad = |message: String| PlanError::Safetensors {
-        path: path.to_path_buf(),
-        message,
-    };
-    let io = |source| PlanError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let file_len = f.metadata().map_err(io)?.len();
-    let mut len8 = [0u8; 8];
-    f.read_exact(&mut len8)
-        .map_err(|_| bad("file shorter than the 8-byte header length".into()))?;
-    let n = u64::from_le_bytes(len8);
-    if n > MAX_HEADER || 8 + n > file_len {
-        return Err(bad(format!(
-            "header length {n} does not fit a file of {file_len} bytes"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|e| bad(format!("cannot read the header: {e}")))?;
-    let map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
-    let data_len = (file_len - 8 - n) as usize;
-    let mut out = Vec::new();
-    for (name, v) in map {
-        if name == "__metadata__" {
-            continue;
-        }
-        let e: RawEntry = serde_json::from_value(v)
-            .map_err(|e| bad(format!("tensor `{name}`: malformed entry: {e}")))?;
-        let [begin, end] = e.data_offsets;
-        let elem = dtype_bytes(&e.dtype)
-            .ok_or_else(|| bad(format!("tensor `{name}`: unknown dtype `{}`", e.dtype)))?;
-        let want = e.shape.iter().product::<usize>() * elem;
-        if begin > end || end > data_len || end - begin != want {
-            return Err(bad(format!(
-                "tensor `{name}`: data_offsets [{begin}, {end}] do not hold {want} bytes of {} {:?} inside {data_len} data bytes",
-                e.dtype, e.shape
-            )));
-        }
-        out.push(HeaderEntry {
-            name,
-            dtype: e.dtype,
-            shape: e.shape,
-            offset: begin,
-        });
-    }
-    out.sort_by_key(|e| e.offset);
-    Ok(out)
-}
-
-/// The safetensors files of a model directory, in checkpoint order, with the tensor
-/// names the index assigns to each (when there is an index).
-/// A shard file and the tensor names the index places in it (when there is an index).
-type Shard = (PathBuf, Option<Vec<String>>);
-
-fn shard_files(dir: &Path) -> Result<Vec<Shard>, PlanError> {
-    let index = dir.join("model.safetensors.index.json");
-    if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|source| PlanError::Io {
-            path: index.clone(),
-            source,
-        })?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| PlanError::Safetensors {
-                path: index.clone(),
-                message: format!("index is not JSON: {e}"),
-            })?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| PlanError::Safetensors {
-                path: index.clone(),
-                message: "index has no `weight_map` object".into(),
-            })?;
-        let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| PlanError::Safetensors {
-                path: index.clone(),
-                message: format!("weight_map entry `{name}` is not a file name"),
-            })?;
-            by_file
-                .entry(file.to_string())
-                .or_default()
-                .push(name.clone());
-        }
-        return Ok(by_file
-            .into_iter()
-            .map(|(f, names)| (dir.join(f), Some(names)))
-            .collect());
-    }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|source| PlanError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(PlanError::Safetensors {
-            path: dir.to_path_buf(),
-            message: "no *.safetensors files and no model.safetensors.index.json".into(),
-        });
-    }
-    Ok(files.into_iter().map(|f| (f, None)).collect())
-}
-
-/// A shard file and its `__metadata__` map.
-pub type FileMetadata = (PathBuf, BTreeMap<String, String>);
-
-/// The `__metadata__` map of every safetensors file of a model directory (headers only).
-pub fn checkpoint_metadata(dir: &Path) -> Result<Vec<FileMetadata>, PlanError> {
-    let mut out = Vec::new();
-    for (file, _) in shard_files(dir)? {
-        let bad = |message: String| PlanError::Safetensors {
-            path: file.clone(),
-            message,
-        };
-        let mut f = std::fs::File::open(&file).map_err(|source| PlanError::Io {
-            path: file.clone(),
-            source,
-        })?;
-        let mut len8 = [0u8; 8];
-        f.read_exact(&mut len8)
-            .map_err(|_| bad("file shorter than the 8-byte header length".into()))?;
-        let n = u64::from_le_bytes(len8);
-        if n > MAX_HEADER {
-            return Err(bad(format!("header length {n} is implausible")));
-        }
-        let mut header = vec![0u8; n as usize];
-        f.read_exact(&mut header)
-            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
-        let mut map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
-            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
-        let meta: BTreeMap<String, String> = match map.remove("__metadata__") {
-            None => BTreeMap::new(),
-            Some(v) => serde_json::from_value(v)
-                .map_err(|e| bad(format!("__metadata__ is not a map of strings: {e}")))?,
-        };
-        out.push((file, meta));
-    }
-    Ok(out)
-}
-
-/// Read every header of a model directory and group the stored tensors into logical
-/// tensors in checkpoint order (file order, then data offset).
-pub fn scan_dir(dir: &Path) -> Result<Vec<StoredTensor>, PlanError> {
-    let mut entries: Vec<(usize, HeaderEntry)> = Vec::new();
-    let mut seen: HashMap<String, PathBuf> = HashMap::new();
-    for (fi, (file, listed)) in shard_files(dir)?.into_iter().enumerate() {
-        let header = read_header(&file)?;
-        if let Some(listed) = listed {
-            let in_header: std::collections::HashSet<&str> =
-                header.iter().map(|e| e.name.as_str()).collect();
-            let absent: Vec<&String> = listed
-                .iter()
-                .filter(|n| !in_header.contains(n.as_str()))
-                .collect();
-            if !absent.is_empty() {
-                return Err(PlanError::Safetensors {
-                    path: file.clone(),
-                    message: format!(
-                        "the index places {absent:?} in this file but its header lacks them"
-                    ),
-                });
-            }
-        }
-        for e in header {
-            if let Some(prev) = seen.insert(e.name.clone(), file.clone()) {
-                return Err(PlanError::Safetensors {
-                    path: file.clone(),
-                    message: format!("tensor `{}` is also stored in {}", e.name, prev.display()),
-                });
-            }
-            entries.push((fi, e));
-        }
-    }
-    Ok(group(entries))
 }
 
 /// Group header entries (with their file index) into logical tensors.

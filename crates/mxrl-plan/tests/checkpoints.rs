@@ -1,9 +1,9 @@
 //! Model directories (safetensors headers + index) and checkpoint audits, on tiny
 //! checkpoints written to a temporary directory.
 
+use mxrl_ckpt::{audit_dir, model_inventory, Checkpoint, CkptError};
 use mxrl_plan::{
-    audit, audit_dir, resolve, scan_dir, Format, Inventory, PlanError, Recipe, StoredFormat,
-    TensorInfo, TensorKind,
+    audit, resolve, Format, Inventory, PlanError, Recipe, StoredFormat, TensorInfo, TensorKind,
 };
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -125,7 +125,7 @@ fn model_dir_inventory_reads_headers_in_checkpoint_order() {
     let mut ts = all_parts(&inv, |_| Store::Bf16);
     ts.reverse();
     write_ckpt(dir.path(), TINY, &ts, 3);
-    let got = Inventory::from_model_dir(dir.path()).unwrap();
+    let got = model_inventory(dir.path()).unwrap();
     assert_eq!(got.tensors().len(), inv.tensors().len());
     // Checkpoint order = (shard file, data offset), with offsets read by the safetensors
     // crate's own parser as the independent reference.
@@ -165,7 +165,7 @@ fn model_dir_folds_quantized_companions_into_logical_weights() {
         }
     });
     write_ckpt(dir.path(), TINY, &ts, 2);
-    let got = Inventory::from_model_dir(dir.path()).unwrap();
+    let got = model_inventory(dir.path()).unwrap();
     assert_eq!(got.tensors().len(), inv.tensors().len());
     assert_eq!(
         got.by_hf("model.layers.1.mlp.experts.1.down_proj.weight")
@@ -191,8 +191,8 @@ fn unknown_missing_and_misshaped_tensors_are_errors_naming_them() {
         vec![16],
     ));
     write_ckpt(dir.path(), TINY, &ts, 1);
-    match Inventory::from_model_dir(dir.path()).unwrap_err() {
-        PlanError::UnknownTensors { mut names, .. } => {
+    match model_inventory(dir.path()).unwrap_err() {
+        CkptError::Plan(PlanError::UnknownTensors { mut names, .. }) => {
             names.sort();
             assert_eq!(
                 names,
@@ -210,9 +210,9 @@ fn unknown_missing_and_misshaped_tensors_are_errors_naming_them() {
         .filter(|t| t.0 != "model.layers.1.mlp.experts.0.up_proj.weight")
         .collect();
     write_ckpt(dir.path(), TINY, &ts, 1);
-    let e = Inventory::from_model_dir(dir.path()).unwrap_err();
+    let e = model_inventory(dir.path()).unwrap_err();
     assert!(
-        matches!(&e, PlanError::MissingTensors { names, .. } if names == &["model.layers.1.mlp.experts.0.up_proj.weight"]),
+        matches!(&e, CkptError::Plan(PlanError::MissingTensors { names, .. }) if names == &["model.layers.1.mlp.experts.0.up_proj.weight"]),
         "{e}"
     );
     let dir = tempfile::tempdir().unwrap();
@@ -226,7 +226,7 @@ fn unknown_missing_and_misshaped_tensors_are_errors_naming_them() {
         })
         .collect();
     write_ckpt(dir.path(), TINY, &ts, 1);
-    let e = Inventory::from_model_dir(dir.path()).unwrap_err();
+    let e = model_inventory(dir.path()).unwrap_err();
     assert!(
         e.to_string()
             .contains("model.layers.0.self_attn.o_proj.weight")
@@ -244,9 +244,9 @@ fn malformed_files_and_indexes_are_errors_naming_the_file() {
     let shard = dir.path().join("model-00002-of-00002.safetensors");
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() - 1]).unwrap();
-    let e = Inventory::from_model_dir(dir.path()).unwrap_err();
+    let e = model_inventory(dir.path()).unwrap_err();
     assert!(
-        matches!(e, PlanError::Safetensors { .. })
+        matches!(e, CkptError::Header { .. } | CkptError::TensorEntry { .. })
             && e.to_string().contains("model-00002-of-00002"),
         "{e}"
     );
@@ -258,7 +258,7 @@ fn malformed_files_and_indexes_are_errors_naming_the_file() {
         serde_json::from_str(&std::fs::read_to_string(&idx).unwrap()).unwrap();
     v["weight_map"]["ghost.weight"] = "model-00001-of-00001.safetensors".into();
     std::fs::write(&idx, v.to_string()).unwrap();
-    let e = Inventory::from_model_dir(dir.path()).unwrap_err();
+    let e = model_inventory(dir.path()).unwrap_err();
     assert!(e.to_string().contains("ghost.weight"), "{e}");
 }
 
@@ -291,7 +291,7 @@ fn audit_is_clean_when_the_checkpoint_stores_the_plan() {
         }
     };
     write_ckpt(dir.path(), TINY, &all_parts(&inv, fmt), 1);
-    assert!(audit(&mx, &scan_dir(dir.path()).unwrap()).is_clean());
+    assert!(audit(&mx, &Checkpoint::open(dir.path()).unwrap().stored_tensors()).is_clean());
     // FP8 block needs K % 128 == 0; N = 64 rows still get ceil(64/128) = 1 scale row.
     let wide = TINY
         .replace("\"hidden_size\":64", "\"hidden_size\":128")
@@ -314,7 +314,10 @@ fn audit_is_clean_when_the_checkpoint_stores_the_plan() {
         &all_parts(&inv_w, |_| Store::Fp8Block),
         1,
     );
-    let r = audit(&plan_fp8, &scan_dir(dir.path()).unwrap());
+    let r = audit(
+        &plan_fp8,
+        &Checkpoint::open(dir.path()).unwrap().stored_tensors(),
+    );
     assert!(r.is_clean(), "{}", r.render());
 }
 

@@ -19,7 +19,7 @@ fn tiny_moe() -> Inventory {
     Inventory::from_config_json(
         r#"{"model_type":"qwen2_moe","hidden_size":64,"num_hidden_layers":4,"vocab_size":128,
             "num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":128,
-            "num_experts":4,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
+            "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
             "mlp_only_layers":[0]}"#,
         "tiny",
     )

@@ -10,6 +10,7 @@ use crate::policy::{
 use crate::sync::{RolloutEngine, SyncError, WeightUpdate};
 use crate::task::{Problem, TaskSource};
 use crate::text::{TextCodec, TextError};
+use mxrl_ckpt::{write_safetensors_atomic, Dtype, SafetensorsFile, TensorSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -137,23 +138,16 @@ pub fn save_checkpoint<T: TrainPolicy>(
             blobs.push((format!("adam_v/{}", p.name), f32_bytes(&m.v), m.v.len()));
         }
     }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = blobs
-        .iter()
-        .map(|(n, b, len)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*len], b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| err(e.to_string()))
-        })
-        .collect::<Result<_, _>>()?;
-    let mut meta = std::collections::HashMap::new();
+    let tensors: Vec<(TensorSpec, Vec<u8>)> = blobs
+        .into_iter()
+        .map(|(n, b, len)| (TensorSpec::new(n, Dtype::F32, vec![len]), b))
+        .collect();
+    let mut meta = BTreeMap::new();
     meta.insert(
         "run_state".to_string(),
         serde_json::to_string(state).expect("state serializes"),
     );
-    let bytes = safetensors::serialize(views, &Some(meta)).map_err(|e| err(e.to_string()))?;
-    let tmp = dir.join("checkpoint.safetensors.tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| err(e.to_string()))?;
-    std::fs::rename(&tmp, &path).map_err(|e| err(e.to_string()))?;
+    write_safetensors_atomic(&path, &tensors, &meta).map_err(|e| err(e.to_string()))?;
     Ok(())
 }
 
@@ -171,41 +165,39 @@ pub fn load_checkpoint<T: TrainPolicy>(
         path: path.display().to_string(),
         msg,
     };
-    let bytes = std::fs::read(&path).map_err(|e| err(e.to_string()))?;
-    let (_, meta) =
-        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| err(e.to_string()))?;
-    let state: RunState = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("run_state"))
+    // The one strict reader: header, offsets and dtypes validated, errors name the file.
+    let st = SafetensorsFile::open(&path).map_err(|e| err(e.to_string()))?;
+    let state: RunState = st
+        .header()
+        .metadata
+        .get("run_state")
         .ok_or_else(|| err("no `run_state` metadata".into()))
         .and_then(|s| serde_json::from_str(s).map_err(|e| err(e.to_string())))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    let by_name: BTreeMap<&str, &mxrl_ckpt::TensorInfo> = st
+        .header()
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
     let read = |name: &str, len: usize| -> Result<Vec<f32>, RunError> {
-        let t = st
-            .tensor(name)
-            .map_err(|e| err(format!("tensor {name}: {e}")))?;
-        if t.shape() != [len] {
+        let t = by_name
+            .get(name)
+            .ok_or_else(|| err(format!("tensor {name}: not found")))?;
+        if t.dtype != Dtype::F32 || t.shape != [len] {
             return Err(err(format!(
-                "tensor {name}: shape {:?}, expected [{len}]",
-                t.shape()
+                "tensor {name}: {} {:?}, expected F32 [{len}]",
+                t.dtype.name(),
+                t.shape
             )));
         }
-        Ok(t.data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        Ok(mxrl_ckpt::f32_from_bytes(st.data(t)))
     };
     let mut moments = BTreeMap::new();
     for p in trainer.params() {
         let n = p.value.len();
         p.value
             .copy_from_slice(&read(&format!("param/{}", p.name), n)?);
-        if st
-            .names()
-            .iter()
-            .any(|x| *x == &format!("adam_m/{}", p.name))
-        {
+        if by_name.contains_key(format!("adam_m/{}", p.name).as_str()) {
             moments.insert(
                 p.name.to_string(),
                 crate::optim::Moments {

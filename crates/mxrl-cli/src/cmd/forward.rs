@@ -131,7 +131,7 @@ pub fn run(a: Args) -> Result<()> {
             (
                 "tokens".into(),
                 OwnedTensor {
-                    dtype: safetensors::Dtype::I32,
+                    dtype: mxrl_ckpt::Dtype::I32,
                     shape: vec![t],
                     bytes: tokens,
                 },

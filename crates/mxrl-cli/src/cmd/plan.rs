@@ -3,9 +3,7 @@
 //! or audit a quantized checkpoint against it.
 
 use anyhow::{bail, Context, Result};
-use mxrl_plan::{
-    audit_dir, export, resolve, summary_table, ExportKind, Inventory, PrecisionPlan, Recipe,
-};
+use mxrl_plan::{export, resolve, summary_table, ExportKind, Inventory, PrecisionPlan, Recipe};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -42,7 +40,7 @@ fn load_inventory(model: &Path) -> Result<Inventory> {
                 .filter_map(|e| e.ok())
                 .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
         if has_weights {
-            return Ok(Inventory::from_model_dir(model)?);
+            return Ok(mxrl_ckpt::model_inventory(model)?);
         }
         return Ok(Inventory::from_config_path(&model.join("config.json"))?);
     }
@@ -77,7 +75,7 @@ fn json_text(plan: &PrecisionPlan) -> Result<String> {
 pub fn run(a: Args) -> Result<()> {
     let recipe = Recipe::load(&a.recipe)?;
     if let Some(dir) = &a.audit {
-        let (plan, report) = audit_dir(dir, &recipe)
+        let (plan, report) = mxrl_ckpt::audit_dir(dir, &recipe)
             .with_context(|| format!("auditing {} against `{}`", dir.display(), a.recipe))?;
         let text = if a.json {
             let findings: Vec<serde_json::Value> = report

@@ -10,7 +10,6 @@ use mxrl_formats::{
     Nvfp4Blocks, Nvfp4Scheme, Padding, QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme,
     TensorRef, Usage, CONTRACT_VERSION, META_CONTRACT_HASH, META_CONTRACT_VERSION,
 };
-use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -207,10 +206,8 @@ fn run_vectors(a: &Args) -> Result<()> {
     if !a.check && a.output.is_none() {
         bail!("--vectors without --check needs an OUT path");
     }
-    let raw = std::fs::read(input).with_context(|| format!("reading {}", input.display()))?;
-    let stf = SafeTensors::deserialize(&raw)
-        .map_err(|e| anyhow::anyhow!("{}: not a safetensors file: {e:?}", input.display()))?;
-    let meta = st::metadata(&raw, input)?;
+    let stf = st::StFile::open(input)?;
+    let meta = stf.metadata();
     let manifest_json = meta.get("manifest").with_context(|| {
         format!(
             "{}: metadata has no `manifest` key (quant-contract §6)",
@@ -279,9 +276,9 @@ fn run_vectors(a: &Args) -> Result<()> {
         out_tensors.push((
             xname,
             OwnedTensor {
-                dtype: xt.dtype(),
+                dtype: xt.dtype,
                 shape,
-                bytes: xt.data().to_vec(),
+                bytes: xt.data.to_vec(),
             },
         ));
         pb.inc(1);
@@ -316,19 +313,15 @@ fn run_vectors(a: &Args) -> Result<()> {
 }
 
 /// Names of the fields of `outs` that differ from the same-named tensors in the file.
-fn compare(
-    stf: &SafeTensors<'_>,
-    file: &Path,
-    outs: &[(String, OwnedTensor)],
-) -> Result<Vec<String>> {
+fn compare(stf: &st::StFile, file: &Path, outs: &[(String, OwnedTensor)]) -> Result<Vec<String>> {
     let mut diffs = Vec::new();
     for (name, t) in outs {
         let field = name.rsplit('.').next().unwrap_or(name).to_string();
         match stf.tensor(name) {
             Ok(want) => {
-                if want.dtype() != t.dtype
-                    || want.shape() != t.shape.as_slice()
-                    || want.data() != t.bytes.as_slice()
+                if want.dtype != t.dtype
+                    || want.shape != t.shape.as_slice()
+                    || want.data != t.bytes.as_slice()
                 {
                     diffs.push(field);
                 }
@@ -440,9 +433,7 @@ fn schemes_for(a: &Args, format: FormatArg) -> Vec<Scheme> {
 
 fn run_format(a: &Args, format: FormatArg, out: &Path) -> Result<()> {
     let input = &a.input;
-    let raw = std::fs::read(input).with_context(|| format!("reading {}", input.display()))?;
-    let stf = SafeTensors::deserialize(&raw)
-        .map_err(|e| anyhow::anyhow!("{}: not a safetensors file: {e:?}", input.display()))?;
+    let stf = st::StFile::open(input)?;
     let padding = if a.pad {
         Padding::Zero
     } else {
@@ -461,9 +452,9 @@ fn run_format(a: &Args, format: FormatArg, out: &Path) -> Result<()> {
         stf.tensor(n)
             .map(|t| {
                 matches!(
-                    t.dtype(),
-                    safetensors::Dtype::F32 | safetensors::Dtype::BF16 | safetensors::Dtype::F16
-                ) && matches!(t.shape().len(), 2 | 3)
+                    t.dtype,
+                    mxrl_ckpt::Dtype::F32 | mxrl_ckpt::Dtype::Bf16 | mxrl_ckpt::Dtype::F16
+                ) && matches!(t.shape.len(), 2 | 3)
             })
             .unwrap_or(false)
     };
@@ -549,14 +540,14 @@ fn run_format(a: &Args, format: FormatArg, out: &Path) -> Result<()> {
             out_tensors.push((
                 name.clone(),
                 OwnedTensor {
-                    dtype: t.dtype(),
-                    shape: t.shape().to_vec(),
-                    bytes: t.data().to_vec(),
+                    dtype: t.dtype,
+                    shape: t.shape.to_vec(),
+                    bytes: t.data.to_vec(),
                 },
             ));
         }
     }
-    let mut meta = st::metadata(&raw, input)?;
+    let mut meta = stf.metadata();
     meta.extend(contract_metadata());
     meta.insert("mxrl.quantized".into(), serde_json::to_string(&record)?);
     st::write_atomic(out, out_tensors, meta)?;
