@@ -104,13 +104,27 @@ pub fn write_atomic(
     let file_name = path
         .file_name()
         .with_context(|| format!("output path {} has no file name", path.display()))?;
+    if path.is_dir() {
+        anyhow::bail!(
+            "output path {} is a directory; give a file name such as {}",
+            path.display(),
+            path.join("out.safetensors").display()
+        );
+    }
     let tmp = path.with_file_name(format!(
         ".{}.tmp-{}",
         file_name.to_string_lossy(),
         std::process::id()
     ));
-    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
+    let written = std::fs::write(&tmp, &bytes)
+        .with_context(|| format!("writing {}", tmp.display()))
+        .and_then(|_| {
+            std::fs::rename(&tmp, path)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        });
+    if written.is_err() {
+        // Nothing half-written is left behind.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
