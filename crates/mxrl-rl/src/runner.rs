@@ -710,25 +710,32 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
     }
 }
 
+/// Keep the metrics lines of steps `< steps` (the ones the checkpoint covers), byte for byte:
+/// the kept lines are copied as text, not re-serialized.
 fn truncate_metrics(path: &Path, steps: u64) -> Result<(), RunError> {
     if !path.exists() {
         return Ok(());
     }
     let v = crate::metrics::read_jsonl(path)?;
-    let keep: Vec<_> = v.into_iter().filter(|m| m.step < steps).collect();
-    let tmp = path.with_extension("jsonl.tmp");
-    let _ = std::fs::remove_file(&tmp);
-    for m in &keep {
-        append_jsonl(&tmp, m)?;
-    }
-    if keep.is_empty() {
-        let _ = std::fs::remove_file(path);
-        return Ok(());
-    }
-    std::fs::rename(&tmp, path).map_err(|e| RunError::Checkpoint {
-        path: path.display().to_string(),
+    let io = |p: &Path, e: std::io::Error| RunError::Checkpoint {
+        path: p.display().to_string(),
         msg: e.to_string(),
-    })
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    // `read_jsonl` skips blank lines; pair the parsed steps with the non-blank lines.
+    let lines = text.lines().filter(|l| !l.trim().is_empty());
+    let keep: String = lines
+        .zip(&v)
+        .filter(|(_, m)| m.step < steps)
+        .map(|(l, _)| format!("{l}\n"))
+        .collect();
+    if keep.is_empty() {
+        return std::fs::remove_file(path).map_err(|e| io(path, e));
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, keep)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| io(path, e))
 }
 
 /// Settings of the supervised warm-up.

@@ -42,16 +42,16 @@ pub struct RlArgs {
     #[arg(long, default_value_t = 4, value_parser = validate::count_usize)]
     pub max_new_tokens: usize,
     /// Sampling temperature (> 0).
-    #[arg(long, default_value_t = 1.0, value_parser = validate::positive)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, value_parser = validate::positive)]
     pub temperature: f32,
     /// Nucleus sampling mass, in (0, 1].
     #[arg(long, default_value_t = 1.0, value_parser = validate::unit_mass)]
     pub top_p: f32,
     /// AdamW learning rate (> 0).
-    #[arg(long, default_value_t = 1e-3, value_parser = validate::positive)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3, value_parser = validate::positive)]
     pub lr: f32,
     /// Global grad-norm clip (≤ 0: no clipping).
-    #[arg(long, default_value_t = 1.0, value_parser = validate::finite)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, value_parser = validate::finite)]
     pub max_grad_norm: f32,
     /// Sequences per micro-batch (≥ 1).
     #[arg(long, default_value_t = 32, value_parser = validate::count_usize)]
@@ -60,13 +60,13 @@ pub struct RlArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Coefficient of the K3 KL to the frozen reference (≥ 0; the KL is always logged).
-    #[arg(long, default_value_t = 0.0, value_parser = validate::non_negative)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = validate::non_negative)]
     pub kl_coef: f32,
     /// Mean-only group normalisation (no division by the group std).
     #[arg(long)]
     pub mean_only: bool,
     /// Truncated importance-sampling cap (token level, > 0) for the rollout/trainer mismatch.
-    #[arg(long, value_parser = validate::positive, conflicts_with = "mis")]
+    #[arg(long, allow_negative_numbers = true, value_parser = validate::positive, conflicts_with = "mis")]
     pub tis_cap: Option<f32>,
     /// Masked importance sampling `LO,HI` (sequence level, 0 ≤ LO < HI).
     #[arg(long, value_name = "LO,HI", value_parser = validate::mis_bounds)]

@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, default_value_t = 64, value_parser = super::validate::count_usize)]
     batch: usize,
     /// Learning rate (> 0).
-    #[arg(long, default_value_t = 3e-3, value_parser = super::validate::positive)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3e-3, value_parser = super::validate::positive)]
     lr: f32,
     /// Seed.
     #[arg(long, default_value_t = 7)]
