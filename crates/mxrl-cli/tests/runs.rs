@@ -304,7 +304,7 @@ fn ablate_checks_every_recipe_before_running_and_refuses_a_changed_rerun() {
 }
 
 #[test]
-fn demo_on_an_unwritable_path_names_it_and_a_bad_recipe_costs_nothing() {
+fn demo_and_sft_on_an_unwritable_path_name_it_and_a_bad_recipe_costs_nothing() {
     let d = tempfile::tempdir().unwrap();
     // /proc refuses new directories even to root.
     let e = fails(
@@ -315,6 +315,15 @@ fn demo_on_an_unwritable_path_names_it_and_a_bad_recipe_costs_nothing() {
         e.contains("creating the demo output directory /proc/mxrl-demo"),
         "{e}"
     );
+    let e = fails(
+        &["sft", "--out", "/proc/mxrl-sft", "--steps", "1"],
+        d.path(),
+    );
+    assert!(
+        e.contains("creating the output directory /proc/mxrl-sft.partial"),
+        "{e}"
+    );
+    assert!(!e.contains("sft step 1/1"), "trained before failing: {e}");
     let e = fails(&["demo", "--recipes", "bf16,mxfp9"], d.path());
     assert!(e.contains("mxfp9") && e.contains("nothing was run"), "{e}");
     assert!(!d.path().join("runs").exists());

@@ -13,6 +13,14 @@ pub enum ModelError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A file of a model directory could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// config.json is not valid JSON of the expected shape.
     #[error("{origin}: invalid config.json: {source}")]
     ConfigJson {

@@ -60,6 +60,12 @@ pub fn sft_to_dir(
             out.display()
         );
     }
+    // Fail on an unwritable output before training, not after.
+    let mut partial = out.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    std::fs::create_dir_all(&partial)
+        .with_context(|| format!("creating the output directory {}", partial.display()))?;
     let (model, tok_json, codec) = match start {
         Some(d) => {
             let (m, c) = load_model_dir(d)?;
