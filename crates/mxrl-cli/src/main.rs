@@ -53,8 +53,25 @@ enum Commands {
     Demo(cmd::demo::Args),
 }
 
+/// Let a closed stdout end the program quietly (`mxrl inspect DIR | head -1`), as other Unix
+/// tools do, instead of a panic inside `println!`: the default SIGPIPE action, which Rust's
+/// runtime replaces with "ignore". Commands that talk over sockets (`rl`, `rollout-server`)
+/// keep "ignore", so a peer that hangs up is an error they handle, not a kill.
+#[allow(unsafe_code)]
+fn quiet_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: called at the start of `main`, before any thread exists; SIG_DFL is a valid
+    // disposition for SIGPIPE and no Rust code relies on it being ignored in these commands.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if !matches!(cli.command, Commands::Rl(_) | Commands::RolloutServer(_)) {
+        quiet_on_closed_stdout();
+    }
     match cli.command {
         Commands::Quantize(a) => cmd::quantize::run(a),
         Commands::Inspect(a) => cmd::inspect::run(a),
@@ -73,5 +90,121 @@ fn main() -> anyhow::Result<()> {
         Commands::Ablate(a) => cmd::ablate::run(a),
         Commands::Report(a) => cmd::report::run(a),
         Commands::Demo(a) => cmd::demo::run(a),
+    }
+}
+
+#[cfg(test)]
+mod readme {
+    use super::Cli;
+    use clap::Parser;
+
+    /// Every `mxrl …` command of a markdown text: lines of ```sh blocks run as `mxrl`,
+    /// `target/release/mxrl` or `cargo run … -p mxrl-cli … -- …` (comments dropped, `$VAR`s
+    /// set earlier in the block substituted; `--features cuda` lines only in a CUDA build),
+    /// and one-line inline code spans that start with `mxrl `, pass an option and elide
+    /// nothing. Returns (line number, arguments after the program name).
+    fn commands(md: &str) -> Vec<(usize, Vec<String>)> {
+        let mut out = Vec::new();
+        let mut in_sh = false;
+        let mut vars: Vec<(String, String)> = Vec::new();
+        for (i, line) in md.lines().enumerate() {
+            let t = line.trim();
+            if t.starts_with("```") {
+                in_sh = !in_sh && (t == "```sh" || t == "```bash" || t == "```shell");
+                vars.clear();
+                continue;
+            }
+            if in_sh {
+                let code = t.split(" #").next().unwrap_or("").trim();
+                if let Some((k, v)) = code.split_once('=') {
+                    if !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                        vars.push((k.to_string(), v.to_string()));
+                        continue;
+                    }
+                }
+                let mut words: Vec<String> = code
+                    .split_whitespace()
+                    .map(|w| {
+                        let mut w = w.to_string();
+                        for (k, v) in &vars {
+                            w = w.replace(&format!("${k}"), v);
+                        }
+                        w
+                    })
+                    .collect();
+                let args = match words.first().map(String::as_str) {
+                    Some("mxrl") | Some("target/release/mxrl") => words.split_off(1),
+                    Some("cargo") if words.get(1).map(String::as_str) == Some("run") => {
+                        let is_cli = words.windows(2).any(|w| w[0] == "-p" && w[1] == "mxrl-cli");
+                        let needs_cuda = words
+                            .windows(2)
+                            .any(|w| w[0] == "--features" && w[1] == "cuda");
+                        if needs_cuda && !cfg!(feature = "cuda") {
+                            continue;
+                        }
+                        match words.iter().position(|w| w == "--") {
+                            Some(p) if is_cli => words.split_off(p + 1),
+                            _ => continue,
+                        }
+                    }
+                    _ => continue,
+                };
+                out.push((i + 1, args));
+            } else {
+                let parts: Vec<&str> = t.split('`').collect();
+                // An odd part is inside backticks; the last one is unterminated when the
+                // count is even (the span continues on the next line): skipped.
+                let closed = if parts.len() % 2 == 0 {
+                    parts.len() - 1
+                } else {
+                    parts.len()
+                };
+                for (k, span) in parts[..closed].iter().enumerate() {
+                    if k % 2 == 1
+                        && span.starts_with("mxrl ")
+                        && span.contains(" --")
+                        && !span.contains("...")
+                        && !span.contains('…')
+                    {
+                        let w: Vec<String> = span.split_whitespace().map(String::from).collect();
+                        out.push((i + 1, w[1..].to_vec()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_mxrl_command_of_the_readme_parses() {
+        let md = include_str!("../../../README.md");
+        let cmds = commands(md);
+        // The quick start, conversion, demo, quantizer, CUDA and plan sections.
+        assert!(cmds.len() >= 20, "only {} commands found", cmds.len());
+        let bad: Vec<String> = cmds
+            .iter()
+            .filter_map(|(line, args)| {
+                let argv = std::iter::once("mxrl".to_string()).chain(args.iter().cloned());
+                Cli::try_parse_from(argv)
+                    .err()
+                    .map(|e| format!("README.md:{line}: mxrl {}\n{}", args.join(" "), e.render()))
+            })
+            .collect();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    #[test]
+    fn the_readme_check_catches_a_drifted_flag() {
+        let md = "```sh\nM=x\nmxrl plan --model $M --recipe bf16   # ok\nmxrl rl --model m --mis 0.5 2\n```\nrun `mxrl plan --model m --recipe bf16`, `mxrl generate ...` or `mxrl rl`\n";
+        let cmds = commands(md);
+        assert_eq!(cmds.len(), 3, "{cmds:?}");
+        assert_eq!(cmds[0].1, ["plan", "--model", "x", "--recipe", "bf16"]);
+        let parse = |a: &Vec<String>| {
+            Cli::try_parse_from(std::iter::once("mxrl".to_string()).chain(a.iter().cloned()))
+        };
+        assert!(parse(&cmds[0].1).is_ok());
+        // `--mis LO HI` (two words) is not the CLI's `--mis LO,HI`.
+        assert!(parse(&cmds[1].1).is_err());
+        assert!(parse(&cmds[2].1).is_ok());
     }
 }

@@ -132,6 +132,13 @@ pub fn write_atomic(
     tensors: Vec<(String, OwnedTensor)>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
+    if path.is_dir() {
+        anyhow::bail!(
+            "output path {} is a directory; give a file name such as {}",
+            path.display(),
+            path.join("out.safetensors").display()
+        );
+    }
     let tensors: Vec<(TensorSpec, Vec<u8>)> = tensors
         .into_iter()
         .map(|(n, t)| (TensorSpec::new(n, t.dtype, t.shape), t.bytes))

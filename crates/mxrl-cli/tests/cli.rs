@@ -9,8 +9,8 @@ fn mxrl() -> Command {
 }
 
 fn public_vectors() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vectors/quant-public.safetensors");
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../vectors/quant-public.safetensors");
     assert!(p.exists(), "public vector file missing at {}", p.display());
     p
 }

@@ -18,12 +18,12 @@ const SCHEMES: [Scheme; 4] = [
     Scheme::NVFP4_ROW,
 ];
 
-/// `<repo root>/../shared`, or `$MXRL_SHARED_DIR` when the tests run from a copied binary
+/// `<repo root>/vectors`, or `$MXRL_VECTORS_DIR` when the tests run from a copied binary
 /// (test data location only; nothing numeric depends on it).
-fn shared_dir() -> PathBuf {
-    std::env::var_os("MXRL_SHARED_DIR")
+fn vectors_dir() -> PathBuf {
+    std::env::var_os("MXRL_VECTORS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../vectors"))
 }
 
 fn applies(scheme: Scheme, shape: [usize; 2]) -> bool {
@@ -161,7 +161,7 @@ test_device!(every_bf16_value_matches_the_reference, |dev| {
 });
 
 test_device!(public_vectors_match, |dev| {
-    let path = shared_dir().join("vectors/quant-public.safetensors");
+    let path = vectors_dir().join("quant-public.safetensors");
     let raw = std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
             "vector file {} is missing or unreadable: {e}",

@@ -13,6 +13,14 @@ pub enum ModelError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A file of a model directory could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// A `config.json` is malformed or breaks a rule of its architecture (the shared
     /// Hugging Face config type of `mxrl-plan`; the message names the file and field).
     #[error(transparent)]

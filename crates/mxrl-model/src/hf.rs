@@ -97,7 +97,7 @@ impl Model {
 pub fn save_hf(model: &Model, dir: &Path) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
-        move |source| ModelError::Io { path, source }
+        move |source| ModelError::Write { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tensors: Vec<(TensorSpec, Vec<u8>)> = to_hf_tensors(model)

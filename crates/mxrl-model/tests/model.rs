@@ -454,6 +454,16 @@ fn missing_tensor_is_named() {
 }
 
 #[test]
+fn save_errors_say_writing_and_name_the_path() {
+    let m = Model::random(&small(Arch::Qwen3Moe), 1).unwrap();
+    // /proc refuses new directories even to root.
+    let err = mxrl_model::hf::save_hf(&m, std::path::Path::new("/proc/mxrl-model-test"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("writing /proc/mxrl-model-test: "), "{err}");
+}
+
+#[test]
 fn config_parses_hf_fields() {
     let text = r#"{"model_type":"qwen3_moe","vocab_size":100,"hidden_size":32,
       "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,

@@ -13,6 +13,7 @@
 
 pub mod ablate;
 pub mod grpo;
+pub mod manifest;
 pub mod metrics;
 pub mod moe;
 pub mod optim;

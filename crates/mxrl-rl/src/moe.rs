@@ -57,8 +57,9 @@ fn be<E: std::fmt::Display>(e: E) -> PolicyError {
 pub fn plan_for(config: &ModelConfig, recipe: &str) -> Result<PrecisionPlan, PolicyError> {
     let inv =
         mxrl_plan::Inventory::from_config_json(&config.to_json(), "<model config>").map_err(be)?;
-    let r = Recipe::load(recipe).map_err(be)?;
-    mxrl_plan::resolve(&inv, &r).map_err(be)
+    let r = Recipe::load(recipe).map_err(|e| PolicyError::Invalid(e.to_string()))?;
+    mxrl_plan::resolve(&inv, &r)
+        .map_err(|e| PolicyError::Invalid(format!("recipe `{recipe}` on this model: {e}")))
 }
 
 /// Storage format of every model parameter (store order) under `plan`.

@@ -4,7 +4,7 @@
 //! Text is rendered with DejaVu Sans, embedded in the binary (Bitstream Vera licence, see
 //! `assets/DejaVuSans-LICENSE.txt`), so no system fonts are needed.
 
-use crate::metrics::{read_jsonl, MetricsError, StepMetrics};
+use crate::metrics::{median, read_jsonl, MetricsError, StepMetrics};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -26,9 +26,12 @@ pub struct RunEntry {
     pub dir: String,
     /// Stored weight bytes by format (`bf16`, `mxfp8`, `nvfp4`).
     pub weight_bytes: BTreeMap<String, u64>,
+    /// Hash of the recipe's resolved precision plan.
+    #[serde(default)]
+    pub plan_hash: String,
 }
 
-/// `ablation.json`: what was run, with which settings.
+/// `ablation.json`: what was run, with which settings; written before the first run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// Model description.
@@ -39,6 +42,15 @@ pub struct Manifest {
     pub config: serde_json::Value,
     /// Runs, BF16 first.
     pub runs: Vec<RunEntry>,
+    /// Model directory as given.
+    #[serde(default)]
+    pub model_path: String,
+    /// Digest of the model directory ([`crate::manifest::model_digest`]).
+    #[serde(default)]
+    pub model_digest: String,
+    /// Where the linear GEMMs ran.
+    #[serde(default)]
+    pub device: String,
 }
 
 /// Errors of the report.
@@ -73,6 +85,94 @@ pub enum ReportError {
     },
 }
 
+/// Mean, median and how many values are non-zero (a mean resting on a few non-zero steps
+/// with a median of 0 says something else than a mean of steady values).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Stat {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub median: f64,
+    /// Values ≠ 0.
+    pub nonzero: usize,
+    /// Values.
+    pub n: usize,
+}
+
+impl Stat {
+    /// Of `v` (NaN mean and median when empty).
+    pub fn of(v: &[f64]) -> Stat {
+        Stat {
+            mean: mean(v.iter().copied()),
+            median: median(v).unwrap_or(f64::NAN),
+            nonzero: v.iter().filter(|x| **x != 0.0).count(),
+            n: v.len(),
+        }
+    }
+}
+
+/// Median with the interquartile range (linear interpolation between order statistics).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Spread {
+    /// 25th percentile.
+    pub p25: f64,
+    /// Median.
+    pub median: f64,
+    /// 75th percentile.
+    pub p75: f64,
+}
+
+/// The `q`-quantile (0 ≤ q ≤ 1) of `v` by linear interpolation; NaN when empty.
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let pos = q.clamp(0.0, 1.0) * (s.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+}
+
+impl Spread {
+    /// Of `v`.
+    pub fn of(v: &[f64]) -> Spread {
+        Spread {
+            p25: quantile(v, 0.25),
+            median: quantile(v, 0.5),
+            p75: quantile(v, 0.75),
+        }
+    }
+}
+
+/// Bootstrap resamples of a window mean.
+pub const BOOTSTRAP_RESAMPLES: usize = 2000;
+
+/// 95% percentile-bootstrap interval of the mean of `v` ([`BOOTSTRAP_RESAMPLES`] resamples with
+/// replacement, fixed seed so the report is reproducible).
+pub fn bootstrap_mean_ci(v: &[f64]) -> (f64, f64) {
+    use rand::{Rng, SeedableRng};
+    if v.len() < 2 {
+        let m = mean(v.iter().copied());
+        return (m, m);
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_b007);
+    let means: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            (0..v.len())
+                .map(|_| v[rng.gen_range(0..v.len())])
+                .sum::<f64>()
+                / v.len() as f64
+        })
+        .collect();
+    (quantile(&means, 0.025), quantile(&means, 0.975))
+}
+
+/// Steps in the first and final windows: 10% of the logged steps, at least one.
+pub fn window_len(steps: usize) -> usize {
+    (steps / 10).max(1).min(steps.max(1))
+}
+
 /// Summary of one run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunSummary {
@@ -80,31 +180,41 @@ pub struct RunSummary {
     pub name: String,
     /// Recipe.
     pub recipe: String,
+    /// Seed.
+    pub seed: u64,
     /// Steps logged.
     pub steps: usize,
-    /// Initial reward (mean of the first 10% of steps, at least one).
+    /// Steps in each window ([`window_len`]).
+    pub window: usize,
+    /// First and last step index of the first window.
+    pub first_window: (u64, u64),
+    /// First and last step index of the final window.
+    pub final_window: (u64, u64),
+    /// Mean reward over the first window.
     pub initial_reward: f64,
-    /// Final reward (mean of the last 10% of steps, at least one).
+    /// Mean reward over the final window.
     pub final_reward: f64,
-    /// Standard error of `final_reward` (std of the per-step rewards in the window / √n).
-    pub final_se: f64,
+    /// 95% bootstrap interval of `final_reward` over the final window's steps.
+    pub final_ci: (f64, f64),
     /// Mean reward over all steps.
     pub mean_reward: f64,
-    /// Mean `train_rollout_logprob_abs_diff`.
-    pub mean_abs_diff: f64,
-    /// Mean K3 KL.
-    pub mean_k3: f64,
+    /// Per-step `train_rollout_logprob_abs_diff`.
+    pub abs_diff: Stat,
+    /// Per-step K3 KL.
+    pub k3: Stat,
     /// Max grad norm.
     pub max_grad_norm: f64,
     /// Steps flagged as spikes.
     pub spikes: usize,
-    /// Mean rollout seconds per step.
-    pub rollout_s: f64,
-    /// Mean train seconds per step.
-    pub train_s: f64,
-    /// Mean sync seconds per step.
-    pub sync_s: f64,
-    /// Mean tokens/s.
+    /// Rollout seconds per step.
+    pub rollout_s: Spread,
+    /// Train seconds per step.
+    pub train_s: Spread,
+    /// Sync seconds per step.
+    pub sync_s: Spread,
+    /// Whole step (rollout + train + sync) seconds.
+    pub step_s: Spread,
+    /// Median rollout tokens/s.
     pub tokens_per_s: f64,
     /// Total stored weight bytes.
     pub weight_bytes: u64,
@@ -121,38 +231,38 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 
 /// Summarise a run's metrics.
 pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
-    let w = (m.len() / 10).max(1).min(m.len().max(1));
+    let w = window_len(m.len());
+    let first: Vec<f64> = m.iter().take(w).map(|x| x.reward_mean).collect();
+    let last: Vec<f64> = m[m.len().saturating_sub(w)..]
+        .iter()
+        .map(|x| x.reward_mean)
+        .collect();
+    let span = |v: &[StepMetrics]| match (v.first(), v.last()) {
+        (Some(a), Some(b)) => (a.step, b.step),
+        _ => (0, 0),
+    };
+    let col = |f: fn(&StepMetrics) -> f64| m.iter().map(f).collect::<Vec<f64>>();
     RunSummary {
         name: e.name.clone(),
         recipe: e.recipe.clone(),
+        seed: e.seed,
         steps: m.len(),
-        initial_reward: mean(m.iter().take(w).map(|x| x.reward_mean)),
-        final_reward: mean(m.iter().rev().take(w).map(|x| x.reward_mean)),
-        final_se: {
-            let f = mean(m.iter().rev().take(w).map(|x| x.reward_mean));
-            let n = m.len().min(w);
-            if n > 1 {
-                (m.iter()
-                    .rev()
-                    .take(w)
-                    .map(|x| (x.reward_mean - f).powi(2))
-                    .sum::<f64>()
-                    / (n - 1) as f64)
-                    .sqrt()
-                    / (n as f64).sqrt()
-            } else {
-                0.0
-            }
-        },
+        window: w.min(m.len()),
+        first_window: span(&m[..w.min(m.len())]),
+        final_window: span(&m[m.len().saturating_sub(w)..]),
+        initial_reward: mean(first.iter().copied()),
+        final_reward: mean(last.iter().copied()),
+        final_ci: bootstrap_mean_ci(&last),
         mean_reward: mean(m.iter().map(|x| x.reward_mean)),
-        mean_abs_diff: mean(m.iter().map(|x| x.train_rollout_logprob_abs_diff)),
-        mean_k3: mean(m.iter().map(|x| x.k3_kl)),
+        abs_diff: Stat::of(&col(|x| x.train_rollout_logprob_abs_diff)),
+        k3: Stat::of(&col(|x| x.k3_kl)),
         max_grad_norm: m.iter().map(|x| x.grad_norm).fold(0.0, f64::max),
         spikes: m.iter().filter(|x| x.grad_spike).count(),
-        rollout_s: mean(m.iter().map(|x| x.rollout_s)),
-        train_s: mean(m.iter().map(|x| x.train_s)),
-        sync_s: mean(m.iter().map(|x| x.sync_s)),
-        tokens_per_s: mean(m.iter().map(|x| x.tokens_per_s)),
+        rollout_s: Spread::of(&col(|x| x.rollout_s)),
+        train_s: Spread::of(&col(|x| x.train_s)),
+        sync_s: Spread::of(&col(|x| x.sync_s)),
+        step_s: Spread::of(&col(|x| x.rollout_s + x.train_s + x.sync_s)),
+        tokens_per_s: quantile(&col(|x| x.tokens_per_s), 0.5),
         weight_bytes: e.weight_bytes.values().sum(),
     }
 }
@@ -175,8 +285,16 @@ fn register_font() {
 }
 
 type Series<'a> = Vec<(&'a str, Vec<(f64, f64)>)>;
-/// One panel: title, y label, line series, circled marks.
-type Panel<'a> = (&'a str, &'a str, Series<'a>, Vec<(f64, f64)>);
+/// The y axis of a panel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Axis {
+    /// Linear.
+    Linear,
+    /// Logarithmic: only positive values are drawn (zeros are counted in report.md).
+    Log,
+}
+/// One panel: title, y label, y axis, line series, circled marks.
+type Panel<'a> = (&'a str, &'a str, Axis, Series<'a>, Vec<(f64, f64)>);
 /// Runs with their metrics.
 pub type LoadedRuns = Vec<(RunEntry, Vec<StepMetrics>)>;
 
@@ -195,94 +313,159 @@ fn smooth(v: &[(f64, f64)], w: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn bounds(series: &Series<'_>) -> (f64, f64, f64, f64) {
-    let pts = series
-        .iter()
-        .flat_map(|s| s.1.iter())
-        .filter(|p| p.1.is_finite());
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in pts {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
-        y0 = y0.min(y);
-        y1 = y1.max(y);
+/// Integer step range and y range of the drawable points (`y > 0` on a log axis).
+fn bounds(series: &Series<'_>, axis: Axis) -> (i64, i64, f64, f64) {
+    let drawable = |y: f64| y.is_finite() && (axis == Axis::Linear || y > 0.0);
+    let (mut x0, mut x1) = (i64::MAX, i64::MIN);
+    let (mut y0, mut y1) = (f64::MAX, f64::MIN);
+    for &(x, y) in series.iter().flat_map(|s| s.1.iter()) {
+        x0 = x0.min(x.floor() as i64);
+        x1 = x1.max(x.ceil() as i64);
+        if drawable(y) {
+            y0 = y0.min(y);
+            y1 = y1.max(y);
+        }
     }
     if x0 > x1 {
-        return (0.0, 1.0, 0.0, 1.0);
+        (x0, x1) = (0, 1);
     }
     if x1 <= x0 {
-        x1 = x0 + 1.0;
+        x1 = x0 + 1;
     }
-    let pad = ((y1 - y0) * 0.08).max(1e-9);
-    if y1 - y0 < 1e-12 {
-        (
+    if y0 > y1 {
+        // Nothing drawable (all zero on a log axis, or no points).
+        return match axis {
+            Axis::Linear => (x0, x1, 0.0, 1.0),
+            Axis::Log => (x0, x1, 1e-12, 1.0),
+        };
+    }
+    match axis {
+        Axis::Log => (x0, x1, y0 / 2.0, y1 * 2.0),
+        Axis::Linear if y1 - y0 < 1e-12 => (
             x0,
             x1,
             y0 - 0.5 * y0.abs().max(1e-6),
             y1 + 0.5 * y1.abs().max(1e-6),
-        )
-    } else {
-        (x0, x1, y0 - pad, y1 + pad)
+        ),
+        Axis::Linear => {
+            let pad = ((y1 - y0) * 0.08).max(1e-9);
+            (x0, x1, y0 - pad, y1 + pad)
+        }
     }
 }
 
-/// Draw one panel of line series; `marks` are points drawn as circles (spikes).
+fn y_label(v: &f64) -> String {
+    if v.abs() >= 1e-2 && v.abs() < 1e4 || *v == 0.0 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.0e}")
+    }
+}
+
+/// Draw one panel of line series on an integer step axis; `marks` are circled points
+/// (spikes). On a log axis each series is drawn as its positive points only, and the caption
+/// says that zero steps are left out.
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
-    y_label: &str,
+    y_desc: &str,
+    axis: Axis,
     series: &Series<'_>,
     marks: &[(f64, f64)],
 ) -> Result<(), String> {
-    let (x0, x1, y0, y1) = bounds(series);
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 20))
+    let (x0, x1, y0, y1) = bounds(series, axis);
+    let x_labels = ((x1 - x0) as usize + 1).min(12);
+    macro_rules! draw {
+        ($chart:expr, $keep:expr) => {{
+            let mut chart = $chart;
+            chart
+                .configure_mesh()
+                .x_desc("step")
+                .y_desc(y_desc)
+                .x_labels(x_labels)
+                .x_label_formatter(&|v: &i64| format!("{v}"))
+                .label_style(("sans-serif", 13))
+                .y_label_formatter(&y_label)
+                .draw()
+                .map_err(|e| e.to_string())?;
+            for (i, (name, pts)) in series.iter().enumerate() {
+                let c = COLORS[i % COLORS.len()];
+                if axis == Axis::Log {
+                    // Points only: a line through left-out zero steps would invent values.
+                    let kept: Vec<(i64, f64)> = pts
+                        .iter()
+                        .filter(|p| $keep(p.1))
+                        .map(|&(x, y)| (x.round() as i64, y))
+                        .collect();
+                    chart
+                        .draw_series(kept.into_iter().map(|p| Circle::new(p, 3, c.filled())))
+                        .map_err(|e| e.to_string())?
+                        .label(*name)
+                        .legend(move |(x, y)| Circle::new((x + 9, y), 4, c.filled()));
+                    continue;
+                }
+                // Runs of consecutive drawable points become one line each.
+                let mut segs: Vec<Vec<(i64, f64)>> = vec![Vec::new()];
+                for &(x, y) in pts {
+                    if $keep(y) {
+                        segs.last_mut()
+                            .expect("one segment")
+                            .push((x.round() as i64, y));
+                    } else if !segs.last().expect("one segment").is_empty() {
+                        segs.push(Vec::new());
+                    }
+                }
+                let mut first = true;
+                for seg in segs.into_iter().filter(|s| !s.is_empty()) {
+                    let a = chart
+                        .draw_series(LineSeries::new(seg, c.stroke_width(2)))
+                        .map_err(|e| e.to_string())?;
+                    if first {
+                        a.label(*name).legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                        });
+                        first = false;
+                    }
+                }
+            }
+            if !marks.is_empty() {
+                chart
+                    .draw_series(
+                        marks.iter().map(|&(x, y)| {
+                            Circle::new((x.round() as i64, y), 6, RED.stroke_width(2))
+                        }),
+                    )
+                    .map_err(|e| e.to_string())?
+                    .label("spike (> 5× running median)")
+                    .legend(|(x, y)| Circle::new((x + 9, y), 5, RED.stroke_width(2)));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 13))
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }};
+    }
+    let mut b = ChartBuilder::on(area);
+    b.caption(title, ("sans-serif", 20))
         .margin(10)
         .x_label_area_size(35)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x0..x1, y0..y1)
-        .map_err(|e| e.to_string())?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc(y_label)
-        .label_style(("sans-serif", 13))
-        .y_label_formatter(&|v| {
-            if v.abs() >= 1e-2 || *v == 0.0 {
-                format!("{v:.3}")
-            } else {
-                format!("{v:.1e}")
-            }
-        })
-        .draw()
-        .map_err(|e| e.to_string())?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let c = COLORS[i % COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
-            .map_err(|e| e.to_string())?
-            .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+        .y_label_area_size(70);
+    match axis {
+        Axis::Linear => draw!(
+            b.build_cartesian_2d(x0..x1, y0..y1)
+                .map_err(|e| e.to_string())?,
+            |y: f64| y.is_finite()
+        ),
+        Axis::Log => draw!(
+            b.build_cartesian_2d(x0..x1, (y0..y1).log_scale())
+                .map_err(|e| e.to_string())?,
+            |y: f64| y.is_finite() && y > 0.0
+        ),
     }
-    if !marks.is_empty() {
-        chart
-            .draw_series(
-                marks
-                    .iter()
-                    .map(|&(x, y)| Circle::new((x, y), 6, RED.stroke_width(2))),
-            )
-            .map_err(|e| e.to_string())?
-            .label("spike (> 5× running median)")
-            .legend(|(x, y)| Circle::new((x + 9, y), 5, RED.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|e| e.to_string())?;
     Ok(())
 }
 
@@ -297,8 +480,8 @@ fn draw_png(path: &Path, size: (u32, u32), panels: &[Panel<'_>]) -> Result<(), R
         let root = BitMapBackend::new(&tmp, size).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let areas = root.split_evenly((panels.len(), 1));
-        for (a, (t, y, s, m)) in areas.iter().zip(panels) {
-            panel(a, t, y, s, m).map_err(err)?;
+        for (a, (t, y, axis, s, m)) in areas.iter().zip(panels) {
+            panel(a, t, y, *axis, s, m).map_err(err)?;
         }
         root.present().map_err(|e| err(e.to_string()))?;
     }
@@ -319,16 +502,23 @@ fn series<'a>(
         .collect()
 }
 
-/// Read `DIR/ablation.json` and every run's metrics.
+/// Read `DIR/ablation.json` and every run's metrics; or, for a single `mxrl rl` run
+/// directory (`metrics.jsonl`, `run.json`, no `ablation.json`), that one run.
 pub fn load(dir: &Path) -> Result<(Manifest, LoadedRuns), ReportError> {
     let mp = dir.join("ablation.json");
+    if !mp.exists() && dir.join("metrics.jsonl").exists() {
+        return load_single_run(dir);
+    }
     let text = std::fs::read_to_string(&mp).map_err(|e| ReportError::Manifest {
         path: mp.display().to_string(),
-        msg: e.to_string(),
+        msg: format!(
+            "reading: {e} (expected an ablation directory with ablation.json, or an `mxrl rl` \
+             run directory with metrics.jsonl)"
+        ),
     })?;
     let man: Manifest = serde_json::from_str(&text).map_err(|e| ReportError::Manifest {
         path: mp.display().to_string(),
-        msg: e.to_string(),
+        msg: format!("parsing: {e}"),
     })?;
     let mut runs = Vec::new();
     for e in &man.runs {
@@ -340,10 +530,59 @@ pub fn load(dir: &Path) -> Result<(Manifest, LoadedRuns), ReportError> {
     Ok((man, runs))
 }
 
-/// Write `DIR/report.md` and the PNGs next to it; returns the report path.
+fn load_single_run(dir: &Path) -> Result<(Manifest, LoadedRuns), ReportError> {
+    let metrics = read_jsonl(&dir.join("metrics.jsonl"))?;
+    let rp = dir.join("run.json");
+    let rm = if rp.exists() {
+        Some(
+            crate::manifest::read_run_manifest(dir).map_err(|e| ReportError::Manifest {
+                path: rp.display().to_string(),
+                msg: e.to_string(),
+            })?,
+        )
+    } else {
+        None
+    };
+    let recipe = rm.as_ref().map_or("run".to_string(), |m| m.recipe.clone());
+    let entry = RunEntry {
+        name: recipe.clone(),
+        recipe,
+        seed: rm.as_ref().map_or(0, |m| m.config.seed),
+        dir: ".".into(),
+        weight_bytes: BTreeMap::new(),
+        plan_hash: rm.as_ref().map_or(String::new(), |m| m.plan_hash.clone()),
+    };
+    let man = Manifest {
+        model: rm
+            .as_ref()
+            .map_or("(no run.json)".into(), |m| m.model_path.clone()),
+        task: rm
+            .as_ref()
+            .map_or("(no run.json)".into(), |m| m.task.clone()),
+        config: rm.as_ref().map_or(serde_json::Value::Null, |m| {
+            serde_json::to_value(&m.config).expect("serializes")
+        }),
+        runs: vec![entry.clone()],
+        model_path: rm.as_ref().map_or(String::new(), |m| m.model_path.clone()),
+        model_digest: rm
+            .as_ref()
+            .map_or(String::new(), |m| m.model_digest.clone()),
+        device: rm.as_ref().map_or(String::new(), |m| m.device.clone()),
+    };
+    Ok((man, vec![(entry, metrics)]))
+}
+
+/// Write `DIR/report.md` and the PNGs next to it; returns the report path. `DIR` is an
+/// ablation directory or a single `mxrl rl` run directory.
 pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
     register_font();
     let (man, runs) = load(dir)?;
+    if runs.is_empty() {
+        return Err(ReportError::Manifest {
+            path: dir.display().to_string(),
+            msg: "no run has a metrics.jsonl yet".into(),
+        });
+    }
     let win = runs.iter().map(|r| r.1.len()).max().unwrap_or(0) / 10;
     let smooth_w = win.clamp(1, 9) | 1;
     let reward: Series<'_> = series(&runs, |m| m.reward_mean)
@@ -354,8 +593,9 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
         &dir.join("reward.png"),
         (1000, 560),
         &[(
-            &format!("Reward vs step (moving average over {smooth_w} steps)"),
+            &format!("Reward vs step (centred moving average over {smooth_w} steps)"),
             "mean reward",
+            Axis::Linear,
             reward,
             vec![],
         )],
@@ -365,14 +605,16 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
         (1000, 900),
         &[
             (
-                "Train-rollout mismatch: mean |logp_train − logp_rollout|",
+                "Train-rollout mismatch: mean |logp_train − logp_rollout| (log scale, zero steps left out)",
                 "abs diff",
+                Axis::Log,
                 series(&runs, |m| m.train_rollout_logprob_abs_diff),
                 vec![],
             ),
             (
-                "K3 KL(rollout ‖ trainer)",
+                "K3 KL(rollout ‖ trainer) (log scale, zero steps left out)",
                 "K3 KL",
+                Axis::Log,
                 series(&runs, |m| m.k3_kl),
                 vec![],
             ),
@@ -392,6 +634,7 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
         &[(
             "Gradient norm (before clipping); spikes circled",
             "grad norm",
+            Axis::Linear,
             series(&runs, |m| m.grad_norm),
             spikes,
         )],
@@ -403,12 +646,14 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
             (
                 "Rollout time per step",
                 "seconds",
+                Axis::Linear,
                 series(&runs, |m| m.rollout_s),
                 vec![],
             ),
             (
                 "Rollout throughput",
                 "tokens / s",
+                Axis::Linear,
                 series(&runs, |m| m.tokens_per_s),
                 vec![],
             ),
@@ -420,6 +665,7 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
         &[(
             "Weight-sync time per step (export + bucket + verify + apply)",
             "seconds",
+            Axis::Linear,
             series(&runs, |m| m.sync_s),
             vec![],
         )],
@@ -448,66 +694,223 @@ fn fmt_bytes(b: u64) -> String {
     }
 }
 
-/// The automatic reading of the summary: which recipes track BF16 within the noise measured
-/// by a second BF16 seed, and whether the mismatch ordering BF16 < MXFP8 < NVFP4 holds.
+/// `mean / median (k of n non-zero)` of a per-step statistic.
+pub fn fmt_stat(s: &Stat) -> String {
+    format!(
+        "{:.2e} / {:.2e} ({} of {} non-zero)",
+        s.mean, s.median, s.nonzero, s.n
+    )
+}
+
+/// BF16 seeds needed for a seed band; with fewer the band is a bootstrap interval.
+pub const MIN_BF16_SEEDS: usize = 3;
+
+/// The reward noise band the verdicts are read against.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NoiseBand {
+    /// The range of final-window rewards over at least [`MIN_BF16_SEEDS`] BF16 seeds.
+    Seeds {
+        /// Seeds (run names).
+        names: Vec<String>,
+        /// Lowest and highest final reward.
+        final_range: (f64, f64),
+        /// Mean of the seeds' final rewards.
+        final_mean: f64,
+        /// Lowest and highest whole-run mean reward.
+        mean_range: (f64, f64),
+    },
+    /// The 95% bootstrap interval of the BF16 run's final-window reward (fewer than
+    /// [`MIN_BF16_SEEDS`] seeds; it measures step-to-step noise only).
+    Bootstrap {
+        /// The BF16 run.
+        name: String,
+        /// The interval.
+        final_range: (f64, f64),
+        /// The BF16 final reward.
+        final_mean: f64,
+    },
+}
+
+impl NoiseBand {
+    /// From the summaries (`None` without a BF16 run).
+    pub fn of(sums: &[RunSummary]) -> Option<NoiseBand> {
+        let bf: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe == "bf16").collect();
+        let minmax = |f: fn(&RunSummary) -> f64| {
+            bf.iter()
+                .map(|s| f(s))
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+                    (a.min(x), b.max(x))
+                })
+        };
+        if bf.len() >= MIN_BF16_SEEDS {
+            Some(NoiseBand::Seeds {
+                names: bf.iter().map(|s| s.name.clone()).collect(),
+                final_range: minmax(|s| s.final_reward),
+                final_mean: mean(bf.iter().map(|s| s.final_reward)),
+                mean_range: minmax(|s| s.mean_reward),
+            })
+        } else {
+            let b = bf.iter().find(|s| s.name == "bf16").or(bf.first())?;
+            Some(NoiseBand::Bootstrap {
+                name: b.name.clone(),
+                final_range: b.final_ci,
+                final_mean: b.final_reward,
+            })
+        }
+    }
+
+    fn final_range(&self) -> (f64, f64) {
+        match self {
+            NoiseBand::Seeds { final_range, .. } | NoiseBand::Bootstrap { final_range, .. } => {
+                *final_range
+            }
+        }
+    }
+
+    fn centre(&self) -> f64 {
+        match self {
+            NoiseBand::Seeds { final_mean, .. } | NoiseBand::Bootstrap { final_mean, .. } => {
+                *final_mean
+            }
+        }
+    }
+}
+
+/// Where `x` lies relative to `[lo, hi]`, in words.
+fn placement(x: f64, (lo, hi): (f64, f64)) -> String {
+    if x < lo {
+        format!("below it by {:.3}", lo - x)
+    } else if x > hi {
+        format!("above it by {:.3}", x - hi)
+    } else {
+        "inside it".into()
+    }
+}
+
+/// The automatic reading of the summary: the noise band (BF16 seeds or a bootstrap interval),
+/// each recipe's final reward against it, the one-sided pattern when every recipe lands on
+/// the same side of BF16, the mismatch ordering with its medians and non-zero counts, the
+/// timing ratios of median step times with their spread, and gradient spikes.
 pub fn reading(sums: &[RunSummary]) -> Vec<String> {
     let mut out = Vec::new();
-    let bf = sums.iter().find(|s| s.name == "bf16");
-    let bf2 = sums.iter().find(|s| s.recipe == "bf16" && s.name != "bf16");
-    let Some(bf) = bf else {
-        out.push("No BF16 run: nothing to compare against.".into());
+    if let Some(s) = sums.first() {
+        out.push(format!(
+            "Windows: \"first\" and \"final\" are the mean reward over the first and the last {} logged step(s) (10% of {} steps, at least one), e.g. steps {}–{} and {}–{} of `{}`.",
+            s.window, s.steps, s.first_window.0, s.first_window.1, s.final_window.0, s.final_window.1, s.name
+        ));
+    }
+    let Some(band) = NoiseBand::of(sums) else {
+        out.push("No BF16 run: nothing to compare against; the final reward's 95% bootstrap interval is in the table.".into());
+        push_mismatch_and_timing(sums, &mut out);
         return out;
     };
-    let noise = bf2.map(|b| {
-        (b.final_reward - bf.final_reward)
-            .abs()
-            .max((b.mean_reward - bf.mean_reward).abs())
-            .max(2.0 * bf.final_se)
-    });
-    match (noise, bf2) {
-        (Some(n), Some(b2)) => out.push(format!(
-            "Run-to-run noise: {n:.3} in reward (the larger of `bf16` vs `{}` final/mean reward differences and 2× the standard error of BF16's final-window reward, {:.3}).",
-            b2.name,
-            2.0 * bf.final_se
+    match &band {
+        NoiseBand::Seeds { names, final_range, final_mean, mean_range } => out.push(format!(
+            "Noise band: {} BF16 seeds ({}) finish at final reward {:.3}–{:.3} (mean {:.3}); their whole-run mean rewards span {:.3}–{:.3}. A recipe inside this band is not distinguishable from BF16 by this experiment; {} seeds bound the noise only roughly.",
+            names.len(), names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
+            final_range.0, final_range.1, final_mean, mean_range.0, mean_range.1, names.len()
         )),
-        _ => out.push("No second BF16 seed: run-to-run noise is unknown.".into()),
+        NoiseBand::Bootstrap { name, final_range, final_mean } => out.push(format!(
+            "Noise band: fewer than {MIN_BF16_SEEDS} BF16 seeds, so the band is the 95% bootstrap interval of `{name}`'s final-window reward over its steps, {:.3}–{:.3} (final {final_mean:.3}). It measures step-to-step noise within one run, not seed-to-seed noise, which is usually larger.",
+            final_range.0, final_range.1
+        )),
     }
-    for s in sums.iter().filter(|s| s.recipe != "bf16") {
-        let d_final = s.final_reward - bf.final_reward;
-        let d_mean = s.mean_reward - bf.mean_reward;
-        let dev = d_final.abs().max(d_mean.abs());
-        let verdict = match noise {
-            Some(n) if dev <= n => "tracks BF16 within run-to-run noise".to_string(),
-            Some(n) => format!("differs from BF16 by more than the noise ({dev:.3} > {n:.3})"),
-            None => format!("differs from BF16 by {dev:.3}"),
-        };
+    let band_range = band.final_range();
+    let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
+    for s in &low {
         out.push(format!(
-            "`{}`: final reward {:.3} (BF16 {:.3}), mean {:.3} (BF16 {:.3}) — {verdict}; rollout {:.2}× BF16 speed.",
-            s.name,
-            s.final_reward,
-            bf.final_reward,
-            s.mean_reward,
-            bf.mean_reward,
-            bf.rollout_s / s.rollout_s
+            "`{}`: final reward {:.3} (95% bootstrap {:.3}–{:.3}), mean {:.3} — against the BF16 band {:.3}–{:.3}: {}.",
+            s.name, s.final_reward, s.final_ci.0, s.final_ci.1, s.mean_reward,
+            band_range.0, band_range.1, placement(s.final_reward, band_range)
         ));
     }
-    let group = |prefix: &str| -> Option<f64> {
-        let v: Vec<f64> = sums
+    if low.len() >= 2 {
+        let centre = band.centre();
+        let below = low.iter().filter(|s| s.final_reward < centre).count();
+        let inside = low
+            .iter()
+            .filter(|s| (band_range.0..=band_range.1).contains(&s.final_reward))
+            .count();
+        let k = low.len();
+        let p = 0.5f64.powi(k as i32);
+        if below == k || below == 0 {
+            let side = if below == k { "below" } else { "above" };
+            out.push(format!(
+                "One-sided: all {k} low-precision recipes finish {side} the BF16 centre ({centre:.3}), {inside} of them inside the band. If each recipe were equally likely to land above or below, all {k} on one side would happen with probability 2·2^-{k} = {:.3}; the recipes share prompts and seeds, so they are not independent, but the pattern means this run does not show them matching BF16 — only that {inside} of {k} gaps are within the noise band.",
+                2.0 * p
+            ));
+        } else {
+            out.push(format!(
+                "No one-sided pattern: {below} of {k} low-precision recipes finish below the BF16 centre ({centre:.3}), {} above; {inside} of {k} inside the band.",
+                k - below
+            ));
+        }
+    }
+    push_mismatch_and_timing(sums, &mut out);
+    out
+}
+
+fn push_mismatch_and_timing(sums: &[RunSummary], out: &mut Vec<String>) {
+    let group = |prefix: &str| -> Option<(f64, f64, usize, usize)> {
+        let v: Vec<&RunSummary> = sums
             .iter()
             .filter(|s| s.recipe.starts_with(prefix))
-            .map(|s| s.mean_abs_diff)
             .collect();
-        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+        (!v.is_empty()).then(|| {
+            (
+                mean(v.iter().map(|s| s.abs_diff.mean)),
+                mean(v.iter().map(|s| s.abs_diff.median)),
+                v.iter().map(|s| s.abs_diff.nonzero).sum(),
+                v.iter().map(|s| s.abs_diff.n).sum(),
+            )
+        })
     };
     if let (Some(b), Some(m), Some(n)) = (group("bf16"), group("mxfp8"), group("nvfp4")) {
-        let ord = if b < m && m < n {
-            "observed".to_string()
+        let ord = if b.0 < m.0 && m.0 < n.0 {
+            "observed"
         } else {
-            "NOT observed".to_string()
+            "NOT observed"
         };
         out.push(format!(
-            "Mismatch ordering BF16 < MXFP8 < NVFP4 (mean |Δlogprob| averaged per format family: {b:.2e} / {m:.2e} / {n:.2e}): {ord}."
+            "Mismatch ordering BF16 < MXFP8 < NVFP4 by mean |Δlogprob| (per format family: {:.2e} / {:.2e} / {:.2e}): {ord}. Medians {:.2e} / {:.2e} / {:.2e}; non-zero steps {}/{}, {}/{}, {}/{} — a mean resting on few non-zero steps with a median of 0 is dominated by single steps.",
+            b.0, m.0, n.0, b.1, m.1, n.1, b.2, b.3, m.2, m.3, n.2, n.3
         ));
+    }
+    if let Some(bf) = sums.iter().find(|s| s.name == "bf16") {
+        let ratio = |s: &RunSummary| {
+            (
+                bf.rollout_s.median / s.rollout_s.median,
+                bf.rollout_s.p25 / s.rollout_s.p75,
+                bf.rollout_s.p75 / s.rollout_s.p25,
+            )
+        };
+        let parts: Vec<String> = sums
+            .iter()
+            .filter(|s| s.name != "bf16")
+            .map(|s| {
+                let (r, lo, hi) = ratio(s);
+                format!("`{}` {r:.2}× ({lo:.2}–{hi:.2})", s.name)
+            })
+            .collect();
+        if !parts.is_empty() {
+            let same: Vec<String> = sums
+                .iter()
+                .filter(|s| s.recipe == "bf16" && s.name != "bf16")
+                .map(|s| format!("{:.2}×", ratio(s).0))
+                .collect();
+            out.push(format!(
+                "Rollout speed vs BF16 (median rollout seconds per step of `bf16` ÷ the run's; in brackets the ratio of the interquartile ends, the step-to-step spread): {}.{}",
+                parts.join(", "),
+                if same.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " Identical BF16 recipes with other seeds come out at {}: differences of that size are this machine's noise, not the formats'.",
+                        same.join(", ")
+                    )
+                }
+            ));
+        }
     }
     let spiky: Vec<String> = sums
         .iter()
@@ -519,19 +922,35 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
     } else {
         format!("Gradient-norm spikes: {}.", spiky.join(", "))
     });
-    out
 }
 
 fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "# mxrl ablation report\n");
-    let _ = writeln!(s, "- model: {}", man.model);
-    let _ = writeln!(s, "- task: {}", man.task);
+    let single = man.runs.len() == 1 && man.runs[0].dir == ".";
     let _ = writeln!(
         s,
-        "- runs: {} (identical seeds, prompts and hyper-parameters; only the precision recipe differs, plus a second BF16 seed for run-to-run noise)",
-        man.runs.iter().map(|r| format!("`{}`", r.name)).collect::<Vec<_>>().join(", ")
+        "# mxrl {} report\n",
+        if single { "run" } else { "ablation" }
     );
+    let _ = writeln!(s, "- model: {}", man.model);
+    if !man.model_digest.is_empty() {
+        let _ = writeln!(s, "- model digest (sha256): `{}`", man.model_digest);
+    }
+    if !man.device.is_empty() {
+        let _ = writeln!(s, "- linear GEMMs on: {}", man.device);
+    }
+    let _ = writeln!(s, "- task: {}", man.task);
+    if !single {
+        let _ = writeln!(
+            s,
+            "- runs: {} (identical prompts and hyper-parameters; only the precision recipe differs, plus BF16 runs with other seeds for run-to-run noise)",
+            man.runs
+                .iter()
+                .map(|r| format!("`{}` (seed {})", r.name, r.seed))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let _ = writeln!(s, "- regenerate: `mxrl report <this directory>`\n");
     let _ = writeln!(s, "## Reading\n");
     for l in reading(sums) {
@@ -544,41 +963,73 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     let _ = writeln!(s, "\n## Summary\n");
     let _ = writeln!(
         s,
-        "| run | steps | reward first→final | mean reward | mean \\|Δlogp\\| | mean K3 KL | max grad norm | spikes | rollout s/step | train s/step | sync s/step | tokens/s | weight bytes | rollout speedup vs BF16 |"
+        "Reward windows as defined above; the bracket is the 95% bootstrap interval of the final window. Mismatch columns: mean / median over steps (steps with a non-zero value). Times: median over steps [interquartile range]."
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "| run | steps | reward first → final [95%] | mean reward | \\|Δlogp\\| mean / median (non-zero) | K3 KL mean / median (non-zero) | max grad norm | spikes | rollout s/step | train s/step | sync s/step | tokens/s (median) | weight bytes | rollout speed vs BF16 (median ratio) |"
     );
     let _ = writeln!(
         s,
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let bf_roll = sums.iter().find(|x| x.name == "bf16").map(|x| x.rollout_s);
+    let sp = |x: &Spread| format!("{:.3} [{:.3}–{:.3}]", x.median, x.p25, x.p75);
     for r in sums {
-        let speed = bf_roll.map_or("–".into(), |b| format!("{:.2}×", b / r.rollout_s));
+        let speed = bf_roll.map_or("–".into(), |b| {
+            format!(
+                "{:.2}× ({:.2}–{:.2})",
+                b.median / r.rollout_s.median,
+                b.p25 / r.rollout_s.p75,
+                b.p75 / r.rollout_s.p25
+            )
+        });
         let _ = writeln!(
             s,
-            "| `{}` | {} | {:.3} → {:.3} | {:.3} | {:.2e} | {:.2e} | {:.3} | {} | {:.3} | {:.3} | {:.4} | {:.0} | {} | {} |",
-            r.name, r.steps, r.initial_reward, r.final_reward, r.mean_reward, r.mean_abs_diff,
-            r.mean_k3, r.max_grad_norm, r.spikes, r.rollout_s, r.train_s, r.sync_s,
-            r.tokens_per_s, fmt_bytes(r.weight_bytes), speed
+            "| `{}` | {} | {:.3} → {:.3} [{:.3}–{:.3}] | {:.3} | {} | {} | {:.3} | {} | {} | {} | {} | {:.0} | {} | {} |",
+            r.name,
+            r.steps,
+            r.initial_reward,
+            r.final_reward,
+            r.final_ci.0,
+            r.final_ci.1,
+            r.mean_reward,
+            fmt_stat(&r.abs_diff),
+            fmt_stat(&r.k3),
+            r.max_grad_norm,
+            r.spikes,
+            sp(&r.rollout_s),
+            sp(&r.train_s),
+            sp(&r.sync_s),
+            r.tokens_per_s,
+            if r.weight_bytes > 0 { fmt_bytes(r.weight_bytes) } else { "–".into() },
+            speed
         );
     }
-    let _ = writeln!(s, "\nWeight bytes per format:\n");
-    let _ = writeln!(s, "| run | {} |", ["bf16", "mxfp8", "nvfp4"].join(" | "));
-    let _ = writeln!(s, "|---|---|---|---|");
-    for e in &man.runs {
-        let cell = |f: &str| e.weight_bytes.get(f).map_or("–".into(), |b| fmt_bytes(*b));
-        let _ = writeln!(
-            s,
-            "| `{}` | {} | {} | {} |",
-            e.name,
-            cell("bf16"),
-            cell("mxfp8"),
-            cell("nvfp4")
-        );
+    if man.runs.iter().any(|e| !e.weight_bytes.is_empty()) {
+        let _ = writeln!(s, "\nWeight bytes per format:\n");
+        let _ = writeln!(s, "| run | {} |", ["bf16", "mxfp8", "nvfp4"].join(" | "));
+        let _ = writeln!(s, "|---|---|---|---|");
+        for e in &man.runs {
+            let cell = |f: &str| e.weight_bytes.get(f).map_or("–".into(), |b| fmt_bytes(*b));
+            let _ = writeln!(
+                s,
+                "| `{}` | {} | {} | {} |",
+                e.name,
+                cell("bf16"),
+                cell("mxfp8"),
+                cell("nvfp4")
+            );
+        }
     }
     let _ = writeln!(s, "\n## Plots\n");
     for (f, t) in [
         ("reward.png", "Reward vs step"),
-        ("mismatch.png", "Train-rollout mismatch"),
+        (
+            "mismatch.png",
+            "Train-rollout mismatch (log scale; steps with 0 left out, counted in the table)",
+        ),
         ("grad_norm.png", "Gradient norm"),
         ("rollout.png", "Rollout time and throughput"),
         ("sync.png", "Weight-sync time"),
@@ -597,59 +1048,113 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn report_renders_pngs_and_reading_from_metrics() {
-        let d = tempfile::tempdir().unwrap();
-        let mut runs = Vec::new();
-        for (i, (name, recipe, diff)) in [
-            ("bf16", "bf16", 0.0),
-            ("mxfp8", "mxfp8", 0.01),
-            ("nvfp4-hp", "nvfp4-hp", 0.05),
-            ("bf16-seed2", "bf16", 0.0),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            std::fs::create_dir_all(d.path().join(name)).unwrap();
-            for step in 0..20u64 {
-                let m = StepMetrics {
-                    step,
-                    reward_mean: step as f64 / 20.0 + i as f64 * 0.001,
-                    train_rollout_logprob_abs_diff: diff,
-                    grad_norm: if step == 15 && i == 2 { 50.0 } else { 1.0 },
-                    grad_spike: step == 15 && i == 2,
-                    rollout_s: 1.0 / (1.0 + diff * 10.0),
-                    tokens_per_s: 100.0,
-                    ..Default::default()
-                };
-                crate::metrics::append_jsonl(&d.path().join(name).join("metrics.jsonl"), &m)
-                    .unwrap();
+    /// Write an ablation directory with `runs` = (name, recipe, seed, per-step metrics).
+    fn write_ablation(dir: &Path, runs: &[(&str, &str, u64, Vec<StepMetrics>)]) {
+        let mut entries = Vec::new();
+        for (name, recipe, seed, ms) in runs {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+            for m in ms {
+                crate::metrics::append_jsonl(&dir.join(name).join("metrics.jsonl"), m).unwrap();
             }
-            runs.push(RunEntry {
-                name: name.into(),
-                recipe: recipe.into(),
-                seed: 1,
-                dir: name.into(),
+            entries.push(RunEntry {
+                name: name.to_string(),
+                recipe: recipe.to_string(),
+                seed: *seed,
+                dir: name.to_string(),
                 weight_bytes: BTreeMap::from([("bf16".to_string(), 1000u64)]),
+                plan_hash: String::new(),
             });
         }
         let man = Manifest {
             model: "m".into(),
             task: "t".into(),
             config: serde_json::json!({}),
-            runs,
+            runs: entries,
+            model_path: String::new(),
+            model_digest: String::new(),
+            device: "cpu".into(),
         };
         std::fs::write(
-            d.path().join("ablation.json"),
+            dir.join("ablation.json"),
             serde_json::to_string(&man).unwrap(),
         )
         .unwrap();
+    }
+
+    /// 20 steps of reward `base + step/20`; |Δlogp| `diff` on every third step, else 0.
+    fn steps(base: f64, diff: f64, rollout_s: f64) -> Vec<StepMetrics> {
+        (0..20u64)
+            .map(|step| StepMetrics {
+                step,
+                reward_mean: base + step as f64 / 20.0,
+                train_rollout_logprob_abs_diff: if step % 3 == 0 { diff } else { 0.0 },
+                k3_kl: if step % 3 == 0 { diff * diff } else { 0.0 },
+                grad_norm: 1.0,
+                rollout_s,
+                tokens_per_s: 100.0,
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn report_renders_pngs_and_reading_from_metrics() {
+        let d = tempfile::tempdir().unwrap();
+        let mut nv = steps(-0.005, 0.05, 2.0);
+        nv[15].grad_norm = 50.0;
+        nv[15].grad_spike = true;
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, steps(0.0, 1e-9, 1.0)),
+                ("mxfp8", "mxfp8", 1, steps(-0.01, 0.01, 1.5)),
+                ("nvfp4-hp", "nvfp4-hp", 1, nv),
+                ("bf16-seed2", "bf16", 2, steps(0.02, 0.0, 1.0)),
+                ("bf16-seed3", "bf16", 3, steps(-0.02, 0.0, 1.0)),
+            ],
+        );
         let p = write_report(d.path()).unwrap();
         let md = std::fs::read_to_string(p).unwrap();
         assert!(md.contains("| `nvfp4-hp` |"));
-        assert!(md.contains("Mismatch ordering BF16 < MXFP8 < NVFP4"));
+        // Windows are defined: 10% of 20 steps = steps 0–1 and 18–19.
+        assert!(
+            md.contains(
+                "last 2 logged step(s) (10% of 20 steps, at least one), e.g. steps 0–1 and 18–19"
+            ),
+            "{md}"
+        );
+        // The band comes from the three BF16 seeds: final rewards 0.925 ± 0.02.
+        assert!(md.contains("Noise band: 3 BF16 seeds (`bf16`, `bf16-seed2`, `bf16-seed3`) finish at final reward 0.905–0.945 (mean 0.925)"), "{md}");
+        // mxfp8 (0.915) and nvfp4-hp (0.920) are inside, both below the centre.
+        assert!(md.contains("`mxfp8`: final reward 0.915"), "{md}");
+        assert!(md.contains("`nvfp4-hp`: final reward 0.920"), "{md}");
+        assert!(
+            md.contains("against the BF16 band 0.905–0.945: inside it."),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "One-sided: all 2 low-precision recipes finish below the BF16 centre (0.925)"
+            ),
+            "{md}"
+        );
+        // Mean and median with non-zero counts: 7 of 20 steps (0, 3, …, 18) are 0.05, so the
+        // mean is 0.05 · 7 / 20 and the median 0.
+        assert!(
+            md.contains("| 1.75e-2 / 0.00e0 (7 of 20 non-zero) |"),
+            "{md}"
+        );
+        assert!(md.contains("Mismatch ordering BF16 < MXFP8 < NVFP4 by mean |Δlogprob|"));
         assert!(md.contains("): observed."), "{md}");
+        assert!(md.contains("non-zero steps 7/60, 7/20, 7/20"), "{md}");
+        // Timing from median step times: BF16 1 s, nvfp4-hp 2 s.
+        assert!(md.contains("`nvfp4-hp` 0.50× (0.50–0.50)"), "{md}");
+        assert!(
+            md.contains("Identical BF16 recipes with other seeds come out at 1.00×, 1.00×"),
+            "{md}"
+        );
         assert!(md.contains("Gradient-norm spikes: `nvfp4-hp` (1)"));
+        assert!(!md.contains("tracks BF16"), "{md}");
         for f in [
             "reward.png",
             "mismatch.png",
@@ -665,5 +1170,108 @@ mod tests {
                 b.len()
             );
         }
+    }
+
+    fn summary(name: &str, recipe: &str, final_reward: f64) -> RunSummary {
+        let e = RunEntry {
+            name: name.into(),
+            recipe: recipe.into(),
+            seed: 1,
+            dir: name.into(),
+            weight_bytes: BTreeMap::new(),
+            plan_hash: String::new(),
+        };
+        let mut s = summarize(&e, &steps(0.0, 0.0, 1.0));
+        s.final_reward = final_reward;
+        s
+    }
+
+    #[test]
+    fn every_recipe_below_bf16_is_called_one_sided_not_tracking() {
+        let sums = vec![
+            summary("bf16", "bf16", 0.52),
+            summary("mxfp8", "mxfp8", 0.39),
+            summary("nvfp4-hp", "nvfp4-hp", 0.41),
+            summary("nvfp4-dq", "nvfp4-dq", 0.44),
+            summary("bf16-seed2", "bf16", 0.38),
+            summary("bf16-seed3", "bf16", 0.47),
+        ];
+        let r = reading(&sums).join("\n");
+        assert!(r.contains("One-sided: all 3 low-precision recipes finish below the BF16 centre (0.457), 3 of them inside the band"), "{r}");
+        assert!(r.contains("probability 2·2^-3 = 0.250"), "{r}");
+        // Mixed sides: no pattern claimed.
+        let mut mixed = sums.clone();
+        mixed[3].final_reward = 0.50;
+        let r = reading(&mixed).join("\n");
+        assert!(
+            r.contains("No one-sided pattern: 2 of 3 low-precision recipes finish below"),
+            "{r}"
+        );
+        // Outside the band is said with the distance.
+        let mut far = sums.clone();
+        far[1].final_reward = 0.30;
+        let r = reading(&far).join("\n");
+        assert!(
+            r.contains("`mxfp8`: final reward 0.300") && r.contains("below it by 0.080"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn fewer_than_three_bf16_seeds_fall_back_to_a_bootstrap_band() {
+        let sums = vec![summary("bf16", "bf16", 0.5), summary("mxfp8", "mxfp8", 0.4)];
+        let NoiseBand::Bootstrap { final_range, .. } = NoiseBand::of(&sums).unwrap() else {
+            panic!("expected a bootstrap band")
+        };
+        assert_eq!(final_range, sums[0].final_ci);
+        let r = reading(&sums).join("\n");
+        assert!(
+            r.contains("fewer than 3 BF16 seeds, so the band is the 95% bootstrap interval"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn quantiles_stats_and_bootstrap_match_hand_values() {
+        assert_eq!(quantile(&[4.0, 1.0, 3.0, 2.0], 0.5), 2.5);
+        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0, 5.0], 0.25), 2.0);
+        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0], 0.75), 3.25);
+        let s = Stat::of(&[0.0, 0.0, 3.0, 0.0]);
+        assert_eq!((s.mean, s.median, s.nonzero, s.n), (0.75, 0.0, 1, 4));
+        // A constant window has a zero-width interval; a spread window a wider one that
+        // contains its mean.
+        assert_eq!(bootstrap_mean_ci(&[0.5; 8]), (0.5, 0.5));
+        let (lo, hi) = bootstrap_mean_ci(&[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
+        assert!(lo < 0.5 && hi > 0.5 && lo >= 0.0 && hi <= 1.0, "{lo} {hi}");
+        assert_eq!(window_len(80), 8);
+        assert_eq!(window_len(5), 1);
+    }
+
+    #[test]
+    fn log_axis_bounds_leave_out_zero_steps_and_x_is_integer() {
+        let s: Series<'_> = vec![("a", vec![(0.0, 0.0), (1.0, 1e-9), (2.0, 1e-6), (3.0, 0.0)])];
+        let (x0, x1, y0, y1) = bounds(&s, Axis::Log);
+        assert_eq!((x0, x1), (0, 3));
+        assert_eq!((y0, y1), (0.5e-9, 2e-6));
+        // All zero: still a valid (positive) log range.
+        let z: Series<'_> = vec![("a", vec![(0.0, 0.0), (1.0, 0.0)])];
+        let (_, _, y0, y1) = bounds(&z, Axis::Log);
+        assert!(y0 > 0.0 && y1 > y0);
+    }
+
+    #[test]
+    fn report_of_a_single_rl_run_directory() {
+        let d = tempfile::tempdir().unwrap();
+        for m in steps(0.1, 1e-8, 1.0) {
+            crate::metrics::append_jsonl(&d.path().join("metrics.jsonl"), &m).unwrap();
+        }
+        let p = write_report(d.path()).unwrap();
+        let md = std::fs::read_to_string(p).unwrap();
+        assert!(md.starts_with("# mxrl run report"), "{md}");
+        assert!(md.contains("| `run` | 20 |"), "{md}");
+        assert!(d.path().join("mismatch.png").exists());
+        // An empty directory names what it expected.
+        let e = write_report(tempfile::tempdir().unwrap().path()).unwrap_err();
+        assert!(e.to_string().contains("ablation.json"), "{e}");
     }
 }

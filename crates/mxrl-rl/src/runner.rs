@@ -1,7 +1,7 @@
 //! The RL loop: rollout → reward → GRPO update → live weight sync → metrics, resumable from a
 //! checkpoint in the run directory; and the supervised warm-up (SFT).
 
-use crate::grpo::{group_advantages, policy_loss, GrpoConfig, SeqLossInput};
+use crate::grpo::{group_advantages, policy_loss, GrpoConfig, IsCorrection, SeqLossInput};
 use crate::metrics::{append_jsonl, is_spike, mismatch, MetricsError, StepMetrics};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::{
@@ -42,6 +42,25 @@ pub enum RunError {
     /// The configuration is unusable.
     #[error("config: {0}")]
     Config(String),
+    /// The directory holds another run (or a run of unknown configuration).
+    #[error(
+        "{dir} holds another run; differing fields:\n  {}\nuse another --out, or --restart to discard that run",
+        diffs.join("\n  ")
+    )]
+    OtherRun {
+        /// The run (or ablation) directory.
+        dir: String,
+        /// One line per differing field.
+        diffs: Vec<String>,
+    },
+    /// Training produced a non-finite loss, gradient norm or weight.
+    #[error("step {step}: {what} is not finite; training stopped (the last checkpoint is kept)")]
+    NonFinite {
+        /// The step (0-based) that produced it.
+        step: u64,
+        /// What was not finite (`loss NaN`, `gradient norm inf`, `weight X`).
+        what: String,
+    },
 }
 
 /// Everything that defines an RL run (identical across the recipes of an ablation).
@@ -97,6 +116,136 @@ impl Default for RlConfig {
             checkpoint_every: 10,
         }
     }
+}
+
+impl RlConfig {
+    /// Check every field: counts ≥ 1 (samples ≥ 2: with one sample per prompt every GRPO
+    /// advantage is 0 and nothing is learned), rates finite and in range. The error names the
+    /// field and the value.
+    pub fn validate(&self) -> Result<(), RunError> {
+        let mut bad: Vec<String> = Vec::new();
+        let mut count = |name: &str, v: u64, min: u64, why: &str| {
+            if v < min {
+                bad.push(format!("{name} = {v}: must be ≥ {min}{why}"));
+            }
+        };
+        count("steps", self.steps, 1, "");
+        count("prompts_per_step", self.prompts_per_step as u64, 1, "");
+        count(
+            "samples",
+            self.samples as u64,
+            2,
+            " (GRPO normalises rewards within a prompt's group: with one sample every advantage is 0)",
+        );
+        count("micro_batch", self.micro_batch as u64, 1, "");
+        count(
+            "sampling.max_new_tokens",
+            self.sampling.max_new_tokens as u64,
+            1,
+            "",
+        );
+        count("bucket_bytes", self.bucket_bytes as u64, 1, "");
+        count("checkpoint_every", self.checkpoint_every, 1, "");
+        let mut real = |name: &str, v: f64, ok: bool, want: &str| {
+            if !v.is_finite() || !ok {
+                bad.push(format!("{name} = {v}: must be {want}"));
+            }
+        };
+        let t = self.sampling.temperature as f64;
+        real("sampling.temperature", t, t > 0.0, "finite and > 0");
+        let p = self.sampling.top_p as f64;
+        real("sampling.top_p", p, p > 0.0 && p <= 1.0, "in (0, 1]");
+        let g = &self.grpo;
+        real(
+            "grpo.clip_low",
+            g.clip_low as f64,
+            g.clip_low >= 0.0,
+            "finite and ≥ 0",
+        );
+        real(
+            "grpo.clip_high",
+            g.clip_high as f64,
+            g.clip_high >= 0.0,
+            "finite and ≥ 0",
+        );
+        real(
+            "grpo.kl_coef",
+            g.kl_coef as f64,
+            g.kl_coef >= 0.0,
+            "finite and ≥ 0",
+        );
+        match g.is_correction {
+            IsCorrection::None => {}
+            IsCorrection::Truncated { cap, .. } => real(
+                "grpo.is_correction.cap",
+                cap as f64,
+                cap > 0.0,
+                "finite and > 0",
+            ),
+            IsCorrection::Masked { low, high, .. } => {
+                real(
+                    "grpo.is_correction.low",
+                    low as f64,
+                    low >= 0.0,
+                    "finite and ≥ 0",
+                );
+                real(
+                    "grpo.is_correction.high",
+                    high as f64,
+                    high > low,
+                    "finite and > low",
+                );
+            }
+        }
+        let a = &self.adam;
+        real("adam.lr", a.lr as f64, a.lr > 0.0, "finite and > 0");
+        real(
+            "adam.beta1",
+            a.beta1 as f64,
+            (0.0..1.0).contains(&a.beta1),
+            "in [0, 1)",
+        );
+        real(
+            "adam.beta2",
+            a.beta2 as f64,
+            (0.0..1.0).contains(&a.beta2),
+            "in [0, 1)",
+        );
+        real("adam.eps", a.eps as f64, a.eps > 0.0, "finite and > 0");
+        real(
+            "adam.weight_decay",
+            a.weight_decay as f64,
+            a.weight_decay >= 0.0,
+            "finite and ≥ 0",
+        );
+        real(
+            "adam.max_grad_norm",
+            a.max_grad_norm as f64,
+            true,
+            "finite (≤ 0 turns clipping off)",
+        );
+        real(
+            "spike_factor",
+            self.spike_factor,
+            self.spike_factor > 0.0,
+            "finite and > 0",
+        );
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(RunError::Config(bad.join("; ")))
+        }
+    }
+}
+
+/// The first non-finite value among the trainer's parameters, as `weight NAME[i] = v`.
+pub fn first_non_finite_weight<T: TrainPolicy>(trainer: &mut T) -> Option<String> {
+    trainer.params().iter().find_map(|p| {
+        p.value
+            .iter()
+            .position(|v| !v.is_finite())
+            .map(|i| format!("weight {}[{i}] = {}", p.name, p.value[i]))
+    })
 }
 
 /// The state of a run that a checkpoint restores.
@@ -259,11 +408,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         dir: &Path,
         contract_hash: &str,
     ) -> Result<Self, RunError> {
-        if cfg.samples == 0 || cfg.prompts_per_step == 0 || cfg.micro_batch == 0 {
-            return Err(RunError::Config(
-                "samples, prompts-per-step and micro-batch must be > 0".into(),
-            ));
-        }
+        cfg.validate()?;
         std::fs::create_dir_all(dir).map_err(|e| RunError::Checkpoint {
             path: dir.display().to_string(),
             msg: e.to_string(),
@@ -475,9 +620,24 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             }
             train_lp.extend(fw.into_iter().map(|f| f.logprobs));
         }
+        if !loss.is_finite() {
+            return Err(RunError::NonFinite {
+                step,
+                what: format!("the loss ({loss})"),
+            });
+        }
         let mut params = self.trainer.params();
         let grad_norm = self.opt.step(&mut params);
         drop(params);
+        if !grad_norm.is_finite() {
+            return Err(RunError::NonFinite {
+                step,
+                what: format!("the gradient norm ({grad_norm})"),
+            });
+        }
+        if let Some(w) = first_non_finite_weight(&mut self.trainer) {
+            return Err(RunError::NonFinite { step, what: w });
+        }
         let train_s = t1.elapsed().as_secs_f64();
 
         // 4. Live weight sync of the new weights.
@@ -542,25 +702,32 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
     }
 }
 
+/// Keep the metrics lines of steps `< steps` (the ones the checkpoint covers), byte for byte:
+/// the kept lines are copied as text, not re-serialized.
 fn truncate_metrics(path: &Path, steps: u64) -> Result<(), RunError> {
     if !path.exists() {
         return Ok(());
     }
     let v = crate::metrics::read_jsonl(path)?;
-    let keep: Vec<_> = v.into_iter().filter(|m| m.step < steps).collect();
-    let tmp = path.with_extension("jsonl.tmp");
-    let _ = std::fs::remove_file(&tmp);
-    for m in &keep {
-        append_jsonl(&tmp, m)?;
-    }
-    if keep.is_empty() {
-        let _ = std::fs::remove_file(path);
-        return Ok(());
-    }
-    std::fs::rename(&tmp, path).map_err(|e| RunError::Checkpoint {
-        path: path.display().to_string(),
+    let io = |p: &Path, e: std::io::Error| RunError::Checkpoint {
+        path: p.display().to_string(),
         msg: e.to_string(),
-    })
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    // `read_jsonl` skips blank lines; pair the parsed steps with the non-blank lines.
+    let lines = text.lines().filter(|l| !l.trim().is_empty());
+    let keep: String = lines
+        .zip(&v)
+        .filter(|(_, m)| m.step < steps)
+        .map(|(l, _)| format!("{l}\n"))
+        .collect();
+    if keep.is_empty() {
+        return std::fs::remove_file(path).map_err(|e| io(path, e));
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, keep)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| io(path, e))
 }
 
 /// Settings of the supervised warm-up.
@@ -576,6 +743,27 @@ pub struct SftConfig {
     pub adam: AdamWConfig,
 }
 
+impl SftConfig {
+    /// Check the fields: steps and batch ≥ 1, learning rate finite and > 0.
+    pub fn validate(&self) -> Result<(), RunError> {
+        let mut bad = Vec::new();
+        if self.steps == 0 {
+            bad.push("steps = 0: must be ≥ 1".to_string());
+        }
+        if self.batch == 0 {
+            bad.push("batch = 0: must be ≥ 1".to_string());
+        }
+        if !(self.adam.lr.is_finite() && self.adam.lr > 0.0) {
+            bad.push(format!("lr = {}: must be finite and > 0", self.adam.lr));
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(RunError::Config(bad.join("; ")))
+        }
+    }
+}
+
 /// Supervised warm-up: minimise `−mean log p(completion + eos | prompt)` over the task's
 /// reference completions (token-level average). `progress(step, loss)` is called per step.
 pub fn sft<T: TrainPolicy>(
@@ -585,6 +773,7 @@ pub fn sft<T: TrainPolicy>(
     cfg: &SftConfig,
     progress: &mut dyn FnMut(u64, f64),
 ) -> Result<(), RunError> {
+    cfg.validate()?;
     let mut opt = AdamW::new(cfg.adam);
     for step in 0..cfg.steps {
         let ps = task.batch(cfg.seed, step, cfg.batch);
@@ -618,9 +807,25 @@ pub fn sft<T: TrainPolicy>(
             .iter()
             .map(|f| vec![-1.0 / n as f32; f.logprobs.len()])
             .collect();
+        if !loss.is_finite() {
+            return Err(RunError::NonFinite {
+                step,
+                what: format!("the SFT loss ({loss})"),
+            });
+        }
         trainer.backward(&d)?;
         let mut ps = trainer.params();
-        opt.step(&mut ps);
+        let norm = opt.step(&mut ps);
+        drop(ps);
+        if !norm.is_finite() {
+            return Err(RunError::NonFinite {
+                step,
+                what: format!("the gradient norm ({norm})"),
+            });
+        }
+        if let Some(w) = first_non_finite_weight(trainer) {
+            return Err(RunError::NonFinite { step, what: w });
+        }
         progress(step, loss);
     }
     Ok(())
@@ -766,5 +971,108 @@ mod tests {
                 (y.step, y.reward_mean.to_bits(), y.grad_norm.to_bits())
             );
         }
+    }
+
+    #[test]
+    fn one_sample_per_prompt_and_bad_numbers_are_refused_before_running() {
+        let d = tempfile::tempdir().unwrap();
+        let (cfg, tr, task, codec) = setup(d.path(), 3);
+        let ro = tr.rollout().unwrap();
+        let mut one = cfg.clone();
+        one.samples = 1;
+        let e = RlRun::new(
+            one,
+            tr.clone(),
+            ro.clone(),
+            None,
+            task.clone(),
+            &codec,
+            d.path(),
+            "h",
+        )
+        .err()
+        .expect("refused");
+        assert!(e.to_string().contains("samples = 1: must be ≥ 2"), "{e}");
+        let mut bad = cfg.clone();
+        bad.adam.lr = f32::NAN;
+        bad.grpo.kl_coef = -1.0;
+        bad.steps = 0;
+        bad.grpo.is_correction = IsCorrection::Masked {
+            level: crate::grpo::IsLevel::Sequence,
+            low: 2.0,
+            high: 0.5,
+        };
+        let e = bad.validate().unwrap_err().to_string();
+        for want in [
+            "steps = 0",
+            "adam.lr = NaN",
+            "grpo.kl_coef = -1",
+            "grpo.is_correction.high = 0.5",
+        ] {
+            assert!(e.contains(want), "{want} missing in: {e}");
+        }
+        assert!(!d.path().join("metrics.jsonl").exists());
+    }
+
+    #[test]
+    fn a_non_finite_weight_stops_training_at_the_step_it_reaches_the_loss() {
+        let d = tempfile::tempdir().unwrap();
+        let (cfg, tr, task, codec) = setup(d.path(), 10);
+        let ro = tr.rollout().unwrap();
+        let mut run = RlRun::new(cfg, tr, ro, None, task, &codec, d.path(), "h").unwrap();
+        for _ in 0..3 {
+            run.step().unwrap();
+        }
+        // Poison the trainer's table: the next step's logprobs, hence its loss, are NaN.
+        for p in run.trainer.params() {
+            p.value.fill(f32::NAN);
+        }
+        let e = run.run(&mut |_| {}).unwrap_err();
+        let RunError::NonFinite { step, what } = &e else {
+            panic!("expected NonFinite, got {e}")
+        };
+        assert_eq!(*step, 3);
+        assert!(what.contains("loss"), "{what}");
+        assert!(
+            e.to_string()
+                .starts_with("step 3: the loss (NaN) is not finite"),
+            "{e}"
+        );
+        // The failed step logged nothing.
+        let ms = crate::metrics::read_jsonl(&d.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(ms.len(), 3);
+    }
+
+    #[test]
+    fn sft_with_a_nan_learning_rate_is_refused_and_a_diverging_one_names_the_step() {
+        let codec = TextCodec::char_level();
+        let task = TaskSource::Arithmetic(ArithmeticTask::default());
+        let shape = TabularShape {
+            buckets: 64,
+            max_len: 3,
+            vocab: codec.vocab_size,
+        };
+        let mut tr = TabularTrainer::new(shape, Format::Bf16);
+        let mut cfg = SftConfig {
+            steps: 3,
+            batch: 8,
+            seed: 1,
+            adam: AdamWConfig {
+                lr: f32::NAN,
+                ..AdamWConfig::default()
+            },
+        };
+        let e = sft(&mut tr, &task, &codec, &cfg, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("lr = NaN"), "{e}");
+        // A finite but absurd rate overflows the weights within a few steps.
+        cfg.adam.lr = 1e38;
+        cfg.adam.max_grad_norm = 0.0;
+        cfg.steps = 50;
+        let mut seen = 0;
+        let e = sft(&mut tr, &task, &codec, &cfg, &mut |_, _| seen += 1).unwrap_err();
+        let RunError::NonFinite { step, .. } = e else {
+            panic!("expected NonFinite, got {e}")
+        };
+        assert_eq!(step, seen, "the failing step is the first one not reported");
     }
 }

@@ -41,16 +41,79 @@ pub fn load_model_dir(dir: &Path) -> Result<(Model, TextCodec), RunError> {
     Ok((model, codec))
 }
 
-/// Write a model directory: config.json + model.safetensors (f32) + `tokenizer_json`.
+/// Write a model directory: config.json (with the tokenizer's `eos_token_id`, so that
+/// generation stops there) + model.safetensors (f32) + `tokenizer_json`.
+///
+/// The directory is assembled in `DIR.partial` and renamed when complete; an existing `dir`
+/// is refused unless `overwrite`, and then replaced only after the new one is complete.
+pub fn write_model_dir(
+    model: &Model,
+    tokenizer_json: &str,
+    dir: &Path,
+    overwrite: bool,
+) -> Result<(), RunError> {
+    let fail = |p: &Path, what: &str, e: &dyn std::fmt::Display| RunError::Checkpoint {
+        path: p.display().to_string(),
+        msg: format!("{what}: {e}"),
+    };
+    if dir.exists() && !overwrite {
+        return Err(RunError::Checkpoint {
+            path: dir.display().to_string(),
+            msg: "already exists; refusing to overwrite it (pass --force to replace it)".into(),
+        });
+    }
+    if dir.exists() && !dir.is_dir() {
+        return Err(RunError::Checkpoint {
+            path: dir.display().to_string(),
+            msg: "exists and is not a directory".into(),
+        });
+    }
+    let codec = TextCodec::from_bytes(tokenizer_json.as_bytes(), "<tokenizer.json>")?;
+    let mut partial = dir.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .map_err(|e| fail(&partial, "removing a stale partial output", &e))?;
+    }
+    mxrl_model::hf::save_hf(model, &partial)
+        .map_err(|e| fail(&partial, "writing the model", &e))?;
+    let cfg_path = partial.join("config.json");
+    let mut cfg: serde_json::Value = std::fs::read_to_string(&cfg_path)
+        .map_err(|e| fail(&cfg_path, "reading back", &e))
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| fail(&cfg_path, "parsing", &e)))?;
+    if let Some(o) = cfg.as_object_mut() {
+        o.insert("eos_token_id".into(), codec.eos.into());
+    }
+    std::fs::write(
+        &cfg_path,
+        serde_json::to_string_pretty(&cfg).expect("JSON serializes"),
+    )
+    .map_err(|e| fail(&cfg_path, "writing", &e))?;
+    let tok = partial.join("tokenizer.json");
+    std::fs::write(&tok, tokenizer_json).map_err(|e| fail(&tok, "writing", &e))?;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| fail(dir, "removing to replace it", &e))?;
+    }
+    std::fs::rename(&partial, dir)
+        .map_err(|e| fail(dir, "renaming the complete output into place", &e))
+}
+
+/// [`write_model_dir`], replacing an existing `dir`.
 pub fn save_model_dir(model: &Model, tokenizer_json: &str, dir: &Path) -> Result<(), RunError> {
-    mxrl_model::hf::save_hf(model, dir).map_err(be)?;
-    let tmp = dir.join("tokenizer.json.tmp");
-    std::fs::write(&tmp, tokenizer_json)
-        .and_then(|_| std::fs::rename(&tmp, dir.join("tokenizer.json")))
-        .map_err(|e| RunError::Checkpoint {
-            path: dir.join("tokenizer.json").display().to_string(),
-            msg: e.to_string(),
-        })
+    write_model_dir(model, tokenizer_json, dir, true)
+}
+
+/// What `recipe` resolves to on `model` (plan hash, weight bytes per format), without
+/// building policies: used to validate every recipe before a run starts.
+pub fn recipe_info(model: &Model, recipe: &str) -> Result<crate::ablate::RecipeInfo, RunError> {
+    let plan = plan_for(model.config(), recipe)?;
+    let formats = formats_for(model, &plan)?;
+    Ok(crate::ablate::RecipeInfo {
+        plan_hash: plan.hash().to_string(),
+        weight_bytes: weight_bytes(model, &formats),
+        contract_hash: crate::wire::contract_hash().to_string(),
+    })
 }
 
 /// A fresh demo model (seeded) and its char-level tokenizer JSON.
@@ -110,8 +173,13 @@ pub fn task_source(
 }
 
 /// Save the trainer's f32 masters as a model directory (after SFT).
-pub fn save_trainer(t: &MoeTrainer, tokenizer_json: &str, dir: &Path) -> Result<(), RunError> {
-    save_model_dir(&t.master_model()?, tokenizer_json, dir)
+pub fn save_trainer(
+    t: &MoeTrainer,
+    tokenizer_json: &str,
+    dir: &Path,
+    overwrite: bool,
+) -> Result<(), RunError> {
+    write_model_dir(&t.master_model()?, tokenizer_json, dir, overwrite)
 }
 
 /// Number of trainable scalars.

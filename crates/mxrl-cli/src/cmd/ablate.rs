@@ -1,10 +1,10 @@
-//! `mxrl ablate`: the same RL run per recipe (only precision differs) plus a second BF16 seed,
-//! sequential and resumable, then the report.
+//! `mxrl ablate`: the same RL run per recipe (only precision differs) plus BF16 runs with
+//! other seeds, sequential and resumable, then the report.
 
 use super::rl::RlArgs;
 use anyhow::Result;
 use mxrl_rl::ablate::{run_ablation, AblationSpec};
-use mxrl_rl::session::{build, load_model_dir, task_source};
+use mxrl_rl::session::{build, load_model_dir, recipe_info, task_source};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl ablate`.
@@ -13,32 +13,56 @@ pub struct Args {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Recipes, comma-separated.
+    /// Recipes, comma-separated (every one is resolved before the first run starts).
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq"
     )]
     recipes: Vec<String>,
-    /// Seed of the extra BF16 run that measures run-to-run noise (0: none).
-    #[arg(long, default_value_t = 2)]
-    noise_seed: u64,
+    /// Seeds of the extra BF16 runs that measure run-to-run noise, comma-separated; with the
+    /// main BF16 run, two give the report's three-seed noise band (`none`: no extra runs,
+    /// the band is then a bootstrap interval over steps).
+    #[arg(long, default_value = "2,3", value_parser = noise_seeds)]
+    noise_seeds: NoiseSeeds,
     /// Output directory.
     #[arg(long, default_value = "runs/ablate")]
     out: PathBuf,
+    /// Discard the runs already in the output directory and start over.
+    #[arg(long)]
+    restart: bool,
     #[command(flatten)]
     rl: RlArgs,
     #[command(flatten)]
     device: super::device::DeviceArgs,
 }
 
+/// The `--noise-seeds` list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NoiseSeeds(pub Vec<u64>);
+
+fn noise_seeds(s: &str) -> Result<NoiseSeeds, String> {
+    if s == "none" || s.is_empty() {
+        return Ok(NoiseSeeds(Vec::new()));
+    }
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("`{x}` is not a seed (a whole number)"))
+        })
+        .collect::<Result<Vec<u64>, String>>()
+        .map(NoiseSeeds)
+}
+
 /// Run an ablation of `model_dir` into `out`; returns the report path.
 pub fn ablate(
     model_dir: &Path,
     recipes: &[String],
-    noise_seed: u64,
+    noise_seeds: &[u64],
     out: &Path,
     rl: &RlArgs,
+    restart: bool,
 ) -> Result<PathBuf> {
     let (model, codec) = load_model_dir(model_dir)?;
     let task = task_source(
@@ -47,21 +71,15 @@ pub fn ablate(
         rl.digits,
         Some(model_dir),
     )?;
-    let task_desc = match &rl.data {
-        Some(f) => format!("prompts from {} (Answer: X reward)", f.display()),
-        None => format!(
-            "synthetic arithmetic, {}-digit addition (exact-match reward 1/0)",
-            rl.digits
-        ),
-    };
     let c = model.config();
+    let device = mxrl_tensor::backend::gemm_backend().name();
     let spec = AblationSpec {
         recipes: recipes.to_vec(),
-        noise_seed: (noise_seed != 0).then_some(noise_seed),
+        noise_seeds: noise_seeds.to_vec(),
         cfg: rl.config(),
         out: out.to_path_buf(),
         model: format!(
-            "{} ({:?}, {} layers, hidden {}, {} experts top-{}, vocab {}, {} parameters; linear GEMMs on {})",
+            "{} ({:?}, {} layers, hidden {}, {} experts top-{}, vocab {}, {} parameters)",
             model_dir.display(),
             c.arch,
             c.num_layers,
@@ -70,18 +88,34 @@ pub fn ablate(
             c.num_experts_per_tok,
             c.vocab_size,
             model.params().num_elements(),
-            mxrl_tensor::backend::gemm_backend().name()
         ),
-        task: task_desc,
+        model_path: model_dir.display().to_string(),
+        model_digest: mxrl_rl::manifest::model_digest(model_dir)?,
+        task: rl.task_description()?,
+        device,
+        restart,
     };
-    Ok(run_ablation(&spec, &task, &codec, |r| build(&model, r))?)
+    Ok(run_ablation(
+        &spec,
+        &task,
+        &codec,
+        |r| recipe_info(&model, r),
+        |r| build(&model, r),
+    )?)
 }
 
 /// Run `mxrl ablate`.
 pub fn run(a: Args) -> Result<()> {
     let gemm = a.device.select()?;
     eprintln!("mxrl ablate: linear GEMMs on {gemm}");
-    let p = ablate(&a.model, &a.recipes, a.noise_seed, &a.out, &a.rl)?;
+    let p = ablate(
+        &a.model,
+        &a.recipes,
+        &a.noise_seeds.0,
+        &a.out,
+        &a.rl,
+        a.restart,
+    )?;
     eprintln!("report: {}", p.display());
     Ok(())
 }

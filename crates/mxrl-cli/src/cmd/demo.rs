@@ -1,6 +1,6 @@
 //! `mxrl demo`: the README's main job, CPU only, a few minutes. Builds the embedded tiny MoE
 //! (char-level tokenizer), warms it up with SFT on 1-digit addition, runs the RL ablation for
-//! BF16, MXFP8 and NVFP4 (plus a second BF16 seed for the noise level) and writes
+//! BF16, MXFP8 and NVFP4 (plus two more BF16 seeds for the noise band) and writes
 //! `runs/demo/report.md` with plots.
 //!
 //! `--size large` uses the embedded ~45M-parameter MoE ([`large_config`]) instead, meant for
@@ -59,11 +59,11 @@ pub struct Args {
     /// Recipes to compare.
     #[arg(long, value_delimiter = ',', default_value = "bf16,mxfp8,nvfp4-hp")]
     recipes: Vec<String>,
-    /// RL steps per recipe.
-    #[arg(long, default_value_t = 60)]
+    /// RL steps per recipe (≥ 1).
+    #[arg(long, default_value_t = 60, value_parser = super::validate::count)]
     steps: u64,
-    /// SFT warm-up steps.
-    #[arg(long, default_value_t = 50)]
+    /// SFT warm-up steps (≥ 1).
+    #[arg(long, default_value_t = 50, value_parser = super::validate::count)]
     sft_steps: u64,
     #[command(flatten)]
     device: super::device::DeviceArgs,
@@ -80,12 +80,29 @@ pub fn run(a: Args) -> Result<()> {
             Size::Large => "runs/demo-large",
         })
     });
-    std::fs::create_dir_all(&out)?;
-    let base = out.join("base");
     let want = match a.size {
         Size::Small => demo_config(),
         Size::Large => large_config(),
     };
+    // Every recipe is resolved before the warm-up, so a typo costs nothing.
+    let bad: Vec<String> = a
+        .recipes
+        .iter()
+        .filter_map(|r| {
+            mxrl_rl::moe::plan_for(&want, r)
+                .err()
+                .map(|e| format!("{r}: {e}"))
+        })
+        .collect();
+    anyhow::ensure!(
+        bad.is_empty(),
+        "nothing was run; {} recipe(s) do not resolve:\n  {}",
+        bad.len(),
+        bad.join("\n  ")
+    );
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("creating the demo output directory {}", out.display()))?;
+    let base = out.join("base");
     if base.join("config.json").exists() && base.join("tokenizer.json").exists() {
         let have = ModelConfig::from_dir(&base)
             .with_context(|| format!("reading {}", base.join("config.json").display()))?;
@@ -117,16 +134,19 @@ pub fn run(a: Args) -> Result<()> {
             "demo: SFT warm-up of the {:?} MoE on 1-digit addition ({} steps)",
             a.size, a.sft_steps
         );
-        let loss = super::sft::sft_to_dir(start.as_deref(), 1, a.sft_steps, 64, 3e-3, 7, &base)?;
+        let loss =
+            super::sft::sft_to_dir(start.as_deref(), 1, a.sft_steps, 64, 3e-3, 7, &base, false)?;
         eprintln!("demo: SFT done, loss {loss:.4}");
     }
     let mut rl = Defaults::parse_from(["demo"]).rl;
     rl.steps = a.steps;
-    let report = super::ablate::ablate(&base, &a.recipes, 2, &out, &rl)?;
+    let report = super::ablate::ablate(&base, &a.recipes, &[2, 3], &out, &rl, false)?;
     eprintln!(
-        "demo: done in {:.0} s; report {}",
+        "demo: done in {:.0} s.\n  open the report: {}\n  next, one run of your own: mxrl rl --model {} --recipe nvfp4-hp --steps 50\n  \
+         (writes runs/rl-nvfp4-hp; `mxrl report runs/rl-nvfp4-hp` draws its plots)",
         t0.elapsed().as_secs_f64(),
-        report.display()
+        report.display(),
+        base.display()
     );
     Ok(())
 }

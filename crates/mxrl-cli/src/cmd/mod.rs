@@ -19,4 +19,5 @@ pub mod rl;
 pub mod rollout_server;
 pub mod sft;
 pub mod synth;
+pub mod validate;
 pub mod verify;

@@ -1,9 +1,11 @@
 //! `mxrl rl`: GRPO on a model directory with one precision recipe, live weight sync and
 //! per-step metrics; resumable from `RUN_DIR/checkpoint.safetensors`.
 
+use super::validate;
 use anyhow::{bail, Context, Result};
-use mxrl_rl::ablate::{progress_line, step_bar};
+use mxrl_rl::ablate::{run_summary_line, StepLog};
 use mxrl_rl::grpo::{GrpoConfig, IsCorrection, IsLevel};
+use mxrl_rl::manifest::{model_digest, prepare_run_dir, RunManifest, RUN_MANIFEST_VERSION};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
 use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, Token};
@@ -24,51 +26,51 @@ pub struct RlArgs {
     /// DAPO-style JSONL prompt file (`prompt`, `label`), scored with the `Answer: X` reward.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Digits per operand of the arithmetic task.
-    #[arg(long, default_value_t = 1)]
+    /// Digits per operand of the arithmetic task (1–9).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub digits: u32,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 50)]
+    /// Optimizer steps (≥ 1).
+    #[arg(long, default_value_t = 50, value_parser = validate::count)]
     pub steps: u64,
-    /// Prompts per step.
-    #[arg(long, default_value_t = 16)]
+    /// Prompts per step (≥ 1).
+    #[arg(long, default_value_t = 16, value_parser = validate::count_usize)]
     pub prompts_per_step: usize,
-    /// Samples per prompt (GRPO group size).
-    #[arg(long, default_value_t = 8)]
+    /// Samples per prompt (GRPO group size, ≥ 2).
+    #[arg(long, default_value_t = 8, value_parser = validate::group_size)]
     pub samples: usize,
-    /// Longest response in tokens.
-    #[arg(long, default_value_t = 4)]
+    /// Longest response in tokens (≥ 1).
+    #[arg(long, default_value_t = 4, value_parser = validate::count_usize)]
     pub max_new_tokens: usize,
-    /// Sampling temperature.
-    #[arg(long, default_value_t = 1.0)]
+    /// Sampling temperature (> 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, value_parser = validate::positive)]
     pub temperature: f32,
-    /// Nucleus sampling mass.
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling mass, in (0, 1].
+    #[arg(long, default_value_t = 1.0, value_parser = validate::unit_mass)]
     pub top_p: f32,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// AdamW learning rate (> 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3, value_parser = validate::positive)]
     pub lr: f32,
-    /// Global grad-norm clip.
-    #[arg(long, default_value_t = 1.0)]
+    /// Global grad-norm clip (≤ 0: no clipping).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, value_parser = validate::finite)]
     pub max_grad_norm: f32,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 32)]
+    /// Sequences per micro-batch (≥ 1).
+    #[arg(long, default_value_t = 32, value_parser = validate::count_usize)]
     pub micro_batch: usize,
     /// Seed of prompts and sampling.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Coefficient of the K3 KL to the frozen reference (always logged).
-    #[arg(long, default_value_t = 0.0)]
+    /// Coefficient of the K3 KL to the frozen reference (≥ 0; the KL is always logged).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = validate::non_negative)]
     pub kl_coef: f32,
     /// Mean-only group normalisation (no division by the group std).
     #[arg(long)]
     pub mean_only: bool,
-    /// Truncated importance-sampling cap (token level) for the rollout/trainer mismatch.
-    #[arg(long)]
+    /// Truncated importance-sampling cap (token level, > 0) for the rollout/trainer mismatch.
+    #[arg(long, allow_negative_numbers = true, value_parser = validate::positive, conflicts_with = "mis")]
     pub tis_cap: Option<f32>,
-    /// Masked importance sampling `low,high` (sequence level).
-    #[arg(long, value_delimiter = ',', num_args = 2)]
-    pub mis: Option<Vec<f32>>,
+    /// Masked importance sampling `LO,HI` (sequence level, 0 ≤ LO < HI).
+    #[arg(long, value_name = "LO,HI", value_parser = validate::mis_bounds)]
+    pub mis: Option<validate::MisBounds>,
     /// Turn routing replay off.
     #[arg(long)]
     pub no_routing_replay: bool,
@@ -78,12 +80,28 @@ pub struct RlArgs {
     /// Compare the rollout's weight bytes with the trainer's after every update.
     #[arg(long)]
     pub check_weight_sync: bool,
-    /// Checkpoint every N steps.
-    #[arg(long, default_value_t = 10)]
+    /// Checkpoint every N steps (≥ 1).
+    #[arg(long, default_value_t = 10, value_parser = validate::count)]
     pub checkpoint_every: u64,
 }
 
 impl RlArgs {
+    /// What the task is, for run manifests and reports: the built-in task with its settings,
+    /// or the prompt file with its SHA-256.
+    pub fn task_description(&self) -> Result<String> {
+        Ok(match &self.data {
+            Some(f) => format!(
+                "prompts from {} (sha256 {}), Answer: X reward",
+                f.display(),
+                mxrl_rl::manifest::file_digest(f)?
+            ),
+            None => format!(
+                "synthetic arithmetic, {}-digit addition (exact-match reward 1/0)",
+                self.digits
+            ),
+        })
+    }
+
     /// The run configuration.
     pub fn config(&self) -> RlConfig {
         let is_correction = match (&self.tis_cap, &self.mis) {
@@ -93,8 +111,8 @@ impl RlArgs {
             },
             (None, Some(v)) => IsCorrection::Masked {
                 level: IsLevel::Sequence,
-                low: v[0],
-                high: v[1],
+                low: v.low,
+                high: v.high,
             },
             _ => IsCorrection::None,
         };
@@ -138,9 +156,14 @@ pub struct Args {
     /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq) or a TOML file.
     #[arg(long, default_value = "bf16")]
     recipe: String,
-    /// Run directory (metrics.jsonl, checkpoint.safetensors).
-    #[arg(long, default_value = "runs/rl")]
-    out: PathBuf,
+    /// Run directory (run.json, metrics.jsonl, checkpoint.safetensors); default
+    /// `runs/rl-RECIPE`. An existing run there is resumed only if run.json records the same
+    /// configuration.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Discard the run already in the run directory and start over.
+    #[arg(long)]
+    restart: bool,
     /// Rollout engine: in this process (default); a running `mxrl rollout-server` at
     /// unix:PATH or tcp:HOST:PORT; or `spawn`: a rollout-server child process on
     /// RUN_DIR/rollout.sock (log in RUN_DIR/rollout-server.log, same --device), stopped at
@@ -168,8 +191,23 @@ pub fn run(a: Args) -> Result<()> {
         a.rl.digits,
         Some(&a.model),
     )?;
-    let b = build(&model, &a.recipe).with_context(|| format!("recipe {}", a.recipe))?;
+    let b = build(&model, &a.recipe)?;
     let cfg = a.rl.config();
+    let out = a.out.clone().unwrap_or_else(|| default_out(&a.recipe));
+    let manifest = RunManifest {
+        version: RUN_MANIFEST_VERSION,
+        recipe: a.recipe.clone(),
+        plan_hash: mxrl_rl::session::recipe_info(&model, &a.recipe)?.plan_hash,
+        contract_hash: b.contract_hash.clone(),
+        model_path: a.model.display().to_string(),
+        model_digest: model_digest(&a.model)?,
+        task: a.rl.task_description()?,
+        device: gemm.clone(),
+        config: cfg.clone(),
+    };
+    if prepare_run_dir(&out, &manifest, a.restart)? {
+        eprintln!("mxrl rl: resuming the run in {}", out.display());
+    }
     eprintln!(
         "mxrl rl: model {} · recipe {} · contract {} · weights {:?} · {} steps × {} prompts × {} samples",
         a.model.display(),
@@ -184,7 +222,7 @@ pub fn run(a: Args) -> Result<()> {
         None => {
             drive(
                 &a.recipe,
-                &a.out,
+                &out,
                 cfg,
                 b.trainer,
                 b.rollout,
@@ -199,7 +237,7 @@ pub fn run(a: Args) -> Result<()> {
                 Some(SpawnedServer::start(
                     &a.model,
                     &a.recipe,
-                    &a.out,
+                    &out,
                     a.device.device,
                 )?)
             } else {
@@ -226,7 +264,7 @@ pub fn run(a: Args) -> Result<()> {
             remote.set_bucket_bytes(cfg.bucket_bytes);
             let remote = drive(
                 &a.recipe,
-                &a.out,
+                &out,
                 cfg,
                 b.trainer,
                 remote,
@@ -241,8 +279,25 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     }
-    eprintln!("metrics: {}", a.out.join("metrics.jsonl").display());
+    let metrics = out.join("metrics.jsonl");
+    let m = mxrl_rl::metrics::read_jsonl(&metrics)?;
+    eprintln!("{}", run_summary_line(&a.recipe, &m));
+    eprintln!(
+        "metrics: {}; report with plots: mxrl report {}",
+        metrics.display(),
+        out.display()
+    );
     Ok(())
+}
+
+/// `runs/rl-RECIPE` (a TOML recipe by its file stem), so runs of different recipes never
+/// share a directory by default.
+pub fn default_out(recipe: &str) -> PathBuf {
+    let stem = Path::new(recipe)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or(recipe);
+    PathBuf::from(format!("runs/rl-{stem}"))
 }
 
 /// Run (or resume) the loop in `out` with `rollout`; hands the rollout policy back.
@@ -268,16 +323,9 @@ fn drive<T: TrainPolicy, R: RolloutPolicy>(
         out,
         contract_hash,
     )?;
-    if run.state.step > 0 {
-        eprintln!("resuming from step {} ({})", run.state.step, out.display());
-    }
-    let pb = step_bar(name, cfg.steps);
-    pb.set_position(run.state.step);
-    run.run(&mut |m| {
-        pb.set_message(progress_line(m));
-        pb.inc(1);
-    })?;
-    pb.finish();
+    let log = StepLog::new(name, cfg.steps, run.state.step);
+    run.run(&mut |m| log.step(m))?;
+    log.finish();
     Ok(run.rollout.policy)
 }
 

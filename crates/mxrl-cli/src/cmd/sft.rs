@@ -1,11 +1,12 @@
 //! `mxrl sft`: supervised warm-up on a task's reference completions; writes a model directory.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{sft, SftConfig};
 use mxrl_rl::session::{build, demo_model, load_model_dir, save_trainer, task_source};
 use mxrl_rl::text::TextCodec;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl sft`.
@@ -17,24 +18,27 @@ pub struct Args {
     /// Built-in task (`arithmetic`).
     #[arg(long, default_value = "arithmetic")]
     task: String,
-    /// Digits per operand.
-    #[arg(long, default_value_t = 1)]
+    /// Digits per operand (1–9).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     digits: u32,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
+    /// Optimizer steps (≥ 1).
+    #[arg(long, default_value_t = 300, value_parser = super::validate::count)]
     steps: u64,
-    /// Examples per step.
-    #[arg(long, default_value_t = 64)]
+    /// Examples per step (≥ 1).
+    #[arg(long, default_value_t = 64, value_parser = super::validate::count_usize)]
     batch: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    /// Learning rate (> 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3e-3, value_parser = super::validate::positive)]
     lr: f32,
     /// Seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Output model directory.
+    /// Output model directory (written as OUT.partial, renamed when complete).
     #[arg(long)]
     out: PathBuf,
+    /// Replace an existing OUT (only once the new model is complete).
+    #[arg(long)]
+    force: bool,
 }
 
 /// SFT from `start` (or a fresh demo model) into `out`; returns the final loss.
@@ -47,11 +51,28 @@ pub fn sft_to_dir(
     lr: f32,
     seed: u64,
     out: &Path,
+    force: bool,
 ) -> Result<f64> {
+    if out.exists() && !force {
+        anyhow::bail!(
+            "{}: already exists; refusing to overwrite it (pass --force to replace it once the \
+             new model is complete)",
+            out.display()
+        );
+    }
+    // Fail on an unwritable output before training, not after.
+    let mut partial = out.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    std::fs::create_dir_all(&partial)
+        .with_context(|| format!("creating the output directory {}", partial.display()))?;
     let (model, tok_json, codec) = match start {
         Some(d) => {
             let (m, c) = load_model_dir(d)?;
-            (m, std::fs::read_to_string(d.join("tokenizer.json"))?, c)
+            let tp = d.join("tokenizer.json");
+            let tok = std::fs::read_to_string(&tp)
+                .with_context(|| format!("reading the tokenizer {}", tp.display()))?;
+            (m, tok, c)
         }
         None => {
             let (m, j) = demo_model(seed)?;
@@ -64,6 +85,7 @@ pub fn sft_to_dir(
     };
     let task = task_source(Some("arithmetic"), None, digits, None)?;
     let mut t = build(&model, "bf16")?.trainer;
+    let plain = !std::io::stderr().is_terminal();
     let pb = ProgressBar::new(steps);
     pb.set_style(
         ProgressStyle::with_template(
@@ -86,14 +108,18 @@ pub fn sft_to_dir(
                 ..AdamWConfig::default()
             },
         },
-        &mut |_, loss| {
+        &mut |step, loss| {
             last = loss;
+            if plain {
+                eprintln!("sft step {}/{steps}: loss {loss:.4}", step + 1);
+            }
             pb.set_message(format!("loss {loss:.4}"));
             pb.inc(1);
         },
     )?;
     pb.finish();
-    save_trainer(&t, &tok_json, out)?;
+    save_trainer(&t, &tok_json, out, force)
+        .with_context(|| format!("writing the trained model to {}", out.display()))?;
     Ok(last)
 }
 
@@ -113,6 +139,7 @@ pub fn run(a: Args) -> Result<()> {
         a.lr,
         a.seed,
         &a.out,
+        a.force,
     )?;
     eprintln!(
         "sft: final loss {loss:.4}; model written to {}",

@@ -5,10 +5,10 @@ use mxrl_formats::{Padding, QuantizedTensor, Scheme};
 use safetensors::{Dtype, SafeTensors};
 use std::path::PathBuf;
 
-/// `<repo root>/../shared/vectors/<name>`.
-pub fn shared_vector_path(name: &str) -> PathBuf {
+/// `<repo root>/vectors/<name>`: the conformance vectors kept in the repository.
+pub fn repo_vector_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vectors")
+        .join("../../vectors")
         .join(name)
 }
 

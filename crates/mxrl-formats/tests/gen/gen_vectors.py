@@ -7,7 +7,7 @@ choosing the nearest with ties to the even code; E2M1 by the contract's threshol
 UE8M0 round-up by the contract's bit rules. It shares no code with the Rust crate.
 
 Writes a safetensors file (header written directly: 8-byte little-endian length + JSON) with
-the same tensor names as shared/vectors/quant-public.safetensors, but other shapes, seeds and
+the same tensor names as vectors/quant-public.safetensors, but other shapes, seeds and
 families. Metadata: `manifest` (JSON list of cases), `generator`, `generator_format_version`.
 
 Regenerate (numpy 2.x; output is deterministic):

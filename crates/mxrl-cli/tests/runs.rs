@@ -1,0 +1,380 @@
+//! A newcomer's first hour, end to end through the `mxrl` binary: runs that cannot be
+//! silently mixed, options refused at parse time, non-finite training, `eos_token_id` in the
+//! models the project writes, plain progress lines without a terminal, single-run reports,
+//! and errors that name their path.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn mxrl() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mxrl"));
+    c.env("RUST_BACKTRACE", "0");
+    c
+}
+
+fn run(args: &[&str], cwd: &Path) -> Output {
+    mxrl().args(args).current_dir(cwd).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ok(args: &[&str], cwd: &Path) -> String {
+    let o = run(args, cwd);
+    assert!(o.status.success(), "mxrl {args:?} failed:\n{}", text(&o));
+    text(&o)
+}
+
+fn fails(args: &[&str], cwd: &Path) -> String {
+    let o = run(args, cwd);
+    assert!(
+        !o.status.success(),
+        "mxrl {args:?} succeeded:\n{}",
+        text(&o)
+    );
+    text(&o)
+}
+
+/// A briefly warmed-up demo model in `cwd/base` (30 SFT steps: enough to answer and stop).
+fn base(cwd: &Path) -> PathBuf {
+    ok(
+        &[
+            "sft", "--out", "base", "--steps", "30", "--batch", "32", "--lr", "0.01",
+        ],
+        cwd,
+    );
+    cwd.join("base")
+}
+
+/// The smallest RL run: one step of 2 prompts × 2 samples.
+const TINY: [&str; 8] = [
+    "--steps",
+    "1",
+    "--prompts-per-step",
+    "2",
+    "--samples",
+    "2",
+    "--max-new-tokens",
+    "2",
+];
+
+#[test]
+fn sft_writes_eos_token_id_generate_stops_there_and_an_existing_out_needs_force() {
+    let d = tempfile::tempdir().unwrap();
+    let m = base(d.path());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(m.join("config.json")).unwrap()).unwrap();
+    let tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(m.join("tokenizer.json")).unwrap()).unwrap();
+    assert_eq!(cfg["eos_token_id"], tok["model"]["vocab"]["<eos>"], "{cfg}");
+    assert!(!d.path().join("base.partial").exists());
+    let gen = [
+        "generate",
+        "--model",
+        "base",
+        "--prompt",
+        "3+4=",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
+    ];
+    let out = ok(&gen, d.path());
+    assert!(out.contains("finished:      stop token"), "{out}");
+    // The same model without eos_token_id runs on to the length limit: the key is what stops it.
+    let mut no_eos = cfg.clone();
+    no_eos.as_object_mut().unwrap().remove("eos_token_id");
+    std::fs::write(m.join("config.json"), no_eos.to_string()).unwrap();
+    let out = ok(&gen, d.path());
+    assert!(out.contains("finished:      max_new_tokens"), "{out}");
+    std::fs::write(m.join("config.json"), cfg.to_string()).unwrap();
+
+    // A second sft into the same directory is refused before training and changes nothing.
+    let before = std::fs::read(m.join("model.safetensors")).unwrap();
+    let e = fails(&["sft", "--out", "base", "--steps", "2"], d.path());
+    assert!(
+        e.contains("base: already exists") && e.contains("--force"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(m.join("model.safetensors")).unwrap(), before);
+    ok(
+        &[
+            "sft", "--out", "base", "--steps", "2", "--batch", "4", "--force",
+        ],
+        d.path(),
+    );
+    assert_ne!(std::fs::read(m.join("model.safetensors")).unwrap(), before);
+}
+
+#[test]
+fn bad_numbers_are_refused_at_parse_time_naming_the_option() {
+    let d = tempfile::tempdir().unwrap();
+    for (args, want) in [
+        (
+            &["sft", "--out", "x", "--lr", "nan"][..],
+            "'--lr <LR>': `nan` is not finite",
+        ),
+        (
+            &["sft", "--out", "x", "--lr", "-1"][..],
+            "'--lr <LR>': -1 must be > 0",
+        ),
+        (
+            &["sft", "--out", "x", "--steps", "0"][..],
+            "'--steps <STEPS>': must be at least 1",
+        ),
+        (
+            &["sft", "--out", "x", "--batch", "0"][..],
+            "'--batch <BATCH>': must be at least 1",
+        ),
+        (
+            &["rl", "--model", "m", "--steps", "0"][..],
+            "'--steps <STEPS>'",
+        ),
+        (&["rl", "--model", "m", "--lr", "-1"][..], "-1 must be > 0"),
+        (
+            &["rl", "--model", "m", "--kl-coef", "-1"][..],
+            "-1 must be ≥ 0",
+        ),
+        (
+            &["rl", "--model", "m", "--samples", "1"][..],
+            "every advantage is 0",
+        ),
+        (
+            &["rl", "--model", "m", "--mis", "2,0.5"][..],
+            "LO 2 must be below HI 0.5",
+        ),
+        (
+            &["rl", "--model", "m", "--top-p", "1.5"][..],
+            "must be in (0, 1]",
+        ),
+        (
+            &["ablate", "--model", "m", "--micro-batch", "0"][..],
+            "'--micro-batch <MICRO_BATCH>'",
+        ),
+        (
+            &["demo", "--steps", "0"][..],
+            "'--steps <STEPS>': must be at least 1",
+        ),
+    ] {
+        let e = fails(args, d.path());
+        assert!(e.contains(want), "mxrl {args:?}: {e}");
+    }
+    // Nothing was created by any of them.
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+    // The README's spelling of --mis parses.
+    let e = fails(&["rl", "--model", "missing", "--mis", "0.5,2"], d.path());
+    assert!(!e.contains("--mis"), "{e}");
+}
+
+#[test]
+fn rl_runs_cannot_be_silently_mixed_and_log_plain_lines_without_a_terminal() {
+    let d = tempfile::tempdir().unwrap();
+    base(d.path());
+    let mut args = vec!["rl", "--model", "base"];
+    args.extend(TINY);
+    // Default directory per recipe; stderr is a pipe here, so one line per step and a summary.
+    let out = ok(&args, d.path());
+    let dir = d.path().join("runs/rl-bf16");
+    assert!(dir.join("run.json").exists() && dir.join("metrics.jsonl").exists());
+    assert!(out.contains("bf16 step 1/1: reward "), "{out}");
+    assert!(out.contains("tok/s"), "{out}");
+    assert!(out.contains("bf16: 1 steps; reward "), "{out}");
+    assert!(out.contains("mxrl report runs/rl-bf16"), "{out}");
+    let run_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    for key in [
+        "recipe",
+        "plan_hash",
+        "model_digest",
+        "task",
+        "device",
+        "config",
+    ] {
+        assert!(
+            run_json.get(key).is_some(),
+            "run.json lacks {key}: {run_json}"
+        );
+    }
+    assert_eq!(run_json["config"]["seed"], 1);
+
+    // Another recipe into the same directory, and another learning rate: refused, listed.
+    let mut other = args.clone();
+    other.extend([
+        "--out",
+        "runs/rl-bf16",
+        "--recipe",
+        "mxfp8",
+        "--lr",
+        "0.002",
+    ]);
+    let e = fails(&other, d.path());
+    assert!(e.contains("runs/rl-bf16 holds another run"), "{e}");
+    assert!(
+        e.contains("recipe: \"bf16\" (recorded) ≠ \"mxfp8\" (now)"),
+        "{e}"
+    );
+    assert!(
+        e.contains("config.adam.lr: 0.001 (recorded) ≠ 0.002 (now)"),
+        "{e}"
+    );
+    let metrics = std::fs::read(dir.join("metrics.jsonl")).unwrap();
+    // Resuming the same run with more steps extends it.
+    let mut more = args.clone();
+    more[4] = "2";
+    assert_eq!(more[3], "--steps");
+    let out = ok(&more, d.path());
+    assert!(out.contains("resuming"), "{out}");
+    let after = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    assert!(after.as_bytes().starts_with(&metrics) && after.lines().count() == 2);
+    // Asked to, it starts over with the new configuration.
+    other.push("--restart");
+    ok(&other, d.path());
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(m["recipe"], "mxfp8");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        1
+    );
+
+    // `mxrl report` takes the single run directory.
+    let out = ok(&["report", "runs/rl-bf16"], d.path());
+    assert!(out.contains("report.md"), "{out}");
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(md.starts_with("# mxrl run report"), "{md}");
+    assert!(md.contains("| `mxfp8` | 1 |"), "{md}");
+    assert!(dir.join("mismatch.png").exists());
+}
+
+#[test]
+fn ablate_checks_every_recipe_before_running_and_refuses_a_changed_rerun() {
+    let d = tempfile::tempdir().unwrap();
+    base(d.path());
+    let mut args = vec![
+        "ablate",
+        "--model",
+        "base",
+        "--out",
+        "abl",
+        "--noise-seeds",
+        "none",
+    ];
+    args.extend(TINY);
+    let mut typo = args.clone();
+    typo.extend(["--recipes", "bf16,mxfp8,nvfp4-hq"]);
+    let e = fails(&typo, d.path());
+    assert!(
+        e.contains("nothing was run") && e.contains("recipe `nvfp4-hq`"),
+        "{e}"
+    );
+    assert!(
+        !d.path().join("abl").exists(),
+        "a run started despite the typo"
+    );
+
+    let mut good = args.clone();
+    good.extend(["--recipes", "bf16,mxfp8"]);
+    ok(&good, d.path());
+    let man: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path().join("abl/ablation.json")).unwrap())
+            .unwrap();
+    assert_eq!(man["runs"].as_array().unwrap().len(), 2);
+    assert!(d.path().join("abl/mxfp8/run.json").exists());
+    let report = std::fs::read_to_string(d.path().join("abl/report.md")).unwrap();
+    // Re-running with another temperature would state it over the old runs' numbers: refused.
+    let mut changed = good.clone();
+    changed.extend(["--temperature", "0.7"]);
+    let e = fails(&changed, d.path());
+    assert!(
+        e.contains("config.sampling.temperature: 1.0 (recorded) ≠ 0.7 (now)"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(d.path().join("abl/report.md")).unwrap(),
+        report
+    );
+}
+
+#[test]
+fn demo_and_sft_on_an_unwritable_path_name_it_and_a_bad_recipe_costs_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    // /proc refuses new directories even to root.
+    let e = fails(
+        &["demo", "--out", "/proc/mxrl-demo", "--steps", "1"],
+        d.path(),
+    );
+    assert!(
+        e.contains("creating the demo output directory /proc/mxrl-demo"),
+        "{e}"
+    );
+    let e = fails(
+        &["sft", "--out", "/proc/mxrl-sft", "--steps", "1"],
+        d.path(),
+    );
+    assert!(
+        e.contains("creating the output directory /proc/mxrl-sft.partial"),
+        "{e}"
+    );
+    assert!(!e.contains("sft step 1/1"), "trained before failing: {e}");
+    let e = fails(&["demo", "--recipes", "bf16,mxfp9"], d.path());
+    assert!(e.contains("mxfp9") && e.contains("nothing was run"), "{e}");
+    assert!(!d.path().join("runs").exists());
+}
+
+#[test]
+fn an_output_path_that_is_a_directory_is_refused_and_leaves_no_temporary_file() {
+    let d = tempfile::tempdir().unwrap();
+    let vectors =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../vectors/quant-public.safetensors");
+    std::fs::create_dir(d.path().join("out")).unwrap();
+    let e = fails(
+        &["quantize", "--vectors", vectors.to_str().unwrap(), "out"],
+        d.path(),
+    );
+    assert!(e.contains("output path out is a directory"), "{e}");
+    let names: Vec<String> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["out"]);
+}
+
+#[test]
+fn a_closed_stdout_ends_inspect_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let vectors =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../vectors/quant-public.safetensors");
+    let mut child = mxrl()
+        .arg("inspect")
+        .arg(&vectors)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the reading end before anything is read (`| head -0`): every write fails.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.is_empty(), "{err}");
+    // Ended by SIGPIPE like other Unix tools, not by a panic's exit code 101.
+    assert_eq!(
+        out.status.signal(),
+        Some(libc_sigpipe()),
+        "{:?}",
+        out.status
+    );
+}
+
+/// SIGPIPE's number on Linux and the BSDs.
+fn libc_sigpipe() -> i32 {
+    13
+}
