@@ -757,7 +757,7 @@ fn a_spawned_server_dies_with_its_killed_trainer_and_the_rerun_resumes() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("resuming from step"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resuming the run in"));
     let ms = read_jsonl(&run.join("metrics.jsonl")).unwrap();
     assert_eq!(ms.iter().map(|m| m.step).collect::<Vec<_>>(), [0, 1, 2, 3]);
 }
