@@ -241,7 +241,7 @@ fn gpu_engine_per_expert_gemm_path_matches_the_cpu_engine() {
     let mut cpu = cpu_engine(&m, 512).unwrap();
     let seq: Vec<u32> = (0..400u32).map(|i| (i * 53 + 7) % 96).collect();
     let batch = [SeqInput::next_token(&seq)];
-    assert!(399 >= mxrl_cuda::backend::PER_EXPERT_ROWS * 2);
+    const { assert!(399 >= mxrl_cuda::backend::PER_EXPERT_ROWS * 2) };
     let lg = g.logprobs(&batch, 1.0).unwrap();
     let lc = cpu.logprobs(&batch, 1.0).unwrap();
     assert!(lg[0].iter().all(|x| x.is_finite()));
