@@ -608,6 +608,48 @@ fn need(what: &str, got: usize, want: usize) -> DResult<()> {
     Ok(())
 }
 
+/// RoPE on `x: [rows, heads·D]` with row `r` at position `pos[r]` of a `[max_pos, D/2]`
+/// cos-then-sin table: the arithmetic of `rope::rope_forward` (`sign` +1) and
+/// `rope::rope_backward` (`sign` −1).
+fn rope_rows(
+    x: &mut [f32],
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    pos: &[u32],
+    table: &[f32],
+    sign: f32,
+) -> DResult<()> {
+    let half = head_dim / 2;
+    need("rope x", x.len(), rows * heads * head_dim)?;
+    need("rope pos", pos.len(), rows)?;
+    let max_pos = table.len() / (2 * half.max(1));
+    let (cos, sin) = table.split_at(max_pos * half);
+    for r in 0..rows {
+        let p = pos[r] as usize;
+        if p >= max_pos {
+            return Err(DeviceError::new(
+                "cpu",
+                format!("position {p} beyond the RoPE table ({max_pos})"),
+            ));
+        }
+        let (cs, sn) = (
+            &cos[p * half..(p + 1) * half],
+            &sin[p * half..(p + 1) * half],
+        );
+        for hh in 0..heads {
+            let v = &mut x[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
+            for i in 0..half {
+                let (a, b) = (v[i], v[i + half]);
+                let s = sign * sn[i];
+                v[i] = a * cs[i] - b * s;
+                v[i + half] = b * cs[i] + a * s;
+            }
+        }
+    }
+    Ok(())
+}
+
 impl CpuBackend {
     /// The CPU reference GEMM `y = a·wᵀ` exactly as the CPU model's linear layers run it
     /// (dot products for few rows, packed GEMM otherwise).
@@ -758,35 +800,7 @@ impl Backend for CpuBackend {
         pos: &Vec<u32>,
         table: &Vec<f32>,
     ) -> DResult<()> {
-        let half = head_dim / 2;
-        need("rope x", x.len(), rows * heads * head_dim)?;
-        need("rope pos", pos.len(), rows)?;
-        let max_pos = table.len() / (2 * half.max(1));
-        let (cos, sin) = table.split_at(max_pos * half);
-        for r in 0..rows {
-            let p = pos[r] as usize;
-            if p >= max_pos {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!("position {p} beyond the RoPE table ({max_pos})"),
-                ));
-            }
-            let (cs, sn) = (
-                &cos[p * half..(p + 1) * half],
-                &sin[p * half..(p + 1) * half],
-            );
-            for hh in 0..heads {
-                let v = &mut x[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
-                // The arithmetic of rope::rope_forward (sign +1).
-                for i in 0..half {
-                    let (a, b) = (v[i], v[i + half]);
-                    let s = sn[i];
-                    v[i] = a * cs[i] - b * s;
-                    v[i + half] = b * cs[i] + a * s;
-                }
-            }
-        }
-        Ok(())
+        rope_rows(x, rows, heads, head_dim, pos, table, 1.0)
     }
 
     fn linear(
@@ -1368,34 +1382,7 @@ impl Backend for CpuBackend {
         pos: &Vec<u32>,
         table: &Vec<f32>,
     ) -> DResult<()> {
-        let half = head_dim / 2;
-        need("rope_backward dx", dx.len(), rows * heads * head_dim)?;
-        let max_pos = table.len() / (2 * half.max(1));
-        let (cos, sin) = table.split_at(max_pos * half);
-        for r in 0..rows {
-            let p = pos[r] as usize;
-            if p >= max_pos {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!("position {p} beyond the RoPE table ({max_pos})"),
-                ));
-            }
-            let (cs, sn) = (
-                &cos[p * half..(p + 1) * half],
-                &sin[p * half..(p + 1) * half],
-            );
-            for hh in 0..heads {
-                let v = &mut dx[(r * heads + hh) * head_dim..(r * heads + hh + 1) * head_dim];
-                // The arithmetic of rope::rope_backward (sign −1).
-                for i in 0..half {
-                    let (a, b) = (v[i], v[i + half]);
-                    let s = -sn[i];
-                    v[i] = a * cs[i] - b * s;
-                    v[i + half] = b * cs[i] + a * s;
-                }
-            }
-        }
-        Ok(())
+        rope_rows(dx, rows, heads, head_dim, pos, table, -1.0)
     }
 
     fn head_backward(
