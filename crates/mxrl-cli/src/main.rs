@@ -154,7 +154,7 @@ mod readme {
                 let parts: Vec<&str> = t.split('`').collect();
                 // An odd part is inside backticks; the last one is unterminated when the
                 // count is even (the span continues on the next line): skipped.
-                let closed = if parts.len() % 2 == 0 {
+                let closed = if parts.len().is_multiple_of(2) {
                     parts.len() - 1
                 } else {
                     parts.len()

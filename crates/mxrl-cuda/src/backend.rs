@@ -390,7 +390,7 @@ impl Backend for CudaBackend {
         let d = (2..=256usize)
             .rev()
             .step_by(2)
-            .find(|d| kv_width % d == 0)
+            .find(|d| kv_width.is_multiple_of(*d))
             .ok_or_else(|| {
                 DeviceError::new(self.gpu.name(), format!("kv width {kv_width} is odd"))
             })?;

@@ -28,9 +28,9 @@ fn vectors_dir() -> PathBuf {
 
 fn applies(scheme: Scheme, shape: [usize; 2]) -> bool {
     match scheme {
-        Scheme::MXFP8_ROW => shape[1] % 32 == 0,
-        Scheme::MXFP8_COL => shape[0] % 32 == 0,
-        _ => shape[1] % 16 == 0,
+        Scheme::MXFP8_ROW => shape[1].is_multiple_of(32),
+        Scheme::MXFP8_COL => shape[0].is_multiple_of(32),
+        _ => shape[1].is_multiple_of(16),
     }
 }
 

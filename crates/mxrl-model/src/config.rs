@@ -225,7 +225,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, l: usize) -> bool {
         !self.mlp_only_layers.contains(&l)
             && self.num_experts > 0
-            && (l + 1) % self.decoder_sparse_step == 0
+            && (l + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// A config.json text for this configuration (HF field names), e.g. for saving a random model.

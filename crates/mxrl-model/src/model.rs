@@ -1456,7 +1456,7 @@ impl Model {
     pub fn logits_from_residual(&self, residual: &[f32]) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
-        if residual.len() % h != 0 {
+        if !residual.len().is_multiple_of(h) {
             return Err(ModelError::Input(format!(
                 "residual of {} values is not a whole number of rows of hidden size {h}",
                 residual.len()

@@ -83,7 +83,7 @@ pub const ADV_EPS: f32 = 1e-6;
 /// standard deviation (a group of one gets A = 0).
 pub fn group_advantages(rewards: &[f32], group: usize, std_normalize: bool) -> Vec<f32> {
     assert!(
-        group > 0 && rewards.len() % group == 0,
+        group > 0 && rewards.len().is_multiple_of(group),
         "rewards come in whole groups"
     );
     let mut out = Vec::with_capacity(rewards.len());

@@ -464,7 +464,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             let m = self.step()?;
             progress(&m);
             let done = self.state.step;
-            if done % self.cfg.checkpoint_every.max(1) == 0 || done == self.cfg.steps {
+            if done.is_multiple_of(self.cfg.checkpoint_every.max(1)) || done == self.cfg.steps {
                 save_checkpoint(&self.dir, &mut self.trainer, &self.opt, &self.state)?;
             }
         }

@@ -117,7 +117,7 @@ pub fn to_quantized(t: &WireTensor) -> Result<QuantizedTensor, PolicyError> {
         ))
     })?;
     let scales = if t.format == Format::Fp8Block {
-        if t.scales.len() % 4 != 0 {
+        if !t.scales.len().is_multiple_of(4) {
             return Err(PolicyError::Update(format!(
                 "tensor {}: {} FP8-block scale bytes is not a whole number of f32",
                 t.name,

@@ -672,7 +672,7 @@ impl Backend for CpuBackend {
 
     /// `[max_pos, D/2]` cosines then sines.
     fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Vec<f32>> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(DeviceError::new(
                 "cpu",
                 format!("RoPE head_dim {head_dim} must be even"),

@@ -190,12 +190,12 @@ struct Case {
 fn applicable(shape: &[usize]) -> Vec<Scheme> {
     let m = shape[0];
     let mut v = vec![Scheme::MXFP8_ROW];
-    if m % 32 == 0 {
+    if m.is_multiple_of(32) {
         v.push(Scheme::MXFP8_COL);
     }
     v.push(Scheme::NVFP4_TENSOR);
     v.push(Scheme::NVFP4_ROW);
-    if m % 16 == 0 {
+    if m.is_multiple_of(16) {
         v.push(Scheme::NVFP4_2D);
     }
     v

@@ -87,13 +87,13 @@ fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), Devic
 
 fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {
     let d = s.head_dim;
-    if s.kv_heads == 0 || s.q_heads == 0 || s.q_heads % s.kv_heads != 0 {
+    if s.kv_heads == 0 || s.q_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
         return Err(gpu.err(format!(
             "{op}: {} query heads are not a positive multiple of {} kv heads",
             s.q_heads, s.kv_heads
         )));
     }
-    if d == 0 || d % 2 != 0 || d > MAX_HEAD_DIM {
+    if d == 0 || !d.is_multiple_of(2) || d > MAX_HEAD_DIM {
         return Err(gpu.err(format!(
             "{op}: head_dim {d} must be even and in 2..={MAX_HEAD_DIM}"
         )));

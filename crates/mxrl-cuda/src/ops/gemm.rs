@@ -238,7 +238,7 @@ fn check_align(
     ptr: cudarc::driver::sys::CUdeviceptr,
     bytes: u64,
 ) -> Result<(), DeviceError> {
-    if ptr % bytes != 0 {
+    if !ptr.is_multiple_of(bytes) {
         return Err(gpu.err(format!(
             "{what}: device address {ptr:#x} is not {bytes}-byte aligned"
         )));
@@ -466,7 +466,7 @@ impl Gemm {
         out_len: usize,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        if s.n % 8 != 0 || s.k % 8 != 0 {
+        if !s.n.is_multiple_of(8) || !s.k.is_multiple_of(8) {
             return Err(g.err(format!(
                 "{op}: n = {} and k = {} must be multiples of 8 (16-byte operand loads)",
                 s.n, s.k

@@ -35,7 +35,7 @@ impl RopeDeviceTable {
         head_dim: usize,
         theta: f64,
     ) -> Result<Self, DeviceError> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(gpu.err(format!(
                 "RoPE table: head_dim {head_dim} must be even and > 0"
             )));
