@@ -20,6 +20,7 @@
 //! `mxrl_tensor::tolerance::attention_*`.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::sys::CUfunction_attribute_enum;
@@ -76,13 +77,6 @@ pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
 /// outputs, `batch·Hq·ceil(max_len/DECODE_CHUNK)·(D + 2)` (at least one).
 pub fn decode_scratch_len(batch: usize, max_len: usize, shape: AttnShape) -> usize {
     (batch * shape.q_heads * max_len.div_ceil(DECODE_CHUNK) * (shape.head_dim + 2)).max(1)
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {

@@ -1,6 +1,7 @@
 //! Elementwise ops and the embedding gather (kernels `kernels/ops_elementwise.cu`).
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -24,13 +25,6 @@ pub struct Elementwise {
     to_bf16: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 impl Elementwise {

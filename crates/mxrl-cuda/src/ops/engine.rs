@@ -2,6 +2,7 @@
 //! the prefill KV-cache fill. Bitwise with `mxrl_tensor::device::CpuBackend`.
 #![allow(unsafe_code)]
 
+use super::check_len as check;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -17,13 +18,6 @@ fn grid(n: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-fn check(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 /// The loaded kernels.

@@ -29,6 +29,7 @@
 //! rows, never an out-of-bounds access); rows outside every expert's range are not written.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -218,13 +219,6 @@ pub struct Gemm {
     nn_tiled: [CudaFunction; 3],
     tn_tiled: [CudaFunction; 3],
     nt_small_m: CudaFunction,
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 fn mul(gpu: &Gpu, what: &str, a: usize, b: usize) -> Result<usize, DeviceError> {

@@ -17,6 +17,7 @@
 //! engine's stream in its default (non-atomic) mode: equal inputs and shapes give equal bits.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -39,13 +40,6 @@ fn grid(n: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 /// Element type of a GEMM operand.

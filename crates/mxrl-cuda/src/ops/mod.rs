@@ -30,6 +30,20 @@ pub mod sample;
 #[cfg(feature = "cuda")]
 pub mod swiglu;
 
+/// A launcher's length check: `got ≥ want` elements, or an error naming the buffer.
+#[cfg(feature = "cuda")]
+pub(crate) fn check_len(
+    gpu: &crate::gpu::Gpu,
+    what: &str,
+    got: usize,
+    want: usize,
+) -> Result<(), crate::DeviceError> {
+    if got < want {
+        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
+    }
+    Ok(())
+}
+
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
 pub const SOURCES: &[(&str, &str)] = &[

@@ -30,6 +30,7 @@
 //! `row_of = u32::MAX`, no packed row, contribute nothing and get a zero dweight.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -56,13 +57,6 @@ const TOKEN_THREADS: u32 = 128;
 const SMALL_DISPATCH_ENTRIES: usize = 1024;
 /// ... and up to this many experts (its shared-memory table).
 const SMALL_DISPATCH_EXPERTS: usize = 256;
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
-}
 
 /// Number of dispatch blocks for `n·k` entries.
 fn dispatch_blocks(n: usize, k: usize) -> usize {

@@ -8,6 +8,7 @@
 //! the `dw` partial sums and every reduction tree depend only on `(rows, d)`.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -35,13 +36,6 @@ pub fn backward_scratch_len(rows: usize, d: usize) -> usize {
 /// `d` only, so the reduction tree is fixed by the shape).
 fn row_threads(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 256) as u32
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 fn check_dims(gpu: &Gpu, op: &str, rows: usize, d: usize) -> Result<(), DeviceError> {

@@ -10,6 +10,7 @@
 //! from the reference's sequential f64 sum only in order.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -32,13 +33,6 @@ fn grid(n: usize) -> LaunchConfig {
 
 fn norm_blocks(n: usize) -> usize {
     n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS)
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 /// One parameter tensor of an AdamW step (all `[n]`).

@@ -27,6 +27,7 @@
 //!   is bitwise the reference's (times the coefficient in f32, as the model applies it).
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -38,13 +39,6 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_router.cu");
 pub const MAX_EXPERTS: usize = 1024;
 /// Largest `k` the router kernels accept (`ROUTER_MAX_TOP_K`).
 pub const MAX_TOP_K: usize = 256;
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
-}
 
 /// How [`Router::forward`] picks its experts (the device form of
 /// `mxrl_tensor::routing::RouteMode`).

@@ -14,6 +14,7 @@
 //! with one ulp per device ([`mxrl_tensor::tolerance::EXP_ULPS_DEVICE`]).
 #![allow(unsafe_code)]
 
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -32,13 +33,6 @@ fn grid(rows: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-fn check_len(gpu: &Gpu, what: &str, got: usize, want: usize) -> Result<(), DeviceError> {
-    if got < want {
-        return Err(gpu.err(format!("{what}: buffer of {got} elements, {want} needed")));
-    }
-    Ok(())
 }
 
 /// The loaded kernels.
