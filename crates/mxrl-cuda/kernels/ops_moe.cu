@@ -252,6 +252,23 @@ extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, const u3
     }
 }
 
+// As moe_gather_bf16 from rows already in bf16: out[p] = x[perm[p] / k] (u16 copies).
+extern "C" __global__ void moe_gather_rows_u16(const u16* __restrict__ x, const u32* __restrict__ perm,
+                                               const u32* __restrict__ offsets, u32 e, u32 k, u64 h,
+                                               u16* __restrict__ out) {
+    const u32 p = blockIdx.x;
+    if (p >= offsets[e]) return;
+    const u16* src = x + (u64)(perm[p] / k) * h;
+    u16* dst = out + (u64)p * h;
+    if ((h & 3) == 0 && ((((u64)src) & 7) | (((u64)dst) & 7)) == 0) {
+        const uint2* s2 = (const uint2*)src;
+        uint2* d2 = (uint2*)dst;
+        for (u64 j = threadIdx.x; j < (h >> 2); j += blockDim.x) d2[j] = s2[j];
+    } else {
+        for (u64 j = threadIdx.x; j < h; j += blockDim.x) dst[j] = src[j];
+    }
+}
+
 // Token t's packed rows (rows_s[s] = row_of[t*k + s]), weights (w_s[s] = w[t*k + s] when w is
 // given) and its valid slots in ascending packed row order (order_s[0..nvalid)): ascending row
 // = ascending expert (then slot), the order in which the CPU reference visits a token's
@@ -276,11 +293,13 @@ __device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, c
     return nvalid;
 }
 
-// out[t, j] = Σ_s w[t, s]·y[row(t, s), j], summed from 0 in ascending row (expert) order.
+// out[t, j] = Σ_s w[t, s]·y[row(t, s), j], summed from 0 in ascending row (expert) order,
+// then + res[t, j] when res is not null (a residual added after the sum, as an add_inplace of
+// the combined output would).
 // Grid (n, ceil(h / (4·blockDim.x))): each thread owns 4 consecutive columns.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        const u32* __restrict__ row_of, float* __restrict__ out,
-                                       u32 k, u64 h) {
+                                       u32 k, u64 h, const float* __restrict__ res) {
     __shared__ u32 rows_s[MOE_MAX_TOP_K];
     __shared__ float w_s[MOE_MAX_TOP_K];
     __shared__ u32 order_s[MOE_MAX_TOP_K];
@@ -300,6 +319,18 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
             acc.z = __fadd_rn(acc.z, __fmul_rn(ws, v.z));
             acc.w = __fadd_rn(acc.w, __fmul_rn(ws, v.w));
         }
+        if (res != nullptr && moe_aligned16(res, res)) {
+            const float4 r = *(const float4*)(res + t * h + j0);
+            acc.x = __fadd_rn(acc.x, r.x);
+            acc.y = __fadd_rn(acc.y, r.y);
+            acc.z = __fadd_rn(acc.z, r.z);
+            acc.w = __fadd_rn(acc.w, r.w);
+        } else if (res != nullptr) {
+            acc.x = __fadd_rn(acc.x, res[t * h + j0]);
+            acc.y = __fadd_rn(acc.y, res[t * h + j0 + 1]);
+            acc.z = __fadd_rn(acc.z, res[t * h + j0 + 2]);
+            acc.w = __fadd_rn(acc.w, res[t * h + j0 + 3]);
+        }
         *(float4*)(o + j0) = acc;
     } else {
         for (u64 j = j0; j < j0 + 4 && j < h; ++j) {
@@ -308,6 +339,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                 const u32 s = order_s[q];
                 acc = __fadd_rn(acc, __fmul_rn(w_s[s], y[(u64)rows_s[s] * h + j]));
             }
+            if (res != nullptr) acc = __fadd_rn(acc, res[t * h + j]);
             o[j] = acc;
         }
     }

@@ -20,12 +20,14 @@ use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
+use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaGraph, CudaSlice};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
 use mxrl_tensor::optim::AdamWConfig;
+use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 use std::cell::Cell;
 
@@ -54,6 +56,7 @@ pub struct CudaBackend {
     head: Head,
     optim: Optim,
     embed_bwd: EmbedBackward,
+    sampler: Sampler,
     peak: Cell<usize>,
 }
 
@@ -77,6 +80,7 @@ impl CudaBackend {
             head: Head::new(&gpu)?,
             optim: Optim::new(&gpu)?,
             embed_bwd: EmbedBackward::new(&gpu)?,
+            sampler: Sampler::new(&gpu)?,
             peak: Cell::new(0),
             gpu,
         })
@@ -174,9 +178,139 @@ impl Backend for CudaBackend {
     type Bf16 = CudaSlice<u16>;
     type U32 = CudaSlice<u32>;
     type Rope = RopeDeviceTable;
+    type Graph = CudaGraph;
 
     fn device(&self) -> Device {
         Device::Cuda(self.gpu.ordinal())
+    }
+
+    fn empty_f32(&self, n: usize) -> DResult<Self::F32> {
+        self.gpu.empty(n).map_err(de)
+    }
+
+    fn empty_bf16(&self, n: usize) -> DResult<Self::Bf16> {
+        self.gpu.empty(n).map_err(de)
+    }
+
+    fn rmsnorm_bf16(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Bf16,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        self.norm
+            .forward_bf16(
+                &x.as_view(),
+                &w.as_view(),
+                &mut out.as_view_mut(),
+                &mut rstd.as_view_mut(),
+                rows,
+                d,
+                eps,
+            )
+            .map_err(de)
+    }
+
+    fn gather_rows_bf16(
+        &self,
+        xb: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()> {
+        self.moe
+            .gather_rows_bf16(
+                &xb.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut out.as_view_mut(),
+                n,
+                h,
+                e,
+                top_k,
+            )
+            .map_err(de)
+    }
+
+    fn combine_add(
+        &self,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        k: usize,
+        h: usize,
+        residual: &Self::F32,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .combine_add(
+                &y.as_view(),
+                &route.weights.as_view(),
+                &route.row_of.as_view(),
+                &residual.as_view(),
+                &mut out.as_view_mut(),
+                n,
+                h,
+                k,
+            )
+            .map_err(de)
+    }
+
+    fn empty_u32(&self, n: usize) -> DResult<Self::U32> {
+        self.gpu.empty(n).map_err(de)
+    }
+
+    fn zeros_u32(&self, n: usize) -> DResult<Self::U32> {
+        self.gpu.zeros(n).map_err(de)
+    }
+
+    fn write_u32(&self, dst: &mut Self::U32, v: &[u32]) -> DResult<()> {
+        self.gpu.write(dst, v).map_err(de)
+    }
+
+    fn sample(
+        &self,
+        logits: &Self::F32,
+        rows: usize,
+        v: usize,
+        p: &SampleParams,
+        tokens: &mut Self::U32,
+        logprobs: &mut Self::F32,
+    ) -> DResult<()> {
+        p.validate()
+            .map_err(|m| DeviceError::new(self.gpu.name(), format!("sample: {m}")))?;
+        self.sampler
+            .sample(
+                &logits.as_view(),
+                rows,
+                v,
+                p,
+                &mut tokens.as_view_mut(),
+                &mut logprobs.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn begin_capture(&self) -> DResult<bool> {
+        self.gpu.begin_capture().map_err(de)?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> DResult<Option<Self::Graph>> {
+        self.gpu.end_capture().map_err(de)
+    }
+
+    fn launch_graph(&self, g: &Self::Graph) -> DResult<()> {
+        g.launch()
+            .map_err(|x| DeviceError::new(self.gpu.name(), format!("graph launch: {x:?}")))
     }
 
     fn zeros_f32(&self, n: usize) -> DResult<Self::F32> {
@@ -463,12 +597,11 @@ impl Backend for CudaBackend {
         k_cache: &Self::Bf16,
         v_cache: &Self::Bf16,
         lens: &Self::U32,
-        host_lens: &[u32],
+        batch: usize,
         max_len: usize,
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()> {
-        let batch = host_lens.len();
         let mut scratch = self
             .gpu
             .zeros::<f32>(attention::decode_scratch_len(batch, max_len, shape))

@@ -77,6 +77,31 @@ pub fn compile_op_module(
     })
 }
 
+/// Keeps memory freed by stream-ordered frees in the device's pool instead of returning it to
+/// the driver at every synchronization, so that the many short-lived buffers of a step are
+/// recycled without driver calls (as framework caching allocators do). Best effort: a driver
+/// without memory pools keeps its default.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver queries on this context's device; `pool` is written by the driver
+    // and `threshold` outlives the call that reads it.
+    unsafe {
+        if ctx.bind_to_thread().is_err()
+            || sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                != sys::CUresult::CUDA_SUCCESS
+        {
+            return;
+        }
+        let mut threshold: u64 = u64::MAX;
+        let _ = sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        );
+    }
+}
+
 /// One CUDA GPU as the engine uses it: context, the stream every op runs on, and the module
 /// cache. Cheap to clone (`Arc`s).
 #[derive(Clone)]
@@ -137,6 +162,7 @@ impl Gpu {
         // per-buffer events cudarc records to order work across streams are never needed (and
         // events recorded outside a CUDA-graph capture cannot be waited on inside it).
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx);
         Ok(Gpu {
             ordinal,
             name,
@@ -228,6 +254,63 @@ impl Gpu {
         self.stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+    }
+
+    /// A device buffer whose contents are unspecified (for outputs an op overwrites whole).
+    ///
+    /// # Errors
+    /// Out of device memory (the driver's message).
+    pub fn empty<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, DeviceError> {
+        // SAFETY: `T: DeviceRepr` is plain data; callers only read elements an op has written.
+        unsafe { self.stream.alloc::<T>(len.max(1)) }
+            .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+    }
+
+    /// Copies `host` into the first `host.len()` elements of `dst`.
+    ///
+    /// # Errors
+    /// `dst` too short; a driver error.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        dst: &mut CudaSlice<T>,
+        host: &[T],
+    ) -> Result<(), DeviceError> {
+        if host.len() > dst.len() {
+            return Err(self.err(format!(
+                "write of {} elements into a buffer of {}",
+                host.len(),
+                dst.len()
+            )));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_htod(host, &mut dst.slice_mut(0..host.len()))
+            .map_err(|x| self.err(format!("write of {} elements: {x:?}", host.len())))
+    }
+
+    /// Starts recording the work queued on the stream into a graph instead of running it
+    /// ([`Gpu::end_capture`] ends it). Relaxed mode: other threads may allocate meanwhile.
+    ///
+    /// # Errors
+    /// The driver's error (e.g. a capture already under way).
+    pub fn begin_capture(&self) -> Result<(), DeviceError> {
+        self.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|x| self.err(format!("begin graph capture: {x:?}")))
+    }
+
+    /// Ends the capture begun by [`Gpu::begin_capture`] and instantiates the graph (`None`
+    /// when nothing was recorded). Nothing recorded has run yet: launch the graph to run it.
+    ///
+    /// # Errors
+    /// The capture was invalidated (an operation that cannot be recorded was issued) or the
+    /// graph cannot be instantiated.
+    pub fn end_capture(&self) -> Result<Option<cudarc::driver::CudaGraph>, DeviceError> {
+        self.stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(|x| self.err(format!("end graph capture: {x:?}")))
     }
 
     /// Copies host data to a new device buffer.

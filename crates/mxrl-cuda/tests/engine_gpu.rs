@@ -15,6 +15,8 @@ use mxrl_cuda::backend::CudaBackend;
 use mxrl_model::engine::{cpu_engine, Engine};
 use mxrl_model::{Arch, LinearPrecision, Model, ModelConfig, SeqInput};
 use mxrl_tensor::optim::AdamWConfig;
+use mxrl_tensor::sample::{sample_rows, SampleParams};
+use mxrl_tensor::tolerance::lse_bound;
 
 fn config() -> ModelConfig {
     let mut c = ModelConfig::tiny();
@@ -54,6 +56,20 @@ fn seqs() -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
+}
+
+/// Bound on |device − reference| of a sampled token's logprob `z/τ − lse(z/τ)`: the
+/// log-sum-exp in another summation order (`tolerance::lse_bound`) plus the rounding of the
+/// final subtraction.
+fn lp_bound(row: &[f32], tau: f32, lp: f32) -> f64 {
+    let inv_t = 1.0 / tau;
+    let y: Vec<f64> = row.iter().map(|&x| (x * inv_t) as f64).collect();
+    let m = y.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let s: f64 = y.iter().map(|&x| (x - m).exp()).sum();
+    let q: f64 = y.iter().map(|&x| (x - m).exp() * (m - x)).sum();
+    let lse = m + s.ln();
+    let u = mxrl_tensor::F32_UNIT_ROUNDOFF;
+    lse_bound(row.len(), 1, 0.0, q / s, s.ln(), lse) + 2.0 * u * (lp as f64).abs() * 1.01
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
@@ -149,6 +165,80 @@ fn gpu_engine_decode_is_deterministic_and_follows_the_cpu_engine() {
         a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
     );
+}
+
+/// Decode steps replayed from a recorded device graph give the same bits as the same steps run
+/// op by op (the same kernels on the same buffers), the recording is made on the second step,
+/// and on-device sampling draws exactly what the reference sampler draws from those logits.
+#[test]
+fn gpu_decode_graph_replays_plain_steps_bitwise_and_samples_like_the_reference() {
+    let m = model();
+    let mut g = gpu_engine(&m);
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
+    let v = config().vocab_size;
+    let steps = 10;
+    let feed = |t: usize| -> Vec<u32> {
+        (0..prompts.len())
+            .map(|b| ((t * 13 + b * 7 + 1) % v) as u32)
+            .collect()
+    };
+    let run_logits = |g: &Engine<CudaBackend>| {
+        let (mut st, z) = g.prefill(&prompts, 40).unwrap();
+        let mut all = vec![z];
+        for t in 0..steps {
+            all.push(g.decode_step(&mut st, &feed(t)).unwrap());
+        }
+        (
+            all,
+            st.graph_status().0,
+            st.graph_status().1.map(str::to_string),
+        )
+    };
+    let (with_graph, recorded, failure) = run_logits(&g);
+    assert_eq!(failure, None, "graph recording failed");
+    assert!(recorded, "decode steps were not recorded as a graph");
+    g.set_decode_graphs(false);
+    let (plain, recorded_plain, _) = run_logits(&g);
+    assert!(!recorded_plain);
+    let bits = |z: &[f32]| z.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (t, (a, b)) in with_graph.iter().zip(&plain).enumerate() {
+        assert_eq!(
+            bits(a),
+            bits(b),
+            "step {t}: graph replay differs from the plain step"
+        );
+    }
+    g.set_decode_graphs(true);
+    // Sampling on the device from the same steps' logits.
+    let p = SampleParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 0,
+        seed: 3,
+        step: 0,
+    };
+    let (mut st, ids0, _) = g.prefill_sample(&prompts, 40, &p).unwrap();
+    let (want0, _) = sample_rows(&with_graph[0], prompts.len(), v, &p);
+    assert_eq!(ids0, want0, "prefill sample");
+    for t in 0..steps {
+        let sp = SampleParams {
+            step: t as u64 + 1,
+            ..p
+        };
+        let (ids, lps) = g.decode_sample(&mut st, &feed(t), &sp).unwrap();
+        let z = &with_graph[t + 1];
+        let (want, want_lp) = sample_rows(z, prompts.len(), v, &sp);
+        assert_eq!(ids, want, "step {t}: sampled ids");
+        for (r, (a, b)) in lps.iter().zip(&want_lp).enumerate() {
+            let bound = lp_bound(&z[r * v..(r + 1) * v], sp.temperature, *b);
+            assert!(
+                ((a - b) as f64).abs() <= bound,
+                "step {t} row {r}: logprob {a} vs {b}, bound {bound:e}"
+            );
+        }
+    }
+    assert!(st.graph_status().0);
 }
 
 #[test]

@@ -20,6 +20,7 @@ use crate::error::{ModelError, Result};
 use crate::model::{Model, SeqInput};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
+use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 
 fn dev(e: DeviceError) -> ModelError {
@@ -148,6 +149,8 @@ pub struct Engine<B: Backend> {
     rope: B::Rope,
     max_pos: usize,
     train: Option<TrainState<B>>,
+    /// Record decode steps as device graphs and replay them ([`Engine::set_decode_graphs`]).
+    graphs: bool,
 }
 
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
@@ -158,13 +161,39 @@ struct TrainState<B: Backend> {
     step: u64,
 }
 
-/// A batch being decoded: BF16 KV caches `[slots, max_len, Hkv·D]` per layer and the
-/// current length of every sequence.
+/// A batch being decoded: BF16 KV caches `[slots, max_len, Hkv·D]` per layer, the current
+/// length of every sequence, and the step's device buffers (token ids, positions and lengths
+/// going up; logits, sampled ids and logprobs). After one plain step, a device with graphs
+/// records the step (embedding → layers → head) once and replays it for every later step:
+/// the kernels read positions and lengths from the device, so one recording serves every
+/// length up to `max_len`.
 pub struct DecodeState<B: Backend> {
     k: Vec<B::Bf16>,
     v: Vec<B::Bf16>,
     lens: Vec<u32>,
     max_len: usize,
+    io: StepIo<B>,
+}
+
+/// The persistent buffers of one decode step of `batch` rows.
+struct StepIo<B: Backend> {
+    tokens: B::U32,
+    pos: B::U32,
+    lens: B::U32,
+    logits: B::F32,
+    ids: B::U32,
+    lps: B::F32,
+    graph: GraphState<B>,
+    plain_steps: u64,
+}
+
+enum GraphState<B: Backend> {
+    /// Not recorded yet.
+    None,
+    /// Recorded; replayed every step.
+    Ready(B::Graph),
+    /// Recording failed (the reason); steps run op by op.
+    Failed(String),
 }
 
 impl<B: Backend> DecodeState<B> {
@@ -172,6 +201,26 @@ impl<B: Backend> DecodeState<B> {
     pub fn lens(&self) -> &[u32] {
         &self.lens
     }
+
+    /// Whether decode steps replay a recorded device graph (`None`: not recorded yet, or
+    /// the backend has no graphs) and, if recording failed, why.
+    pub fn graph_status(&self) -> (bool, Option<&str>) {
+        match &self.io.graph {
+            GraphState::Ready(_) => (true, None),
+            GraphState::Failed(why) => (false, Some(why)),
+            GraphState::None => (false, None),
+        }
+    }
+}
+
+/// The tokens and logprobs [`Engine::generate`] sampled for one prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// New tokens (ending with a stop token when one was sampled).
+    pub tokens: Vec<u32>,
+    /// Logprob of each new token under the full tempered distribution (temperature 1 when
+    /// greedy), as [`crate::Generation::logprobs`].
+    pub logprobs: Vec<f32>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -465,6 +514,7 @@ impl<B: Backend> Engine<B> {
             cfg,
             b,
             train: None,
+            graphs: true,
         })
     }
 
@@ -582,17 +632,15 @@ impl<B: Backend> Engine<B> {
         let (hd, hq, hkv, d) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
         let (qd, kvd) = (hq * d, hkv * d);
         let eps = c.rms_norm_eps;
-        let z = |m: usize| b.zeros_f32(m).map_err(dev);
-        let zb = |m: usize| b.zeros_bf16(m).map_err(dev);
+        // Every output here is overwritten whole by its op: buffers with unspecified contents.
+        let e = |m: usize| b.empty_f32(m).map_err(dev);
+        let eb = |m: usize| b.empty_bf16(m).map_err(dev);
         // x_mid = x_in + attention(rmsnorm(x_in))
-        let mut h1 = z(n * hd)?;
-        let mut rstd1 = z(n)?;
-        b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
+        let mut rstd1 = e(n)?;
+        let mut h1b = eb(n * hd)?;
+        b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
             .map_err(dev)?;
-        let mut h1b = zb(n * hd)?;
-        b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
-        drop(h1);
-        let (mut q, mut k, mut v) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
+        let (mut q, mut k, mut v) = (e(n * qd)?, e(n * kvd)?, e(n * kvd)?);
         b.linear(&h1b, self.op(l.attn.q), n, hd, qd, &mut q)
             .map_err(dev)?;
         b.linear(&h1b, self.op(l.attn.k), n, hd, kvd, &mut k)
@@ -606,8 +654,8 @@ impl<B: Backend> Engine<B> {
         }
         let mut q_pre = None;
         if let Some([nq, nk]) = l.attn.qk_norm {
-            let (mut qn, mut kn) = (z(n * qd)?, z(n * kvd)?);
-            let (mut rq, mut rk) = (z(n * hq)?, z(n * hkv)?);
+            let (mut qn, mut kn) = (e(n * qd)?, e(n * kvd)?);
+            let (mut rq, mut rk) = (e(n * hq)?, e(n * hkv)?);
             b.rmsnorm(&q, self.w(nq), n * hq, d, eps, &mut qn, &mut rq)
                 .map_err(dev)?;
             b.rmsnorm(&k, self.w(nk), n * hkv, d, eps, &mut kn, &mut rk)
@@ -617,8 +665,8 @@ impl<B: Backend> Engine<B> {
             q_pre = Some((qp, rq, kp, rk));
         }
         let shape = self.shape();
-        let mut att = z(n * qd)?;
-        let mut lse = z(n * hq)?;
+        let mut att = e(n * qd)?;
+        let mut lse = e(n * hq)?;
         match pass {
             Pass::Prefill {
                 layout,
@@ -643,103 +691,101 @@ impl<B: Backend> Engine<B> {
                 b.attention(&q, &k, &v, layout, offsets, shape, &mut att, &mut lse)
                     .map_err(dev)?;
             }
-            Pass::Decode { st, lens, pos } => {
+            Pass::Decode {
+                k: kc,
+                v: vc,
+                max_len,
+                lens,
+                batch,
+                pos,
+            } => {
                 b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
                 b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
-                b.kv_append(
-                    &k,
-                    &v,
-                    lens,
-                    n,
-                    kvd,
-                    st.max_len,
-                    &mut st.k[li],
-                    &mut st.v[li],
-                )
-                .map_err(dev)?;
-                let host: Vec<u32> = st.lens.iter().map(|&x| x + 1).collect();
+                b.kv_append(&k, &v, lens, n, kvd, *max_len, &mut kc[li], &mut vc[li])
+                    .map_err(dev)?;
+                // The lengths are read on the device: a recorded step replays at any length.
                 b.attention_decode(
-                    &q, &st.k[li], &st.v[li], lens, &host, st.max_len, shape, &mut att,
+                    &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,
                 )
                 .map_err(dev)?;
             }
         }
-        let mut attb = zb(n * qd)?;
+        let mut attb = eb(n * qd)?;
         b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
-        let mut x_mid = z(n * hd)?;
+        let mut x_mid = e(n * hd)?;
         b.linear(&attb, self.op(l.attn.o), n, qd, hd, &mut x_mid)
             .map_err(dev)?;
         // o + x_in: the same f32 sum as the CPU model's `x += o`.
         b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
-        let mut h2 = z(n * hd)?;
-        let mut rstd2 = z(n)?;
-        b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
+        let mut rstd2 = e(n)?;
+        let mut h2b = eb(n * hd)?;
+        b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
             .map_err(dev)?;
-        let mut h2b = zb(n * hd)?;
-        b.to_bf16(&h2, &mut h2b, n * hd).map_err(dev)?;
         let (x_out, ffn) = match &l.ffn {
             Ffn::Dense(m) => {
-                let mut gu = z(n * 2 * m.f)?;
+                let mut gu = e(n * 2 * m.f)?;
                 b.linear(&h2b, self.op(m.gate_up), n, hd, 2 * m.f, &mut gu)
                     .map_err(dev)?;
-                let mut actb = zb(n * m.f)?;
+                let mut actb = eb(n * m.f)?;
                 b.swiglu_bf16(&gu, n, m.f, &mut actb).map_err(dev)?;
-                let mut y = z(n * hd)?;
+                let mut y = e(n * hd)?;
                 b.linear(&actb, self.op(m.down), n, m.f, hd, &mut y)
                     .map_err(dev)?;
                 b.add(&mut y, &x_mid, n * hd).map_err(dev)?;
                 (y, FfnTape::Dense { gu, actb })
             }
             Ffn::Moe(m) => {
-                let (e, k) = (c.num_experts, c.num_experts_per_tok);
+                let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
-                let mut logits = z(n * e)?;
-                b.linear(&h2b, self.op(m.router), n, hd, e, &mut logits)
+                let mut logits = e(n * ne)?;
+                b.linear(&h2b, self.op(m.router), n, hd, ne, &mut logits)
                     .map_err(dev)?;
+                // Router and dispatch write every entry of these.
+                let u = |m: usize| b.empty_u32(m).map_err(dev);
                 let mut route = RouteBufs {
-                    ids: b.upload_u32(&vec![0; rows]).map_err(dev)?,
-                    weights: z(rows)?,
-                    probs: z(n * e)?,
-                    offsets: b.upload_u32(&vec![0; e + 1]).map_err(dev)?,
-                    perm: b.upload_u32(&vec![0; rows]).map_err(dev)?,
-                    row_of: b.upload_u32(&vec![0; rows]).map_err(dev)?,
+                    ids: u(rows)?,
+                    weights: e(rows)?,
+                    probs: e(n * ne)?,
+                    offsets: u(ne + 1)?,
+                    perm: u(rows)?,
+                    row_of: u(rows)?,
                 };
-                b.route(&logits, n, e, k, c.norm_topk_prob, &mut route)
+                b.route(&logits, n, ne, k, c.norm_topk_prob, &mut route)
                     .map_err(dev)?;
-                let mut xg = zb(rows * hd)?;
-                b.gather_bf16(&h2, &route, n, e, k, hd, &mut xg)
+                let mut xg = eb(rows * hd)?;
+                b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
                     .map_err(dev)?;
-                let mut gu = z(rows * 2 * m.f)?;
+                let mut gu = e(rows * 2 * m.f)?;
                 b.grouped_linear(
                     &xg,
                     self.op(m.gate_up),
                     &route.offsets,
-                    e,
+                    ne,
                     rows,
                     hd,
                     2 * m.f,
                     &mut gu,
                 )
                 .map_err(dev)?;
-                let mut actb = zb(rows * m.f)?;
+                let mut actb = eb(rows * m.f)?;
                 b.swiglu_bf16(&gu, rows, m.f, &mut actb).map_err(dev)?;
-                let mut y = z(rows * hd)?;
+                let mut y = e(rows * hd)?;
                 b.grouped_linear(
                     &actb,
                     self.op(m.down),
                     &route.offsets,
-                    e,
+                    ne,
                     rows,
                     m.f,
                     hd,
                     &mut y,
                 )
                 .map_err(dev)?;
-                // Σ over experts into zeros, then + x_mid: the CPU model's `x += out`.
-                let mut out = z(n * hd)?;
-                b.combine(&y, &route, n, e, k, hd, &mut out).map_err(dev)?;
-                b.add(&mut out, &x_mid, n * hd).map_err(dev)?;
+                // Σ over experts, then + x_mid: the CPU model's `x += out`.
+                let mut out = e(n * hd)?;
+                b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                    .map_err(dev)?;
                 (
                     out,
                     FfnTape::Moe {
@@ -972,29 +1018,40 @@ impl<B: Backend> Engine<B> {
         Ok(hf)
     }
 
-    /// Logits `[rows, V]` (f32, on the host) of final hidden states `hf: [rows, H]`.
-    fn logits_of(&self, hf: &B::F32, rows: usize) -> Result<Vec<f32>> {
+    /// Logits `[rows, V]` (f32, into `out`) of final hidden states `hf: [rows, H]`.
+    fn head_into(&self, hf: &B::F32, rows: usize, out: &mut B::F32) -> Result<()> {
         let b = &self.b;
         let (hd, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        let mut hb = b.zeros_bf16(rows * hd).map_err(dev)?;
+        let mut hb = b.empty_bf16(rows * hd).map_err(dev)?;
         b.to_bf16(hf, &mut hb, rows * hd).map_err(dev)?;
-        let mut z = b.zeros_f32(rows * v).map_err(dev)?;
-        b.linear(&hb, self.op(self.head), rows, hd, v, &mut z)
-            .map_err(dev)?;
-        b.download_f32(&z, rows * v).map_err(dev)
+        b.linear(&hb, self.op(self.head), rows, hd, v, out)
+            .map_err(dev)
+    }
+
+    /// Record decode steps as device graphs and replay them (default on; the CPU has none).
+    /// Off, every step runs op by op: the same kernels on the same buffers, so the same bits.
+    pub fn set_decode_graphs(&mut self, on: bool) {
+        self.graphs = on;
+    }
+
+    fn step_io(&self, slots: usize) -> Result<StepIo<B>> {
+        let b = &self.b;
+        let v = self.cfg.vocab_size;
+        Ok(StepIo {
+            tokens: b.zeros_u32(slots).map_err(dev)?,
+            pos: b.zeros_u32(slots).map_err(dev)?,
+            lens: b.zeros_u32(slots).map_err(dev)?,
+            logits: b.zeros_f32(slots * v).map_err(dev)?,
+            ids: b.zeros_u32(slots).map_err(dev)?,
+            lps: b.zeros_f32(slots).map_err(dev)?,
+            graph: GraphState::None,
+            plain_steps: 0,
+        })
     }
 
     /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
-    /// sequence; returns it and the logits `[B, V]` of every prompt's last position.
-    ///
-    /// # Errors
-    /// Empty prompts, prompts longer than `max_len` or the engine's `max_pos`, bad token
-    /// ids, device failures (out of memory for the cache).
-    pub fn prefill(
-        &self,
-        prompts: &[&[u32]],
-        max_len: usize,
-    ) -> Result<(DecodeState<B>, Vec<f32>)> {
+    /// sequence; the logits of every prompt's last position are left in the state's buffer.
+    fn prefill_state(&self, prompts: &[&[u32]], max_len: usize) -> Result<DecodeState<B>> {
         let b = &self.b;
         if max_len > self.max_pos {
             return Err(ModelError::Input(format!(
@@ -1024,6 +1081,7 @@ impl<B: Backend> Engine<B> {
                 .collect::<Result<_>>()?,
             lens: lens.iter().map(|&l| l as u32).collect(),
             max_len,
+            io: self.step_io(slots)?,
         };
         let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
         // Last position of every prompt.
@@ -1035,16 +1093,124 @@ impl<B: Backend> Engine<B> {
             last.extend_from_slice(&all[r * hd..(r + 1) * hd]);
         }
         let last = b.upload_f32(&last).map_err(dev)?;
-        let logits = self.logits_of(&last, slots)?;
+        self.head_into(&last, slots, &mut st.io.logits)?;
+        Ok(st)
+    }
+
+    /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
+    /// sequence; returns it and the logits `[B, V]` of every prompt's last position.
+    ///
+    /// # Errors
+    /// Empty prompts, prompts longer than `max_len` or the engine's `max_pos`, bad token
+    /// ids, device failures (out of memory for the cache).
+    pub fn prefill(
+        &self,
+        prompts: &[&[u32]],
+        max_len: usize,
+    ) -> Result<(DecodeState<B>, Vec<f32>)> {
+        let st = self.prefill_state(prompts, max_len)?;
+        let logits = self
+            .b
+            .download_f32(&st.io.logits, prompts.len() * self.cfg.vocab_size)
+            .map_err(dev)?;
         Ok((st, logits))
     }
 
-    /// One decode step: appends `tokens[b]` to sequence `b` and returns the logits `[B, V]`
-    /// of the next position.
+    /// As [`Engine::prefill`], then samples each prompt's first new token on the device with
+    /// `p` (only the ids and their logprobs come back).
     ///
     /// # Errors
-    /// A full cache, bad token ids, device failures.
-    pub fn decode_step(&self, st: &mut DecodeState<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// As [`Engine::prefill`]; invalid sampling parameters.
+    pub fn prefill_sample(
+        &self,
+        prompts: &[&[u32]],
+        max_len: usize,
+        p: &SampleParams,
+    ) -> Result<(DecodeState<B>, Vec<u32>, Vec<f32>)> {
+        p.validate().map_err(ModelError::Input)?;
+        let mut st = self.prefill_state(prompts, max_len)?;
+        let (ids, lps) = self.sample_state(&mut st, p)?;
+        Ok((st, ids, lps))
+    }
+
+    fn sample_state(
+        &self,
+        st: &mut DecodeState<B>,
+        p: &SampleParams,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let b = &self.b;
+        let n = st.lens.len();
+        let io = &mut st.io;
+        b.sample(
+            &io.logits,
+            n,
+            self.cfg.vocab_size,
+            p,
+            &mut io.ids,
+            &mut io.lps,
+        )
+        .map_err(dev)?;
+        let ids = b.download_u32(&io.ids, n).map_err(dev)?;
+        let lps = b.download_f32(&io.lps, n).map_err(dev)?;
+        Ok((ids, lps))
+    }
+
+    /// The device work of one decode step: embedding of `io.tokens` → layers (appending to the
+    /// caches) → final norm → head into `io.logits`. Issues no host transfer, so it can be
+    /// recorded; every buffer it allocates is freed before it returns.
+    fn decode_body(
+        &self,
+        k: &mut [B::Bf16],
+        v: &mut [B::Bf16],
+        max_len: usize,
+        io: &mut StepIo<B>,
+        n: usize,
+    ) -> Result<()> {
+        let b = &self.b;
+        let hd = self.cfg.hidden_size;
+        let mut x = b.empty_f32(n * hd).map_err(dev)?;
+        b.embed(
+            self.w(self.embed),
+            self.cfg.vocab_size,
+            &io.tokens,
+            n,
+            hd,
+            &mut x,
+        )
+        .map_err(dev)?;
+        {
+            let mut pass = Pass::Decode {
+                k,
+                v,
+                max_len,
+                lens: &io.lens,
+                batch: n,
+                pos: &io.pos,
+            };
+            for li in 0..self.layers.len() {
+                x = self.layer(li, n, x, &mut pass)?.0;
+            }
+        }
+        let mut hf = b.empty_f32(n * hd).map_err(dev)?;
+        let mut rstd = b.empty_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            n,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
+        )
+        .map_err(dev)?;
+        drop(x);
+        self.head_into(&hf, n, &mut io.logits)
+    }
+
+    /// Appends `tokens[b]` to sequence `b` and leaves the next position's logits in the
+    /// state's buffer: replays the recorded step where there is one, records it on the second
+    /// step, else runs op by op.
+    fn advance(&self, st: &mut DecodeState<B>, tokens: &[u32]) -> Result<()> {
         let b = &self.b;
         let n = tokens.len();
         if n != st.lens.len() {
@@ -1060,38 +1226,125 @@ impl<B: Backend> Engine<B> {
             )));
         }
         self.check_tokens(tokens, "decode")?;
-        let hd = self.cfg.hidden_size;
-        let tk = b.upload_u32(tokens).map_err(dev)?;
-        let pos = b.upload_u32(&st.lens).map_err(dev)?;
         let new_lens: Vec<u32> = st.lens.iter().map(|&l| l + 1).collect();
-        let lens = b.upload_u32(&new_lens).map_err(dev)?;
-        let mut x = b.zeros_f32(n * hd).map_err(dev)?;
-        b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
-            .map_err(dev)?;
+        let DecodeState {
+            k,
+            v,
+            lens,
+            max_len,
+            io,
+        } = st;
+        b.write_u32(&mut io.tokens, tokens).map_err(dev)?;
+        b.write_u32(&mut io.pos, lens).map_err(dev)?;
+        b.write_u32(&mut io.lens, &new_lens).map_err(dev)?;
+        if !self.graphs {
+            self.decode_body(k, v, *max_len, io, n)?;
+        } else if let GraphState::Ready(g) = &io.graph {
+            b.launch_graph(g).map_err(dev)?;
+        } else if matches!(io.graph, GraphState::None)
+            && io.plain_steps >= 1
+            && b.begin_capture().map_err(dev)?
         {
-            let mut pass = Pass::Decode {
-                st: &mut *st,
-                lens: &lens,
-                pos: &pos,
-            };
-            for li in 0..self.layers.len() {
-                x = self.layer(li, n, x, &mut pass)?.0;
+            // Record (nothing runs while recording), then run the recording.
+            let body = self.decode_body(k, v, *max_len, io, n);
+            let ended = b.end_capture();
+            match (body, ended) {
+                (Ok(()), Ok(Some(g))) => {
+                    b.launch_graph(&g).map_err(dev)?;
+                    io.graph = GraphState::Ready(g);
+                }
+                (body, ended) => {
+                    let why = match (body, ended) {
+                        (Err(e), _) => e.to_string(),
+                        (_, Err(e)) => e.to_string(),
+                        _ => "nothing was recorded".to_string(),
+                    };
+                    io.graph = GraphState::Failed(why);
+                    self.decode_body(k, v, *max_len, io, n)?;
+                }
             }
+        } else {
+            self.decode_body(k, v, *max_len, io, n)?;
+            io.plain_steps += 1;
         }
-        st.lens = new_lens;
-        let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
-        let mut rstd = b.zeros_f32(n).map_err(dev)?;
-        b.rmsnorm(
-            &x,
-            self.w(self.norm),
-            n,
-            hd,
-            self.cfg.rms_norm_eps,
-            &mut hf,
-            &mut rstd,
-        )
-        .map_err(dev)?;
-        self.logits_of(&hf, n)
+        *lens = new_lens;
+        Ok(())
+    }
+
+    /// One decode step: appends `tokens[b]` to sequence `b` and returns the logits `[B, V]`
+    /// of the next position.
+    ///
+    /// # Errors
+    /// A full cache, bad token ids, device failures.
+    pub fn decode_step(&self, st: &mut DecodeState<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.advance(st, tokens)?;
+        self.b
+            .download_f32(&st.io.logits, tokens.len() * self.cfg.vocab_size)
+            .map_err(dev)
+    }
+
+    /// One decode step that samples on the device: appends `tokens[b]` to sequence `b` and
+    /// returns the next token of every sequence and its logprob (sampled with `p`; the logits
+    /// stay on the device).
+    ///
+    /// # Errors
+    /// A full cache, bad token ids, invalid sampling parameters, device failures.
+    pub fn decode_sample(
+        &self,
+        st: &mut DecodeState<B>,
+        tokens: &[u32],
+        p: &SampleParams,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        p.validate().map_err(ModelError::Input)?;
+        self.advance(st, tokens)?;
+        self.sample_state(st, p)
+    }
+
+    /// Samples up to `new_tokens` tokens after each prompt, on the device: the first from the
+    /// prefill's logits, then one per decode step; step `t` (0 for the first token) draws
+    /// with `SampleParams { step: p.step + t, ..p }`. A sequence stops after sampling one of
+    /// `stop` (included in its tokens); the batch stops when every sequence has.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill_sample`] and [`Engine::decode_sample`].
+    pub fn generate(
+        &self,
+        prompts: &[&[u32]],
+        new_tokens: usize,
+        p: &SampleParams,
+        stop: &[u32],
+    ) -> Result<Vec<Sampled>> {
+        let mut out = vec![
+            Sampled {
+                tokens: Vec::with_capacity(new_tokens),
+                logprobs: Vec::with_capacity(new_tokens),
+            };
+            prompts.len()
+        ];
+        if new_tokens == 0 || prompts.is_empty() {
+            return Ok(out);
+        }
+        let longest = prompts.iter().map(|q| q.len()).max().unwrap_or(0);
+        let (mut st, mut ids, mut lps) = self.prefill_sample(prompts, longest + new_tokens, p)?;
+        let mut done = vec![false; prompts.len()];
+        for t in 0..new_tokens {
+            for (i, o) in out.iter_mut().enumerate() {
+                if !done[i] {
+                    o.tokens.push(ids[i]);
+                    o.logprobs.push(lps[i]);
+                    done[i] = stop.contains(&ids[i]);
+                }
+            }
+            if t + 1 == new_tokens || done.iter().all(|&d| d) {
+                break;
+            }
+            let sp = SampleParams {
+                step: p.step + t as u64 + 1,
+                ..*p
+            };
+            (ids, lps) = self.decode_sample(&mut st, &ids, &sp)?;
+        }
+        Ok(out)
     }
 
     /// Greedy decoding of `new_tokens` tokens after each prompt (ties to the lowest id):
@@ -1100,31 +1353,11 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// As [`Engine::prefill`] and [`Engine::decode_step`].
     pub fn generate_greedy(&self, prompts: &[&[u32]], new_tokens: usize) -> Result<Vec<Vec<u32>>> {
-        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-        let (mut st, mut logits) = self.prefill(prompts, longest + new_tokens)?;
-        let v = self.cfg.vocab_size;
-        let mut out = vec![Vec::with_capacity(new_tokens); prompts.len()];
-        for step in 0..new_tokens {
-            let next: Vec<u32> = logits
-                .chunks(v)
-                .map(|row| {
-                    let mut best = 0;
-                    for (i, &x) in row.iter().enumerate() {
-                        if x > row[best] {
-                            best = i;
-                        }
-                    }
-                    best as u32
-                })
-                .collect();
-            for (o, &t) in out.iter_mut().zip(&next) {
-                o.push(t);
-            }
-            if step + 1 < new_tokens {
-                logits = self.decode_step(&mut st, &next)?;
-            }
-        }
-        Ok(out)
+        Ok(self
+            .generate(prompts, new_tokens, &SampleParams::greedy(), &[])?
+            .into_iter()
+            .map(|s| s.tokens)
+            .collect())
     }
 }
 
@@ -1586,8 +1819,12 @@ enum Pass<'a, B: Backend> {
         cache: Option<&'a mut DecodeState<B>>,
     },
     Decode {
-        st: &'a mut DecodeState<B>,
+        k: &'a mut [B::Bf16],
+        v: &'a mut [B::Bf16],
+        max_len: usize,
+        /// Lengths after this step's token (device), and the batch size.
         lens: &'a B::U32,
+        batch: usize,
         pos: &'a B::U32,
     },
 }

@@ -2,7 +2,6 @@
 
 use crate::error::{ModelError, Result};
 use crate::model::{HiddenStates, Keep, KvCache, Model, Pass, RoutingTrace};
-use mxrl_tensor::loss::logprobs_forward;
 use mxrl_tensor::routing::Routes;
 use mxrl_tensor::SeqLayout;
 use rand::{Rng, SeedableRng};
@@ -91,49 +90,13 @@ pub struct Generation {
 /// Picks a token from one row of logits; returns `(token, logprob)` as documented on
 /// [`Generation::logprobs`].
 pub fn sample_token(logits: &[f32], sp: &SamplingParams, rng: &mut impl Rng) -> (u32, f32) {
-    let v = logits.len();
-    if sp.temperature == 0.0 {
-        let mut best = 0;
-        for i in 1..v {
-            if logits[i] > logits[best] {
-                best = i;
-            }
-        }
-        let (lp, _) = logprobs_forward(logits, &[best as u32], 1, v, 1.0);
-        return (best as u32, lp[0]);
-    }
-    let inv_t = 1.0 / sp.temperature;
-    let m = logits
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b * inv_t));
-    let p: Vec<f32> = logits.iter().map(|&z| (z * inv_t - m).exp()).collect();
-    let mut order: Vec<usize> = (0..v).collect();
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-    let mut keep = if sp.top_k > 0 { sp.top_k.min(v) } else { v };
-    if sp.top_p < 1.0 {
-        let total: f64 = p.iter().map(|&x| x as f64).sum();
-        let mut acc = 0.0f64;
-        for (i, &idx) in order.iter().enumerate().take(keep) {
-            acc += p[idx] as f64;
-            if acc >= sp.top_p as f64 * total {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    let kept = &order[..keep.max(1)];
-    let mass: f64 = kept.iter().map(|&i| p[i] as f64).sum();
-    let mut u = rng.gen::<f64>() * mass;
-    let mut tok = kept[kept.len() - 1];
-    for &i in kept {
-        u -= p[i] as f64;
-        if u < 0.0 {
-            tok = i;
-            break;
-        }
-    }
-    let (lp, _) = logprobs_forward(logits, &[tok as u32], 1, v, sp.temperature);
-    (tok as u32, lp[0])
+    // Greedy draws nothing, so the generator stream is the same as before it.
+    let u = if sp.temperature == 0.0 {
+        0.0
+    } else {
+        rng.gen::<f64>()
+    };
+    mxrl_tensor::sample::sample_row(logits, sp.temperature, sp.top_p, sp.top_k, u)
 }
 
 fn append_routes(

@@ -5,6 +5,7 @@
 use mxrl_model::engine::cpu_engine;
 use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput};
 use mxrl_tensor::gradcheck::test_values;
+use mxrl_tensor::sample::{sample_rows, SampleParams};
 
 /// Qwen3-MoE with a dense layer, GQA, q/k norms; Qwen2-MoE (no shared expert) with q/k/v bias
 /// and tied embeddings.
@@ -133,6 +134,80 @@ fn engine_prefill_and_decode_are_deterministic_and_refuse_a_full_cache() {
     let g2 = e.generate_greedy(&prompts, 4).unwrap();
     assert_eq!(g1, g2);
     assert!(g1.iter().all(|g| g.len() == 4));
+}
+
+#[test]
+fn engine_generate_samples_each_step_with_its_counter_and_stops_per_sequence() {
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 4);
+    let e = cpu_engine(&m, 64).unwrap();
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
+    let v = c.vocab_size;
+    let p = SampleParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 12,
+        seed: 21,
+        step: 5,
+    };
+    let new = 6;
+    let got = e.generate(&prompts, new, &p, &[]).unwrap();
+    // The same by hand: host logits of every step, sampled with step counter p.step + t.
+    let longest = prompts.iter().map(|q| q.len()).max().unwrap();
+    let (mut st, mut logits) = e.prefill(&prompts, longest + new).unwrap();
+    let mut want = vec![(Vec::new(), Vec::new()); prompts.len()];
+    for t in 0..new {
+        let sp = SampleParams {
+            step: p.step + t as u64,
+            ..p
+        };
+        let (ids, lps) = sample_rows(&logits, prompts.len(), v, &sp);
+        for (w, (&i, &l)) in want.iter_mut().zip(ids.iter().zip(&lps)) {
+            w.0.push(i);
+            w.1.push(l.to_bits());
+        }
+        if t + 1 < new {
+            logits = e.decode_step(&mut st, &ids).unwrap();
+        }
+    }
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.tokens, w.0);
+        assert_eq!(
+            g.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            w.1
+        );
+    }
+    // A stop token ends its sequence (included), the others go on.
+    let stop = got[1].tokens[2];
+    let stopped = e.generate(&prompts, new, &p, &[stop]).unwrap();
+    for (g, full) in stopped.iter().zip(&got) {
+        let end = full
+            .tokens
+            .iter()
+            .position(|&t| t == stop)
+            .map_or(new, |i| i + 1);
+        assert_eq!(g.tokens, full.tokens[..end]);
+    }
+    // Greedy generation is the argmax of the same logits.
+    let greedy = e.generate_greedy(&prompts, 3).unwrap();
+    let (mut st, logits) = e.prefill(&prompts, longest + 3).unwrap();
+    let (first, _) = sample_rows(&logits, prompts.len(), v, &SampleParams::greedy());
+    for (g, &f) in greedy.iter().zip(&first) {
+        assert_eq!(g[0], f);
+    }
+    let next = e.decode_step(&mut st, &first).unwrap();
+    let (second, _) = sample_rows(&next, prompts.len(), v, &SampleParams::greedy());
+    for (g, &f) in greedy.iter().zip(&second) {
+        assert_eq!(g[1], f);
+    }
+    // Bad parameters are refused by name.
+    let bad = SampleParams {
+        temperature: -1.0,
+        ..p
+    };
+    let err = e.generate(&prompts, 2, &bad, &[]).unwrap_err().to_string();
+    assert!(err.contains("temperature"), "{err}");
 }
 
 #[test]

@@ -20,7 +20,9 @@ use crate::norm::rmsnorm_forward;
 use crate::precision::round_bf16;
 use crate::rope::RopeTable;
 use crate::routing::{router_forward, RouteMode, Routes};
+use crate::sample::{sample_rows, SampleParams};
 use crate::SeqLayout;
+use std::convert::Infallible;
 
 /// Where a model lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -107,6 +109,8 @@ pub trait Backend {
     type U32;
     /// The RoPE table of positions `0..max_pos` ([`Backend::rope_table`]).
     type Rope;
+    /// Recorded device work that can be replayed ([`Backend::end_capture`]).
+    type Graph;
 
     /// The device.
     fn device(&self) -> Device;
@@ -281,8 +285,10 @@ pub trait Backend {
         k_cache: &mut Self::Bf16,
         v_cache: &mut Self::Bf16,
     ) -> DResult<()>;
-    /// Decode attention: `q: [B, Hq·D]` against slot `b`'s first `lens[b]` cached rows
-    /// (reference [`attention_decode`] on the BF16 cache values) → `out: [B, Hq·D]`.
+    /// Decode attention: `q: [batch, Hq·D]` against slot `b`'s first `lens[b]` cached rows
+    /// (reference [`attention_decode`] on the BF16 cache values) → `out: [batch, Hq·D]`.
+    /// The lengths are read where they live (on the device), so recorded work replays at
+    /// any length.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -292,7 +298,7 @@ pub trait Backend {
         k_cache: &Self::Bf16,
         v_cache: &Self::Bf16,
         lens: &Self::U32,
-        host_lens: &[u32],
+        batch: usize,
         max_len: usize,
         shape: AttnShape,
         out: &mut Self::F32,
@@ -592,6 +598,133 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn fill_zero(&self, x: &mut Self::F32, n: usize) -> DResult<()>;
+
+    /// `out = bf16(rmsnorm(x))` with `rstd`: [`Backend::rmsnorm`] then [`Backend::to_bf16`],
+    /// bitwise, in one pass where the device has the fused kernel (the default composes the
+    /// two).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn rmsnorm_bf16(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: &mut Self::Bf16,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut y = self.empty_f32(rows * d)?;
+        self.rmsnorm(x, w, rows, d, eps, &mut y, rstd)?;
+        self.to_bf16(&y, out, rows * d)
+    }
+    /// [`Backend::gather_bf16`] from rows already in BF16 (`xb: [N, h]`): the same values,
+    /// without a second rounding.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn gather_rows_bf16(
+        &self,
+        xb: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::Bf16,
+    ) -> DResult<()>;
+    /// `out = combine(y) + residual`: [`Backend::combine`] into zeros, then
+    /// [`Backend::add`] of `residual: [N, h]`, bitwise, in one pass where the device has the
+    /// fused kernel (the default composes the three).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn combine_add(
+        &self,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        residual: &Self::F32,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.fill_zero(out, n * h)?;
+        self.combine(y, route, n, e, k, h, out)?;
+        self.add(out, residual, n * h)
+    }
+
+    /// Buffers for outputs an op overwrites whole: their contents before the op are
+    /// unspecified (a device may skip the zero fill). The default zero-fills.
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn empty_f32(&self, n: usize) -> DResult<Self::F32> {
+        self.zeros_f32(n)
+    }
+    /// See [`Backend::empty_f32`].
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn empty_bf16(&self, n: usize) -> DResult<Self::Bf16> {
+        self.zeros_bf16(n)
+    }
+    /// See [`Backend::empty_f32`].
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn empty_u32(&self, n: usize) -> DResult<Self::U32> {
+        self.zeros_u32(n)
+    }
+    /// A zero-filled u32 buffer (no host copy).
+    ///
+    /// # Errors
+    /// Out of memory.
+    fn zeros_u32(&self, n: usize) -> DResult<Self::U32>;
+    /// Host → device copy into the first `v.len()` elements of an existing buffer.
+    ///
+    /// # Errors
+    /// A short buffer; device failure.
+    fn write_u32(&self, dst: &mut Self::U32, v: &[u32]) -> DResult<()>;
+
+    /// One token per row of `logits: [rows, v]` into `tokens[rows]` with its logprob in
+    /// `logprobs[rows]`: bitwise the semantics of [`crate::sample::sample_rows`] (row `r`
+    /// draws `uniform(p.seed, p.step, r)`).
+    ///
+    /// # Errors
+    /// Invalid parameters ([`SampleParams::validate`]), short buffers, device failure.
+    fn sample(
+        &self,
+        logits: &Self::F32,
+        rows: usize,
+        v: usize,
+        p: &SampleParams,
+        tokens: &mut Self::U32,
+        logprobs: &mut Self::F32,
+    ) -> DResult<()>;
+
+    /// Starts recording the ops that follow into a graph instead of running them; `false`
+    /// (and nothing recorded) where the backend has no graphs, as the CPU.
+    ///
+    /// # Errors
+    /// Device failure.
+    fn begin_capture(&self) -> DResult<bool> {
+        Ok(false)
+    }
+    /// Ends a recording begun by [`Backend::begin_capture`]: the graph (none of its work has
+    /// run yet), or `None` when nothing was recorded. Also called to abandon a recording after
+    /// an op failed inside it.
+    ///
+    /// # Errors
+    /// An op that cannot be recorded was issued during the capture; instantiation failure.
+    fn end_capture(&self) -> DResult<Option<Self::Graph>>;
+    /// Runs a recorded graph (on the same buffers it was recorded with).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn launch_graph(&self, g: &Self::Graph) -> DResult<()>;
 }
 
 /// The CPU backend: the functions of this crate, as the CPU model calls them (bitwise).
@@ -665,9 +798,73 @@ impl Backend for CpuBackend {
     type Bf16 = Vec<f32>;
     type U32 = Vec<u32>;
     type Rope = Vec<f32>;
+    type Graph = Infallible;
 
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn gather_rows_bf16(
+        &self,
+        xb: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let perm = &route.perm;
+        let rows = n * top_k;
+        need("gather perm", perm.len(), rows)?;
+        need("gather out", out.len(), rows * h)?;
+        for (r, &ts) in perm[..rows].iter().enumerate() {
+            let t = ts as usize / top_k;
+            need("gather x", xb.len(), (t + 1) * h)?;
+            out[r * h..(r + 1) * h].copy_from_slice(&xb[t * h..(t + 1) * h]);
+        }
+        Ok(())
+    }
+
+    fn zeros_u32(&self, n: usize) -> DResult<Vec<u32>> {
+        Ok(vec![0; n])
+    }
+
+    fn write_u32(&self, dst: &mut Vec<u32>, v: &[u32]) -> DResult<()> {
+        need("write_u32 destination", dst.len(), v.len())?;
+        dst[..v.len()].copy_from_slice(v);
+        Ok(())
+    }
+
+    fn sample(
+        &self,
+        logits: &Vec<f32>,
+        rows: usize,
+        v: usize,
+        p: &SampleParams,
+        tokens: &mut Vec<u32>,
+        logprobs: &mut Vec<f32>,
+    ) -> DResult<()> {
+        p.validate()
+            .map_err(|m| DeviceError::new("cpu", format!("sample: {m}")))?;
+        if rows > 0 && v == 0 {
+            return Err(DeviceError::new("cpu", "sample: empty vocabulary"));
+        }
+        need("sample logits", logits.len(), rows * v)?;
+        need("sample tokens", tokens.len(), rows)?;
+        need("sample logprobs", logprobs.len(), rows)?;
+        let (t, lp) = sample_rows(&logits[..rows * v], rows, v, p);
+        tokens[..rows].copy_from_slice(&t);
+        logprobs[..rows].copy_from_slice(&lp);
+        Ok(())
+    }
+
+    fn end_capture(&self) -> DResult<Option<Infallible>> {
+        Ok(None)
+    }
+
+    fn launch_graph(&self, g: &Infallible) -> DResult<()> {
+        match *g {}
     }
 
     /// `[max_pos, D/2]` cosines then sines.
@@ -959,8 +1156,8 @@ impl Backend for CpuBackend {
         q: &Vec<f32>,
         k_cache: &Vec<f32>,
         v_cache: &Vec<f32>,
-        _lens: &Vec<u32>,
-        host_lens: &[u32],
+        lens: &Vec<u32>,
+        batch: usize,
         max_len: usize,
         shape: AttnShape,
         out: &mut Vec<f32>,
@@ -969,12 +1166,18 @@ impl Backend for CpuBackend {
             shape.q_heads * shape.head_dim,
             shape.kv_heads * shape.head_dim,
         );
-        let batch = host_lens.len();
+        need("decode lens", lens.len(), batch)?;
         need("decode q", q.len(), batch * qd)?;
         need("decode out", out.len(), batch * qd)?;
         let mut scratch = vec![0.0f32; max_len];
-        for (b, &len) in host_lens.iter().enumerate() {
+        for (b, &len) in lens[..batch].iter().enumerate() {
             let len = len as usize;
+            if len > max_len {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("decode: sequence {b} of {len} tokens exceeds the cache's {max_len}"),
+                ));
+            }
             let base = b * max_len * kvd;
             need(
                 "decode cache",

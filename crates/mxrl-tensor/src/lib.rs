@@ -26,6 +26,7 @@
 //! | [`loss`] | log-softmax, per-token logprobs, cross-entropy |
 //! | [`optim`] | AdamW with f32 master weights, global grad norm and clipping |
 //! | [`gradcheck`] | finite-difference gradient checking with a derived error bound |
+//! | [`sample`] | sampling one token per row (temperature, top-k, top-p) with a counter-based uniform draw: every device sampler's reference |
 //! | [`tolerance`] | derived bounds for comparing a device with the CPU reference (summation order only) |
 //! | [`qlinear`] | quantized linear `y = x·Wᵀ` (BF16/MXFP8/NVFP4/FP8-block) with `lowp` / `high_precision` / `dequantized` backward, prepared weights, memory accounting |
 #![deny(missing_docs)]
@@ -45,6 +46,7 @@ pub mod precision;
 pub mod qlinear;
 pub mod rope;
 pub mod routing;
+pub mod sample;
 pub mod tolerance;
 
 mod layout;

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use mxrl_model::engine::Engine;
 use mxrl_model::{Arch, ModelConfig, SeqInput};
 use mxrl_tensor::device::{Backend, CpuBackend};
+use mxrl_tensor::sample::SampleParams;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -102,6 +103,8 @@ struct Results {
     prefill_tokens_per_s: f64,
     /// (batch, ms/step, roofline ms/step)
     decode: Vec<(usize, f64, Option<f64>)>,
+    /// (batch, ms/step) with every op launched from the host (no recorded graph).
+    decode_plain: Vec<(usize, f64)>,
     copy_gbps: Option<f64>,
     peak_device_bytes: Option<usize>,
     train_tokens: usize,
@@ -195,33 +198,49 @@ fn measure<B: Backend>(
             })
             .collect();
         let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-        let (mut st, _) = e.prefill(&refs, a.prompt + a.steps + 3)?;
-        let mut next: Vec<u32> = (0..bs as u32).map(|i| (i * 17 + 3) % v).collect();
-        let mut times = Vec::new();
-        for step in 0..a.steps + 2 {
-            let t = Instant::now();
-            let logits = e.decode_step(&mut st, &next)?;
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            if step >= 2 {
-                times.push(ms);
+        // Greedy decode with on-device sampling (only the ids come back), once replaying a
+        // recorded graph per step (the default) and once op by op, on the same prompts.
+        let mut timed = [f64::NAN; 2];
+        let mut recorded = false;
+        for (slot, graphs) in [(0usize, true), (1, false)] {
+            if !graphs && !recorded {
+                break; // no graphs on this device: the first pass already ran op by op
             }
-            let vv = v as usize;
-            next = logits
-                .chunks(vv)
-                .map(|row| {
-                    let mut best = 0;
-                    for (i, &x) in row.iter().enumerate() {
-                        if x > row[best] {
-                            best = i;
-                        }
-                    }
-                    best as u32
-                })
-                .collect();
+            e.set_decode_graphs(graphs);
+            let greedy = SampleParams::greedy();
+            let (mut st, mut next, _) = e.prefill_sample(&refs, a.prompt + a.steps + 3, &greedy)?;
+            let mut times = Vec::new();
+            for step in 0..a.steps + 2 {
+                let t = Instant::now();
+                let (ids, lps) = e.decode_sample(&mut st, &next, &greedy)?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                if step >= 2 {
+                    times.push(ms);
+                }
+                if !lps.iter().all(|x| x.is_finite()) {
+                    bail!("non-finite logprobs in the decode benchmark");
+                }
+                next = ids;
+            }
+            if graphs {
+                recorded = st.graph_status().0;
+                if let (false, Some(why)) = st.graph_status() {
+                    eprintln!(
+                        "decode batch {bs}: graph recording failed ({why}); steps ran op by op"
+                    );
+                }
+            }
+            timed[slot] = median(times);
         }
-        let ms = median(times);
+        e.set_decode_graphs(true);
+        let [ms, plain_ms] = timed;
         let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
-        eprintln!("decode batch {bs}: {ms:.3} ms/step");
+        if recorded {
+            eprintln!("decode batch {bs}: {ms:.3} ms/step ({plain_ms:.3} op by op)");
+            r.decode_plain.push((bs, plain_ms));
+        } else {
+            eprintln!("decode batch {bs}: {ms:.3} ms/step");
+        }
         r.decode.push((bs, ms, roof));
     }
     if a.train_seqs > 0 && a.train_len > 1 {
@@ -330,6 +349,13 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             ratio(ms, theirs),
             roof.map_or("-".into(), |x| format!("{x:.3} ms")),
             roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
+        );
+    }
+    for &(bs, ms) in &r.decode_plain {
+        let graph = r.decode.iter().find(|d| d.0 == bs).map(|d| d.1);
+        println!(
+            "| decode batch {bs}, op by op (no graph) | {ms:.3} ms/step | | {} | | |",
+            graph.map_or("-".into(), |g| format!("graph {:.2}× faster", ms / g))
         );
     }
     if let Some(p) = r.peak_device_bytes {

@@ -79,6 +79,7 @@ pub struct Moe {
     dispatch_small: CudaFunction,
     gather_f32: CudaFunction,
     gather_bf16: CudaFunction,
+    gather_u16: CudaFunction,
     combine: CudaFunction,
     gather_bwd: CudaFunction,
     combine_bwd: CudaFunction,
@@ -103,6 +104,7 @@ impl Moe {
             dispatch_small: f("moe_dispatch_small")?,
             gather_f32: f("moe_gather_f32")?,
             gather_bf16: f("moe_gather_bf16")?,
+            gather_u16: f("moe_gather_rows_u16")?,
             combine: f("moe_combine")?,
             gather_bwd: f("moe_gather_bwd")?,
             combine_bwd: f("moe_combine_bwd")?,
@@ -351,6 +353,52 @@ impl Moe {
         Ok(())
     }
 
+    /// As [`Moe::gather_bf16`] from rows already in BF16 (`x: [N, H]` u16 bit patterns): the
+    /// rounding happened once, where the rows were made.
+    ///
+    /// # Errors
+    /// As [`Moe::gather_bf16`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        perm: &CudaView<'_, u32>,
+        offsets: &CudaView<'_, u32>,
+        out: &mut CudaViewMut<'_, u16>,
+        n: usize,
+        h: usize,
+        e: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_gather(
+            "moe gather_rows_bf16",
+            x.len(),
+            perm.len(),
+            offsets.len(),
+            out.len(),
+            n,
+            h,
+            e,
+            k,
+        )?;
+        if n == 0 || h == 0 {
+            return Ok(());
+        }
+        let (e32, k32, h64) = (e as u32, k as u32, h as u64);
+        let mut b = self.gpu.stream().launch_builder(&self.gather_u16);
+        b.arg(x)
+            .arg(perm)
+            .arg(offsets)
+            .arg(&e32)
+            .arg(&k32)
+            .arg(&h64)
+            .arg(out);
+        // SAFETY: as `gather`, with u16 input and output rows (N·H and N·k·H checked); types
+        // (const u16*, const u32*, const u32*, u32, u32, u64, u16*).
+        unsafe { b.launch(Self::rows_cfg(n * k)) }.map_err(|x| self.gpu.err(x))?;
+        Ok(())
+    }
+
     /// Grid of the per-token row kernels: one block row per token, each thread 4 columns.
     fn token_cols_cfg(&self, what: &str, n: usize, h: usize) -> Result<LaunchConfig, DeviceError> {
         let per_block = 4 * TOKEN_THREADS as usize;
@@ -386,11 +434,49 @@ impl Moe {
         h: usize,
         k: usize,
     ) -> Result<(), DeviceError> {
+        self.combine_impl(y, weights, row_of, out, n, h, k, None)
+    }
+
+    /// [`Moe::combine`] then `out += residual` (`residual: [N, H]`), in one pass and bitwise
+    /// the same as the combine followed by an element-wise add.
+    ///
+    /// # Errors
+    /// As [`Moe::combine`], and a short residual.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine_add(
+        &self,
+        y: &CudaView<'_, f32>,
+        weights: &CudaView<'_, f32>,
+        row_of: &CudaView<'_, u32>,
+        residual: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+        n: usize,
+        h: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.combine_impl(y, weights, row_of, out, n, h, k, Some(residual))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine_impl(
+        &self,
+        y: &CudaView<'_, f32>,
+        weights: &CudaView<'_, f32>,
+        row_of: &CudaView<'_, u32>,
+        out: &mut CudaViewMut<'_, f32>,
+        n: usize,
+        h: usize,
+        k: usize,
+        residual: Option<&CudaView<'_, f32>>,
+    ) -> Result<(), DeviceError> {
         self.check_shape("moe combine", n, 1, k)?;
         check_len(&self.gpu, "moe combine y", y.len(), n * k * h)?;
         check_len(&self.gpu, "moe combine weights", weights.len(), n * k)?;
         check_len(&self.gpu, "moe combine row_of", row_of.len(), n * k)?;
         check_len(&self.gpu, "moe combine out", out.len(), n * h)?;
+        if let Some(r) = residual {
+            check_len(&self.gpu, "moe combine residual", r.len(), n * h)?;
+        }
         if n == 0 || h == 0 {
             return Ok(());
         }
@@ -403,10 +489,16 @@ impl Moe {
             .arg(out)
             .arg(&k32)
             .arg(&h64);
+        let null: u64 = 0;
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
         // SAFETY: block (t < N, c) reads row_of/weights[t·k .. t·k + k] (N·k checked), y rows
         // row_of[..] < N·k (a permutation from `dispatch`; invalid rows skipped) at columns
-        // < H (N·k·H checked) and writes out[t·H + j], j < H (N·H checked); types (const float*,
-        // const float*, const u32*, float*, u32, u64).
+        // < H (N·k·H checked), reads residual[t·H + j] when given (N·H checked) and writes
+        // out[t·H + j], j < H (N·H checked); types (const float*, const float*, const u32*,
+        // float*, u32, u64, const float* or a null pointer as a u64 the kernel tests).
         unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }

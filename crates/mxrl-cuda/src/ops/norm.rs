@@ -49,6 +49,7 @@ fn check_dims(gpu: &Gpu, op: &str, rows: usize, d: usize) -> Result<(), DeviceEr
 pub struct Norm {
     gpu: Gpu,
     fwd: CudaFunction,
+    fwd_bf16: CudaFunction,
     bwd_dx: CudaFunction,
     dw_partial: CudaFunction,
     dw_reduce: CudaFunction,
@@ -68,6 +69,7 @@ impl Norm {
         Ok(Norm {
             gpu: gpu.clone(),
             fwd: f("rmsnorm_fwd")?,
+            fwd_bf16: f("rmsnorm_fwd_bf16")?,
             bwd_dx: f("rmsnorm_bwd_dx")?,
             dw_partial: f("rmsnorm_bwd_dw_partial")?,
             dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
@@ -110,6 +112,44 @@ impl Norm {
         // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
         // and rstd[r]; every buffer holds at least that (checked above); argument types match
         // (const float*, const float*, float*, float*, u32, float).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// [`Norm::forward`] writing `y` as BF16 bit patterns (round to nearest even): the forward
+    /// followed by a BF16 conversion, in one pass and bitwise the same.
+    ///
+    /// # Errors
+    /// As [`Norm::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, u16>,
+        rstd: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
+        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
+        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let d32 = d as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_threads(d), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
+        b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
+        // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
+        // const float*, u16*, float*, u32, float).
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }

@@ -2,7 +2,8 @@
 //! temperature, top-k, top-p, greedy at temperature 0, with a counter-based RNG.
 //!
 //! # Semantics
-//! Those of the reference `mxrl_model::generate::sample_token`: greedy takes the first index of
+//! Those of the reference `mxrl_tensor::sample::sample_row` (also behind
+//! `mxrl_model::generate::sample_token`): greedy takes the first index of
 //! the maximum and reports its logprob at `τ = 1`; otherwise the kept set is the first `keep`
 //! tokens in the order (probability descending, index ascending) with `keep = top_k` (0: all)
 //! cut to the smallest prefix whose mass reaches `top_p·Σp` (at least one), the token is drawn
@@ -14,7 +15,8 @@
 //! # Randomness
 //! The draw of row `r` at decode step `step` is `u = uniform(seed, step, r)` (splitmix64 of the
 //! three counters, 53 bits), so the same `(seed, step, row)` gives the same token on every run
-//! and for any batch size; [`uniform`] is the host twin of the device function.
+//! and for any batch size; [`uniform`] (`mxrl_tensor::sample`) is the host twin of the device
+//! function and `mxrl_tensor::sample::sample_rows` the reference of the whole kernel.
 #![allow(unsafe_code)]
 
 use crate::gpu::Gpu;
@@ -27,37 +29,7 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_sample.cu");
 /// Threads per row (`SAMPLE_THREADS` in the kernel).
 const THREADS: u32 = 512;
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// The uniform draw in `[0, 1)` of row `row` at step `step` (53 random bits): the host twin of
-/// the kernel's `sample_uniform`.
-pub fn uniform(seed: u64, step: u64, row: u64) -> f64 {
-    let mut h = splitmix64(seed);
-    h = splitmix64(h ^ step);
-    h = splitmix64(h ^ row);
-    (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-/// Sampling parameters of one call (shared by all rows): the numeric fields of
-/// `mxrl_model::generate::SamplingParams` plus the decode step counter.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SampleParams {
-    /// Temperature (`0` = greedy; otherwise `> 0`).
-    pub temperature: f32,
-    /// Nucleus mass (`≥ 1` = off).
-    pub top_p: f32,
-    /// Keep the `top_k` most likely tokens (`0` = off).
-    pub top_k: usize,
-    /// RNG seed.
-    pub seed: u64,
-    /// Decode step (the RNG counter besides the row).
-    pub step: u64,
-}
+pub use mxrl_tensor::sample::{uniform, SampleParams};
 
 /// The loaded kernel.
 pub struct Sampler {
