@@ -24,9 +24,11 @@ use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
 use cudarc::driver::{CudaGraph, CudaSlice};
+use mxrl_formats::Format;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
 use mxrl_tensor::optim::AdamWConfig;
+use mxrl_tensor::qlinear::{ActScaling, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 use std::cell::Cell;
@@ -35,6 +37,36 @@ fn de(e: CudaError) -> DeviceError {
     match e {
         CudaError::Cuda { device, what } => DeviceError::new(device, what),
         other => DeviceError::new("cuda", other.to_string()),
+    }
+}
+
+/// The routed experts' weights of one projection as stored: element codes and block scales
+/// of every expert back to back (`[E, N, K]` E4M3 bytes and `[E, N, K/32]` E8M0 scales for
+/// MXFP8; `[E, N, K/2]` packed E2M1 and `[E, N, K/16]` E4M3 scales plus one f32 amax per
+/// expert for NVFP4), the bytes `mxrl_formats` wrote, compact scale layout.
+pub struct QExperts {
+    /// The block format of every expert.
+    pub format: Format,
+    /// Experts, output rows, input columns.
+    pub e: usize,
+    /// Output rows per expert.
+    pub n: usize,
+    /// Input columns.
+    pub k: usize,
+    /// Element codes.
+    pub codes: CudaSlice<u8>,
+    /// Block scales.
+    pub scales: CudaSlice<u8>,
+    /// NVFP4 per-expert amax (one element, unused, for MXFP8).
+    pub amax: CudaSlice<f32>,
+    /// NVFP4 activations' amax scope is per token (the only one the device path takes).
+    pub spec: LinearSpec,
+}
+
+impl QExperts {
+    /// Stored bytes on the device (codes, scales, amax).
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + self.scales.len() + 4 * self.amax.len()
     }
 }
 
@@ -179,6 +211,7 @@ impl Backend for CudaBackend {
     type U32 = CudaSlice<u32>;
     type Rope = RopeDeviceTable;
     type Graph = CudaGraph;
+    type QExperts = QExperts;
 
     fn device(&self) -> Device {
         Device::Cuda(self.gpu.ordinal())
@@ -261,6 +294,118 @@ impl Backend for CudaBackend {
                 h,
                 k,
             )
+            .map_err(de)
+    }
+
+    fn upload_experts(&self, experts: Vec<PreparedWeight>) -> DResult<QExperts> {
+        mxrl_tensor::device::check_experts(&experts)?;
+        let first = &experts[0];
+        let (spec, n, k) = (first.spec(), first.n(), first.k());
+        let format = spec.format();
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        match format {
+            Format::Mxfp8 => {}
+            Format::Nvfp4 if spec.act_scaling() == ActScaling::PerToken => {}
+            _ => {
+                return Err(dev(format!(
+                    "upload_experts: {} ({spec:?}) has no device expert kernels (MXFP8, or \
+                     NVFP4 with per-token activation scaling)",
+                    first.name()
+                )))
+            }
+        }
+        let (mut codes, mut scales, mut amax) = (Vec::new(), Vec::new(), Vec::new());
+        for pw in &experts {
+            let q = pw
+                .stored()
+                .expect("checked: stored bytes")
+                .clone()
+                .with_scale_layout(mxrl_formats::ScaleLayout::Compact)
+                .map_err(|e| dev(format!("{}: {e}", pw.name())))?;
+            let Some(sb) = q.scales.as_bytes() else {
+                return Err(dev(format!("{}: scales are not bytes", pw.name())));
+            };
+            codes.extend_from_slice(&q.data);
+            scales.extend_from_slice(sb);
+            if format == Format::Nvfp4 {
+                if q.amax.len() != 1 {
+                    return Err(dev(format!(
+                        "{}: {} amax values, one per-tensor amax expected",
+                        pw.name(),
+                        q.amax.len()
+                    )));
+                }
+                amax.push(q.amax[0]);
+            }
+        }
+        if amax.is_empty() {
+            amax.push(0.0);
+        }
+        Ok(QExperts {
+            format,
+            e: experts.len(),
+            n,
+            k,
+            codes: self.gpu.upload(&codes).map_err(de)?,
+            scales: self.gpu.upload(&scales).map_err(de)?,
+            amax: self.gpu.upload(&amax).map_err(de)?,
+            spec,
+        })
+    }
+
+    fn grouped_qlinear(
+        &self,
+        _x: &Self::F32,
+        w: &QExperts,
+        _offsets: &Self::U32,
+        _experts: usize,
+        _rows: usize,
+        _k: usize,
+        _n: usize,
+        _y: &mut Self::F32,
+    ) -> DResult<()> {
+        Err(DeviceError::new(
+            self.gpu.name(),
+            format!(
+                "grouped_qlinear: no device kernels for {:?} experts yet",
+                w.format
+            ),
+        ))
+    }
+
+    fn gather_f32(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .gather(
+                &x.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut out.as_view_mut(),
+                n,
+                h,
+                e,
+                top_k,
+            )
+            .map_err(de)
+    }
+
+    fn swiglu_f32(
+        &self,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        self.swiglu
+            .forward(&gu.as_view(), &mut out.as_view_mut(), None, rows, f)
             .map_err(de)
     }
 
@@ -693,7 +838,7 @@ impl Backend for CudaBackend {
         f: usize,
         out: &mut Self::Bf16,
     ) -> DResult<()> {
-        let mut h = self.gpu.zeros::<f32>(rows * f).map_err(de)?;
+        let mut h = self.gpu.empty::<f32>(rows * f).map_err(de)?;
         self.swiglu
             .forward(
                 &gu.as_view(),

@@ -18,10 +18,13 @@
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::model::{Model, SeqInput};
+use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
+use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
+use rayon::prelude::*;
 
 fn dev(e: DeviceError) -> ModelError {
     ModelError::Device(e.to_string())
@@ -106,6 +109,8 @@ struct LayerTape<B: Backend> {
 }
 
 enum FfnTape<B: Backend> {
+    /// Block-format experts: inference only (training refuses such an engine).
+    MoeQuantized,
     Dense {
         gu: B::F32,
         actb: B::Bf16,
@@ -151,6 +156,15 @@ pub struct Engine<B: Backend> {
     train: Option<TrainState<B>>,
     /// Record decode steps as device graphs and replay them ([`Engine::set_decode_graphs`]).
     graphs: bool,
+    /// Per layer, the routed experts in a block format ([`Engine::quantize_experts`]).
+    qmoe: Vec<Option<QMoe<B>>>,
+}
+
+/// The routed experts of one MoE layer as stored in a block format: fused gate/up and down.
+struct QMoe<B: Backend> {
+    gate_up: B::QExperts,
+    down: B::QExperts,
+    bytes: usize,
 }
 
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
@@ -515,6 +529,7 @@ impl<B: Backend> Engine<B> {
             b,
             train: None,
             graphs: true,
+            qmoe: Vec::new(),
         })
     }
 
@@ -581,12 +596,76 @@ impl<B: Backend> Engine<B> {
             n += h * qd + 2 * h * kvd + qd * h;
             n += if c.is_moe_layer(l) {
                 let used = (batch * c.num_experts_per_tok).min(c.num_experts);
-                c.num_experts * h + used * 3 * h * c.moe_intermediate_size
+                match self.qmoe.get(l).and_then(Option::as_ref) {
+                    // Stored bytes of the used experts, in BF16 elements' worth.
+                    Some(q) => c.num_experts * h + used * q.bytes / c.num_experts / 2,
+                    None => c.num_experts * h + used * 3 * h * c.moe_intermediate_size,
+                }
             } else {
                 3 * h * c.intermediate_size
             };
         }
         2 * n
+    }
+
+    /// Runs the routed experts of every MoE layer in the block format of `spec` (MXFP8 or
+    /// NVFP4): each expert's fused gate/up and down weights are quantized from the master
+    /// weights by the contract library, exactly as the CPU model's
+    /// `PreparedWeight::quantize` does, and the device keeps the stored bytes; activations
+    /// are quantized on every forward. A BF16 spec returns the experts to BF16. Inference
+    /// only: an engine with training state refuses.
+    ///
+    /// # Errors
+    /// Training enabled, a spec the backend has no kernels for, quantizer or device errors.
+    pub fn quantize_experts(&mut self, spec: LinearSpec) -> Result<()> {
+        if self.train.is_some() {
+            return Err(ModelError::Input(
+                "quantize_experts: this engine holds training state; block-format experts \
+                 are inference only for now"
+                    .into(),
+            ));
+        }
+        if spec.weight_scheme().is_none() {
+            self.qmoe.clear();
+            return Ok(());
+        }
+        let c = self.cfg.clone();
+        let (h, f, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+        let mut qmoe = Vec::with_capacity(self.layers.len());
+        for (li, l) in self.layers.iter().enumerate() {
+            let Ffn::Moe(m) = &l.ffn else {
+                qmoe.push(None);
+                continue;
+            };
+            let prep = |pi: usize, n: usize, k: usize, proj: &str| -> Result<Vec<PreparedWeight>> {
+                let all = self
+                    .b
+                    .download_f32(&self.params[pi].master, ne * n * k)
+                    .map_err(dev)?;
+                all.par_chunks(n * k)
+                    .enumerate()
+                    .map(|(ei, w)| {
+                        let name = format!("model.layers.{li}.mlp.experts.{ei}.{proj}.weight");
+                        PreparedWeight::quantize(&name, w, n, k, spec, 0)
+                            .map_err(|e| ModelError::Input(e.to_string()))
+                    })
+                    .collect()
+            };
+            let gu = prep(m.gate_up, 2 * f, h, "gate_up_proj")?;
+            let dn = prep(m.down, h, f, "down_proj")?;
+            let bytes: usize = gu
+                .iter()
+                .chain(&dn)
+                .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
+                .sum();
+            qmoe.push(Some(QMoe {
+                gate_up: self.b.upload_experts(gu).map_err(dev)?,
+                down: self.b.upload_experts(dn).map_err(dev)?,
+                bytes,
+            }));
+        }
+        self.qmoe = qmoe;
+        Ok(())
     }
 
     /// The configuration.
@@ -720,8 +799,23 @@ impl<B: Backend> Engine<B> {
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
         let mut h2b = eb(n * hd)?;
-        b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
-            .map_err(dev)?;
+        let qmoe = self.qmoe.get(li).and_then(Option::as_ref);
+        // Block-format experts quantize the f32 normalized rows (as the CPU model's quantized
+        // linears do); everything else takes their BF16 rounding.
+        let h2 = match qmoe {
+            Some(_) => {
+                let mut h2 = e(n * hd)?;
+                b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
+                    .map_err(dev)?;
+                b.to_bf16(&h2, &mut h2b, n * hd).map_err(dev)?;
+                Some(h2)
+            }
+            None => {
+                b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
+                    .map_err(dev)?;
+                None
+            }
+        };
         let (x_out, ffn) = match &l.ffn {
             Ffn::Dense(m) => {
                 let mut gu = e(n * 2 * m.f)?;
@@ -735,7 +829,7 @@ impl<B: Backend> Engine<B> {
                 b.add(&mut y, &x_mid, n * hd).map_err(dev)?;
                 (y, FfnTape::Dense { gu, actb })
             }
-            Ffn::Moe(m) => {
+            Ffn::Moe(m) => 'moe: {
                 let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
                 let mut logits = e(n * ne)?;
@@ -753,6 +847,34 @@ impl<B: Backend> Engine<B> {
                 };
                 b.route(&logits, n, ne, k, c.norm_topk_prob, &mut route)
                     .map_err(dev)?;
+                if let (Some(qm), Some(h2)) = (qmoe, &h2) {
+                    let mut xg = e(rows * hd)?;
+                    b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
+                        .map_err(dev)?;
+                    let mut gu = e(rows * 2 * m.f)?;
+                    b.grouped_qlinear(
+                        &xg,
+                        &qm.gate_up,
+                        &route.offsets,
+                        ne,
+                        rows,
+                        hd,
+                        2 * m.f,
+                        &mut gu,
+                    )
+                    .map_err(dev)?;
+                    drop(xg);
+                    let mut act = e(rows * m.f)?;
+                    b.swiglu_f32(&gu, rows, m.f, &mut act).map_err(dev)?;
+                    drop(gu);
+                    let mut y = e(rows * hd)?;
+                    b.grouped_qlinear(&act, &qm.down, &route.offsets, ne, rows, m.f, hd, &mut y)
+                        .map_err(dev)?;
+                    let mut out = e(n * hd)?;
+                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                        .map_err(dev)?;
+                    break 'moe (out, FfnTape::MoeQuantized);
+                }
                 let mut xg = eb(rows * hd)?;
                 b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
                     .map_err(dev)?;
@@ -1369,6 +1491,13 @@ impl<B: Backend> Engine<B> {
     pub fn enable_training(&mut self) -> Result<()> {
         if self.train.is_some() {
             return Ok(());
+        }
+        if self.qmoe.iter().any(Option::is_some) {
+            return Err(ModelError::Input(
+                "this engine runs block-format experts for inference (quantize_experts); \
+                 training on it is not supported yet"
+                    .into(),
+            ));
         }
         let b = &self.b;
         let z = |p: &Param<B>| b.zeros_f32(p.len).map_err(dev);

@@ -2,9 +2,11 @@
 //! the CPU model with every linear at `LinearPrecision::Bf16`: the same functions in the same
 //! order, so the results are bitwise equal.
 
+use mxrl_formats::Format;
 use mxrl_model::engine::cpu_engine;
-use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput};
+use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput, TensorRole};
 use mxrl_tensor::gradcheck::test_values;
+use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
 use mxrl_tensor::sample::{sample_rows, SampleParams};
 
 /// Qwen3-MoE with a dense layer, GQA, q/k norms; Qwen2-MoE (no shared expert) with q/k/v bias
@@ -208,6 +210,59 @@ fn engine_generate_samples_each_step_with_its_counter_and_stops_per_sequence() {
     };
     let err = e.generate(&prompts, 2, &bad, &[]).unwrap_err().to_string();
     assert!(err.contains("temperature"), "{err}");
+}
+
+/// Block-format routed experts: the engine's quantized experts (stored bytes kept by the
+/// backend, activations quantized per forward) give bitwise the CPU model's logprobs with the
+/// same experts' precision, for MXFP8 and NVFP4 (per-token activation scaling); training
+/// such an engine is refused.
+#[test]
+fn engine_block_format_experts_equal_the_cpu_model_bitwise() {
+    let mut c = small(Arch::Qwen3Moe);
+    c.moe_intermediate_size = 32; // MXFP8 blocks of 32 along K of the down projection
+    let s = seqs();
+    let batch: Vec<SeqInput> = s
+        .iter()
+        .map(|q| SeqInput {
+            tokens: q,
+            targets: &q[..],
+        })
+        .collect();
+    for format in [Format::Mxfp8, Format::Nvfp4] {
+        let spec = LinearSpec::new(format, BackwardMode::HighPrecision).unwrap();
+        let mut m = bf16_model(&c, 12);
+        let mut e = cpu_engine(&m, 64).unwrap();
+        let bf16_lp = e.logprobs(&batch, 1.0).unwrap();
+        e.quantize_experts(spec).unwrap();
+        m.set_precision_by(|_, role| match role {
+            TensorRole::Expert => LinearPrecision::Quantized(spec),
+            _ => LinearPrecision::Bf16,
+        })
+        .unwrap();
+        let want = m
+            .forward(&batch, &ForwardOptions::default())
+            .unwrap()
+            .logprobs;
+        let got = e.logprobs(&batch, 1.0).unwrap();
+        let mut moved = false;
+        for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+            let gb: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            let wb: Vec<u32> = w.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(gb, wb, "{format:?} sequence {b}");
+            moved |= g != &bf16_lp[b];
+        }
+        assert!(moved, "{format:?}: quantized experts changed no logprob");
+        // Decoding runs on the quantized experts too (the KV cache is BF16 here, f32 in the
+        // CPU model, so decode is compared with the engine's own prefill, not the model's).
+        let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
+        let g = e.generate_greedy(&prompts, 3).unwrap();
+        assert!(g.iter().all(|t| t.len() == 3));
+        let err = e.enable_training().unwrap_err().to_string();
+        assert!(err.contains("inference"), "{err}");
+        // Back to BF16 experts: the BF16 logprobs again.
+        e.quantize_experts(LinearSpec::bf16()).unwrap();
+        assert_eq!(e.logprobs(&batch, 1.0).unwrap(), bf16_lp);
+    }
 }
 
 #[test]

@@ -18,6 +18,7 @@ use crate::loss::logprobs_forward;
 use crate::moe::{combine_forward, Dispatch};
 use crate::norm::rmsnorm_forward;
 use crate::precision::round_bf16;
+use crate::qlinear::PreparedWeight;
 use crate::rope::RopeTable;
 use crate::routing::{router_forward, RouteMode, Routes};
 use crate::sample::{sample_rows, SampleParams};
@@ -111,6 +112,9 @@ pub trait Backend {
     type Rope;
     /// Recorded device work that can be replayed ([`Backend::end_capture`]).
     type Graph;
+    /// The routed experts' weights of one projection in a block format, as stored
+    /// ([`Backend::upload_experts`]).
+    type QExperts;
 
     /// The device.
     fn device(&self) -> Device;
@@ -656,6 +660,54 @@ pub trait Backend {
         self.add(out, residual, n * h)
     }
 
+    /// Keeps the stored (quantized) weights of one projection's experts (`[n, k]` each, one
+    /// linear spec, expert order): the CPU keeps them as they are, a device uploads the stored
+    /// bytes and scales.
+    ///
+    /// # Errors
+    /// Weights without stored bytes (BF16), mixed specs or shapes; out of memory.
+    fn upload_experts(&self, experts: Vec<PreparedWeight>) -> DResult<Self::QExperts>;
+    /// Quantized grouped linear over expert-major rows (`x: [rows, k]` f32; the rows of expert
+    /// `e` are `offsets[e]..offsets[e+1]`) → `y: [rows, n]`: for every expert,
+    /// [`PreparedWeight::forward_inference`] on its rows — bitwise on the CPU; a device
+    /// quantizes the activations to the same bytes and multiplies the same exact products,
+    /// summed in another order.
+    ///
+    /// # Errors
+    /// Short buffers, shapes that disagree with the weights; device failure.
+    fn grouped_qlinear(
+        &self,
+        x: &Self::F32,
+        w: &Self::QExperts,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn gather_f32(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Self::F32,
+    ) -> DResult<()>;
+    /// SwiGLU with an f32 output (the input of a quantized linear): `gu: [rows, 2F]` →
+    /// `out: [rows, F]` (reference [`crate::activation::swiglu_forward`]).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn swiglu_f32(&self, gu: &Self::F32, rows: usize, f: usize, out: &mut Self::F32)
+        -> DResult<()>;
+
     /// Buffers for outputs an op overwrites whole: their contents before the op are
     /// unspecified (a device may skip the zero fill). The default zero-fills.
     ///
@@ -725,6 +777,42 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn launch_graph(&self, g: &Self::Graph) -> DResult<()>;
+}
+
+/// Checks a projection's expert weights for [`Backend::upload_experts`]: stored bytes, one
+/// spec and shape.
+pub fn check_experts(experts: &[PreparedWeight]) -> DResult<()> {
+    let Some(first) = experts.first() else {
+        return Err(DeviceError::new("cpu", "upload_experts: no experts"));
+    };
+    for pw in experts {
+        if pw.stored().is_none() {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "upload_experts: {} has no stored block-format bytes",
+                    pw.name()
+                ),
+            ));
+        }
+        if pw.spec() != first.spec() || pw.n() != first.n() || pw.k() != first.k() {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "upload_experts: {} ({:?} [{}, {}]) differs from {} ({:?} [{}, {}])",
+                    pw.name(),
+                    pw.spec(),
+                    pw.n(),
+                    pw.k(),
+                    first.name(),
+                    first.spec(),
+                    first.n(),
+                    first.k()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The CPU backend: the functions of this crate, as the CPU model calls them (bitwise).
@@ -799,9 +887,97 @@ impl Backend for CpuBackend {
     type U32 = Vec<u32>;
     type Rope = Vec<f32>;
     type Graph = Infallible;
+    type QExperts = Vec<PreparedWeight>;
 
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn upload_experts(&self, experts: Vec<PreparedWeight>) -> DResult<Vec<PreparedWeight>> {
+        check_experts(&experts)?;
+        Ok(experts)
+    }
+
+    fn grouped_qlinear(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<PreparedWeight>,
+        offsets: &Vec<u32>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("grouped_qlinear offsets", offsets.len(), experts + 1)?;
+        need("grouped_qlinear x", x.len(), rows * k)?;
+        need("grouped_qlinear y", y.len(), rows * n)?;
+        if w.len() != experts {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "grouped_qlinear: {} expert weights for {experts} experts",
+                    w.len()
+                ),
+            ));
+        }
+        for (e, pw) in w.iter().enumerate() {
+            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+            if a > b || b > rows {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("grouped_qlinear: expert {e} rows {a}..{b} outside 0..{rows}"),
+                ));
+            }
+            if pw.n() != n || pw.k() != k {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!(
+                        "grouped_qlinear: {} is [{}, {}], not [{n}, {k}]",
+                        pw.name(),
+                        pw.n(),
+                        pw.k()
+                    ),
+                ));
+            }
+            if a == b {
+                continue;
+            }
+            let out = pw
+                .forward_inference(&x[a * k..b * k], b - a)
+                .map_err(|e| DeviceError::new("cpu", e.to_string()))?;
+            y[a * n..b * n].copy_from_slice(&out);
+        }
+        Ok(())
+    }
+
+    fn gather_f32(
+        &self,
+        x: &Vec<f32>,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        top_k: usize,
+        h: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let perm = &route.perm;
+        let rows = n * top_k;
+        need("gather perm", perm.len(), rows)?;
+        need("gather out", out.len(), rows * h)?;
+        for (r, &ts) in perm[..rows].iter().enumerate() {
+            let t = ts as usize / top_k;
+            need("gather x", x.len(), (t + 1) * h)?;
+            out[r * h..(r + 1) * h].copy_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        Ok(())
+    }
+
+    fn swiglu_f32(&self, gu: &Vec<f32>, rows: usize, f: usize, out: &mut Vec<f32>) -> DResult<()> {
+        need("swiglu gu", gu.len(), rows * 2 * f)?;
+        need("swiglu out", out.len(), rows * f)?;
+        crate::activation::swiglu_forward(&gu[..rows * 2 * f], rows, f, &mut out[..rows * f]);
+        Ok(())
     }
 
     fn gather_rows_bf16(

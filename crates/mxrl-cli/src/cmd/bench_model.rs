@@ -7,9 +7,11 @@
 //! the same device call.
 
 use anyhow::{bail, Context, Result};
+use mxrl_formats::Format;
 use mxrl_model::engine::Engine;
 use mxrl_model::{Arch, ModelConfig, SeqInput};
 use mxrl_tensor::device::{Backend, CpuBackend};
+use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
 use mxrl_tensor::sample::SampleParams;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -50,6 +52,10 @@ pub struct ModelArgs {
     /// Timed training steps (after one warm-up step).
     #[arg(long, default_value_t = 3)]
     train_steps: usize,
+    /// Also measure prefill and decode with the routed experts in these block formats
+    /// (`bf16`, `mxfp8`, `nvfp4`; comma separated), each against BF16 in the same run.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
+    expert_formats: Vec<String>,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
@@ -105,6 +111,8 @@ struct Results {
     decode: Vec<(usize, f64, Option<f64>)>,
     /// (batch, ms/step) with every op launched from the host (no recorded graph).
     decode_plain: Vec<(usize, f64)>,
+    /// Prefill and decode with the routed experts in a block format.
+    expert_formats: Vec<FormatResult>,
     copy_gbps: Option<f64>,
     peak_device_bytes: Option<usize>,
     train_tokens: usize,
@@ -112,6 +120,17 @@ struct Results {
     train_tokens_per_s: Option<f64>,
     /// Model FLOPs utilisation of the training step against `--peak-tflops`.
     train_mfu: Option<f64>,
+}
+
+/// Prefill and decode with the routed experts in one block format.
+#[derive(serde::Serialize, Default, Debug)]
+struct FormatResult {
+    format: String,
+    /// Seconds to quantize every expert (host, contract library) and upload the bytes.
+    quantize_s: f64,
+    prefill_ms: f64,
+    /// (batch, ms/step, roofline ms/step of the stored bytes)
+    decode: Vec<(usize, f64, Option<f64>)>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -176,73 +195,45 @@ fn measure<B: Backend>(
         copy_gbps,
         ..Default::default()
     };
-    e.logprobs(&batch, 1.0)?; // warm-up (module compilation, allocations)
-    let mut times = Vec::new();
-    for _ in 0..a.reps.max(1) {
-        let t = Instant::now();
-        let lp = e.logprobs(&batch, 1.0)?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-        if !lp[0].iter().all(|x| x.is_finite()) {
-            bail!("non-finite logprobs in the prefill benchmark");
-        }
-    }
-    r.prefill_ms = median(times);
+    r.prefill_ms = time_prefill(e, a, &batch)?;
     r.prefill_tokens_per_s = a.prefill as f64 / (r.prefill_ms / 1e3);
     eprintln!("prefill {} tokens: {:.2} ms", a.prefill, r.prefill_ms);
     for &bs in &a.batches {
-        let prompts: Vec<Vec<u32>> = (0..bs)
-            .map(|s| {
-                (0..a.prompt as u32)
-                    .map(|i| (i * 31 + s as u32 * 101 + 7) % v)
-                    .collect()
-            })
-            .collect();
-        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-        // Greedy decode with on-device sampling (only the ids come back), once replaying a
-        // recorded graph per step (the default) and once op by op, on the same prompts.
-        let mut timed = [f64::NAN; 2];
-        let mut recorded = false;
-        for (slot, graphs) in [(0usize, true), (1, false)] {
-            if !graphs && !recorded {
-                break; // no graphs on this device: the first pass already ran op by op
-            }
-            e.set_decode_graphs(graphs);
-            let greedy = SampleParams::greedy();
-            let (mut st, mut next, _) = e.prefill_sample(&refs, a.prompt + a.steps + 3, &greedy)?;
-            let mut times = Vec::new();
-            for step in 0..a.steps + 2 {
-                let t = Instant::now();
-                let (ids, lps) = e.decode_sample(&mut st, &next, &greedy)?;
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                if step >= 2 {
-                    times.push(ms);
-                }
-                if !lps.iter().all(|x| x.is_finite()) {
-                    bail!("non-finite logprobs in the decode benchmark");
-                }
-                next = ids;
-            }
-            if graphs {
-                recorded = st.graph_status().0;
-                if let (false, Some(why)) = st.graph_status() {
-                    eprintln!(
-                        "decode batch {bs}: graph recording failed ({why}); steps ran op by op"
-                    );
-                }
-            }
-            timed[slot] = median(times);
-        }
-        e.set_decode_graphs(true);
-        let [ms, plain_ms] = timed;
+        let (ms, plain_ms) = time_decode(e, a, bs, true)?;
         let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
-        if recorded {
-            eprintln!("decode batch {bs}: {ms:.3} ms/step ({plain_ms:.3} op by op)");
-            r.decode_plain.push((bs, plain_ms));
-        } else {
-            eprintln!("decode batch {bs}: {ms:.3} ms/step");
+        match plain_ms {
+            Some(p) => {
+                eprintln!("decode batch {bs}: {ms:.3} ms/step ({p:.3} op by op)");
+                r.decode_plain.push((bs, p));
+            }
+            None => eprintln!("decode batch {bs}: {ms:.3} ms/step"),
         }
         r.decode.push((bs, ms, roof));
     }
+    // The routed experts in each block format (stored bytes on the device, activations
+    // quantized per forward): prefill and decode again, then back to BF16 for training.
+    for fmt in a.expert_formats.iter().filter(|f| f.as_str() != "bf16") {
+        let spec = expert_spec(fmt)?;
+        let t = Instant::now();
+        e.quantize_experts(spec)?;
+        let quantize_s = t.elapsed().as_secs_f64();
+        let prefill_ms = time_prefill(e, a, &batch)?;
+        eprintln!("{fmt} experts (quantized in {quantize_s:.1} s): prefill {prefill_ms:.2} ms");
+        let mut decode = Vec::new();
+        for &bs in &a.batches {
+            let (ms, _) = time_decode(e, a, bs, false)?;
+            let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
+            eprintln!("{fmt} experts: decode batch {bs}: {ms:.3} ms/step");
+            decode.push((bs, ms, roof));
+        }
+        r.expert_formats.push(FormatResult {
+            format: fmt.clone(),
+            quantize_s,
+            prefill_ms,
+            decode,
+        });
+    }
+    e.quantize_experts(LinearSpec::bf16())?;
     if a.train_seqs > 0 && a.train_len > 1 {
         e.enable_training()?;
         let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
@@ -293,6 +284,85 @@ fn measure<B: Backend>(
     }
     r.peak_device_bytes = peak(e);
     Ok(r)
+}
+
+/// The linear spec of `--expert-formats` entry `name` (forward only: the backward mode is not
+/// used by inference).
+fn expert_spec(name: &str) -> Result<LinearSpec> {
+    let format = match name {
+        "bf16" => return Ok(LinearSpec::bf16()),
+        "mxfp8" => Format::Mxfp8,
+        "nvfp4" => Format::Nvfp4,
+        other => bail!("--expert-formats: unknown format {other:?} (bf16, mxfp8, nvfp4)"),
+    };
+    Ok(LinearSpec::new(format, BackwardMode::HighPrecision)?)
+}
+
+/// Median ms of a prefill (per-token logprobs of one sequence) after one warm-up.
+fn time_prefill<B: Backend>(e: &Engine<B>, a: &ModelArgs, batch: &[SeqInput<'_>]) -> Result<f64> {
+    e.logprobs(batch, 1.0)?; // warm-up (module compilation, allocations)
+    let mut times = Vec::new();
+    for _ in 0..a.reps.max(1) {
+        let t = Instant::now();
+        let lp = e.logprobs(batch, 1.0)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        if !lp[0].iter().all(|x| x.is_finite()) {
+            bail!("non-finite logprobs in the prefill benchmark");
+        }
+    }
+    Ok(median(times))
+}
+
+/// Greedy decode ms/step at batch `bs` with on-device sampling (only the ids come back),
+/// replaying a recorded graph per step (the default), and with `plain` also op by op on the
+/// same prompts (`None` where the device records no graphs).
+fn time_decode<B: Backend>(
+    e: &mut Engine<B>,
+    a: &ModelArgs,
+    bs: usize,
+    plain: bool,
+) -> Result<(f64, Option<f64>)> {
+    let v = e.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..bs)
+        .map(|s| {
+            (0..a.prompt as u32)
+                .map(|i| (i * 31 + s as u32 * 101 + 7) % v)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut timed = [f64::NAN; 2];
+    let mut recorded = false;
+    for (slot, graphs) in [(0usize, true), (1, false)] {
+        if !graphs && (!recorded || !plain) {
+            break; // no graphs on this device: the first pass already ran op by op
+        }
+        e.set_decode_graphs(graphs);
+        let greedy = SampleParams::greedy();
+        let (mut st, mut next, _) = e.prefill_sample(&refs, a.prompt + a.steps + 3, &greedy)?;
+        let mut times = Vec::new();
+        for step in 0..a.steps + 2 {
+            let t = Instant::now();
+            let (ids, lps) = e.decode_sample(&mut st, &next, &greedy)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if step >= 2 {
+                times.push(ms);
+            }
+            if !lps.iter().all(|x| x.is_finite()) {
+                bail!("non-finite logprobs in the decode benchmark");
+            }
+            next = ids;
+        }
+        if graphs {
+            recorded = st.graph_status().0;
+            if let (false, Some(why)) = st.graph_status() {
+                eprintln!("decode batch {bs}: graph recording failed ({why}); steps ran op by op");
+            }
+        }
+        timed[slot] = median(times);
+    }
+    e.set_decode_graphs(true);
+    Ok((timed[0], (recorded && plain).then_some(timed[1])))
 }
 
 fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
@@ -350,6 +420,26 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             roof.map_or("-".into(), |x| format!("{x:.3} ms")),
             roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
         );
+    }
+    for f in &r.expert_formats {
+        let ratio_bf16 = |ours: f64, bf16: f64| format!("{:.2}× BF16's time", ours / bf16);
+        println!(
+            "| prefill {} tokens, {} experts | {:.2} ms | | {} | | |",
+            r.prefill_tokens,
+            f.format,
+            f.prefill_ms,
+            ratio_bf16(f.prefill_ms, r.prefill_ms)
+        );
+        for &(bs, ms, roof) in &f.decode {
+            let bf16 = r.decode.iter().find(|d| d.0 == bs).map(|d| d.1);
+            println!(
+                "| decode batch {bs}, {} experts | {ms:.3} ms/step | | {} | {} | {} |",
+                f.format,
+                bf16.map_or("-".into(), |b| ratio_bf16(ms, b)),
+                roof.map_or("-".into(), |x| format!("{x:.3} ms")),
+                roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
+            );
+        }
     }
     for &(bs, ms) in &r.decode_plain {
         let graph = r.decode.iter().find(|d| d.0 == bs).map(|d| d.1);
