@@ -653,19 +653,98 @@ impl<B: Backend> Engine<B> {
             };
             let gu = prep(m.gate_up, 2 * f, h, "gate_up_proj")?;
             let dn = prep(m.down, h, f, "down_proj")?;
-            let bytes: usize = gu
-                .iter()
-                .chain(&dn)
-                .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
-                .sum();
-            qmoe.push(Some(QMoe {
-                gate_up: self.b.upload_experts(gu).map_err(dev)?,
-                down: self.b.upload_experts(dn).map_err(dev)?,
-                bytes,
-            }));
+            qmoe.push(Some(self.upload_qmoe(gu, dn)?));
         }
         self.qmoe = qmoe;
         Ok(())
+    }
+
+    fn upload_qmoe(&self, gu: Vec<PreparedWeight>, dn: Vec<PreparedWeight>) -> Result<QMoe<B>> {
+        let bytes: usize = gu
+            .iter()
+            .chain(&dn)
+            .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
+            .sum();
+        Ok(QMoe {
+            gate_up: self.b.upload_experts(gu).map_err(dev)?,
+            down: self.b.upload_experts(dn).map_err(dev)?,
+            bytes,
+        })
+    }
+
+    /// The engine of `model` as the model runs: BF16 operands for its BF16 and f32 linears
+    /// (the device engine multiplies BF16 on tensor cores), and its block-format routed
+    /// experts as the model prepared them (the same stored bytes: quantized from the masters
+    /// or loaded from a converted checkpoint). Returns a one-line description of what runs.
+    ///
+    /// # Errors
+    /// A block-format linear that is not a routed expert (the engine has no such path yet),
+    /// experts of mixed formats, and [`Engine::from_model`]'s errors.
+    pub fn from_model_as_run(model: &Model, b: B, max_pos: usize) -> Result<(Self, String)> {
+        let c = model.config().clone();
+        let mut f32_linears = 0usize;
+        let mut expert_spec: Option<LinearSpec> = None;
+        for (name, prec) in model.linear_precisions() {
+            match prec {
+                crate::LinearPrecision::F32 => f32_linears += 1,
+                crate::LinearPrecision::Bf16 => {}
+                crate::LinearPrecision::Quantized(spec) => {
+                    let expert = name.contains(".mlp.experts.");
+                    if !expert {
+                        return Err(ModelError::Input(format!(
+                            "{name} runs in {:?} on this model; the device engine runs block \
+                             formats for routed experts only (yet): choose a recipe that keeps \
+                             it in BF16",
+                            spec.format()
+                        )));
+                    }
+                    if expert_spec.is_some_and(|s| s != spec) {
+                        return Err(ModelError::Input(format!(
+                            "{name}: routed experts in different formats ({spec:?} and {:?})",
+                            expert_spec.expect("checked")
+                        )));
+                    }
+                    expert_spec = Some(spec);
+                }
+            }
+        }
+        let mut e = Self::from_model(model, b, max_pos)?;
+        let mut what = if f32_linears > 0 {
+            format!("device engine: BF16 operands for {f32_linears} f32 linears of the model")
+        } else {
+            "device engine: BF16 linears".to_string()
+        };
+        if let Some(spec) = expert_spec {
+            let mut qmoe = Vec::with_capacity(c.num_layers);
+            for l in 0..c.num_layers {
+                if !c.is_moe_layer(l) {
+                    qmoe.push(None);
+                    continue;
+                }
+                let get = |ei: usize, proj: &str| -> Result<PreparedWeight> {
+                    let name = format!("model.layers.{l}.mlp.experts.{ei}.{proj}.weight");
+                    model.prepared_weight(&name).cloned().ok_or_else(|| {
+                        ModelError::Input(format!(
+                            "{name}: every routed expert must be in {:?} like the others",
+                            spec.format()
+                        ))
+                    })
+                };
+                let gu = (0..c.num_experts)
+                    .map(|ei| get(ei, "gate_up_proj"))
+                    .collect::<Result<Vec<_>>>()?;
+                let dn = (0..c.num_experts)
+                    .map(|ei| get(ei, "down_proj"))
+                    .collect::<Result<Vec<_>>>()?;
+                qmoe.push(Some(e.upload_qmoe(gu, dn)?));
+            }
+            e.qmoe = qmoe;
+            what.push_str(&format!(
+                ", routed experts in {:?} (stored bytes)",
+                spec.format()
+            ));
+        }
+        Ok((e, what))
     }
 
     /// The configuration.
@@ -1217,6 +1296,29 @@ impl<B: Backend> Engine<B> {
         let last = b.upload_f32(&last).map_err(dev)?;
         self.head_into(&last, slots, &mut st.io.logits)?;
         Ok(st)
+    }
+
+    /// Logits `[T, V]` (f32, on the host) of every position of one sequence.
+    ///
+    /// # Errors
+    /// An empty sequence or one longer than the engine's `max_pos`, bad token ids, device
+    /// failures.
+    pub fn logits(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let t = tokens.len();
+        if t == 0 || t > self.max_pos {
+            return Err(ModelError::Input(format!(
+                "{t} tokens (1..={} allowed)",
+                self.max_pos
+            )));
+        }
+        self.check_tokens(tokens, "input")?;
+        let layout = SeqLayout::new(&[t]);
+        let pos: Vec<u32> = (0..t as u32).collect();
+        let hf = self.prefill_hidden(tokens, &pos, &layout, None)?;
+        let v = self.cfg.vocab_size;
+        let mut z = self.b.empty_f32(t * v).map_err(dev)?;
+        self.head_into(&hf, t, &mut z)?;
+        self.b.download_f32(&z, t * v).map_err(dev)
     }
 
     /// Prefills `prompts` into a new decode state with room for `max_len` tokens per

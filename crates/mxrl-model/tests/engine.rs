@@ -3,8 +3,9 @@
 //! order, so the results are bitwise equal.
 
 use mxrl_formats::Format;
-use mxrl_model::engine::cpu_engine;
+use mxrl_model::engine::{cpu_engine, Engine};
 use mxrl_model::{Arch, ForwardOptions, LinearPrecision, Model, ModelConfig, SeqInput, TensorRole};
+use mxrl_tensor::device::CpuBackend;
 use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
 use mxrl_tensor::sample::{sample_rows, SampleParams};
@@ -252,6 +253,28 @@ fn engine_block_format_experts_equal_the_cpu_model_bitwise() {
             moved |= g != &bf16_lp[b];
         }
         assert!(moved, "{format:?}: quantized experts changed no logprob");
+        // The engine of the model as it runs: the model's own prepared expert bytes.
+        let (as_run, what) = Engine::from_model_as_run(&m, CpuBackend, 64).unwrap();
+        assert!(what.contains("routed experts in"), "{what}");
+        assert_eq!(as_run.logprobs(&batch, 1.0).unwrap(), want);
+        // Full logits of one sequence: the model's, bitwise.
+        let z = as_run.logits(&s[0]).unwrap();
+        let mz = m
+            .forward(
+                &[SeqInput {
+                    tokens: &s[0],
+                    targets: &s[0],
+                }],
+                &ForwardOptions {
+                    return_logits: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+            .logits
+            .unwrap()
+            .remove(0);
+        assert_eq!(z, mz);
         // Decoding runs on the quantized experts too (the KV cache is BF16 here, f32 in the
         // CPU model, so decode is compared with the engine's own prefill, not the model's).
         let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
@@ -262,6 +285,20 @@ fn engine_block_format_experts_equal_the_cpu_model_bitwise() {
         // Back to BF16 experts: the BF16 logprobs again.
         e.quantize_experts(LinearSpec::bf16()).unwrap();
         assert_eq!(e.logprobs(&batch, 1.0).unwrap(), bf16_lp);
+        // A block-format linear outside the routed experts is refused by name.
+        m.set_precision_by(|_, role| match role {
+            TensorRole::Attention => LinearPrecision::Quantized(spec),
+            _ => LinearPrecision::Bf16,
+        })
+        .unwrap();
+        let err = Engine::from_model_as_run(&m, CpuBackend, 64)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("self_attn") && err.contains("routed experts only"),
+            "{err}"
+        );
     }
 }
 

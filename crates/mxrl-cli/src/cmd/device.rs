@@ -37,6 +37,28 @@ impl DeviceArgs {
     }
 }
 
+/// The device engine of `model` on GPU 0 (`forward` and `generate` with `--device cuda`):
+/// every tensor on the GPU, BF16 linears, block-format routed experts as stored; returns it
+/// and a line saying what runs.
+///
+/// # Errors
+/// No usable GPU, a model the engine cannot run (named), out of device memory.
+#[cfg(feature = "cuda")]
+pub fn cuda_engine(
+    model: &mxrl_model::Model,
+    max_pos: usize,
+) -> Result<(
+    mxrl_model::engine::Engine<mxrl_cuda::backend::CudaBackend>,
+    String,
+)> {
+    let b = mxrl_cuda::backend::CudaBackend::new(0)
+        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    let name = b.name();
+    let (e, what) = mxrl_model::engine::Engine::from_model_as_run(model, b, max_pos)
+        .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+    Ok((e, format!("{what} on {name}")))
+}
+
 #[cfg(feature = "cuda")]
 fn select_cuda() -> Result<String> {
     let g = mxrl_cuda::CudaGemm::new(0)

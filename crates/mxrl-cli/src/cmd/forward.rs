@@ -4,6 +4,9 @@
 //! `logprobs` F32 `[T-1]` (`log p(tokens[t+1] | tokens[..=t])`), `tokens` I32 `[T]`;
 //! metadata names the model directory and the weight precision.
 //!
+//! With `--device cuda` the model runs on the GPU's device engine (every tensor on the device,
+//! BF16 linears, block-format routed experts as stored).
+//!
 //! `--model` may be an `mxrl convert` output (a directory with `mxrl.json`): its quantized
 //! weights run as stored, under the recipe the checkpoint records.
 
@@ -72,10 +75,35 @@ pub fn load_model(dir: &std::path::Path) -> Result<(Model, String)> {
     ))
 }
 
+/// Logits `[T, V]`, logprobs `[T]` and a description, on the GPU's device engine.
+#[cfg(feature = "cuda")]
+fn engine_forward(
+    model: &Model,
+    tokens: &[u32],
+    targets: &[u32],
+) -> Result<(Vec<f32>, Vec<f32>, String)> {
+    let (e, what) = super::device::cuda_engine(model, tokens.len())?;
+    let logits = e.logits(tokens)?;
+    let lp = e.logprobs(&[SeqInput { tokens, targets }], 1.0)?.remove(0);
+    Ok((logits, lp, what))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn engine_forward(_: &Model, _: &[u32], _: &[u32]) -> Result<(Vec<f32>, Vec<f32>, String)> {
+    super::device::DeviceArgs {
+        device: super::device::Device::Cuda,
+    }
+    .select()?;
+    unreachable!("selecting CUDA fails in a binary built without it")
+}
+
 /// Parses the tokens into the forward's inputs: all `T` positions, with the targets of the
 /// first `T-1` the next tokens (the last target is a placeholder whose logprob is dropped).
 pub fn run(a: Args) -> Result<()> {
-    a.device.select()?;
+    let on_gpu = a.device.device == super::device::Device::Cuda;
+    if !on_gpu {
+        a.device.select()?;
+    }
     let (mut model, mut precision) = load_model(&a.model)?;
     if mxrl_ckpt::is_converted(&a.model) && (a.bf16 || a.recipe.is_some()) {
         bail!(
@@ -102,19 +130,27 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut targets = a.tokens[1..].to_vec();
     targets.push(a.tokens[0]);
-    let out = model.forward(
-        &[SeqInput {
-            tokens: &a.tokens,
-            targets: &targets,
-        }],
-        &ForwardOptions {
-            return_logits: true,
-            ..Default::default()
-        },
-    )?;
     let v = model.config().vocab_size;
-    let logits = &out.logits.as_ref().expect("logits were asked for")[0];
-    let logprobs = &out.logprobs[0][..t - 1];
+    let (logits, logprobs) = if on_gpu {
+        let (lz, lp, what) = engine_forward(&model, &a.tokens, &targets)?;
+        precision = format!("{precision}; {what}");
+        println!("{what}");
+        (lz, lp)
+    } else {
+        let mut out = model.forward(
+            &[SeqInput {
+                tokens: &a.tokens,
+                targets: &targets,
+            }],
+            &ForwardOptions {
+                return_logits: true,
+                ..Default::default()
+            },
+        )?;
+        let lz = out.logits.take().expect("logits were asked for").remove(0);
+        (lz, out.logprobs.remove(0))
+    };
+    let (logits, logprobs) = (&logits, &logprobs[..t - 1]);
     let tokens: Vec<u8> = a
         .tokens
         .iter()

@@ -64,9 +64,48 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
 }
 
+/// New tokens and their logprobs from the GPU's device engine. Its sampler is counter-based
+/// (seed, step, row), so a seeded run repeats itself but draws differently from the CPU model's.
+#[cfg(feature = "cuda")]
+fn engine_generate(
+    model: &mxrl_model::Model,
+    prompt: &[u32],
+    sp: &SamplingParams,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (e, what) = super::device::cuda_engine(model, prompt.len() + sp.max_new_tokens)?;
+    println!("{what}");
+    let p = mxrl_tensor::sample::SampleParams {
+        temperature: sp.temperature,
+        top_p: sp.top_p,
+        top_k: sp.top_k,
+        seed: sp.seed,
+        step: 0,
+    };
+    let s = e
+        .generate(&[prompt], sp.max_new_tokens, &p, &sp.stop_tokens)?
+        .remove(0);
+    Ok((s.tokens, s.logprobs))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn engine_generate(
+    _: &mxrl_model::Model,
+    _: &[u32],
+    _: &SamplingParams,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    super::device::DeviceArgs {
+        device: super::device::Device::Cuda,
+    }
+    .select()?;
+    unreachable!("selecting CUDA fails in a binary built without it")
+}
+
 /// Runs the command.
 pub fn run(a: Args) -> Result<()> {
-    a.device.select()?;
+    let on_gpu = a.device.device == super::device::Device::Cuda;
+    if !on_gpu {
+        a.device.select()?;
+    }
     let (model, precision) = super::forward::load_model(&a.model)?;
     println!("weights: {precision}");
     let tokenizer = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
@@ -99,7 +138,17 @@ pub fn run(a: Args) -> Result<()> {
             None => eos_from_config(&a.model)?,
         },
     };
-    let g = model.generate(&[&prompt], &sp)?.remove(0);
+    let (tokens, logprobs, finish) = if on_gpu {
+        let (tokens, logprobs) = engine_generate(&model, &prompt, &sp)?;
+        let finish = match tokens.last() {
+            Some(t) if sp.stop_tokens.contains(t) => FinishReason::Stop,
+            _ => FinishReason::Length,
+        };
+        (tokens, logprobs, finish)
+    } else {
+        let g = model.generate(&[&prompt], &sp)?.remove(0);
+        (g.tokens, g.logprobs, g.finish)
+    };
     println!(
         "prompt tokens: {}",
         prompt
@@ -110,7 +159,7 @@ pub fn run(a: Args) -> Result<()> {
     );
     println!(
         "new tokens:    {}",
-        g.tokens
+        tokens
             .iter()
             .map(|t| t.to_string())
             .collect::<Vec<_>>()
@@ -118,7 +167,7 @@ pub fn run(a: Args) -> Result<()> {
     );
     println!(
         "logprobs:      {}",
-        g.logprobs
+        logprobs
             .iter()
             .map(|x| format!("{x:.4}"))
             .collect::<Vec<_>>()
@@ -126,11 +175,11 @@ pub fn run(a: Args) -> Result<()> {
     );
     if let Some(tok) = &tokenizer {
         let text = tok
-            .decode(&g.tokens, false)
+            .decode(&tokens, false)
             .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))?;
         println!("text:          {text}");
     }
-    let why = match g.finish {
+    let why = match finish {
         FinishReason::Stop => "stop token",
         FinishReason::Length => "max_new_tokens",
     };
