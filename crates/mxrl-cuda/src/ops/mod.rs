@@ -44,6 +44,35 @@ pub(crate) fn check_len(
     Ok(())
 }
 
+/// `a · b` elements, or an error naming `what` when the product overflows `usize`.
+#[cfg(feature = "cuda")]
+pub(crate) fn mul(
+    gpu: &crate::gpu::Gpu,
+    what: &str,
+    a: usize,
+    b: usize,
+) -> Result<usize, crate::DeviceError> {
+    a.checked_mul(b)
+        .ok_or_else(|| gpu.err(format!("{what}: {a} × {b} elements overflow")))
+}
+
+/// A launcher's alignment check: the device address is a multiple of `bytes`, or an error
+/// naming the buffer.
+#[cfg(feature = "cuda")]
+pub(crate) fn check_align(
+    gpu: &crate::gpu::Gpu,
+    what: &str,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    bytes: u64,
+) -> Result<(), crate::DeviceError> {
+    if !ptr.is_multiple_of(bytes) {
+        return Err(gpu.err(format!(
+            "{what}: device address {ptr:#x} is not {bytes}-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
 pub const SOURCES: &[(&str, &str)] = &[
