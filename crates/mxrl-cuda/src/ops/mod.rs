@@ -22,6 +22,8 @@ pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod optim;
 #[cfg(feature = "cuda")]
+pub mod qgemm;
+#[cfg(feature = "cuda")]
 pub mod rope;
 #[cfg(feature = "cuda")]
 pub mod router;
@@ -73,6 +75,15 @@ pub(crate) fn check_align(
     Ok(())
 }
 
+/// Kernel source of the low-byte family (`ops::qgemm`, feature `cuda`): the contract's
+/// device encoders of `kernels/quant.cu` (the byte-tested quantizer functions) followed by
+/// `kernels/ops_qgemm.cu`, so its activation quantizers round with the very same code.
+pub const QGEMM_SOURCE: &str = concat!(
+    include_str!("../../kernels/quant.cu"),
+    "\n",
+    include_str!("../../kernels/ops_qgemm.cu")
+);
+
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
 pub const SOURCES: &[(&str, &str)] = &[
@@ -98,4 +109,5 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../kernels/ops_embed_backward.cu"),
     ),
     ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
+    ("ops_qgemm", QGEMM_SOURCE),
 ];
