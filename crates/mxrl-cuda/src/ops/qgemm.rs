@@ -99,7 +99,7 @@ impl LowByte {
     }
 }
 
-/// How many lanes of a warp share one group of [`QM_NB`] output columns in the small-M
+/// How many lanes of a warp share one group of 4 output columns (`QM_NB`) in the small-M
 /// kernels (the rest of the warp takes further columns): 32 lanes split a row's 16-byte
 /// chunks 32 ways; 16 or 8 lanes keep every lane busy when a row has fewer chunks
 /// (`K / LowByte::chunk`), at the cost of fewer, larger blocks. Also changes the summation
