@@ -238,7 +238,8 @@ mod tests {
 
     #[test]
     fn kernel_source_spells_no_contract_constant() {
-        // The reciprocal constants and the NVFP4 numerator come from the prelude only.
+        // The reciprocal constants and the NVFP4 numerator come from the prelude only (also in
+        // the low-byte family, which compiles quant.cu's encoders with its own kernels).
         for literal in [
             "0x3B124925",
             "0x3E2AAAAB",
@@ -249,12 +250,15 @@ mod tests {
             "6.0f",
             "1.5f",
         ] {
-            assert!(
-                !KERNEL_SOURCE
-                    .to_uppercase()
-                    .contains(&literal.to_uppercase()),
-                "kernels/quant.cu hand-copies {literal}"
-            );
+            for (file, src) in [
+                ("kernels/quant.cu", KERNEL_SOURCE),
+                ("kernels/ops_qgemm.cu", ops::QGEMM_SOURCE),
+            ] {
+                assert!(
+                    !src.to_uppercase().contains(&literal.to_uppercase()),
+                    "{file} hand-copies {literal}"
+                );
+            }
         }
     }
 }

@@ -42,6 +42,28 @@ fn e2m1_thresholds() -> Vec<(f32, bool)> {
         .collect()
 }
 
+/// The E2M1 magnitudes (codes 0..7) as IEEE binary16: every one is `high_byte << 8` (at most
+/// two significant bits, exponent within binary16's normal range), so eight bytes hold the
+/// whole table. Returned as the two little-endian words a `prmt` lookup indexes (bytes 0..3 =
+/// codes 0..3, bytes 4..7 = codes 4..7).
+fn e2m1_f16_high_bytes() -> (u32, u32) {
+    let mut bytes = [0u8; 8];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        let h = half::f16::from_f32(E2M1_VALUES[i]);
+        assert_eq!(
+            h.to_f32(),
+            E2M1_VALUES[i],
+            "E2M1 value {i} is exact in binary16"
+        );
+        assert_eq!(h.to_bits() & 0xFF, 0, "E2M1 value {i} needs one byte");
+        *b = (h.to_bits() >> 8) as u8;
+    }
+    (
+        u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]),
+        u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]),
+    )
+}
+
 fn f32_lit(v: f32) -> String {
     format!("__uint_as_float(0x{:08X}u) /* {v:e} */", v.to_bits())
 }
@@ -79,6 +101,13 @@ pub fn cuda_prelude() -> String {
     let _ = writeln!(w, "#define MXRL_E4M3_NAN 0x{E4M3_NAN:02X}u");
     let _ = writeln!(w, "#define MXRL_E2M1_NAN 0x{E2M1_NAN:02X}u");
     let _ = writeln!(w, "#define MXRL_UE8M0_NAN 0x{UE8M0_NAN:02X}u");
+    let (f16_lo, f16_hi) = e2m1_f16_high_bytes();
+    let _ = writeln!(
+        w,
+        "// High bytes of the binary16 encodings of the E2M1 magnitudes 0..3 and 4..7 (low bytes 0)."
+    );
+    let _ = writeln!(w, "#define MXRL_E2M1_F16HI_0123 0x{f16_lo:08X}u");
+    let _ = writeln!(w, "#define MXRL_E2M1_F16HI_4567 0x{f16_hi:08X}u");
     let _ = writeln!(w, "__constant__ unsigned int MXRL_E4M3_BITS[256] = {{");
     for chunk in E4M3_VALUES.chunks(8) {
         let row: Vec<String> = chunk
@@ -156,6 +185,27 @@ mod tests {
         for a in [0.0, 0.1, 0.5, 1.0, 5.5, 6.0, 1e30, f32::INFINITY] {
             assert_eq!(classify(a), e2m1_encode(a), "a = {a}");
         }
+    }
+
+    #[test]
+    fn e2m1_f16_table_decodes_every_magnitude() {
+        // Byte i of the little-endian pair, shifted into the high byte, is the binary16 of
+        // E2M1_VALUES[i]; the sign of code i + 8 is binary16's sign bit.
+        let (lo, hi) = e2m1_f16_high_bytes();
+        assert_eq!((lo, hi), (0x3E3C_3800, 0x4644_4240));
+        let bytes = [lo.to_le_bytes(), hi.to_le_bytes()].concat();
+        for code in 0..16usize {
+            let mag = half::f16::from_bits(u16::from(bytes[code & 7]) << 8);
+            let v = if code & 8 != 0 { -mag } else { mag };
+            assert_eq!(
+                v.to_f32().to_bits(),
+                E2M1_VALUES[code].to_bits(),
+                "code {code}"
+            );
+        }
+        let p = cuda_prelude();
+        assert!(p.contains(&format!("#define MXRL_E2M1_F16HI_0123 0x{lo:08X}u")));
+        assert!(p.contains(&format!("#define MXRL_E2M1_F16HI_4567 0x{hi:08X}u")));
     }
 
     #[test]

@@ -29,7 +29,7 @@
 //! rows, never an out-of-bounds access); rows outside every expert's range are not written.
 #![allow(unsafe_code)]
 
-use super::check_len;
+use super::{check_align, check_len, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -219,25 +219,6 @@ pub struct Gemm {
     nn_tiled: [CudaFunction; 3],
     tn_tiled: [CudaFunction; 3],
     nt_small_m: CudaFunction,
-}
-
-fn mul(gpu: &Gpu, what: &str, a: usize, b: usize) -> Result<usize, DeviceError> {
-    a.checked_mul(b)
-        .ok_or_else(|| gpu.err(format!("{what}: {a} × {b} elements overflow")))
-}
-
-fn check_align(
-    gpu: &Gpu,
-    what: &str,
-    ptr: cudarc::driver::sys::CUdeviceptr,
-    bytes: u64,
-) -> Result<(), DeviceError> {
-    if !ptr.is_multiple_of(bytes) {
-        return Err(gpu.err(format!(
-            "{what}: device address {ptr:#x} is not {bytes}-byte aligned"
-        )));
-    }
-    Ok(())
 }
 
 fn dim_i32(gpu: &Gpu, what: &str, v: usize) -> Result<i32, DeviceError> {

@@ -22,6 +22,8 @@ pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod optim;
 #[cfg(feature = "cuda")]
+pub mod qgemm;
+#[cfg(feature = "cuda")]
 pub mod rope;
 #[cfg(feature = "cuda")]
 pub mod router;
@@ -43,6 +45,44 @@ pub(crate) fn check_len(
     }
     Ok(())
 }
+
+/// `a · b` elements, or an error naming `what` when the product overflows `usize`.
+#[cfg(feature = "cuda")]
+pub(crate) fn mul(
+    gpu: &crate::gpu::Gpu,
+    what: &str,
+    a: usize,
+    b: usize,
+) -> Result<usize, crate::DeviceError> {
+    a.checked_mul(b)
+        .ok_or_else(|| gpu.err(format!("{what}: {a} × {b} elements overflow")))
+}
+
+/// A launcher's alignment check: the device address is a multiple of `bytes`, or an error
+/// naming the buffer.
+#[cfg(feature = "cuda")]
+pub(crate) fn check_align(
+    gpu: &crate::gpu::Gpu,
+    what: &str,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    bytes: u64,
+) -> Result<(), crate::DeviceError> {
+    if !ptr.is_multiple_of(bytes) {
+        return Err(gpu.err(format!(
+            "{what}: device address {ptr:#x} is not {bytes}-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
+/// Kernel source of the low-byte family (`ops::qgemm`, feature `cuda`): the contract's
+/// device encoders of `kernels/quant.cu` (the byte-tested quantizer functions) followed by
+/// `kernels/ops_qgemm.cu`, so its activation quantizers round with the very same code.
+pub const QGEMM_SOURCE: &str = concat!(
+    include_str!("../../kernels/quant.cu"),
+    "\n",
+    include_str!("../../kernels/ops_qgemm.cu")
+);
 
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
@@ -69,4 +109,5 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../kernels/ops_embed_backward.cu"),
     ),
     ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
+    ("ops_qgemm", QGEMM_SOURCE),
 ];

@@ -1,0 +1,361 @@
+//! Low-byte decode benchmark on the 2.63 B benchmark config (Qwen3-MoE, hidden 2048,
+//! moe_intermediate 768, 64 experts top-8): the routed experts' decode GEMMs — fused gate/up
+//! `[64, 1536, 2048]` and down `[64, 2048, 768]` — at batch 1, 32 and 128 (batch·8 rows,
+//! each token sent to 8 distinct uniformly random experts, fixed seed), on BF16 weights
+//! (`Gemm::grouped_nt_small_m`) against MXFP8 and NVFP4 weights read as stored
+//! (`QGemm::grouped_nt_small_m_{mxfp8,nvfp4}`), plus the activation quantizers that feed the
+//! low-byte kernels, all in one run.
+//!
+//! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N]`
+//!
+//! Every figure is the median of `--reps` (20) calls timed one by one with CUDA events after
+//! 3 warm-up calls; L2 is flushed (a 256 MiB memset, outside the timed interval) before each
+//! call, so each call reads its weights from device memory as a decode step does (every layer's
+//! experts are read once per step). Columns: µs per call; weight MB = bytes of the used
+//! experts' weights the kernel must read (codes + scales (+ amax)); GB/s = weight MB / time;
+//! `×BF16` = time ÷ the BF16 small-M kernel's time for the same step and projection (byte ratios:
+//! MXFP8 0.52, NVFP4 0.28). `+act` rows add the activation quantizer of that format; the
+//! `BF16 grouped_nt` row is what the engine's BF16 experts run (the launcher's path choice).
+//! A second table times each lane split (`QLanes`) of the low-byte kernels; `*` marks the
+//! launcher's pick.
+
+#[cfg(feature = "cuda")]
+mod bench {
+    use cudarc::driver::sys::CUevent_flags;
+    use cudarc::driver::CudaSlice;
+    use mxrl_cuda::gpu::Gpu;
+    use mxrl_cuda::ops::gemm::{Gemm, Grouped};
+    use mxrl_cuda::ops::qgemm::{LowByte, QGemm, QLanes};
+    use rand::seq::index::sample;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    const HIDDEN: usize = 2048;
+    const MOE_INTER: usize = 768;
+    const EXPERTS: usize = 64;
+    const TOP_K: usize = 8;
+    const FLUSH_BYTES: usize = 256 << 20;
+
+    /// Median microseconds of `f` over `reps` calls (each between its own pair of events, L2
+    /// flushed before each), after 3 warm-up calls.
+    fn median_us(g: &Gpu, flush: &mut CudaSlice<u8>, reps: usize, mut f: impl FnMut()) -> f64 {
+        for _ in 0..3 {
+            f();
+        }
+        g.sync().expect("warm-up");
+        let ev = || {
+            g.ctx()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .expect("event")
+        };
+        let mut pairs = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            g.stream().memset_zeros(flush).expect("L2 flush");
+            let (a, b) = (ev(), ev());
+            a.record(g.stream()).expect("record");
+            f();
+            b.record(g.stream()).expect("record");
+            pairs.push((a, b));
+        }
+        g.sync().expect("timed calls");
+        let mut t: Vec<f64> = pairs
+            .iter()
+            .map(|(a, b)| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3)
+            .collect();
+        t.sort_by(|a, b| a.total_cmp(b));
+        t[t.len() / 2]
+    }
+
+    /// Per-expert row counts of `tokens` tokens each routed to TOP_K distinct random experts.
+    fn route(tokens: usize, seed: u64) -> Vec<usize> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut counts = vec![0usize; EXPERTS];
+        for _ in 0..tokens {
+            for e in sample(&mut rng, EXPERTS, TOP_K) {
+                counts[e] += 1;
+            }
+        }
+        counts
+    }
+
+    fn offsets(counts: &[usize]) -> Vec<u32> {
+        let mut o = vec![0u32];
+        for c in counts {
+            o.push(o.last().unwrap() + *c as u32);
+        }
+        o
+    }
+
+    /// A deterministic byte stream (LCG) mapped by `map`.
+    fn bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                map((s >> 33) as u8)
+            })
+            .collect()
+    }
+
+    /// Stored weights of one projection in every format (random but valid values: BF16 in
+    /// ±[0.25, 2), E4M3 codes without NaN, scale bytes of ordinary magnitude).
+    struct Weights {
+        bf16: CudaSlice<u16>,
+        mx_codes: CudaSlice<u8>,
+        mx_scales: CudaSlice<u8>,
+        nv_codes: CudaSlice<u8>,
+        nv_scales: CudaSlice<u8>,
+        nv_amax: CudaSlice<f32>,
+    }
+
+    fn weights(g: &Gpu, n: usize, k: usize, seed: u64) -> Weights {
+        let len = EXPERTS * n * k;
+        let b = bytes(2 * len, seed, |b| b);
+        let bf16: Vec<u16> = b
+            .chunks(2)
+            .map(|p| {
+                let exp = if p[1] & 1 == 0 { 125u16 } else { 127 };
+                (u16::from(p[1] >> 7) << 15) | (exp << 7) | u16::from(p[0] & 0x7F)
+            })
+            .collect();
+        let up = |v: &[u8]| g.upload(v).expect("upload");
+        Weights {
+            bf16: g.upload(&bf16).expect("upload"),
+            mx_codes: up(&bytes(len, seed + 1, |b| {
+                if b & 0x7F == 0x7F {
+                    b - 1
+                } else {
+                    b
+                }
+            })),
+            mx_scales: up(&bytes(len / 32, seed + 2, |b| 112 + (b & 7))),
+            nv_codes: up(&bytes(len / 2, seed + 3, |b| b)),
+            nv_scales: up(&bytes(len / 16, seed + 4, |b| 0x30 + (b & 0x1F))),
+            nv_amax: g.upload(&vec![1.0f32; EXPERTS]).expect("upload"),
+        }
+    }
+
+    struct Row {
+        step: String,
+        op: String,
+        us: f64,
+        bytes: f64,
+        bf16_us: f64,
+    }
+
+    pub fn main() {
+        let args: Vec<String> = std::env::args().collect();
+        let reps = args
+            .iter()
+            .position(|a| a == "--reps")
+            .map(|i| args[i + 1].parse().expect("--reps N"))
+            .unwrap_or(20usize);
+        let g = Gpu::shared(0).expect("GPU 0");
+        let (gemm, q) = (
+            Gemm::new(&g).expect("GEMM kernels"),
+            QGemm::new(&g).expect("low-byte kernels"),
+        );
+        println!(
+            "# bench_qgemm on {} — hidden {HIDDEN}, moe_intermediate {MOE_INTER}, {EXPERTS} experts top-{TOP_K}; median of {reps} calls after warm-up, L2 flushed before each",
+            g.name()
+        );
+        let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
+        {
+            let big = 1usize << 30;
+            let src = g.zeros::<u8>(big).expect("alloc");
+            let mut dst = g.zeros::<u8>(big).expect("alloc");
+            let us = median_us(&g, &mut flush, reps, || {
+                g.stream().memcpy_dtod(&src, &mut dst).expect("copy");
+            });
+            println!(
+                "device copy of 1 GiB: {:.0} µs = {:.0} GB/s (bytes read + written)",
+                us,
+                2.0 * big as f64 / (us * 1e-6) / 1e9
+            );
+        }
+
+        let projs = [
+            ("gate_up", 2 * MOE_INTER, HIDDEN),
+            ("down", HIDDEN, MOE_INTER),
+        ];
+        let ws: Vec<Weights> = projs
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, n, k))| weights(&g, n, k, 10 * i as u64 + 1))
+            .collect();
+        let max_rows = 128 * TOP_K;
+        let kmax = HIDDEN.max(MOE_INTER);
+        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
+        let x = g.upload(&xf).expect("upload x");
+        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
+        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
+        let mut y = g
+            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
+            .expect("alloc");
+
+        let mut rows = Vec::new();
+        let mut lanes_rows = Vec::new();
+        for batch in [1usize, 32, 128] {
+            let counts = route(batch, 100 + batch as u64);
+            let used = counts.iter().filter(|&&c| c > 0).count();
+            let r = batch * TOP_K;
+            let off = g.upload(&offsets(&counts)).expect("offsets");
+            for (pi, &(name, n, k)) in projs.iter().enumerate() {
+                let w = &ws[pi];
+                let s = Grouped {
+                    experts: EXPERTS,
+                    rows: r,
+                    n,
+                    k,
+                };
+                let step = format!("b={batch} ({r} rows, {used} experts) {name} N={n} K={k}");
+                let bf16_us = median_us(&g, &mut flush, reps, || {
+                    gemm.grouped_nt_small_m(
+                        &xq.as_view(),
+                        &w.bf16.as_view(),
+                        &off.as_view(),
+                        &mut y.as_view_mut(),
+                        s,
+                    )
+                    .expect("BF16 small-M");
+                });
+                // What the engine's BF16 experts run today (the launcher's pick: small-M for
+                // decode-sized row counts, tensor-core tiles above).
+                let path = mxrl_cuda::ops::gemm::GroupedPath::for_shape(s);
+                let auto_us = median_us(&g, &mut flush, reps, || {
+                    gemm.grouped_nt(
+                        &xq.as_view(),
+                        &w.bf16.as_view(),
+                        &off.as_view(),
+                        &mut y.as_view_mut(),
+                        s,
+                    )
+                    .expect("BF16 grouped_nt");
+                });
+                let act_mx = median_us(&g, &mut flush, reps, || {
+                    q.quant_act_mxfp8(&x.as_view(), r, k, &mut xq.as_view_mut())
+                        .expect("act MXFP8");
+                });
+                let act_nv = median_us(&g, &mut flush, reps, || {
+                    q.quant_act_nvfp4(
+                        &x.as_view(),
+                        r,
+                        k,
+                        &mut xq.as_view_mut(),
+                        &mut xamax.as_view_mut(),
+                    )
+                    .expect("act NVFP4");
+                });
+                let mut run = |f: LowByte, lanes: QLanes| {
+                    median_us(&g, &mut flush, reps, || {
+                        let (xv, ov) = (xq.as_view(), off.as_view());
+                        let mut yv = y.as_view_mut();
+                        match f {
+                            LowByte::Mxfp8 => q.grouped_nt_small_m_mxfp8_with(
+                                lanes,
+                                &xv,
+                                &w.mx_codes.as_view(),
+                                &w.mx_scales.as_view(),
+                                &ov,
+                                &mut yv,
+                                s,
+                            ),
+                            LowByte::Nvfp4 => q.grouped_nt_small_m_nvfp4_with(
+                                lanes,
+                                &xv,
+                                &xamax.as_view(),
+                                &w.nv_codes.as_view(),
+                                &w.nv_scales.as_view(),
+                                &w.nv_amax.as_view(),
+                                &ov,
+                                &mut yv,
+                                s,
+                            ),
+                        }
+                        .expect("low-byte small-M");
+                    })
+                };
+                let bf16_bytes = (used * n * k * 2) as f64;
+                rows.push(Row {
+                    step: step.clone(),
+                    op: "BF16 grouped_nt_small_m".into(),
+                    us: bf16_us,
+                    bytes: bf16_bytes,
+                    bf16_us,
+                });
+                rows.push(Row {
+                    step: step.clone(),
+                    op: format!("BF16 grouped_nt ({path:?})"),
+                    us: auto_us,
+                    bytes: bf16_bytes,
+                    bf16_us,
+                });
+                for (f, act) in [(LowByte::Mxfp8, act_mx), (LowByte::Nvfp4, act_nv)] {
+                    let pick = QLanes::for_shape(f, k);
+                    let mut times = Vec::new();
+                    for lanes in QLanes::ALL {
+                        times.push((lanes, run(f, lanes)));
+                    }
+                    let us = times.iter().find(|(l, _)| *l == pick).expect("pick").1;
+                    let wb = (used * f.weight_bytes(n, k)) as f64;
+                    rows.push(Row {
+                        step: step.clone(),
+                        op: format!("{f:?} ({pick:?})"),
+                        us,
+                        bytes: wb,
+                        bf16_us,
+                    });
+                    rows.push(Row {
+                        step: step.clone(),
+                        op: format!("{f:?} +act"),
+                        us: us + act,
+                        bytes: wb,
+                        bf16_us,
+                    });
+                    lanes_rows.push((step.clone(), f, pick, times));
+                }
+            }
+        }
+
+        println!(
+            "\n| step | kernel | µs | weight MB | GB/s | ×BF16 |\n|---|---|---:|---:|---:|---:|"
+        );
+        for r in &rows {
+            println!(
+                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.2} |",
+                r.step,
+                r.op,
+                r.us,
+                r.bytes / 1e6,
+                r.bytes / (r.us * 1e-6) / 1e9,
+                r.us / r.bf16_us
+            );
+        }
+        println!("\n| step | format | L32 µs | L16 µs | L8 µs |\n|---|---|---:|---:|---:|");
+        for (step, f, pick, times) in &lanes_rows {
+            let cell = |l: QLanes| {
+                let t = times.iter().find(|(x, _)| *x == l).expect("lanes").1;
+                format!("{t:.1}{}", if l == *pick { "*" } else { "" })
+            };
+            println!(
+                "| {step} | {f:?} | {} | {} | {} |",
+                cell(QLanes::L32),
+                cell(QLanes::L16),
+                cell(QLanes::L8)
+            );
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    bench::main();
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("bench_qgemm needs --features cuda");
+    std::process::exit(2);
+}

@@ -1,0 +1,474 @@
+// Low-byte decode: grouped small-M GEMMs that read MXFP8 / NVFP4 expert weights as stored and
+// dequantize them in registers, the activation quantizers that feed them, and plain weight
+// dequantization for the large-M (tensor-core) path.
+//
+// Compiled after kernels/quant.cu (module source = prelude + common.cuh + quant.cu + this
+// file), so the encoders here are the byte-tested contract functions of quant.cu
+// (e4m3_encode, ue4m3_encode, e2m1_encode, ue8m0_round_up, ue8m0_reciprocal, ue8m0_decode,
+// nan_ignoring_max, load8) with the same operation order as its mxfp8_row / nvfp4 kernels.
+// Numerics: --fmad=false --ftz=false, every rounding spelled with an _rn intrinsic.
+//
+// Exactness (why BF16 operands and f32 sums reproduce the CPU emulation, mxrl_tensor::qlinear):
+// - MXFP8 values e4m3 × 2^(s−127) have ≤ 4 significant bits. They are exact in BF16 when their
+//   lowest bit is ≥ 2^−133 (BF16's smallest subnormal): always for scale bytes s ≥ 3, i.e. for
+//   every block whose amax exceeds 448·2^−125 ≈ 1.05e−35. Below that the activation value is
+//   rounded to nearest-even BF16 (f32_to_bf16), the only place this path differs from the
+//   contract dequantization. Overflow (a block at f32's limit decoding to ±Inf) and NaN codes
+//   give the same Inf / NaN as the CPU.
+// - NVFP4 operands e2m1 × e4m3(block scale) have ≤ 6 significant bits and lie in [2^−10, 2688]:
+//   always exact in BF16 and in binary16.
+// - Products of two such operands are exact in f32 (MXFP8: ≤ 8 significant bits, exact while
+//   |x·w| is 0 or in [2^−126, f32::MAX], i.e. the two blocks' scale bytes add up to at least
+//   123 — block amax product above ~2^−113 — and the product does not overflow; NVFP4: ≤ 12
+//   bits in [2^−20, 2688²], always). With exact products fma(x, w, acc) = fl(acc + x·w): the
+//   kernels' fused multiply-adds give the values of a separate multiply and add, and only
+//   the order of the f32 sum differs from the CPU (bound: two_order_sum_bound).
+// - NVFP4's per-token × per-tensor factor is applied after the sum, as the CPU does:
+//   y = fl(acc · α), α = fl(fl(amax_x[r] · amax_w[e]) · MXRL_NVFP4_ALPHA_FACTOR_INV).
+//
+// Decoders (need sm_89+): E4M3 through cvt.rn.f16x2.e4m3x2 (exact, NaN kept) and
+// cvt.f32.f16, then one f32 multiply by the power-of-two scale; E2M1 through a byte-permute
+// lookup of the binary16 high bytes (MXRL_E2M1_F16HI_*, generated from E2M1_VALUES), the sign
+// bit moved in, and one binary16 multiply by the block scale (exact: see above). The same
+// decoders produce the activation operands, so the activation tests check them on every code
+// the quantizers emit, and the dequantization tests on all codes.
+//
+// Grouped layout as kernels/ops_gemm.cu: rows of expert e are offsets[e]..offsets[e+1]
+// (clamped to [0, R]; a decreasing offset gives an empty expert), weights stacked per expert.
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#error "ops_qgemm needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
+#endif
+
+// ---- decoders ----
+
+// Two E4M3 codes (low byte → low half) as binary16, exactly (NaN codes give NaN).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)(pair & 0xFFFFu)));
+    return h;
+}
+
+__device__ __forceinline__ void f16x2_to_f32x2(u32 h, float& lo, float& hi) {
+    asm("{\n .reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h));
+}
+
+__device__ __forceinline__ u32 hmul2_rn(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// The value of one E4M3 byte (exact), without the constant-memory table (lanes index it
+// divergently in the hot loops).
+__device__ __forceinline__ float e4m3_value_cvt(u32 code) {
+    float lo, hi;
+    f16x2_to_f32x2(e4m3x2_to_f16x2(code & 0xFFu), lo, hi);
+    return lo;
+}
+
+// Four E4M3 codes (element j in byte j of w) times sc = ue8m0_decode(s):
+// v[j] = fl(sc · e4m3_value(code_j)), the contract's MXFP8 dequantization (exact in f32).
+__device__ __forceinline__ void mxfp8_decode4(u32 w, float sc, float v[4]) {
+    f16x2_to_f32x2(e4m3x2_to_f16x2(w), v[0], v[1]);
+    f16x2_to_f32x2(e4m3x2_to_f16x2(w >> 16), v[2], v[3]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __fmul_rn(v[j], sc);
+}
+
+// Eight E4M3 codes (bytes of w0, then of w1), as mxfp8_decode4.
+__device__ __forceinline__ void mxfp8_decode8(u32 w0, u32 w1, float sc, float v[8]) {
+    mxfp8_decode4(w0, sc, v);
+    mxfp8_decode4(w1, sc, v + 4);
+}
+
+// Four E2M1 codes (nibbles of the low 16 bits of w, element j in nibble j: the contract's
+// packing read as a little-endian word) times the block scale sf2 (its binary16 value in both
+// halves): v[j] = e2m1_value(code_j) · e4m3_value(scale), exact (the Operand::Nvfp4 `pre`
+// values of mxrl_tensor::qlinear).
+__device__ __forceinline__ void nvfp4_decode4(u32 w, u32 sf2, float v[4]) {
+    // Binary16 high bytes of the four magnitudes (selector nibbles 0..7: no sign mode).
+    u32 t = __byte_perm(MXRL_E2M1_F16HI_0123, MXRL_E2M1_F16HI_4567, w & 0x7777u);
+    // Sign bits (nibble bit 3) into bit 7 of the matching byte: element 2i's from byte i of
+    // w << 4, element 2i+1's from byte i of w.
+    t |= __byte_perm(w << 4, w, 0x5140u) & 0x80808080u;
+    // Bytes → high bytes of binary16 pairs (bytes 4..7 of the permute input are 0), times
+    // the scale.
+    f16x2_to_f32x2(hmul2_rn(__byte_perm(t, 0u, 0x1404u), sf2), v[0], v[1]);
+    f16x2_to_f32x2(hmul2_rn(__byte_perm(t, 0u, 0x3424u), sf2), v[2], v[3]);
+}
+
+// Eight E2M1 codes (the eight nibbles of w), as nvfp4_decode4.
+__device__ __forceinline__ void nvfp4_decode8(u32 w, u32 sf2, float v[8]) {
+    nvfp4_decode4(w, sf2, v);
+    nvfp4_decode4(w >> 16, sf2, v + 4);
+}
+
+// Binary16 splat of an E4M3 block-scale byte.
+__device__ __forceinline__ u32 e4m3_f16_splat(u32 b) { return e4m3x2_to_f16x2((b & 0xFFu) * 0x101u); }
+
+// Eight f32 values (BF16-exact, or rounded to nearest even) as eight BF16 bit patterns.
+__device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
+    uint4 o;
+    o.x = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
+    o.y = (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16);
+    o.z = (u32)f32_to_bf16(v[4]) | ((u32)f32_to_bf16(v[5]) << 16);
+    o.w = (u32)f32_to_bf16(v[6]) | ((u32)f32_to_bf16(v[7]) << 16);
+    return o;
+}
+
+// ---- activation quantizers (reference: mxrl_formats::quantize, then the qlinear operand) ----
+
+// MXFP8 row-wise (1×32 blocks along K) of x [rows, K] f32, written as the dequantized values
+// in BF16: out = bf16(fl(ue8m0_decode(s) · e4m3_value(q))). Four threads per block, eight
+// consecutive elements each (mxfp8_row's mapping and operation order); n_blocks = rows·K/32.
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_mxfp8(const float* __restrict__ x, u16* __restrict__ out, u64 n_blocks) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = (t >> 2) < n_blocks;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) load8(x, t * 8, v);
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+    m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 1));
+    m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 2));
+    const u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
+    const float inv = ue8m0_reciprocal(s);
+    u32 w0 = 0, w1 = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        w0 |= e4m3_encode(__fmul_rn(v[j], inv)) << (8 * j);
+        w1 |= e4m3_encode(__fmul_rn(v[4 + j], inv)) << (8 * j);
+    }
+    if (!active) return;
+    float d[8];
+    mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
+    *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
+}
+
+// NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
+// row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16
+// (exact). One block of QA_THREADS per row: a pass for the amax, then the quantization pass
+// (nvfp4_quantize's operation order, two threads per 16-element block).
+#define QA_THREADS 128
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+    __shared__ float warp_max_s[QA_THREADS / 32];
+    const u64 row = blockIdx.x;
+    const float* xr = x + row * k;
+    const u64 chunks = k / 8;
+    float m = 0.0f;
+    for (u64 c = threadIdx.x; c < chunks; c += QA_THREADS) {
+        float v[8];
+        load8(xr, c * 8, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, o));
+    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = m;
+    __syncthreads();
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < QA_THREADS / 32; ++w) a = nan_ignoring_max(a, warp_max_s[w]);
+    if (threadIdx.x == 0) amax[row] = a;
+    float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
+    s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
+    if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    const float s_dec = __fdiv_rn(1.0f, s_enc);
+    const float mult = __fmul_rn(s_enc, MXRL_R6);
+    for (u64 base = 0; base < chunks; base += QA_THREADS) {
+        const u64 c = base + threadIdx.x;
+        const bool active = c < chunks;  // chunks is even: both threads of a 16-block agree
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (active) load8(xr, c * 8, v);
+        float bmax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bmax = nan_ignoring_max(bmax, fabsf(v[j]));
+        bmax = nan_ignoring_max(bmax, __shfl_xor_sync(FULL_MASK, bmax, 1));
+        float sdec = __fmul_rn(bmax, mult);
+        sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec;
+        const u32 scale = ue4m3_encode(sdec);
+        const u32 sf2 = e4m3_f16_splat(scale);
+        float sf, sf_hi;
+        f16x2_to_f32x2(sf2, sf, sf_hi);
+        float enc = __fdiv_rn(1.0f, __fmul_rn(sf, s_dec));
+        enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
+        u32 word = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) word |= e2m1_encode(__fmul_rn(v[j], enc)) << (4 * j);
+        if (!active) continue;
+        float d[8];
+        nvfp4_decode8(word, sf2, d);
+        *reinterpret_cast<uint4*>(pre + row * k + c * 8) = pack_bf16x8(d);
+    }
+}
+
+// ---- plain weight dequantization to BF16 (large-M path; eight elements per thread) ----
+
+// MXFP8 row-wise [n, K/32]-scaled codes (n = E·N rows, K % 32 == 0): out = bf16 of the
+// contract dequantization (exact for scale bytes ≥ 3, else rounded to nearest even).
+extern "C" __global__ void __launch_bounds__(256)
+    dequant_mxfp8_bf16(const u8* __restrict__ codes, const u8* __restrict__ scales, u16* __restrict__ out, u64 n8) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n8) return;
+    const uint2 c = *reinterpret_cast<const uint2*>(codes + t * 8);
+    float d[8];
+    mxfp8_decode8(c.x, c.y, ue8m0_decode(scales[t / 4]), d);
+    *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
+}
+
+// NVFP4 codes [n, K/2] with E4M3 scales [n, K/16] (K % 16 == 0): out = the GEMM operand
+// e2m1 · e4m3(scale) in BF16 (exact). The per-tensor factor is not applied: the GEMM's output
+// takes α afterwards (nvfp4_scale_rows), as the CPU emulation does.
+extern "C" __global__ void __launch_bounds__(256)
+    dequant_nvfp4_bf16(const u8* __restrict__ codes, const u8* __restrict__ scales, u16* __restrict__ out, u64 n8) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n8) return;
+    const u32 w = *reinterpret_cast<const u32*>(codes + t * 4);
+    float d[8];
+    nvfp4_decode8(w, e4m3_f16_splat(scales[t / 2]), d);
+    *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
+}
+
+// ---- grouped small-M GEMMs on the stored bytes ----
+
+#define QM_WARPS 8
+#define QM_NB 4  // output columns per lane group
+#define QM_RB 8  // rows per pass
+#define QM_MIN_BLOCKS 2  // resident blocks per SM the register budget is cut for (≤ 128 registers)
+
+__device__ __forceinline__ void qm_expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
+    hi = min(off[e + 1], R);
+    lo = min(off[e], hi);
+}
+
+// Sum over the LPC lanes of a group (butterfly, fixed order; every lane of the group ends
+// with the total).
+template <int LPC>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = LPC / 2; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ void widen_bf16x4(uint2 v, float* f) {
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.x & 0xFFFF0000u);
+    f[2] = __uint_as_float(v.y << 16);
+    f[3] = __uint_as_float(v.y & 0xFFFF0000u);
+}
+
+// acc[r][q] += Σ_j x[r][j]·wv[q][j] over four elements (j increasing) of rows r < nr, row r's
+// four elements at xp + r·K (8-byte aligned).
+__device__ __forceinline__ void qm_rows4(const u16* __restrict__ xp, u32 nr, u32 K, const float wv[QM_NB][4],
+                                         float acc[QM_RB][QM_NB]) {
+#pragma unroll
+    for (int r = 0; r < QM_RB; ++r) {
+        if ((u32)r < nr) {
+            float xv[4];
+            widen_bf16x4(*reinterpret_cast<const uint2*>(xp + (u64)r * K), xv);
+#pragma unroll
+            for (int q = 0; q < QM_NB; ++q)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[r][q] = __fmaf_rn(xv[j], wv[q][j], acc[r][q]);
+        }
+    }
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The lane's place: lane group lane / LPC of its warp owns columns n0 .. n0+QM_NB of expert
+// blockIdx.y (`active` when they exist); `sub` is the lane's index in its group. Returns false when the whole
+// warp lies past N (it may exit: no shuffle partner is left behind).
+template <int LPC>
+__device__ __forceinline__ bool qm_place(u32 N, u32& n0, u32& sub, bool& active) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 warp_n0 = ((u64)blockIdx.x * QM_WARPS + warp) * (QM_NB * (32 / LPC));
+    const u64 n = warp_n0 + (lane / LPC) * QM_NB;
+    n0 = (u32)n;  // meaningful only when active
+    sub = lane % LPC;
+    active = n < N;  // N % QM_NB == 0, so n0 < N implies n0 + QM_NB <= N
+    return warp_n0 < N;
+}
+
+// The two stored formats as seen by the small-M kernels: a 16-byte load of codes holds CHUNK
+// elements (STEPS decode steps of four), `raw` is the chunk's scale byte(s) as loaded and
+// `prep` what the decoder takes.
+struct QmMxfp8 {
+    static constexpr u32 CHUNK = 16, STEPS = 4;
+    static constexpr bool ALPHA = false;
+    __device__ static u32 row_bytes(u32 K) { return K; }
+    __device__ static u32 scale_row(u32 K) { return K / 32; }
+    // The chunk's UE8M0 byte (a chunk lies inside one 32-block).
+    __device__ static u32 load_scale(const u8* ws, u32 c) { return ws[c / 2]; }
+    __device__ static u32 prep(u32 raw) { return __float_as_uint(ue8m0_decode(raw)); }
+    __device__ static void decode4(const uint4& w, u32 prep, int h, float v[4]) {
+        mxfp8_decode4(word_of(w, h), __uint_as_float(prep), v);
+    }
+};
+struct QmNvfp4 {
+    static constexpr u32 CHUNK = 32, STEPS = 8;
+    static constexpr bool ALPHA = true;
+    __device__ static u32 row_bytes(u32 K) { return K / 2; }
+    __device__ static u32 scale_row(u32 K) { return K / 16; }
+    // The chunk's two E4M3 block scales (one u16; scale rows have an even length).
+    __device__ static u32 load_scale(const u8* ws, u32 c) { return *reinterpret_cast<const u16*>(ws + 2 * c); }
+    // Both scales as binary16 (low half: the first 16-block).
+    __device__ static u32 prep(u32 raw) { return e4m3x2_to_f16x2(raw); }
+    __device__ static void decode4(const uint4& w, u32 prep, int h, float v[4]) {
+        const u32 sf2 = __byte_perm(prep, 0u, h < 4 ? 0x1010u : 0x3232u);
+        nvfp4_decode4(word_of(w, h >> 1) >> (16 * (h & 1)), sf2, v);
+    }
+};
+
+// y[r, n] = Σ_k x[r, k]·w_e[n, k] for every row r of expert e (times α(r, e) for NVFP4, see
+// below), w_e the stored codes [N, K·bytes/elem] and block scales of expert e. Grid
+// (⌈N / (QM_WARPS·QM_NB·32/LPC)⌉, E), block QM_WARPS·32. Lane `sub` of a lane group reads
+// chunks c = sub + LPC·i of its QM_NB weight rows (one 16-byte load of codes and the scale
+// byte(s) per row, the next chunk's loads issued before the current one is decoded), decodes
+// them in registers and sums k = CHUNK·c + 4h + j in increasing i, h, j (f32 fma of exact
+// products), rows in passes of QM_RB; then a butterfly over the group. Each used expert's
+// bytes are read once per pass.
+//
+// NVFP4 (F::ALPHA): y = fl(sum · α), α = fl(fl(x_amax[r] · wa) · MXRL_NVFP4_ALPHA_FACTOR_INV),
+// wa = w_amax[e] (mxrl_tensor::qlinear::nvfp4_alpha's operation order).
+template <class F, int LPC>
+__device__ __forceinline__ void qgemm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
+                                           const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                           const float* __restrict__ w_amax, const u32* __restrict__ off,
+                                           float* __restrict__ y, u32 R, u32 N, u32 K) {
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    u32 n0, sub;
+    bool active;
+    if (!qm_place<LPC>(N, n0, sub, active)) return;
+    const u32 chunks = K / F::CHUNK, rowb = F::row_bytes(K), sk = F::scale_row(K);
+    const u32 mine = active ? chunks : 0;  // chunks this lane group reads
+    const u8* wc = codes + ((u64)e * N + n0) * rowb;
+    const u8* ws = scales + ((u64)e * N + n0) * sk;
+    const float wa = F::ALPHA ? w_amax[e] : 0.0f;
+    for (u32 rb = lo; rb < hi; rb += QM_RB) {
+        const u32 nr = min((u32)QM_RB, hi - rb);
+        const u16* xp = x + (u64)rb * K;
+        float acc[QM_RB][QM_NB];
+#pragma unroll
+        for (int r = 0; r < QM_RB; ++r)
+#pragma unroll
+            for (int q = 0; q < QM_NB; ++q) acc[r][q] = 0.0f;
+        uint4 wq[QM_NB];
+        u32 sr[QM_NB];
+#pragma unroll
+        for (int q = 0; q < QM_NB; ++q) {
+            wq[q] = make_uint4(0u, 0u, 0u, 0u);
+            sr[q] = 0u;
+            if (sub < mine) {
+                wq[q] = *reinterpret_cast<const uint4*>(wc + q * (u64)rowb + (u64)sub * 16);
+                sr[q] = F::load_scale(ws + q * sk, sub);
+            }
+        }
+        for (u32 c = sub; c - sub < chunks; c += LPC) {
+            // Prefetch the next chunk (zeros past the end; never used).
+            uint4 nq[QM_NB];
+            u32 ns[QM_NB];
+            const u32 cn = c + LPC;
+#pragma unroll
+            for (int q = 0; q < QM_NB; ++q) {
+                nq[q] = make_uint4(0u, 0u, 0u, 0u);
+                ns[q] = 0u;
+                if (cn < mine) {
+                    nq[q] = *reinterpret_cast<const uint4*>(wc + q * (u64)rowb + (u64)cn * 16);
+                    ns[q] = F::load_scale(ws + q * sk, cn);
+                }
+            }
+            if (c < mine) {
+                u32 sp[QM_NB];
+#pragma unroll
+                for (int q = 0; q < QM_NB; ++q) sp[q] = F::prep(sr[q]);
+#pragma unroll
+                for (int h = 0; h < (int)F::STEPS; ++h) {
+                    float wv[QM_NB][4];
+#pragma unroll
+                    for (int q = 0; q < QM_NB; ++q) F::decode4(wq[q], sp[q], h, wv[q]);
+                    qm_rows4(xp + (c * F::CHUNK + 4 * h), nr, K, wv, acc);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < QM_NB; ++q) {
+                wq[q] = nq[q];
+                sr[q] = ns[q];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < QM_RB; ++r) {
+            if ((u32)r < nr) {
+                const float alpha =
+                    F::ALPHA ? __fmul_rn(__fmul_rn(x_amax[rb + r], wa), MXRL_NVFP4_ALPHA_FACTOR_INV) : 1.0f;
+#pragma unroll
+                for (int q = 0; q < QM_NB; ++q) {
+                    const float s = group_sum<LPC>(acc[r][q]);
+                    if (active && sub == q) y[(u64)(rb + r) * N + n0 + q] = F::ALPHA ? __fmul_rn(s, alpha) : s;
+                }
+            }
+        }
+    }
+}
+
+#define QGEMM_MXFP8_ARGS                                                                                   \
+    const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,               \
+        const u32 *__restrict__ off, float *__restrict__ y, u32 E, u32 R, u32 N, u32 K
+#define QGEMM_NVFP4_ARGS                                                                                   \
+    const u16 *__restrict__ x, const float *__restrict__ x_amax, const u8 *__restrict__ codes,            \
+        const u8 *__restrict__ scales, const float *__restrict__ w_amax, const u32 *__restrict__ off,     \
+        float *__restrict__ y, u32 E, u32 R, u32 N, u32 K
+// Entry points: suffix = lanes per column group (32: 4 columns per warp; 16: 8; 8: 16).
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_mxfp8_l32(QGEMM_MXFP8_ARGS) {
+    qgemm_body<QmMxfp8, 32>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_mxfp8_l16(QGEMM_MXFP8_ARGS) {
+    qgemm_body<QmMxfp8, 16>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_mxfp8_l8(QGEMM_MXFP8_ARGS) {
+    qgemm_body<QmMxfp8, 8>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_nvfp4_l32(QGEMM_NVFP4_ARGS) {
+    qgemm_body<QmNvfp4, 32>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_nvfp4_l16(QGEMM_NVFP4_ARGS) {
+    qgemm_body<QmNvfp4, 16>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QM_WARPS * 32, QM_MIN_BLOCKS) qgemm_nvfp4_l8(QGEMM_NVFP4_ARGS) {
+    qgemm_body<QmNvfp4, 8>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);
+}
+
+// ---- NVFP4 output factor for the large-M path ----
+
+// y[r, :] = fl(y[r, :] · α(r, e)) for the expert e that owns row r (the lowest-numbered one
+// if an invalid table gives several); rows of no expert are untouched. One block per row.
+#define NO_OWNER 0xFFFFFFFFu
+extern "C" __global__ void __launch_bounds__(256)
+    nvfp4_scale_rows(float* __restrict__ y, const float* __restrict__ x_amax, const float* __restrict__ w_amax,
+                     const u32* __restrict__ off, u32 E, u32 R, u32 N) {
+    __shared__ u32 owner;
+    const u32 r = blockIdx.x;
+    if (threadIdx.x == 0) owner = NO_OWNER;
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
+        u32 lo, hi;
+        qm_expert_rows(off, e, R, lo, hi);
+        if (r >= lo && r < hi) atomicMin(&owner, e);
+    }
+    __syncthreads();
+    const u32 e = owner;
+    if (e == NO_OWNER) return;
+    const float alpha = __fmul_rn(__fmul_rn(x_amax[r], w_amax[e]), MXRL_NVFP4_ALPHA_FACTOR_INV);
+    float* yr = y + (u64)r * N;
+    for (u32 n = threadIdx.x; n < N; n += blockDim.x) yr[n] = __fmul_rn(yr[n], alpha);
+}

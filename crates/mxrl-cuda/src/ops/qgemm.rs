@@ -1,0 +1,710 @@
+//! Low-byte decode (kernels `kernels/ops_qgemm.cu`, compiled after the contract encoders of
+//! `kernels/quant.cu`): the routed experts' MXFP8 / NVFP4 weights are multiplied as stored —
+//! codes and block scales read once per used expert with 16-byte loads and dequantized in
+//! registers — by activations quantized per the contract on the device.
+//!
+//! # Ops and their CPU references
+//! - [`QGemm::quant_act_mxfp8`]: `x [rows, K]` f32 → the MXFP8 row-wise (1×32, E4M3 + UE8M0)
+//!   dequantized values as BF16 bit patterns; reference `mxrl_formats::quantize(x,
+//!   Scheme::MXFP8_ROW)` then [`mxrl_formats::QuantizedTensor::dequantize`] (the `Plain`
+//!   operand of `mxrl_tensor::qlinear`).
+//! - [`QGemm::quant_act_nvfp4`]: `x` → per-token NVFP4 (`Scheme::NVFP4_ROW`): the row amax
+//!   (f32) and the GEMM operand `pre = e2m1(code) · e4m3(block scale)` as BF16 (the
+//!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`).
+//! - [`QGemm::grouped_nt_small_m_mxfp8`] / [`QGemm::grouped_nt_small_m_nvfp4`]: per expert,
+//!   `y = x · W_eᵀ` on those operands (NVFP4: then `y = fl(y · α)`,
+//!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
+//!   [`mxrl_tensor::qlinear::PreparedWeight::forward_inference`] per expert (the CPU backend's
+//!   `grouped_qlinear`).
+//! - [`QGemm::dequant_weights_mxfp8`] / [`QGemm::dequant_weights_nvfp4`]: stored weights →
+//!   BF16 GEMM operands for the large-M (tensor-core) path, and [`QGemm::nvfp4_scale_rows`],
+//!   NVFP4's α on that path's output.
+//!
+//! # Numerics
+//! The operands are exact BF16 numbers (MXFP8: ≤ 4 significant bits times a power of two;
+//! NVFP4: ≤ 6 bits in `[2⁻¹⁰, 2688]`), their products are exact in f32, and the sums run in
+//! IEEE f32 on CUDA cores (`fma` of an exact product = a separate multiply and add): only the
+//! summation order differs from the CPU emulation (bound
+//! `mxrl_tensor::tolerance::two_order_sum_bound` over `Σ|x·w|`; NVFP4 `|α|·` that bound with
+//! one more term for the final rounding). Where this holds, exactly:
+//! - MXFP8 activation values are exact in BF16 for every block with scale byte ≥ 3, i.e.
+//!   amax > 448·2⁻¹²⁵ ≈ 1.05·10⁻³⁵; a block below that is rounded to nearest-even BF16 (the
+//!   one deviation from the contract's dequantized value). Weights through
+//!   [`QGemm::dequant_weights_mxfp8`] the same; the small-M GEMM decodes weights to f32 and
+//!   has no such limit.
+//! - MXFP8 products are exact while `|x·w|` is 0 or in `[2⁻¹²⁶, f32::MAX]` (the blocks' scale
+//!   bytes add up to ≥ 123: amax products above ~2⁻¹¹³); the CPU emulation rounds products
+//!   outside that range too, so the bound assumes data inside it.
+//! - NVFP4 operands and products are always exact. Special values: NaN codes decode to NaN,
+//!   a block at f32's limit to ±Inf, as on the CPU.
+//!
+//! Deterministic: one thread owns each output and sums in an order fixed by the shapes and
+//! the [`QLanes`] choice; no atomics on data. Every launcher checks lengths, alignment and
+//! block multiples, then launches on the GPU's one stream without allocating or reading
+//! anything back, so a decode step that uses them can be captured in a CUDA graph. The
+//! grouped layout is [`super::gemm`]'s: rows of expert `e` are `offsets[e]..offsets[e+1]`
+//! (device `u32 [E+1]`, clamped to `[0, R]` in the kernels), weights stacked per expert.
+//! Needs sm_89 or newer (`cvt.rn.f16x2.e4m3x2`): [`QGemm::new`] fails with NVRTC's message
+//! elsewhere.
+#![allow(unsafe_code)]
+
+use super::gemm::Grouped;
+use super::{check_align, check_len, mul};
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+/// Kernel source of this family (the module's name is `ops_qgemm`).
+pub const SOURCE: &str = super::QGEMM_SOURCE;
+
+/// Warps per block of the small-M kernels (`QM_WARPS`).
+const QM_WARPS: usize = 8;
+/// Output columns per lane group (`QM_NB`).
+const QM_NB: usize = 4;
+const QM_THREADS: u32 = (QM_WARPS * 32) as u32;
+/// Threads per row of the NVFP4 activation quantizer (`QA_THREADS`).
+const QA_THREADS: u32 = 128;
+const THREADS: u32 = 256;
+
+/// The stored block format of a low-byte weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LowByte {
+    /// E4M3 codes `[N, K]` with UE8M0 scales `[N, K/32]` (`Scheme::MXFP8_ROW`).
+    Mxfp8,
+    /// Packed E2M1 codes `[N, K/2]` (low nibble first) with E4M3 scales `[N, K/16]` and one
+    /// f32 amax per tensor (`Scheme::NVFP4_TENSOR`).
+    Nvfp4,
+}
+
+impl LowByte {
+    /// Both formats.
+    pub const ALL: [LowByte; 2] = [LowByte::Mxfp8, LowByte::Nvfp4];
+
+    /// Weight elements in one 16-byte load of codes (16 E4M3 or 32 E2M1).
+    pub fn chunk(self) -> usize {
+        match self {
+            LowByte::Mxfp8 => 16,
+            LowByte::Nvfp4 => 32,
+        }
+    }
+
+    /// Stored bytes of one `[n, k]` weight: codes + scales (+ the f32 amax of NVFP4).
+    pub fn weight_bytes(self, n: usize, k: usize) -> usize {
+        match self {
+            LowByte::Mxfp8 => n * k + n * k / 32,
+            LowByte::Nvfp4 => n * k / 2 + n * k / 16 + 4,
+        }
+    }
+}
+
+/// How many lanes of a warp share one group of 4 output columns (`QM_NB`) in the small-M
+/// kernels (the rest of the warp takes further columns): 32 lanes split a row's 16-byte
+/// chunks 32 ways; 16 or 8 lanes keep every lane busy when a row has fewer chunks
+/// (`K / LowByte::chunk`), at the cost of fewer, larger blocks. Also changes the summation
+/// order (each within the same bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QLanes {
+    /// 32 lanes per column group: 4 columns per warp, 32 per block.
+    L32,
+    /// 16 lanes: 8 columns per warp, 64 per block.
+    L16,
+    /// 8 lanes: 16 columns per warp, 128 per block.
+    L8,
+}
+
+impl QLanes {
+    /// Every choice.
+    pub const ALL: [QLanes; 3] = [QLanes::L32, QLanes::L16, QLanes::L8];
+
+    /// Lanes per column group.
+    pub fn lanes(self) -> usize {
+        match self {
+            QLanes::L32 => 32,
+            QLanes::L16 => 16,
+            QLanes::L8 => 8,
+        }
+    }
+
+    /// Output columns one block covers.
+    pub fn cols_per_block(self) -> usize {
+        QM_WARPS * QM_NB * (32 / self.lanes())
+    }
+
+    fn index(self) -> usize {
+        match self {
+            QLanes::L32 => 0,
+            QLanes::L16 => 1,
+            QLanes::L8 => 2,
+        }
+    }
+
+    /// The launchers' choice for rows of `k` elements in `format`: the split that leaves the
+    /// fewest lanes idle on the row's `k / chunk` loads (ties: more lanes per group, i.e.
+    /// more blocks). Benchmark shapes: MXFP8 K = 2048 → 32, K = 768 → 16; NVFP4 K = 2048 →
+    /// 32, K = 768 → 8.
+    pub fn for_shape(format: LowByte, k: usize) -> Self {
+        let chunks = k / format.chunk();
+        let mut best = QLanes::L32;
+        let mut best_idle = usize::MAX;
+        for l in QLanes::ALL {
+            let idle = chunks.div_ceil(l.lanes()) * l.lanes() - chunks;
+            if idle < best_idle {
+                best = l;
+                best_idle = idle;
+            }
+        }
+        best
+    }
+}
+
+/// The loaded low-byte kernels of one GPU.
+pub struct QGemm {
+    gpu: Gpu,
+    act_mxfp8: CudaFunction,
+    act_nvfp4: CudaFunction,
+    deq_mxfp8: CudaFunction,
+    deq_nvfp4: CudaFunction,
+    scale_rows: CudaFunction,
+    mxfp8: [CudaFunction; 3],
+    nvfp4: [CudaFunction; 3],
+}
+
+fn grid_x(gpu: &Gpu, op: &str, blocks: usize) -> Result<u32, DeviceError> {
+    if blocks > i32::MAX as usize {
+        return Err(gpu.err(format!("{op}: {blocks} blocks exceed the grid's x limit")));
+    }
+    Ok(blocks as u32)
+}
+
+fn check_u32(gpu: &Gpu, op: &str, dims: &[(&str, usize)]) -> Result<(), DeviceError> {
+    for &(what, v) in dims {
+        if u32::try_from(v).is_err() {
+            return Err(gpu.err(format!("{op}: {what} = {v} exceeds u32")));
+        }
+    }
+    Ok(())
+}
+
+fn check_multiple(gpu: &Gpu, op: &str, k: usize, of: usize, why: &str) -> Result<(), DeviceError> {
+    if !k.is_multiple_of(of) {
+        return Err(gpu.err(format!("{op}: k = {k} must be a multiple of {of} ({why})")));
+    }
+    Ok(())
+}
+
+impl QGemm {
+    /// Loads (compiling on first use) the module on `gpu`.
+    ///
+    /// # Errors
+    /// NVRTC (e.g. a GPU older than sm_89) or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_qgemm", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(QGemm {
+            gpu: gpu.clone(),
+            act_mxfp8: f("quant_act_mxfp8")?,
+            act_nvfp4: f("quant_act_nvfp4")?,
+            deq_mxfp8: f("dequant_mxfp8_bf16")?,
+            deq_nvfp4: f("dequant_nvfp4_bf16")?,
+            scale_rows: f("nvfp4_scale_rows")?,
+            mxfp8: [
+                f("qgemm_mxfp8_l32")?,
+                f("qgemm_mxfp8_l16")?,
+                f("qgemm_mxfp8_l8")?,
+            ],
+            nvfp4: [
+                f("qgemm_nvfp4_l32")?,
+                f("qgemm_nvfp4_l16")?,
+                f("qgemm_nvfp4_l8")?,
+            ],
+        })
+    }
+
+    /// MXFP8 row-wise activation quantization as the GEMM operand: `x [rows, k]` f32 →
+    /// `out [rows, k]` BF16 bit patterns of the dequantized values
+    /// `fl(ue8m0_decode(s) · e4m3_value(q))` (1×32 blocks, E4M3 codes and UE8M0 scales bytewise
+    /// those of `mxrl_formats::quantize(x, [rows, k], Scheme::MXFP8_ROW)`). Exact in BF16 for
+    /// blocks with amax > 448·2⁻¹²⁵; smaller blocks are rounded to nearest-even BF16 (module
+    /// doc).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 32, short or misaligned buffers (x and out 16-byte aligned),
+    /// launch errors.
+    pub fn quant_act_mxfp8(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_mxfp8";
+        check_multiple(g, op, k, 32, "MXFP8 blocks of 32")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} x"), x.len(), len)?;
+        check_len(g, &format!("{op} out"), out.len(), len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} out"), out.device_ptr_mut(stream).0, 16)?;
+        let n_blocks = (len / 32) as u64;
+        let threads = len / 8;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, threads.div_ceil(THREADS as usize))?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.act_mxfp8);
+        b.arg(x).arg(out).arg(&n_blocks);
+        // SAFETY: x and out hold rows·k elements (checked), 16-byte aligned (checked); thread t
+        // handles elements 8t .. 8t+8 of block t/4 only when t/4 < rows·k/32 (whole blocks, as
+        // k % 32 == 0), other threads load nothing and store nothing; the grid covers rows·k/8
+        // threads in whole blocks of 256 (every warp complete for the shuffles). Argument
+        // types match (const float*, u16*, u64).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Per-token NVFP4 activation quantization as the GEMM operand: `x [rows, k]` f32 →
+    /// `amax [rows]` f32 (the row's max |x|, NaN ignored, as `mxrl_formats` computes it) and
+    /// `out_pre [rows, k]` BF16 bit patterns of `e2m1_value(code) · e4m3_value(scale)` (exact),
+    /// codes and scales bytewise those of `mxrl_formats::quantize(x, [rows, k],
+    /// Scheme::NVFP4_ROW)`. The GEMM applies the row's factor after the sum.
+    ///
+    /// # Errors
+    /// `k` not a multiple of 16, short or misaligned buffers (x and out_pre 16-byte aligned),
+    /// launch errors.
+    pub fn quant_act_nvfp4(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_nvfp4";
+        check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} x"), x.len(), len)?;
+        check_len(g, &format!("{op} out_pre"), out_pre.len(), len)?;
+        check_len(g, &format!("{op} amax"), amax.len(), rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(
+            g,
+            &format!("{op} out_pre"),
+            out_pre.device_ptr_mut(stream).0,
+            16,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, rows)?, 1, 1),
+            block_dim: (QA_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k64 = k as u64;
+        let mut b = g.stream().launch_builder(&self.act_nvfp4);
+        b.arg(x).arg(out_pre).arg(amax).arg(&k64);
+        // SAFETY: x and out_pre hold rows·k elements, amax rows (checked); block r touches row
+        // r < rows only: elements 8c .. 8c+8 for c < k/8 (k % 16 == 0, so pairs of threads
+        // share whole 16-blocks), 16-byte aligned (bases checked, rows are 64-byte multiples);
+        // amax[r] written by thread 0. Every warp runs the same iterations (shuffles complete).
+        // Argument types match (const float*, u16*, float*, u64).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Checks a low-byte grouped GEMM: `k % 32`, `n % 4`, u32 and grid limits, lengths and
+    /// alignment of the operands every format has.
+    #[allow(clippy::too_many_arguments)]
+    fn check_grouped(
+        &self,
+        op: &str,
+        f: LowByte,
+        s: Grouped,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_multiple(
+            g,
+            op,
+            s.k,
+            32,
+            "one 16-byte load of codes never straddles a scale block",
+        )?;
+        if !s.n.is_multiple_of(QM_NB) {
+            return Err(g.err(format!(
+                "{op}: n = {} must be a multiple of {QM_NB} (columns per lane group)",
+                s.n
+            )));
+        }
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("n", s.n),
+                ("k", s.k),
+            ],
+        )?;
+        if s.experts > 65_535 {
+            return Err(g.err(format!(
+                "{op}: {} experts exceed the grid's y limit 65535",
+                s.experts
+            )));
+        }
+        let en = mul(g, op, s.experts, s.n)?;
+        let enk = mul(g, op, en, s.k)?;
+        let (codes_len, scales_len) = match f {
+            LowByte::Mxfp8 => (enk, enk / 32),
+            LowByte::Nvfp4 => (enk / 2, enk / 16),
+        };
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, s.rows, s.k)?)?;
+        check_len(g, &format!("{op} codes"), codes.len(), codes_len)?;
+        check_len(g, &format!("{op} scales"), scales.len(), scales_len)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
+        if f == LowByte::Nvfp4 {
+            check_align(g, &format!("{op} scales"), scales.device_ptr(stream).0, 2)?;
+        }
+        Ok(())
+    }
+
+    fn grouped_grid(
+        &self,
+        op: &str,
+        lanes: QLanes,
+        s: Grouped,
+    ) -> Result<LaunchConfig, DeviceError> {
+        Ok(LaunchConfig {
+            grid_dim: (
+                grid_x(&self.gpu, op, s.n.div_ceil(lanes.cols_per_block()))?,
+                s.experts as u32,
+                1,
+            ),
+            block_dim: (QM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// Grouped small-M forward on MXFP8 weights as stored: `y[r, :] = x[r, :] · W_eᵀ` for
+    /// every row `r` of every expert `e`, `x [R, K]` the BF16 operand of
+    /// [`QGemm::quant_act_mxfp8`], `codes [E, N, K]` E4M3, `scales [E, N, K/32]` UE8M0 (compact,
+    /// per expert back to back, the bytes `mxrl_formats` writes), `y [R, N]` f32 (written on
+    /// the experts' rows only); [`QLanes::for_shape`]. Reference, per expert:
+    /// `PreparedWeight::forward_inference` with `LinearSpec(Mxfp8)` on the f32 rows.
+    ///
+    /// # Errors
+    /// `k` not a multiple of 32 or `n` of 4, short or misaligned buffers (x and codes 16-byte
+    /// aligned), sizes beyond u32 or the grid; launch errors.
+    pub fn grouped_nt_small_m_mxfp8(
+        &self,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let lanes = QLanes::for_shape(LowByte::Mxfp8, s.k);
+        self.grouped_nt_small_m_mxfp8_with(lanes, x, codes, scales, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_small_m_mxfp8`] with the lane split `lanes`: grid
+    /// `(⌈N / lanes.cols_per_block()⌉, E)`, blocks of experts without rows exit at once.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_small_m_mxfp8_with(
+        &self,
+        lanes: QLanes,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_small_m_mxfp8";
+        self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = self.grouped_grid(op, lanes, s)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let g = &self.gpu;
+        let mut b = g.stream().launch_builder(&self.mxfp8[lanes.index()]);
+        b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, codes E·N·K, scales E·N·K/32, offsets E+1 and y R·N elements
+        // (checked); k % 32 == 0 and n % 4 == 0 (checked), x and codes 16-byte aligned
+        // (checked) and every weight row K bytes (a multiple of 16), so each 16-byte load at
+        // chunk c < K/16 of a column n < N stays inside its row and its scale byte c/2 inside
+        // the row's K/32; block (bx, e) reads offsets[e], offsets[e+1] (e < E), clamps them to
+        // [0, R]; lane groups whose columns start at N or beyond load nothing and write
+        // nothing, whole warps past N exit before any shuffle. Argument types match (const
+        // u16*, const u8*, const u8*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Grouped small-M forward on NVFP4 weights as stored: `y[r, :] = fl(α · x_pre[r, :] ·
+    /// W_eᵀ)` for every row `r` of every expert `e`, `x_pre [R, K]` and `x_amax [R]` from
+    /// [`QGemm::quant_act_nvfp4`], `codes [E, N, K/2]` packed E2M1 (low nibble first),
+    /// `scales [E, N, K/16]` E4M3, `w_amax [E]` (each expert's per-tensor amax), `y [R, N]`
+    /// f32 (experts' rows only), `α = fl(fl(x_amax[r] · w_amax[e]) · NVFP4_ALPHA_FACTOR_INV)`
+    /// ([`mxrl_tensor::qlinear::nvfp4_alpha`]); [`QLanes::for_shape`]. Reference, per expert:
+    /// `PreparedWeight::forward_inference` with `LinearSpec(Nvfp4)`, per-token activations.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_mxfp8`]; also short amax buffers, scales not 2-byte
+    /// aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_small_m_nvfp4(
+        &self,
+        x_pre: &CudaView<'_, u16>,
+        x_amax: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let lanes = QLanes::for_shape(LowByte::Nvfp4, s.k);
+        self.grouped_nt_small_m_nvfp4_with(
+            lanes, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
+        )
+    }
+
+    /// [`QGemm::grouped_nt_small_m_nvfp4`] with the lane split `lanes`.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_nvfp4`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_small_m_nvfp4_with(
+        &self,
+        lanes: QLanes,
+        x_pre: &CudaView<'_, u16>,
+        x_amax: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_small_m_nvfp4";
+        let g = &self.gpu;
+        self.check_grouped(op, LowByte::Nvfp4, s, x_pre, codes, scales, offsets, y)?;
+        check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
+        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = self.grouped_grid(op, lanes, s)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.nvfp4[lanes.index()]);
+        b.arg(x_pre).arg(x_amax).arg(codes).arg(scales).arg(w_amax);
+        b.arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x_pre holds R·K, x_amax R, codes E·N·K/2, scales E·N·K/16, w_amax E, offsets
+        // E+1 and y R·N elements (checked); k % 32 == 0 and n % 4 == 0 (checked); x_pre and
+        // codes 16-byte, scales 2-byte aligned (checked), weight rows K/2 bytes (a multiple of
+        // 16) and scale rows K/16 (even), so each 16-byte load at chunk c < K/32 and each u16
+        // scale pair 2c stays inside its row; rows come from offsets clamped to [0, R], x_amax
+        // is read for those rows, w_amax for e < E; lane groups past N load and write
+        // nothing, whole warps past N exit before any shuffle. Argument types match (const
+        // u16*, const float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Checks a weight dequantization: `k` a multiple of `block`, u32-free sizes, lengths.
+    #[allow(clippy::too_many_arguments)]
+    fn check_dequant(
+        &self,
+        op: &str,
+        f: LowByte,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, u16>,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<usize, DeviceError> {
+        let g = &self.gpu;
+        let (block, codes_per_elem) = match f {
+            LowByte::Mxfp8 => (32, 2),
+            LowByte::Nvfp4 => (16, 1),
+        };
+        check_multiple(g, op, k, block, "whole scale blocks")?;
+        let len = mul(g, op, mul(g, op, experts, n)?, k)?;
+        check_len(
+            g,
+            &format!("{op} codes"),
+            codes.len(),
+            len * codes_per_elem / 2,
+        )?;
+        check_len(g, &format!("{op} scales"), scales.len(), len / block)?;
+        check_len(g, &format!("{op} out"), out.len(), len)?;
+        if len > 0 {
+            let stream = g.stream();
+            let code_align = match f {
+                LowByte::Mxfp8 => 8,
+                LowByte::Nvfp4 => 4,
+            };
+            check_align(
+                g,
+                &format!("{op} codes"),
+                codes.device_ptr(stream).0,
+                code_align,
+            )?;
+            check_align(g, &format!("{op} out"), out.device_ptr_mut(stream).0, 16)?;
+        }
+        Ok(len)
+    }
+
+    /// Plain dequantization of stored MXFP8 weights (`codes [E, N, K]`, `scales [E, N, K/32]`)
+    /// to BF16 bit patterns `out [E, N, K]`: the contract's `fl(ue8m0_decode(s) ·
+    /// e4m3_value(q))` (reference [`mxrl_formats::QuantizedTensor::dequantize`]), exact in BF16
+    /// for scale bytes ≥ 3 and rounded to nearest even below — the operand of the large-M
+    /// grouped GEMMs ([`super::gemm::Gemm::grouped_nt`]).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 32, short buffers, codes not 8-byte / out not 16-byte aligned,
+    /// launch errors.
+    pub fn dequant_weights_mxfp8(
+        &self,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, u16>,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let op = "dequant_weights_mxfp8";
+        let len = self.check_dequant(op, LowByte::Mxfp8, codes, scales, out, experts, n, k)?;
+        self.launch_dequant(op, &self.deq_mxfp8, codes, scales, out, len)
+    }
+
+    /// Dequantization of stored NVFP4 weights (`codes [E, N, K/2]`, `scales [E, N, K/16]`) to
+    /// their GEMM operand in BF16, `out [E, N, K]` = `e2m1_value(code) · e4m3_value(scale)`
+    /// (exact; the `pre` values of `mxrl_tensor::qlinear`). The per-tensor amax is **not**
+    /// applied: a GEMM on these values takes α afterwards ([`QGemm::nvfp4_scale_rows`]), as
+    /// the CPU emulation does.
+    ///
+    /// # Errors
+    /// `k` not a multiple of 16, short buffers, codes not 4-byte / out not 16-byte aligned,
+    /// launch errors.
+    pub fn dequant_weights_nvfp4(
+        &self,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, u16>,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let op = "dequant_weights_nvfp4";
+        let len = self.check_dequant(op, LowByte::Nvfp4, codes, scales, out, experts, n, k)?;
+        self.launch_dequant(op, &self.deq_nvfp4, codes, scales, out, len)
+    }
+
+    fn launch_dequant(
+        &self,
+        op: &str,
+        f: &CudaFunction,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, u16>,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let n8 = (len / 8) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, (len / 8).div_ceil(THREADS as usize))?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(f);
+        b.arg(codes).arg(scales).arg(out).arg(&n8);
+        // SAFETY: the caller (check_dequant) checked codes, scales and out against len = E·N·K
+        // elements with k a multiple of the scale block (so len % 8 == 0 and a thread's eight
+        // elements share one scale), codes 8-byte (MXFP8) / 4-byte (NVFP4) and out 16-byte
+        // aligned; thread t < len/8 reads codes of elements 8t .. 8t+8 and scale byte
+        // 8t / block, writes out[8t .. 8t+8]; other threads return. Argument types match
+        // (const u8*, const u8*, u16*, u64).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// NVFP4's output factor on the large-M path: `y[r, :] = fl(y[r, :] · α(r, e))` for the
+    /// expert `e` owning row `r` (`offsets` as the grouped GEMMs, clamped to `[0, R]`),
+    /// `α = fl(fl(x_amax[r] · w_amax[e]) · NVFP4_ALPHA_FACTOR_INV)`; rows of no expert are
+    /// untouched. Applied to a grouped GEMM of [`QGemm::quant_act_nvfp4`]'s `pre` operand and
+    /// [`QGemm::dequant_weights_nvfp4`]'s weights it is the CPU emulation's forward.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond u32 or the grid; launch errors.
+    pub fn nvfp4_scale_rows(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        x_amax: &CudaView<'_, f32>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "nvfp4_scale_rows";
+        check_u32(
+            g,
+            op,
+            &[("experts", s.experts), ("rows", s.rows), ("n", s.n)],
+        )?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
+        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, s.rows)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, r, n) = (s.experts as u32, s.rows as u32, s.n as u32);
+        let mut b = g.stream().launch_builder(&self.scale_rows);
+        b.arg(y).arg(x_amax).arg(w_amax).arg(offsets);
+        b.arg(&e).arg(&r).arg(&n);
+        // SAFETY: y holds R·N, x_amax R, w_amax E, offsets E+1 elements (checked); block r < R
+        // scans offsets[e], offsets[e+1] for e < E, reads x_amax[r] and w_amax[owner < E] and
+        // rewrites y[r·N .. r·N + N]. Argument types match (float*, const float*, const
+        // float*, const u32*, u32 × 3).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+}
