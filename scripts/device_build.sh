@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
-# .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmark (mxrl-cuda's
-# bench_gemm example) and the CUDA test binaries of mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
+# .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmarks (mxrl-cuda's
+# bench_gemm, bench_head_ops and bench_qgemm examples) and the CUDA test binaries of mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
 # no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ cargo build --release -p mxrl-cuda --features cuda --example bench_gemm
 cp target/release/examples/bench_gemm "$out/bench_gemm"
 cargo build --release -p mxrl-cuda --features cuda --example bench_head_ops
 cp target/release/examples/bench_head_ops "$out/bench_head_ops"
+cargo build --release -p mxrl-cuda --features cuda --example bench_qgemm
+cp target/release/examples/bench_qgemm "$out/bench_qgemm"
 for pkg in mxrl-cuda; do
   cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c '
@@ -28,5 +30,5 @@ for line in sys.stdin:
         print(dst)
 ' "$out/tests" "$pkg"
 done
-strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out"/tests/*
+strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out"/tests/*
 du -sh "$out"

@@ -18,6 +18,7 @@ use crate::ops::head::{Head, HeadOutputs, HeadShape, DEFAULT_CHUNK};
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
+use crate::ops::qgemm::QGemm;
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
@@ -73,6 +74,15 @@ impl QExperts {
 /// Average rows per expert from which routed-expert GEMMs run as one cuBLAS call per expert.
 pub const PER_EXPERT_ROWS: usize = 128;
 
+/// Average rows per expert up to which block-format experts run on the low-byte small-M
+/// kernels (stored bytes read once, dequantized in registers, CUDA-core sums); above it the
+/// weights are dequantized to BF16 for the tensor-core grouped GEMMs (prefill, scoring, large
+/// decode batches). The BF16 experts' crossover
+/// ([`crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT`]): the small-M kernels are bound by their
+/// arithmetic, not their bytes, beyond it (bench_qgemm on an H200: 1024 rows over 64 experts
+/// take 551 µs on MXFP8 bytes vs 198 µs on the BF16 tiles).
+pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
+
 /// The engine's CUDA backend on one GPU.
 pub struct CudaBackend {
     gpu: Gpu,
@@ -89,6 +99,8 @@ pub struct CudaBackend {
     optim: Optim,
     embed_bwd: EmbedBackward,
     sampler: Sampler,
+    /// The low-byte expert kernels (need sm_89+; the error says why they are missing).
+    qgemm: Result<QGemm, String>,
     peak: Cell<usize>,
 }
 
@@ -113,6 +125,7 @@ impl CudaBackend {
             optim: Optim::new(&gpu)?,
             embed_bwd: EmbedBackward::new(&gpu)?,
             sampler: Sampler::new(&gpu)?,
+            qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
             peak: Cell::new(0),
             gpu,
         })
@@ -355,22 +368,107 @@ impl Backend for CudaBackend {
 
     fn grouped_qlinear(
         &self,
-        _x: &Self::F32,
+        x: &Self::F32,
         w: &QExperts,
-        _offsets: &Self::U32,
-        _experts: usize,
-        _rows: usize,
-        _k: usize,
-        _n: usize,
-        _y: &mut Self::F32,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
     ) -> DResult<()> {
-        Err(DeviceError::new(
-            self.gpu.name(),
-            format!(
-                "grouped_qlinear: no device kernels for {:?} experts yet",
-                w.format
-            ),
-        ))
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if (w.e, w.n, w.k) != (experts, n, k) {
+            return Err(dev(format!(
+                "grouped_qlinear: experts stored as [{}, {}, {}], called with [{experts}, {n}, {k}]",
+                w.e, w.n, w.k
+            )));
+        }
+        let q = self.qgemm.as_ref().map_err(|e| {
+            dev(format!(
+                "grouped_qlinear: the low-byte expert kernels did not load: {e}"
+            ))
+        })?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        let small = rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
+        let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        match w.format {
+            Format::Mxfp8 => {
+                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                if small {
+                    return q
+                        .grouped_nt_small_m_mxfp8(
+                            &xq.as_view(),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                let mut wb = self.gpu.empty::<u16>(experts * n * k).map_err(de)?;
+                q.dequant_weights_mxfp8(
+                    &w.codes.as_view(),
+                    &w.scales.as_view(),
+                    &mut wb.as_view_mut(),
+                    experts,
+                    n,
+                    k,
+                )
+                .map_err(de)?;
+                self.grouped_linear(&xq, &wb, offsets, experts, rows, k, n, y)
+            }
+            Format::Nvfp4 => {
+                let mut x_amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
+                let mut xa = x_amax.slice_mut(0..rows);
+                q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
+                    .map_err(de)?;
+                let xa = x_amax.slice(0..rows);
+                if small {
+                    return q
+                        .grouped_nt_small_m_nvfp4(
+                            &xq.as_view(),
+                            &xa,
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &w.amax.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                let mut wb = self.gpu.empty::<u16>(experts * n * k).map_err(de)?;
+                q.dequant_weights_nvfp4(
+                    &w.codes.as_view(),
+                    &w.scales.as_view(),
+                    &mut wb.as_view_mut(),
+                    experts,
+                    n,
+                    k,
+                )
+                .map_err(de)?;
+                self.grouped_linear(&xq, &wb, offsets, experts, rows, k, n, y)?;
+                q.nvfp4_scale_rows(
+                    &mut y.as_view_mut(),
+                    &xa,
+                    &w.amax.as_view(),
+                    &offsets.as_view(),
+                    s,
+                )
+                .map_err(de)
+            }
+            other => Err(dev(format!(
+                "grouped_qlinear: no device kernels for {other:?} experts"
+            ))),
+        }
     }
 
     fn gather_f32(

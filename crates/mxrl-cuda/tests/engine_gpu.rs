@@ -377,3 +377,100 @@ impl<B: mxrl_tensor::device::Backend> TrainLike for Engine<B> {
         self.backward(&tape, &dl).unwrap();
     }
 }
+
+fn mean_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut s, mut n) = (0.0f64, 0usize);
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        for (p, q) in x.iter().zip(y) {
+            s += (*p as f64 - *q as f64).abs();
+            n += 1;
+        }
+    }
+    s / n.max(1) as f64
+}
+
+/// Routed experts in MXFP8 / NVFP4 as stored, on the low-byte kernels: scoring (many rows per
+/// expert: activations quantized, weights dequantized to BF16, tensor-core grouped GEMMs) and
+/// decode (a few rows per expert: the small-M kernels reading codes and scales as stored) are
+/// deterministic and follow the CPU engine of the same quantized experts far more closely than
+/// the BF16 model: the operands and products are the contract's exact values on both sides,
+/// only summation orders differ, while BF16 → block format moves every logprob.
+#[test]
+fn gpu_engine_block_format_experts_follow_the_cpu_engine() {
+    use mxrl_formats::Format;
+    use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
+    let m = model();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let rows: usize = s.iter().map(|q| q.len()).sum::<usize>() * config().num_experts_per_tok;
+    assert!(rows > mxrl_cuda::backend::QSMALL_M_ROWS_PER_EXPERT * config().num_experts);
+    let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..3]).collect();
+    let (new, decode_rows) = (6, prompts.len() * config().num_experts_per_tok);
+    assert!(decode_rows <= mxrl_cuda::backend::QSMALL_M_ROWS_PER_EXPERT * config().num_experts);
+    let bf16_cpu = cpu_engine(&m, 64).unwrap();
+    for format in [Format::Mxfp8, Format::Nvfp4] {
+        let spec = LinearSpec::new(format, BackwardMode::HighPrecision).unwrap();
+        let mut g = gpu_engine(&m);
+        let mut c = cpu_engine(&m, 64).unwrap();
+        g.quantize_experts(spec).unwrap();
+        c.quantize_experts(spec).unwrap();
+        // Scoring.
+        let lg = g.logprobs(&batch, 1.0).unwrap();
+        assert_eq!(
+            bits(&lg),
+            bits(&g.logprobs(&batch, 1.0).unwrap()),
+            "{format:?}"
+        );
+        assert!(lg.iter().flatten().all(|x| x.is_finite()));
+        let (dq, db) = (
+            mean_abs_diff(&lg, &c.logprobs(&batch, 1.0).unwrap()),
+            mean_abs_diff(&lg, &bf16_cpu.logprobs(&batch, 1.0).unwrap()),
+        );
+        println!("{format:?} scoring: mean |gpu - cpu| {dq:.3e}, vs the BF16 model {db:.3e}");
+        assert!(
+            db > 0.0 && dq < db / 8.0,
+            "{format:?} scoring: {dq:e} vs {db:e}"
+        );
+        // Generation (recorded decode graphs, on-device sampling) repeats itself.
+        let out = g
+            .generate(&prompts, new, &SampleParams::greedy(), &[])
+            .unwrap();
+        let again = g
+            .generate(&prompts, new, &SampleParams::greedy(), &[])
+            .unwrap();
+        let gd: Vec<Vec<f32>> = out.iter().map(|o| o.logprobs.clone()).collect();
+        let gd2: Vec<Vec<f32>> = again.iter().map(|o| o.logprobs.clone()).collect();
+        assert_eq!(bits(&gd), bits(&gd2), "{format:?} decode");
+        assert!(gd.iter().flatten().all(|x| x.is_finite()));
+        // Decode steps: the same tokens fed to the three engines (the quantized CPU engine's
+        // greedy choice); logits compared at every step.
+        let (mut sg, mut zg) = g.prefill(&prompts, 32).unwrap();
+        let (mut sc, mut zc) = c.prefill(&prompts, 32).unwrap();
+        let (mut sb, mut zb) = bf16_cpu.prefill(&prompts, 32).unwrap();
+        let (mut gz, mut cz, mut bz) = (Vec::new(), Vec::new(), Vec::new());
+        let v = config().vocab_size;
+        for _ in 0..new {
+            let next: Vec<u32> = zc
+                .chunks(v)
+                .map(|r| {
+                    (0..v)
+                        .max_by(|&i, &j| r[i].total_cmp(&r[j]).then(j.cmp(&i)))
+                        .unwrap() as u32
+                })
+                .collect();
+            gz.push(zg);
+            cz.push(zc);
+            bz.push(zb);
+            zg = g.decode_step(&mut sg, &next).unwrap();
+            zc = c.decode_step(&mut sc, &next).unwrap();
+            zb = bf16_cpu.decode_step(&mut sb, &next).unwrap();
+        }
+        let (dq, db) = (mean_abs_diff(&gz, &cz), mean_abs_diff(&gz, &bz));
+        println!("{format:?} decode logits: mean |gpu - cpu| {dq:.3e}, vs the BF16 model {db:.3e}");
+        assert!(
+            db > 0.0 && dq < db / 8.0,
+            "{format:?} decode: {dq:e} vs {db:e}"
+        );
+    }
+}
