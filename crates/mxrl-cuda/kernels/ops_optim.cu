@@ -55,8 +55,18 @@ extern "C" __global__ void sumsq_partial(const float* __restrict__ x, u64 n,
                                          double* __restrict__ partial) {
     __shared__ double red[32];
     double acc = 0.0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (u64)gridDim.x * blockDim.x) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    // Four loads in flight per thread; the squares are added in the same grid-stride order.
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const double d0 = (double)x[i], d1 = (double)x[i + stride];
+        const double d2 = (double)x[i + 2 * stride], d3 = (double)x[i + 3 * stride];
+        acc = __dadd_rn(acc, __dmul_rn(d0, d0));
+        acc = __dadd_rn(acc, __dmul_rn(d1, d1));
+        acc = __dadd_rn(acc, __dmul_rn(d2, d2));
+        acc = __dadd_rn(acc, __dmul_rn(d3, d3));
+    }
+    for (; i < n; i += stride) {
         const double d = (double)x[i];
         acc = __dadd_rn(acc, __dmul_rn(d, d));
     }

@@ -101,6 +101,8 @@ pub struct CudaBackend {
     sampler: Sampler,
     /// The low-byte expert kernels (need sm_89+; the error says why they are missing).
     qgemm: Result<QGemm, String>,
+    /// AdamW's gradient scale on the device (value bits, buffer).
+    grad_scale: std::cell::RefCell<Option<(u32, std::rc::Rc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
 }
 
@@ -126,6 +128,7 @@ impl CudaBackend {
             embed_bwd: EmbedBackward::new(&gpu)?,
             sampler: Sampler::new(&gpu)?,
             qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
+            grad_scale: std::cell::RefCell::new(None),
             peak: Cell::new(0),
             gpu,
         })
@@ -207,6 +210,20 @@ impl CudaBackend {
             ));
         }
         Ok(Some(o))
+    }
+
+    /// A one-element device buffer holding `s` (AdamW's gradient scale): the last one made is
+    /// kept and reused while the value stays the same (one upload per optimizer step).
+    fn grad_scale_buffer(&self, s: f32) -> DResult<std::rc::Rc<CudaSlice<f32>>> {
+        let mut cache = self.grad_scale.borrow_mut();
+        if let Some((bits, buf)) = cache.as_ref() {
+            if *bits == s.to_bits() {
+                return Ok(buf.clone());
+            }
+        }
+        let buf = std::rc::Rc::new(self.gpu.upload(&[s]).map_err(de)?);
+        *cache = Some((s.to_bits(), buf.clone()));
+        Ok(buf)
     }
 
     fn bf16(&self, x: &CudaSlice<f32>, n: usize) -> DResult<CudaSlice<u16>> {
@@ -1361,15 +1378,17 @@ impl Backend for CudaBackend {
         step: u64,
         cfg: &AdamWConfig,
         weight_decay: f32,
+        grad_scale: f32,
         op: Option<&mut Self::Bf16>,
     ) -> DResult<()> {
+        let scale = self.grad_scale_buffer(grad_scale)?;
         let mut pv = param.as_view_mut();
         let gv = grad.as_view();
         let mut mv = m.as_view_mut();
         let mut vv = v.as_view_mut();
         let mut ov = op.map(|o| o.as_view_mut());
         self.optim
-            .adamw(
+            .adamw_step(
                 AdamWParam {
                     param: &mut pv,
                     grad: &gv,
@@ -1379,6 +1398,7 @@ impl Backend for CudaBackend {
                     n,
                     weight_decay,
                 },
+                &scale.as_view(),
                 step,
                 cfg,
             )

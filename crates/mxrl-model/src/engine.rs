@@ -1906,7 +1906,8 @@ impl<B: Backend> Engine<B> {
     /// Global gradient norm, clipping to `max_norm` (when given, PyTorch's rule), then one
     /// AdamW step on every parameter with weight decay `weight_decay` on linear and embedding
     /// weights (0 on norms and biases); refreshes the BF16 GEMM operands in the same pass.
-    /// Returns the norm before clipping.
+    /// Returns the norm before clipping. The clipping coefficient multiplies the gradients inside
+    /// the AdamW pass (the gradient buffers keep the unclipped values).
     ///
     /// # Errors
     /// Training not enabled; a non-finite gradient norm (nothing is updated); device failure.
@@ -1935,14 +1936,11 @@ impl<B: Backend> Engine<B> {
                 "non-finite gradient norm {norm}: no parameter was updated"
             )));
         }
-        if let Some(mx) = max_norm {
-            let coef = mx / (norm + 1e-6);
-            if coef < 1.0 {
-                for (g, p) in st.grads.iter_mut().zip(&self.params) {
-                    b.scale(g, p.len, coef as f32).map_err(dev)?;
-                }
-            }
-        }
+        // PyTorch's clip_grad_norm_ coefficient, applied inside the AdamW pass.
+        let grad_scale = match max_norm {
+            Some(mx) if mx / (norm + 1e-6) < 1.0 => (mx / (norm + 1e-6)) as f32,
+            _ => 1.0,
+        };
         st.step += 1;
         for (i, p) in self.params.iter_mut().enumerate() {
             let wd = if p.decay { weight_decay } else { 0.0 };
@@ -1955,6 +1953,7 @@ impl<B: Backend> Engine<B> {
                 st.step,
                 cfg,
                 wd,
+                grad_scale,
                 p.op.as_mut(),
             )
             .map_err(dev)?;

@@ -393,29 +393,35 @@ fn gradients_bitwise(arch: Arch) {
         let wb: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
         assert_eq!(gb, wb, "{arch:?} gradient of {name}");
     }
-    // One AdamW step equals the shared CPU AdamW on the model's masters, with weight decay
-    // on linear and embedding weights only.
+    // One AdamW step equals the shared CPU clipping (PyTorch's rule, here at half the norm)
+    // and AdamW on the model's masters, with weight decay on linear and embedding weights only.
     let cfg = mxrl_tensor::optim::AdamWConfig {
         lr: 1e-2,
         ..Default::default()
     };
-    let norm = e.optimizer_step(&cfg, 0.1, Some(1e9)).unwrap();
-    let all: Vec<Vec<f32>> = names
+    let mut all: Vec<Vec<f32>> = names
         .iter()
         .map(|n| model_tensor(&m, &g, n, true))
         .collect();
-    let views: Vec<&[f32]> = all.iter().map(|v| v.as_slice()).collect();
-    assert_eq!(norm, mxrl_tensor::optim::global_grad_norm(&views));
-    for name in &names {
+    let want_norm = {
+        let views: Vec<&[f32]> = all.iter().map(|v| v.as_slice()).collect();
+        mxrl_tensor::optim::global_grad_norm(&views)
+    };
+    let norm = e.optimizer_step(&cfg, 0.1, Some(want_norm / 2.0)).unwrap();
+    assert_eq!(norm, want_norm);
+    {
+        let mut views: Vec<&mut [f32]> = all.iter_mut().map(|v| v.as_mut_slice()).collect();
+        mxrl_tensor::optim::clip_grad_norm(&mut views, want_norm / 2.0);
+    }
+    for (name, gr) in names.iter().zip(&all) {
         let mut p = model_tensor(&m, &g, name, false);
-        let gr = model_tensor(&m, &g, name, true);
         let (mut mm, mut vv) = (vec![0.0; p.len()], vec![0.0; p.len()]);
         let wd = if name.contains("norm") || name.ends_with("bias") {
             0.0
         } else {
             0.1
         };
-        mxrl_tensor::optim::adamw_update(&mut p, &gr, &mut mm, &mut vv, 1, &cfg, wd);
+        mxrl_tensor::optim::adamw_update(&mut p, gr, &mut mm, &mut vv, 1, &cfg, wd);
         let got = e.param_values(name).unwrap();
         assert_eq!(
             got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

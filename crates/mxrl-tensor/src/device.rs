@@ -569,8 +569,10 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()>;
-    /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) that
-    /// also refreshes the BF16 GEMM copy `op` when given.
+    /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) on the
+    /// gradient multiplied by `grad_scale` first (`fl(g · s)`, the clipping coefficient, 1 for
+    /// none: the same bits as scaling the gradient in place and stepping; the gradient buffer
+    /// is left as it was) that also refreshes the BF16 GEMM copy `op` when given.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -584,6 +586,7 @@ pub trait Backend {
         step: u64,
         cfg: &crate::optim::AdamWConfig,
         weight_decay: f32,
+        grad_scale: f32,
         op: Option<&mut Self::Bf16>,
     ) -> DResult<()>;
     /// Bias gradient: `db[j] += Σ_r dy[r, j]` over `rows` rows in row order.
@@ -1833,11 +1836,19 @@ impl Backend for CpuBackend {
         step: u64,
         cfg: &crate::optim::AdamWConfig,
         weight_decay: f32,
+        grad_scale: f32,
         op: Option<&mut Vec<f32>>,
     ) -> DResult<()> {
+        let scaled: Vec<f32>;
+        let g = if grad_scale == 1.0 {
+            &grad[..n]
+        } else {
+            scaled = grad[..n].iter().map(|&x| x * grad_scale).collect();
+            &scaled
+        };
         crate::optim::adamw_update(
             &mut param[..n],
-            &grad[..n],
+            g,
             &mut m[..n],
             &mut v[..n],
             step,

@@ -21,7 +21,7 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_optim.cu");
 
 const THREADS: u32 = 256;
 /// Most blocks of a stage-1 norm launch (a function of the buffer length alone).
-const NORM_BLOCKS: usize = 256;
+const NORM_BLOCKS: usize = 2048;
 
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig {
