@@ -119,6 +119,14 @@ pub trait Backend {
     /// The device.
     fn device(&self) -> Device;
 
+    /// Waits until every queued operation has finished (timing; nothing else needs it).
+    ///
+    /// # Errors
+    /// Device failure.
+    fn synchronize(&self) -> DResult<()> {
+        Ok(())
+    }
+
     /// Zero-filled buffers.
     ///
     /// # Errors

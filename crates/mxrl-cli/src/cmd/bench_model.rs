@@ -253,6 +253,7 @@ fn measure<B: Backend>(
         for step in 0..a.train_steps + 1 {
             let t = Instant::now();
             let (lp, tape) = e.forward_train(&batch, 1.0)?;
+            let t_fwd = t.elapsed();
             // Loss = −mean logprob: dL/dlogprob = −1/N per token.
             let dl: Vec<Vec<f32>> = lp
                 .iter()
@@ -260,10 +261,22 @@ fn measure<B: Backend>(
                 .collect();
             e.zero_grads()?;
             e.backward(&tape, &dl)?;
+            let t_bwd_queued = t.elapsed();
+            e.backend().synchronize()?;
+            let t_bwd = t.elapsed();
             drop(tape);
             e.optimizer_step(&cfg, 0.0, Some(1.0))?;
+            e.backend().synchronize()?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            eprintln!("train step {step}: {ms:.1} ms");
+            let f = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            eprintln!(
+                "train step {step}: {ms:.1} ms (forward {:.1}, backward {:.1} of which {:.1} \
+                 queueing on the host, optimizer {:.1})",
+                f(t_fwd),
+                f(t_bwd - t_fwd),
+                f(t_bwd_queued - t_fwd),
+                ms - f(t_bwd)
+            );
             if step > 0 {
                 times.push(ms);
             }
