@@ -20,6 +20,7 @@
 #define ATT_MAX_D 256
 #define ATT_CPL (ATT_MAX_D / 128)
 #define ATT_DEC_CHUNK 64
+#define ATT_DEC_G 8
 
 __device__ __forceinline__ float att_neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float att_nan() { return __int_as_float(0x7fc00000); }
@@ -372,12 +373,21 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
     vc[o] = f32_to_bf16(v_new[idx]);
 }
 
-// Decode, pass 1. Grid (B, hkv, ceil(max_len / ATT_DEC_CHUNK)), block ATT_DEC_WARPS*32. Block
-// (b, kh, s) covers keys s*CHUNK .. min(len_b, (s+1)*CHUNK) of slot b; warp w takes the group's
-// query heads w, w + ATT_DEC_WARPS, ... For each it writes the chunk's running max m, sum l of
-// exp(s - m) and unnormalized o = sum exp(s - m) v to part_m, part_l: [B, hq, nsplit] and
-// part_o: [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
-// Dynamic shared memory (floats): 2*ATT_BC*stride + ATT_DEC_WARPS*d4 + ATT_DEC_WARPS*ATT_BC.
+// Decode, pass 1. Grid (B, Hkv, nsplit), ATT_DEC_WARPS warps. Block (b, kh, s) covers keys
+// s*CHUNK .. min(len_b, (s+1)*CHUNK) of slot b for the query heads of kv head kh. The chunk's
+// K and V rows are staged in shared memory as BF16 (4-byte loads, all independent), the query
+// rows of up to ATT_DEC_G heads per pass as f32. Scores: warp w takes keys w, w + ATT_DEC_WARPS,
+// ...; lane l forms the partial dot over elements d = l + 32i in i order, the warp adds the 32
+// partials by a butterfly (fixed order); s = fl(dot)*scale. Softmax and weighted sums: warp w
+// takes heads w, w + ATT_DEC_WARPS, ...; lane l owns the chunk's keys l and l + 32 for the max
+// and the sum of exp(s - m), and columns l + 32i of the weighted sum over keys in index order.
+// Writes the chunk's max m, sum l and unnormalized o = sum exp(s - m) v to part_m, part_l:
+// [B, hq, nsplit] and part_o: [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
+// Dynamic shared memory (bytes): 4*(ATT_DEC_G*d4 + ATT_DEC_G*ATT_DEC_CHUNK) + 2*2*ATT_DEC_CHUNK*D.
+// Needs D even and the caches 4-byte aligned (the launcher checks).
+#if ATT_DEC_CHUNK != 64
+#error "attn_decode_partial gives each lane two keys of a chunk"
+#endif
 extern "C" __global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
 attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                     const u32* __restrict__ lens, float* __restrict__ part_m,
@@ -385,71 +395,92 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
                     u32 max_len, float scale) {
     extern __shared__ float4 smem4[];
     float* smem = reinterpret_cast<float*>(smem4);
-    const u32 sk = att_stride(D), d4 = att_d4(D);
-    float* ks = smem;
-    float* vs = ks + ATT_BC * sk;
-    float* qs = vs + ATT_BC * sk;
-    float* ps = qs + ATT_DEC_WARPS * d4;
+    const u32 d4 = att_d4(D);
+    float* qs = smem;
+    float* ss = qs + ATT_DEC_G * d4;
+    u16* ks = reinterpret_cast<u16*>(ss + ATT_DEC_G * ATT_DEC_CHUNK);
+    u16* vs = ks + ATT_DEC_CHUNK * D;
     const u32 b = blockIdx.x, kh = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const u32 len = lens[b];
     if (len > max_len) return;  // the combine writes NaN for this sequence
     const u32 k0 = split * ATT_DEC_CHUNK;
     if (k0 >= len) return;
-    const u32 k1 = min(len, k0 + ATT_DEC_CHUNK);
+    const u32 jn = min(len - k0, (u32)ATT_DEC_CHUNK);
     const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const u32 g = hq / hkv;
     const u64 row = (u64)hkv * D;
-    const u16* kbase = kc + (u64)b * max_len * row + (u64)kh * D;
-    const u16* vbase = vc + (u64)b * max_len * row + (u64)kh * D;
-    float* qw = qs + w * d4;
-    float* pw = ps + w * ATT_BC;
-    for (u32 hb = 0; hb < g; hb += ATT_DEC_WARPS) {
-        const u32 hh = hb + w;
-        const bool active = hh < g;  // warp-uniform
-        const u32 h = kh * g + hh;
+    const u64 base = ((u64)b * max_len + k0) * row + (u64)kh * D;  // even: D is even
+    {
+        const u32 half = D >> 1, words = jn * half;
+        const u32* k32 = reinterpret_cast<const u32*>(kc + base);
+        const u32* v32 = reinterpret_cast<const u32*>(vc + base);
+        u32* ks32 = reinterpret_cast<u32*>(ks);
+        u32* vs32 = reinterpret_cast<u32*>(vs);
+        const u64 row32 = row >> 1;
+        for (u32 idx = threadIdx.x; idx < words; idx += blockDim.x) {
+            const u32 j = idx / half, c = idx - j * half;
+            ks32[idx] = k32[(u64)j * row32 + c];
+            vs32[idx] = v32[(u64)j * row32 + c];
+        }
+    }
+    for (u32 hb = 0; hb < g; hb += ATT_DEC_G) {
+        const u32 gn = min((u32)ATT_DEC_G, g - hb);
+        const u32 h0 = kh * g + hb;
+        __syncthreads();  // staging done; the previous pass is done with qs and ss
+        for (u32 idx = threadIdx.x; idx < gn * D; idx += blockDim.x) {
+            const u32 hh = idx / D, d = idx - hh * D;
+            qs[hh * d4 + d] = q[((u64)b * hq + h0 + hh) * D + d];
+        }
         __syncthreads();
-        if (active) att_load_row(qw, q + (u64)b * hq * D + (u64)h * D, D, lane);
-        float m = att_neg_inf(), l = 0.0f;
-        float4 o[ATT_CPL];
+        for (u32 j = w; j < jn; j += ATT_DEC_WARPS) {
+            float kv[ATT_MAX_D / 32];
 #pragma unroll
-        for (int c = 0; c < ATT_CPL; ++c) o[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (u32 kt = k0; kt < k1; kt += ATT_BC) {
-            __syncthreads();
-            for (u32 idx = threadIdx.x; idx < ATT_BC * d4; idx += blockDim.x) {
-                const u32 jj = idx / d4, dd = idx - jj * d4;
-                const u32 r = kt + jj;
-                const bool ok = r < k1 && dd < D;
-                ks[jj * sk + dd] = ok ? bf16_to_f32(kbase[(u64)r * row + dd]) : 0.0f;
-                vs[jj * sk + dd] = ok ? bf16_to_f32(vbase[(u64)r * row + dd]) : 0.0f;
+            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
+                const u32 d = lane + 32u * i;
+                kv[i] = d < D ? bf16_to_f32(ks[j * D + d]) : 0.0f;
             }
-            __syncthreads();
-            if (active) {
-                const u32 jn = min((u32)ATT_BC, k1 - kt);
-                float s = att_neg_inf();
-                if (lane < jn) s = __fmul_rn(att_dot(qw, ks + lane * sk, d4), scale);
-                const float m_new = fmaxf(m, warp_max(s));
-                const float p = lane < jn ? expf(__fsub_rn(s, m_new)) : 0.0f;
-                const float alpha = expf(__fsub_rn(m, m_new));
-                l = __fadd_rn(__fmul_rn(l, alpha), warp_sum(p));
-                pw[lane] = p;
-                __syncwarp();
+            for (u32 hh = 0; hh < gn; ++hh) {
+                float acc = 0.0f;
 #pragma unroll
-                for (int c = 0; c < ATT_CPL; ++c) {
-                    const u32 col = 4 * lane + 128 * c;
-                    if (col < d4) {
-                        float4 acc = att_scale4(o[c], alpha);
-                        for (u32 jj = 0; jj < jn; ++jj) acc = att_axpy(acc, pw[jj], att_ld4(vs + jj * sk + col));
-                        o[c] = acc;
-                    }
+                for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
+                    const u32 d = lane + 32u * i;
+                    if (d < D) acc = __fadd_rn(acc, __fmul_rn(qs[hh * d4 + d], kv[i]));
                 }
-                __syncwarp();
-                m = m_new;
+                acc = warp_sum(acc);
+                if (lane == 0) ss[hh * ATT_DEC_CHUNK + j] = __fmul_rn(acc, scale);
             }
         }
-        if (active) {
-            const u64 pi = ((u64)b * hq + h) * nsplit + split;
+        __syncthreads();
+        for (u32 hh = w; hh < gn; hh += ATT_DEC_WARPS) {
+            float* sh = ss + hh * ATT_DEC_CHUNK;
+            const bool v0 = lane < jn, v1 = lane + 32u < jn;
+            const float s0 = v0 ? sh[lane] : att_neg_inf();
+            const float s1 = v1 ? sh[lane + 32] : att_neg_inf();
+            const float m = warp_max(fmaxf(s0, s1));
+            const float p0 = v0 ? expf(__fsub_rn(s0, m)) : 0.0f;
+            const float p1 = v1 ? expf(__fsub_rn(s1, m)) : 0.0f;
+            const float l = warp_sum(__fadd_rn(p0, p1));
+            __syncwarp();
+            if (v0) sh[lane] = p0;
+            if (v1) sh[lane + 32] = p1;
+            __syncwarp();
+            float acc[ATT_MAX_D / 32];
 #pragma unroll
-            for (int c = 0; c < ATT_CPL; ++c) att_store4(part_o + pi * D, 4 * lane + 128 * c, D, o[c]);
+            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) acc[i] = 0.0f;
+            for (u32 j = 0; j < jn; ++j) {
+                const float p = sh[j];
+#pragma unroll
+                for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
+                    const u32 d = lane + 32u * i;
+                    if (d < D) acc[i] = __fadd_rn(acc[i], __fmul_rn(p, bf16_to_f32(vs[j * D + d])));
+                }
+            }
+            const u64 pi = ((u64)b * hq + h0 + hh) * nsplit + split;
+#pragma unroll
+            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
+                const u32 d = lane + 32u * i;
+                if (d < D) part_o[pi * D + d] = acc[i];
+            }
             if (lane == 0) {
                 part_m[pi] = m;
                 part_l[pi] = l;

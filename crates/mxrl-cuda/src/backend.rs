@@ -191,20 +191,30 @@ impl CudaBackend {
     /// the expert row offsets read back to the host so that each expert's GEMM runs as one
     /// cuBLAS call (faster than the one-launch grouped kernel at these sizes, measured by
     /// `bench_gemm`); `None` for decode-sized batches, which stay in one launch with no host
-    /// round trip (CUDA-graph capturable).
+    /// round trip (CUDA-graph capturable). The caller's host copy is used when given.
     fn per_expert_offsets(
         &self,
         offsets: &CudaSlice<u32>,
+        host: Option<&[u32]>,
         experts: usize,
         rows: usize,
     ) -> DResult<Option<Vec<u32>>> {
         if rows < PER_EXPERT_ROWS * experts.max(1) {
             return Ok(None);
         }
-        let o = self
-            .gpu
-            .download(&offsets.slice(0..experts + 1))
-            .map_err(de)?;
+        let o = match host {
+            Some(h) if h.len() == experts + 1 => h.to_vec(),
+            Some(h) => {
+                return Err(DeviceError::new(
+                    self.gpu.name(),
+                    format!("{} host expert offsets for {experts} experts", h.len()),
+                ))
+            }
+            None => self
+                .gpu
+                .download(&offsets.slice(0..experts + 1))
+                .map_err(de)?,
+        };
         if o.windows(2).any(|w| w[0] > w[1]) || o[experts] as usize > rows {
             return Err(DeviceError::new(
                 self.gpu.name(),
@@ -446,7 +456,7 @@ impl Backend for CudaBackend {
                     k,
                 )
                 .map_err(de)?;
-                self.grouped_linear(&xq, &wb, offsets, experts, rows, k, n, y)
+                self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)
             }
             Format::Nvfp4 => {
                 let mut x_amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
@@ -478,7 +488,7 @@ impl Backend for CudaBackend {
                     k,
                 )
                 .map_err(de)?;
-                self.grouped_linear(&xq, &wb, offsets, experts, rows, k, n, y)?;
+                self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)?;
                 q.nvfp4_scale_rows(
                     &mut y.as_view_mut(),
                     &xa,
@@ -704,13 +714,14 @@ impl Backend for CudaBackend {
         x: &Self::Bf16,
         w: &Self::Bf16,
         offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()> {
-        if let Some(offs) = self.per_expert_offsets(offsets, experts, rows)? {
+        if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
             for e in 0..experts {
                 let (a, b) = (offs[e] as usize, offs[e + 1] as usize);
                 if a == b {
@@ -1090,6 +1101,7 @@ impl Backend for CudaBackend {
         x: &Self::Bf16,
         w: &Self::Bf16,
         offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,
@@ -1098,7 +1110,7 @@ impl Backend for CudaBackend {
         dw: &mut Self::F32,
     ) -> DResult<()> {
         let dyb = self.bf16(dy, rows * n)?;
-        if let Some(offs) = self.per_expert_offsets(offsets, experts, rows)? {
+        if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
             for e in 0..experts {
                 let (a, b) = (offs[e] as usize, offs[e + 1] as usize);
                 if a == b {

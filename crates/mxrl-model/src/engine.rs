@@ -117,6 +117,8 @@ enum FfnTape<B: Backend> {
     },
     Moe {
         route: RouteBufs<B>,
+        /// The expert offsets on the host (outside decode).
+        host_offsets: Option<Vec<u32>>,
         xg: B::Bf16,
         gu: B::F32,
         actb: B::Bf16,
@@ -954,6 +956,14 @@ impl<B: Backend> Engine<B> {
                         .map_err(dev)?;
                     break 'moe (out, FfnTape::MoeQuantized);
                 }
+                // Outside decode (no recording), the offsets once on the host for every
+                // grouped GEMM of this layer, forward and backward.
+                let host_offsets = match pass {
+                    Pass::Decode { .. } => None,
+                    Pass::Prefill { .. } => {
+                        Some(b.download_u32(&route.offsets, ne + 1).map_err(dev)?)
+                    }
+                };
                 let mut xg = eb(rows * hd)?;
                 b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
                     .map_err(dev)?;
@@ -962,6 +972,7 @@ impl<B: Backend> Engine<B> {
                     &xg,
                     self.op(m.gate_up),
                     &route.offsets,
+                    host_offsets.as_deref(),
                     ne,
                     rows,
                     hd,
@@ -976,6 +987,7 @@ impl<B: Backend> Engine<B> {
                     &actb,
                     self.op(m.down),
                     &route.offsets,
+                    host_offsets.as_deref(),
                     ne,
                     rows,
                     m.f,
@@ -991,6 +1003,7 @@ impl<B: Backend> Engine<B> {
                     out,
                     FfnTape::Moe {
                         route,
+                        host_offsets,
                         xg,
                         gu,
                         actb,
@@ -1743,6 +1756,7 @@ impl<B: Backend> Engine<B> {
                     Ffn::Moe(m),
                     FfnTape::Moe {
                         route,
+                        host_offsets,
                         xg,
                         gu,
                         actb,
@@ -1761,6 +1775,7 @@ impl<B: Backend> Engine<B> {
                         actb,
                         self.op(m.down),
                         &route.offsets,
+                        host_offsets.as_deref(),
                         e,
                         rows,
                         m.f,
@@ -1778,6 +1793,7 @@ impl<B: Backend> Engine<B> {
                         xg,
                         self.op(m.gate_up),
                         &route.offsets,
+                        host_offsets.as_deref(),
                         e,
                         rows,
                         hd,

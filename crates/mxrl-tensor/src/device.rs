@@ -234,8 +234,9 @@ pub trait Backend {
     ) -> DResult<()>;
     /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
     /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)
-    /// into the same rows of `y: [R, n]`. `host_offsets`: the same offsets when the host
-    /// has them (the CPU backend needs them; a GPU reads `offsets`).
+    /// into the same rows of `y: [R, n]`. `host_offsets`: the same offsets when the caller
+    /// has them on the host (they must equal `offsets`): a GPU backend may then split the
+    /// work per expert without reading `offsets` back.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -244,6 +245,7 @@ pub trait Backend {
         x: &Self::Bf16,
         w: &Self::Bf16,
         offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,
@@ -424,7 +426,8 @@ pub trait Backend {
         dw: &mut Self::F32,
     ) -> DResult<()>;
     /// Backward of [`Backend::grouped_linear`]: per expert, `dW[e] += bf16(dy_e)ᵀ·x_e` and
-    /// `dx_e = bf16(dy_e)·W[e]` over the expert's packed rows.
+    /// `dx_e = bf16(dy_e)·W[e]` over the expert's packed rows (`host_offsets` as in
+    /// [`Backend::grouped_linear`]).
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -434,6 +437,7 @@ pub trait Backend {
         x: &Self::Bf16,
         w: &Self::Bf16,
         offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,
@@ -1209,6 +1213,7 @@ impl Backend for CpuBackend {
         x: &Vec<f32>,
         w: &Vec<f32>,
         offsets: &Vec<u32>,
+        _host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,
@@ -1570,6 +1575,7 @@ impl Backend for CpuBackend {
         x: &Vec<f32>,
         w: &Vec<f32>,
         offsets: &Vec<u32>,
+        _host_offsets: Option<&[u32]>,
         experts: usize,
         rows: usize,
         k: usize,

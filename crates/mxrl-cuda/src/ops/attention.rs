@@ -20,11 +20,11 @@
 //! `mxrl_tensor::tolerance::attention_*`.
 #![allow(unsafe_code)]
 
-use super::check_len;
+use super::{check_align, check_len};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use mxrl_tensor::attention::AttnShape;
 
 /// Kernel source of this family.
@@ -57,8 +57,10 @@ fn stride(d: usize) -> usize {
 fn smem_fwd(d: usize) -> usize {
     4 * (2 * BC * stride(d) + WARPS * d4(d) + WARPS * BC)
 }
+/// Query heads a decode block keeps in shared memory per pass (`ATT_DEC_G`).
+const DEC_G: usize = 8;
 fn smem_dec(d: usize) -> usize {
-    4 * (2 * BC * stride(d) + DEC_WARPS * d4(d) + DEC_WARPS * BC)
+    4 * (DEC_G * d4(d) + DEC_G * DECODE_CHUNK) + 2 * 2 * DECODE_CHUNK * d
 }
 fn smem_dq(d: usize) -> usize {
     4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + WARPS * BC)
@@ -491,6 +493,21 @@ impl Attention {
             slots * max_len * row,
         )?;
         check_len(g, "attention decode lens", lens.len(), batch)?;
+        {
+            let stream = g.stream();
+            check_align(
+                g,
+                "attention decode k_cache",
+                k_cache.device_ptr(stream).0,
+                4,
+            )?;
+            check_align(
+                g,
+                "attention decode v_cache",
+                v_cache.device_ptr(stream).0,
+                4,
+            )?;
+        }
         check_len(g, "attention decode out", out.len(), batch * hq * d)?;
         let need = decode_scratch_len(batch, max_len, shape);
         check_len(g, "attention decode scratch", scratch.len(), need)?;
