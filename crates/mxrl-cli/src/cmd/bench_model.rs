@@ -16,6 +16,9 @@ use mxrl_tensor::sample::SampleParams;
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Untimed training steps before the timed ones.
+const TRAIN_WARMUP: usize = 3;
+
 /// Arguments of `mxrl bench model`.
 #[derive(clap::Args, Debug)]
 pub struct ModelArgs {
@@ -49,8 +52,9 @@ pub struct ModelArgs {
     /// Tokens per training sequence.
     #[arg(long, default_value_t = 512)]
     train_len: usize,
-    /// Timed training steps (after one warm-up step).
-    #[arg(long, default_value_t = 3)]
+    /// Timed training steps (after `TRAIN_WARMUP` warm-up steps: the first steps grow the
+    /// device memory pool and run measurably slower).
+    #[arg(long, default_value_t = 5)]
     train_steps: usize,
     /// Also measure prefill and decode with the routed experts in these block formats
     /// (`bf16`, `mxfp8`, `nvfp4`; comma separated), each against BF16 in the same run.
@@ -250,7 +254,7 @@ fn measure<B: Backend>(
             ..Default::default()
         };
         let mut times = Vec::new();
-        for step in 0..a.train_steps + 1 {
+        for step in 0..a.train_steps + TRAIN_WARMUP {
             let t = Instant::now();
             let (lp, tape) = e.forward_train(&batch, 1.0)?;
             let t_fwd = t.elapsed();
@@ -277,7 +281,7 @@ fn measure<B: Backend>(
                 f(t_bwd_queued - t_fwd),
                 ms - f(t_bwd)
             );
-            if step > 0 {
+            if step >= TRAIN_WARMUP {
                 times.push(ms);
             }
         }
