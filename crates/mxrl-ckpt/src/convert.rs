@@ -20,7 +20,7 @@
 //! are memory-mapped. Peak memory is about 4 × `chunk_bytes` (f32 widening + outputs) or the
 //! largest tensor pair, whatever the model size.
 
-use crate::container::{Layout, Nvfp4Container, Part};
+use crate::container::{split_name, Layout, Nvfp4Container, Part};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
@@ -260,9 +260,11 @@ pub(crate) fn prepare<'a>(
         .collect();
     for name in ck.names() {
         let t = ck.tensor(name)?;
-        if fp8_src && name.ends_with(".weight_scale_inv") {
-            let w = name.trim_end_matches("_scale_inv");
-            if !ck.contains(w) {
+        let fp8_scale_of = split_name(name)
+            .filter(|&(_, s)| fp8_src && Some(s) == Layout::Fp8Block.suffix(Part::Scale));
+        if let Some((p, _)) = fp8_scale_of {
+            let w = format!("{p}.weight");
+            if !ck.contains(&w) {
                 return Err(CkptError::tensor(
                     name.clone(),
                     format!("block-FP8 scale without its weight `{w}`"),
@@ -583,13 +585,9 @@ pub(crate) fn run_job<'a>(
                 Format::Nvfp4 => {
                     let mut amax = amax_of(x.iter().copied());
                     if let Some(p) = &job.partner {
-                        let pscale = if ck.get(&format!("{p}_scale_inv")).is_some()
-                            && ck.tensor(p)?.dtype == Dtype::F8E4m3
-                        {
-                            Some(format!("{p}_scale_inv"))
-                        } else {
-                            None
-                        };
+                        let sname = Layout::Fp8Block.tensor_name(p, Part::Scale)?;
+                        let pscale = (ck.contains(&sname) && ck.tensor(p)?.dtype == Dtype::F8E4m3)
+                            .then_some(sname);
                         let px = source_values(ck, p, pscale.as_deref())?;
                         let pa = amax_of(px.iter().copied());
                         if pa > amax {
