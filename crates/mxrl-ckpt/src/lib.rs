@@ -61,6 +61,6 @@ pub use values::{
 pub use verify::{verify, VerifyItem, VerifyReport};
 pub use writer::{
     backup_path, check_output_vs_source, copy_other_files, header_bytes, partial_path,
-    write_atomic, write_json, write_safetensors, write_safetensors_atomic, ShardWriter, StagedDir,
-    TensorSpec, STAGING_MARKER,
+    write_atomic, write_bytes_atomic, write_json, write_safetensors, write_safetensors_atomic,
+    ShardWriter, StagedDir, TensorSpec, STAGING_MARKER,
 };
