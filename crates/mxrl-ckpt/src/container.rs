@@ -367,7 +367,7 @@ impl Layout {
     /// Whether a logical `[n, k]` weight fits the layout's blocks along K (FP8-block pads).
     fn check_k(self, weight: &str, [n, k]: [usize; 2]) -> Result<()> {
         let b = self.k_block();
-        if self != Layout::Fp8Block && k % b != 0 {
+        if self != Layout::Fp8Block && !k.is_multiple_of(b) {
             return Err(CkptError::tensor(
                 weight,
                 format!(
@@ -966,6 +966,9 @@ mod tests {
 
     const FILE: &str = "test.safetensors";
 
+    /// Header entries of one group: name, dtype, shape.
+    type Header = &'static [(&'static str, Dtype, &'static [usize])];
+
     /// Owned tensors standing in for a file: name → (dtype, shape, bytes).
     struct Tensors(Vec<(String, Dtype, Vec<usize>, Vec<u8>)>);
 
@@ -1013,7 +1016,7 @@ mod tests {
         (0..n)
             .map(|i| {
                 let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-                ((h % 4001) as f32 / 1000.0 - 2.0) * if i % 7 == 0 { 8.0 } else { 1.0 }
+                ((h % 4001) as f32 / 1000.0 - 2.0) * if i.is_multiple_of(7) { 8.0 } else { 1.0 }
             })
             .collect()
     }
@@ -1076,7 +1079,7 @@ mod tests {
     #[test]
     fn each_layout_is_detected_from_its_tensors() {
         use Dtype::*;
-        let cases: [(&[(&str, Dtype, &[usize])], Detected); 6] = [
+        let cases: [(Header, Detected); 6] = [
             (&[("a.weight", Bf16, &[64, 64])], Detected::Unquantized),
             (
                 &[
@@ -1148,7 +1151,7 @@ mod tests {
     #[test]
     fn malformed_groups_are_refused_naming_the_tensor() {
         use Dtype::*;
-        let cases: [(&[(&str, Dtype, &[usize])], &[&str]); 9] = [
+        let cases: [(Header, &[&str]); 9] = [
             // Missing scale.
             (
                 &[("a.weight", F8E4m3, &[64, 64])],

@@ -77,7 +77,7 @@ pub fn dequantize_nvfp4(
     form: Nvfp4SecondLevel,
     stored: f32,
 ) -> Result<Vec<f32>, FormatError> {
-    if k % NVFP4_BLOCK != 0 {
+    if !k.is_multiple_of(NVFP4_BLOCK) {
         return Err(FormatError::NotMultiple {
             scheme: Scheme::NVFP4_TENSOR.name(),
             dim: "K",
@@ -157,7 +157,7 @@ pub fn fp8_block_to_mxfp8(q: &QuantizedTensor) -> Result<QuantizedTensor, Format
             shape: q.shape.clone(),
         });
     };
-    if k % MXFP8_BLOCK != 0 {
+    if !k.is_multiple_of(MXFP8_BLOCK) {
         return Err(FormatError::NotMultiple {
             scheme: Scheme::MXFP8_ROW.name(),
             dim: "K",
