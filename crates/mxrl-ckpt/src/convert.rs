@@ -1,45 +1,39 @@
 //! `convert`: a Hugging Face checkpoint → a servable checkpoint in the formats its precision
 //! plan decides, with every quantized byte from the contract quantizers of `mxrl-formats`.
 //!
-//! Output layouts (per linear weight `P.weight` of shape `[N, K]`):
-//!
-//! | plan format | tensors written |
-//! |---|---|
-//! | `bf16` | the source tensor unchanged (block-FP8 sources: dequantized exactly, rounded to BF16) |
-//! | `mxfp8` (SGLang) | `P.weight` F8_E4M3 `[N,K]`, `P.weight_scale_inv` U8 (UE8M0) `[N,K/32]` |
-//! | `nvfp4`, ModelOpt | `P.weight` U8 `[N,K/2]`, `P.weight_scale` F8_E4M3 `[N,K/16]`, `P.weight_scale_2` F32 `[]` = 1/S, `P.input_scale` F32 `[]` = 1 |
-//! | `nvfp4`, compressed-tensors | `P.weight_packed` U8 `[N,K/2]`, `P.weight_scale` F8_E4M3 `[N,K/16]`, `P.weight_global_scale` F32 `[1]` = S, `P.input_global_scale` F32 `[1]` = 1 |
-//! | `fp8_block` | `P.weight` F8_E4M3 `[N,K]`, `P.weight_scale_inv` F32 `[ceil(N/128),ceil(K/128)]` |
-//!
-//! S is the contract's NVFP4 encode scale `fl(2688/amax)`. Activations are scaled per token
-//! online in the mxrl NVFP4 recipe, so the static input scales are 1. Gate and up projections
+//! Output layouts (per linear weight `P.weight` of shape `[N, K]`): `bf16` weights are the
+//! source tensor unchanged (block-FP8 sources: dequantized exactly, rounded to BF16); every
+//! quantized weight is written by the encoder of its serving layout in [`crate::container`]
+//! (SGLang MXFP8, ModelOpt or compressed-tensors NVFP4 as [`Nvfp4Container`] chooses,
+//! FP8-block), which lists the tensors of each. Gate and up projections
 //! of one MLP share one amax (the plan's `nvfp4_amax_groups`), read from wherever the partner
 //! sits, also in another shard.
 //!
-//! Block-FP8 sources (`quant_method: fp8`, 128×128 `weight_scale_inv`) are dequantized
-//! exactly (`fl(e4m3(q) × scale_inv)`, contract §FP8-block) before quantizing; to MXFP8 they are
-//! re-packed losslessly instead when every block scale of the tensor is a power of two (the
-//! E4M3 bytes are kept and each 1×32 block takes its 128×128 block's exponent as UE8M0), and
-//! to FP8-block they are copied unchanged.
+//! Block-FP8 sources (`quant_method: fp8`, 128×128 `weight_scale_inv`) are decoded by the
+//! FP8-block layout and dequantized exactly (`fl(e4m3(q) × scale_inv)`, contract §FP8-block)
+//! before quantizing; to MXFP8 they are re-packed losslessly instead when every block scale of
+//! the tensor is a power of two ([`mxrl_formats::fp8_block_to_mxfp8`]), and to FP8-block they
+//! are copied unchanged.
 //!
 //! Memory: tensors are converted in chunks of at most `chunk_bytes` source bytes (one tensor
 //! at least), rayon-parallel inside a chunk, and streamed to their shard in order; sources
 //! are memory-mapped. Peak memory is about 4 × `chunk_bytes` (f32 widening + outputs) or the
 //! largest tensor pair, whatever the model size.
 
+use crate::container::{split_name, Layout, Nvfp4Container, Part};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 use crate::record::{ContractRecord, MxrlRecord, RecipeRecord, TensorRecord};
-use crate::values::{check_finite, f32_to_bf16_bytes, to_f32};
+use crate::values::{check_finite, f32_from_bytes, f32_to_bf16_bytes, to_f32};
 use crate::writer::{
     check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
 };
 use mxrl_formats::{
-    amax_of, contract_hash, e4m3_decode, quantize, quantize_nvfp4_with_amax, AmaxScope, Format,
-    Nvfp4Blocks, Nvfp4Global, Nvfp4Scheme, Padding, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH,
-    META_CONTRACT_VERSION,
+    amax_of, contract_hash, fp8_block_scales_are_ue8m0, fp8_block_to_mxfp8, quantize,
+    quantize_nvfp4_with_amax, AmaxScope, Format, Nvfp4Blocks, Nvfp4Scheme, Padding,
+    QuantizedTensor, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH, META_CONTRACT_VERSION,
 };
 use mxrl_plan::{check_list, client_list, resolve, ListKind, PrecisionPlan, Recipe};
 use rayon::prelude::*;
@@ -53,35 +47,6 @@ use std::time::Instant;
 pub const MXRL_JSON: &str = "mxrl.json";
 /// File name of ModelOpt's quantization record.
 pub const HF_QUANT_CONFIG: &str = "hf_quant_config.json";
-
-/// How NVFP4 weights are laid out on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Nvfp4Container {
-    /// NVIDIA ModelOpt (`quant_method: modelopt`, `hf_quant_config.json`), read by SGLang/vLLM.
-    #[default]
-    ModelOpt,
-    /// compressed-tensors `nvfp4-pack-quantized`, read by vLLM and the compressed-tensors library.
-    CompressedTensors,
-}
-
-impl Nvfp4Container {
-    /// CLI / record name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Nvfp4Container::ModelOpt => "modelopt",
-            Nvfp4Container::CompressedTensors => "compressed-tensors",
-        }
-    }
-
-    /// Parses `modelopt` / `compressed-tensors`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "modelopt" => Some(Nvfp4Container::ModelOpt),
-            "compressed-tensors" => Some(Nvfp4Container::CompressedTensors),
-            _ => None,
-        }
-    }
-}
 
 /// Options of [`convert`].
 #[derive(Debug, Clone)]
@@ -172,11 +137,6 @@ pub(crate) struct Prepared<'a> {
     pub hf_quant_config: Option<Value>,
 }
 
-/// The weight-name prefix `P` of `P.weight`.
-fn prefix(name: &str) -> Option<&str> {
-    name.strip_suffix(".weight")
-}
-
 fn is_full_precision(d: Dtype) -> bool {
     matches!(d, Dtype::Bf16 | Dtype::F16 | Dtype::F32)
 }
@@ -229,11 +189,7 @@ fn check_gate_up_pairs(ck: &Checkpoint) -> Result<()> {
 }
 
 fn all_scales_power_of_two(scale: &TensorView<'_>) -> bool {
-    scale.data.chunks_exact(4).all(|c| {
-        let b = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        // Positive normal power of two whose exponent is a UE8M0 byte 1..=254.
-        b >> 31 == 0 && b & 0x7F_FFFF == 0 && (1..=254).contains(&(b >> 23))
-    })
+    fp8_block_scales_are_ue8m0(&f32_from_bytes(scale.data))
 }
 
 fn shape2(name: &str, shape: &[usize], what: &str) -> Result<(usize, usize)> {
@@ -246,58 +202,19 @@ fn shape2(name: &str, shape: &[usize], what: &str) -> Result<(usize, usize)> {
     }
 }
 
-/// The output tensors of one source weight in `format`.
+/// The output tensors of one source weight in `format`: the layout's ([`Layout::specs`]), or
+/// one BF16 tensor.
 fn output_specs(
     name: &str,
     format: Format,
     container: Nvfp4Container,
     shape: &[usize],
 ) -> Result<Vec<TensorSpec>> {
-    let p = prefix(name).ok_or_else(|| {
-        CkptError::tensor(
-            name,
-            format!("the plan stores it as {format}, but only `*.weight` tensors can be quantized"),
-        )
-    })?;
     let (n, k) = shape2(name, shape, format.name())?;
-    if let Some(b) = format.k_block() {
-        if format != Format::Fp8Block && k % b != 0 {
-            return Err(CkptError::tensor(
-                name,
-                format!("{format} needs K % {b} == 0, but the shape is {shape:?}"),
-            ));
-        }
+    match Layout::for_format(format, container) {
+        Some(layout) => layout.specs(name, [n, k]),
+        None => Ok(vec![TensorSpec::new(name, Dtype::Bf16, vec![n, k])]),
     }
-    let s = |suffix: &str, dtype: Dtype, shape: Vec<usize>| {
-        TensorSpec::new(format!("{p}.{suffix}"), dtype, shape)
-    };
-    Ok(match (format, container) {
-        (Format::Bf16, _) => vec![s("weight", Dtype::Bf16, vec![n, k])],
-        (Format::Mxfp8, _) => vec![
-            s("weight", Dtype::F8E4m3, vec![n, k]),
-            s("weight_scale_inv", Dtype::U8, vec![n, k / 32]),
-        ],
-        (Format::Nvfp4, Nvfp4Container::ModelOpt) => vec![
-            s("weight", Dtype::U8, vec![n, k / 2]),
-            s("weight_scale", Dtype::F8E4m3, vec![n, k / 16]),
-            s("weight_scale_2", Dtype::F32, vec![]),
-            s("input_scale", Dtype::F32, vec![]),
-        ],
-        (Format::Nvfp4, Nvfp4Container::CompressedTensors) => vec![
-            s("weight_packed", Dtype::U8, vec![n, k / 2]),
-            s("weight_scale", Dtype::F8E4m3, vec![n, k / 16]),
-            s("weight_global_scale", Dtype::F32, vec![1]),
-            s("input_global_scale", Dtype::F32, vec![1]),
-        ],
-        (Format::Fp8Block, _) => vec![
-            s("weight", Dtype::F8E4m3, vec![n, k]),
-            s(
-                "weight_scale_inv",
-                Dtype::F32,
-                vec![n.div_ceil(128), k.div_ceil(128)],
-            ),
-        ],
-    })
 }
 
 /// Resolves the plan and lays out every job and output shard; reads no tensor data except
@@ -343,9 +260,11 @@ pub(crate) fn prepare<'a>(
         .collect();
     for name in ck.names() {
         let t = ck.tensor(name)?;
-        if fp8_src && name.ends_with(".weight_scale_inv") {
-            let w = name.trim_end_matches("_scale_inv");
-            if !ck.contains(w) {
+        let fp8_scale_of = split_name(name)
+            .filter(|&(_, s)| fp8_src && Some(s) == Layout::Fp8Block.suffix(Part::Scale));
+        if let Some((p, _)) = fp8_scale_of {
+            let w = format!("{p}.weight");
+            if !ck.contains(&w) {
                 return Err(CkptError::tensor(
                     name.clone(),
                     format!("block-FP8 scale without its weight `{w}`"),
@@ -359,10 +278,8 @@ pub(crate) fn prepare<'a>(
         let format = entry.format;
         let mut scale = None;
         let mut in_bytes = t.data.len() as u64;
-        let fp8_weight = t.dtype == Dtype::F8E4m3;
-        if fp8_weight {
-            let sname = format!("{name}_scale_inv");
-            let (n, k) = shape2(name, t.shape, "block FP8")?;
+        if t.dtype == Dtype::F8E4m3 {
+            let sname = Layout::Fp8Block.tensor_name(name, Part::Scale)?;
             let s = ck.get(&sname).filter(|_| fp8_src).ok_or_else(|| {
                 CkptError::tensor(
                     name.clone(),
@@ -371,16 +288,8 @@ pub(crate) fn prepare<'a>(
                     ),
                 )
             })?;
-            let want = [n.div_ceil(128), k.div_ceil(128)];
-            if s.dtype != Dtype::F32 || s.shape != want {
-                return Err(CkptError::tensor(
-                    sname,
-                    format!(
-                        "block-FP8 scale must be F32 {want:?} for weight shape [{n}, {k}], found {} {:?}",
-                        s.dtype, s.shape
-                    ),
-                ));
-            }
+            // The source's FP8-block layout, checked by its decoder (dtypes and shapes).
+            Layout::Fp8Block.validate(name, &fp8_source_parts(t, s))?;
             in_bytes += s.data.len() as u64;
             scale = Some((sname, s));
         } else if format != Format::Bf16 && !is_full_precision(t.dtype) {
@@ -402,12 +311,9 @@ pub(crate) fn prepare<'a>(
                 Method::Dequantize,
                 output_specs(name, Format::Bf16, container, t.shape)?,
             ),
-            (Format::Fp8Block, Some((sname, s))) => (
+            (Format::Fp8Block, Some(_)) => (
                 Method::Copy,
-                vec![
-                    TensorSpec::new(name.clone(), Dtype::F8E4m3, t.shape.to_vec()),
-                    TensorSpec::new(sname.clone(), Dtype::F32, s.shape.to_vec()),
-                ],
+                output_specs(name, format, container, t.shape)?,
             ),
             (Format::Mxfp8, Some((_, s))) if all_scales_power_of_two(s) => (
                 Method::Repack,
@@ -583,26 +489,34 @@ fn output_config(
     (cfg, hf_quant)
 }
 
-/// Source values of a weight as f32: widened BF16/F16/F32, or block-FP8 dequantized exactly
-/// (`fl(e4m3(q) × scale_inv[i/128][j/128])`).
+/// The parts of a block-FP8 source weight for the FP8-block decoder.
+fn fp8_source_parts<'a>(
+    w: TensorView<'a>,
+    s: TensorView<'a>,
+) -> impl Fn(Part) -> Result<Option<TensorView<'a>>> {
+    move |p| {
+        Ok(match p {
+            Part::Data => Some(w),
+            Part::Scale => Some(s),
+            Part::Global | Part::Input => None,
+        })
+    }
+}
+
+/// A block-FP8 source weight decoded by the FP8-block layout.
+fn fp8_source(ck: &Checkpoint, name: &str, scale: &str) -> Result<QuantizedTensor> {
+    let parts = fp8_source_parts(ck.tensor(name)?, ck.tensor(scale)?);
+    Layout::Fp8Block.decode_quantized(name, &parts, None)
+}
+
+/// Source values of a weight as f32: widened BF16/F16/F32, or block-FP8 decoded and
+/// dequantized exactly (`fl(e4m3(q) × scale_inv[i/128][j/128])`, contract).
 pub(crate) fn source_values(ck: &Checkpoint, name: &str, scale: Option<&str>) -> Result<Vec<f32>> {
-    let t = ck.tensor(name)?;
     match scale {
-        None => to_f32(&t),
-        Some(sname) => {
-            let s = ck.tensor(sname)?;
-            let (_, k) = shape2(name, t.shape, "block FP8")?;
-            let sv = crate::values::f32_from_bytes(s.data);
-            let kb = k.div_ceil(128);
-            Ok(t.data
-                .iter()
-                .enumerate()
-                .map(|(idx, &q)| {
-                    let (i, j) = (idx / k, idx % k);
-                    e4m3_decode(q) * sv[(i / 128) * kb + j / 128]
-                })
-                .collect())
-        }
+        None => to_f32(&ck.tensor(name)?),
+        Some(sname) => fp8_source(ck, name, sname)?
+            .dequantize()
+            .map_err(|e| fmt_err(name, e)),
     }
 }
 
@@ -650,39 +564,30 @@ pub(crate) fn run_job<'a>(
             Ok((vec![Cow::Owned(f32_to_bf16_bytes(&x))], None))
         }
         Method::Repack => {
-            let s = scale.expect("repack has a scale");
-            let (n, k) = shape2(&job.name, shape, "mxfp8")?;
-            let kb = k.div_ceil(128);
-            let mut sc = Vec::with_capacity(n * k / 32);
-            for i in 0..n {
-                for jb in 0..k / 32 {
-                    let o = 4 * ((i / 128) * kb + (jb * 32) / 128);
-                    let bits = u32::from_le_bytes(s.data[o..o + 4].try_into().expect("4 bytes"));
-                    sc.push((bits >> 23) as u8);
-                }
-            }
-            Ok((vec![Cow::Borrowed(t.data), Cow::Owned(sc)], None))
+            let src = fp8_source(
+                ck,
+                &job.name,
+                job.scale.as_deref().expect("repack has a scale"),
+            )?;
+            let q = fp8_block_to_mxfp8(&src).map_err(|e| fmt_err(&job.name, e))?;
+            Ok((encode(job, Layout::Mxfp8, &q)?, None))
         }
         Method::Quantize => {
             let x = source_values(ck, &job.name, job.scale.as_deref())?;
             let (n, k) = shape2(&job.name, shape, job.format.name())?;
-            match job.format {
-                Format::Mxfp8 => {
-                    let q = quantize(&x, &[n, k], Scheme::MXFP8_ROW, Padding::Reject)
-                        .map_err(|e| fmt_err(&job.name, e))?;
-                    let sc = q.scales.as_bytes().expect("mxfp8 byte scales").to_vec();
-                    Ok((vec![Cow::Owned(q.data), Cow::Owned(sc)], None))
-                }
+            let layout = Layout::for_format(job.format, container)
+                .expect("bf16 jobs are copies or dequantizations");
+            let (q, amax) = match job.format {
+                Format::Mxfp8 => (
+                    quantize(&x, &[n, k], Scheme::MXFP8_ROW, Padding::Reject),
+                    None,
+                ),
                 Format::Nvfp4 => {
                     let mut amax = amax_of(x.iter().copied());
                     if let Some(p) = &job.partner {
-                        let pscale = if ck.get(&format!("{p}_scale_inv")).is_some()
-                            && ck.tensor(p)?.dtype == Dtype::F8E4m3
-                        {
-                            Some(format!("{p}_scale_inv"))
-                        } else {
-                            None
-                        };
+                        let sname = Layout::Fp8Block.tensor_name(p, Part::Scale)?;
+                        let pscale = (ck.contains(&sname) && ck.tensor(p)?.dtype == Dtype::F8E4m3)
+                            .then_some(sname);
                         let px = source_values(ck, p, pscale.as_deref())?;
                         let pa = amax_of(px.iter().copied());
                         if pa > amax {
@@ -695,47 +600,37 @@ pub(crate) fn run_job<'a>(
                         NVFP4_WEIGHT,
                         Padding::Reject,
                         &[amax],
-                    )
-                    .map_err(|e| fmt_err(&job.name, e))?;
-                    let g = Nvfp4Global::from_amax(amax);
-                    let sc = q.scales.as_bytes().expect("nvfp4 byte scales").to_vec();
-                    let (second, input) = match container {
-                        Nvfp4Container::ModelOpt => (g.s_dec, 1.0f32),
-                        Nvfp4Container::CompressedTensors => (g.s_enc, 1.0f32),
-                    };
-                    Ok((
-                        vec![
-                            Cow::Owned(q.data),
-                            Cow::Owned(sc),
-                            Cow::Owned(second.to_le_bytes().to_vec()),
-                            Cow::Owned(input.to_le_bytes().to_vec()),
-                        ],
-                        Some(amax),
-                    ))
+                    );
+                    (q, Some(amax))
                 }
-                Format::Fp8Block => {
-                    let q = quantize(&x, &[n, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Zero)
-                        .map_err(|e| fmt_err(&job.name, e))?;
-                    let kp = q.padded_shape[1];
-                    let data = if kp == k && q.padded_shape[0] == n {
-                        q.data
-                    } else {
-                        let mut d = Vec::with_capacity(n * k);
-                        for i in 0..n {
-                            d.extend_from_slice(&q.data[i * kp..i * kp + k]);
-                        }
-                        d
-                    };
-                    let sc = q.scales.as_f32().expect("fp8 block f32 scales");
-                    Ok((
-                        vec![Cow::Owned(data), Cow::Owned(crate::values::f32_bytes(sc))],
-                        None,
-                    ))
-                }
-                Format::Bf16 => unreachable!("bf16 jobs are copies or dequantizations"),
-            }
+                // Whole 128×128 tiles; the layout stores the unpadded elements.
+                Format::Fp8Block => (
+                    quantize(&x, &[n, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Zero),
+                    None,
+                ),
+                Format::Bf16 => unreachable!("bf16 has no layout"),
+            };
+            let q = q.map_err(|e| fmt_err(&job.name, e))?;
+            Ok((encode(job, layout, &q)?, amax))
         }
     }
+}
+
+/// `q` encoded by `layout` as the job's output tensors (in `job.outputs` order).
+fn encode<'a>(job: &Job, layout: Layout, q: &QuantizedTensor) -> Result<Vec<Cow<'a, [u8]>>> {
+    let enc = layout.encode(&job.name, q)?;
+    if enc.iter().map(|(s, _)| s).ne(job.outputs.iter()) {
+        return Err(CkptError::tensor(
+            job.name.clone(),
+            format!(
+                "the {} encoder wrote {:?}, the plan laid out {:?}",
+                layout.name(),
+                enc.iter().map(|(s, _)| s).collect::<Vec<_>>(),
+                job.outputs
+            ),
+        ));
+    }
+    Ok(enc.into_iter().map(|(_, b)| Cow::Owned(b)).collect())
 }
 
 /// Where converted tensors go: a writer, or a comparison against an existing checkpoint.

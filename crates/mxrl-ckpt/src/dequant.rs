@@ -2,269 +2,51 @@
 //! a BF16 Hugging Face checkpoint.
 //!
 //! Stored forms are recognized per weight `P` from the tensors present (config.json is not
-//! trusted for this), and dequantized with the formula of the format's consumer, rounded once
-//! to BF16 (round to nearest even):
+//! trusted for this) by the serving layouts' detector ([`crate::container::Group::detect`]),
+//! decoded by the layout, and dequantized with the formula of the layout's consumer
+//! ([`crate::container::Stored::dequantize`]; the formulas are in `mxrl-formats`), rounded
+//! once to BF16 (round to nearest even):
 //!
 //! | stored form | value |
 //! |---|---|
-//! | MXFP8: `weight` F8_E4M3 + `weight_scale_inv` U8 | `fl(ue8m0(s) × e4m3(q))` (contract; `mxrl_formats::QuantizedTensor::dequantize`) |
-//! | FP8 block: `weight` F8_E4M3 + `weight_scale_inv` F32 | `fl(e4m3(q) × s)` (contract; `mxrl_formats::QuantizedTensor::dequantize`) |
-//! | NVFP4 ModelOpt: `weight` U8 + `weight_scale` F8 + `weight_scale_2` F32 | `fl(fl(e2m1(c) × e4m3(sf)) × scale_2)` (the product `e2m1 × e4m3` is exact) |
-//! | NVFP4 compressed-tensors: `weight_packed` + `weight_scale` + `weight_global_scale` | `fl(e2m1(c) × fl(e4m3(sf) / global))` (as its decompressor computes) |
+//! | MXFP8 | `fl(ue8m0(s) × e4m3(q))` (contract) |
+//! | FP8 block | `fl(e4m3(q) × s)` (contract) |
+//! | NVFP4 ModelOpt | `fl(fl(e2m1(c) × e4m3(sf)) × weight_scale_2)` ([`mxrl_formats::Nvfp4SecondLevel::DecodeScale`]) |
+//! | NVFP4 compressed-tensors | `fl(e2m1(c) × fl(e4m3(sf) / weight_global_scale))` ([`mxrl_formats::Nvfp4SecondLevel::EncodeScale`]) |
 //!
 //! `input_scale` / `input_global_scale` are dropped; every other tensor is copied unchanged.
 //! The output has one shard per input shard, a rewritten index, `config.json` without
 //! `quantization_config`, and the source's other files except `hf_quant_config.json` and
 //! `mxrl.json`.
 
+use crate::container::{groups, split_name, Detected, Group, Layout, Part};
 use crate::convert::{is_weight_or_record, Progress};
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::header::index_json;
-use crate::load::{decode_fp8_block, decode_mxfp8};
 use crate::reader::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE};
 use crate::values::{check_finite, f32_to_bf16_bytes};
 use crate::writer::{
     check_output_vs_source, copy_other_files, write_json, ShardWriter, StagedDir, TensorSpec,
 };
-use mxrl_formats::{e2m1_decode, e4m3_decode};
 use rayon::prelude::*;
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// A stored form of one weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoredForm {
-    /// Unquantized (copied).
-    Plain,
-    /// MXFP8 (SGLang).
-    Mxfp8,
-    /// FP8 128×128 blocks.
-    Fp8Block,
-    /// NVFP4 ModelOpt.
-    Nvfp4ModelOpt,
-    /// NVFP4 compressed-tensors.
-    Nvfp4CompressedTensors,
-}
-
-impl StoredForm {
-    /// Display name.
-    pub fn name(self) -> &'static str {
-        match self {
-            StoredForm::Plain => "plain",
-            StoredForm::Mxfp8 => "mxfp8",
-            StoredForm::Fp8Block => "fp8_block",
-            StoredForm::Nvfp4ModelOpt => "nvfp4 (modelopt)",
-            StoredForm::Nvfp4CompressedTensors => "nvfp4 (compressed-tensors)",
+/// Dequantized f32 values of a quantized group, its data, block and second-level scales
+/// checked for NaN/Inf first (the static input scale is dropped, not read).
+fn dequant_values(g: &Group<'_>, layout: Layout) -> Result<Vec<f32>> {
+    for part in [Part::Data, Part::Scale, Part::Global] {
+        if let Some(t) = layout.suffix(part).and_then(|s| g.parts.get(s)) {
+            check_finite(t, false)?;
         }
     }
-}
-
-const COMPANIONS: [&str; 7] = [
-    "weight_scale_inv",
-    "weight_scale_2",
-    "weight_scale",
-    "weight_global_scale",
-    "weight_packed",
-    "input_scale",
-    "input_global_scale",
-];
-
-fn split_companion(name: &str) -> Option<(&str, &str)> {
-    let (p, last) = name.rsplit_once('.')?;
-    COMPANIONS.contains(&last).then_some((p, last))
-}
-
-/// One output weight: its stored parts and form.
-#[derive(Debug, Clone)]
-struct Group {
-    form: StoredForm,
-    /// Main data tensor name.
-    data: String,
-    /// Block scale tensor.
-    scale: Option<String>,
-    /// Second-level scale (NVFP4).
-    scale2: Option<String>,
-    /// Output `[N, K]`.
-    n: usize,
-    k: usize,
-    in_bytes: u64,
-}
-
-fn bad(name: &str, msg: String) -> CkptError {
-    CkptError::tensor(name, msg)
-}
-
-fn expect(t: &TensorView<'_>, dtype: Dtype, shape: &[usize], what: &str) -> Result<()> {
-    if t.dtype != dtype || t.shape != shape {
-        return Err(CkptError::TensorEntry {
-            file: t.file.into(),
-            tensor: t.name.into(),
-            msg: format!(
-                "{what} must be {dtype} {shape:?}, found {} {:?}",
-                t.dtype, t.shape
-            ),
-        });
-    }
-    Ok(())
-}
-
-fn classify(ck: &Checkpoint, prefix: &str) -> Result<Group> {
-    let get = |s: &str| ck.get(&format!("{prefix}.{s}"));
-    let mk = |form, data: String, scale, scale2, n, k| Group {
-        form,
-        data,
-        scale,
-        scale2,
-        n,
-        k,
-        in_bytes: 0,
-    };
-    let name = |s: &str| format!("{prefix}.{s}");
-    let dims = |t: &TensorView<'_>| -> Result<(usize, usize)> {
-        match *t.shape {
-            [n, k] => Ok((n, k)),
-            _ => Err(bad(
-                t.name,
-                format!("expected a 2-D tensor, found {:?}", t.shape),
-            )),
-        }
-    };
-    let mut g = if let Some(p) = get("weight_packed") {
-        let (n, kh) = dims(&p)?;
-        let k = kh * 2;
-        expect(&p, Dtype::U8, &[n, kh], "packed NVFP4 data")?;
-        let s = get("weight_scale")
-            .ok_or_else(|| bad(p.name, format!("`{}` is missing", name("weight_scale"))))?;
-        expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-        let g2 = get("weight_global_scale").ok_or_else(|| {
-            bad(
-                p.name,
-                format!("`{}` is missing", name("weight_global_scale")),
-            )
-        })?;
-        if g2.dtype != Dtype::F32 || g2.numel() != 1 {
-            return Err(bad(
-                g2.name,
-                format!("must be one F32, found {} {:?}", g2.dtype, g2.shape),
-            ));
-        }
-        mk(
-            StoredForm::Nvfp4CompressedTensors,
-            name("weight_packed"),
-            Some(name("weight_scale")),
-            Some(name("weight_global_scale")),
-            n,
-            k,
-        )
-    } else if let Some(w) = get("weight") {
-        let sinv = get("weight_scale_inv");
-        let s = get("weight_scale");
-        match (w.dtype, sinv, s) {
-            (Dtype::F8E4m3, Some(si), None) => {
-                let (n, k) = dims(&w)?;
-                if si.dtype == Dtype::U8 {
-                    if k % 32 != 0 {
-                        return Err(bad(w.name, format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape)));
-                    }
-                    expect(&si, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
-                    mk(StoredForm::Mxfp8, name("weight"), Some(name("weight_scale_inv")), None, n, k)
-                } else {
-                    expect(&si, Dtype::F32, &[n.div_ceil(128), k.div_ceil(128)], "FP8 block scale")?;
-                    mk(StoredForm::Fp8Block, name("weight"), Some(name("weight_scale_inv")), None, n, k)
-                }
-            }
-            (Dtype::U8, None, Some(s)) => {
-                let (n, kh) = dims(&w)?;
-                let k = kh * 2;
-                expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-                let s2 = get("weight_scale_2").ok_or_else(|| bad(w.name, format!("`{}` is missing", name("weight_scale_2"))))?;
-                if s2.dtype != Dtype::F32 || s2.numel() != 1 {
-                    return Err(bad(s2.name, format!("must be one F32, found {} {:?}", s2.dtype, s2.shape)));
-                }
-                mk(StoredForm::Nvfp4ModelOpt, name("weight"), Some(name("weight_scale")), Some(name("weight_scale_2")), n, k)
-            }
-            (_, None, None) => {
-                let (n, k) = match *w.shape {
-                    [n, k] => (n, k),
-                    _ => (0, 0),
-                };
-                mk(StoredForm::Plain, name("weight"), None, None, n, k)
-            }
-            (d, si, s) => {
-                return Err(bad(
-                    w.name,
-                    format!(
-                        "unrecognized quantized layout: weight {d}, weight_scale_inv {}, weight_scale {}",
-                        si.map(|t| t.dtype.name()).unwrap_or("absent"),
-                        s.map(|t| t.dtype.name()).unwrap_or("absent")
-                    ),
-                ))
-            }
-        }
-    } else {
-        return Err(bad(
-            &name("weight"),
-            "scale tensors are present but the weight is missing".into(),
-        ));
-    };
-    g.in_bytes = [Some(&g.data), g.scale.as_ref(), g.scale2.as_ref()]
-        .into_iter()
-        .flatten()
-        .map(|n| ck.get(n).map(|t| t.data.len() as u64).unwrap_or(0))
-        .sum();
-    Ok(g)
-}
-
-fn f32_at(d: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes(d[4 * i..4 * i + 4].try_into().expect("4 bytes"))
-}
-
-/// Dequantized f32 values of a quantized group (formulas in the module docs).
-fn dequant_values(ck: &Checkpoint, g: &Group) -> Result<Vec<f32>> {
-    let d = ck.tensor(&g.data)?.data;
-    let s = ck
-        .tensor(g.scale.as_ref().expect("quantized group has a scale"))?
-        .data;
-    let (n, k) = (g.n, g.k);
-    let mut out = Vec::with_capacity(n * k);
-    match g.form {
-        // The contract's formulas, in mxrl-formats (`QuantizedTensor::dequantize`), on the
-        // layouts decoded by the loader's decoders.
-        StoredForm::Mxfp8 | StoredForm::Fp8Block => {
-            let w = ck.tensor(&g.data)?;
-            let st = ck.tensor(g.scale.as_ref().expect("quantized group has a scale"))?;
-            let q = if g.form == StoredForm::Mxfp8 {
-                decode_mxfp8(&g.data, &w, &st)?
-            } else {
-                decode_fp8_block(&g.data, &w, &st)?
-            };
-            out = q.dequantize().map_err(|e| bad(&g.data, e.to_string()))?;
-        }
-        StoredForm::Nvfp4ModelOpt | StoredForm::Nvfp4CompressedTensors => {
-            let s2 = f32_at(
-                ck.tensor(g.scale2.as_ref().expect("nvfp4 second scale"))?
-                    .data,
-                0,
-            );
-            let mo = g.form == StoredForm::Nvfp4ModelOpt;
-            for i in 0..n {
-                for jb in 0..k / 16 {
-                    let sf = e4m3_decode(s[i * (k / 16) + jb]);
-                    let ct_mult = sf / s2;
-                    for j in jb * 16..jb * 16 + 16 {
-                        let byte = d[i * (k / 2) + j / 2];
-                        let v = e2m1_decode((byte >> (4 * (j % 2))) & 0xF);
-                        out.push(if mo { (v * sf) * s2 } else { v * ct_mult });
-                    }
-                }
-            }
-        }
-        StoredForm::Plain => unreachable!("plain groups are copied"),
-    }
-    Ok(out)
+    let stored = g
+        .decode()?
+        .ok_or_else(|| CkptError::tensor(g.weight_name(), "is not quantized"))?;
+    stored.dequantize(&g.weight_name())
 }
 
 /// What [`dequantize`] did.
@@ -299,15 +81,15 @@ impl std::fmt::Display for DequantSummary {
 }
 
 /// An output shard: its file name and items with their output specs.
-type ShardItems = (String, Vec<(Item, Vec<TensorSpec>)>);
+type ShardItems<'a> = (String, Vec<(Item<'a>, Vec<TensorSpec>)>);
 /// An output tensor's name and bytes.
 type Named<'a> = (String, Cow<'a, [u8]>);
 
-enum Item {
-    Group(Group),
-    /// Dropped static input scales.
-    Skip,
-    Copy(String),
+enum Item<'a> {
+    /// A quantized weight group, dequantized into one BF16 tensor.
+    Group(Group<'a>, Layout),
+    /// A tensor copied unchanged.
+    Copy(TensorView<'a>),
 }
 
 /// Dequantizes the checkpoint in `src` to BF16 into `dst` (see the module docs).
@@ -323,50 +105,57 @@ pub fn dequantize(
         return Err(CkptError::OutputExists { path: dst.into() });
     }
     // The config is validated (the shared rules and bounds) before any weight file is read.
-    mxrl_plan::HfConfig::from_path(&src.join(crate::reader::CONFIG_FILE))?;
+    mxrl_plan::HfConfig::from_path(&src.join(CONFIG_FILE))?;
     let ck = Checkpoint::open(src)?;
     let cfg = ck.require_config()?.clone();
-    // Group by weight prefix; every companion must belong to a recognized group.
+    // Group by weight prefix; every group must be unquantized or a serving layout.
+    let views: Vec<TensorView<'_>> = ck
+        .names()
+        .iter()
+        .map(|n| ck.tensor(n))
+        .collect::<Result<_>>()?;
+    let (grouped, _) = groups(views.iter().copied());
+    let mut by_prefix: HashMap<String, Group<'_>> =
+        grouped.into_iter().map(|g| (g.prefix.clone(), g)).collect();
     let mut seen = HashSet::new();
-    let mut shards: Vec<ShardItems> = ck
+    let mut shards: Vec<ShardItems<'_>> = ck
         .shards()
         .iter()
         .map(|s| (s.file_name().to_string(), Vec::new()))
         .collect();
     let mut forms: BTreeMap<&'static str, usize> = BTreeMap::new();
-    for name in ck.names() {
-        let t = ck.tensor(name)?;
-        let prefix = match split_companion(name) {
-            Some((_, "input_scale" | "input_global_scale")) => {
-                let si = ck.shard_of(name).expect("listed");
-                shards[si].1.push((Item::Skip, vec![]));
-                continue;
-            }
-            Some((p, _)) => p.to_string(),
-            None => match name.strip_suffix(".weight") {
-                Some(p)
-                    if ck.contains(&format!("{p}.weight_scale_inv"))
-                        || ck.contains(&format!("{p}.weight_scale")) =>
-                {
-                    p.to_string()
-                }
-                _ => {
-                    let si = ck.shard_of(name).expect("listed");
-                    let spec = TensorSpec::new(name.clone(), t.dtype, t.shape.to_vec());
-                    shards[si].1.push((Item::Copy(name.clone()), vec![spec]));
-                    continue;
-                }
-            },
+    for t in &views {
+        let copy = |t: &TensorView<'_>| TensorSpec::new(t.name, t.dtype, t.shape.to_vec());
+        let Some((prefix, _)) = split_name(t.name) else {
+            let si = ck.shard_of(t.name).expect("listed");
+            shards[si].1.push((Item::Copy(*t), vec![copy(t)]));
+            continue;
         };
-        if !seen.insert(prefix.clone()) {
+        if !seen.insert(prefix) {
             continue;
         }
-        let g = classify(&ck, &prefix)?;
-        *forms.entry(g.form.name()).or_insert(0) += 1;
-        // The output goes to the shard of the main data tensor.
-        let si = ck.shard_of(&g.data).expect("listed");
-        let spec = TensorSpec::new(format!("{prefix}.weight"), Dtype::Bf16, vec![g.n, g.k]);
-        shards[si].1.push((Item::Group(g), vec![spec]));
+        let g = by_prefix
+            .remove(prefix)
+            .expect("every grouped name has a group");
+        match g.detect()? {
+            Detected::Unquantized => {
+                let w = *g.main();
+                let si = ck.shard_of(w.name).expect("listed");
+                shards[si].1.push((Item::Copy(w), vec![copy(&w)]));
+            }
+            Detected::Quantized(layout) => {
+                *forms.entry(layout.name()).or_insert(0) += 1;
+                let weight = g.weight_name();
+                let [n, k] = layout.validate(&weight, &|p| {
+                    Ok(layout.suffix(p).and_then(|s| g.parts.get(s)).copied())
+                })?;
+                // The output goes to the shard of the main data tensor.
+                let data = layout.tensor_name(&weight, Part::Data)?;
+                let si = ck.shard_of(&data).expect("listed");
+                let spec = TensorSpec::new(weight, Dtype::Bf16, vec![n, k]);
+                shards[si].1.push((Item::Group(g, layout), vec![spec]));
+            }
+        }
     }
     let staged = StagedDir::create_for(src, dst, force)?;
     let total = ck.total_data_bytes();
@@ -386,38 +175,23 @@ pub fn dequantize(
             &[("format".to_string(), "pt".to_string())].into(),
         )?;
         for chunk in items.chunks(64) {
-            let outs: Vec<Result<Option<Named<'_>>>> = chunk
+            let outs: Vec<Result<Named<'_>>> = chunk
                 .par_iter()
-                .map(|(item, specs)| {
-                    let r = match item {
-                        Item::Skip => Ok(None),
-                        Item::Copy(n) => {
-                            let t = ck.tensor(n)?;
-                            progress.advance(t.data.len() as u64);
-                            Ok(Some((n.clone(), Cow::Borrowed(t.data))))
-                        }
-                        Item::Group(g) => {
-                            for part in [Some(&g.data), g.scale.as_ref(), g.scale2.as_ref()]
-                                .into_iter()
-                                .flatten()
-                            {
-                                check_finite(&ck.tensor(part)?, false)?;
-                            }
-                            let v = dequant_values(&ck, g)?;
-                            progress.advance(g.in_bytes);
-                            Ok(Some((
-                                specs[0].name.clone(),
-                                Cow::Owned(f32_to_bf16_bytes(&v)),
-                            )))
-                        }
-                    };
-                    r
+                .map(|(item, specs)| match item {
+                    Item::Copy(t) => {
+                        progress.advance(t.data.len() as u64);
+                        Ok((t.name.to_string(), Cow::Borrowed(t.data)))
+                    }
+                    Item::Group(g, layout) => {
+                        let v = dequant_values(g, *layout)?;
+                        progress.advance(g.parts.values().map(|t| t.data.len() as u64).sum());
+                        Ok((specs[0].name.clone(), Cow::Owned(f32_to_bf16_bytes(&v))))
+                    }
                 })
                 .collect();
             for o in outs {
-                if let Some((n, d)) = o? {
-                    w.write_tensor(&n, &d)?;
-                }
+                let (n, d) = o?;
+                w.write_tensor(&n, &d)?;
             }
         }
         bytes_out += w.finish()?;

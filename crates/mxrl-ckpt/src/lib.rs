@@ -13,6 +13,10 @@
 //!   a rename; an output directory is built as `DST.partial` and renamed to `DST` only when
 //!   complete, an existing `DST` is only replaced on request and kept until the new one is in
 //!   place, and staging or backup paths that are or lie in the source are refused.
+//! - **Serving containers** ([`container`]): SGLang MXFP8, ModelOpt and compressed-tensors
+//!   NVFP4, FP8-block — one [`Layout`] each with its encoder, decoder and detector, used by
+//!   convert, loading, dequantize, the plan audit and inspect; the formulas that turn stored
+//!   bytes into values are in `mxrl-formats`.
 //! - **Loading converted checkpoints** ([`load_quantized`]): the stored quantized bytes of
 //!   every weight (never re-quantized), the recorded recipe and plan, NVFP4 amax checked
 //!   against the stored second-level scales; [`stack_rows`] fuses gate/up parts.
@@ -21,6 +25,7 @@
 //!   straddle shards.
 #![deny(missing_docs)]
 
+pub mod container;
 pub mod convert;
 pub mod dequant;
 mod dtype;
@@ -35,9 +40,10 @@ mod values;
 pub mod verify;
 mod writer;
 
+pub use container::{Detected, Layout, Nvfp4Container, Part, Stored};
 pub use convert::{
-    convert, ConvertOptions, ConvertSummary, Method, NoProgress, Nvfp4Container, Progress,
-    HF_QUANT_CONFIG, MXRL_JSON,
+    convert, ConvertOptions, ConvertSummary, Method, NoProgress, Progress, HF_QUANT_CONFIG,
+    MXRL_JSON,
 };
 pub use dequant::{dequantize, DequantSummary};
 pub use dtype::Dtype;
@@ -55,6 +61,6 @@ pub use values::{
 pub use verify::{verify, VerifyItem, VerifyReport};
 pub use writer::{
     backup_path, check_output_vs_source, copy_other_files, header_bytes, partial_path,
-    write_atomic, write_json, write_safetensors, write_safetensors_atomic, ShardWriter, StagedDir,
-    TensorSpec, STAGING_MARKER,
+    write_atomic, write_bytes_atomic, write_json, write_safetensors, write_safetensors_atomic,
+    ShardWriter, StagedDir, TensorSpec, STAGING_MARKER,
 };

@@ -8,9 +8,7 @@
 //! | recorded format | [`StoredWeight`] |
 //! |---|---|
 //! | `bf16` | `Values`: the stored tensor widened to f32 (exact) |
-//! | `mxfp8` | `Quantized`, `MXFP8_ROW`: E4M3 data and the UE8M0 scale bytes as stored |
-//! | `nvfp4` (either container) | `Quantized`, `NVFP4_TENSOR`: packed E2M1 data, E4M3 block scales, and the amax recorded in `mxrl.json` (its second-level scale must equal the stored one, bit for bit) |
-//! | `fp8_block` | `Quantized`, `FP8_BLOCK_WEIGHT`: E4M3 data and F32 `scale_inv` as stored |
+//! | `mxfp8`, `nvfp4` (either container), `fp8_block` | `Quantized`: the tensors the record lists, decoded by their serving layout ([`crate::container::Layout::decode_quantized`]); NVFP4 with the amax recorded in `mxrl.json`, whose second-level scale must equal the stored one, bit for bit |
 //!
 //! The precision plan is re-resolved from the recorded recipe and the checkpoint's inventory
 //! and must decide every tensor as recorded. Every stored tensor must belong to a recorded
@@ -19,15 +17,13 @@
 //! [`stack_rows`] joins quantized parts along N (a fused gate/up weight): data and compact
 //! scales concatenate row-wise; NVFP4 parts must share their amax.
 
-use crate::convert::{Nvfp4Container, MXRL_JSON};
-use crate::dtype::Dtype;
+use crate::container::{Layout, Nvfp4Container, Part};
+use crate::convert::MXRL_JSON;
 use crate::error::{CkptError, Result};
 use crate::reader::{Checkpoint, TensorView};
 use crate::record::{MxrlRecord, TensorRecord};
-use crate::values::{f32_from_bytes, to_f32};
-use mxrl_formats::{
-    contract_hash, Format, Nvfp4Global, QuantizedTensor, ScaleLayout, Scales, Scheme,
-};
+use crate::values::to_f32;
+use mxrl_formats::{contract_hash, Format, QuantizedTensor, ScaleLayout, Scales, Scheme};
 use mxrl_plan::{resolve, PrecisionPlan, Recipe};
 use serde_json::Value;
 use std::collections::HashSet;
@@ -81,116 +77,6 @@ fn record_err(file: &Path, field: impl Into<String>, msg: impl Into<String>) -> 
     }
 }
 
-fn expect(t: &TensorView<'_>, dtype: Dtype, shape: &[usize], what: &str) -> Result<()> {
-    if t.dtype != dtype || t.shape != shape {
-        return Err(CkptError::TensorEntry {
-            file: t.file.into(),
-            tensor: t.name.into(),
-            msg: format!(
-                "{what} must be {dtype} {shape:?}, found {} {:?}",
-                t.dtype, t.shape
-            ),
-        });
-    }
-    Ok(())
-}
-
-fn scalar_f32(t: &TensorView<'_>, shape: &[usize], what: &str) -> Result<f32> {
-    expect(t, Dtype::F32, shape, what)?;
-    Ok(f32_from_bytes(t.data)[0])
-}
-
-fn dims(t: &TensorView<'_>) -> Result<(usize, usize)> {
-    match *t.shape {
-        [n, k] => Ok((n, k)),
-        _ => Err(CkptError::TensorEntry {
-            file: t.file.into(),
-            tensor: t.name.into(),
-            msg: format!("expected a 2-D [N, K] weight, found {:?}", t.shape),
-        }),
-    }
-}
-
-fn checked(name: &str, t: &TensorView<'_>, q: QuantizedTensor) -> Result<QuantizedTensor> {
-    q.validate().map_err(|e| CkptError::TensorEntry {
-        file: t.file.into(),
-        tensor: name.into(),
-        msg: format!("stored tensors do not form a valid {}: {e}", q.scheme),
-    })?;
-    Ok(q)
-}
-
-/// The SGLang MXFP8 layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` UE8M0 bytes
-/// `[N, K/32]` as a row-wise MXFP8 tensor (validated; `name` names it in errors).
-pub(crate) fn decode_mxfp8(
-    name: &str,
-    w: &TensorView<'_>,
-    s: &TensorView<'_>,
-) -> Result<QuantizedTensor> {
-    let (n, k) = dims(w)?;
-    expect(w, Dtype::F8E4m3, &[n, k], "MXFP8 weight")?;
-    if k % 32 != 0 {
-        return Err(CkptError::TensorEntry {
-            file: w.file.into(),
-            tensor: w.name.into(),
-            msg: format!("MXFP8 needs K % 32 == 0, shape {:?}", w.shape),
-        });
-    }
-    expect(s, Dtype::U8, &[n, k / 32], "MXFP8 UE8M0 scale")?;
-    checked(
-        name,
-        w,
-        QuantizedTensor {
-            scheme: Scheme::MXFP8_ROW,
-            shape: vec![n, k],
-            padded_shape: vec![n, k],
-            data: w.data.to_vec(),
-            scales: Scales::Bytes(s.data.to_vec()),
-            scale_layout: ScaleLayout::Compact,
-            amax: Vec::new(),
-        },
-    )
-}
-
-/// The FP8-block layout decoded: `weight` E4M3 `[N, K]` + `weight_scale_inv` F32
-/// `[ceil(N/128), ceil(K/128)]` as a 128×128-tile FP8-block tensor (validated).
-pub(crate) fn decode_fp8_block(
-    name: &str,
-    w: &TensorView<'_>,
-    s: &TensorView<'_>,
-) -> Result<QuantizedTensor> {
-    let (n, k) = dims(w)?;
-    expect(w, Dtype::F8E4m3, &[n, k], "FP8-block weight")?;
-    let (tn, tk) = (n.div_ceil(128), k.div_ceil(128));
-    expect(s, Dtype::F32, &[tn, tk], "FP8-block scale_inv")?;
-    // The quantizer pads to whole 128×128 tiles with zeros (code 0); convert stores
-    // the unpadded elements.
-    let (np, kp) = (tn * 128, tk * 128);
-    let data = if (np, kp) == (n, k) {
-        w.data.to_vec()
-    } else {
-        let mut d = vec![0u8; np * kp];
-        for i in 0..n {
-            d[i * kp..i * kp + k].copy_from_slice(&w.data[i * k..(i + 1) * k]);
-        }
-        d
-    };
-    let q = checked(
-        name,
-        w,
-        QuantizedTensor {
-            scheme: Scheme::FP8_BLOCK_WEIGHT,
-            shape: vec![n, k],
-            padded_shape: vec![np, kp],
-            data,
-            scales: Scales::F32(f32_from_bytes(s.data)),
-            scale_layout: ScaleLayout::Compact,
-            amax: Vec::new(),
-        },
-    )?;
-    Ok(q)
-}
-
 /// Reads the weight `name` stored as `stored` (the names recorded in `mxrl.json`) in `format`.
 fn read_weight(
     ck: &Checkpoint,
@@ -230,98 +116,37 @@ fn read_weight(
         }
         Ok(())
     };
-    match format {
-        Format::Bf16 => {
-            want(1)?;
-            let t = get(0, "weight")?;
-            Ok(StoredWeight::Values {
-                shape: t.shape.to_vec(),
-                values: to_f32(&t)?,
-            })
-        }
-        Format::Mxfp8 => {
-            want(2)?;
-            let w = get(0, "E4M3 weight")?;
-            let s = get(1, "UE8M0 scale")?;
-            Ok(StoredWeight::Quantized(decode_mxfp8(name, &w, &s)?))
-        }
-        Format::Nvfp4 => {
-            want(4)?;
-            let w = get(0, "packed E2M1 weight")?;
-            let (n, kh) = dims(&w)?;
-            let k = 2 * kh;
-            expect(&w, Dtype::U8, &[n, kh], "packed NVFP4 weight")?;
-            if k % 16 != 0 {
-                return Err(CkptError::TensorEntry {
-                    file: w.file.into(),
-                    tensor: w.name.into(),
-                    msg: format!("NVFP4 needs K % 16 == 0, packed shape {:?}", w.shape),
-                });
-            }
-            let s = get(1, "E4M3 block scale")?;
-            expect(&s, Dtype::F8E4m3, &[n, k / 16], "NVFP4 block scale")?;
-            let amax = entry.amax_from_bits().ok_or_else(|| {
-                record_err(
-                    record,
-                    format!("tensors.{name}.amax_bits"),
-                    "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
-                )
-            })?;
-            let bits = amax.to_bits();
-            let g = Nvfp4Global::from_amax(amax);
-            let second = get(2, "second-level scale")?;
-            let (got, want_v, what) = match container {
-                Nvfp4Container::ModelOpt => (
-                    scalar_f32(&second, &[], "ModelOpt weight_scale_2")?,
-                    g.s_dec,
-                    "weight_scale_2 = 1/S",
-                ),
-                Nvfp4Container::CompressedTensors => (
-                    scalar_f32(&second, &[1], "compressed-tensors weight_global_scale")?,
-                    g.s_enc,
-                    "weight_global_scale = S",
-                ),
-            };
-            if got.to_bits() != want_v.to_bits() {
-                return Err(CkptError::TensorEntry {
-                    file: second.file.into(),
-                    tensor: second.name.into(),
-                    msg: format!(
-                        "{what} is {got:e} (0x{:08X}), but the amax recorded in {} ({amax:e}, 0x{bits:08X}) gives {want_v:e} (0x{:08X})",
-                        got.to_bits(),
-                        record.display(),
-                        want_v.to_bits()
-                    ),
-                });
-            }
-            let input = get(3, "input scale")?;
-            let shape: &[usize] = match container {
-                Nvfp4Container::ModelOpt => &[],
-                Nvfp4Container::CompressedTensors => &[1],
-            };
-            scalar_f32(&input, shape, "static input scale")?;
-            let q = checked(
-                name,
-                &w,
-                QuantizedTensor {
-                    scheme: Scheme::NVFP4_TENSOR,
-                    shape: vec![n, k],
-                    padded_shape: vec![n, k],
-                    data: w.data.to_vec(),
-                    scales: Scales::Bytes(s.data.to_vec()),
-                    scale_layout: ScaleLayout::Compact,
-                    amax: vec![amax],
-                },
-            )?;
-            Ok(StoredWeight::Quantized(q))
-        }
-        Format::Fp8Block => {
-            want(2)?;
-            let w = get(0, "E4M3 weight")?;
-            let s = get(1, "F32 scale_inv")?;
-            Ok(StoredWeight::Quantized(decode_fp8_block(name, &w, &s)?))
-        }
-    }
+    let Some(layout) = Layout::for_format(format, container) else {
+        want(1)?;
+        let t = get(0, "weight")?;
+        return Ok(StoredWeight::Values {
+            shape: t.shape.to_vec(),
+            values: to_f32(&t)?,
+        });
+    };
+    let parts = layout.part_list();
+    want(parts.len())?;
+    // The record lists the layout's tensors in its part order.
+    let by_part = |p: Part| -> Result<Option<TensorView<'_>>> {
+        let i = parts
+            .iter()
+            .position(|&q| q == p)
+            .expect("a part of the layout");
+        get(i, layout.what(p)).map(Some)
+    };
+    let amax = match layout.nvfp4_form() {
+        None => None,
+        Some(_) => Some(entry.amax_from_bits().ok_or_else(|| {
+            record_err(
+                record,
+                format!("tensors.{name}.amax_bits"),
+                "an NVFP4 weight needs its amax as 0xXXXXXXXX f32 bits",
+            )
+        })?),
+    };
+    Ok(StoredWeight::Quantized(
+        layout.decode_quantized(name, &by_part, amax)?,
+    ))
 }
 
 /// Reads an mxrl-converted checkpoint (see the module docs).

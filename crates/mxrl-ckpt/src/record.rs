@@ -2,7 +2,7 @@
 //! by [`crate::load_quantized`] and [`crate::verify`] through this one type, so the three
 //! cannot disagree about a field.
 
-use crate::convert::Nvfp4Container;
+use crate::container::Nvfp4Container;
 use crate::error::{CkptError, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

@@ -15,6 +15,7 @@
 //! uniform in ±s with a per-row scale s spanning several binades, so per-row and per-block
 //! maxima differ; norms near 1.
 
+use crate::container::Layout;
 use crate::dtype::Dtype;
 use crate::error::{CkptError, Result};
 use crate::reader::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
@@ -182,16 +183,11 @@ impl SynthSpec {
         // A linear weight [n, k]: BF16, or F8_E4M3 + its F32 block scales.
         let lin = |t: &mut Vec<TensorSpec>, p: String, n: usize, k: usize| {
             if fp8 {
-                t.push(TensorSpec::new(
-                    format!("{p}.weight"),
-                    Dtype::F8E4m3,
-                    vec![n, k],
-                ));
-                t.push(TensorSpec::new(
-                    format!("{p}.weight_scale_inv"),
-                    Dtype::F32,
-                    vec![n.div_ceil(128), k.div_ceil(128)],
-                ));
+                t.extend(
+                    Layout::Fp8Block
+                        .specs(&format!("{p}.weight"), [n, k])
+                        .expect("FP8-block takes any [N, K] weight"),
+                );
             } else {
                 t.push(TensorSpec::new(
                     format!("{p}.weight"),

@@ -5,8 +5,9 @@
 //! plan hash; every output shard has exactly the expected tensors (names, dtypes, shapes) and
 //! every tensor's bytes equal a fresh conversion of the source; `config.json`,
 //! `hf_quant_config.json`, `mxrl.json` and the index (weight map, `total_size`) equal what
-//! conversion writes; the plan audit of `mxrl-plan` (an independent reader of stored forms)
-//! finds every tensor stored as planned; copied files equal the source's.
+//! conversion writes; the plan audit of `mxrl-plan` (stored forms detected by the serving
+//! layouts' detector, from the headers) finds every tensor stored as planned; copied files equal
+//! the source's.
 
 use crate::convert::{
     mxrl_json, output_index, prepare, run, Job, Progress, Sink, HF_QUANT_CONFIG, MXRL_JSON,

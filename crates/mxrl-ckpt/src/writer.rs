@@ -176,15 +176,19 @@ pub fn write_safetensors(
 pub fn write_json(path: &Path, value: &Value) -> Result<()> {
     let mut s = serde_json::to_string_pretty(value).expect("JSON serializes");
     s.push('\n');
-    write_atomic(path, |tmp| {
-        fs::write(tmp, &s).map_err(|e| CkptError::io(tmp, "write", e))
-    })
+    write_bytes_atomic(path, s.as_bytes())
 }
 
-/// The one atomic-write helper: `write` fills a temporary file next to `path`
-/// (`.NAME.tmp-PID`), which is renamed to `path` only when `write` succeeded; on failure the
-/// temporary file is removed and `path` is untouched.
-pub fn write_atomic<T>(path: &Path, write: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+/// The one atomic-write helper of the project: `write` fills a temporary file next to `path`
+/// (`.NAME.tmp-PID`, hidden and without the final extension, so that no directory scan takes
+/// it for an output), which is renamed to `path` only when `write` succeeded; on failure the
+/// temporary file is removed and `path` is untouched. `write` may return any error type that a
+/// [`CkptError`] converts into (the helper's own errors: a path without a file name, the
+/// rename).
+pub fn write_atomic<T, E: From<CkptError>>(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<T, E>,
+) -> Result<T, E> {
     let name = path.file_name().ok_or_else(|| {
         CkptError::Invalid(format!("output path {} has no file name", path.display()))
     })?;
@@ -206,6 +210,13 @@ pub fn write_atomic<T>(path: &Path, write: impl FnOnce(&Path) -> Result<T>) -> R
             Err(e)
         }
     }
+}
+
+/// `bytes` written to `path` through [`write_atomic`].
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic(path, |tmp| {
+        fs::write(tmp, bytes).map_err(|e| CkptError::io(tmp, "write", e))
+    })
 }
 
 /// [`write_safetensors`] through [`write_atomic`].

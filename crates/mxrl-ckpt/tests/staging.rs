@@ -198,3 +198,51 @@ fn force_commit_killed_at_each_step_recovers() {
         assert_eq!(left.len(), 1, "step {at}: only the output remains");
     }
 }
+
+/// An error type of another crate, as the atomic-write helper's callers have.
+#[derive(Debug)]
+enum CallerError {
+    Ckpt(mxrl_ckpt::CkptError),
+    Drawing(&'static str),
+}
+
+impl From<mxrl_ckpt::CkptError> for CallerError {
+    fn from(e: mxrl_ckpt::CkptError) -> Self {
+        CallerError::Ckpt(e)
+    }
+}
+
+/// The one atomic-write helper: the target appears only complete, a failed write leaves the
+/// old file and no temporary behind, and the temporary file is hidden and does not carry the
+/// target's extension (directory scans for `*.safetensors`, `*.png` never take it).
+#[test]
+fn write_atomic_replaces_only_on_success_and_hides_its_temporary() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("model.safetensors");
+    std::fs::write(&path, b"old").unwrap();
+    let r: Result<(), CallerError> = mxrl_ckpt::write_atomic(&path, |tmp| {
+        assert!(tmp.file_name().unwrap().to_str().unwrap().starts_with('.'));
+        assert_ne!(tmp.extension(), path.extension(), "{}", tmp.display());
+        assert_eq!(tmp.parent(), path.parent());
+        std::fs::write(tmp, b"half").unwrap();
+        Err(CallerError::Drawing("failed midway"))
+    });
+    assert!(matches!(r, Err(CallerError::Drawing("failed midway"))));
+    assert_eq!(std::fs::read(&path).unwrap(), b"old");
+    let names = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert_eq!(names(d.path()), ["model.safetensors"]);
+    mxrl_ckpt::write_bytes_atomic(&path, b"new").unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), b"new");
+    assert_eq!(names(d.path()), ["model.safetensors"]);
+    // The helper's own errors reach the caller's type: a path without a file name.
+    let r: Result<(), CallerError> = mxrl_ckpt::write_atomic(Path::new("/"), |_| Ok(()));
+    assert!(
+        matches!(&r, Err(CallerError::Ckpt(e)) if e.to_string().contains("has no file name")),
+        "{r:?}"
+    );
+}

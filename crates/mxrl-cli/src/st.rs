@@ -126,8 +126,8 @@ impl OwnedTensor {
 }
 
 /// Write `tensors` with `metadata` to `path` with the one shard writer, atomically (temporary
-/// file, then rename).
-pub fn write_atomic(
+/// file, then rename: `mxrl_ckpt::write_safetensors_atomic`).
+pub fn write_tensors(
     path: &Path,
     tensors: Vec<(String, OwnedTensor)>,
     metadata: HashMap<String, String>,

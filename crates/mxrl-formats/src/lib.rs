@@ -53,6 +53,13 @@
 //! [`QuantizedTensor::amax_shape`]. [`QuantizedTensor::dequantize`] applies TE's formulas and
 //! returns f32 in the logical shape.
 //!
+//! **Serving checkpoints** (the dequantization formulas of their consumers):
+//! [`Nvfp4SecondLevel`] (NVFP4's FP32 factor stored as the contract's amax, ModelOpt's
+//! `S_dec` or compressed-tensors' `S`, each with its formula), [`dequantize_nvfp4`],
+//! [`nvfp4_block_product`]; the lossless FP8-block → MXFP8 re-pack [`fp8_block_to_mxfp8`]
+//! ([`ue8m0_exact`], [`fp8_block_scales_are_ue8m0`]). `mxrl-ckpt` stores and reads the layouts;
+//! every formula that turns stored bytes into values is here.
+//!
 //! **Layouts** ([`layout`]): [`pack_nibbles`] / [`unpack_nibbles`], [`swizzle_128x4`] /
 //! [`unswizzle_128x4`], [`swizzle_offset`], [`swizzled_len`].
 //!
@@ -82,6 +89,7 @@ pub mod layout;
 pub mod reference;
 mod rules;
 mod scheme;
+mod serving;
 mod tensor;
 
 pub use contract::{
@@ -104,5 +112,9 @@ pub use scheme::{
     AmaxScope, Fp8BlockScheme, Fp8Blocks, MxBlocks, Mxfp8Scheme, Nvfp4Blocks, Nvfp4Scheme, Padding,
     ScaleLayout, ScaleRule, Scheme, Usage, ALL_SCHEMES, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK,
     NVFP4_GLOBAL_NUMERATOR, R2688, R448, R6,
+};
+pub use serving::{
+    dequantize_nvfp4, fp8_block_scales_are_ue8m0, fp8_block_to_mxfp8, nvfp4_block_product,
+    ue8m0_exact, Nvfp4SecondLevel,
 };
 pub use tensor::{QuantizedTensor, Scales};

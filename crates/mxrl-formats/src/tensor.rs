@@ -1,11 +1,11 @@
 //! The quantized-tensor type: data + scales + amax + layout + usage.
 
-use crate::element::{e2m1_decode, e4m3_decode, ue8m0_decode};
+use crate::element::{e4m3_decode, ue8m0_decode};
 use crate::layout::{swizzle_128x4, swizzled_len, transpose_bytes, unswizzle_128x4};
-use crate::rules::Nvfp4Global;
 use crate::scheme::{
     AmaxScope, Fp8Blocks, MxBlocks, Nvfp4Blocks, Padding, ScaleLayout, Scheme, Usage,
 };
+use crate::serving::Nvfp4SecondLevel;
 use crate::{Format, FormatError};
 
 /// `[E, M, K]` of a 2-D (`E = 1`) or 3-D input, before and after padding.
@@ -451,7 +451,7 @@ impl QuantizedTensor {
                                 AmaxScope::PerTensor => compact.amax[b],
                                 AmaxScope::PerRow => compact.amax[b * g.mp + i],
                             };
-                            e2m1_decode(code) * Nvfp4Global::dequant_multiplier(amax, scale)
+                            Nvfp4SecondLevel::Amax.dequantize(code, scale, amax)
                         }
                         (Scales::F32(s), Scheme::Fp8Block(f)) => {
                             let q = compact.data[(b * g.mp + i) * g.kp + j];

@@ -9,7 +9,9 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::model::Model;
-use mxrl_ckpt::{f32_bytes, to_f32, write_safetensors_atomic, Checkpoint, Dtype, TensorSpec};
+use mxrl_ckpt::{
+    f32_bytes, to_f32, write_bytes_atomic, write_safetensors_atomic, Checkpoint, Dtype, TensorSpec,
+};
 use std::path::Path;
 
 /// The HF tensor names that make up the mxrl parameter `name`: one name, or for a fused
@@ -93,7 +95,8 @@ impl Model {
 }
 
 /// Writes `config.json` and `model.safetensors` (F32, HF names) into `dir` (created if
-/// needed). Each file is written to a temporary name and renamed when complete.
+/// needed). Each file is written atomically (`mxrl_ckpt::write_atomic`: a temporary name,
+/// renamed when complete).
 pub fn save_hf(model: &Model, dir: &Path) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -109,9 +112,9 @@ pub fn save_hf(model: &Model, dir: &Path) -> Result<()> {
         &tensors,
         &Default::default(),
     )?;
-    let cfg_path = dir.join("config.json");
-    let tmp = dir.join(".config.json.tmp");
-    std::fs::write(&tmp, model.config().to_json()).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &cfg_path).map_err(io(&cfg_path))?;
+    write_bytes_atomic(
+        &dir.join("config.json"),
+        model.config().to_json().as_bytes(),
+    )?;
     Ok(())
 }

@@ -204,16 +204,15 @@ fn converted_checkpoints_load_with_their_stored_bytes() {
 /// Rewrites the raw bytes of tensor `name` in `dir/model.safetensors` (same length).
 fn patch_tensor(dir: &Path, name: &str, new: &[u8]) {
     let path = dir.join("model.safetensors");
-    let mut bytes = std::fs::read(&path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let off = header[name]["data_offsets"].as_array().unwrap();
-    let (a, b) = (
-        off[0].as_u64().unwrap() as usize,
-        off[1].as_u64().unwrap() as usize,
-    );
+    let (a, b) = {
+        let f = mxrl_ckpt::SafetensorsFile::open(&path).unwrap();
+        let h = f.header();
+        let t = h.tensors.iter().find(|t| t.name == name).unwrap();
+        (h.data_start + t.begin, h.data_start + t.begin + t.nbytes())
+    };
     assert_eq!(b - a, new.len());
-    bytes[8 + n + a..8 + n + b].copy_from_slice(new);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[a..b].copy_from_slice(new);
     std::fs::write(&path, bytes).unwrap();
 }
 

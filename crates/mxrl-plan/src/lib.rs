@@ -71,4 +71,4 @@ pub use recipe::{
 };
 pub use report::summary_table;
 pub use role::{Proj, Role, UnknownName};
-pub use stored::{group, HeaderEntry, StoredFormat, StoredTensor};
+pub use stored::{StoredFormat, StoredTensor};

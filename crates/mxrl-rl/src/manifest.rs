@@ -145,19 +145,10 @@ pub fn as_written<S: Serialize>(value: &S) -> serde_json::Value {
     serde_json::from_str(&text).expect("serialized JSON parses")
 }
 
-/// Write `value` as pretty JSON to `path` through a temporary file and a rename.
+/// Write `value` as pretty JSON to `path` atomically (`mxrl_ckpt::write_atomic`).
 pub fn write_json_atomic<S: Serialize>(path: &Path, value: &S) -> Result<(), RunError> {
-    let tmp = path.with_extension("json.tmp");
     let text = serde_json::to_string_pretty(value).expect("manifests serialize");
-    std::fs::write(&tmp, text)
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            RunError::Checkpoint {
-                path: path.display().to_string(),
-                msg: format!("writing: {e}"),
-            }
-        })
+    Ok(mxrl_ckpt::write_bytes_atomic(path, text.as_bytes())?)
 }
 
 /// Files a run writes into its directory (what `restart` discards).

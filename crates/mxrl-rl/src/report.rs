@@ -5,6 +5,7 @@
 //! `assets/DejaVuSans-LICENSE.txt`), so no system fonts are needed.
 
 use crate::metrics::{median, read_jsonl, MetricsError, StepMetrics};
+use mxrl_ckpt::{write_atomic, write_bytes_atomic};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -75,14 +76,9 @@ pub enum ReportError {
         /// The drawing error.
         msg: String,
     },
-    /// Writing the report.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
+    /// Writing the report or a plot (the message names the file).
+    #[error(transparent)]
+    Write(#[from] mxrl_ckpt::CkptError),
 }
 
 /// Mean, median and how many values are non-zero (a mean resting on a few non-zero steps
@@ -474,10 +470,11 @@ fn draw_png(path: &Path, size: (u32, u32), panels: &[Panel<'_>]) -> Result<(), R
         file: path.display().to_string(),
         msg,
     };
-    // plotters picks the encoder from the extension, so the temporary file keeps `.png`.
-    let tmp = path.with_extension("tmp.png");
+    // Drawn in memory, encoded as PNG into the one atomic-write helper's temporary file.
+    let (w, h) = size;
+    let mut rgb = vec![0u8; w as usize * h as usize * 3];
     {
-        let root = BitMapBackend::new(&tmp, size).into_drawing_area();
+        let root = BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let areas = root.split_evenly((panels.len(), 1));
         for (a, (t, y, axis, s, m)) in areas.iter().zip(panels) {
@@ -485,7 +482,17 @@ fn draw_png(path: &Path, size: (u32, u32), panels: &[Panel<'_>]) -> Result<(), R
         }
         root.present().map_err(|e| err(e.to_string()))?;
     }
-    std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))
+    write_atomic(path, |tmp| {
+        image::save_buffer_with_format(
+            tmp,
+            &rgb,
+            w,
+            h,
+            image::ColorType::Rgb8,
+            image::ImageFormat::Png,
+        )
+        .map_err(|e| err(e.to_string()))
+    })
 }
 
 fn series<'a>(
@@ -674,15 +681,7 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
     let sums: Vec<RunSummary> = runs.iter().map(|(e, m)| summarize(e, m)).collect();
     let md = render_markdown(&man, &sums);
     let path = dir.join("report.md");
-    let tmp = dir.join("report.md.tmp");
-    std::fs::write(&tmp, md).map_err(|source| ReportError::Io {
-        path: tmp.display().to_string(),
-        source,
-    })?;
-    std::fs::rename(&tmp, &path).map_err(|source| ReportError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+    write_bytes_atomic(&path, md.as_bytes())?;
     Ok(path)
 }
 

@@ -39,6 +39,9 @@ pub enum RunError {
         /// What went wrong.
         msg: String,
     },
+    /// Writing a file or an output directory (the message names it).
+    #[error(transparent)]
+    Write(#[from] mxrl_ckpt::CkptError),
     /// The configuration is unusable.
     #[error("config: {0}")]
     Config(String),
@@ -724,10 +727,7 @@ fn truncate_metrics(path: &Path, steps: u64) -> Result<(), RunError> {
     if keep.is_empty() {
         return std::fs::remove_file(path).map_err(|e| io(path, e));
     }
-    let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, keep)
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| io(path, e))
+    Ok(mxrl_ckpt::write_bytes_atomic(path, keep.as_bytes())?)
 }
 
 /// Settings of the supervised warm-up.

@@ -8,6 +8,7 @@ use crate::policy::{PolicyError, TrainPolicy};
 use crate::runner::RunError;
 use crate::task::{load_jsonl, ArithmeticTask, ChatTemplate, TaskSource};
 use crate::text::{char_tokenizer_json, TextCodec, CHAR_VOCAB};
+use mxrl_ckpt::StagedDir;
 use mxrl_model::{Model, ModelConfig};
 use std::path::Path;
 
@@ -44,8 +45,9 @@ pub fn load_model_dir(dir: &Path) -> Result<(Model, TextCodec), RunError> {
 /// Write a model directory: config.json (with the tokenizer's `eos_token_id`, so that
 /// generation stops there) + model.safetensors (f32) + `tokenizer_json`.
 ///
-/// The directory is assembled in `DIR.partial` and renamed when complete; an existing `dir`
-/// is refused unless `overwrite`, and then replaced only after the new one is complete.
+/// The directory is assembled in `DIR.partial` and renamed when complete
+/// (`mxrl_ckpt::StagedDir`); an existing `dir` is refused unless `overwrite`, and then kept
+/// until the new one is in place.
 pub fn write_model_dir(
     model: &Model,
     tokenizer_json: &str,
@@ -69,15 +71,9 @@ pub fn write_model_dir(
         });
     }
     let codec = TextCodec::from_bytes(tokenizer_json.as_bytes(), "<tokenizer.json>")?;
-    let mut partial = dir.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = std::path::PathBuf::from(partial);
-    if partial.exists() {
-        std::fs::remove_dir_all(&partial)
-            .map_err(|e| fail(&partial, "removing a stale partial output", &e))?;
-    }
-    mxrl_model::hf::save_hf(model, &partial)
-        .map_err(|e| fail(&partial, "writing the model", &e))?;
+    let staged = StagedDir::create(dir, overwrite)?;
+    let partial = staged.path();
+    mxrl_model::hf::save_hf(model, partial).map_err(|e| fail(partial, "writing the model", &e))?;
     let cfg_path = partial.join("config.json");
     let mut cfg: serde_json::Value = std::fs::read_to_string(&cfg_path)
         .map_err(|e| fail(&cfg_path, "reading back", &e))
@@ -92,11 +88,8 @@ pub fn write_model_dir(
     .map_err(|e| fail(&cfg_path, "writing", &e))?;
     let tok = partial.join("tokenizer.json");
     std::fs::write(&tok, tokenizer_json).map_err(|e| fail(&tok, "writing", &e))?;
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).map_err(|e| fail(dir, "removing to replace it", &e))?;
-    }
-    std::fs::rename(&partial, dir)
-        .map_err(|e| fail(dir, "renaming the complete output into place", &e))
+    staged.commit()?;
+    Ok(())
 }
 
 /// [`write_model_dir`], replacing an existing `dir`.
@@ -185,4 +178,36 @@ pub fn save_trainer(
 /// Number of trainable scalars.
 pub fn num_params<T: TrainPolicy>(t: &mut T) -> usize {
     t.params().iter().map(|p| p.value.len()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a `DIR.partial` that mxrl did not stage (someone's data) was removed as a
+    /// "stale partial output". It is now refused and kept; once moved away, the model
+    /// directory is written and no staging marker or `.partial` is left.
+    #[test]
+    fn a_foreign_partial_directory_is_never_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        let foreign = d.path().join("m.partial");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("keep.txt"), "mine").unwrap();
+        let (model, tok) = demo_model(1).unwrap();
+        let e = write_model_dir(&model, &tok, &dir, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("m.partial") && e.contains("move it away"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(foreign.join("keep.txt")).unwrap(),
+            "mine"
+        );
+        assert!(!dir.exists());
+        std::fs::remove_dir_all(&foreign).unwrap();
+        write_model_dir(&model, &tok, &dir, false).unwrap();
+        assert!(dir.join("config.json").is_file() && dir.join("tokenizer.json").is_file());
+        assert!(!foreign.exists() && !dir.join(mxrl_ckpt::STAGING_MARKER).exists());
+        load_model_dir(&dir).unwrap();
+    }
 }

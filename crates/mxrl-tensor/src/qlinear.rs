@@ -58,8 +58,8 @@ use crate::gemm;
 use crate::precision::round_bf16_vec;
 use half::bf16;
 use mxrl_formats::{
-    e2m1_decode, e4m3_decode, AmaxScope, Format, FormatError, Fp8Blocks, Padding, QuantizedTensor,
-    ScaleLayout, Scales, Scheme, FP8_BLOCK,
+    e4m3_decode, nvfp4_block_product, AmaxScope, Format, FormatError, Fp8Blocks, Padding,
+    QuantizedTensor, ScaleLayout, Scales, Scheme, FP8_BLOCK,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -367,9 +367,8 @@ impl Operand {
                     for j in 0..k {
                         let byte = q.data[i * (k / 2) + j / 2];
                         let code = (byte >> (4 * (j % 2))) & 0xF;
-                        let sf = e4m3_decode(scales[i * (k / 16) + j / 16]);
                         // Exact: ≤ 2 significant bits × ≤ 4 significant bits.
-                        pre.push(e2m1_decode(code) * sf);
+                        pre.push(nvfp4_block_product(code, scales[i * (k / 16) + j / 16]));
                     }
                 }
                 let amax = match s.amax {

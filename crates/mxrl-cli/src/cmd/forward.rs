@@ -10,7 +10,7 @@
 //! `--model` may be an `mxrl convert` output (a directory with `mxrl.json`): its quantized
 //! weights run as stored, under the recipe the checkpoint records.
 
-use crate::st::{write_atomic, OwnedTensor};
+use crate::st::{write_tensors, OwnedTensor};
 use anyhow::{bail, Context, Result};
 use mxrl_model::{ForwardOptions, Model, SeqInput};
 use std::collections::HashMap;
@@ -159,7 +159,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut meta = HashMap::new();
     meta.insert("model".to_string(), a.model.display().to_string());
     meta.insert("precision".to_string(), precision);
-    write_atomic(
+    write_tensors(
         &a.out,
         vec![
             ("logits".into(), OwnedTensor::f32(vec![t, v], logits)),

@@ -2,14 +2,16 @@
 //! size on disk of a safetensors file or of every `*.safetensors` file in a directory.
 //! Files are opened by the one strict reader (`mxrl_ckpt`): a malformed header, offsets that
 //! overlap, leave gaps or run past the end of the file are errors naming the file and tensor.
-//! Only the headers are read.
+//! Only the headers are read. Formats are detected per weight group by the serving
+//! containers of `mxrl_ckpt` (`container::Group::detect`), across the shards of a checkpoint.
 
 use anyhow::{bail, Context, Result};
-use mxrl_ckpt::{Checkpoint, SafetensorsFile, TensorInfo, INDEX_FILE, SINGLE_FILE};
+use mxrl_ckpt::container::{self, Detected};
+use mxrl_ckpt::{Checkpoint, SafetensorsFile, TensorView, INDEX_FILE, SINGLE_FILE};
 use mxrl_formats::{
     contract_hash, Scheme, CONTRACT_VERSION, META_CONTRACT_HASH, META_CONTRACT_VERSION,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl inspect`.
@@ -23,10 +25,10 @@ pub struct Args {
     summary: bool,
 }
 
-/// Detected role/format of one tensor, from its name, dtype and siblings.
-fn detect(name: &str, e: &TensorInfo, all: &BTreeMap<&str, &TensorInfo>) -> String {
-    // mxrl layout: NAME/<scheme>.{data,scale,amax}
-    if let Some((_, tail)) = name.rsplit_once('/') {
+/// The label of a tensor outside every weight group, from its name and dtype: a tensor of
+/// the mxrl vector layout (`NAME/<scheme>.{data,scale,amax}`, contract §6), or by dtype.
+fn single_label(t: &TensorView<'_>) -> String {
+    if let Some((_, tail)) = t.name.rsplit_once('/') {
         if let Some((scheme, field)) = tail.rsplit_once('.') {
             if let Some(s) = Scheme::from_name(scheme) {
                 if matches!(field, "data" | "scale" | "amax") {
@@ -35,30 +37,35 @@ fn detect(name: &str, e: &TensorInfo, all: &BTreeMap<&str, &TensorInfo>) -> Stri
             }
         }
     }
-    let sibling = |suffix: &str| {
-        name.strip_suffix(".weight")
-            .map(|b| all.contains_key(format!("{b}.{suffix}").as_str()))
-            .unwrap_or(false)
-    };
-    let scale_inv_dtype = name
-        .strip_suffix(".weight")
-        .and_then(|b| all.get(format!("{b}.weight_scale_inv").as_str()))
-        .map(|s| s.dtype.name());
-    match e.dtype.name() {
-        "F8_E4M3" if scale_inv_dtype == Some("U8") => "mxfp8 data (SGLang, ue8m0 scale_inv)".into(),
-        "F8_E4M3" if sibling("weight_scale_inv") => "fp8_block data (DeepSeek scale_inv)".into(),
-        "F8_E4M3" if sibling("weight_scale") => "fp8 e4m3 data (per-tensor/channel scale)".into(),
-        "F8_E4M3" => "fp8 e4m3 data".into(),
-        "F8_E5M2" => "fp8 e5m2 data".into(),
-        "U8" if sibling("weight_scale_2") => "nvfp4 packed data (ModelOpt)".into(),
-        "U8" if sibling("weight_scale") => "mx/nv packed or fp8 data".into(),
-        "U8" if name.ends_with("weight_scale_inv") => "mxfp8 ue8m0 scale".into(),
-        _ if name.ends_with("weight_scale_inv") => "fp8_block scale_inv".into(),
-        _ if name.ends_with("weight_scale_2") => "nvfp4 global scale".into(),
-        _ if name.ends_with("weight_scale") => "block scale".into(),
+    match t.dtype.name() {
         "BF16" | "F16" | "F32" | "F64" => "unquantized".into(),
         _ => "other".into(),
     }
+}
+
+/// The label of every tensor of one name space (a checkpoint, or one loose file): weight
+/// groups are detected by the serving containers of `mxrl_ckpt` (the same detector that
+/// convert, dequantize and the plan audit use), each member labelled `FORMAT ROLE (CONSUMER)`;
+/// a group that is no layout is `unrecognized (why)`.
+fn labels<'a>(views: Vec<TensorView<'a>>) -> HashMap<&'a str, String> {
+    let (groups, singles) = container::groups(views);
+    let mut out: HashMap<&str, String> =
+        singles.iter().map(|t| (t.name, single_label(t))).collect();
+    for g in groups {
+        let detected = g.detect();
+        for (suffix, t) in &g.parts {
+            let label = match &detected {
+                Ok(Detected::Unquantized) => "unquantized".to_string(),
+                Ok(Detected::Quantized(l)) => match l.part_of_suffix(suffix) {
+                    Some(p) => format!("{} {} ({})", l.format(), p.role(), l.consumer()),
+                    None => format!("{} companion, ignored ({})", l.format(), l.consumer()),
+                },
+                Err(e) => format!("unrecognized ({e})"),
+            };
+            out.insert(t.name, label);
+        }
+    }
+    out
 }
 
 fn human(bytes: u64) -> String {
@@ -77,19 +84,20 @@ fn human(bytes: u64) -> String {
 }
 
 /// The files to inspect, each opened and validated by the one strict reader: a checkpoint
-/// directory (`model.safetensors` or an index and its shards, cross-checked), another
-/// directory's `*.safetensors` files, or one file.
-fn open_all(path: &Path) -> Result<Vec<SafetensorsFile>> {
+/// directory (`model.safetensors` or an index and its shards, cross-checked: one name space,
+/// `true`), another directory's `*.safetensors` files, or one file (a name space each).
+fn open_all(path: &Path) -> Result<(Vec<SafetensorsFile>, bool)> {
     if !path.is_dir() {
-        return Ok(vec![SafetensorsFile::open(path)?]);
+        return Ok((vec![SafetensorsFile::open(path)?], false));
     }
     if path.join(INDEX_FILE).is_file() || path.join(SINGLE_FILE).is_file() {
         let ck = Checkpoint::open(path)?;
-        return ck
+        let files = ck
             .shards()
             .iter()
             .map(|s| Ok(SafetensorsFile::open(s.path())?))
-            .collect();
+            .collect::<Result<_>>()?;
+        return Ok((files, true));
     }
     let mut v: Vec<PathBuf> = std::fs::read_dir(path)
         .with_context(|| format!("listing {}", path.display()))?
@@ -103,12 +111,29 @@ fn open_all(path: &Path) -> Result<Vec<SafetensorsFile>> {
             path.display()
         );
     }
-    v.iter().map(|p| Ok(SafetensorsFile::open(p)?)).collect()
+    let files = v
+        .iter()
+        .map(|p| Ok(SafetensorsFile::open(p)?))
+        .collect::<Result<_>>()?;
+    Ok((files, false))
+}
+
+/// Every tensor of `f` as a view (the data is mapped, not read).
+fn views(f: &SafetensorsFile) -> impl Iterator<Item = TensorView<'_>> {
+    f.header().tensors.iter().map(move |t| TensorView {
+        name: &t.name,
+        dtype: t.dtype,
+        shape: &t.shape,
+        data: f.data(t),
+        file: f.file_name(),
+    })
 }
 
 /// Run `mxrl inspect`.
 pub fn run(a: Args) -> Result<()> {
-    let files = open_all(&a.path)?;
+    let (files, one_checkpoint) = open_all(&a.path)?;
+    // A checkpoint's weight groups may straddle its shards; loose files are labelled alone.
+    let shared = one_checkpoint.then(|| labels(files.iter().flat_map(views).collect()));
     let mut total = 0u64;
     let mut totals: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for sf in &files {
@@ -150,12 +175,17 @@ pub fn run(a: Args) -> Result<()> {
         if !other.is_empty() {
             println!("  metadata: {}", other.join(", "));
         }
-        let by_name: BTreeMap<&str, &TensorInfo> =
-            h.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let own = if shared.is_none() {
+            labels(views(sf).collect())
+        } else {
+            HashMap::new()
+        };
+        let label = |name: &str| shared.as_ref().unwrap_or(&own)[name].clone();
+        let by_name: BTreeMap<&str, _> = h.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         let mut per: BTreeMap<String, (usize, u64)> = BTreeMap::new();
         for (name, e) in &by_name {
             let bytes = e.nbytes() as u64;
-            let d = detect(name, e, &by_name);
+            let d = label(name);
             let key = d.split(' ').next().unwrap_or("").to_string();
             let s = per.entry(key.clone()).or_default();
             s.0 += 1;

@@ -47,23 +47,14 @@ fn load_inventory(model: &Path) -> Result<Inventory> {
     Ok(Inventory::from_config_path(model)?)
 }
 
-/// Write `text` to `out` through a temporary file and a rename, or to stdout.
+/// Write `text` to `out` atomically (`mxrl_ckpt::write_atomic`), or to stdout.
 fn emit(text: &str, out: Option<&Path>) -> Result<()> {
     match out {
         None => {
             std::io::stdout().write_all(text.as_bytes())?;
             Ok(())
         }
-        Some(path) => {
-            let name = path
-                .file_name()
-                .with_context(|| format!("{} is not a file path", path.display()))?;
-            let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
-            std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-            std::fs::rename(&tmp, path)
-                .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-            Ok(())
-        }
+        Some(path) => Ok(mxrl_ckpt::write_bytes_atomic(path, text.as_bytes())?),
     }
 }
 

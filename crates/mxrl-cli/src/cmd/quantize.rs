@@ -295,7 +295,7 @@ fn run_vectors(a: &Args) -> Result<()> {
         );
         m.insert("mxfp8".into(), producer.clone());
         m.insert("nvfp4".into(), producer);
-        st::write_atomic(out, out_tensors, m)?;
+        st::write_tensors(out, out_tensors, m)?;
         eprintln!("wrote {} ({} cases)", out.display(), cases.len());
     }
     if a.check {
@@ -550,7 +550,7 @@ fn run_format(a: &Args, format: FormatArg, out: &Path) -> Result<()> {
     let mut meta = stf.metadata();
     meta.extend(contract_metadata());
     meta.insert("mxrl.quantized".into(), serde_json::to_string(&record)?);
-    st::write_atomic(out, out_tensors, meta)?;
+    st::write_tensors(out, out_tensors, meta)?;
     println!(
         "quantized {} tensors ({}) into {}; copied {} unchanged; contract v{CONTRACT_VERSION} {}",
         done.len(),

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use mxrl_ckpt::{partial_path, StagedDir};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{sft, SftConfig};
 use mxrl_rl::session::{build, demo_model, load_model_dir, save_trainer, task_source};
@@ -60,12 +61,14 @@ pub fn sft_to_dir(
             out.display()
         );
     }
-    // Fail on an unwritable output before training, not after.
-    let mut partial = out.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    std::fs::create_dir_all(&partial)
-        .with_context(|| format!("creating the output directory {}", partial.display()))?;
+    // Fail on an unwritable output before training, not after: stage the output directory
+    // once (what an interrupted run left there is recovered) and let it go again.
+    drop(StagedDir::create(out, force).with_context(|| {
+        format!(
+            "creating the output directory {}",
+            partial_path(out).display()
+        )
+    })?);
     let (model, tok_json, codec) = match start {
         Some(d) => {
             let (m, c) = load_model_dir(d)?;
