@@ -431,7 +431,10 @@ fn max_positions_round_trip_and_default_to_transformers() {
     assert_eq!(read.max_position_embeddings, 48);
     v.as_object_mut().unwrap().remove("max_position_embeddings");
     let read = ModelConfig::from_json(&v.to_string(), "cfg").unwrap();
-    assert_eq!(read.max_position_embeddings, mxrl_model::DEFAULT_MAX_POSITIONS);
+    assert_eq!(
+        read.max_position_embeddings,
+        mxrl_model::DEFAULT_MAX_POSITIONS
+    );
     assert_eq!(mxrl_model::DEFAULT_MAX_POSITIONS, 32768);
 }
 
