@@ -85,13 +85,26 @@ def read_token(path):
         return f.read().strip()
 
 
+def _require_loopback(target):
+    """Refuse a plain TCP target `HOST:PORT` that resolves to anything but loopback."""
+    import ipaddress
+    import socket
+
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    addrs = {ai[4][0] for ai in socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)}
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"tcp:{target} resolves to {sorted(addrs)}, not only loopback addresses: "
+                         "the token would cross the network in clear; pass --tls-ca CA.pem")
+
+
 class RolloutClient:
     """Blocking client of the three services (Rollout, Sampler, WeightSync).
 
     `tls_ca`: PEM file of the authority that signed the server's `--tls-cert`; the channel
     then uses TLS (TCP only), checking the server's certificate against the address's host
-    or `server_name`. Without it, TCP is plain and only loopback should be used (the server
-    refuses a network address without TLS anyway)."""
+    or `server_name`. Without it, TCP is plain and refused unless the host resolves to
+    loopback addresses only, so the token never crosses a network in clear."""
 
     def __init__(self, address, token=None, tls_ca=None, server_name=None):
         import grpc
@@ -114,6 +127,8 @@ class RolloutClient:
                 opts.append(("grpc.ssl_target_name_override", server_name))
             self.channel = grpc.secure_channel(target, creds, options=opts)
         else:
+            if address.startswith("tcp:"):
+                _require_loopback(target)
             self.channel = grpc.insecure_channel(target, options=opts)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.control = pb_grpc.RolloutStub(self.channel)

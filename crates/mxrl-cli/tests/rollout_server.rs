@@ -1136,6 +1136,21 @@ fn the_python_client_drives_a_server() {
             assert_eq!(r["protocol"], mxrl_rl::server::PROTOCOL, "{r}");
         }
     }
+    // Plain TCP to an address off loopback: refused by the client itself, naming --tls-ca.
+    let mut c = Command::new(&py);
+    c.arg(&script).args([
+        "--address",
+        "tcp:192.0.2.1:7000",
+        "--token-file",
+        s(&tok),
+        "info",
+    ]);
+    if let Some(p) = &pythonpath {
+        c.env("PYTHONPATH", p);
+    }
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--tls-ca"), "{err}");
 }
 
 /// Readiness is "my child answered with my nonce", not "something listens": with a foreign
