@@ -5,7 +5,8 @@ the same `crates/mxrl-rl/proto/rollout.proto` the server is compiled from.
 Needs `grpcio` and `grpcio-tools` (pip install grpcio grpcio-tools). A PyTorch trainer can use
 `RolloutClient` to sample from an mxrl rollout engine and push its own weights to it:
 
-    c = RolloutClient("unix:/tmp/ro.sock")                      # or "tcp:127.0.0.1:7000", token=...
+    c = RolloutClient("unix:/tmp/ro.sock")                      # or "tcp:HOST:7000", token=...,
+                                                                # tls_ca="ca.pem" (TLS)
     info = c.info()                                             # version, contract hash, limits
     samples = c.generate([[1, 2, 3]], n=4, max_new_tokens=16)
     version, tensors = c.fetch()                                # the held weights, byte for byte
@@ -14,7 +15,8 @@ Needs `grpcio` and `grpcio-tools` (pip install grpcio grpcio-tools). A PyTorch t
 Refusals raise `Refused` carrying the typed `Refusal` of the `mxrl-refusal-bin` trailer
 (reason, the version the server still serves, the limit).
 
-Command line: `rollout_client.py --address ADDR [--token-file F] info|digest|shutdown|selftest`.
+Command line: `rollout_client.py --address ADDR [--token-file F] [--tls-ca CA.pem
+[--tls-server-name NAME]] info|digest|shutdown|selftest`.
 `selftest` is what the repository's test runs: it drives every call once and checks the
 answers, printing one JSON object.
 """
@@ -83,10 +85,28 @@ def read_token(path):
         return f.read().strip()
 
 
-class RolloutClient:
-    """Blocking client of the three services (Rollout, Sampler, WeightSync)."""
+def _require_loopback(target):
+    """Refuse a plain TCP target `HOST:PORT` that resolves to anything but loopback."""
+    import ipaddress
+    import socket
 
-    def __init__(self, address, token=None):
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    addrs = {ai[4][0] for ai in socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)}
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"tcp:{target} resolves to {sorted(addrs)}, not only loopback addresses: "
+                         "the token would cross the network in clear; pass --tls-ca CA.pem")
+
+
+class RolloutClient:
+    """Blocking client of the three services (Rollout, Sampler, WeightSync).
+
+    `tls_ca`: PEM file of the authority that signed the server's `--tls-cert`; the channel
+    then uses TLS (TCP only), checking the server's certificate against the address's host
+    or `server_name`. Without it, TCP is plain and refused unless the host resolves to
+    loopback addresses only, so the token never crosses a network in clear."""
+
+    def __init__(self, address, token=None, tls_ca=None, server_name=None):
         import grpc
 
         self._grpc = grpc
@@ -98,7 +118,18 @@ class RolloutClient:
             target = address[len("tcp:"):]
         else:
             raise ValueError(f"address {address!r}: expected unix:PATH or tcp:HOST:PORT")
-        self.channel = grpc.insecure_channel(target, options=opts)
+        if tls_ca is not None:
+            if not address.startswith("tcp:"):
+                raise ValueError(f"address {address!r}: TLS (tls_ca) is for tcp:HOST:PORT")
+            with open(tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            if server_name:
+                opts.append(("grpc.ssl_target_name_override", server_name))
+            self.channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            if address.startswith("tcp:"):
+                _require_loopback(target)
+            self.channel = grpc.insecure_channel(target, options=opts)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.control = pb_grpc.RolloutStub(self.channel)
         self.sampler = pb_grpc.SamplerStub(self.channel)
@@ -238,11 +269,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", required=True, help="unix:PATH or tcp:HOST:PORT")
     ap.add_argument("--token-file", help="the server's shared secret (TCP)")
+    ap.add_argument("--tls-ca", help="TLS: PEM file of the CA that signed the server's certificate")
+    ap.add_argument("--tls-server-name", help="TLS: check the certificate against this name")
     ap.add_argument("--bucket-bytes", type=int, default=1 << 20)
     ap.add_argument("command", choices=["info", "digest", "shutdown", "selftest"])
     args = ap.parse_args()
     token = read_token(args.token_file) if args.token_file else None
-    c = RolloutClient(args.address, token)
+    c = RolloutClient(args.address, token, tls_ca=args.tls_ca, server_name=args.tls_server_name)
     from google.protobuf import json_format
 
     if args.command == "selftest":

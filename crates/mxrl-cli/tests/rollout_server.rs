@@ -3,15 +3,16 @@
 //! changes nothing; a contract-hash mismatch is refused; every attack of the threat model
 //! (garbage bytes, torn and oversized messages, absurd counts, malformed traces,
 //! unauthenticated calls, a wrong token, 1 000 idle connections, EMFILE) is refused or survived
-//! and followed by a real trainer run; a spawned server dies with its trainer; and the Python
-//! client drives a server.
+//! and followed by a real trainer run; off loopback the server needs TLS and a trainer runs
+//! over it; sequence limits follow the model's positions; a spawned server dies with its
+//! trainer; and the Python client drives a server, with and without TLS.
 
 use mxrl_rl::metrics::read_jsonl;
 use mxrl_rl::optim::{AdamW, AdamWConfig};
 use mxrl_rl::proto as pb;
 use mxrl_rl::proto::refusal::Reason;
 use mxrl_rl::runner::load_checkpoint;
-use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, ServerError, Token};
+use mxrl_rl::server::{ClientTls, Endpoint, RemoteRollout, RolloutClient, ServerError, Token};
 use mxrl_rl::session::{build, demo_model, load_model_dir, save_model_dir};
 use mxrl_rl::sync::{check_equal, WeightUpdate};
 use mxrl_rl::TrainPolicy;
@@ -511,13 +512,21 @@ fn malformed_and_oversized_requests_are_refused_and_a_trainer_run_then_succeeds(
         let e = c.generate_raw(req).unwrap_err();
         assert_eq!(e.refusal(), Some(want), "{e}");
     }
-    // An oversized message: refused from its length prefix, the connection still usable.
+    // An oversized message: refused from its length prefix with the typed refusal naming
+    // the limit, the connection still usable.
     let e = c
         .generate_raw(generate_req(vec![1; 100_000], 1, 4))
         .unwrap_err();
-    assert!(
-        matches!(&e, ServerError::Remote { .. }) && e.to_string().contains("OutOfRange"),
-        "{e}"
+    let ServerError::Remote {
+        refusal: Some(r), ..
+    } = &e
+    else {
+        panic!("no typed refusal: {e}")
+    };
+    assert_eq!(r.reason(), Reason::LimitExceeded, "{e}");
+    assert_eq!(
+        (r.limit_name.as_str(), r.limit),
+        ("max_request_bytes", 65536)
     );
     // Malformed routing traces (the model has MoE layers): short, wrong top-k, bad expert.
     let (n_moe, k, experts) = {
@@ -639,6 +648,207 @@ fn tcp_requires_the_token_and_a_trainer_with_it_runs() {
     assert!(err.contains("Unauthenticated"), "{err}");
     trainer_run(&model, &d.path().join("run"), &srv.endpoint, Some(&tok));
     assert_eq!(c.info().unwrap().version, 3);
+}
+
+/// Test certificates made with rcgen in `dir`: a CA (`ca.pem`) and a server certificate for
+/// `names` signed by it (`server.pem`, `server.key` owner-only). Returns the three paths.
+fn tls_files(dir: &Path, names: &[&str]) -> (PathBuf, PathBuf, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, "mxrl test CA");
+    p.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
+    let ca = rcgen::CertifiedIssuer::self_signed(p, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let mut p =
+        rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = p.signed_by(&key, &ca).unwrap();
+    let (ca_f, cert_f, key_f) = (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    );
+    std::fs::write(&ca_f, ca.pem()).unwrap();
+    std::fs::write(&cert_f, cert.pem()).unwrap();
+    std::fs::write(&key_f, key.serialize_pem()).unwrap();
+    std::fs::set_permissions(&key_f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    (ca_f, cert_f, key_f)
+}
+
+/// An address of this machine that is not loopback (the source address of its route to a
+/// documentation-only address; no packet is sent), or why there is none.
+fn machine_address() -> Result<std::net::IpAddr, String> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    s.connect("192.0.2.1:9")
+        .map_err(|e| format!("no route off this machine ({e})"))?;
+    let ip = s.local_addr().map_err(|e| e.to_string())?.ip();
+    if ip.is_loopback() || ip.is_unspecified() {
+        return Err(format!("the route off this machine uses {ip}"));
+    }
+    Ok(ip)
+}
+
+/// A token file (0600) in `dir`.
+fn token_file(dir: &Path, text: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let tok = dir.join("token");
+    std::fs::write(&tok, format!("{text}\n")).unwrap();
+    std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o600)).unwrap();
+    tok
+}
+
+/// TCP off loopback: `mxrl rollout-server` refuses to start without --tls-cert/--tls-key and
+/// names them; with them it serves on this machine's network address (loopback where the
+/// machine has none, said in the output), `mxrl rl` without --tls-ca is turned away naming
+/// it, and a trainer with --tls-ca and the token runs.
+#[test]
+fn off_loopback_the_server_needs_tls_and_a_trainer_runs_over_it() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let tok = token_file(d.path(), "tls-trainer-token-0123");
+    let out = mxrl()
+        .args(["rollout-server", "--model", s(&model)])
+        .args(["--listen", "tcp:0.0.0.0:0", "--token-file", s(&tok)])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tls-cert") && err.contains("0.0.0.0"),
+        "{err}"
+    );
+    // A key that does not belong to the certificate: refused before listening, named.
+    let (ca, _, key) = tls_files(d.path(), &["127.0.0.1"]);
+    let out = mxrl()
+        .args(["rollout-server", "--model", s(&model)])
+        .args(["--listen", "tcp:127.0.0.1:0", "--token-file", s(&tok)])
+        .args(["--tls-cert", s(&ca), "--tls-key", s(&key)])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not usable together") && err.contains("server.key"),
+        "{err}"
+    );
+
+    let (host, off_loopback) = match machine_address() {
+        Ok(ip) => (ip.to_string(), true),
+        Err(why) => {
+            println!("no network address ({why}): the TLS server listens on 127.0.0.1");
+            ("127.0.0.1".to_string(), false)
+        }
+    };
+    let tls_dir = d.path().join("tls");
+    std::fs::create_dir_all(&tls_dir).unwrap();
+    let (ca, cert, key) = tls_files(&tls_dir, &[&host]);
+    let srv = Server::start_with(
+        &model,
+        RECIPE,
+        &format!("tcp:{host}:0"),
+        &[
+            "--token-file",
+            s(&tok),
+            "--tls-cert",
+            s(&cert),
+            "--tls-key",
+            s(&key),
+        ],
+        None,
+    );
+    srv.wait_line("TLS certificate");
+    if off_loopback {
+        let out = mxrl()
+            .args(rl_args(&model, &d.path().join("no-tls")))
+            .arg("--rollout")
+            .arg(srv.endpoint.to_string())
+            .args(["--token-file", s(&tok)])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--tls-ca") && err.contains(&host), "{err}");
+    }
+    let mut c = mxrl();
+    c.args(rl_args(&model, &d.path().join("run")))
+        .arg("--rollout")
+        .arg(srv.endpoint.to_string())
+        .args(["--token-file", s(&tok), "--tls-ca", s(&ca)]);
+    run_ok(&mut c);
+    let ms = read_jsonl(&d.path().join("run").join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        ms.iter().map(|m| m.weight_version).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    let token = Token::from_file(&tok).unwrap();
+    let tls = ClientTls::from_file(&ca).unwrap();
+    let mut rc = RolloutClient::connect_tls(&srv.endpoint, Some(&token), Some(&tls)).unwrap();
+    assert_eq!(rc.info().unwrap().version, 3);
+    srv.wait_line("(TLS): applied weight version 3 ");
+}
+
+/// The sequence limits default to the model's max_position_embeddings: a request beyond the
+/// model's positions is refused with LIMIT_EXCEEDED naming the limit, and flags beyond them
+/// are refused at startup.
+#[test]
+fn sequence_limits_default_to_the_models_positions() {
+    let d = tempfile::tempdir().unwrap();
+    let model = model_dir(d.path());
+    let cfg = model.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 48.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    for (flag, value, says) in [
+        ("--max-sequence-length", "49", "max_position_embeddings"),
+        ("--max-new-tokens", "49", "sequence length limit"),
+    ] {
+        let out = mxrl()
+            .args(["rollout-server", "--model", s(&model)])
+            .args(["--listen", &format!("unix:{}", s(&d.path().join("x.sock")))])
+            .args([flag, value])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag) && err.contains(says), "{err}");
+    }
+    let srv = Server::start(&model, RECIPE, &d.path().join("p.sock"));
+    let mut c = RolloutClient::connect(&srv.endpoint, None).unwrap();
+    let limit = |e: ServerError| match e {
+        ServerError::Remote {
+            refusal: Some(r), ..
+        } => (r.reason(), r.limit_name.clone(), r.limit),
+        e => panic!("no typed refusal: {e}"),
+    };
+    let want = (Reason::LimitExceeded, "max_sequence_length".to_string(), 48);
+    // 40 prompt tokens + 9 new tokens = 49 positions; 49 max_new_tokens alone.
+    let e = c.generate_raw(generate_req(vec![1; 40], 1, 9)).unwrap_err();
+    assert_eq!(limit(e), want);
+    let e = c.generate_raw(generate_req(vec![1], 1, 49)).unwrap_err();
+    assert_eq!(
+        limit(e),
+        (Reason::LimitExceeded, "max_new_tokens".to_string(), 48)
+    );
+    let e = c
+        .score_raw(pb::ScoreRequest {
+            temperature: 1.0,
+            sequences: vec![pb::ScoreSequence {
+                prompt: vec![1; 40],
+                response: vec![2; 9],
+                replay: None,
+            }],
+        })
+        .unwrap_err();
+    assert_eq!(limit(e), want);
+    // At the limit: served.
+    assert!(c.generate_raw(generate_req(vec![1; 40], 1, 8)).is_ok());
 }
 
 /// 1 000 connections that never speak: the server holds at most --max-connections of them,
@@ -886,6 +1096,61 @@ fn the_python_client_drives_a_server() {
             bits
         );
     }
+
+    // Over TLS: `--tls-ca` makes a TLS channel that reaches a TLS server; without it the
+    // call fails.
+    let tls_dir = d.path().join("tls");
+    std::fs::create_dir_all(&tls_dir).unwrap();
+    let (ca, cert, key) = tls_files(&tls_dir, &["127.0.0.1"]);
+    let tls_srv = Server::start_with(
+        &model,
+        RECIPE,
+        "tcp:127.0.0.1:0",
+        &[
+            "--token-file",
+            s(&tok),
+            "--tls-cert",
+            s(&cert),
+            "--tls-key",
+            s(&key),
+        ],
+        None,
+    );
+    for with_ca in [true, false] {
+        let mut c = Command::new(&py);
+        c.arg(&script)
+            .args(["--address", &tls_srv.endpoint.to_string()])
+            .args(["--token-file", s(&tok)]);
+        if with_ca {
+            c.args(["--tls-ca", s(&ca)]);
+        }
+        c.arg("info");
+        if let Some(p) = &pythonpath {
+            c.env("PYTHONPATH", p);
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), with_ca, "--tls-ca {with_ca}: {err}");
+        if with_ca {
+            let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(r["protocol"], mxrl_rl::server::PROTOCOL, "{r}");
+        }
+    }
+    // Plain TCP to an address off loopback: refused by the client itself, naming --tls-ca.
+    let mut c = Command::new(&py);
+    c.arg(&script).args([
+        "--address",
+        "tcp:192.0.2.1:7000",
+        "--token-file",
+        s(&tok),
+        "info",
+    ]);
+    if let Some(p) = &pythonpath {
+        c.env("PYTHONPATH", p);
+    }
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--tls-ca"), "{err}");
 }
 
 /// Readiness is "my child answered with my nonce", not "something listens": with a foreign

@@ -4,6 +4,10 @@ use crate::error::{ModelError, Result};
 use mxrl_plan::{HfConfig, MoeConfig, MoeLayers};
 use std::path::Path;
 
+/// `max_position_embeddings` of a Qwen2-MoE or Qwen3-MoE config.json without the field: the
+/// default of transformers' `Qwen2MoeConfig` and `Qwen3MoeConfig`.
+pub const DEFAULT_MAX_POSITIONS: usize = 32768;
+
 /// Supported architectures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -33,6 +37,10 @@ pub struct ModelConfig {
     pub head_dim: usize,
     /// RoPE base θ.
     pub rope_theta: f64,
+    /// Longest sequence (prompt + response, in tokens) the model was built for
+    /// (`max_position_embeddings`; transformers' Qwen2-MoE/Qwen3-MoE default
+    /// [`DEFAULT_MAX_POSITIONS`] when config.json has none).
+    pub max_position_embeddings: usize,
     /// RMSNorm ε.
     pub rms_norm_eps: f32,
     /// Intermediate size of dense MLP layers.
@@ -144,6 +152,7 @@ impl ModelConfig {
             num_kv_heads: hf.num_key_value_heads,
             head_dim: hf.head_dim,
             rope_theta: hf.rope_theta,
+            max_position_embeddings: hf.max_position_embeddings.unwrap_or(DEFAULT_MAX_POSITIONS),
             rms_norm_eps: hf.rms_norm_eps as f32,
             intermediate_size: hf.intermediate_size,
             moe_intermediate_size: moe.moe_intermediate_size,
@@ -181,6 +190,7 @@ impl ModelConfig {
             dtype: "F32".into(),
             rope_theta: self.rope_theta,
             rope_type: "default".into(),
+            max_position_embeddings: Some(self.max_position_embeddings),
             rms_norm_eps: self.rms_norm_eps as f64,
             hidden_act: "silu".into(),
             use_sliding_window: false,
@@ -248,6 +258,7 @@ impl ModelConfig {
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps as f64,
             "intermediate_size": self.intermediate_size,
             "moe_intermediate_size": self.moe_intermediate_size,
@@ -278,7 +289,7 @@ impl ModelConfig {
     }
 
     /// The tiny MoE used by tests and the CPU RL demo: vocab 32, hidden 64, 4 layers,
-    /// 8 experts top-2 (F = 32), 4 query / 2 kv heads of width 16.
+    /// 8 experts top-2 (F = 32), 4 query / 2 kv heads of width 16, 4096 positions.
     pub fn tiny() -> Self {
         ModelConfig {
             arch: Arch::Qwen3Moe,
@@ -289,6 +300,7 @@ impl ModelConfig {
             num_kv_heads: 2,
             head_dim: 16,
             rope_theta: 10000.0,
+            max_position_embeddings: 4096,
             rms_norm_eps: 1e-6,
             intermediate_size: 128,
             moe_intermediate_size: 32,

@@ -47,7 +47,7 @@ mod linear;
 mod model;
 mod params;
 
-pub use config::{Arch, ModelConfig};
+pub use config::{Arch, ModelConfig, DEFAULT_MAX_POSITIONS};
 pub use error::{ModelError, Result};
 pub use generate::{sample_token, DecodeStep, FinishReason, Generation, Prefilled, SamplingParams};
 pub use linear::LinearPrecision;

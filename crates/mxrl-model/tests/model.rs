@@ -419,6 +419,25 @@ fn same_seed_same_bytes_and_hf_roundtrip() {
     }
 }
 
+/// `max_position_embeddings` is written and read back; a config.json without it gets the
+/// default of transformers' Qwen2-MoE/Qwen3-MoE configs.
+#[test]
+fn max_positions_round_trip_and_default_to_transformers() {
+    let c = small(Arch::Qwen3Moe);
+    let mut v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["max_position_embeddings"], c.max_position_embeddings);
+    v["max_position_embeddings"] = 48.into();
+    let read = ModelConfig::from_json(&v.to_string(), "cfg").unwrap();
+    assert_eq!(read.max_position_embeddings, 48);
+    v.as_object_mut().unwrap().remove("max_position_embeddings");
+    let read = ModelConfig::from_json(&v.to_string(), "cfg").unwrap();
+    assert_eq!(
+        read.max_position_embeddings,
+        mxrl_model::DEFAULT_MAX_POSITIONS
+    );
+    assert_eq!(mxrl_model::DEFAULT_MAX_POSITIONS, 32768);
+}
+
 #[test]
 fn missing_tensor_is_named() {
     let c = small(Arch::Qwen3Moe);

@@ -53,6 +53,8 @@ impl Limits {
     pub const PARAMS: u64 = 1 << 44;
     /// Tensors in the checkpoint ≤ 2²⁰.
     pub const TENSORS: u64 = 1 << 20;
+    /// `max_position_embeddings` ≤ 2²⁴ (largest published contexts are ~10⁷ tokens).
+    pub const POSITIONS: usize = 1 << 24;
 }
 
 /// How a Qwen-style or DeepSeek-style model places its MoE layers.
@@ -144,6 +146,10 @@ pub struct HfConfig {
     pub rope_theta: f64,
     /// RoPE kind (`default`, `yarn`, `llama3`, ...).
     pub rope_type: String,
+    /// `max_position_embeddings`: the longest sequence (prompt + response) the model was
+    /// built for (`None` when absent; each consumer applies its architecture's transformers
+    /// default).
+    pub max_position_embeddings: Option<usize>,
     /// `rms_norm_eps` (default 1e-6).
     pub rms_norm_eps: f64,
     /// `hidden_act` (default `silu`).
@@ -192,6 +198,7 @@ struct Raw {
     rope_theta: Option<f64>,
     rope_scaling: Option<RawRope>,
     rope_parameters: Option<RawRope>,
+    max_position_embeddings: Option<usize>,
     rms_norm_eps: Option<f64>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
@@ -453,6 +460,7 @@ impl HfConfig {
             dtype,
             rope_theta,
             rope_type,
+            max_position_embeddings: raw.max_position_embeddings,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             hidden_act: raw.hidden_act.clone().unwrap_or_else(|| "silu".into()),
             use_sliding_window: raw.use_sliding_window.unwrap_or(false),
@@ -496,6 +504,9 @@ impl HfConfig {
             0,
             Limits::WIDTH,
         )?;
+        if let Some(p) = self.max_position_embeddings {
+            c.bound("max_position_embeddings", p, 1, Limits::POSITIONS)?;
+        }
         if let Some(m) = &self.mla {
             if let Some(r) = m.q_lora_rank {
                 c.bound("q_lora_rank", r, 1, Limits::WIDTH)?;

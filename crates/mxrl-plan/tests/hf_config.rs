@@ -60,6 +60,7 @@ fn transformers5_qwen3_moe_fixture_parses_with_its_spellings() {
     );
     assert_eq!(c.rope_theta, 10000.0);
     assert_eq!(c.rope_type, "default");
+    assert_eq!(c.max_position_embeddings, Some(64));
     let inv = Inventory::from_config_path(&p).unwrap();
     let experts = inv
         .tensors()

@@ -69,6 +69,7 @@ fn main() {
             moe_layers: 0,
             top_k: 0,
             num_experts: 0,
+            max_positions: 1,
         },
         &[],
     );

@@ -13,16 +13,18 @@
 //!   update, so a long generation never blocks them.
 //! - **Limits are checked before anything is allocated or queued** ([`Limits`]): each of the
 //!   three services has its own message size limit (enforced by tonic from the length prefix,
-//!   before buffering); a weight update's header is bounded by the model's tensor count and
-//!   weight bytes, and its buckets may not exceed what the header announced; generate and score
-//!   requests are bounded in sequences, lengths and token ids, and routing traces must fit the
-//!   model exactly. Every refusal is a gRPC status plus a typed [`pb::Refusal`] in the binary
-//!   trailer `mxrl-refusal-bin` (reason, served version, the limit), and the connection stays
-//!   usable.
+//!   before buffering; its refusal is re-typed as `LIMIT_EXCEEDED` by [`TypedOversize`]); a
+//!   weight update's header is bounded by the model's tensor count and weight bytes, and its
+//!   buckets may not exceed what the header announced; generate and score requests are bounded
+//!   in sequences, lengths (by default the model's `max_position_embeddings`) and token ids,
+//!   and routing traces must fit the model exactly. Every refusal is a gRPC status plus a typed
+//!   [`pb::Refusal`] in the binary trailer `mxrl-refusal-bin` (reason, served version, the
+//!   limit), and the connection stays usable.
 //! - **Authentication**: on TCP every call must carry `authorization: Bearer <token>` (compared
-//!   in constant time; the server refuses to start on TCP without a token, and only listens on
-//!   loopback addresses: TLS is not implemented). A Unix socket is created owner-only (0600)
-//!   and needs no token.
+//!   in constant time; the server refuses to start on TCP without a token). TCP off loopback
+//!   is served and used only with TLS (rustls through tonic: [`ServerTls`] on the server,
+//!   [`ClientTls`], the CA to trust, on the client); on loopback TLS is optional. A Unix socket
+//!   is created owner-only (0600) and needs no token.
 //! - **Connections** are capped (`max_connections`; further peers wait in the listen backlog),
 //!   capped in concurrent calls each, and closed after `idle_timeout` without a byte from the
 //!   peer (the Rust and Python clients send HTTP/2 keep-alive pings). An `accept` error
@@ -55,7 +57,7 @@ use tonic::metadata::{Ascii, MetadataMap, MetadataValue};
 use tonic::{Code, Request, Response, Status};
 
 /// Protocol revision reported in `InfoReply.protocol` (the revision of `proto/rollout.proto`).
-pub const PROTOCOL: u32 = 2;
+pub const PROTOCOL: u32 = 3;
 
 /// Errors of the rollout server and its client. Every message names the peer.
 #[derive(Debug, thiserror::Error)]
@@ -180,9 +182,8 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
-/// Resolve a TCP address and require every resolved address to be loopback (TLS is not
-/// implemented, so a token never crosses a network).
-fn loopback_only(ep: &Endpoint, addr: &str) -> Result<Vec<std::net::SocketAddr>, ServerError> {
+/// Resolve a TCP address `HOST:PORT` to its socket addresses (at least one).
+fn resolve(ep: &Endpoint, addr: &str) -> Result<Vec<std::net::SocketAddr>, ServerError> {
     use std::net::ToSocketAddrs;
     let addrs: Vec<_> = addr
         .to_socket_addrs()
@@ -192,16 +193,30 @@ fn loopback_only(ep: &Endpoint, addr: &str) -> Result<Vec<std::net::SocketAddr>,
             msg: e.to_string(),
         })?
         .collect();
-    if addrs.is_empty() || addrs.iter().any(|a| !a.ip().is_loopback()) {
-        return Err(ServerError::Config {
+    if addrs.is_empty() {
+        return Err(ServerError::Io {
             peer: ep.to_string(),
-            msg: format!(
-                "resolves to {addrs:?}: TCP is only served and used on loopback addresses \
-                 (127.0.0.1, ::1), TLS is not implemented; use a Unix socket or an SSH tunnel"
-            ),
+            what: "resolve".into(),
+            msg: "no address".into(),
         });
     }
     Ok(addrs)
+}
+
+/// Whether every address is a loopback address (127.0.0.0/8, ::1): traffic to it never
+/// leaves the machine, so a token may travel without TLS. Anything else — a wildcard
+/// (0.0.0.0, ::), an interface address, a mapped address — counts as a network.
+fn all_loopback(addrs: &[std::net::SocketAddr]) -> bool {
+    !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
+}
+
+/// The host part of a TCP address `HOST:PORT` (brackets of an IPv6 literal removed): the name
+/// a client checks the server's certificate against.
+fn tcp_host(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -240,20 +255,15 @@ impl Token {
     /// Read a token file: owner-only permissions (no group/other bits) and the rules of
     /// [`Token::new`]; errors name the file.
     pub fn from_file(path: &Path) -> Result<Token, ServerError> {
-        use std::os::unix::fs::PermissionsExt;
-        let err = |msg: String| ServerError::Config {
+        let text = read_secret(path, "token file", "the token")?;
+        let text = String::from_utf8(text).map_err(|_| ServerError::Config {
+            peer: format!("token file {}", path.display()),
+            msg: "not UTF-8 text".into(),
+        })?;
+        Token::new(&text).map_err(|msg| ServerError::Config {
             peer: format!("token file {}", path.display()),
             msg,
-        };
-        let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
-        let mode = meta.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(err(format!(
-                "mode {mode:o} lets other users read the token; run chmod 600 on it"
-            )));
-        }
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        Token::new(&text).map_err(err)
+        })
     }
 
     /// Whether `presented` is this token; constant time in the token's content (both sides
@@ -267,6 +277,167 @@ impl Token {
         format!("Bearer {}", self.0)
             .parse()
             .expect("a visible-ASCII token is a valid header value")
+    }
+}
+
+/// Largest token, certificate or key file read (bytes); real ones are a few KiB.
+const MAX_SECRET_FILE_BYTES: u64 = 1 << 20;
+
+/// Read a small file (`what` names it in errors), at most [`MAX_SECRET_FILE_BYTES`].
+fn read_small(path: &Path, what: &str) -> Result<Vec<u8>, ServerError> {
+    use std::io::Read;
+    let err = |msg: String| ServerError::Config {
+        peer: format!("{what} {}", path.display()),
+        msg,
+    };
+    let f = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut buf = Vec::new();
+    f.take(MAX_SECRET_FILE_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| err(e.to_string()))?;
+    if buf.len() as u64 > MAX_SECRET_FILE_BYTES {
+        return Err(err(format!("larger than {MAX_SECRET_FILE_BYTES} bytes")));
+    }
+    Ok(buf)
+}
+
+/// Read a file holding a secret (`secret` says which): it must be readable by its owner only
+/// (no group/other permission bits).
+fn read_secret(path: &Path, what: &str, secret: &str) -> Result<Vec<u8>, ServerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| ServerError::Config {
+        peer: format!("{what} {}", path.display()),
+        msg: e.to_string(),
+    })?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(ServerError::Config {
+            peer: format!("{what} {}", path.display()),
+            msg: format!("mode {mode:o} lets other users read {secret}; run chmod 600 on it"),
+        });
+    }
+    read_small(path, what)
+}
+
+// ---------------------------------------------------------------------------------------------
+// TLS.
+
+/// Longest a TLS handshake may take, on either side.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The PEM certificates of `pem` (from `what` at `path`): at least one, each well-formed.
+fn pem_certificates(pem: &[u8], what: &str, path: &Path) -> Result<usize, ServerError> {
+    use rustls_pki_types::pem::PemObject;
+    let err = |msg: String| ServerError::Config {
+        peer: format!("{what} {}", path.display()),
+        msg,
+    };
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| err(format!("not a PEM certificate file: {e}")))?;
+    if certs.is_empty() {
+        return Err(err(
+            "holds no certificate (expected PEM blocks `-----BEGIN CERTIFICATE-----`)".into(),
+        ));
+    }
+    Ok(certs.len())
+}
+
+/// The server side of TLS (`mxrl rollout-server --tls-cert CERT.pem --tls-key KEY.pem`): the
+/// server's certificate chain (its own certificate first) and private key, both PEM. Loading
+/// checks that the chain parses, that the key file is readable by its owner only, and that
+/// the key belongs to the certificate (rustls builds its configuration from them), so a bad
+/// file stops the server before it listens, naming the file.
+#[derive(Clone)]
+pub struct ServerTls {
+    config: tonic::transport::ServerTlsConfig,
+    cert: PathBuf,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ServerTls({})", self.cert.display())
+    }
+}
+
+impl ServerTls {
+    /// Load the certificate chain `cert` and the private key `key` (PKCS#8, PKCS#1 or SEC1).
+    pub fn from_files(cert: &Path, key: &Path) -> Result<ServerTls, ServerError> {
+        use rustls_pki_types::pem::PemObject;
+        let cert_pem = read_small(cert, "TLS certificate")?;
+        pem_certificates(&cert_pem, "TLS certificate", cert)?;
+        let key_pem = read_secret(key, "TLS key", "the private key")?;
+        rustls_pki_types::PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
+            ServerError::Config {
+                peer: format!("TLS key {}", key.display()),
+                msg: format!(
+                    "holds no private key (expected a PEM PKCS#8, PKCS#1 or SEC1 key): {e}"
+                ),
+            }
+        })?;
+        let config = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(cert_pem, key_pem))
+            .timeout(TLS_HANDSHAKE_TIMEOUT);
+        // Build rustls' configuration once now: a key that does not belong to the
+        // certificate is refused here rather than at the first handshake.
+        tonic::transport::Server::builder()
+            .tls_config(config.clone())
+            .map_err(|e| ServerError::Config {
+                peer: format!(
+                    "TLS certificate {} and key {}",
+                    cert.display(),
+                    key.display()
+                ),
+                msg: format!("not usable together: {}", transport_msg(&e)),
+            })?;
+        Ok(ServerTls {
+            config,
+            cert: cert.to_path_buf(),
+        })
+    }
+}
+
+/// The client side of TLS (`--tls-ca CA.pem`): the certificate(s) of the authority that signed
+/// the server's certificate, trusted as the only roots. The server's certificate must name the
+/// host of the address connected to (a DNS name or an IP address), or the name given to
+/// [`ClientTls::with_server_name`].
+#[derive(Clone)]
+pub struct ClientTls {
+    ca: tonic::transport::Certificate,
+    path: PathBuf,
+    server_name: Option<String>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ClientTls({})", self.path.display())
+    }
+}
+
+impl ClientTls {
+    /// Trust the PEM certificate(s) of `ca` (at least one).
+    pub fn from_file(ca: &Path) -> Result<ClientTls, ServerError> {
+        let pem = read_small(ca, "TLS CA")?;
+        pem_certificates(&pem, "TLS CA", ca)?;
+        Ok(ClientTls {
+            ca: tonic::transport::Certificate::from_pem(pem),
+            path: ca.to_path_buf(),
+            server_name: None,
+        })
+    }
+
+    /// Check the server's certificate against `name` instead of the host connected to (e.g.
+    /// through an SSH tunnel to 127.0.0.1 of a server whose certificate names its host).
+    pub fn with_server_name(mut self, name: &str) -> ClientTls {
+        self.server_name = Some(name.to_string());
+        self
+    }
+
+    fn config(&self, host: &str) -> tonic::transport::ClientTlsConfig {
+        tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(self.ca.clone())
+            .domain_name(self.server_name.as_deref().unwrap_or(host))
+            .timeout(TLS_HANDSHAKE_TIMEOUT)
     }
 }
 
@@ -284,6 +455,8 @@ pub struct ModelShape {
     pub top_k: usize,
     /// Expert ids must be below this.
     pub num_experts: usize,
+    /// The model's `max_position_embeddings`: the default (and largest) sequence length limit.
+    pub max_positions: usize,
 }
 
 impl ModelShape {
@@ -299,6 +472,7 @@ impl ModelShape {
                 0
             },
             num_experts: cfg.num_experts,
+            max_positions: cfg.max_position_embeddings,
         }
     }
 }
@@ -317,9 +491,9 @@ pub struct Limits {
     pub max_request_bytes: u64,
     /// Largest `prompts × n` of a Generate call, and sequences of a Score call.
     pub max_sequences: u64,
-    /// Largest `max_new_tokens`.
+    /// Largest `max_new_tokens` (default: the sequence length limit).
     pub max_new_tokens: u64,
-    /// Largest prompt + response length.
+    /// Largest prompt + response length (default: the model's `max_position_embeddings`).
     pub max_sequence_length: u64,
     /// The model.
     pub model: ModelShape,
@@ -327,20 +501,19 @@ pub struct Limits {
 
 /// Default bucket limit floor (256 MiB); raised to the largest tensor when that is larger.
 pub const DEFAULT_MAX_BUCKET_BYTES: u64 = 256 << 20;
-/// Default sequence length limit (prompt + response), in tokens.
-pub const DEFAULT_MAX_SEQUENCE_LENGTH: u64 = 4096;
 /// Default limit of sequences per Generate/Score call.
 pub const DEFAULT_MAX_SEQUENCES: u64 = 4096;
 /// Default Generate/Score request size limit (64 MiB).
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 /// Size limit of a control request (Info, Digest, Fetch, Shutdown).
-pub const CONTROL_REQUEST_BYTES: usize = 1 << 10;
+pub const CONTROL_REQUEST_BYTES: u64 = 1 << 10;
 /// Framing a bucket message may add to its payload.
 pub const BUCKET_FRAMING_BYTES: u64 = 1 << 10;
 
 impl Limits {
     /// Defaults for a model holding `weights`: a bucket holds at least its largest tensor, an
-    /// update at most the model's tensors and their bytes (plus per-tensor framing).
+    /// update at most the model's tensors and their bytes (plus per-tensor framing); a
+    /// sequence, and the tokens generated for it, at most the model's positions.
     pub fn for_model(model: ModelShape, weights: &[WireTensor]) -> Limits {
         let record = |t: &WireTensor| t.byte_len() + t.name.len() + 64 + 10 * t.shape.len();
         let largest = weights.iter().map(record).max().unwrap_or(0) as u64;
@@ -351,8 +524,8 @@ impl Limits {
             max_tensors: weights.len() as u64,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             max_sequences: DEFAULT_MAX_SEQUENCES,
-            max_new_tokens: DEFAULT_MAX_SEQUENCE_LENGTH,
-            max_sequence_length: DEFAULT_MAX_SEQUENCE_LENGTH,
+            max_new_tokens: model.max_positions as u64,
+            max_sequence_length: model.max_positions as u64,
             model,
         }
     }
@@ -369,6 +542,7 @@ impl Limits {
             moe_layers: self.model.moe_layers as u64,
             top_k: self.model.top_k as u64,
             num_experts: self.model.num_experts as u64,
+            max_control_request_bytes: CONTROL_REQUEST_BYTES,
         }
     }
 }
@@ -1087,8 +1261,16 @@ fn refuse_sync(e: &SyncError) -> Refuse {
 struct ConnInfo(String);
 
 fn peer_of<T>(r: &Request<T>) -> String {
-    r.extensions()
-        .get::<ConnInfo>()
+    peer_in(r.extensions())
+}
+
+/// The peer of a call from its request's extensions (tonic inserts the connection's
+/// [`ConnInfo`], and for a TLS connection also the TLS wrapper of it).
+fn peer_in(ext: &tonic::Extensions) -> String {
+    if let Some(c) = ext.get::<tonic::transport::server::TlsConnectInfo<ConnInfo>>() {
+        return format!("{} (TLS)", c.get_ref().0);
+    }
+    ext.get::<ConnInfo>()
         .map_or_else(|| "client".into(), |c| c.0.clone())
 }
 
@@ -1638,6 +1820,8 @@ pub struct ServerConfig {
     pub instance: String,
     /// Token required on every call (mandatory on TCP).
     pub token: Option<Token>,
+    /// TLS on TCP (mandatory off loopback).
+    pub tls: Option<ServerTls>,
     /// Request limits.
     pub limits: Limits,
     /// Connections served at once; more wait in the listen backlog.
@@ -1649,13 +1833,14 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults: 64 connections, 8 calls each, 5 minutes idle, no token, no nonce.
+    /// Defaults: 64 connections, 8 calls each, 5 minutes idle, no token, no TLS, no nonce.
     pub fn new(recipe: &str, model: &str, limits: Limits) -> ServerConfig {
         ServerConfig {
             recipe: recipe.into(),
             model: model.into(),
             instance: String::new(),
             token: None,
+            tls: None,
             limits,
             max_connections: 64,
             max_calls_per_connection: 8,
@@ -1754,7 +1939,8 @@ fn bind_unix(path: &Path, ep: &Endpoint) -> Result<std::os::unix::net::UnixListe
 impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
     /// Listen on `ep` (a TCP port 0 picks a free port; see [`RolloutServer::endpoint`]).
     /// `engine` is served as is: its version and contract hash are the server's. On TCP a
-    /// token is required and the address must be loopback.
+    /// token is required, and TLS unless every address `ep` resolves to is loopback; TLS is
+    /// refused on a Unix socket (its file mode protects it).
     pub fn bind(
         ep: &Endpoint,
         engine: RolloutEngine<P>,
@@ -1766,6 +1952,14 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
             msg: e.to_string(),
         };
         let (listener, endpoint) = match ep {
+            Endpoint::Unix(_) if cfg.tls.is_some() => {
+                return Err(ServerError::Config {
+                    peer: ep.to_string(),
+                    msg: "TLS (--tls-cert/--tls-key) is for TCP; a Unix socket is protected by \
+                          its owner-only file mode"
+                        .into(),
+                })
+            }
             Endpoint::Unix(p) => (
                 Listener::Unix(bind_unix(p, ep)?, p.clone()),
                 Endpoint::Unix(p.clone()),
@@ -1780,7 +1974,18 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
                             .into(),
                     });
                 }
-                let addrs = loopback_only(ep, a)?;
+                let addrs = resolve(ep, a)?;
+                if cfg.tls.is_none() && !all_loopback(&addrs) {
+                    return Err(ServerError::Config {
+                        peer: ep.to_string(),
+                        msg: format!(
+                            "resolves to {addrs:?}, not only loopback addresses: a server \
+                             reachable from the network needs TLS: pass --tls-cert CERT.pem \
+                             --tls-key KEY.pem (clients then pass --tls-ca CA.pem), or listen \
+                             on 127.0.0.1 or a Unix socket"
+                        ),
+                    });
+                }
                 let l = std::net::TcpListener::bind(&addrs[..]).map_err(|e| io("bind", e))?;
                 let local = l.local_addr().map_err(|e| io("local address", e))?;
                 (Listener::Tcp(l), Endpoint::Tcp(local.to_string()))
@@ -1895,6 +2100,79 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
     }
 }
 
+/// A service of the router whose oversized request messages are refused with the typed
+/// refusal (`RESOURCE_EXHAUSTED`, `LIMIT_EXCEEDED`, the limit's name and value, the served
+/// version) instead of the framework's bare status.
+///
+/// tonic refuses a request message larger than the service's `max_decoding_message_size`
+/// from its length prefix, before reading it, with `OUT_OF_RANGE` and no trailer; for a
+/// unary or server-streaming call this happens before the handler runs, so the handler cannot
+/// type it. The handlers of these services never answer `OUT_OF_RANGE` themselves (every
+/// refusal of theirs carries `mxrl-refusal-bin`), so a response whose status — in its
+/// headers: a trailers-only response, as tonic answers a request it could not decode — is
+/// `OUT_OF_RANGE` without the trailer is exactly that refusal, and is answered again here.
+/// (`WeightSync` reads its stream inside the handler, which types the same error itself.)
+#[derive(Clone)]
+struct TypedOversize<S> {
+    inner: S,
+    svc: Svc,
+    /// The service name for the log (`info`, `generate`, ...).
+    request: &'static str,
+    /// The limit's name (a field of `Limits` in the `.proto`) and value.
+    limit: (&'static str, u64),
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for TypedOversize<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+type HttpResponse = tonic::codegen::http::Response<tonic::body::Body>;
+
+impl<S, B> tower::Service<tonic::codegen::http::Request<B>> for TypedOversize<S>
+where
+    S: tower::Service<
+        tonic::codegen::http::Request<B>,
+        Response = HttpResponse,
+        Error = std::convert::Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = HttpResponse;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<HttpResponse, std::convert::Infallible>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let peer = peer_in(req.extensions());
+        let fut = self.inner.call(req);
+        let (svc, request, (name, limit)) = (self.svc.clone(), self.request, self.limit);
+        Box::pin(async move {
+            let resp = fut.await?;
+            match Status::from_header_map(resp.headers()) {
+                Some(st)
+                    if st.code() == Code::OutOfRange
+                        && st.metadata().get_bin(pb::REFUSAL_TRAILER).is_none() =>
+                {
+                    let r = Refuse::limit(
+                        name,
+                        limit,
+                        format!(
+                            "{request}: the request message exceeds the limit {name} = {limit} \
+                             bytes ({})",
+                            st.message()
+                        ),
+                    );
+                    Ok(svc.refuse(&peer, request, r).into_http())
+                }
+                _ => Ok(resp),
+            }
+        })
+    }
+}
+
 async fn run_grpc<IO, S>(
     svc: Svc,
     incoming: S,
@@ -1925,10 +2203,7 @@ where
         if ok {
             return Ok(r);
         }
-        let peer = r
-            .extensions()
-            .get::<ConnInfo>()
-            .map_or_else(|| "client".into(), |c| c.0.clone());
+        let peer = peer_of(&r);
         let _ = events
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1948,19 +2223,31 @@ where
     let limits = cfg.limits;
     let calls = cfg.max_calls_per_connection.max(1);
     let mut rx = stop.subscribe();
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        builder = builder.tls_config(tls.config.clone())?;
+    }
+    let control = TypedOversize {
+        inner: pb::rollout_server::RolloutServer::new(svc.clone())
+            .max_decoding_message_size(CONTROL_REQUEST_BYTES as usize),
+        svc: svc.clone(),
+        request: "control call",
+        limit: ("max_control_request_bytes", CONTROL_REQUEST_BYTES),
+    };
+    let sampler = TypedOversize {
+        inner: pb::sampler_server::SamplerServer::new(svc.clone())
+            .max_decoding_message_size(limits.max_request_bytes as usize),
+        svc: svc.clone(),
+        request: "generate/score",
+        limit: ("max_request_bytes", limits.max_request_bytes),
+    };
+    builder
         .concurrency_limit_per_connection(calls)
         .max_concurrent_streams(Some(calls as u32))
         .layer(tonic::service::InterceptorLayer::new(auth))
         .add_service(health)
-        .add_service(
-            pb::rollout_server::RolloutServer::new(svc.clone())
-                .max_decoding_message_size(CONTROL_REQUEST_BYTES),
-        )
-        .add_service(
-            pb::sampler_server::SamplerServer::new(svc.clone())
-                .max_decoding_message_size(limits.max_request_bytes as usize),
-        )
+        .add_service(control)
+        .add_service(sampler)
         .add_service(
             pb::weight_sync_server::WeightSyncServer::new(svc).max_decoding_message_size(
                 (limits.max_bucket_bytes + BUCKET_FRAMING_BYTES) as usize,
@@ -1996,6 +2283,8 @@ const CLIENT_MAX_REPLY: usize = 4 << 30;
 /// drives the gRPC channel).
 pub struct RolloutClient {
     endpoint: Endpoint,
+    /// TCP without TLS (a transport failure may be a TLS server: said in the error).
+    plain_tcp: bool,
     control: pb::rollout_client::RolloutClient<Chan>,
     sampler: pb::sampler_client::SamplerClient<Chan>,
     sync: pb::weight_sync_client::WeightSyncClient<Chan>,
@@ -2010,8 +2299,20 @@ impl std::fmt::Debug for RolloutClient {
 }
 
 impl RolloutClient {
-    /// Connect to the server at `ep`, sending `token` with every call (needed on TCP).
+    /// Connect to the server at `ep` without TLS, sending `token` with every call (needed on
+    /// TCP); see [`RolloutClient::connect_tls`].
     pub fn connect(ep: &Endpoint, token: Option<&Token>) -> Result<Self, ServerError> {
+        RolloutClient::connect_tls(ep, token, None)
+    }
+
+    /// Connect to the server at `ep`, sending `token` with every call (needed on TCP), over
+    /// TLS when `tls` is given (TCP only). Without TLS every address `ep` resolves to must be
+    /// loopback, so a token never crosses a network in clear.
+    pub fn connect_tls(
+        ep: &Endpoint,
+        token: Option<&Token>,
+        tls: Option<&ClientTls>,
+    ) -> Result<Self, ServerError> {
         let io = |what: &str, msg: String| ServerError::Io {
             peer: ep.to_string(),
             what: what.into(),
@@ -2031,6 +2332,14 @@ impl RolloutClient {
                 .initial_connection_window_size(Some(16 << 20))
         };
         let channel = match ep {
+            Endpoint::Unix(_) if tls.is_some() => {
+                return Err(ServerError::Config {
+                    peer: ep.to_string(),
+                    msg: "TLS (--tls-ca) is for TCP; a Unix socket is protected by its \
+                          owner-only file mode"
+                        .into(),
+                })
+            }
             Endpoint::Unix(p) => {
                 let p = p.clone();
                 let e = keep(tonic::transport::Endpoint::from_static("http://localhost"));
@@ -2047,9 +2356,28 @@ impl RolloutClient {
                 .map_err(|e| io("connect", transport_msg(&e)))?
             }
             Endpoint::Tcp(a) => {
-                loopback_only(ep, a)?;
-                let e = tonic::transport::Endpoint::from_shared(format!("http://{a}"))
-                    .map_err(|e| io("connect", e.to_string()))?;
+                let e = match tls {
+                    None => {
+                        let addrs = resolve(ep, a)?;
+                        if !all_loopback(&addrs) {
+                            return Err(ServerError::Config {
+                                peer: ep.to_string(),
+                                msg: format!(
+                                    "resolves to {addrs:?}, not only loopback addresses: \
+                                     the token would cross the network in clear; pass \
+                                     --tls-ca CA.pem (the authority that signed the \
+                                     server's --tls-cert), or connect through an SSH tunnel \
+                                     to 127.0.0.1"
+                                ),
+                            });
+                        }
+                        tonic::transport::Endpoint::from_shared(format!("http://{a}"))
+                            .map_err(|e| io("connect", e.to_string()))?
+                    }
+                    Some(t) => tonic::transport::Endpoint::from_shared(format!("https://{a}"))
+                        .and_then(|e| e.tls_config(t.config(tcp_host(a))))
+                        .map_err(|e| io("TLS configuration", transport_msg(&e)))?,
+                };
                 rt.block_on(keep(e).tcp_nodelay(true).connect())
                     .map_err(|e| io("connect", transport_msg(&e)))?
             }
@@ -2057,6 +2385,7 @@ impl RolloutClient {
         let auth = Auth(token.map(Token::header));
         Ok(RolloutClient {
             endpoint: ep.clone(),
+            plain_tcp: matches!(ep, Endpoint::Tcp(_)) && tls.is_none(),
             control: pb::rollout_client::RolloutClient::with_interceptor(
                 channel.clone(),
                 auth.clone(),
@@ -2089,11 +2418,21 @@ impl RolloutClient {
             .and_then(|v| v.to_bytes().ok())
             .and_then(|b| pb::Refusal::decode(b).ok())
             .map(Box::new);
+        let mut msg = s.message().to_string();
+        if refusal.is_none() {
+            // A transport failure: its causes, and the likeliest one on plain TCP.
+            msg = with_causes(msg, std::error::Error::source(&s));
+            if self.plain_tcp
+                && matches!(s.code(), Code::Unknown | Code::Unavailable | Code::Internal)
+            {
+                msg.push_str(" (if the server serves TLS, pass --tls-ca CA.pem)");
+            }
+        }
         ServerError::Remote {
             peer: self.peer(),
             request: request.into(),
             code: s.code(),
-            msg: s.message().to_string(),
+            msg,
             refusal,
         }
     }
@@ -2366,11 +2705,17 @@ impl RolloutClient {
 
 /// A transport error with its causes (tonic's top-level message alone says "transport error").
 fn transport_msg(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
+    with_causes(e.to_string(), e.source())
+}
+
+/// `msg` followed by every cause in `src`'s chain that it does not already say.
+fn with_causes(mut msg: String, mut src: Option<&dyn std::error::Error>) -> String {
     while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
+        let t = s.to_string();
+        if !msg.contains(&t) {
+            msg.push_str(": ");
+            msg.push_str(&t);
+        }
         src = s.source();
     }
     msg
@@ -2392,14 +2737,26 @@ pub struct RemoteRollout {
 }
 
 impl RemoteRollout {
-    /// Connect to `ep` and check that the server speaks this protocol and uses the quantizer
-    /// contract `contract_hash`.
+    /// Connect to `ep` without TLS and check that the server speaks this protocol and uses
+    /// the quantizer contract `contract_hash`; see [`RemoteRollout::connect_tls`].
     pub fn connect(
         ep: &Endpoint,
         contract_hash: &str,
         token: Option<&Token>,
     ) -> Result<Self, ServerError> {
-        let mut c = RolloutClient::connect(ep, token)?;
+        RemoteRollout::connect_tls(ep, contract_hash, token, None)
+    }
+
+    /// Connect to `ep` (over TLS when `tls` is given, see [`RolloutClient::connect_tls`]) and
+    /// check that the server speaks this protocol and uses the quantizer contract
+    /// `contract_hash`.
+    pub fn connect_tls(
+        ep: &Endpoint,
+        contract_hash: &str,
+        token: Option<&Token>,
+        tls: Option<&ClientTls>,
+    ) -> Result<Self, ServerError> {
+        let mut c = RolloutClient::connect_tls(ep, token, tls)?;
         let info = c.info()?;
         if info.protocol != PROTOCOL {
             return Err(ServerError::Protocol {
@@ -2556,6 +2913,7 @@ mod tests {
         moe_layers: 0,
         top_k: 0,
         num_experts: 0,
+        max_positions: 4096,
     };
 
     struct Running {
@@ -2924,14 +3282,70 @@ mod tests {
             reason(&c.generate_raw(bad_t).unwrap_err()),
             Reason::InvalidRequest
         );
-        // A message over the sampler's size limit is refused by the framework from its length
-        // prefix.
+        // A message over the sampler's size limit is refused from its length prefix, typed:
+        // the limit's name and value and the served version.
         let e = c
-            .generate_raw(gen(vec![vec![1; 4000]], 1, 4, 0))
+            .generate_raw(gen(vec![vec![1; 5000]], 1, 4, 0))
             .unwrap_err();
-        assert!(
-            matches!(&e, ServerError::Remote { code, .. } if *code == Code::OutOfRange || *code == Code::ResourceExhausted),
-            "{e}"
+        let ServerError::Remote {
+            code,
+            refusal: Some(r),
+            ..
+        } = &e
+        else {
+            panic!("no typed refusal: {e}")
+        };
+        assert_eq!(*code, Code::ResourceExhausted, "{e}");
+        assert_eq!(r.reason(), Reason::LimitExceeded, "{e}");
+        assert_eq!(
+            (r.limit_name.as_str(), r.limit),
+            ("max_request_bytes", 4096)
+        );
+        assert_eq!(r.serving_version, 0);
+        assert!(e.to_string().contains("max_request_bytes = 4096"), "{e}");
+        // So is a control request over its 1 KiB: an Info call carrying 2 KiB (sent as another
+        // message type on the Info path; the server reads none of it).
+        let Endpoint::Unix(sock) = srv.at.clone() else {
+            unreachable!()
+        };
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let st = rt.block_on(async move {
+            let ch = tonic::transport::Endpoint::from_static("http://localhost")
+                .connect_with_connector(tower::service_fn(move |_: tonic::codegen::http::Uri| {
+                    let p = sock.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                            tokio::net::UnixStream::connect(p).await?,
+                        ))
+                    }
+                }))
+                .await
+                .unwrap();
+            let mut g = tonic::client::Grpc::new(ch);
+            g.ready().await.unwrap();
+            let big = pb::TokenIds { ids: vec![1; 2048] };
+            g.unary::<_, pb::InfoReply, _>(
+                Request::new(big),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/mxrl.rollout.v1.Rollout/Info",
+                ),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .unwrap_err()
+        });
+        drop(rt);
+        let e = c.remote("info", st);
+        assert_eq!(reason(&e), Reason::LimitExceeded, "{e}");
+        let ServerError::Remote {
+            refusal: Some(r), ..
+        } = &e
+        else {
+            unreachable!()
+        };
+        assert_eq!(
+            (r.limit_name.as_str(), r.limit),
+            ("max_control_request_bytes", CONTROL_REQUEST_BYTES)
         );
         // A routing trace for this dense model is refused.
         let e = c
@@ -2973,6 +3387,7 @@ mod tests {
                 moe_layers: 2,
                 top_k: 2,
                 num_experts: 4,
+                max_positions: 4096,
             },
             &[],
         );
@@ -3119,7 +3534,10 @@ mod tests {
         with_token.token = Some(Token::new("a-long-enough-secret").unwrap());
         let e = RolloutServer::bind(&Endpoint::Tcp("0.0.0.0:0".into()), engine(), with_token)
             .unwrap_err();
-        assert!(e.to_string().contains("loopback"), "{e}");
+        assert!(
+            e.to_string().contains("loopback") && e.to_string().contains("--tls-cert"),
+            "{e}"
+        );
 
         // Token files: too short, readable by others, fine.
         use std::os::unix::fs::PermissionsExt;
@@ -3177,5 +3595,285 @@ mod tests {
             .filter(|e| matches!(e, ServerEvent::Unauthenticated { .. }))
             .count();
         assert_eq!(n, 10);
+    }
+
+    /// Test certificates made with rcgen: a CA, and server certificates it signs.
+    struct Pki {
+        dir: tempfile::TempDir,
+        ca: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    }
+
+    impl Pki {
+        fn new(name: &str) -> Pki {
+            let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            p.distinguished_name
+                .push(rcgen::DnType::CommonName, format!("{name} test CA"));
+            p.key_usages = vec![
+                rcgen::KeyUsagePurpose::KeyCertSign,
+                rcgen::KeyUsagePurpose::CrlSign,
+            ];
+            let key = rcgen::KeyPair::generate().unwrap();
+            Pki {
+                dir: tempfile::tempdir().unwrap(),
+                ca: rcgen::CertifiedIssuer::self_signed(p, key).unwrap(),
+            }
+        }
+
+        /// The CA certificate as a PEM file.
+        fn ca_file(&self) -> PathBuf {
+            let f = self.dir.path().join("ca.pem");
+            std::fs::write(&f, self.ca.pem()).unwrap();
+            f
+        }
+
+        /// A server certificate for `names` (DNS names or IP addresses): (cert, key) files,
+        /// the key owner-only.
+        fn server(&self, tag: &str, names: &[&str]) -> (PathBuf, PathBuf) {
+            use std::os::unix::fs::PermissionsExt;
+            let mut p = rcgen::CertificateParams::new(
+                names.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            p.distinguished_name
+                .push(rcgen::DnType::CommonName, "mxrl rollout server");
+            p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = p.signed_by(&key, &self.ca).unwrap();
+            let (c, k) = (
+                self.dir.path().join(format!("{tag}.pem")),
+                self.dir.path().join(format!("{tag}.key")),
+            );
+            std::fs::write(&c, cert.pem()).unwrap();
+            std::fs::write(&k, key.serialize_pem()).unwrap();
+            std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+            (c, k)
+        }
+    }
+
+    /// An address of this machine that is not loopback (the source address of its route to a
+    /// documentation-only address; no packet is sent), or why there is none.
+    fn machine_address() -> Result<std::net::IpAddr, String> {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+        s.connect("192.0.2.1:9")
+            .map_err(|e| format!("no route off this machine ({e})"))?;
+        let ip = s.local_addr().map_err(|e| e.to_string())?.ip();
+        if ip.is_loopback() || ip.is_unspecified() {
+            return Err(format!("the route off this machine uses {ip}"));
+        }
+        Ok(ip)
+    }
+
+    /// TLS on loopback: the right CA works end to end (info, an update, generate, fetch), the
+    /// token is still required, and a client without TLS, with another CA or checking another
+    /// name fails to connect without the server noticing anything but a failed handshake.
+    #[test]
+    fn tls_serves_a_client_trusting_its_ca_and_nobody_else() {
+        let pki = Pki::new("right");
+        let (cert, key) = pki.server("server", &["rollout.test", "127.0.0.1"]);
+        let ca = ClientTls::from_file(&pki.ca_file()).unwrap();
+        let tls = ServerTls::from_files(&cert, &key).unwrap();
+        let token = Token::new("tls-test-token-0123456").unwrap();
+        let t0 = trainer(0.0, Format::Mxfp8);
+        let (tok, tls2) = (token.clone(), tls.clone());
+        let srv = start(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            t0.rollout().unwrap(),
+            "h",
+            |c| {
+                c.token = Some(tok);
+                c.tls = Some(tls2);
+            },
+        );
+        let mut c = RolloutClient::connect_tls(&srv.at, Some(&token), Some(&ca)).unwrap();
+        assert_eq!(c.info().unwrap().version, 0);
+        let ex = trainer(1.0, Format::Mxfp8).export_weights().unwrap();
+        assert_eq!(
+            c.update(WeightUpdate::build(1, "h", &ex, 1 << 20)).unwrap(),
+            1
+        );
+        let (v, held) = c.fetch().unwrap();
+        assert_eq!(v, 1);
+        sync::check_equal(&held, &ex).unwrap();
+        let cfg = SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens: 3,
+        };
+        let (v, s) = c.generate(&[vec![1, 2]], 2, &cfg, 0, 5).unwrap();
+        assert_eq!((v, s.len()), (1, 2));
+        // A remote rollout over TLS, and the name check against another name of the
+        // certificate.
+        let named = ca.clone().with_server_name("rollout.test");
+        let r = RemoteRollout::connect_tls(&srv.at, "h", Some(&token), Some(&named)).unwrap();
+        assert_eq!(r.version(), 1);
+
+        // The token is still required over TLS.
+        let mut anon = RolloutClient::connect_tls(&srv.at, None, Some(&ca)).unwrap();
+        for e in [
+            anon.info().unwrap_err(),
+            anon.update(WeightUpdate::build(2, "h", &ex, 1 << 20))
+                .unwrap_err(),
+            anon.shutdown().unwrap_err(),
+        ] {
+            assert_eq!(reason(&e), Reason::Unauthenticated, "{e}");
+        }
+        let evs = until(&srv.rx, |e| {
+            matches!(e, ServerEvent::Unauthenticated { .. })
+        });
+        let ServerEvent::Unauthenticated { peer } = evs.last().unwrap() else {
+            unreachable!()
+        };
+        assert!(peer.ends_with("(TLS)"), "{peer}");
+
+        // No TLS, another CA, another name: no call gets through, none is a typed refusal.
+        let other = Pki::new("other");
+        let wrong_ca = ClientTls::from_file(&other.ca_file()).unwrap();
+        let wrong_name = ca.clone().with_server_name("elsewhere.test");
+        let attempts: [(&str, Option<&ClientTls>, &str); 3] = [
+            ("no TLS", None, "--tls-ca"),
+            ("another CA", Some(&wrong_ca), "certificate"),
+            ("another name", Some(&wrong_name), "certificate"),
+        ];
+        for (what, t, says) in attempts {
+            let e = RolloutClient::connect_tls(&srv.at, Some(&token), t)
+                .and_then(|mut c| c.info())
+                .expect_err(what);
+            assert!(e.refusal().is_none(), "{what}: {e}");
+            assert!(e.to_string().contains(says), "{what}: {e}");
+        }
+        // The server kept serving throughout.
+        assert_eq!(c.info().unwrap().version, 1);
+        c.shutdown().unwrap();
+        srv.h.join().unwrap();
+    }
+
+    /// Off loopback: the server refuses to start without TLS and a client refuses to connect
+    /// without a CA (both naming the flags); with both, a server on this machine's network
+    /// address serves a TLS client (skipped, with the reason printed, on a machine without
+    /// one). Bad TLS files are refused naming the file.
+    #[test]
+    fn off_loopback_tcp_needs_tls_on_both_sides() {
+        let t0 = trainer(0.0, Format::Bf16);
+        let token = Token::new("tls-test-token-0123456").unwrap();
+        let mut cfg = ServerConfig::new(
+            "bf16",
+            "t",
+            Limits::for_model(SHAPE, &t0.rollout().unwrap().weights()),
+        );
+        cfg.token = Some(token.clone());
+        let engine = || RolloutEngine::new(t0.rollout().unwrap(), 0, "h");
+        let e = RolloutServer::bind(&Endpoint::Tcp("0.0.0.0:0".into()), engine(), cfg.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("0.0.0.0") && e.contains("--tls-cert") && e.contains("--tls-key"),
+            "{e}"
+        );
+        let e = RolloutClient::connect(&Endpoint::Tcp("192.0.2.1:7000".into()), Some(&token))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("192.0.2.1") && e.contains("--tls-ca"), "{e}");
+
+        // Bad files: a key readable by others, a key of another certificate, a certificate
+        // file without a certificate, a CA file without one.
+        use std::os::unix::fs::PermissionsExt;
+        let pki = Pki::new("files");
+        let (cert, key) = pki.server("a", &["127.0.0.1"]);
+        let (_, other_key) = pki.server("b", &["127.0.0.1"]);
+        let mut tls_cfg = cfg.clone();
+        tls_cfg.tls = Some(ServerTls::from_files(&cert, &key).unwrap());
+        let e = RolloutServer::bind(
+            &Endpoint::Unix(pki.dir.path().join("s.sock")),
+            engine(),
+            tls_cfg,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("TLS") && e.contains("Unix socket"), "{e}");
+        let e = ServerTls::from_files(&cert, &other_key)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not usable together") && e.contains("b.key"),
+            "{e}"
+        );
+        let e = ServerTls::from_files(&key, &key).unwrap_err().to_string();
+        assert!(
+            e.contains("holds no certificate") && e.contains("a.key"),
+            "{e}"
+        );
+        let e = ClientTls::from_file(&key).unwrap_err().to_string();
+        assert!(
+            e.contains("TLS CA") && e.contains("holds no certificate"),
+            "{e}"
+        );
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = ServerTls::from_files(&cert, &key).unwrap_err().to_string();
+        assert!(e.contains("chmod 600") && e.contains("a.key"), "{e}");
+
+        let ip = match machine_address() {
+            Ok(ip) => ip,
+            Err(why) => {
+                println!("skipping the TLS server on a network address: {why}");
+                return;
+            }
+        };
+        let host = ip.to_string();
+        let (cert, key) = pki.server("net", &[&host]);
+        let mut tls_cfg = cfg;
+        tls_cfg.tls = Some(ServerTls::from_files(&cert, &key).unwrap());
+        let at = Endpoint::Tcp(std::net::SocketAddr::new(ip, 0).to_string());
+        let srv = RolloutServer::bind(&at, engine(), tls_cfg).unwrap();
+        let at = srv.endpoint().clone();
+        let stop = srv.stop_handle();
+        let h = std::thread::spawn(move || srv.serve(&mut |_| {}).unwrap());
+        let ca = ClientTls::from_file(&pki.ca_file()).unwrap();
+        let mut c = RolloutClient::connect_tls(&at, Some(&token), Some(&ca)).unwrap();
+        assert_eq!(c.info().unwrap().version, 0);
+        let cfg = SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens: 3,
+        };
+        assert_eq!(c.generate(&[vec![3]], 2, &cfg, 0, 1).unwrap().1.len(), 2);
+        let e = RolloutClient::connect(&at, Some(&token))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--tls-ca"), "{e}");
+        stop.stop();
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn sequence_limits_default_to_the_models_positions() {
+        let shape = ModelShape {
+            max_positions: 48,
+            ..SHAPE
+        };
+        let l = Limits::for_model(shape, &[]);
+        assert_eq!((l.max_sequence_length, l.max_new_tokens), (48, 48));
+        let p = l.to_proto();
+        assert_eq!((p.max_sequence_length, p.max_new_tokens), (48, 48));
+        let e = check_generate(
+            &l,
+            pb::GenerateRequest {
+                prompts: vec![pb::TokenIds { ids: vec![1; 40] }],
+                n: 1,
+                sampling: Some(pb::SamplingConfig {
+                    temperature: 1.0,
+                    top_p: 1.0,
+                    max_new_tokens: 9,
+                }),
+                eos: 0,
+                seed: 0,
+            },
+        )
+        .err()
+        .unwrap();
+        assert_eq!(
+            (e.reason, e.limit),
+            (Reason::LimitExceeded, Some(("max_sequence_length", 48)))
+        );
     }
 }

@@ -8,7 +8,7 @@ use mxrl_rl::grpo::{GrpoConfig, IsCorrection, IsLevel};
 use mxrl_rl::manifest::{model_digest, prepare_run_dir, RunManifest, RUN_MANIFEST_VERSION};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
-use mxrl_rl::server::{Endpoint, RemoteRollout, RolloutClient, Token};
+use mxrl_rl::server::{ClientTls, Endpoint, RemoteRollout, RolloutClient, Token};
 use mxrl_rl::session::{build, load_model_dir, task_source};
 use mxrl_rl::task::TaskSource;
 use mxrl_rl::text::TextCodec;
@@ -174,6 +174,15 @@ pub struct Args {
     /// you can read, as given to `mxrl rollout-server --token-file`.
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Connect to --rollout tcp:HOST:PORT over TLS, trusting the certificate authority in
+    /// this PEM file (the one that signed the server's --tls-cert). Required when HOST is not
+    /// loopback.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Check the server's certificate against this name instead of HOST (e.g. through an
+    /// SSH tunnel to 127.0.0.1).
+    #[arg(long, requires = "tls_ca")]
+    tls_server_name: Option<String>,
     #[command(flatten)]
     rl: RlArgs,
     #[command(flatten)]
@@ -248,7 +257,18 @@ pub fn run(a: Args) -> Result<()> {
                 None => spec.parse()?,
             };
             let token = a.token_file.as_deref().map(Token::from_file).transpose()?;
-            let mut remote = RemoteRollout::connect(&ep, &b.contract_hash, token.as_ref())?;
+            let tls = match &a.tls_ca {
+                Some(ca) => {
+                    let t = ClientTls::from_file(ca)?;
+                    Some(match &a.tls_server_name {
+                        Some(n) => t.with_server_name(n),
+                        None => t,
+                    })
+                }
+                None => None,
+            };
+            let mut remote =
+                RemoteRollout::connect_tls(&ep, &b.contract_hash, token.as_ref(), tls.as_ref())?;
             let info = remote.info().clone();
             if info.recipe != a.recipe {
                 bail!(

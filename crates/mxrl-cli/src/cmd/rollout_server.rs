@@ -3,8 +3,10 @@
 //! TCP (protocol: `crates/mxrl-rl/proto/rollout.proto`, docs/rollout-server.md). `mxrl rl
 //! --rollout ADDR` and `scripts/rollout_client.py` use it.
 
-use anyhow::{Context, Result};
-use mxrl_rl::server::{Endpoint, Limits, ModelShape, RolloutServer, ServerConfig, Token};
+use anyhow::{bail, Context, Result};
+use mxrl_rl::server::{
+    Endpoint, Limits, ModelShape, RolloutServer, ServerConfig, ServerTls, Token,
+};
 use mxrl_rl::session::{build, load_model_dir};
 use mxrl_rl::sync::RolloutEngine;
 use mxrl_rl::RolloutPolicy;
@@ -22,14 +24,21 @@ pub struct Args {
     /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq) or a TOML file.
     #[arg(long, default_value = "bf16")]
     recipe: String,
-    /// Where to listen: unix:PATH (created 0600) or tcp:HOST:PORT (loopback only, needs
-    /// --token-file; port 0 picks a free port).
+    /// Where to listen: unix:PATH (created 0600) or tcp:HOST:PORT (needs --token-file, and
+    /// --tls-cert/--tls-key unless HOST is loopback; port 0 picks a free port).
     #[arg(long)]
     listen: String,
     /// File holding the shared secret every call must carry (`authorization: Bearer TOKEN`);
     /// required on TCP. At least 16 characters, readable by its owner only (chmod 600).
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Serve TCP over TLS with this PEM certificate chain (the server's certificate first; it
+    /// must name the host clients connect to). Required when HOST is not loopback.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert (readable by its owner only).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// A nonce reported by the Info call, so a parent knows it reached the child it started.
     #[arg(long, default_value = "")]
     instance: String,
@@ -46,9 +55,14 @@ pub struct Args {
     /// Largest prompts × n of a Generate call (and sequences of a Score call).
     #[arg(long, default_value_t = mxrl_rl::server::DEFAULT_MAX_SEQUENCES)]
     max_sequences: u64,
-    /// Largest prompt + response length in tokens (and largest max_new_tokens).
-    #[arg(long, default_value_t = mxrl_rl::server::DEFAULT_MAX_SEQUENCE_LENGTH)]
-    max_sequence_length: u64,
+    /// Largest prompt + response length in tokens; default and upper bound: the model's
+    /// max_position_embeddings (config.json).
+    #[arg(long)]
+    max_sequence_length: Option<u64>,
+    /// Largest max_new_tokens of a Generate call; default and upper bound: the sequence
+    /// length limit.
+    #[arg(long)]
+    max_new_tokens: Option<u64>,
     /// Connections served at once (more wait in the listen backlog).
     #[arg(long, default_value_t = 64)]
     max_connections: usize,
@@ -66,6 +80,10 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let ep: Endpoint = a.listen.parse()?;
     let token = a.token_file.as_deref().map(Token::from_file).transpose()?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(c), Some(k)) => Some(ServerTls::from_files(c, k)?),
+        _ => None,
+    };
     let gemm = a.device.select()?;
     let (model, _codec) = load_model_dir(&a.model)?;
     let b = build(&model, &a.recipe).with_context(|| format!("recipe {}", a.recipe))?;
@@ -75,14 +93,34 @@ pub fn run(a: Args) -> Result<()> {
     }
     limits.max_request_bytes = a.max_request_bytes;
     limits.max_sequences = a.max_sequences;
-    limits.max_sequence_length = a.max_sequence_length;
-    limits.max_new_tokens = a.max_sequence_length;
+    let positions = model.config().max_position_embeddings as u64;
+    if let Some(n) = a.max_sequence_length {
+        if n == 0 || n > positions {
+            bail!(
+                "--max-sequence-length {n}: expected 1..={positions} (the model's \
+                 max_position_embeddings, {}/config.json)",
+                a.model.display()
+            );
+        }
+        limits.max_sequence_length = n;
+    }
+    limits.max_new_tokens = limits.max_sequence_length;
+    if let Some(n) = a.max_new_tokens {
+        if n == 0 || n > limits.max_sequence_length {
+            bail!(
+                "--max-new-tokens {n}: expected 1..={} (the sequence length limit)",
+                limits.max_sequence_length
+            );
+        }
+        limits.max_new_tokens = n;
+    }
     if !(a.idle_timeout > 0.0 && a.idle_timeout.is_finite()) {
-        anyhow::bail!("--idle-timeout {}: expected seconds > 0", a.idle_timeout);
+        bail!("--idle-timeout {}: expected seconds > 0", a.idle_timeout);
     }
     let model_name = a.model.display().to_string();
     let mut cfg = ServerConfig::new(&a.recipe, &model_name, limits);
     cfg.token = token;
+    cfg.tls = tls;
     cfg.instance = a.instance.clone();
     cfg.max_connections = a.max_connections;
     cfg.max_calls_per_connection = a.max_calls_per_connection;
@@ -106,8 +144,15 @@ pub fn run(a: Args) -> Result<()> {
     println!("mxrl rollout-server: listening on {}", server.endpoint());
     println!(
         "model {model_name} · recipe {} · contract {} · weights {:?} · GEMMs on {gemm} · \
-         limits {limits:?} · serving v0",
-        a.recipe, b.contract_hash, b.weight_bytes
+         {} · limits {limits:?} · serving v0",
+        a.recipe,
+        b.contract_hash,
+        b.weight_bytes,
+        match &a.tls_cert {
+            Some(c) => format!("TLS certificate {}", c.display()),
+            None if matches!(ep, Endpoint::Tcp(_)) => "TCP without TLS (loopback)".into(),
+            None => "Unix socket".into(),
+        }
     );
     server.serve(&mut |ev| println!("{ev}"))?;
     println!("mxrl rollout-server: shut down");
