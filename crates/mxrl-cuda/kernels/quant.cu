@@ -156,6 +156,56 @@ extern "C" __global__ void mxfp8_row_bf16(const u16* x, u8* d, u8* s, u64 n) { m
 extern "C" __global__ void mxfp8_col_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 extern "C" __global__ void mxfp8_col_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 
+// Column-wise, four adjacent columns per thread (K % 4 == 0): one 8-byte (BF16) or 16-byte
+// (f32) load per row, the four column maxima over the 32-row strip, then the strip read again
+// (from cache) and quantized, four codes stored as one u32 per row and four scales as one u32.
+// Per element the operations of mxfp8_col, so the bytes are the same.
+__device__ __forceinline__ void load4(const float* p, u64 i, float v[4]) {
+    const float4 a = *reinterpret_cast<const float4*>(p + i);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+__device__ __forceinline__ void load4(const u16* p, u64 i, float v[4]) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p + i);
+    v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xFFFF0000u);
+}
+template <typename T>
+__device__ void mxfp8_col4(const T* x, u8* data, u8* scales, u64 strips, u64 cols) {
+    const u64 quads = cols >> 2;
+    const u64 gtid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gtid >= strips * quads) return;
+    const u64 strip = gtid / quads, col = (gtid % quads) * 4;
+    const u64 base = strip * MXRL_MXFP8_BLOCK * cols + col;
+    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+    for (int i = 0; i < MXRL_MXFP8_BLOCK; ++i) {
+        float v[4];
+        load4(x, base + (u64)i * cols, v);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) m[c] = nan_ignoring_max(m[c], fabsf(v[c]));
+    }
+    u32 s[4];
+    float inv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        s[c] = ue8m0_round_up(__fmul_rn(m[c], MXRL_R448));
+        inv[c] = ue8m0_reciprocal(s[c]);
+    }
+#pragma unroll 8
+    for (int i = 0; i < MXRL_MXFP8_BLOCK; ++i) {
+        const u64 idx = base + (u64)i * cols;
+        float v[4];
+        load4(x, idx, v);
+        u32 word = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) word |= e4m3_encode(__fmul_rn(v[c], inv[c])) << (8 * c);
+        *reinterpret_cast<u32*>(data + idx) = word;
+    }
+    *reinterpret_cast<u32*>(scales + strip * cols + col) = s[0] | (s[1] << 8) | (s[2] << 16) | (s[3] << 24);
+}
+extern "C" __global__ void mxfp8_col4_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col4(x, d, s, st, c); }
+extern "C" __global__ void mxfp8_col4_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col4(x, d, s, st, c); }
+
 // Dequantize a row-wise copy: x = fl(ue8m0_decode(scale) * e4m3_value(q)).
 extern "C" __global__ void mxfp8_row_dequantize(const u8* data, const u8* scales, float* out, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -243,6 +293,66 @@ __device__ void nvfp4_quantize(const T* x, const u32* amax_bits, u8* data, u8* s
 
 extern "C" __global__ void nvfp4_f32(const float* x, const u32* a, u8* d, u8* s, u64 n, u64 c, int per_row) { nvfp4_quantize(x, a, d, s, n, c, per_row != 0); }
 extern "C" __global__ void nvfp4_bf16(const u16* x, const u32* a, u8* d, u8* s, u64 n, u64 c, int per_row) { nvfp4_quantize(x, a, d, s, n, c, per_row != 0); }
+
+// Per-token NVFP4 in one pass over the data: block r owns row r (blockDim.x a multiple of 64,
+// cols % 16 == 0). The row's amax as amax_kernel computes it (NaN ignored; a max, so the
+// order does not matter), written to amax_bits[r], then the row read again (from cache) and
+// quantized with nvfp4_quantize's operations: thread pairs (2k, 2k+1) share a 16-block.
+template <typename T>
+__device__ void nvfp4_row_fused(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
+    __shared__ float warp_max[32];
+    const u64 r = blockIdx.x;
+    const T* xr = x + r * cols;
+    float m = 0.0f;
+    for (u64 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+        float v[8];
+        load8(xr, c, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
+    if ((threadIdx.x & 31u) == 0u) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = (threadIdx.x & 31u) < (blockDim.x >> 5) ? warp_max[threadIdx.x & 31u] : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
+    const float a = m;
+    if (threadIdx.x == 0u) amax_bits[r] = __float_as_uint(a);
+    float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
+    s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
+    if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    const float s_dec = __fdiv_rn(1.0f, s_enc);
+    const float mult = __fmul_rn(s_enc, MXRL_R6);
+    const u64 step = (u64)blockDim.x * 8;
+    const u64 iters = (cols + step - 1) / step;
+    for (u64 it = 0; it < iters; ++it) {
+        const u64 c = it * step + threadIdx.x * 8;
+        const bool active = c < cols;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (active) load8(xr, c, v);
+        float bmax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bmax = nan_ignoring_max(bmax, fabsf(v[j]));
+        bmax = nan_ignoring_max(bmax, __shfl_xor_sync(FULL_MASK, bmax, 1));
+        float sdec = __fmul_rn(bmax, mult);
+        sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec;
+        const u32 scale = ue4m3_encode(sdec);
+        const float sf = e4m3_value(scale);
+        float enc = __fdiv_rn(1.0f, __fmul_rn(sf, s_dec));
+        enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
+        u32 word = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) word |= e2m1_encode(__fmul_rn(v[j], enc)) << (4 * j);
+        if (active) {
+            const u64 e = r * cols + c;
+            *reinterpret_cast<u32*>(data + e / 2) = word;
+            if ((threadIdx.x & 1u) == 0u) scales[e / MXRL_NVFP4_BLOCK] = (u8)scale;
+        }
+    }
+}
+extern "C" __global__ void nvfp4_row_fused_f32(const float* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_fused(x, a, d, s, c); }
+extern "C" __global__ void nvfp4_row_fused_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_fused(x, a, d, s, c); }
 
 // x = fl(e2m1_value(code) * fl(fl(sf * amax) * R2688)).
 extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, const u32* amax_bits, float* out, u64 n, u64 cols, int per_row) {

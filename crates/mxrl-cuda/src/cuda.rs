@@ -38,6 +38,10 @@ struct Kernels {
     mxfp8_row_bf16: CudaFunction,
     mxfp8_col_f32: CudaFunction,
     mxfp8_col_bf16: CudaFunction,
+    mxfp8_col4_f32: CudaFunction,
+    mxfp8_col4_bf16: CudaFunction,
+    nvfp4_row_fused_f32: CudaFunction,
+    nvfp4_row_fused_bf16: CudaFunction,
     mxfp8_row_dequantize: CudaFunction,
     amax_f32: CudaFunction,
     amax_bf16: CudaFunction,
@@ -220,6 +224,10 @@ impl CudaDevice {
             mxfp8_row_bf16: f("mxfp8_row_bf16")?,
             mxfp8_col_f32: f("mxfp8_col_f32")?,
             mxfp8_col_bf16: f("mxfp8_col_bf16")?,
+            mxfp8_col4_f32: f("mxfp8_col4_f32")?,
+            mxfp8_col4_bf16: f("mxfp8_col4_bf16")?,
+            nvfp4_row_fused_f32: f("nvfp4_row_fused_f32")?,
+            nvfp4_row_fused_bf16: f("nvfp4_row_fused_bf16")?,
             mxfp8_row_dequantize: f("mxfp8_row_dequantize")?,
             amax_f32: f("amax_f32")?,
             amax_bf16: f("amax_bf16")?,
@@ -340,8 +348,8 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Launch the MXFP8 row-wise quantizer (`mxfp8_row_{f32,bf16}`): one warp per 32-element
-    /// block along K. Returns data `[M, K]` and scales `[M, K/32]`.
+    /// Launch the MXFP8 row-wise quantizer (`mxfp8_row_{f32,bf16}`): four threads per
+    /// 32-element block along K. Returns data `[M, K]` and scales `[M, K/32]`.
     ///
     /// # Errors
     /// Shape errors (K % 32 ≠ 0, length mismatch) or a driver error.
@@ -350,11 +358,22 @@ impl CudaDevice {
         x: &DeviceInput,
         shape: [usize; 2],
     ) -> Result<DeviceQuantized, DeviceError> {
+        let mut q = self.alloc_quantized(shape, Scheme::MXFP8_ROW)?;
+        self.quantize_device_into(x, shape, Scheme::MXFP8_ROW, &mut q)?;
+        Ok(q)
+    }
+
+    fn mxfp8_row_into(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        data: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<u8>,
+    ) -> Result<(), DeviceError> {
         self.check(x, shape, Scheme::MXFP8_ROW)?;
         let n = x.len();
+        self.check_out(data.len(), n, scales.len(), n / MXFP8_BLOCK)?;
         let n_blocks = (n / MXFP8_BLOCK) as u64;
-        let mut data = self.output::<u8>(n)?;
-        let mut scales = self.output::<u8>(n / MXFP8_BLOCK)?;
         if n > 0 {
             let cfg = self.grid(n / 8);
             let mut b = match x {
@@ -365,26 +384,21 @@ impl CudaDevice {
                 DeviceInput::F32(s) => b.arg(s),
                 DeviceInput::Bf16(s) => b.arg(s),
             };
-            b.arg(&mut data).arg(&mut scales).arg(&n_blocks);
+            b.arg(data).arg(scales).arg(&n_blocks);
             // SAFETY: thread t < 4·n_blocks = n/8 reads x[8t..8t+8) with one or two 16-byte
             // loads (aligned: allocation base + 16·t or 32·t bytes) and writes data[8t..8t+8)
             // as one aligned u64 and, for t % 4 == 0, scales[t/4]; x and data hold n elements,
-            // scales n/32 (checked/allocated above); threads past n/8 only shuffle zeros and
-            // write nothing; arguments match the C signature (T*, u8*, u8*, u64).
+            // scales n/32 (checked above); threads past n/8 only shuffle zeros and write
+            // nothing; arguments match the C signature (T*, u8*, u8*, u64).
             unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
         }
-        Ok(DeviceQuantized {
-            scheme: Scheme::MXFP8_ROW,
-            shape,
-            data,
-            scales,
-            amax_bits: None,
-        })
+        Ok(())
     }
 
-    /// Launch the MXFP8 column-wise quantizer (`mxfp8_col_{f32,bf16}`): one thread per
-    /// (32-row strip, column), quantized from the high-precision input. Data `[M, K]`, scales
-    /// `[M/32, K]`.
+    /// Launch the MXFP8 column-wise quantizer, quantized from the high-precision input: four
+    /// adjacent columns per thread (`mxfp8_col4_{f32,bf16}`) when K % 4 == 0, else one thread
+    /// per (32-row strip, column) (`mxfp8_col_{f32,bf16}`); the same bytes either way. Data
+    /// `[M, K]`, scales `[M/32, K]`.
     ///
     /// # Errors
     /// Shape errors (M % 32 ≠ 0, length mismatch) or a driver error.
@@ -393,35 +407,147 @@ impl CudaDevice {
         x: &DeviceInput,
         shape: [usize; 2],
     ) -> Result<DeviceQuantized, DeviceError> {
+        let mut q = self.alloc_quantized(shape, Scheme::MXFP8_COL)?;
+        self.quantize_device_into(x, shape, Scheme::MXFP8_COL, &mut q)?;
+        Ok(q)
+    }
+
+    fn mxfp8_col_into(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        data: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<u8>,
+    ) -> Result<(), DeviceError> {
         self.check(x, shape, Scheme::MXFP8_COL)?;
         let n = x.len();
+        self.check_out(data.len(), n, scales.len(), n / MXFP8_BLOCK)?;
         let (strips, cols) = ((shape[0] / MXFP8_BLOCK) as u64, shape[1] as u64);
-        let mut data = self.output::<u8>(n)?;
-        let mut scales = self.output::<u8>(n / MXFP8_BLOCK)?;
-        if n > 0 {
-            let cfg = self.grid((strips * cols) as usize);
-            let mut b = match x {
-                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.mxfp8_col_f32),
-                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.mxfp8_col_bf16),
-            };
-            match x {
-                DeviceInput::F32(s) => b.arg(s),
-                DeviceInput::Bf16(s) => b.arg(s),
-            };
-            b.arg(&mut data).arg(&mut scales).arg(&strips).arg(&cols);
-            // SAFETY: thread t < strips·cols reads and writes rows 32·(t/cols)..+32 of column
-            // t%cols, all < M·K = n elements (M = 32·strips); scales has strips·cols = n/32
-            // entries; threads past strips·cols return first; argument types match
-            // (T*, u8*, u8*, u64, u64).
-            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        if n == 0 {
+            return Ok(());
         }
+        let quads = cols.is_multiple_of(4);
+        let threads = if quads {
+            strips * cols / 4
+        } else {
+            strips * cols
+        };
+        let cfg = self.grid(threads as usize);
+        let mut b = match (x, quads) {
+            (DeviceInput::F32(_), true) => self.stream.launch_builder(&self.k.mxfp8_col4_f32),
+            (DeviceInput::Bf16(_), true) => self.stream.launch_builder(&self.k.mxfp8_col4_bf16),
+            (DeviceInput::F32(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_f32),
+            (DeviceInput::Bf16(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_bf16),
+        };
+        match x {
+            DeviceInput::F32(s) => b.arg(s),
+            DeviceInput::Bf16(s) => b.arg(s),
+        };
+        b.arg(data).arg(scales).arg(&strips).arg(&cols);
+        // SAFETY: col4 (K % 4 == 0): thread t < strips·K/4 reads and writes rows
+        // 32·(t/(K/4))..+32 of columns 4·(t%(K/4))..+4 (8- or 16-byte aligned loads, u32
+        // stores: the element offset is a multiple of 4, the bases 256-byte aligned) and
+        // scales[strip·K + col..+4] as one u32; col: thread t < strips·K reads and writes
+        // rows 32·(t/K)..+32 of column t%K and scales[t]; all < M·K = n elements (M =
+        // 32·strips), scales n/32 (checked above); threads past the count return first;
+        // argument types match (T*, u8*, u8*, u64, u64).
+        unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Output buffers of `scheme` for an input of `shape` (every byte written by the next
+    /// quantize into them): for [`CudaDevice::quantize_device_into`].
+    ///
+    /// # Errors
+    /// Unsupported scheme, shape errors, out of device memory.
+    pub fn alloc_quantized(
+        &self,
+        shape: [usize; 2],
+        scheme: Scheme,
+    ) -> Result<DeviceQuantized, DeviceError> {
+        let n = shape[0]
+            .checked_mul(shape[1])
+            .ok_or_else(|| self.err(format!("shape {shape:?} overflows")))?;
+        let (data, scales, amax) = match scheme {
+            Scheme::MXFP8_ROW | Scheme::MXFP8_COL => (n, n / MXFP8_BLOCK, None),
+            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => (
+                n / 2,
+                n / NVFP4_BLOCK,
+                Some(match s.amax {
+                    AmaxScope::PerTensor => 1,
+                    AmaxScope::PerRow => shape[0],
+                }),
+            ),
+            other => {
+                return Err(DeviceError::Unsupported {
+                    device: self.name(),
+                    scheme: other.name(),
+                })
+            }
+        };
         Ok(DeviceQuantized {
-            scheme: Scheme::MXFP8_COL,
+            scheme,
             shape,
-            data,
-            scales,
-            amax_bits: None,
+            data: self.output::<u8>(data)?,
+            scales: self.output::<u8>(scales)?,
+            amax_bits: match amax {
+                Some(a) => Some(self.output::<u32>(a)?),
+                None => None,
+            },
         })
+    }
+
+    /// Quantize an input already on the GPU with `scheme` into `out`'s buffers (made by
+    /// [`CudaDevice::alloc_quantized`] for the same shape and scheme): nothing is allocated.
+    ///
+    /// # Errors
+    /// Unsupported scheme, shape or output mismatch, driver errors.
+    pub fn quantize_device_into(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scheme: Scheme,
+        out: &mut DeviceQuantized,
+    ) -> Result<(), DeviceError> {
+        if out.scheme != scheme || out.shape != shape {
+            return Err(self.err(format!(
+                "quantize into a {} {:?} output with {} {shape:?}",
+                out.scheme.name(),
+                out.shape,
+                scheme.name()
+            )));
+        }
+        match scheme {
+            Scheme::MXFP8_ROW => self.mxfp8_row_into(x, shape, &mut out.data, &mut out.scales),
+            Scheme::MXFP8_COL => self.mxfp8_col_into(x, shape, &mut out.data, &mut out.scales),
+            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => {
+                let amax = out
+                    .amax_bits
+                    .as_mut()
+                    .ok_or_else(|| self.err("NVFP4 output without an amax buffer"))?;
+                self.nvfp4_into(x, shape, s.amax, amax, &mut out.data, &mut out.scales)
+            }
+            other => Err(DeviceError::Unsupported {
+                device: self.name(),
+                scheme: other.name(),
+            }),
+        }
+    }
+
+    fn check_out(
+        &self,
+        data: usize,
+        want_data: usize,
+        scales: usize,
+        want_scales: usize,
+    ) -> Result<(), DeviceError> {
+        if data < want_data || scales < want_scales {
+            return Err(self.err(format!(
+                "quantize output buffers of {data} / {scales} bytes, {want_data} / \
+                 {want_scales} needed"
+            )));
+        }
+        Ok(())
     }
 
     /// Launch the amax kernel (`amax_{f32,bf16}`): per row (one CUDA block per row) or per
@@ -559,10 +685,12 @@ impl CudaDevice {
         })
     }
 
-    /// NVFP4 quantize: amax kernel then [`CudaDevice::nvfp4_with_amax`].
+    /// NVFP4 quantize: per row, one fused kernel (each row's amax, then its blocks, the row
+    /// read once from memory); per tensor, the amax kernel then [`CudaDevice::nvfp4_with_amax`]'s
+    /// kernel.
     ///
     /// # Errors
-    /// As the two launchers.
+    /// As the launchers.
     pub fn nvfp4(
         &self,
         x: &DeviceInput,
@@ -574,8 +702,116 @@ impl CudaDevice {
             blocks: Nvfp4Blocks::Vector,
         });
         self.check(x, shape, scheme)?;
-        let amax = self.amax(x, shape, scope)?;
-        self.nvfp4_with_amax(x, shape, scope, amax)
+        let mut q = self.alloc_quantized(shape, scheme)?;
+        self.quantize_device_into(x, shape, scheme, &mut q)?;
+        Ok(q)
+    }
+
+    fn nvfp4_into(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scope: AmaxScope,
+        amax: &mut CudaSlice<u32>,
+        data: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<u8>,
+    ) -> Result<(), DeviceError> {
+        let scheme = Scheme::Nvfp4(mxrl_formats::Nvfp4Scheme {
+            amax: scope,
+            blocks: Nvfp4Blocks::Vector,
+        });
+        self.check(x, shape, scheme)?;
+        let n = x.len();
+        self.check_out(data.len(), n / 2, scales.len(), n / NVFP4_BLOCK)?;
+        let want_amax = match scope {
+            AmaxScope::PerTensor => 1,
+            AmaxScope::PerRow => shape[0],
+        };
+        if amax.len() < want_amax {
+            return Err(self.err(format!(
+                "NVFP4 amax buffer of {} entries, {want_amax} needed",
+                amax.len()
+            )));
+        }
+        let (n64, rows, cols) = (n as u64, shape[0] as u64, shape[1] as u64);
+        match scope {
+            AmaxScope::PerRow => {
+                if n == 0 {
+                    return Ok(());
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: (shape[0] as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = match x {
+                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_row_fused_f32),
+                    DeviceInput::Bf16(_) => {
+                        self.stream.launch_builder(&self.k.nvfp4_row_fused_bf16)
+                    }
+                };
+                match x {
+                    DeviceInput::F32(s) => b.arg(s),
+                    DeviceInput::Bf16(s) => b.arg(s),
+                };
+                b.arg(amax).arg(data).arg(scales).arg(&cols);
+                // SAFETY: block r < M reads row r, x[r·K..(r+1)·K) (16-byte aligned loads of
+                // eight elements: K % 16 == 0 checked, bases 256-byte aligned), writes
+                // amax[r] (≥ M entries, checked), data[(r·K + c)/2..+4) as one aligned u32 and
+                // scales[(r·K + c)/16] for its columns c < K (n/2 and n/16 entries, checked);
+                // every thread runs the same iteration count (shuffles complete); blockDim 256
+                // ≤ the kernel's 32-warp array; argument types match (T*, u32*, u8*, u8*, u64).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+            AmaxScope::PerTensor => {
+                self.stream
+                    .memset_zeros(&mut amax.slice_mut(0..1))
+                    .map_err(|e| self.err(e))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let blocks = (n / 8).div_ceil(THREADS as usize).clamp(1, 4096) as u32;
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let per_row = 0i32;
+                let mut b = match x {
+                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_f32),
+                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_bf16),
+                };
+                match x {
+                    DeviceInput::F32(s) => b.arg(s),
+                    DeviceInput::Bf16(s) => b.arg(s),
+                };
+                b.arg(&mut *amax).arg(&rows).arg(&cols).arg(&per_row);
+                // SAFETY: as in CudaDevice::amax, per tensor: the grid-stride loop reads
+                // x[0..n) and atomically updates amax[0] (zeroed just before on this stream).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+                let cfg = self.grid(n / 8);
+                let mut b = match x {
+                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_f32),
+                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_bf16),
+                };
+                match x {
+                    DeviceInput::F32(s) => b.arg(s),
+                    DeviceInput::Bf16(s) => b.arg(s),
+                };
+                b.arg(&*amax)
+                    .arg(data)
+                    .arg(scales)
+                    .arg(&n64)
+                    .arg(&cols)
+                    .arg(&per_row);
+                // SAFETY: as in CudaDevice::nvfp4_with_amax with one amax entry: thread t with
+                // 8t < n reads x[8t..8t+8) and amax[0], writes data[4t..4t+4) and, for even
+                // t, scales[t/2] (n/2 and n/16 entries, checked); argument types match
+                // (T*, u32*, u8*, u8*, u64, u64, int).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Launch a dequantizer (`mxfp8_row_dequantize` or `nvfp4_dequantize`) → f32 `[M, K]`.
@@ -712,7 +948,8 @@ impl CudaDevice {
     }
 
     /// Time `scheme` on an input of `shape` (values from `x`) against a device-to-device copy
-    /// of the same input, `iters` calls each after one warm-up, with CUDA events.
+    /// of the same input, `iters` calls each after one warm-up, with CUDA events; the quantizer
+    /// writes into outputs allocated once before the loop ([`CudaDevice::quantize_device_into`]).
     ///
     /// # Errors
     /// Unsupported scheme, shape or driver errors.
@@ -725,13 +962,13 @@ impl CudaDevice {
     ) -> Result<QuantizeTiming, DeviceError> {
         let dx = self.upload(x)?;
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let q = self.quantize_device(&dx, shape, scheme)?;
+        let mut q = self.alloc_quantized(shape, scheme)?;
+        self.quantize_device_into(&dx, shape, scheme, &mut q)?;
         let out_bytes =
             q.data.len() + q.scales.len() + 4 * q.amax_bits.as_ref().map_or(0, |a| a.len());
-        drop(q);
         let start = self.stream.record_event(timing).map_err(|e| self.err(e))?;
         for _ in 0..iters {
-            self.quantize_device(&dx, shape, scheme)?;
+            self.quantize_device_into(&dx, shape, scheme, &mut q)?;
         }
         let stop = self.stream.record_event(timing).map_err(|e| self.err(e))?;
         stop.synchronize().map_err(|e| self.err(e))?;

@@ -128,8 +128,9 @@ fn family(name: &str, rows: usize, cols: usize, seed: u64) -> Vec<f32> {
 
 test_device!(families_match_the_reference, |dev| {
     // Odd row counts leave partial warps (NVFP4: 1×16 is half a warp); 64×96 exercises
-    // column-wise strips.
-    for (rows, cols) in [(1, 16), (3, 48), (64, 96), (32, 256)] {
+    // column-wise strips (four columns per thread on the GPU), 32×18 the one-column path
+    // (K % 4 ≠ 0), 3×2096 rows longer than one pass of the GPU's fused per-row NVFP4 kernel.
+    for (rows, cols) in [(1, 16), (3, 48), (64, 96), (32, 256), (32, 18), (3, 2096)] {
         for (i, fam) in ["random", "boundary", "zeros", "maxes", "special"]
             .iter()
             .enumerate()
@@ -388,5 +389,46 @@ fn quantizer_throughput() {
                 t.quantize_gbps() / t.memcpy_gbps()
             );
         }
+    }
+}
+
+/// Quantizing into preallocated outputs (what the throughput benchmark times) gives the
+/// reference's bytes, also when the buffers are reused for a second input.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_quantize_into_reused_outputs_matches_the_reference() {
+    let dev = mxrl_cuda::CudaDevice::shared(0)
+        .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"));
+    let shape = [64, 2096];
+    for scheme in SCHEMES {
+        if !applies(scheme, shape) {
+            continue;
+        }
+        let mut out = dev.alloc_quantized(shape, scheme).unwrap();
+        for (i, fam) in ["random", "special", "zeros"].iter().enumerate() {
+            let x = family(fam, shape[0], shape[1], 300 + i as u64);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            for input in [Input::F32(&x), Input::Bf16(&xb)] {
+                let dx = dev.upload(input).unwrap();
+                dev.quantize_device_into(&dx, shape, scheme, &mut out)
+                    .unwrap();
+                let got = dev.download(&out).unwrap();
+                let want = match input {
+                    Input::F32(v) => reference::quantize(v, &shape, scheme, Padding::Reject),
+                    Input::Bf16(v) => reference::quantize(v, &shape, scheme, Padding::Reject),
+                }
+                .unwrap();
+                assert_same(&*dev, &got, &want, &format!("into {fam} {scheme}"));
+            }
+        }
+        let wrong = if scheme == Scheme::MXFP8_ROW {
+            Scheme::MXFP8_COL
+        } else {
+            Scheme::MXFP8_ROW
+        };
+        let dx = dev.upload(Input::F32(&vec![0.0; 64 * 2096])).unwrap();
+        assert!(dev
+            .quantize_device_into(&dx, shape, wrong, &mut out)
+            .is_err());
     }
 }
