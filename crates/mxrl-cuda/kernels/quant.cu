@@ -110,13 +110,9 @@ __device__ __forceinline__ float nan_ignoring_max(float acc, float a) { return a
 // Row-wise: four threads per 32-element block along K, eight consecutive elements each
 // (blocks are contiguous in memory because K % 32 == 0). Scales [M, K/32] row-major = block
 // index. Lanes past the end join the shuffles with zeros and write nothing.
-template <typename T>
-__device__ void mxfp8_row(const T* x, u8* data, u8* scales, u64 n_blocks) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 blk = t >> 2;
-    bool active = blk < n_blocks;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) load8(x, t * 8, v);
+// One thread's quarter of a block: v holds its eight elements (zeros when inactive); every
+// lane of the warp calls it (shuffles).
+__device__ __forceinline__ void mxfp8_row_quarter(const float v[8], bool active, u64 t, u8* data, u8* scales) {
     float m = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
@@ -129,7 +125,25 @@ __device__ void mxfp8_row(const T* x, u8* data, u8* scales, u64 n_blocks) {
     for (int j = 0; j < 8; ++j) word |= (u64)e4m3_encode(__fmul_rn(v[j], inv)) << (8 * j);
     if (!active) return;
     *reinterpret_cast<u64*>(data + t * 8) = word;
-    if ((t & 3u) == 0u) scales[blk] = (u8)s;
+    if ((t & 3u) == 0u) scales[t >> 2] = (u8)s;
+}
+
+// Row-wise: four threads per 32-element block along K, eight consecutive elements each
+// (blocks are contiguous in memory because K % 32 == 0). Scales [M, K/32] row-major = block
+// index. Each thread takes two such quarters, t and t + half (half a multiple of 32, so both
+// sit on the same lanes), loading both before computing. Lanes past the end join the
+// shuffles with zeros and write nothing.
+template <typename T>
+__device__ void mxfp8_row(const T* x, u8* data, u8* scales, u64 n_blocks, u64 half) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 t2 = t + half;
+    const bool a1 = t < half && (t >> 2) < n_blocks, a2 = t < half && (t2 >> 2) < n_blocks;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (a1) load8(x, t * 8, v);
+    if (a2) load8(x, t2 * 8, w);
+    mxfp8_row_quarter(v, a1, t, data, scales);
+    mxfp8_row_quarter(w, a2, t2, data, scales);
 }
 
 // Column-wise: one thread per (32-row strip, column); threads of a warp read adjacent columns.
@@ -151,8 +165,8 @@ __device__ void mxfp8_col(const T* x, u8* data, u8* scales, u64 strips, u64 cols
     scales[gtid] = (u8)s;
 }
 
-extern "C" __global__ void mxfp8_row_f32(const float* x, u8* d, u8* s, u64 n) { mxfp8_row(x, d, s, n); }
-extern "C" __global__ void mxfp8_row_bf16(const u16* x, u8* d, u8* s, u64 n) { mxfp8_row(x, d, s, n); }
+extern "C" __global__ void mxfp8_row_f32(const float* x, u8* d, u8* s, u64 n, u64 h) { mxfp8_row(x, d, s, n, h); }
+extern "C" __global__ void mxfp8_row_bf16(const u16* x, u8* d, u8* s, u64 n, u64 h) { mxfp8_row(x, d, s, n, h); }
 extern "C" __global__ void mxfp8_col_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 extern "C" __global__ void mxfp8_col_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 

@@ -375,7 +375,10 @@ impl CudaDevice {
         self.check_out(data.len(), n, scales.len(), n / MXFP8_BLOCK)?;
         let n_blocks = (n / MXFP8_BLOCK) as u64;
         if n > 0 {
-            let cfg = self.grid(n / 8);
+            // Two quarters per thread: t and t + half, half a multiple of 32.
+            let half = (n / 8).div_ceil(2).next_multiple_of(32);
+            let cfg = self.grid(half);
+            let half = half as u64;
             let mut b = match x {
                 DeviceInput::F32(_) => self.stream.launch_builder(&self.k.mxfp8_row_f32),
                 DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.mxfp8_row_bf16),
@@ -384,12 +387,14 @@ impl CudaDevice {
                 DeviceInput::F32(s) => b.arg(s),
                 DeviceInput::Bf16(s) => b.arg(s),
             };
-            b.arg(data).arg(scales).arg(&n_blocks);
-            // SAFETY: thread t < 4·n_blocks = n/8 reads x[8t..8t+8) with one or two 16-byte
-            // loads (aligned: allocation base + 16·t or 32·t bytes) and writes data[8t..8t+8)
-            // as one aligned u64 and, for t % 4 == 0, scales[t/4]; x and data hold n elements,
-            // scales n/32 (checked above); threads past n/8 only shuffle zeros and write
-            // nothing; arguments match the C signature (T*, u8*, u8*, u64).
+            b.arg(data).arg(scales).arg(&n_blocks).arg(&half);
+            // SAFETY: the grid covers `half` threads, each taking quarters q = t and t + half
+            // with 2·half ≥ n/8 = 4·n_blocks; for q < 4·n_blocks it reads x[8q..8q+8) with one
+            // or two 16-byte loads (aligned: allocation base + 16·q or 32·q bytes) and writes
+            // data[8q..8q+8) as one aligned u64 and, for q % 4 == 0, scales[q/4]; x and data
+            // hold n elements, scales n/32 (checked above); quarters past n/8 only shuffle
+            // zeros and write nothing (half % 32 == 0 keeps both quarters of a thread on one
+            // lane group); arguments match the C signature (T*, u8*, u8*, u64, u64).
             unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
         }
         Ok(())
