@@ -70,6 +70,18 @@ fn select_cuda() -> Result<String> {
 
 #[cfg(not(feature = "cuda"))]
 fn select_cuda() -> Result<String> {
+    cuda_built().map(|()| String::new())
+}
+
+/// Fails in a binary built without CUDA support, saying how to build one (checked before any
+/// work by the commands that run the device engine).
+///
+/// # Errors
+/// Built without the `cuda` feature.
+pub fn cuda_built() -> Result<()> {
+    if cfg!(feature = "cuda") {
+        return Ok(());
+    }
     anyhow::bail!(
         "--device cuda: this mxrl binary was built without CUDA support; rebuild it with \
          `cargo build --release -p mxrl-cli --features cuda` (CUDA libraries are loaded at run \

@@ -101,7 +101,9 @@ fn engine_forward(_: &Model, _: &[u32], _: &[u32]) -> Result<(Vec<f32>, Vec<f32>
 /// first `T-1` the next tokens (the last target is a placeholder whose logprob is dropped).
 pub fn run(a: Args) -> Result<()> {
     let on_gpu = a.device.device == super::device::Device::Cuda;
-    if !on_gpu {
+    if on_gpu {
+        super::device::cuda_built()?;
+    } else {
         a.device.select()?;
     }
     let (mut model, mut precision) = load_model(&a.model)?;

@@ -103,7 +103,9 @@ fn engine_generate(
 /// Runs the command.
 pub fn run(a: Args) -> Result<()> {
     let on_gpu = a.device.device == super::device::Device::Cuda;
-    if !on_gpu {
+    if on_gpu {
+        super::device::cuda_built()?;
+    } else {
         a.device.select()?;
     }
     let (model, precision) = super::forward::load_model(&a.model)?;
