@@ -248,6 +248,37 @@ mod bench {
                     )
                     .expect("act NVFP4");
                 });
+                // The tensor-core kernels on the stored bytes, where the shape fits their tiles.
+                let mut tc_us = [None, None];
+                if QGemm::tc_fits(n, k) {
+                    for f in LowByte::ALL {
+                        tc_us[f as usize] = Some(median_us(&g, &mut flush, reps, || {
+                            let (xv, ov) = (xq.as_view(), off.as_view());
+                            let mut yv = y.as_view_mut();
+                            match f {
+                                LowByte::Mxfp8 => q.grouped_nt_tc_mxfp8(
+                                    &xv,
+                                    &w.mx_codes.as_view(),
+                                    &w.mx_scales.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                                LowByte::Nvfp4 => q.grouped_nt_tc_nvfp4(
+                                    &xv,
+                                    &xamax.as_view(),
+                                    &w.nv_codes.as_view(),
+                                    &w.nv_scales.as_view(),
+                                    &w.nv_amax.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                            }
+                            .expect("low-byte tensor-core");
+                        }));
+                    }
+                }
                 let mut run = |f: LowByte, lanes: QLanes| {
                     median_us(&g, &mut flush, reps, || {
                         let (xv, ov) = (xq.as_view(), off.as_view());
@@ -315,6 +346,22 @@ mod bench {
                         bf16_us,
                     });
                     lanes_rows.push((step.clone(), f, pick, times));
+                    if let Some(tc) = tc_us[f as usize] {
+                        rows.push(Row {
+                            step: step.clone(),
+                            op: format!("{f:?} tensor cores"),
+                            us: tc,
+                            bytes: wb,
+                            bf16_us,
+                        });
+                        rows.push(Row {
+                            step: step.clone(),
+                            op: format!("{f:?} tensor cores +act"),
+                            us: tc + act,
+                            bytes: wb,
+                            bf16_us,
+                        });
+                    }
                 }
             }
         }

@@ -472,3 +472,151 @@ extern "C" __global__ void __launch_bounds__(256)
     float* yr = y + (u64)r * N;
     for (u32 n = threadIdx.x; n < N; n += blockDim.x) yr[n] = __fmul_rn(yr[n], alpha);
 }
+
+// ---- grouped tensor-core GEMMs on the stored bytes (1–32 rows per expert) ----
+
+// The block computes a 16-row × QT_BN-column tile of y for one expert (grid (N / QT_BN, E)):
+// per reduction stage of QT_BK, each thread loads its share of the stored weight chunks (16-byte
+// loads of codes and their scale bytes, two stages in flight ahead of the one multiplied) and
+// of the activation operand, decodes the weights with the small-M kernels'
+// decoders (the same exact values the BF16 dequantization writes), stores both as BF16 in
+// shared memory, and the four warps multiply them with mma.m16n8k16 (BF16 operands, f32
+// accumulation; warp w owns columns 16w .. 16w+16). Rows past 16 take further passes over the
+// same weights. Products are exact; the f32 sums run in the tensor cores' order over k16 steps
+// in increasing k (fixed: deterministic; bound as the tiled kernels'). NVFP4: y = fl(sum · α)
+// as qgemm_body.
+#define QT_BN 64
+#define QT_BK 64
+#define QT_THREADS 128
+#define QT_LD (QT_BK + 8)  // bf16 row stride of the shared tiles: 144 bytes, conflict-free ldmatrix
+
+__device__ __forceinline__ u32 qt_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void qt_ldsm_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(qt_smem(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void qt_mma(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <class F>
+__device__ __forceinline__ void qgemm_tc_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
+                                              const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                              const float* __restrict__ w_amax, const u32* __restrict__ off,
+                                              float* __restrict__ y, u32 R, u32 N, u32 K) {
+    constexpr u32 CPR = QT_BK / F::CHUNK;          // weight chunks per row per stage
+    constexpr u32 CPT = QT_BN * CPR / QT_THREADS;  // per thread (MXFP8 2, NVFP4 1)
+    __shared__ __align__(128) u16 As[16 * QT_LD];
+    __shared__ __align__(128) u16 Bs[QT_BN * QT_LD];
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 n0 = blockIdx.x * QT_BN;
+    const u32 rowb = F::row_bytes(K), sk = F::scale_row(K), nk = K / QT_BK;
+    const u8* wc = codes + ((u64)e * N + n0) * rowb;
+    const u8* ws = scales + ((u64)e * N + n0) * sk;
+    const float wa = F::ALPHA ? w_amax[e] : 0.0f;
+    // This thread's weight chunks: row wrow[i], chunk wpart[i] of the stage.
+    u32 wrow[CPT], wpart[CPT];
+#pragma unroll
+    for (u32 i = 0; i < CPT; ++i) {
+        const u32 c = tid + i * QT_THREADS;
+        wrow[i] = c / CPR;
+        wpart[i] = c % CPR;
+    }
+    // Its activation chunk: row tid / 8, elements 8·(tid % 8) .. +8 of the stage.
+    const u32 arow = tid >> 3, acol = (tid & 7) * 8;
+    for (u32 rb = lo; rb < hi; rb += 16) {
+        const u32 nr = min(16u, hi - rb);
+        float acc[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[j][q] = 0.0f;
+        // Two register sets, A for even and B for odd stages: stage kt + 2's loads are issued
+        // into the set stage kt was just decoded from, so two stages are always in flight.
+        uint4 wqa[CPT], wqb[CPT], xqa, xqb;
+        u32 sra[CPT], srb[CPT];
+        auto load = [&](u32 kt, uint4* wq, u32* sr, uint4& xq) {
+#pragma unroll
+            for (u32 i = 0; i < CPT; ++i) {
+                const u32 c = kt * CPR + wpart[i];
+                wq[i] = *reinterpret_cast<const uint4*>(wc + (u64)wrow[i] * rowb + (u64)c * 16);
+                sr[i] = F::load_scale(ws + (u64)wrow[i] * sk, c);
+            }
+            xq = arow < nr ? *reinterpret_cast<const uint4*>(x + (u64)(rb + arow) * K + kt * QT_BK + acol)
+                           : make_uint4(0u, 0u, 0u, 0u);
+        };
+        auto stage = [&](u32 kt, uint4* wq, u32* sr, uint4& xq) {
+            // Decode this stage into shared memory.
+#pragma unroll
+            for (u32 i = 0; i < CPT; ++i) {
+                const u32 sp = F::prep(sr[i]);
+                u16* dst = Bs + wrow[i] * QT_LD + wpart[i] * F::CHUNK;
+#pragma unroll
+                for (int h = 0; h < (int)F::STEPS; h += 2) {
+                    float v[8];
+                    F::decode4(wq[i], sp, h, v);
+                    F::decode4(wq[i], sp, h + 1, v + 4);
+                    *reinterpret_cast<uint4*>(dst + 4 * h) = pack_bf16x8(v);
+                }
+            }
+            *reinterpret_cast<uint4*>(As + arow * QT_LD + acol) = xq;
+            __syncthreads();
+            if (kt + 2 < nk) load(kt + 2, wq, sr, xq);
+            const u32 li = lane >> 3, lj = lane & 7;
+#pragma unroll
+            for (int kk = 0; kk < QT_BK; kk += 16) {
+                u32 a[4], b[4];
+                // A (rows 0..15, k kk..kk+15): matrix li covers rows 8·(li & 1), k + 8·(li >> 1).
+                qt_ldsm_x4(a, As + (8 * (li & 1) + lj) * QT_LD + kk + 8 * (li >> 1));
+                // B (columns 16·warp .. +16): matrix li covers columns 8·(li >> 1), k + 8·(li & 1).
+                qt_ldsm_x4(b, Bs + (16 * warp + 8 * (li >> 1) + lj) * QT_LD + kk + 8 * (li & 1));
+                qt_mma(acc[0], a, b);
+                qt_mma(acc[1], a, b + 2);
+            }
+            __syncthreads();  // the next stage overwrites the tiles
+        };
+        load(0, wqa, sra, xqa);
+        if (nk > 1) load(1, wqb, srb, xqb);
+        for (u32 kt = 0; kt < nk; kt += 2) {
+            stage(kt, wqa, sra, xqa);
+            if (kt + 1 < nk) stage(kt + 1, wqb, srb, xqb);
+        }
+        const u32 g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 r = g + 8 * hh;
+            if (r >= nr) continue;
+            const float alpha =
+                F::ALPHA ? __fmul_rn(__fmul_rn(x_amax[rb + r], wa), MXRL_NVFP4_ALPHA_FACTOR_INV) : 1.0f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const u32 col = n0 + 16 * warp + 8 * j + 2 * t;
+                float2 v = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                if (F::ALPHA) {
+                    v.x = __fmul_rn(v.x, alpha);
+                    v.y = __fmul_rn(v.y, alpha);
+                }
+                *reinterpret_cast<float2*>(y + (u64)(rb + r) * N + col) = v;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_mxfp8(QGEMM_MXFP8_ARGS) {
+    qgemm_tc_body<QmMxfp8>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);
+}
+extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NVFP4_ARGS) {
+    qgemm_tc_body<QmNvfp4>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);
+}

@@ -74,14 +74,20 @@ impl QExperts {
 /// Average rows per expert from which routed-expert GEMMs run as one cuBLAS call per expert.
 pub const PER_EXPERT_ROWS: usize = 128;
 
-/// Average rows per expert up to which block-format experts run on the low-byte small-M
-/// kernels (stored bytes read once, dequantized in registers, CUDA-core sums); above it the
-/// weights are dequantized to BF16 for the tensor-core grouped GEMMs (prefill, scoring, large
-/// decode batches). The BF16 experts' crossover
-/// ([`crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT`]): the small-M kernels are bound by their
-/// arithmetic, not their bytes, beyond it (bench_qgemm on an H200: 1024 rows over 64 experts
-/// take 551 µs on MXFP8 bytes vs 198 µs on the BF16 tiles).
-pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
+/// Block-format routed experts pick their kernels by the average rows per expert: up to this
+/// many, the low-byte small-M kernels (stored bytes read once, dequantized in registers,
+/// CUDA-core sums; their small grids suit batch 1–8 decode steps); above it, where the
+/// weights' shape fits the tiles ([`QGemm::tc_fits`]), the tensor-core kernels on the stored
+/// bytes up to [`QTC_ROWS_PER_EXPERT`]; beyond that, or off the tiles, weights dequantized to
+/// BF16 for the tiled tensor-core grouped GEMMs (prefill, scoring). Without the tensor-core
+/// kernels' shapes the small-M kernels serve up to [`crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT`]
+/// rows per expert (bench_qgemm on an H200: the small-M kernels are bound by their arithmetic
+/// beyond it).
+pub const QSMALL_M_ROWS_PER_EXPERT: usize = 1;
+
+/// Average rows per expert up to which the tensor-core kernels on stored bytes serve block-
+/// format experts ([`QSMALL_M_ROWS_PER_EXPERT`]).
+pub const QTC_ROWS_PER_EXPERT: usize = 32;
 
 /// The engine's CUDA backend on one GPU.
 pub struct CudaBackend {
@@ -428,12 +434,30 @@ impl Backend for CudaBackend {
             n,
             k,
         };
-        let small = rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
+        let fits = QGemm::tc_fits(n, k);
+        let small = if fits {
+            rows <= QSMALL_M_ROWS_PER_EXPERT * experts
+        } else {
+            rows <= crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT * experts
+        };
+        let tc = fits && !small && rows <= QTC_ROWS_PER_EXPERT * experts;
         let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
         match w.format {
             Format::Mxfp8 => {
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
+                if tc {
+                    return q
+                        .grouped_nt_tc_mxfp8(
+                            &xq.as_view(),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
                 if small {
                     return q
                         .grouped_nt_small_m_mxfp8(
@@ -464,6 +488,20 @@ impl Backend for CudaBackend {
                 q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
                     .map_err(de)?;
                 let xa = x_amax.slice(0..rows);
+                if tc {
+                    return q
+                        .grouped_nt_tc_nvfp4(
+                            &xq.as_view(),
+                            &xa,
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &w.amax.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
                 if small {
                     return q
                         .grouped_nt_small_m_nvfp4(

@@ -801,6 +801,157 @@ fn nvfp4_small_m_gemm_matches_the_cpu_emulation() {
     gemm_matches_cpu_emulation(LowByte::Nvfp4);
 }
 
+/// The tensor-core grouped kernels on the stored bytes against the CPU emulation, with the
+/// tiled kernels' bound (`tensor_core_sum_bound`; NVFP4 over K + 1 terms as the large-M path):
+/// ragged experts (0 rows, 1, 15, 16, 17, 33 — several 16-row passes — and rows of no
+/// expert), a batch-32 decode step of the benchmark model's routing, random shapes; a second
+/// run gives the same bits; shapes off the 64-column / 64-deep tiles are refused by name.
+#[test]
+fn tensor_core_grouped_kernels_on_stored_bytes_match_the_cpu_emulation() {
+    let (_l, g) = gpu();
+    let ops = QGemm::new(&g).unwrap();
+    let mut cases = vec![
+        (
+            41u64,
+            Case {
+                counts: vec![0, 1, 15, 16, 17, 0, 33, 2],
+                n: 128,
+                k: 192,
+                extra: 3,
+            },
+        ),
+        (42, routed(32, 42, 192, 768)),
+        (43, routed(4, 43, 64, 2048)),
+    ];
+    for seed in 44..47u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        use rand::Rng;
+        let e = rng.gen_range(1..=12);
+        let counts = (0..e)
+            .map(|_| {
+                if rng.gen_bool(0.25) {
+                    0
+                } else {
+                    rng.gen_range(1..=40)
+                }
+            })
+            .collect();
+        cases.push((
+            seed,
+            Case {
+                counts,
+                n: 64 * rng.gen_range(1..=4),
+                k: 64 * rng.gen_range(1..=6),
+                extra: rng.gen_range(0..3),
+            },
+        ));
+    }
+    for f in LowByte::ALL {
+        for (seed, c) in &cases {
+            let s = c.shape();
+            assert!(QGemm::tc_fits(s.n, s.k));
+            let x = test_values(s.rows * s.k, seed * 5 + 2, 3.0);
+            let w = quantize_experts(f, s.experts, s.n, s.k, *seed);
+            let (want, ieee) = reference(f, c, &x, &w);
+            let kk = match f {
+                LowByte::Mxfp8 => s.k,
+                LowByte::Nvfp4 => s.k + 1,
+            };
+            let bound: Vec<f64> = ieee
+                .iter()
+                .map(|&b| b / two_order_sum_bound(kk, 1.0) * tensor_core_sum_bound(kk, 1.0))
+                .collect();
+            let run = |d: &mut Dev| match f {
+                LowByte::Mxfp8 => {
+                    ops.quant_act_mxfp8(&d.x.as_view(), s.rows, s.k, &mut d.xq.as_view_mut())
+                        .unwrap();
+                    ops.grouped_nt_tc_mxfp8(
+                        &d.xq.as_view(),
+                        &d.codes.as_view(),
+                        &d.scales.as_view(),
+                        &d.off.as_view(),
+                        &mut d.y.as_view_mut(),
+                        s,
+                    )
+                    .unwrap();
+                }
+                LowByte::Nvfp4 => {
+                    ops.quant_act_nvfp4(
+                        &d.x.as_view(),
+                        s.rows,
+                        s.k,
+                        &mut d.xq.as_view_mut(),
+                        &mut d.xamax.as_view_mut(),
+                    )
+                    .unwrap();
+                    ops.grouped_nt_tc_nvfp4(
+                        &d.xq.as_view(),
+                        &d.xamax.as_view(),
+                        &d.codes.as_view(),
+                        &d.scales.as_view(),
+                        &d.wamax.as_view(),
+                        &d.off.as_view(),
+                        &mut d.y.as_view_mut(),
+                        s,
+                    )
+                    .unwrap();
+                }
+            };
+            let mut d = upload(&g, c, &x, &w);
+            run(&mut d);
+            let got = download_y(&g, c, &d);
+            assert_grouped(
+                &format!("{f:?} tensor-core, seed {seed}, {c:?}"),
+                c,
+                &got,
+                &want,
+                &bound,
+            );
+            run(&mut d);
+            let again = download_y(&g, c, &d);
+            assert!(
+                got.iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{f:?} seed {seed}: a second run differs"
+            );
+        }
+        // Off the tiles: refused with the rule.
+        let c = Case {
+            counts: vec![2],
+            n: 72,
+            k: 64,
+            extra: 0,
+        };
+        let w = quantize_experts(f, 1, c.n, c.k, 9);
+        let x = test_values(c.rows() * c.k, 9, 1.0);
+        let mut d = upload(&g, &c, &x, &w);
+        let err = match f {
+            LowByte::Mxfp8 => ops.grouped_nt_tc_mxfp8(
+                &d.xq.as_view(),
+                &d.codes.as_view(),
+                &d.scales.as_view(),
+                &d.off.as_view(),
+                &mut d.y.as_view_mut(),
+                c.shape(),
+            ),
+            LowByte::Nvfp4 => ops.grouped_nt_tc_nvfp4(
+                &d.xq.as_view(),
+                &d.xamax.as_view(),
+                &d.codes.as_view(),
+                &d.scales.as_view(),
+                &d.wamax.as_view(),
+                &d.off.as_view(),
+                &mut d.y.as_view_mut(),
+                c.shape(),
+            ),
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("multiple of 64"), "{err}");
+    }
+}
+
 /// Large-M path: weights dequantized to BF16 once, the activation operand, the tensor-core
 /// grouped GEMM, and for NVFP4 α per row. Bound: `tensor_core_sum_bound(K, Σ|x·w|)` (MXFP8);
 /// NVFP4 `|α|·tensor_core_sum_bound(K + 1, ·)`: each side's final `fl(acc·α)` adds at most

@@ -169,7 +169,16 @@ pub struct QGemm {
     scale_rows: CudaFunction,
     mxfp8: [CudaFunction; 3],
     nvfp4: [CudaFunction; 3],
+    tc_mxfp8: CudaFunction,
+    tc_nvfp4: CudaFunction,
 }
+
+/// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
+pub const TC_COLS: usize = 64;
+/// Reduction depth of one stage of the tensor-core grouped kernels (`QT_BK`); `K` must be a
+/// multiple.
+pub const TC_DEPTH: usize = 64;
+const QT_THREADS: u32 = 128;
 
 fn grid_x(gpu: &Gpu, op: &str, blocks: usize) -> Result<u32, DeviceError> {
     if blocks > i32::MAX as usize {
@@ -222,6 +231,8 @@ impl QGemm {
                 f("qgemm_nvfp4_l16")?,
                 f("qgemm_nvfp4_l8")?,
             ],
+            tc_mxfp8: f("qgemm_tc_mxfp8")?,
+            tc_nvfp4: f("qgemm_tc_nvfp4")?,
         })
     }
 
@@ -535,6 +546,118 @@ impl QGemm {
         // is read for those rows, w_amax for e < E; lane groups past N load and write
         // nothing, whole warps past N exit before any shuffle. Argument types match (const
         // u16*, const float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Whether the tensor-core grouped kernels take this shape (`N` a multiple of
+    /// [`TC_COLS`], `K` of [`TC_DEPTH`]).
+    pub fn tc_fits(n: usize, k: usize) -> bool {
+        n.is_multiple_of(TC_COLS) && k.is_multiple_of(TC_DEPTH)
+    }
+
+    fn check_tc(&self, op: &str, s: Grouped) -> Result<(), DeviceError> {
+        if !Self::tc_fits(s.n, s.k) {
+            return Err(self.gpu.err(format!(
+                "{op}: n = {} must be a multiple of {TC_COLS} and k = {} of {TC_DEPTH}",
+                s.n, s.k
+            )));
+        }
+        Ok(())
+    }
+
+    fn tc_grid(&self, op: &str, s: Grouped) -> Result<LaunchConfig, DeviceError> {
+        Ok(LaunchConfig {
+            grid_dim: (grid_x(&self.gpu, op, s.n / TC_COLS)?, s.experts as u32, 1),
+            block_dim: (QT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// [`QGemm::grouped_nt_small_m_mxfp8`] on tensor cores: per expert, 16-row tiles of the
+    /// BF16 activation operand times the stored MXFP8 weights decoded to BF16 in shared memory
+    /// (the exact values [`QGemm::dequant_weights_mxfp8`] writes), `mma.m16n8k16` with f32
+    /// accumulation; each used expert's bytes are read once per 16 of its rows. For 1–32 rows
+    /// per expert (decode batches). Products exact, sums in the tensor cores' order: the
+    /// tiled kernels' bound.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_mxfp8`]; also `n` not a multiple of [`TC_COLS`] or `k`
+    /// of [`TC_DEPTH`].
+    pub fn grouped_nt_tc_mxfp8(
+        &self,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_tc_mxfp8";
+        self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
+        self.check_tc(op, s)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = self.tc_grid(op, s)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let g = &self.gpu;
+        let mut b = g.stream().launch_builder(&self.tc_mxfp8);
+        b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, codes E·N·K, scales E·N·K/32, offsets E+1 and y R·N elements
+        // (checked); n % 64 == 0 and k % 64 == 0 (checked), x and codes 16-byte aligned
+        // (checked), rows K elements / K bytes (multiples of 64): block (bx, e) reads weight
+        // rows bx·64 .. +64 < N of expert e < E, 16-byte chunks c < K/16 and scale bytes c/2 <
+        // K/32 of each, activation rows in [lo, hi) ⊆ [0, R] (offsets clamped) with 16-byte
+        // loads inside K, and writes y at those rows, columns < N (8-byte float2 stores at even
+        // offsets); shared tiles are static; every thread of a block runs the same loop
+        // counts, so the barriers are reached by all. Argument types match (const u16*, const
+        // u8*, const u8*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// [`QGemm::grouped_nt_small_m_nvfp4`] on tensor cores (as [`QGemm::grouped_nt_tc_mxfp8`]:
+    /// the stored E2M1 codes and E4M3 scales decoded to the exact `pre` values in shared
+    /// memory), `y = fl(α · sum)` per row.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_nvfp4`]; also `n` not a multiple of [`TC_COLS`] or `k`
+    /// of [`TC_DEPTH`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_tc_nvfp4(
+        &self,
+        x_pre: &CudaView<'_, u16>,
+        x_amax: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_tc_nvfp4";
+        let g = &self.gpu;
+        self.check_grouped(op, LowByte::Nvfp4, s, x_pre, codes, scales, offsets, y)?;
+        self.check_tc(op, s)?;
+        check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
+        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = self.tc_grid(op, s)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.tc_nvfp4);
+        b.arg(x_pre).arg(x_amax).arg(codes).arg(scales).arg(w_amax);
+        b.arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: as grouped_nt_tc_mxfp8, with codes E·N·K/2 and scales E·N·K/16 bytes
+        // (checked; weight rows K/2 bytes, 16-byte chunks c < K/32, the u16 scale pair 2c <
+        // K/16 of each row, 2-byte aligned: scales checked 2-byte aligned and K/16 even),
+        // x_amax read at rows < R (R entries), w_amax at e < E (E entries). Argument types
+        // match (const u16*, const float*, const u8*, const u8*, const float*, const u32*,
+        // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
