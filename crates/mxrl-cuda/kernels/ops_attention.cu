@@ -8,19 +8,37 @@
 //
 // Layout: q, out: [N, hq*D]; k, v: [N, hkv*D]; sequence b owns rows offsets[b]..offsets[b+1];
 // query head h reads kv head h / (hq/hkv). D <= ATT_MAX_D, any value (the launchers require it
-// even, as RoPE does). Shared-memory tiles: ATT_BC keys (or queries) per tile, rows zero-padded
-// to d4 = D rounded up to 4 and read as float4; one lane per tile row for the dot products (row
-// stride att_stride(D) = 4 * odd floats, so each quarter-warp's 16-byte reads hit 32 distinct
-// banks), and one warp per query (or key) row for the weighted sums, lane owning the four
-// columns 4*lane + 128*c. The zero padding adds exact zeros to the dots and is never written.
+// even, as RoPE does).
+//
+// Training kernels (register-tiled): a block of ATT_THREADS = 16 x 16 threads, thread (tr, tc)
+// = (tid / 16, tid % 16). Rows of a tile sit in shared memory zero-padded to d4 = D rounded up
+// to 4 with row stride att_stride(D) = 4 * odd floats, read as float4. A score tile is computed
+// by every thread for 4 rows tr*4 + a (a < 4; the 16 lanes of a half-warp read the same rows:
+// broadcast) against the rows tc + 16*b (b < 2 or 4; 8 consecutive rows per quarter-warp, which
+// the odd stride spreads over all 32 banks): one independent accumulator per score, each a dot
+// product over d in index order (products rounded, no FMA), so a thread runs 8 or 16 dependent
+// chains side by side. Weighted sums (P.V, dS.K, P^T.dO, dS^T.Q) go through a probability tile
+// [key or query][ATT_PS] in shared memory: a thread owns 4 output rows and the float4 columns
+// 4*tc + 64*c (c < NCH = ceil(d4 / 64), templated: 1, 2 or 4) and adds the terms in increasing
+// order of the summed index, one chain per output element (products rounded, no FMA). Terms
+// of masked (causal) pairs are skipped, never multiplied by zero, so non-finite values of
+// future keys do not leak. The zero padding adds exact zeros to the dots and is never written.
 
-#define ATT_BC 32
 #define ATT_WARPS 16
 #define ATT_DEC_WARPS 4
 #define ATT_MAX_D 256
-#define ATT_CPL (ATT_MAX_D / 128)
 #define ATT_DEC_CHUNK 64
 #define ATT_DEC_G 8
+// Training tile kernels: threads per block, query rows per forward/dq block (key rows per dk/dv
+// block), keys per forward tile, keys per dq tile, row stride of the probability tiles.
+#define ATT_THREADS 256
+#define ATT_BR 64
+#define ATT_BF 64
+#define ATT_BK 32
+#define ATT_PS 68
+#if ATT_BF != ATT_BR || ATT_BR % ATT_BK != 0
+#error "attn_fwd walks key tiles up to the block's first row; attn_bwd_dq's tiles must align"
+#endif
 
 __device__ __forceinline__ float att_neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float att_nan() { return __int_as_float(0x7fc00000); }
@@ -31,22 +49,6 @@ __device__ __forceinline__ u32 att_d4(u32 D) { return (D + 3u) & ~3u; }
 __device__ __forceinline__ u32 att_stride(u32 D) {
     const u32 d4 = att_d4(D);
     return ((d4 >> 2) & 1u) ? d4 : d4 + 4u;
-}
-
-// dot(a, b) over d4 elements (16-byte aligned, zero padded) in index order (f32, products
-// rounded, no FMA).
-__device__ __forceinline__ float att_dot(const float* a, const float* b, u32 d4) {
-    const float4* a4 = reinterpret_cast<const float4*>(a);
-    const float4* b4 = reinterpret_cast<const float4*>(b);
-    float acc = 0.0f;
-    for (u32 e = 0; e < (d4 >> 2); ++e) {
-        const float4 x = a4[e], y = b4[e];
-        acc = __fadd_rn(acc, __fmul_rn(x.x, y.x));
-        acc = __fadd_rn(acc, __fmul_rn(x.y, y.y));
-        acc = __fadd_rn(acc, __fmul_rn(x.z, y.z));
-        acc = __fadd_rn(acc, __fmul_rn(x.w, y.w));
-    }
-    return acc;
 }
 
 // acc = acc + p * x, componentwise (one product and one sum each, rounded).
@@ -61,8 +63,9 @@ __device__ __forceinline__ float4 att_scale4(float4 a, float s) {
     return make_float4(__fmul_rn(a.x, s), __fmul_rn(a.y, s), __fmul_rn(a.z, s), __fmul_rn(a.w, s));
 }
 __device__ __forceinline__ float4 att_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void att_st4(float* p, float4 a) { *reinterpret_cast<float4*>(p) = a; }
 
-// Stores the components d < D of the four columns col..col+3 of a row (`f` applied to each).
+// Stores the components d < D of the four columns col..col+3 of a row.
 __device__ __forceinline__ void att_store4(float* row, u32 col, u32 D, float4 a) {
     if (col < D) row[col] = a.x;
     if (col + 1 < D) row[col + 1] = a.y;
@@ -70,100 +73,437 @@ __device__ __forceinline__ void att_store4(float* row, u32 col, u32 D, float4 a)
     if (col + 3 < D) row[col + 3] = a.w;
 }
 
-// Loads rows r0 .. r0+ATT_BC-1 (those < r_end; the rest zero) of the head slice `head_off` of a
-// [*, row_stride] matrix into a shared tile [ATT_BC][att_stride(D)], columns D..d4 zero. All
-// threads of the block take part.
-__device__ __forceinline__ void att_load_tile(float* tile, const float* __restrict__ src, u64 base_row,
-                                              u32 r0, u32 r_end, u64 row_stride, u64 head_off,
-                                              u32 D) {
-    const u32 sk = att_stride(D), d4 = att_d4(D);
-    for (u32 idx = threadIdx.x; idx < ATT_BC * d4; idx += blockDim.x) {
-        const u32 jj = idx / d4, dd = idx - jj * d4;
-        const u32 r = r0 + jj;
-        tile[jj * sk + dd] =
-            (r < r_end && dd < D) ? src[(base_row + r) * row_stride + head_off + dd] : 0.0f;
+// Butterfly max / sum over the 16 lanes of a half-warp (offsets 8, 4, 2, 1; every lane ends
+// with the same value; fixed order). All 32 lanes must take part.
+__device__ __forceinline__ float att_hmax16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float att_hsum16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Loads rows r0 .. r0+nrows-1 (those < r_end; the rest zero) of the head slice `head_off` of a
+// [*, row_stride] matrix into a shared tile [nrows][sk], columns D..d4 zero. Warp w of the
+// block takes rows w, w + 8, ...; its lanes the columns. All threads of the block take part.
+__device__ __forceinline__ void att_load_rows(float* tile, u32 sk, u32 nrows, const float* __restrict__ src,
+                                              u64 base_row, u32 r0, u32 r_end, u64 row_stride,
+                                              u64 head_off, u32 D, u32 d4) {
+    const u32 lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+#pragma unroll 4
+    for (u32 rr = threadIdx.x >> 5; rr < nrows; rr += nw) {
+        const u32 r = r0 + rr;
+        float* t = tile + rr * sk;
+        if (r < r_end) {
+            const float* s = src + (base_row + r) * row_stride + head_off;
+            for (u32 d = lane; d < d4; d += 32) t[d] = d < D ? s[d] : 0.0f;
+        } else {
+            for (u32 d = lane; d < d4; d += 32) t[d] = 0.0f;
+        }
     }
 }
 
-// Loads one row (D elements, zero padded to d4) into shared memory by the 32 lanes of a warp.
-__device__ __forceinline__ void att_load_row(float* dst, const float* __restrict__ src, u32 D, u32 lane) {
-    const u32 d4 = att_d4(D);
-    for (u32 d = lane; d < d4; d += 32) dst[d] = d < D ? src[d] : 0.0f;
+// s[a][b] += A[a*sk + e] * B[16*b*sk + e] for e < d4 in increasing order, one accumulator per
+// (a, b), products rounded (no FMA). A points at the thread's first row (tr*4) of one tile, B
+// at row tc of the other.
+template <int RA, int CB>
+__device__ __forceinline__ void att_dots(float (&s)[RA][CB], const float* A, const float* B, u32 sk,
+                                         u32 d4) {
+#pragma unroll 2
+    for (u32 e = 0; e < d4; e += 4) {
+        float4 x[RA], y[CB];
+#pragma unroll
+        for (int a = 0; a < RA; ++a) x[a] = att_ld4(A + a * sk + e);
+#pragma unroll
+        for (int b = 0; b < CB; ++b) y[b] = att_ld4(B + 16 * b * sk + e);
+#pragma unroll
+        for (int a = 0; a < RA; ++a) {
+#pragma unroll
+            for (int b = 0; b < CB; ++b) {
+                float t = s[a][b];
+                t = __fadd_rn(t, __fmul_rn(x[a].x, y[b].x));
+                t = __fadd_rn(t, __fmul_rn(x[a].y, y[b].y));
+                t = __fadd_rn(t, __fmul_rn(x[a].z, y[b].z));
+                t = __fadd_rn(t, __fmul_rn(x[a].w, y[b].w));
+                s[a][b] = t;
+            }
+        }
+    }
 }
 
-// Training forward. Grid (ceil(max_len / ATT_WARPS), B, hq), block ATT_WARPS*32 threads; warp w
-// of block x computes query row i = x*ATT_WARPS + w of sequence b, head h:
-// out[i] = sum_{j<=i} softmax_j(s_ij) v_j (divided by the row sum at the end) and
-// lse[i, h] = m + log(l) (running max m, running sum l of exp(s - m)).
-// Dynamic shared memory (floats): 2*ATT_BC*stride + ATT_WARPS*d4 + ATT_WARPS*ATT_BC.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attn_fwd(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-         const u32* __restrict__ offsets, float* __restrict__ out, float* __restrict__ lse, u32 hq,
-         u32 hkv, u32 D, float scale) {
+// acc[a][c] += P[j*ATT_PS + a] * X[j*sk + 64*c .. +3] for j = 0 .. jn-1 in increasing order
+// (componentwise; products rounded, no FMA). P points at the thread's 4 rows (tr*4) of a
+// probability tile [j][ATT_PS], X at column col0 = 4*tc of a tile [j][sk]; chunk c only where
+// col0 + 64*c < d4. MODE 0 adds every term; MODE 1 only the terms with j <= lim + a (keys up to
+// the query: forward, dq); MODE 2 only those with j >= lim + a (queries from the key on: dk/dv).
+template <int NCH, int MODE>
+__device__ __forceinline__ void att_wsum(float4 (&acc)[4][NCH], const float* P, const float* X, u32 sk,
+                                         u32 col0, u32 d4, u32 jn, int lim) {
+    for (u32 j = 0; j < jn; ++j) {
+        const float4 p4 = att_ld4(P + j * ATT_PS);
+        const float pa[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+            if (col0 + 64u * c < d4) {
+                const float4 x = att_ld4(X + j * sk + 64u * c);
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    const bool on = MODE == 0 || (MODE == 1 ? (int)j <= lim + a : (int)j >= lim + a);
+                    if (on) acc[a][c] = att_axpy(acc[a][c], pa[a], x);
+                }
+            }
+        }
+    }
+}
+
+// Training forward. Grid (B, hq, ceil(max_len / ATT_BR)), block ATT_THREADS; block (b, h, z)
+// owns the query rows row0 .. row0+63 of sequence b, head h, row0 = (gridDim.z - 1 - z) * 64
+// (the longest rows start first). Per key tile of ATT_BF keys kt <= row0: scores of the thread's
+// 4 rows x 4 keys (keys tc + 16*b), masked to j <= i, then per row (16 lanes) the running max
+// m, the rescale alpha = exp(m_old - m), p = exp(s - m), l = l*alpha + sum p, and
+// o = o*alpha + sum_j p_j v_j over the tile's keys in increasing order. At the end
+// out[i] = o / l and lse[i, h] = m + log(l).
+// Dynamic shared memory (floats): ATT_BR*stride (q) + ATT_BF*max(stride, ATT_PS) (k, then the
+// probability tile P^T [key][row]) + ATT_BF*stride (v).
+template <int NCH>
+__device__ __forceinline__ void attn_fwd_body(const float* __restrict__ q, const float* __restrict__ k,
+                                              const float* __restrict__ v, const u32* __restrict__ offsets,
+                                              float* __restrict__ out, float* __restrict__ lse, u32 hq,
+                                              u32 hkv, u32 D, float scale) {
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    const u32 sk = att_stride(D), d4 = att_d4(D);
+    float* qs = smem;
+    float* ks = qs + ATT_BR * sk;  // also P^T [ATT_BF][ATT_PS]
+    float* vs = ks + ATT_BF * max(sk, (u32)ATT_PS);
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATT_BR;
+    if (row0 >= T) return;  // block-uniform
+    const u32 tid = threadIdx.x, tr = tid >> 4, tc = tid & 15, ra = tr * 4, col0 = tc * 4;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    att_load_rows(qs, sk, ATT_BR, q, t0, row0, T, qstride, (u64)h * D, D, d4);
+    float m[4], l[4];
+    float4 o[4][NCH];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        m[a] = att_neg_inf();
+        l[a] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) o[a][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    // Every tile holds key kt <= row0 <= i, kt < T, for every row i of the block (rows past T
+    // included; they are never stored): each row's max is finite from the first tile on.
+    for (u32 kt = 0; kt <= row0; kt += ATT_BF) {
+        __syncthreads();  // the previous tile's weighted sum is done with P^T and v
+        att_load_rows(ks, sk, ATT_BF, k, t0, kt, T, kstride, (u64)kh * D, D, d4);
+        att_load_rows(vs, sk, ATT_BF, v, t0, kt, T, kstride, (u64)kh * D, D, d4);
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int bb = 0; bb < 4; ++bb) s[a][bb] = 0.0f;
+        att_dots<4, 4>(s, qs + ra * sk, ks + tc * sk, sk, d4);
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const u32 i = row0 + ra + a;
+            float mx = att_neg_inf();
+#pragma unroll
+            for (int bb = 0; bb < 4; ++bb) {
+                const u32 j = kt + tc + 16u * bb;
+                s[a][bb] = (j <= i && j < T) ? __fmul_rn(s[a][bb], scale) : att_neg_inf();
+                mx = fmaxf(mx, s[a][bb]);
+            }
+            const float m_new = fmaxf(m[a], att_hmax16(mx));
+            const float alpha = expf(__fsub_rn(m[a], m_new));  // 0 on the first tile
+            float rs = 0.0f;
+#pragma unroll
+            for (int bb = 0; bb < 4; ++bb) {
+                s[a][bb] = expf(__fsub_rn(s[a][bb], m_new));  // masked: exp(-inf) = 0
+                rs = __fadd_rn(rs, s[a][bb]);
+            }
+            l[a] = __fadd_rn(__fmul_rn(l[a], alpha), att_hsum16(rs));
+            m[a] = m_new;
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) o[a][c] = att_scale4(o[a][c], alpha);
+        }
+        __syncthreads();  // every thread is done reading k
+#pragma unroll
+        for (int bb = 0; bb < 4; ++bb)
+            att_st4(ks + (tc + 16u * bb) * ATT_PS + ra, make_float4(s[0][bb], s[1][bb], s[2][bb], s[3][bb]));
+        __syncthreads();
+        const u32 jn = min((u32)ATT_BF, T - kt);
+        if (kt == row0)  // diagonal tile: key kt + j for row row0 + ra + a only while j <= ra + a
+            att_wsum<NCH, 1>(o, ks + ra, vs + col0, sk, col0, d4, jn, (int)ra);
+        else
+            att_wsum<NCH, 0>(o, ks + ra, vs + col0, sk, col0, d4, jn, 0);
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const u32 i = row0 + ra + a;
+        if (i < T) {
+            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
+            const float la = l[a];
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+                const float4 x = o[a][c];
+                att_store4(orow, col0 + 64u * c, D,
+                           make_float4(__fdiv_rn(x.x, la), __fdiv_rn(x.y, la), __fdiv_rn(x.z, la),
+                                       __fdiv_rn(x.w, la)));
+            }
+            if (tc == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[a], logf(la));
+        }
+    }
+}
+
+// dq. Grid (B, hq, ceil(max_len / ATT_BR)) and rows as attn_fwd. Per key tile of ATT_BK keys
+// up to the block's last row: for key j <= i, p = exp(s_ij - lse_i) and
+// ds = p * (dout_i . v_j - delta_i) (the thread's 4 rows x 2 keys tc, tc + 16);
+// dq_i = scale * sum_j ds_j k_j (keys in increasing order).
+// Dynamic shared memory (floats): 2*ATT_BR*stride (q, dout) + ATT_BK*stride (k) +
+// ATT_BK*max(stride, ATT_PS) (v, then dS^T [key][row]).
+template <int NCH>
+__device__ __forceinline__ void attn_bwd_dq_body(const float* __restrict__ dout, const float* __restrict__ q,
+                                                 const float* __restrict__ k, const float* __restrict__ v,
+                                                 const float* __restrict__ lse,
+                                                 const float* __restrict__ delta,
+                                                 const u32* __restrict__ offsets, float* __restrict__ dq,
+                                                 u32 hq, u32 hkv, u32 D, float scale) {
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    const u32 sk = att_stride(D), d4 = att_d4(D);
+    float* qs = smem;
+    float* dos = qs + ATT_BR * sk;
+    float* ks = dos + ATT_BR * sk;
+    float* vs = ks + ATT_BK * sk;  // also dS^T [ATT_BK][ATT_PS]
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATT_BR;
+    if (row0 >= T) return;  // block-uniform
+    const u32 tid = threadIdx.x, tr = tid >> 4, tc = tid & 15, ra = tr * 4, col0 = tc * 4;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    att_load_rows(qs, sk, ATT_BR, q, t0, row0, T, qstride, (u64)h * D, D, d4);
+    att_load_rows(dos, sk, ATT_BR, dout, t0, row0, T, qstride, (u64)h * D, D, d4);
+    float lse_r[4], del_r[4];
+    float4 acc[4][NCH];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const u32 i = row0 + ra + a;
+        lse_r[a] = i < T ? lse[(u64)(t0 + i) * hq + h] : 0.0f;
+        del_r[a] = i < T ? delta[(u64)(t0 + i) * hq + h] : 0.0f;
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) acc[a][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const u32 last = min(T - 1, row0 + ATT_BR - 1);
+    for (u32 kt = 0; kt <= last; kt += ATT_BK) {
+        __syncthreads();  // the previous tile's weighted sum is done with k and dS^T
+        att_load_rows(ks, sk, ATT_BK, k, t0, kt, T, kstride, (u64)kh * D, D, d4);
+        att_load_rows(vs, sk, ATT_BK, v, t0, kt, T, kstride, (u64)kh * D, D, d4);
+        __syncthreads();
+        float s[4][2], dp[4][2];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int bb = 0; bb < 2; ++bb) {
+                s[a][bb] = 0.0f;
+                dp[a][bb] = 0.0f;
+            }
+        att_dots<4, 2>(s, qs + ra * sk, ks + tc * sk, sk, d4);
+        att_dots<4, 2>(dp, dos + ra * sk, vs + tc * sk, sk, d4);
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const u32 i = row0 + ra + a;
+#pragma unroll
+            for (int bb = 0; bb < 2; ++bb) {
+                const u32 j = kt + tc + 16u * bb;
+                const float p = expf(__fsub_rn(__fmul_rn(s[a][bb], scale), lse_r[a]));
+                s[a][bb] = (j <= i && j < T) ? __fmul_rn(p, __fsub_rn(dp[a][bb], del_r[a])) : 0.0f;
+            }
+        }
+        __syncthreads();  // every thread is done reading v
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb)
+            att_st4(vs + (tc + 16u * bb) * ATT_PS + ra, make_float4(s[0][bb], s[1][bb], s[2][bb], s[3][bb]));
+        __syncthreads();
+        const u32 jn = min((u32)ATT_BK, T - kt);
+        if (kt >= row0)  // keys past some of the block's rows: key kt + j for row row0 + ra + a
+                         // only while j <= row0 + ra - kt + a
+            att_wsum<NCH, 1>(acc, vs + ra, ks + col0, sk, col0, d4, jn, (int)(row0 + ra) - (int)kt);
+        else
+            att_wsum<NCH, 0>(acc, vs + ra, ks + col0, sk, col0, d4, jn, 0);
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const u32 i = row0 + ra + a;
+        if (i < T) {
+            float* row = dq + (u64)(t0 + i) * qstride + (u64)h * D;
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) att_store4(row, col0 + 64u * c, D, att_scale4(acc[a][c], scale));
+        }
+    }
+}
+
+// dk, dv. Grid (B, hkv, ceil(max_len / ATT_BR)); block (b, kh, z) owns the key rows
+// j0 .. j0+63, j0 = z * 64 (the rows with the most queries start first), and sums over the
+// group's query heads in increasing order and then over queries i >= j in increasing order:
+// dv_j = sum p_ij dout_i, dk_j = scale * sum ds_ij q_i (p, ds as in attn_bwd_dq; scores of the
+// thread's 4 keys x QPT queries tc + 16*b per query tile of 16*QPT queries).
+// Dynamic shared memory (floats): 2*ATT_BR*stride (k, v) + 2*BQ*stride (q, dout) +
+// 2*BQ*ATT_PS (P, dS [query][key]) + 2*BQ (lse, delta), BQ = 16*QPT.
+template <int NCH, int QPT>
+__device__ __forceinline__ void attn_bwd_dkdv_body(const float* __restrict__ dout, const float* __restrict__ q,
+                                                   const float* __restrict__ k, const float* __restrict__ v,
+                                                   const float* __restrict__ lse,
+                                                   const float* __restrict__ delta,
+                                                   const u32* __restrict__ offsets, float* __restrict__ dk,
+                                                   float* __restrict__ dv, u32 hq, u32 hkv, u32 D,
+                                                   float scale) {
+    constexpr u32 BQ = 16 * QPT;
     extern __shared__ float4 smem4[];
     float* smem = reinterpret_cast<float*>(smem4);
     const u32 sk = att_stride(D), d4 = att_d4(D);
     float* ks = smem;
-    float* vs = ks + ATT_BC * sk;
-    float* qs = vs + ATT_BC * sk;
-    float* ps = qs + ATT_WARPS * d4;
-    const u32 b = blockIdx.y, h = blockIdx.z;
+    float* vs = ks + ATT_BR * sk;
+    float* qs = vs + ATT_BR * sk;
+    float* dos = qs + BQ * sk;
+    float* pb = dos + BQ * sk;
+    float* dsb = pb + BQ * ATT_PS;
+    float* lse_t = dsb + BQ * ATT_PS;
+    float* del_t = lse_t + BQ;
+    const u32 b = blockIdx.x, kh = blockIdx.y;
     const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
-    const u32 row0 = blockIdx.x * ATT_WARPS;
-    if (row0 >= T) return;  // block-uniform
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const u32 i = row0 + w;
-    const bool active = i < T;  // warp-uniform
-    const u32 kh = h / (hq / hkv);
+    const u32 j0 = blockIdx.z * ATT_BR;
+    if (j0 >= T) return;  // block-uniform
+    const u32 tid = threadIdx.x, tr = tid >> 4, tc = tid & 15, ra = tr * 4, col0 = tc * 4;
+    const u32 g = hq / hkv;
     const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    float* qw = qs + w * d4;
-    float* pw = ps + w * ATT_BC;
-    if (active) att_load_row(qw, q + (u64)(t0 + i) * qstride + (u64)h * D, D, lane);
-    const u32 last = min(T - 1, row0 + ATT_WARPS - 1);
-    float m = att_neg_inf(), l = 0.0f;
-    float4 o[ATT_CPL];
+    att_load_rows(ks, sk, ATT_BR, k, t0, j0, T, kstride, (u64)kh * D, D, d4);
+    att_load_rows(vs, sk, ATT_BR, v, t0, j0, T, kstride, (u64)kh * D, D, d4);
+    float4 adk[4][NCH], adv[4][NCH];
 #pragma unroll
-    for (int c = 0; c < ATT_CPL; ++c) o[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (u32 kt = 0; kt <= last; kt += ATT_BC) {
-        __syncthreads();
-        att_load_tile(ks, k, t0, kt, last + 1, kstride, (u64)kh * D, D);
-        att_load_tile(vs, v, t0, kt, last + 1, kstride, (u64)kh * D, D);
-        __syncthreads();
-        if (active && kt <= i) {
-            const u32 j = kt + lane;
-            float s = att_neg_inf();
-            if (j <= i) s = __fmul_rn(att_dot(qw, ks + lane * sk, d4), scale);
-            const float m_new = fmaxf(m, warp_max(s));  // key kt <= i is valid: finite
-            const float p = j <= i ? expf(__fsub_rn(s, m_new)) : 0.0f;
-            const float alpha = expf(__fsub_rn(m, m_new));  // 0 on the first tile
-            l = __fadd_rn(__fmul_rn(l, alpha), warp_sum(p));
-            pw[lane] = p;
-            __syncwarp();
-            const u32 jn = min((u32)ATT_BC, i - kt + 1);
+    for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int c = 0; c < ATT_CPL; ++c) {
-                const u32 col = 4 * lane + 128 * c;
-                if (col < d4) {
-                    float4 acc = att_scale4(o[c], alpha);
-                    for (u32 jj = 0; jj < jn; ++jj) acc = att_axpy(acc, pw[jj], att_ld4(vs + jj * sk + col));
-                    o[c] = acc;
+        for (int c = 0; c < NCH; ++c) {
+            adk[a][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            adv[a][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    for (u32 hh = 0; hh < g; ++hh) {
+        const u32 h = kh * g + hh;
+        for (u32 it = j0; it < T; it += BQ) {
+            __syncthreads();  // the previous tile's weighted sums are done with q, dout, P, dS
+            att_load_rows(qs, sk, BQ, q, t0, it, T, qstride, (u64)h * D, D, d4);
+            att_load_rows(dos, sk, BQ, dout, t0, it, T, qstride, (u64)h * D, D, d4);
+            if (tid < BQ) {
+                const u32 r = it + tid;
+                lse_t[tid] = r < T ? lse[(u64)(t0 + r) * hq + h] : 0.0f;
+                del_t[tid] = r < T ? delta[(u64)(t0 + r) * hq + h] : 0.0f;
+            }
+            __syncthreads();
+            float s[4][QPT], dp[4][QPT];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int bb = 0; bb < QPT; ++bb) {
+                    s[a][bb] = 0.0f;
+                    dp[a][bb] = 0.0f;
+                }
+            att_dots<4, QPT>(s, ks + ra * sk, qs + tc * sk, sk, d4);
+            att_dots<4, QPT>(dp, vs + ra * sk, dos + tc * sk, sk, d4);
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const u32 j = j0 + ra + a;
+#pragma unroll
+                for (int bb = 0; bb < QPT; ++bb) {
+                    const u32 ii = tc + 16u * bb, i = it + ii;
+                    const bool ok = i < T && i >= j;
+                    const float p = expf(__fsub_rn(__fmul_rn(s[a][bb], scale), lse_t[ii]));
+                    const float ds = __fmul_rn(p, __fsub_rn(dp[a][bb], del_t[ii]));
+                    s[a][bb] = ok ? p : 0.0f;
+                    dp[a][bb] = ok ? ds : 0.0f;
                 }
             }
-            __syncwarp();
-            m = m_new;
-        }
-    }
-    if (active) {
-        float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
 #pragma unroll
-        for (int c = 0; c < ATT_CPL; ++c) {
-            const u32 col = 4 * lane + 128 * c;
-            const float4 a = o[c];
-            att_store4(orow, col, D,
-                       make_float4(__fdiv_rn(a.x, l), __fdiv_rn(a.y, l), __fdiv_rn(a.z, l), __fdiv_rn(a.w, l)));
+            for (int bb = 0; bb < QPT; ++bb) {
+                const u32 ii = tc + 16u * bb;
+                att_st4(pb + ii * ATT_PS + ra, make_float4(s[0][bb], s[1][bb], s[2][bb], s[3][bb]));
+                att_st4(dsb + ii * ATT_PS + ra, make_float4(dp[0][bb], dp[1][bb], dp[2][bb], dp[3][bb]));
+            }
+            __syncthreads();
+            const u32 jn = min(BQ, T - it);
+            if (it < j0 + ATT_BR) {  // queries before some of the block's keys: query it + i for
+                                     // key j0 + ra + a only while i >= j0 + ra - it + a
+                const int lim = (int)(j0 + ra) - (int)it;
+                att_wsum<NCH, 2>(adv, pb + ra, dos + col0, sk, col0, d4, jn, lim);
+                att_wsum<NCH, 2>(adk, dsb + ra, qs + col0, sk, col0, d4, jn, lim);
+            } else {
+                att_wsum<NCH, 0>(adv, pb + ra, dos + col0, sk, col0, d4, jn, 0);
+                att_wsum<NCH, 0>(adk, dsb + ra, qs + col0, sk, col0, d4, jn, 0);
+            }
         }
-        if (lane == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m, logf(l));
     }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const u32 j = j0 + ra + a;
+        if (j < T) {
+            const u64 kb = (u64)(t0 + j) * kstride + (u64)kh * D;
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+                att_store4(dk + kb, col0 + 64u * c, D, att_scale4(adk[a][c], scale));
+                att_store4(dv + kb, col0 + 64u * c, D, adv[a][c]);
+            }
+        }
+    }
+}
+
+// The instantiations the launchers pick by D: suffix = the largest D of the class
+// (NCH = 1, 2, 4 column chunks per thread); the second launch bound is the blocks per SM the
+// shared memory of the class allows at its largest D (registers capped to match).
+#define ATT_FWD_ARGS                                                                                 \
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,           \
+        const u32 *__restrict__ offsets, float *__restrict__ out, float *__restrict__ lse, u32 hq, \
+        u32 hkv, u32 D, float scale
+#define ATT_DQ_ARGS                                                                                  \
+    const float *__restrict__ dout, const float *__restrict__ q, const float *__restrict__ k,        \
+        const float *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta, \
+        const u32 *__restrict__ offsets, float *__restrict__ dq, u32 hq, u32 hkv, u32 D, float scale
+#define ATT_DKDV_ARGS                                                                                \
+    const float *__restrict__ dout, const float *__restrict__ q, const float *__restrict__ k,        \
+        const float *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta, \
+        const u32 *__restrict__ offsets, float *__restrict__ dk, float *__restrict__ dv, u32 hq,    \
+        u32 hkv, u32 D, float scale
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_fwd_64(ATT_FWD_ARGS) {
+    attn_fwd_body<1>(q, k, v, offsets, out, lse, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_fwd_128(ATT_FWD_ARGS) {
+    attn_fwd_body<2>(q, k, v, offsets, out, lse, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_fwd_256(ATT_FWD_ARGS) {
+    attn_fwd_body<4>(q, k, v, offsets, out, lse, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_64(ATT_DQ_ARGS) {
+    attn_bwd_dq_body<1>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_128(ATT_DQ_ARGS) {
+    attn_bwd_dq_body<2>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dq_256(ATT_DQ_ARGS) {
+    attn_bwd_dq_body<4>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_64(ATT_DKDV_ARGS) {
+    attn_bwd_dkdv_body<1, 4>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_128(ATT_DKDV_ARGS) {
+    attn_bwd_dkdv_body<2, 4>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(ATT_DKDV_ARGS) {
+    attn_bwd_dkdv_body<4, 2>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).
@@ -180,181 +520,6 @@ extern "C" __global__ void attn_bwd_delta(const float* __restrict__ dout, const 
     if (lane == 0) delta[idx] = acc;
 }
 
-// dq. Grid and warps as attn_fwd. For key j <= i: p = exp(s_ij - lse_i),
-// ds = p * (dout_i . v_j - delta_i); dq_i = scale * sum_j ds_j k_j (keys in increasing order).
-// Dynamic shared memory (floats): 2*ATT_BC*stride + 2*ATT_WARPS*d4 + ATT_WARPS*ATT_BC.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attn_bwd_dq(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
-            const float* __restrict__ v, const float* __restrict__ lse,
-            const float* __restrict__ delta, const u32* __restrict__ offsets,
-            float* __restrict__ dq, u32 hq, u32 hkv, u32 D, float scale) {
-    extern __shared__ float4 smem4[];
-    float* smem = reinterpret_cast<float*>(smem4);
-    const u32 sk = att_stride(D), d4 = att_d4(D);
-    float* ks = smem;
-    float* vs = ks + ATT_BC * sk;
-    float* qs = vs + ATT_BC * sk;
-    float* dos = qs + ATT_WARPS * d4;
-    float* ps = dos + ATT_WARPS * d4;
-    const u32 b = blockIdx.y, h = blockIdx.z;
-    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
-    const u32 row0 = blockIdx.x * ATT_WARPS;
-    if (row0 >= T) return;
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const u32 i = row0 + w;
-    const bool active = i < T;
-    const u32 kh = h / (hq / hkv);
-    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    float* qw = qs + w * d4;
-    float* dw = dos + w * d4;
-    float* pw = ps + w * ATT_BC;
-    float lse_i = 0.0f, delta_i = 0.0f;
-    if (active) {
-        const u64 qb = (u64)(t0 + i) * qstride + (u64)h * D;
-        att_load_row(qw, q + qb, D, lane);
-        att_load_row(dw, dout + qb, D, lane);
-        lse_i = lse[(u64)(t0 + i) * hq + h];
-        delta_i = delta[(u64)(t0 + i) * hq + h];
-    }
-    const u32 last = min(T - 1, row0 + ATT_WARPS - 1);
-    float4 acc[ATT_CPL];
-#pragma unroll
-    for (int c = 0; c < ATT_CPL; ++c) acc[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (u32 kt = 0; kt <= last; kt += ATT_BC) {
-        __syncthreads();
-        att_load_tile(ks, k, t0, kt, last + 1, kstride, (u64)kh * D, D);
-        att_load_tile(vs, v, t0, kt, last + 1, kstride, (u64)kh * D, D);
-        __syncthreads();
-        if (active && kt <= i) {
-            const u32 j = kt + lane;
-            float ds = 0.0f;
-            if (j <= i) {
-                const float s = __fmul_rn(att_dot(qw, ks + lane * sk, d4), scale);
-                const float p = expf(__fsub_rn(s, lse_i));
-                const float dp = att_dot(dw, vs + lane * sk, d4);
-                ds = __fmul_rn(p, __fsub_rn(dp, delta_i));
-            }
-            pw[lane] = ds;
-            __syncwarp();
-            const u32 jn = min((u32)ATT_BC, i - kt + 1);
-#pragma unroll
-            for (int c = 0; c < ATT_CPL; ++c) {
-                const u32 col = 4 * lane + 128 * c;
-                if (col < d4) {
-                    float4 a = acc[c];
-                    for (u32 jj = 0; jj < jn; ++jj) a = att_axpy(a, pw[jj], att_ld4(ks + jj * sk + col));
-                    acc[c] = a;
-                }
-            }
-            __syncwarp();
-        }
-    }
-    if (active) {
-        float* row = dq + (u64)(t0 + i) * qstride + (u64)h * D;
-#pragma unroll
-        for (int c = 0; c < ATT_CPL; ++c) att_store4(row, 4 * lane + 128 * c, D, att_scale4(acc[c], scale));
-    }
-}
-
-// dk, dv. Grid (ceil(max_len / ATT_WARPS), B, hkv), block ATT_WARPS*32; warp w owns key row
-// j = x*ATT_WARPS + w of kv head kh and sums, over the group's query heads in increasing order
-// and then over queries i >= j in increasing order:
-// dv_j = sum p_ij dout_i, dk_j = scale * sum ds_ij q_i (p, ds as in attn_bwd_dq).
-// Dynamic shared memory (floats): 2*ATT_BC*stride + 2*ATT_WARPS*d4 + 2*ATT_WARPS*ATT_BC +
-// 2*ATT_BC.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attn_bwd_dkdv(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
-              const float* __restrict__ v, const float* __restrict__ lse,
-              const float* __restrict__ delta, const u32* __restrict__ offsets,
-              float* __restrict__ dk, float* __restrict__ dv, u32 hq, u32 hkv, u32 D, float scale) {
-    extern __shared__ float4 smem4[];
-    float* smem = reinterpret_cast<float*>(smem4);
-    const u32 sk = att_stride(D), d4 = att_d4(D);
-    float* qt = smem;
-    float* dot_ = qt + ATT_BC * sk;
-    float* ks = dot_ + ATT_BC * sk;
-    float* vs = ks + ATT_WARPS * d4;
-    float* ps = vs + ATT_WARPS * d4;
-    float* dss = ps + ATT_WARPS * ATT_BC;
-    float* lse_t = dss + ATT_WARPS * ATT_BC;
-    float* del_t = lse_t + ATT_BC;
-    const u32 b = blockIdx.y, kh = blockIdx.z;
-    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
-    const u32 row0 = blockIdx.x * ATT_WARPS;
-    if (row0 >= T) return;
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const u32 j = row0 + w;
-    const bool active = j < T;
-    const u32 g = hq / hkv;
-    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    float* kw = ks + w * d4;
-    float* vw = vs + w * d4;
-    float* pw = ps + w * ATT_BC;
-    float* dsw = dss + w * ATT_BC;
-    if (active) {
-        const u64 kb = (u64)(t0 + j) * kstride + (u64)kh * D;
-        att_load_row(kw, k + kb, D, lane);
-        att_load_row(vw, v + kb, D, lane);
-    }
-    float4 adk[ATT_CPL], adv[ATT_CPL];
-#pragma unroll
-    for (int c = 0; c < ATT_CPL; ++c) {
-        adk[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        adv[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    for (u32 hh = 0; hh < g; ++hh) {
-        const u32 h = kh * g + hh;
-        for (u32 it = row0; it < T; it += ATT_BC) {
-            __syncthreads();
-            att_load_tile(qt, q, t0, it, T, qstride, (u64)h * D, D);
-            att_load_tile(dot_, dout, t0, it, T, qstride, (u64)h * D, D);
-            if (threadIdx.x < ATT_BC) {
-                const u32 r = it + threadIdx.x;
-                lse_t[threadIdx.x] = r < T ? lse[(u64)(t0 + r) * hq + h] : 0.0f;
-                del_t[threadIdx.x] = r < T ? delta[(u64)(t0 + r) * hq + h] : 0.0f;
-            }
-            __syncthreads();
-            if (active && j < it + ATT_BC) {
-                const u32 i = it + lane;
-                float p = 0.0f, ds = 0.0f;
-                if (i < T && i >= j) {
-                    const float s = __fmul_rn(att_dot(qt + lane * sk, kw, d4), scale);
-                    p = expf(__fsub_rn(s, lse_t[lane]));
-                    const float dp = att_dot(dot_ + lane * sk, vw, d4);
-                    ds = __fmul_rn(p, __fsub_rn(dp, del_t[lane]));
-                }
-                pw[lane] = p;
-                dsw[lane] = ds;
-                __syncwarp();
-                const u32 lo = j > it ? j - it : 0;
-                const u32 hi = min((u32)ATT_BC, T - it);
-#pragma unroll
-                for (int c = 0; c < ATT_CPL; ++c) {
-                    const u32 col = 4 * lane + 128 * c;
-                    if (col < d4) {
-                        float4 a = adv[c], e = adk[c];
-                        for (u32 ii = lo; ii < hi; ++ii) {
-                            a = att_axpy(a, pw[ii], att_ld4(dot_ + ii * sk + col));
-                            e = att_axpy(e, dsw[ii], att_ld4(qt + ii * sk + col));
-                        }
-                        adv[c] = a;
-                        adk[c] = e;
-                    }
-                }
-                __syncwarp();
-            }
-        }
-    }
-    if (active) {
-        const u64 kb = (u64)(t0 + j) * kstride + (u64)kh * D;
-#pragma unroll
-        for (int c = 0; c < ATT_CPL; ++c) {
-            const u32 col = 4 * lane + 128 * c;
-            att_store4(dk + kb, col, D, att_scale4(adk[c], scale));
-            att_store4(dv + kb, col, D, adv[c]);
-        }
-    }
-}
 
 // KV-cache append: for b < B and e < hkv*D, with pos = lens[b] - 1:
 // kc[b, pos, e] = bf16(k_new[b, e]), vc likewise (round to nearest even). Caches are

@@ -2,8 +2,10 @@
 //! attention_backward, attention_decode}` within the bounds derived in
 //! `mxrl_tensor::tolerance::{attention_row_bound, attention_forward_bounds,
 //! attention_backward_bounds}` (online softmax and other summation orders), on ragged packed
-//! batches (empty sequences, length 1, lengths around the 32-key tile and the 64-key decode
-//! chunk) and head widths 2..256; the log-sum-exp against the exact f64 value; the KV-cache
+//! batches (empty sequences, length 1, lengths around the 32-key dq tile, the 64-row
+//! forward/backward blocks and the 64-key decode chunk, sequences shorter than a block) and
+//! head widths 2..256 across the three kernel instantiations (D ≤ 64, ≤ 128, ≤ 256, each at its
+//! smallest and largest D), including the training shape (512 tokens, 16/4 heads, D 128); the log-sum-exp against the exact f64 value; the KV-cache
 //! append bitwise (BF16 round to nearest even, nothing else written); determinism and batch
 //! invariance of decode.
 #![cfg(feature = "cuda")]
@@ -19,8 +21,11 @@ use mxrl_tensor::tolerance::{
 use mxrl_tensor::SeqLayout;
 use rand::{Rng, SeedableRng};
 
-/// The kernels' key tile (levels of the online softmax in the bound).
-const KEY_TILE: usize = 32;
+/// The forward kernel's key tile (levels of the online softmax in the bound).
+const KEY_TILE: usize = 64;
+/// Keys per level of the decode bound: one level per 32 keys, at least as many as the decode's
+/// 64-key chunks combine.
+const DECODE_TILE: usize = 32;
 
 fn gpu() -> Gpu {
     Gpu::shared(0).unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"))
@@ -47,6 +52,13 @@ fn training_cases() -> Vec<(Vec<usize>, AttnShape)> {
         (vec![40, 9], shape(2, 1, 256)),
         (vec![17, 3], shape(6, 3, 6)),
         (vec![96, 31], shape(16, 4, 128)),
+        // Block and tile edges per instantiation: 63/64/65, 127/128/129, T < one tile.
+        (vec![64, 65, 128, 129, 1], shape(4, 1, 64)),
+        (vec![63, 130, 2], shape(2, 2, 66)),
+        (vec![200, 3], shape(2, 1, 130)),
+        (vec![97, 64, 1], shape(4, 2, 256)),
+        // The training shape of one sequence.
+        (vec![512], shape(16, 4, 128)),
     ];
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x61747466);
     let shapes = [
@@ -338,7 +350,7 @@ fn kv_append_and_decode_match_reference_within_derived_bounds() {
                     row,
                     l,
                     scale,
-                    l.div_ceil(KEY_TILE) + 1,
+                    l.div_ceil(DECODE_TILE) + 1,
                 );
                 bound.extend(rb.out);
             }

@@ -6,11 +6,16 @@
 //! device); query head `h` reads kv head `h / (Hq/Hkv)`; scale `1/√D`
 //! (`mxrl_tensor::attention::AttnShape::scale`). Any even `D ≤ 256`.
 //!
-//! The forward is flash-style: tiles of 32 keys in shared memory, an online softmax in
-//! registers, `O(T)` memory per head (no `[T, T]` matrix anywhere). The backward recomputes the
-//! probabilities from `lse`: `delta = rowsum(dout∘out)`, one kernel for `dq` iterating over key
-//! tiles and one for `dk, dv` iterating over query tiles (the group's query heads summed in
-//! order), no atomics. Decode splits each sequence into chunks of
+//! The forward is flash-style: a block of 256 threads owns 64 query rows and walks tiles of 64
+//! keys in shared memory, an online softmax in registers, `O(T)` memory per head (no `[T, T]`
+//! matrix anywhere). The backward recomputes the probabilities from `lse`:
+//! `delta = rowsum(dout∘out)`, one kernel for `dq` iterating over key tiles (32 keys) and one
+//! for `dk, dv` (64 key rows per block) iterating over query tiles (the group's query heads
+//! summed in order), no atomics. The tile kernels are register-tiled: each thread computes
+//! 4 rows × 2 or 4 columns of a score tile (one accumulator per score, the `D` products added
+//! in index order) and 4 rows × `4·NCH` columns of a weighted sum; each kernel comes in three
+//! instantiations by the column chunks `NCH = ceil(D/64)` (1, 2 or 4), picked here by `D`.
+//! Decode splits each sequence into chunks of
 //! [`DECODE_CHUNK`] keys (a constant, so a sequence's result does not depend on the batch) and
 //! combines the chunks in order. Every reduction order depends only on the shapes and the
 //! offsets/lengths, so equal inputs give equal bits.
@@ -23,7 +28,7 @@
 use super::{check_align, check_len};
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use mxrl_tensor::attention::AttnShape;
 
@@ -34,7 +39,17 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_attention.cu");
 pub const MAX_HEAD_DIM: usize = 256;
 /// Keys per decode chunk (`ATT_DEC_CHUNK`): one block of the first decode pass.
 pub const DECODE_CHUNK: usize = 64;
-const BC: usize = 32;
+/// Threads per block of the training tile kernels (`ATT_THREADS`).
+const TILE_THREADS: u32 = 256;
+/// Query rows of a forward / dq block, key rows of a dk/dv block (`ATT_BR`).
+const BR: usize = 64;
+/// Keys per forward tile (`ATT_BF`).
+const BF: usize = 64;
+/// Keys per dq tile (`ATT_BK`).
+const BK: usize = 32;
+/// Row stride of the probability tiles (`ATT_PS`).
+const PS: usize = 68;
+/// Rows per block of `attn_bwd_delta` (`ATT_WARPS`, one warp per row and head).
 const WARPS: usize = 16;
 const THREADS: u32 = (WARPS * 32) as u32;
 const DEC_WARPS: usize = 4;
@@ -54,19 +69,39 @@ fn stride(d: usize) -> usize {
         d4 + 4
     }
 }
+/// The instantiation of the tile kernels for `D`: 0, 1, 2 for `NCH` = 1, 2, 4 column chunks
+/// of 64 (`D ≤ 64`, `≤ 128`, `≤ 256`; kernel suffixes `_64`, `_128`, `_256`).
+fn class(d: usize) -> usize {
+    match d4(d).div_ceil(64) {
+        0 | 1 => 0,
+        2 => 1,
+        _ => 2,
+    }
+}
+/// Largest `D` of each class (the shared memory the attribute allows).
+const CLASS_MAX_D: [usize; 3] = [64, 128, 256];
 fn smem_fwd(d: usize) -> usize {
-    4 * (2 * BC * stride(d) + WARPS * d4(d) + WARPS * BC)
+    4 * (BR * stride(d) + BF * stride(d).max(PS) + BF * stride(d))
+}
+fn smem_dq(d: usize) -> usize {
+    4 * (2 * BR * stride(d) + BK * stride(d) + BK * stride(d).max(PS))
+}
+/// Queries per dk/dv tile: `16·QPT`, `QPT` = 4 for `D ≤ 128`, 2 above (shared memory).
+fn dkdv_bq(d: usize) -> usize {
+    if class(d) == 2 {
+        32
+    } else {
+        64
+    }
+}
+fn smem_dkdv(d: usize) -> usize {
+    let bq = dkdv_bq(d);
+    4 * (2 * BR * stride(d) + 2 * bq * stride(d) + 2 * bq * PS + 2 * bq)
 }
 /// Query heads a decode block keeps in shared memory per pass (`ATT_DEC_G`).
 const DEC_G: usize = 8;
 fn smem_dec(d: usize) -> usize {
     4 * (DEC_G * d4(d) + DEC_G * DECODE_CHUNK) + 2 * 2 * DECODE_CHUNK * d
-}
-fn smem_dq(d: usize) -> usize {
-    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + WARPS * BC)
-}
-fn smem_dkdv(d: usize) -> usize {
-    4 * (2 * BC * stride(d) + 2 * WARPS * d4(d) + 2 * WARPS * BC + 2 * BC)
 }
 
 /// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
@@ -106,18 +141,21 @@ fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {
 /// The loaded attention kernels.
 pub struct Attention {
     gpu: Gpu,
-    fwd: CudaFunction,
+    fwd: [CudaFunction; 3],
     delta: CudaFunction,
-    dq: CudaFunction,
-    dkdv: CudaFunction,
+    dq: [CudaFunction; 3],
+    dkdv: [CudaFunction; 3],
     append: CudaFunction,
     dec_partial: CudaFunction,
     dec_combine: CudaFunction,
+    /// Dynamic shared memory per block the device allows (opt-in) and the attributes grant.
+    smem_limit: usize,
 }
 
 impl Attention {
-    /// Loads (compiling on first use) the module on `gpu` and allows the tile kernels the
-    /// dynamic shared memory of `D = 256` (above the default 48 KB).
+    /// Loads (compiling on first use) the module on `gpu` and allows each tile kernel the
+    /// dynamic shared memory of the largest `D` of its instantiation (above the default 48 KB),
+    /// at most what the device allows; a launch that would need more is refused with an error.
     ///
     /// # Errors
     /// NVRTC, module-load or attribute errors.
@@ -129,24 +167,41 @@ impl Attention {
         };
         let a = Attention {
             gpu: gpu.clone(),
-            fwd: f("attn_fwd")?,
+            fwd: [f("attn_fwd_64")?, f("attn_fwd_128")?, f("attn_fwd_256")?],
             delta: f("attn_bwd_delta")?,
-            dq: f("attn_bwd_dq")?,
-            dkdv: f("attn_bwd_dkdv")?,
+            dq: [
+                f("attn_bwd_dq_64")?,
+                f("attn_bwd_dq_128")?,
+                f("attn_bwd_dq_256")?,
+            ],
+            dkdv: [
+                f("attn_bwd_dkdv_64")?,
+                f("attn_bwd_dkdv_128")?,
+                f("attn_bwd_dkdv_256")?,
+            ],
             append: f("kv_append")?,
             dec_partial: f("attn_decode_partial")?,
             dec_combine: f("attn_decode_combine")?,
+            smem_limit: gpu
+                .ctx()
+                .attribute(
+                    CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(|x| gpu.err(format!("shared memory per block: {x:?}")))?
+                .max(0) as usize,
         };
-        for (func, bytes, name) in [
-            (&a.fwd, smem_fwd(MAX_HEAD_DIM), "attn_fwd"),
-            (&a.dq, smem_dq(MAX_HEAD_DIM), "attn_bwd_dq"),
-            (&a.dkdv, smem_dkdv(MAX_HEAD_DIM), "attn_bwd_dkdv"),
-            (
-                &a.dec_partial,
-                smem_dec(MAX_HEAD_DIM),
-                "attn_decode_partial",
-            ),
-        ] {
+        let mut limits = vec![(
+            &a.dec_partial,
+            smem_dec(MAX_HEAD_DIM),
+            "attn_decode_partial".to_string(),
+        )];
+        for (c, &dmax) in CLASS_MAX_D.iter().enumerate() {
+            limits.push((&a.fwd[c], smem_fwd(dmax), format!("attn_fwd_{dmax}")));
+            limits.push((&a.dq[c], smem_dq(dmax), format!("attn_bwd_dq_{dmax}")));
+            limits.push((&a.dkdv[c], smem_dkdv(dmax), format!("attn_bwd_dkdv_{dmax}")));
+        }
+        for (func, need, name) in limits {
+            let bytes = need.min(a.smem_limit);
             func.set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
@@ -187,6 +242,22 @@ impl Attention {
                 "{op}: longest sequence {max_len} with {n} rows (rows must fit u32 and hold it)"
             )));
         }
+        if max_len.div_ceil(BR) > MAX_GRID_YZ {
+            return Err(self.gpu.err(format!(
+                "{op}: longest sequence {max_len} exceeds {} rows",
+                BR * MAX_GRID_YZ
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_smem(&self, op: &str, d: usize, bytes: usize) -> Result<(), DeviceError> {
+        if bytes > self.smem_limit {
+            return Err(self.gpu.err(format!(
+                "{op}: head_dim {d} needs {bytes} B of shared memory per block, the device allows {}",
+                self.smem_limit
+            )));
+        }
         Ok(())
     }
 
@@ -198,7 +269,8 @@ impl Attention {
     /// `offsets[B] ≤ N`. Reference: `mxrl_tensor::attention::attention_forward`.
     ///
     /// # Errors
-    /// A bad head geometry, short buffers; launch errors.
+    /// A bad head geometry, short buffers, more shared memory than the device allows; launch
+    /// errors.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -221,16 +293,17 @@ impl Attention {
         check_len(&self.gpu, "attention forward v", v.len(), n * hkv * d)?;
         check_len(&self.gpu, "attention forward out", out.len(), n * hq * d)?;
         check_len(&self.gpu, "attention forward lse", lse.len(), n * hq)?;
+        self.check_smem(op, d, smem_fwd(d))?;
         if num_seqs == 0 || max_len == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hq as u32),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32),
+            block_dim: (TILE_THREADS, 1, 1),
             shared_mem_bytes: smem_fwd(d) as u32,
         };
         let (hq32, hkv32, d32, scale) = (hq as u32, hkv as u32, d as u32, shape.scale());
-        let mut b = self.gpu.stream().launch_builder(&self.fwd);
+        let mut b = self.gpu.stream().launch_builder(&self.fwd[class(d)]);
         b.arg(q)
             .arg(k)
             .arg(v)
@@ -241,11 +314,12 @@ impl Attention {
             .arg(&hkv32)
             .arg(&d32)
             .arg(&scale);
-        // SAFETY: block (x, b, h) reads offsets[b], offsets[b+1] (B+1 checked) and touches rows
-        // offsets[b] + i for i < T_b ≤ max_len (x·16 + warp < T_b), rows < offsets[B] ≤ N (the
-        // caller's offsets contract) of q/out (N·Hq·D checked), k/v (N·Hkv·D checked) and lse
-        // (N·Hq checked), head slices h·D + d < Hq·D, kh·D + d < Hkv·D (geometry checked);
-        // shared memory smem_fwd(D) ≤ the attribute set in `new`; types match the kernel.
+        // SAFETY: block (b, h, z) reads offsets[b], offsets[b+1] (B+1 checked) and touches rows
+        // offsets[b] + i for i < T_b ≤ max_len (reads and writes guarded by i < T_b), rows <
+        // offsets[B] ≤ N (the caller's offsets contract) of q/out (N·Hq·D checked), k/v
+        // (N·Hkv·D checked) and lse (N·Hq checked), head slices h·D + d < Hq·D,
+        // kh·D + d < Hkv·D (geometry checked); the instantiation class(D) covers D; shared
+        // memory smem_fwd(D) ≤ the attribute set in `new` for that class; types match.
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -260,7 +334,8 @@ impl Attention {
     /// Reference: `mxrl_tensor::attention::attention_backward`.
     ///
     /// # Errors
-    /// A bad head geometry, short buffers; launch errors.
+    /// A bad head geometry, short buffers, more shared memory than the device allows; launch
+    /// errors.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -294,6 +369,8 @@ impl Attention {
         check_len(g, "attention backward dq", dq.len(), n * hq * d)?;
         check_len(g, "attention backward dk", dk.len(), n * hkv * d)?;
         check_len(g, "attention backward dv", dv.len(), n * hkv * d)?;
+        self.check_smem(op, d, smem_dq(d))?;
+        self.check_smem(op, d, smem_dkdv(d))?;
         if num_seqs == 0 || max_len == 0 || n == 0 {
             return Ok(());
         }
@@ -318,11 +395,11 @@ impl Attention {
 
         let delta_v = delta.slice(..);
         let cfg = LaunchConfig {
-            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hq as u32),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32),
+            block_dim: (TILE_THREADS, 1, 1),
             shared_mem_bytes: smem_dq(d) as u32,
         };
-        let mut b = g.stream().launch_builder(&self.dq);
+        let mut b = g.stream().launch_builder(&self.dq[class(d)]);
         b.arg(dout)
             .arg(q)
             .arg(k)
@@ -337,15 +414,15 @@ impl Attention {
             .arg(&scale);
         // SAFETY: as the forward: rows offsets[b] + i < offsets[B] ≤ N of dout/q/dq (N·Hq·D),
         // k/v (N·Hkv·D), lse/delta (N·Hq), all checked; shared memory smem_dq(D) ≤ the
-        // attribute set in `new`; types match the kernel.
+        // attribute set in `new` for class(D); types match the kernel.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
 
         let cfg = LaunchConfig {
-            grid_dim: (max_len.div_ceil(WARPS) as u32, num_seqs as u32, hkv as u32),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32),
+            block_dim: (TILE_THREADS, 1, 1),
             shared_mem_bytes: smem_dkdv(d) as u32,
         };
-        let mut b = g.stream().launch_builder(&self.dkdv);
+        let mut b = g.stream().launch_builder(&self.dkdv[class(d)]);
         b.arg(dout)
             .arg(q)
             .arg(k)
@@ -359,10 +436,10 @@ impl Attention {
             .arg(&hkv32)
             .arg(&d32)
             .arg(&scale);
-        // SAFETY: block (x, b, kh) touches key rows offsets[b] + j (j < T_b) of k/v/dk/dv
+        // SAFETY: block (b, kh, z) touches key rows offsets[b] + j (j < T_b) of k/v/dk/dv
         // (N·Hkv·D checked) and query rows offsets[b] + i (i < T_b) of q/dout (N·Hq·D) and
         // lse/delta (N·Hq), heads kh·g + hh < Hq; shared memory smem_dkdv(D) ≤ the attribute
-        // set in `new`; types match the kernel.
+        // set in `new` for class(D) (same query tile); types match the kernel.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -475,6 +552,7 @@ impl Attention {
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
         check_shape(&self.gpu, "attention decode", shape)?;
+        self.check_smem("attention decode", shape.head_dim, smem_dec(shape.head_dim))?;
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let row = hkv * d;
         self.check_cache("attention decode", batch, slots, max_len, row)?;
