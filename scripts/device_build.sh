@@ -15,6 +15,8 @@ cargo build --release -p mxrl-cuda --features cuda --example bench_head_ops
 cp target/release/examples/bench_head_ops "$out/bench_head_ops"
 cargo build --release -p mxrl-cuda --features cuda --example bench_qgemm
 cp target/release/examples/bench_qgemm "$out/bench_qgemm"
+cargo build --release -p mxrl-cuda --features cuda --example bench_attn_ops
+cp target/release/examples/bench_attn_ops "$out/bench_attn_ops"
 for pkg in mxrl-cuda; do
   cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c '
@@ -30,5 +32,5 @@ for line in sys.stdin:
         print(dst)
 ' "$out/tests" "$pkg"
 done
-strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out"/tests/*
+strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out/bench_attn_ops" "$out"/tests/*
 du -sh "$out"

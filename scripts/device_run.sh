@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [headops] [clients]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [clients]
 #   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +54,12 @@ if [[ " $what " == *" quant "* ]]; then
   timeout 300 .dev/mxrl bench quantize >>"$log" 2>&1
   summary+=("bench_quantize rc=$?")
   sed -n '/===== bench quantize/,$p' "$log" | tail -14
+fi
+if [[ " $what " == *" attn "* ]]; then
+  echo "===== bench_attn_ops" >>"$log"
+  timeout 300 .dev/bench_attn_ops >>"$log" 2>&1
+  summary+=("bench_attn_ops rc=$?")
+  sed -n '/===== bench_attn_ops/,$p' "$log" | tail -20
 fi
 if [[ " $what " == *" headops "* ]]; then
   echo "===== bench_head_ops" >>"$log"
