@@ -105,6 +105,110 @@ __device__ __forceinline__ float ue8m0_reciprocal(u32 b) {
 // max(|x|) ignoring NaN: a NaN never wins a comparison.
 __device__ __forceinline__ float nan_ignoring_max(float acc, float a) { return a > acc ? a : acc; }
 
+// ---- fast exact encoders (same bytes as the rules above; used by the quantizer kernels) ----
+
+// Two f32 -> two E4M3 bytes (lo in bits 0..7, hi in bits 8..15). On sm_89+ the hardware
+// conversion cvt.rn.satfinite.e4m3x2.f32 (TE's: RNE incl. subnormals, sign kept, overflow and
+// Inf saturate to ±448), with NaN rewritten to the contract's code (the hardware's NaN byte is
+// not specified); the NaN test is one add (NaN if either is NaN, or Inf − Inf, which only
+// takes the exact branch). Elsewhere e4m3_encode twice.
+__device__ __forceinline__ u32 e4m3x2_exact(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    u32 w = (u32)r;
+    if (is_nan(__fadd_rn(lo, hi))) {
+        if (is_nan(lo)) w = (w & 0xFF00u) | MXRL_E4M3_NAN;
+        if (is_nan(hi)) w = (w & 0x00FFu) | (MXRL_E4M3_NAN << 8);
+    }
+    return w;
+#else
+    return e4m3_encode(lo) | (e4m3_encode(hi) << 8);
+#endif
+}
+
+// f32 v >= 0, finite (an NVFP4 block's sdec) -> UE4M3 byte: ue4m3_encode's value.
+__device__ __forceinline__ u32 ue4m3_finite(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return e4m3x2_exact(v, 0.0f) & 0xFFu;
+#else
+    return ue4m3_encode(v);
+#endif
+}
+
+// e4m3_value for a code 0x00..0x7E (non-negative, not NaN) without the table (a per-thread
+// table index serializes the constant cache): normal codes are the bit pattern shifted into
+// place with the bias moved; subnormal codes m·2^(1−bias−man) are computed exactly as
+// (1 + m·2^−man)·2^(1−bias) − 2^(1−bias).
+__device__ __forceinline__ float e4m3_value_nonneg(u32 code) {
+    const u32 shift = 23u - MXRL_E4M3_MAN;
+    const u32 rebias = (u32)(127 - MXRL_E4M3_BIAS) << 23;
+    if ((code >> MXRL_E4M3_MAN) != 0u) return __uint_as_float((code << shift) + rebias);
+    const float lead = __uint_as_float(((1u << MXRL_E4M3_MAN) << shift) + rebias);
+    return __fsub_rn(__uint_as_float(((code | (1u << MXRL_E4M3_MAN)) << shift) + rebias), lead);
+}
+
+// f32 -> E2M1 nibble for every value but a negative NaN (which gives 0xF instead of the
+// contract's 0x7; callers detect NaN and take e2m1_encode): the prelude's floating-point
+// magnitude (min of the code-space lines, one rounding) and the sign bit.
+__device__ __forceinline__ u32 e2m1_fast(float y) {
+    return mxrl_e2m1_magnitude_fma(fabsf(y)) | ((__float_as_uint(y) >> 28) & 0x8u);
+}
+
+// Sixteen consecutive elements starting at i (i % 16 == 0): two load8.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, u64 i, float v[16]) {
+    load8(p, i, v);
+    load8(p, i + 8, v + 8);
+}
+
+// Global NVFP4 factors of an amax (contract section 3, steps 2-3).
+__device__ __forceinline__ void nvfp4_global(float a, float& s_dec, float& mult) {
+    float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
+    s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
+    if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+    s_dec = __fdiv_rn(1.0f, s_enc);
+    mult = __fmul_rn(s_enc, MXRL_R6);
+}
+
+// One NVFP4 16-block (contract section 3, step 4) held by one thread: v -> 16 nibbles
+// (element 2i low nibble of byte i) in lo (elements 0..7) and hi (8..15), and the scale byte.
+// bmax: fmaxf(acc, |x|) equals nan_ignoring_max (acc is never NaN, |x| never −0);
+// 1/p: __frcp_rn is the correctly rounded reciprocal, the value of __fdiv_rn(1, p).
+__device__ __forceinline__ void nvfp4_block16(const float v[16], float s_dec, float mult, u32& lo, u32& hi, u32& scale) {
+    float bmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) bmax = fmaxf(bmax, fabsf(v[j]));
+    float sdec = __fmul_rn(bmax, mult);
+    sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec; // never NaN: bmax >= 0, mult finite > 0
+    scale = ue4m3_finite(sdec);
+    float enc = __frcp_rn(__fmul_rn(e4m3_value_nonneg(scale), s_dec));
+    enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
+    float y[16];
+    float probe = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        y[j] = __fmul_rn(v[j], enc);
+        probe = __fadd_rn(probe, y[j]);
+    }
+    u32 w0 = 0, w1 = 0;
+    if (!is_nan(probe)) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            w0 |= e2m1_fast(y[j]) << (4 * j);
+            w1 |= e2m1_fast(y[8 + j]) << (4 * j);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            w0 |= e2m1_encode(y[j]) << (4 * j);
+            w1 |= e2m1_encode(y[8 + j]) << (4 * j);
+        }
+    }
+    lo = w0;
+    hi = w1;
+}
+
 // ---- MXFP8 (contract section 2) ----
 
 // Row-wise: four threads per 32-element block along K, eight consecutive elements each
@@ -120,11 +224,13 @@ __device__ __forceinline__ void mxfp8_row_quarter(const float v[8], bool active,
     m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 2));
     u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
     float inv = ue8m0_reciprocal(s);
-    u64 word = 0;
+    float y[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) word |= (u64)e4m3_encode(__fmul_rn(v[j], inv)) << (8 * j);
+    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(v[j], inv);
+    const u32 w0 = e4m3x2_exact(y[0], y[1]) | (e4m3x2_exact(y[2], y[3]) << 16);
+    const u32 w1 = e4m3x2_exact(y[4], y[5]) | (e4m3x2_exact(y[6], y[7]) << 16);
     if (!active) return;
-    *reinterpret_cast<u64*>(data + t * 8) = word;
+    *reinterpret_cast<uint2*>(data + t * 8) = make_uint2(w0, w1);
     if ((t & 3u) == 0u) scales[t >> 2] = (u8)s;
 }
 
@@ -170,55 +276,67 @@ extern "C" __global__ void mxfp8_row_bf16(const u16* x, u8* d, u8* s, u64 n, u64
 extern "C" __global__ void mxfp8_col_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 extern "C" __global__ void mxfp8_col_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col(x, d, s, st, c); }
 
-// Column-wise, four adjacent columns per thread (K % 4 == 0): one 8-byte (BF16) or 16-byte
-// (f32) load per row, the four column maxima over the 32-row strip, then the strip read again
-// (from cache) and quantized, four codes stored as one u32 per row and four scales as one u32.
-// Per element the operations of mxfp8_col, so the bytes are the same.
-__device__ __forceinline__ void load4(const float* p, u64 i, float v[4]) {
-    const float4 a = *reinterpret_cast<const float4*>(p + i);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+// Column-wise from registers: thread = (32-row strip, G = 8 / sizeof(T) adjacent columns:
+// four BF16 or two f32), K % G == 0. The strip's 32 rows are loaded at once (one aligned
+// 8-byte load per row; a warp reads 256 contiguous bytes of a row), kept in registers for the
+// G column maxima and then quantized, so every input byte is read once. Per element the
+// operations of mxfp8_col (nan_ignoring_max == fmaxf here), so the bytes are the same. Codes
+// stored as one G-byte word per row, the G scales as one G-byte word.
+__device__ __forceinline__ void unpack_cols(const float*, uint2 r, float v[2]) {
+    v[0] = __uint_as_float(r.x); v[1] = __uint_as_float(r.y);
 }
-__device__ __forceinline__ void load4(const u16* p, u64 i, float v[4]) {
-    const uint2 a = *reinterpret_cast<const uint2*>(p + i);
-    v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xFFFF0000u);
-    v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xFFFF0000u);
+__device__ __forceinline__ void unpack_cols(const u16*, uint2 r, float v[4]) {
+    v[0] = __uint_as_float(r.x << 16); v[1] = __uint_as_float(r.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(r.y << 16); v[3] = __uint_as_float(r.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void store_cols(u8* p, const float* y, const float*) {
+    *reinterpret_cast<u16*>(p) = (u16)e4m3x2_exact(y[0], y[1]);
+}
+__device__ __forceinline__ void store_cols(u8* p, const float* y, const u16*) {
+    *reinterpret_cast<u32*>(p) = e4m3x2_exact(y[0], y[1]) | (e4m3x2_exact(y[2], y[3]) << 16);
 }
 template <typename T>
-__device__ void mxfp8_col4(const T* x, u8* data, u8* scales, u64 strips, u64 cols) {
-    const u64 quads = cols >> 2;
+__device__ void mxfp8_col_reg(const T* x, u8* data, u8* scales, u64 strips, u64 cols) {
+    constexpr int G = 8 / (int)sizeof(T);
+    const u64 groups = cols / G;
     const u64 gtid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (gtid >= strips * quads) return;
-    const u64 strip = gtid / quads, col = (gtid % quads) * 4;
+    if (gtid >= strips * groups) return;
+    const u64 strip = gtid / groups, col = (gtid % groups) * G;
     const u64 base = strip * MXRL_MXFP8_BLOCK * cols + col;
-    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8
+    uint2 raw[MXRL_MXFP8_BLOCK];
+#pragma unroll
+    for (int i = 0; i < MXRL_MXFP8_BLOCK; ++i) raw[i] = *reinterpret_cast<const uint2*>(x + base + (u64)i * cols);
+    float m[G];
+#pragma unroll
+    for (int c = 0; c < G; ++c) m[c] = 0.0f;
+#pragma unroll
     for (int i = 0; i < MXRL_MXFP8_BLOCK; ++i) {
-        float v[4];
-        load4(x, base + (u64)i * cols, v);
+        float v[G];
+        unpack_cols(x, raw[i], v);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) m[c] = nan_ignoring_max(m[c], fabsf(v[c]));
+        for (int c = 0; c < G; ++c) m[c] = fmaxf(m[c], fabsf(v[c]));
     }
-    u32 s[4];
-    float inv[4];
+    float inv[G];
+    u32 sw = 0;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        s[c] = ue8m0_round_up(__fmul_rn(m[c], MXRL_R448));
-        inv[c] = ue8m0_reciprocal(s[c]);
+    for (int c = 0; c < G; ++c) {
+        const u32 s = ue8m0_round_up(__fmul_rn(m[c], MXRL_R448));
+        inv[c] = ue8m0_reciprocal(s);
+        sw |= s << (8 * c);
     }
-#pragma unroll 8
+#pragma unroll
     for (int i = 0; i < MXRL_MXFP8_BLOCK; ++i) {
-        const u64 idx = base + (u64)i * cols;
-        float v[4];
-        load4(x, idx, v);
-        u32 word = 0;
+        float v[G], y[G];
+        unpack_cols(x, raw[i], v);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) word |= e4m3_encode(__fmul_rn(v[c], inv[c])) << (8 * c);
-        *reinterpret_cast<u32*>(data + idx) = word;
+        for (int c = 0; c < G; ++c) y[c] = __fmul_rn(v[c], inv[c]);
+        store_cols(data + base + (u64)i * cols, y, x);
     }
-    *reinterpret_cast<u32*>(scales + strip * cols + col) = s[0] | (s[1] << 8) | (s[2] << 16) | (s[3] << 24);
+    if (G == 4) *reinterpret_cast<u32*>(scales + strip * cols + col) = sw;
+    else *reinterpret_cast<u16*>(scales + strip * cols + col) = (u16)sw;
 }
-extern "C" __global__ void mxfp8_col4_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col4(x, d, s, st, c); }
-extern "C" __global__ void mxfp8_col4_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col4(x, d, s, st, c); }
+extern "C" __global__ void mxfp8_col_reg_f32(const float* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col_reg(x, d, s, st, c); }
+extern "C" __global__ void mxfp8_col_reg_bf16(const u16* x, u8* d, u8* s, u64 st, u64 c) { mxfp8_col_reg(x, d, s, st, c); }
 
 // Dequantize a row-wise copy: x = fl(ue8m0_decode(scale) * e4m3_value(q)).
 extern "C" __global__ void mxfp8_row_dequantize(const u8* data, const u8* scales, float* out, u64 n) {
@@ -271,102 +389,132 @@ __device__ void amax_kernel(const T* x, u32* out_bits, u64 rows, u64 cols, bool 
 extern "C" __global__ void amax_f32(const float* x, u32* o, u64 r, u64 c, int per_row) { amax_kernel(x, o, r, c, per_row != 0); }
 extern "C" __global__ void amax_bf16(const u16* x, u32* o, u64 r, u64 c, int per_row) { amax_kernel(x, o, r, c, per_row != 0); }
 
-// Two threads per 16-element block, eight consecutive elements each; the global scale is
-// recomputed by every thread from the (row's or tensor's) amax with the contract's operation
-// order. Lanes past the end join the shuffle with zeros and write nothing.
+// Per-tensor amax in one read-only pass: grid-stride over 8-element chunks, four loads in
+// flight per thread, the grid sized to the resident CTAs so the sweep runs front to back
+// (the quantize pass then starts at the back, still in L2); block max, then atomicMax on the
+// bit pattern (for floats >= 0 the unsigned order is the numeric order, and a max does not
+// depend on the order, so the bytes are deterministic). NaN is ignored (fmaxf).
 template <typename T>
-__device__ void nvfp4_quantize(const T* x, const u32* amax_bits, u8* data, u8* scales, u64 n, u64 cols, bool per_row) {
-    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 base = t * 8;
-    bool active = base < n;
-    float a = __uint_as_float(active ? amax_bits[per_row ? base / cols : 0] : 0u);
-    float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
-    s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
-    if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    float s_dec = __fdiv_rn(1.0f, s_enc);
-    float mult = __fmul_rn(s_enc, MXRL_R6);
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) load8(x, base, v);
-    float bmax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) bmax = nan_ignoring_max(bmax, fabsf(v[j]));
-    bmax = nan_ignoring_max(bmax, __shfl_xor_sync(FULL_MASK, bmax, 1));
-    float sdec = __fmul_rn(bmax, mult);
-    sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec;
-    u32 scale = ue4m3_encode(sdec);
-    float sf = e4m3_value(scale);
-    float enc = __fdiv_rn(1.0f, __fmul_rn(sf, s_dec));
-    enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
-    u32 word = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) word |= e2m1_encode(__fmul_rn(v[j], enc)) << (4 * j);
-    if (!active) return;
-    *reinterpret_cast<u32*>(data + base / 2) = word;
-    if ((t & 1u) == 0u) scales[base / MXRL_NVFP4_BLOCK] = (u8)scale;
-}
-
-extern "C" __global__ void nvfp4_f32(const float* x, const u32* a, u8* d, u8* s, u64 n, u64 c, int per_row) { nvfp4_quantize(x, a, d, s, n, c, per_row != 0); }
-extern "C" __global__ void nvfp4_bf16(const u16* x, const u32* a, u8* d, u8* s, u64 n, u64 c, int per_row) { nvfp4_quantize(x, a, d, s, n, c, per_row != 0); }
-
-// Per-token NVFP4 in one pass over the data: block r owns row r (blockDim.x a multiple of 64,
-// cols % 16 == 0). The row's amax as amax_kernel computes it (NaN ignored; a max, so the
-// order does not matter), written to amax_bits[r], then the row read again (from cache) and
-// quantized with nvfp4_quantize's operations: thread pairs (2k, 2k+1) share a 16-block.
-template <typename T>
-__device__ void nvfp4_row_fused(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
+__device__ void amax_tensor(const T* x, u32* out_bits, u64 chunks) {
     __shared__ float warp_max[32];
-    const u64 r = blockIdx.x;
-    const T* xr = x + r * cols;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     float m = 0.0f;
-    for (u64 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
-        float v[8];
-        load8(xr, c, v);
+    for (; i + 3 * stride < chunks; i += 4 * stride) {
+        float v[4][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+        for (int k = 0; k < 4; ++k) load8(x, (i + k * stride) * 8, v[k]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[k][j]));
+    }
+    for (; i < chunks; i += stride) {
+        float v[8];
+        load8(x, i * 8, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    if ((threadIdx.x & 31u) == 0u) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32u) {
+        m = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0.0f;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+        if (threadIdx.x == 0u) atomicMax(out_bits, __float_as_uint(m));
+    }
+}
+extern "C" __global__ void amax_tensor_f32(const float* x, u32* o, u64 c) { amax_tensor(x, o, c); }
+extern "C" __global__ void amax_tensor_bf16(const u16* x, u32* o, u64 c) { amax_tensor(x, o, c); }
+
+// NVFP4 with a precomputed amax (1 per tensor, or 1 per row of blocks_per_row 16-blocks):
+// one thread per 16-block (one scale per thread, no shuffles), CTAs mapped back to front so
+// the first CTAs read the data the amax pass touched last.
+template <typename T>
+__device__ void nvfp4_blocks(const T* x, const u32* amax_bits, u8* data, u8* scales, u64 n_blocks, u64 blocks_per_row, bool per_row) {
+    const u64 cta = (u64)(gridDim.x - 1u - blockIdx.x);
+    const u64 b = cta * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    float s_dec, mult;
+    nvfp4_global(__uint_as_float(amax_bits[per_row ? b / blocks_per_row : 0]), s_dec, mult);
+    float v[16];
+    load16(x, b * MXRL_NVFP4_BLOCK, v);
+    u32 lo, hi, scale;
+    nvfp4_block16(v, s_dec, mult, lo, hi, scale);
+    *reinterpret_cast<uint2*>(data + b * (MXRL_NVFP4_BLOCK / 2)) = make_uint2(lo, hi);
+    scales[b] = (u8)scale;
+}
+extern "C" __global__ void nvfp4_blocks_f32(const float* x, const u32* a, u8* d, u8* s, u64 n, u64 bpr, int per_row) { nvfp4_blocks(x, a, d, s, n, bpr, per_row != 0); }
+extern "C" __global__ void nvfp4_blocks_bf16(const u16* x, const u32* a, u8* d, u8* s, u64 n, u64 bpr, int per_row) { nvfp4_blocks(x, a, d, s, n, bpr, per_row != 0); }
+
+// Per-token NVFP4 in one read of each row: CTA r owns row r, thread t its 16-blocks t,
+// t + blockDim, ...; the first NVFP4_ROW_CHUNKS of them stay in registers between the row's
+// amax (block max, NaN ignored) and the quantization, blocks beyond (rows longer than
+// 16·NVFP4_ROW_CHUNKS·blockDim) are read again. amax_bits[r] gets the row's amax.
+#define NVFP4_ROW_CHUNKS 4
+template <typename T>
+__device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
+    __shared__ float warp_max[32];
+    const u64 r = blockIdx.x;
+    const u64 nb = cols / MXRL_NVFP4_BLOCK;
+    const T* xr = x + r * cols;
+    float v[NVFP4_ROW_CHUNKS][16];
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
+        const u64 b = threadIdx.x + (u64)k * blockDim.x;
+        if (b < nb) {
+            load16(xr, b * MXRL_NVFP4_BLOCK, v[k]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) v[k][j] = 0.0f;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(v[k][j]));
+    for (u64 b = threadIdx.x + (u64)NVFP4_ROW_CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
+        float w[16];
+        load16(xr, b * MXRL_NVFP4_BLOCK, w);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(w[j]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
     if ((threadIdx.x & 31u) == 0u) warp_max[threadIdx.x >> 5] = m;
     __syncthreads();
     m = (threadIdx.x & 31u) < (blockDim.x >> 5) ? warp_max[threadIdx.x & 31u] : 0.0f;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
-    const float a = m;
-    if (threadIdx.x == 0u) amax_bits[r] = __float_as_uint(a);
-    float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
-    s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
-    if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-    const float s_dec = __fdiv_rn(1.0f, s_enc);
-    const float mult = __fmul_rn(s_enc, MXRL_R6);
-    const u64 step = (u64)blockDim.x * 8;
-    const u64 iters = (cols + step - 1) / step;
-    for (u64 it = 0; it < iters; ++it) {
-        const u64 c = it * step + threadIdx.x * 8;
-        const bool active = c < cols;
-        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (active) load8(xr, c, v);
-        float bmax = 0.0f;
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, off));
+    if (threadIdx.x == 0u) amax_bits[r] = __float_as_uint(m);
+    float s_dec, mult;
+    nvfp4_global(m, s_dec, mult);
+    u8* dr = data + r * (cols / 2);
+    u8* sr = scales + r * nb;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) bmax = nan_ignoring_max(bmax, fabsf(v[j]));
-        bmax = nan_ignoring_max(bmax, __shfl_xor_sync(FULL_MASK, bmax, 1));
-        float sdec = __fmul_rn(bmax, mult);
-        sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec;
-        const u32 scale = ue4m3_encode(sdec);
-        const float sf = e4m3_value(scale);
-        float enc = __fdiv_rn(1.0f, __fmul_rn(sf, s_dec));
-        enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
-        u32 word = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) word |= e2m1_encode(__fmul_rn(v[j], enc)) << (4 * j);
-        if (active) {
-            const u64 e = r * cols + c;
-            *reinterpret_cast<u32*>(data + e / 2) = word;
-            if ((threadIdx.x & 1u) == 0u) scales[e / MXRL_NVFP4_BLOCK] = (u8)scale;
+    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
+        const u64 b = threadIdx.x + (u64)k * blockDim.x;
+        if (b < nb) {
+            u32 lo, hi, scale;
+            nvfp4_block16(v[k], s_dec, mult, lo, hi, scale);
+            *reinterpret_cast<uint2*>(dr + b * (MXRL_NVFP4_BLOCK / 2)) = make_uint2(lo, hi);
+            sr[b] = (u8)scale;
         }
     }
+    for (u64 b = threadIdx.x + (u64)NVFP4_ROW_CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
+        float w[16];
+        load16(xr, b * MXRL_NVFP4_BLOCK, w);
+        u32 lo, hi, scale;
+        nvfp4_block16(w, s_dec, mult, lo, hi, scale);
+        *reinterpret_cast<uint2*>(dr + b * (MXRL_NVFP4_BLOCK / 2)) = make_uint2(lo, hi);
+        sr[b] = (u8)scale;
+    }
 }
-extern "C" __global__ void nvfp4_row_fused_f32(const float* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_fused(x, a, d, s, c); }
-extern "C" __global__ void nvfp4_row_fused_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_fused(x, a, d, s, c); }
+extern "C" __global__ void nvfp4_row_reg_f32(const float* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_reg(x, a, d, s, c); }
+extern "C" __global__ void nvfp4_row_reg_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_reg(x, a, d, s, c); }
 
 // x = fl(e2m1_value(code) * fl(fl(sf * amax) * R2688)).
 extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, const u32* amax_bits, float* out, u64 n, u64 cols, int per_row) {

@@ -18,6 +18,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 const THREADS: u32 = 256;
+/// CTA size of the column-wise register kernel.
+const COL_REG_THREADS: u32 = 128;
+/// 16-blocks per thread the per-row NVFP4 kernel keeps in registers (`NVFP4_ROW_CHUNKS` in
+/// kernels/quant.cu).
+const NVFP4_ROW_CHUNKS: usize = 4;
+/// Resident CTAs per SM the per-tensor amax grid is sized for (256 threads, 32 registers).
+const AMAX_CTAS_PER_SM: u32 = 8;
 
 /// Compiled modules by `(device ordinal, cache key)`; the key covers source and options.
 type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
@@ -38,15 +45,17 @@ struct Kernels {
     mxfp8_row_bf16: CudaFunction,
     mxfp8_col_f32: CudaFunction,
     mxfp8_col_bf16: CudaFunction,
-    mxfp8_col4_f32: CudaFunction,
-    mxfp8_col4_bf16: CudaFunction,
-    nvfp4_row_fused_f32: CudaFunction,
-    nvfp4_row_fused_bf16: CudaFunction,
+    mxfp8_col_reg_f32: CudaFunction,
+    mxfp8_col_reg_bf16: CudaFunction,
+    nvfp4_row_reg_f32: CudaFunction,
+    nvfp4_row_reg_bf16: CudaFunction,
+    amax_tensor_f32: CudaFunction,
+    amax_tensor_bf16: CudaFunction,
     mxfp8_row_dequantize: CudaFunction,
     amax_f32: CudaFunction,
     amax_bf16: CudaFunction,
-    nvfp4_f32: CudaFunction,
-    nvfp4_bf16: CudaFunction,
+    nvfp4_blocks_f32: CudaFunction,
+    nvfp4_blocks_bf16: CudaFunction,
     nvfp4_dequantize: CudaFunction,
     nvfp4_prescaled: CudaFunction,
     nvfp4_apply_alpha: CudaFunction,
@@ -100,7 +109,10 @@ pub struct QuantizeTiming {
     pub shape: [usize; 2],
     /// Input dtype (`f32` / `bf16`).
     pub dtype: &'static str,
-    /// Bytes the quantizer reads and writes (input + data + scales + amax).
+    /// Bytes the quantizer must move: the input counted once + data + scales + amax written.
+    /// Per-tensor NVFP4 reads the input twice (amax pass, then quantize pass); the second
+    /// read is not credited, so its ratio to the copy is bounded by
+    /// (input + outputs) / (2·input + outputs) when the input does not stay in L2.
     pub quantize_bytes: usize,
     /// Mean milliseconds per quantize call.
     pub quantize_ms: f64,
@@ -130,6 +142,8 @@ pub struct CudaDevice {
     options: Vec<String>,
     cache_key: String,
     k: Kernels,
+    /// Streaming multiprocessors (sizes the per-tensor amax grid to the resident CTAs).
+    sms: u32,
     blas: Mutex<Option<CudaBlas>>,
 }
 
@@ -224,19 +238,27 @@ impl CudaDevice {
             mxfp8_row_bf16: f("mxfp8_row_bf16")?,
             mxfp8_col_f32: f("mxfp8_col_f32")?,
             mxfp8_col_bf16: f("mxfp8_col_bf16")?,
-            mxfp8_col4_f32: f("mxfp8_col4_f32")?,
-            mxfp8_col4_bf16: f("mxfp8_col4_bf16")?,
-            nvfp4_row_fused_f32: f("nvfp4_row_fused_f32")?,
-            nvfp4_row_fused_bf16: f("nvfp4_row_fused_bf16")?,
+            mxfp8_col_reg_f32: f("mxfp8_col_reg_f32")?,
+            mxfp8_col_reg_bf16: f("mxfp8_col_reg_bf16")?,
+            nvfp4_row_reg_f32: f("nvfp4_row_reg_f32")?,
+            nvfp4_row_reg_bf16: f("nvfp4_row_reg_bf16")?,
+            amax_tensor_f32: f("amax_tensor_f32")?,
+            amax_tensor_bf16: f("amax_tensor_bf16")?,
             mxfp8_row_dequantize: f("mxfp8_row_dequantize")?,
             amax_f32: f("amax_f32")?,
             amax_bf16: f("amax_bf16")?,
-            nvfp4_f32: f("nvfp4_f32")?,
-            nvfp4_bf16: f("nvfp4_bf16")?,
+            nvfp4_blocks_f32: f("nvfp4_blocks_f32")?,
+            nvfp4_blocks_bf16: f("nvfp4_blocks_bf16")?,
             nvfp4_dequantize: f("nvfp4_dequantize")?,
             nvfp4_prescaled: f("nvfp4_prescaled")?,
             nvfp4_apply_alpha: f("nvfp4_apply_alpha")?,
         };
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|x| e(format!("multiprocessor count: {x:?}")))?
+            .max(1) as u32;
         let stream = ctx.default_stream();
         Ok(CudaDevice {
             ordinal,
@@ -246,6 +268,7 @@ impl CudaDevice {
             options,
             cache_key,
             k,
+            sms,
             blas: Mutex::new(None),
         })
     }
@@ -400,10 +423,11 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Launch the MXFP8 column-wise quantizer, quantized from the high-precision input: four
-    /// adjacent columns per thread (`mxfp8_col4_{f32,bf16}`) when K % 4 == 0, else one thread
-    /// per (32-row strip, column) (`mxfp8_col_{f32,bf16}`); the same bytes either way. Data
-    /// `[M, K]`, scales `[M/32, K]`.
+    /// Launch the MXFP8 column-wise quantizer, quantized from the high-precision input: one
+    /// thread per (32-row strip, 8 bytes of columns: four BF16 or two f32), the strip held in
+    /// registers so the input is read once (`mxfp8_col_reg_{f32,bf16}`), when K is a multiple
+    /// of that column count; else one thread per (32-row strip, column)
+    /// (`mxfp8_col_{f32,bf16}`); the same bytes either way. Data `[M, K]`, scales `[M/32, K]`.
     ///
     /// # Errors
     /// Shape errors (M % 32 ≠ 0, length mismatch) or a driver error.
@@ -431,16 +455,27 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let quads = cols.is_multiple_of(4);
-        let threads = if quads {
-            strips * cols / 4
-        } else {
-            strips * cols
+        // Columns per thread of the register kernel: 8 bytes of one row.
+        let group: u64 = match x {
+            DeviceInput::F32(_) => 2,
+            DeviceInput::Bf16(_) => 4,
         };
-        let cfg = self.grid(threads as usize);
-        let mut b = match (x, quads) {
-            (DeviceInput::F32(_), true) => self.stream.launch_builder(&self.k.mxfp8_col4_f32),
-            (DeviceInput::Bf16(_), true) => self.stream.launch_builder(&self.k.mxfp8_col4_bf16),
+        let reg = cols.is_multiple_of(group);
+        let cfg = if reg {
+            // 128 threads: the kernel holds 32 rows × 8 bytes per thread (~150 registers), so
+            // small CTAs let several share an SM and overlap loads with encoding.
+            let threads = (strips * cols / group) as usize;
+            LaunchConfig {
+                grid_dim: (threads.div_ceil(COL_REG_THREADS as usize) as u32, 1, 1),
+                block_dim: (COL_REG_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            self.grid((strips * cols) as usize)
+        };
+        let mut b = match (x, reg) {
+            (DeviceInput::F32(_), true) => self.stream.launch_builder(&self.k.mxfp8_col_reg_f32),
+            (DeviceInput::Bf16(_), true) => self.stream.launch_builder(&self.k.mxfp8_col_reg_bf16),
             (DeviceInput::F32(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_f32),
             (DeviceInput::Bf16(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_bf16),
         };
@@ -449,10 +484,11 @@ impl CudaDevice {
             DeviceInput::Bf16(s) => b.arg(s),
         };
         b.arg(data).arg(scales).arg(&strips).arg(&cols);
-        // SAFETY: col4 (K % 4 == 0): thread t < strips·K/4 reads and writes rows
-        // 32·(t/(K/4))..+32 of columns 4·(t%(K/4))..+4 (8- or 16-byte aligned loads, u32
-        // stores: the element offset is a multiple of 4, the bases 256-byte aligned) and
-        // scales[strip·K + col..+4] as one u32; col: thread t < strips·K reads and writes
+        // SAFETY: col_reg (K % G == 0, G = 2 for f32, 4 for BF16): thread t < strips·K/G
+        // reads and writes rows 32·(t/(K/G))..+32 of columns G·(t%(K/G))..+G (8-byte loads,
+        // G-byte stores, aligned: the element offset is a multiple of G, the bases 256-byte
+        // aligned) and scales[strip·K + col..+G] as one G-byte word; col: thread t < strips·K
+        // reads and writes
         // rows 32·(t/K)..+32 of column t%K and scales[t]; all < M·K = n elements (M =
         // 32·strips), scales n/32 (checked above); threads past the count return first;
         // argument types match (T*, u8*, u8*, u64, u64).
@@ -650,37 +686,9 @@ impl CudaDevice {
             .into());
         }
         let n = x.len();
-        let (n64, cols, per_row) = (
-            n as u64,
-            shape[1] as u64,
-            i32::from(scope == AmaxScope::PerRow),
-        );
         let mut data = self.output::<u8>(n / 2)?;
         let mut scales = self.output::<u8>(n / NVFP4_BLOCK)?;
-        if n > 0 {
-            let cfg = self.grid(n / 8);
-            let mut b = match x {
-                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_f32),
-                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_bf16),
-            };
-            match x {
-                DeviceInput::F32(s) => b.arg(s),
-                DeviceInput::Bf16(s) => b.arg(s),
-            };
-            b.arg(&amax_bits)
-                .arg(&mut data)
-                .arg(&mut scales)
-                .arg(&n64)
-                .arg(&cols)
-                .arg(&per_row);
-            // SAFETY: thread t with 8t < n reads x[8t..8t+8) (aligned 16-byte loads) and
-            // amax[8t/cols] (per row, < M entries) or amax[0]; it writes data[4t..4t+4) as one
-            // aligned u32 (n/2 entries) and, for even t, scales[8t/16] (n/16 entries); threads
-            // past n/8 only shuffle zeros and write nothing; K % 16 == 0 was checked, so a
-            // thread pair (one 16-block) never straddles rows; argument types match
-            // (T*, u32*, u8*, u8*, u64, u64, int).
-            unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
-        }
+        self.nvfp4_blocks(x, shape, scope, &amax_bits, &mut data, &mut scales)?;
         Ok(DeviceQuantized {
             scheme,
             shape,
@@ -690,9 +698,69 @@ impl CudaDevice {
         })
     }
 
-    /// NVFP4 quantize: per row, one fused kernel (each row's amax, then its blocks, the row
-    /// read once from memory); per tensor, the amax kernel then [`CudaDevice::nvfp4_with_amax`]'s
-    /// kernel.
+    /// Launch `nvfp4_blocks_{f32,bf16}`: one thread per 16-block with the amax already in
+    /// `amax` (entry 0, or one per row), CTAs mapped back to front. Callers checked the shape
+    /// (K % 16 == 0, length) and that data / scales / amax hold n/2, n/16 and 1 or M entries.
+    fn nvfp4_blocks(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        scope: AmaxScope,
+        amax: &CudaSlice<u32>,
+        data: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<u8>,
+    ) -> Result<(), DeviceError> {
+        let n = shape[0] * shape[1];
+        let n_blocks = n / NVFP4_BLOCK;
+        let want_amax = match scope {
+            AmaxScope::PerTensor => 1,
+            AmaxScope::PerRow => shape[0],
+        };
+        assert!(
+            x.len() == n
+                && data.len() >= n / 2
+                && scales.len() >= n_blocks
+                && amax.len() >= want_amax
+                && shape[1].is_multiple_of(NVFP4_BLOCK),
+            "nvfp4_blocks: unchecked buffers"
+        );
+        if n_blocks == 0 {
+            return Ok(());
+        }
+        let (nb, bpr, per_row) = (
+            n_blocks as u64,
+            (shape[1] / NVFP4_BLOCK) as u64,
+            i32::from(scope == AmaxScope::PerRow),
+        );
+        let cfg = self.grid(n_blocks);
+        let mut b = match x {
+            DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_blocks_f32),
+            DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_blocks_bf16),
+        };
+        match x {
+            DeviceInput::F32(s) => b.arg(s),
+            DeviceInput::Bf16(s) => b.arg(s),
+        };
+        b.arg(amax)
+            .arg(data)
+            .arg(scales)
+            .arg(&nb)
+            .arg(&bpr)
+            .arg(&per_row);
+        // SAFETY: thread b < n/16 (CTA index reversed, the grid covers n/16 threads) reads
+        // x[16b..16b+16) (16-byte aligned loads: bases 256-byte aligned, offsets 32b or 64b
+        // bytes) and amax[b/(K/16)] (< M entries, per row) or amax[0]; it writes
+        // data[8b..8b+8) as one aligned 8-byte store (n/2 entries) and scales[b] (n/16
+        // entries), lengths asserted above; threads past n/16 return before touching memory;
+        // argument types match (T*, u32*, u8*, u8*, u64, u64, int).
+        unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// NVFP4 quantize: per row, one kernel per row (`nvfp4_row_reg_{f32,bf16}`: the row's
+    /// amax, then its blocks from registers, the row read once); per tensor, a read-only amax
+    /// pass (`amax_tensor_{f32,bf16}`, grid-wide atomicMax on the bit pattern) then
+    /// `nvfp4_blocks_{f32,bf16}` (the input is read twice; from L2 where it still is).
     ///
     /// # Errors
     /// As the launchers.
@@ -738,34 +806,40 @@ impl CudaDevice {
                 amax.len()
             )));
         }
-        let (n64, rows, cols) = (n as u64, shape[0] as u64, shape[1] as u64);
+        let cols = shape[1] as u64;
         match scope {
             AmaxScope::PerRow => {
                 if n == 0 {
                     return Ok(());
                 }
+                // Enough threads that each keeps at most NVFP4_ROW_CHUNKS 16-blocks of its row
+                // in registers (warp multiples, 32..=1024); longer rows re-read the rest.
+                let blocks_per_row = shape[1] / NVFP4_BLOCK;
+                let threads = blocks_per_row
+                    .div_ceil(NVFP4_ROW_CHUNKS)
+                    .next_multiple_of(32)
+                    .clamp(32, 1024) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (shape[0] as u32, 1, 1),
-                    block_dim: (THREADS, 1, 1),
+                    block_dim: (threads, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 let mut b = match x {
-                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_row_fused_f32),
-                    DeviceInput::Bf16(_) => {
-                        self.stream.launch_builder(&self.k.nvfp4_row_fused_bf16)
-                    }
+                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_row_reg_f32),
+                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_row_reg_bf16),
                 };
                 match x {
                     DeviceInput::F32(s) => b.arg(s),
                     DeviceInput::Bf16(s) => b.arg(s),
                 };
                 b.arg(amax).arg(data).arg(scales).arg(&cols);
-                // SAFETY: block r < M reads row r, x[r·K..(r+1)·K) (16-byte aligned loads of
-                // eight elements: K % 16 == 0 checked, bases 256-byte aligned), writes
-                // amax[r] (≥ M entries, checked), data[(r·K + c)/2..+4) as one aligned u32 and
-                // scales[(r·K + c)/16] for its columns c < K (n/2 and n/16 entries, checked);
-                // every thread runs the same iteration count (shuffles complete); blockDim 256
-                // ≤ the kernel's 32-warp array; argument types match (T*, u32*, u8*, u8*, u64).
+                // SAFETY: CTA r < M reads row r only, x[r·K..(r+1)·K) (16-byte aligned loads
+                // of 16-blocks: K % 16 == 0 checked, bases 256-byte aligned), writes amax[r]
+                // (≥ M entries, checked), data[r·K/2 + 8b..+8) as one aligned 8-byte store and
+                // scales[r·K/16 + b] for its 16-blocks b < K/16 (n/2 and n/16 entries,
+                // checked); every thread reaches the one __syncthreads and the full-warp
+                // shuffles (no early return); blockDim is a multiple of 32 and ≤ 1024, within
+                // the kernel's 32-warp array; argument types match (T*, u32*, u8*, u8*, u64).
                 unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
             }
             AmaxScope::PerTensor => {
@@ -775,45 +849,33 @@ impl CudaDevice {
                 if n == 0 {
                     return Ok(());
                 }
-                let blocks = (n / 8).div_ceil(THREADS as usize).clamp(1, 4096) as u32;
+                let chunks = (n / 8) as u64;
+                // The resident CTAs, so the grid-stride sweep runs front to back.
+                let blocks = (n / 8)
+                    .div_ceil(THREADS as usize)
+                    .min((self.sms * AMAX_CTAS_PER_SM) as usize)
+                    .max(1) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (blocks, 1, 1),
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let per_row = 0i32;
                 let mut b = match x {
-                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_f32),
-                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_bf16),
+                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_tensor_f32),
+                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_tensor_bf16),
                 };
                 match x {
                     DeviceInput::F32(s) => b.arg(s),
                     DeviceInput::Bf16(s) => b.arg(s),
                 };
-                b.arg(&mut *amax).arg(&rows).arg(&cols).arg(&per_row);
-                // SAFETY: as in CudaDevice::amax, per tensor: the grid-stride loop reads
-                // x[0..n) and atomically updates amax[0] (zeroed just before on this stream).
+                b.arg(&mut *amax).arg(&chunks);
+                // SAFETY: the grid-stride loops read 8-element chunks i < n/8, x[8i..8i+8)
+                // (16-byte aligned loads; n % 16 == 0 since K % 16 == 0 was checked), and
+                // thread 0 of each CTA atomically updates amax[0] (zeroed just before on this
+                // stream, ≥ 1 entry); every thread reaches the __syncthreads; blockDim 256 ≤
+                // the kernel's 32-warp array; argument types match (T*, u32*, u64).
                 unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
-                let cfg = self.grid(n / 8);
-                let mut b = match x {
-                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_f32),
-                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_bf16),
-                };
-                match x {
-                    DeviceInput::F32(s) => b.arg(s),
-                    DeviceInput::Bf16(s) => b.arg(s),
-                };
-                b.arg(&*amax)
-                    .arg(data)
-                    .arg(scales)
-                    .arg(&n64)
-                    .arg(&cols)
-                    .arg(&per_row);
-                // SAFETY: as in CudaDevice::nvfp4_with_amax with one amax entry: thread t with
-                // 8t < n reads x[8t..8t+8) and amax[0], writes data[4t..4t+4) and, for even
-                // t, scales[t/2] (n/2 and n/16 entries, checked); argument types match
-                // (T*, u32*, u8*, u8*, u64, u64, int).
-                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+                self.nvfp4_blocks(x, shape, scope, amax, data, scales)?;
             }
         }
         Ok(())

@@ -42,6 +42,39 @@ fn e2m1_thresholds() -> Vec<(f32, bool)> {
         .collect()
 }
 
+/// The E2M1 code-space map as `(slope, intercept)` lines, one per run of equal spacing between
+/// consecutive magnitudes: on `[v_i, v_{i+1}]` the code is `i + (a − v_i)/d`, i.e. the line
+/// `a/d + (i − v_i/d)`. The spacings grow (asserted), so the code-space value of `a` is the
+/// minimum of the lines, and the nearest code (ties to the even code, the contract's rule) is
+/// that minimum rounded to an integer once. Slopes are powers of two and intercepts integers
+/// (asserted), so `fma(a, slope, 2^23 + intercept)` is that single rounding, exact in binary32.
+fn e2m1_code_lines() -> Vec<(f32, f32)> {
+    let mut lines: Vec<(f32, f32)> = Vec::new();
+    let mut last_d = 0.0f32;
+    for i in 0..7 {
+        let (lo, hi) = (E2M1_VALUES[i], E2M1_VALUES[i + 1]);
+        let d = hi - lo;
+        assert!(d >= last_d, "E2M1 spacings grow");
+        assert_eq!(
+            d.to_bits() & 0x007F_FFFF,
+            0,
+            "E2M1 spacing {d} is a power of two"
+        );
+        last_d = d;
+        let slope = 1.0 / d;
+        let intercept = i as f32 - lo / d;
+        assert_eq!(
+            intercept,
+            intercept.round(),
+            "E2M1 intercept {intercept} is an integer"
+        );
+        if lines.last().map(|&(s, _)| s) != Some(slope) {
+            lines.push((slope, intercept));
+        }
+    }
+    lines
+}
+
 /// The E2M1 magnitudes (codes 0..7) as IEEE binary16: every one is `high_byte << 8` (at most
 /// two significant bits, exponent within binary16's normal range), so eight bytes hold the
 /// whole table. Returned as the two little-endian words a `prmt` lookup indexes (bytes 0..3 =
@@ -140,6 +173,38 @@ pub fn cuda_prelude() -> String {
     }
     let _ = writeln!(w, "  return 7u;");
     let _ = writeln!(w, "}}");
+    let _ = writeln!(
+        w,
+        "// The same code of a >= 0 in floating point (NaN -> 7): the minimum of the code-space"
+    );
+    let _ = writeln!(
+        w,
+        "// lines a*slope + intercept, rounded once to an integer by adding 2^23 in the fma."
+    );
+    let _ = writeln!(
+        w,
+        "__device__ __forceinline__ unsigned int mxrl_e2m1_magnitude_fma(float a) {{"
+    );
+    let magic = 8_388_608.0f32; // 2^23: ulp 1 on [2^23, 2^24)
+    for (i, (slope, intercept)) in e2m1_code_lines().into_iter().enumerate() {
+        let line = format!(
+            "__fmaf_rn(a, {}, {})",
+            f32_lit(slope),
+            f32_lit(magic + intercept)
+        );
+        if i == 0 {
+            let _ = writeln!(w, "  float c = {line};");
+        } else {
+            let _ = writeln!(w, "  c = fminf(c, {line});");
+        }
+    }
+    let _ = writeln!(w, "  c = fminf(c, {});", f32_lit(magic + 7.0));
+    let _ = writeln!(
+        w,
+        "  return __float_as_uint(c) - 0x{:08X}u;",
+        magic.to_bits()
+    );
+    let _ = writeln!(w, "}}");
     s
 }
 
@@ -184,6 +249,61 @@ mod tests {
         }
         for a in [0.0, 0.1, 0.5, 1.0, 5.5, 6.0, 1e30, f32::INFINITY] {
             assert_eq!(classify(a), e2m1_encode(a), "a = {a}");
+        }
+    }
+
+    /// The device's `mxrl_e2m1_magnitude_fma`, operation for operation (`mul_add` is one
+    /// rounding, `min` ignores NaN as `fminf` does).
+    fn e2m1_fma_twin(a: f32) -> u8 {
+        let magic = 8_388_608.0f32;
+        let mut c = f32::NAN;
+        for (i, (slope, intercept)) in e2m1_code_lines().into_iter().enumerate() {
+            let l = a.mul_add(slope, magic + intercept);
+            c = if i == 0 { l } else { c.min(l) };
+        }
+        c = c.min(magic + 7.0);
+        (c.to_bits() - magic.to_bits()) as u8
+    }
+
+    #[test]
+    fn e2m1_fma_form_equals_the_encoder() {
+        // Every f32 magnitude with the low 8 mantissa bits 0..=2 or 0xFE/0xFF (all exponents,
+        // every high mantissa pattern), the neighbours of every threshold, and the specials:
+        // the encoder's magnitude code (sign bit masked) must come out.
+        assert_eq!(e2m1_code_lines(), vec![(2.0, 0.0), (1.0, 2.0), (0.5, 4.0)]);
+        let check = |a: f32| {
+            assert_eq!(
+                e2m1_fma_twin(a),
+                e2m1_encode(a) & 7,
+                "a = {a:e} ({:#010x})",
+                a.to_bits()
+            );
+        };
+        for hi in 0u32..(1 << 23) {
+            for lo in [0u32, 1, 2, 0xFE, 0xFF] {
+                check(f32::from_bits((hi << 8) | lo));
+            }
+        }
+        for (t, _) in e2m1_thresholds() {
+            for d in -4i32..=4 {
+                check(f32::from_bits((t.to_bits() as i32 + d) as u32));
+            }
+        }
+        for a in [0.0, f32::MIN_POSITIVE, f32::MAX, f32::INFINITY, f32::NAN] {
+            check(a);
+        }
+    }
+
+    #[test]
+    #[ignore = "exhaustive over 2^31 magnitudes (about a minute); run explicitly"]
+    fn e2m1_fma_form_equals_the_encoder_exhaustively() {
+        for bits in 0u32..=0x7FFF_FFFF {
+            let a = f32::from_bits(bits);
+            assert_eq!(
+                e2m1_fma_twin(a),
+                e2m1_encode(a) & 7,
+                "a = {a:e} ({bits:#010x})"
+            );
         }
     }
 

@@ -127,10 +127,23 @@ fn family(name: &str, rows: usize, cols: usize, seed: u64) -> Vec<f32> {
 }
 
 test_device!(families_match_the_reference, |dev| {
-    // Odd row counts leave partial warps (NVFP4: 1×16 is half a warp); 64×96 exercises
-    // column-wise strips (four columns per thread on the GPU), 32×18 the one-column path
-    // (K % 4 ≠ 0), 3×2096 rows longer than one pass of the GPU's fused per-row NVFP4 kernel.
-    for (rows, cols) in [(1, 16), (3, 48), (64, 96), (32, 256), (32, 18), (3, 2096)] {
+    // Odd row counts leave partial warps (NVFP4: 1×16 is half a warp). Column-wise on the
+    // GPU: 64×96 and 32×20 the register kernel for both dtypes (8 bytes of columns per
+    // thread), 32×18 the register kernel for f32 and the one-column kernel for BF16
+    // (K % 4 ≠ 0), 32×17 the one-column kernel for both. Per-row NVFP4: 3×2096 (131 blocks)
+    // leaves the register chunks partly filled, 2×65552 has rows longer than the register
+    // cache (4 blocks × 1024 threads), whose rest is read again.
+    for (rows, cols) in [
+        (1, 16),
+        (3, 48),
+        (64, 96),
+        (32, 256),
+        (32, 18),
+        (32, 20),
+        (32, 17),
+        (3, 2096),
+        (2, 65552),
+    ] {
         for (i, fam) in ["random", "boundary", "zeros", "maxes", "special"]
             .iter()
             .enumerate()
@@ -430,5 +443,42 @@ fn cuda_quantize_into_reused_outputs_matches_the_reference() {
         assert!(dev
             .quantize_device_into(&dx, shape, wrong, &mut out)
             .is_err());
+    }
+}
+
+/// NVFP4 with an amax computed by the device's amax kernel and passed in
+/// (`CudaDevice::amax` + `CudaDevice::nvfp4_with_amax`, the one-thread-per-block kernel with
+/// per-row or per-tensor amax) gives the reference's bytes.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_nvfp4_with_precomputed_amax_matches_the_reference() {
+    use mxrl_formats::AmaxScope;
+    let dev = mxrl_cuda::CudaDevice::shared(0)
+        .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"));
+    for shape in [[3, 48], [64, 2096]] {
+        for (i, fam) in ["random", "boundary", "special", "maxes"]
+            .iter()
+            .enumerate()
+        {
+            let x = family(fam, shape[0], shape[1], 500 + i as u64);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            for input in [Input::F32(&x), Input::Bf16(&xb)] {
+                for (scope, scheme) in [
+                    (AmaxScope::PerTensor, Scheme::NVFP4_TENSOR),
+                    (AmaxScope::PerRow, Scheme::NVFP4_ROW),
+                ] {
+                    let dx = dev.upload(input).unwrap();
+                    let amax = dev.amax(&dx, shape, scope).unwrap();
+                    let q = dev.nvfp4_with_amax(&dx, shape, scope, amax).unwrap();
+                    let got = dev.download(&q).unwrap();
+                    let want = match input {
+                        Input::F32(v) => reference::quantize(v, &shape, scheme, Padding::Reject),
+                        Input::Bf16(v) => reference::quantize(v, &shape, scheme, Padding::Reject),
+                    }
+                    .unwrap();
+                    assert_same(&*dev, &got, &want, &format!("with amax {fam} {scheme}"));
+                }
+            }
+        }
     }
 }
