@@ -813,12 +813,26 @@ impl CudaDevice {
                     return Ok(());
                 }
                 // Enough threads that each keeps at most NVFP4_ROW_CHUNKS 16-blocks of its row
-                // in registers (warp multiples, 32..=1024); longer rows re-read the rest.
+                // in registers (warp multiples, 32 up to what the kernel's register use allows
+                // per block: ~96 registers per thread, so 1024 threads would exceed an SM's
+                // 64 K registers and the launch would be refused); longer rows re-read the rest.
+                let func = match x {
+                    DeviceInput::F32(_) => &self.k.nvfp4_row_reg_f32,
+                    DeviceInput::Bf16(_) => &self.k.nvfp4_row_reg_bf16,
+                };
+                let max_threads = func
+                    .get_attribute(
+                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                    )
+                    .map_err(|e| self.err(e))?
+                    .clamp(32, 1024) as usize
+                    / 32
+                    * 32;
                 let blocks_per_row = shape[1] / NVFP4_BLOCK;
                 let threads = blocks_per_row
                     .div_ceil(NVFP4_ROW_CHUNKS)
                     .next_multiple_of(32)
-                    .clamp(32, 1024) as u32;
+                    .clamp(32, max_threads) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (shape[0] as u32, 1, 1),
                     block_dim: (threads, 1, 1),
@@ -838,7 +852,8 @@ impl CudaDevice {
                 // (≥ M entries, checked), data[r·K/2 + 8b..+8) as one aligned 8-byte store and
                 // scales[r·K/16 + b] for its 16-blocks b < K/16 (n/2 and n/16 entries,
                 // checked); every thread reaches the one __syncthreads and the full-warp
-                // shuffles (no early return); blockDim is a multiple of 32 and ≤ 1024, within
+                // shuffles (no early return); blockDim is a multiple of 32, ≤ 1024 and ≤ the
+                // kernel's per-block limit, within
                 // the kernel's 32-warp array; argument types match (T*, u32*, u8*, u8*, u64).
                 unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
             }

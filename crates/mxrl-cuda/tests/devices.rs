@@ -132,7 +132,8 @@ test_device!(families_match_the_reference, |dev| {
     // thread), 32×18 the register kernel for f32 and the one-column kernel for BF16
     // (K % 4 ≠ 0), 32×17 the one-column kernel for both. Per-row NVFP4: 3×2096 (131 blocks)
     // leaves the register chunks partly filled, 2×65552 has rows longer than the register
-    // cache (4 blocks × 1024 threads), whose rest is read again.
+    // cache (4 blocks per thread, threads limited by the kernel's registers), whose rest is read
+    // again.
     for (rows, cols) in [
         (1, 16),
         (3, 48),
