@@ -152,7 +152,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
 // row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16
 // (exact). One block of QA_THREADS per row: a pass for the amax, then the quantization pass
-// (nvfp4_quantize's operation order, two threads per 16-element block).
+// (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16; two threads per
+// 16-element block).
 #define QA_THREADS 128
 extern "C" __global__ void __launch_bounds__(QA_THREADS)
     quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
