@@ -2993,6 +2993,69 @@ mod tests {
         }
     }
 
+    /// Binding a Unix socket path replaces only a stale socket file (nobody listening); a
+    /// regular file, a directory, a symlink (even to a stale socket) and a live server's socket
+    /// are refused, naming the path and why, and left as they were.
+    #[test]
+    fn a_unix_socket_path_replaces_only_a_stale_socket() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bind = |p: &Path| {
+            let t = trainer(0.0, Format::Bf16);
+            let limits = Limits::for_model(SHAPE, &t.rollout().unwrap().weights());
+            let engine = RolloutEngine::new(t.rollout().unwrap(), 0, "h");
+            RolloutServer::bind(
+                &Endpoint::Unix(p.into()),
+                engine,
+                ServerConfig::new("bf16", "t", limits),
+            )
+        };
+        let is_socket = |p: &Path| {
+            std::fs::symlink_metadata(p)
+                .unwrap()
+                .file_type()
+                .is_socket()
+        };
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        assert!(is_socket(&stale));
+
+        let file = dir.path().join("file.sock");
+        std::fs::write(&file, "keep me").unwrap();
+        let sub = dir.path().join("dir.sock");
+        std::fs::create_dir(&sub).unwrap();
+        let link = dir.path().join("link.sock");
+        std::os::unix::fs::symlink(&stale, &link).unwrap();
+        for p in [&file, &sub, &link] {
+            let e = bind(p).unwrap_err().to_string();
+            assert!(
+                e.contains("not a socket") && e.contains(&p.display().to_string()),
+                "{e}"
+            );
+        }
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+        assert!(sub.is_dir());
+        assert_eq!(std::fs::read_link(&link).unwrap(), stale);
+        assert!(is_socket(&stale));
+
+        // The stale socket is replaced by a live one; a second server is refused there.
+        let srv = bind(&stale).unwrap();
+        assert!(is_socket(&stale));
+        std::os::unix::net::UnixStream::connect(&stale).unwrap();
+        let e = bind(&stale).unwrap_err().to_string();
+        assert!(e.contains("another server is listening there"), "{e}");
+        // The server removes its socket when it goes away (and nothing else).
+        drop(srv);
+        assert!(!stale.exists());
+        assert!(file.exists() && sub.is_dir() && link.symlink_metadata().is_ok());
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".mxrl-sock-"))
+            .collect();
+        assert!(left.is_empty(), "staging directories left: {left:?}");
+    }
+
     #[test]
     fn remote_policy_matches_the_local_policy_and_shuts_down() {
         let dir = tempfile::tempdir().unwrap();
