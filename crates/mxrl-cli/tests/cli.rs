@@ -175,6 +175,54 @@ fn quantize_format_writes_all_tensors_and_inspect_reads_them() {
     assert!(ok.success() && bad_out.exists());
 }
 
+/// `bench model --json-out` (written through `mxrl_ckpt::write_bytes_atomic`, whose own tests
+/// show the replacement happens only on success): an existing file is replaced by the complete
+/// results, and nothing else (no hidden temporary) is left in the directory.
+#[test]
+fn bench_model_json_out_replaces_the_file_and_leaves_no_temporary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("bench.json");
+    std::fs::write(&out, "previous run").unwrap();
+    let res = mxrl()
+        .args([
+            "bench",
+            "model",
+            "--small",
+            "--layers",
+            "1",
+            "--prefill",
+            "8",
+        ])
+        .args([
+            "--batches",
+            "1",
+            "--prompt",
+            "4",
+            "--steps",
+            "1",
+            "--reps",
+            "1",
+        ])
+        .args(["--train-seqs", "0", "--json-out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(r["device"], "cpu", "{r}");
+    assert_eq!(r["prefill_tokens"], 8, "{r}");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["bench.json"], "{names:?}");
+}
+
 fn mxrl_formats_hash() -> &'static str {
     mxrl_formats::contract_hash()
 }

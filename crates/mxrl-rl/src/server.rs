@@ -1042,6 +1042,14 @@ pub enum ServerEvent {
         /// The client.
         peer: String,
     },
+    /// A TLS connection closed before its handshake completed (a client without TLS, one
+    /// that does not accept the certificate, a protocol mismatch, the handshake timeout).
+    TlsHandshakeFailed {
+        /// The client.
+        peer: String,
+        /// What the connection saw.
+        error: String,
+    },
     /// `accept` failed (e.g. out of file descriptors); the server retries.
     AcceptFailed {
         /// The error.
@@ -1089,6 +1097,12 @@ impl std::fmt::Display for ServerEvent {
             } => write!(f, "{peer}: {request} refused: {error}"),
             ServerEvent::Unauthenticated { peer } => {
                 write!(f, "{peer}: call without a valid token refused")
+            }
+            ServerEvent::TlsHandshakeFailed { peer, error } => {
+                write!(
+                    f,
+                    "{peer}: TLS handshake failed ({error}); connection closed"
+                )
             }
             ServerEvent::AcceptFailed { error } => {
                 write!(f, "accept failed ({error}); retrying")
@@ -1680,6 +1694,56 @@ struct Conn<IO> {
     idle: Duration,
     deadline: Pin<Box<tokio::time::Sleep>>,
     peer: String,
+    /// On a TLS listener, until the handshake completed.
+    handshake: Option<Handshake>,
+}
+
+/// A TLS connection's handshake, watched for its failure. tonic runs the handshake itself and
+/// drops a connection whose handshake failed with nothing but a debug trace; it asks a
+/// connection for its [`Connected::connect_info`](tonic::transport::server::Connected) only
+/// when it starts serving it, after the handshake. A connection dropped before that reports
+/// [`ServerEvent::TlsHandshakeFailed`] with what it saw on the socket.
+struct Handshake {
+    done: std::sync::atomic::AtomicBool,
+    started: std::time::Instant,
+    /// The first end of the byte stream seen during the handshake (an error, the peer's EOF).
+    seen: Option<String>,
+    events: mpsc::Sender<ServerEvent>,
+}
+
+impl<IO> Conn<IO> {
+    /// Remember `what` as the reason a pending handshake may fail.
+    fn note(&mut self, what: impl FnOnce() -> String) {
+        if let Some(h) = &mut self.handshake {
+            if h.seen.is_none() && !h.done.load(std::sync::atomic::Ordering::Relaxed) {
+                h.seen = Some(what());
+            }
+        }
+    }
+}
+
+impl<IO> Drop for Conn<IO> {
+    fn drop(&mut self) {
+        let Some(h) = self.handshake.take() else {
+            return;
+        };
+        if h.done.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let error = match h.seen {
+            Some(e) => e,
+            None if h.started.elapsed() >= TLS_HANDSHAKE_TIMEOUT => {
+                format!("not completed within {} s", TLS_HANDSHAKE_TIMEOUT.as_secs())
+            }
+            None => "refused by TLS: not a TLS client, a certificate the client does not \
+                     accept, or a protocol mismatch"
+                .into(),
+        };
+        let _ = h.events.send(ServerEvent::TlsHandshakeFailed {
+            peer: std::mem::take(&mut self.peer),
+            error,
+        });
+    }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
@@ -1689,22 +1753,32 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
+        let wanted = buf.remaining() > 0;
         match Pin::new(&mut self.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
                     let at = tokio::time::Instant::now() + self.idle;
                     self.deadline.as_mut().reset(at);
+                } else if wanted {
+                    self.note(|| "the client closed the connection".into());
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => match std::future::Future::poll(self.deadline.as_mut(), cx) {
-                Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "idle connection closed",
-                ))),
+                Poll::Ready(()) => {
+                    let idle = self.idle;
+                    self.note(|| format!("no byte from the client for {idle:?}"));
+                    Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "idle connection closed",
+                    )))
+                }
                 Poll::Pending => Poll::Pending,
             },
-            other => other,
+            Poll::Ready(Err(e)) => {
+                self.note(|| format!("reading: {e}"));
+                Poll::Ready(Err(e))
+            }
         }
     }
 }
@@ -1715,7 +1789,11 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if let Poll::Ready(Err(e)) = &r {
+            self.note(|| format!("writing: {e}"));
+        }
+        r
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.io).poll_flush(cx)
@@ -1728,7 +1806,11 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Err(e)) = &r {
+            self.note(|| format!("writing: {e}"));
+        }
+        r
     }
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
@@ -1738,6 +1820,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
 impl<IO> tonic::transport::server::Connected for Conn<IO> {
     type ConnectInfo = ConnInfo;
     fn connect_info(&self) -> ConnInfo {
+        if let Some(h) = &self.handshake {
+            h.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         ConnInfo(self.peer.clone())
     }
 }
@@ -1775,10 +1860,13 @@ impl Acceptor for UnixAcceptor {
     }
 }
 
+/// The connections `listener` accepts; on a TLS listener (`tls`) each one reports a failed
+/// handshake.
 fn incoming<A: Acceptor>(
     listener: A,
     slots: Arc<Semaphore>,
     idle: Duration,
+    tls: bool,
     events: mpsc::Sender<ServerEvent>,
 ) -> impl tokio_stream::Stream<Item = Result<Conn<A::Io>, std::io::Error>> {
     async_stream::stream! {
@@ -1793,6 +1881,12 @@ fn incoming<A: Acceptor>(
                             idle,
                             deadline: Box::pin(tokio::time::sleep(idle)),
                             peer,
+                            handshake: tls.then(|| Handshake {
+                                done: false.into(),
+                                started: std::time::Instant::now(),
+                                seen: None,
+                                events: events.clone(),
+                            }),
                         });
                         break;
                     }
@@ -2066,14 +2160,15 @@ impl<P: RolloutPolicy + Send + 'static> RolloutServer<P> {
                         .and_then(tokio::net::UnixListener::from_std)
                         .map_err(|e| err("listen", e.to_string()))?;
                     let a = UnixAcceptor(l, endpoint.to_string(), Default::default());
-                    rt.spawn(run_grpc(svc, incoming(a, slots, idle, ev_tx), stop))
+                    rt.spawn(run_grpc(svc, incoming(a, slots, idle, false, ev_tx), stop))
                 }
                 Listener::Tcp(l) => {
                     let l = l
                         .try_clone()
                         .and_then(tokio::net::TcpListener::from_std)
                         .map_err(|e| err("listen", e.to_string()))?;
-                    rt.spawn(run_grpc(svc, incoming(l, slots, idle, ev_tx), stop))
+                    let tls = inner.cfg.tls.is_some();
+                    rt.spawn(run_grpc(svc, incoming(l, slots, idle, tls, ev_tx), stop))
                 }
             }
         };
@@ -2948,7 +3043,7 @@ mod tests {
 
     fn until(
         rx: &mpsc::Receiver<ServerEvent>,
-        stop: impl Fn(&ServerEvent) -> bool,
+        mut stop: impl FnMut(&ServerEvent) -> bool,
     ) -> Vec<ServerEvent> {
         let mut out = Vec::new();
         loop {
@@ -2991,6 +3086,69 @@ mod tests {
             let e = bad.parse::<Endpoint>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("unix:PATH"), "{e}");
         }
+    }
+
+    /// Binding a Unix socket path replaces only a stale socket file (nobody listening); a
+    /// regular file, a directory, a symlink (even to a stale socket) and a live server's socket
+    /// are refused, naming the path and why, and left as they were.
+    #[test]
+    fn a_unix_socket_path_replaces_only_a_stale_socket() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bind = |p: &Path| {
+            let t = trainer(0.0, Format::Bf16);
+            let limits = Limits::for_model(SHAPE, &t.rollout().unwrap().weights());
+            let engine = RolloutEngine::new(t.rollout().unwrap(), 0, "h");
+            RolloutServer::bind(
+                &Endpoint::Unix(p.into()),
+                engine,
+                ServerConfig::new("bf16", "t", limits),
+            )
+        };
+        let is_socket = |p: &Path| {
+            std::fs::symlink_metadata(p)
+                .unwrap()
+                .file_type()
+                .is_socket()
+        };
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        assert!(is_socket(&stale));
+
+        let file = dir.path().join("file.sock");
+        std::fs::write(&file, "keep me").unwrap();
+        let sub = dir.path().join("dir.sock");
+        std::fs::create_dir(&sub).unwrap();
+        let link = dir.path().join("link.sock");
+        std::os::unix::fs::symlink(&stale, &link).unwrap();
+        for p in [&file, &sub, &link] {
+            let e = bind(p).unwrap_err().to_string();
+            assert!(
+                e.contains("not a socket") && e.contains(&p.display().to_string()),
+                "{e}"
+            );
+        }
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+        assert!(sub.is_dir());
+        assert_eq!(std::fs::read_link(&link).unwrap(), stale);
+        assert!(is_socket(&stale));
+
+        // The stale socket is replaced by a live one; a second server is refused there.
+        let srv = bind(&stale).unwrap();
+        assert!(is_socket(&stale));
+        std::os::unix::net::UnixStream::connect(&stale).unwrap();
+        let e = bind(&stale).unwrap_err().to_string();
+        assert!(e.contains("another server is listening there"), "{e}");
+        // The server removes its socket when it goes away (and nothing else).
+        drop(srv);
+        assert!(!stale.exists());
+        assert!(file.exists() && sub.is_dir() && link.symlink_metadata().is_ok());
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".mxrl-sock-"))
+            .collect();
+        assert!(left.is_empty(), "staging directories left: {left:?}");
     }
 
     #[test]
@@ -3666,7 +3824,8 @@ mod tests {
 
     /// TLS on loopback: the right CA works end to end (info, an update, generate, fetch), the
     /// token is still required, and a client without TLS, with another CA or checking another
-    /// name fails to connect without the server noticing anything but a failed handshake.
+    /// name fails to connect without the server noticing anything but a failed handshake,
+    /// which it logs with the client's address.
     #[test]
     fn tls_serves_a_client_trusting_its_ca_and_nobody_else() {
         let pki = Pki::new("right");
@@ -3742,10 +3901,51 @@ mod tests {
             assert!(e.refusal().is_none(), "{what}: {e}");
             assert!(e.to_string().contains(says), "{what}: {e}");
         }
-        // The server kept serving throughout.
-        assert_eq!(c.info().unwrap().version, 1);
+        // A client that connects and closes without sending a byte.
+        let Endpoint::Tcp(addr) = &srv.at else {
+            unreachable!()
+        };
+        let raw = std::net::TcpStream::connect(addr).unwrap();
+        let raw_peer = format!("tcp:{}", raw.local_addr().unwrap());
+        drop(raw);
+        // Each failed handshake is in the server's log with the client's address and what
+        // its socket saw (a client may try more than once); a served connection that closes
+        // reports none.
+        let (mut failed, mut raw_seen) = (0, false);
+        let mut seen = evs;
+        seen.extend(until(&srv.rx, |e| {
+            if let ServerEvent::TlsHandshakeFailed { peer, error } = e {
+                failed += 1;
+                if *peer == raw_peer {
+                    assert_eq!(error, "the client closed the connection", "{e}");
+                    raw_seen = true;
+                }
+            }
+            failed > attempts.len() && raw_seen
+        }));
+        assert_eq!(c.info().unwrap().version, 1, "the server kept serving");
+        drop(anon);
+        std::thread::sleep(Duration::from_millis(300));
         c.shutdown().unwrap();
         srv.h.join().unwrap();
+        seen.extend(srv.rx.try_iter());
+        let served: Vec<&str> = seen
+            .iter()
+            .filter_map(|e| match e {
+                ServerEvent::Applied { peer, .. }
+                | ServerEvent::Unauthenticated { peer }
+                | ServerEvent::Shutdown { peer } => peer.strip_suffix(" (TLS)"),
+                _ => None,
+            })
+            .collect();
+        assert!(served.len() >= 2, "{seen:?}");
+        for e in &seen {
+            if let ServerEvent::TlsHandshakeFailed { peer, error } = e {
+                assert!(peer.starts_with("tcp:127.0.0.1:"), "{e}");
+                assert!(!served.contains(&peer.as_str()), "{e} (served): {seen:?}");
+                assert!(!error.is_empty(), "{e}");
+            }
+        }
     }
 
     /// Off loopback: the server refuses to start without TLS and a client refuses to connect

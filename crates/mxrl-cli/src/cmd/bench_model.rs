@@ -63,7 +63,7 @@ pub struct ModelArgs {
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
-    /// Write the results as JSON.
+    /// Write the results as JSON (atomically: the file is replaced only once complete).
     #[arg(long)]
     json_out: Option<PathBuf>,
     /// Dense BF16 peak of the device in TFLOP/s for the MFU figure (H200: 989 by the
@@ -483,7 +483,10 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
         );
     }
     if let Some(p) = &a.json_out {
-        std::fs::write(p, serde_json::to_string_pretty(r)?)
+        // Through the one atomic-write helper: an interrupted run leaves the previous file
+        // (or none), never a truncated one.
+        let json = serde_json::to_string_pretty(r)?;
+        mxrl_ckpt::write_bytes_atomic(p, json.as_bytes())
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
