@@ -1,5 +1,5 @@
 // Small engine ops with no family of their own. References (mxrl_tensor::device::CpuBackend):
-// add_bias, bias_backward, scale, kv_fill. All bitwise with their references: elementwise f32,
+// add_bias, bias_backward, kv_fill. All bitwise with their references: elementwise f32,
 // and bias_backward sums rows in row order exactly as the CPU loop does.
 
 // y[r, j] += b[j], r < rows, j < n.
@@ -15,12 +15,6 @@ extern "C" __global__ void bias_backward(const float* __restrict__ dy, float* __
     float acc = db[j];
     for (u64 r = 0; r < rows; ++r) acc = __fadd_rn(acc, dy[r * n + j]);
     db[j] = acc;
-}
-
-// x[i] *= s, i < n.
-extern "C" __global__ void scale(float* __restrict__ x, float s, u64 n) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 
 // Prefill cache fill: row r of packed sequence b (rows offsets[b]..offsets[b+1]) goes to slot b,

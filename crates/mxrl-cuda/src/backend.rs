@@ -1420,10 +1420,6 @@ impl Backend for CudaBackend {
         Ok(v[0])
     }
 
-    fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()> {
-        self.eng.scale(&mut x.as_view_mut(), s, n).map_err(de)
-    }
-
     fn adamw(
         &self,
         param: &mut Self::F32,

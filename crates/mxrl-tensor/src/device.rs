@@ -576,11 +576,6 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64>;
-    /// Multiplies the first `n` entries of `x` by `s` (gradient clipping).
-    ///
-    /// # Errors
-    /// Device failure.
-    fn scale(&self, x: &mut Self::F32, n: usize, s: f32) -> DResult<()>;
     /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) on the
     /// gradient multiplied by `grad_scale` first (`fl(g · s)`, the clipping coefficient, 1 for
     /// none: the same bits as scaling the gradient in place and stepping; the gradient buffer
@@ -1831,13 +1826,6 @@ impl Backend for CpuBackend {
     fn grad_norm(&self, grads: &[(&Vec<f32>, usize)]) -> DResult<f64> {
         let slices: Vec<&[f32]> = grads.iter().map(|(g, n)| &g[..*n]).collect();
         Ok(crate::optim::global_grad_norm(&slices))
-    }
-
-    fn scale(&self, x: &mut Vec<f32>, n: usize, s: f32) -> DResult<()> {
-        for v in &mut x[..n] {
-            *v *= s;
-        }
-        Ok(())
     }
 
     fn adamw(

@@ -25,7 +25,6 @@ pub struct EngineOps {
     gpu: Gpu,
     add_bias: CudaFunction,
     bias_backward: CudaFunction,
-    scale: CudaFunction,
     kv_fill: CudaFunction,
 }
 
@@ -44,7 +43,6 @@ impl EngineOps {
             gpu: gpu.clone(),
             add_bias: f("add_bias")?,
             bias_backward: f("bias_backward")?,
-            scale: f("scale")?,
             kv_fill: f("kv_fill")?,
         })
     }
@@ -93,23 +91,6 @@ impl EngineOps {
         let mut l = self.gpu.stream().launch_builder(&self.bias_backward);
         l.arg(dy).arg(db).arg(&r).arg(&c);
         // SAFETY: thread j < n reads dy[r·n + j] for r < rows and updates db[j]; checked above.
-        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
-        Ok(())
-    }
-
-    /// `x[i] *= s`, `i < n`.
-    ///
-    /// # Errors
-    /// Short buffer; launch errors.
-    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32, n: usize) -> Result<(), DeviceError> {
-        check(&self.gpu, "scale x", x.len(), n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let c = n as u64;
-        let mut l = self.gpu.stream().launch_builder(&self.scale);
-        l.arg(x).arg(&s).arg(&c);
-        // SAFETY: thread i < n updates x[i]; checked above.
         unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
