@@ -7,7 +7,8 @@
 use crate::{module_cache_key, module_source, DeviceError, Input, QuantDevice, NVRTC_OPTIONS};
 use cudarc::cublas::{sys as cublas_sys, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use mxrl_formats::{
@@ -32,6 +33,14 @@ type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
 fn module_cache() -> &'static ModuleCache {
     static CACHE: OnceLock<ModuleCache> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// NVFP4 amax entries of a `shape` input: one per tensor, or one per row.
+fn amax_len(shape: [usize; 2], scope: AmaxScope) -> usize {
+    match scope {
+        AmaxScope::PerTensor => 1,
+        AmaxScope::PerRow => shape[0],
+    }
 }
 
 /// Shared devices by ordinal (tests and tools reuse one context and module per GPU).
@@ -326,6 +335,25 @@ impl CudaDevice {
         unsafe { self.stream.alloc::<T>(len) }.map_err(|e| self.err(e))
     }
 
+    /// A launch of `f32k` or `bf16k` by the input's element type, with the input as its
+    /// first argument.
+    fn launch_on<'a>(
+        &'a self,
+        x: &'a DeviceInput,
+        f32k: &'a CudaFunction,
+        bf16k: &'a CudaFunction,
+    ) -> LaunchArgs<'a> {
+        let mut b = self.stream.launch_builder(match x {
+            DeviceInput::F32(_) => f32k,
+            DeviceInput::Bf16(_) => bf16k,
+        });
+        match x {
+            DeviceInput::F32(s) => b.arg(s),
+            DeviceInput::Bf16(s) => b.arg(s),
+        };
+        b
+    }
+
     fn grid(&self, threads_total: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (threads_total.div_ceil(THREADS as usize) as u32, 1, 1),
@@ -402,14 +430,7 @@ impl CudaDevice {
             let half = (n / 8).div_ceil(2).next_multiple_of(32);
             let cfg = self.grid(half);
             let half = half as u64;
-            let mut b = match x {
-                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.mxfp8_row_f32),
-                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.mxfp8_row_bf16),
-            };
-            match x {
-                DeviceInput::F32(s) => b.arg(s),
-                DeviceInput::Bf16(s) => b.arg(s),
-            };
+            let mut b = self.launch_on(x, &self.k.mxfp8_row_f32, &self.k.mxfp8_row_bf16);
             b.arg(data).arg(scales).arg(&n_blocks).arg(&half);
             // SAFETY: the grid covers `half` threads, each taking quarters q = t and t + half
             // with 2·half ≥ n/8 = 4·n_blocks; for q < 4·n_blocks it reads x[8q..8q+8) with one
@@ -473,15 +494,10 @@ impl CudaDevice {
         } else {
             self.grid((strips * cols) as usize)
         };
-        let mut b = match (x, reg) {
-            (DeviceInput::F32(_), true) => self.stream.launch_builder(&self.k.mxfp8_col_reg_f32),
-            (DeviceInput::Bf16(_), true) => self.stream.launch_builder(&self.k.mxfp8_col_reg_bf16),
-            (DeviceInput::F32(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_f32),
-            (DeviceInput::Bf16(_), false) => self.stream.launch_builder(&self.k.mxfp8_col_bf16),
-        };
-        match x {
-            DeviceInput::F32(s) => b.arg(s),
-            DeviceInput::Bf16(s) => b.arg(s),
+        let mut b = if reg {
+            self.launch_on(x, &self.k.mxfp8_col_reg_f32, &self.k.mxfp8_col_reg_bf16)
+        } else {
+            self.launch_on(x, &self.k.mxfp8_col_f32, &self.k.mxfp8_col_bf16)
         };
         b.arg(data).arg(scales).arg(&strips).arg(&cols);
         // SAFETY: col_reg (K % G == 0, G = 2 for f32, 4 for BF16): thread t < strips·K/G
@@ -511,14 +527,9 @@ impl CudaDevice {
             .ok_or_else(|| self.err(format!("shape {shape:?} overflows")))?;
         let (data, scales, amax) = match scheme {
             Scheme::MXFP8_ROW | Scheme::MXFP8_COL => (n, n / MXFP8_BLOCK, None),
-            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => (
-                n / 2,
-                n / NVFP4_BLOCK,
-                Some(match s.amax {
-                    AmaxScope::PerTensor => 1,
-                    AmaxScope::PerRow => shape[0],
-                }),
-            ),
+            Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => {
+                (n / 2, n / NVFP4_BLOCK, Some(amax_len(shape, s.amax)))
+            }
             other => {
                 return Err(DeviceError::Unsupported {
                     device: self.name(),
@@ -636,14 +647,7 @@ impl CudaDevice {
             .alloc_zeros::<u32>(len)
             .map_err(|e| self.err(e))?;
         if len > 0 && x.len() > 0 {
-            let mut b = match x {
-                DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_f32),
-                DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_bf16),
-            };
-            match x {
-                DeviceInput::F32(s) => b.arg(s),
-                DeviceInput::Bf16(s) => b.arg(s),
-            };
+            let mut b = self.launch_on(x, &self.k.amax_f32, &self.k.amax_bf16);
             b.arg(&mut out).arg(&rows).arg(&cols).arg(&per_row);
             // SAFETY: (8-element aligned loads; callers guarantee cols % 16 == 0.) Per row,
             // block r < rows reads x[r·cols..(r+1)·cols) and writes out[r]
@@ -672,10 +676,7 @@ impl CudaDevice {
             blocks: Nvfp4Blocks::Vector,
         });
         self.check(x, shape, scheme)?;
-        let want = match scope {
-            AmaxScope::PerTensor => 1,
-            AmaxScope::PerRow => shape[0],
-        };
+        let want = amax_len(shape, scope);
         if amax_bits.len() != want {
             return Err(FormatError::LengthMismatch {
                 what: "amax",
@@ -712,10 +713,7 @@ impl CudaDevice {
     ) -> Result<(), DeviceError> {
         let n = shape[0] * shape[1];
         let n_blocks = n / NVFP4_BLOCK;
-        let want_amax = match scope {
-            AmaxScope::PerTensor => 1,
-            AmaxScope::PerRow => shape[0],
-        };
+        let want_amax = amax_len(shape, scope);
         assert!(
             x.len() == n
                 && data.len() >= n / 2
@@ -733,14 +731,7 @@ impl CudaDevice {
             i32::from(scope == AmaxScope::PerRow),
         );
         let cfg = self.grid(n_blocks);
-        let mut b = match x {
-            DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_blocks_f32),
-            DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_blocks_bf16),
-        };
-        match x {
-            DeviceInput::F32(s) => b.arg(s),
-            DeviceInput::Bf16(s) => b.arg(s),
-        };
+        let mut b = self.launch_on(x, &self.k.nvfp4_blocks_f32, &self.k.nvfp4_blocks_bf16);
         b.arg(amax)
             .arg(data)
             .arg(scales)
@@ -796,10 +787,7 @@ impl CudaDevice {
         self.check(x, shape, scheme)?;
         let n = x.len();
         self.check_out(data.len(), n / 2, scales.len(), n / NVFP4_BLOCK)?;
-        let want_amax = match scope {
-            AmaxScope::PerTensor => 1,
-            AmaxScope::PerRow => shape[0],
-        };
+        let want_amax = amax_len(shape, scope);
         if amax.len() < want_amax {
             return Err(self.err(format!(
                 "NVFP4 amax buffer of {} entries, {want_amax} needed",
@@ -838,10 +826,7 @@ impl CudaDevice {
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = match x {
-                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.nvfp4_row_reg_f32),
-                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.nvfp4_row_reg_bf16),
-                };
+                let mut b = self.stream.launch_builder(func);
                 match x {
                     DeviceInput::F32(s) => b.arg(s),
                     DeviceInput::Bf16(s) => b.arg(s),
@@ -853,8 +838,8 @@ impl CudaDevice {
                 // scales[r·K/16 + b] for its 16-blocks b < K/16 (n/2 and n/16 entries,
                 // checked); every thread reaches the one __syncthreads and the full-warp
                 // shuffles (no early return); blockDim is a multiple of 32, ≤ 1024 and ≤ the
-                // kernel's per-block limit, within
-                // the kernel's 32-warp array; argument types match (T*, u32*, u8*, u8*, u64).
+                // kernel's per-block limit, within the kernel's 32-warp array; argument types
+                // match (T*, u32*, u8*, u8*, u64).
                 unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
             }
             AmaxScope::PerTensor => {
@@ -875,14 +860,7 @@ impl CudaDevice {
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = match x {
-                    DeviceInput::F32(_) => self.stream.launch_builder(&self.k.amax_tensor_f32),
-                    DeviceInput::Bf16(_) => self.stream.launch_builder(&self.k.amax_tensor_bf16),
-                };
-                match x {
-                    DeviceInput::F32(s) => b.arg(s),
-                    DeviceInput::Bf16(s) => b.arg(s),
-                };
+                let mut b = self.launch_on(x, &self.k.amax_tensor_f32, &self.k.amax_tensor_bf16);
                 b.arg(&mut *amax).arg(&chunks);
                 // SAFETY: the grid-stride loops read 8-element chunks i < n/8, x[8i..8i+8)
                 // (16-byte aligned loads; n % 16 == 0 since K % 16 == 0 was checked), and
