@@ -1279,7 +1279,7 @@ fn large_m_path_dequantized_weights_tensor_cores_and_row_alpha_match_the_cpu_emu
     }
 }
 
-/// A decode step's quantize + GEMM for both formats, recorded once and replayed with new
+/// A decode step's quantize + GEMM for both formats (small-M and fragment kernels), recorded once and replayed with new
 /// activations written into the same input buffer, equals the direct calls bit for bit.
 #[test]
 fn decode_step_replays_in_a_cuda_graph() {
@@ -1291,30 +1291,43 @@ fn decode_step_replays_in_a_cuda_graph() {
     let x2 = test_values(s.rows * s.k, 43, 3.0);
     let wm = quantize_experts(LowByte::Mxfp8, s.experts, s.n, s.k, 44);
     let wn = quantize_experts(LowByte::Nvfp4, s.experts, s.n, s.k, 45);
-    // Direct results for x2.
-    let mut dm = upload(&g, &c, &x2, &wm);
-    let mut dn = upload(&g, &c, &x2, &wn);
-    run_small_m(&ops, LowByte::Mxfp8, None, &c, &mut dm);
-    run_small_m(&ops, LowByte::Nvfp4, None, &c, &mut dn);
-    let (want_m, want_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
-    // Record with x1 in place, then replay after writing x2.
-    let mut dm = upload(&g, &c, &x1, &wm);
-    let mut dn = upload(&g, &c, &x1, &wn);
-    g.sync().unwrap();
-    g.begin_capture().unwrap();
-    run_small_m(&ops, LowByte::Mxfp8, None, &c, &mut dm);
-    run_small_m(&ops, LowByte::Nvfp4, None, &c, &mut dn);
-    let graph = g.end_capture().unwrap().expect("a recorded graph");
-    g.write(&mut dm.x, &x2).unwrap();
-    g.write(&mut dn.x, &x2).unwrap();
-    graph.launch().unwrap();
-    let (got_m, got_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
-    for (what, got, want) in [("MXFP8", got_m, want_m), ("NVFP4", got_n, want_n)] {
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{what}: graph replay differs from the direct calls");
+    // The small-M kernels and the fragment kernels, each as a decode step would record it.
+    for frag in [false, true] {
+        let run = |f: LowByte, d: &mut Dev| {
+            if frag {
+                run_frag(&ops, f, None, &c, d)
+            } else {
+                run_small_m(&ops, f, None, &c, d)
+            }
+        };
+        // Direct results for x2.
+        let mut dm = upload(&g, &c, &x2, &wm);
+        let mut dn = upload(&g, &c, &x2, &wn);
+        run(LowByte::Mxfp8, &mut dm);
+        run(LowByte::Nvfp4, &mut dn);
+        let (want_m, want_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
+        // Record with x1 in place, then replay after writing x2.
+        let mut dm = upload(&g, &c, &x1, &wm);
+        let mut dn = upload(&g, &c, &x1, &wn);
+        g.sync().unwrap();
+        g.begin_capture().unwrap();
+        run(LowByte::Mxfp8, &mut dm);
+        run(LowByte::Nvfp4, &mut dn);
+        let graph = g.end_capture().unwrap().expect("a recorded graph");
+        g.write(&mut dm.x, &x2).unwrap();
+        g.write(&mut dn.x, &x2).unwrap();
+        graph.launch().unwrap();
+        let (got_m, got_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
+        for (what, got, want) in [("MXFP8", got_m, want_m), ("NVFP4", got_n, want_n)] {
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{what} (fragment kernels: {frag}): graph replay differs from the direct calls"
+            );
+        }
     }
 }
 
@@ -1427,6 +1440,60 @@ fn launchers_reject_short_buffers_and_bad_shapes_with_named_errors() {
         "short w_amax",
         nv(s.rows, s.experts - 1),
         "grouped_nt_small_m_nvfp4 w_amax",
+    );
+    // Fragment kernels: the shared checks under their own names, N off the 32-column blocks.
+    let sf = Grouped { n: 32, ..s };
+    let efk = sf.experts * sf.n * sf.k;
+    let (fcodes, fscales) = (u8s(efk), u8s(efk / 32));
+    let fr = |x: &cudarc::driver::CudaSlice<u16>, y_len: usize, s: Grouped| {
+        let mut y = f32s(y_len);
+        ops.grouped_nt_frag_mxfp8(
+            &x.as_view(),
+            &fcodes.as_view(),
+            &fscales.as_view(),
+            &off.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+    };
+    let fy = sf.rows * sf.n;
+    fr(&x, fy, sf).expect("fragment MXFP8 with full buffers");
+    expect_err(
+        "fragment short x",
+        fr(&x_short, fy, sf),
+        "grouped_nt_frag_mxfp8 x",
+    );
+    expect_err(
+        "fragment short y",
+        fr(&x, fy - 1, sf),
+        "grouped_nt_frag_mxfp8 y",
+    );
+    expect_err("fragment n = 8", fr(&x, fy, s), "multiple of 32");
+    let (fncodes, fnscales) = (u8s(efk / 2), u8s(efk / 16));
+    let fnv = |xa: usize, wa: usize| {
+        let (xa, wa) = (f32s(xa), f32s(wa));
+        let mut y = f32s(fy);
+        ops.grouped_nt_frag_nvfp4(
+            &x.as_view(),
+            &xa.as_view(),
+            &fncodes.as_view(),
+            &fnscales.as_view(),
+            &wa.as_view(),
+            &off.as_view(),
+            &mut y.as_view_mut(),
+            sf,
+        )
+    };
+    fnv(sf.rows, sf.experts).expect("fragment NVFP4 with full buffers");
+    expect_err(
+        "fragment short x_amax",
+        fnv(sf.rows - 1, sf.experts),
+        "grouped_nt_frag_nvfp4 x_amax",
+    );
+    expect_err(
+        "fragment short w_amax",
+        fnv(sf.rows, sf.experts - 1),
+        "grouped_nt_frag_nvfp4 w_amax",
     );
     // Activation quantizers and dequantizers.
     let xf = f32s(nk);

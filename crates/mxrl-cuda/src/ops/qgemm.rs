@@ -16,6 +16,10 @@
 //!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
 //!   [`mxrl_tensor::qlinear::PreparedWeight::forward_inference`] per expert (the CPU backend's
 //!   `grouped_qlinear`).
+//! - [`QGemm::grouped_nt_tc_mxfp8`] / [`QGemm::grouped_nt_tc_nvfp4`] (weights decoded to BF16
+//!   in shared memory) and [`QGemm::grouped_nt_frag_mxfp8`] / [`QGemm::grouped_nt_frag_nvfp4`]
+//!   (decoded straight into the `mma` A fragments, K split over a block's warps): the same
+//!   products on tensor cores, same references (bound `tensor_core_sum_bound`).
 //! - [`QGemm::dequant_weights_mxfp8`] / [`QGemm::dequant_weights_nvfp4`]: stored weights →
 //!   BF16 GEMM operands for the large-M (tensor-core) path, and [`QGemm::nvfp4_scale_rows`],
 //!   NVFP4's α on that path's output.
@@ -39,7 +43,8 @@
 //!   a block at f32's limit to ±Inf, as on the CPU.
 //!
 //! Deterministic: one thread owns each output and sums in an order fixed by the shapes and
-//! the [`QLanes`] choice; no atomics on data. Every launcher checks lengths, alignment and
+//! the [`QLanes`] choice (the fragment kernels: each warp's tensor-core partial sums, added in
+//! warp order through shared memory); no atomics on data. Every launcher checks lengths, alignment and
 //! block multiples, then launches on the GPU's one stream without allocating or reading
 //! anything back, so a decode step that uses them can be captured in a CUDA graph. The
 //! grouped layout is [`super::gemm`]'s: rows of expert `e` are `offsets[e]..offsets[e+1]`
