@@ -3,8 +3,9 @@
 //! `[64, 1536, 2048]` and down `[64, 2048, 768]` — at batch 1, 32 and 128 (batch·8 rows,
 //! each token sent to 8 distinct uniformly random experts, fixed seed), on BF16 weights
 //! (`Gemm::grouped_nt_small_m`) against MXFP8 and NVFP4 weights read as stored
-//! (`QGemm::grouped_nt_small_m_{mxfp8,nvfp4}`), plus the activation quantizers that feed the
-//! low-byte kernels, all in one run.
+//! (`QGemm::grouped_nt_small_m_{mxfp8,nvfp4}`, the tensor-core kernels with weights decoded in
+//! shared memory `grouped_nt_tc_*` and straight into mma fragments `grouped_nt_frag_*`), plus
+//! the activation quantizers that feed the low-byte kernels, all in one run.
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N]`
 //!
@@ -13,8 +14,8 @@
 //! call, so each call reads its weights from device memory as a decode step does (every layer's
 //! experts are read once per step). Columns: µs per call; weight MB = bytes of the used
 //! experts' weights the kernel must read (codes + scales (+ amax)); GB/s = weight MB / time;
-//! `×BF16` = time ÷ the BF16 small-M kernel's time for the same step and projection (byte ratios:
-//! MXFP8 0.52, NVFP4 0.28). `+act` rows add the activation quantizer of that format; the
+//! `×BF16 small-M` = time ÷ the BF16 small-M kernel's time for the same step and projection,
+//! `×BF16 tiled` ÷ the BF16 tensor-core tiled kernel's (byte ratios: MXFP8 0.52, NVFP4 0.28). `+act` rows add the activation quantizer of that format; the
 //! `BF16 grouped_nt` row is what the engine's BF16 experts run (the launcher's path choice).
 //! A second table times each lane split (`QLanes`) of the low-byte kernels; `*` marks the
 //! launcher's pick.
@@ -25,7 +26,7 @@ mod bench {
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{LowByte, QGemm, QLanes};
+    use mxrl_cuda::ops::qgemm::{FragRows, LowByte, QGemm, QLanes};
     use rand::seq::index::sample;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
@@ -143,6 +144,7 @@ mod bench {
         us: f64,
         bytes: f64,
         bf16_us: f64,
+        tiled_us: f64,
     }
 
     pub fn main() {
@@ -234,6 +236,17 @@ mod bench {
                     )
                     .expect("BF16 grouped_nt");
                 });
+                // The BF16 tensor-core tiles whatever the row count (the large-M path).
+                let tiled_us = median_us(&g, &mut flush, reps, || {
+                    gemm.grouped_nt_tiled(
+                        &xq.as_view(),
+                        &w.bf16.as_view(),
+                        &off.as_view(),
+                        &mut y.as_view_mut(),
+                        s,
+                    )
+                    .expect("BF16 grouped_nt_tiled");
+                });
                 let act_mx = median_us(&g, &mut flush, reps, || {
                     q.quant_act_mxfp8(&x.as_view(), r, k, &mut xq.as_view_mut())
                         .expect("act MXFP8");
@@ -279,6 +292,39 @@ mod bench {
                         }));
                     }
                 }
+                // The fragment kernels (stored bytes decoded straight into mma fragments), the
+                // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert.
+                let mut frag_us = [None, None];
+                let frag_rows = FragRows::for_rows(r, EXPERTS);
+                if QGemm::frag_fits(n, k) {
+                    for f in LowByte::ALL {
+                        frag_us[f as usize] = Some(median_us(&g, &mut flush, reps, || {
+                            let (xv, ov) = (xq.as_view(), off.as_view());
+                            let mut yv = y.as_view_mut();
+                            match f {
+                                LowByte::Mxfp8 => q.grouped_nt_frag_mxfp8(
+                                    &xv,
+                                    &w.mx_codes.as_view(),
+                                    &w.mx_scales.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                                LowByte::Nvfp4 => q.grouped_nt_frag_nvfp4(
+                                    &xv,
+                                    &xamax.as_view(),
+                                    &w.nv_codes.as_view(),
+                                    &w.nv_scales.as_view(),
+                                    &w.nv_amax.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                            }
+                            .expect("low-byte fragment");
+                        }));
+                    }
+                }
                 let mut run = |f: LowByte, lanes: QLanes| {
                     median_us(&g, &mut flush, reps, || {
                         let (xv, ov) = (xq.as_view(), off.as_view());
@@ -315,6 +361,15 @@ mod bench {
                     us: bf16_us,
                     bytes: bf16_bytes,
                     bf16_us,
+                    tiled_us,
+                });
+                rows.push(Row {
+                    step: step.clone(),
+                    op: "BF16 grouped_nt_tiled".into(),
+                    us: tiled_us,
+                    bytes: bf16_bytes,
+                    bf16_us,
+                    tiled_us,
                 });
                 rows.push(Row {
                     step: step.clone(),
@@ -322,6 +377,7 @@ mod bench {
                     us: auto_us,
                     bytes: bf16_bytes,
                     bf16_us,
+                    tiled_us,
                 });
                 for (f, act) in [(LowByte::Mxfp8, act_mx), (LowByte::Nvfp4, act_nv)] {
                     let pick = QLanes::for_shape(f, k);
@@ -337,6 +393,7 @@ mod bench {
                         us,
                         bytes: wb,
                         bf16_us,
+                        tiled_us,
                     });
                     rows.push(Row {
                         step: step.clone(),
@@ -344,6 +401,7 @@ mod bench {
                         us: us + act,
                         bytes: wb,
                         bf16_us,
+                        tiled_us,
                     });
                     lanes_rows.push((step.clone(), f, pick, times));
                     if let Some(tc) = tc_us[f as usize] {
@@ -353,6 +411,7 @@ mod bench {
                             us: tc,
                             bytes: wb,
                             bf16_us,
+                            tiled_us,
                         });
                         rows.push(Row {
                             step: step.clone(),
@@ -360,6 +419,25 @@ mod bench {
                             us: tc + act,
                             bytes: wb,
                             bf16_us,
+                            tiled_us,
+                        });
+                    }
+                    if let Some(fr) = frag_us[f as usize] {
+                        rows.push(Row {
+                            step: step.clone(),
+                            op: format!("{f:?} fragments ({frag_rows:?})"),
+                            us: fr,
+                            bytes: wb,
+                            bf16_us,
+                            tiled_us,
+                        });
+                        rows.push(Row {
+                            step: step.clone(),
+                            op: format!("{f:?} fragments +act"),
+                            us: fr + act,
+                            bytes: wb,
+                            bf16_us,
+                            tiled_us,
                         });
                     }
                 }
@@ -367,17 +445,18 @@ mod bench {
         }
 
         println!(
-            "\n| step | kernel | µs | weight MB | GB/s | ×BF16 |\n|---|---|---:|---:|---:|---:|"
+            "\n| step | kernel | µs | weight MB | GB/s | ×BF16 small-M | ×BF16 tiled |\n|---|---|---:|---:|---:|---:|---:|"
         );
         for r in &rows {
             println!(
-                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.2} |",
+                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.2} |",
                 r.step,
                 r.op,
                 r.us,
                 r.bytes / 1e6,
                 r.bytes / (r.us * 1e-6) / 1e9,
-                r.us / r.bf16_us
+                r.us / r.bf16_us,
+                r.us / r.tiled_us
             );
         }
         println!("\n| step | format | L32 µs | L16 µs | L8 µs |\n|---|---|---:|---:|---:|");

@@ -621,3 +621,230 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_mxfp8(QGEMM_MX
 extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NVFP4_ARGS) {
     qgemm_tc_body<QmNvfp4>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);
 }
+
+// ---- grouped tensor-core GEMMs with weights decoded straight into mma fragments ----
+//
+// The transposed product y_eᵀ = W_e · x_eᵀ: the stored weights are the mma A operand (16 output
+// columns as the m16 rows), the expert's activation rows the B operand (8 rows as the n8
+// columns, rows past the expert's loaded as zeros and never stored). A block of QF_WARPS warps
+// owns QF_COLS = 32 output columns (two 16-column tiles) of expert blockIdx.y; its warps split
+// the reduction: warp w takes the super-steps w, w + QF_WARPS, … of 64 code bytes per weight
+// row (MXFP8: 64 elements, NVFP4: 128), the next one's loads issued before the current one is
+// decoded. Lane (g = lane / 4, t = lane % 4) loads bytes 16t .. 16t+16 of the super-step of
+// weight rows n0 + g + 8i (i < 4: tile i / 2, fragment row g or g + 8) and the matching 16
+// (MXFP8) or 32 (NVFP4) activation elements of row 8·tg + g of the pass, and decodes its codes
+// in registers to the exact operand values (MXFP8: BF16 of fl(e4m3 · 2^(s−127)), the values
+// dequant_mxfp8_bf16 writes; NVFP4: e2m1 · e4m3(scale) in binary16, exact, with the BF16
+// activation operand converted to binary16, exact too — module doc). The k order is permuted
+// alike in A and B (mma step s takes elements 4s .. 4s+3 of each lane's chunk as the k indices
+// 2t, 2t+1, 2t+8, 2t+9), so every product is one x·w of the sum. Products exact, f32
+// accumulation in the tensor cores (bound: tensor_core_sum_bound); the warps' partial sums are
+// then added in shared memory in warp order (fixed; no atomics). NVFP4: y = fl(sum · α) as
+// qgemm_body. QF_TG = token groups of 8 rows per pass (1, 2, 4); rows beyond take more passes.
+#define QF_WARPS 8
+#define QF_THREADS (QF_WARPS * 32)
+#define QF_COLS 32
+
+__device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// A BF16 pair (low half: the lower index) as a binary16 pair (exact for NVFP4 operand values).
+__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
+    return f32x2_to_f16x2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+}
+
+__device__ __forceinline__ void qf_mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void qf_mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The formats as the fragment kernels see them (on top of QmMxfp8 / QmNvfp4): XV uint4 loads of
+// activation per lane and super-step; `pairs` gives the two operand pairs of mma step s from a
+// lane's weight chunk (lo: elements 4s, 4s+1; hi: 4s+2, 4s+3), `bpairs` the same from its
+// activation chunk; `mma` multiplies in the operand type.
+struct QfMxfp8 : QmMxfp8 {
+    static constexpr int XV = 2;
+    __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
+        float v[4];
+        mxfp8_decode4(word_of(w, s), __uint_as_float(prep), v);
+        lo = f32x2_to_bf16x2(v[0], v[1]);
+        hi = f32x2_to_bf16x2(v[2], v[3]);
+    }
+    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
+        b0 = word_of(xa[s >> 1], 2 * (s & 1));
+        b1 = word_of(xa[s >> 1], 2 * (s & 1) + 1);
+    }
+    __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
+};
+struct QfNvfp4 : QmNvfp4 {
+    static constexpr int XV = 4;
+    __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
+        // nvfp4_decode4 without the widening to f32: binary16 pairs of e2m1 · scale (exact).
+        const u32 sf2 = __byte_perm(prep, 0u, s < 4 ? 0x1010u : 0x3232u);
+        const u32 q = word_of(w, s >> 1) >> (16 * (s & 1));
+        u32 t = __byte_perm(MXRL_E2M1_F16HI_0123, MXRL_E2M1_F16HI_4567, q & 0x7777u);
+        t |= __byte_perm(q << 4, q, 0x5140u) & 0x80808080u;
+        lo = hmul2_rn(__byte_perm(t, 0u, 0x1404u), sf2);
+        hi = hmul2_rn(__byte_perm(t, 0u, 0x3424u), sf2);
+    }
+    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
+        b0 = bf16x2_to_f16x2(word_of(xa[s >> 1], 2 * (s & 1)));
+        b1 = bf16x2_to_f16x2(word_of(xa[s >> 1], 2 * (s & 1) + 1));
+    }
+    __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
+};
+
+template <class F, int TG>
+__device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
+                                                const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                                const float* __restrict__ w_amax, const u32* __restrict__ off,
+                                                float* __restrict__ y, u32 R, u32 N, u32 K) {
+    constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
+    __shared__ float red[QF_WARPS][NACC][32];
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 n0 = blockIdx.x * QF_COLS;
+    const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
+    const u32 steps = (rowb + 63) / 64;  // super-steps of 64 code bytes per row
+    const u32 elems = F::CHUNK * 4;      // elements per super-step
+    const u8* wc[4];
+    const u8* ws[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u64 row = (u64)e * N + n0 + g + 8 * i;
+        wc[i] = codes + row * rowb;
+        ws[i] = scales + row * sk;
+    }
+    const float wa = F::ALPHA ? w_amax[e] : 0.0f;
+    for (u32 rb = lo; rb < hi; rb += 8 * TG) {
+        float acc[2][TG][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+        // Chunk c = 4·kt + t of each weight row: codes bytes 16c .. 16c+16 (zeros and scale 0,
+        // which decode to zeros, past the row).
+        auto load_w = [&](u32 kt, uint4* wq, u32* sr) {
+            const u32 c = 4 * kt + t;
+            const bool ok = kt < steps && 16 * c < rowb;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                wq[i] = ok ? *reinterpret_cast<const uint4*>(wc[i] + 16 * (u64)c) : make_uint4(0u, 0u, 0u, 0u);
+                sr[i] = ok ? F::load_scale(ws[i], c) : 0u;
+            }
+        };
+        uint4 wq[4];
+        u32 sr[4];
+        load_w(warp, wq, sr);
+        for (u32 kt = warp; kt < steps; kt += QF_WARPS) {
+            uint4 nq[4];
+            u32 ns[4];
+            load_w(kt + QF_WARPS, nq, ns);
+            // Activation chunk of this super-step: elements kt·elems + t·CHUNK .. + CHUNK of row
+            // rb + 8·tg + g (zeros past the expert's rows or past K).
+            const u32 k0 = kt * elems + t * F::CHUNK;
+            uint4 xa[TG][F::XV];
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg) {
+                const u32 r = rb + 8 * tg + g;
+                const bool ok = r < hi && k0 < K;
+                const uint4* src = reinterpret_cast<const uint4*>(x + (u64)r * K + k0);
+#pragma unroll
+                for (int v = 0; v < F::XV; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+            }
+            u32 sp[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sp[i] = F::prep(sr[i]);
+#pragma unroll
+            for (int s = 0; s < (int)F::STEPS; ++s) {
+                // A fragments of both tiles: {row g lo, row g+8 lo, row g hi, row g+8 hi}.
+                u32 a[2][4];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
+                    F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
+                }
+#pragma unroll
+                for (int tg = 0; tg < TG; ++tg) {
+                    u32 b0, b1;
+                    F::bpairs(xa[tg], s, b0, b1);
+                    F::mma(acc[0][tg], a[0], b0, b1);
+                    F::mma(acc[1][tg], a[1], b0, b1);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                wq[i] = nq[i];
+                sr[i] = ns[i];
+            }
+        }
+        // Partial sums of the warps, added in warp order.
+        __syncthreads();  // the previous pass's reads of red are done
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) red[warp][(j * TG + tg) * 4 + q][lane] = acc[j][tg][q];
+        __syncthreads();
+        for (u32 i = tid; i < (u32)NACC * 32; i += QF_THREADS) {
+            const u32 slot = i / 32, l = i % 32;
+            float sum = red[0][slot][l];
+#pragma unroll
+            for (int w = 1; w < QF_WARPS; ++w) sum = __fadd_rn(sum, red[w][slot][l]);
+            // Fragment entry q of tile j, token group tg, lane l: column row g' (+8 for q ≥ 2)
+            // of the tile, activation row 2t' (+1 for odd q) of the group.
+            const u32 q = slot % 4, tg = (slot / 4) % TG, j = slot / (4 * TG);
+            const u32 r = rb + 8 * tg + 2 * (l & 3) + (q & 1);
+            const u32 col = n0 + 16 * j + (l >> 2) + 8 * (q >> 1);
+            if (r < hi) {
+                if (F::ALPHA) {
+                    const float alpha = __fmul_rn(__fmul_rn(x_amax[r], wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
+                    sum = __fmul_rn(sum, alpha);
+                }
+                y[(u64)r * N + col] = sum;
+            }
+        }
+    }
+}
+
+// Entry points: suffix = token groups of 8 rows per pass.
+#define QF_ENTRY_MXFP8(name, TG, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(QF_THREADS, MINB) name(QGEMM_MXFP8_ARGS) {             \
+        qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                 \
+    }
+#define QF_ENTRY_NVFP4(name, TG, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(QF_THREADS, MINB) name(QGEMM_NVFP4_ARGS) {             \
+        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                   \
+    }
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, 4, 1)
+QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t1, 1, 2)
+QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t2, 2, 2)
+QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t4, 4, 1)

@@ -74,20 +74,21 @@ impl QExperts {
 /// Average rows per expert from which routed-expert GEMMs run as one cuBLAS call per expert.
 pub const PER_EXPERT_ROWS: usize = 128;
 
-/// Block-format routed experts pick their kernels by the average rows per expert: up to this
-/// many, the low-byte small-M kernels (stored bytes read once, dequantized in registers,
-/// CUDA-core sums; their small grids suit batch 1–8 decode steps); above it, where the
-/// weights' shape fits the tiles ([`QGemm::tc_fits`]), the tensor-core kernels on the stored
-/// bytes up to [`QTC_ROWS_PER_EXPERT`]; beyond that, or off the tiles, weights dequantized to
-/// BF16 for the tiled tensor-core grouped GEMMs (prefill, scoring). Without the tensor-core
-/// kernels' shapes the small-M kernels serve up to [`crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT`]
-/// rows per expert (bench_qgemm on an H200: the small-M kernels are bound by their arithmetic
-/// beyond it).
-pub const QSMALL_M_ROWS_PER_EXPERT: usize = 1;
+/// Block-format routed experts pick their kernels by the average rows per expert: up to
+/// [`QFRAG_ROWS_PER_EXPERT`], where the weights' shape fits ([`QGemm::frag_fits`]: `N` a
+/// multiple of 32), the tensor-core kernels with the stored bytes decoded straight into mma
+/// fragments (decode batches); beyond that, weights dequantized to BF16 for the tiled
+/// tensor-core grouped GEMMs (prefill, scoring). Off the fragment kernels' shapes the small-M
+/// kernels serve up to [`QSMALL_M_ROWS_PER_EXPERT`] rows per expert, the dequantized path
+/// beyond.
+pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
 
-/// Average rows per expert up to which the tensor-core kernels on stored bytes serve block-
-/// format experts ([`QSMALL_M_ROWS_PER_EXPERT`]).
-pub const QTC_ROWS_PER_EXPERT: usize = 32;
+/// Average rows per expert up to which the fragment kernels on stored bytes
+/// ([`QGemm::grouped_nt_frag_mxfp8`]) serve block-format experts: their largest pass (32
+/// rows, [`crate::ops::qgemm::FragRows::R32`]) reads each used expert's bytes once; above
+/// it the weights are read once per 32 rows, while the dequantized path writes and rereads
+/// them as BF16 once per step.
+pub const QFRAG_ROWS_PER_EXPERT: usize = 32;
 
 /// The engine's CUDA backend on one GPU.
 pub struct CudaBackend {
@@ -434,21 +435,16 @@ impl Backend for CudaBackend {
             n,
             k,
         };
-        let fits = QGemm::tc_fits(n, k);
-        let small = if fits {
-            rows <= QSMALL_M_ROWS_PER_EXPERT * experts
-        } else {
-            rows <= crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT * experts
-        };
-        let tc = fits && !small && rows <= QTC_ROWS_PER_EXPERT * experts;
+        let frag = QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts;
+        let small = !frag && rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
         let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
         match w.format {
             Format::Mxfp8 => {
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
-                if tc {
+                if frag {
                     return q
-                        .grouped_nt_tc_mxfp8(
+                        .grouped_nt_frag_mxfp8(
                             &xq.as_view(),
                             &w.codes.as_view(),
                             &w.scales.as_view(),
@@ -488,9 +484,9 @@ impl Backend for CudaBackend {
                 q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
                     .map_err(de)?;
                 let xa = x_amax.slice(0..rows);
-                if tc {
+                if frag {
                     return q
-                        .grouped_nt_tc_nvfp4(
+                        .grouped_nt_frag_nvfp4(
                             &xq.as_view(),
                             &xa,
                             &w.codes.as_view(),

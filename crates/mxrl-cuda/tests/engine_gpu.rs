@@ -391,8 +391,8 @@ fn mean_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 }
 
 /// Routed experts in MXFP8 / NVFP4 as stored, on the low-byte kernels: scoring and decode
-/// (every path of the backend's rule: tensor-core kernels on the stored bytes, dequantized
-/// weights with the tiled GEMM, small-M kernels; see the comment below) are
+/// (the backend's rule puts both on the fragment kernels over the stored bytes; see the
+/// comment below) are
 /// deterministic and follow the CPU engine of the same quantized experts far more closely than
 /// the BF16 model: the operands and products are the contract's exact values on both sides,
 /// only summation orders differ, while BF16 → block format moves every logprob.
@@ -403,18 +403,18 @@ fn gpu_engine_block_format_experts_follow_the_cpu_engine() {
     let m = model();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    // Kernel paths (mxrl_cuda::backend::grouped_qlinear's rule): scoring puts 250 rows on 8
-    // experts — gate_up (N 64, K 64) on the tensor-core kernels over stored bytes, down (K 32,
-    // off their tiles) on dequantized weights and the tiled GEMM; decode puts 10 rows — gate_up
-    // again on the tensor-core kernels, down on the small-M kernels.
+    // Kernel paths (mxrl_cuda::backend::grouped_qlinear's rule): gate_up (N 64, K 64) and down
+    // (N 64, K 32) fit the fragment kernels on the stored bytes; scoring puts 250 rows on 8
+    // experts and decode 10, both within QFRAG_ROWS_PER_EXPERT rows per expert, so both run on
+    // them (tests/ops_qgemm.rs covers the small-M and dequantized paths against the CPU).
     let rows: usize = s.iter().map(|q| q.len()).sum::<usize>() * config().num_experts_per_tok;
-    let per = |r: usize| r.div_ceil(config().num_experts);
-    assert!(per(rows) > mxrl_cuda::ops::gemm::SMALL_M_ROWS_PER_EXPERT);
-    assert!(per(rows) <= mxrl_cuda::backend::QTC_ROWS_PER_EXPERT);
+    let frag_rows = mxrl_cuda::backend::QFRAG_ROWS_PER_EXPERT * config().num_experts;
+    assert!(rows <= frag_rows);
     let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..3]).collect();
     let (new, decode_rows) = (6, prompts.len() * config().num_experts_per_tok);
-    assert!(decode_rows > mxrl_cuda::backend::QSMALL_M_ROWS_PER_EXPERT * config().num_experts);
-    assert!(decode_rows <= mxrl_cuda::ops::gemm::SMALL_M_ROWS_PER_EXPERT * config().num_experts);
+    assert!(decode_rows <= frag_rows);
+    assert!(mxrl_cuda::ops::qgemm::QGemm::frag_fits(64, 64));
+    assert!(mxrl_cuda::ops::qgemm::QGemm::frag_fits(64, 32));
     let bf16_cpu = cpu_engine(&m, 64).unwrap();
     for format in [Format::Mxfp8, Format::Nvfp4] {
         let spec = LinearSpec::new(format, BackwardMode::HighPrecision).unwrap();

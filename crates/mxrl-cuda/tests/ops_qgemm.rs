@@ -14,6 +14,8 @@
 //!   `two_order_sum_bound(K, Σ|x·w|)` (exact products, only the f32 summation order differs;
 //!   NVFP4: `|α|·two_order_sum_bound(K + 1, ·)`, the last term for the final `fl(acc·α)`), on
 //!   ragged expert row counts with 0-row experts and rows of no expert, R from 1 to 256;
+//! - the tensor-core kernels on stored bytes (weights decoded in shared memory, or straight into
+//!   mma fragments with the reduction split over warps) within `tensor_core_sum_bound`;
 //! - the large-M path (dequantized weights, the tensor-core grouped GEMM, NVFP4's α per row);
 //! - replay in a CUDA graph (no allocation, no host round trip) bitwise equal to direct calls;
 //! - launchers refuse short buffers and bad K / N with errors naming the buffer or the rule.
@@ -26,7 +28,7 @@
 use half::bf16;
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-use mxrl_cuda::ops::qgemm::{LowByte, QGemm, QLanes};
+use mxrl_cuda::ops::qgemm::{FragRows, LowByte, QGemm, QLanes};
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -952,6 +954,213 @@ fn tensor_core_grouped_kernels_on_stored_bytes_match_the_cpu_emulation() {
     }
 }
 
+/// Quantizes the activations and runs the fragment kernel (`rows` None: the launcher's pick).
+fn run_frag(ops: &QGemm, f: LowByte, rows: Option<FragRows>, c: &Case, d: &mut Dev) {
+    let s = c.shape();
+    match f {
+        LowByte::Mxfp8 => {
+            ops.quant_act_mxfp8(&d.x.as_view(), s.rows, s.k, &mut d.xq.as_view_mut())
+                .unwrap();
+            let (xv, cv, sv, ov) = (
+                d.xq.as_view(),
+                d.codes.as_view(),
+                d.scales.as_view(),
+                d.off.as_view(),
+            );
+            let mut yv = d.y.as_view_mut();
+            match rows {
+                Some(p) => ops.grouped_nt_frag_mxfp8_with(p, &xv, &cv, &sv, &ov, &mut yv, s),
+                None => ops.grouped_nt_frag_mxfp8(&xv, &cv, &sv, &ov, &mut yv, s),
+            }
+            .unwrap();
+        }
+        LowByte::Nvfp4 => {
+            ops.quant_act_nvfp4(
+                &d.x.as_view(),
+                s.rows,
+                s.k,
+                &mut d.xq.as_view_mut(),
+                &mut d.xamax.as_view_mut(),
+            )
+            .unwrap();
+            let (xv, av, cv, sv, wv, ov) = (
+                d.xq.as_view(),
+                d.xamax.as_view(),
+                d.codes.as_view(),
+                d.scales.as_view(),
+                d.wamax.as_view(),
+                d.off.as_view(),
+            );
+            let mut yv = d.y.as_view_mut();
+            match rows {
+                Some(p) => {
+                    ops.grouped_nt_frag_nvfp4_with(p, &xv, &av, &cv, &sv, &wv, &ov, &mut yv, s)
+                }
+                None => ops.grouped_nt_frag_nvfp4(&xv, &av, &cv, &sv, &wv, &ov, &mut yv, s),
+            }
+            .unwrap();
+        }
+    }
+}
+
+/// The fragment kernels (stored bytes decoded straight into mma fragments, K split over the
+/// block's warps) against the CPU emulation with the tensor-core bound (NVFP4 over K + 1
+/// terms): experts of 0, 1, 3, 16, 17 and 33 rows (one pass, several passes of 8, 16 and 32
+/// rows) and rows of no expert; K = 32 (most lanes past the row), K off the 64-byte super-step,
+/// batch-1 (K 2048) and batch-32 (K 768) decode steps of the benchmark model's routing, random
+/// shapes with K up to 2048. Every pass size gives the same bits as the launcher's pick (passes
+/// change which rows share a weight fragment, not any sum), and a second run the same bits;
+/// `n` off the 32-column blocks is refused by name.
+#[test]
+fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
+    let (_l, g) = gpu();
+    let ops = QGemm::new(&g).unwrap();
+    let mut cases = vec![
+        (
+            51u64,
+            Case {
+                counts: vec![0, 1, 3, 16, 17, 0, 33, 2],
+                n: 96,
+                k: 192,
+                extra: 3,
+            },
+        ),
+        (
+            52,
+            Case {
+                counts: vec![2, 0, 5],
+                n: 32,
+                k: 32,
+                extra: 1,
+            },
+        ),
+        (
+            53,
+            Case {
+                counts: vec![4, 9],
+                n: 64,
+                k: 96,
+                extra: 0,
+            },
+        ),
+        (54, routed(1, 54, 64, 2048)),
+        (55, routed(32, 55, 128, 768)),
+    ];
+    for seed in 56..60u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        use rand::Rng;
+        let e = rng.gen_range(1..=10);
+        let counts = (0..e)
+            .map(|_| {
+                if rng.gen_bool(0.25) {
+                    0
+                } else {
+                    rng.gen_range(1..=40)
+                }
+            })
+            .collect();
+        cases.push((
+            seed,
+            Case {
+                counts,
+                n: 32 * rng.gen_range(1..=4),
+                k: 32 * rng.gen_range(1..=64),
+                extra: rng.gen_range(0..3),
+            },
+        ));
+    }
+    for f in LowByte::ALL {
+        for (seed, c) in &cases {
+            let s = c.shape();
+            assert!(QGemm::frag_fits(s.n, s.k));
+            let x = test_values(s.rows * s.k, seed * 5 + 3, 3.0);
+            let w = quantize_experts(f, s.experts, s.n, s.k, *seed);
+            let (want, ieee) = reference(f, c, &x, &w);
+            let kk = match f {
+                LowByte::Mxfp8 => s.k,
+                LowByte::Nvfp4 => s.k + 1,
+            };
+            let bound: Vec<f64> = ieee
+                .iter()
+                .map(|&b| b / two_order_sum_bound(kk, 1.0) * tensor_core_sum_bound(kk, 1.0))
+                .collect();
+            let auto = FragRows::for_rows(s.rows, s.experts);
+            let mut d = upload(&g, c, &x, &w);
+            run_frag(&ops, f, None, c, &mut d);
+            let got = download_y(&g, c, &d);
+            let what = format!("{f:?} fragment auto ({auto:?}), seed {seed}, {c:?}");
+            assert_grouped(&what, c, &got, &want, &bound);
+            run_frag(&ops, f, None, c, &mut d);
+            let again = download_y(&g, c, &d);
+            assert!(
+                got.iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: a second run differs"
+            );
+            for rows in FragRows::ALL {
+                let mut d = upload(&g, c, &x, &w);
+                run_frag(&ops, f, Some(rows), c, &mut d);
+                let other = download_y(&g, c, &d);
+                let what = format!("{f:?} fragment {rows:?}, seed {seed}, {c:?}");
+                assert_grouped(&what, c, &other, &want, &bound);
+                assert!(
+                    other
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: differs from the launcher's pick {auto:?}"
+                );
+            }
+        }
+        // Off the 32-column blocks: refused with the rule.
+        let c = Case {
+            counts: vec![2],
+            n: 48,
+            k: 64,
+            extra: 0,
+        };
+        let w = quantize_experts(f, 1, c.n, c.k, 9);
+        let x = test_values(c.rows() * c.k, 9, 1.0);
+        let mut d = upload(&g, &c, &x, &w);
+        let err = match f {
+            LowByte::Mxfp8 => ops.grouped_nt_frag_mxfp8(
+                &d.xq.as_view(),
+                &d.codes.as_view(),
+                &d.scales.as_view(),
+                &d.off.as_view(),
+                &mut d.y.as_view_mut(),
+                c.shape(),
+            ),
+            LowByte::Nvfp4 => ops.grouped_nt_frag_nvfp4(
+                &d.xq.as_view(),
+                &d.xamax.as_view(),
+                &d.codes.as_view(),
+                &d.scales.as_view(),
+                &d.wamax.as_view(),
+                &d.off.as_view(),
+                &mut d.y.as_view_mut(),
+                c.shape(),
+            ),
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("multiple of 32"), "{err}");
+    }
+}
+
+/// The launchers' pass size: the smallest pass holding the average expert's rows.
+#[test]
+fn fragment_pass_holds_the_average_experts_rows() {
+    assert_eq!(FragRows::for_rows(8, 8), FragRows::R8);
+    assert_eq!(FragRows::for_rows(256, 64), FragRows::R8);
+    assert_eq!(FragRows::for_rows(512, 64), FragRows::R8);
+    assert_eq!(FragRows::for_rows(513, 64), FragRows::R16);
+    assert_eq!(FragRows::for_rows(1024, 64), FragRows::R16);
+    assert_eq!(FragRows::for_rows(1025, 64), FragRows::R32);
+    assert_eq!(FragRows::for_rows(5, 0), FragRows::R8);
+}
+
 /// Large-M path: weights dequantized to BF16 once, the activation operand, the tensor-core
 /// grouped GEMM, and for NVFP4 α per row. Bound: `tensor_core_sum_bound(K, Σ|x·w|)` (MXFP8);
 /// NVFP4 `|α|·tensor_core_sum_bound(K + 1, ·)`: each side's final `fl(acc·α)` adds at most
@@ -1070,7 +1279,7 @@ fn large_m_path_dequantized_weights_tensor_cores_and_row_alpha_match_the_cpu_emu
     }
 }
 
-/// A decode step's quantize + GEMM for both formats, recorded once and replayed with new
+/// A decode step's quantize + GEMM for both formats (small-M and fragment kernels), recorded once and replayed with new
 /// activations written into the same input buffer, equals the direct calls bit for bit.
 #[test]
 fn decode_step_replays_in_a_cuda_graph() {
@@ -1082,30 +1291,43 @@ fn decode_step_replays_in_a_cuda_graph() {
     let x2 = test_values(s.rows * s.k, 43, 3.0);
     let wm = quantize_experts(LowByte::Mxfp8, s.experts, s.n, s.k, 44);
     let wn = quantize_experts(LowByte::Nvfp4, s.experts, s.n, s.k, 45);
-    // Direct results for x2.
-    let mut dm = upload(&g, &c, &x2, &wm);
-    let mut dn = upload(&g, &c, &x2, &wn);
-    run_small_m(&ops, LowByte::Mxfp8, None, &c, &mut dm);
-    run_small_m(&ops, LowByte::Nvfp4, None, &c, &mut dn);
-    let (want_m, want_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
-    // Record with x1 in place, then replay after writing x2.
-    let mut dm = upload(&g, &c, &x1, &wm);
-    let mut dn = upload(&g, &c, &x1, &wn);
-    g.sync().unwrap();
-    g.begin_capture().unwrap();
-    run_small_m(&ops, LowByte::Mxfp8, None, &c, &mut dm);
-    run_small_m(&ops, LowByte::Nvfp4, None, &c, &mut dn);
-    let graph = g.end_capture().unwrap().expect("a recorded graph");
-    g.write(&mut dm.x, &x2).unwrap();
-    g.write(&mut dn.x, &x2).unwrap();
-    graph.launch().unwrap();
-    let (got_m, got_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
-    for (what, got, want) in [("MXFP8", got_m, want_m), ("NVFP4", got_n, want_n)] {
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{what}: graph replay differs from the direct calls");
+    // The small-M kernels and the fragment kernels, each as a decode step would record it.
+    for frag in [false, true] {
+        let run = |f: LowByte, d: &mut Dev| {
+            if frag {
+                run_frag(&ops, f, None, &c, d)
+            } else {
+                run_small_m(&ops, f, None, &c, d)
+            }
+        };
+        // Direct results for x2.
+        let mut dm = upload(&g, &c, &x2, &wm);
+        let mut dn = upload(&g, &c, &x2, &wn);
+        run(LowByte::Mxfp8, &mut dm);
+        run(LowByte::Nvfp4, &mut dn);
+        let (want_m, want_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
+        // Record with x1 in place, then replay after writing x2.
+        let mut dm = upload(&g, &c, &x1, &wm);
+        let mut dn = upload(&g, &c, &x1, &wn);
+        g.sync().unwrap();
+        g.begin_capture().unwrap();
+        run(LowByte::Mxfp8, &mut dm);
+        run(LowByte::Nvfp4, &mut dn);
+        let graph = g.end_capture().unwrap().expect("a recorded graph");
+        g.write(&mut dm.x, &x2).unwrap();
+        g.write(&mut dn.x, &x2).unwrap();
+        graph.launch().unwrap();
+        let (got_m, got_n) = (download_y(&g, &c, &dm), download_y(&g, &c, &dn));
+        for (what, got, want) in [("MXFP8", got_m, want_m), ("NVFP4", got_n, want_n)] {
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{what} (fragment kernels: {frag}): graph replay differs from the direct calls"
+            );
+        }
     }
 }
 
@@ -1218,6 +1440,60 @@ fn launchers_reject_short_buffers_and_bad_shapes_with_named_errors() {
         "short w_amax",
         nv(s.rows, s.experts - 1),
         "grouped_nt_small_m_nvfp4 w_amax",
+    );
+    // Fragment kernels: the shared checks under their own names, N off the 32-column blocks.
+    let sf = Grouped { n: 32, ..s };
+    let efk = sf.experts * sf.n * sf.k;
+    let (fcodes, fscales) = (u8s(efk), u8s(efk / 32));
+    let fr = |x: &cudarc::driver::CudaSlice<u16>, y_len: usize, s: Grouped| {
+        let mut y = f32s(y_len);
+        ops.grouped_nt_frag_mxfp8(
+            &x.as_view(),
+            &fcodes.as_view(),
+            &fscales.as_view(),
+            &off.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+    };
+    let fy = sf.rows * sf.n;
+    fr(&x, fy, sf).expect("fragment MXFP8 with full buffers");
+    expect_err(
+        "fragment short x",
+        fr(&x_short, fy, sf),
+        "grouped_nt_frag_mxfp8 x",
+    );
+    expect_err(
+        "fragment short y",
+        fr(&x, fy - 1, sf),
+        "grouped_nt_frag_mxfp8 y",
+    );
+    expect_err("fragment n = 8", fr(&x, fy, s), "multiple of 32");
+    let (fncodes, fnscales) = (u8s(efk / 2), u8s(efk / 16));
+    let fnv = |xa: usize, wa: usize| {
+        let (xa, wa) = (f32s(xa), f32s(wa));
+        let mut y = f32s(fy);
+        ops.grouped_nt_frag_nvfp4(
+            &x.as_view(),
+            &xa.as_view(),
+            &fncodes.as_view(),
+            &fnscales.as_view(),
+            &wa.as_view(),
+            &off.as_view(),
+            &mut y.as_view_mut(),
+            sf,
+        )
+    };
+    fnv(sf.rows, sf.experts).expect("fragment NVFP4 with full buffers");
+    expect_err(
+        "fragment short x_amax",
+        fnv(sf.rows - 1, sf.experts),
+        "grouped_nt_frag_nvfp4 x_amax",
+    );
+    expect_err(
+        "fragment short w_amax",
+        fnv(sf.rows, sf.experts - 1),
+        "grouped_nt_frag_nvfp4 w_amax",
     );
     // Activation quantizers and dequantizers.
     let xf = f32s(nk);

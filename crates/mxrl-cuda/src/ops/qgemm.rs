@@ -16,6 +16,10 @@
 //!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
 //!   [`mxrl_tensor::qlinear::PreparedWeight::forward_inference`] per expert (the CPU backend's
 //!   `grouped_qlinear`).
+//! - [`QGemm::grouped_nt_tc_mxfp8`] / [`QGemm::grouped_nt_tc_nvfp4`] (weights decoded to BF16
+//!   in shared memory) and [`QGemm::grouped_nt_frag_mxfp8`] / [`QGemm::grouped_nt_frag_nvfp4`]
+//!   (decoded straight into the `mma` A fragments, K split over a block's warps): the same
+//!   products on tensor cores, same references (bound `tensor_core_sum_bound`).
 //! - [`QGemm::dequant_weights_mxfp8`] / [`QGemm::dequant_weights_nvfp4`]: stored weights →
 //!   BF16 GEMM operands for the large-M (tensor-core) path, and [`QGemm::nvfp4_scale_rows`],
 //!   NVFP4's α on that path's output.
@@ -39,7 +43,8 @@
 //!   a block at f32's limit to ±Inf, as on the CPU.
 //!
 //! Deterministic: one thread owns each output and sums in an order fixed by the shapes and
-//! the [`QLanes`] choice; no atomics on data. Every launcher checks lengths, alignment and
+//! the [`QLanes`] choice (the fragment kernels: each warp's tensor-core partial sums, added in
+//! warp order through shared memory); no atomics on data. Every launcher checks lengths, alignment and
 //! block multiples, then launches on the GPU's one stream without allocating or reading
 //! anything back, so a decode step that uses them can be captured in a CUDA graph. The
 //! grouped layout is [`super::gemm`]'s: rows of expert `e` are `offsets[e]..offsets[e+1]`
@@ -171,6 +176,8 @@ pub struct QGemm {
     nvfp4: [CudaFunction; 3],
     tc_mxfp8: CudaFunction,
     tc_nvfp4: CudaFunction,
+    frag_mxfp8: [CudaFunction; 3],
+    frag_nvfp4: [CudaFunction; 3],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -179,6 +186,62 @@ pub const TC_COLS: usize = 64;
 /// multiple.
 pub const TC_DEPTH: usize = 64;
 const QT_THREADS: u32 = 128;
+
+/// Output columns per block of the fragment kernels (`QF_COLS`); `N` must be a multiple.
+pub const FRAG_COLS: usize = 32;
+/// Threads per block of the fragment kernels (`QF_THREADS`: 8 warps splitting the reduction).
+const QF_THREADS: u32 = 256;
+
+/// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
+/// groups of 8 (the `n8` of `mma.m16n8k16`) multiplied by each decoded weight fragment. An
+/// expert with more rows takes further passes over its weights; fewer leave columns of the
+/// B operand zero. Changes only which rows share a pass, not any sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FragRows {
+    /// 8 rows per pass (one token group).
+    R8,
+    /// 16 rows per pass.
+    R16,
+    /// 32 rows per pass.
+    R32,
+}
+
+impl FragRows {
+    /// Every choice.
+    pub const ALL: [FragRows; 3] = [FragRows::R8, FragRows::R16, FragRows::R32];
+
+    /// Activation rows per pass.
+    pub fn rows(self) -> usize {
+        match self {
+            FragRows::R8 => 8,
+            FragRows::R16 => 16,
+            FragRows::R32 => 32,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            FragRows::R8 => 0,
+            FragRows::R16 => 1,
+            FragRows::R32 => 2,
+        }
+    }
+
+    /// The launchers' choice for `rows` activation rows over `experts` experts: the smallest
+    /// pass that holds the average expert's rows (⌈rows / experts⌉ ≤ 8 → 8, ≤ 16 → 16, else
+    /// 32). The per-expert counts live on the device, so a busier expert than the average
+    /// takes more passes.
+    pub fn for_rows(rows: usize, experts: usize) -> Self {
+        let avg = rows.div_ceil(experts.max(1));
+        if avg <= 8 {
+            FragRows::R8
+        } else if avg <= 16 {
+            FragRows::R16
+        } else {
+            FragRows::R32
+        }
+    }
+}
 
 fn grid_x(gpu: &Gpu, op: &str, blocks: usize) -> Result<u32, DeviceError> {
     if blocks > i32::MAX as usize {
@@ -233,6 +296,16 @@ impl QGemm {
             ],
             tc_mxfp8: f("qgemm_tc_mxfp8")?,
             tc_nvfp4: f("qgemm_tc_nvfp4")?,
+            frag_mxfp8: [
+                f("qgemm_frag_mxfp8_t1")?,
+                f("qgemm_frag_mxfp8_t2")?,
+                f("qgemm_frag_mxfp8_t4")?,
+            ],
+            frag_nvfp4: [
+                f("qgemm_frag_nvfp4_t1")?,
+                f("qgemm_frag_nvfp4_t2")?,
+                f("qgemm_frag_nvfp4_t4")?,
+            ],
         })
     }
 
@@ -658,6 +731,155 @@ impl QGemm {
         // x_amax read at rows < R (R entries), w_amax at e < E (E entries). Argument types
         // match (const u16*, const float*, const u8*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Whether the fragment kernels take this shape (`N` a multiple of [`FRAG_COLS`]; `K` of 32
+    /// as every low-byte GEMM).
+    pub fn frag_fits(n: usize, k: usize) -> bool {
+        n.is_multiple_of(FRAG_COLS) && k.is_multiple_of(32)
+    }
+
+    fn frag_grid(&self, op: &str, s: Grouped) -> Result<LaunchConfig, DeviceError> {
+        if !Self::frag_fits(s.n, s.k) {
+            return Err(self.gpu.err(format!(
+                "{op}: n = {} must be a multiple of {FRAG_COLS} (columns per block)",
+                s.n
+            )));
+        }
+        Ok(LaunchConfig {
+            grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
+            block_dim: (QF_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// [`QGemm::grouped_nt_small_m_mxfp8`] on tensor cores with the stored weights decoded
+    /// straight into `mma.m16n8k16` A fragments (no shared-memory round trip): per block 32
+    /// output columns of one expert, its 8 warps splitting K, the expert's activation rows as
+    /// the B operand in passes of [`FragRows::for_rows`]. Weight values are those
+    /// [`QGemm::dequant_weights_mxfp8`] writes (exact for scale bytes ≥ 3); products exact,
+    /// f32 sums in the tensor cores' order per warp, then the warps' partial sums added in a
+    /// fixed order (bound: `tensor_core_sum_bound`; deterministic). Each used expert's bytes
+    /// are read once per pass. For 1–32 rows per expert (decode batches).
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_mxfp8`]; also `n` not a multiple of [`FRAG_COLS`].
+    pub fn grouped_nt_frag_mxfp8(
+        &self,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let rows = FragRows::for_rows(s.rows, s.experts);
+        self.grouped_nt_frag_mxfp8_with(rows, x, codes, scales, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_mxfp8_with(
+        &self,
+        rows: FragRows,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_frag_mxfp8";
+        self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
+        let cfg = self.frag_grid(op, s)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let g = &self.gpu;
+        let mut b = g.stream().launch_builder(&self.frag_mxfp8[rows.index()]);
+        b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, codes E·N·K, scales E·N·K/32, offsets E+1 and y R·N elements
+        // (checked); n % 32 == 0 and k % 32 == 0 (checked), x and codes 16-byte aligned
+        // (checked), weight rows K bytes and activation rows K elements (64-byte multiples):
+        // block (bx, e) reads weight rows bx·32 .. +32 ≤ N of expert e < E, each 16-byte chunk c
+        // only when 16c < K and its scale byte c/2 < K/32, activation rows in [lo, hi) ⊆ [0, R]
+        // (offsets clamped) at 16-element chunks starting below K, and writes y at those rows,
+        // columns < N. The block's threads run the same pass loop (bounds from offsets, equal
+        // for all), so both barriers per pass are reached by all; the shared array is static
+        // (8 KB per 8 rows of the pass). Argument types match (const u16*, const u8*, const u8*,
+        // const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// [`QGemm::grouped_nt_small_m_nvfp4`] on tensor cores with the stored weights decoded
+    /// straight into mma fragments, as [`QGemm::grouped_nt_frag_mxfp8`]: operands the exact
+    /// `pre` values in binary16 (weights `e2m1 · e4m3(scale)` decoded from the stored bytes,
+    /// the BF16 activation operand converted, both exact), f32 accumulation, `y = fl(sum · α)`
+    /// per row with α = `nvfp4_alpha(x_amax[r], w_amax[e])`.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_small_m_nvfp4`]; also `n` not a multiple of [`FRAG_COLS`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_nvfp4(
+        &self,
+        x_pre: &CudaView<'_, u16>,
+        x_amax: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let rows = FragRows::for_rows(s.rows, s.experts);
+        self.grouped_nt_frag_nvfp4_with(rows, x_pre, x_amax, codes, scales, w_amax, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_frag_nvfp4`] with `rows` activation rows per pass.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_nvfp4`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_nvfp4_with(
+        &self,
+        rows: FragRows,
+        x_pre: &CudaView<'_, u16>,
+        x_amax: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_frag_nvfp4";
+        let g = &self.gpu;
+        self.check_grouped(op, LowByte::Nvfp4, s, x_pre, codes, scales, offsets, y)?;
+        let cfg = self.frag_grid(op, s)?;
+        check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
+        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.frag_nvfp4[rows.index()]);
+        b.arg(x_pre).arg(x_amax).arg(codes).arg(scales).arg(w_amax);
+        b.arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: as grouped_nt_frag_mxfp8, with codes E·N·K/2 and scales E·N·K/16 bytes
+        // (checked; weight rows K/2 bytes, 16-byte chunks c with 16c < K/2, the u16 scale pair
+        // 2c < K/16 of each row, 2-byte aligned: scales checked 2-byte aligned and K/16 even;
+        // activation chunks of 32 elements starting below K), x_amax read at rows < R (R
+        // entries), w_amax at e < E (E entries). Argument types match (const u16*, const
+        // float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
