@@ -8,6 +8,12 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict_
     if (i < n) out[i] = f32_to_bf16(x[i]);
 }
 
+// out[i] = f32(bf16(x[i])) (round to nearest even; a parameter's BF16 value kept as f32), i < n.
+extern "C" __global__ void round_bf16_f32(const float* __restrict__ x, float* __restrict__ out, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = round_bf16(x[i]);
+}
+
 // y[i] += x[i], i < n.
 extern "C" __global__ void add_inplace(float* __restrict__ y, const float* __restrict__ x, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -649,6 +649,16 @@ impl Backend for CudaBackend {
         self.gpu.download(&b.slice(0..n)).map_err(de)
     }
 
+    fn download_bf16(&self, b: &Self::Bf16, n: usize) -> DResult<Vec<u16>> {
+        self.gpu.download(&b.slice(0..n)).map_err(de)
+    }
+
+    fn round_bf16(&self, x: &Self::F32, out: &mut Self::F32, n: usize) -> DResult<()> {
+        self.ew
+            .round_bf16(&x.as_view(), &mut out.as_view_mut(), n)
+            .map_err(de)
+    }
+
     fn rope_table(&self, max_pos: usize, head_dim: usize, theta: f64) -> DResult<Self::Rope> {
         RopeDeviceTable::new(&self.gpu, max_pos, head_dim, theta).map_err(de)
     }

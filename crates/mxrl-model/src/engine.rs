@@ -34,9 +34,15 @@ fn dev(e: DeviceError) -> ModelError {
 /// operand (refreshed by every optimizer step).
 struct Param<B: Backend> {
     name: String,
+    /// Shape as the engine holds it (routed experts stacked: `[E·rows, cols]`).
+    shape: Vec<usize>,
     len: usize,
     master: B::F32,
     op: Option<B::Bf16>,
+    /// With BF16 parameters ([`Engine::use_bf16_params`]): the BF16 value of a parameter
+    /// without a GEMM operand (norms, biases, an untied embedding), as f32; the forward reads
+    /// it instead of the master.
+    compute: Option<B::F32>,
     /// Weight decay applies (linear and embedding weights; not norms and biases).
     decay: bool,
 }
@@ -229,6 +235,9 @@ impl<B: Backend> DecodeState<B> {
     }
 }
 
+/// One parameter in BF16 ([`Engine::weights_bf16`]): name, shape, bit patterns.
+pub type Bf16Param = (String, Vec<usize>, Vec<u16>);
+
 /// The tokens and logprobs [`Engine::generate`] sampled for one prompt.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
@@ -305,6 +314,7 @@ impl<B: Backend> Engine<B> {
         // Uploads one parameter; `linear`: also its BF16 GEMM operand.
         let push = |params: &mut Vec<Param<B>>,
                     name: String,
+                    shape: Vec<usize>,
                     vals: Vec<f32>,
                     linear: bool,
                     decay: bool|
@@ -319,9 +329,11 @@ impl<B: Backend> Engine<B> {
             };
             params.push(Param {
                 name,
+                shape,
                 len: vals.len(),
                 master,
                 op,
+                compute: None,
                 decay,
             });
             Ok(params.len() - 1)
@@ -331,6 +343,7 @@ impl<B: Backend> Engine<B> {
         let embed = push(
             &mut params,
             "model.embed_tokens.weight".into(),
+            vec![v, h],
             embed_vals.clone(),
             cfg.tie_word_embeddings,
             true,
@@ -347,7 +360,7 @@ impl<B: Backend> Engine<B> {
                            decay: bool|
              -> Result<usize> {
                 let vals = src(&name, shape)?;
-                push(params, name, vals, linear, decay)
+                push(params, name, shape.to_vec(), vals, linear, decay)
             };
             let ln1 = one(
                 &mut params,
@@ -455,6 +468,7 @@ impl<B: Backend> Engine<B> {
                 let gate_up = push(
                     &mut params,
                     format!("{p}.mlp.experts.*.gate_up_proj.weight"),
+                    vec![e * 2 * f, h],
                     gu,
                     true,
                     true,
@@ -462,6 +476,7 @@ impl<B: Backend> Engine<B> {
                 let down = push(
                     &mut params,
                     format!("{p}.mlp.experts.*.down_proj.weight"),
+                    vec![e * h, f],
                     dn,
                     true,
                     true,
@@ -508,13 +523,27 @@ impl<B: Backend> Engine<B> {
         }
         let norm = {
             let vals = src("model.norm.weight", &[h])?;
-            push(&mut params, "model.norm.weight".into(), vals, false, false)?
+            push(
+                &mut params,
+                "model.norm.weight".into(),
+                vec![h],
+                vals,
+                false,
+                false,
+            )?
         };
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
             let vals = src("lm_head.weight", &[v, h])?;
-            push(&mut params, "lm_head.weight".into(), vals, true, true)?
+            push(
+                &mut params,
+                "lm_head.weight".into(),
+                vec![v, h],
+                vals,
+                true,
+                true,
+            )?
         };
         let rope = b
             .rope_table(max_pos.max(1), cfg.head_dim, cfg.rope_theta)
@@ -536,7 +565,8 @@ impl<B: Backend> Engine<B> {
     }
 
     fn w(&self, i: usize) -> &B::F32 {
-        &self.params[i].master
+        let p = &self.params[i];
+        p.compute.as_ref().unwrap_or(&p.master)
     }
 
     fn op(&self, i: usize) -> &B::Bf16 {
@@ -1973,8 +2003,210 @@ impl<B: Backend> Engine<B> {
                 p.op.as_mut(),
             )
             .map_err(dev)?;
+            if let Some(c) = p.compute.as_mut() {
+                b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+            }
         }
         Ok(norm)
+    }
+
+    /// Runs every parameter at its BF16 value, as a BF16 recipe stores it: linear weights
+    /// already multiply their BF16 operand; from now on norms, biases and an untied embedding
+    /// are read as `f32(bf16(master))` too (refreshed after every optimizer step and
+    /// [`Engine::set_param_values`]), so the forward computes with exactly the values
+    /// [`Engine::weights_bf16`] exports. The f32 masters keep the optimizer's updates.
+    ///
+    /// # Errors
+    /// Out of device memory.
+    pub fn use_bf16_params(&mut self) -> Result<()> {
+        for i in 0..self.params.len() {
+            if self.params[i].op.is_none() && self.params[i].compute.is_none() {
+                let c = self.b.zeros_f32(self.params[i].len).map_err(dev)?;
+                self.params[i].compute = Some(c);
+            }
+            self.refresh_copies(i)?;
+        }
+        Ok(())
+    }
+
+    /// Rewrites parameter `i`'s BF16 operand and BF16 value from its master.
+    fn refresh_copies(&mut self, i: usize) -> Result<()> {
+        let b = &self.b;
+        let p = &mut self.params[i];
+        if let Some(op) = p.op.as_mut() {
+            b.to_bf16(&p.master, op, p.len).map_err(dev)?;
+        }
+        if let Some(c) = p.compute.as_mut() {
+            b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    fn param_index(&self, name: &str) -> Result<usize> {
+        self.params
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| ModelError::BadTensor {
+                name: name.into(),
+                message: "not a parameter of this engine".into(),
+            })
+    }
+
+    /// The shape of parameter `name` as the engine holds it (routed experts stacked:
+    /// `[E·rows, cols]`).
+    ///
+    /// # Errors
+    /// Unknown name.
+    pub fn param_shape(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.params[self.param_index(name)?].shape)
+    }
+
+    /// Replaces parameter `name`'s master values (and its BF16 copies) with `values`.
+    ///
+    /// # Errors
+    /// Unknown name, wrong length; device failure.
+    pub fn set_param_values(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let i = self.param_index(name)?;
+        if values.len() != self.params[i].len {
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                message: format!(
+                    "{} values for shape {:?} ({} elements)",
+                    values.len(),
+                    self.params[i].shape,
+                    self.params[i].len
+                ),
+            });
+        }
+        self.params[i].master = self.b.upload_f32(values).map_err(dev)?;
+        self.refresh_copies(i)
+    }
+
+    /// Every parameter as the forward multiplies it, in BF16 bit patterns (engine order; name,
+    /// shape, bits): a linear weight's BF16 operand, the BF16 value of anything else (after
+    /// [`Engine::use_bf16_params`] exactly what the forward reads; before it, the master
+    /// rounded to BF16).
+    ///
+    /// # Errors
+    /// Device failure.
+    pub fn weights_bf16(&self) -> Result<Vec<Bf16Param>> {
+        let b = &self.b;
+        self.params
+            .iter()
+            .map(|p| {
+                let bits = match (&p.op, &p.compute) {
+                    (Some(op), _) => b.download_bf16(op, p.len).map_err(dev)?,
+                    (None, c) => b
+                        .download_f32(c.as_ref().unwrap_or(&p.master), p.len)
+                        .map_err(dev)?
+                        .into_iter()
+                        .map(|v| half::bf16::from_f32(v).to_bits())
+                        .collect(),
+                };
+                Ok((p.name.clone(), p.shape.clone(), bits))
+            })
+            .collect()
+    }
+
+    /// The master weights as a host [`Model`] (stacked experts split per expert), e.g. to
+    /// save a checkpoint after training.
+    ///
+    /// # Errors
+    /// Device failure; a parameter the model does not have (not expected).
+    pub fn to_model(&self) -> Result<Model> {
+        let mut m = Model::zeros(&self.cfg)?;
+        let mut ps = m.params_mut();
+        for p in &self.params {
+            let v = self.b.download_f32(&p.master, p.len).map_err(dev)?;
+            match p.name.split_once(".experts.*.") {
+                Some((base, tail)) => {
+                    let e = self.cfg.num_experts;
+                    for (x, chunk) in v.chunks(p.len / e).enumerate() {
+                        ps.set(&format!("{base}.experts.{x}.{tail}"), chunk)?;
+                    }
+                }
+                None => ps.set(&p.name, &v)?,
+            }
+        }
+        drop(ps);
+        Ok(m)
+    }
+
+    /// AdamW steps taken.
+    pub fn adam_step(&self) -> u64 {
+        self.train.as_ref().map_or(0, |t| t.step)
+    }
+
+    /// AdamW moments `(m, v)` of parameter `name`, copied to the host.
+    ///
+    /// # Errors
+    /// Unknown name, training not enabled; device failure.
+    pub fn adam_moments(&self, name: &str) -> Result<(Vec<f32>, Vec<f32>)> {
+        let i = self.param_index(name)?;
+        let st = self
+            .train
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        let n = self.params[i].len;
+        Ok((
+            self.b.download_f32(&st.m[i], n).map_err(dev)?,
+            self.b.download_f32(&st.v[i], n).map_err(dev)?,
+        ))
+    }
+
+    /// Restores the AdamW step count and, per parameter, its moments (a resumed run).
+    ///
+    /// # Errors
+    /// Unknown name, wrong length, training not enabled; device failure.
+    pub fn set_adam_state(&mut self, step: u64, moments: &[(&str, &[f32], &[f32])]) -> Result<()> {
+        let idx: Vec<usize> = moments
+            .iter()
+            .map(|(n, m, v)| {
+                let i = self.param_index(n)?;
+                let len = self.params[i].len;
+                if m.len() != len || v.len() != len {
+                    return Err(ModelError::BadTensor {
+                        name: (*n).into(),
+                        message: format!(
+                            "moments of {} / {} values for {len} elements",
+                            m.len(),
+                            v.len()
+                        ),
+                    });
+                }
+                Ok(i)
+            })
+            .collect::<Result<_>>()?;
+        let b = &self.b;
+        let st = self
+            .train
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        for (&i, (_, m, v)) in idx.iter().zip(moments) {
+            st.m[i] = b.upload_f32(m).map_err(dev)?;
+            st.v[i] = b.upload_f32(v).map_err(dev)?;
+        }
+        st.step = step;
+        Ok(())
+    }
+
+    /// The first non-finite master value (`name[index] = value`), if any: one norm pass over
+    /// every master on the device, and a search on the host only when it is not finite.
+    ///
+    /// # Errors
+    /// Device failure.
+    pub fn first_non_finite_param(&self) -> Result<Option<String>> {
+        let views: Vec<(&B::F32, usize)> = self.params.iter().map(|p| (&p.master, p.len)).collect();
+        if self.b.grad_norm(&views).map_err(dev)?.is_finite() {
+            return Ok(None);
+        }
+        for p in &self.params {
+            let v = self.b.download_f32(&p.master, p.len).map_err(dev)?;
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Ok(Some(format!("weight {}[{i}] = {}", p.name, v[i])));
+            }
+        }
+        Ok(None)
     }
 
     /// A parameter's master values (HF name; routed experts stacked as

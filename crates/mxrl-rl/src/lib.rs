@@ -12,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub mod ablate;
+pub mod engine;
 pub mod grpo;
 pub mod manifest;
 pub mod metrics;

@@ -297,4 +297,48 @@ pub trait TrainPolicy {
     /// ships). Must use the same quantizer as checkpoint conversion. A policy whose parameters
     /// changed since its last [`TrainPolicy::refresh_weights`] may refuse.
     fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError>;
+
+    /// One optimizer step taken where the parameters live (a device engine keeps weights,
+    /// gradients and moments on the device): clip to `cfg.max_grad_norm`, AdamW step number
+    /// `step` (≥ 1); returns the gradient norm before clipping. `None`: the policy leaves the
+    /// step to the loop's [`crate::optim::AdamW`] over [`TrainPolicy::params`] (the default).
+    fn optimizer_step(
+        &mut self,
+        cfg: &crate::optim::AdamWConfig,
+        step: u64,
+    ) -> Option<Result<f64, PolicyError>> {
+        let _ = (cfg, step);
+        None
+    }
+
+    /// The AdamW moments by parameter name when the policy holds them itself (it takes its own
+    /// [`TrainPolicy::optimizer_step`]); `None` otherwise (the default).
+    fn optimizer_moments(
+        &mut self,
+    ) -> Option<Result<std::collections::BTreeMap<String, crate::optim::Moments>, PolicyError>>
+    {
+        None
+    }
+
+    /// Restores moments saved from [`TrainPolicy::optimizer_moments`] and the AdamW step count;
+    /// `Ok(false)`: the policy holds no optimizer state (the default), the loop keeps it.
+    fn set_optimizer_state(
+        &mut self,
+        step: u64,
+        moments: &std::collections::BTreeMap<String, crate::optim::Moments>,
+    ) -> Result<bool, PolicyError> {
+        let _ = (step, moments);
+        Ok(false)
+    }
+
+    /// The first non-finite weight (`name[index] = value`), if any. The default scans
+    /// [`TrainPolicy::params`].
+    fn first_non_finite_weight(&mut self) -> Option<String> {
+        self.params().iter().find_map(|p| {
+            p.value
+                .iter()
+                .position(|v| !v.is_finite())
+                .map(|i| format!("weight {}[{i}] = {}", p.name, p.value[i]))
+        })
+    }
 }

@@ -243,12 +243,19 @@ impl RlConfig {
 
 /// The first non-finite value among the trainer's parameters, as `weight NAME[i] = v`.
 pub fn first_non_finite_weight<T: TrainPolicy>(trainer: &mut T) -> Option<String> {
-    trainer.params().iter().find_map(|p| {
-        p.value
-            .iter()
-            .position(|v| !v.is_finite())
-            .map(|i| format!("weight {}[{i}] = {}", p.name, p.value[i]))
-    })
+    trainer.first_non_finite_weight()
+}
+
+/// One optimizer step: the policy's own ([`TrainPolicy::optimizer_step`]) when it takes one,
+/// else `opt` over [`TrainPolicy::params`]. Returns the gradient norm before clipping.
+pub fn optimizer_step<T: TrainPolicy>(trainer: &mut T, opt: &mut AdamW) -> Result<f64, RunError> {
+    if let Some(r) = trainer.optimizer_step(&opt.cfg, opt.step + 1) {
+        let norm = r?;
+        opt.step += 1;
+        return Ok(norm);
+    }
+    let mut params = trainer.params();
+    Ok(opt.step(&mut params))
 }
 
 /// The state of a run that a checkpoint restores.
@@ -279,13 +286,19 @@ pub fn save_checkpoint<T: TrainPolicy>(
     };
     let mut blobs: Vec<(String, Vec<u8>, usize)> = Vec::new();
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // Moments held by the policy itself (a device engine) or by the loop's optimizer.
+    let own = match trainer.optimizer_moments() {
+        Some(r) => Some(r?),
+        None => None,
+    };
+    let moments = own.as_ref().unwrap_or(&opt.state);
     for p in trainer.params() {
         blobs.push((
             format!("param/{}", p.name),
             f32_bytes(p.value),
             p.value.len(),
         ));
-        if let Some(m) = opt.state.get(p.name) {
+        if let Some(m) = moments.get(p.name) {
             blobs.push((format!("adam_m/{}", p.name), f32_bytes(&m.m), m.m.len()));
             blobs.push((format!("adam_v/{}", p.name), f32_bytes(&m.v), m.v.len()));
         }
@@ -359,8 +372,10 @@ pub fn load_checkpoint<T: TrainPolicy>(
             );
         }
     }
-    opt.state = moments;
     opt.step = state.adam_step;
+    if !trainer.set_optimizer_state(state.adam_step, &moments)? {
+        opt.state = moments;
+    }
     Ok(Some(state))
 }
 
@@ -629,9 +644,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 what: format!("the loss ({loss})"),
             });
         }
-        let mut params = self.trainer.params();
-        let grad_norm = self.opt.step(&mut params);
-        drop(params);
+        let grad_norm = optimizer_step(&mut self.trainer, &mut self.opt)?;
         if !grad_norm.is_finite() {
             return Err(RunError::NonFinite {
                 step,
@@ -814,9 +827,7 @@ pub fn sft<T: TrainPolicy>(
             });
         }
         trainer.backward(&d)?;
-        let mut ps = trainer.params();
-        let norm = opt.step(&mut ps);
-        drop(ps);
+        let norm = optimizer_step(trainer, &mut opt)?;
         if !norm.is_finite() {
             return Err(RunError::NonFinite {
                 step,

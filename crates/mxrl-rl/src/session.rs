@@ -3,8 +3,9 @@
 //! recipe, and the embedded demo model.
 
 use crate::ablate::Built;
+use crate::engine::{EngineRollout, EngineTrainer};
 use crate::moe::{formats_for, plan_for, weight_bytes, MoeRollout, MoeTrainer};
-use crate::policy::{PolicyError, TrainPolicy};
+use crate::policy::{PolicyError, RolloutPolicy, TrainPolicy};
 use crate::runner::RunError;
 use crate::task::{load_jsonl, ArithmeticTask, ChatTemplate, TaskSource};
 use crate::text::{char_tokenizer_json, TextCodec, CHAR_VOCAB};
@@ -125,6 +126,39 @@ pub fn build(model: &Model, recipe: &str) -> Result<Built<MoeTrainer, MoeRollout
     let mut trainer = MoeTrainer::new(model.clone(), &plan)?;
     let rollout = trainer.rollout()?;
     let reference = Some(trainer.clone());
+    Ok(Built {
+        trainer,
+        rollout,
+        reference,
+        weight_bytes: bytes,
+        contract_hash: crate::wire::contract_hash().to_string(),
+    })
+}
+
+/// [`build`] on the device engine (BF16 recipes): trainer, rollout and frozen reference are
+/// three engines made by `backend` from `model`'s weights, sequences up to `max_pos` tokens;
+/// the rollout starts with the trainer's exported weights.
+///
+/// # Errors
+/// A recipe that stores a tensor in a block format (named), a model the engine cannot run, a
+/// device failure.
+pub fn build_engine<B: mxrl_tensor::device::Backend>(
+    model: &Model,
+    recipe: &str,
+    max_pos: usize,
+    mut backend: impl FnMut() -> Result<B, RunError>,
+) -> Result<Built<EngineTrainer<B>, EngineRollout<B>>, RunError> {
+    use mxrl_model::engine::Engine;
+    let plan = plan_for(model.config(), recipe)?;
+    let formats = formats_for(model, &plan)?;
+    let bytes = weight_bytes(model, &formats);
+    let mut engine = || -> Result<Engine<B>, RunError> {
+        Engine::from_model(model, backend()?, max_pos).map_err(be)
+    };
+    let trainer = EngineTrainer::new(engine()?, &plan)?;
+    let mut rollout = EngineRollout::new(engine()?, &plan)?;
+    rollout.load_weights(&trainer.export_weights()?)?;
+    let reference = Some(EngineTrainer::frozen(engine()?, &plan)?);
     Ok(Built {
         trainer,
         rollout,

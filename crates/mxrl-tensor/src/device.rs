@@ -163,6 +163,16 @@ pub trait Backend {
     /// # Errors
     /// Short buffers; device failure.
     fn to_bf16(&self, x: &Self::F32, out: &mut Self::Bf16, n: usize) -> DResult<()>;
+    /// `out[i] = f32(bf16(x[i]))`, `i < n`: a parameter's BF16 value, kept as f32.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn round_bf16(&self, x: &Self::F32, out: &mut Self::F32, n: usize) -> DResult<()>;
+    /// The first `n` BF16 values of `b` as bit patterns (device → host).
+    ///
+    /// # Errors
+    /// Short buffer; a device failure.
+    fn download_bf16(&self, b: &Self::Bf16, n: usize) -> DResult<Vec<u16>>;
     /// `y[i] += x[i]`, `i < n`.
     ///
     /// # Errors
@@ -1092,6 +1102,24 @@ impl Backend for CpuBackend {
     fn download_u32(&self, b: &Vec<u32>, n: usize) -> DResult<Vec<u32>> {
         need("download", b.len(), n)?;
         Ok(b[..n].to_vec())
+    }
+
+    fn round_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {
+        need("round_bf16 x", x.len(), n)?;
+        need("round_bf16 out", out.len(), n)?;
+        for (o, &v) in out[..n].iter_mut().zip(&x[..n]) {
+            *o = round_bf16(v);
+        }
+        Ok(())
+    }
+
+    fn download_bf16(&self, b: &Vec<f32>, n: usize) -> DResult<Vec<u16>> {
+        need("download", b.len(), n)?;
+        // CPU BF16 buffers hold BF16 values as f32: the conversion is exact.
+        Ok(b[..n]
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect())
     }
 
     fn to_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {

@@ -23,6 +23,7 @@ fn grid(n: usize) -> LaunchConfig {
 pub struct Elementwise {
     gpu: Gpu,
     to_bf16: CudaFunction,
+    round_bf16: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
 }
@@ -41,6 +42,7 @@ impl Elementwise {
         Ok(Elementwise {
             gpu: gpu.clone(),
             to_bf16: f("to_bf16")?,
+            round_bf16: f("round_bf16_f32")?,
             add_inplace: f("add_inplace")?,
             embed_gather: f("embed_gather")?,
         })
@@ -67,6 +69,31 @@ impl Elementwise {
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
         // argument types match (const float*, u16*, u64).
+        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `out[i] = f32(bf16(x[i]))`, `i < n` (round to nearest even). Reference:
+    /// `mxrl_tensor::precision::round_bf16`.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn round_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "round_bf16 x", x.len(), n)?;
+        check_len(&self.gpu, "round_bf16 out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.gpu.stream().launch_builder(&self.round_bf16);
+        b.arg(x).arg(out).arg(&n64);
+        // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
+        // argument types match (const float*, float*, u64).
         unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }

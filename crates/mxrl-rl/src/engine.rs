@@ -1,0 +1,527 @@
+//! The RL traits over the device engine (`mxrl_model::engine::Engine`): trainer and rollout
+//! whose weights, gradients, AdamW moments, activations and KV caches live on one backend
+//! (the GPU with `mxrl-cuda`'s `CudaBackend`; the CPU reference `CpuBackend` runs the same
+//! code in tests).
+//!
+//! - **Recipes.** The engine trains BF16 weights: every tensor the plan stores is BF16, and the
+//!   engine computes with exactly those values ([`Engine::use_bf16_params`]: linear weights
+//!   multiply their BF16 operand, norms and the embedding are read as `f32(bf16(master))`),
+//!   so the export is the bytes the trainer computes with. A plan that stores a tensor in a
+//!   block format is refused by name ([`EngineTrainer::new`]).
+//! - **Trainer** ([`EngineTrainer`]): per micro-batch the host sends token ids and receives the
+//!   response tokens' logprobs; the backward takes `∂L/∂logprob`; the optimizer step (global
+//!   gradient clipping, AdamW with the engine's weight-decay rule: linear and embedding
+//!   weights, not norms and biases) runs on the device ([`TrainPolicy::optimizer_step`]).
+//!   [`TrainPolicy::params`] copies masters and gradients to the host (checkpoints); values
+//!   edited there go back to the device before the next use.
+//! - **Rollout** ([`EngineRollout`]): batched sampling on the device (prefill, KV-cache
+//!   decode, counter-based sampling by seed, step and row), a weight update validated in full
+//!   before anything is replaced, and re-scoring with the trainer's forward (`--bitwise`).
+//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): routing replay
+//!   (refused), the per-token entropy, routing traces and per-layer probes (not reported).
+//!
+//! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
+//! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
+
+use crate::optim::{AdamWConfig, Moments};
+use crate::policy::{
+    ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored, TrainForward,
+    TrainPolicy, TrainSeq, WireTensor,
+};
+use crate::wire::bf16_values;
+use mxrl_formats::Format;
+use mxrl_model::engine::{Engine, Tape};
+use mxrl_model::{ModelConfig, SeqInput};
+use mxrl_plan::PrecisionPlan;
+use mxrl_tensor::device::Backend;
+use mxrl_tensor::sample::SampleParams;
+use std::collections::BTreeMap;
+
+fn be<E: std::fmt::Display>(e: E) -> PolicyError {
+    PolicyError::Backend(e.to_string())
+}
+
+/// Refuses a plan that stores any of the model's tensors in a block format (the engine trains
+/// BF16 weights only).
+fn check_bf16_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
+    if let Some(e) = plan.entries().iter().find(|e| e.format != Format::Bf16) {
+        return Err(PolicyError::Invalid(format!(
+            "recipe `{}` stores `{}` as {}: the device engine trains BF16 recipes only; \
+             run this recipe with --device cpu",
+            plan.recipe().name,
+            e.tensor.hf,
+            e.format
+        )));
+    }
+    Ok(())
+}
+
+/// The tokens of `s` fed to the model and their targets.
+fn seq_tokens(s: &TrainSeq<'_>) -> Result<(Vec<u32>, Vec<u32>), PolicyError> {
+    if s.prompt.is_empty() || s.response.is_empty() {
+        return Err(PolicyError::Invalid(
+            "every sequence needs a non-empty prompt and response".into(),
+        ));
+    }
+    if s.replay.is_some() {
+        return Err(PolicyError::Invalid(
+            "routing replay is not supported on the device engine yet: run without \
+             --routing-replay, or with --device cpu"
+                .into(),
+        ));
+    }
+    let mut full = s.prompt.to_vec();
+    full.extend_from_slice(s.response);
+    let t = full.len() - 1;
+    Ok((full[..t].to_vec(), full[1..].to_vec()))
+}
+
+/// Every parameter as BF16 wire tensors (engine order).
+fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
+    Ok(e.weights_bf16()
+        .map_err(be)?
+        .into_iter()
+        .map(|(name, shape, bits)| WireTensor {
+            name,
+            format: Format::Bf16,
+            shape,
+            data: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+            scales: Vec::new(),
+            amax: Vec::new(),
+        })
+        .collect())
+}
+
+/// Host copies of every parameter's values and gradients (engine order).
+type HostCopies = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// Trainer side on the device engine.
+pub struct EngineTrainer<B: Backend> {
+    engine: Engine<B>,
+    names: Vec<String>,
+    tape: Option<Tape<B>>,
+    /// Per sequence of the last forward: (positions fed, response length).
+    resp_lens: Vec<(usize, usize)>,
+    /// Host copies handed out by [`TrainPolicy::params`] (values, gradients); the values go
+    /// back to the device before the engine is used again.
+    host: Option<HostCopies>,
+}
+
+impl<B: Backend> std::fmt::Debug for EngineTrainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EngineTrainer({} tensors)", self.names.len())
+    }
+}
+
+impl<B: Backend> EngineTrainer<B> {
+    /// Trains `engine` under `plan` (BF16 recipes): allocates gradients and moments and
+    /// switches the engine to BF16 parameters.
+    ///
+    /// # Errors
+    /// A plan that stores a tensor in a block format (named); out of device memory.
+    pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+        check_bf16_plan(plan)?;
+        engine.use_bf16_params().map_err(be)?;
+        engine.enable_training().map_err(be)?;
+        let names = engine.param_names().into_iter().map(String::from).collect();
+        Ok(EngineTrainer {
+            engine,
+            names,
+            tape: None,
+            resp_lens: Vec::new(),
+            host: None,
+        })
+    }
+
+    /// A frozen copy for the reference policy: runs the training forward, never steps (no
+    /// gradients or moments are allocated).
+    ///
+    /// # Errors
+    /// As [`EngineTrainer::new`].
+    pub fn frozen(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+        check_bf16_plan(plan)?;
+        engine.use_bf16_params().map_err(be)?;
+        let names = engine.param_names().into_iter().map(String::from).collect();
+        Ok(EngineTrainer {
+            engine,
+            names,
+            tape: None,
+            resp_lens: Vec::new(),
+            host: None,
+        })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
+    }
+
+    /// The f32 master weights as a host model (for saving a checkpoint).
+    ///
+    /// # Errors
+    /// Device failure.
+    pub fn master_model(&mut self) -> Result<mxrl_model::Model, PolicyError> {
+        self.flush()?;
+        self.engine.to_model().map_err(be)
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        self.engine.config()
+    }
+
+    /// Sends values edited through [`TrainPolicy::params`] back to the device.
+    fn flush(&mut self) -> Result<(), PolicyError> {
+        if let Some((values, _)) = self.host.take() {
+            for (n, v) in self.names.iter().zip(&values) {
+                self.engine.set_param_values(n, v).map_err(be)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> TrainPolicy for EngineTrainer<B> {
+    fn forward(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<TrainForward>, PolicyError> {
+        self.flush()?;
+        self.tape = None;
+        let toks: Vec<(Vec<u32>, Vec<u32>)> =
+            batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
+        let inputs: Vec<SeqInput<'_>> = toks
+            .iter()
+            .map(|(t, g)| SeqInput {
+                tokens: t,
+                targets: g,
+            })
+            .collect();
+        let (lp, tape) = self
+            .engine
+            .forward_train(&inputs, temperature)
+            .map_err(be)?;
+        self.tape = Some(tape);
+        self.resp_lens = batch
+            .iter()
+            .zip(&toks)
+            .map(|(s, (t, _))| (t.len(), s.response.len()))
+            .collect();
+        Ok(lp
+            .into_iter()
+            .zip(&self.resp_lens)
+            .map(|(l, &(t, r))| TrainForward {
+                logprobs: l[t - r..].to_vec(),
+                ..TrainForward::default()
+            })
+            .collect())
+    }
+
+    fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
+        let tape = self
+            .tape
+            .take()
+            .ok_or_else(|| PolicyError::Invalid("backward without a training forward".into()))?;
+        if dlogp.len() != self.resp_lens.len()
+            || dlogp
+                .iter()
+                .zip(&self.resp_lens)
+                .any(|(d, &(_, r))| d.len() != r)
+        {
+            return Err(PolicyError::Invalid(format!(
+                "backward: gradient rows of lengths {:?} for responses of lengths {:?}",
+                dlogp.iter().map(Vec::len).collect::<Vec<_>>(),
+                self.resp_lens.iter().map(|r| r.1).collect::<Vec<_>>()
+            )));
+        }
+        let full: Vec<Vec<f32>> = dlogp
+            .iter()
+            .zip(&self.resp_lens)
+            .map(|(d, &(t, r))| {
+                let mut v = vec![0.0f32; t - r];
+                v.extend_from_slice(d);
+                v
+            })
+            .collect();
+        self.engine.backward(&tape, &full).map_err(be)
+    }
+
+    fn params(&mut self) -> Vec<ParamMut<'_>> {
+        self.tape = None;
+        if self.host.is_none() {
+            let mut values = Vec::with_capacity(self.names.len());
+            let mut grads = Vec::with_capacity(self.names.len());
+            for n in &self.names {
+                values.push(
+                    self.engine
+                        .param_values(n)
+                        .unwrap_or_else(|e| panic!("copying parameter {n} to the host: {e}")),
+                );
+                grads.push(
+                    self.engine
+                        .grad_values(n)
+                        .unwrap_or_else(|e| panic!("copying gradient {n} to the host: {e}")),
+                );
+            }
+            self.host = Some((values, grads));
+        }
+        let (values, grads) = self.host.as_mut().expect("filled above");
+        self.names
+            .iter()
+            .zip(values.iter_mut())
+            .zip(grads.iter_mut())
+            .map(|((n, v), g)| ParamMut {
+                name: n,
+                value: v,
+                grad: g,
+                format: Format::Bf16,
+            })
+            .collect()
+    }
+
+    fn zero_grad(&mut self) {
+        if let Err(e) = self.engine.zero_grads() {
+            panic!("zeroing the gradients on the device: {e}");
+        }
+        if let Some((_, g)) = self.host.as_mut() {
+            g.iter_mut().for_each(|x| x.fill(0.0));
+        }
+    }
+
+    fn refresh_weights(&mut self) -> Result<(), PolicyError> {
+        self.flush()
+    }
+
+    fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError> {
+        if self.host.is_some() {
+            return Err(PolicyError::Invalid(
+                "export_weights: parameters were handed to the host; refresh_weights first".into(),
+            ));
+        }
+        export(&self.engine)
+    }
+
+    fn optimizer_step(&mut self, cfg: &AdamWConfig, step: u64) -> Option<Result<f64, PolicyError>> {
+        Some((|| {
+            self.flush()?;
+            self.tape = None;
+            if step != self.engine.adam_step() + 1 {
+                return Err(PolicyError::Invalid(format!(
+                    "optimizer step {step} after {} steps on the device",
+                    self.engine.adam_step()
+                )));
+            }
+            let tc = mxrl_tensor::optim::AdamWConfig {
+                lr: cfg.lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+            };
+            let clip = (cfg.max_grad_norm > 0.0).then_some(cfg.max_grad_norm as f64);
+            self.engine
+                .optimizer_step(&tc, cfg.weight_decay, clip)
+                .map_err(be)
+        })())
+    }
+
+    fn optimizer_moments(&mut self) -> Option<Result<BTreeMap<String, Moments>, PolicyError>> {
+        if self.engine.adam_step() == 0 {
+            return Some(Ok(BTreeMap::new()));
+        }
+        Some(
+            self.names
+                .iter()
+                .map(|n| {
+                    let (m, v) = self.engine.adam_moments(n).map_err(be)?;
+                    Ok((n.clone(), Moments { m, v }))
+                })
+                .collect(),
+        )
+    }
+
+    fn set_optimizer_state(
+        &mut self,
+        step: u64,
+        moments: &BTreeMap<String, Moments>,
+    ) -> Result<bool, PolicyError> {
+        let list: Vec<(&str, &[f32], &[f32])> = moments
+            .iter()
+            .map(|(n, m)| (n.as_str(), m.m.as_slice(), m.v.as_slice()))
+            .collect();
+        self.engine.set_adam_state(step, &list).map_err(be)?;
+        Ok(true)
+    }
+
+    fn first_non_finite_weight(&mut self) -> Option<String> {
+        if let Err(e) = self.flush() {
+            return Some(format!("the weights could not be checked: {e}"));
+        }
+        match self.engine.first_non_finite_param() {
+            Ok(w) => w,
+            Err(e) => Some(format!("the weights could not be checked: {e}")),
+        }
+    }
+}
+
+/// Rollout side on the device engine.
+pub struct EngineRollout<B: Backend> {
+    engine: Engine<B>,
+}
+
+impl<B: Backend> std::fmt::Debug for EngineRollout<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "EngineRollout({} tensors)",
+            self.engine.param_names().len()
+        )
+    }
+}
+
+impl<B: Backend> EngineRollout<B> {
+    /// Samples from `engine` under `plan` (BF16 recipes) with its current weights until the
+    /// first [`RolloutPolicy::load_weights`].
+    ///
+    /// # Errors
+    /// As [`EngineTrainer::new`].
+    pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+        check_bf16_plan(plan)?;
+        engine.use_bf16_params().map_err(be)?;
+        Ok(EngineRollout { engine })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
+    }
+
+    fn forward(
+        &self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, PolicyError> {
+        let toks: Vec<(Vec<u32>, Vec<u32>)> =
+            batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
+        let inputs: Vec<SeqInput<'_>> = toks
+            .iter()
+            .map(|(t, g)| SeqInput {
+                tokens: t,
+                targets: g,
+            })
+            .collect();
+        // The trainer's forward (same kernels, same packing), so `--bitwise` scores equal
+        // the trainer's logprobs bit for bit.
+        let (lp, _) = self
+            .engine
+            .forward_train(&inputs, temperature)
+            .map_err(be)?;
+        Ok(lp
+            .into_iter()
+            .zip(batch)
+            .map(|(l, s)| l[l.len() - s.response.len()..].to_vec())
+            .collect())
+    }
+}
+
+impl<B: Backend> RolloutPolicy for EngineRollout<B> {
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        cfg: &SamplingConfig,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Sample>, PolicyError> {
+        let expanded: Vec<&[u32]> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.as_slice(), n))
+            .collect();
+        let sp = SampleParams {
+            temperature: cfg.temperature,
+            top_p: cfg.top_p,
+            top_k: 0,
+            seed,
+            step: 0,
+        };
+        let gens = self
+            .engine
+            .generate(&expanded, cfg.max_new_tokens, &sp, &[eos])
+            .map_err(be)?;
+        Ok(gens
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| Sample {
+                prompt_index: i / n,
+                prompt: prompts[i / n].clone(),
+                response: g.tokens,
+                logprobs: g.logprobs,
+                routing: None,
+                probes: None,
+            })
+            .collect())
+    }
+
+    fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError> {
+        let names = self.engine.param_names();
+        if tensors.len() != names.len() {
+            return Err(PolicyError::Update(format!(
+                "{} tensors sent, the engine has {}",
+                tensors.len(),
+                names.len()
+            )));
+        }
+        // Decode and check everything before the first tensor is replaced.
+        let mut decoded = Vec::with_capacity(tensors.len());
+        for (t, n) in tensors.iter().zip(&names) {
+            let shape = self.engine.param_shape(n).map_err(be)?;
+            if t.name != *n || t.shape != shape {
+                return Err(PolicyError::Update(format!(
+                    "expected `{n}` {shape:?}, got `{}` {:?}",
+                    t.name, t.shape
+                )));
+            }
+            if t.format != Format::Bf16 {
+                return Err(PolicyError::Update(format!(
+                    "tensor {}: sent as {}, the precision plan stores it as BF16",
+                    t.name, t.format
+                )));
+            }
+            decoded.push(bf16_values(t)?);
+        }
+        for (t, v) in tensors.iter().zip(&decoded) {
+            self.engine
+                .set_param_values(&t.name, v)
+                .map_err(|e| PolicyError::Update(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn weights(&self) -> Vec<WireTensor> {
+        export(&self.engine)
+            .unwrap_or_else(|e| panic!("copying the rollout's weights to the host: {e}"))
+    }
+
+    fn score(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, PolicyError> {
+        self.forward(batch, temperature)
+    }
+
+    fn score_with_probes(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Scored>, PolicyError> {
+        Ok(self
+            .forward(batch, temperature)?
+            .into_iter()
+            .map(|logprobs| Scored {
+                logprobs,
+                probes: None,
+            })
+            .collect())
+    }
+}

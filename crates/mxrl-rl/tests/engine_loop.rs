@@ -1,0 +1,273 @@
+//! The RL loop on the device engine (`mxrl_rl::engine`), run here on the engine's CPU
+//! reference backend: the same code drives the GPU with `mxrl-cuda`'s backend.
+//!
+//! The CPU engine performs every f32 operation in the CPU model's order, so under the BF16
+//! recipe the engine trainer must reproduce the model trainer (`MoeTrainer`) bit for bit:
+//! logprobs, and the weights after optimizer steps. In bitwise mode the engine rollout's
+//! re-scoring equals the trainer's logprobs exactly; a resumed run continues with the same
+//! bits as an uninterrupted one (weights and AdamW moments restored).
+
+use mxrl_rl::optim::AdamW;
+use mxrl_rl::optim::AdamWConfig;
+use mxrl_rl::runner::{optimizer_step, sft, RlConfig, RlRun, SftConfig};
+use mxrl_rl::session::{build, build_engine, demo_model};
+use mxrl_rl::task::{ArithmeticTask, TaskSource};
+use mxrl_rl::text::TextCodec;
+use mxrl_rl::{SamplingConfig, TrainPolicy, TrainSeq};
+use mxrl_tensor::device::CpuBackend;
+
+fn engine_build(
+    model: &mxrl_model::Model,
+    recipe: &str,
+) -> Result<
+    mxrl_rl::ablate::Built<
+        mxrl_rl::engine::EngineTrainer<CpuBackend>,
+        mxrl_rl::engine::EngineRollout<CpuBackend>,
+    >,
+    mxrl_rl::runner::RunError,
+> {
+    build_engine(model, recipe, 64, || Ok(CpuBackend))
+}
+
+fn cfg(steps: u64, bitwise: bool) -> RlConfig {
+    RlConfig {
+        steps,
+        prompts_per_step: 4,
+        samples: 4,
+        sampling: SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_new_tokens: 3,
+        },
+        micro_batch: 8,
+        bitwise,
+        routing_replay: false,
+        check_weight_sync: true,
+        checkpoint_every: 1,
+        adam: AdamWConfig {
+            lr: 1e-2,
+            weight_decay: 0.0,
+            ..AdamWConfig::default()
+        },
+        ..RlConfig::default()
+    }
+}
+
+/// The demo model after a supervised warm-up on the engine trainer (so rewards vary within
+/// groups and the policy gradient is not zero).
+fn warmed(seed: u64) -> mxrl_model::Model {
+    let codec = TextCodec::char_level();
+    let task = TaskSource::Arithmetic(ArithmeticTask::default());
+    let (model, _) = demo_model(seed).unwrap();
+    let mut t = engine_build(&model, "bf16").unwrap().trainer;
+    sft(
+        &mut t,
+        &task,
+        &codec,
+        &SftConfig {
+            steps: 40,
+            batch: 64,
+            seed: seed ^ 0x5f7,
+            adam: AdamWConfig {
+                lr: 3e-3,
+                ..AdamWConfig::default()
+            },
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
+    t.master_model().unwrap()
+}
+
+fn batch_of(codec: &TextCodec, n: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+    TaskSource::Arithmetic(ArithmeticTask::default())
+        .batch(11, 0, n)
+        .iter()
+        .map(|p| {
+            let mut r = codec.encode(p.completion.as_ref().unwrap()).unwrap();
+            r.push(codec.eos);
+            (codec.encode(&p.prompt).unwrap(), r)
+        })
+        .collect()
+}
+
+fn seqs(b: &[(Vec<u32>, Vec<u32>)]) -> Vec<TrainSeq<'_>> {
+    b.iter()
+        .map(|(p, r)| TrainSeq {
+            prompt: p,
+            response: r,
+            replay: None,
+        })
+        .collect()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// Forward logprobs, then backward of `−mean logprob` and one optimizer step.
+fn sft_step<T: TrainPolicy>(
+    t: &mut T,
+    opt: &mut AdamW,
+    b: &[(Vec<u32>, Vec<u32>)],
+) -> Vec<Vec<f32>> {
+    t.zero_grad();
+    let fw = t.forward(&seqs(b), 1.0).unwrap();
+    let n: usize = fw.iter().map(|f| f.logprobs.len()).sum();
+    let d: Vec<Vec<f32>> = fw
+        .iter()
+        .map(|f| vec![-1.0 / n as f32; f.logprobs.len()])
+        .collect();
+    t.backward(&d).unwrap();
+    optimizer_step(t, opt).unwrap();
+    fw.into_iter().map(|f| f.logprobs).collect()
+}
+
+/// Under the BF16 recipe the engine trainer (CPU backend) and the model trainer agree bit
+/// for bit through three optimizer steps (clipping active: max_grad_norm 0.1), and the
+/// exported weights are the BF16 values of the same masters.
+#[test]
+fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
+    let codec = TextCodec::char_level();
+    let (model, _) = demo_model(5).unwrap();
+    let b = batch_of(&codec, 6);
+    let mut mt = build(&model, "bf16").unwrap().trainer;
+    let mut et = engine_build(&model, "bf16").unwrap().trainer;
+    let c = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.0,
+        max_grad_norm: 0.1,
+        ..AdamWConfig::default()
+    };
+    let (mut om, mut oe) = (AdamW::new(c), AdamW::new(c));
+    for step in 0..3 {
+        let lm = sft_step(&mut mt, &mut om, &b);
+        let le = sft_step(&mut et, &mut oe, &b);
+        assert_eq!(bits(&lm), bits(&le), "step {step}");
+    }
+    // The loop's optimizer took no step of its own for the engine: the engine holds the
+    // moments.
+    assert!(oe.state.is_empty() && oe.step == 3 && om.step == 3);
+    mt.refresh_weights().unwrap();
+    et.refresh_weights().unwrap();
+    let after = et.master_model().unwrap();
+    let mm = mt.master_model().unwrap();
+    for (p, q) in mm.params().iter().zip(after.params().iter()) {
+        assert_eq!(p.name, q.name);
+        let pb: Vec<u32> = p.data.iter().map(|x| x.to_bits()).collect();
+        let qb: Vec<u32> = q.data.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(pb, qb, "master {}", p.name);
+    }
+}
+
+/// Bitwise mode on the engine: the rollout re-scores with the trainer's forward, so the
+/// mismatch is exactly 0 at every step; without it the rollout's decode logprobs differ only
+/// in f32 summation order. Weight sync is checked byte for byte every step.
+#[test]
+fn engine_rl_loop_bitwise_mismatch_is_zero() {
+    let codec = TextCodec::char_level();
+    let model = warmed(3);
+    let task = TaskSource::Arithmetic(ArithmeticTask::default());
+    for bitwise in [true, false] {
+        let bd = engine_build(&model, "bf16").unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let mut run = RlRun::new(
+            cfg(3, bitwise),
+            bd.trainer,
+            bd.rollout,
+            bd.reference,
+            task.clone(),
+            &codec,
+            d.path(),
+            &bd.contract_hash,
+        )
+        .unwrap();
+        let mut ms = Vec::new();
+        run.run(&mut |m| ms.push(m.clone())).unwrap();
+        assert_eq!(ms.len(), 3);
+        for m in &ms {
+            assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{m:?}");
+            assert!(m.sync_bytes > 0 && m.tokens > 0, "{m:?}");
+            if bitwise {
+                assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{m:?}");
+                assert_eq!(m.k3_kl, 0.0, "{m:?}");
+            } else {
+                assert!(m.train_rollout_logprob_abs_diff < 1e-3, "{m:?}");
+            }
+        }
+        // The reference is frozen: the KL to it is 0 at the first step and positive after
+        // the policy moved.
+        assert_eq!(ms[0].ref_kl, Some(0.0), "{:?}", ms[0]);
+        assert!(ms[2].ref_kl.unwrap() > 0.0, "{:?}", ms[2]);
+    }
+}
+
+/// A run stopped after 2 steps and resumed from its checkpoint (fresh engines) gives the same
+/// third and fourth steps, bit for bit, as a run that never stopped: masters and the device's AdamW
+/// moments and step count are saved and restored.
+#[test]
+fn a_resumed_engine_run_continues_with_the_same_bits() {
+    let codec = TextCodec::char_level();
+    let model = warmed(4);
+    let task = TaskSource::Arithmetic(ArithmeticTask::default());
+    let run_to = |dir: &std::path::Path, steps: u64| {
+        let bd = engine_build(&model, "bf16").unwrap();
+        let mut run = RlRun::new(
+            cfg(steps, true),
+            bd.trainer,
+            bd.rollout,
+            bd.reference,
+            task.clone(),
+            &codec,
+            dir,
+            &bd.contract_hash,
+        )
+        .unwrap();
+        let mut ms = Vec::new();
+        run.run(&mut |m| ms.push(m.clone())).unwrap();
+        ms
+    };
+    let a = tempfile::tempdir().unwrap();
+    let straight = run_to(a.path(), 4);
+    let b = tempfile::tempdir().unwrap();
+    assert_eq!(run_to(b.path(), 2).len(), 2);
+    let resumed = run_to(b.path(), 4);
+    assert_eq!(resumed.len(), 2, "only steps 3 and 4 run after resuming");
+    // Step 3 sees the restored masters; step 4 also the update made with restored moments.
+    for (x, y) in straight[2..].iter().zip(&resumed) {
+        assert_eq!(x.step, y.step);
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{x:?}\n{y:?}");
+        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits(), "{x:?}\n{y:?}");
+        assert_eq!(x.reward_mean.to_bits(), y.reward_mean.to_bits());
+    }
+}
+
+/// What the engine cannot run yet is refused by name, before anything runs.
+#[test]
+fn block_format_recipes_and_routing_replay_are_refused_with_the_reason() {
+    let (model, _) = demo_model(6).unwrap();
+    let e = engine_build(&model, "mxfp8")
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("mxfp8") && e.contains("BF16 recipes only") && e.contains("model.layers."),
+        "{e}"
+    );
+    let codec = TextCodec::char_level();
+    let b = batch_of(&codec, 2);
+    let mut t = engine_build(&model, "bf16").unwrap().trainer;
+    let trace = mxrl_rl::RoutingTrace::default();
+    let s: Vec<TrainSeq<'_>> = b
+        .iter()
+        .map(|(p, r)| TrainSeq {
+            prompt: p,
+            response: r,
+            replay: Some(&trace),
+        })
+        .collect();
+    let e = t.forward(&s, 1.0).unwrap_err().to_string();
+    assert!(e.contains("routing replay"), "{e}");
+}
