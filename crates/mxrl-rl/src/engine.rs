@@ -41,9 +41,12 @@ fn be<E: std::fmt::Display>(e: E) -> PolicyError {
     PolicyError::Backend(e.to_string())
 }
 
-/// Refuses a plan that stores any of the model's tensors in a block format (the engine trains
-/// BF16 weights only).
-fn check_bf16_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
+/// Whether the device engine runs `plan`: refuses, naming the first such tensor, a plan that
+/// stores any tensor in a block format (the engine trains BF16 weights only).
+///
+/// # Errors
+/// The plan stores a tensor in MXFP8, NVFP4 or FP8-block.
+pub fn check_bf16_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
     if let Some(e) = plan.entries().iter().find(|e| e.format != Format::Bf16) {
         return Err(PolicyError::Invalid(format!(
             "recipe `{}` stores `{}` as {}: the device engine trains BF16 recipes only; \

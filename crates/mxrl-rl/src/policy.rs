@@ -342,3 +342,96 @@ pub trait TrainPolicy {
         })
     }
 }
+
+/// A boxed rollout policy is one (the commands pick the model backend at run time).
+impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        cfg: &SamplingConfig,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Sample>, PolicyError> {
+        (**self).generate(prompts, n, cfg, eos, seed)
+    }
+    fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError> {
+        (**self).load_weights(tensors)
+    }
+    fn weights(&self) -> Vec<WireTensor> {
+        (**self).weights()
+    }
+    fn load_weights_versioned(
+        &mut self,
+        version: u64,
+        tensors: &[WireTensor],
+    ) -> Result<(), PolicyError> {
+        (**self).load_weights_versioned(version, tensors)
+    }
+    fn check_weights(&self, expected: &[WireTensor]) -> Result<(), crate::sync::SyncError> {
+        (**self).check_weights(expected)
+    }
+    fn score(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, PolicyError> {
+        (**self).score(batch, temperature)
+    }
+    fn score_with_probes(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<Scored>, PolicyError> {
+        (**self).score_with_probes(batch, temperature)
+    }
+}
+
+/// A boxed trainer is one (the commands pick the model backend at run time).
+impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
+    fn forward(
+        &mut self,
+        batch: &[TrainSeq<'_>],
+        temperature: f32,
+    ) -> Result<Vec<TrainForward>, PolicyError> {
+        (**self).forward(batch, temperature)
+    }
+    fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
+        (**self).backward(dlogp)
+    }
+    fn params(&mut self) -> Vec<ParamMut<'_>> {
+        (**self).params()
+    }
+    fn zero_grad(&mut self) {
+        (**self).zero_grad()
+    }
+    fn refresh_weights(&mut self) -> Result<(), PolicyError> {
+        (**self).refresh_weights()
+    }
+    fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError> {
+        (**self).export_weights()
+    }
+    fn optimizer_step(
+        &mut self,
+        cfg: &crate::optim::AdamWConfig,
+        step: u64,
+    ) -> Option<Result<f64, PolicyError>> {
+        (**self).optimizer_step(cfg, step)
+    }
+    fn optimizer_moments(
+        &mut self,
+    ) -> Option<Result<std::collections::BTreeMap<String, crate::optim::Moments>, PolicyError>>
+    {
+        (**self).optimizer_moments()
+    }
+    fn set_optimizer_state(
+        &mut self,
+        step: u64,
+        moments: &std::collections::BTreeMap<String, crate::optim::Moments>,
+    ) -> Result<bool, PolicyError> {
+        (**self).set_optimizer_state(step, moments)
+    }
+    fn first_non_finite_weight(&mut self) -> Option<String> {
+        (**self).first_non_finite_weight()
+    }
+}

@@ -1,10 +1,11 @@
 //! `mxrl ablate`: the same RL run per recipe (only precision differs) plus BF16 runs with
 //! other seeds, sequential and resumable, then the report.
 
+use super::device::Device;
 use super::rl::RlArgs;
 use anyhow::Result;
 use mxrl_rl::ablate::{run_ablation, AblationSpec};
-use mxrl_rl::session::{build, load_model_dir, recipe_info, task_source};
+use mxrl_rl::session::{load_model_dir, recipe_info, task_source};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl ablate`.
@@ -63,7 +64,11 @@ pub fn ablate(
     out: &Path,
     rl: &RlArgs,
     restart: bool,
+    device: Device,
 ) -> Result<PathBuf> {
+    if device == Device::Cuda {
+        super::device::cuda_built()?;
+    }
     let (model, codec) = load_model_dir(model_dir)?;
     let task = task_source(
         rl.task.as_deref(),
@@ -72,11 +77,26 @@ pub fn ablate(
         Some(model_dir),
     )?;
     let c = model.config();
-    let device = mxrl_tensor::backend::gemm_backend().name();
+    let mut cfg = rl.config();
+    let device_line = match device {
+        Device::Cpu => mxrl_tensor::backend::gemm_backend().name(),
+        Device::Cuda => {
+            if cfg.routing_replay {
+                eprintln!(
+                    "mxrl ablate: routing replay is not supported on the device engine yet; \
+                     every run trains without it (as with --no-routing-replay)"
+                );
+                cfg.routing_replay = false;
+            }
+            "GPU 0: the device engine for BF16 recipes, the host model with GPU GEMMs for \
+             block-format recipes"
+                .to_string()
+        }
+    };
     let spec = AblationSpec {
         recipes: recipes.to_vec(),
         noise_seeds: noise_seeds.to_vec(),
-        cfg: rl.config(),
+        cfg,
         out: out.to_path_buf(),
         model: format!(
             "{} ({:?}, {} layers, hidden {}, {} experts top-{}, vocab {}, {} parameters)",
@@ -92,7 +112,7 @@ pub fn ablate(
         model_path: model_dir.display().to_string(),
         model_digest: mxrl_rl::manifest::model_digest(model_dir)?,
         task: rl.task_description()?,
-        device,
+        device: device_line,
         restart,
     };
     Ok(run_ablation(
@@ -100,14 +120,17 @@ pub fn ablate(
         &task,
         &codec,
         |r| recipe_info(&model, r),
-        |r| build(&model, r),
+        |r| {
+            let (b, runs_on) = super::device::build_policies(&model, r, device, true)
+                .map_err(|e| mxrl_rl::runner::RunError::Config(format!("{e:#}")))?;
+            eprintln!("mxrl ablate: recipe {r} runs on {runs_on}");
+            Ok(b)
+        },
     )?)
 }
 
 /// Run `mxrl ablate`.
 pub fn run(a: Args) -> Result<()> {
-    let gemm = a.device.select()?;
-    eprintln!("mxrl ablate: linear GEMMs on {gemm}");
     let p = ablate(
         &a.model,
         &a.recipes,
@@ -115,6 +138,7 @@ pub fn run(a: Args) -> Result<()> {
         &a.out,
         &a.rl,
         a.restart,
+        a.device.device,
     )?;
     eprintln!("report: {}", p.display());
     Ok(())

@@ -72,8 +72,9 @@ pub struct Args {
 /// Run `mxrl demo`.
 pub fn run(a: Args) -> Result<()> {
     let t0 = std::time::Instant::now();
-    let gemm = a.device.select()?;
-    eprintln!("demo: linear GEMMs on {gemm}");
+    if a.device.device == super::device::Device::Cuda {
+        super::device::cuda_built()?;
+    }
     let out = a.out.clone().unwrap_or_else(|| {
         PathBuf::from(match a.size {
             Size::Small => "runs/demo",
@@ -134,13 +135,30 @@ pub fn run(a: Args) -> Result<()> {
             "demo: SFT warm-up of the {:?} MoE on 1-digit addition ({} steps)",
             a.size, a.sft_steps
         );
-        let loss =
-            super::sft::sft_to_dir(start.as_deref(), 1, a.sft_steps, 64, 3e-3, 7, &base, false)?;
+        let loss = super::sft::sft_to_dir(
+            start.as_deref(),
+            1,
+            a.sft_steps,
+            64,
+            3e-3,
+            7,
+            &base,
+            false,
+            a.device.device,
+        )?;
         eprintln!("demo: SFT done, loss {loss:.4}");
     }
     let mut rl = Defaults::parse_from(["demo"]).rl;
     rl.steps = a.steps;
-    let report = super::ablate::ablate(&base, &a.recipes, &[2, 3], &out, &rl, false)?;
+    let report = super::ablate::ablate(
+        &base,
+        &a.recipes,
+        &[2, 3],
+        &out,
+        &rl,
+        false,
+        a.device.device,
+    )?;
     eprintln!(
         "demo: done in {:.0} s.\n  open the report: {}\n  next, one run of your own: mxrl rl --model {} --recipe nvfp4-hp --steps 50\n  \
          (writes runs/rl-nvfp4-hp; `mxrl report runs/rl-nvfp4-hp` draws its plots)",

@@ -1,7 +1,13 @@
-//! `--device cpu|cuda`: where the linear layers' GEMMs run (the rest of the model stays on the
-//! host). `cuda` installs `mxrl_cuda::CudaGemm` on GPU 0 as the process-wide GEMM backend:
-//! cuBLAS f32 SGEMM (pedantic math, no TF32) on exactly the operands the CPU emulation
-//! multiplies, so only the summation order differs; weights stay resident on the GPU.
+//! `--device cpu|cuda`: where the model runs.
+//!
+//! - `cpu`: the CPU reference (`mxrl-model`'s model and kernels).
+//! - `cuda`: the device engine on GPU 0 (`mxrl_model::engine::Engine` on `mxrl-cuda`'s
+//!   backend: weights, gradients, AdamW moments, activations and KV caches on the GPU) for
+//!   `forward`, `generate`, `sft`, and for `rl`, `ablate` and `demo` under BF16 recipes. A
+//!   recipe that stores block formats (the engine does not train those yet), a remote rollout
+//!   and `rollout-server` run the host model with its linear layers' GEMMs on GPU 0
+//!   (`mxrl_cuda::CudaGemm`: cuBLAS f32 SGEMM, pedantic math, on exactly the operands the CPU
+//!   emulation multiplies), and say so.
 
 use anyhow::Result;
 
@@ -73,6 +79,96 @@ fn select_cuda() -> Result<String> {
     cuda_built().map(|()| String::new())
 }
 
+/// Trainer, rollout and frozen reference of one recipe, boxed so that a run can hold either
+/// backend.
+pub type Policies =
+    mxrl_rl::ablate::Built<Box<dyn mxrl_rl::TrainPolicy>, Box<dyn mxrl_rl::RolloutPolicy>>;
+
+/// The policies of `recipe` on `device`, and a line saying what runs where. With `cuda`, a
+/// BF16 recipe runs on the device engine when `engine_ok` (a local rollout); otherwise the host
+/// model runs with its GEMMs on GPU 0.
+///
+/// # Errors
+/// The recipe does not resolve; no usable GPU; a model the engine cannot run.
+pub fn build_policies(
+    model: &mxrl_model::Model,
+    recipe: &str,
+    device: Device,
+    engine_ok: bool,
+) -> Result<(Policies, String)> {
+    let boxed =
+        |b: mxrl_rl::ablate::Built<mxrl_rl::moe::MoeTrainer, mxrl_rl::moe::MoeRollout>| Policies {
+            trainer: Box::new(b.trainer),
+            rollout: Box::new(b.rollout),
+            reference: b
+                .reference
+                .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
+            weight_bytes: b.weight_bytes,
+            contract_hash: b.contract_hash,
+        };
+    if device == Device::Cpu {
+        let b = mxrl_rl::session::build(model, recipe)?;
+        return Ok((boxed(b), mxrl_tensor::backend::gemm_backend().name()));
+    }
+    cuda_built()?;
+    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
+    let why_not = if !engine_ok {
+        Some("a remote rollout holds the host model's tensors".to_string())
+    } else {
+        mxrl_rl::engine::check_bf16_plan(&plan)
+            .err()
+            .map(|e| e.to_string())
+    };
+    match why_not {
+        None => engine_policies(model, recipe),
+        Some(why) => {
+            let gemm = select_cuda()?;
+            let b = mxrl_rl::session::build(model, recipe)?;
+            Ok((
+                boxed(b),
+                format!("the host model, linear GEMMs on {gemm} ({why})"),
+            ))
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn engine_policies(model: &mxrl_model::Model, recipe: &str) -> Result<(Policies, String)> {
+    use mxrl_rl::runner::RunError;
+    let mut name = String::new();
+    let b = mxrl_rl::session::build_engine(
+        model,
+        recipe,
+        model.config().max_position_embeddings,
+        || {
+            let b = mxrl_cuda::backend::CudaBackend::new(0).map_err(|e| {
+                RunError::Policy(mxrl_rl::PolicyError::Backend(format!(
+                    "--device cuda: GPU 0 is not usable: {e}"
+                )))
+            })?;
+            name = b.name();
+            Ok(b)
+        },
+    )?;
+    Ok((
+        Policies {
+            trainer: Box::new(b.trainer),
+            rollout: Box::new(b.rollout),
+            reference: b
+                .reference
+                .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
+            weight_bytes: b.weight_bytes,
+            contract_hash: b.contract_hash,
+        },
+        format!("the device engine on {name}"),
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn engine_policies(_: &mxrl_model::Model, _: &str) -> Result<(Policies, String)> {
+    cuda_built().map(|()| unreachable!("cuda_built fails without the feature"))
+}
+
 /// Fails in a binary built without CUDA support, saying how to build one (checked before any
 /// work by the commands that run the device engine).
 ///
@@ -98,6 +194,26 @@ mod tests {
         let d = DeviceArgs::default();
         assert_eq!(d.device, Device::Cpu);
         assert!(d.select().unwrap().starts_with("cpu"));
+    }
+
+    #[test]
+    fn policies_on_the_cpu_run_the_reference_model() {
+        let (model, _) = mxrl_rl::session::demo_model(1).unwrap();
+        let (b, on) = build_policies(&model, "bf16", Device::Cpu, true).unwrap();
+        assert!(on.starts_with("cpu"), "{on}");
+        assert!(b.reference.is_some());
+        assert!(!b.rollout.weights().is_empty());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn policies_on_cuda_without_the_feature_are_a_clear_error() {
+        let (model, _) = mxrl_rl::session::demo_model(1).unwrap();
+        let e = build_policies(&model, "bf16", Device::Cuda, true)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("built without CUDA support"), "{e}");
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -9,7 +9,7 @@ use mxrl_rl::manifest::{model_digest, prepare_run_dir, RunManifest, RUN_MANIFEST
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
 use mxrl_rl::server::{ClientTls, Endpoint, RemoteRollout, RolloutClient, Token};
-use mxrl_rl::session::{build, load_model_dir, task_source};
+use mxrl_rl::session::{load_model_dir, task_source};
 use mxrl_rl::task::TaskSource;
 use mxrl_rl::text::TextCodec;
 use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy};
@@ -191,8 +191,9 @@ pub struct Args {
 
 /// Run `mxrl rl`.
 pub fn run(a: Args) -> Result<()> {
-    let gemm = a.device.select()?;
-    eprintln!("mxrl rl: linear GEMMs on {gemm}");
+    if a.device.device == super::device::Device::Cuda {
+        super::device::cuda_built()?;
+    }
     let (model, codec) = load_model_dir(&a.model)?;
     let task = task_source(
         a.rl.task.as_deref(),
@@ -200,8 +201,17 @@ pub fn run(a: Args) -> Result<()> {
         a.rl.digits,
         Some(&a.model),
     )?;
-    let b = build(&model, &a.recipe)?;
-    let cfg = a.rl.config();
+    let (b, runs_on) =
+        super::device::build_policies(&model, &a.recipe, a.device.device, a.rollout.is_none())?;
+    eprintln!("mxrl rl: the model runs on {runs_on}");
+    let mut cfg = a.rl.config();
+    if runs_on.starts_with("the device engine") && cfg.routing_replay {
+        eprintln!(
+            "mxrl rl: routing replay is not supported on the device engine yet; this run \
+             trains without it (as with --no-routing-replay)"
+        );
+        cfg.routing_replay = false;
+    }
     let out = a.out.clone().unwrap_or_else(|| default_out(&a.recipe));
     let manifest = RunManifest {
         version: RUN_MANIFEST_VERSION,
@@ -211,7 +221,7 @@ pub fn run(a: Args) -> Result<()> {
         model_path: a.model.display().to_string(),
         model_digest: model_digest(&a.model)?,
         task: a.rl.task_description()?,
-        device: gemm.clone(),
+        device: runs_on.clone(),
         config: cfg.clone(),
     };
     if prepare_run_dir(&out, &manifest, a.restart)? {

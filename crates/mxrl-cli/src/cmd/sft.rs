@@ -1,11 +1,12 @@
 //! `mxrl sft`: supervised warm-up on a task's reference completions; writes a model directory.
 
+use super::device::Device;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use mxrl_ckpt::{partial_path, StagedDir};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{sft, SftConfig};
-use mxrl_rl::session::{build, demo_model, load_model_dir, save_trainer, task_source};
+use mxrl_rl::session::{build, demo_model, load_model_dir, task_source, write_model_dir};
 use mxrl_rl::text::TextCodec;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,8 @@ pub struct Args {
     /// Replace an existing OUT (only once the new model is complete).
     #[arg(long)]
     force: bool,
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// SFT from `start` (or a fresh demo model) into `out`; returns the final loss.
@@ -53,7 +56,11 @@ pub fn sft_to_dir(
     seed: u64,
     out: &Path,
     force: bool,
+    device: Device,
 ) -> Result<f64> {
+    if device == Device::Cuda {
+        super::device::cuda_built()?;
+    }
     if out.exists() && !force {
         anyhow::bail!(
             "{}: already exists; refusing to overwrite it (pass --force to replace it once the \
@@ -87,7 +94,77 @@ pub fn sft_to_dir(
         }
     };
     let task = task_source(Some("arithmetic"), None, digits, None)?;
-    let mut t = build(&model, "bf16")?.trainer;
+    let cfg = SftConfig {
+        steps,
+        batch,
+        seed: seed ^ 0x5f7,
+        adam: AdamWConfig {
+            lr,
+            ..AdamWConfig::default()
+        },
+    };
+    let (trained, last) = match device {
+        Device::Cpu => {
+            let mut t = build(&model, "bf16")?.trainer;
+            let last = train(&mut t, &task, &codec, &cfg)?;
+            (t.master_model()?, last)
+        }
+        Device::Cuda => sft_on_device(&model, &task, &codec, &cfg)?,
+    };
+    write_model_dir(&trained, &tok_json, out, force)
+        .with_context(|| format!("writing the trained model to {}", out.display()))?;
+    Ok(last)
+}
+
+/// SFT of `model` on the device engine (GPU 0); returns the trained masters and the last loss.
+#[cfg(feature = "cuda")]
+fn sft_on_device(
+    model: &mxrl_model::Model,
+    task: &mxrl_rl::task::TaskSource,
+    codec: &TextCodec,
+    cfg: &SftConfig,
+) -> Result<(mxrl_model::Model, f64)> {
+    let mut name = String::new();
+    let mut t = mxrl_rl::session::build_engine(
+        model,
+        "bf16",
+        model.config().max_position_embeddings,
+        || {
+            let b = mxrl_cuda::backend::CudaBackend::new(0).map_err(|e| {
+                mxrl_rl::runner::RunError::Policy(mxrl_rl::PolicyError::Backend(format!(
+                    "--device cuda: GPU 0 is not usable: {e}"
+                )))
+            })?;
+            name = b.name();
+            Ok(b)
+        },
+    )?
+    .trainer;
+    eprintln!("sft: the model runs on the device engine on {name}");
+    let last = train(&mut t, task, codec, cfg)?;
+    Ok((t.master_model()?, last))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn sft_on_device(
+    _: &mxrl_model::Model,
+    _: &mxrl_rl::task::TaskSource,
+    _: &TextCodec,
+    _: &SftConfig,
+) -> Result<(mxrl_model::Model, f64)> {
+    super::device::cuda_built()?;
+    unreachable!("cuda_built fails without the feature")
+}
+
+/// The SFT loop with a progress bar (a line per step when stderr is not a terminal); returns
+/// the last loss.
+fn train<T: mxrl_rl::TrainPolicy>(
+    t: &mut T,
+    task: &mxrl_rl::task::TaskSource,
+    codec: &TextCodec,
+    cfg: &SftConfig,
+) -> Result<f64> {
+    let steps = cfg.steps;
     let plain = !std::io::stderr().is_terminal();
     let pb = ProgressBar::new(steps);
     pb.set_style(
@@ -98,31 +175,15 @@ pub fn sft_to_dir(
     );
     pb.set_prefix("sft");
     let mut last = f64::NAN;
-    sft(
-        &mut t,
-        &task,
-        &codec,
-        &SftConfig {
-            steps,
-            batch,
-            seed: seed ^ 0x5f7,
-            adam: AdamWConfig {
-                lr,
-                ..AdamWConfig::default()
-            },
-        },
-        &mut |step, loss| {
-            last = loss;
-            if plain {
-                eprintln!("sft step {}/{steps}: loss {loss:.4}", step + 1);
-            }
-            pb.set_message(format!("loss {loss:.4}"));
-            pb.inc(1);
-        },
-    )?;
+    sft(t, task, codec, cfg, &mut |step, loss| {
+        last = loss;
+        if plain {
+            eprintln!("sft step {}/{steps}: loss {loss:.4}", step + 1);
+        }
+        pb.set_message(format!("loss {loss:.4}"));
+        pb.inc(1);
+    })?;
     pb.finish();
-    save_trainer(&t, &tok_json, out, force)
-        .with_context(|| format!("writing the trained model to {}", out.display()))?;
     Ok(last)
 }
 
@@ -143,6 +204,7 @@ pub fn run(a: Args) -> Result<()> {
         a.seed,
         &a.out,
         a.force,
+        a.device.device,
     )?;
     eprintln!(
         "sft: final loss {loss:.4}; model written to {}",
