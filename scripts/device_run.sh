@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [clients]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [rl] [clients]
 #   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +66,33 @@ if [[ " $what " == *" headops "* ]]; then
   timeout 300 .dev/bench_head_ops >>"$log" 2>&1
   summary+=("bench_head_ops rc=$?")
   sed -n '/===== bench_head_ops/,$p' "$log" | tail -30
+fi
+if [[ " $what " == *" rl "* ]]; then
+  # The RL commands on the device engine: the large demo (BF16 recipe), then `rl` on its
+  # warmed-up model on the GPU and on the host's CPU; per-step times from metrics.jsonl.
+  echo "===== rl" >>"$log"
+  d=/tmp/mxrl-rl
+  rm -rf "$d" && mkdir -p "$d"
+  s0=$(date +%s)
+  timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 20 --out "$d/demo" >>"$log" 2>&1
+  summary+=("demo_large_cuda rc=$? $(( $(date +%s) - s0 ))s")
+  for dev in cuda cpu; do
+    steps=10; [[ $dev == cpu ]] && steps=3
+    s0=$(date +%s)
+    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe bf16 --device $dev --steps $steps \
+      --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 --out "$d/rl-$dev" >>"$log" 2>&1
+    summary+=("rl_$dev rc=$? $(( $(date +%s) - s0 ))s")
+    cp "$d/rl-$dev/metrics.jsonl" "$out/rl-$dev.jsonl" 2>/dev/null
+    python3 - "$d/rl-$dev/metrics.jsonl" "$dev" <<'PY' | tee -a "$log"
+import json, sys, statistics as st
+m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+k = m[1:] or m
+med = lambda f: st.median(x[f] for x in k)
+print(f"rl {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:.1f} ms "
+      f"({med('tokens_per_s'):.0f} tok/s), train {med('train_s')*1e3:.1f} ms, sync {med('sync_s')*1e3:.1f} ms, "
+      f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}")
+PY
+  done
 fi
 if [[ " $what " == *" clients "* ]]; then
   echo "===== clientcheck" >>"$log"
