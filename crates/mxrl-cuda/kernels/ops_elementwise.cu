@@ -14,6 +14,31 @@ extern "C" __global__ void round_bf16_f32(const float* __restrict__ x, float* __
     if (i < n) out[i] = round_bf16(x[i]);
 }
 
+// out[i] = f32(x[i]) for BF16 bit patterns x (exact), i < n.
+extern "C" __global__ void widen_bf16(const u16* __restrict__ x, float* __restrict__ out, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = bf16_to_f32(x[i]);
+}
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// out[2·slot .. 2·slot+2] (a u64, zeroed by the caller) = Σ_i mix64((i << 16) | x[i]) mod 2^64:
+// a position-dependent checksum of n BF16 bit patterns. Integer addition is associative, so
+// the result does not depend on the order of the atomic adds. Grid-stride loop.
+extern "C" __global__ void checksum_bf16(const u16* __restrict__ x, u64 n, u32* __restrict__ out,
+                                         u64 slot) {
+    u64 acc = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        acc += mix64((i << 16) | (u64)x[i]);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd((u64*)(out + 2 * slot), acc);
+}
+
 // y[i] += x[i], i < n.
 extern "C" __global__ void add_inplace(float* __restrict__ y, const float* __restrict__ x, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

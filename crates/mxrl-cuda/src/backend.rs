@@ -649,6 +649,38 @@ impl Backend for CudaBackend {
         self.gpu.download(&b.slice(0..n)).map_err(de)
     }
 
+    fn copy_bf16(&self, src: &Self::Bf16, dst: &mut Self::Bf16, n: usize) -> DResult<()> {
+        if src.len() < n || dst.len() < n {
+            return Err(de(self.gpu.err(format!(
+                "copy_bf16 of {n} elements: source {}, destination {}",
+                src.len(),
+                dst.len()
+            ))));
+        }
+        self.gpu
+            .stream()
+            .memcpy_dtod(&src.slice(0..n), &mut dst.slice_mut(0..n))
+            .map_err(|e| de(self.gpu.err(format!("copy_bf16: {e:?}"))))
+    }
+
+    fn widen_bf16(&self, x: &Self::Bf16, out: &mut Self::F32, n: usize) -> DResult<()> {
+        self.ew
+            .widen_bf16(&x.as_view(), &mut out.as_view_mut(), n)
+            .map_err(de)
+    }
+
+    fn checksum_bf16(
+        &self,
+        x: &Self::Bf16,
+        n: usize,
+        out: &mut Self::U32,
+        slot: usize,
+    ) -> DResult<()> {
+        self.ew
+            .checksum_bf16(&x.as_view(), n, &mut out.as_view_mut(), slot)
+            .map_err(de)
+    }
+
     fn download_bf16(&self, b: &Self::Bf16, n: usize) -> DResult<Vec<u16>> {
         self.gpu.download(&b.slice(0..n)).map_err(de)
     }

@@ -75,3 +75,71 @@ fn add_and_gather_are_exact() {
         }
     }
 }
+
+/// The weight-update ops: `round_bf16` equals `round_bf16` bitwise, `widen_bf16` is exact, and
+/// the device checksum equals the CPU reference `checksum_bf16_bits` (several slots, a length
+/// not a multiple of the block, accumulation onto a non-zero value) and changes when one
+/// element changes or two are swapped.
+#[test]
+fn round_widen_and_checksum_match_the_cpu() {
+    use mxrl_tensor::device::checksum_bf16_bits;
+    let g = gpu();
+    let ops = Elementwise::new(&g).unwrap();
+    let x = values(300_001, 7);
+    let n = x.len();
+    let dx = g.upload(&x).unwrap();
+    let mut r = g.zeros::<f32>(n).unwrap();
+    ops.round_bf16(&dx.as_view(), &mut r.as_view_mut(), n)
+        .unwrap();
+    let got = g.download(&r).unwrap();
+    for (i, (&a, &v)) in got.iter().zip(&x).enumerate() {
+        assert_eq!(a.to_bits(), round_bf16(v).to_bits(), "[{i}] {v:e}");
+    }
+    let bits: Vec<u16> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let db = g.upload(&bits).unwrap();
+    let mut w = g.zeros::<f32>(n).unwrap();
+    ops.widen_bf16(&db.as_view(), &mut w.as_view_mut(), n)
+        .unwrap();
+    let wide = g.download(&w).unwrap();
+    for (i, (&a, &b)) in wide.iter().zip(&bits).enumerate() {
+        assert_eq!(a.to_bits(), (b as u32) << 16, "[{i}]");
+    }
+    let mut swapped = bits.clone();
+    swapped.swap(10, 200_000);
+    let mut one = bits.clone();
+    one[123_456] ^= 1;
+    let cases = [bits.clone(), swapped, one, bits[..777].to_vec()];
+    // Slot 1 starts from a non-zero value: the kernel adds onto it.
+    let mut init = vec![0u32; 2 * cases.len()];
+    init[2] = 0xdead_beef;
+    init[3] = 7;
+    let mut sums = g.upload(&init).unwrap();
+    for (slot, c) in cases.iter().enumerate() {
+        let dc = g.upload(c).unwrap();
+        ops.checksum_bf16(&dc.as_view(), c.len(), &mut sums.as_view_mut(), slot)
+            .unwrap();
+    }
+    let got = g.download(&sums).unwrap();
+    let want: Vec<u64> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let start = if i == 1 {
+                (7u64 << 32) | 0xdead_beef
+            } else {
+                0
+            };
+            start.wrapping_add(checksum_bf16_bits(c.iter().copied()))
+        })
+        .collect();
+    for (i, w) in want.iter().enumerate() {
+        let g64 = u64::from(got[2 * i]) | (u64::from(got[2 * i + 1]) << 32);
+        assert_eq!(g64, *w, "slot {i}");
+    }
+    let plain = checksum_bf16_bits(bits.iter().copied());
+    assert_ne!(plain, checksum_bf16_bits(cases[1].iter().copied()));
+    assert_ne!(plain, checksum_bf16_bits(cases[2].iter().copied()));
+}

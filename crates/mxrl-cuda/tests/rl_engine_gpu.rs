@@ -83,7 +83,7 @@ fn warmed(seed: u64) -> (mxrl_model::Model, f64, f64) {
     )
 }
 
-fn run_in<B: mxrl_tensor::device::Backend>(
+fn run_in<B: mxrl_tensor::device::Backend + 'static>(
     b: Built<EngineTrainer<B>, EngineRollout<B>>,
     dir: &std::path::Path,
     steps: u64,

@@ -2132,6 +2132,106 @@ impl<B: Backend> Engine<B> {
         Ok(m)
     }
 
+    /// Element counts of the parameters (engine order).
+    pub fn param_lens(&self) -> Vec<usize> {
+        self.params.iter().map(|p| p.len).collect()
+    }
+
+    /// Every parameter as the forward multiplies it, copied into fresh BF16 device buffers
+    /// (engine order; a linear weight's BF16 operand, the BF16 value of anything else), with
+    /// the checksum ([`mxrl_tensor::device::checksum_bf16_bits`]) of each source taken on the
+    /// device before the copy: a weight update that never leaves the device.
+    ///
+    /// # Errors
+    /// Out of device memory; device failure.
+    pub fn export_bf16_device(&self) -> Result<(Vec<B::Bf16>, Vec<u64>)> {
+        let b = &self.b;
+        let mut sums = b.zeros_u32(2 * self.params.len()).map_err(dev)?;
+        let mut out = Vec::with_capacity(self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            let mut buf = b.empty_bf16(p.len).map_err(dev)?;
+            match &p.op {
+                Some(op) => {
+                    b.checksum_bf16(op, p.len, &mut sums, i).map_err(dev)?;
+                    b.copy_bf16(op, &mut buf, p.len).map_err(dev)?;
+                }
+                None => {
+                    b.to_bf16(p.compute.as_ref().unwrap_or(&p.master), &mut buf, p.len)
+                        .map_err(dev)?;
+                    b.checksum_bf16(&buf, p.len, &mut sums, i).map_err(dev)?;
+                }
+            }
+            out.push(buf);
+        }
+        Ok((out, self.checksums_of(&sums)?))
+    }
+
+    fn checksums_of(&self, sums: &B::U32) -> Result<Vec<u64>> {
+        let w = self
+            .b
+            .download_u32(sums, 2 * self.params.len())
+            .map_err(dev)?;
+        Ok(w.chunks(2)
+            .map(|c| u64::from(c[0]) | (u64::from(c[1]) << 32))
+            .collect())
+    }
+
+    /// Installs BF16 parameter buffers from [`Engine::export_bf16_device`] of an engine of the
+    /// same configuration: their checksums are taken on the device and compared with
+    /// `expected` first; then every new master (the BF16 values widened), BF16 operand (the
+    /// buffer itself) and BF16 value is built, and only then are they swapped in. On any
+    /// error nothing changes.
+    ///
+    /// # Errors
+    /// Wrong count, a checksum mismatch (the tensor named), out of device memory.
+    pub fn install_bf16_device(&mut self, bufs: Vec<B::Bf16>, expected: &[u64]) -> Result<()> {
+        let np = self.params.len();
+        if bufs.len() != np || expected.len() != np {
+            return Err(ModelError::Input(format!(
+                "weight update of {} tensors ({} checksums) for an engine of {np}",
+                bufs.len(),
+                expected.len()
+            )));
+        }
+        let b = &self.b;
+        let mut sums = b.zeros_u32(2 * np).map_err(dev)?;
+        for (i, (buf, p)) in bufs.iter().zip(&self.params).enumerate() {
+            b.checksum_bf16(buf, p.len, &mut sums, i).map_err(dev)?;
+        }
+        let got = self.checksums_of(&sums)?;
+        if let Some(i) = (0..np).find(|&i| got[i] != expected[i]) {
+            return Err(ModelError::BadTensor {
+                name: self.params[i].name.clone(),
+                message: format!(
+                    "checksum {:016x} after the device copy, {:016x} at the source",
+                    got[i], expected[i]
+                ),
+            });
+        }
+        let b = &self.b;
+        let mut fresh = Vec::with_capacity(np);
+        for (buf, p) in bufs.into_iter().zip(&self.params) {
+            let mut master = b.empty_f32(p.len).map_err(dev)?;
+            b.widen_bf16(&buf, &mut master, p.len).map_err(dev)?;
+            let compute = match p.compute {
+                Some(_) => {
+                    let mut c = b.empty_f32(p.len).map_err(dev)?;
+                    b.round_bf16(&master, &mut c, p.len).map_err(dev)?;
+                    Some(c)
+                }
+                None => None,
+            };
+            let op = p.op.as_ref().map(|_| buf);
+            fresh.push((master, op, compute));
+        }
+        for (p, (master, op, compute)) in self.params.iter_mut().zip(fresh) {
+            p.master = master;
+            p.op = op;
+            p.compute = compute;
+        }
+        Ok(())
+    }
+
     /// AdamW steps taken.
     pub fn adam_step(&self) -> u64 {
         self.train.as_ref().map_or(0, |t| t.step)

@@ -17,6 +17,13 @@
 //! - **Rollout** ([`EngineRollout`]): batched sampling on the device (prefill, KV-cache
 //!   decode, counter-based sampling by seed, step and row), a weight update validated in full
 //!   before anything is replaced, and re-scoring with the trainer's forward (`--bitwise`).
+//! - **Weight update in one process** ([`TrainPolicy::local_export`] →
+//!   [`RolloutPolicy::load_local`]): the trainer's BF16 bytes are copied device to device into
+//!   buffers the rollout then owns; the checksum of every source (taken before the copy) must
+//!   equal the checksum of its copy (both on the device), and only then are the rollout's
+//!   tensors swapped (the old version serves until the new one is complete and verified). Never
+//!   through the host, never re-quantized. The wire form ([`TrainPolicy::export_weights`],
+//!   SHA-256-checked buckets) remains for `--check-weight-sync` and other rollouts.
 //! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): routing replay
 //!   (refused), the per-token entropy, routing traces and per-layer probes (not reported).
 //!
@@ -25,8 +32,8 @@
 
 use crate::optim::{AdamWConfig, Moments};
 use crate::policy::{
-    ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored, TrainForward,
-    TrainPolicy, TrainSeq, WireTensor,
+    LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored,
+    TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::wire::bf16_values;
 use mxrl_formats::Format;
@@ -93,6 +100,15 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
             amax: Vec::new(),
         })
         .collect())
+}
+
+/// The device-resident weight update of an [`EngineTrainer`]: BF16 copies of every parameter
+/// and the checksums of their sources, with the names and sizes they must match.
+struct DeviceUpdate<B: Backend> {
+    names: Vec<String>,
+    lens: Vec<usize>,
+    bufs: Vec<B::Bf16>,
+    sums: Vec<u64>,
 }
 
 /// Host copies of every parameter's values and gradients (engine order).
@@ -184,7 +200,7 @@ impl<B: Backend> EngineTrainer<B> {
     }
 }
 
-impl<B: Backend> TrainPolicy for EngineTrainer<B> {
+impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     fn forward(
         &mut self,
         batch: &[TrainSeq<'_>],
@@ -356,6 +372,25 @@ impl<B: Backend> TrainPolicy for EngineTrainer<B> {
         Ok(true)
     }
 
+    fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
+        Some((|| {
+            self.flush()?;
+            let (bufs, sums) = self.engine.export_bf16_device().map_err(be)?;
+            let lens = self.engine.param_lens();
+            let bytes = 2 * lens.iter().sum::<usize>() as u64;
+            Ok(LocalExport::new(
+                bytes,
+                bufs.len(),
+                Box::new(DeviceUpdate::<B> {
+                    names: self.names.clone(),
+                    lens,
+                    bufs,
+                    sums,
+                }),
+            ))
+        })())
+    }
+
     fn first_non_finite_weight(&mut self) -> Option<String> {
         if let Err(e) = self.flush() {
             return Some(format!("the weights could not be checked: {e}"));
@@ -427,7 +462,7 @@ impl<B: Backend> EngineRollout<B> {
     }
 }
 
-impl<B: Backend> RolloutPolicy for EngineRollout<B> {
+impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
     fn generate(
         &mut self,
         prompts: &[Vec<u32>],
@@ -500,6 +535,31 @@ impl<B: Backend> RolloutPolicy for EngineRollout<B> {
         Ok(())
     }
 
+    fn load_local(
+        &mut self,
+        version: u64,
+        update: &mut LocalExport,
+    ) -> Option<Result<(), PolicyError>> {
+        let u = update.take::<DeviceUpdate<B>>()?;
+        Some((|| {
+            let names = self.engine.param_names();
+            if u.names.len() != names.len()
+                || u.names.iter().zip(&names).any(|(a, b)| a != b)
+                || u.lens != self.engine.param_lens()
+            {
+                return Err(PolicyError::Update(format!(
+                    "version {version}: the device update's tensors ({}) are not this engine's \
+                     ({})",
+                    u.names.len(),
+                    names.len()
+                )));
+            }
+            self.engine
+                .install_bf16_device(u.bufs, &u.sums)
+                .map_err(|e| PolicyError::Update(format!("version {version}: {e}")))
+        })())
+    }
+
     fn weights(&self) -> Vec<WireTensor> {
         export(&self.engine)
             .unwrap_or_else(|e| panic!("copying the rollout's weights to the host: {e}"))
@@ -526,5 +586,46 @@ impl<B: Backend> RolloutPolicy for EngineRollout<B> {
                 probes: None,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::{build_engine, demo_model};
+    use crate::sync::check_equal;
+    use mxrl_tensor::device::CpuBackend;
+
+    /// The device update carries the trainer's exact bytes (the wire export of both sides is
+    /// then equal), and a copy whose checksum does not match its source is refused by tensor
+    /// name with the rollout's weights left as they were.
+    #[test]
+    fn device_update_is_exact_and_a_corrupted_copy_is_refused() {
+        let (model, _) = demo_model(2).unwrap();
+        let mut b = build_engine(&model, "bf16", 32, || Ok(CpuBackend)).unwrap();
+        let (other, _) = demo_model(9).unwrap();
+        let mut t2 = build_engine(&other, "bf16", 32, || Ok(CpuBackend))
+            .unwrap()
+            .trainer;
+        let before = b.rollout.weights();
+        // A different model's update, one checksum altered in transit.
+        let mut x = t2.local_export().unwrap().unwrap();
+        let mut u = x.take::<DeviceUpdate<CpuBackend>>().unwrap();
+        u.sums[3] ^= 1;
+        let name = u.names[3].clone();
+        let mut bad = LocalExport::new(x.bytes, x.tensors, u);
+        let e = b.rollout.load_local(1, &mut bad).unwrap().unwrap_err();
+        assert!(e.to_string().contains(&name), "{e}");
+        check_equal(&b.rollout.weights(), &before).unwrap();
+        // The intact update is installed and is the other trainer's bytes.
+        let mut ok = t2.local_export().unwrap().unwrap();
+        assert_eq!(ok.bytes, 2 * other.params().num_elements() as u64);
+        b.rollout.load_local(2, &mut ok).unwrap().unwrap();
+        check_equal(&b.rollout.weights(), &t2.export_weights().unwrap()).unwrap();
+        assert!(check_equal(&b.rollout.weights(), &before).is_err());
+        // A payload of another kind is left for the wire path.
+        let mut foreign = LocalExport::new(0, 0, Box::new(7u32));
+        assert!(b.rollout.load_local(3, &mut foreign).is_none());
+        assert_eq!(*foreign.take::<u32>().unwrap(), 7);
     }
 }

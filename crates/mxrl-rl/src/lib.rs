@@ -32,6 +32,6 @@ pub mod text;
 pub mod wire;
 
 pub use policy::{
-    LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
-    Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
+    LayerProbes, LocalExport, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample,
+    SamplingConfig, Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };

@@ -182,6 +182,50 @@ impl WireTensor {
     }
 }
 
+/// A weight update that stays where the weights live (one process, one device): what a
+/// trainer's [`TrainPolicy::local_export`] hands to the rollout's [`RolloutPolicy::load_local`].
+/// Its payload is the trainer's own type; a rollout that does not know it leaves it and the
+/// loop falls back to the wire form ([`TrainPolicy::export_weights`]).
+pub struct LocalExport {
+    /// Bytes the update carries.
+    pub bytes: u64,
+    /// Tensors it carries.
+    pub tensors: usize,
+    payload: Option<Box<dyn std::any::Any>>,
+}
+
+impl std::fmt::Debug for LocalExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "LocalExport({} tensors, {} bytes)",
+            self.tensors, self.bytes
+        )
+    }
+}
+
+impl LocalExport {
+    /// An update of `tensors` tensors and `bytes` bytes held in `payload`.
+    pub fn new(bytes: u64, tensors: usize, payload: Box<dyn std::any::Any>) -> Self {
+        LocalExport {
+            bytes,
+            tensors,
+            payload: Some(payload),
+        }
+    }
+
+    /// Takes the payload if it is a `T` (and leaves it otherwise).
+    pub fn take<T: 'static>(&mut self) -> Option<Box<T>> {
+        match self.payload.take()?.downcast::<T>() {
+            Ok(t) => Some(t),
+            Err(other) => {
+                self.payload = Some(other);
+                None
+            }
+        }
+    }
+}
+
 /// Errors a policy can report.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
@@ -226,6 +270,18 @@ pub trait RolloutPolicy {
     ) -> Result<(), PolicyError> {
         let _ = version;
         self.load_weights(tensors)
+    }
+
+    /// Installs a weight update that stayed on the device ([`LocalExport`]) as `version`,
+    /// verified and atomic like [`RolloutPolicy::load_weights`]. `None`: this policy does not
+    /// take the exporter's kind (the default); the loop then sends the wire form.
+    fn load_local(
+        &mut self,
+        version: u64,
+        update: &mut LocalExport,
+    ) -> Option<Result<(), PolicyError>> {
+        let _ = (version, update);
+        None
     }
 
     /// `--check-weight-sync`: the held weights equal `expected` byte for byte. The default
@@ -331,6 +387,12 @@ pub trait TrainPolicy {
         Ok(false)
     }
 
+    /// The weight update as it stays on the device, for a rollout in the same process
+    /// ([`RolloutPolicy::load_local`]); `None` (the default): only the wire form exists.
+    fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
+        None
+    }
+
     /// The first non-finite weight (`name[index] = value`), if any. The default scans
     /// [`TrainPolicy::params`].
     fn first_non_finite_weight(&mut self) -> Option<String> {
@@ -370,6 +432,13 @@ impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
     }
     fn check_weights(&self, expected: &[WireTensor]) -> Result<(), crate::sync::SyncError> {
         (**self).check_weights(expected)
+    }
+    fn load_local(
+        &mut self,
+        version: u64,
+        update: &mut LocalExport,
+    ) -> Option<Result<(), PolicyError>> {
+        (**self).load_local(version, update)
     }
     fn score(
         &mut self,
@@ -433,5 +502,8 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
     }
     fn first_non_finite_weight(&mut self) -> Option<String> {
         (**self).first_non_finite_weight()
+    }
+    fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
+        (**self).local_export()
     }
 }

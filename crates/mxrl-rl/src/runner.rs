@@ -467,6 +467,17 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
     fn sync(&mut self, version: u64) -> Result<(u64, f64), RunError> {
         let t = Instant::now();
         self.trainer.refresh_weights()?;
+        // One process, one device: the update stays there when both sides can do that.
+        if let Some(x) = self.trainer.local_export() {
+            let mut x = x?;
+            if let Some(rep) = self.rollout.apply_local(version, &mut x) {
+                let rep = rep?;
+                if self.cfg.check_weight_sync {
+                    self.rollout.check(&self.trainer.export_weights()?)?;
+                }
+                return Ok((rep.bytes, t.elapsed().as_secs_f64()));
+            }
+        }
         let ex = self.trainer.export_weights()?;
         let u = WeightUpdate::build(version, &self.contract_hash, &ex, self.cfg.bucket_bytes);
         let rep = self.rollout.apply(&u)?;

@@ -142,7 +142,7 @@ pub fn build(model: &Model, recipe: &str) -> Result<Built<MoeTrainer, MoeRollout
 /// # Errors
 /// A recipe that stores a tensor in a block format (named), a model the engine cannot run, a
 /// device failure.
-pub fn build_engine<B: mxrl_tensor::device::Backend>(
+pub fn build_engine<B: mxrl_tensor::device::Backend + 'static>(
     model: &Model,
     recipe: &str,
     max_pos: usize,

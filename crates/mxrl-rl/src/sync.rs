@@ -455,6 +455,33 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
         })
     }
 
+    /// Installs an update that stayed on the device as `version` (`None`: the policy does not
+    /// take this kind of update; nothing changed).
+    pub fn apply_local(
+        &mut self,
+        version: u64,
+        update: &mut crate::policy::LocalExport,
+    ) -> Option<Result<ApplyReport, SyncError>> {
+        if version <= self.version {
+            return Some(Err(SyncError::Stale {
+                got: version,
+                current: self.version,
+            }));
+        }
+        let r = self.policy.load_local(version, update)?;
+        Some(
+            r.map_err(|source| SyncError::Policy { version, source })
+                .map(|()| {
+                    self.version = version;
+                    ApplyReport {
+                        version,
+                        bytes: update.bytes,
+                        buckets: 0,
+                    }
+                }),
+        )
+    }
+
     /// `--check-weight-sync`: the rollout's bytes equal `expected` (the trainer's export),
     /// tensor by tensor.
     pub fn check(&self, expected: &[WireTensor]) -> Result<(), SyncError> {

@@ -164,7 +164,8 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
 
 /// Bitwise mode on the engine: the rollout re-scores with the trainer's forward, so the
 /// mismatch is exactly 0 at every step; without it the rollout's decode logprobs differ only
-/// in f32 summation order. Weight sync is checked byte for byte every step.
+/// in f32 summation order. The weight update stays on the device (checksummed there) and is
+/// also checked byte for byte against the wire export every step.
 #[test]
 fn engine_rl_loop_bitwise_mismatch_is_zero() {
     let codec = TextCodec::char_level();
@@ -189,7 +190,9 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
         assert_eq!(ms.len(), 3);
         for m in &ms {
             assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{m:?}");
-            assert!(m.sync_bytes > 0 && m.tokens > 0, "{m:?}");
+            // The update stayed on the device: exactly the BF16 bytes, no wire framing.
+            assert_eq!(m.sync_bytes, 2 * model.params().num_elements() as u64);
+            assert!(m.tokens > 0, "{m:?}");
             if bitwise {
                 assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{m:?}");
                 assert_eq!(m.k3_kl, 0.0, "{m:?}");

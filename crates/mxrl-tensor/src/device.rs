@@ -168,6 +168,28 @@ pub trait Backend {
     /// # Errors
     /// Short buffers; device failure.
     fn round_bf16(&self, x: &Self::F32, out: &mut Self::F32, n: usize) -> DResult<()>;
+    /// `dst[..n] = src[..n]` (device to device).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn copy_bf16(&self, src: &Self::Bf16, dst: &mut Self::Bf16, n: usize) -> DResult<()>;
+    /// `out[i] = f32(x[i])`, `i < n` (exact).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn widen_bf16(&self, x: &Self::Bf16, out: &mut Self::F32, n: usize) -> DResult<()>;
+    /// Adds [`checksum_bf16_bits`] of `x[..n]` to the u64 held in `out[2·slot]` (low word),
+    /// `out[2·slot + 1]` (high word); the caller zeroes it first.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn checksum_bf16(
+        &self,
+        x: &Self::Bf16,
+        n: usize,
+        out: &mut Self::U32,
+        slot: usize,
+    ) -> DResult<()>;
     /// The first `n` BF16 values of `b` as bit patterns (device → host).
     ///
     /// # Errors
@@ -839,6 +861,16 @@ pub fn check_experts(experts: &[PreparedWeight]) -> DResult<()> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuBackend;
 
+/// The checksum of a BF16 weight update copied on a device ([`Backend::checksum_bf16`]):
+/// `Σ_i mix64((i << 16) | bits[i]) mod 2⁶⁴` with SplitMix64's finaliser as `mix64`. Every
+/// element's position and bits enter, and the sum is independent of the order it is taken in
+/// (so a device computes it with atomics and gets the same value). Not cryptographic.
+pub fn checksum_bf16_bits(bits: impl Iterator<Item = u16>) -> u64 {
+    bits.enumerate().fold(0u64, |acc, (i, b)| {
+        acc.wrapping_add(crate::sample::splitmix64(((i as u64) << 16) | u64::from(b)))
+    })
+}
+
 fn need(what: &str, got: usize, want: usize) -> DResult<()> {
     if got < want {
         return Err(DeviceError::new(
@@ -1102,6 +1134,35 @@ impl Backend for CpuBackend {
     fn download_u32(&self, b: &Vec<u32>, n: usize) -> DResult<Vec<u32>> {
         need("download", b.len(), n)?;
         Ok(b[..n].to_vec())
+    }
+
+    fn copy_bf16(&self, src: &Vec<f32>, dst: &mut Vec<f32>, n: usize) -> DResult<()> {
+        need("copy_bf16 src", src.len(), n)?;
+        need("copy_bf16 dst", dst.len(), n)?;
+        dst[..n].copy_from_slice(&src[..n]);
+        Ok(())
+    }
+
+    fn widen_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {
+        self.copy_bf16(x, out, n)
+    }
+
+    fn checksum_bf16(
+        &self,
+        x: &Vec<f32>,
+        n: usize,
+        out: &mut Vec<u32>,
+        slot: usize,
+    ) -> DResult<()> {
+        need("checksum_bf16 x", x.len(), n)?;
+        need("checksum_bf16 out", out.len(), 2 * slot + 2)?;
+        let old = u64::from(out[2 * slot]) | (u64::from(out[2 * slot + 1]) << 32);
+        let sum = old.wrapping_add(checksum_bf16_bits(
+            x[..n].iter().map(|&v| half::bf16::from_f32(v).to_bits()),
+        ));
+        out[2 * slot] = sum as u32;
+        out[2 * slot + 1] = (sum >> 32) as u32;
+        Ok(())
     }
 
     fn round_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {

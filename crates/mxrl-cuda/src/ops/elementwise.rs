@@ -24,6 +24,8 @@ pub struct Elementwise {
     gpu: Gpu,
     to_bf16: CudaFunction,
     round_bf16: CudaFunction,
+    widen_bf16: CudaFunction,
+    checksum_bf16: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
 }
@@ -43,6 +45,8 @@ impl Elementwise {
             gpu: gpu.clone(),
             to_bf16: f("to_bf16")?,
             round_bf16: f("round_bf16_f32")?,
+            widen_bf16: f("widen_bf16")?,
+            checksum_bf16: f("checksum_bf16")?,
             add_inplace: f("add_inplace")?,
             embed_gather: f("embed_gather")?,
         })
@@ -95,6 +99,67 @@ impl Elementwise {
         // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
         // argument types match (const float*, float*, u64).
         unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// `out[i] = f32(x[i])` for BF16 bit patterns, `i < n` (exact).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn widen_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        out: &mut CudaViewMut<'_, f32>,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "widen_bf16 x", x.len(), n)?;
+        check_len(&self.gpu, "widen_bf16 out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.gpu.stream().launch_builder(&self.widen_bf16);
+        b.arg(x).arg(out).arg(&n64);
+        // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
+        // argument types match (const u16*, float*, u64).
+        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// Adds the checksum of `x[..n]` (BF16 bit patterns) to the u64 held by `out[2·slot]`,
+    /// `out[2·slot + 1]` (low, high word; zero it first): `Σ_i mix64((i << 16) | x[i]) mod
+    /// 2⁶⁴`, reference `mxrl_tensor::device::checksum_bf16_bits`. Not cryptographic: it
+    /// detects a corrupted or misplaced copy, not a crafted one.
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn checksum_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        n: usize,
+        out: &mut CudaViewMut<'_, u32>,
+        slot: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "checksum_bf16 x", x.len(), n)?;
+        check_len(&self.gpu, "checksum_bf16 out", out.len(), 2 * slot + 2)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, s64) = (n as u64, slot as u64);
+        let blocks = n.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
+        let mut b = self.gpu.stream().launch_builder(&self.checksum_bf16);
+        b.arg(x).arg(&n64).arg(out).arg(&s64);
+        // SAFETY: threads read x[i] for i < n (x holds ≥ n, checked) and add atomically to the
+        // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
+        // allocations are 256-byte aligned); argument types match (const u16*, u64, u32*, u64).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
