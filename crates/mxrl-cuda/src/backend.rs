@@ -1092,8 +1092,8 @@ impl Backend for CudaBackend {
         temperature: f32,
         logprob: &mut Self::F32,
         lse: &mut Self::F32,
+        entropy: &mut Self::F32,
     ) -> DResult<()> {
-        let mut entropy = self.gpu.zeros::<f32>(n).map_err(de)?;
         let mut lp = logprob.as_view_mut();
         let mut ls = lse.as_view_mut();
         let mut en = entropy.as_view_mut();

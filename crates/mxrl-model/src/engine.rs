@@ -147,6 +147,8 @@ pub struct Tape<B: Backend> {
     rstd_final: B::F32,
     hfb: B::Bf16,
     lse: B::F32,
+    /// Entropy of every position's tempered next-token distribution.
+    entropy: B::F32,
 }
 
 /// A Qwen3-MoE / Qwen2-MoE (without shared experts) model on one device: every parameter,
@@ -1149,6 +1151,7 @@ impl<B: Backend> Engine<B> {
         let targets_dev = b.upload_u32(&targets).map_err(dev)?;
         let mut lp = b.zeros_f32(n).map_err(dev)?;
         let mut lse = b.zeros_f32(n).map_err(dev)?;
+        let mut entropy = b.zeros_f32(n).map_err(dev)?;
         b.head_logprobs(
             &hfb,
             self.op(self.head),
@@ -1159,6 +1162,7 @@ impl<B: Backend> Engine<B> {
             temperature,
             &mut lp,
             &mut lse,
+            &mut entropy,
         )
         .map_err(dev)?;
         Ok((
@@ -1175,6 +1179,7 @@ impl<B: Backend> Engine<B> {
                 rstd_final,
                 hfb,
                 lse,
+                entropy,
             },
             lp,
         ))
@@ -1199,6 +1204,15 @@ impl<B: Backend> Engine<B> {
         }
         let (tape, lp) = self.run_forward(batch, temperature)?;
         self.split(&tape.layout, &lp)
+    }
+
+    /// The entropy of the tempered next-token distribution at every position of a training
+    /// forward (per sequence), computed by the head kernel in the same pass as the logprobs.
+    ///
+    /// # Errors
+    /// Device failure.
+    pub fn entropy(&self, tape: &Tape<B>) -> Result<Vec<Vec<f32>>> {
+        self.split(&tape.layout, &tape.entropy)
     }
 
     /// Training forward: per-token logprobs and the device tape for [`Engine::backward`].

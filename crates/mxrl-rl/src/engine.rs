@@ -25,7 +25,8 @@
 //!   through the host, never re-quantized. The wire form ([`TrainPolicy::export_weights`],
 //!   SHA-256-checked buckets) remains for `--check-weight-sync` and other rollouts.
 //! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): routing replay
-//!   (refused), the per-token entropy, routing traces and per-layer probes (not reported).
+//!   (refused), routing traces and per-layer probes (not reported). The per-token entropy
+//!   comes from the head kernel's pass that computes the logprobs.
 //!
 //! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
 //! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
@@ -221,6 +222,7 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .engine
             .forward_train(&inputs, temperature)
             .map_err(be)?;
+        let ent = self.engine.entropy(&tape).map_err(be)?;
         self.tape = Some(tape);
         self.resp_lens = batch
             .iter()
@@ -229,9 +231,11 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .collect();
         Ok(lp
             .into_iter()
+            .zip(ent)
             .zip(&self.resp_lens)
-            .map(|(l, &(t, r))| TrainForward {
+            .map(|((l, e), &(t, r))| TrainForward {
                 logprobs: l[t - r..].to_vec(),
+                entropy: e[t - r..].to_vec(),
                 ..TrainForward::default()
             })
             .collect())

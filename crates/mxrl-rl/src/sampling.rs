@@ -19,19 +19,8 @@ pub fn log_softmax_tempered(logits: &[f32], temperature: f32, out: &mut Vec<f32>
     out.extend(logits.iter().map(|&x| x * inv_t - lse));
 }
 
-/// Entropy of a distribution given by its logprobs.
-pub fn entropy(logp: &[f32]) -> f32 {
-    -logp
-        .iter()
-        .map(|&l| {
-            if l.is_finite() {
-                (l.exp() * l) as f64
-            } else {
-                0.0
-            }
-        })
-        .sum::<f64>() as f32
-}
+/// Entropy of a distribution given by its logprobs (`mxrl_tensor::loss::entropy_of_logprobs`).
+pub use mxrl_tensor::loss::entropy_of_logprobs as entropy;
 
 /// Draw a token from `logp` (already tempered) restricted to the smallest set of most probable
 /// tokens whose mass reaches `top_p`. Returns the token; its logprob under the full tempered

@@ -142,6 +142,23 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
         ..AdamWConfig::default()
     };
     let (mut om, mut oe) = (AdamW::new(c), AdamW::new(c));
+    // The entropy of the engine (from its head pass) and of the model trainer (from the full
+    // logits): the same tempered log-softmax, summed in another order.
+    let fm = mt.forward(&seqs(&b), 1.0).unwrap();
+    let fe = et.forward(&seqs(&b), 1.0).unwrap();
+    let mut worst = 0f32;
+    for (x, y) in fm.iter().zip(&fe) {
+        assert_eq!(x.entropy.len(), y.entropy.len());
+        for (p, q) in x.entropy.iter().zip(&y.entropy) {
+            assert!(p.is_finite() && *p > 0.0);
+            worst = worst.max((p - q).abs() / p);
+        }
+    }
+    // 128-way sums of f32 terms: a relative difference of a few f32 roundings per term.
+    assert!(
+        worst < 128.0 * f32::EPSILON,
+        "entropy relative difference {worst:e}"
+    );
     for step in 0..3 {
         let lm = sft_step(&mut mt, &mut om, &b);
         let le = sft_step(&mut et, &mut oe, &b);
@@ -189,7 +206,10 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
         run.run(&mut |m| ms.push(m.clone())).unwrap();
         assert_eq!(ms.len(), 3);
         for m in &ms {
-            assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{m:?}");
+            assert!(
+                m.loss.is_finite() && m.grad_norm > 0.0 && m.entropy > 0.0,
+                "{m:?}"
+            );
             // The update stayed on the device: exactly the BF16 bytes, no wire framing.
             assert_eq!(m.sync_bytes, 2 * model.params().num_elements() as u64);
             assert!(m.tokens > 0, "{m:?}");

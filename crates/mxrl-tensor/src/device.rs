@@ -406,7 +406,8 @@ pub trait Backend {
     ) -> DResult<()>;
     /// Per-token logprobs of `targets` under `softmax(h·Wᵀ/τ)` without materialising
     /// `[N, V]` (reference: `lm_head` then [`logprobs_forward`]): `h: [N, H]` BF16,
-    /// `W: [V, H]` BF16 → `logprob: [N]`, `lse: [N]`.
+    /// `W: [V, H]` BF16 → `logprob: [N]`, `lse: [N]`, and the entropy of each row's
+    /// distribution `entropy: [N]` (reference [`crate::loss::entropy_forward`]).
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -421,6 +422,7 @@ pub trait Backend {
         temperature: f32,
         logprob: &mut Self::F32,
         lse: &mut Self::F32,
+        entropy: &mut Self::F32,
     ) -> DResult<()>;
 
     // ---- backward and optimizer ----
@@ -1577,8 +1579,10 @@ impl Backend for CpuBackend {
         temperature: f32,
         logprob: &mut Vec<f32>,
         lse: &mut Vec<f32>,
+        entropy: &mut Vec<f32>,
     ) -> DResult<()> {
         need("head h", h.len(), n * hidden)?;
+        need("head entropy", entropy.len(), n)?;
         need("head w", w.len(), vocab * hidden)?;
         need("head targets", targets.len(), n)?;
         need("head logprob", logprob.len(), n)?;
@@ -1587,6 +1591,7 @@ impl Backend for CpuBackend {
         let (lp, l) = logprobs_forward(&z, &targets[..n], n, vocab, temperature);
         logprob[..n].copy_from_slice(&lp);
         lse[..n].copy_from_slice(&l);
+        entropy[..n].copy_from_slice(&crate::loss::entropy_forward(&z, n, vocab, temperature));
         Ok(())
     }
 

@@ -81,6 +81,33 @@ pub fn logprobs_backward(
     }
 }
 
+/// Entropy `−Σ_v p_v·log p_v` of a distribution given by its logprobs (terms with a
+/// non-finite logprob count 0), summed in f64.
+pub fn entropy_of_logprobs(logp: &[f32]) -> f32 {
+    -logp
+        .iter()
+        .map(|&l| {
+            if l.is_finite() {
+                (l.exp() * l) as f64
+            } else {
+                0.0
+            }
+        })
+        .sum::<f64>() as f32
+}
+
+/// Per-row entropy of `softmax(z / τ)`, `z: [n, v]`: [`log_softmax_forward`] of each row, then
+/// [`entropy_of_logprobs`].
+pub fn entropy_forward(z: &[f32], n: usize, v: usize, temperature: f32) -> Vec<f32> {
+    let mut y = vec![0.0f32; v];
+    (0..n)
+        .map(|r| {
+            log_softmax_forward(&z[r * v..(r + 1) * v], 1, v, temperature, &mut y);
+            entropy_of_logprobs(&y)
+        })
+        .collect()
+}
+
 /// Mean cross-entropy `−(1/n)·Σ_t logprob_t` at `τ = 1` and its gradient `dz: [n, v]`
 /// (`(softmax − onehot)/n`), accumulated in f64 over tokens.
 pub fn cross_entropy(z: &[f32], targets: &[u32], n: usize, v: usize) -> (f32, Vec<f32>) {
