@@ -76,11 +76,13 @@ if [[ " $what " == *" rl "* ]]; then
   s0=$(date +%s)
   timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 20 --out "$d/demo" >>"$log" 2>&1
   summary+=("demo_large_cuda rc=$? $(( $(date +%s) - s0 ))s")
-  for dev in cuda cpu; do
-    steps=10; [[ $dev == cpu ]] && steps=3
+  # cuda-spawn: trainer here, rollout in a `rollout-server --device cuda` child, bitwise mode.
+  for dev in cuda cuda-spawn cpu; do
+    steps=10; extra=(); [[ $dev == cpu ]] && steps=3
+    [[ $dev == cuda-spawn ]] && extra=(--rollout spawn --bitwise)
     s0=$(date +%s)
-    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe bf16 --device $dev --steps $steps \
-      --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 --out "$d/rl-$dev" >>"$log" 2>&1
+    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe bf16 --device "${dev%-spawn}" --steps $steps \
+      --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 "${extra[@]}" --out "$d/rl-$dev" >>"$log" 2>&1
     summary+=("rl_$dev rc=$? $(( $(date +%s) - s0 ))s")
     cp "$d/rl-$dev/metrics.jsonl" "$out/rl-$dev.jsonl" 2>/dev/null
     python3 - "$d/rl-$dev/metrics.jsonl" "$dev" <<'PY' | tee -a "$log"
@@ -90,7 +92,8 @@ k = m[1:] or m
 med = lambda f: st.median(x[f] for x in k)
 print(f"rl {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:.1f} ms "
       f"({med('tokens_per_s'):.0f} tok/s), train {med('train_s')*1e3:.1f} ms, sync {med('sync_s')*1e3:.1f} ms, "
-      f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}")
+      f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}, "
+      f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
 PY
   done
 fi

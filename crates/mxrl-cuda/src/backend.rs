@@ -109,7 +109,7 @@ pub struct CudaBackend {
     /// The low-byte expert kernels (need sm_89+; the error says why they are missing).
     qgemm: Result<QGemm, String>,
     /// AdamW's gradient scale on the device (value bits, buffer).
-    grad_scale: std::cell::RefCell<Option<(u32, std::rc::Rc<CudaSlice<f32>>)>>,
+    grad_scale: std::sync::Mutex<Option<(u32, std::sync::Arc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
 }
 
@@ -137,7 +137,7 @@ impl CudaBackend {
             embed_bwd: EmbedBackward::new(&gpu)?,
             sampler: Sampler::new(&gpu)?,
             qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
-            grad_scale: std::cell::RefCell::new(None),
+            grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             gpu,
         })
@@ -233,14 +233,14 @@ impl CudaBackend {
 
     /// A one-element device buffer holding `s` (AdamW's gradient scale): the last one made is
     /// kept and reused while the value stays the same (one upload per optimizer step).
-    fn grad_scale_buffer(&self, s: f32) -> DResult<std::rc::Rc<CudaSlice<f32>>> {
-        let mut cache = self.grad_scale.borrow_mut();
+    fn grad_scale_buffer(&self, s: f32) -> DResult<std::sync::Arc<CudaSlice<f32>>> {
+        let mut cache = self.grad_scale.lock().expect("grad scale cache poisoned");
         if let Some((bits, buf)) = cache.as_ref() {
             if *bits == s.to_bits() {
                 return Ok(buf.clone());
             }
         }
-        let buf = std::rc::Rc::new(self.gpu.upload(&[s]).map_err(de)?);
+        let buf = std::sync::Arc::new(self.gpu.upload(&[s]).map_err(de)?);
         *cache = Some((s.to_bits(), buf.clone()));
         Ok(buf)
     }
@@ -1512,5 +1512,16 @@ impl Backend for CudaBackend {
         self.eng
             .bias_backward(&dy.as_view(), &mut db.as_view_mut(), rows, n)
             .map_err(de)
+    }
+}
+
+#[cfg(test)]
+mod send_tests {
+    /// A rollout server moves its policy to its engine thread: the device engine must be Send.
+    #[test]
+    fn the_device_engine_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<super::CudaBackend>();
+        send::<mxrl_model::engine::Engine<super::CudaBackend>>();
     }
 }

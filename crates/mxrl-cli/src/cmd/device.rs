@@ -3,11 +3,12 @@
 //! - `cpu`: the CPU reference (`mxrl-model`'s model and kernels).
 //! - `cuda`: the device engine on GPU 0 (`mxrl_model::engine::Engine` on `mxrl-cuda`'s
 //!   backend: weights, gradients, AdamW moments, activations and KV caches on the GPU) for
-//!   `forward`, `generate`, `sft`, and for `rl`, `ablate` and `demo` under BF16 recipes. A
-//!   recipe that stores block formats (the engine does not train those yet), a remote rollout
-//!   and `rollout-server` run the host model with its linear layers' GEMMs on GPU 0
-//!   (`mxrl_cuda::CudaGemm`: cuBLAS f32 SGEMM, pedantic math, on exactly the operands the CPU
-//!   emulation multiplies), and say so.
+//!   `forward`, `generate`, `sft`, and for `rl`, `ablate`, `demo` and `rollout-server` under
+//!   BF16 recipes. A recipe that stores block formats (the engine does not train those yet)
+//!   runs the host model with its linear layers' GEMMs on GPU 0 (`mxrl_cuda::CudaGemm`: cuBLAS
+//!   f32 SGEMM, pedantic math, on exactly the operands the CPU emulation multiplies), and says
+//!   so. A trainer and its rollout server started with the same `--device` hold the same
+//!   tensor layout; `rl --rollout` refuses a server whose layout differs.
 
 use anyhow::Result;
 
@@ -85,8 +86,9 @@ pub type Policies =
     mxrl_rl::ablate::Built<Box<dyn mxrl_rl::TrainPolicy>, Box<dyn mxrl_rl::RolloutPolicy>>;
 
 /// The policies of `recipe` on `device`, and a line saying what runs where. With `cuda`, a
-/// BF16 recipe runs on the device engine when `engine_ok` (a local rollout); otherwise the host
-/// model runs with its GEMMs on GPU 0.
+/// BF16 recipe runs on the device engine when `engine_ok`; otherwise the host model runs with
+/// its GEMMs on GPU 0. A rollout server started with the same `--device` holds the same
+/// layout ([`build_rollout`]).
 ///
 /// # Errors
 /// The recipe does not resolve; no usable GPU; a model the engine cannot run.
@@ -113,7 +115,7 @@ pub fn build_policies(
     cuda_built()?;
     let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
     let why_not = if !engine_ok {
-        Some("a remote rollout holds the host model's tensors".to_string())
+        Some("the rollout holds the host model's tensors".to_string())
     } else {
         mxrl_rl::engine::check_bf16_plan(&plan)
             .err()
@@ -130,6 +132,81 @@ pub fn build_policies(
             ))
         }
     }
+}
+
+/// The rollout side alone (`rollout-server`): the device engine for a BF16 recipe on `cuda`,
+/// else the host model (GEMMs on GPU 0 with `cuda`); with its weight bytes per format, the
+/// contract hash and a line saying what runs where.
+///
+/// # Errors
+/// As [`build_policies`].
+pub fn build_rollout(
+    model: &mxrl_model::Model,
+    recipe: &str,
+    device: Device,
+) -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
+    let host = |on: String| -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
+        let b = mxrl_rl::session::build(model, recipe)?;
+        Ok((
+            Box::new(b.rollout),
+            Built {
+                weight_bytes: b.weight_bytes,
+                contract_hash: b.contract_hash,
+            },
+            on,
+        ))
+    };
+    if device == Device::Cpu {
+        return host(mxrl_tensor::backend::gemm_backend().name());
+    }
+    cuda_built()?;
+    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
+    match mxrl_rl::engine::check_bf16_plan(&plan) {
+        Ok(()) => engine_rollout(model, recipe),
+        Err(why) => {
+            let gemm = select_cuda()?;
+            host(format!("the host model, linear GEMMs on {gemm} ({why})"))
+        }
+    }
+}
+
+/// What a built rollout reports besides the policy.
+pub struct Built {
+    /// Stored bytes per format name.
+    pub weight_bytes: std::collections::BTreeMap<String, u64>,
+    /// The contract hash weight updates must carry.
+    pub contract_hash: String,
+}
+
+#[cfg(feature = "cuda")]
+fn engine_rollout(
+    model: &mxrl_model::Model,
+    recipe: &str,
+) -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
+    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
+    let formats = mxrl_rl::moe::formats_for(model, &plan)?;
+    let b = mxrl_cuda::backend::CudaBackend::new(0)
+        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    let name = b.name();
+    let e =
+        mxrl_model::engine::Engine::from_model(model, b, model.config().max_position_embeddings)
+            .map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
+    Ok((
+        Box::new(mxrl_rl::engine::EngineRollout::new(e, &plan)?),
+        Built {
+            weight_bytes: mxrl_rl::moe::weight_bytes(model, &formats),
+            contract_hash: mxrl_rl::wire::contract_hash().to_string(),
+        },
+        format!("the device engine on {name}"),
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn engine_rollout(
+    _: &mxrl_model::Model,
+    _: &str,
+) -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
+    cuda_built().map(|()| unreachable!("cuda_built fails without the feature"))
 }
 
 #[cfg(feature = "cuda")]

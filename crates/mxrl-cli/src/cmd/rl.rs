@@ -201,8 +201,7 @@ pub fn run(a: Args) -> Result<()> {
         a.rl.digits,
         Some(&a.model),
     )?;
-    let (b, runs_on) =
-        super::device::build_policies(&model, &a.recipe, a.device.device, a.rollout.is_none())?;
+    let (b, runs_on) = super::device::build_policies(&model, &a.recipe, a.device.device, true)?;
     eprintln!("mxrl rl: the model runs on {runs_on}");
     let mut cfg = a.rl.config();
     if runs_on.starts_with("the device engine") && cfg.routing_replay {
@@ -280,6 +279,15 @@ pub fn run(a: Args) -> Result<()> {
             let mut remote =
                 RemoteRollout::connect_tls(&ep, &b.contract_hash, token.as_ref(), tls.as_ref())?;
             let info = remote.info().clone();
+            let ours = b.trainer.export_weights()?.len();
+            if info.tensors != ours {
+                bail!(
+                    "rollout server {ep} holds {} tensors, this trainer exports {ours}: the \
+                     device engine stacks each layer's experts, the host model does not; start \
+                     the server with the same --device as this run ({runs_on})",
+                    info.tensors
+                );
+            }
             if info.recipe != a.recipe {
                 bail!(
                     "rollout server {ep} serves recipe `{}`, this run uses `{}`",

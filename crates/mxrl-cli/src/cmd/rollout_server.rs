@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use mxrl_rl::server::{
     Endpoint, Limits, ModelShape, RolloutServer, ServerConfig, ServerTls, Token,
 };
-use mxrl_rl::session::{build, load_model_dir};
+use mxrl_rl::session::load_model_dir;
 use mxrl_rl::sync::RolloutEngine;
 use mxrl_rl::RolloutPolicy;
 use std::io::Read;
@@ -84,10 +84,13 @@ pub fn run(a: Args) -> Result<()> {
         (Some(c), Some(k)) => Some(ServerTls::from_files(c, k)?),
         _ => None,
     };
-    let gemm = a.device.select()?;
+    if a.device.device == super::device::Device::Cuda {
+        super::device::cuda_built()?;
+    }
     let (model, _codec) = load_model_dir(&a.model)?;
-    let b = build(&model, &a.recipe).with_context(|| format!("recipe {}", a.recipe))?;
-    let mut limits = Limits::for_model(ModelShape::of(model.config()), &b.rollout.weights());
+    let (rollout, b, runs_on) = super::device::build_rollout(&model, &a.recipe, a.device.device)
+        .with_context(|| format!("recipe {}", a.recipe))?;
+    let mut limits = Limits::for_model(ModelShape::of(model.config()), &rollout.weights());
     if let Some(m) = a.max_bucket_bytes {
         limits.max_bucket_bytes = m;
     }
@@ -125,7 +128,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.max_connections = a.max_connections;
     cfg.max_calls_per_connection = a.max_calls_per_connection;
     cfg.idle_timeout = Duration::from_secs_f64(a.idle_timeout);
-    let engine = RolloutEngine::new(b.rollout, 0, &b.contract_hash);
+    let engine = RolloutEngine::new(rollout, 0, &b.contract_hash);
     let server = RolloutServer::bind(&ep, engine, cfg)?;
     if a.exit_with_stdin {
         let stop = server.stop_handle();
@@ -143,7 +146,7 @@ pub fn run(a: Args) -> Result<()> {
     // The first line is what a parent process waits for.
     println!("mxrl rollout-server: listening on {}", server.endpoint());
     println!(
-        "model {model_name} · recipe {} · contract {} · weights {:?} · GEMMs on {gemm} · \
+        "model {model_name} · recipe {} · contract {} · weights {:?} · the model runs on {runs_on} · \
          {} · limits {limits:?} · serving v0",
         a.recipe,
         b.contract_hash,
