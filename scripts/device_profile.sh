@@ -13,7 +13,8 @@ timeout 500 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
   .dev/mxrl bench model --device cuda --batches 1 --steps 1 --prefill 16 --reps 1 \
   --train-steps 1 "$@" >"$out/ncu.csv" 2>"$out/ncu.err"
 echo "ncu rc=$?"
-python3 - "$out/ncu.csv" <<'PY'
+# With --log-file, ncu writes the CSV rows into the log file.
+python3 - "$out/ncu.log" <<'PY'
 import csv, sys, collections
 rows = [l for l in open(sys.argv[1]) if l.startswith('"')]
 tot = collections.defaultdict(float); cnt = collections.Counter()
