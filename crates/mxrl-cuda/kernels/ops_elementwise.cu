@@ -39,6 +39,23 @@ extern "C" __global__ void checksum_bf16(const u16* __restrict__ x, u64 n, u32* 
     if ((threadIdx.x & 31) == 0) atomicAdd((u64*)(out + 2 * slot), acc);
 }
 
+// Route capture: element i = r·k + j of ids/weights [rows, k] goes to the tables [S, max_len, k]
+// at sequence (has_seq ? seq[r] : r), position pos[r]; rows outside the tables are skipped.
+extern "C" __global__ void capture_routes(const u32* __restrict__ ids, const float* __restrict__ w,
+                                          u64 rows, u32 k, const u32* __restrict__ seq, int has_seq,
+                                          const u32* __restrict__ pos, u64 slots, u64 max_len,
+                                          u32* __restrict__ dst_ids, float* __restrict__ dst_w) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * k) return;
+    u64 r = i / k, j = i % k;
+    u64 s = has_seq ? (u64)seq[r] : r;
+    u64 p = pos[r];
+    if (s >= slots || p >= max_len) return;
+    u64 d = (s * max_len + p) * k + j;
+    dst_ids[d] = ids[i];
+    dst_w[d] = w[i];
+}
+
 // y[i] += x[i], i < n.
 extern "C" __global__ void add_inplace(float* __restrict__ y, const float* __restrict__ x, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -982,12 +982,17 @@ impl Backend for CudaBackend {
         e: usize,
         k: usize,
         norm_topk_prob: bool,
+        replay: Option<&Self::U32>,
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
+        let replayed = replay.map(|r| r.as_view());
         self.router
             .forward(
                 &logits.as_view(),
-                DeviceRouteMode::Compute,
+                match &replayed {
+                    Some(r) => DeviceRouteMode::ReplayIds(r),
+                    None => DeviceRouteMode::Compute,
+                },
                 &mut out.probs.as_view_mut(),
                 &mut out.ids.as_view_mut(),
                 &mut out.weights.as_view_mut(),
@@ -1011,6 +1016,36 @@ impl Backend for CudaBackend {
                 &mut out.offsets.as_view_mut(),
                 &mut out.perm.as_view_mut(),
                 &mut out.row_of.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn capture_routes(
+        &self,
+        ids: &Self::U32,
+        weights: &Self::F32,
+        rows: usize,
+        k: usize,
+        seq: Option<&Self::U32>,
+        pos: &Self::U32,
+        slots: usize,
+        max_len: usize,
+        dst_ids: &mut Self::U32,
+        dst_weights: &mut Self::F32,
+    ) -> DResult<()> {
+        let sv = seq.map(|s| s.as_view());
+        self.ew
+            .capture_routes(
+                &ids.as_view(),
+                &weights.as_view(),
+                rows,
+                k,
+                sv.as_ref(),
+                &pos.as_view(),
+                slots,
+                max_len,
+                &mut dst_ids.as_view_mut(),
+                &mut dst_weights.as_view_mut(),
             )
             .map_err(de)
     }

@@ -143,3 +143,68 @@ fn round_widen_and_checksum_match_the_cpu() {
     assert_ne!(plain, checksum_bf16_bits(cases[1].iter().copied()));
     assert_ne!(plain, checksum_bf16_bits(cases[2].iter().copied()));
 }
+
+/// Route capture on the GPU equals the CPU backend's (`mxrl_tensor::device`), with a sequence
+/// map (prefill) and without (decode), and skips rows outside the tables.
+#[test]
+fn capture_routes_matches_the_cpu_backend() {
+    use mxrl_tensor::device::{Backend, CpuBackend};
+    let g = gpu();
+    let ops = Elementwise::new(&g).unwrap();
+    let (rows, k, slots, max_len) = (37usize, 3usize, 5usize, 11usize);
+    let ids: Vec<u32> = (0..rows * k).map(|i| (i * 7 % 64) as u32).collect();
+    let w: Vec<f32> = values(rows * k, 9);
+    let seq: Vec<u32> = (0..rows).map(|r| (r % 6) as u32).collect(); // 5 is out of range
+    let pos: Vec<u32> = (0..rows).map(|r| (r * 3 % 13) as u32).collect(); // ≥ 11 skipped
+    for with_seq in [true, false] {
+        let rws = if with_seq { rows } else { slots };
+        let mut ci = vec![0u32; slots * max_len * k];
+        let mut cw = vec![0f32; slots * max_len * k];
+        CpuBackend
+            .capture_routes(
+                &ids,
+                &w,
+                rws,
+                k,
+                with_seq.then_some(&seq),
+                &pos,
+                slots,
+                max_len,
+                &mut ci,
+                &mut cw,
+            )
+            .unwrap();
+        let (di, dw, ds, dp) = (
+            g.upload(&ids).unwrap(),
+            g.upload(&w).unwrap(),
+            g.upload(&seq).unwrap(),
+            g.upload(&pos).unwrap(),
+        );
+        let mut gi = g.zeros::<u32>(slots * max_len * k).unwrap();
+        let mut gw = g.zeros::<f32>(slots * max_len * k).unwrap();
+        let dsv = ds.as_view();
+        ops.capture_routes(
+            &di.as_view(),
+            &dw.as_view(),
+            rws,
+            k,
+            with_seq.then_some(&dsv),
+            &dp.as_view(),
+            slots,
+            max_len,
+            &mut gi.as_view_mut(),
+            &mut gw.as_view_mut(),
+        )
+        .unwrap();
+        assert_eq!(g.download(&gi).unwrap(), ci, "ids, seq map {with_seq}");
+        let gwb: Vec<u32> = g
+            .download(&gw)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let cwb: Vec<u32> = cw.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(gwb, cwb, "weights, seq map {with_seq}");
+        assert!(ci.iter().any(|&x| x != 0));
+    }
+}

@@ -27,7 +27,7 @@ fn route<B: Backend>(b: &B, logits: &[f32], n: usize, e: usize, k: usize) -> Rou
         perm: b.zeros_u32(n * k).unwrap(),
         row_of: b.zeros_u32(n * k).unwrap(),
     };
-    b.route(&l, n, e, k, true, &mut r).unwrap();
+    b.route(&l, n, e, k, true, None, &mut r).unwrap();
     r
 }
 

@@ -1,6 +1,7 @@
 //! The RL loop on the device engine on the GPU (`mxrl_rl::engine` over `CudaBackend`): the
 //! same tests as `mxrl-rl/tests/engine_loop.rs` runs on the CPU backend, with what holds on any
-//! backend: in bitwise mode the rollout's re-scoring equals the trainer's logprobs exactly at
+//! backend: in bitwise mode (with routing replay: routes recorded during generation, in the
+//! recorded decode step too) the rollout's re-scoring equals the trainer's logprobs exactly at
 //! every step, weight sync is checked byte for byte, the run is deterministic (two runs give the
 //! same bits), a resumed run continues with the same bits, and SFT on the GPU lowers the loss.
 //! The GPU and CPU runs are compared (first-step loss and logprobs) and printed.
@@ -41,7 +42,7 @@ fn cfg(steps: u64) -> RlConfig {
         },
         micro_batch: 16,
         bitwise: true,
-        routing_replay: false,
+        routing_replay: true,
         check_weight_sync: true,
         checkpoint_every: 1,
         adam: AdamWConfig {
@@ -160,4 +161,63 @@ fn sft_and_bitwise_rl_on_the_gpu_engine() {
         "step 0: GPU reward {:.3} loss {:.5} | CPU reward {:.3} loss {:.5}",
         a[0].reward_mean, a[0].loss, c[0].reward_mean, c[0].loss
     );
+}
+
+/// Routes recorded on the GPU during generation (prefill, then decode steps replayed from the
+/// recorded graph) are the routes the GPU engine's own forward takes over the same tokens:
+/// replaying them changes the logprobs of a forward only by what the decode path's BF16 KV
+/// cache changes (a near-tie flip at most), while misplaced routes would move them by whole
+/// nats. Every recorded expert id is in range.
+#[test]
+fn routes_recorded_on_the_gpu_replay_the_engines_own_forward() {
+    use mxrl_model::SeqInput;
+    use mxrl_tensor::sample::SampleParams;
+    let (model, _, _) = warmed(5);
+    let e = mxrl_model::engine::Engine::from_model(&model, gpu().unwrap(), 64).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            (0..(3 + i) as u32)
+                .map(|t| 40 + (t * 7 + i as u32) % 20)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let p = SampleParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 3,
+        step: 0,
+    };
+    let gens = e.generate_capturing(&refs, 6, &p, &[]).unwrap();
+    let c = model.config();
+    let mut fulls = Vec::new();
+    let mut traces = Vec::new();
+    for (q, (s, t)) in prompts.iter().zip(gens) {
+        let mut f = q.clone();
+        f.extend_from_slice(&s.tokens);
+        for r in t.layers.iter().flatten() {
+            assert_eq!(r.ids.len(), (f.len() - 1) * c.num_experts_per_tok);
+            assert!(r.ids.iter().all(|&x| (x as usize) < c.num_experts));
+        }
+        fulls.push(f);
+        traces.push(t);
+    }
+    let batch: Vec<SeqInput<'_>> = fulls
+        .iter()
+        .map(|f| SeqInput {
+            tokens: &f[..f.len() - 1],
+            targets: &f[1..],
+        })
+        .collect();
+    let (free, _) = e.forward_train(&batch, 1.0).unwrap();
+    let (replayed, _) = e.forward_train_replay(&batch, 1.0, Some(&traces)).unwrap();
+    let worst = free
+        .iter()
+        .flatten()
+        .zip(replayed.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("max |Δlogprob| replayed vs own routing: {worst:e}");
+    assert!(worst < 0.05, "replayed routes move logprobs by {worst}");
 }

@@ -17,11 +17,12 @@
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::model::{Model, SeqInput};
+use crate::model::{Model, RoutingTrace, SeqInput};
 use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
+use mxrl_tensor::routing::Routes;
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 use rayon::prelude::*;
@@ -197,6 +198,9 @@ pub struct DecodeState<B: Backend> {
     lens: Vec<u32>,
     max_len: usize,
     io: StepIo<B>,
+    /// Per layer, the routes of every fed position `[slots, max_len, k]` (ids, weights), for
+    /// MoE layers when routes are captured ([`Engine::generate_capturing`]); else empty.
+    routes: Vec<Option<(B::U32, B::F32)>>,
 }
 
 /// The persistent buffers of one decode step of `batch` rows.
@@ -865,6 +869,7 @@ impl<B: Backend> Engine<B> {
                 offsets,
                 pos,
                 cache,
+                ..
             } => {
                 b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
                 b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
@@ -890,6 +895,7 @@ impl<B: Backend> Engine<B> {
                 lens,
                 batch,
                 pos,
+                ..
             } => {
                 b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
                 b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
@@ -958,8 +964,63 @@ impl<B: Backend> Engine<B> {
                     perm: u(rows)?,
                     row_of: u(rows)?,
                 };
-                b.route(&logits, n, ne, k, c.norm_topk_prob, &mut route)
+                let replay = match pass {
+                    Pass::Prefill {
+                        replay: Some(r), ..
+                    } => r[li].as_ref(),
+                    _ => None,
+                };
+                b.route(&logits, n, ne, k, c.norm_topk_prob, replay, &mut route)
                     .map_err(dev)?;
+                match pass {
+                    Pass::Prefill {
+                        cache: Some(st),
+                        seq: Some(seq),
+                        pos,
+                        ..
+                    } => {
+                        let (slots, max_len) = (st.lens.len(), st.max_len);
+                        if let Some(Some((ti, tw))) = st.routes.get_mut(li) {
+                            b.capture_routes(
+                                &route.ids,
+                                &route.weights,
+                                n,
+                                k,
+                                Some(seq),
+                                pos,
+                                slots,
+                                max_len,
+                                ti,
+                                tw,
+                            )
+                            .map_err(dev)?;
+                        }
+                    }
+                    Pass::Decode {
+                        routes,
+                        pos,
+                        batch,
+                        max_len,
+                        ..
+                    } => {
+                        if let Some(Some((ti, tw))) = routes.get_mut(li) {
+                            b.capture_routes(
+                                &route.ids,
+                                &route.weights,
+                                n,
+                                k,
+                                None,
+                                pos,
+                                *batch,
+                                *max_len,
+                                ti,
+                                tw,
+                            )
+                            .map_err(dev)?;
+                        }
+                    }
+                    Pass::Prefill { .. } => {}
+                }
                 if let (Some(qm), Some(h2)) = (qmoe, &h2) {
                     let mut xg = e(rows * hd)?;
                     b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
@@ -1102,9 +1163,18 @@ impl<B: Backend> Engine<B> {
         Ok((layout, tokens, targets, pos))
     }
 
-    fn run_forward(&self, batch: &[SeqInput<'_>], temperature: f32) -> Result<(Tape<B>, B::F32)> {
+    fn run_forward(
+        &self,
+        batch: &[SeqInput<'_>],
+        temperature: f32,
+        replay: Option<&[RoutingTrace]>,
+    ) -> Result<(Tape<B>, B::F32)> {
         let b = &self.b;
         let (layout, tokens, targets, pos) = self.pack(batch, temperature)?;
+        let replay = match replay {
+            Some(r) => Some(self.replay_tables(r, &layout)?),
+            None => None,
+        };
         let n = tokens.len();
         let hd = self.cfg.hidden_size;
         let tokens_dev = b.upload_u32(&tokens).map_err(dev)?;
@@ -1127,6 +1197,8 @@ impl<B: Backend> Engine<B> {
                 offsets: &offsets,
                 pos: &pos_dev,
                 cache: None,
+                seq: None,
+                replay: replay.as_deref(),
             };
             for li in 0..self.layers.len() {
                 let (nx, t) = self.layer(li, n, x, &mut pass)?;
@@ -1202,7 +1274,7 @@ impl<B: Backend> Engine<B> {
             self.pack(batch, temperature)?;
             return Ok(batch.iter().map(|_| Vec::new()).collect());
         }
-        let (tape, lp) = self.run_forward(batch, temperature)?;
+        let (tape, lp) = self.run_forward(batch, temperature, None)?;
         self.split(&tape.layout, &lp)
     }
 
@@ -1224,14 +1296,79 @@ impl<B: Backend> Engine<B> {
         batch: &[SeqInput<'_>],
         temperature: f32,
     ) -> Result<(Vec<Vec<f32>>, Tape<B>)> {
+        self.forward_train_replay(batch, temperature, None)
+    }
+
+    /// [`Engine::forward_train`] with routing replay: with `replay` (one trace per sequence,
+    /// covering every input position), every MoE layer uses the given expert ids and
+    /// recomputes their combine weights from its current router probabilities (the model's
+    /// `ReplayKind::Ids`), so the router still trains.
+    ///
+    /// # Errors
+    /// As [`Engine::logprobs`]; a trace of the wrong shape or with an expert id out of range.
+    pub fn forward_train_replay(
+        &self,
+        batch: &[SeqInput<'_>],
+        temperature: f32,
+        replay: Option<&[RoutingTrace]>,
+    ) -> Result<(Vec<Vec<f32>>, Tape<B>)> {
         if batch.iter().all(|s| s.tokens.is_empty()) {
             return Err(ModelError::Input(
                 "training forward of an empty batch".into(),
             ));
         }
-        let (tape, lp) = self.run_forward(batch, temperature)?;
+        let (tape, lp) = self.run_forward(batch, temperature, replay)?;
         let out = self.split(&tape.layout, &lp)?;
         Ok((out, tape))
+    }
+
+    /// Per MoE layer, the replayed expert ids of the packed rows `[N, k]` on the device.
+    fn replay_tables(
+        &self,
+        traces: &[RoutingTrace],
+        layout: &SeqLayout,
+    ) -> Result<Vec<Option<B::U32>>> {
+        let c = &self.cfg;
+        let (ne, k) = (c.num_experts, c.num_experts_per_tok);
+        if traces.len() != layout.num_seqs() {
+            return Err(ModelError::Input(format!(
+                "routing replay: {} traces for {} sequences",
+                traces.len(),
+                layout.num_seqs()
+            )));
+        }
+        (0..c.num_layers)
+            .map(|li| {
+                if !c.is_moe_layer(li) {
+                    return Ok(None);
+                }
+                let mut ids = Vec::with_capacity(layout.num_tokens() * k);
+                for (s, t) in traces.iter().enumerate() {
+                    let r = t.layers.get(li).and_then(Option::as_ref).ok_or_else(|| {
+                        ModelError::Input(format!(
+                            "routing replay: sequence {s} has no routes for MoE layer {li}"
+                        ))
+                    })?;
+                    if r.top_k != k || r.ids.len() != layout.len(s) * k {
+                        return Err(ModelError::Input(format!(
+                            "routing replay: sequence {s}, layer {li}: {} ids of top-{}, \
+                             expected {} tokens × top-{k}",
+                            r.ids.len(),
+                            r.top_k,
+                            layout.len(s)
+                        )));
+                    }
+                    if let Some(&bad) = r.ids.iter().find(|&&x| x as usize >= ne) {
+                        return Err(ModelError::Input(format!(
+                            "routing replay: sequence {s}, layer {li}: expert {bad} out of \
+                             range for {ne} experts"
+                        )));
+                    }
+                    ids.extend_from_slice(&r.ids);
+                }
+                Ok(Some(self.b.upload_u32(&ids).map_err(dev)?))
+            })
+            .collect()
     }
 
     /// Embeds and runs every layer over packed sequences, filling `cache`; returns the
@@ -1252,11 +1389,22 @@ impl<B: Backend> Engine<B> {
         let mut x = b.zeros_f32(n * hd).map_err(dev)?;
         b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
             .map_err(dev)?;
+        let seq = match &cache {
+            Some(st) if !st.routes.is_empty() => {
+                let rows: Vec<u32> = (0..layout.num_seqs())
+                    .flat_map(|s| std::iter::repeat_n(s as u32, layout.len(s)))
+                    .collect();
+                Some(b.upload_u32(&rows).map_err(dev)?)
+            }
+            _ => None,
+        };
         let mut pass = Pass::Prefill {
             layout,
             offsets: &offsets,
             pos: &ps,
             cache,
+            seq: seq.as_ref(),
+            replay: None,
         };
         for li in 0..self.layers.len() {
             x = self.layer(li, n, x, &mut pass)?.0;
@@ -1309,7 +1457,12 @@ impl<B: Backend> Engine<B> {
 
     /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
     /// sequence; the logits of every prompt's last position are left in the state's buffer.
-    fn prefill_state(&self, prompts: &[&[u32]], max_len: usize) -> Result<DecodeState<B>> {
+    fn prefill_state(
+        &self,
+        prompts: &[&[u32]],
+        max_len: usize,
+        capture: bool,
+    ) -> Result<DecodeState<B>> {
         let b = &self.b;
         if max_len > self.max_pos {
             return Err(ModelError::Input(format!(
@@ -1340,6 +1493,22 @@ impl<B: Backend> Engine<B> {
             lens: lens.iter().map(|&l| l as u32).collect(),
             max_len,
             io: self.step_io(slots)?,
+            routes: if capture {
+                let kk = self.cfg.num_experts_per_tok;
+                (0..self.layers.len())
+                    .map(|li| {
+                        if !self.cfg.is_moe_layer(li) {
+                            return Ok(None);
+                        }
+                        Ok(Some((
+                            b.zeros_u32(slots * max_len * kk).map_err(dev)?,
+                            b.zeros_f32(slots * max_len * kk).map_err(dev)?,
+                        )))
+                    })
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            },
         };
         let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
         // Last position of every prompt.
@@ -1389,7 +1558,7 @@ impl<B: Backend> Engine<B> {
         prompts: &[&[u32]],
         max_len: usize,
     ) -> Result<(DecodeState<B>, Vec<f32>)> {
-        let st = self.prefill_state(prompts, max_len)?;
+        let st = self.prefill_state(prompts, max_len, false)?;
         let logits = self
             .b
             .download_f32(&st.io.logits, prompts.len() * self.cfg.vocab_size)
@@ -1409,7 +1578,7 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
     ) -> Result<(DecodeState<B>, Vec<u32>, Vec<f32>)> {
         p.validate().map_err(ModelError::Input)?;
-        let mut st = self.prefill_state(prompts, max_len)?;
+        let mut st = self.prefill_state(prompts, max_len, false)?;
         let (ids, lps) = self.sample_state(&mut st, p)?;
         Ok((st, ids, lps))
     }
@@ -1443,6 +1612,7 @@ impl<B: Backend> Engine<B> {
         &self,
         k: &mut [B::Bf16],
         v: &mut [B::Bf16],
+        routes: &mut [Option<(B::U32, B::F32)>],
         max_len: usize,
         io: &mut StepIo<B>,
         n: usize,
@@ -1467,6 +1637,7 @@ impl<B: Backend> Engine<B> {
                 lens: &io.lens,
                 batch: n,
                 pos: &io.pos,
+                routes,
             };
             for li in 0..self.layers.len() {
                 x = self.layer(li, n, x, &mut pass)?.0;
@@ -1514,12 +1685,13 @@ impl<B: Backend> Engine<B> {
             lens,
             max_len,
             io,
+            routes,
         } = st;
         b.write_u32(&mut io.tokens, tokens).map_err(dev)?;
         b.write_u32(&mut io.pos, lens).map_err(dev)?;
         b.write_u32(&mut io.lens, &new_lens).map_err(dev)?;
         if !self.graphs {
-            self.decode_body(k, v, *max_len, io, n)?;
+            self.decode_body(k, v, routes, *max_len, io, n)?;
         } else if let GraphState::Ready(g) = &io.graph {
             b.launch_graph(g).map_err(dev)?;
         } else if matches!(io.graph, GraphState::None)
@@ -1527,7 +1699,7 @@ impl<B: Backend> Engine<B> {
             && b.begin_capture().map_err(dev)?
         {
             // Record (nothing runs while recording), then run the recording.
-            let body = self.decode_body(k, v, *max_len, io, n);
+            let body = self.decode_body(k, v, routes, *max_len, io, n);
             let ended = b.end_capture();
             match (body, ended) {
                 (Ok(()), Ok(Some(g))) => {
@@ -1541,11 +1713,11 @@ impl<B: Backend> Engine<B> {
                         _ => "nothing was recorded".to_string(),
                     };
                     io.graph = GraphState::Failed(why);
-                    self.decode_body(k, v, *max_len, io, n)?;
+                    self.decode_body(k, v, routes, *max_len, io, n)?;
                 }
             }
         } else {
-            self.decode_body(k, v, *max_len, io, n)?;
+            self.decode_body(k, v, routes, *max_len, io, n)?;
             io.plain_steps += 1;
         }
         *lens = new_lens;
@@ -1595,6 +1767,69 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
         stop: &[u32],
     ) -> Result<Vec<Sampled>> {
+        Ok(self.generate_inner(prompts, new_tokens, p, stop, false)?.0)
+    }
+
+    /// [`Engine::generate`] that also returns, per prompt, the routes of every position it
+    /// fed to the model (the prompt and every new token but the last), recorded on the device
+    /// during prefill and decode (in the recorded step too) and read back once at the end.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    pub fn generate_capturing(
+        &self,
+        prompts: &[&[u32]],
+        new_tokens: usize,
+        p: &SampleParams,
+        stop: &[u32],
+    ) -> Result<Vec<(Sampled, RoutingTrace)>> {
+        let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, true)?;
+        let c = &self.cfg;
+        let k = c.num_experts_per_tok;
+        let empty = |n: usize| RoutingTrace {
+            layers: (0..c.num_layers)
+                .map(|li| {
+                    c.is_moe_layer(li).then(|| Routes {
+                        top_k: k,
+                        ids: vec![0; n * k],
+                        weights: vec![0.0; n * k],
+                    })
+                })
+                .collect(),
+        };
+        let Some(st) = st else {
+            return Ok(out.into_iter().map(|s| (s, empty(0))).collect());
+        };
+        let fed: Vec<usize> = prompts
+            .iter()
+            .zip(&out)
+            .map(|(q, s)| q.len() + s.tokens.len().saturating_sub(1))
+            .collect();
+        let mut traces: Vec<RoutingTrace> = fed.iter().map(|&n| empty(n)).collect();
+        let cells = prompts.len() * st.max_len * k;
+        for (li, t) in st.routes.iter().enumerate() {
+            let Some((ti, tw)) = t else { continue };
+            let ids = self.b.download_u32(ti, cells).map_err(dev)?;
+            let ws = self.b.download_f32(tw, cells).map_err(dev)?;
+            for (s, tr) in traces.iter_mut().enumerate() {
+                let r = tr.layers[li].as_mut().expect("MoE layer");
+                let a = s * st.max_len * k;
+                let n = fed[s] * k;
+                r.ids.copy_from_slice(&ids[a..a + n]);
+                r.weights.copy_from_slice(&ws[a..a + n]);
+            }
+        }
+        Ok(out.into_iter().zip(traces).collect())
+    }
+
+    fn generate_inner(
+        &self,
+        prompts: &[&[u32]],
+        new_tokens: usize,
+        p: &SampleParams,
+        stop: &[u32],
+        capture: bool,
+    ) -> Result<(Vec<Sampled>, Option<DecodeState<B>>)> {
         let mut out = vec![
             Sampled {
                 tokens: Vec::with_capacity(new_tokens),
@@ -1603,10 +1838,12 @@ impl<B: Backend> Engine<B> {
             prompts.len()
         ];
         if new_tokens == 0 || prompts.is_empty() {
-            return Ok(out);
+            return Ok((out, None));
         }
         let longest = prompts.iter().map(|q| q.len()).max().unwrap_or(0);
-        let (mut st, mut ids, mut lps) = self.prefill_sample(prompts, longest + new_tokens, p)?;
+        p.validate().map_err(ModelError::Input)?;
+        let mut st = self.prefill_state(prompts, longest + new_tokens, capture)?;
+        let (mut ids, mut lps) = self.sample_state(&mut st, p)?;
         let mut done = vec![false; prompts.len()];
         for t in 0..new_tokens {
             for (i, o) in out.iter_mut().enumerate() {
@@ -1625,7 +1862,7 @@ impl<B: Backend> Engine<B> {
             };
             (ids, lps) = self.decode_sample(&mut st, &ids, &sp)?;
         }
-        Ok(out)
+        Ok((out, Some(st)))
     }
 
     /// Greedy decoding of `new_tokens` tokens after each prompt (ties to the lowest id):
@@ -2409,6 +2646,10 @@ enum Pass<'a, B: Backend> {
         offsets: &'a B::U32,
         pos: &'a B::U32,
         cache: Option<&'a mut DecodeState<B>>,
+        /// The sequence of every packed row (device), when routes are captured.
+        seq: Option<&'a B::U32>,
+        /// Per layer, expert ids `[N, k]` to replay (MoE layers).
+        replay: Option<&'a [Option<B::U32>]>,
     },
     Decode {
         k: &'a mut [B::Bf16],
@@ -2418,6 +2659,8 @@ enum Pass<'a, B: Backend> {
         lens: &'a B::U32,
         batch: usize,
         pos: &'a B::U32,
+        /// Per layer, the route capture tables (empty: no capture).
+        routes: &'a mut [Option<(B::U32, B::F32)>],
     },
 }
 

@@ -24,9 +24,13 @@
 //!   tensors swapped (the old version serves until the new one is complete and verified). Never
 //!   through the host, never re-quantized. The wire form ([`TrainPolicy::export_weights`],
 //!   SHA-256-checked buckets) remains for `--check-weight-sync` and other rollouts.
-//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): routing replay
-//!   (refused), routing traces and per-layer probes (not reported). The per-token entropy
-//!   comes from the head kernel's pass that computes the logprobs.
+//! - **Routing replay**: the rollout records the routes of every position it feeds (prefill
+//!   and decode, on the device, in the recorded decode step too) and returns them with each
+//!   sample; the trainer (and the bitwise re-scoring) replays the expert ids and recomputes
+//!   their combine weights from its own router (`ReplayKind::Ids`), so the router trains.
+//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): the trainer's
+//!   own routing for the routing-agreement metric and per-layer probes (not reported). The
+//!   per-token entropy comes from the head kernel's pass that computes the logprobs.
 //!
 //! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
 //! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
@@ -74,17 +78,27 @@ fn seq_tokens(s: &TrainSeq<'_>) -> Result<(Vec<u32>, Vec<u32>), PolicyError> {
             "every sequence needs a non-empty prompt and response".into(),
         ));
     }
-    if s.replay.is_some() {
-        return Err(PolicyError::Invalid(
-            "routing replay is not supported on the device engine yet: run without \
-             --routing-replay, or with --device cpu"
-                .into(),
-        ));
-    }
     let mut full = s.prompt.to_vec();
     full.extend_from_slice(s.response);
     let t = full.len() - 1;
     Ok((full[..t].to_vec(), full[1..].to_vec()))
+}
+
+/// The replay traces of a batch in the engine's form: `None` unless every sequence carries
+/// one.
+fn replay_of(
+    config: &ModelConfig,
+    batch: &[TrainSeq<'_>],
+) -> Option<Vec<mxrl_model::RoutingTrace>> {
+    if batch.is_empty() || batch.iter().any(|s| s.replay.is_none()) {
+        return None;
+    }
+    Some(
+        batch
+            .iter()
+            .map(|s| crate::moe::from_trace(config, s.replay.expect("checked")))
+            .collect(),
+    )
 }
 
 /// Every parameter as BF16 wire tensors (engine order).
@@ -218,9 +232,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
                 targets: g,
             })
             .collect();
+        let replay = replay_of(self.engine.config(), batch);
         let (lp, tape) = self
             .engine
-            .forward_train(&inputs, temperature)
+            .forward_train_replay(&inputs, temperature, replay.as_deref())
             .map_err(be)?;
         let ent = self.engine.entropy(&tape).map_err(be)?;
         self.tape = Some(tape);
@@ -454,9 +469,10 @@ impl<B: Backend> EngineRollout<B> {
             .collect();
         // The trainer's forward (same kernels, same packing), so `--bitwise` scores equal
         // the trainer's logprobs bit for bit.
+        let replay = replay_of(self.engine.config(), batch);
         let (lp, _) = self
             .engine
-            .forward_train(&inputs, temperature)
+            .forward_train_replay(&inputs, temperature, replay.as_deref())
             .map_err(be)?;
         Ok(lp
             .into_iter()
@@ -488,17 +504,17 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
         };
         let gens = self
             .engine
-            .generate(&expanded, cfg.max_new_tokens, &sp, &[eos])
+            .generate_capturing(&expanded, cfg.max_new_tokens, &sp, &[eos])
             .map_err(be)?;
         Ok(gens
             .into_iter()
             .enumerate()
-            .map(|(i, g)| Sample {
+            .map(|(i, (g, routes))| Sample {
                 prompt_index: i / n,
                 prompt: prompts[i / n].clone(),
                 response: g.tokens,
                 logprobs: g.logprobs,
-                routing: None,
+                routing: crate::moe::to_trace(&routes),
                 probes: None,
             })
             .collect())

@@ -153,7 +153,7 @@ fn held_weights(model: &Model, quantized: &[bool]) -> Result<Vec<WireTensor>, Po
 }
 
 /// Model routing (per layer, `None` for dense) → the loop's flat trace over MoE layers.
-fn to_trace(t: &mxrl_model::RoutingTrace) -> Option<RoutingTrace> {
+pub(crate) fn to_trace(t: &mxrl_model::RoutingTrace) -> Option<RoutingTrace> {
     let moe: Vec<&Routes> = t.layers.iter().flatten().collect();
     let first = moe.first()?;
     let (l, k, n) = (moe.len(), first.top_k, first.num_tokens());
@@ -174,7 +174,7 @@ fn to_trace(t: &mxrl_model::RoutingTrace) -> Option<RoutingTrace> {
 }
 
 /// The loop's trace → model routing for replay.
-fn from_trace(cfg: &ModelConfig, t: &RoutingTrace) -> mxrl_model::RoutingTrace {
+pub(crate) fn from_trace(cfg: &ModelConfig, t: &RoutingTrace) -> mxrl_model::RoutingTrace {
     let n = t.positions();
     let (l, k) = (t.layers, t.top_k);
     let mut moe_i = 0;

@@ -13,7 +13,7 @@ use mxrl_rl::runner::{optimizer_step, sft, RlConfig, RlRun, SftConfig};
 use mxrl_rl::session::{build, build_engine, demo_model};
 use mxrl_rl::task::{ArithmeticTask, TaskSource};
 use mxrl_rl::text::TextCodec;
-use mxrl_rl::{SamplingConfig, TrainPolicy, TrainSeq};
+use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy, TrainSeq};
 use mxrl_tensor::device::CpuBackend;
 
 fn engine_build(
@@ -41,7 +41,7 @@ fn cfg(steps: u64, bitwise: bool) -> RlConfig {
         },
         micro_batch: 8,
         bitwise,
-        routing_replay: false,
+        routing_replay: true,
         check_weight_sync: true,
         checkpoint_every: 1,
         adam: AdamWConfig {
@@ -267,9 +267,9 @@ fn a_resumed_engine_run_continues_with_the_same_bits() {
     }
 }
 
-/// What the engine cannot run yet is refused by name, before anything runs.
+/// Block-format recipes are refused by name, before anything runs.
 #[test]
-fn block_format_recipes_and_routing_replay_are_refused_with_the_reason() {
+fn block_format_recipes_are_refused_with_the_reason() {
     let (model, _) = demo_model(6).unwrap();
     let e = engine_build(&model, "mxfp8")
         .map(|_| ())
@@ -279,18 +279,120 @@ fn block_format_recipes_and_routing_replay_are_refused_with_the_reason() {
         e.contains("mxfp8") && e.contains("BF16 recipes only") && e.contains("model.layers."),
         "{e}"
     );
+}
+
+/// Routing replay on the engine. The rollout records the routes of every fed position while
+/// it generates (prefill and KV-cache decode); on the CPU backend they are, position by
+/// position, the experts the host model picks over the same tokens in one forward (weights
+/// equal up to summation order). The
+/// engine trainer replaying those routes gives bit for bit the model trainer's logprobs and
+/// gradient step under the same replay.
+#[test]
+fn captured_routes_are_the_models_and_replay_matches_the_model_trainer() {
+    use mxrl_model::{ForwardOptions, SeqInput};
+    let model = warmed(8);
+    let mut bd = engine_build(&model, "bf16").unwrap();
     let codec = TextCodec::char_level();
-    let b = batch_of(&codec, 2);
-    let mut t = engine_build(&model, "bf16").unwrap().trainer;
-    let trace = mxrl_rl::RoutingTrace::default();
-    let s: Vec<TrainSeq<'_>> = b
+    let prompts: Vec<Vec<u32>> = batch_of(&codec, 3).into_iter().map(|(p, _)| p).collect();
+    let samples = bd
+        .rollout
+        .generate(
+            &prompts,
+            2,
+            &SamplingConfig {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_new_tokens: 4,
+            },
+            codec.eos,
+            5,
+        )
+        .unwrap();
+    let cfg = model.config();
+    let moe_layers = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).count();
+    // The model as the BF16 recipe runs it (the values the engine computes with).
+    let mut mt = build(&model, "bf16").unwrap().trainer;
+    for s in &samples {
+        let r = s
+            .routing
+            .as_ref()
+            .expect("the engine rollout records routes");
+        let mut full = s.prompt.clone();
+        full.extend_from_slice(&s.response);
+        let fed = &full[..full.len() - 1];
+        assert_eq!(r.positions(), fed.len());
+        assert_eq!((r.layers, r.top_k), (moe_layers, cfg.num_experts_per_tok));
+        let out = mt
+            .model()
+            .forward(
+                &[SeqInput {
+                    tokens: fed,
+                    targets: &full[1..],
+                }],
+                &ForwardOptions {
+                    temperature: 1.0,
+                    return_logits: false,
+                    train: false,
+                    replay: None,
+                },
+            )
+            .unwrap();
+        let want = &out.routing[0];
+        for (li, l) in want.layers.iter().flatten().enumerate() {
+            for p in 0..fed.len() {
+                let b = (p * r.layers + li) * r.top_k;
+                assert_eq!(
+                    &r.ids[b..b + r.top_k],
+                    &l.ids[p * r.top_k..(p + 1) * r.top_k],
+                    "layer {li} position {p}"
+                );
+                // The prompt's positions come from the prefill (the forward's operations in
+                // another summation order: a few f32 roundings of the router softmax apart);
+                // the later ones from decode steps, whose attention reads the BF16 KV cache
+                // (keys and values rounded to 8 bits of mantissa: ~2⁻⁸ relative).
+                let tol = if p < s.prompt.len() {
+                    64.0 * f32::EPSILON
+                } else {
+                    2f32.powi(-6)
+                };
+                for (x, y) in r.weights[b..b + r.top_k]
+                    .iter()
+                    .zip(&l.weights[p * r.top_k..(p + 1) * r.top_k])
+                {
+                    assert!(
+                        (x - y).abs() <= tol * y.abs(),
+                        "layer {li} position {p}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+    // Replay: the engine trainer and the model trainer on the same traces.
+    let seqs: Vec<TrainSeq<'_>> = samples
         .iter()
-        .map(|(p, r)| TrainSeq {
-            prompt: p,
-            response: r,
-            replay: Some(&trace),
+        .map(|s| TrainSeq {
+            prompt: &s.prompt,
+            response: &s.response,
+            replay: s.routing.as_ref(),
         })
         .collect();
-    let e = t.forward(&s, 1.0).unwrap_err().to_string();
-    assert!(e.contains("routing replay"), "{e}");
+    let fe = bd.trainer.forward(&seqs, 1.0).unwrap();
+    let fm = mt.forward(&seqs, 1.0).unwrap();
+    let le: Vec<Vec<f32>> = fe.iter().map(|f| f.logprobs.clone()).collect();
+    let lm: Vec<Vec<f32>> = fm.iter().map(|f| f.logprobs.clone()).collect();
+    assert_eq!(bits(&le), bits(&lm));
+    let d: Vec<Vec<f32>> = fe.iter().map(|f| vec![-0.1; f.logprobs.len()]).collect();
+    bd.trainer.zero_grad();
+    mt.zero_grad();
+    bd.trainer.backward(&d).unwrap();
+    mt.backward(&d).unwrap();
+    let c = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let (mut oe, mut om) = (AdamW::new(c), AdamW::new(c));
+    let ne = optimizer_step(&mut bd.trainer, &mut oe).unwrap();
+    let nm = optimizer_step(&mut mt, &mut om).unwrap();
+    assert_eq!(ne.to_bits(), nm.to_bits(), "gradient norms {ne} vs {nm}");
 }

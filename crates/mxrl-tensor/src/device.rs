@@ -350,7 +350,10 @@ pub trait Backend {
         out: &mut Self::F32,
     ) -> DResult<()>;
     /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):
-    /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch.
+    /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch. With `replay`
+    /// (expert ids `[N, k]`, slot order) those experts are used instead of the top-k and the
+    /// combine weights are recomputed from the current probabilities (reference
+    /// `RouteMode::ReplayIds`), so the router still receives gradients.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -361,7 +364,28 @@ pub trait Backend {
         e: usize,
         k: usize,
         norm_topk_prob: bool,
+        replay: Option<&Self::U32>,
         out: &mut RouteBufs<Self>,
+    ) -> DResult<()>;
+    /// Copies every row's routes (`ids`, `weights`: `[rows, k]`) into capture tables
+    /// `[S, max_len, k]`: row `r` goes to sequence `seq[r]` (`r` itself when `seq` is `None`)
+    /// at position `pos[r]`; rows whose sequence is `≥ slots` or position `≥ max_len` are
+    /// skipped.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn capture_routes(
+        &self,
+        ids: &Self::U32,
+        weights: &Self::F32,
+        rows: usize,
+        k: usize,
+        seq: Option<&Self::U32>,
+        pos: &Self::U32,
+        slots: usize,
+        max_len: usize,
+        dst_ids: &mut Self::U32,
+        dst_weights: &mut Self::F32,
     ) -> DResult<()>;
     /// Gathers `x: [N, h]` rows into expert-major packed BF16 rows `[N·k, h]` per `perm`.
     ///
@@ -1475,6 +1499,44 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn capture_routes(
+        &self,
+        ids: &Vec<u32>,
+        weights: &Vec<f32>,
+        rows: usize,
+        k: usize,
+        seq: Option<&Vec<u32>>,
+        pos: &Vec<u32>,
+        slots: usize,
+        max_len: usize,
+        dst_ids: &mut Vec<u32>,
+        dst_weights: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("capture_routes ids", ids.len(), rows * k)?;
+        need("capture_routes weights", weights.len(), rows * k)?;
+        need("capture_routes pos", pos.len(), rows)?;
+        if let Some(s) = seq {
+            need("capture_routes seq", s.len(), rows)?;
+        }
+        need("capture_routes dst ids", dst_ids.len(), slots * max_len * k)?;
+        need(
+            "capture_routes dst weights",
+            dst_weights.len(),
+            slots * max_len * k,
+        )?;
+        for r in 0..rows {
+            let s = seq.map_or(r, |q| q[r] as usize);
+            let p = pos[r] as usize;
+            if s >= slots || p >= max_len {
+                continue;
+            }
+            let d = (s * max_len + p) * k;
+            dst_ids[d..d + k].copy_from_slice(&ids[r * k..(r + 1) * k]);
+            dst_weights[d..d + k].copy_from_slice(&weights[r * k..(r + 1) * k]);
+        }
+        Ok(())
+    }
+
     fn route(
         &self,
         logits: &Vec<f32>,
@@ -1482,16 +1544,29 @@ impl Backend for CpuBackend {
         e: usize,
         k: usize,
         norm_topk_prob: bool,
+        replay: Option<&Vec<u32>>,
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
         need("route logits", logits.len(), n * e)?;
+        if let Some(r) = replay {
+            need("route replayed ids", r.len(), n * k)?;
+            if let Some(&bad) = r[..n * k].iter().find(|&&x| x as usize >= e) {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("route: replayed expert id {bad} out of range for {e} experts"),
+                ));
+            }
+        }
         let (routes, state) = router_forward(
             &logits[..n * e],
             n,
             e,
             k,
             norm_topk_prob,
-            RouteMode::Compute,
+            match replay {
+                Some(r) => RouteMode::ReplayIds(&r[..n * k]),
+                None => RouteMode::Compute,
+            },
         );
         let d = Dispatch::new(&routes, e);
         out.ids = routes.ids;

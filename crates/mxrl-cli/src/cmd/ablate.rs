@@ -77,21 +77,12 @@ pub fn ablate(
         Some(model_dir),
     )?;
     let c = model.config();
-    let mut cfg = rl.config();
+    let cfg = rl.config();
     let device_line = match device {
         Device::Cpu => mxrl_tensor::backend::gemm_backend().name(),
-        Device::Cuda => {
-            if cfg.routing_replay {
-                eprintln!(
-                    "mxrl ablate: routing replay is not supported on the device engine yet; \
-                     every run trains without it (as with --no-routing-replay)"
-                );
-                cfg.routing_replay = false;
-            }
-            "GPU 0: the device engine for BF16 recipes, the host model with GPU GEMMs for \
-             block-format recipes"
-                .to_string()
-        }
+        Device::Cuda => "GPU 0: the device engine for BF16 recipes, the host model with GPU \
+                         GEMMs for block-format recipes"
+            .to_string(),
     };
     let spec = AblationSpec {
         recipes: recipes.to_vec(),

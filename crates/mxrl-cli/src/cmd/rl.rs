@@ -203,14 +203,7 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     let (b, runs_on) = super::device::build_policies(&model, &a.recipe, a.device.device, true)?;
     eprintln!("mxrl rl: the model runs on {runs_on}");
-    let mut cfg = a.rl.config();
-    if runs_on.starts_with("the device engine") && cfg.routing_replay {
-        eprintln!(
-            "mxrl rl: routing replay is not supported on the device engine yet; this run \
-             trains without it (as with --no-routing-replay)"
-        );
-        cfg.routing_replay = false;
-    }
+    let cfg = a.rl.config();
     let out = a.out.clone().unwrap_or_else(|| default_out(&a.recipe));
     let manifest = RunManifest {
         version: RUN_MANIFEST_VERSION,

@@ -26,6 +26,7 @@ pub struct Elementwise {
     round_bf16: CudaFunction,
     widen_bf16: CudaFunction,
     checksum_bf16: CudaFunction,
+    capture_routes: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
 }
@@ -47,6 +48,7 @@ impl Elementwise {
             round_bf16: f("round_bf16_f32")?,
             widen_bf16: f("widen_bf16")?,
             checksum_bf16: f("checksum_bf16")?,
+            capture_routes: f("capture_routes")?,
             add_inplace: f("add_inplace")?,
             embed_gather: f("embed_gather")?,
         })
@@ -160,6 +162,76 @@ impl Elementwise {
             })
         }
         .map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// Copies routes `ids`, `weights: [rows, k]` into tables `[slots, max_len, k]`: row `r` to
+    /// sequence `seq[r]` (`r` when `seq` is `None`) at position `pos[r]`; rows outside the
+    /// tables are skipped. Reference: `CpuBackend::capture_routes` (`mxrl_tensor::device`).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn capture_routes(
+        &self,
+        ids: &CudaView<'_, u32>,
+        weights: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        seq: Option<&CudaView<'_, u32>>,
+        pos: &CudaView<'_, u32>,
+        slots: usize,
+        max_len: usize,
+        dst_ids: &mut CudaViewMut<'_, u32>,
+        dst_weights: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "capture_routes ids", ids.len(), rows * k)?;
+        check_len(g, "capture_routes weights", weights.len(), rows * k)?;
+        check_len(g, "capture_routes pos", pos.len(), rows)?;
+        if let Some(s) = seq {
+            check_len(g, "capture_routes seq", s.len(), rows)?;
+        }
+        check_len(
+            g,
+            "capture_routes dst ids",
+            dst_ids.len(),
+            slots * max_len * k,
+        )?;
+        check_len(
+            g,
+            "capture_routes dst weights",
+            dst_weights.len(),
+            slots * max_len * k,
+        )?;
+        if rows == 0 || k == 0 {
+            return Ok(());
+        }
+        let (rows64, k32, has, slots64, len64) = (
+            rows as u64,
+            k as u32,
+            i32::from(seq.is_some()),
+            slots as u64,
+            max_len as u64,
+        );
+        let mut b = g.stream().launch_builder(&self.capture_routes);
+        b.arg(ids)
+            .arg(weights)
+            .arg(&rows64)
+            .arg(&k32)
+            .arg(seq.unwrap_or(pos))
+            .arg(&has)
+            .arg(pos)
+            .arg(&slots64)
+            .arg(&len64)
+            .arg(dst_ids)
+            .arg(dst_weights);
+        // SAFETY: thread i < rows·k reads ids[i], weights[i] (rows·k checked), seq[r] and
+        // pos[r] (rows checked; `seq` is only read when has_seq, else `pos` stands in), and
+        // writes one element of each table at an index below slots·max_len·k (rows whose
+        // sequence or position falls outside are skipped in the kernel; table lengths checked);
+        // argument types match the kernel's.
+        unsafe { b.launch(grid(rows * k)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
