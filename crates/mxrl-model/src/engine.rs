@@ -350,11 +350,10 @@ impl<B: Backend> Engine<B> {
             &mut params,
             "model.embed_tokens.weight".into(),
             vec![v, h],
-            embed_vals.clone(),
+            embed_vals,
             cfg.tie_word_embeddings,
             true,
         )?;
-        drop(embed_vals);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");

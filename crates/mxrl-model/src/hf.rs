@@ -43,6 +43,47 @@ pub fn to_hf_tensors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     out
 }
 
+/// The f32 values of the mxrl parameter `name` of shape `shape` read from `ck` (the checkpoint
+/// in `dir`): its HF tensor, or for a fused `….gate_up_proj.weight` `[2F, H]` the rows of
+/// `….gate_proj.weight` `[F, H]` then those of `….up_proj.weight`, each widened to f32 exactly.
+/// Only this parameter's values are held on the host.
+///
+/// # Errors
+/// A missing part ([`ModelError::MissingTensor`]), a part of another shape (naming it and its
+/// file), a dtype that is not BF16, F16 or F32 (naming it and its file).
+pub(crate) fn read_param(
+    ck: &Checkpoint,
+    dir: &Path,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>> {
+    let parts = hf_names(name);
+    let part_shape = if parts.len() == 2 {
+        vec![shape[0] / 2, shape[1]]
+    } else {
+        shape.to_vec()
+    };
+    let mut vals = Vec::with_capacity(shape.iter().product());
+    for part in &parts {
+        let t = ck.get(part).ok_or_else(|| ModelError::MissingTensor {
+            dir: dir.to_path_buf(),
+            name: part.clone(),
+        })?;
+        if t.shape != part_shape.as_slice() {
+            return Err(ModelError::BadTensor {
+                name: part.clone(),
+                message: format!(
+                    "{}: shape {:?}, expected {part_shape:?}",
+                    dir.join(t.file).display(),
+                    t.shape
+                ),
+            });
+        }
+        vals.extend_from_slice(&to_f32(&t)?);
+    }
+    Ok(vals)
+}
+
 impl Model {
     /// Loads a model from an HF directory: `config.json` plus `model.safetensors` or the shards
     /// of `model.safetensors.index.json`, read through the one strict reader
@@ -63,30 +104,7 @@ impl Model {
         {
             let mut ps = model.params_mut();
             for (name, shape) in names {
-                let mut vals = Vec::new();
-                let parts = hf_names(&name);
-                let part_shape = if parts.len() == 2 {
-                    vec![shape[0] / 2, shape[1]]
-                } else {
-                    shape.clone()
-                };
-                for part in &parts {
-                    let t = ck.get(part).ok_or_else(|| ModelError::MissingTensor {
-                        dir: dir.to_path_buf(),
-                        name: part.clone(),
-                    })?;
-                    if t.shape != part_shape.as_slice() {
-                        return Err(ModelError::BadTensor {
-                            name: part.clone(),
-                            message: format!(
-                                "{}: shape {:?}, expected {part_shape:?}",
-                                dir.join(t.file).display(),
-                                t.shape
-                            ),
-                        });
-                    }
-                    vals.extend_from_slice(&to_f32(&t)?);
-                }
+                let vals = read_param(&ck, dir, &name, &shape)?;
                 ps.set(&name, &vals)?;
             }
         }

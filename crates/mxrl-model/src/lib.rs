@@ -24,6 +24,8 @@
 //!   [`Model::prefill`] and [`Model::decode_step`] are the building blocks.
 //! - Per-layer drift: [`Model::forward_capturing`] and [`Model::generate_capturing`] also
 //!   return [`HiddenStates`], the residual stream after every decoder layer per token.
+//! - Device engine: [`engine::Engine`] holds the model on one backend; `Engine::from_checkpoint`
+//!   streams an HF checkpoint into it tensor by tensor (no host [`Model`] is built).
 //! - Optimizer pieces live in [`mxrl_tensor::optim`] (AdamW, grad norm, clipping).
 //!
 //! # Parameter names
@@ -40,6 +42,7 @@
 mod config;
 mod converted;
 pub mod engine;
+mod engine_load;
 mod error;
 mod generate;
 pub mod hf;

@@ -66,6 +66,32 @@ pub fn cuda_engine(
     Ok((e, format!("{what} on {name}")))
 }
 
+/// The device engine of the checkpoint in `dir` on GPU 0 (`forward` and `generate` with
+/// `--device cuda`): a Hugging Face checkpoint is streamed from its memory-mapped files tensor
+/// by tensor (`Engine::from_checkpoint`: no host model, one tensor or one layer's experts in
+/// f32 at a time); an `mxrl convert` output goes through the host model. Returns the engine
+/// and a line saying what runs and how it was read.
+///
+/// # Errors
+/// No usable GPU, a checkpoint the loader refuses (naming the file and tensor), a model the
+/// engine cannot run (named), out of device memory.
+#[cfg(feature = "cuda")]
+pub fn cuda_engine_from_checkpoint(
+    dir: &std::path::Path,
+    max_pos: usize,
+) -> Result<(
+    mxrl_model::engine::Engine<mxrl_cuda::backend::CudaBackend>,
+    String,
+)> {
+    use anyhow::Context;
+    let b = mxrl_cuda::backend::CudaBackend::new(0)
+        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    let name = b.name();
+    let (e, what) = mxrl_model::engine::Engine::from_checkpoint(dir, b, max_pos)
+        .with_context(|| format!("--device cuda: loading {}", dir.display()))?;
+    Ok((e, format!("{what} on {name}")))
+}
+
 #[cfg(feature = "cuda")]
 fn select_cuda() -> Result<String> {
     let g = mxrl_cuda::CudaGemm::new(0)

@@ -5,7 +5,9 @@
 //! metadata names the model directory and the weight precision.
 //!
 //! With `--device cuda` the model runs on the GPU's device engine (every tensor on the device,
-//! BF16 linears, block-format routed experts as stored).
+//! BF16 linears, block-format routed experts as stored). A Hugging Face checkpoint is then read
+//! from its memory-mapped files straight into the engine, one tensor at a time (no f32 copy of
+//! the model on the host), unless `--recipe` asks for a plan to be applied on the host model.
 //!
 //! `--model` may be an `mxrl convert` output (a directory with `mxrl.json`): its quantized
 //! weights run as stored, under the recipe the checkpoint records.
@@ -14,7 +16,7 @@ use crate::st::{write_tensors, OwnedTensor};
 use anyhow::{bail, Context, Result};
 use mxrl_model::{ForwardOptions, Model, SeqInput};
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl forward`.
 #[derive(clap::Args, Debug)]
@@ -45,13 +47,19 @@ pub struct Args {
 /// Loads `dir` as an mxrl-converted checkpoint when it has `mxrl.json` (quantized weights used
 /// as stored), else as a Hugging Face checkpoint with f32 linears; returns the model and a
 /// description of its precision.
-pub fn load_model(dir: &std::path::Path) -> Result<(Model, String)> {
+pub fn load_model(dir: &Path) -> Result<(Model, String)> {
     if !mxrl_ckpt::is_converted(dir) {
         let m = Model::load_hf(dir).with_context(|| format!("loading {}", dir.display()))?;
         return Ok((m, "f32".into()));
     }
     let m = Model::load_converted(dir)
         .with_context(|| format!("loading converted checkpoint {}", dir.display()))?;
+    Ok((m, converted_description(dir)?))
+}
+
+/// The precision line of an `mxrl convert` output: the recipe and plan hash its `mxrl.json`
+/// records.
+pub fn converted_description(dir: &Path) -> Result<String> {
     let record = dir.join(mxrl_ckpt::MXRL_JSON);
     let v: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(&record)
@@ -65,36 +73,97 @@ pub fn load_model(dir: &std::path::Path) -> Result<(Model, String)> {
             .to_string()
     };
     let hash = field("/plan_hash");
-    Ok((
-        m,
-        format!(
-            "converted checkpoint: recipe {}, plan {}, stored quantized weights",
-            field("/recipe/source"),
-            &hash[..hash.len().min(16)]
-        ),
+    Ok(format!(
+        "converted checkpoint: recipe {}, plan {}, stored quantized weights",
+        field("/recipe/source"),
+        &hash[..hash.len().min(16)]
     ))
 }
 
-/// Logits `[T, V]`, logprobs `[T]` and a description, on the GPU's device engine.
+/// Applies the recipe `r` (a preset or a TOML file) to `model` through the plan resolved from
+/// `dir/config.json`; returns the precision line.
+fn apply_recipe(model: &mut Model, dir: &Path, r: &str) -> Result<String> {
+    let recipe = mxrl_plan::Recipe::load(r)?;
+    let inv = mxrl_plan::Inventory::from_config_path(&dir.join("config.json"))?;
+    let plan = mxrl_plan::resolve(&inv, &recipe)?;
+    model
+        .apply_plan(&plan)
+        .with_context(|| format!("applying recipe {r}"))?;
+    Ok(format!("recipe {r}, plan {}", plan.short_hash()))
+}
+
+/// What a forward returns: logits `[T, V]`, logprobs `[T]`, `V`, and the precision line.
+type ForwardResult = (Vec<f32>, Vec<f32>, usize, String);
+
+/// The forward on the GPU's device engine. Without `--recipe` the checkpoint is streamed into
+/// the engine tensor by tensor ([`super::device::cuda_engine_from_checkpoint`]; no host model);
+/// a recipe's plan is applied to the host model, whose engine then runs as the model would.
 #[cfg(feature = "cuda")]
-fn engine_forward(
-    model: &Model,
-    tokens: &[u32],
-    targets: &[u32],
-) -> Result<(Vec<f32>, Vec<f32>, String)> {
-    let (e, what) = super::device::cuda_engine(model, tokens.len())?;
+fn engine_forward(a: &Args, targets: &[u32]) -> Result<ForwardResult> {
+    let tokens = &a.tokens;
+    let (e, precision, what) = if let Some(r) = &a.recipe {
+        let (mut model, _) = load_model(&a.model)?;
+        let precision = apply_recipe(&mut model, &a.model, r)?;
+        let (e, what) = super::device::cuda_engine(&model, tokens.len())?;
+        (
+            e,
+            precision,
+            format!("{what} (the recipe's plan is applied on a host model first)"),
+        )
+    } else {
+        let (e, what) = super::device::cuda_engine_from_checkpoint(&a.model, tokens.len())?;
+        let precision = if mxrl_ckpt::is_converted(&a.model) {
+            converted_description(&a.model)?
+        } else if a.bf16 {
+            "bf16".to_string()
+        } else {
+            "checkpoint weights".to_string()
+        };
+        (e, precision, what)
+    };
+    println!("{what}");
     let logits = e.logits(tokens)?;
     let lp = e.logprobs(&[SeqInput { tokens, targets }], 1.0)?.remove(0);
-    Ok((logits, lp, what))
+    Ok((
+        logits,
+        lp,
+        e.config().vocab_size,
+        format!("{precision}; {what}"),
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn engine_forward(_: &Model, _: &[u32], _: &[u32]) -> Result<(Vec<f32>, Vec<f32>, String)> {
+fn engine_forward(_: &Args, _: &[u32]) -> Result<ForwardResult> {
     super::device::DeviceArgs {
         device: super::device::Device::Cuda,
     }
     .select()?;
     unreachable!("selecting CUDA fails in a binary built without it")
+}
+
+/// The forward of the CPU model (loaded on the host), with `--bf16` or `--recipe` applied.
+fn host_forward(a: &Args, targets: &[u32]) -> Result<ForwardResult> {
+    let (mut model, mut precision) = load_model(&a.model)?;
+    if a.bf16 {
+        model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16)?;
+        precision = "bf16".into();
+    }
+    if let Some(r) = &a.recipe {
+        precision = apply_recipe(&mut model, &a.model, r)?;
+    }
+    let mut out = model.forward(
+        &[SeqInput {
+            tokens: &a.tokens,
+            targets,
+        }],
+        &ForwardOptions {
+            return_logits: true,
+            ..Default::default()
+        },
+    )?;
+    let lz = out.logits.take().expect("logits were asked for").remove(0);
+    let v = model.config().vocab_size;
+    Ok((lz, out.logprobs.remove(0), v, precision))
 }
 
 /// Parses the tokens into the forward's inputs: all `T` positions, with the targets of the
@@ -106,25 +175,11 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         a.device.select()?;
     }
-    let (mut model, mut precision) = load_model(&a.model)?;
     if mxrl_ckpt::is_converted(&a.model) && (a.bf16 || a.recipe.is_some()) {
         bail!(
             "{} is a converted checkpoint: it runs the recipe its mxrl.json records; --recipe and --bf16 apply to unquantized checkpoints only",
             a.model.display()
         );
-    }
-    if a.bf16 {
-        model.set_precision_by(|_, _| mxrl_model::LinearPrecision::Bf16)?;
-        precision = "bf16".into();
-    }
-    if let Some(r) = &a.recipe {
-        let recipe = mxrl_plan::Recipe::load(r)?;
-        let inv = mxrl_plan::Inventory::from_config_path(&a.model.join("config.json"))?;
-        let plan = mxrl_plan::resolve(&inv, &recipe)?;
-        model
-            .apply_plan(&plan)
-            .with_context(|| format!("applying recipe {r}"))?;
-        precision = format!("recipe {r}, plan {}", plan.short_hash());
     }
     let t = a.tokens.len();
     if t == 0 {
@@ -132,25 +187,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut targets = a.tokens[1..].to_vec();
     targets.push(a.tokens[0]);
-    let v = model.config().vocab_size;
-    let (logits, logprobs) = if on_gpu {
-        let (lz, lp, what) = engine_forward(&model, &a.tokens, &targets)?;
-        precision = format!("{precision}; {what}");
-        println!("{what}");
-        (lz, lp)
+    let (logits, logprobs, v, precision) = if on_gpu {
+        engine_forward(&a, &targets)?
     } else {
-        let mut out = model.forward(
-            &[SeqInput {
-                tokens: &a.tokens,
-                targets: &targets,
-            }],
-            &ForwardOptions {
-                return_logits: true,
-                ..Default::default()
-            },
-        )?;
-        let lz = out.logits.take().expect("logits were asked for").remove(0);
-        (lz, out.logprobs.remove(0))
+        host_forward(&a, &targets)?
     };
     let (logits, logprobs) = (&logits, &logprobs[..t - 1]);
     let tokens: Vec<u8> = a

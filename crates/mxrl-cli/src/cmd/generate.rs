@@ -1,5 +1,8 @@
 //! `mxrl generate`: sample a continuation of a prompt (text through the model directory's
 //! `tokenizer.json`, or token ids) and print the new tokens with their logprobs.
+//!
+//! With `--device cuda` the checkpoint is read from its memory-mapped files straight into the
+//! GPU's device engine, one tensor at a time (no f32 copy of the model on the host).
 
 use anyhow::{bail, Context, Result};
 use mxrl_model::{FinishReason, SamplingParams};
@@ -64,15 +67,18 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
 }
 
-/// New tokens and their logprobs from the GPU's device engine. Its sampler is counter-based
-/// (seed, step, row), so a seeded run repeats itself but draws differently from the CPU model's.
+/// New tokens and their logprobs from the GPU's device engine, the checkpoint in `dir` streamed
+/// into it tensor by tensor ([`super::device::cuda_engine_from_checkpoint`]; no host model).
+/// Its sampler is counter-based (seed, step, row), so a seeded run repeats itself but draws
+/// differently from the CPU model's.
 #[cfg(feature = "cuda")]
 fn engine_generate(
-    model: &mxrl_model::Model,
+    dir: &Path,
     prompt: &[u32],
     sp: &SamplingParams,
 ) -> Result<(Vec<u32>, Vec<f32>)> {
-    let (e, what) = super::device::cuda_engine(model, prompt.len() + sp.max_new_tokens)?;
+    let (e, what) =
+        super::device::cuda_engine_from_checkpoint(dir, prompt.len() + sp.max_new_tokens)?;
     println!("{what}");
     let p = mxrl_tensor::sample::SampleParams {
         temperature: sp.temperature,
@@ -88,11 +94,7 @@ fn engine_generate(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn engine_generate(
-    _: &mxrl_model::Model,
-    _: &[u32],
-    _: &SamplingParams,
-) -> Result<(Vec<u32>, Vec<f32>)> {
+fn engine_generate(_: &Path, _: &[u32], _: &SamplingParams) -> Result<(Vec<u32>, Vec<f32>)> {
     super::device::DeviceArgs {
         device: super::device::Device::Cuda,
     }
@@ -108,8 +110,21 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         a.device.select()?;
     }
-    let (model, precision) = super::forward::load_model(&a.model)?;
-    println!("weights: {precision}");
+    // On the GPU the checkpoint is streamed into the device engine; only the CPU path
+    // builds the host model.
+    let model = if on_gpu {
+        let precision = if mxrl_ckpt::is_converted(&a.model) {
+            super::forward::converted_description(&a.model)?
+        } else {
+            "checkpoint weights, streamed to the device".to_string()
+        };
+        println!("weights: {precision}");
+        None
+    } else {
+        let (model, precision) = super::forward::load_model(&a.model)?;
+        println!("weights: {precision}");
+        Some(model)
+    };
     let tokenizer = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
         Some(load_tokenizer(&a.model)?)
     } else {
@@ -140,16 +155,16 @@ pub fn run(a: Args) -> Result<()> {
             None => eos_from_config(&a.model)?,
         },
     };
-    let (tokens, logprobs, finish) = if on_gpu {
-        let (tokens, logprobs) = engine_generate(&model, &prompt, &sp)?;
+    let (tokens, logprobs, finish) = if let Some(model) = &model {
+        let g = model.generate(&[&prompt], &sp)?.remove(0);
+        (g.tokens, g.logprobs, g.finish)
+    } else {
+        let (tokens, logprobs) = engine_generate(&a.model, &prompt, &sp)?;
         let finish = match tokens.last() {
             Some(t) if sp.stop_tokens.contains(t) => FinishReason::Stop,
             _ => FinishReason::Length,
         };
         (tokens, logprobs, finish)
-    } else {
-        let g = model.generate(&[&prompt], &sp)?.remove(0);
-        (g.tokens, g.logprobs, g.finish)
     };
     println!(
         "prompt tokens: {}",
