@@ -1783,29 +1783,64 @@ impl<B: Backend> Engine<B> {
         stop: &[u32],
     ) -> Result<Vec<(Sampled, RoutingTrace)>> {
         let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, true)?;
-        let c = &self.cfg;
-        let k = c.num_experts_per_tok;
-        let empty = |n: usize| RoutingTrace {
-            layers: (0..c.num_layers)
-                .map(|li| {
-                    c.is_moe_layer(li).then(|| Routes {
-                        top_k: k,
-                        ids: vec![0; n * k],
-                        weights: vec![0.0; n * k],
-                    })
-                })
-                .collect(),
-        };
-        let Some(st) = st else {
-            return Ok(out.into_iter().map(|s| (s, empty(0))).collect());
-        };
         let fed: Vec<usize> = prompts
             .iter()
             .zip(&out)
             .map(|(q, s)| q.len() + s.tokens.len().saturating_sub(1))
             .collect();
-        let mut traces: Vec<RoutingTrace> = fed.iter().map(|&n| empty(n)).collect();
-        let cells = prompts.len() * st.max_len * k;
+        let traces = match st {
+            Some(st) => self.traces_of(&st, &fed)?,
+            // Nothing was generated: no position was fed.
+            None => {
+                let c = &self.cfg;
+                let none = RoutingTrace {
+                    layers: (0..c.num_layers)
+                        .map(|li| {
+                            c.is_moe_layer(li).then(|| Routes {
+                                top_k: c.num_experts_per_tok,
+                                ids: Vec::new(),
+                                weights: Vec::new(),
+                            })
+                        })
+                        .collect(),
+                };
+                vec![none; prompts.len()]
+            }
+        };
+        Ok(out.into_iter().zip(traces).collect())
+    }
+
+    /// The routes the model takes at every position of each sequence (one prefill of the
+    /// batch with route capture), e.g. to compare a trainer's own routing with a rollout's.
+    ///
+    /// # Errors
+    /// Empty sequences, sequences longer than `max_pos`, bad token ids, device failures.
+    pub fn routes_of(&self, seqs: &[&[u32]]) -> Result<Vec<RoutingTrace>> {
+        let longest = seqs.iter().map(|q| q.len()).max().unwrap_or(0);
+        let st = self.prefill_state(seqs, longest.max(1), true)?;
+        let lens: Vec<usize> = seqs.iter().map(|q| q.len()).collect();
+        self.traces_of(&st, &lens)
+    }
+
+    /// The captured routes of `st`'s sequences, the first `fed[s]` positions of each.
+    fn traces_of(&self, st: &DecodeState<B>, fed: &[usize]) -> Result<Vec<RoutingTrace>> {
+        let c = &self.cfg;
+        let k = c.num_experts_per_tok;
+        let mut traces: Vec<RoutingTrace> = fed
+            .iter()
+            .map(|&n| RoutingTrace {
+                layers: (0..c.num_layers)
+                    .map(|li| {
+                        c.is_moe_layer(li).then(|| Routes {
+                            top_k: k,
+                            ids: vec![0; n * k],
+                            weights: vec![0.0; n * k],
+                        })
+                    })
+                    .collect(),
+            })
+            .collect();
+        let cells = fed.len() * st.max_len * k;
         for (li, t) in st.routes.iter().enumerate() {
             let Some((ti, tw)) = t else { continue };
             let ids = self.b.download_u32(ti, cells).map_err(dev)?;
@@ -1818,7 +1853,7 @@ impl<B: Backend> Engine<B> {
                 r.weights.copy_from_slice(&ws[a..a + n]);
             }
         }
-        Ok(out.into_iter().zip(traces).collect())
+        Ok(traces)
     }
 
     fn generate_inner(

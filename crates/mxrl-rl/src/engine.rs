@@ -28,9 +28,11 @@
 //!   and decode, on the device, in the recorded decode step too) and returns them with each
 //!   sample; the trainer (and the bitwise re-scoring) replays the expert ids and recomputes
 //!   their combine weights from its own router (`ReplayKind::Ids`), so the router trains.
-//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): the trainer's
-//!   own routing for the routing-agreement metric and per-layer probes (not reported). The
-//!   per-token entropy comes from the head kernel's pass that computes the logprobs.
+//!   With replay the trainer also reports the routing it would choose itself (one more
+//!   forward with route capture), for the routing-agreement metric.
+//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): per-layer
+//!   probes (not reported). The per-token entropy comes from the head kernel's pass that
+//!   computes the logprobs.
 //!
 //! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
 //! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
@@ -238,6 +240,15 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .forward_train_replay(&inputs, temperature, replay.as_deref())
             .map_err(be)?;
         let ent = self.engine.entropy(&tape).map_err(be)?;
+        // With replay, the routing the trainer would choose itself (the routing-agreement
+        // metric) comes from one more forward of the same tokens with route capture.
+        let own = match &replay {
+            Some(_) => {
+                let fed: Vec<&[u32]> = toks.iter().map(|(t, _)| t.as_slice()).collect();
+                Some(self.engine.routes_of(&fed).map_err(be)?)
+            }
+            None => None,
+        };
         self.tape = Some(tape);
         self.resp_lens = batch
             .iter()
@@ -248,9 +259,11 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .into_iter()
             .zip(ent)
             .zip(&self.resp_lens)
-            .map(|((l, e), &(t, r))| TrainForward {
+            .enumerate()
+            .map(|(i, ((l, e), &(t, r)))| TrainForward {
                 logprobs: l[t - r..].to_vec(),
                 entropy: e[t - r..].to_vec(),
+                routing: own.as_ref().and_then(|o| crate::moe::to_trace(&o[i])),
                 ..TrainForward::default()
             })
             .collect())

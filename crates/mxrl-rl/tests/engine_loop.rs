@@ -210,6 +210,16 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
                 m.loss.is_finite() && m.grad_norm > 0.0 && m.entropy > 0.0,
                 "{m:?}"
             );
+            // Routing replay is on: the trainer's own routing against the rollout's, per MoE
+            // layer (the rollout's decode reads the BF16 KV cache, so not always 1).
+            let moe = (0..model.config().num_layers)
+                .filter(|&l| model.config().is_moe_layer(l))
+                .count();
+            assert_eq!(m.routing_agreement.len(), moe, "{m:?}");
+            assert!(
+                m.routing_agreement.iter().all(|&a| a > 0.8 && a <= 1.0),
+                "{m:?}"
+            );
             // The update stayed on the device: exactly the BF16 bytes, no wire framing.
             assert_eq!(m.sync_bytes, 2 * model.params().num_elements() as u64);
             assert!(m.tokens > 0, "{m:?}");
