@@ -12,27 +12,29 @@
 
 use anyhow::Result;
 
-/// Device of the linear layers' GEMMs.
+/// Where the model runs.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Device {
-    /// The CPU reference backend.
+    /// The CPU reference.
     #[default]
     Cpu,
-    /// GPU 0 through cuBLAS (needs a binary built with `--features cuda`).
+    /// GPU 0 (needs a binary built with `--features cuda`).
     Cuda,
 }
 
 /// The `--device` option.
 #[derive(clap::Args, Debug, Clone, Copy, Default)]
 pub struct DeviceArgs {
-    /// Where the linear layers' GEMMs run: `cpu`, or `cuda` (GPU 0, cuBLAS f32 SGEMM on the
-    /// same operands as the CPU emulation; the rest of the model stays on the host).
+    /// Where the model runs: `cpu` (the reference), or `cuda`: GPU 0, the whole model on the
+    /// device engine (BF16 recipes); block-format recipes run the host model with its linear
+    /// GEMMs on GPU 0. Each command prints which.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
 }
 
 impl DeviceArgs {
-    /// Select the process-wide GEMM backend; returns a one-line description.
+    /// Select the process-wide GEMM backend of the host model; returns a one-line
+    /// description.
     ///
     /// # Errors
     /// `cuda` in a binary built without the `cuda` feature, or no usable GPU.
