@@ -113,6 +113,23 @@ fn select_cuda() -> Result<String> {
 pub type Policies =
     mxrl_rl::ablate::Built<Box<dyn mxrl_rl::TrainPolicy>, Box<dyn mxrl_rl::RolloutPolicy>>;
 
+/// `b` with its policies boxed.
+fn boxed<T, R>(b: mxrl_rl::ablate::Built<T, R>) -> Policies
+where
+    T: mxrl_rl::TrainPolicy + 'static,
+    R: mxrl_rl::RolloutPolicy + 'static,
+{
+    Policies {
+        trainer: Box::new(b.trainer),
+        rollout: Box::new(b.rollout),
+        reference: b
+            .reference
+            .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
+        weight_bytes: b.weight_bytes,
+        contract_hash: b.contract_hash,
+    }
+}
+
 /// The policies of `recipe` on `device`, and a line saying what runs where. With `cuda`, a
 /// BF16 recipe runs on the device engine when `engine_ok`; otherwise the host model runs with
 /// its GEMMs on GPU 0. A rollout server started with the same `--device` holds the same
@@ -126,16 +143,6 @@ pub fn build_policies(
     device: Device,
     engine_ok: bool,
 ) -> Result<(Policies, String)> {
-    let boxed =
-        |b: mxrl_rl::ablate::Built<mxrl_rl::moe::MoeTrainer, mxrl_rl::moe::MoeRollout>| Policies {
-            trainer: Box::new(b.trainer),
-            rollout: Box::new(b.rollout),
-            reference: b
-                .reference
-                .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
-            weight_bytes: b.weight_bytes,
-            contract_hash: b.contract_hash,
-        };
     if device == Device::Cpu {
         let b = mxrl_rl::session::build(model, recipe)?;
         return Ok((boxed(b), mxrl_tensor::backend::gemm_backend().name()));
@@ -255,18 +262,7 @@ fn engine_policies(model: &mxrl_model::Model, recipe: &str) -> Result<(Policies,
             Ok(b)
         },
     )?;
-    Ok((
-        Policies {
-            trainer: Box::new(b.trainer),
-            rollout: Box::new(b.rollout),
-            reference: b
-                .reference
-                .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
-            weight_bytes: b.weight_bytes,
-            contract_hash: b.contract_hash,
-        },
-        format!("the device engine on {name}"),
-    ))
+    Ok((boxed(b), format!("the device engine on {name}")))
 }
 
 #[cfg(not(feature = "cuda"))]
