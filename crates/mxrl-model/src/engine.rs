@@ -150,6 +150,9 @@ pub struct Tape<B: Backend> {
     lse: B::F32,
     /// Entropy of every position's tempered next-token distribution.
     entropy: B::F32,
+    /// The number of probed rows `P` and, per layer, the residual stream after it at those
+    /// rows `[P, H]` (when asked).
+    probes: (usize, Vec<B::F32>),
 }
 
 /// A Qwen3-MoE / Qwen2-MoE (without shared experts) model on one device: every parameter,
@@ -1167,6 +1170,7 @@ impl<B: Backend> Engine<B> {
         batch: &[SeqInput<'_>],
         temperature: f32,
         replay: Option<&[RoutingTrace]>,
+        probe_last: Option<&[usize]>,
     ) -> Result<(Tape<B>, B::F32)> {
         let b = &self.b;
         let (layout, tokens, targets, pos) = self.pack(batch, temperature)?;
@@ -1190,6 +1194,28 @@ impl<B: Backend> Engine<B> {
         )
         .map_err(dev)?;
         let mut layers = Vec::with_capacity(self.layers.len());
+        let mut probes = Vec::new();
+        let probe_rows = match probe_last {
+            Some(last) => {
+                if last.len() != layout.num_seqs()
+                    || last.iter().zip(layout.lens()).any(|(&r, &l)| r > l)
+                {
+                    return Err(ModelError::Input(format!(
+                        "probes of the last {last:?} positions of sequences of {:?} tokens",
+                        layout.lens()
+                    )));
+                }
+                let rows: Vec<u32> = (0..layout.num_seqs())
+                    .flat_map(|s| {
+                        let end = layout.offset(s) + layout.len(s);
+                        (end - last[s]..end).map(|r| r as u32)
+                    })
+                    .collect();
+                let count = rows.len();
+                Some((b.upload_u32(&rows).map_err(dev)?, count))
+            }
+            None => None,
+        };
         {
             let mut pass = Pass::Prefill {
                 layout: &layout,
@@ -1203,6 +1229,12 @@ impl<B: Backend> Engine<B> {
                 let (nx, t) = self.layer(li, n, x, &mut pass)?;
                 x = nx;
                 layers.push(t);
+                if let Some((rows, count)) = &probe_rows {
+                    // The residual stream after this layer at the probed rows (a row gather).
+                    let mut pr = b.empty_f32(count * hd).map_err(dev)?;
+                    b.embed(&x, n, rows, *count, hd, &mut pr).map_err(dev)?;
+                    probes.push(pr);
+                }
             }
         }
         let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
@@ -1251,6 +1283,7 @@ impl<B: Backend> Engine<B> {
                 hfb,
                 lse,
                 entropy,
+                probes: (probe_rows.as_ref().map_or(0, |p| p.1), probes),
             },
             lp,
         ))
@@ -1273,7 +1306,7 @@ impl<B: Backend> Engine<B> {
             self.pack(batch, temperature)?;
             return Ok(batch.iter().map(|_| Vec::new()).collect());
         }
-        let (tape, lp) = self.run_forward(batch, temperature, None)?;
+        let (tape, lp) = self.run_forward(batch, temperature, None, None)?;
         self.split(&tape.layout, &lp)
     }
 
@@ -1284,6 +1317,19 @@ impl<B: Backend> Engine<B> {
     /// Device failure.
     pub fn entropy(&self, tape: &Tape<B>) -> Result<Vec<Vec<f32>>> {
         self.split(&tape.layout, &tape.entropy)
+    }
+
+    /// The probes of a [`Engine::forward_train_probed`]: per layer, `[P, H]` row-major, the
+    /// probed positions of every sequence in order (empty when none were asked for).
+    ///
+    /// # Errors
+    /// Device failure.
+    pub fn probes(&self, tape: &Tape<B>) -> Result<Vec<Vec<f32>>> {
+        let hd = self.cfg.hidden_size;
+        let (count, bufs) = &tape.probes;
+        bufs.iter()
+            .map(|p| self.b.download_f32(p, count * hd).map_err(dev))
+            .collect()
     }
 
     /// Training forward: per-token logprobs and the device tape for [`Engine::backward`].
@@ -1311,12 +1357,28 @@ impl<B: Backend> Engine<B> {
         temperature: f32,
         replay: Option<&[RoutingTrace]>,
     ) -> Result<(Vec<Vec<f32>>, Tape<B>)> {
+        self.forward_train_probed(batch, temperature, replay, None)
+    }
+
+    /// [`Engine::forward_train_replay`] that also keeps, per layer, the residual stream after
+    /// it at the last `probe_last[s]` positions of every sequence `s` (read with
+    /// [`Engine::probes`]).
+    ///
+    /// # Errors
+    /// As [`Engine::forward_train_replay`]; more probed positions than a sequence has.
+    pub fn forward_train_probed(
+        &self,
+        batch: &[SeqInput<'_>],
+        temperature: f32,
+        replay: Option<&[RoutingTrace]>,
+        probe_last: Option<&[usize]>,
+    ) -> Result<(Vec<Vec<f32>>, Tape<B>)> {
         if batch.iter().all(|s| s.tokens.is_empty()) {
             return Err(ModelError::Input(
                 "training forward of an empty batch".into(),
             ));
         }
-        let (tape, lp) = self.run_forward(batch, temperature, replay)?;
+        let (tape, lp) = self.run_forward(batch, temperature, replay, probe_last)?;
         let out = self.split(&tape.layout, &lp)?;
         Ok((out, tape))
     }

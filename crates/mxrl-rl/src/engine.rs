@@ -30,16 +30,18 @@
 //!   their combine weights from its own router (`ReplayKind::Ids`), so the router trains.
 //!   With replay the trainer also reports the routing it would choose itself (one more
 //!   forward with route capture), for the routing-agreement metric.
-//! - **Not yet on this path** (the CPU `MoeTrainer` / `MoeRollout` have them): per-layer
-//!   probes (not reported). The per-token entropy comes from the head kernel's pass that
-//!   computes the logprobs.
+//! - **Probes** (the per-layer `hidden_diff` metric): the residual stream after every layer
+//!   at the response-predicting positions, gathered on the device in the training forward and
+//!   in the bitwise re-scoring. Not yet from generation: without `--bitwise` the rollout
+//!   reports none (the CPU `MoeRollout` records them while decoding). The per-token entropy
+//!   comes from the head kernel's pass that computes the logprobs.
 //!
 //! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
 //! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
 
 use crate::optim::{AdamWConfig, Moments};
 use crate::policy::{
-    LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored,
+    LayerProbes, LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored,
     TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::wire::bf16_values;
@@ -101,6 +103,26 @@ fn replay_of(
             .map(|s| crate::moe::from_trace(config, s.replay.expect("checked")))
             .collect(),
     )
+}
+
+/// Per-sequence probes (`[layer][position][width]`) from the engine's per-layer probe rows
+/// (`[P, H]`, the sequences' last `lens[s]` positions in order).
+fn split_probes(per_layer: &[Vec<f32>], lens: &[usize], width: usize) -> Vec<LayerProbes> {
+    let mut start = 0;
+    lens.iter()
+        .map(|&r| {
+            let values = per_layer
+                .iter()
+                .flat_map(|l| l[start * width..(start + r) * width].iter().copied())
+                .collect();
+            start += r;
+            LayerProbes {
+                layers: per_layer.len(),
+                width,
+                values,
+            }
+        })
+        .collect()
 }
 
 /// Every parameter as BF16 wire tensors (engine order).
@@ -235,11 +257,17 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             })
             .collect();
         let replay = replay_of(self.engine.config(), batch);
+        let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
         let (lp, tape) = self
             .engine
-            .forward_train_replay(&inputs, temperature, replay.as_deref())
+            .forward_train_probed(&inputs, temperature, replay.as_deref(), Some(&rl))
             .map_err(be)?;
         let ent = self.engine.entropy(&tape).map_err(be)?;
+        let probes = split_probes(
+            &self.engine.probes(&tape).map_err(be)?,
+            &rl,
+            self.engine.config().hidden_size,
+        );
         // With replay, the routing the trainer would choose itself (the routing-agreement
         // metric) comes from one more forward of the same tokens with route capture.
         let own = match &replay {
@@ -259,12 +287,13 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .into_iter()
             .zip(ent)
             .zip(&self.resp_lens)
+            .zip(probes)
             .enumerate()
-            .map(|(i, ((l, e), &(t, r)))| TrainForward {
+            .map(|(i, (((l, e), &(t, r)), p))| TrainForward {
                 logprobs: l[t - r..].to_vec(),
                 entropy: e[t - r..].to_vec(),
                 routing: own.as_ref().and_then(|o| crate::moe::to_trace(&o[i])),
-                ..TrainForward::default()
+                probes: Some(p),
             })
             .collect())
     }
@@ -470,7 +499,8 @@ impl<B: Backend> EngineRollout<B> {
         &self,
         batch: &[TrainSeq<'_>],
         temperature: f32,
-    ) -> Result<Vec<Vec<f32>>, PolicyError> {
+        probes: bool,
+    ) -> Result<Vec<Scored>, PolicyError> {
         let toks: Vec<(Vec<u32>, Vec<u32>)> =
             batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
         let inputs: Vec<SeqInput<'_>> = toks
@@ -483,14 +513,36 @@ impl<B: Backend> EngineRollout<B> {
         // The trainer's forward (same kernels, same packing), so `--bitwise` scores equal
         // the trainer's logprobs bit for bit.
         let replay = replay_of(self.engine.config(), batch);
-        let (lp, _) = self
+        let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
+        let (lp, tape) = self
             .engine
-            .forward_train_replay(&inputs, temperature, replay.as_deref())
+            .forward_train_probed(
+                &inputs,
+                temperature,
+                replay.as_deref(),
+                probes.then_some(rl.as_slice()),
+            )
             .map_err(be)?;
+        let mut pr = if probes {
+            split_probes(
+                &self.engine.probes(&tape).map_err(be)?,
+                &rl,
+                self.engine.config().hidden_size,
+            )
+            .into_iter()
+            .map(Some)
+            .collect()
+        } else {
+            vec![None; batch.len()]
+        };
         Ok(lp
             .into_iter()
             .zip(batch)
-            .map(|(l, s)| l[l.len() - s.response.len()..].to_vec())
+            .zip(pr.drain(..))
+            .map(|((l, s), probes)| Scored {
+                logprobs: l[l.len() - s.response.len()..].to_vec(),
+                probes,
+            })
             .collect())
     }
 }
@@ -603,7 +655,11 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError> {
-        self.forward(batch, temperature)
+        Ok(self
+            .forward(batch, temperature, false)?
+            .into_iter()
+            .map(|s| s.logprobs)
+            .collect())
     }
 
     fn score_with_probes(
@@ -611,14 +667,7 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Scored>, PolicyError> {
-        Ok(self
-            .forward(batch, temperature)?
-            .into_iter()
-            .map(|logprobs| Scored {
-                logprobs,
-                probes: None,
-            })
-            .collect())
+        self.forward(batch, temperature, true)
     }
 }
 

@@ -146,6 +146,14 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
     // logits): the same tempered log-softmax, summed in another order.
     let fm = mt.forward(&seqs(&b), 1.0).unwrap();
     let fe = et.forward(&seqs(&b), 1.0).unwrap();
+    // The per-layer probes (residual stream at the response-predicting positions): bitwise.
+    for (x, y) in fm.iter().zip(&fe) {
+        let (px, py) = (x.probes.as_ref().unwrap(), y.probes.as_ref().unwrap());
+        assert_eq!((px.layers, px.width), (py.layers, py.width));
+        let bx: Vec<u32> = px.values.iter().map(|v| v.to_bits()).collect();
+        let by: Vec<u32> = py.values.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(bx, by);
+    }
     let mut worst = 0f32;
     for (x, y) in fm.iter().zip(&fe) {
         assert_eq!(x.entropy.len(), y.entropy.len());
@@ -226,6 +234,9 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
             if bitwise {
                 assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{m:?}");
                 assert_eq!(m.k3_kl, 0.0, "{m:?}");
+                // Probes from the re-scoring forward equal the trainer's in every layer.
+                assert_eq!(m.hidden_diff.len(), model.config().num_layers, "{m:?}");
+                assert!(m.hidden_diff.iter().all(|&d| d == 0.0), "{m:?}");
             } else {
                 assert!(m.train_rollout_logprob_abs_diff < 1e-3, "{m:?}");
             }
