@@ -130,6 +130,13 @@ fn sft_and_bitwise_rl_on_the_gpu_engine() {
         );
         assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{m:?}");
         assert_eq!(m.k3_kl, 0.0, "{m:?}");
+        // Probes gathered on the device: the re-scoring forward's equal the trainer's.
+        assert_eq!(m.hidden_diff.len(), model.config().num_layers, "{m:?}");
+        assert!(m.hidden_diff.iter().all(|&d| d == 0.0), "{m:?}");
+        let moe = (0..model.config().num_layers)
+            .filter(|&l| model.config().is_moe_layer(l))
+            .count();
+        assert_eq!(m.routing_agreement.len(), moe, "{m:?}");
         assert!(m.loss.is_finite() && m.grad_norm.is_finite(), "{m:?}");
     }
     // Deterministic: a second run from the same model gives the same bits.
