@@ -202,6 +202,9 @@ fn check(what: &str, got: &[f32], want: &[f32], bound: &[f64], seed: u64) {
     assert!(v.is_empty(), "{what} (seed {seed}): {v:?}");
 }
 
+/// A spec's CPU gradients and their bounds: `(spec, dx, dW, dx bound, dW bound)`.
+type ModeGrads = (LinearSpec, Vec<f32>, Vec<f32>, Vec<f64>, Vec<f64>);
+
 #[test]
 fn forward_and_gradients_match_the_cpu_layer_for_every_format_and_mode() {
     let (_g, l) = layer();
@@ -213,8 +216,7 @@ fn forward_and_gradients_match_the_cpu_layer_for_every_format_and_mode() {
         let (xd, wd, dyd) = (up_f32(l, &x), up_f32(l, &w), up_f32(l, &dy));
         let bf = PreparedWeight::quantize("t", &w, n, k, LinearSpec::bf16(), 0).unwrap();
         let y_bf16 = bf.forward_inference(&x, m).unwrap();
-        let mut grads_by_mode: Vec<(LinearSpec, Vec<f32>, Vec<f32>, Vec<f64>, Vec<f64>)> =
-            Vec::new();
+        let mut grads_by_mode: Vec<ModeGrads> = Vec::new();
         for s in specs() {
             let tag = format!("{s} [{m}, {k}] x [{n}, {k}]");
             let pw = PreparedWeight::quantize("t", &w, n, k, s, 7).unwrap();

@@ -207,6 +207,16 @@ impl QWeight {
             _ => None,
         }
     }
+    /// Device bytes this weight allocated only for backward: the column-wise MXFP8 copy
+    /// (`Lowp`) or a BF16 rounding of an f32 weight (`HighPrecision`); 0 otherwise.
+    pub fn backward_bytes(&self) -> usize {
+        match &self.backward {
+            WeightBackward::Nothing => 0,
+            WeightBackward::ColumnWise(q) => quantized_bytes(q),
+            WeightBackward::Original(b) => b.owned_bytes(),
+        }
+    }
+
     /// Device bytes this weight allocated: the forward operand (0 for a BF16 weight that is
     /// the caller's BF16 buffer) and the backward copy (column-wise MXFP8, or a BF16 rounding
     /// of an f32 weight).
@@ -215,12 +225,7 @@ impl QWeight {
             WeightForward::Bf16(b) => b.owned_bytes(),
             WeightForward::Quantized(q) => quantized_bytes(q),
         };
-        let b = match &self.backward {
-            WeightBackward::Nothing => 0,
-            WeightBackward::ColumnWise(q) => quantized_bytes(q),
-            WeightBackward::Original(b) => b.owned_bytes(),
-        };
-        f + b
+        f + self.backward_bytes()
     }
 }
 
