@@ -26,6 +26,17 @@ __device__ __forceinline__ u16 f32_to_bf16(float x) {
 }
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// Splits an f32 value into three BF16 parts, x ≈ hi + mid + lo: hi = bf16(x), mid = bf16(x − hi),
+// lo = bf16(x − hi − mid) (each difference is exact in f32). Exact (x = hi + mid + lo) for every
+// f32 x with |x| ≥ 2⁻¹¹⁰, whose last part stays in BF16's normal range; below, lo is rounded
+// to nearest even (|x − (hi + mid + lo)| ≤ 2⁻¹³⁴).
+__device__ __forceinline__ void split_bf16x3(float v, u16& hi, u16& mid, u16& lo) {
+    hi = f32_to_bf16(v);
+    const float r1 = __fsub_rn(v, bf16_to_f32(hi));
+    mid = f32_to_bf16(r1);
+    lo = f32_to_bf16(__fsub_rn(r1, bf16_to_f32(mid)));
+}
+
 // Warp reductions (butterfly: every lane ends with the same value, fixed order).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

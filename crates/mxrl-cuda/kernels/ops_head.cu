@@ -110,7 +110,7 @@ extern "C" __global__ void head_bf16_to_f32(const u16* __restrict__ x, float* __
 }
 
 // Splits f32 values into three BF16 parts, x ≈ hi + mid + lo: hi = bf16(x), mid = bf16(x − hi),
-// lo = bf16(x − hi − mid) (each difference is exact in f32), so |x − (hi + mid + lo)| ≤
+// lo = bf16(x − hi − mid) (common.cuh's split_bf16x3; each difference is exact in f32), so |x − (hi + mid + lo)| ≤
 // 2⁻²⁴·|x| for normal values and the three BF16 GEMMs of the parts reproduce the f32 operand's
 // products exactly. Grid-stride over i < n.
 extern "C" __global__ void head_split_bf16x3(const float* __restrict__ x, u16* __restrict__ hi,
@@ -118,13 +118,10 @@ extern "C" __global__ void head_split_bf16x3(const float* __restrict__ x, u16* _
                                              u64 n) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x) {
-        const float v = x[i];
-        const u16 a = f32_to_bf16(v);
-        const float r1 = __fsub_rn(v, bf16_to_f32(a));
-        const u16 b = f32_to_bf16(r1);
-        const float r2 = __fsub_rn(r1, bf16_to_f32(b));
+        u16 a, b, c;
+        split_bf16x3(x[i], a, b, c);
         hi[i] = a;
         mid[i] = b;
-        lo[i] = f32_to_bf16(r2);
+        lo[i] = c;
     }
 }

@@ -517,13 +517,19 @@ extern "C" __global__ void nvfp4_row_reg_f32(const float* x, u32* a, u8* d, u8* 
 extern "C" __global__ void nvfp4_row_reg_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_reg(x, a, d, s, c); }
 
 // x = fl(e2m1_value(code) * fl(fl(sf * amax) * R2688)).
-extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, const u32* amax_bits, float* out, u64 n, u64 cols, int per_row) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+// Element i of an NVFP4 tensor with rows of `cols` elements, dequantized as the contract says:
+// fl(e2m1_value(code) * fl(fl(e4m3_value(scale) * amax) * R2688)), amax per row or amax[0].
+__device__ __forceinline__ float nvfp4_dequant_at(const u8* data, const u8* scales, const u32* amax_bits, u64 i, u64 cols, bool per_row) {
     u32 code = (data[i >> 1] >> (4u * (u32)(i & 1u))) & 0xFu;
     float a = __uint_as_float(amax_bits[per_row ? i / cols : 0]);
     float mult = __fmul_rn(__fmul_rn(e4m3_value(scales[i / MXRL_NVFP4_BLOCK]), a), MXRL_R2688);
-    out[i] = __fmul_rn(e2m1_value(code), mult);
+    return __fmul_rn(e2m1_value(code), mult);
+}
+
+extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, const u32* amax_bits, float* out, u64 n, u64 cols, int per_row) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = nvfp4_dequant_at(data, scales, amax_bits, i, cols, per_row != 0);
 }
 
 // ---- NVFP4 GEMM emulation helpers (mxrl_tensor::qlinear's arithmetic) ----

@@ -181,6 +181,31 @@ impl CudaDevice {
             ));
         }
         let ctx = CudaContext::new(ordinal).map_err(|x| e(format!("cuInit/context: {x:?}")))?;
+        let stream = ctx.default_stream();
+        Self::open(ordinal, ctx, stream)
+    }
+
+    /// The quantizers of `gpu` on the engine's stream (`gpu.stream()`), so that their buffers
+    /// are ordered with the engine's ops without any cross-stream synchronization (the
+    /// quantized linear layer, [`crate::ops::qlinear`]). Same module as [`CudaDevice::new`].
+    ///
+    /// # Errors
+    /// As [`CudaDevice::new`].
+    pub fn on_gpu(gpu: &crate::gpu::Gpu) -> Result<Self, DeviceError> {
+        Self::open(gpu.ordinal(), gpu.ctx().clone(), gpu.stream().clone())
+    }
+
+    /// Compile (or reuse) the quantizer module on `ctx` and launch on `stream`.
+    fn open(
+        ordinal: usize,
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+    ) -> Result<Self, DeviceError> {
+        let dev = format!("cuda:{ordinal}");
+        let e = |what: String| DeviceError::Cuda {
+            device: dev.clone(),
+            what,
+        };
         let name = format!(
             "{dev} ({})",
             ctx.name().unwrap_or_else(|_| "unknown".into())
@@ -268,7 +293,6 @@ impl CudaDevice {
             )
             .map_err(|x| e(format!("multiprocessor count: {x:?}")))?
             .max(1) as u32;
-        let stream = ctx.default_stream();
         Ok(CudaDevice {
             ordinal,
             name,

@@ -341,6 +341,82 @@ impl Gpu {
             .map_err(|x| self.err(format!("download: {x:?}")))
     }
 
+    /// Bytes of this GPU's default memory pool in use now and the most in use since the last
+    /// [`Gpu::reset_pool_peak`] (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` / `_HIGH`): what the
+    /// stream-ordered allocator behind every buffer of the engine holds for the process.
+    ///
+    /// # Errors
+    /// The driver's error (e.g. a driver without memory pools).
+    pub fn pool_usage(&self) -> Result<(u64, u64), DeviceError> {
+        use cudarc::driver::sys;
+        let pool = self.default_pool()?;
+        let mut cur: u64 = 0;
+        let mut high: u64 = 0;
+        // SAFETY: `pool` is the device's live default pool; each call writes one u64 through a
+        // pointer to a local that outlives it (the attributes are cuuint64_t).
+        let (a, b) = unsafe {
+            (
+                sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                    (&mut cur as *mut u64).cast(),
+                ),
+                sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut high as *mut u64).cast(),
+                ),
+            )
+        };
+        if a != sys::CUresult::CUDA_SUCCESS || b != sys::CUresult::CUDA_SUCCESS {
+            return Err(self.err(format!("cuMemPoolGetAttribute: {a:?} / {b:?}")));
+        }
+        Ok((cur, high))
+    }
+
+    /// Resets the high-water mark of [`Gpu::pool_usage`] to the bytes in use now.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn reset_pool_peak(&self) -> Result<(), DeviceError> {
+        use cudarc::driver::sys;
+        let pool = self.default_pool()?;
+        let mut zero: u64 = 0;
+        // SAFETY: `pool` is the device's live default pool; setting USED_MEM_HIGH to 0 (the
+        // only value the driver accepts for it) reads one u64 from a live local.
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(self.err(format!("cuMemPoolSetAttribute(USED_MEM_HIGH): {r:?}")));
+        }
+        Ok(())
+    }
+
+    fn default_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, DeviceError> {
+        use cudarc::driver::sys;
+        if !self.ctx.has_async_alloc() {
+            return Err(self.err(
+                "the driver allocates without memory pools (no cuMemAllocAsync): pool usage \
+                 is not measurable",
+            ));
+        }
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.err(format!("bind context: {e:?}")))?;
+        // SAFETY: a plain driver query on this context's device; `pool` is written by it.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(self.err(format!("cuDeviceGetDefaultMemPool: {r:?}")));
+        }
+        Ok(pool)
+    }
+
     /// Waits for every queued op; reports an asynchronous launch failure.
     ///
     /// # Errors

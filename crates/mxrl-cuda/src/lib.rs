@@ -47,7 +47,7 @@ mod gemm;
 pub mod gpu;
 pub mod ops;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaDevice, QuantizeTiming};
+pub use cuda::{CudaDevice, DeviceInput, DeviceQuantized, QuantizeTiming};
 #[cfg(feature = "cuda")]
 pub use gemm::{CudaGemm, GemmStats};
 

@@ -63,6 +63,11 @@ struct MemoryArgs {
     /// Print every allocation of the replayed schedule.
     #[arg(long)]
     verbose: bool,
+    /// `cuda`: also run the device layer (`mxrl_cuda::ops::qlinear`) on GPU 0 in each format
+    /// and mode and print the bytes the device's memory pool actually holds beside the model
+    /// and the seed (needs a binary built with `--features cuda`).
+    #[command(flatten)]
+    device: super::device::DeviceArgs,
 }
 
 /// Run `mxrl bench`.
@@ -160,6 +165,10 @@ fn fill(len: usize, salt: u64) -> Vec<f32> {
 }
 
 fn memory(a: MemoryArgs) -> Result<()> {
+    let on_cuda = a.device.device == super::device::Device::Cuda;
+    if on_cuda {
+        super::device::cuda_built()?;
+    }
     let (m, k, n) = (a.m, a.k, a.n);
     let seed_shape = (m, k, n) == (2048, 2048, 8192);
     println!("mxrl bench memory: one linear y = x·Wᵀ, x [{m}, {k}] BF16, W [{n}, {k}] BF16, forward + backward");
@@ -216,6 +225,123 @@ fn memory(a: MemoryArgs) -> Result<()> {
     if a.execute {
         execute(m, k, n, &models)?;
     }
+    if on_cuda {
+        #[cfg(feature = "cuda")]
+        memory_cuda(m, k, n, &models, seed_shape)?;
+    }
+    Ok(())
+}
+
+/// `--device cuda`: the device layer at the same shape, measured with the memory pool's
+/// used-bytes counters around prepare + forward and backward.
+#[cfg(feature = "cuda")]
+fn memory_cuda(
+    m: usize,
+    k: usize,
+    n: usize,
+    models: &[MemoryModel],
+    seed_shape: bool,
+) -> Result<()> {
+    use mxrl_cuda::gpu::Gpu;
+    use mxrl_cuda::ops::qlinear::QLinear;
+    use mxrl_cuda::DeviceInput;
+    use std::sync::Arc;
+    let gpu = Gpu::shared(0)?;
+    let ql = QLinear::new(&gpu)?;
+    let bf16_bits = |v: Vec<f32>| -> Vec<u16> {
+        v.into_iter()
+            .map(|x| half::bf16::from_f32(x).to_bits())
+            .collect()
+    };
+    // The caller's BF16 tensors, allocated before any measurement (not counted, as in the
+    // model and the seed).
+    let x = Arc::new(DeviceInput::Bf16(gpu.upload(&bf16_bits(fill(m * k, 1)))?));
+    let w = Arc::new(DeviceInput::Bf16(gpu.upload(&bf16_bits(fill(n * k, 2)))?));
+    let dy = DeviceInput::Bf16(gpu.upload(&bf16_bits(fill(m * n, 3)))?);
+    struct Measured {
+        held: u64,
+        fwd_peak: u64,
+        peak: u64,
+        kept: usize,
+    }
+    let run = |spec: LinearSpec| -> Result<Measured> {
+        gpu.sync()?;
+        let (base, _) = gpu.pool_usage()?;
+        gpu.reset_pool_peak()?;
+        let qw = ql.prepare("bench.linear", &w, n, k, spec, 0)?;
+        let (y, saved) = ql.forward(&qw, &x, m)?;
+        gpu.sync()?;
+        let (cur, fwd_high) = gpu.pool_usage()?;
+        let kept = saved.kept_bytes() + qw.backward_bytes();
+        let grads = ql.backward(&qw, saved, &dy)?;
+        gpu.sync()?;
+        let (_, high) = gpu.pool_usage()?;
+        drop((grads, y, qw));
+        gpu.sync()?;
+        Ok(Measured {
+            held: cur.saturating_sub(base),
+            fwd_peak: fwd_high.saturating_sub(base),
+            peak: high.saturating_sub(base),
+            kept,
+        })
+    };
+    let mibu = |b: u64| b as f64 / (1u64 << 20) as f64;
+    println!(
+        "\n--device cuda: {} (mxrl_cuda::ops::qlinear, x, W, dy BF16 on the device; bytes of \
+         the default memory pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT / _HIGH, above what was in \
+         use before prepare)",
+        gpu.name()
+    );
+    println!(
+        "{:<7} {:<15} {:>9} {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>9}",
+        "format",
+        "backward",
+        "kept",
+        "fwd held",
+        "fwd peak",
+        "peak",
+        "m:kept",
+        "m:fwdpk",
+        "m:peak",
+        "seed (TE)"
+    );
+    for mm in models {
+        // Warm-up (module loads, cuBLAS handles and workspaces, pool growth), then measured.
+        run(mm.spec)?;
+        let d = run(mm.spec)?;
+        let seed = SEED
+            .iter()
+            .find(|(f, mode, _)| *f == mm.spec.format() && *mode == mm.spec.backward())
+            .filter(|_| seed_shape)
+            .map_or_else(|| "-".to_string(), |(_, _, mb)| format!("{mb:.1}"));
+        println!(
+            "{:<7} {:<15} {:>9.2} {:>9.2} {:>9.2} {:>9.2} | {:>9.2} {:>9.2} {:>9.2} | {:>9}",
+            mm.spec.format().name(),
+            mm.spec.backward().name(),
+            mib(d.kept),
+            mibu(d.held),
+            mibu(d.fwd_peak),
+            mibu(d.peak),
+            mib(mm.kept_for_backward),
+            mib(mm.forward_peak),
+            mib(mm.peak),
+            seed
+        );
+    }
+    println!(
+        "
+kept = device bytes the saved context and the weight hold only for backward (a BF16 x or W is
+  the caller's buffer, kept without a copy: 0); fwd held = pool bytes in use when forward has
+  returned (weight cache + kept + y); fwd peak / peak = pool high-water marks of prepare +
+  forward and of prepare + forward + backward. m:kept / m:fwdpk / m:peak = the CPU model's
+  replay (mxrl_tensor::qlinear::memory_model; its kept counts the BF16 x of high_precision,
+  which here is the caller's buffer).
+Known differences from the model, by construction of this device path (Hopper, no native
+block-scaled GEMM): y, dx and dW are f32 (4 B/elem; the model counts BF16), and every quantized
+GEMM operand is dequantized to a transient BF16 copy right before its GEMM (x and W in the
+forward; dy, W and x in the backward; NVFP4 dequantized backward splits each operand into three
+BF16 parts), freed after it. The kept bytes are the model's."
+    );
     Ok(())
 }
 

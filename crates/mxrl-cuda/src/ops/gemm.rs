@@ -376,6 +376,35 @@ impl Gemm {
         n: usize,
         k: usize,
     ) -> Result<(), DeviceError> {
+        self.dense_nn_beta(dy, w, dx, (m, n, k), 0.0)
+    }
+
+    /// Dense dgrad accumulated: `dx[m,k] += dy[m,n] · W[n,k]` (cuBLAS, β = 1; dy, W BF16;
+    /// dx f32). Reference: [`mxrl_tensor::gemm::matmul_nn`] on the widened values, added to
+    /// the old dx.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond cuBLAS' i32 range; cuBLAS errors.
+    pub fn dense_nn_acc(
+        &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        dx: &mut CudaViewMut<'_, f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.dense_nn_beta(dy, w, dx, (m, n, k), 1.0)
+    }
+
+    fn dense_nn_beta(
+        &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        dx: &mut CudaViewMut<'_, f32>,
+        (m, n, k): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
         check_len(g, "dense_nn dy", dy.len(), mul(g, "dy", m, n)?)?;
         check_len(g, "dense_nn w", w.len(), mul(g, "w", n, k)?)?;
@@ -384,11 +413,15 @@ impl Gemm {
             return Ok(());
         }
         if n == 0 {
-            return self.zero(dx, m * k);
+            return if beta == 0.0 {
+                self.zero(dx, m * k)
+            } else {
+                Ok(())
+            };
         }
         // Row-major dx[m,k] is column-major dxᶜ[k,m] = Wᶜ·dyᶜ: W's buffer is column-major
         // [k,n] (ld k), dy's is column-major [n,m] (ld n); neither transposed.
-        self.gemm_ex(false, false, (k, m, n), w, k, dy, n, dx, k, 0.0)
+        self.gemm_ex(false, false, (k, m, n), w, k, dy, n, dx, k, beta)
     }
 
     /// Dense wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (cuBLAS, β = 1; dy, x BF16; dW f32).

@@ -24,6 +24,8 @@ pub mod optim;
 #[cfg(feature = "cuda")]
 pub mod qgemm;
 #[cfg(feature = "cuda")]
+pub mod qlinear;
+#[cfg(feature = "cuda")]
 pub mod rope;
 #[cfg(feature = "cuda")]
 pub mod router;
@@ -84,6 +86,15 @@ pub const QGEMM_SOURCE: &str = concat!(
     include_str!("../../kernels/ops_qgemm.cu")
 );
 
+/// Kernel source of the quantized linear layer (`ops::qlinear`, feature `cuda`): the contract's
+/// device quantizer functions of `kernels/quant.cu` (its dequantization, element by element)
+/// followed by `kernels/ops_qlinear.cu`.
+pub const QLINEAR_SOURCE: &str = concat!(
+    include_str!("../../kernels/quant.cu"),
+    "\n",
+    include_str!("../../kernels/ops_qlinear.cu")
+);
+
 /// Every op module's name and kernel source (compiled by `gpu::Gpu::module`; also compiled on
 /// the host by the `nvrtc_check` example).
 pub const SOURCES: &[(&str, &str)] = &[
@@ -110,4 +121,5 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
     ("ops_qgemm", QGEMM_SOURCE),
+    ("ops_qlinear", QLINEAR_SOURCE),
 ];

@@ -1,0 +1,377 @@
+//! The device quantized linear layer (`mxrl_cuda::ops::qlinear`) against its CPU reference
+//! `mxrl_tensor::qlinear::PreparedWeight` (forward, backward) and the contract library:
+//!
+//! - every quantized operand the device stores (the weight's forward bytes, its column-wise
+//!   `Lowp` copy, the kept `x`: the forward's bytes in `Dequantized`, the zero-padded
+//!   column-wise copy in `Lowp`) equals the library's bytes exactly;
+//! - `y`, `dx` and `dW` are within the derived bound of the CPU's values for every format ×
+//!   backward mode, on random data and ragged M (not a multiple of 32: the column-wise copies
+//!   are padded): the operands are the same exact values on both sides, so only the f32
+//!   summation order differs (`tensor_core_sum_bound(K, Σ|a·b|)`; NVFP4 forward `|α|·` that
+//!   bound with one more term for `fl(α·acc)`; NVFP4 `Dequantized` backward: three BF16 parts
+//!   per operand, `Σ|a|·(|hi|+|mid|+|lo|) ≤ (1 + 2⁻⁶)·Σ|a·b|` and three more roundings, bound
+//!   `tensor_core_sum_bound(K + 3, (1 + 2⁻⁶)·Σ|a·b|)`);
+//! - the bound is tight enough to fail: each quantized forward is outside it from the BF16
+//!   forward, and each mode's gradients are outside it from another mode's;
+//! - the bytes each context keeps equal the CPU layer's (`Saved::kept_bytes`), BF16 inputs are
+//!   kept without a copy, and a context of another weight version is refused.
+//!
+//! Seeds are fixed and printed with every failure. Tests run one at a time (one GPU).
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use mxrl_cuda::gpu::Gpu;
+use mxrl_cuda::ops::qlinear::QLinear;
+use mxrl_cuda::DeviceInput;
+use mxrl_formats::{quantize, Format, Padding, QuantizedTensor, Scheme};
+use mxrl_tensor::gradcheck::test_values;
+use mxrl_tensor::qlinear::{nvfp4_alpha, BackwardMode, LinearSpec, PreparedWeight};
+use mxrl_tensor::tolerance::{
+    gemm_nn_bounds_with, gemm_nt_bounds_with, gemm_tn_bounds_with, tensor_core_sum_bound,
+    violations,
+};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn layer() -> (MutexGuard<'static, ()>, &'static QLinear) {
+    static LAYER: OnceLock<QLinear> = OnceLock::new();
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let l = LAYER.get_or_init(|| {
+        let g = Gpu::shared(0)
+            .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"));
+        QLinear::new(&g).unwrap_or_else(|e| panic!("QLinear::new: {e}"))
+    });
+    (guard, l)
+}
+
+fn up_f32(l: &QLinear, v: &[f32]) -> Arc<DeviceInput> {
+    Arc::new(DeviceInput::F32(l.gpu().upload(v).expect("upload")))
+}
+
+fn up_bf16(l: &QLinear, v: &[f32]) -> Arc<DeviceInput> {
+    let bits: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+    Arc::new(DeviceInput::Bf16(l.gpu().upload(&bits).expect("upload")))
+}
+
+fn down(l: &QLinear, v: &cudarc::driver::CudaSlice<f32>) -> Vec<f32> {
+    l.gpu().download(v).expect("download")
+}
+
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Shapes `(m, k, n)`: K a multiple of 32, N of 32 (`Lowp` quantizes dy row-wise along N),
+/// M ragged in most.
+const SHAPES: [(usize, usize, usize); 4] =
+    [(64, 128, 96), (40, 96, 160), (1, 32, 32), (130, 64, 64)];
+
+fn specs() -> Vec<LinearSpec> {
+    let mut out = vec![LinearSpec::bf16()];
+    for f in [Format::Mxfp8, Format::Nvfp4] {
+        for mode in BackwardMode::ALL {
+            if let Ok(s) = LinearSpec::new(f, mode) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
+fn deq(q: &QuantizedTensor) -> Vec<f32> {
+    q.dequantize().expect("dequantize")
+}
+
+fn q(v: &[f32], rows: usize, cols: usize, scheme: Scheme, pad: Padding) -> QuantizedTensor {
+    quantize(v, &[rows, cols], scheme, pad).expect("quantize")
+}
+
+/// `e2m1 · e4m3(scale)` of an NVFP4 tensor: the dequantization with α divided out is not
+/// exact, so it is decoded from the bytes.
+fn nvfp4_pre(t: &QuantizedTensor) -> Vec<f32> {
+    let (rows, k) = (t.shape[0], t.shape[1]);
+    let mxrl_formats::Scales::Bytes(scales) = &t.scales else {
+        panic!("NVFP4 scales are bytes")
+    };
+    let mut out = Vec::with_capacity(rows * k);
+    for i in 0..rows {
+        for j in 0..k {
+            let code = (t.data[i * (k / 2) + j / 2] >> (4 * (j % 2))) & 0xF;
+            out.push(
+                mxrl_formats::e2m1_decode(code)
+                    * mxrl_formats::e4m3_decode(scales[i * (k / 16) + j / 16]),
+            );
+        }
+    }
+    out
+}
+
+/// Per-entry bound of the forward `y`, from the CPU's exact operands.
+fn forward_bound(
+    s: LinearSpec,
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+) -> Vec<f64> {
+    match s.format() {
+        Format::Bf16 => gemm_nt_bounds_with(
+            &round_bf16(x),
+            &round_bf16(w),
+            m,
+            k,
+            n,
+            tensor_core_sum_bound,
+        ),
+        Format::Mxfp8 => {
+            let xo = deq(&q(x, m, k, Scheme::MXFP8_ROW, Padding::Reject));
+            let wo = deq(&q(w, n, k, Scheme::MXFP8_ROW, Padding::Reject));
+            gemm_nt_bounds_with(&xo, &wo, m, k, n, tensor_core_sum_bound)
+        }
+        _ => {
+            let qx = q(x, m, k, Scheme::NVFP4_ROW, Padding::Reject);
+            let qw = q(w, n, k, Scheme::NVFP4_TENSOR, Padding::Reject);
+            // One more term: the final fl(α·acc) on each side.
+            let b = gemm_nt_bounds_with(&nvfp4_pre(&qx), &nvfp4_pre(&qw), m, k, n, |k, s| {
+                tensor_core_sum_bound(k + 1, s)
+            });
+            b.iter()
+                .enumerate()
+                .map(|(i, v)| v * f64::from(nvfp4_alpha(qx.amax[i / n], qw.amax[0]).abs()))
+                .collect()
+        }
+    }
+}
+
+/// Bound of an NVFP4 `Dequantized` backward GEMM (three BF16 parts per operand, module doc).
+fn split_sum(k: usize, s: f64) -> f64 {
+    tensor_core_sum_bound(k + 3, s * (1.0 + 2f64.powi(-6)))
+}
+
+/// The backward operands of the CPU reference per mode: `(dy for dgrad, W, dy for wgrad, x)`
+/// as f32 values, and the sum bound of the GEMMs.
+#[allow(clippy::type_complexity)]
+fn backward_operands(
+    s: LinearSpec,
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    (m, k, n): (usize, usize, usize),
+) -> (
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    fn(usize, f64) -> f64,
+) {
+    match (s.format(), s.backward()) {
+        (Format::Bf16, _) | (_, BackwardMode::HighPrecision) => {
+            let d = round_bf16(dy);
+            (
+                d.clone(),
+                round_bf16(w),
+                d,
+                round_bf16(x),
+                tensor_core_sum_bound,
+            )
+        }
+        (_, BackwardMode::Lowp) => (
+            deq(&q(dy, m, n, Scheme::MXFP8_ROW, Padding::Reject)),
+            deq(&q(w, n, k, Scheme::MXFP8_COL, Padding::Zero)),
+            deq(&q(dy, m, n, Scheme::MXFP8_COL, Padding::Zero)),
+            deq(&q(x, m, k, Scheme::MXFP8_COL, Padding::Zero)),
+            tensor_core_sum_bound,
+        ),
+        (f, BackwardMode::Dequantized) => {
+            let d = round_bf16(dy);
+            let wo = deq(&q(w, n, k, s.weight_scheme().unwrap(), Padding::Reject));
+            let xo = deq(&q(x, m, k, s.activation_scheme().unwrap(), Padding::Reject));
+            let sum: fn(usize, f64) -> f64 = if f == Format::Nvfp4 {
+                split_sum
+            } else {
+                tensor_core_sum_bound
+            };
+            (d.clone(), wo, d, xo, sum)
+        }
+    }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], bound: &[f64], seed: u64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let v = violations(got, want, |i| bound[i]);
+    assert!(v.is_empty(), "{what} (seed {seed}): {v:?}");
+}
+
+/// A spec's CPU gradients and their bounds: `(spec, dx, dW, dx bound, dW bound)`.
+type ModeGrads = (LinearSpec, Vec<f32>, Vec<f32>, Vec<f64>, Vec<f64>);
+
+#[test]
+fn forward_and_gradients_match_the_cpu_layer_for_every_format_and_mode() {
+    let (_g, l) = layer();
+    for (si, &(m, k, n)) in SHAPES.iter().enumerate() {
+        let seed = 100 + 10 * si as u64;
+        let x = test_values(m * k, seed, 2.0);
+        let w = test_values(n * k, seed + 1, 1.0);
+        let dy = test_values(m * n, seed + 2, 0.5);
+        let (xd, wd, dyd) = (up_f32(l, &x), up_f32(l, &w), up_f32(l, &dy));
+        let bf = PreparedWeight::quantize("t", &w, n, k, LinearSpec::bf16(), 0).unwrap();
+        let y_bf16 = bf.forward_inference(&x, m).unwrap();
+        let mut grads_by_mode: Vec<ModeGrads> = Vec::new();
+        for s in specs() {
+            let tag = format!("{s} [{m}, {k}] x [{n}, {k}]");
+            let pw = PreparedWeight::quantize("t", &w, n, k, s, 7).unwrap();
+            let (y_cpu, saved_cpu) = pw.forward(&x, m).unwrap();
+            let g_cpu = pw.backward(&saved_cpu, &dy).unwrap();
+
+            let qw = l.prepare("t", &wd, n, k, s, 7).unwrap();
+            let y_inf = down(l, &l.forward_inference(&qw, &xd, m).unwrap());
+            let (y, saved) = l.forward(&qw, &xd, m).unwrap();
+            let y = down(l, &y);
+
+            // Stored bytes equal the library's.
+            match (pw.stored(), qw.stored()) {
+                (Some(c), Some(d)) => {
+                    assert_eq!(&l.quantizer().download(d).unwrap(), c, "{tag}: W bytes")
+                }
+                (None, None) => {}
+                _ => panic!("{tag}: stored weight on one side only"),
+            }
+            if let Some(col) = qw.column_wise() {
+                let d = l.quantizer().download(col).unwrap();
+                let c = q(&w, n, k, Scheme::MXFP8_COL, Padding::Zero);
+                assert_eq!(
+                    (&d.data, &d.scales),
+                    (&c.data, &c.scales),
+                    "{tag}: W column-wise"
+                );
+            }
+            match (s.backward(), saved.kept_quantized()) {
+                (BackwardMode::Dequantized, Some(kq)) if s.format() != Format::Bf16 => {
+                    let d = l.quantizer().download(kq).unwrap();
+                    assert_eq!(
+                        Some(&d),
+                        saved_cpu.forward_quantized(),
+                        "{tag}: kept x bytes"
+                    );
+                }
+                (BackwardMode::Lowp, Some(kq)) => {
+                    let d = l.quantizer().download(kq).unwrap();
+                    let c = q(&x, m, k, Scheme::MXFP8_COL, Padding::Zero);
+                    assert_eq!(
+                        (&d.data, &d.scales),
+                        (&c.data, &c.scales),
+                        "{tag}: x column-wise"
+                    );
+                }
+                (_, None) => {}
+                (mode, Some(_)) => panic!("{tag}: {mode} keeps no quantized x"),
+            }
+            assert_eq!(
+                saved.kept_bytes(),
+                saved_cpu.kept_bytes(),
+                "{tag}: kept bytes"
+            );
+
+            let fb = forward_bound(s, &x, &w, (m, k, n));
+            check(&format!("{tag} y"), &y, &y_cpu, &fb, seed);
+            assert_eq!(
+                y, y_inf,
+                "{tag}: forward and forward_inference are one computation"
+            );
+            if s.format() != Format::Bf16 {
+                assert!(
+                    !violations(&y_bf16, &y_cpu, |i| fb[i]).is_empty(),
+                    "{tag}: the bound cannot tell the quantized forward from BF16"
+                );
+            }
+
+            let g = l.backward(&qw, saved, &dyd).unwrap();
+            let (dx, dw) = (down(l, &g.dx), down(l, &g.dw));
+            let (dy_d, w_o, dy_w, x_o, sum) = backward_operands(s, &x, &w, &dy, (m, k, n));
+            let bx = gemm_nn_bounds_with(&dy_d, &w_o, m, n, k, sum);
+            let bw = gemm_tn_bounds_with(&dy_w, &x_o, None, n, m, k, sum);
+            check(&format!("{tag} dx"), &dx, &g_cpu.dx, &bx, seed);
+            check(&format!("{tag} dW"), &dw, &g_cpu.dw, &bw, seed);
+            grads_by_mode.push((s, g_cpu.dx, g_cpu.dw, bx, bw));
+        }
+        // The gradient bounds separate the modes of one format (so a mode that silently used
+        // another mode's operands would fail above). M = 1, K = 32 is too small to rely on.
+        if m > 1 {
+            for (a, dxa, dwa, bxa, bwa) in &grads_by_mode {
+                for (b, dxb, dwb, _, _) in &grads_by_mode {
+                    if a.format() == b.format() && a.backward() != b.backward() {
+                        let dx_apart = !violations(dxb, dxa, |i| bxa[i]).is_empty();
+                        let dw_apart = !violations(dwb, dwa, |i| bwa[i]).is_empty();
+                        assert!(dx_apart && dw_apart, "{a} vs {b} [{m}, {k}, {n}]");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_inputs_are_kept_without_a_copy_and_give_the_f32_path_results() {
+    let (_g, l) = layer();
+    let (m, k, n) = (48, 64, 96);
+    let x = round_bf16(&test_values(m * k, 1, 2.0));
+    let w = round_bf16(&test_values(n * k, 2, 1.0));
+    let dy = round_bf16(&test_values(m * n, 3, 0.5));
+    for s in specs() {
+        let run = |xd: Arc<DeviceInput>, wd: Arc<DeviceInput>, dyd: Arc<DeviceInput>| {
+            let qw = l.prepare("t", &wd, n, k, s, 0).unwrap();
+            let (y, saved) = l.forward(&qw, &xd, m).unwrap();
+            let kept = saved.kept_bytes();
+            let wbytes = qw.device_bytes();
+            let g = l.backward(&qw, saved, &dyd).unwrap();
+            (down(l, &y), down(l, &g.dx), down(l, &g.dw), kept, wbytes)
+        };
+        let a = run(up_f32(l, &x), up_f32(l, &w), up_f32(l, &dy));
+        let b = run(up_bf16(l, &x), up_bf16(l, &w), up_bf16(l, &dy));
+        assert_eq!(
+            (&a.0, &a.1, &a.2),
+            (&b.0, &b.1, &b.2),
+            "{s}: same operands, same bits"
+        );
+        let keeps_x = s.format() == Format::Bf16 || s.backward() == BackwardMode::HighPrecision;
+        if keeps_x {
+            assert_eq!(a.3, 2 * m * k, "{s}: f32 x is kept as a BF16 copy");
+            assert_eq!(b.3, 0, "{s}: a BF16 x is kept as it is");
+        } else {
+            assert_eq!(a.3, b.3, "{s}");
+        }
+        if s.format() != Format::Bf16 && s.backward() == BackwardMode::HighPrecision {
+            assert_eq!(
+                a.4 - b.4,
+                2 * n * k,
+                "{s}: a BF16 W is its own backward operand"
+            );
+        }
+    }
+}
+
+#[test]
+fn backward_refuses_a_context_of_another_weight_version() {
+    let (_g, l) = layer();
+    let (m, k, n) = (4, 32, 64);
+    let w = up_f32(l, &test_values(n * k, 4, 1.0));
+    let x = up_f32(l, &test_values(m * k, 5, 1.0));
+    let dy = up_f32(l, &test_values(m * n, 6, 1.0));
+    let s = LinearSpec::new(Format::Mxfp8, BackwardMode::Dequantized).unwrap();
+    let v1 = l.prepare("layers.0.mlp", &w, n, k, s, 1).unwrap();
+    let v2 = l.prepare("layers.0.mlp", &w, n, k, s, 2).unwrap();
+    let (_, saved) = l.forward(&v1, &x, m).unwrap();
+    let e = l
+        .backward(&v2, saved, &dy)
+        .err()
+        .expect("stale context refused");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("layers.0.mlp") && msg.contains("version"),
+        "{msg}"
+    );
+    // A wrong dy shape names the weight and the operand.
+    let (_, saved) = l.forward(&v1, &x, m).unwrap();
+    let e = l.backward(&v1, saved, &x).err().expect("shape refused");
+    assert!(e.to_string().contains("output gradient dy"), "{e}");
+}
