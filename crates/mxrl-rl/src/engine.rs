@@ -105,6 +105,60 @@ fn replay_of(
     )
 }
 
+/// What [`engine_forward`] returns.
+struct Forward<B: Backend> {
+    /// The tokens fed per sequence (`prompt + response[..len-1]`).
+    fed: Vec<Vec<u32>>,
+    /// The logprob of every fed position's target.
+    logprobs: Vec<Vec<f32>>,
+    tape: Tape<B>,
+    /// Each sequence's probes at its response-predicting positions, when asked.
+    probes: Option<Vec<LayerProbes>>,
+}
+
+/// The training forward of `batch` on `engine` (trainer and bitwise re-scoring alike: same
+/// kernels, same packing), with the batch's replayed routes when every sequence carries one.
+fn engine_forward<B: Backend>(
+    engine: &Engine<B>,
+    batch: &[TrainSeq<'_>],
+    temperature: f32,
+    probes: bool,
+) -> Result<Forward<B>, PolicyError> {
+    let toks: Vec<(Vec<u32>, Vec<u32>)> = batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
+    let inputs: Vec<SeqInput<'_>> = toks
+        .iter()
+        .map(|(t, g)| SeqInput {
+            tokens: t,
+            targets: g,
+        })
+        .collect();
+    let replay = replay_of(engine.config(), batch);
+    let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
+    let (lp, tape) = engine
+        .forward_train_probed(
+            &inputs,
+            temperature,
+            replay.as_deref(),
+            probes.then_some(rl.as_slice()),
+        )
+        .map_err(be)?;
+    let pr = if probes {
+        Some(split_probes(
+            &engine.probes(&tape).map_err(be)?,
+            &rl,
+            engine.config().hidden_size,
+        ))
+    } else {
+        None
+    };
+    Ok(Forward {
+        fed: toks.into_iter().map(|(t, _)| t).collect(),
+        logprobs: lp,
+        tape,
+        probes: pr,
+    })
+}
+
 /// Per-sequence probes (`[layer][position][width]`) from the engine's per-layer probe rows
 /// (`[P, H]`, the sequences' last `lens[s]` positions in order).
 fn split_probes(per_layer: &[Vec<f32>], lens: &[usize], width: usize) -> Vec<LayerProbes> {
@@ -247,41 +301,27 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     ) -> Result<Vec<TrainForward>, PolicyError> {
         self.flush()?;
         self.tape = None;
-        let toks: Vec<(Vec<u32>, Vec<u32>)> =
-            batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
-        let inputs: Vec<SeqInput<'_>> = toks
-            .iter()
-            .map(|(t, g)| SeqInput {
-                tokens: t,
-                targets: g,
-            })
-            .collect();
-        let replay = replay_of(self.engine.config(), batch);
-        let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
-        let (lp, tape) = self
-            .engine
-            .forward_train_probed(&inputs, temperature, replay.as_deref(), Some(&rl))
-            .map_err(be)?;
+        let Forward {
+            fed,
+            logprobs: lp,
+            tape,
+            probes,
+        } = engine_forward(&self.engine, batch, temperature, true)?;
         let ent = self.engine.entropy(&tape).map_err(be)?;
-        let probes = split_probes(
-            &self.engine.probes(&tape).map_err(be)?,
-            &rl,
-            self.engine.config().hidden_size,
-        );
+        let probes = probes.expect("asked for");
         // With replay, the routing the trainer would choose itself (the routing-agreement
         // metric) comes from one more forward of the same tokens with route capture.
-        let own = match &replay {
-            Some(_) => {
-                let fed: Vec<&[u32]> = toks.iter().map(|(t, _)| t.as_slice()).collect();
-                Some(self.engine.routes_of(&fed).map_err(be)?)
-            }
-            None => None,
+        let own = if batch.iter().all(|s| s.replay.is_some()) {
+            let f: Vec<&[u32]> = fed.iter().map(Vec::as_slice).collect();
+            Some(self.engine.routes_of(&f).map_err(be)?)
+        } else {
+            None
         };
         self.tape = Some(tape);
         self.resp_lens = batch
             .iter()
-            .zip(&toks)
-            .map(|(s, (t, _))| (t.len(), s.response.len()))
+            .zip(&fed)
+            .map(|(s, t)| (t.len(), s.response.len()))
             .collect();
         Ok(lp
             .into_iter()
@@ -501,39 +541,16 @@ impl<B: Backend> EngineRollout<B> {
         temperature: f32,
         probes: bool,
     ) -> Result<Vec<Scored>, PolicyError> {
-        let toks: Vec<(Vec<u32>, Vec<u32>)> =
-            batch.iter().map(seq_tokens).collect::<Result<_, _>>()?;
-        let inputs: Vec<SeqInput<'_>> = toks
-            .iter()
-            .map(|(t, g)| SeqInput {
-                tokens: t,
-                targets: g,
-            })
-            .collect();
         // The trainer's forward (same kernels, same packing), so `--bitwise` scores equal
         // the trainer's logprobs bit for bit.
-        let replay = replay_of(self.engine.config(), batch);
-        let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
-        let (lp, tape) = self
-            .engine
-            .forward_train_probed(
-                &inputs,
-                temperature,
-                replay.as_deref(),
-                probes.then_some(rl.as_slice()),
-            )
-            .map_err(be)?;
-        let mut pr = if probes {
-            split_probes(
-                &self.engine.probes(&tape).map_err(be)?,
-                &rl,
-                self.engine.config().hidden_size,
-            )
-            .into_iter()
-            .map(Some)
-            .collect()
-        } else {
-            vec![None; batch.len()]
+        let Forward {
+            logprobs: lp,
+            probes: pr,
+            ..
+        } = engine_forward(&self.engine, batch, temperature, probes)?;
+        let mut pr: Vec<Option<LayerProbes>> = match pr {
+            Some(p) => p.into_iter().map(Some).collect(),
+            None => vec![None; batch.len()],
         };
         Ok(lp
             .into_iter()
