@@ -217,6 +217,8 @@ pub struct EngineTrainer<B: Backend> {
     /// Host copies handed out by [`TrainPolicy::params`] (values, gradients); the values go
     /// back to the device before the engine is used again.
     host: Option<HostCopies>,
+    /// Gather per-layer probes in the forward ([`TrainPolicy::set_probes`]; on by default).
+    probes: bool,
 }
 
 impl<B: Backend> std::fmt::Debug for EngineTrainer<B> {
@@ -242,6 +244,7 @@ impl<B: Backend> EngineTrainer<B> {
             tape: None,
             resp_lens: Vec::new(),
             host: None,
+            probes: true,
         })
     }
 
@@ -260,6 +263,7 @@ impl<B: Backend> EngineTrainer<B> {
             tape: None,
             resp_lens: Vec::new(),
             host: None,
+            probes: true,
         })
     }
 
@@ -306,9 +310,12 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             logprobs: lp,
             tape,
             probes,
-        } = engine_forward(&self.engine, batch, temperature, true)?;
+        } = engine_forward(&self.engine, batch, temperature, self.probes)?;
         let ent = self.engine.entropy(&tape).map_err(be)?;
-        let probes = probes.expect("asked for");
+        let probes: Vec<Option<LayerProbes>> = match probes {
+            Some(p) => p.into_iter().map(Some).collect(),
+            None => vec![None; batch.len()],
+        };
         // With replay, the routing the trainer would choose itself (the routing-agreement
         // metric) comes from one more forward of the same tokens with route capture.
         let own = if batch.iter().all(|s| s.replay.is_some()) {
@@ -333,7 +340,7 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
                 logprobs: l[t - r..].to_vec(),
                 entropy: e[t - r..].to_vec(),
                 routing: own.as_ref().and_then(|o| crate::moe::to_trace(&o[i])),
-                probes: Some(p),
+                probes: p,
             })
             .collect())
     }
@@ -490,6 +497,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
                 }),
             ))
         })())
+    }
+
+    fn set_probes(&mut self, on: bool) {
+        self.probes = on;
     }
 
     fn first_non_finite_weight(&mut self) -> Option<String> {

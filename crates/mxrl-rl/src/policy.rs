@@ -387,6 +387,13 @@ pub trait TrainPolicy {
         Ok(false)
     }
 
+    /// Whether [`TrainPolicy::forward`] should return per-layer probes (the loop turns them
+    /// off when nothing will be compared with them: no bitwise re-scoring, or the frozen
+    /// reference). A policy whose probes cost nothing may ignore it (the default does).
+    fn set_probes(&mut self, on: bool) {
+        let _ = on;
+    }
+
     /// The weight update as it stays on the device, for a rollout in the same process
     /// ([`RolloutPolicy::load_local`]); `None` (the default): only the wire form exists.
     fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
@@ -505,5 +512,8 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
     }
     fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
         (**self).local_export()
+    }
+    fn set_probes(&mut self, on: bool) {
+        (**self).set_probes(on)
     }
 }

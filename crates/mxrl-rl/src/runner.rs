@@ -433,6 +433,12 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         })?;
         let mut opt = AdamW::new(cfg.adam);
         let restored = load_checkpoint(dir, &mut trainer, &mut opt)?;
+        // Probes are compared only with a bitwise re-scoring's; the reference never needs them.
+        trainer.set_probes(cfg.bitwise);
+        let mut reference = reference;
+        if let Some(r) = reference.as_mut() {
+            r.set_probes(false);
+        }
         let mut run = RlRun {
             cfg,
             trainer,
