@@ -1853,21 +1853,7 @@ impl<B: Backend> Engine<B> {
         let traces = match st {
             Some(st) => self.traces_of(&st, &fed)?,
             // Nothing was generated: no position was fed.
-            None => {
-                let c = &self.cfg;
-                let none = RoutingTrace {
-                    layers: (0..c.num_layers)
-                        .map(|li| {
-                            c.is_moe_layer(li).then(|| Routes {
-                                top_k: c.num_experts_per_tok,
-                                ids: Vec::new(),
-                                weights: Vec::new(),
-                            })
-                        })
-                        .collect(),
-                };
-                vec![none; prompts.len()]
-            }
+            None => vec![self.zero_trace(0); prompts.len()],
         };
         Ok(out.into_iter().zip(traces).collect())
     }
@@ -1884,24 +1870,27 @@ impl<B: Backend> Engine<B> {
         self.traces_of(&st, &lens)
     }
 
-    /// The captured routes of `st`'s sequences, the first `fed[s]` positions of each.
-    fn traces_of(&self, st: &DecodeState<B>, fed: &[usize]) -> Result<Vec<RoutingTrace>> {
+    /// A trace of `n` positions with zero ids and weights in every MoE layer.
+    fn zero_trace(&self, n: usize) -> RoutingTrace {
         let c = &self.cfg;
         let k = c.num_experts_per_tok;
-        let mut traces: Vec<RoutingTrace> = fed
-            .iter()
-            .map(|&n| RoutingTrace {
-                layers: (0..c.num_layers)
-                    .map(|li| {
-                        c.is_moe_layer(li).then(|| Routes {
-                            top_k: k,
-                            ids: vec![0; n * k],
-                            weights: vec![0.0; n * k],
-                        })
+        RoutingTrace {
+            layers: (0..c.num_layers)
+                .map(|li| {
+                    c.is_moe_layer(li).then(|| Routes {
+                        top_k: k,
+                        ids: vec![0; n * k],
+                        weights: vec![0.0; n * k],
                     })
-                    .collect(),
-            })
-            .collect();
+                })
+                .collect(),
+        }
+    }
+
+    /// The captured routes of `st`'s sequences, the first `fed[s]` positions of each.
+    fn traces_of(&self, st: &DecodeState<B>, fed: &[usize]) -> Result<Vec<RoutingTrace>> {
+        let k = self.cfg.num_experts_per_tok;
+        let mut traces: Vec<RoutingTrace> = fed.iter().map(|&n| self.zero_trace(n)).collect();
         let cells = fed.len() * st.max_len * k;
         for (li, t) in st.routes.iter().enumerate() {
             let Some((ti, tw)) = t else { continue };

@@ -82,10 +82,7 @@ fn seq_tokens(s: &TrainSeq<'_>) -> Result<(Vec<u32>, Vec<u32>), PolicyError> {
             "every sequence needs a non-empty prompt and response".into(),
         ));
     }
-    let mut full = s.prompt.to_vec();
-    full.extend_from_slice(s.response);
-    let t = full.len() - 1;
-    Ok((full[..t].to_vec(), full[1..].to_vec()))
+    Ok(crate::moe::seq_tokens(s))
 }
 
 /// The replay traces of a batch in the engine's form: `None` unless every sequence carries
@@ -233,19 +230,10 @@ impl<B: Backend> EngineTrainer<B> {
     ///
     /// # Errors
     /// A plan that stores a tensor in a block format (named); out of device memory.
-    pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
-        check_bf16_plan(plan)?;
-        engine.use_bf16_params().map_err(be)?;
-        engine.enable_training().map_err(be)?;
-        let names = engine.param_names().into_iter().map(String::from).collect();
-        Ok(EngineTrainer {
-            engine,
-            names,
-            tape: None,
-            resp_lens: Vec::new(),
-            host: None,
-            probes: true,
-        })
+    pub fn new(engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+        let mut t = Self::frozen(engine, plan)?;
+        t.engine.enable_training().map_err(be)?;
+        Ok(t)
     }
 
     /// A frozen copy for the reference policy: runs the training forward, never steps (no

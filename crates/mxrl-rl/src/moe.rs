@@ -329,7 +329,8 @@ impl MoeTrainer {
     }
 }
 
-fn seq_tokens(s: &TrainSeq<'_>) -> (Vec<u32>, Vec<u32>) {
+/// The tokens a sequence feeds to the model (`prompt + response[..len-1]`) and their targets.
+pub(crate) fn seq_tokens(s: &TrainSeq<'_>) -> (Vec<u32>, Vec<u32>) {
     let mut full = s.prompt.to_vec();
     full.extend_from_slice(s.response);
     let t = full.len() - 1;
