@@ -8,6 +8,7 @@
 //! math, deterministic (no atomics in reductions). The reference of every op is
 //! [`mxrl_tensor::device::CpuBackend`]; only summation orders (and a few ulps of `exp`) differ.
 
+use crate::cuda::DeviceInput;
 use crate::gpu::Gpu;
 use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
@@ -19,6 +20,7 @@ use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
 use crate::ops::qgemm::QGemm;
+use crate::ops::qlinear::QLinear;
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
@@ -108,6 +110,9 @@ pub struct CudaBackend {
     sampler: Sampler,
     /// The low-byte expert kernels (need sm_89+; the error says why they are missing).
     qgemm: Result<QGemm, String>,
+    /// The quantized linear layer (training backward of block-format linears; the error says
+    /// why it is missing).
+    qlin: Result<QLinear, String>,
     /// AdamW's gradient scale on the device (value bits, buffer).
     grad_scale: std::sync::Mutex<Option<(u32, std::sync::Arc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
@@ -137,6 +142,7 @@ impl CudaBackend {
             embed_bwd: EmbedBackward::new(&gpu)?,
             sampler: Sampler::new(&gpu)?,
             qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
+            qlin: QLinear::new(&gpu).map_err(|e| e.to_string()),
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             gpu,
@@ -536,6 +542,229 @@ impl Backend for CudaBackend {
                 "grouped_qlinear: no device kernels for {other:?} experts"
             ))),
         }
+    }
+
+    fn quantize_weights(
+        &self,
+        master: &Self::F32,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+        name: &(dyn Fn(usize) -> String + Sync),
+        version: u64,
+    ) -> DResult<QExperts> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        // MXFP8 blocks run along K inside a row, so the stack quantizes as one tensor on the
+        // device (the same bytes as each weight alone). NVFP4 has one amax per weight: the
+        // contract library quantizes those on the host.
+        if spec.format() != Format::Mxfp8 {
+            let all = self.download_f32(master, groups * n * k)?;
+            let pws = (0..groups)
+                .map(|g| {
+                    PreparedWeight::quantize(
+                        &name(g),
+                        &all[g * n * k..(g + 1) * n * k],
+                        n,
+                        k,
+                        spec,
+                        version,
+                    )
+                    .map_err(|e| dev(e.to_string()))
+                })
+                .collect::<DResult<Vec<_>>>()?;
+            return self.upload_experts(pws);
+        }
+        let ql = self
+            .qlin
+            .as_ref()
+            .map_err(|e| dev(format!("{}: the quantizers did not load: {e}", name(0))))?;
+        let len = groups * n * k;
+        if master.len() < len {
+            return Err(dev(format!(
+                "quantize_weights {}: master of {} values for [{groups}·{n}, {k}]",
+                name(0),
+                master.len()
+            )));
+        }
+        let mut copy = self.gpu.empty::<f32>(len).map_err(de)?;
+        self.gpu
+            .stream()
+            .memcpy_dtod(&master.slice(0..len), &mut copy)
+            .map_err(|e| dev(format!("{e:?}")))?;
+        let scheme = spec.weight_scheme().expect("MXFP8 has a weight scheme");
+        let q = ql
+            .quantizer()
+            .quantize_device(&DeviceInput::F32(copy), [groups * n, k], scheme)
+            .map_err(|e| dev(format!("{}: {e}", name(0))))?;
+        Ok(QExperts {
+            format: Format::Mxfp8,
+            e: groups,
+            n,
+            k,
+            codes: q.data,
+            scales: q.scales,
+            amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
+            spec,
+        })
+    }
+
+    fn stored_weights(&self, w: &QExperts) -> DResult<Vec<mxrl_formats::QuantizedTensor>> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        let scheme = w
+            .spec
+            .weight_scheme()
+            .ok_or_else(|| dev(format!("stored_weights: {:?} has no stored form", w.spec)))?;
+        let codes = self.gpu.download(&w.codes).map_err(de)?;
+        let scales = self.gpu.download(&w.scales).map_err(de)?;
+        let amax = self.gpu.download(&w.amax).map_err(de)?;
+        let (cg, sg) = (codes.len() / w.e.max(1), scales.len() / w.e.max(1));
+        (0..w.e)
+            .map(|g| {
+                let q = mxrl_formats::QuantizedTensor {
+                    scheme,
+                    shape: vec![w.n, w.k],
+                    padded_shape: vec![w.n, w.k],
+                    data: codes[g * cg..(g + 1) * cg].to_vec(),
+                    scales: mxrl_formats::Scales::Bytes(scales[g * sg..(g + 1) * sg].to_vec()),
+                    scale_layout: mxrl_formats::ScaleLayout::Compact,
+                    amax: if w.format == Format::Nvfp4 {
+                        vec![amax[g]]
+                    } else {
+                        Vec::new()
+                    },
+                };
+                q.validate()
+                    .map_err(|e| dev(format!("stored weight {g}: {e}")))?;
+                Ok(q)
+            })
+            .collect()
+    }
+
+    fn qlinear(
+        &self,
+        x: &Self::F32,
+        w: &QExperts,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if (w.e, w.n, w.k) != (1, n, k) {
+            return Err(dev(format!(
+                "qlinear: weight stored as [{}, {}, {}], called as a dense [{n}, {k}]",
+                w.e, w.n, w.k
+            )));
+        }
+        let q = self
+            .qgemm
+            .as_ref()
+            .map_err(|e| dev(format!("qlinear: the low-byte kernels did not load: {e}")))?;
+        match w.format {
+            Format::Mxfp8 => {
+                // Exact BF16 operands: the contract dequantization of x and of W.
+                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                let mut wb = self.gpu.empty::<u16>(n * k).map_err(de)?;
+                q.dequant_weights_mxfp8(
+                    &w.codes.as_view(),
+                    &w.scales.as_view(),
+                    &mut wb.as_view_mut(),
+                    1,
+                    n,
+                    k,
+                )
+                .map_err(de)?;
+                self.linear(&xq, &wb, rows, k, n, y)
+            }
+            other => Err(dev(format!(
+                "qlinear: no dense device path for {other:?} (block-format dense linears run \
+                 MXFP8 on the device)"
+            ))),
+        }
+    }
+
+    fn grouped_qlinear_backward(
+        &self,
+        x: &Self::F32,
+        w: &QExperts,
+        master: &Self::F32,
+        dy: &Self::F32,
+        host_offsets: &[u32],
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        let ql = self.qlin.as_ref().map_err(|e| {
+            dev(format!(
+                "grouped_qlinear_backward: the quantized linear did not load: {e}"
+            ))
+        })?;
+        let groups = w.e;
+        if (w.n, w.k) != (n, k) || host_offsets.len() != groups + 1 {
+            return Err(dev(format!(
+                "grouped_qlinear_backward: weights [{groups}, {}, {}] with {} offsets, called \
+                 with [{n}, {k}]",
+                w.n,
+                w.k,
+                host_offsets.len()
+            )));
+        }
+        for (what, got, want) in [
+            ("x", x.len(), rows * k),
+            ("dy", dy.len(), rows * n),
+            ("dx", dx.len(), rows * k),
+            ("dw", dw.len(), groups * n * k),
+            ("master", master.len(), groups * n * k),
+        ] {
+            if got < want {
+                return Err(dev(format!(
+                    "grouped_qlinear_backward {what}: {got} elements, {want} needed"
+                )));
+            }
+        }
+        let s = self.gpu.stream();
+        let cp = |e: cudarc::driver::DriverError| dev(format!("device copy: {e:?}"));
+        let part = |src: &CudaSlice<f32>, a: usize, b: usize| -> DResult<CudaSlice<f32>> {
+            let mut o = self.gpu.empty::<f32>(b - a).map_err(de)?;
+            s.memcpy_dtod(&src.slice(a..b), &mut o).map_err(cp)?;
+            Ok(o)
+        };
+        for g in 0..groups {
+            let (a, b) = (host_offsets[g] as usize, host_offsets[g + 1] as usize);
+            if a > b || b > rows {
+                return Err(dev(format!(
+                    "grouped_qlinear_backward: group {g} rows {a}..{b} outside 0..{rows}"
+                )));
+            }
+            if a == b {
+                continue;
+            }
+            let m = b - a;
+            let name = format!("weight {g} of {groups}");
+            let wg =
+                std::sync::Arc::new(DeviceInput::F32(part(master, g * n * k, (g + 1) * n * k)?));
+            let qw = ql.prepare(&name, &wg, n, k, w.spec, 0).map_err(de)?;
+            let xg = std::sync::Arc::new(DeviceInput::F32(part(x, a * k, b * k)?));
+            let (_, saved) = ql.forward(&qw, &xg, m).map_err(de)?;
+            let dyg = DeviceInput::F32(part(dy, a * n, b * n)?);
+            let gr = ql.backward(&qw, saved, &dyg).map_err(de)?;
+            s.memcpy_dtod(&gr.dx, &mut dx.slice_mut(a * k..b * k))
+                .map_err(cp)?;
+            self.ew
+                .add_inplace(
+                    &mut dw.slice_mut(g * n * k..(g + 1) * n * k),
+                    &gr.dw.as_view(),
+                    n * k,
+                )
+                .map_err(de)?;
+        }
+        Ok(())
     }
 
     fn gather_f32(

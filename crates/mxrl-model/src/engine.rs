@@ -25,7 +25,6 @@ use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::routing::Routes;
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
-use rayon::prelude::*;
 
 fn dev(e: DeviceError) -> ModelError {
     ModelError::Device(e.to_string())
@@ -46,6 +45,21 @@ struct Param<B: Backend> {
     compute: Option<B::F32>,
     /// Weight decay applies (linear and embedding weights; not norms and biases).
     decay: bool,
+    /// A linear in a block format: the stored quantized weights the forward multiplies
+    /// (rebuilt from the master by every optimizer step).
+    q: Option<QParam<B>>,
+}
+
+/// A linear weight in a block format: `groups` weights `[n, k]` (the routed experts of a
+/// layer, or one dense linear) as stored, with the spec they were quantized for.
+struct QParam<B: Backend> {
+    spec: LinearSpec,
+    groups: usize,
+    n: usize,
+    k: usize,
+    w: B::QExperts,
+    /// Stored bytes (codes, scales, amax).
+    bytes: usize,
 }
 
 /// Attention block: `q/k/v/o` weights, optional q/k/v biases and per-head q/k norms.
@@ -111,27 +125,57 @@ struct LayerTape<B: Backend> {
     attb: B::Bf16,
     x_mid: B::F32,
     rstd2: B::F32,
+    /// The f32 normalized rows, kept where a block-format linear quantizes them.
+    h1: Option<B::F32>,
+    h2: Option<B::F32>,
     h2b: B::Bf16,
     ffn: FfnTape<B>,
 }
 
 enum FfnTape<B: Backend> {
-    /// Block-format experts: inference only (training refuses such an engine).
-    MoeQuantized,
     Dense {
         gu: B::F32,
-        actb: B::Bf16,
+        act: Act<B>,
     },
     Moe {
         route: RouteBufs<B>,
         /// The expert offsets on the host (outside decode).
         host_offsets: Option<Vec<u32>>,
-        xg: B::Bf16,
+        xg: Act<B>,
         gu: B::F32,
-        actb: B::Bf16,
+        act: Act<B>,
         y: B::F32,
     },
 }
+
+/// The input rows of a linear as its backward needs them: the BF16 operand of a BF16
+/// linear, the f32 rows a block-format linear quantizes.
+enum Act<B: Backend> {
+    Bf16(B::Bf16),
+    F32(B::F32),
+}
+
+impl<B: Backend> Act<B> {
+    fn r(&self) -> ActRef<'_, B> {
+        match self {
+            Act::Bf16(x) => ActRef::Bf16(x),
+            Act::F32(x) => ActRef::F32(x),
+        }
+    }
+}
+
+/// A borrowed [`Act`].
+enum ActRef<'a, B: Backend> {
+    Bf16(&'a B::Bf16),
+    F32(&'a B::F32),
+}
+
+impl<B: Backend> Clone for ActRef<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for ActRef<'_, B> {}
 
 /// Activations of a training forward ([`Engine::forward_train`]), consumed by
 /// [`Engine::backward`]; device buffers only.
@@ -170,15 +214,6 @@ pub struct Engine<B: Backend> {
     train: Option<TrainState<B>>,
     /// Record decode steps as device graphs and replay them ([`Engine::set_decode_graphs`]).
     graphs: bool,
-    /// Per layer, the routed experts in a block format ([`Engine::quantize_experts`]).
-    qmoe: Vec<Option<QMoe<B>>>,
-}
-
-/// The routed experts of one MoE layer as stored in a block format: fused gate/up and down.
-struct QMoe<B: Backend> {
-    gate_up: B::QExperts,
-    down: B::QExperts,
-    bytes: usize,
 }
 
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
@@ -344,6 +379,7 @@ impl<B: Backend> Engine<B> {
                 op,
                 compute: None,
                 decay,
+                q: None,
             });
             Ok(params.len() - 1)
         };
@@ -568,7 +604,6 @@ impl<B: Backend> Engine<B> {
             b,
             train: None,
             graphs: true,
-            qmoe: Vec::new(),
         })
     }
 
@@ -582,6 +617,121 @@ impl<B: Backend> Engine<B> {
             .op
             .as_ref()
             .expect("linear weights carry a BF16 operand")
+    }
+
+    /// Whether linear parameter `i` runs in a block format (its input is the f32 rows).
+    fn quantized(&self, i: usize) -> bool {
+        self.params[i].q.is_some()
+    }
+
+    /// The input of linear `i`: the f32 rows for a block-format linear, else the BF16 rows.
+    fn input<'a>(&self, i: usize, xb: &'a B::Bf16, x: Option<&'a B::F32>) -> ActRef<'a, B> {
+        match (self.quantized(i), x) {
+            (true, Some(x)) => ActRef::F32(x),
+            _ => ActRef::Bf16(xb),
+        }
+    }
+
+    /// `y [rows, n] = x · Wᵀ` of dense linear parameter `i`: its stored block-format weight
+    /// from the f32 rows, else its BF16 operand from the BF16 rows.
+    fn lin(
+        &self,
+        i: usize,
+        x: ActRef<'_, B>,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut B::F32,
+    ) -> Result<()> {
+        match (&self.params[i].q, x) {
+            (Some(q), ActRef::F32(x)) => self.b.qlinear(x, &q.w, rows, k, n, y),
+            (None, ActRef::Bf16(x)) => self.b.linear(x, self.op(i), rows, k, n, y),
+            _ => return Err(self.wrong_input(i)),
+        }
+        .map_err(dev)
+    }
+
+    /// The grouped (routed-expert) form of [`Engine::lin`] over expert-major rows.
+    #[allow(clippy::too_many_arguments)]
+    fn glin(
+        &self,
+        i: usize,
+        x: ActRef<'_, B>,
+        offsets: &B::U32,
+        host_offsets: Option<&[u32]>,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut B::F32,
+    ) -> Result<()> {
+        let ne = self.cfg.num_experts;
+        match (&self.params[i].q, x) {
+            (Some(q), ActRef::F32(x)) => {
+                self.b.grouped_qlinear(x, &q.w, offsets, ne, rows, k, n, y)
+            }
+            (None, ActRef::Bf16(x)) => {
+                self.b
+                    .grouped_linear(x, self.op(i), offsets, host_offsets, ne, rows, k, n, y)
+            }
+            _ => return Err(self.wrong_input(i)),
+        }
+        .map_err(dev)
+    }
+
+    /// Backward of [`Engine::lin`] / [`Engine::glin`] (`host_offsets`: the expert offsets;
+    /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`.
+    #[allow(clippy::too_many_arguments)]
+    fn lin_bwd(
+        &self,
+        i: usize,
+        dy: &B::F32,
+        x: ActRef<'_, B>,
+        offsets: Option<(&B::U32, &[u32])>,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut B::F32,
+        g: &mut B::F32,
+    ) -> Result<()> {
+        let b = &self.b;
+        let p = &self.params[i];
+        let dense = [0, rows as u32];
+        match (&p.q, x, offsets) {
+            (Some(q), ActRef::F32(x), o) => {
+                let host = o.map_or(&dense[..], |o| o.1);
+                b.grouped_qlinear_backward(x, &q.w, &p.master, dy, host, rows, k, n, dx, g)
+            }
+            (None, ActRef::Bf16(x), None) => {
+                b.linear_backward(dy, x, self.op(i), rows, k, n, Some(dx), g)
+            }
+            (None, ActRef::Bf16(x), Some((off, host))) => b.grouped_linear_backward(
+                dy,
+                x,
+                self.op(i),
+                off,
+                Some(host),
+                self.cfg.num_experts,
+                rows,
+                k,
+                n,
+                dx,
+                g,
+            ),
+            _ => return Err(self.wrong_input(i)),
+        }
+        .map_err(dev)
+    }
+
+    fn wrong_input(&self, i: usize) -> ModelError {
+        ModelError::Input(format!(
+            "{}: input rows of the wrong precision for a {} linear (internal)",
+            self.params[i].name,
+            if self.quantized(i) {
+                "block-format"
+            } else {
+                "BF16"
+            }
+        ))
     }
 
     /// Parameters held (counted from the configuration; tied embeddings once).
@@ -636,11 +786,20 @@ impl<B: Backend> Engine<B> {
             n += h * qd + 2 * h * kvd + qd * h;
             n += if c.is_moe_layer(l) {
                 let used = (batch * c.num_experts_per_tok).min(c.num_experts);
-                match self.qmoe.get(l).and_then(Option::as_ref) {
-                    // Stored bytes of the used experts, in BF16 elements' worth.
-                    Some(q) => c.num_experts * h + used * q.bytes / c.num_experts / 2,
-                    None => c.num_experts * h + used * 3 * h * c.moe_intermediate_size,
-                }
+                let f = c.moe_intermediate_size;
+                // Stored bytes of the used experts, in BF16 elements' worth.
+                let part = |q: Option<&QParam<B>>, elems: usize| match q {
+                    Some(q) => q.bytes / c.num_experts / 2,
+                    None => elems,
+                };
+                let (gu, dn) = match &self.layers[l].ffn {
+                    Ffn::Moe(m) => (
+                        self.params[m.gate_up].q.as_ref(),
+                        self.params[m.down].q.as_ref(),
+                    ),
+                    Ffn::Dense(_) => (None, None),
+                };
+                c.num_experts * h + used * (part(gu, 2 * h * f) + part(dn, h * f))
             } else {
                 3 * h * c.intermediate_size
             };
@@ -652,136 +811,253 @@ impl<B: Backend> Engine<B> {
     /// NVFP4): each expert's fused gate/up and down weights are quantized from the master
     /// weights by the contract library, exactly as the CPU model's
     /// `PreparedWeight::quantize` does, and the device keeps the stored bytes; activations
-    /// are quantized on every forward. A BF16 spec returns the experts to BF16. Inference
-    /// only: an engine with training state refuses.
+    /// are quantized on every forward. A BF16 spec returns the experts to BF16.
     ///
     /// # Errors
-    /// Training enabled, a spec the backend has no kernels for, quantizer or device errors.
+    /// A spec the backend has no kernels for, quantizer or device errors.
     pub fn quantize_experts(&mut self, spec: LinearSpec) -> Result<()> {
-        if self.train.is_some() {
-            return Err(ModelError::Input(
-                "quantize_experts: this engine holds training state; block-format experts \
-                 are inference only for now"
-                    .into(),
-            ));
+        let spec = spec.weight_scheme().map(|_| spec);
+        let idx: Vec<usize> = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                Ffn::Moe(m) => Some([m.gate_up, m.down]),
+                Ffn::Dense(_) => None,
+            })
+            .flatten()
+            .collect();
+        for i in idx {
+            self.set_linear_spec(i, spec)?;
         }
-        if spec.weight_scheme().is_none() {
-            self.qmoe.clear();
-            return Ok(());
-        }
-        let c = self.cfg.clone();
-        let (h, f, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
-        let mut qmoe = Vec::with_capacity(self.layers.len());
-        for (li, l) in self.layers.iter().enumerate() {
-            let Ffn::Moe(m) = &l.ffn else {
-                qmoe.push(None);
-                continue;
-            };
-            let prep = |pi: usize, n: usize, k: usize, proj: &str| -> Result<Vec<PreparedWeight>> {
-                let all = self
-                    .b
-                    .download_f32(&self.params[pi].master, ne * n * k)
-                    .map_err(dev)?;
-                all.par_chunks(n * k)
-                    .enumerate()
-                    .map(|(ei, w)| {
-                        let name = format!("model.layers.{li}.mlp.experts.{ei}.{proj}.weight");
-                        PreparedWeight::quantize(&name, w, n, k, spec, 0)
-                            .map_err(|e| ModelError::Input(e.to_string()))
-                    })
-                    .collect()
-            };
-            let gu = prep(m.gate_up, 2 * f, h, "gate_up_proj")?;
-            let dn = prep(m.down, h, f, "down_proj")?;
-            qmoe.push(Some(self.upload_qmoe(gu, dn)?));
-        }
-        self.qmoe = qmoe;
         Ok(())
     }
 
-    fn upload_qmoe(&self, gu: Vec<PreparedWeight>, dn: Vec<PreparedWeight>) -> Result<QMoe<B>> {
-        let bytes: usize = gu
+    /// The linear weights a precision plan decides on, with the number of weights each
+    /// holds (routed experts stacked: `E`).
+    fn plan_linears(&self) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            let a = &l.attn;
+            out.extend([(a.q, 1), (a.k, 1), (a.v, 1), (a.o, 1)]);
+            match &l.ffn {
+                Ffn::Dense(m) => out.extend([(m.gate_up, 1), (m.down, 1)]),
+                Ffn::Moe(m) => out.extend([
+                    (m.router, 1),
+                    (m.gate_up, self.cfg.num_experts),
+                    (m.down, self.cfg.num_experts),
+                ]),
+            }
+        }
+        out.push((self.head, 1));
+        out
+    }
+
+    /// Runs every linear as `plan` stores it: BF16 entries multiply their BF16 operand,
+    /// block-format ones (attention, MLP and routed-expert linears) their stored weights,
+    /// quantized from the masters now and after every optimizer step with the contract
+    /// library (the bytes the CPU model's `PreparedWeight::quantize` writes) and the plan's
+    /// backward mode in training. Returns a one-line description of what runs.
+    ///
+    /// # Errors
+    /// A linear the plan does not cover, experts of one layer in different formats, a block
+    /// format on the router or lm_head (the engine keeps those BF16), quantizer or device
+    /// errors.
+    pub fn apply_plan(&mut self, plan: &mxrl_plan::PrecisionPlan) -> Result<String> {
+        let mut decided = Vec::new();
+        for (i, groups) in self.plan_linears() {
+            let name = self.params[i].name.clone();
+            let mut spec: Option<Option<LinearSpec>> = None;
+            for g in 0..groups {
+                let one = match crate::model::plan_precision(plan, &group_name(&name, g, groups))? {
+                    crate::LinearPrecision::Quantized(s) => Some(s),
+                    _ => None,
+                };
+                match spec {
+                    None => spec = Some(one),
+                    Some(s) if s == one => {}
+                    Some(s) => {
+                        return Err(ModelError::BadTensor {
+                            name,
+                            message: format!(
+                                "the plan gives the stacked weights different formats ({s:?} \
+                                 and {one:?}); the engine runs a layer's experts in one"
+                            ),
+                        })
+                    }
+                }
+            }
+            let spec = spec.flatten();
+            let is_router = self
+                .layers
+                .iter()
+                .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.router == i));
+            if spec.is_some() && (i == self.head || is_router) {
+                return Err(ModelError::BadTensor {
+                    name,
+                    message: "the device engine runs the router and lm_head in BF16; the plan \
+                              stores it in a block format"
+                        .into(),
+                });
+            }
+            decided.push((i, spec));
+        }
+        for (i, spec) in decided {
+            self.set_linear_spec(i, spec)?;
+        }
+        Ok(self.describe())
+    }
+
+    /// Whether any linear runs in a block format.
+    pub fn runs_block_formats(&self) -> bool {
+        self.params.iter().any(|p| p.q.is_some())
+    }
+
+    /// One line on how the linears run.
+    pub fn describe(&self) -> String {
+        let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+        for p in &self.params {
+            if let Some(q) = &p.q {
+                *counts.entry(format!("{:?}", q.spec.format())).or_default() += q.groups;
+            }
+        }
+        if counts.is_empty() {
+            return "device engine: BF16 linears".into();
+        }
+        let parts: Vec<String> = counts
             .iter()
-            .chain(&dn)
-            .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
-            .sum();
-        Ok(QMoe {
-            gate_up: self.b.upload_experts(gu).map_err(dev)?,
-            down: self.b.upload_experts(dn).map_err(dev)?,
-            bytes,
+            .map(|(f, n)| format!("{n} weights in {f} (stored bytes)"))
+            .collect();
+        format!("device engine: {}, the rest BF16", parts.join(", "))
+    }
+
+    /// Runs linear parameter `i` in the block format of `spec` (quantized from its master
+    /// now), or with its BF16 operand (`None`).
+    fn set_linear_spec(&mut self, i: usize, spec: Option<LinearSpec>) -> Result<()> {
+        let Some(spec) = spec else {
+            self.params[i].q = None;
+            return Ok(());
+        };
+        let groups = match self.plan_linears().iter().find(|x| x.0 == i) {
+            Some(&(_, g)) => g,
+            None => {
+                return Err(ModelError::BadTensor {
+                    name: self.params[i].name.clone(),
+                    message: "not a linear weight of this engine".into(),
+                })
+            }
+        };
+        let p = &self.params[i];
+        let (n, k) = (p.shape[0] / groups, p.shape[1]);
+        let q = self.quantize_param(i, spec, groups, n, k)?;
+        self.params[i].q = Some(q);
+        Ok(())
+    }
+
+    fn quantize_param(
+        &self,
+        i: usize,
+        spec: LinearSpec,
+        groups: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<QParam<B>> {
+        let p = &self.params[i];
+        let base = p.name.clone();
+        let name = move |g: usize| group_name(&base, g, groups);
+        let w = self
+            .b
+            .quantize_weights(&p.master, groups, n, k, spec, &name, self.adam_step())
+            .map_err(dev)?;
+        Ok(QParam {
+            spec,
+            groups,
+            n,
+            k,
+            w,
+            bytes: groups * spec.format().stored_bytes(n, k),
         })
     }
 
+    /// Rebuilds parameter `i`'s stored weights from its master (block-format linears).
+    fn requantize(&mut self, i: usize) -> Result<()> {
+        if let Some(q) = &self.params[i].q {
+            let (spec, groups, n, k) = (q.spec, q.groups, q.n, q.k);
+            let q = self.quantize_param(i, spec, groups, n, k)?;
+            self.params[i].q = Some(q);
+        }
+        Ok(())
+    }
+
+    fn install_prepared(&mut self, i: usize, pws: Vec<PreparedWeight>) -> Result<()> {
+        let first = pws
+            .first()
+            .ok_or_else(|| ModelError::Input("no stored weights".into()))?;
+        let (spec, n, k, groups) = (first.spec(), first.n(), first.k(), pws.len());
+        let bytes = pws
+            .iter()
+            .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
+            .sum();
+        let w = self.b.upload_experts(pws).map_err(dev)?;
+        self.params[i].q = Some(QParam {
+            spec,
+            groups,
+            n,
+            k,
+            w,
+            bytes,
+        });
+        Ok(())
+    }
+
     /// The engine of `model` as the model runs: BF16 operands for its BF16 and f32 linears
-    /// (the device engine multiplies BF16 on tensor cores), and its block-format routed
-    /// experts as the model prepared them (the same stored bytes: quantized from the masters
-    /// or loaded from a converted checkpoint). Returns a one-line description of what runs.
+    /// (the device engine multiplies BF16 on tensor cores), and its block-format linears as
+    /// the model prepared them (the same stored bytes: quantized from the masters or loaded
+    /// from a converted checkpoint). Returns a one-line description of what runs.
     ///
     /// # Errors
-    /// A block-format linear that is not a routed expert (the engine has no such path yet),
-    /// experts of mixed formats, and [`Engine::from_model`]'s errors.
+    /// A block-format router or lm_head, routed experts of one layer in different formats,
+    /// and [`Engine::from_model`]'s errors.
     pub fn from_model_as_run(model: &Model, b: B, max_pos: usize) -> Result<(Self, String)> {
-        let c = model.config().clone();
-        let mut f32_linears = 0usize;
-        let mut expert_spec: Option<LinearSpec> = None;
-        for (name, prec) in model.linear_precisions() {
-            match prec {
-                crate::LinearPrecision::F32 => f32_linears += 1,
-                crate::LinearPrecision::Bf16 => {}
-                crate::LinearPrecision::Quantized(spec) => {
-                    let expert = name.contains(".mlp.experts.");
-                    if !expert {
-                        return Err(ModelError::Input(format!(
-                            "{name} runs in {:?} on this model; the device engine runs block \
-                             formats for routed experts only (yet): choose a recipe that keeps \
-                             it in BF16",
-                            spec.format()
-                        )));
-                    }
-                    if expert_spec.is_some_and(|s| s != spec) {
-                        return Err(ModelError::Input(format!(
-                            "{name}: routed experts in different formats ({spec:?} and {:?})",
-                            expert_spec.expect("checked")
-                        )));
-                    }
-                    expert_spec = Some(spec);
-                }
-            }
-        }
+        let f32_linears = model
+            .linear_precisions()
+            .iter()
+            .filter(|(_, p)| *p == crate::LinearPrecision::F32)
+            .count();
         let mut e = Self::from_model(model, b, max_pos)?;
-        let mut what = if f32_linears > 0 {
-            format!("device engine: BF16 operands for {f32_linears} f32 linears of the model")
-        } else {
-            "device engine: BF16 linears".to_string()
-        };
-        if let Some(spec) = expert_spec {
-            let mut qmoe = Vec::with_capacity(c.num_layers);
-            for l in 0..c.num_layers {
-                if !c.is_moe_layer(l) {
-                    qmoe.push(None);
-                    continue;
-                }
-                let get = |ei: usize, proj: &str| -> Result<PreparedWeight> {
-                    let name = format!("model.layers.{l}.mlp.experts.{ei}.{proj}.weight");
-                    model.prepared_weight(&name).cloned().ok_or_else(|| {
-                        ModelError::Input(format!(
-                            "{name}: every routed expert must be in {:?} like the others",
-                            spec.format()
-                        ))
-                    })
-                };
-                let gu = (0..c.num_experts)
-                    .map(|ei| get(ei, "gate_up_proj"))
-                    .collect::<Result<Vec<_>>>()?;
-                let dn = (0..c.num_experts)
-                    .map(|ei| get(ei, "down_proj"))
-                    .collect::<Result<Vec<_>>>()?;
-                qmoe.push(Some(e.upload_qmoe(gu, dn)?));
+        for (i, groups) in e.plan_linears() {
+            let name = e.params[i].name.clone();
+            let pws: Vec<Option<PreparedWeight>> = (0..groups)
+                .map(|g| {
+                    model
+                        .prepared_weight(&group_name(&name, g, groups))
+                        .cloned()
+                })
+                .collect();
+            if pws.iter().all(Option::is_none) {
+                continue;
             }
-            e.qmoe = qmoe;
+            let is_router = e
+                .layers
+                .iter()
+                .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.router == i));
+            if pws.iter().any(Option::is_none) || i == e.head || is_router {
+                return Err(ModelError::Input(format!(
+                    "{name}: the device engine runs a layer's routed experts in one format and \
+                     the router and lm_head in BF16; this model does not"
+                )));
+            }
+            let pws: Vec<PreparedWeight> = pws.into_iter().flatten().collect();
+            if pws.iter().any(|p| p.spec() != pws[0].spec()) {
+                return Err(ModelError::Input(format!(
+                    "{name}: routed experts in different formats"
+                )));
+            }
+            e.install_prepared(i, pws)?;
+        }
+        let mut what = e.describe();
+        if f32_linears > 0 {
             what.push_str(&format!(
-                ", routed experts in {:?} (stored bytes)",
-                spec.format()
+                " (BF16 operands for {f32_linears} f32 linears of the model)"
             ));
         }
         Ok((e, what))
@@ -836,15 +1112,47 @@ impl<B: Backend> Engine<B> {
         // x_mid = x_in + attention(rmsnorm(x_in))
         let mut rstd1 = e(n)?;
         let mut h1b = eb(n * hd)?;
-        b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
-            .map_err(dev)?;
+        // Block-format linears quantize the f32 normalized rows (as the CPU model's quantized
+        // linears do); BF16 ones take their BF16 rounding.
+        let h1 = if [l.attn.q, l.attn.k, l.attn.v]
+            .iter()
+            .any(|&i| self.quantized(i))
+        {
+            let mut h1 = e(n * hd)?;
+            b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
+                .map_err(dev)?;
+            b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
+            Some(h1)
+        } else {
+            b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
+                .map_err(dev)?;
+            None
+        };
         let (mut q, mut k, mut v) = (e(n * qd)?, e(n * kvd)?, e(n * kvd)?);
-        b.linear(&h1b, self.op(l.attn.q), n, hd, qd, &mut q)
-            .map_err(dev)?;
-        b.linear(&h1b, self.op(l.attn.k), n, hd, kvd, &mut k)
-            .map_err(dev)?;
-        b.linear(&h1b, self.op(l.attn.v), n, hd, kvd, &mut v)
-            .map_err(dev)?;
+        self.lin(
+            l.attn.q,
+            self.input(l.attn.q, &h1b, h1.as_ref()),
+            n,
+            hd,
+            qd,
+            &mut q,
+        )?;
+        self.lin(
+            l.attn.k,
+            self.input(l.attn.k, &h1b, h1.as_ref()),
+            n,
+            hd,
+            kvd,
+            &mut k,
+        )?;
+        self.lin(
+            l.attn.v,
+            self.input(l.attn.v, &h1b, h1.as_ref()),
+            n,
+            hd,
+            kvd,
+            &mut v,
+        )?;
         if let Some([bq, bk, bv]) = l.attn.bias {
             b.add_bias(&mut q, self.w(bq), n, qd).map_err(dev)?;
             b.add_bias(&mut k, self.w(bk), n, kvd).map_err(dev)?;
@@ -913,44 +1221,68 @@ impl<B: Backend> Engine<B> {
         let mut attb = eb(n * qd)?;
         b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
         let mut x_mid = e(n * hd)?;
-        b.linear(&attb, self.op(l.attn.o), n, qd, hd, &mut x_mid)
-            .map_err(dev)?;
+        self.lin(
+            l.attn.o,
+            self.input(l.attn.o, &attb, Some(&att)),
+            n,
+            qd,
+            hd,
+            &mut x_mid,
+        )?;
         // o + x_in: the same f32 sum as the CPU model's `x += o`.
         b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
         let mut h2b = eb(n * hd)?;
-        let qmoe = self.qmoe.get(li).and_then(Option::as_ref);
-        // Block-format experts quantize the f32 normalized rows (as the CPU model's quantized
-        // linears do); everything else takes their BF16 rounding.
-        let h2 = match qmoe {
-            Some(_) => {
+        let (gate_up, down) = match &l.ffn {
+            Ffn::Dense(m) => (m.gate_up, m.down),
+            Ffn::Moe(m) => (m.gate_up, m.down),
+        };
+        let h2 = match self.quantized(gate_up) {
+            true => {
                 let mut h2 = e(n * hd)?;
                 b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
                     .map_err(dev)?;
                 b.to_bf16(&h2, &mut h2b, n * hd).map_err(dev)?;
                 Some(h2)
             }
-            None => {
+            false => {
                 b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
                     .map_err(dev)?;
                 None
             }
         };
+        // SwiGLU of `rows` rows into the down projection's input: f32 for a block-format
+        // down projection, else BF16.
+        let swiglu = |gu: &B::F32, rows: usize, f: usize| -> Result<Act<B>> {
+            if self.quantized(down) {
+                let mut a = e(rows * f)?;
+                b.swiglu_f32(gu, rows, f, &mut a).map_err(dev)?;
+                Ok(Act::F32(a))
+            } else {
+                let mut a = eb(rows * f)?;
+                b.swiglu_bf16(gu, rows, f, &mut a).map_err(dev)?;
+                Ok(Act::Bf16(a))
+            }
+        };
         let (x_out, ffn) = match &l.ffn {
             Ffn::Dense(m) => {
                 let mut gu = e(n * 2 * m.f)?;
-                b.linear(&h2b, self.op(m.gate_up), n, hd, 2 * m.f, &mut gu)
-                    .map_err(dev)?;
-                let mut actb = eb(n * m.f)?;
-                b.swiglu_bf16(&gu, n, m.f, &mut actb).map_err(dev)?;
+                self.lin(
+                    m.gate_up,
+                    self.input(m.gate_up, &h2b, h2.as_ref()),
+                    n,
+                    hd,
+                    2 * m.f,
+                    &mut gu,
+                )?;
+                let act = swiglu(&gu, n, m.f)?;
                 let mut y = e(n * hd)?;
-                b.linear(&actb, self.op(m.down), n, m.f, hd, &mut y)
-                    .map_err(dev)?;
+                self.lin(m.down, act.r(), n, m.f, hd, &mut y)?;
                 b.add(&mut y, &x_mid, n * hd).map_err(dev)?;
-                (y, FfnTape::Dense { gu, actb })
+                (y, FfnTape::Dense { gu, act })
             }
-            Ffn::Moe(m) => 'moe: {
+            Ffn::Moe(m) => {
                 let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
                 let mut logits = e(n * ne)?;
@@ -1023,34 +1355,6 @@ impl<B: Backend> Engine<B> {
                     }
                     Pass::Prefill { .. } => {}
                 }
-                if let (Some(qm), Some(h2)) = (qmoe, &h2) {
-                    let mut xg = e(rows * hd)?;
-                    b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
-                        .map_err(dev)?;
-                    let mut gu = e(rows * 2 * m.f)?;
-                    b.grouped_qlinear(
-                        &xg,
-                        &qm.gate_up,
-                        &route.offsets,
-                        ne,
-                        rows,
-                        hd,
-                        2 * m.f,
-                        &mut gu,
-                    )
-                    .map_err(dev)?;
-                    drop(xg);
-                    let mut act = e(rows * m.f)?;
-                    b.swiglu_f32(&gu, rows, m.f, &mut act).map_err(dev)?;
-                    drop(gu);
-                    let mut y = e(rows * hd)?;
-                    b.grouped_qlinear(&act, &qm.down, &route.offsets, ne, rows, m.f, hd, &mut y)
-                        .map_err(dev)?;
-                    let mut out = e(n * hd)?;
-                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
-                        .map_err(dev)?;
-                    break 'moe (out, FfnTape::MoeQuantized);
-                }
                 // Outside decode (no recording), the offsets once on the host for every
                 // grouped GEMM of this layer, forward and backward.
                 let host_offsets = match pass {
@@ -1059,37 +1363,35 @@ impl<B: Backend> Engine<B> {
                         Some(b.download_u32(&route.offsets, ne + 1).map_err(dev)?)
                     }
                 };
-                let mut xg = eb(rows * hd)?;
-                b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
-                    .map_err(dev)?;
+                let xg = match &h2 {
+                    Some(h2) => {
+                        let mut xg = e(rows * hd)?;
+                        b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
+                            .map_err(dev)?;
+                        Act::F32(xg)
+                    }
+                    None => {
+                        let mut xg = eb(rows * hd)?;
+                        b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
+                            .map_err(dev)?;
+                        Act::Bf16(xg)
+                    }
+                };
+                let ho = host_offsets.as_deref();
                 let mut gu = e(rows * 2 * m.f)?;
-                b.grouped_linear(
-                    &xg,
-                    self.op(m.gate_up),
+                self.glin(
+                    m.gate_up,
+                    xg.r(),
                     &route.offsets,
-                    host_offsets.as_deref(),
-                    ne,
+                    ho,
                     rows,
                     hd,
                     2 * m.f,
                     &mut gu,
-                )
-                .map_err(dev)?;
-                let mut actb = eb(rows * m.f)?;
-                b.swiglu_bf16(&gu, rows, m.f, &mut actb).map_err(dev)?;
+                )?;
+                let act = swiglu(&gu, rows, m.f)?;
                 let mut y = e(rows * hd)?;
-                b.grouped_linear(
-                    &actb,
-                    self.op(m.down),
-                    &route.offsets,
-                    host_offsets.as_deref(),
-                    ne,
-                    rows,
-                    m.f,
-                    hd,
-                    &mut y,
-                )
-                .map_err(dev)?;
+                self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
                 // Σ over experts, then + x_mid: the CPU model's `x += out`.
                 let mut out = e(n * hd)?;
                 b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
@@ -1101,7 +1403,7 @@ impl<B: Backend> Engine<B> {
                         host_offsets,
                         xg,
                         gu,
-                        actb,
+                        act,
                         y,
                     },
                 )
@@ -1122,6 +1424,8 @@ impl<B: Backend> Engine<B> {
                 attb,
                 x_mid,
                 rstd2,
+                h1,
+                h2,
                 h2b,
                 ffn,
             },
@@ -1973,13 +2277,6 @@ impl<B: Backend> Engine<B> {
         if self.train.is_some() {
             return Ok(());
         }
-        if self.qmoe.iter().any(Option::is_some) {
-            return Err(ModelError::Input(
-                "this engine runs block-format experts for inference (quantize_experts); \
-                 training on it is not supported yet"
-                    .into(),
-            ));
-        }
         let b = &self.b;
         let z = |p: &Param<B>| b.zeros_f32(p.len).map_err(dev);
         self.train = Some(TrainState {
@@ -2090,33 +2387,34 @@ impl<B: Backend> Engine<B> {
             // FFN block: x_out = x_mid + ffn(rmsnorm(x_mid))
             let mut dh2 = z(n * hd)?;
             match (&l.ffn, &t.ffn) {
-                (Ffn::Dense(m), FfnTape::Dense { gu, actb }) => {
+                (Ffn::Dense(m), FfnTape::Dense { gu, act }) => {
                     let mut dact = z(n * m.f)?;
-                    b.linear_backward(
+                    self.lin_bwd(
+                        m.down,
                         &dx,
-                        actb,
-                        self.op(m.down),
+                        act.r(),
+                        None,
                         n,
                         m.f,
                         hd,
-                        Some(&mut dact),
+                        &mut dact,
                         &mut g[m.down],
-                    )
-                    .map_err(dev)?;
+                    )?;
                     let mut dgu = z(n * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, n, m.f, &mut dgu)
                         .map_err(dev)?;
-                    b.linear_backward(
+                    let x = self.input(m.gate_up, &t.h2b, t.h2.as_ref());
+                    self.lin_bwd(
+                        m.gate_up,
                         &dgu,
-                        &t.h2b,
-                        self.op(m.gate_up),
+                        x,
+                        None,
                         n,
                         hd,
                         2 * m.f,
-                        Some(&mut dh2),
+                        &mut dh2,
                         &mut g[m.gate_up],
-                    )
-                    .map_err(dev)?;
+                    )?;
                 }
                 (
                     Ffn::Moe(m),
@@ -2125,10 +2423,14 @@ impl<B: Backend> Engine<B> {
                         host_offsets,
                         xg,
                         gu,
-                        actb,
+                        act,
                         y,
                     },
                 ) => {
+                    let ho = host_offsets.as_deref().ok_or_else(|| {
+                        ModelError::Input("a training tape without host expert offsets".into())
+                    })?;
+                    let off = Some((&route.offsets, ho));
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let rows = n * k;
                     let mut dweights = z(rows)?;
@@ -2136,38 +2438,32 @@ impl<B: Backend> Engine<B> {
                     b.combine_backward(&dx, y, route, n, e, k, hd, &mut dy, &mut dweights)
                         .map_err(dev)?;
                     let mut dact = z(rows * m.f)?;
-                    b.grouped_linear_backward(
+                    self.lin_bwd(
+                        m.down,
                         &dy,
-                        actb,
-                        self.op(m.down),
-                        &route.offsets,
-                        host_offsets.as_deref(),
-                        e,
+                        act.r(),
+                        off,
                         rows,
                         m.f,
                         hd,
                         &mut dact,
                         &mut g[m.down],
-                    )
-                    .map_err(dev)?;
+                    )?;
                     let mut dgu = z(rows * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
                         .map_err(dev)?;
                     let mut dxg = z(rows * hd)?;
-                    b.grouped_linear_backward(
+                    self.lin_bwd(
+                        m.gate_up,
                         &dgu,
-                        xg,
-                        self.op(m.gate_up),
-                        &route.offsets,
-                        host_offsets.as_deref(),
-                        e,
+                        xg.r(),
+                        off,
                         rows,
                         hd,
                         2 * m.f,
                         &mut dxg,
                         &mut g[m.gate_up],
-                    )
-                    .map_err(dev)?;
+                    )?;
                     b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
                         .map_err(dev)?;
                     let mut dlogits = z(n * e)?;
@@ -2204,17 +2500,18 @@ impl<B: Backend> Engine<B> {
             b.add(&mut dx, &dxm, n * hd).map_err(dev)?;
             // Attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), ...)), h1 = rmsnorm(x_in)
             let mut datt = z(n * qd)?;
-            b.linear_backward(
+            let x = self.input(l.attn.o, &t.attb, Some(&t.att));
+            self.lin_bwd(
+                l.attn.o,
                 &dx,
-                &t.attb,
-                self.op(l.attn.o),
+                x,
+                None,
                 n,
                 qd,
                 hd,
-                Some(&mut datt),
+                &mut datt,
                 &mut g[l.attn.o],
-            )
-            .map_err(dev)?;
+            )?;
             let (mut dq, mut dk, mut dv) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
             b.attention_backward(
                 &datt,
@@ -2260,8 +2557,8 @@ impl<B: Backend> Engine<B> {
                         .map_err(dev)?;
                 }
                 let out = if j == 0 { &mut dh1 } else { &mut tmp };
-                b.linear_backward(dd, &t.h1b, self.op(wi), n, hd, width, Some(out), &mut g[wi])
-                    .map_err(dev)?;
+                let x = self.input(wi, &t.h1b, t.h1.as_ref());
+                self.lin_bwd(wi, dd, x, None, n, hd, width, out, &mut g[wi])?;
                 if j > 0 {
                     b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
                 }
@@ -2343,6 +2640,10 @@ impl<B: Backend> Engine<B> {
                 b.round_bf16(&p.master, c, p.len).map_err(dev)?;
             }
         }
+        // Block-format linears: the stored weights of the new masters.
+        for i in 0..self.params.len() {
+            self.requantize(i)?;
+        }
         Ok(norm)
     }
 
@@ -2375,7 +2676,7 @@ impl<B: Backend> Engine<B> {
         if let Some(c) = p.compute.as_mut() {
             b.round_bf16(&p.master, c, p.len).map_err(dev)?;
         }
-        Ok(())
+        self.requantize(i)
     }
 
     fn param_index(&self, name: &str) -> Result<usize> {
@@ -2521,6 +2822,12 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// Wrong count, a checksum mismatch (the tensor named), out of device memory.
     pub fn install_bf16_device(&mut self, bufs: Vec<B::Bf16>, expected: &[u64]) -> Result<()> {
+        if let Some(p) = self.params.iter().find(|p| p.q.is_some()) {
+            return Err(ModelError::BadTensor {
+                name: p.name.clone(),
+                message: "runs in a block format: its update carries stored bytes, not BF16".into(),
+            });
+        }
         let np = self.params.len();
         if bufs.len() != np || expected.len() != np {
             return Err(ModelError::Input(format!(
@@ -2566,6 +2873,69 @@ impl<B: Backend> Engine<B> {
             p.compute = compute;
         }
         Ok(())
+    }
+
+    /// How linear parameter `name` is stored when it runs in a block format: its spec and
+    /// its weights' count and shape (`groups` weights `[n, k]`); `None` for BF16.
+    ///
+    /// # Errors
+    /// Unknown name.
+    pub fn stored_layout(&self, name: &str) -> Result<Option<(LinearSpec, usize, usize, usize)>> {
+        let i = self.param_index(name)?;
+        Ok(self.params[i]
+            .q
+            .as_ref()
+            .map(|q| (q.spec, q.groups, q.n, q.k)))
+    }
+
+    /// The name of weight `g` of parameter `name` as stored (routed experts stacked as
+    /// `….experts.*.…` are stored per expert: `….experts.{g}.…`).
+    pub fn stored_name(name: &str, g: usize, groups: usize) -> String {
+        group_name(name, g, groups)
+    }
+
+    /// The stored quantized weights of block-format parameter `name` (one per routed
+    /// expert), copied to the host; `None` for a BF16 parameter.
+    ///
+    /// # Errors
+    /// Unknown name; device failure.
+    pub fn stored_weights(&self, name: &str) -> Result<Option<Vec<QuantizedTensor>>> {
+        let i = self.param_index(name)?;
+        match &self.params[i].q {
+            Some(q) => Ok(Some(self.b.stored_weights(&q.w).map_err(dev)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Replaces block-format parameter `name`'s stored weights with `weights` (built from
+    /// stored bytes, e.g. a weight update; one per routed expert), which must have the
+    /// parameter's spec and shapes. The master is left as it is.
+    ///
+    /// # Errors
+    /// Unknown name, a BF16 parameter, weights of another spec, count or shape; device
+    /// failure.
+    pub fn install_stored(&mut self, name: &str, weights: Vec<PreparedWeight>) -> Result<()> {
+        let i = self.param_index(name)?;
+        let Some((spec, groups, n, k)) = self.stored_layout(name)? else {
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                message: "runs in BF16: it takes values, not stored bytes".into(),
+            });
+        };
+        if weights.len() != groups
+            || weights
+                .iter()
+                .any(|w| w.spec() != spec || w.n() != n || w.k() != k)
+        {
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                message: format!(
+                    "{} stored weights for {groups} weights [{n}, {k}] in {spec:?}",
+                    weights.len()
+                ),
+            });
+        }
+        self.install_prepared(i, weights)
     }
 
     /// AdamW steps taken.
@@ -2687,6 +3057,18 @@ impl<B: Backend> Engine<B> {
     /// Names of the parameters (routed experts stacked per layer).
     pub fn param_names(&self) -> Vec<&str> {
         self.params.iter().map(|p| p.name.as_str()).collect()
+    }
+}
+
+/// The name of weight `g` of a parameter holding `groups` (routed experts stacked as
+/// `….experts.*.…` → `….experts.{g}.…`).
+fn group_name(name: &str, g: usize, groups: usize) -> String {
+    match name.split_once(".experts.*.") {
+        Some((a, b)) => format!("{a}.experts.{g}.{b}"),
+        None => {
+            debug_assert_eq!(groups, 1, "{name}: only routed experts are stacked");
+            name.to_string()
+        }
     }
 }
 

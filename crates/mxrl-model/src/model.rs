@@ -814,53 +814,12 @@ impl Model {
     /// A linear the plan does not cover, fused parts with different decisions, or a format
     /// the weight cannot take; then no precision is changed.
     pub fn apply_plan(&mut self, plan: &mxrl_plan::PrecisionPlan) -> Result<()> {
-        use mxrl_tensor::qlinear::{ActScaling, BackwardMode};
         let mut decided = Vec::new();
         for i in 0..self.params.len() {
             if self.precision[i].is_none() {
                 continue;
             }
-            let name = &self.params.get(i).name;
-            let mut prec = None;
-            for hf in crate::hf::hf_names(name) {
-                let e = plan.by_hf(&hf).ok_or_else(|| ModelError::BadTensor {
-                    name: hf.clone(),
-                    message: "not covered by the precision plan".into(),
-                })?;
-                let p = if e.format == mxrl_formats::Format::Bf16 {
-                    LinearPrecision::Bf16
-                } else {
-                    let mode = match e.backward {
-                        mxrl_plan::BackwardMode::Lowp => BackwardMode::Lowp,
-                        mxrl_plan::BackwardMode::HighPrecision => BackwardMode::HighPrecision,
-                        mxrl_plan::BackwardMode::Dequantized => BackwardMode::Dequantized,
-                    };
-                    let bad = |e: mxrl_tensor::qlinear::QLinearError| ModelError::BadTensor {
-                        name: hf.clone(),
-                        message: e.to_string(),
-                    };
-                    let mut spec = LinearSpec::new(e.format, mode).map_err(bad)?;
-                    if e.format == mxrl_formats::Format::Nvfp4 {
-                        let scaling = match plan.nvfp4_activation_scale() {
-                            mxrl_plan::ActivationScale::PerToken => ActScaling::PerToken,
-                            mxrl_plan::ActivationScale::PerTensor => ActScaling::PerTensor,
-                        };
-                        spec = spec.with_act_scaling(scaling).map_err(bad)?;
-                    }
-                    LinearPrecision::Quantized(spec)
-                };
-                match prec {
-                    None => prec = Some(p),
-                    Some(q) if q == p => {}
-                    Some(q) => {
-                        return Err(ModelError::BadTensor {
-                            name: name.clone(),
-                            message: format!("fused parts disagree in the plan: {q:?} vs {p:?}"),
-                        })
-                    }
-                }
-            }
-            decided.push((i, prec.expect("hf_names gives at least one name")));
+            decided.push((i, plan_precision(plan, &self.params.get(i).name)?));
         }
         let old = self.precision.clone();
         for (i, p) in decided {
@@ -1902,4 +1861,56 @@ impl Model {
         );
         Ok(g)
     }
+}
+
+/// The GEMM precision `plan` gives the linear whose weight is `name` (a model parameter name;
+/// a fused `gate_up_proj` follows its HF `gate_proj` / `up_proj` entries, which must agree):
+/// BF16 entries run as [`LinearPrecision::Bf16`], block formats as
+/// [`LinearPrecision::Quantized`] with the plan's backward mode and NVFP4 activation scaling.
+///
+/// # Errors
+/// A name the plan does not cover, fused parts with different decisions, or a spec the
+/// library refuses.
+pub fn plan_precision(plan: &mxrl_plan::PrecisionPlan, name: &str) -> Result<LinearPrecision> {
+    use mxrl_tensor::qlinear::{ActScaling, BackwardMode};
+    let mut prec = None;
+    for hf in crate::hf::hf_names(name) {
+        let e = plan.by_hf(&hf).ok_or_else(|| ModelError::BadTensor {
+            name: hf.clone(),
+            message: "not covered by the precision plan".into(),
+        })?;
+        let p = if e.format == mxrl_formats::Format::Bf16 {
+            LinearPrecision::Bf16
+        } else {
+            let mode = match e.backward {
+                mxrl_plan::BackwardMode::Lowp => BackwardMode::Lowp,
+                mxrl_plan::BackwardMode::HighPrecision => BackwardMode::HighPrecision,
+                mxrl_plan::BackwardMode::Dequantized => BackwardMode::Dequantized,
+            };
+            let bad = |e: mxrl_tensor::qlinear::QLinearError| ModelError::BadTensor {
+                name: hf.clone(),
+                message: e.to_string(),
+            };
+            let mut spec = LinearSpec::new(e.format, mode).map_err(bad)?;
+            if e.format == mxrl_formats::Format::Nvfp4 {
+                let scaling = match plan.nvfp4_activation_scale() {
+                    mxrl_plan::ActivationScale::PerToken => ActScaling::PerToken,
+                    mxrl_plan::ActivationScale::PerTensor => ActScaling::PerTensor,
+                };
+                spec = spec.with_act_scaling(scaling).map_err(bad)?;
+            }
+            LinearPrecision::Quantized(spec)
+        };
+        match prec {
+            None => prec = Some(p),
+            Some(q) if q == p => {}
+            Some(q) => {
+                return Err(ModelError::BadTensor {
+                    name: name.into(),
+                    message: format!("fused parts disagree in the plan: {q:?} vs {p:?}"),
+                })
+            }
+        }
+    }
+    Ok(prec.expect("hf_names gives at least one name"))
 }

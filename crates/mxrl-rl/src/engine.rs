@@ -3,11 +3,15 @@
 //! (the GPU with `mxrl-cuda`'s `CudaBackend`; the CPU reference `CpuBackend` runs the same
 //! code in tests).
 //!
-//! - **Recipes.** The engine trains BF16 weights: every tensor the plan stores is BF16, and the
-//!   engine computes with exactly those values ([`Engine::use_bf16_params`]: linear weights
-//!   multiply their BF16 operand, norms and the embedding are read as `f32(bf16(master))`),
-//!   so the export is the bytes the trainer computes with. A plan that stores a tensor in a
-//!   block format is refused by name ([`EngineTrainer::new`]).
+//! - **Recipes.** The engine runs the precision plan ([`Engine::apply_plan`]): a tensor the
+//!   plan stores in BF16 is computed with exactly its BF16 value ([`Engine::use_bf16_params`]:
+//!   linear weights multiply their BF16 operand, norms and the embedding are read as
+//!   `f32(bf16(master))`); a linear it stores in MXFP8 or NVFP4 multiplies its stored bytes,
+//!   quantized from the f32 master after every optimizer step by the contract library, with
+//!   the plan's backward mode. The export is therefore the bytes the trainer computes with:
+//!   BF16 values, and the stored tensors of block-format linears (routed experts one tensor
+//!   per expert, as the CPU model names them). FP8-block is not run by the engine
+//!   ([`check_engine_plan`]).
 //! - **Trainer** ([`EngineTrainer`]): per micro-batch the host sends token ids and receives the
 //!   response tokens' logprobs; the backward takes `∂L/∂logprob`; the optimizer step (global
 //!   gradient clipping, AdamW with the engine's weight-decay rule: linear and embedding
@@ -50,6 +54,7 @@ use mxrl_model::engine::{Engine, Tape};
 use mxrl_model::{ModelConfig, SeqInput};
 use mxrl_plan::PrecisionPlan;
 use mxrl_tensor::device::Backend;
+use mxrl_tensor::qlinear::PreparedWeight;
 use mxrl_tensor::sample::SampleParams;
 use std::collections::BTreeMap;
 
@@ -57,21 +62,46 @@ fn be<E: std::fmt::Display>(e: E) -> PolicyError {
     PolicyError::Backend(e.to_string())
 }
 
-/// Whether the device engine runs `plan`: refuses, naming the first such tensor, a plan that
-/// stores any tensor in a block format (the engine trains BF16 weights only).
+/// Whether the device engine runs `plan`'s formats: BF16, MXFP8, and NVFP4 with per-token
+/// activation scaling; refuses, naming the first such tensor, a plan that stores a tensor in
+/// FP8-block or NVFP4 with per-tensor activation scaling (the CUDA engine has no kernels for
+/// those). Where a block format may go is checked by [`Engine::apply_plan`].
 ///
 /// # Errors
-/// The plan stores a tensor in MXFP8, NVFP4 or FP8-block.
-pub fn check_bf16_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
-    if let Some(e) = plan.entries().iter().find(|e| e.format != Format::Bf16) {
+/// The plan uses a format the engine does not run.
+pub fn check_engine_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
+    let per_tensor = plan.nvfp4_activation_scale() == mxrl_plan::ActivationScale::PerTensor;
+    if let Some(e) = plan.entries().iter().find(|e| match e.format {
+        Format::Bf16 | Format::Mxfp8 => false,
+        Format::Nvfp4 => per_tensor,
+        _ => true,
+    }) {
         return Err(PolicyError::Invalid(format!(
-            "recipe `{}` stores `{}` as {}: the device engine trains BF16 recipes only; \
-             run this recipe with --device cpu",
+            "recipe `{}` stores `{}` as {}{}: the device engine runs BF16, MXFP8 and NVFP4 with \
+             per-token activation scaling; run this recipe with --device cpu",
             plan.recipe().name,
             e.tensor.hf,
-            e.format
+            e.format,
+            if e.format == Format::Nvfp4 {
+                " with per-tensor activation scaling"
+            } else {
+                ""
+            }
         )));
     }
+    Ok(())
+}
+
+/// Prepares `engine` to run `plan`: BF16 parameters, block-format linears as stored.
+fn engine_for_plan<B: Backend>(
+    engine: &mut Engine<B>,
+    plan: &PrecisionPlan,
+) -> Result<(), PolicyError> {
+    check_engine_plan(plan)?;
+    engine.use_bf16_params().map_err(be)?;
+    engine
+        .apply_plan(plan)
+        .map_err(|e| PolicyError::Invalid(format!("recipe `{}`: {e}", plan.recipe().name)))?;
     Ok(())
 }
 
@@ -176,20 +206,33 @@ fn split_probes(per_layer: &[Vec<f32>], lens: &[usize], width: usize) -> Vec<Lay
         .collect()
 }
 
-/// Every parameter as BF16 wire tensors (engine order).
+/// Every parameter as the forward computes with it, as wire tensors (engine order): BF16
+/// values, and the stored tensors of a block-format linear (routed experts one per expert,
+/// `….experts.{e}.…`).
 fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
-    Ok(e.weights_bf16()
-        .map_err(be)?
-        .into_iter()
-        .map(|(name, shape, bits)| WireTensor {
-            name,
-            format: Format::Bf16,
-            shape,
-            data: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
-            scales: Vec::new(),
-            amax: Vec::new(),
-        })
-        .collect())
+    let mut out = Vec::new();
+    for (name, shape, bits) in e.weights_bf16().map_err(be)? {
+        match e.stored_weights(&name).map_err(be)? {
+            Some(qs) => {
+                let groups = qs.len();
+                for (g, q) in qs.iter().enumerate() {
+                    out.push(crate::wire::from_quantized(
+                        &Engine::<B>::stored_name(&name, g, groups),
+                        q,
+                    )?);
+                }
+            }
+            None => out.push(WireTensor {
+                name,
+                format: Format::Bf16,
+                shape,
+                data: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+                scales: Vec::new(),
+                amax: Vec::new(),
+            }),
+        }
+    }
+    Ok(out)
 }
 
 /// The device-resident weight update of an [`EngineTrainer`]: BF16 copies of every parameter
@@ -242,8 +285,7 @@ impl<B: Backend> EngineTrainer<B> {
     /// # Errors
     /// As [`EngineTrainer::new`].
     pub fn frozen(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
-        check_bf16_plan(plan)?;
-        engine.use_bf16_params().map_err(be)?;
+        engine_for_plan(&mut engine, plan)?;
         let names = engine.param_names().into_iter().map(String::from).collect();
         Ok(EngineTrainer {
             engine,
@@ -390,7 +432,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
                 name: n,
                 value: v,
                 grad: g,
-                format: Format::Bf16,
+                format: match self.engine.stored_layout(n) {
+                    Ok(Some((spec, ..))) => spec.format(),
+                    _ => Format::Bf16,
+                },
             })
             .collect()
     }
@@ -469,6 +514,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     }
 
     fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
+        // Block-format linears travel as their stored tensors (the wire export).
+        if self.engine.runs_block_formats() {
+            return None;
+        }
         Some((|| {
             self.flush()?;
             let (bufs, sums) = self.engine.export_bf16_device().map_err(be)?;
@@ -524,8 +573,7 @@ impl<B: Backend> EngineRollout<B> {
     /// # Errors
     /// As [`EngineTrainer::new`].
     pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
-        check_bf16_plan(plan)?;
-        engine.use_bf16_params().map_err(be)?;
+        engine_for_plan(&mut engine, plan)?;
         Ok(EngineRollout { engine })
     }
 
@@ -602,35 +650,70 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
     }
 
     fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError> {
-        let names = self.engine.param_names();
-        if tensors.len() != names.len() {
+        // The tensors this engine takes, in order: (parameter, weight index, name, shape, format).
+        let mut expected = Vec::new();
+        for n in self.engine.param_names() {
+            match self.engine.stored_layout(n).map_err(be)? {
+                Some((spec, groups, rows, cols)) => {
+                    for g in 0..groups {
+                        expected.push((
+                            n.to_string(),
+                            Some((spec, g)),
+                            Engine::<B>::stored_name(n, g, groups),
+                            vec![rows, cols],
+                            spec.format(),
+                        ));
+                    }
+                }
+                None => {
+                    let shape = self.engine.param_shape(n).map_err(be)?.to_vec();
+                    expected.push((n.to_string(), None, n.to_string(), shape, Format::Bf16));
+                }
+            }
+        }
+        if tensors.len() != expected.len() {
             return Err(PolicyError::Update(format!(
-                "{} tensors sent, the engine has {}",
+                "{} tensors sent, the engine takes {}",
                 tensors.len(),
-                names.len()
+                expected.len()
             )));
         }
         // Decode and check everything before the first tensor is replaced.
-        let mut decoded = Vec::with_capacity(tensors.len());
-        for (t, n) in tensors.iter().zip(&names) {
-            let shape = self.engine.param_shape(n).map_err(be)?;
-            if t.name != *n || t.shape != shape {
+        let mut values: Vec<(String, Vec<f32>)> = Vec::new();
+        let mut stored: Vec<(String, Vec<PreparedWeight>)> = Vec::new();
+        for (t, (param, q, name, shape, format)) in tensors.iter().zip(&expected) {
+            if t.name != *name || t.shape != *shape || t.format != *format {
                 return Err(PolicyError::Update(format!(
-                    "expected `{n}` {shape:?}, got `{}` {:?}",
-                    t.name, t.shape
+                    "expected `{name}` {format} {shape:?}, got `{}` {} {:?}",
+                    t.name, t.format, t.shape
                 )));
             }
-            if t.format != Format::Bf16 {
-                return Err(PolicyError::Update(format!(
-                    "tensor {}: sent as {}, the precision plan stores it as BF16",
-                    t.name, t.format
-                )));
+            match q {
+                None => values.push((param.clone(), bf16_values(t)?)),
+                Some((spec, g)) => {
+                    let pw = PreparedWeight::from_quantized(
+                        name,
+                        crate::wire::to_quantized(t)?,
+                        *spec,
+                        0,
+                        None,
+                    )
+                    .map_err(|e| PolicyError::Update(format!("tensor {name}: {e}")))?;
+                    if *g == 0 {
+                        stored.push((param.clone(), Vec::new()));
+                    }
+                    stored.last_mut().expect("pushed at weight 0").1.push(pw);
+                }
             }
-            decoded.push(bf16_values(t)?);
         }
-        for (t, v) in tensors.iter().zip(&decoded) {
+        for (n, v) in &values {
             self.engine
-                .set_param_values(&t.name, v)
+                .set_param_values(n, v)
+                .map_err(|e| PolicyError::Update(e.to_string()))?;
+        }
+        for (n, pws) in stored {
+            self.engine
+                .install_stored(&n, pws)
                 .map_err(|e| PolicyError::Update(e.to_string()))?;
         }
         Ok(())

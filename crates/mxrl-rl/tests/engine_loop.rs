@@ -125,16 +125,16 @@ fn sft_step<T: TrainPolicy>(
     fw.into_iter().map(|f| f.logprobs).collect()
 }
 
-/// Under the BF16 recipe the engine trainer (CPU backend) and the model trainer agree bit
-/// for bit through three optimizer steps (clipping active: max_grad_norm 0.1), and the
-/// exported weights are the BF16 values of the same masters.
-#[test]
-fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
+/// Under every recipe the engine trainer (CPU backend) and the model trainer agree bit for
+/// bit through three optimizer steps (clipping active: max_grad_norm 0.1): logprobs, probes,
+/// masters, and the exported weights (BF16 values and the stored bytes of block-format
+/// linears, re-quantized after every step).
+fn engine_trainer_equals_the_model_trainer(recipe: &str) {
     let codec = TextCodec::char_level();
     let (model, _) = demo_model(5).unwrap();
     let b = batch_of(&codec, 6);
-    let mut mt = build(&model, "bf16").unwrap().trainer;
-    let mut et = engine_build(&model, "bf16").unwrap().trainer;
+    let mut mt = build(&model, recipe).unwrap().trainer;
+    let mut et = engine_build(&model, recipe).unwrap().trainer;
     let c = AdamWConfig {
         lr: 1e-2,
         weight_decay: 0.0,
@@ -170,7 +170,7 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
     for step in 0..3 {
         let lm = sft_step(&mut mt, &mut om, &b);
         let le = sft_step(&mut et, &mut oe, &b);
-        assert_eq!(bits(&lm), bits(&le), "step {step}");
+        assert_eq!(bits(&lm), bits(&le), "{recipe} step {step}");
     }
     // The loop's optimizer took no step of its own for the engine: the engine holds the
     // moments.
@@ -183,7 +183,60 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
         assert_eq!(p.name, q.name);
         let pb: Vec<u32> = p.data.iter().map(|x| x.to_bits()).collect();
         let qb: Vec<u32> = q.data.iter().map(|x| x.to_bits()).collect();
-        assert_eq!(pb, qb, "master {}", p.name);
+        assert_eq!(pb, qb, "{recipe} master {}", p.name);
+    }
+    // The export: the block-format linears' stored tensors, quantized from the new masters,
+    // are the model trainer's by name, format, shape and bytes.
+    let stored = |x: Vec<mxrl_rl::WireTensor>| {
+        x.into_iter()
+            .filter(|t| t.format != mxrl_formats::Format::Bf16)
+            .map(|t| (t.name.clone(), t))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (xm, xe) = (
+        stored(mt.export_weights().unwrap()),
+        stored(et.export_weights().unwrap()),
+    );
+    assert_eq!(
+        xe.is_empty(),
+        recipe == "bf16",
+        "{recipe}: {} stored tensors",
+        xe.len()
+    );
+    assert_eq!(
+        xm.keys().collect::<Vec<_>>(),
+        xe.keys().collect::<Vec<_>>(),
+        "{recipe}"
+    );
+    for (n, t) in &xm {
+        let u = &xe[n];
+        assert!(
+            (t.format, &t.shape, &t.data, &t.scales) == (u.format, &u.shape, &u.data, &u.scales)
+                && t.amax
+                    .iter()
+                    .map(|a| a.to_bits())
+                    .eq(u.amax.iter().map(|a| a.to_bits())),
+            "{recipe}: stored tensor {n} differs"
+        );
+    }
+}
+
+#[test]
+fn engine_trainer_equals_the_model_trainer_bitwise_under_bf16() {
+    engine_trainer_equals_the_model_trainer("bf16");
+}
+
+#[test]
+fn engine_trainer_equals_the_model_trainer_bitwise_under_mxfp8_modes() {
+    for r in ["mxfp8", "mxfp8-hp", "mxfp8-dq"] {
+        engine_trainer_equals_the_model_trainer(r);
+    }
+}
+
+#[test]
+fn engine_trainer_equals_the_model_trainer_bitwise_under_nvfp4_modes() {
+    for r in ["nvfp4-hp", "nvfp4-dq"] {
+        engine_trainer_equals_the_model_trainer(r);
     }
 }
 
@@ -288,18 +341,68 @@ fn a_resumed_engine_run_continues_with_the_same_bits() {
     }
 }
 
-/// Block-format recipes are refused by name, before anything runs.
+/// A recipe in a format the engine has no kernels for (NVFP4 with per-tensor activation
+/// scaling) is refused by name, before anything runs.
 #[test]
-fn block_format_recipes_are_refused_with_the_reason() {
+fn formats_without_engine_kernels_are_refused_with_the_reason() {
     let (model, _) = demo_model(6).unwrap();
-    let e = engine_build(&model, "mxfp8")
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("nvfp4-tensor.toml");
+    std::fs::write(
+        &f,
+        "name = \"nvfp4-tensor\"\nbackward = \"high_precision\"\ndefault = \"bf16\"\n\
+         nvfp4_activation_scale = \"per_tensor\"\n[[rule]]\nrole = \"routed_expert\"\n\
+         format = \"nvfp4\"\n",
+    )
+    .unwrap();
+    let e = engine_build(&model, f.to_str().unwrap())
         .map(|_| ())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("mxfp8") && e.contains("BF16 recipes only") && e.contains("model.layers."),
+        e.contains("nvfp4-tensor") && e.contains("per-tensor") && e.contains("model.layers."),
         "{e}"
     );
+}
+
+/// Bitwise mode under block-format recipes: the rollout multiplies the trainer's stored
+/// bytes (sent as the wire export after every step and checked byte for byte), and its
+/// re-scoring is the trainer's forward, so the mismatch and every layer's probe difference
+/// are exactly 0.
+#[test]
+fn engine_rl_loop_under_block_formats_is_bitwise() {
+    let codec = TextCodec::char_level();
+    let model = warmed(3);
+    let task = TaskSource::Arithmetic(ArithmeticTask::default());
+    for recipe in ["mxfp8", "nvfp4-dq"] {
+        let bd = engine_build(&model, recipe).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let mut run = RlRun::new(
+            cfg(2, true),
+            bd.trainer,
+            bd.rollout,
+            bd.reference,
+            task.clone(),
+            &codec,
+            d.path(),
+            &bd.contract_hash,
+        )
+        .unwrap();
+        let mut ms = Vec::new();
+        run.run(&mut |m| ms.push(m.clone())).unwrap();
+        assert_eq!(ms.len(), 2);
+        for m in &ms {
+            assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{recipe}: {m:?}");
+            assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{recipe}: {m:?}");
+            assert_eq!(m.hidden_diff.len(), model.config().num_layers, "{m:?}");
+            assert!(m.hidden_diff.iter().all(|&d| d == 0.0), "{recipe}: {m:?}");
+            // Stored bytes travel: fewer than the BF16 bytes of every parameter.
+            assert!(
+                m.sync_bytes > 0 && m.sync_bytes < 2 * model.params().num_elements() as u64,
+                "{recipe}: {m:?}"
+            );
+        }
+    }
 }
 
 /// Routing replay on the engine. The rollout records the routes of every fed position while

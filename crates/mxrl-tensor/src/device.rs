@@ -18,11 +18,12 @@ use crate::loss::logprobs_forward;
 use crate::moe::{combine_forward, Dispatch};
 use crate::norm::rmsnorm_forward;
 use crate::precision::round_bf16;
-use crate::qlinear::PreparedWeight;
+use crate::qlinear::{LinearSpec, PreparedWeight};
 use crate::rope::RopeTable;
 use crate::routing::{router_forward, RouteMode, Routes};
 use crate::sample::{sample_rows, SampleParams};
 use crate::SeqLayout;
+use rayon::prelude::*;
 use std::convert::Infallible;
 
 /// Where a model lives.
@@ -776,6 +777,96 @@ pub trait Backend {
     fn swiglu_f32(&self, gu: &Self::F32, rows: usize, f: usize, out: &mut Self::F32)
         -> DResult<()>;
 
+    /// Quantizes `groups` weights `[n, k]` stored back to back in `master` (routed experts
+    /// stacked `[groups·n, k]`, or one dense linear) for `spec`, each exactly as
+    /// [`PreparedWeight::quantize`] does (`name(g)` names weight `g` in errors), and keeps
+    /// them as [`Backend::upload_experts`] does. The default copies the masters to the host
+    /// and quantizes there with the contract library; a device may quantize in place (the
+    /// same bytes).
+    ///
+    /// # Errors
+    /// A BF16 spec, K not a multiple of the format's block, out of memory, device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_weights(
+        &self,
+        master: &Self::F32,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+        name: &(dyn Fn(usize) -> String + Sync),
+        version: u64,
+    ) -> DResult<Self::QExperts> {
+        if spec.weight_scheme().is_none() {
+            return Err(DeviceError::new(
+                self.device().to_string(),
+                format!(
+                    "quantize_weights: {} has no block format ({spec:?})",
+                    name(0)
+                ),
+            ));
+        }
+        let all = self.download_f32(master, groups * n * k)?;
+        let dev = self.device().to_string();
+        let pws = all
+            .par_chunks(n * k)
+            .enumerate()
+            .map(|(g, w)| {
+                PreparedWeight::quantize(&name(g), w, n, k, spec, version)
+                    .map_err(|e| DeviceError::new(dev.clone(), e.to_string()))
+            })
+            .collect::<DResult<Vec<_>>>()?;
+        self.upload_experts(pws)
+    }
+    /// The stored quantized tensors of `w`, one per weight (what
+    /// [`Backend::upload_experts`] or [`Backend::quantize_weights`] kept), copied to the host.
+    ///
+    /// # Errors
+    /// Device failure.
+    fn stored_weights(&self, w: &Self::QExperts) -> DResult<Vec<mxrl_formats::QuantizedTensor>>;
+    /// A dense quantized linear (`w` holds one weight `[n, k]`): `y [rows, n] = x [rows, k] ·
+    /// Wᵀ`, reference [`PreparedWeight::forward_inference`] (bitwise on the CPU; a device
+    /// multiplies the same exact products, summed in another order).
+    ///
+    /// # Errors
+    /// Short buffers, shapes that disagree with the weight; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn qlinear(
+        &self,
+        x: &Self::F32,
+        w: &Self::QExperts,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Backward of a quantized (grouped) linear over expert-major rows (`host_offsets`: the
+    /// `[groups + 1]` row offsets; one group for a dense linear): for every group with rows,
+    /// the context [`PreparedWeight::forward`] builds from its f32 input rows `x` (the same
+    /// bytes the forward quantized), then [`PreparedWeight::backward_accumulate`] with `dy`:
+    /// writes those rows of `dx [rows, k]` and **accumulates** `dW` into the group's part of
+    /// `dw [groups·n, k]`. `master` holds the f32 weights `w` was quantized from (the
+    /// high-precision operand of the `HighPrecision` and `Lowp` modes). Bitwise the CPU
+    /// model's on the CPU; a device multiplies the same operands, summed in another order.
+    ///
+    /// # Errors
+    /// Short buffers, bad offsets, a weight without what its backward mode needs; device
+    /// failure.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_backward(
+        &self,
+        x: &Self::F32,
+        w: &Self::QExperts,
+        master: &Self::F32,
+        dy: &Self::F32,
+        host_offsets: &[u32],
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+
     /// Buffers for outputs an op overwrites whole: their contents before the op are
     /// unspecified (a device may skip the zero fill). The default zero-fills.
     ///
@@ -1025,6 +1116,114 @@ impl Backend for CpuBackend {
                 .forward_inference(&x[a * k..b * k], b - a)
                 .map_err(|e| DeviceError::new("cpu", e.to_string()))?;
             y[a * n..b * n].copy_from_slice(&out);
+        }
+        Ok(())
+    }
+
+    fn stored_weights(
+        &self,
+        w: &Vec<PreparedWeight>,
+    ) -> DResult<Vec<mxrl_formats::QuantizedTensor>> {
+        w.iter()
+            .map(|pw| {
+                pw.stored().cloned().ok_or_else(|| {
+                    DeviceError::new("cpu", format!("{}: no stored bytes", pw.name()))
+                })
+            })
+            .collect()
+    }
+
+    fn qlinear(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<PreparedWeight>,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("qlinear x", x.len(), rows * k)?;
+        need("qlinear y", y.len(), rows * n)?;
+        let [pw] = w.as_slice() else {
+            return Err(DeviceError::new(
+                "cpu",
+                format!("qlinear: {} weights for a dense linear", w.len()),
+            ));
+        };
+        if pw.n() != n || pw.k() != k {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "qlinear: {} is [{}, {}], not [{n}, {k}]",
+                    pw.name(),
+                    pw.n(),
+                    pw.k()
+                ),
+            ));
+        }
+        let out = pw
+            .forward_inference(&x[..rows * k], rows)
+            .map_err(|e| DeviceError::new("cpu", e.to_string()))?;
+        y[..rows * n].copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn grouped_qlinear_backward(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<PreparedWeight>,
+        _master: &Vec<f32>,
+        dy: &Vec<f32>,
+        host_offsets: &[u32],
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let groups = w.len();
+        need(
+            "grouped_qlinear_backward offsets",
+            host_offsets.len(),
+            groups + 1,
+        )?;
+        need("grouped_qlinear_backward x", x.len(), rows * k)?;
+        need("grouped_qlinear_backward dy", dy.len(), rows * n)?;
+        need("grouped_qlinear_backward dx", dx.len(), rows * k)?;
+        need("grouped_qlinear_backward dw", dw.len(), groups * n * k)?;
+        let err = |e: crate::qlinear::QLinearError| DeviceError::new("cpu", e.to_string());
+        for (g, pw) in w.iter().enumerate() {
+            let (a, b) = (host_offsets[g] as usize, host_offsets[g + 1] as usize);
+            if a > b || b > rows {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("grouped_qlinear_backward: group {g} rows {a}..{b} outside 0..{rows}"),
+                ));
+            }
+            if pw.n() != n || pw.k() != k {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!(
+                        "grouped_qlinear_backward: {} is [{}, {}], not [{n}, {k}]",
+                        pw.name(),
+                        pw.n(),
+                        pw.k()
+                    ),
+                ));
+            }
+            // No context for zero rows: the CPU model skips unused experts.
+            if a == b {
+                continue;
+            }
+            let (_, saved) = pw.forward(&x[a * k..b * k], b - a).map_err(err)?;
+            let d = pw
+                .backward_accumulate(
+                    &saved,
+                    &dy[a * n..b * n],
+                    &mut dw[g * n * k..(g + 1) * n * k],
+                )
+                .map_err(err)?;
+            dx[a * k..b * k].copy_from_slice(&d);
         }
         Ok(())
     }

@@ -152,7 +152,7 @@ pub fn build_policies(
     let why_not = if !engine_ok {
         Some("the rollout holds the host model's tensors".to_string())
     } else {
-        mxrl_rl::engine::check_bf16_plan(&plan)
+        mxrl_rl::engine::check_engine_plan(&plan)
             .err()
             .map(|e| e.to_string())
     };
@@ -196,7 +196,7 @@ pub fn build_rollout(
     }
     cuda_built()?;
     let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
-    match mxrl_rl::engine::check_bf16_plan(&plan) {
+    match mxrl_rl::engine::check_engine_plan(&plan) {
         Ok(()) => engine_rollout(model, recipe),
         Err(why) => {
             let gemm = select_cuda()?;
