@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [rl] [clients]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients]
 #   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +93,33 @@ med = lambda f: st.median(x[f] for x in k)
 print(f"rl {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:.1f} ms "
       f"({med('tokens_per_s'):.0f} tok/s), train {med('train_s')*1e3:.1f} ms, sync {med('sync_s')*1e3:.1f} ms, "
       f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}, "
+      f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
+PY
+  done
+fi
+if [[ " $what " == *" rlq "* ]]; then
+  # Every recipe on the device engine (block formats multiply their stored bytes), `rl` on the
+  # large demo's warmed-up model (made here when the `rl` step did not run), per-step medians.
+  echo "===== rlq" >>"$log"
+  d=/tmp/mxrl-rl
+  if [[ ! -d $d/demo/base ]]; then
+    rm -rf "$d" && mkdir -p "$d"
+    timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 2 --out "$d/demo" >>"$log" 2>&1
+  fi
+  for r in bf16 mxfp8 mxfp8-hp mxfp8-dq nvfp4-hp nvfp4-dq; do
+    s0=$(date +%s)
+    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe $r --device cuda --steps 8 \
+      --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 --out "$d/rlq-$r" >>"$log" 2>&1
+    summary+=("rlq_$r rc=$? $(( $(date +%s) - s0 ))s")
+    cp "$d/rlq-$r/metrics.jsonl" "$out/rlq-$r.jsonl" 2>/dev/null
+    python3 - "$d/rlq-$r/metrics.jsonl" "$r" <<'PY' | tee -a "$log"
+import json, sys, statistics as st
+m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+k = m[1:] or m
+med = lambda f: st.median(x[f] for x in k)
+print(f"rlq {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:.1f} ms "
+      f"({med('tokens_per_s'):.0f} tok/s), train {med('train_s')*1e3:.1f} ms, sync {med('sync_s')*1e3:.1f} ms "
+      f"({k[0]['sync_bytes']} B), reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}, "
       f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
 PY
   done

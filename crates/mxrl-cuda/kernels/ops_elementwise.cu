@@ -39,6 +39,17 @@ extern "C" __global__ void checksum_bf16(const u16* __restrict__ x, u64 n, u32* 
     if ((threadIdx.x & 31) == 0) atomicAdd((u64*)(out + 2 * slot), acc);
 }
 
+// The same checksum over n bytes at positions base + i (stored quantized weights: codes, then
+// scales, then amax bytes, each call continuing the positions of the previous one).
+extern "C" __global__ void checksum_u8(const unsigned char* __restrict__ x, u64 n, u64 base,
+                                       u32* __restrict__ out, u64 slot) {
+    u64 acc = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        acc += mix64(((base + i) << 16) | (u64)x[i]);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd((u64*)(out + 2 * slot), acc);
+}
+
 // Route capture: element i = r·k + j of ids/weights [rows, k] goes to the tables [S, max_len, k]
 // at sequence (has_seq ? seq[r] : r), position pos[r]; rows outside the tables are skipped.
 extern "C" __global__ void capture_routes(const u32* __restrict__ ids, const float* __restrict__ w,

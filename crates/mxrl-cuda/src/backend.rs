@@ -609,6 +609,38 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn copy_qweights(&self, w: &QExperts) -> DResult<QExperts> {
+        let s = self.gpu.stream();
+        let e =
+            |x: cudarc::driver::DriverError| DeviceError::new(self.gpu.name(), format!("{x:?}"));
+        Ok(QExperts {
+            format: w.format,
+            e: w.e,
+            n: w.n,
+            k: w.k,
+            codes: s.clone_dtod(&w.codes).map_err(e)?,
+            scales: s.clone_dtod(&w.scales).map_err(e)?,
+            amax: s.clone_dtod(&w.amax).map_err(e)?,
+            spec: w.spec,
+        })
+    }
+
+    fn checksum_qweights(&self, w: &QExperts, out: &mut Self::U32, slot: usize) -> DResult<()> {
+        let (nc, ns) = (w.codes.len(), w.scales.len());
+        self.ew
+            .checksum_u8(&w.codes.as_view(), nc, 0, &mut out.as_view_mut(), slot)
+            .map_err(de)?;
+        self.ew
+            .checksum_u8(&w.scales.as_view(), ns, nc, &mut out.as_view_mut(), slot)
+            .map_err(de)?;
+        if w.format == Format::Nvfp4 {
+            self.ew
+                .checksum_f32_bytes(&w.amax, nc + ns, &mut out.as_view_mut(), slot)
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+
     fn stored_weights(&self, w: &QExperts) -> DResult<Vec<mxrl_formats::QuantizedTensor>> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         let scheme = w

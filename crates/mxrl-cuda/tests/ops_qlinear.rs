@@ -375,3 +375,146 @@ fn backward_refuses_a_context_of_another_weight_version() {
     let e = l.backward(&v1, saved, &x).err().expect("shape refused");
     assert!(e.to_string().contains("output gradient dy"), "{e}");
 }
+
+/// The engine backend's block-format linears (`CudaBackend::quantize_weights`,
+/// `grouped_qlinear`, `qlinear`, `grouped_qlinear_backward`) against the CPU backend's, over
+/// three stacked weights with ragged groups (37 rows, none, 33 rows): the stored bytes
+/// (quantized on the device for MXFP8, by the library for NVFP4) equal the CPU's exactly; `y`,
+/// `dx` and `dW` of every group are within the same derived bounds as the single layer above;
+/// `dW` accumulates into what the buffer held.
+#[test]
+fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::device::{Backend, CpuBackend};
+    let (_g, _) = layer();
+    let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
+    let (groups, n, k) = (3usize, 64usize, 96usize);
+    let offsets = [0u32, 37, 37, 70];
+    let rows = 70;
+    for (si, s) in specs()
+        .into_iter()
+        .filter(|s| s.format() != Format::Bf16)
+        .enumerate()
+    {
+        let seed = 900 + 10 * si as u64;
+        let tag = format!("{s} grouped [{groups}·{n}, {k}]");
+        let master = test_values(groups * n * k, seed, 1.0);
+        let x = test_values(rows * k, seed + 1, 2.0);
+        let dy = test_values(rows * n, seed + 2, 0.5);
+        let acc = test_values(groups * n * k, seed + 3, 0.25);
+        let name = |g: usize| format!("w{g}");
+        let qc = CpuBackend
+            .quantize_weights(&master, groups, n, k, s, &name, 0)
+            .unwrap();
+        let md = cb.upload_f32(&master).unwrap();
+        let qd = cb.quantize_weights(&md, groups, n, k, s, &name, 0).unwrap();
+        assert_eq!(
+            cb.stored_weights(&qd).unwrap(),
+            CpuBackend.stored_weights(&qc).unwrap(),
+            "{tag}: stored bytes"
+        );
+        // The device checksum of the stored weights (a device-resident weight update) and of
+        // their device copy is the reference's.
+        let mut sums = cb.zeros_u32(4).unwrap();
+        cb.checksum_qweights(&qd, &mut sums, 0).unwrap();
+        cb.checksum_qweights(&cb.copy_qweights(&qd).unwrap(), &mut sums, 1)
+            .unwrap();
+        let w = cb.download_u32(&sums, 4).unwrap();
+        let stored = CpuBackend.stored_weights(&qc).unwrap();
+        let want = mxrl_tensor::device::checksum_stored(&stored.iter().collect::<Vec<_>>());
+        for slot in 0..2 {
+            let got = u64::from(w[2 * slot]) | (u64::from(w[2 * slot + 1]) << 32);
+            assert_eq!(got, want, "{tag}: checksum {slot}");
+        }
+        // Forward.
+        let (xd, od) = (cb.upload_f32(&x).unwrap(), cb.upload_u32(&offsets).unwrap());
+        let mut yd = cb.zeros_f32(rows * n).unwrap();
+        cb.grouped_qlinear(&xd, &qd, &od, groups, rows, k, n, &mut yd)
+            .unwrap();
+        let y = cb.download_f32(&yd, rows * n).unwrap();
+        let mut yc = vec![0f32; rows * n];
+        CpuBackend
+            .grouped_qlinear(&x, &qc, &offsets.to_vec(), groups, rows, k, n, &mut yc)
+            .unwrap();
+        // Backward, accumulating into `acc`.
+        let dyd = cb.upload_f32(&dy).unwrap();
+        let mut dxd = cb.zeros_f32(rows * k).unwrap();
+        let mut dwd = cb.upload_f32(&acc).unwrap();
+        cb.grouped_qlinear_backward(
+            &xd, &qd, &md, &dyd, &offsets, rows, k, n, &mut dxd, &mut dwd,
+        )
+        .unwrap();
+        let (dx, dw) = (
+            cb.download_f32(&dxd, rows * k).unwrap(),
+            cb.download_f32(&dwd, groups * n * k).unwrap(),
+        );
+        for g in 0..groups {
+            let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
+            let m = b - a;
+            let wg = &master[g * n * k..(g + 1) * n * k];
+            let dwg = &dw[g * n * k..(g + 1) * n * k];
+            let accg = &acc[g * n * k..(g + 1) * n * k];
+            if m == 0 {
+                assert_eq!(
+                    dwg, accg,
+                    "{tag}: group {g} has no rows, its dW is untouched"
+                );
+                continue;
+            }
+            let (xg, dyg) = (&x[a * k..b * k], &dy[a * n..b * n]);
+            let fb = forward_bound(s, xg, wg, (m, k, n));
+            check(
+                &format!("{tag} y[{g}]"),
+                &y[a * n..b * n],
+                &yc[a * n..b * n],
+                &fb,
+                seed,
+            );
+            let pw = PreparedWeight::quantize("t", wg, n, k, s, 0).unwrap();
+            let (_, saved) = pw.forward(xg, m).unwrap();
+            let gc = pw.backward(&saved, dyg).unwrap();
+            let (dy_d, w_o, dy_w, x_o, sum) = backward_operands(s, xg, wg, dyg, (m, k, n));
+            let bx = gemm_nn_bounds_with(&dy_d, &w_o, m, n, k, sum);
+            check(
+                &format!("{tag} dx[{g}]"),
+                &dx[a * k..b * k],
+                &gc.dx,
+                &bx,
+                seed,
+            );
+            // dW = acc + dW_cpu: one more f32 rounding of the sum on each side.
+            let bw = gemm_tn_bounds_with(&dy_w, &x_o, None, n, m, k, sum);
+            let want: Vec<f32> = accg.iter().zip(&gc.dw).map(|(p, q)| p + q).collect();
+            let bw: Vec<f64> = bw
+                .iter()
+                .zip(&want)
+                .map(|(b, w)| b + 2.0 * f64::from(w.abs()) * f64::from(f32::EPSILON))
+                .collect();
+            check(&format!("{tag} dW[{g}]"), dwg, &want, &bw, seed);
+        }
+        // A dense linear (one weight) through `qlinear`: MXFP8 on the device; NVFP4 dense
+        // linears have no device path and say so.
+        let q1c = CpuBackend
+            .quantize_weights(&master, 1, n, k, s, &name, 0)
+            .unwrap();
+        let q1d = cb.quantize_weights(&md, 1, n, k, s, &name, 0).unwrap();
+        let mut y1 = cb.zeros_f32(rows * n).unwrap();
+        let r = cb.qlinear(&xd, &q1d, rows, k, n, &mut y1);
+        if s.format() == Format::Mxfp8 {
+            r.unwrap();
+            let mut y1c = vec![0f32; rows * n];
+            CpuBackend.qlinear(&x, &q1c, rows, k, n, &mut y1c).unwrap();
+            let fb = forward_bound(s, &x, &master[..n * k], (rows, k, n));
+            check(
+                &format!("{tag} dense y"),
+                &cb.download_f32(&y1, rows * n).unwrap(),
+                &y1c,
+                &fb,
+                seed,
+            );
+        } else {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("no dense device path"), "{e}");
+        }
+    }
+}

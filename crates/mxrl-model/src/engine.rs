@@ -224,6 +224,20 @@ struct TrainState<B: Backend> {
     step: u64,
 }
 
+/// One parameter of a device-resident weight update ([`Engine::export_device`]).
+pub enum DeviceTensor<B: Backend> {
+    /// BF16 values.
+    Bf16(B::Bf16),
+    /// The stored weights of a block-format linear.
+    Stored(B::QExperts),
+}
+
+/// A parameter's replacement, built before anything is swapped in.
+enum Fresh<B: Backend> {
+    Bf16(B::F32, Option<B::Bf16>, Option<B::F32>),
+    Stored(B::QExperts),
+}
+
 /// A batch being decoded: BF16 KV caches `[slots, max_len, Hkv·D]` per layer, the current
 /// length of every sequence, and the step's device buffers (token ids, positions and lengths
 /// going up; logits, sampled ids and logprobs). After one plain step, a device with graphs
@@ -2774,18 +2788,25 @@ impl<B: Backend> Engine<B> {
         self.params.iter().map(|p| p.len).collect()
     }
 
-    /// Every parameter as the forward multiplies it, copied into fresh BF16 device buffers
-    /// (engine order; a linear weight's BF16 operand, the BF16 value of anything else), with
-    /// the checksum ([`mxrl_tensor::device::checksum_bf16_bits`]) of each source taken on the
-    /// device before the copy: a weight update that never leaves the device.
+    /// Every parameter as the forward multiplies it, copied into fresh device buffers (engine
+    /// order): a BF16 linear's BF16 operand, the BF16 value of anything else, and the stored
+    /// weights of a block-format linear; with the checksum of each source taken on the device
+    /// before the copy ([`mxrl_tensor::device::checksum_bf16_bits`],
+    /// [`mxrl_tensor::device::checksum_stored`]): a weight update that never leaves the
+    /// device.
     ///
     /// # Errors
     /// Out of device memory; device failure.
-    pub fn export_bf16_device(&self) -> Result<(Vec<B::Bf16>, Vec<u64>)> {
+    pub fn export_device(&self) -> Result<(Vec<DeviceTensor<B>>, Vec<u64>)> {
         let b = &self.b;
         let mut sums = b.zeros_u32(2 * self.params.len()).map_err(dev)?;
         let mut out = Vec::with_capacity(self.params.len());
         for (i, p) in self.params.iter().enumerate() {
+            if let Some(q) = &p.q {
+                b.checksum_qweights(&q.w, &mut sums, i).map_err(dev)?;
+                out.push(DeviceTensor::Stored(b.copy_qweights(&q.w).map_err(dev)?));
+                continue;
+            }
             let mut buf = b.empty_bf16(p.len).map_err(dev)?;
             match &p.op {
                 Some(op) => {
@@ -2798,9 +2819,21 @@ impl<B: Backend> Engine<B> {
                     b.checksum_bf16(&buf, p.len, &mut sums, i).map_err(dev)?;
                 }
             }
-            out.push(buf);
+            out.push(DeviceTensor::Bf16(buf));
         }
         Ok((out, self.checksums_of(&sums)?))
+    }
+
+    /// Bytes of an [`Engine::export_device`] update: 2 per BF16 element, the stored bytes of
+    /// block-format linears.
+    pub fn export_device_bytes(&self) -> u64 {
+        self.params
+            .iter()
+            .map(|p| match &p.q {
+                Some(q) => q.bytes as u64,
+                None => 2 * p.len as u64,
+            })
+            .sum()
     }
 
     fn checksums_of(&self, sums: &B::U32) -> Result<Vec<u64>> {
@@ -2813,21 +2846,16 @@ impl<B: Backend> Engine<B> {
             .collect())
     }
 
-    /// Installs BF16 parameter buffers from [`Engine::export_bf16_device`] of an engine of the
-    /// same configuration: their checksums are taken on the device and compared with
-    /// `expected` first; then every new master (the BF16 values widened), BF16 operand (the
-    /// buffer itself) and BF16 value is built, and only then are they swapped in. On any
-    /// error nothing changes.
+    /// Installs an update from [`Engine::export_device`] of an engine of the same
+    /// configuration and plan: the checksums of the buffers are taken on the device and
+    /// compared with `expected` first; then every new master (the BF16 values widened), BF16
+    /// operand (the buffer itself), BF16 value and stored weight set is built, and only then
+    /// are they swapped in. On any error nothing changes.
     ///
     /// # Errors
-    /// Wrong count, a checksum mismatch (the tensor named), out of device memory.
-    pub fn install_bf16_device(&mut self, bufs: Vec<B::Bf16>, expected: &[u64]) -> Result<()> {
-        if let Some(p) = self.params.iter().find(|p| p.q.is_some()) {
-            return Err(ModelError::BadTensor {
-                name: p.name.clone(),
-                message: "runs in a block format: its update carries stored bytes, not BF16".into(),
-            });
-        }
+    /// Wrong count, a tensor of another kind than this engine runs it as, a checksum mismatch
+    /// (the tensor named), out of device memory.
+    pub fn install_device(&mut self, bufs: Vec<DeviceTensor<B>>, expected: &[u64]) -> Result<()> {
         let np = self.params.len();
         if bufs.len() != np || expected.len() != np {
             return Err(ModelError::Input(format!(
@@ -2839,7 +2867,22 @@ impl<B: Backend> Engine<B> {
         let b = &self.b;
         let mut sums = b.zeros_u32(2 * np).map_err(dev)?;
         for (i, (buf, p)) in bufs.iter().zip(&self.params).enumerate() {
-            b.checksum_bf16(buf, p.len, &mut sums, i).map_err(dev)?;
+            match (buf, &p.q) {
+                (DeviceTensor::Bf16(x), None) => {
+                    b.checksum_bf16(x, p.len, &mut sums, i).map_err(dev)?
+                }
+                (DeviceTensor::Stored(w), Some(_)) => {
+                    b.checksum_qweights(w, &mut sums, i).map_err(dev)?
+                }
+                _ => {
+                    return Err(ModelError::BadTensor {
+                        name: p.name.clone(),
+                        message: "the update sends it in another form than this engine runs it \
+                                  (BF16 values vs stored block-format bytes)"
+                            .into(),
+                    })
+                }
+            }
         }
         let got = self.checksums_of(&sums)?;
         if let Some(i) = (0..np).find(|&i| got[i] != expected[i]) {
@@ -2852,8 +2895,15 @@ impl<B: Backend> Engine<B> {
             });
         }
         let b = &self.b;
-        let mut fresh = Vec::with_capacity(np);
+        let mut fresh: Vec<Fresh<B>> = Vec::with_capacity(np);
         for (buf, p) in bufs.into_iter().zip(&self.params) {
+            let buf = match buf {
+                DeviceTensor::Stored(w) => {
+                    fresh.push(Fresh::Stored(w));
+                    continue;
+                }
+                DeviceTensor::Bf16(x) => x,
+            };
             let mut master = b.empty_f32(p.len).map_err(dev)?;
             b.widen_bf16(&buf, &mut master, p.len).map_err(dev)?;
             let compute = match p.compute {
@@ -2865,12 +2915,21 @@ impl<B: Backend> Engine<B> {
                 None => None,
             };
             let op = p.op.as_ref().map(|_| buf);
-            fresh.push((master, op, compute));
+            fresh.push(Fresh::Bf16(master, op, compute));
         }
-        for (p, (master, op, compute)) in self.params.iter_mut().zip(fresh) {
-            p.master = master;
-            p.op = op;
-            p.compute = compute;
+        for (p, f) in self.params.iter_mut().zip(fresh) {
+            match f {
+                Fresh::Bf16(master, op, compute) => {
+                    p.master = master;
+                    p.op = op;
+                    p.compute = compute;
+                }
+                Fresh::Stored(w) => {
+                    if let Some(q) = p.q.as_mut() {
+                        q.w = w;
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -235,12 +235,13 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
     Ok(out)
 }
 
-/// The device-resident weight update of an [`EngineTrainer`]: BF16 copies of every parameter
-/// and the checksums of their sources, with the names and sizes they must match.
+/// The device-resident weight update of an [`EngineTrainer`]: device copies of every
+/// parameter (BF16 values, or a block-format linear's stored weights) and the checksums of
+/// their sources, with the names and sizes they must match.
 struct DeviceUpdate<B: Backend> {
     names: Vec<String>,
     lens: Vec<usize>,
-    bufs: Vec<B::Bf16>,
+    bufs: Vec<mxrl_model::engine::DeviceTensor<B>>,
     sums: Vec<u64>,
 }
 
@@ -514,15 +515,11 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     }
 
     fn local_export(&mut self) -> Option<Result<LocalExport, PolicyError>> {
-        // Block-format linears travel as their stored tensors (the wire export).
-        if self.engine.runs_block_formats() {
-            return None;
-        }
         Some((|| {
             self.flush()?;
-            let (bufs, sums) = self.engine.export_bf16_device().map_err(be)?;
+            let (bufs, sums) = self.engine.export_device().map_err(be)?;
             let lens = self.engine.param_lens();
-            let bytes = 2 * lens.iter().sum::<usize>() as u64;
+            let bytes = self.engine.export_device_bytes();
             Ok(LocalExport::new(
                 bytes,
                 bufs.len(),
@@ -739,7 +736,7 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
                 )));
             }
             self.engine
-                .install_bf16_device(u.bufs, &u.sums)
+                .install_device(u.bufs, &u.sums)
                 .map_err(|e| PolicyError::Update(format!("version {version}: {e}")))
         })())
     }
@@ -778,35 +775,57 @@ mod tests {
     use mxrl_tensor::device::CpuBackend;
 
     /// The device update carries the trainer's exact bytes (the wire export of both sides is
-    /// then equal), and a copy whose checksum does not match its source is refused by tensor
-    /// name with the rollout's weights left as they were.
+    /// then equal: BF16 values and, under a block-format recipe, the stored weights), and a
+    /// copy whose checksum does not match its source is refused by tensor name with the
+    /// rollout's weights left as they were.
     #[test]
     fn device_update_is_exact_and_a_corrupted_copy_is_refused() {
-        let (model, _) = demo_model(2).unwrap();
-        let mut b = build_engine(&model, "bf16", 32, || Ok(CpuBackend)).unwrap();
-        let (other, _) = demo_model(9).unwrap();
-        let mut t2 = build_engine(&other, "bf16", 32, || Ok(CpuBackend))
-            .unwrap()
-            .trainer;
-        let before = b.rollout.weights();
-        // A different model's update, one checksum altered in transit.
-        let mut x = t2.local_export().unwrap().unwrap();
-        let mut u = x.take::<DeviceUpdate<CpuBackend>>().unwrap();
-        u.sums[3] ^= 1;
-        let name = u.names[3].clone();
-        let mut bad = LocalExport::new(x.bytes, x.tensors, u);
-        let e = b.rollout.load_local(1, &mut bad).unwrap().unwrap_err();
-        assert!(e.to_string().contains(&name), "{e}");
-        check_equal(&b.rollout.weights(), &before).unwrap();
-        // The intact update is installed and is the other trainer's bytes.
-        let mut ok = t2.local_export().unwrap().unwrap();
-        assert_eq!(ok.bytes, 2 * other.params().num_elements() as u64);
-        b.rollout.load_local(2, &mut ok).unwrap().unwrap();
-        check_equal(&b.rollout.weights(), &t2.export_weights().unwrap()).unwrap();
-        assert!(check_equal(&b.rollout.weights(), &before).is_err());
-        // A payload of another kind is left for the wire path.
-        let mut foreign = LocalExport::new(0, 0, Box::new(7u32));
-        assert!(b.rollout.load_local(3, &mut foreign).is_none());
-        assert_eq!(*foreign.take::<u32>().unwrap(), 7);
+        for recipe in ["bf16", "nvfp4-hp"] {
+            let (model, _) = demo_model(2).unwrap();
+            let mut b = build_engine(&model, recipe, 32, || Ok(CpuBackend)).unwrap();
+            let (other, _) = demo_model(9).unwrap();
+            let mut t2 = build_engine(&other, recipe, 32, || Ok(CpuBackend))
+                .unwrap()
+                .trainer;
+            let before = b.rollout.weights();
+            // A different model's update, one checksum altered in transit: a BF16 tensor, or
+            // under the block-format recipe a set of stored experts.
+            let mut x = t2.local_export().unwrap().unwrap();
+            let mut u = x.take::<DeviceUpdate<CpuBackend>>().unwrap();
+            let i = if recipe == "bf16" {
+                3
+            } else {
+                let i = u
+                    .names
+                    .iter()
+                    .position(|n| n.contains(".experts.*."))
+                    .unwrap();
+                assert!(matches!(
+                    u.bufs[i],
+                    mxrl_model::engine::DeviceTensor::Stored(_)
+                ));
+                i
+            };
+            u.sums[i] ^= 1;
+            let name = u.names[i].clone();
+            let mut bad = LocalExport::new(x.bytes, x.tensors, u);
+            let e = b.rollout.load_local(1, &mut bad).unwrap().unwrap_err();
+            assert!(e.to_string().contains(&name), "{recipe}: {e}");
+            check_equal(&b.rollout.weights(), &before).unwrap();
+            // The intact update is installed and is the other trainer's bytes.
+            let mut ok = t2.local_export().unwrap().unwrap();
+            if recipe == "bf16" {
+                assert_eq!(ok.bytes, 2 * other.params().num_elements() as u64);
+            } else {
+                assert!(ok.bytes < 2 * other.params().num_elements() as u64);
+            }
+            b.rollout.load_local(2, &mut ok).unwrap().unwrap();
+            check_equal(&b.rollout.weights(), &t2.export_weights().unwrap()).unwrap();
+            assert!(check_equal(&b.rollout.weights(), &before).is_err());
+            // A payload of another kind is left for the wire path.
+            let mut foreign = LocalExport::new(0, 0, Box::new(7u32));
+            assert!(b.rollout.load_local(3, &mut foreign).is_none());
+            assert_eq!(*foreign.take::<u32>().unwrap(), 7);
+        }
     }
 }

@@ -818,6 +818,22 @@ pub trait Backend {
             .collect::<DResult<Vec<_>>>()?;
         self.upload_experts(pws)
     }
+    /// A device copy of stored weights (the same bytes in new buffers).
+    ///
+    /// # Errors
+    /// Out of memory; device failure.
+    fn copy_qweights(&self, w: &Self::QExperts) -> DResult<Self::QExperts>;
+    /// Adds [`checksum_stored`] of `w`'s stored weights to the u64 in `out[2·slot]` (as
+    /// [`Backend::checksum_bf16`]); the caller zeroes it first.
+    ///
+    /// # Errors
+    /// Short buffer; device failure.
+    fn checksum_qweights(
+        &self,
+        w: &Self::QExperts,
+        out: &mut Self::U32,
+        slot: usize,
+    ) -> DResult<()>;
     /// The stored quantized tensors of `w`, one per weight (what
     /// [`Backend::upload_experts`] or [`Backend::quantize_weights`] kept), copied to the host.
     ///
@@ -988,6 +1004,41 @@ pub fn checksum_bf16_bits(bits: impl Iterator<Item = u16>) -> u64 {
     })
 }
 
+/// [`checksum_bf16_bits`] over bytes at positions `base + i`: the checksum of stored quantized
+/// weights ([`Backend::checksum_qweights`]: codes, then scales, then NVFP4 amax bytes, in one
+/// run of positions).
+pub fn checksum_bytes(base: usize, bytes: &[u8]) -> u64 {
+    bytes.iter().enumerate().fold(0u64, |acc, (i, &b)| {
+        acc.wrapping_add(crate::sample::splitmix64(
+            (((base + i) as u64) << 16) | u64::from(b),
+        ))
+    })
+}
+
+/// The checksum of stored weights: every weight's codes, then every weight's scale bytes,
+/// then (NVFP4) every weight's amax as little-endian f32 bytes, as one run of positions.
+pub fn checksum_stored(ws: &[&mxrl_formats::QuantizedTensor]) -> u64 {
+    let mut bytes: Vec<u8> = Vec::new();
+    for q in ws {
+        bytes.extend_from_slice(&q.data);
+    }
+    for q in ws {
+        match &q.scales {
+            mxrl_formats::Scales::Bytes(b) => bytes.extend_from_slice(b),
+            mxrl_formats::Scales::F32(v) => bytes.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+        }
+    }
+    if ws
+        .first()
+        .is_some_and(|q| q.scheme.format() == mxrl_formats::Format::Nvfp4)
+    {
+        for q in ws {
+            bytes.extend(q.amax.iter().flat_map(|x| x.to_le_bytes()));
+        }
+    }
+    checksum_bytes(0, &bytes)
+}
+
 fn need(what: &str, got: usize, want: usize) -> DResult<()> {
     if got < want {
         return Err(DeviceError::new(
@@ -1117,6 +1168,32 @@ impl Backend for CpuBackend {
                 .map_err(|e| DeviceError::new("cpu", e.to_string()))?;
             y[a * n..b * n].copy_from_slice(&out);
         }
+        Ok(())
+    }
+
+    fn copy_qweights(&self, w: &Vec<PreparedWeight>) -> DResult<Vec<PreparedWeight>> {
+        Ok(w.clone())
+    }
+
+    fn checksum_qweights(
+        &self,
+        w: &Vec<PreparedWeight>,
+        out: &mut Vec<u32>,
+        slot: usize,
+    ) -> DResult<()> {
+        need("checksum_qweights out", out.len(), 2 * slot + 2)?;
+        let ws: Vec<&mxrl_formats::QuantizedTensor> = w
+            .iter()
+            .map(|pw| {
+                pw.stored().ok_or_else(|| {
+                    DeviceError::new("cpu", format!("{}: no stored bytes", pw.name()))
+                })
+            })
+            .collect::<DResult<_>>()?;
+        let cur = u64::from(out[2 * slot]) | (u64::from(out[2 * slot + 1]) << 32);
+        let sum = cur.wrapping_add(checksum_stored(&ws));
+        out[2 * slot] = sum as u32;
+        out[2 * slot + 1] = (sum >> 32) as u32;
         Ok(())
     }
 

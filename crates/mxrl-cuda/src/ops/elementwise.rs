@@ -4,7 +4,7 @@
 use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_elementwise.cu");
@@ -26,6 +26,7 @@ pub struct Elementwise {
     round_bf16: CudaFunction,
     widen_bf16: CudaFunction,
     checksum_bf16: CudaFunction,
+    checksum_u8: CudaFunction,
     capture_routes: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
@@ -48,6 +49,7 @@ impl Elementwise {
             round_bf16: f("round_bf16_f32")?,
             widen_bf16: f("widen_bf16")?,
             checksum_bf16: f("checksum_bf16")?,
+            checksum_u8: f("checksum_u8")?,
             capture_routes: f("capture_routes")?,
             add_inplace: f("add_inplace")?,
             embed_gather: f("embed_gather")?,
@@ -163,6 +165,62 @@ impl Elementwise {
         }
         .map_err(|e| self.gpu.err(e))?;
         Ok(())
+    }
+
+    /// Adds the checksum of `n` bytes at positions `base..base + n` to the u64 at
+    /// `out[2·slot]`: `Σ_i mix64(((base + i) << 16) | x[i])`, reference
+    /// `mxrl_tensor::device::checksum_bytes`.
+    ///
+    /// # Errors
+    /// Short buffers; driver errors.
+    pub fn checksum_u8(
+        &self,
+        x: &CudaView<'_, u8>,
+        n: usize,
+        base: usize,
+        out: &mut CudaViewMut<'_, u32>,
+        slot: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "checksum_u8 x", x.len(), n)?;
+        check_len(&self.gpu, "checksum_u8 out", out.len(), 2 * slot + 2)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, b64, s64) = (n as u64, base as u64, slot as u64);
+        let blocks = n.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
+        let mut b = self.gpu.stream().launch_builder(&self.checksum_u8);
+        b.arg(x).arg(&n64).arg(&b64).arg(out).arg(&s64);
+        // SAFETY: threads read x[i] for i < n (x holds ≥ n, checked) and add atomically to the
+        // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
+        // allocations are 256-byte aligned); argument types match (const u8*, u64, u64, u32*,
+        // u64).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// [`Elementwise::checksum_u8`] over the little-endian bytes of the f32 values `x`.
+    ///
+    /// # Errors
+    /// Short buffers; driver errors.
+    pub fn checksum_f32_bytes(
+        &self,
+        x: &CudaSlice<f32>,
+        base: usize,
+        out: &mut CudaViewMut<'_, u32>,
+        slot: usize,
+    ) -> Result<(), DeviceError> {
+        let n = 4 * x.len();
+        // SAFETY: u8 has no invalid bit patterns and the view covers exactly x's bytes.
+        let bytes = unsafe { x.transmute::<u8>(n) }
+            .ok_or_else(|| self.gpu.err("checksum_f32_bytes: byte view of the buffer"))?;
+        self.checksum_u8(&bytes, n, base, out, slot)
     }
 
     /// Copies routes `ids`, `weights: [rows, k]` into tables `[slots, max_len, k]`: row `r` to
