@@ -64,6 +64,9 @@ pub struct QExperts {
     pub amax: CudaSlice<f32>,
     /// NVFP4 activations' amax scope is per token (the only one the device path takes).
     pub spec: LinearSpec,
+    /// Each weight prepared for the training backward (its mode's operands), made from the
+    /// masters on the first backward of this weight version.
+    pub train: std::cell::OnceCell<Vec<crate::ops::qlinear::QWeight>>,
 }
 
 impl QExperts {
@@ -251,6 +254,83 @@ impl CudaBackend {
         Ok(buf)
     }
 
+    /// NVFP4 weights (per-tensor amax each) quantized one by one on the device with the
+    /// contract's kernels, laid out as [`QExperts`] keeps them.
+    fn quantize_nvfp4_groups(
+        &self,
+        master: &CudaSlice<f32>,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+        name: &(dyn Fn(usize) -> String + Sync),
+    ) -> DResult<QExperts> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if spec.act_scaling() != ActScaling::PerToken {
+            return Err(dev(format!(
+                "{}: NVFP4 with per-tensor activation scaling has no device expert kernels",
+                name(0)
+            )));
+        }
+        let ql = self
+            .qlin
+            .as_ref()
+            .map_err(|e| dev(format!("{}: the quantizers did not load: {e}", name(0))))?;
+        let scheme = spec.weight_scheme().expect("NVFP4 has a weight scheme");
+        let s = self.gpu.stream();
+        let cp = |e: cudarc::driver::DriverError| dev(format!("device copy: {e:?}"));
+        if master.len() < groups * n * k {
+            return Err(dev(format!(
+                "quantize_weights {}: master of {} values for [{groups}·{n}, {k}]",
+                name(0),
+                master.len()
+            )));
+        }
+        let (cg, sg) = (n * k / 2, n * k / 16);
+        let mut codes = self.gpu.empty::<u8>(groups * cg).map_err(de)?;
+        let mut scales = self.gpu.empty::<u8>(groups * sg).map_err(de)?;
+        let mut amax = self.gpu.empty::<f32>(groups).map_err(de)?;
+        for g in 0..groups {
+            let mut w = self.gpu.empty::<f32>(n * k).map_err(de)?;
+            s.memcpy_dtod(&master.slice(g * n * k..(g + 1) * n * k), &mut w)
+                .map_err(cp)?;
+            let q = ql
+                .quantizer()
+                .quantize_device(&DeviceInput::F32(w), [n, k], scheme)
+                .map_err(|e| dev(format!("{}: {e}", name(g))))?;
+            if q.data.len() != cg || q.scales.len() != sg {
+                return Err(dev(format!(
+                    "{}: {} code and {} scale bytes, {cg} and {sg} expected",
+                    name(g),
+                    q.data.len(),
+                    q.scales.len()
+                )));
+            }
+            s.memcpy_dtod(&q.data, &mut codes.slice_mut(g * cg..(g + 1) * cg))
+                .map_err(cp)?;
+            s.memcpy_dtod(&q.scales, &mut scales.slice_mut(g * sg..(g + 1) * sg))
+                .map_err(cp)?;
+            let bits = q
+                .amax_bits
+                .as_ref()
+                .ok_or_else(|| dev(format!("{}: no amax from the quantizer", name(g))))?;
+            self.ew
+                .copy_f32_bits(&bits.as_view(), &mut amax, g, 1)
+                .map_err(de)?;
+        }
+        Ok(QExperts {
+            format: Format::Nvfp4,
+            e: groups,
+            n,
+            k,
+            codes,
+            scales,
+            amax,
+            spec,
+            train: std::cell::OnceCell::new(),
+        })
+    }
+
     fn bf16(&self, x: &CudaSlice<f32>, n: usize) -> DResult<CudaSlice<u16>> {
         let mut o = self.gpu.zeros::<u16>(n).map_err(de)?;
         self.ew
@@ -409,6 +489,7 @@ impl Backend for CudaBackend {
             scales: self.gpu.upload(&scales).map_err(de)?,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
+            train: std::cell::OnceCell::new(),
         })
     }
 
@@ -556,8 +637,11 @@ impl Backend for CudaBackend {
     ) -> DResult<QExperts> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         // MXFP8 blocks run along K inside a row, so the stack quantizes as one tensor on the
-        // device (the same bytes as each weight alone). NVFP4 has one amax per weight: the
-        // contract library quantizes those on the host.
+        // device (the same bytes as each weight alone). NVFP4 has one amax per weight: each is
+        // quantized alone on the device and the bytes are laid out back to back.
+        if spec.format() == Format::Nvfp4 {
+            return self.quantize_nvfp4_groups(master, groups, n, k, spec, name);
+        }
         if spec.format() != Format::Mxfp8 {
             let all = self.download_f32(master, groups * n * k)?;
             let pws = (0..groups)
@@ -606,6 +690,7 @@ impl Backend for CudaBackend {
             scales: q.scales,
             amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
             spec,
+            train: std::cell::OnceCell::new(),
         })
     }
 
@@ -622,6 +707,7 @@ impl Backend for CudaBackend {
             scales: s.clone_dtod(&w.scales).map_err(e)?,
             amax: s.clone_dtod(&w.amax).map_err(e)?,
             spec: w.spec,
+            train: std::cell::OnceCell::new(),
         })
     }
 
@@ -767,6 +853,21 @@ impl Backend for CudaBackend {
             s.memcpy_dtod(&src.slice(a..b), &mut o).map_err(cp)?;
             Ok(o)
         };
+        if w.train.get().is_none() {
+            let prepared = (0..groups)
+                .map(|g| {
+                    let wg = std::sync::Arc::new(DeviceInput::F32(part(
+                        master,
+                        g * n * k,
+                        (g + 1) * n * k,
+                    )?));
+                    ql.prepare(&format!("weight {g} of {groups}"), &wg, n, k, w.spec, 0)
+                        .map_err(de)
+                })
+                .collect::<DResult<Vec<_>>>()?;
+            let _ = w.train.set(prepared);
+        }
+        let prepared = w.train.get().expect("set above");
         for g in 0..groups {
             let (a, b) = (host_offsets[g] as usize, host_offsets[g + 1] as usize);
             if a > b || b > rows {
@@ -778,14 +879,11 @@ impl Backend for CudaBackend {
                 continue;
             }
             let m = b - a;
-            let name = format!("weight {g} of {groups}");
-            let wg =
-                std::sync::Arc::new(DeviceInput::F32(part(master, g * n * k, (g + 1) * n * k)?));
-            let qw = ql.prepare(&name, &wg, n, k, w.spec, 0).map_err(de)?;
+            let qw = &prepared[g];
             let xg = std::sync::Arc::new(DeviceInput::F32(part(x, a * k, b * k)?));
-            let (_, saved) = ql.forward(&qw, &xg, m).map_err(de)?;
+            let saved = ql.save(qw, &xg, m).map_err(de)?;
             let dyg = DeviceInput::F32(part(dy, a * n, b * n)?);
-            let gr = ql.backward(&qw, saved, &dyg).map_err(de)?;
+            let gr = ql.backward(qw, saved, &dyg).map_err(de)?;
             s.memcpy_dtod(&gr.dx, &mut dx.slice_mut(a * k..b * k))
                 .map_err(cp)?;
             self.ew

@@ -223,6 +223,31 @@ impl Elementwise {
         self.checksum_u8(&bytes, n, base, out, slot)
     }
 
+    /// Copies f32 bit patterns held as u32 (`src`, e.g. the quantizer's amax) into `dst[..n]`
+    /// as f32 values (the same bits).
+    ///
+    /// # Errors
+    /// Short buffers; driver errors.
+    pub fn copy_f32_bits(
+        &self,
+        src: &CudaView<'_, u32>,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        check_len(&self.gpu, "copy_f32_bits src", src.len(), n)?;
+        check_len(&self.gpu, "copy_f32_bits dst", dst.len(), at + n)?;
+        let mut d = dst.slice_mut(at..at + n);
+        // SAFETY: u32 and f32 have the same size and every bit pattern is a valid f32; the
+        // view covers exactly the n destination elements.
+        let mut bits = unsafe { d.transmute_mut::<u32>(n) }
+            .ok_or_else(|| self.gpu.err("copy_f32_bits: u32 view of the destination"))?;
+        self.gpu
+            .stream()
+            .memcpy_dtod(&src.slice(0..n), &mut bits)
+            .map_err(|e| self.gpu.err(e))
+    }
+
     /// Copies routes `ids`, `weights: [rows, k]` into tables `[slots, max_len, k]`: row `r` to
     /// sequence `seq[r]` (`r` when `seq` is `None`) at position `pos[r]`; rows outside the
     /// tables are skipped. Reference: `CpuBackend::capture_routes` (`mxrl_tensor::device`).

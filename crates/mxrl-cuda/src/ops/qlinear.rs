@@ -450,6 +450,32 @@ impl QLinear {
         ))
     }
 
+    /// What [`QLinear::forward`] keeps of `x` for backward, without computing `y` (a caller
+    /// that ran the forward GEMM elsewhere on the same bytes): the same quantization of the
+    /// same input, so the same context.
+    ///
+    /// # Errors
+    /// Shape, quantizer or driver errors, naming the weight.
+    pub fn save(&self, w: &QWeight, x: &Arc<DeviceInput>, m: usize) -> Result<QSaved, DeviceError> {
+        self.check_input(&w.name, "input x", x, m, w.k)?;
+        let kept = match (&w.forward, w.spec.backward()) {
+            (WeightForward::Bf16(_), _) | (_, BackwardMode::HighPrecision) => {
+                Kept::Original(self.bf16_kept(x)?)
+            }
+            (WeightForward::Quantized(_), BackwardMode::Dequantized) => {
+                Kept::Forward(self.quantize_x(w, x, m)?)
+            }
+            (WeightForward::Quantized(_), BackwardMode::Lowp) => {
+                Kept::ColumnWise(self.quantize_col(x, m, w.k)?)
+            }
+        };
+        Ok(QSaved {
+            m,
+            version: w.version,
+            kept,
+        })
+    }
+
     /// Backward of [`QLinear::forward`]: `dy [m, N]` (f32 or BF16) → `dx [m, K]`, `dW [N, K]`
     /// (f32), operands per the backward mode (module doc); consumes `saved`. Reference
     /// [`mxrl_tensor::qlinear::PreparedWeight::backward`].
