@@ -553,34 +553,50 @@ __device__ __forceinline__ void atc_ldsm4t(u32 (&r)[4], const u16* p) {
                  : "r"(atc_saddr(p))
                  : "memory");
 }
+// Not volatile: the compiler may interleave independent tiles (each accumulator's products
+// stay in program order through the data dependence).
 __device__ __forceinline__ void atc_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += x.y for one m16n8k16 tile from the parts: a[p] the A fragment of part p, b[p][h] the
-// B registers (h = 0, 1) of part p; the six products smallest first.
-__device__ __forceinline__ void atc_mma6(float (&d)[4], const u32 (&a)[3][4], const u32 (&b)[3][4],
-                                         int h) {
-    atc_mma(d, a[2], b[0][2 * h], b[0][2 * h + 1]);
-    atc_mma(d, a[1], b[1][2 * h], b[1][2 * h + 1]);
-    atc_mma(d, a[0], b[2][2 * h], b[2][2 * h + 1]);
-    atc_mma(d, a[1], b[0][2 * h], b[0][2 * h + 1]);
-    atc_mma(d, a[0], b[1][2 * h], b[1][2 * h + 1]);
-    atc_mma(d, a[0], b[0][2 * h], b[0][2 * h + 1]);
+// d[base + n] += x.y for the 2 NP m16n8k16 tiles n (B registers of pair n / 2, half n % 2) from
+// the parts: a[p] the A fragment of part p, b[n/2][p] the B registers of part p (b0, b1 of the
+// pair's first tile, then of its second). Per tile the six products run smallest first (lo*hi,
+// mid*mid, hi*lo, mid*hi, hi*mid, hi*hi); the loop over tiles is innermost, so consecutive
+// mma are independent.
+template <int NP, int N>
+__device__ __forceinline__ void atc_mma6(float (&d)[N][4], int base, const u32 (&a)[3][4],
+                                         const u32 (&b)[NP][3][4]) {
+    constexpr int PA[6] = {2, 1, 0, 1, 0, 0}, PB[6] = {0, 1, 2, 0, 1, 0};
+#pragma unroll
+    for (int p = 0; p < 6; ++p)
+#pragma unroll
+        for (int n = 0; n < 2 * NP; ++n)
+            atc_mma(d[base + n], a[PA[p]], b[n >> 1][PB[p]][2 * (n & 1)], b[n >> 1][PB[p]][2 * (n & 1) + 1]);
 }
 
-// The three parts of two f32 values, packed as BF16 pairs (x in the low half).
+// bf16(lo) | bf16(hi) << 16, round to nearest even (cvt.rn.bf16x2.f32 puts its first source
+// in the upper half): f32_to_bf16 of each for every non-NaN value (a NaN gives a NaN).
+__device__ __forceinline__ u32 atc_cvt2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float atc_lo(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float atc_hi(u32 p) { return __uint_as_float(p & 0xFFFF0000u); }
+
+// The three parts of two f32 values, packed as BF16 pairs (x in the low half): the parts of
+// common.cuh's split_bf16x3 (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), each
+// difference exact) for every non-NaN value.
 __device__ __forceinline__ void atc_split2(float x, float y, u32& p0, u32& p1, u32& p2) {
-    u16 xh, xm, xl, yh, ym, yl;
-    split_bf16x3(x, xh, xm, xl);
-    split_bf16x3(y, yh, ym, yl);
-    p0 = (u32)xh | ((u32)yh << 16);
-    p1 = (u32)xm | ((u32)ym << 16);
-    p2 = (u32)xl | ((u32)yl << 16);
+    p0 = atc_cvt2(x, y);
+    const float rx = __fsub_rn(x, atc_lo(p0)), ry = __fsub_rn(y, atc_hi(p0));
+    p1 = atc_cvt2(rx, ry);
+    p2 = atc_cvt2(__fsub_rn(rx, atc_lo(p1)), __fsub_rn(ry, atc_hi(p1)));
 }
 
 // A fragments (three parts) of the k16 step made of two accumulator tiles c0 (k 0..7) and c1
@@ -592,29 +608,41 @@ __device__ __forceinline__ void atc_acc_to_a(u32 (&a)[3][4], const float (&c0)[4
     atc_split2(c1[2], c1[3], a[0][3], a[1][3], a[2][3]);
 }
 
-// Loads rows r0 .. r0+nrows-1 (those < r_end; the rest zero) of the head slice `head_off` of a
-// [*, row_stride] f32 matrix, split into the three planes of `tile` ([3][nrows][ld] BF16),
+// Loads rows r0 .. r0+ROWS-1 (those < r_end; the rest zero) of the head slice `head_off` of a
+// [*, row_stride] f32 matrix, split into the three planes of `tile` ([3][ROWS][ld] BF16),
 // columns D..dp zero. Thread i of the block takes the column pairs i, i + ATC_THREADS, ... of
-// the tile (D even: a pair is entirely inside or outside the row).
-__device__ __forceinline__ void atc_load(u16* tile, u32 nrows, u32 ld, const float* __restrict__ src,
-                                         u64 base_row, u32 r0, u32 r_end, u64 row_stride, u64 head_off,
-                                         u32 D, u32 dp) {
-    const u32 half = dp >> 1, total = nrows * half;
-    for (u32 idx = threadIdx.x; idx < total; idx += ATC_THREADS) {
-        const u32 rr = idx / half, c = 2u * (idx - rr * half);
+// a [ROWS][DMAX/2] pair grid (D even: a pair is entirely inside or outside the row; pairs at
+// or past dp are not stored): every load is issued before the first split, so their latencies
+// overlap. FULL: D == DMAX (no column guards).
+template <int ROWS, int DMAX, bool FULL>
+__device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restrict__ src, u64 base_row,
+                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp) {
+    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / ATC_THREADS;
+    static_assert((ROWS * PAIRS) % ATC_THREADS == 0, "the pair grid must fill the block");
+    float x[ITERS], y[ITERS];
+#pragma unroll
+    for (u32 it = 0; it < ITERS; ++it) {
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
         const u32 r = r0 + rr;
-        float x = 0.0f, y = 0.0f;
-        if (r < r_end && c < D) {
+        x[it] = 0.0f;
+        y[it] = 0.0f;
+        if (r < r_end && (FULL || c < D)) {
             const float* s = src + (base_row + r) * row_stride + head_off + c;
-            x = s[0];
-            y = s[1];
+            x[it] = s[0];
+            y[it] = s[1];
         }
-        u32 p0, p1, p2;
-        atc_split2(x, y, p0, p1, p2);
-        const u32 o = rr * ld + c;
-        *reinterpret_cast<u32*>(tile + o) = p0;
-        *reinterpret_cast<u32*>(tile + nrows * ld + o) = p1;
-        *reinterpret_cast<u32*>(tile + 2u * nrows * ld + o) = p2;
+    }
+#pragma unroll
+    for (u32 it = 0; it < ITERS; ++it) {
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        if (FULL || c < dp) {
+            u32 p0, p1, p2;
+            atc_split2(x[it], y[it], p0, p1, p2);
+            const u32 o = rr * ld + c;
+            *reinterpret_cast<u32*>(tile + o) = p0;
+            *reinterpret_cast<u32*>(tile + ROWS * ld + o) = p1;
+            *reinterpret_cast<u32*>(tile + 2u * ROWS * ld + o) = p2;
+        }
     }
 }
 
@@ -648,7 +676,8 @@ __device__ __forceinline__ void atc_frag_b_tr(u32 (&b)[3][4], const u16* tile, u
 
 // c[nt] (n8 tiles nt < NT, columns n0 + 8 nt) = rows m0.. of A . rows of B^T over the
 // reduction 0 .. dp (k16 steps < dp / 16), A and B both with the reduction along their rows.
-template <int NT, int DMAX>
+// FULL: dp == DMAX (no guards: straight-line code the compiler can pipeline).
+template <int NT, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 arows, u32 m0, const u16* B,
                                            u32 brows, u32 ld, u32 dp) {
 #pragma unroll
@@ -657,32 +686,38 @@ __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 
         for (int e = 0; e < 4; ++e) c[nt][e] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < DMAX / 16; ++ks) {
-        if (16u * ks < dp) {
-            u32 a[3][4];
+        if (FULL || 16u * ks < dp) {
+            u32 a[3][4], b[NT / 2][3][4];
             atc_frag_a(a, A, arows, ld, m0, 16u * ks);
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b[3][4];
-                atc_frag_b_nt(b, B, brows, ld, 16u * np, 16u * ks);
-                atc_mma6(c[2 * np], a, b, 0);
-                atc_mma6(c[2 * np + 1], a, b, 1);
-            }
+            for (int np = 0; np < NT / 2; ++np) atc_frag_b_nt(b[np], B, brows, ld, 16u * np, 16u * ks);
+            atc_mma6<NT / 2>(c, 0, a, b);
         }
     }
 }
 
 // acc[nt] (columns 8 nt < dp) += P . X for the k16 step kk of a warp's probability tile (A
-// parts a) and the tile X [3][xrows][ld] whose rows are the reduction index.
-template <int DMAX>
+// parts a) and the tile X [3][xrows][ld] whose rows are the reduction index; four n8 tiles at a
+// time (a pair at or past dp gets zero B registers: its tiles are never stored). FULL as in
+// atc_scores.
+template <int DMAX, bool FULL>
 __device__ __forceinline__ void atc_wsum(float (&acc)[DMAX / 8][4], const u32 (&a)[3][4], const u16* X,
                                          u32 xrows, u32 ld, u32 kk, u32 dp) {
+    static_assert(DMAX % 32 == 0, "four n8 tiles per step");
 #pragma unroll
-    for (int np = 0; np < DMAX / 16; ++np) {
-        if (16u * np < dp) {
-            u32 b[3][4];
-            atc_frag_b_tr(b, X, xrows, ld, 16u * np, kk);
-            atc_mma6(acc[2 * np], a, b, 0);
-            atc_mma6(acc[2 * np + 1], a, b, 1);
+    for (int np = 0; np < DMAX / 16; np += 2) {
+        if (FULL || 16u * np < dp) {
+            u32 b[2][3][4];
+            atc_frag_b_tr(b[0], X, xrows, ld, 16u * np, kk);
+            if (FULL || 16u * (np + 1) < dp) {
+                atc_frag_b_tr(b[1], X, xrows, ld, 16u * (np + 1), kk);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 3; ++q)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) b[1][q][e] = 0u;
+            }
+            atc_mma6<2>(acc, 2 * np, a, b);
         }
     }
 }
@@ -730,7 +765,7 @@ __device__ __forceinline__ void atc_store(float* __restrict__ dst, const float (
 // sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in key order).
 // At the end l is the quad sum of the partials (xor 1 then 2), out = o / l, lse = m + log(l).
 // Dynamic shared memory (BF16): 3 * ld * (64 + 2 * BK) (q, k, v planes).
-template <int DMAX, int BK>
+template <int DMAX, int BK, bool FULL>
 __device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, const float* __restrict__ k,
                                                  const float* __restrict__ v, const u32* __restrict__ offsets,
                                                  float* __restrict__ out, float* __restrict__ lse, u32 hq,
@@ -748,7 +783,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, co
     const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const u32 kh = h / (hq / hkv);
     const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load(qs, ATC_BR, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
     const u32 wr = row0 + 16u * w;  // the warp's first row
     const u32 ir[2] = {wr + g, wr + g + 8u};
     float o[DMAX / 8][4];
@@ -762,12 +797,12 @@ __device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, co
     const u32 kend = min(row0 + ATC_BR, T);
     for (u32 kt = 0; kt < kend; kt += BK) {
         __syncthreads();  // the previous tile's products are done with k and v
-        atc_load(ks, BK, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        atc_load(vs, BK, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
         __syncthreads();
         if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
         float s[BK / 8][4];
-        atc_scores<BK / 8, DMAX>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
+        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const u32 i = ir[hf];
@@ -805,7 +840,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, co
             if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
             u32 a[3][4];
             atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
-            atc_wsum<DMAX>(o, a, vs, BK, ld, 16u * kk, dp);
+            atc_wsum<DMAX, FULL>(o, a, vs, BK, ld, 16u * kk, dp);
         }
     }
     float lt[2];
@@ -842,7 +877,7 @@ __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scal
 // kt < min(row0 + 64, T) (the warp skips tiles wholly after its rows): S = Q K^T, dP = dO V^T,
 // p and ds (atc_pds), dq += dS K (k16 steps in key order); at the end dq = scale * dq.
 // Dynamic shared memory (BF16): 3 * ld * (2 * 64 + 2 * BK) (q, dout, k, v planes).
-template <int DMAX, int BK>
+template <int DMAX, int BK, bool FULL>
 __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
                                                     const float* __restrict__ k, const float* __restrict__ v,
                                                     const float* __restrict__ lse,
@@ -863,8 +898,8 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ do
     const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const u32 kh = h / (hq / hkv);
     const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load(qs, ATC_BR, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
-    atc_load(dos, ATC_BR, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(dos, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp);
     const u32 wr = row0 + 16u * w;
     const u32 ir[2] = {wr + g, wr + g + 8u};
     float lse_r[2], del_r[2];
@@ -881,13 +916,13 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ do
     const u32 kend = min(row0 + ATC_BR, T);
     for (u32 kt = 0; kt < kend; kt += BK) {
         __syncthreads();  // the previous tile's products are done with k and v
-        atc_load(ks, BK, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        atc_load(vs, BK, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
         __syncthreads();
         if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
         float s[BK / 8][4], dpv[BK / 8][4];
-        atc_scores<BK / 8, DMAX>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
-        atc_scores<BK / 8, DMAX>(dpv, dos, ATC_BR, 16u * w, vs, BK, ld, dp);
+        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
+        atc_scores<BK / 8, DMAX, FULL>(dpv, dos, ATC_BR, 16u * w, vs, BK, ld, dp);
 #pragma unroll
         for (int nt = 0; nt < BK / 8; ++nt)
 #pragma unroll
@@ -903,7 +938,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ do
             if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: ds = 0
             u32 a[3][4];
             atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
-            atc_wsum<DMAX>(acc, a, ks, BK, ld, 16u * kk, dp);
+            atc_wsum<DMAX, FULL>(acc, a, ks, BK, ld, 16u * kk, dp);
         }
     }
     atc_store<DMAX>(dq, acc, t0, wr, T, qstride, (u64)h * D, D, scale, true);
@@ -916,7 +951,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ do
 // delta of the query), dv += P^T dO, dk += dS^T Q (k16 steps in query order); at the end
 // dk = scale * dk. Dynamic shared memory: BF16 3 * ld * (2 * 64 + 2 * BQ) (k, v, q, dout
 // planes), then f32 2 * BQ (lse, delta of the tile's queries).
-template <int DMAX, int BQ>
+template <int DMAX, int BQ, bool FULL>
 __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
                                                       const float* __restrict__ k, const float* __restrict__ v,
                                                       const float* __restrict__ lse,
@@ -940,8 +975,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
     const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const u32 gq = hq / hkv;
     const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load(ks, ATC_BR, ld, k, t0, j0, T, kstride, (u64)kh * D, D, dp);
-    atc_load(vs, ATC_BR, ld, v, t0, j0, T, kstride, (u64)kh * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(ks, ld, k, t0, j0, T, kstride, (u64)kh * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(vs, ld, v, t0, j0, T, kstride, (u64)kh * D, D, dp);
     const u32 wj = j0 + 16u * w;  // the warp's first key
     const u32 jr[2] = {wj + g, wj + g + 8u};
     float adk[DMAX / 8][4], adv[DMAX / 8][4];
@@ -956,8 +991,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
         const u32 h = kh * gq + hh;
         for (u32 it = j0; it < T; it += BQ) {
             __syncthreads();  // the previous tile's products are done with q, dout, lse, delta
-            atc_load(qs, BQ, ld, q, t0, it, T, qstride, (u64)h * D, D, dp);
-            atc_load(dos, BQ, ld, dout, t0, it, T, qstride, (u64)h * D, D, dp);
+            atc_load<BQ, DMAX, FULL>(qs, ld, q, t0, it, T, qstride, (u64)h * D, D, dp);
+            atc_load<BQ, DMAX, FULL>(dos, ld, dout, t0, it, T, qstride, (u64)h * D, D, dp);
             if (threadIdx.x < BQ) {
                 const u32 r = it + threadIdx.x;
                 lse_t[threadIdx.x] = r < T ? lse[(u64)(t0 + r) * hq + h] : 0.0f;
@@ -966,8 +1001,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
             __syncthreads();
             if (it + BQ - 1u < wj) continue;  // warp-uniform: every query before every key
             float s[BQ / 8][4], dpv[BQ / 8][4];
-            atc_scores<BQ / 8, DMAX>(s, ks, ATC_BR, 16u * w, qs, BQ, ld, dp);
-            atc_scores<BQ / 8, DMAX>(dpv, vs, ATC_BR, 16u * w, dos, BQ, ld, dp);
+            atc_scores<BQ / 8, DMAX, FULL>(s, ks, ATC_BR, 16u * w, qs, BQ, ld, dp);
+            atc_scores<BQ / 8, DMAX, FULL>(dpv, vs, ATC_BR, 16u * w, dos, BQ, ld, dp);
 #pragma unroll
             for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
@@ -983,9 +1018,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
                 if (it + 16u * kk + 15u < wj) continue;  // every query before every key: p = 0
                 u32 a[3][4];
                 atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
-                atc_wsum<DMAX>(adv, a, dos, BQ, ld, 16u * kk, dp);
+                atc_wsum<DMAX, FULL>(adv, a, dos, BQ, ld, 16u * kk, dp);
                 atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
-                atc_wsum<DMAX>(adk, a, qs, BQ, ld, 16u * kk, dp);
+                atc_wsum<DMAX, FULL>(adk, a, qs, BQ, ld, 16u * kk, dp);
             }
         }
     }
@@ -993,25 +1028,43 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
     atc_store<DMAX>(dv, adv, t0, wj, T, kstride, (u64)kh * D, D, 1.0f, false);
 }
 
-// Instantiations (suffix: the largest D; the tile of keys / queries per step second). The
-// second launch bound is the blocks per SM the shared memory allows at the largest D.
+// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
+// straight-line body when D is the largest, a guarded one below). The second launch bound is
+// the blocks per SM the shared memory allows at the largest D.
+#define ATC_FWD_CALL(DM, BK)                                                                       \
+    if (D == DM)                                                                                  \
+        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
+    else                                                                                          \
+        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
+#define ATC_DQ_CALL(DM, BK)                                                                        \
+    if (D == DM)                                                                                  \
+        attn_bwd_dq_tc_body<DM, BK, true>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale); \
+    else                                                                                          \
+        attn_bwd_dq_tc_body<DM, BK, false>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale)
+#define ATC_DKDV_CALL(DM, BQ)                                                                      \
+    if (D == DM)                                                                                  \
+        attn_bwd_dkdv_tc_body<DM, BQ, true>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
+                                            scale);                                               \
+    else                                                                                          \
+        attn_bwd_dkdv_tc_body<DM, BQ, false>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
+                                             scale)
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
-    attn_fwd_tc_body<64, 64>(q, k, v, offsets, out, lse, hq, hkv, D, scale);
+    ATC_FWD_CALL(64, 64);
 }
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
-    attn_fwd_tc_body<128, 32>(q, k, v, offsets, out, lse, hq, hkv, D, scale);
+    ATC_FWD_CALL(128, 32);
 }
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dq_tc_64(ATT_DQ_ARGS) {
-    attn_bwd_dq_tc_body<64, 64>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale);
+    ATC_DQ_CALL(64, 64);
 }
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dq_tc_128(ATT_DQ_ARGS) {
-    attn_bwd_dq_tc_body<128, 32>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale);
+    ATC_DQ_CALL(128, 32);
 }
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dkdv_tc_64(ATT_DKDV_ARGS) {
-    attn_bwd_dkdv_tc_body<64, 64>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
+    ATC_DKDV_CALL(64, 64);
 }
 extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dkdv_tc_128(ATT_DKDV_ARGS) {
-    attn_bwd_dkdv_tc_body<128, 32>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
+    ATC_DKDV_CALL(128, 32);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).

@@ -908,7 +908,7 @@ mod tests {
     /// Bf16x3Mma` every product of a dot or weighted sum is the f32 sum of the six leading
     /// part products of the operands' three-part BF16 splits ([`split3`]; each part product is
     /// exact in f32), as the tensor-core kernels form them (delta stays a plain f32 dot).
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn online_attention(
         q: &[f32],
         k: &[f32],
