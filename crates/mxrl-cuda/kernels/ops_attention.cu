@@ -1,6 +1,8 @@
 // Causal GQA attention of the engine: training forward (flash-style, online softmax, O(T) memory
 // per head), training backward (delta, dq over key tiles, dk/dv over query tiles; no atomics),
-// and decode over a BF16 KV cache (split over key chunks, fixed-order combine).
+// and decode over a BF16 KV cache (split over key chunks, fixed-order combine). The training
+// kernels come twice: register-tiled on the CUDA cores (attn_fwd_*, attn_bwd_dq_*,
+// attn_bwd_dkdv_*, below) and on BF16 tensor cores for D <= 128 (attn_*_tc_*, further down).
 // References: mxrl_tensor::attention::{attention_forward, attention_backward, attention_decode}.
 // Scores s_ij = fl(q_i . k_j) * scale with f32 accumulation; the softmax and the weighted sums
 // run in f32 in a different (fixed) order than the reference: the bound is
