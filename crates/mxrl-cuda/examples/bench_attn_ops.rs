@@ -3,7 +3,10 @@
 //! warm-up, and prints each time beside its floor: bytes over the device copy bandwidth
 //! (4.3 TB/s on the H200) for the memory-bound ops, FLOPs over the f32 CUDA-core rate
 //! (60 TFLOP/s counting a fused multiply-add as two; the kernels are compiled without FMA
-//! contraction, so a multiply and an add are two instructions) for attention.
+//! contraction, so a multiply and an add are two instructions) for the CUDA-core attention
+//! kernels, and six BF16 products per f32 product over the dense BF16 tensor-core rate
+//! (989 TFLOP/s) for the tensor-core ones (three-part splits of both operands), both families
+//! timed in the same run.
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example bench_attn_ops`
 
@@ -25,15 +28,22 @@ fn main() {
 mod bench {
     use cudarc::driver::sys::CUevent_flags;
     use mxrl_cuda::gpu::Gpu;
-    use mxrl_cuda::ops::attention::{backward_scratch_len, decode_scratch_len, Attention};
+    use mxrl_cuda::ops::attention::{
+        backward_scratch_len, decode_scratch_len, Attention, TrainingKernels,
+    };
     use mxrl_cuda::ops::norm::{self, Norm};
     use mxrl_cuda::ops::rope::{Rope, RopeDeviceTable};
     use mxrl_cuda::DeviceError;
     use mxrl_tensor::attention::AttnShape;
     use mxrl_tensor::gradcheck::test_values;
+    use mxrl_tensor::tolerance::AttnSums;
 
     const COPY_BW: f64 = 4.3e12;
     const F32_RATE: f64 = 60e12;
+    /// Dense BF16 tensor-core rate of the H200 (mma with f32 accumulation).
+    const BF16_RATE: f64 = 989e12;
+    /// BF16 part products per f32 product in the tensor-core kernels.
+    const PARTS: f64 = 6.0;
     const ITERS: usize = 20;
 
     /// Mean milliseconds of `f` over ITERS runs after 3 warm-up runs, by CUDA events.
@@ -70,6 +80,19 @@ mod bench {
         );
     }
 
+    /// `line_rate` for the tensor-core kernels: the floor is `PARTS` BF16 products per f32
+    /// product at the BF16 rate; the rate line gives the f32-equivalent FLOP/s.
+    fn line_rate_tc(name: &str, ms: f64, what: &str, flops: f64) {
+        line(name, ms, PARTS * flops / BF16_RATE * 1e3, what);
+        println!(
+            "{:<48} {:>9.2} TFLOP/s f32-equivalent ({:.0} TFLOP/s of BF16 mma, ceiling {:.0})",
+            "",
+            flops / (ms * 1e-3) / 1e12,
+            PARTS * flops / (ms * 1e-3) / 1e12,
+            BF16_RATE / 1e12
+        );
+    }
+
     fn line(name: &str, ms: f64, floor_ms: f64, what: &str) {
         println!(
             "{name:<48} {ms:>9.4} ms   floor {floor_ms:>8.4} ms ({what})   ratio {:>6.2}",
@@ -83,6 +106,7 @@ mod bench {
         let nrm = Norm::new(&g)?;
         let rope = Rope::new(&g)?;
         let att = Attention::new(&g)?;
+        let att_cc = Attention::new(&g)?.with_training_kernels(TrainingKernels::CudaCores);
 
         for (rows, d) in [(4096usize, 2048usize), (4096 * 16, 128), (4096 * 32, 128)] {
             let x = g.upload(&test_values(rows * d, 1, 2.0))?;
@@ -167,57 +191,69 @@ mod bench {
             let mut lse = g.zeros::<f32>(n * hq)?;
             // MACs of one causal product (QK^T or PV) per head: sum over rows of (i+1)·D.
             let macs = (b * hq * t * (t + 1) / 2 * 128) as f64;
-            let ms = time(&g, || {
-                att.forward(
-                    &q.as_view(),
-                    &k.as_view(),
-                    &v.as_view(),
-                    &doff.as_view(),
-                    b,
-                    t,
-                    n,
-                    s,
-                    &mut out.as_view_mut(),
-                    &mut lse.as_view_mut(),
-                )
-            })?;
-            line_rate(
-                &format!("attention forward 8x512, Hq {hq}, Hkv 4, D 128"),
-                ms,
-                2.0 * 2.0 * macs / F32_RATE * 1e3,
-                "2 products",
-                2.0 * 2.0 * macs,
-            );
-            let mut delta = g.zeros::<f32>(backward_scratch_len(n, s))?;
-            let mut dq = g.zeros::<f32>(qd)?;
-            let mut dk = g.zeros::<f32>(kd)?;
-            let mut dv = g.zeros::<f32>(kd)?;
-            let ms = time(&g, || {
-                att.backward(
-                    &dout.as_view(),
-                    &q.as_view(),
-                    &k.as_view(),
-                    &v.as_view(),
-                    &out.as_view(),
-                    &lse.as_view(),
-                    &doff.as_view(),
-                    b,
-                    t,
-                    n,
-                    s,
-                    &mut delta.as_view_mut(),
-                    &mut dq.as_view_mut(),
-                    &mut dk.as_view_mut(),
-                    &mut dv.as_view_mut(),
-                )
-            })?;
-            line_rate(
-                &format!("attention backward 8x512, Hq {hq}, Hkv 4, D 128"),
-                ms,
-                5.0 * 2.0 * macs / F32_RATE * 1e3,
-                "5 products",
-                5.0 * 2.0 * macs,
-            );
+            for (ops, fam) in [(&att_cc, "CUDA cores"), (&att, "tensor cores")] {
+                let ms = time(&g, || {
+                    ops.forward(
+                        &q.as_view(),
+                        &k.as_view(),
+                        &v.as_view(),
+                        &doff.as_view(),
+                        b,
+                        t,
+                        n,
+                        s,
+                        &mut out.as_view_mut(),
+                        &mut lse.as_view_mut(),
+                    )
+                })?;
+                let name = format!("attention forward 8x512, Hq {hq}, Hkv 4, D 128, {fam}");
+                if ops.training_sums(128) == AttnSums::F32 {
+                    line_rate(
+                        &name,
+                        ms,
+                        2.0 * 2.0 * macs / F32_RATE * 1e3,
+                        "2 products",
+                        2.0 * 2.0 * macs,
+                    );
+                } else {
+                    line_rate_tc(&name, ms, "2 products", 2.0 * 2.0 * macs);
+                }
+                let mut delta = g.zeros::<f32>(backward_scratch_len(n, s))?;
+                let mut dq = g.zeros::<f32>(qd)?;
+                let mut dk = g.zeros::<f32>(kd)?;
+                let mut dv = g.zeros::<f32>(kd)?;
+                let ms = time(&g, || {
+                    ops.backward(
+                        &dout.as_view(),
+                        &q.as_view(),
+                        &k.as_view(),
+                        &v.as_view(),
+                        &out.as_view(),
+                        &lse.as_view(),
+                        &doff.as_view(),
+                        b,
+                        t,
+                        n,
+                        s,
+                        &mut delta.as_view_mut(),
+                        &mut dq.as_view_mut(),
+                        &mut dk.as_view_mut(),
+                        &mut dv.as_view_mut(),
+                    )
+                })?;
+                let name = format!("attention backward 8x512, Hq {hq}, Hkv 4, D 128, {fam}");
+                if ops.training_sums(128) == AttnSums::F32 {
+                    line_rate(
+                        &name,
+                        ms,
+                        5.0 * 2.0 * macs / F32_RATE * 1e3,
+                        "5 products",
+                        5.0 * 2.0 * macs,
+                    );
+                } else {
+                    line_rate_tc(&name, ms, "5 products", 5.0 * 2.0 * macs);
+                }
+            }
         }
 
         let s = AttnShape {

@@ -28,8 +28,8 @@ __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to
 
 // Splits an f32 value into three BF16 parts, x ≈ hi + mid + lo: hi = bf16(x), mid = bf16(x − hi),
 // lo = bf16(x − hi − mid) (each difference is exact in f32). Exact (x = hi + mid + lo) for every
-// f32 x with |x| ≥ 2⁻¹¹⁰, whose last part stays in BF16's normal range; below, lo is rounded
-// to nearest even (|x − (hi + mid + lo)| ≤ 2⁻¹³⁴).
+// f32 x with 2⁻¹¹⁰ ≤ |x| < 2¹²⁸·(1 − 2⁻⁹), whose last part stays in BF16's normal range; below,
+// lo is rounded to nearest even (|x − (hi + mid + lo)| ≤ 2⁻¹³⁴); above, hi rounds to infinity.
 __device__ __forceinline__ void split_bf16x3(float v, u16& hi, u16& mid, u16& lo) {
     hi = f32_to_bf16(v);
     const float r1 = __fsub_rn(v, bf16_to_f32(hi));

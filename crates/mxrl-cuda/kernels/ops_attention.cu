@@ -1,6 +1,8 @@
 // Causal GQA attention of the engine: training forward (flash-style, online softmax, O(T) memory
 // per head), training backward (delta, dq over key tiles, dk/dv over query tiles; no atomics),
-// and decode over a BF16 KV cache (split over key chunks, fixed-order combine).
+// and decode over a BF16 KV cache (split over key chunks, fixed-order combine). The training
+// kernels come twice: register-tiled on the CUDA cores (attn_fwd_*, attn_bwd_dq_*,
+// attn_bwd_dkdv_*, below) and on BF16 tensor cores for D <= 128 (attn_*_tc_*, further down).
 // References: mxrl_tensor::attention::{attention_forward, attention_backward, attention_decode}.
 // Scores s_ij = fl(q_i . k_j) * scale with f32 accumulation; the softmax and the weighted sums
 // run in f32 in a different (fixed) order than the reference: the bound is
@@ -504,6 +506,567 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_128(A
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(ATT_DKDV_ARGS) {
     attn_bwd_dkdv_body<4, 2>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, scale);
+}
+
+// ---- Tensor-core training kernels (D <= ATC_MAX_D) ----
+//
+// The same three computations as attn_fwd / attn_bwd_dq / attn_bwd_dkdv, with every dot product
+// and weighted sum (S = Q K^T, dP = dO V^T, O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q)
+// on BF16 tensor cores: each f32 operand is split into three BF16 parts, x = hi + mid + lo
+// (common.cuh's split_bf16x3: exact for |x| >= 2^-110), and a product x.y is the f32
+// accumulation (mma.m16n8k16, f32 accumulator) of the six part products with index sum <= 2,
+// lo*hi, mid*mid, hi*lo, mid*hi, hi*mid, hi*hi in that order; each part product is exact in
+// f32, the three dropped ones are below 3u|x.y| together. Nothing is rounded to BF16 that the
+// reference keeps in f32: the operands, the scores and the probabilities enter the products
+// with all their bits, so the op's definition (mxrl_tensor::attention) is unchanged; only the
+// summation differs, bounded by mxrl_tensor::tolerance::AttnSums::Bf16x3Mma. The softmax
+// statistics (max, exp, row sums, log), the masking and ds = p (dp - delta) run in IEEE f32
+// on the CUDA cores in the fixed orders described below.
+//
+// Blocks of ATC_THREADS = 4 warps own ATC_BR = 64 rows (query rows in the forward and dq, key
+// rows in dk/dv), 16 per warp: warp w computes the score tile of its 16 rows against the
+// block's current tile of keys (or queries) in shared memory, applies the softmax step in
+// registers (mma accumulator layout: lane = 4g + t holds rows g and g + 8, columns 2t, 2t + 1
+// of every n8 tile), splits the probabilities into the three BF16 parts of an mma A fragment
+// (the accumulator layout of two adjacent n8 tiles is the A layout of one k16 step) and adds
+// its 16 rows x D of the output into registers. Every output element has one owner thread and
+// its sums run in an order fixed by the shapes and offsets; no atomics, equal inputs give equal
+// bits. Shared tiles hold the three BF16 planes [3][rows][ld] of a tile, ld = Dp + 8 with
+// Dp = D rounded up to 16 (zero columns D..Dp add exact zeros; ld/8 odd: conflict-free
+// ldmatrix); rows past the sequence are zero. Masked (causal) pairs get p = ds = 0, and k16
+// steps whose pairs are all masked for the warp are skipped; inside a k16 step that straddles
+// the diagonal a masked pair is multiplied as 0 times its value, so a non-finite key or value
+// of a later row reaches the earlier rows of its 16-row diagonal step (the reference never
+// reads it there: its own row is non-finite in both).
+#define ATC_MAX_D 128
+#define ATC_THREADS 128
+#define ATC_BR 64
+
+__device__ __forceinline__ u32 atc_saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void atc_ldsm4(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(atc_saddr(p))
+                 : "memory");
+}
+__device__ __forceinline__ void atc_ldsm4t(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(atc_saddr(p))
+                 : "memory");
+}
+// Not volatile: the compiler may interleave independent tiles (each accumulator's products
+// stay in program order through the data dependence).
+__device__ __forceinline__ void atc_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d[base + n] += x.y for the 2 NP m16n8k16 tiles n (B registers of pair n / 2, half n % 2) from
+// the parts: a[p] the A fragment of part p, b[n/2][p] the B registers of part p (b0, b1 of the
+// pair's first tile, then of its second). Per tile the six products run smallest first (lo*hi,
+// mid*mid, hi*lo, mid*hi, hi*mid, hi*hi); the loop over tiles is innermost, so consecutive
+// mma are independent.
+template <int NP, int N>
+__device__ __forceinline__ void atc_mma6(float (&d)[N][4], int base, const u32 (&a)[3][4],
+                                         const u32 (&b)[NP][3][4]) {
+    constexpr int PA[6] = {2, 1, 0, 1, 0, 0}, PB[6] = {0, 1, 2, 0, 1, 0};
+#pragma unroll
+    for (int p = 0; p < 6; ++p)
+#pragma unroll
+        for (int n = 0; n < 2 * NP; ++n)
+            atc_mma(d[base + n], a[PA[p]], b[n >> 1][PB[p]][2 * (n & 1)], b[n >> 1][PB[p]][2 * (n & 1) + 1]);
+}
+
+// bf16(lo) | bf16(hi) << 16, round to nearest even (cvt.rn.bf16x2.f32 puts its first source
+// in the upper half): f32_to_bf16 of each for every non-NaN value (a NaN gives a NaN).
+__device__ __forceinline__ u32 atc_cvt2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float atc_lo(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float atc_hi(u32 p) { return __uint_as_float(p & 0xFFFF0000u); }
+
+// The three parts of two f32 values, packed as BF16 pairs (x in the low half): the parts of
+// common.cuh's split_bf16x3 (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), each
+// difference exact) for every non-NaN value.
+__device__ __forceinline__ void atc_split2(float x, float y, u32& p0, u32& p1, u32& p2) {
+    p0 = atc_cvt2(x, y);
+    const float rx = __fsub_rn(x, atc_lo(p0)), ry = __fsub_rn(y, atc_hi(p0));
+    p1 = atc_cvt2(rx, ry);
+    p2 = atc_cvt2(__fsub_rn(rx, atc_lo(p1)), __fsub_rn(ry, atc_hi(p1)));
+}
+
+// A fragments (three parts) of the k16 step made of two accumulator tiles c0 (k 0..7) and c1
+// (k 8..15) of a warp's 16-row score tile: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..).
+__device__ __forceinline__ void atc_acc_to_a(u32 (&a)[3][4], const float (&c0)[4], const float (&c1)[4]) {
+    atc_split2(c0[0], c0[1], a[0][0], a[1][0], a[2][0]);
+    atc_split2(c0[2], c0[3], a[0][1], a[1][1], a[2][1]);
+    atc_split2(c1[0], c1[1], a[0][2], a[1][2], a[2][2]);
+    atc_split2(c1[2], c1[3], a[0][3], a[1][3], a[2][3]);
+}
+
+// Loads rows r0 .. r0+ROWS-1 (those < r_end; the rest zero) of the head slice `head_off` of a
+// [*, row_stride] f32 matrix, split into the three planes of `tile` ([3][ROWS][ld] BF16),
+// columns D..dp zero. Thread i of the block takes the column pairs i, i + ATC_THREADS, ... of
+// a [ROWS][DMAX/2] pair grid (D even: a pair is entirely inside or outside the row; pairs at
+// or past dp are not stored): every load is issued before the first split, so their latencies
+// overlap. FULL: D == DMAX (no column guards).
+template <int ROWS, int DMAX, bool FULL>
+__device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restrict__ src, u64 base_row,
+                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp) {
+    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / ATC_THREADS;
+    static_assert((ROWS * PAIRS) % ATC_THREADS == 0, "the pair grid must fill the block");
+    float x[ITERS], y[ITERS];
+#pragma unroll
+    for (u32 it = 0; it < ITERS; ++it) {
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        const u32 r = r0 + rr;
+        x[it] = 0.0f;
+        y[it] = 0.0f;
+        if (r < r_end && (FULL || c < D)) {
+            const float* s = src + (base_row + r) * row_stride + head_off + c;
+            x[it] = s[0];
+            y[it] = s[1];
+        }
+    }
+#pragma unroll
+    for (u32 it = 0; it < ITERS; ++it) {
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        if (FULL || c < dp) {
+            u32 p0, p1, p2;
+            atc_split2(x[it], y[it], p0, p1, p2);
+            const u32 o = rr * ld + c;
+            *reinterpret_cast<u32*>(tile + o) = p0;
+            *reinterpret_cast<u32*>(tile + ROWS * ld + o) = p1;
+            *reinterpret_cast<u32*>(tile + 2u * ROWS * ld + o) = p2;
+        }
+    }
+}
+
+// A fragments (three parts) of rows m0 .. m0+15, reduction kk .. kk+15 of a tile [3][nrows][ld]
+// whose rows are the A rows (lane l supplies row m0 + l % 16 at kk + 8 (l / 16)).
+__device__ __forceinline__ void atc_frag_a(u32 (&a)[3][4], const u16* tile, u32 nrows, u32 ld, u32 m0,
+                                           u32 kk) {
+    const u32 lane = threadIdx.x & 31;
+    const u16* p = tile + (m0 + (lane & 15)) * ld + kk + 8u * (lane >> 4);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) atc_ldsm4(a[q], p + q * nrows * ld);
+}
+
+// B registers (three parts) of two n8 tiles n0 .. n0+15, reduction kk .. kk+15: b[p] =
+// {b0, b1 of tile n0, b0, b1 of tile n0 + 8}. NT: the tile's rows are the n index (reduction
+// along the row, ldmatrix); TR: the rows are the reduction index (ldmatrix.trans).
+__device__ __forceinline__ void atc_frag_b_nt(u32 (&b)[3][4], const u16* tile, u32 nrows, u32 ld, u32 n0,
+                                              u32 kk) {
+    const u32 lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    const u16* p = tile + (n0 + 8u * (i >> 1) + j) * ld + kk + 8u * (i & 1);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) atc_ldsm4(b[q], p + q * nrows * ld);
+}
+__device__ __forceinline__ void atc_frag_b_tr(u32 (&b)[3][4], const u16* tile, u32 nrows, u32 ld, u32 n0,
+                                              u32 kk) {
+    const u32 lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
+    const u16* p = tile + (kk + 8u * (i & 1) + j) * ld + n0 + 8u * (i >> 1);
+#pragma unroll
+    for (int q = 0; q < 3; ++q) atc_ldsm4t(b[q], p + q * nrows * ld);
+}
+
+// c[nt] (n8 tiles nt < NT, columns n0 + 8 nt) = rows m0.. of A . rows of B^T over the
+// reduction 0 .. dp (k16 steps < dp / 16), A and B both with the reduction along their rows.
+// FULL: dp == DMAX (no guards: straight-line code the compiler can pipeline).
+template <int NT, int DMAX, bool FULL>
+__device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 arows, u32 m0, const u16* B,
+                                           u32 brows, u32 ld, u32 dp) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < DMAX / 16; ++ks) {
+        if (FULL || 16u * ks < dp) {
+            u32 a[3][4], b[NT / 2][3][4];
+            atc_frag_a(a, A, arows, ld, m0, 16u * ks);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) atc_frag_b_nt(b[np], B, brows, ld, 16u * np, 16u * ks);
+            atc_mma6<NT / 2>(c, 0, a, b);
+        }
+    }
+}
+
+// acc[nt] (columns 8 nt < dp) += P . X for the k16 step kk of a warp's probability tile (A
+// parts a) and the tile X [3][xrows][ld] whose rows are the reduction index; four n8 tiles at a
+// time (a pair at or past dp gets zero B registers: its tiles are never stored). FULL as in
+// atc_scores.
+template <int DMAX, bool FULL>
+__device__ __forceinline__ void atc_wsum(float (&acc)[DMAX / 8][4], const u32 (&a)[3][4], const u16* X,
+                                         u32 xrows, u32 ld, u32 kk, u32 dp) {
+    static_assert(DMAX % 32 == 0, "four n8 tiles per step");
+#pragma unroll
+    for (int np = 0; np < DMAX / 16; np += 2) {
+        if (FULL || 16u * np < dp) {
+            u32 b[2][3][4];
+            atc_frag_b_tr(b[0], X, xrows, ld, 16u * np, kk);
+            if (FULL || 16u * (np + 1) < dp) {
+                atc_frag_b_tr(b[1], X, xrows, ld, 16u * (np + 1), kk);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 3; ++q)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) b[1][q][e] = 0u;
+            }
+            atc_mma6<2>(acc, 2 * np, a, b);
+        }
+    }
+}
+
+// Max / sum over the 4 lanes of a quad (the lanes holding one accumulator row; xor 1 then 2).
+__device__ __forceinline__ float atc_qmax(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+__device__ __forceinline__ float atc_qsum(float v) {
+    v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
+// Stores a warp's 16 x D accumulator rows (times `mul` unless mul == 1) to rows r0 + g and
+// r0 + g + 8 (those < T) of `dst` (row stride `stride`, from `base`), columns < D.
+template <int DMAX>
+__device__ __forceinline__ void atc_store(float* __restrict__ dst, const float (&acc)[DMAX / 8][4], u64 base_row,
+                                          u32 r0, u32 T, u64 stride, u64 head_off, u32 D, float mul,
+                                          bool scaled) {
+    const u32 lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 r = r0 + g + 8u * hf;
+        if (r < T) {
+            float* row = dst + (base_row + r) * stride + head_off;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                const u32 c = 8u * nt + 2u * t;
+                if (c < D) {
+                    const float x = acc[nt][2 * hf], y = acc[nt][2 * hf + 1];
+                    row[c] = scaled ? __fmul_rn(x, mul) : x;
+                    row[c + 1] = scaled ? __fmul_rn(y, mul) : y;
+                }
+            }
+        }
+    }
+}
+
+// Training forward. Grid (B, hq, ceil(max_len / 64)), block ATC_THREADS; block (b, h, z) owns
+// query rows row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w
+// rows row0 + 16w ... Per key tile of BK keys kt < min(row0 + 64, T) (the warp skips tiles
+// wholly after its rows): s = fl(q.k) * scale masked to j <= i, j < T (else -inf); per row the
+// running max m (quad max), alpha = exp(m_old - m), p = exp(s - m), the thread's partial row
+// sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in key order).
+// At the end l is the quad sum of the partials (xor 1 then 2), out = o / l, lse = m + log(l).
+// Dynamic shared memory (BF16): 3 * ld * (64 + 2 * BK) (q, k, v planes).
+template <int DMAX, int BK, bool FULL>
+__device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, const float* __restrict__ k,
+                                                 const float* __restrict__ v, const u32* __restrict__ offsets,
+                                                 float* __restrict__ out, float* __restrict__ lse, u32 hq,
+                                                 u32 hkv, u32 D, float scale) {
+    extern __shared__ float4 smem4[];
+    u16* sm = reinterpret_cast<u16*>(smem4);
+    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
+    u16* qs = sm;
+    u16* ks = qs + 3u * ATC_BR * ld;
+    u16* vs = ks + 3u * BK * ld;
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_BR;
+    if (row0 >= T) return;  // block-uniform
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    const u32 wr = row0 + 16u * w;  // the warp's first row
+    const u32 ir[2] = {wr + g, wr + g + 8u};
+    float o[DMAX / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+    float m[2] = {att_neg_inf(), att_neg_inf()}, l[2] = {0.0f, 0.0f};
+    // Tile 0 holds key 0 <= i, 0 < T for every row of the block (rows past T included; they are
+    // never stored): each row's max is finite from the first tile on.
+    const u32 kend = min(row0 + ATC_BR, T);
+    for (u32 kt = 0; kt < kend; kt += BK) {
+        __syncthreads();  // the previous tile's products are done with k and v
+        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        __syncthreads();
+        if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
+        float s[BK / 8][4];
+        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const u32 i = ir[hf];
+            float mx = att_neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 j = kt + 8u * nt + 2u * t + e;
+                    float& x = s[nt][2 * hf + e];
+                    x = (j <= i && j < T) ? __fmul_rn(x, scale) : att_neg_inf();
+                    mx = fmaxf(mx, x);
+                }
+            const float m_new = fmaxf(m[hf], atc_qmax(mx));
+            const float alpha = expf(__fsub_rn(m[hf], m_new));  // 0 on the first tile
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[nt][2 * hf + e];
+                    x = expf(__fsub_rn(x, m_new));  // masked: exp(-inf) = 0
+                    rs = __fadd_rn(rs, x);
+                }
+            l[hf] = __fadd_rn(__fmul_rn(l[hf], alpha), rs);
+            m[hf] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                o[nt][2 * hf] = __fmul_rn(o[nt][2 * hf], alpha);
+                o[nt][2 * hf + 1] = __fmul_rn(o[nt][2 * hf + 1], alpha);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
+            u32 a[3][4];
+            atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+            atc_wsum<DMAX, FULL>(o, a, vs, BK, ld, 16u * kk, dp);
+        }
+    }
+    float lt[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) lt[hf] = atc_qsum(l[hf]);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 i = ir[hf];
+        if (i < T) {
+            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                const u32 c = 8u * nt + 2u * t;
+                if (c < D) {
+                    orow[c] = __fdiv_rn(o[nt][2 * hf], lt[hf]);
+                    orow[c + 1] = __fdiv_rn(o[nt][2 * hf + 1], lt[hf]);
+                }
+            }
+            if (t == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[hf], logf(lt[hf]));
+        }
+    }
+}
+
+// p = exp(s * scale - lse_i), ds = p * (dp - delta_i) for the pairs j <= i < T, both 0 for
+// the others (s and dp replaced in place).
+__device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scale, float lse_i, float del_i) {
+    const float p = expf(__fsub_rn(__fmul_rn(s, scale), lse_i));
+    const float ds = __fmul_rn(p, __fsub_rn(dp, del_i));
+    s = ok ? p : 0.0f;
+    dp = ok ? ds : 0.0f;
+}
+
+// dq. Grid (B, hq, ceil(max_len / 64)), rows as attn_fwd_tc. Per key tile of BK keys
+// kt < min(row0 + 64, T) (the warp skips tiles wholly after its rows): S = Q K^T, dP = dO V^T,
+// p and ds (atc_pds), dq += dS K (k16 steps in key order); at the end dq = scale * dq.
+// Dynamic shared memory (BF16): 3 * ld * (2 * 64 + 2 * BK) (q, dout, k, v planes).
+template <int DMAX, int BK, bool FULL>
+__device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
+                                                    const float* __restrict__ k, const float* __restrict__ v,
+                                                    const float* __restrict__ lse,
+                                                    const float* __restrict__ delta,
+                                                    const u32* __restrict__ offsets, float* __restrict__ dq,
+                                                    u32 hq, u32 hkv, u32 D, float scale) {
+    extern __shared__ float4 smem4[];
+    u16* sm = reinterpret_cast<u16*>(smem4);
+    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
+    u16* qs = sm;
+    u16* dos = qs + 3u * ATC_BR * ld;
+    u16* ks = dos + 3u * ATC_BR * ld;
+    u16* vs = ks + 3u * BK * ld;
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_BR;
+    if (row0 >= T) return;  // block-uniform
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(dos, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp);
+    const u32 wr = row0 + 16u * w;
+    const u32 ir[2] = {wr + g, wr + g + 8u};
+    float lse_r[2], del_r[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        lse_r[hf] = ir[hf] < T ? lse[(u64)(t0 + ir[hf]) * hq + h] : 0.0f;
+        del_r[hf] = ir[hf] < T ? delta[(u64)(t0 + ir[hf]) * hq + h] : 0.0f;
+    }
+    float acc[DMAX / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+    const u32 kend = min(row0 + ATC_BR, T);
+    for (u32 kt = 0; kt < kend; kt += BK) {
+        __syncthreads();  // the previous tile's products are done with k and v
+        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        __syncthreads();
+        if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
+        float s[BK / 8][4], dpv[BK / 8][4];
+        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
+        atc_scores<BK / 8, DMAX, FULL>(dpv, dos, ATC_BR, 16u * w, vs, BK, ld, dp);
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 j = kt + 8u * nt + 2u * t + e, i = ir[hf];
+                    atc_pds(s[nt][2 * hf + e], dpv[nt][2 * hf + e], j <= i && i < T, scale, lse_r[hf],
+                            del_r[hf]);
+                }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: ds = 0
+            u32 a[3][4];
+            atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
+            atc_wsum<DMAX, FULL>(acc, a, ks, BK, ld, 16u * kk, dp);
+        }
+    }
+    atc_store<DMAX>(dq, acc, t0, wr, T, qstride, (u64)h * D, D, scale, true);
+}
+
+// dk, dv. Grid (B, hkv, ceil(max_len / 64)); block (b, kh, z) owns key rows j0 .. j0+63
+// (j0 = z * 64), warp w keys j0 + 16w ..; it sums over the group's query heads in increasing
+// order and, per head, over query tiles of BQ queries it = j0, j0 + BQ, .. < T (the warp skips
+// tiles wholly before its keys): S^T = K Q^T, dP^T = V dO^T, p and ds (atc_pds, with lse and
+// delta of the query), dv += P^T dO, dk += dS^T Q (k16 steps in query order); at the end
+// dk = scale * dk. Dynamic shared memory: BF16 3 * ld * (2 * 64 + 2 * BQ) (k, v, q, dout
+// planes), then f32 2 * BQ (lse, delta of the tile's queries).
+template <int DMAX, int BQ, bool FULL>
+__device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
+                                                      const float* __restrict__ k, const float* __restrict__ v,
+                                                      const float* __restrict__ lse,
+                                                      const float* __restrict__ delta,
+                                                      const u32* __restrict__ offsets, float* __restrict__ dk,
+                                                      float* __restrict__ dv, u32 hq, u32 hkv, u32 D,
+                                                      float scale) {
+    extern __shared__ float4 smem4[];
+    u16* sm = reinterpret_cast<u16*>(smem4);
+    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
+    u16* ks = sm;
+    u16* vs = ks + 3u * ATC_BR * ld;
+    u16* qs = vs + 3u * ATC_BR * ld;
+    u16* dos = qs + 3u * BQ * ld;
+    float* lse_t = reinterpret_cast<float*>(dos + 3u * BQ * ld);  // ld * 6 * rows: 4-byte aligned
+    float* del_t = lse_t + BQ;
+    const u32 b = blockIdx.x, kh = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 j0 = blockIdx.z * ATC_BR;
+    if (j0 >= T) return;  // block-uniform
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 gq = hq / hkv;
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    atc_load<ATC_BR, DMAX, FULL>(ks, ld, k, t0, j0, T, kstride, (u64)kh * D, D, dp);
+    atc_load<ATC_BR, DMAX, FULL>(vs, ld, v, t0, j0, T, kstride, (u64)kh * D, D, dp);
+    const u32 wj = j0 + 16u * w;  // the warp's first key
+    const u32 jr[2] = {wj + g, wj + g + 8u};
+    float adk[DMAX / 8][4], adv[DMAX / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            adk[nt][e] = 0.0f;
+            adv[nt][e] = 0.0f;
+        }
+    for (u32 hh = 0; hh < gq; ++hh) {
+        const u32 h = kh * gq + hh;
+        for (u32 it = j0; it < T; it += BQ) {
+            __syncthreads();  // the previous tile's products are done with q, dout, lse, delta
+            atc_load<BQ, DMAX, FULL>(qs, ld, q, t0, it, T, qstride, (u64)h * D, D, dp);
+            atc_load<BQ, DMAX, FULL>(dos, ld, dout, t0, it, T, qstride, (u64)h * D, D, dp);
+            if (threadIdx.x < BQ) {
+                const u32 r = it + threadIdx.x;
+                lse_t[threadIdx.x] = r < T ? lse[(u64)(t0 + r) * hq + h] : 0.0f;
+                del_t[threadIdx.x] = r < T ? delta[(u64)(t0 + r) * hq + h] : 0.0f;
+            }
+            __syncthreads();
+            if (it + BQ - 1u < wj) continue;  // warp-uniform: every query before every key
+            float s[BQ / 8][4], dpv[BQ / 8][4];
+            atc_scores<BQ / 8, DMAX, FULL>(s, ks, ATC_BR, 16u * w, qs, BQ, ld, dp);
+            atc_scores<BQ / 8, DMAX, FULL>(dpv, vs, ATC_BR, 16u * w, dos, BQ, ld, dp);
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 ii = 8u * nt + 2u * t + e, i = it + ii;
+                    const float li = lse_t[ii], di = del_t[ii];
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+                        atc_pds(s[nt][2 * hf + e], dpv[nt][2 * hf + e], i >= jr[hf] && i < T, scale, li, di);
+                }
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                if (it + 16u * kk + 15u < wj) continue;  // every query before every key: p = 0
+                u32 a[3][4];
+                atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+                atc_wsum<DMAX, FULL>(adv, a, dos, BQ, ld, 16u * kk, dp);
+                atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
+                atc_wsum<DMAX, FULL>(adk, a, qs, BQ, ld, 16u * kk, dp);
+            }
+        }
+    }
+    atc_store<DMAX>(dk, adk, t0, wj, T, kstride, (u64)kh * D, D, scale, true);
+    atc_store<DMAX>(dv, adv, t0, wj, T, kstride, (u64)kh * D, D, 1.0f, false);
+}
+
+// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
+// straight-line body when D is the largest, a guarded one below). The second launch bound is
+// the blocks per SM the shared memory allows at the largest D.
+#define ATC_FWD_CALL(DM, BK)                                                                       \
+    if (D == DM)                                                                                  \
+        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
+    else                                                                                          \
+        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
+#define ATC_DQ_CALL(DM, BK)                                                                        \
+    if (D == DM)                                                                                  \
+        attn_bwd_dq_tc_body<DM, BK, true>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale); \
+    else                                                                                          \
+        attn_bwd_dq_tc_body<DM, BK, false>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale)
+#define ATC_DKDV_CALL(DM, BQ)                                                                      \
+    if (D == DM)                                                                                  \
+        attn_bwd_dkdv_tc_body<DM, BQ, true>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
+                                            scale);                                               \
+    else                                                                                          \
+        attn_bwd_dkdv_tc_body<DM, BQ, false>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
+                                             scale)
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(64, 64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(128, 32);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dq_tc_64(ATT_DQ_ARGS) {
+    ATC_DQ_CALL(64, 64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dq_tc_128(ATT_DQ_ARGS) {
+    ATC_DQ_CALL(128, 32);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dkdv_tc_64(ATT_DKDV_ARGS) {
+    ATC_DKDV_CALL(64, 64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dkdv_tc_128(ATT_DKDV_ARGS) {
+    ATC_DKDV_CALL(128, 32);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).

@@ -5,24 +5,30 @@
 //! batches (empty sequences, length 1, lengths around the 32-key dq tile, the 64-row
 //! forward/backward blocks and the 64-key decode chunk, sequences shorter than a block) and
 //! head widths 2..256 across the three kernel instantiations (D ≤ 64, ≤ 128, ≤ 256, each at its
-//! smallest and largest D), including the training shape (512 tokens, 16/4 heads, D 128); the log-sum-exp against the exact f64 value; the KV-cache
+//! smallest and largest D), including the training shape (512 tokens, 16/4 heads, D 128), with
+//! both training kernel families (tensor cores: bounds of `AttnSums::Bf16x3Mma`; CUDA cores:
+//! `AttnSums::F32`); the log-sum-exp against the exact f64 value; the KV-cache
 //! append bitwise (BF16 round to nearest even, nothing else written); determinism and batch
 //! invariance of decode.
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::gpu::Gpu;
-use mxrl_cuda::ops::attention::{backward_scratch_len, decode_scratch_len, Attention};
+use mxrl_cuda::ops::attention::{
+    backward_scratch_len, decode_scratch_len, Attention, TrainingKernels,
+};
 use mxrl_tensor::attention::{attention_backward, attention_decode, attention_forward, AttnShape};
 use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::precision::round_bf16;
 use mxrl_tensor::tolerance::{
-    attention_backward_bounds, attention_forward_bounds, attention_row_bound, violations,
+    attention_backward_bounds, attention_forward_bounds, attention_row_bound, violations, AttnSums,
 };
 use mxrl_tensor::SeqLayout;
 use rand::{Rng, SeedableRng};
 
-/// The forward kernel's key tile (levels of the online softmax in the bound).
-const KEY_TILE: usize = 64;
+/// The smallest key tile of the forward kernels (32: the tensor-core kernels for D > 64; the
+/// others use 64): the levels of the online softmax in the bound (a tile of keys all after a
+/// row rescales it by exactly 1).
+const KEY_TILE: usize = 32;
 /// Keys per level of the decode bound: one level per 32 keys, at least as many as the decode's
 /// 64-key chunks combine.
 const DECODE_TILE: usize = 32;
@@ -160,15 +166,42 @@ fn run_training(
 
 #[test]
 fn training_forward_and_backward_match_reference_within_derived_bounds() {
+    training_case(TrainingKernels::TensorCores);
+}
+
+#[test]
+fn training_cuda_core_kernels_match_reference_within_derived_bounds() {
+    training_case(TrainingKernels::CudaCores);
+}
+
+#[test]
+fn training_kernels_evaluate_sums_as_documented() {
+    // Which error model each head width gets (the bounds of the two tests above use it).
     let g = gpu();
-    let ops = Attention::new(&g).unwrap();
+    let tc = Attention::new(&g).unwrap();
+    let cc = Attention::new(&g)
+        .unwrap()
+        .with_training_kernels(TrainingKernels::CudaCores);
+    for d in [2usize, 64, 66, 128] {
+        assert_eq!(tc.training_sums(d), AttnSums::Bf16x3Mma, "D {d}");
+        assert_eq!(cc.training_sums(d), AttnSums::F32, "D {d}");
+    }
+    for d in [130usize, 256] {
+        assert_eq!(tc.training_sums(d), AttnSums::F32, "D {d}");
+    }
+}
+
+fn training_case(kernels: TrainingKernels) {
+    let g = gpu();
+    let ops = Attention::new(&g).unwrap().with_training_kernels(kernels);
     for (case, (lens, s)) in training_cases().into_iter().enumerate() {
         let seed = 3000 + 10 * case as u64;
         let layout = SeqLayout::new(&lens);
         let n = layout.num_tokens();
         let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
+        let sums = ops.training_sums(d);
         let ctx = format!(
-            "case {case}: lens {lens:?}, {s:?}, seeds {seed}..{}",
+            "{kernels:?} case {case}: lens {lens:?}, {s:?}, {sums:?}, seeds {seed}..{}",
             seed + 3
         );
         let q = test_values(n * hq * d, seed, 1.5);
@@ -187,7 +220,8 @@ fn training_forward_and_backward_match_reference_within_derived_bounds() {
         );
         let got = run_training(&g, &ops, &q, &k, &v, &dout, &layout, s);
 
-        let (bo, lse_exact, blse) = attention_forward_bounds(&q, &k, &v, &layout, s, KEY_TILE);
+        let (bo, lse_exact, blse) =
+            attention_forward_bounds(&q, &k, &v, &layout, s, KEY_TILE, sums);
         let f = violations(&got.out, &out, |i| bo[i]);
         assert!(f.is_empty(), "{ctx}: out {f:#?}");
         let lse_ref: Vec<f32> = lse_exact.iter().map(|&x| x as f32).collect();
@@ -196,7 +230,7 @@ fn training_forward_and_backward_match_reference_within_derived_bounds() {
             blse[i] + lse_exact[i].abs() * mxrl_tensor::F32_UNIT_ROUNDOFF
         });
         assert!(f.is_empty(), "{ctx}: lse {f:#?}");
-        let (bq, bk, bv) = attention_backward_bounds(&dout, &q, &k, &v, &layout, s, KEY_TILE);
+        let (bq, bk, bv) = attention_backward_bounds(&dout, &q, &k, &v, &layout, s, KEY_TILE, sums);
         let f = violations(&got.dq, &dq, |i| bq[i]);
         assert!(f.is_empty(), "{ctx}: dq {f:#?}");
         let f = violations(&got.dk, &dk, |i| bk[i]);
@@ -351,6 +385,7 @@ fn kv_append_and_decode_match_reference_within_derived_bounds() {
                     l,
                     scale,
                     l.div_ceil(DECODE_TILE) + 1,
+                    AttnSums::F32,
                 );
                 bound.extend(rb.out);
             }

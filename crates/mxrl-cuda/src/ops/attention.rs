@@ -6,12 +6,21 @@
 //! device); query head `h` reads kv head `h / (Hq/Hkv)`; scale `1/√D`
 //! (`mxrl_tensor::attention::AttnShape::scale`). Any even `D ≤ 256`.
 //!
-//! The forward is flash-style: a block of 256 threads owns 64 query rows and walks tiles of 64
-//! keys in shared memory, an online softmax in registers, `O(T)` memory per head (no `[T, T]`
-//! matrix anywhere). The backward recomputes the probabilities from `lse`:
-//! `delta = rowsum(dout∘out)`, one kernel for `dq` iterating over key tiles (32 keys) and one
-//! for `dk, dv` (64 key rows per block) iterating over query tiles (the group's query heads
-//! summed in order), no atomics. The tile kernels are register-tiled: each thread computes
+//! The forward is flash-style: a block owns 64 query rows and walks tiles of keys in shared
+//! memory, an online softmax in registers, `O(T)` memory per head (no `[T, T]` matrix
+//! anywhere). The backward recomputes the probabilities from `lse`:
+//! `delta = rowsum(dout∘out)`, one kernel for `dq` iterating over key tiles and one for
+//! `dk, dv` (64 key rows per block) iterating over query tiles (the group's query heads
+//! summed in order), no atomics.
+//!
+//! Two implementations of these three kernels ([`TrainingKernels`]). The tensor-core ones
+//! (`D ≤ 128`, the default) split every f32 operand into three BF16 parts and sum the six
+//! leading part products with `mma.m16n8k16` (f32 accumulation): the f32 operands, scores and
+//! probabilities enter with all their bits, nothing is rounded to BF16 that the reference
+//! keeps in f32, and the error is bounded by `mxrl_tensor::tolerance::AttnSums::Bf16x3Mma`.
+//! Blocks of 4 warps, 16 rows per warp; key (query) tiles of 64 for `D ≤ 64`, 32 for
+//! `D ≤ 128` (shared memory: three BF16 planes per tile). The CUDA-core ones (any `D ≤ 256`,
+//! and the fallback above 128) are register-tiled: each thread computes
 //! 4 rows × 2 or 4 columns of a score tile (one accumulator per score, the `D` products added
 //! in index order) and 4 rows × `4·NCH` columns of a weighted sum; each kernel comes in three
 //! instantiations by the column chunks `NCH = ceil(D/64)` (1, 2 or 4), picked here by `D`.
@@ -41,10 +50,14 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const DECODE_CHUNK: usize = 64;
 /// Threads per block of the training tile kernels (`ATT_THREADS`).
 const TILE_THREADS: u32 = 256;
-/// Query rows of a forward / dq block, key rows of a dk/dv block (`ATT_BR`).
+/// Query rows of a forward / dq block, key rows of a dk/dv block (`ATT_BR`, `ATC_BR`).
 const BR: usize = 64;
 /// Keys per forward tile (`ATT_BF`).
 const BF: usize = 64;
+/// Largest `D` of the tensor-core kernels (`ATC_MAX_D`).
+const TC_MAX_D: usize = 128;
+/// Threads per block of the tensor-core kernels (`ATC_THREADS`).
+const TC_THREADS: u32 = 128;
 /// Keys per dq tile (`ATT_BK`).
 const BK: usize = 32;
 /// Row stride of the probability tiles (`ATT_PS`).
@@ -98,6 +111,44 @@ fn smem_dkdv(d: usize) -> usize {
     let bq = dkdv_bq(d);
     4 * (2 * BR * stride(d) + 2 * bq * stride(d) + 2 * bq * PS + 2 * bq)
 }
+/// Keys (forward, dq) or queries (dk/dv) per step of the tensor-core kernels for `D`:
+/// 64 for `D ≤ 64` (`_tc_64`), 32 above (`_tc_128`).
+fn tc_tile(d: usize) -> usize {
+    if d <= 64 {
+        64
+    } else {
+        32
+    }
+}
+/// Row stride (BF16 elements) of the tensor-core kernels' shared planes: `D` rounded up to 16,
+/// plus 8.
+fn tc_ld(d: usize) -> usize {
+    d.div_ceil(16) * 16 + 8
+}
+fn smem_fwd_tc(d: usize) -> usize {
+    2 * 3 * tc_ld(d) * (BR + 2 * tc_tile(d))
+}
+fn smem_dq_tc(d: usize) -> usize {
+    2 * 3 * tc_ld(d) * (2 * BR + 2 * tc_tile(d))
+}
+fn smem_dkdv_tc(d: usize) -> usize {
+    smem_dq_tc(d) + 4 * 2 * tc_tile(d)
+}
+/// Largest `D` of each tensor-core instantiation (`_tc_64`, `_tc_128`).
+const TC_CLASS_MAX_D: [usize; 2] = [64, 128];
+
+/// Which kernels run the training forward and backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TrainingKernels {
+    /// BF16 tensor cores on three-part splits of the f32 operands for `D ≤ 128`
+    /// (`attn_*_tc_*`; sums bounded by `AttnSums::Bf16x3Mma`), the CUDA-core kernels above.
+    #[default]
+    TensorCores,
+    /// The register-tiled f32 CUDA-core kernels for every `D` (IEEE f32 products and sums;
+    /// `AttnSums::F32`).
+    CudaCores,
+}
+
 /// Query heads a decode block keeps in shared memory per pass (`ATT_DEC_G`).
 const DEC_G: usize = 8;
 fn smem_dec(d: usize) -> usize {
@@ -141,10 +192,14 @@ fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {
 /// The loaded attention kernels.
 pub struct Attention {
     gpu: Gpu,
+    kernels: TrainingKernels,
     fwd: [CudaFunction; 3],
     delta: CudaFunction,
     dq: [CudaFunction; 3],
     dkdv: [CudaFunction; 3],
+    fwd_tc: [CudaFunction; 2],
+    dq_tc: [CudaFunction; 2],
+    dkdv_tc: [CudaFunction; 2],
     append: CudaFunction,
     dec_partial: CudaFunction,
     dec_combine: CudaFunction,
@@ -167,6 +222,10 @@ impl Attention {
         };
         let a = Attention {
             gpu: gpu.clone(),
+            kernels: TrainingKernels::default(),
+            fwd_tc: [f("attn_fwd_tc_64")?, f("attn_fwd_tc_128")?],
+            dq_tc: [f("attn_bwd_dq_tc_64")?, f("attn_bwd_dq_tc_128")?],
+            dkdv_tc: [f("attn_bwd_dkdv_tc_64")?, f("attn_bwd_dkdv_tc_128")?],
             fwd: [f("attn_fwd_64")?, f("attn_fwd_128")?, f("attn_fwd_256")?],
             delta: f("attn_bwd_delta")?,
             dq: [
@@ -200,6 +259,23 @@ impl Attention {
             limits.push((&a.dq[c], smem_dq(dmax), format!("attn_bwd_dq_{dmax}")));
             limits.push((&a.dkdv[c], smem_dkdv(dmax), format!("attn_bwd_dkdv_{dmax}")));
         }
+        for (c, &dmax) in TC_CLASS_MAX_D.iter().enumerate() {
+            limits.push((
+                &a.fwd_tc[c],
+                smem_fwd_tc(dmax),
+                format!("attn_fwd_tc_{dmax}"),
+            ));
+            limits.push((
+                &a.dq_tc[c],
+                smem_dq_tc(dmax),
+                format!("attn_bwd_dq_tc_{dmax}"),
+            ));
+            limits.push((
+                &a.dkdv_tc[c],
+                smem_dkdv_tc(dmax),
+                format!("attn_bwd_dkdv_tc_{dmax}"),
+            ));
+        }
         for (func, need, name) in limits {
             let bytes = need.min(a.smem_limit);
             func.set_attribute(
@@ -213,6 +289,45 @@ impl Attention {
             })?;
         }
         Ok(a)
+    }
+
+    /// The same kernels with the training forward and backward run by `kernels`.
+    pub fn with_training_kernels(mut self, kernels: TrainingKernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    /// How the training forward and backward evaluate their dot products and weighted sums
+    /// for head width `d` (the error model of their bounds).
+    pub fn training_sums(&self, d: usize) -> mxrl_tensor::tolerance::AttnSums {
+        if self.tensor_cores(d) {
+            mxrl_tensor::tolerance::AttnSums::Bf16x3Mma
+        } else {
+            mxrl_tensor::tolerance::AttnSums::F32
+        }
+    }
+
+    fn tensor_cores(&self, d: usize) -> bool {
+        self.kernels == TrainingKernels::TensorCores && d <= TC_MAX_D
+    }
+
+    /// Function, block size and shared memory of the training kernel `which` (0 forward, 1 dq,
+    /// 2 dk/dv) for head width `d`.
+    fn training_kernel(&self, which: usize, d: usize) -> (&CudaFunction, u32, usize) {
+        if self.tensor_cores(d) {
+            let c = usize::from(d > 64);
+            match which {
+                0 => (&self.fwd_tc[c], TC_THREADS, smem_fwd_tc(d)),
+                1 => (&self.dq_tc[c], TC_THREADS, smem_dq_tc(d)),
+                _ => (&self.dkdv_tc[c], TC_THREADS, smem_dkdv_tc(d)),
+            }
+        } else {
+            match which {
+                0 => (&self.fwd[class(d)], TILE_THREADS, smem_fwd(d)),
+                1 => (&self.dq[class(d)], TILE_THREADS, smem_dq(d)),
+                _ => (&self.dkdv[class(d)], TILE_THREADS, smem_dkdv(d)),
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -293,17 +408,18 @@ impl Attention {
         check_len(&self.gpu, "attention forward v", v.len(), n * hkv * d)?;
         check_len(&self.gpu, "attention forward out", out.len(), n * hq * d)?;
         check_len(&self.gpu, "attention forward lse", lse.len(), n * hq)?;
-        self.check_smem(op, d, smem_fwd(d))?;
+        let (func, threads, smem) = self.training_kernel(0, d);
+        self.check_smem(op, d, smem)?;
         if num_seqs == 0 || max_len == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
             grid_dim: (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32),
-            block_dim: (TILE_THREADS, 1, 1),
-            shared_mem_bytes: smem_fwd(d) as u32,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
         };
         let (hq32, hkv32, d32, scale) = (hq as u32, hkv as u32, d as u32, shape.scale());
-        let mut b = self.gpu.stream().launch_builder(&self.fwd[class(d)]);
+        let mut b = self.gpu.stream().launch_builder(func);
         b.arg(q)
             .arg(k)
             .arg(v)
@@ -318,8 +434,9 @@ impl Attention {
         // offsets[b] + i for i < T_b ≤ max_len (reads and writes guarded by i < T_b), rows <
         // offsets[B] ≤ N (the caller's offsets contract) of q/out (N·Hq·D checked), k/v
         // (N·Hkv·D checked) and lse (N·Hq checked), head slices h·D + d < Hq·D,
-        // kh·D + d < Hkv·D (geometry checked); the instantiation class(D) covers D; shared
-        // memory smem_fwd(D) ≤ the attribute set in `new` for that class; types match.
+        // kh·D + d < Hkv·D (geometry checked); the instantiation training_kernel picks covers
+        // D; its shared memory ≤ the attribute set in `new` for that instantiation (the
+        // largest D of the class); types match (both families take the same arguments).
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -369,8 +486,10 @@ impl Attention {
         check_len(g, "attention backward dq", dq.len(), n * hq * d)?;
         check_len(g, "attention backward dk", dk.len(), n * hkv * d)?;
         check_len(g, "attention backward dv", dv.len(), n * hkv * d)?;
-        self.check_smem(op, d, smem_dq(d))?;
-        self.check_smem(op, d, smem_dkdv(d))?;
+        let (dq_func, dq_threads, dq_smem) = self.training_kernel(1, d);
+        let (dkdv_func, dkdv_threads, dkdv_smem) = self.training_kernel(2, d);
+        self.check_smem(op, d, dq_smem)?;
+        self.check_smem(op, d, dkdv_smem)?;
         if num_seqs == 0 || max_len == 0 || n == 0 {
             return Ok(());
         }
@@ -396,10 +515,10 @@ impl Attention {
         let delta_v = delta.slice(..);
         let cfg = LaunchConfig {
             grid_dim: (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32),
-            block_dim: (TILE_THREADS, 1, 1),
-            shared_mem_bytes: smem_dq(d) as u32,
+            block_dim: (dq_threads, 1, 1),
+            shared_mem_bytes: dq_smem as u32,
         };
-        let mut b = g.stream().launch_builder(&self.dq[class(d)]);
+        let mut b = g.stream().launch_builder(dq_func);
         b.arg(dout)
             .arg(q)
             .arg(k)
@@ -413,16 +532,16 @@ impl Attention {
             .arg(&d32)
             .arg(&scale);
         // SAFETY: as the forward: rows offsets[b] + i < offsets[B] ≤ N of dout/q/dq (N·Hq·D),
-        // k/v (N·Hkv·D), lse/delta (N·Hq), all checked; shared memory smem_dq(D) ≤ the
-        // attribute set in `new` for class(D); types match the kernel.
+        // k/v (N·Hkv·D), lse/delta (N·Hq), all checked; the kernel's shared memory ≤ the
+        // attribute set in `new` for its instantiation; types match the kernel.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
 
         let cfg = LaunchConfig {
             grid_dim: (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32),
-            block_dim: (TILE_THREADS, 1, 1),
-            shared_mem_bytes: smem_dkdv(d) as u32,
+            block_dim: (dkdv_threads, 1, 1),
+            shared_mem_bytes: dkdv_smem as u32,
         };
-        let mut b = g.stream().launch_builder(&self.dkdv[class(d)]);
+        let mut b = g.stream().launch_builder(dkdv_func);
         b.arg(dout)
             .arg(q)
             .arg(k)
@@ -438,8 +557,8 @@ impl Attention {
             .arg(&scale);
         // SAFETY: block (b, kh, z) touches key rows offsets[b] + j (j < T_b) of k/v/dk/dv
         // (N·Hkv·D checked) and query rows offsets[b] + i (i < T_b) of q/dout (N·Hq·D) and
-        // lse/delta (N·Hq), heads kh·g + hh < Hq; shared memory smem_dkdv(D) ≤ the attribute
-        // set in `new` for class(D) (same query tile); types match the kernel.
+        // lse/delta (N·Hq), heads kh·g + hh < Hq; the kernel's shared memory ≤ the attribute
+        // set in `new` for its instantiation (same tile); types match the kernel.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
