@@ -60,6 +60,11 @@ pub struct ModelArgs {
     /// (`bf16`, `mxfp8`, `nvfp4`; comma separated), each against BF16 in the same run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     expert_formats: Vec<String>,
+    /// Also time the training step under these precision recipes (presets or TOML files;
+    /// comma separated): the engine runs each plan's block-format linears on their stored
+    /// bytes with the plan's backward mode, each against BF16 in the same run.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
+    train_recipes: Vec<String>,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
@@ -124,6 +129,8 @@ struct Results {
     train_tokens_per_s: Option<f64>,
     /// Model FLOPs utilisation of the training step against `--peak-tflops`.
     train_mfu: Option<f64>,
+    /// (recipe, training step ms, what ran) for `--train-recipes` other than BF16.
+    train_recipes: Vec<(String, f64, String)>,
 }
 
 /// Prefill and decode with the routed experts in one block format.
@@ -240,52 +247,7 @@ fn measure<B: Backend>(
     e.quantize_experts(LinearSpec::bf16())?;
     if a.train_seqs > 0 && a.train_len > 1 {
         e.enable_training()?;
-        let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
-            .map(|s| {
-                (0..a.train_len as u32)
-                    .map(|i| (i * 131 + s as u32 * 977 + 5) % v)
-                    .collect()
-            })
-            .collect();
-        let batch: Vec<SeqInput> = seqs.iter().map(|q| SeqInput::next_token(q)).collect();
-        let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
-        let cfg = mxrl_tensor::optim::AdamWConfig {
-            lr: 1e-5,
-            ..Default::default()
-        };
-        let mut times = Vec::new();
-        for step in 0..a.train_steps + TRAIN_WARMUP {
-            let t = Instant::now();
-            let (lp, tape) = e.forward_train(&batch, 1.0)?;
-            let t_fwd = t.elapsed();
-            // Loss = −mean logprob: dL/dlogprob = −1/N per token.
-            let dl: Vec<Vec<f32>> = lp
-                .iter()
-                .map(|l| vec![-1.0 / ntok as f32; l.len()])
-                .collect();
-            e.zero_grads()?;
-            e.backward(&tape, &dl)?;
-            let t_bwd_queued = t.elapsed();
-            e.backend().synchronize()?;
-            let t_bwd = t.elapsed();
-            drop(tape);
-            e.optimizer_step(&cfg, 0.0, Some(1.0))?;
-            e.backend().synchronize()?;
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            let f = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-            eprintln!(
-                "train step {step}: {ms:.1} ms (forward {:.1}, backward {:.1} of which {:.1} \
-                 queueing on the host, optimizer {:.1})",
-                f(t_fwd),
-                f(t_bwd - t_fwd),
-                f(t_bwd_queued - t_fwd),
-                ms - f(t_bwd)
-            );
-            if step >= TRAIN_WARMUP {
-                times.push(ms);
-            }
-        }
-        let ms = median(times);
+        let (ms, ntok) = time_training(e, a, "bf16")?;
         r.train_tokens = ntok;
         r.train_step_ms = Some(ms);
         let tps = ntok as f64 / (ms / 1e3);
@@ -298,9 +260,70 @@ fn measure<B: Backend>(
             6.0 * c.num_layers as f64 * a.train_len as f64 * (c.num_heads * c.head_dim) as f64;
         let flops_per_token = 6.0 * active + attn;
         r.train_mfu = Some(flops_per_token * tps / (a.peak_tflops * 1e12));
+        for recipe in a.train_recipes.iter().filter(|x| x.as_str() != "bf16") {
+            let plan = mxrl_rl::moe::plan_for(e.config(), recipe)?;
+            mxrl_rl::engine::check_engine_plan(&plan)?;
+            let what = e.apply_plan(&plan)?;
+            eprintln!("recipe {recipe}: {what}");
+            let (ms, _) = time_training(e, a, recipe)?;
+            r.train_recipes.push((recipe.clone(), ms, what));
+        }
     }
     r.peak_device_bytes = peak(e);
     Ok(r)
+}
+
+/// Median training step (forward, backward, clipping and AdamW; block-format weights
+/// re-quantized by the step) over `--train-steps` after the warm-up; returns it and the
+/// tokens per step.
+fn time_training<B: Backend>(e: &mut Engine<B>, a: &ModelArgs, label: &str) -> Result<(f64, usize)> {
+    let v = e.config().vocab_size as u32;
+    let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
+        .map(|s| {
+            (0..a.train_len as u32)
+                .map(|i| (i * 131 + s as u32 * 977 + 5) % v)
+                .collect()
+        })
+        .collect();
+    let batch: Vec<SeqInput> = seqs.iter().map(|q| SeqInput::next_token(q)).collect();
+    let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+    let cfg = mxrl_tensor::optim::AdamWConfig {
+        lr: 1e-5,
+        ..Default::default()
+    };
+    let mut times = Vec::new();
+    for step in 0..a.train_steps + TRAIN_WARMUP {
+        let t = Instant::now();
+        let (lp, tape) = e.forward_train(&batch, 1.0)?;
+        let t_fwd = t.elapsed();
+        // Loss = −mean logprob: dL/dlogprob = −1/N per token.
+        let dl: Vec<Vec<f32>> = lp
+            .iter()
+            .map(|l| vec![-1.0 / ntok as f32; l.len()])
+            .collect();
+        e.zero_grads()?;
+        e.backward(&tape, &dl)?;
+        let t_bwd_queued = t.elapsed();
+        e.backend().synchronize()?;
+        let t_bwd = t.elapsed();
+        drop(tape);
+        e.optimizer_step(&cfg, 0.0, Some(1.0))?;
+        e.backend().synchronize()?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let f = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        eprintln!(
+            "{label} train step {step}: {ms:.1} ms (forward {:.1}, backward {:.1} of which {:.1} \
+             queueing on the host, optimizer {:.1})",
+            f(t_fwd),
+            f(t_bwd - t_fwd),
+            f(t_bwd_queued - t_fwd),
+            ms - f(t_bwd)
+        );
+        if step >= TRAIN_WARMUP {
+            times.push(ms);
+        }
+    }
+    Ok((median(times), ntok))
 }
 
 /// The linear spec of `--expert-formats` entry `name` (forward only: the backward mode is not
@@ -481,6 +504,24 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             theirs.map_or("-".into(), |x| format!("{x:.0} tok/s")),
             theirs.map_or("-".into(), |t| format!("{:.2}×", tps / t)),
         );
+    }
+    if !r.train_recipes.is_empty() {
+        if let Some(base) = r.train_step_ms {
+            println!();
+            println!("| recipe | training step | tokens/s | vs BF16 | what ran |");
+            println!("|---|---|---|---|---|");
+            println!(
+                "| bf16 | {base:.1} ms | {:.0} | 1.00× | BF16 linears |",
+                r.train_tokens as f64 / (base / 1e3)
+            );
+            for (name, ms, what) in &r.train_recipes {
+                println!(
+                    "| {name} | {ms:.1} ms | {:.0} | {:.2}× | {what} |",
+                    r.train_tokens as f64 / (ms / 1e3),
+                    ms / base
+                );
+            }
+        }
     }
     if let Some(p) = &a.json_out {
         // Through the one atomic-write helper: an interrupted run leaves the previous file
