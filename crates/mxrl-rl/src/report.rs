@@ -957,7 +957,12 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     }
     let _ = writeln!(
         s,
-        "- Timing note: rollout/train times are wall-clock of this machine; on CPU the block-format GEMMs are emulated (operands quantized by the contract quantizer and decoded exactly, f32 accumulation), so time differences between recipes are not format speedups."
+        "- Timing note: rollout/train times are wall-clock of this machine; {}",
+        if man.device.starts_with("GPU") {
+            "on Hopper the block-format products run exactly on BF16 tensor cores (decode reads the stored bytes, the training backward of block-format linears still runs one expert at a time), so the time differences are this engine's, not the formats' on hardware with MXFP8/NVFP4 tensor cores."
+        } else {
+            "on CPU the block-format GEMMs are emulated (operands quantized by the contract quantizer and decoded exactly, f32 accumulation), so time differences between recipes are not format speedups."
+        }
     );
     let _ = writeln!(s, "\n## Summary\n");
     let _ = writeln!(

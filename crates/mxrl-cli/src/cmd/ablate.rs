@@ -80,8 +80,8 @@ pub fn ablate(
     let cfg = rl.config();
     let device_line = match device {
         Device::Cpu => mxrl_tensor::backend::gemm_backend().name(),
-        Device::Cuda => "GPU 0: the device engine for BF16 recipes, the host model with GPU \
-                         GEMMs for block-format recipes"
+        Device::Cuda => "GPU 0: the device engine (block-format linears on their stored bytes; \
+                         recipes without engine kernels: the host model with GPU GEMMs)"
             .to_string(),
     };
     let spec = AblationSpec {

@@ -276,7 +276,11 @@ fn measure<B: Backend>(
 /// Median training step (forward, backward, clipping and AdamW; block-format weights
 /// re-quantized by the step) over `--train-steps` after the warm-up; returns it and the
 /// tokens per step.
-fn time_training<B: Backend>(e: &mut Engine<B>, a: &ModelArgs, label: &str) -> Result<(f64, usize)> {
+fn time_training<B: Backend>(
+    e: &mut Engine<B>,
+    a: &ModelArgs,
+    label: &str,
+) -> Result<(f64, usize)> {
     let v = e.config().vocab_size as u32;
     let seqs: Vec<Vec<u32>> = (0..a.train_seqs)
         .map(|s| {
