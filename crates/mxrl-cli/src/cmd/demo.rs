@@ -82,7 +82,7 @@ pub struct Args {
     #[arg(long)]
     ops: Option<u32>,
     /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     operators: Option<String>,
     /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`) for the demo model instead of
     /// the char-level one; the model's vocabulary becomes the tokenizer's.

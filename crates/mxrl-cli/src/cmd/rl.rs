@@ -34,7 +34,7 @@ pub struct RlArgs {
     #[arg(long)]
     pub ops: Option<u32>,
     /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub operators: Option<String>,
     /// Optimizer steps (≥ 1).
     #[arg(long, default_value_t = 50, value_parser = validate::count)]

@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long)]
     ops: Option<u32>,
     /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     operators: Option<String>,
     /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`; or a directory holding one) for
     /// the fresh model: its vocabulary size becomes the model's and the file is copied into

@@ -44,7 +44,7 @@ struct TrainArgs {
     #[arg(long)]
     ops: Option<u32>,
     /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     operators: Option<String>,
     /// Problems in the corpus (each gives its prompt and its answer; a prompt file gives at
     /// most its own lines) (≥ 1).
