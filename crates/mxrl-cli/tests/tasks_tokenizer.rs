@@ -340,5 +340,14 @@ fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_anothe
     let mut other = demo;
     other[8] = "tok2/tokenizer.json";
     let e = fails(&other, cwd);
-    assert!(e.contains("another tokenizer"), "{e}");
+    assert!(
+        e.contains("another tokenizer than tok2/tokenizer.json"),
+        "{e}"
+    );
+    // And the char-level default.
+    let e = fails(&demo[..7], cwd);
+    assert!(
+        e.contains("another tokenizer than the char-level one"),
+        "{e}"
+    );
 }

@@ -185,16 +185,20 @@ pub fn run(a: Args) -> Result<()> {
             shape(&want)
         );
         check_warmup(&out, &task_text)?;
-        if let (Some((json, _)), Some(p)) = (&tokenizer, &a.tokenizer) {
-            let there = std::fs::read_to_string(base.join("tokenizer.json"))
-                .with_context(|| format!("reading {}", base.join("tokenizer.json").display()))?;
-            anyhow::ensure!(
-                &there == json,
-                "{}: the warmed-up model there has another tokenizer than {}; use another --out",
-                base.display(),
-                p.display()
-            );
-        }
+        let there = std::fs::read_to_string(base.join("tokenizer.json"))
+            .with_context(|| format!("reading {}", base.join("tokenizer.json").display()))?;
+        let (json, name) = match (&tokenizer, &a.tokenizer) {
+            (Some((json, _)), Some(p)) => (json.clone(), p.display().to_string()),
+            _ => (
+                mxrl_rl::text::char_tokenizer_json(),
+                "the char-level one (no --tokenizer)".to_string(),
+            ),
+        };
+        anyhow::ensure!(
+            there == json,
+            "{}: the warmed-up model there has another tokenizer than {name}; use another --out",
+            base.display()
+        );
         eprintln!("demo: reusing the warmed-up model in {}", base.display());
     } else {
         let start = match a.size {
