@@ -174,7 +174,7 @@ impl ArithmeticTask {
     /// recipe of an ablation sees the same prompts).
     pub fn problem(&self, seed: u64, index: u64) -> Problem {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let digits = self.digits.clamp(1, 6);
+        let digits = self.digits.clamp(1, ARITHMETIC_MAX_DIGITS);
         let hi = 10i64.pow(digits);
         let a = rng.gen_range(0..hi);
         let b = rng.gen_range(0..hi);
@@ -579,6 +579,9 @@ impl TaskSource {
     }
 }
 
+/// Most digits per [`ArithmeticTask`] operand (it draws at most this many).
+pub const ARITHMETIC_MAX_DIGITS: u32 = 6;
+
 /// Operations per problem of the chain task when the command line does not say.
 pub const DEFAULT_CHAIN_OPS: u32 = 3;
 
@@ -633,6 +636,17 @@ impl TaskSpec {
                 })
             }
         };
+        if matches!(kind, Named::Arithmetic) && !(1..=ARITHMETIC_MAX_DIGITS).contains(&self.digits)
+        {
+            return Err(TaskError::Settings {
+                task: "arithmetic".into(),
+                field: "digits".into(),
+                msg: format!(
+                    "expected 1–{ARITHMETIC_MAX_DIGITS} digits per operand, got {}",
+                    self.digits
+                ),
+            });
+        }
         if !matches!(kind, Named::Chain) {
             let task = match kind {
                 Named::Data(f) => f.display().to_string(),
@@ -1005,6 +1019,17 @@ mod tests {
         };
         let e = spec.source(None).unwrap_err().to_string();
         assert!(e.contains("chains") && e.contains("unknown task"), "{e}");
+        // ArithmeticTask draws at most 6 digits: more is refused, not silently clamped.
+        let spec = TaskSpec {
+            digits: 7,
+            ..TaskSpec::default()
+        };
+        let e = spec.describe().unwrap_err().to_string();
+        assert!(
+            e.contains("`digits`") && e.contains("1–6") && e.contains("got 7"),
+            "{e}"
+        );
+        assert!(spec.source(None).is_err());
     }
 
     #[test]

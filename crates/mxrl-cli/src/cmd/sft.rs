@@ -22,7 +22,7 @@ pub struct Args {
     /// `17+5*3-8=`, standard precedence).
     #[arg(long, default_value = "arithmetic")]
     task: String,
-    /// Digits per operand (1–9).
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     digits: u32,
     /// Operations per problem of the chain task (1–16; default 3).

@@ -37,7 +37,7 @@ struct TrainArgs {
     /// DAPO-style JSONL prompt file (`prompt`, `label`): its prompts and `Answer: X` lines.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Digits per operand of the arithmetic and chain tasks (1–9).
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     digits: u32,
     /// Operations per problem of the chain task (1–16; default 3).
