@@ -243,12 +243,29 @@ where
     let vocab = v["model"]["vocab"]
         .as_object_mut()
         .ok_or_else(|| TextError::Train("the trained tokenizer has no model.vocab".into()))?;
-    let mut id = vocab.len();
+    let mut by_id: Vec<(String, u64)> = vocab
+        .iter()
+        .map(|(k, id)| (k.clone(), id.as_u64().unwrap_or(u64::MAX)))
+        .collect();
+    by_id.sort_by_key(|e| e.1);
+    let mut id = by_id.len();
     while id < vocab_size {
-        vocab.insert(format!("<reserved_{id}>"), id.into());
+        by_id.push((format!("<reserved_{id}>"), id as u64));
         id += 1;
     }
-    let out = serde_json::to_string_pretty(&v).map_err(|e| err(&e))?;
+    // The vocabulary is written in id order, one token a line (a JSON map of serde_json
+    // sorts its keys): a placeholder that no serialized token can equal (it holds a NUL,
+    // which the byte-level alphabet writes as `Ā`) is replaced by the ordered map.
+    const SLOT: &str = "\u{0}vocab\u{0}";
+    v["model"]["vocab"] = SLOT.into();
+    let entries: Vec<String> = by_id
+        .iter()
+        .map(|(k, id)| format!("      {}: {id}", serde_json::Value::from(k.as_str())))
+        .collect();
+    let slot = serde_json::to_string(SLOT).expect("a string serializes");
+    let out = serde_json::to_string_pretty(&v)
+        .map_err(|e| err(&e))?
+        .replacen(&slot, &format!("{{\n{}\n    }}", entries.join(",\n")), 1);
     let check = TextCodec::from_bytes(out.as_bytes(), "<trained tokenizer.json>")?;
     if check.vocab_size != vocab_size {
         return Err(TextError::Train(format!(
@@ -319,6 +336,9 @@ mod tests {
             assert_eq!(tok.token_to_id(s), Some(i as u32), "{s}");
         }
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        // The file lists the vocabulary in id order, the specials first.
+        let at = |t: &str| json.find(&format!("\"{t}\": ")).unwrap();
+        assert!(at("<pad>") < at("<eos>") && at("<unk>") < at("!") && at("!") < at("~"));
         let added = v["added_tokens"].as_array().unwrap();
         assert_eq!(added.len(), 4);
         assert!(added.iter().all(|a| a["special"] == true));
