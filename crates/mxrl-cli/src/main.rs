@@ -43,8 +43,10 @@ enum Commands {
     Rl(cmd::rl::Args),
     /// Serve a model's rollout engine over a Unix socket or TCP (for `mxrl rl --rollout`).
     RolloutServer(cmd::rollout_server::Args),
-    /// Supervised warm-up on the arithmetic task; writes a model directory.
+    /// Supervised warm-up on a built-in task; writes a model directory.
     Sft(cmd::sft::Args),
+    /// Train a byte-level BPE tokenizer.json on a task's text (`tokenizer train`).
+    Tokenizer(cmd::tokenizer::Args),
     /// Run the RL loop once per recipe (plus a noise seed) and write the report.
     Ablate(cmd::ablate::Args),
     /// Regenerate report.md and plots of an ablation directory.
@@ -87,6 +89,7 @@ fn main() -> anyhow::Result<()> {
         Commands::Rl(a) => cmd::rl::run(a),
         Commands::RolloutServer(a) => cmd::rollout_server::run(a),
         Commands::Sft(a) => cmd::sft::run(a),
+        Commands::Tokenizer(a) => cmd::tokenizer::run(a),
         Commands::Ablate(a) => cmd::ablate::run(a),
         Commands::Report(a) => cmd::report::run(a),
         Commands::Demo(a) => cmd::demo::run(a),

@@ -214,6 +214,12 @@ pub struct RunSummary {
     pub tokens_per_s: f64,
     /// Total stored weight bytes.
     pub weight_bytes: u64,
+    /// Median over steps of the train throughput, response tokens per second of training
+    /// (`tokens / train_s`; steps without tokens or time left out; NaN when none is left).
+    pub train_tokens_per_s: f64,
+    /// Per decoder layer: the step statistics of `hidden_diff` (steps that recorded the
+    /// layer); empty when the run recorded no probes.
+    pub drift: Vec<Stat>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
@@ -260,7 +266,28 @@ pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
         step_s: Spread::of(&col(|x| x.rollout_s + x.train_s + x.sync_s)),
         tokens_per_s: quantile(&col(|x| x.tokens_per_s), 0.5),
         weight_bytes: e.weight_bytes.values().sum(),
+        train_tokens_per_s: quantile(&train_throughput(m), 0.5),
+        drift: (0..m.iter().map(|x| x.hidden_diff.len()).max().unwrap_or(0))
+            .map(|l| {
+                Stat::of(
+                    &m.iter()
+                        .filter_map(|x| x.hidden_diff.get(l).copied())
+                        .collect::<Vec<f64>>(),
+                )
+            })
+            .collect(),
     }
+}
+
+/// Train throughput of one step: response tokens per second of training (forward, backward
+/// and optimizer); `None` for a step without tokens or time.
+fn step_train_tps(x: &StepMetrics) -> Option<f64> {
+    (x.tokens > 0 && x.train_s > 0.0).then(|| x.tokens as f64 / x.train_s)
+}
+
+/// [`step_train_tps`] of every step that has one.
+fn train_throughput(m: &[StepMetrics]) -> Vec<f64> {
+    m.iter().filter_map(step_train_tps).collect()
 }
 
 const COLORS: [RGBColor; 8] = [
@@ -361,8 +388,10 @@ fn y_label(v: &f64) -> String {
 /// Draw one panel of line series on an integer step axis; `marks` are circled points
 /// (spikes). On a log axis each series is drawn as its positive points only, and the caption
 /// says that zero steps are left out.
+#[allow(clippy::too_many_arguments)]
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
+    x_desc: &str,
     title: &str,
     y_desc: &str,
     axis: Axis,
@@ -376,7 +405,7 @@ fn panel<DB: DrawingBackend>(
             let mut chart = $chart;
             chart
                 .configure_mesh()
-                .x_desc("step")
+                .x_desc(x_desc)
                 .y_desc(y_desc)
                 .x_labels(x_labels)
                 .x_label_formatter(&|v: &i64| format!("{v}"))
@@ -466,6 +495,16 @@ fn panel<DB: DrawingBackend>(
 }
 
 fn draw_png(path: &Path, size: (u32, u32), panels: &[Panel<'_>]) -> Result<(), ReportError> {
+    draw_png_x(path, size, &vec!["step"; panels.len()], panels)
+}
+
+/// [`draw_png`] with each panel's x axis named by `x_desc`.
+fn draw_png_x(
+    path: &Path,
+    size: (u32, u32),
+    x_desc: &[&str],
+    panels: &[Panel<'_>],
+) -> Result<(), ReportError> {
     let err = |msg: String| ReportError::Plot {
         file: path.display().to_string(),
         msg,
@@ -477,8 +516,8 @@ fn draw_png(path: &Path, size: (u32, u32), panels: &[Panel<'_>]) -> Result<(), R
         let root = BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let areas = root.split_evenly((panels.len(), 1));
-        for (a, (t, y, axis, s, m)) in areas.iter().zip(panels) {
-            panel(a, t, y, *axis, s, m).map_err(err)?;
+        for ((a, (t, y, axis, s, m)), xd) in areas.iter().zip(panels).zip(x_desc) {
+            panel(a, xd, t, y, *axis, s, m).map_err(err)?;
         }
         root.present().map_err(|e| err(e.to_string()))?;
     }
@@ -678,11 +717,221 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
         )],
     )?;
 
+    draw_png(
+        &dir.join("train.png"),
+        (1000, 900),
+        &[
+            (
+                "Train time per step (forward + backward + optimizer)",
+                "seconds",
+                Axis::Linear,
+                series(&runs, |m| m.train_s),
+                vec![],
+            ),
+            (
+                "Train throughput: response tokens per second of training",
+                "tokens / s",
+                Axis::Linear,
+                series(&runs, |m| step_train_tps(m).unwrap_or(f64::NAN)),
+                vec![],
+            ),
+        ],
+    )?;
     let sums: Vec<RunSummary> = runs.iter().map(|(e, m)| summarize(e, m)).collect();
+    if sums.iter().any(|s| !s.drift.is_empty()) {
+        draw_drift(&dir.join("drift.png"), &runs, &sums)?;
+    }
     let md = render_markdown(&man, &sums);
     let path = dir.join("report.md");
     write_bytes_atomic(&path, md.as_bytes())?;
     Ok(path)
+}
+
+/// `drift.png`: the per-layer profile (median over steps of each layer's `hidden_diff`, x =
+/// layer) and the last recorded layer's drift per step, both on a log axis (exact zeros, e.g.
+/// in bitwise mode, are left out and counted in report.md).
+fn draw_drift(path: &Path, runs: &LoadedRuns, sums: &[RunSummary]) -> Result<(), ReportError> {
+    let profile: Series<'_> = sums
+        .iter()
+        .filter(|s| !s.drift.is_empty())
+        .map(|s| {
+            (
+                s.name.as_str(),
+                s.drift
+                    .iter()
+                    .enumerate()
+                    .map(|(l, st)| (l as f64, st.median))
+                    .collect(),
+            )
+        })
+        .collect();
+    let last: Series<'_> = runs
+        .iter()
+        .filter(|(_, m)| m.iter().any(|x| !x.hidden_diff.is_empty()))
+        .map(|(e, m)| {
+            (
+                e.name.as_str(),
+                m.iter()
+                    .filter_map(|x| x.hidden_diff.last().map(|d| (x.step as f64, *d)))
+                    .collect(),
+            )
+        })
+        .collect();
+    draw_png_x(
+        path,
+        (1000, 900),
+        &["layer", "step"],
+        &[
+            (
+                "Per-layer drift: median over steps of ‖h_train − h_rollout‖ / ‖h_rollout‖ after each layer (log scale)",
+                "relative drift",
+                Axis::Log,
+                profile,
+                vec![],
+            ),
+            (
+                "Drift after the last layer per step (log scale, zero steps left out)",
+                "relative drift",
+                Axis::Log,
+                last,
+                vec![],
+            ),
+        ],
+    )
+}
+
+/// The speedup table against the `bf16` run: rollout and train throughput ratios and the
+/// whole-step time ratio, each with the seed-to-seed band of the identical BF16 runs (`bf16`
+/// itself at 1 and every other BF16 seed against it); empty without a `bf16` run.
+fn speedup_section(sums: &[RunSummary]) -> String {
+    let mut s = String::new();
+    let Some(bf) = sums.iter().find(|x| x.name == "bf16") else {
+        return s;
+    };
+    let roll = |r: &RunSummary| r.tokens_per_s / bf.tokens_per_s;
+    let train = |r: &RunSummary| r.train_tokens_per_s / bf.train_tokens_per_s;
+    let step = |r: &RunSummary| bf.step_s.median / r.step_s.median;
+    let seeds: Vec<&RunSummary> = sums.iter().filter(|x| x.recipe == "bf16").collect();
+    let band = |f: &dyn Fn(&RunSummary) -> f64| {
+        seeds
+            .iter()
+            .map(|r| f(r))
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+                (a.min(x), b.max(x))
+            })
+    };
+    let bands = [band(&roll), band(&train), band(&step)];
+    // Compared at the two decimals shown, so that a cell never reads "1.00× (below band)"
+    // beside a band that reads 1.00–1.11×.
+    let shown = |x: f64| (x * 100.0).round();
+    let cell = |x: f64, (lo, hi): (f64, f64)| {
+        let (x, lo, hi) = (shown(x) / 100.0, shown(lo) / 100.0, shown(hi) / 100.0);
+        if !x.is_finite() {
+            "–".to_string()
+        } else if seeds.len() < 2 || !(lo.is_finite() && hi.is_finite()) {
+            format!("{x:.2}×")
+        } else if x > hi {
+            format!("{x:.2}× (above band)")
+        } else if x < lo {
+            format!("{x:.2}× (below band)")
+        } else {
+            format!("{x:.2}× (in band)")
+        }
+    };
+    let _ = writeln!(
+        s,
+        "
+## Speedups vs BF16
+"
+    );
+    let _ = writeln!(
+        s,
+        "Ratios to the `bf16` run: rollout and train throughput (median tokens/s over steps; train tokens/s = response tokens per second of forward + backward + optimizer), and whole-step speed (median step seconds of `bf16` ÷ the run's). Sync share = median weight-sync seconds ÷ median step seconds."
+    );
+    if seeds.len() < 2 {
+        let _ = writeln!(
+            s,
+            "
+No BF16 runs with other seeds: there is no seed-to-seed band, and ratios near 1 cannot be told from noise."
+        );
+    } else {
+        let names: Vec<String> = seeds.iter().map(|r| format!("`{}`", r.name)).collect();
+        let _ = writeln!(
+            s,
+            "
+Seed-to-seed noise band (the same ratios for the identical BF16 runs {}): rollout {:.2}–{:.2}×, train {:.2}–{:.2}×, step {:.2}–{:.2}×. A ratio inside its band is not distinguishable from BF16 by this experiment.",
+            names.join(", "),
+            bands[0].0, bands[0].1, bands[1].0, bands[1].1, bands[2].0, bands[2].1
+        );
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "| run | rollout tokens/s | rollout × BF16 | train tokens/s | train × BF16 | step s | step speed × BF16 | sync s | sync share |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+    for r in sums {
+        let _ = writeln!(
+            s,
+            "| `{}` | {:.0} | {} | {} | {} | {:.3} | {} | {:.3} | {:.1}% |",
+            r.name,
+            r.tokens_per_s,
+            cell(roll(r), bands[0]),
+            if r.train_tokens_per_s.is_finite() {
+                format!("{:.0}", r.train_tokens_per_s)
+            } else {
+                "–".into()
+            },
+            cell(train(r), bands[1]),
+            r.step_s.median,
+            cell(step(r), bands[2]),
+            r.sync_s.median,
+            100.0 * r.sync_s.median / r.step_s.median
+        );
+    }
+    s
+}
+
+/// The per-layer drift table: per run and layer, the median over steps of `hidden_diff`
+/// with the count of non-zero steps; empty when no run recorded probes.
+fn drift_section(sums: &[RunSummary]) -> String {
+    let mut s = String::new();
+    let layers = sums.iter().map(|r| r.drift.len()).max().unwrap_or(0);
+    if layers == 0 {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "
+## Per-layer drift
+"
+    );
+    let _ = writeln!(
+        s,
+        "Per decoder layer, ‖h_train − h_rollout‖₂ / ‖h_rollout‖₂ of the residual stream after the layer, averaged over a step's response tokens: median over steps (non-zero steps of all steps). Worst layer = the largest median."
+    );
+    let _ = writeln!(s);
+    let head: Vec<String> = (0..layers).map(|l| format!("layer {l}")).collect();
+    let _ = writeln!(s, "| run | {} | worst layer |", head.join(" | "));
+    let _ = writeln!(s, "|---|{}---|", "---|".repeat(layers));
+    for r in sums {
+        let cells: Vec<String> = (0..layers)
+            .map(|l| {
+                r.drift.get(l).map_or("–".into(), |st| {
+                    format!("{:.2e} ({}/{})", st.median, st.nonzero, st.n)
+                })
+            })
+            .collect();
+        let worst = r
+            .drift
+            .iter()
+            .enumerate()
+            .filter(|(_, st)| st.median.is_finite())
+            .max_by(|a, b| a.1.median.total_cmp(&b.1.median))
+            .map_or("–".into(), |(l, _)| l.to_string());
+        let _ = writeln!(s, "| `{}` | {} | {worst} |", r.name, cells.join(" | "));
+    }
+    s
 }
 
 fn fmt_bytes(b: u64) -> String {
@@ -1027,7 +1276,10 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
             );
         }
     }
+    s.push_str(&speedup_section(sums));
+    s.push_str(&drift_section(sums));
     let _ = writeln!(s, "\n## Plots\n");
+    let drift = sums.iter().any(|r| !r.drift.is_empty());
     for (f, t) in [
         ("reward.png", "Reward vs step"),
         (
@@ -1037,7 +1289,13 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
         ("grad_norm.png", "Gradient norm"),
         ("rollout.png", "Rollout time and throughput"),
         ("sync.png", "Weight-sync time"),
-    ] {
+        ("train.png", "Train time and throughput"),
+    ]
+    .into_iter()
+    .chain(drift.then_some((
+        "drift.png",
+        "Per-layer drift (log scale; steps with 0 left out, counted in the table)",
+    ))) {
         let _ = writeln!(s, "### {t}\n\n![{t}]({f})\n");
     }
     let _ = writeln!(
@@ -1277,5 +1535,127 @@ mod tests {
         // An empty directory names what it expected.
         let e = write_report(tempfile::tempdir().unwrap().path()).unwrap_err();
         assert!(e.to_string().contains("ablation.json"), "{e}");
+    }
+
+    /// 10 steps of a run whose training takes `train_s` per step for 100 response tokens,
+    /// rollout `tps` tokens/s, and per-layer drift `drift[l]` (layer 1 exactly 0 on even
+    /// steps, as bitwise steps would be).
+    fn probed(train_s: f64, tps: f64, drift: &[f64]) -> Vec<StepMetrics> {
+        (0..10u64)
+            .map(|step| StepMetrics {
+                step,
+                reward_mean: 0.5,
+                grad_norm: 1.0,
+                rollout_s: 1.0,
+                train_s,
+                sync_s: 0.1,
+                tokens: 100,
+                tokens_per_s: tps,
+                hidden_diff: drift
+                    .iter()
+                    .enumerate()
+                    .map(|(l, d)| if l == 1 && step % 2 == 0 { 0.0 } else { *d })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn report_adds_drift_and_train_plots_and_a_speedup_table_with_the_seed_band() {
+        let d = tempfile::tempdir().unwrap();
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, probed(0.5, 1000.0, &[1e-9, 2e-9, 3e-9])),
+                (
+                    "mxfp8",
+                    "mxfp8",
+                    1,
+                    probed(0.25, 1500.0, &[1e-4, 2e-4, 4e-4]),
+                ),
+                (
+                    "nvfp4-hp",
+                    "nvfp4-hp",
+                    1,
+                    probed(0.5, 1050.0, &[1e-3, 5e-3, 2e-3]),
+                ),
+                (
+                    "bf16-seed2",
+                    "bf16",
+                    2,
+                    probed(0.4, 1100.0, &[1e-9, 2e-9, 3e-9]),
+                ),
+                (
+                    "bf16-seed3",
+                    "bf16",
+                    3,
+                    probed(0.5, 950.0, &[1e-9, 2e-9, 3e-9]),
+                ),
+            ],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        // Train tokens/s = 100 tokens / train_s: 200 for bf16, 400 for mxfp8, 250 for
+        // bf16-seed2. Band over the BF16 seeds: rollout 0.95–1.10×, train 1.00–1.25×, step
+        // (1.6 s / step s) 1.00–1.07× (1.6 / 1.5).
+        assert!(
+            md.contains("rollout 0.95–1.10×, train 1.00–1.25×, step 1.00–1.07×"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `mxfp8` | 1500 | 1.50× (above band) | 400 | 2.00× (above band) | 1.350 | 1.19× (above band) | 0.100 | 7.4% |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `nvfp4-hp` | 1050 | 1.05× (in band) | 200 | 1.00× (in band) | 1.600 | 1.00× (in band) | 0.100 | 6.2% |"),
+            "{md}"
+        );
+        // Per-layer medians with non-zero counts; layer 1 is 0 on 5 of 10 steps, so its
+        // median is the mean of the middle pair (0 and the value).
+        assert!(
+            md.contains("| `mxfp8` | 1.00e-4 (10/10) | 1.00e-4 (5/10) | 4.00e-4 (10/10) | 2 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `nvfp4-hp` | 1.00e-3 (10/10) | 2.50e-3 (5/10) | 2.00e-3 (10/10) | 1 |"),
+            "{md}"
+        );
+        for f in ["drift.png", "train.png"] {
+            let b = std::fs::read(d.path().join(f)).unwrap();
+            assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{f}");
+            assert!(
+                b.len() > 10_000,
+                "{f} has {} bytes: nothing drawn?",
+                b.len()
+            );
+            assert!(md.contains(&format!("]({f})")), "{f} not linked");
+        }
+    }
+
+    #[test]
+    fn runs_without_probes_or_noise_seeds_get_no_drift_plot_and_no_band() {
+        let d = tempfile::tempdir().unwrap();
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, probed(0.5, 1000.0, &[])),
+                ("mxfp8", "mxfp8", 1, probed(0.25, 1500.0, &[])),
+            ],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        assert!(!d.path().join("drift.png").exists());
+        assert!(
+            !md.contains("## Per-layer drift") && !md.contains("drift.png"),
+            "{md}"
+        );
+        assert!(d.path().join("train.png").exists());
+        assert!(
+            md.contains("No BF16 runs with other seeds: there is no seed-to-seed band"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `mxfp8` | 1500 | 1.50× | 400 | 2.00× |"),
+            "{md}"
+        );
     }
 }

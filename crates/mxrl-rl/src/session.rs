@@ -7,7 +7,6 @@ use crate::engine::{EngineRollout, EngineTrainer};
 use crate::moe::{formats_for, plan_for, weight_bytes, MoeRollout, MoeTrainer};
 use crate::policy::{PolicyError, RolloutPolicy, TrainPolicy};
 use crate::runner::RunError;
-use crate::task::{load_jsonl, ArithmeticTask, ChatTemplate, TaskSource};
 use crate::text::{char_tokenizer_json, TextCodec, CHAR_VOCAB};
 use mxrl_ckpt::StagedDir;
 use mxrl_model::{Model, ModelConfig};
@@ -166,37 +165,6 @@ pub fn build_engine<B: mxrl_tensor::device::Backend + 'static>(
         weight_bytes: bytes,
         contract_hash: crate::wire::contract_hash().to_string(),
     })
-}
-
-/// The task of a command line: `arithmetic` (with `digits`) or a JSONL file.
-pub fn task_source(
-    task: Option<&str>,
-    data: Option<&Path>,
-    digits: u32,
-    model_dir: Option<&Path>,
-) -> Result<TaskSource, RunError> {
-    match (task, data) {
-        (_, Some(f)) => {
-            let tpl = match model_dir {
-                Some(d) => {
-                    ChatTemplate::from_model_dir(d).map_err(|e| RunError::Config(e.to_string()))?
-                }
-                None => None,
-            };
-            let v = load_jsonl(f, tpl.as_ref()).map_err(|e| RunError::Config(e.to_string()))?;
-            if v.is_empty() {
-                return Err(RunError::Config(format!("{}: no prompts", f.display())));
-            }
-            Ok(TaskSource::List(v))
-        }
-        (Some("arithmetic") | None, None) => Ok(TaskSource::Arithmetic(ArithmeticTask {
-            digits,
-            ops: "+".into(),
-        })),
-        (Some(other), None) => Err(RunError::Config(format!(
-            "unknown task `{other}` (expected `arithmetic`, or --data FILE.jsonl)"
-        ))),
-    }
 }
 
 /// Save the trainer's f32 masters as a model directory (after SFT).

@@ -7,12 +7,15 @@
 //! - [`exact_reward`]: the response (up to end-of-sequence) as a whole equals the label; the
 //!   synthetic arithmetic task uses it with rewards 1 / 0, so that mean reward = accuracy.
 //! - [`ArithmeticTask`]: seeded multi-digit arithmetic problems of adjustable difficulty.
+//! - [`ChainTask`]: seeded chains of operations (`17+5*3-8=`), evaluated with standard
+//!   precedence on integers.
+//! - [`TaskSpec`]: a task as a command line names it, resolved to a [`TaskSource`].
 //! - [`load_jsonl`]: a DAPO-style prompt file (`prompt` + `label` per line).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The outcome of scoring one response.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -171,7 +174,7 @@ impl ArithmeticTask {
     /// recipe of an ablation sees the same prompts).
     pub fn problem(&self, seed: u64, index: u64) -> Problem {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let digits = self.digits.clamp(1, 6);
+        let digits = self.digits.clamp(1, ARITHMETIC_MAX_DIGITS);
         let hi = 10i64.pow(digits);
         let a = rng.gen_range(0..hi);
         let b = rng.gen_range(0..hi);
@@ -188,6 +191,167 @@ impl ArithmeticTask {
         };
         Problem {
             prompt: format!("{a}{op}{b}="),
+            label: v.to_string(),
+            completion: Some(v.to_string()),
+        }
+    }
+}
+
+/// The operators a [`ChainTask`] may draw from.
+pub const CHAIN_OPERATORS: &str = "+-*";
+/// Most operations per [`ChainTask`] problem.
+pub const CHAIN_MAX_OPS: u32 = 16;
+/// Most digits per [`ChainTask`] operand.
+pub const CHAIN_MAX_DIGITS: u32 = 9;
+
+/// Seeded chains of operations: `a₀ op₁ a₁ op₂ … opₙ aₙ =`, e.g. `17+5*3-8=`, whose label is
+/// the decimal value of the expression.
+///
+/// Evaluation order: standard precedence — every `*` binds its two neighbours first, then the
+/// `+` and `-` of the resulting terms are applied left to right (`17+5*3-8 = 17 + 15 − 8 = 24`).
+/// Operands are drawn uniformly from `0..10^digits` (so "up to `digits` digits", as in
+/// [`ArithmeticTask`]); each operator uniformly from `operators`. Results are exact integers
+/// (i64; settings whose worst case could overflow are refused by [`ChainTask::new`]) and may
+/// be negative. A problem is a pure function of (seed, index).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChainTask {
+    ops: u32,
+    digits: u32,
+    operators: String,
+}
+
+impl ChainTask {
+    /// A chain of `ops` operations (1..=[`CHAIN_MAX_OPS`]) on operands of up to `digits`
+    /// digits (1..=[`CHAIN_MAX_DIGITS`]), operators drawn from `operators` (a non-empty set of
+    /// [`CHAIN_OPERATORS`], each at most once).
+    ///
+    /// # Errors
+    /// [`TaskError::Settings`] naming the field: a count out of range, an unknown or repeated
+    /// operator, or settings whose largest possible value does not fit in an i64.
+    pub fn new(ops: u32, digits: u32, operators: &str) -> Result<ChainTask, TaskError> {
+        let bad = |field: &str, msg: String| TaskError::Settings {
+            task: "chain".into(),
+            field: field.into(),
+            msg,
+        };
+        if !(1..=CHAIN_MAX_OPS).contains(&ops) {
+            return Err(bad(
+                "ops",
+                format!("expected 1–{CHAIN_MAX_OPS} operations per problem, got {ops}"),
+            ));
+        }
+        if !(1..=CHAIN_MAX_DIGITS).contains(&digits) {
+            return Err(bad(
+                "digits",
+                format!("expected 1–{CHAIN_MAX_DIGITS} digits per operand, got {digits}"),
+            ));
+        }
+        if operators.is_empty() {
+            return Err(bad(
+                "operators",
+                format!("empty; expected some of `{CHAIN_OPERATORS}`"),
+            ));
+        }
+        for (i, c) in operators.chars().enumerate() {
+            if !CHAIN_OPERATORS.contains(c) {
+                return Err(bad(
+                    "operators",
+                    format!("`{c}` in `{operators}` is not one of `{CHAIN_OPERATORS}`"),
+                ));
+            }
+            if operators.chars().take(i).any(|d| d == c) {
+                return Err(bad(
+                    "operators",
+                    format!("`{c}` appears twice in `{operators}`"),
+                ));
+            }
+        }
+        let t = ChainTask {
+            ops,
+            digits,
+            operators: operators.into(),
+        };
+        if t.max_abs().is_none() {
+            return Err(bad(
+                "ops",
+                format!(
+                    "{ops} operations on {digits}-digit operands with `*` can reach \
+                     {}^{}, more than an i64 holds; use fewer operations or digits",
+                    10u64.pow(digits) - 1,
+                    ops + 1
+                ),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// Operations per problem.
+    pub fn ops(&self) -> u32 {
+        self.ops
+    }
+
+    /// Digits per operand.
+    pub fn digits(&self) -> u32 {
+        self.digits
+    }
+
+    /// The operators drawn from.
+    pub fn operators(&self) -> &str {
+        &self.operators
+    }
+
+    /// The largest |value| any problem can have: with `*` allowed and operands up to
+    /// `m = 10^digits − 1 ≥ 2`, the product of all `ops + 1` operands (a product of numbers
+    /// ≥ 2 is at least their sum); otherwise `(ops + 1)·m`. `None` when it exceeds i64.
+    fn max_abs(&self) -> Option<i64> {
+        let m = 10i64.checked_pow(self.digits)? - 1;
+        let n = i64::from(self.ops) + 1;
+        let sum = n.checked_mul(m)?;
+        if !self.operators.contains('*') {
+            return Some(sum);
+        }
+        let prod = (0..n).try_fold(1i64, |p, _| p.checked_mul(m))?;
+        Some(prod.max(sum))
+    }
+
+    /// The longest label in characters (a minus sign and the digits of the largest |value|):
+    /// a response limit of this many tokens can always hold the answer.
+    pub fn max_label_chars(&self) -> usize {
+        let v = self.max_abs().expect("checked by ChainTask::new");
+        v.to_string().len() + usize::from(self.operators.contains('-'))
+    }
+
+    /// Problem number `index` of the stream seeded by `seed` (a pure function of both).
+    pub fn problem(&self, seed: u64, index: u64) -> Problem {
+        // A different stream than ArithmeticTask's for the same (seed, index).
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xC4A1_0000_0000_0000,
+        );
+        let hi = 10i64.pow(self.digits);
+        let ops: Vec<char> = self.operators.chars().collect();
+        let first = rng.gen_range(0..hi);
+        let mut prompt = first.to_string();
+        // Standard precedence in one pass: `term` is the running product of the current
+        // `*`-run, `sign` the + or − in front of it, `acc` the sum of finished terms.
+        let (mut acc, mut sign, mut term) = (0i64, 1i64, first);
+        for _ in 0..self.ops {
+            let op = ops[rng.gen_range(0..ops.len())];
+            let x = rng.gen_range(0..hi);
+            prompt.push(op);
+            prompt.push_str(&x.to_string());
+            match op {
+                '*' => term *= x,
+                _ => {
+                    acc += sign * term;
+                    sign = if op == '+' { 1 } else { -1 };
+                    term = x;
+                }
+            }
+        }
+        let v = acc + sign * term;
+        prompt.push('=');
+        Problem {
+            prompt,
             label: v.to_string(),
             completion: Some(v.to_string()),
         }
@@ -218,6 +382,22 @@ pub enum TaskError {
     /// The chat template failed to render.
     #[error("chat template: {0}")]
     Template(String),
+    /// The prompt file holds no prompt.
+    #[error("{path}: no prompts")]
+    Empty {
+        /// The file.
+        path: String,
+    },
+    /// A task setting is out of range or inconsistent.
+    #[error("task `{task}`, setting `{field}`: {msg}")]
+    Settings {
+        /// The task.
+        task: String,
+        /// The setting (as the command line names it).
+        field: String,
+        /// What was wrong and what was expected.
+        msg: String,
+    },
 }
 
 /// A chat template (Jinja, as in Hugging Face `tokenizer_config.json`) applied to a single user
@@ -362,6 +542,8 @@ pub fn load_jsonl(path: &Path, template: Option<&ChatTemplate>) -> Result<Vec<Pr
 pub enum TaskSource {
     /// Seeded arithmetic.
     Arithmetic(ArithmeticTask),
+    /// Seeded chains of operations.
+    Chain(ChainTask),
     /// A fixed list (cycled through in a seeded order).
     List(Vec<Problem>),
 }
@@ -370,7 +552,7 @@ impl TaskSource {
     /// The reward function this source is scored with.
     pub fn reward_kind(&self) -> RewardKind {
         match self {
-            TaskSource::Arithmetic(_) => RewardKind::Exact,
+            TaskSource::Arithmetic(_) | TaskSource::Chain(_) => RewardKind::Exact,
             TaskSource::List(_) => RewardKind::AnswerTag,
         }
     }
@@ -379,6 +561,9 @@ impl TaskSource {
     pub fn batch(&self, seed: u64, step: u64, count: usize) -> Vec<Problem> {
         match self {
             TaskSource::Arithmetic(t) => (0..count as u64)
+                .map(|i| t.problem(seed, step * count as u64 + i))
+                .collect(),
+            TaskSource::Chain(t) => (0..count as u64)
                 .map(|i| t.problem(seed, step * count as u64 + i))
                 .collect(),
             TaskSource::List(v) => {
@@ -391,6 +576,169 @@ impl TaskSource {
                     .collect()
             }
         }
+    }
+}
+
+/// Most digits per [`ArithmeticTask`] operand (it draws at most this many).
+pub const ARITHMETIC_MAX_DIGITS: u32 = 6;
+
+/// Operations per problem of the chain task when the command line does not say.
+pub const DEFAULT_CHAIN_OPS: u32 = 3;
+
+/// A task as a command line names it: a built-in task (`arithmetic`, `chain`) with its
+/// settings, or a JSONL prompt file (which wins over the built-in name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskSpec {
+    /// Built-in task name: `arithmetic` (the default) or `chain`.
+    pub name: Option<String>,
+    /// DAPO-style JSONL prompt file ([`load_jsonl`]).
+    pub data: Option<PathBuf>,
+    /// Digits per operand (arithmetic and chain).
+    pub digits: u32,
+    /// Operations per chain problem (chain only; default [`DEFAULT_CHAIN_OPS`]).
+    pub ops: Option<u32>,
+    /// Operators of the chain (chain only; default all of [`CHAIN_OPERATORS`]).
+    pub operators: Option<String>,
+}
+
+impl Default for TaskSpec {
+    /// 1-digit addition, the demo's task.
+    fn default() -> Self {
+        TaskSpec {
+            name: None,
+            data: None,
+            digits: 1,
+            ops: None,
+            operators: None,
+        }
+    }
+}
+
+/// What a [`TaskSpec`] names, before anything is loaded.
+enum Named<'a> {
+    Arithmetic,
+    Chain,
+    Data(&'a Path),
+}
+
+impl TaskSpec {
+    fn named(&self) -> Result<Named<'_>, TaskError> {
+        let kind = match (&self.data, self.name.as_deref()) {
+            (Some(f), _) => Named::Data(f),
+            (None, Some("arithmetic") | None) => Named::Arithmetic,
+            (None, Some("chain")) => Named::Chain,
+            (None, Some(other)) => {
+                return Err(TaskError::Settings {
+                    task: other.into(),
+                    field: "task".into(),
+                    msg: "unknown task (expected `arithmetic` or `chain`, or --data FILE.jsonl)"
+                        .into(),
+                })
+            }
+        };
+        if matches!(kind, Named::Arithmetic) && !(1..=ARITHMETIC_MAX_DIGITS).contains(&self.digits)
+        {
+            return Err(TaskError::Settings {
+                task: "arithmetic".into(),
+                field: "digits".into(),
+                msg: format!(
+                    "expected 1–{ARITHMETIC_MAX_DIGITS} digits per operand, got {}",
+                    self.digits
+                ),
+            });
+        }
+        if !matches!(kind, Named::Chain) {
+            let task = match kind {
+                Named::Data(f) => f.display().to_string(),
+                _ => "arithmetic".into(),
+            };
+            for (field, set) in [
+                ("ops", self.ops.is_some()),
+                ("operators", self.operators.is_some()),
+            ] {
+                if set {
+                    return Err(TaskError::Settings {
+                        task,
+                        field: field.into(),
+                        msg: "applies to the `chain` task only (--task chain)".into(),
+                    });
+                }
+            }
+        }
+        Ok(kind)
+    }
+
+    /// The chain task of these settings (`None` for other tasks).
+    ///
+    /// # Errors
+    /// As [`ChainTask::new`]; an unknown task name.
+    pub fn chain(&self) -> Result<Option<ChainTask>, TaskError> {
+        match self.named()? {
+            Named::Chain => ChainTask::new(
+                self.ops.unwrap_or(DEFAULT_CHAIN_OPS),
+                self.digits,
+                self.operators.as_deref().unwrap_or(CHAIN_OPERATORS),
+            )
+            .map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Resolve to a problem source. A prompt file is rendered with the chat template of
+    /// `model_dir`'s `tokenizer_config.json` when there is one.
+    ///
+    /// # Errors
+    /// Bad settings (named), an unreadable or empty prompt file.
+    pub fn source(&self, model_dir: Option<&Path>) -> Result<TaskSource, TaskError> {
+        match self.named()? {
+            Named::Data(f) => {
+                let tpl = match model_dir {
+                    Some(d) => ChatTemplate::from_model_dir(d)?,
+                    None => None,
+                };
+                let v = load_jsonl(f, tpl.as_ref())?;
+                if v.is_empty() {
+                    return Err(TaskError::Empty {
+                        path: f.display().to_string(),
+                    });
+                }
+                Ok(TaskSource::List(v))
+            }
+            Named::Arithmetic => Ok(TaskSource::Arithmetic(ArithmeticTask {
+                digits: self.digits,
+                ops: "+".into(),
+            })),
+            Named::Chain => Ok(TaskSource::Chain(self.chain()?.expect("named chain"))),
+        }
+    }
+
+    /// What the task is, for run manifests and reports: the built-in task with its settings,
+    /// or the prompt file with its SHA-256.
+    ///
+    /// # Errors
+    /// Bad settings; an unreadable prompt file.
+    pub fn describe(&self) -> Result<String, crate::runner::RunError> {
+        let cfg = |e: TaskError| crate::runner::RunError::Config(e.to_string());
+        Ok(match self.named().map_err(cfg)? {
+            Named::Data(f) => format!(
+                "prompts from {} (sha256 {}), Answer: X reward",
+                f.display(),
+                crate::manifest::file_digest(f)?
+            ),
+            Named::Arithmetic => format!(
+                "synthetic arithmetic, {}-digit addition (exact-match reward 1/0)",
+                self.digits
+            ),
+            Named::Chain => {
+                let c = self.chain().map_err(cfg)?.expect("named chain");
+                format!(
+                    "synthetic arithmetic chains, {} operations from `{}` on operands of up to {} digit(s), standard precedence, integer results (exact-match reward 1/0)",
+                    c.ops(),
+                    c.operators(),
+                    c.digits()
+                )
+            }
+        })
     }
 }
 
@@ -506,5 +854,230 @@ mod tests {
         std::fs::write(&f, "{\"prompt\": 3}\n").unwrap();
         let e = load_jsonl(&f, None).unwrap_err().to_string();
         assert!(e.contains("p.jsonl:1"), "{e}");
+    }
+
+    /// An evaluator written independently of [`ChainTask::problem`]: a recursive-descent
+    /// parser (expr := term (('+'|'-') term)*, term := number ('*' number)*) over the prompt
+    /// text, with checked i64 arithmetic.
+    fn eval_chain(prompt: &str) -> i64 {
+        let body = prompt.strip_suffix('=').expect("prompt ends with `=`");
+        let b = body.as_bytes();
+        let mut pos = 0usize;
+        fn number(b: &[u8], pos: &mut usize) -> i64 {
+            let start = *pos;
+            while *pos < b.len() && b[*pos].is_ascii_digit() {
+                *pos += 1;
+            }
+            assert!(*pos > start, "a number at {start}");
+            std::str::from_utf8(&b[start..*pos])
+                .unwrap()
+                .parse()
+                .unwrap()
+        }
+        fn term(b: &[u8], pos: &mut usize) -> i64 {
+            let mut v = number(b, pos);
+            while *pos < b.len() && b[*pos] == b'*' {
+                *pos += 1;
+                v = v.checked_mul(number(b, pos)).unwrap();
+            }
+            v
+        }
+        let mut v = term(b, &mut pos);
+        while pos < b.len() {
+            let op = b[pos];
+            pos += 1;
+            let t = term(b, &mut pos);
+            v = match op {
+                b'+' => v.checked_add(t).unwrap(),
+                b'-' => v.checked_sub(t).unwrap(),
+                other => panic!("unexpected `{}`", other as char),
+            };
+        }
+        v
+    }
+
+    #[test]
+    fn the_test_evaluator_applies_standard_precedence() {
+        // Worked by hand: multiplication first, then left to right.
+        assert_eq!(eval_chain("17+5*3-8="), 24);
+        assert_eq!(eval_chain("2-3-4="), -5);
+        assert_eq!(eval_chain("2*3*4-30="), -6);
+        assert_eq!(eval_chain("0*9+1="), 1);
+    }
+
+    /// Operands and operators of a chain prompt, split at the operators.
+    fn chain_parts(prompt: &str) -> (Vec<String>, Vec<char>) {
+        let body = prompt.strip_suffix('=').unwrap();
+        let ops: Vec<char> = body.chars().filter(|c| !c.is_ascii_digit()).collect();
+        let nums = body.split(['+', '-', '*']).map(String::from).collect();
+        (nums, ops)
+    }
+
+    #[test]
+    fn chain_labels_match_an_independent_evaluator_over_the_digit_and_op_ranges() {
+        for (ops, digits, operators) in [
+            (1, 1, "+-*"),
+            (3, 1, "+-*"),
+            (3, 2, "*"),
+            (5, 3, "+-"),
+            (8, 2, "-*"),
+            (16, 1, "+*-"),
+            (3, 4, "+-*"),
+        ] {
+            let t = ChainTask::new(ops, digits, operators).unwrap();
+            let mut seen_ops = std::collections::BTreeSet::new();
+            let mut longest_operand = 0;
+            for i in 0..300 {
+                let p = t.problem(11, i);
+                assert_eq!(p, t.problem(11, i), "not a pure function of (seed, index)");
+                let (nums, used) = chain_parts(&p.prompt);
+                assert_eq!(used.len(), ops as usize, "{}", p.prompt);
+                assert_eq!(nums.len(), ops as usize + 1, "{}", p.prompt);
+                for n in &nums {
+                    let v: u64 = n.parse().unwrap();
+                    assert!(v < 10u64.pow(digits), "{n} in {}", p.prompt);
+                    assert_eq!(n, &v.to_string(), "no leading zeros: {}", p.prompt);
+                    longest_operand = longest_operand.max(n.len());
+                }
+                seen_ops.extend(used.iter().copied());
+                let want = eval_chain(&p.prompt);
+                assert_eq!(p.label, want.to_string(), "{}", p.prompt);
+                assert_eq!(p.completion.as_deref(), Some(p.label.as_str()));
+                assert!(p.label.len() <= t.max_label_chars(), "{}", p.label);
+                assert_eq!(exact_reward(&p.label, &p.label).reward, 1.0);
+            }
+            // Every allowed operator and the full operand width appear; nothing else does.
+            assert_eq!(
+                seen_ops,
+                operators.chars().collect(),
+                "ops {ops} digits {digits}"
+            );
+            assert_eq!(
+                longest_operand, digits as usize,
+                "ops {ops} digits {digits}"
+            );
+        }
+    }
+
+    #[test]
+    fn chain_problems_depend_on_seed_and_index_and_differ_from_arithmetic() {
+        let t = ChainTask::new(3, 2, "+-*").unwrap();
+        let a: Vec<String> = (0..20).map(|i| t.problem(1, i).prompt).collect();
+        let b: Vec<String> = (0..20).map(|i| t.problem(2, i).prompt).collect();
+        assert_ne!(a, b);
+        let distinct: std::collections::BTreeSet<&String> = a.iter().collect();
+        assert!(distinct.len() >= 19, "{a:?}");
+        let src = TaskSource::Chain(t.clone());
+        assert_eq!(src.reward_kind(), RewardKind::Exact);
+        // Step s of a batch stream is problems s·count .. (s+1)·count.
+        let batch = src.batch(5, 3, 4);
+        assert_eq!(batch[1], t.problem(5, 13));
+    }
+
+    #[test]
+    fn chain_settings_are_checked_and_named() {
+        let err = |ops, digits, operators: &str| {
+            ChainTask::new(ops, digits, operators)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(0, 1, "+");
+        assert!(e.contains("setting `ops`") && e.contains("got 0"), "{e}");
+        let e = err(17, 1, "+");
+        assert!(e.contains("setting `ops`") && e.contains("1–16"), "{e}");
+        let e = err(2, 0, "+");
+        assert!(e.contains("setting `digits`") && e.contains("got 0"), "{e}");
+        let e = err(2, 10, "+");
+        assert!(e.contains("setting `digits`"), "{e}");
+        let e = err(2, 1, "+/");
+        assert!(
+            e.contains("setting `operators`") && e.contains("`/`"),
+            "{e}"
+        );
+        let e = err(2, 1, "++");
+        assert!(e.contains("appears twice"), "{e}");
+        let e = err(2, 1, "");
+        assert!(
+            e.contains("setting `operators`") && e.contains("empty"),
+            "{e}"
+        );
+        // 9999^5 > i64::MAX ≈ 9.2e18, 9999^4 < it; without `*` the same counts fit.
+        let e = err(4, 4, "+*");
+        assert!(e.contains("9999^5") && e.contains("i64"), "{e}");
+        assert!(ChainTask::new(3, 4, "+*").is_ok());
+        assert!(ChainTask::new(16, 9, "+-").is_ok());
+        // Chain settings on another task are refused, not ignored.
+        let spec = TaskSpec {
+            ops: Some(3),
+            ..TaskSpec::default()
+        };
+        let e = spec.source(None).unwrap_err().to_string();
+        assert!(e.contains("`ops`") && e.contains("--task chain"), "{e}");
+        let spec = TaskSpec {
+            name: Some("chains".into()),
+            ..TaskSpec::default()
+        };
+        let e = spec.source(None).unwrap_err().to_string();
+        assert!(e.contains("chains") && e.contains("unknown task"), "{e}");
+        // ArithmeticTask draws at most 6 digits: more is refused, not silently clamped.
+        let spec = TaskSpec {
+            digits: 7,
+            ..TaskSpec::default()
+        };
+        let e = spec.describe().unwrap_err().to_string();
+        assert!(
+            e.contains("`digits`") && e.contains("1–6") && e.contains("got 7"),
+            "{e}"
+        );
+        assert!(spec.source(None).is_err());
+    }
+
+    #[test]
+    fn task_spec_resolves_built_ins_and_files() {
+        // The default is the demo's 1-digit addition, described as before.
+        let d = TaskSpec::default();
+        assert!(matches!(
+            d.source(None).unwrap(),
+            TaskSource::Arithmetic(ArithmeticTask { digits: 1, .. })
+        ));
+        assert_eq!(
+            d.describe().unwrap(),
+            "synthetic arithmetic, 1-digit addition (exact-match reward 1/0)"
+        );
+        let c = TaskSpec {
+            name: Some("chain".into()),
+            digits: 2,
+            operators: Some("+*".into()),
+            ..TaskSpec::default()
+        };
+        let TaskSource::Chain(t) = c.source(None).unwrap() else {
+            panic!("expected the chain task")
+        };
+        assert_eq!(
+            (t.ops(), t.digits(), t.operators()),
+            (DEFAULT_CHAIN_OPS, 2, "+*")
+        );
+        let text = c.describe().unwrap();
+        assert!(
+            text.contains("3 operations from `+*`") && text.contains("up to 2 digit"),
+            "{text}"
+        );
+        // A prompt file wins over the built-in name; an empty one is refused by name.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("p.jsonl");
+        std::fs::write(&f, "{\"prompt\": \"2*3+1=\", \"label\": 7}\n").unwrap();
+        let fs = TaskSpec {
+            name: Some("chain".into()),
+            data: Some(f.clone()),
+            ..TaskSpec::default()
+        };
+        let TaskSource::List(v) = fs.source(None).unwrap() else {
+            panic!("expected the prompt list")
+        };
+        assert_eq!((v[0].prompt.as_str(), v[0].label.as_str()), ("2*3+1=", "7"));
+        assert!(fs.describe().unwrap().contains("sha256"));
+        std::fs::write(&f, "\n").unwrap();
+        let e = fs.source(None).unwrap_err().to_string();
+        assert!(e.contains("p.jsonl") && e.contains("no prompts"), "{e}");
     }
 }

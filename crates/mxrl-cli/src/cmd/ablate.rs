@@ -5,7 +5,7 @@ use super::device::Device;
 use super::rl::RlArgs;
 use anyhow::Result;
 use mxrl_rl::ablate::{run_ablation, AblationSpec};
-use mxrl_rl::session::{load_model_dir, recipe_info, task_source};
+use mxrl_rl::session::{load_model_dir, recipe_info};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl ablate`.
@@ -70,12 +70,8 @@ pub fn ablate(
         super::device::cuda_built()?;
     }
     let (model, codec) = load_model_dir(model_dir)?;
-    let task = task_source(
-        rl.task.as_deref(),
-        rl.data.as_deref(),
-        rl.digits,
-        Some(model_dir),
-    )?;
+    let task = rl.task_spec().source(Some(model_dir))?;
+    rl.warn_short_responses()?;
     let c = model.config();
     let cfg = rl.config();
     let device_line = match device {

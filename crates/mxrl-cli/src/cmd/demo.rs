@@ -5,13 +5,19 @@
 //!
 //! `--size large` uses the embedded ~45M-parameter MoE ([`large_config`]) instead, meant for
 //! `--device cuda` (the linear GEMMs on GPU 0); its default output is `runs/demo-large`.
+//!
+//! `--task chain` (with `--ops`, `--operators`, `--digits`) warms up and runs on chains of
+//! operations instead; `--tokenizer FILE` gives the fresh model a trained BPE tokenizer. The
+//! warm-up's task is recorded in `OUT/warmup.json`, so a warmed-up model is only reused for
+//! the task it was trained on.
 
 use super::rl::RlArgs;
 use anyhow::{Context, Result};
 use clap::Parser;
 use mxrl_model::{Model, ModelConfig};
 use mxrl_rl::session::{demo_config, save_model_dir};
-use std::path::PathBuf;
+use mxrl_rl::task::TaskSpec;
+use std::path::{Path, PathBuf};
 
 /// Which embedded demo model.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,8 +71,53 @@ pub struct Args {
     /// SFT warm-up steps (≥ 1).
     #[arg(long, default_value_t = 50, value_parser = super::validate::count)]
     sft_steps: u64,
+    /// Built-in task: `arithmetic` (1-digit addition by default) or `chain` (a chain of
+    /// operations such as `7+5*3-8=`, standard precedence).
+    #[arg(long, default_value = "arithmetic")]
+    task: String,
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+    digits: u32,
+    /// Operations per problem of the chain task (1–16; default 3).
+    #[arg(long)]
+    ops: Option<u32>,
+    /// Operators the chain task draws from (some of `+-*`; default all three).
+    #[arg(long, allow_hyphen_values = true)]
+    operators: Option<String>,
+    /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`) for the demo model instead of
+    /// the char-level one; the model's vocabulary becomes the tokenizer's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     #[command(flatten)]
     device: super::device::DeviceArgs,
+}
+
+/// `OUT/warmup.json`: the task a demo's warmed-up model was trained on.
+#[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+struct Warmup {
+    /// [`TaskSpec::describe`] of the warm-up task.
+    task: String,
+}
+
+/// Refuse to reuse the warmed-up model in `out/base` for another task than `task`: the one
+/// recorded in `out/warmup.json`, or 1-digit addition for a directory from before the record.
+fn check_warmup(out: &Path, task: &str) -> Result<()> {
+    let p = out.join("warmup.json");
+    let had = if p.exists() {
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        serde_json::from_str::<Warmup>(&text)
+            .with_context(|| format!("parsing {}", p.display()))?
+            .task
+    } else {
+        TaskSpec::default().describe()?
+    };
+    anyhow::ensure!(
+        had == task,
+        "{}: the warmed-up model there was trained on {had}, not on {task}; use another --out",
+        out.join("base").display()
+    );
+    Ok(())
 }
 
 /// Run `mxrl demo`.
@@ -81,10 +132,27 @@ pub fn run(a: Args) -> Result<()> {
             Size::Large => "runs/demo-large",
         })
     });
-    let want = match a.size {
+    let spec = TaskSpec {
+        name: Some(a.task.clone()),
+        data: None,
+        digits: a.digits,
+        ops: a.ops,
+        operators: a.operators.clone(),
+    };
+    let task_text = spec.describe()?;
+    let chain = spec.chain()?;
+    let tokenizer = a
+        .tokenizer
+        .as_deref()
+        .map(super::sft::read_tokenizer)
+        .transpose()?;
+    let mut want = match a.size {
         Size::Small => demo_config(),
         Size::Large => large_config(),
     };
+    if let Some((_, codec)) = &tokenizer {
+        want.vocab_size = codec.vocab_size;
+    }
     // Every recipe is resolved before the warm-up, so a typo costs nothing.
     let bad: Vec<String> = a
         .recipes
@@ -116,6 +184,21 @@ pub fn run(a: Args) -> Result<()> {
             shape(&have),
             shape(&want)
         );
+        check_warmup(&out, &task_text)?;
+        let there = std::fs::read_to_string(base.join("tokenizer.json"))
+            .with_context(|| format!("reading {}", base.join("tokenizer.json").display()))?;
+        let (json, name) = match (&tokenizer, &a.tokenizer) {
+            (Some((json, _)), Some(p)) => (json.clone(), p.display().to_string()),
+            _ => (
+                mxrl_rl::text::char_tokenizer_json(),
+                "the char-level one (no --tokenizer)".to_string(),
+            ),
+        };
+        anyhow::ensure!(
+            there == json,
+            "{}: the warmed-up model there has another tokenizer than {name}; use another --out",
+            base.display()
+        );
         eprintln!("demo: reusing the warmed-up model in {}", base.display());
     } else {
         let start = match a.size {
@@ -127,17 +210,25 @@ pub fn run(a: Args) -> Result<()> {
                     "demo: large MoE, {} parameters",
                     model.params().num_elements()
                 );
-                save_model_dir(&model, &mxrl_rl::text::char_tokenizer_json(), &init)?;
+                let json = match &tokenizer {
+                    Some((json, _)) => json.clone(),
+                    None => mxrl_rl::text::char_tokenizer_json(),
+                };
+                save_model_dir(&model, &json, &init)?;
                 Some(init)
             }
         };
         eprintln!(
-            "demo: SFT warm-up of the {:?} MoE on 1-digit addition ({} steps)",
+            "demo: SFT warm-up of the {:?} MoE on {task_text} ({} steps)",
             a.size, a.sft_steps
         );
         let loss = super::sft::sft_to_dir(
             start.as_deref(),
-            1,
+            &spec,
+            match a.size {
+                Size::Small => a.tokenizer.as_deref(),
+                Size::Large => None,
+            },
             a.sft_steps,
             64,
             3e-3,
@@ -147,9 +238,21 @@ pub fn run(a: Args) -> Result<()> {
             a.device.device,
         )?;
         eprintln!("demo: SFT done, loss {loss:.4}");
+        mxrl_rl::manifest::write_json_atomic(
+            &out.join("warmup.json"),
+            &Warmup { task: task_text },
+        )?;
     }
     let mut rl = Defaults::parse_from(["demo"]).rl;
     rl.steps = a.steps;
+    rl.task = spec.name.clone();
+    rl.digits = spec.digits;
+    rl.ops = spec.ops;
+    rl.operators = spec.operators.clone();
+    if let Some(c) = &chain {
+        // Room for the longest answer (one token per character at most).
+        rl.max_new_tokens = rl.max_new_tokens.max(c.max_label_chars());
+    }
     let report = super::ablate::ablate(
         &base,
         &a.recipes,

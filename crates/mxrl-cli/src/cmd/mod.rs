@@ -19,5 +19,6 @@ pub mod rl;
 pub mod rollout_server;
 pub mod sft;
 pub mod synth;
+pub mod tokenizer;
 pub mod validate;
 pub mod verify;

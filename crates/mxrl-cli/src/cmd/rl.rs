@@ -9,8 +9,8 @@ use mxrl_rl::manifest::{model_digest, prepare_run_dir, RunManifest, RUN_MANIFEST
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
 use mxrl_rl::server::{ClientTls, Endpoint, RemoteRollout, RolloutClient, Token};
-use mxrl_rl::session::{load_model_dir, task_source};
-use mxrl_rl::task::TaskSource;
+use mxrl_rl::session::load_model_dir;
+use mxrl_rl::task::{TaskSource, TaskSpec};
 use mxrl_rl::text::TextCodec;
 use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy};
 use std::path::{Path, PathBuf};
@@ -20,15 +20,22 @@ use std::time::{Duration, Instant};
 /// Hyper-parameters shared by `rl`, `ablate` and `demo`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RlArgs {
-    /// Built-in task (`arithmetic`); ignored when --data is given.
+    /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
+    /// `17+5*3-8=`, standard precedence); ignored when --data is given.
     #[arg(long)]
     pub task: Option<String>,
     /// DAPO-style JSONL prompt file (`prompt`, `label`), scored with the `Answer: X` reward.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Digits per operand of the arithmetic task (1–9).
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub digits: u32,
+    /// Operations per problem of the chain task (1–16; default 3).
+    #[arg(long)]
+    pub ops: Option<u32>,
+    /// Operators the chain task draws from (some of `+-*`; default all three).
+    #[arg(long, allow_hyphen_values = true)]
+    pub operators: Option<String>,
     /// Optimizer steps (≥ 1).
     #[arg(long, default_value_t = 50, value_parser = validate::count)]
     pub steps: u64,
@@ -86,20 +93,36 @@ pub struct RlArgs {
 }
 
 impl RlArgs {
-    /// What the task is, for run manifests and reports: the built-in task with its settings,
-    /// or the prompt file with its SHA-256.
+    /// The task these options name.
+    pub fn task_spec(&self) -> TaskSpec {
+        TaskSpec {
+            name: self.task.clone(),
+            data: self.data.clone(),
+            digits: self.digits,
+            ops: self.ops,
+            operators: self.operators.clone(),
+        }
+    }
+
+    /// What the task is, for run manifests and reports ([`TaskSpec::describe`]).
     pub fn task_description(&self) -> Result<String> {
-        Ok(match &self.data {
-            Some(f) => format!(
-                "prompts from {} (sha256 {}), Answer: X reward",
-                f.display(),
-                mxrl_rl::manifest::file_digest(f)?
-            ),
-            None => format!(
-                "synthetic arithmetic, {}-digit addition (exact-match reward 1/0)",
-                self.digits
-            ),
-        })
+        Ok(self.task_spec().describe()?)
+    }
+
+    /// Warn when --max-new-tokens is shorter than the chain task's longest answer (the
+    /// char-level tokenizer spends one token per character; a BPE one at most that).
+    pub fn warn_short_responses(&self) -> Result<()> {
+        if let Some(c) = self.task_spec().chain()? {
+            if self.max_new_tokens < c.max_label_chars() {
+                eprintln!(
+                    "warning: the chain task's answers take up to {} characters, and responses \
+                     are cut at --max-new-tokens {}: longer answers cannot be rewarded",
+                    c.max_label_chars(),
+                    self.max_new_tokens
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The run configuration.
@@ -195,12 +218,8 @@ pub fn run(a: Args) -> Result<()> {
         super::device::cuda_built()?;
     }
     let (model, codec) = load_model_dir(&a.model)?;
-    let task = task_source(
-        a.rl.task.as_deref(),
-        a.rl.data.as_deref(),
-        a.rl.digits,
-        Some(&a.model),
-    )?;
+    let task = a.rl.task_spec().source(Some(&a.model))?;
+    a.rl.warn_short_responses()?;
     let (b, runs_on) = super::device::build_policies(&model, &a.recipe, a.device.device, true)?;
     eprintln!("mxrl rl: the model runs on {runs_on}");
     let cfg = a.rl.config();

@@ -6,7 +6,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mxrl_ckpt::{partial_path, StagedDir};
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{sft, SftConfig};
-use mxrl_rl::session::{build, demo_model, load_model_dir, task_source, write_model_dir};
+use mxrl_rl::session::{build, demo_config, demo_model, load_model_dir, write_model_dir};
+use mxrl_rl::task::TaskSpec;
 use mxrl_rl::text::TextCodec;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -17,12 +18,24 @@ pub struct Args {
     /// Model directory to start from (default: a fresh demo model).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Built-in task (`arithmetic`).
+    /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
+    /// `17+5*3-8=`, standard precedence).
     #[arg(long, default_value = "arithmetic")]
     task: String,
-    /// Digits per operand (1–9).
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     digits: u32,
+    /// Operations per problem of the chain task (1–16; default 3).
+    #[arg(long)]
+    ops: Option<u32>,
+    /// Operators the chain task draws from (some of `+-*`; default all three).
+    #[arg(long, allow_hyphen_values = true)]
+    operators: Option<String>,
+    /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`; or a directory holding one) for
+    /// the fresh model: its vocabulary size becomes the model's and the file is copied into
+    /// OUT. Default: the char-level tokenizer.
+    #[arg(long, conflicts_with = "model")]
+    tokenizer: Option<PathBuf>,
     /// Optimizer steps (≥ 1).
     #[arg(long, default_value_t = 300, value_parser = super::validate::count)]
     steps: u64,
@@ -45,11 +58,27 @@ pub struct Args {
     device: super::device::DeviceArgs,
 }
 
-/// SFT from `start` (or a fresh demo model) into `out`; returns the final loss.
+/// Read a `tokenizer.json` (`path`, or `path/tokenizer.json` for a directory): its text and
+/// codec.
+pub fn read_tokenizer(path: &Path) -> Result<(String, TextCodec)> {
+    let file = if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    };
+    let json = std::fs::read_to_string(&file)
+        .with_context(|| format!("reading the tokenizer {}", file.display()))?;
+    let codec = TextCodec::from_bytes(json.as_bytes(), &file.display().to_string())?;
+    Ok((json, codec))
+}
+
+/// SFT from `start` (or a fresh demo model, with the char-level tokenizer or `tokenizer`)
+/// on `task` into `out`; returns the final loss.
 #[allow(clippy::too_many_arguments)]
 pub fn sft_to_dir(
     start: Option<&Path>,
-    digits: u32,
+    task: &TaskSpec,
+    tokenizer: Option<&Path>,
     steps: u64,
     batch: usize,
     lr: f32,
@@ -61,6 +90,14 @@ pub fn sft_to_dir(
     if device == Device::Cuda {
         super::device::cuda_built()?;
     }
+    let task = task.source(None)?;
+    if start.is_some() && tokenizer.is_some() {
+        anyhow::bail!(
+            "--tokenizer makes a fresh model for that tokenizer; a --model brings its own \
+             tokenizer.json"
+        );
+    }
+    let tokenizer = tokenizer.map(read_tokenizer).transpose()?;
     if out.exists() && !force {
         anyhow::bail!(
             "{}: already exists; refusing to overwrite it (pass --force to replace it once the \
@@ -84,6 +121,14 @@ pub fn sft_to_dir(
                 .with_context(|| format!("reading the tokenizer {}", tp.display()))?;
             (m, tok, c)
         }
+        None if tokenizer.is_some() => {
+            let (json, codec) = tokenizer.expect("checked");
+            let cfg = mxrl_model::ModelConfig {
+                vocab_size: codec.vocab_size,
+                ..demo_config()
+            };
+            (mxrl_model::Model::random(&cfg, seed)?, json, codec)
+        }
         None => {
             let (m, j) = demo_model(seed)?;
             (
@@ -93,7 +138,6 @@ pub fn sft_to_dir(
             )
         }
     };
-    let task = task_source(Some("arithmetic"), None, digits, None)?;
     let cfg = SftConfig {
         steps,
         batch,
@@ -189,15 +233,17 @@ fn train<T: mxrl_rl::TrainPolicy>(
 
 /// Run `mxrl sft`.
 pub fn run(a: Args) -> Result<()> {
-    if a.task != "arithmetic" {
-        anyhow::bail!(
-            "sft supports the built-in `arithmetic` task (got `{}`)",
-            a.task
-        );
-    }
+    let task = TaskSpec {
+        name: Some(a.task.clone()),
+        data: None,
+        digits: a.digits,
+        ops: a.ops,
+        operators: a.operators.clone(),
+    };
     let loss = sft_to_dir(
         a.model.as_deref(),
-        a.digits,
+        &task,
+        a.tokenizer.as_deref(),
         a.steps,
         a.batch,
         a.lr,

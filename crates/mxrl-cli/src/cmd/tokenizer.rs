@@ -1,0 +1,112 @@
+//! `mxrl tokenizer train`: a byte-level BPE `tokenizer.json` trained on a task's text
+//! ([`mxrl_rl::text::train_bpe`]), for `mxrl sft --tokenizer` and `mxrl demo --tokenizer`.
+
+use anyhow::{Context, Result};
+use mxrl_rl::task::TaskSpec;
+use mxrl_rl::text::{task_corpus, train_bpe};
+use std::path::PathBuf;
+
+/// Arguments of `mxrl tokenizer`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Train a byte-level BPE tokenizer.json on a task's prompts and answers.
+    Train(TrainArgs),
+}
+
+/// Arguments of `mxrl tokenizer train`.
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    /// Output directory; DIR/tokenizer.json is written (to a temporary file, renamed when
+    /// complete).
+    #[arg(long)]
+    out: PathBuf,
+    /// Vocabulary size, exactly: 4 specials + 256 byte symbols + merges, the rest reserved
+    /// tokens when the corpus has fewer pairs worth merging (260–262144).
+    #[arg(long, default_value_t = 384)]
+    vocab_size: usize,
+    /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
+    /// `17+5*3-8=`); ignored when --data is given.
+    #[arg(long)]
+    task: Option<String>,
+    /// DAPO-style JSONL prompt file (`prompt`, `label`): its prompts and `Answer: X` lines.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+    digits: u32,
+    /// Operations per problem of the chain task (1–16; default 3).
+    #[arg(long)]
+    ops: Option<u32>,
+    /// Operators the chain task draws from (some of `+-*`; default all three).
+    #[arg(long, allow_hyphen_values = true)]
+    operators: Option<String>,
+    /// Problems in the corpus (each gives its prompt and its answer; a prompt file gives at
+    /// most its own lines) (≥ 1).
+    #[arg(long, default_value_t = 4096, value_parser = super::validate::count_usize)]
+    samples: usize,
+    /// Seed of the corpus's problem stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Replace an existing DIR/tokenizer.json.
+    #[arg(long)]
+    force: bool,
+}
+
+/// Run `mxrl tokenizer`.
+pub fn run(a: Args) -> Result<()> {
+    match a.cmd {
+        Cmd::Train(t) => train(t),
+    }
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    let spec = TaskSpec {
+        name: a.task.clone(),
+        data: a.data.clone(),
+        digits: a.digits,
+        ops: a.ops,
+        operators: a.operators.clone(),
+    };
+    let task = spec.source(None)?;
+    let file = a.out.join("tokenizer.json");
+    anyhow::ensure!(
+        !file.exists() || a.force,
+        "{}: already exists; refusing to overwrite it (pass --force to replace it)",
+        file.display()
+    );
+    let corpus = task_corpus(&task, a.samples, a.seed);
+    let json = train_bpe(corpus.iter(), a.vocab_size)?;
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("creating the output directory {}", a.out.display()))?;
+    mxrl_ckpt::write_bytes_atomic(&file, json.as_bytes())?;
+    let tok: tokenizers::Tokenizer = json
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{}: reloading: {e}", file.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&json)?;
+    let merges = v["model"]["merges"].as_array().map_or(0, Vec::len);
+    eprintln!(
+        "tokenizer: {} tokens (4 specials, 256 bytes, {merges} merges, {} reserved) from {} texts of {}",
+        a.vocab_size,
+        a.vocab_size - 260 - merges,
+        corpus.len(),
+        spec.describe()?
+    );
+    for text in corpus.iter().take(2) {
+        let enc = tok
+            .encode(text.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("encoding {text:?}: {e}"))?;
+        eprintln!("  {text:?} → {:?}", enc.get_tokens());
+    }
+    eprintln!(
+        "written: {}\n  next: mxrl sft --tokenizer {} --out runs/base-bpe",
+        file.display(),
+        file.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,353 @@
+//! The chain task and the trained BPE tokenizer through the `mxrl` binary: `tokenizer train`
+//! writes a tokenizer.json the tokenizers crate loads; `sft --tokenizer` builds a model of
+//! that vocabulary; `rl`, `ablate`, `generate` and `demo` run on it with `--task chain` or a
+//! prompt file; bad settings are named before anything runs.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn run(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mxrl"))
+        .env("RUST_BACKTRACE", "0")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ok(args: &[&str], cwd: &Path) -> String {
+    let o = run(args, cwd);
+    assert!(o.status.success(), "mxrl {args:?} failed:\n{}", text(&o));
+    text(&o)
+}
+
+fn fails(args: &[&str], cwd: &Path) -> String {
+    let o = run(args, cwd);
+    assert!(
+        !o.status.success(),
+        "mxrl {args:?} succeeded:\n{}",
+        text(&o)
+    );
+    text(&o)
+}
+
+fn json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// The smallest RL run: one step of 2 prompts × 2 samples.
+const TINY: [&str; 6] = ["--steps", "1", "--prompts-per-step", "2", "--samples", "2"];
+
+#[test]
+fn a_trained_tokenizer_makes_a_model_that_sft_rl_ablate_and_generate_run_on() {
+    let d = tempfile::tempdir().unwrap();
+    let cwd = d.path();
+    let chain = [
+        "--task",
+        "chain",
+        "--digits",
+        "2",
+        "--ops",
+        "2",
+        "--operators",
+        "+*",
+    ];
+    let mut train = vec!["tokenizer", "train", "--out", "tok", "--vocab-size", "320"];
+    train.extend(chain);
+    let out = ok(&train, cwd);
+    assert!(
+        out.contains("320 tokens") && out.contains("merges"),
+        "{out}"
+    );
+    let names: Vec<String> = std::fs::read_dir(cwd.join("tok"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["tokenizer.json"], "temporary files left behind");
+    let file = cwd.join("tok/tokenizer.json");
+    let tok = tokenizers::Tokenizer::from_file(&file).unwrap();
+    assert_eq!(tok.get_vocab_size(true), 320);
+    assert_eq!(tok.token_to_id("<eos>"), Some(2));
+    let ids = tok.encode("12*34+56=", false).unwrap();
+    assert_eq!(tok.decode(ids.get_ids(), true).unwrap(), "12*34+56=");
+    // An existing tokenizer is kept unless --force.
+    let before = std::fs::read(&file).unwrap();
+    let e = fails(&train, cwd);
+    assert!(
+        e.contains("tokenizer.json: already exists") && e.contains("--force"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), before);
+
+    // sft --tokenizer: the model's vocabulary is the tokenizer's, the file is copied.
+    let mut sft = vec![
+        "sft",
+        "--tokenizer",
+        "tok/tokenizer.json",
+        "--out",
+        "m",
+        "--steps",
+        "3",
+        "--batch",
+        "8",
+    ];
+    sft.extend(chain);
+    ok(&sft, cwd);
+    let cfg = json(&cwd.join("m/config.json"));
+    assert_eq!(cfg["vocab_size"], 320, "{cfg}");
+    assert_eq!(cfg["eos_token_id"], 2, "{cfg}");
+    assert_eq!(std::fs::read(cwd.join("m/tokenizer.json")).unwrap(), before);
+    // A --model brings its own tokenizer: the two are refused together.
+    let e = fails(
+        &["sft", "--model", "m", "--tokenizer", "tok", "--out", "m2"],
+        cwd,
+    );
+    assert!(e.contains("--tokenizer") && e.contains("--model"), "{e}");
+
+    // rl on the chain task: the run records the task; a short response limit is warned about.
+    let mut rl = vec!["rl", "--model", "m", "--out", "r", "--max-new-tokens", "3"];
+    rl.extend(TINY);
+    rl.extend(chain);
+    let out = ok(&rl, cwd);
+    assert!(
+        out.contains("answers take up to 6 characters") && out.contains("--max-new-tokens 3"),
+        "{out}"
+    );
+    let task = json(&cwd.join("r/run.json"))["task"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        task.contains("chains, 2 operations from `+*`") && task.contains("up to 2 digit"),
+        "{task}"
+    );
+    // ablate on it too (one recipe, no noise seeds): its report has the new sections.
+    let mut ab = vec![
+        "ablate",
+        "--model",
+        "m",
+        "--out",
+        "ab",
+        "--recipes",
+        "bf16,mxfp8",
+        "--noise-seeds",
+        "none",
+        "--max-new-tokens",
+        "6",
+    ];
+    ab.extend(TINY);
+    ab.extend(chain);
+    ok(&ab, cwd);
+    let md = std::fs::read_to_string(cwd.join("ab/report.md")).unwrap();
+    assert!(md.contains("chains, 2 operations"), "{md}");
+    assert!(
+        md.contains("## Speedups vs BF16") && md.contains("## Per-layer drift"),
+        "{md}"
+    );
+    assert!(cwd.join("ab/drift.png").exists() && cwd.join("ab/train.png").exists());
+    // generate decodes with the trained tokenizer.
+    let out = ok(
+        &[
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "12*3+4=",
+            "--max-new-tokens",
+            "4",
+        ],
+        cwd,
+    );
+    // The prompt is encoded by the model directory's tokenizer (merges included).
+    let want: Vec<String> = tok
+        .encode("12*3+4=", false)
+        .unwrap()
+        .get_ids()
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    assert!(want.len() < "12*3+4=".len(), "{want:?}");
+    assert!(
+        out.contains(&format!("prompt tokens: {}\n", want.join(","))),
+        "{out}"
+    );
+
+    // A prompt file works with the same model and tokenizer (Answer: X reward).
+    std::fs::write(
+        cwd.join("p.jsonl"),
+        "{\"prompt\": \"12*3+4=\", \"label\": \"40\"}\n{\"prompt\": \"5+6*7=\", \"label\": 47}\n",
+    )
+    .unwrap();
+    let mut rl = vec!["rl", "--model", "m", "--out", "rd", "--data", "p.jsonl"];
+    rl.extend(TINY);
+    ok(&rl, cwd);
+    let task = json(&cwd.join("rd/run.json"))["task"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        task.contains("p.jsonl") && task.contains("sha256"),
+        "{task}"
+    );
+    ok(
+        &[
+            "tokenizer",
+            "train",
+            "--out",
+            "tokd",
+            "--data",
+            "p.jsonl",
+            "--vocab-size",
+            "300",
+        ],
+        cwd,
+    );
+    let t = tokenizers::Tokenizer::from_file(cwd.join("tokd/tokenizer.json")).unwrap();
+    assert_eq!(t.get_vocab_size(true), 300);
+}
+
+#[test]
+fn bad_task_and_tokenizer_settings_are_named_before_anything_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let cwd = d.path();
+    for (args, want) in [
+        (
+            &["sft", "--out", "x", "--task", "chain", "--ops", "0"][..],
+            "setting `ops`",
+        ),
+        (
+            &["sft", "--out", "x", "--task", "chain", "--operators", "+/"][..],
+            "`/`",
+        ),
+        (&["sft", "--out", "x", "--ops", "2"][..], "--task chain"),
+        (
+            &["sft", "--out", "x", "--task", "chains"][..],
+            "unknown task",
+        ),
+        (
+            &[
+                "sft", "--out", "x", "--task", "chain", "--ops", "5", "--digits", "4",
+            ][..],
+            "more than an i64 holds",
+        ),
+        (
+            &["sft", "--out", "x", "--tokenizer", "missing.json"][..],
+            "missing.json",
+        ),
+        (
+            &["tokenizer", "train", "--out", "t", "--vocab-size", "100"][..],
+            "vocab size 100",
+        ),
+        (
+            &[
+                "tokenizer",
+                "train",
+                "--out",
+                "t",
+                "--task",
+                "chain",
+                "--operators",
+                "-+-",
+            ][..],
+            "appears twice",
+        ),
+        (
+            &["demo", "--out", "dm", "--task", "chain", "--ops", "17"][..],
+            "setting `ops`",
+        ),
+    ] {
+        let e = fails(args, cwd);
+        assert!(e.contains(want), "mxrl {args:?}: {e}");
+    }
+    // Nothing was created by the refused commands.
+    let left: Vec<_> = std::fs::read_dir(cwd).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_another_task() {
+    let d = tempfile::tempdir().unwrap();
+    let cwd = d.path();
+    ok(
+        &[
+            "tokenizer",
+            "train",
+            "--out",
+            "tok",
+            "--task",
+            "chain",
+            "--ops",
+            "2",
+        ],
+        cwd,
+    );
+    let demo = [
+        "demo",
+        "--out",
+        "dm",
+        "--task",
+        "chain",
+        "--ops",
+        "2",
+        "--tokenizer",
+        "tok/tokenizer.json",
+        "--recipes",
+        "bf16",
+        "--steps",
+        "1",
+        "--sft-steps",
+        "1",
+    ];
+    ok(&demo, cwd);
+    let w = json(&cwd.join("dm/warmup.json"));
+    assert!(
+        w["task"].as_str().unwrap().contains("chains, 2 operations"),
+        "{w}"
+    );
+    assert_eq!(json(&cwd.join("dm/base/config.json"))["vocab_size"], 384);
+    let md = std::fs::read_to_string(cwd.join("dm/report.md")).unwrap();
+    assert!(md.contains("chains, 2 operations"), "{md}");
+    // The default task on the same directory would reuse a model warmed up on chains.
+    let e = fails(&["demo", "--out", "dm", "--steps", "1"], cwd);
+    assert!(
+        e.contains("dm/base") && e.contains("trained on synthetic arithmetic chains"),
+        "{e}"
+    );
+    // So would another tokenizer.
+    ok(
+        &[
+            "tokenizer",
+            "train",
+            "--out",
+            "tok2",
+            "--task",
+            "chain",
+            "--ops",
+            "2",
+            "--vocab-size",
+            "400",
+        ],
+        cwd,
+    );
+    let mut other = demo;
+    other[8] = "tok2/tokenizer.json";
+    let e = fails(&other, cwd);
+    assert!(
+        e.contains("another tokenizer than tok2/tokenizer.json"),
+        "{e}"
+    );
+    // And the char-level default.
+    let e = fails(&demo[..7], cwd);
+    assert!(
+        e.contains("another tokenizer than the char-level one"),
+        "{e}"
+    );
+}
