@@ -95,20 +95,43 @@ fn apply_recipe(model: &mut Model, dir: &Path, r: &str) -> Result<String> {
 /// What a forward returns: logits `[T, V]`, logprobs `[T]`, `V`, and the precision line.
 type ForwardResult = (Vec<f32>, Vec<f32>, usize, String);
 
-/// The forward on the GPU's device engine. Without `--recipe` the checkpoint is streamed into
-/// the engine tensor by tensor ([`super::device::cuda_engine_from_checkpoint`]; no host model);
-/// a recipe's plan is applied to the host model, whose engine then runs as the model would.
+/// The forward on the GPU's device engine: the checkpoint is streamed into the engine tensor
+/// by tensor ([`super::device::cuda_engine_from_checkpoint`]; no host model), and a recipe's
+/// plan is applied on the engine (its block-format linears quantized there, the bytes the
+/// host model's plan gives). A recipe the engine has no kernels for (FP8-block, per-tensor
+/// NVFP4 activations) is applied to a host model whose engine then runs as the model would.
 #[cfg(feature = "cuda")]
 fn engine_forward(a: &Args, targets: &[u32]) -> Result<ForwardResult> {
     let tokens = &a.tokens;
-    let (e, precision, what) = if let Some(r) = &a.recipe {
+    // The recipe's plan, and whether the engine runs its formats.
+    let plan = match &a.recipe {
+        Some(r) => {
+            let recipe = mxrl_plan::Recipe::load(r)?;
+            let inv = mxrl_plan::Inventory::from_config_path(&a.model.join("config.json"))?;
+            let plan = mxrl_plan::resolve(&inv, &recipe)?;
+            let ok = mxrl_rl::engine::check_engine_plan(&plan);
+            Some((r, plan, ok))
+        }
+        None => None,
+    };
+    let (e, precision, what) = if let Some((r, plan, Ok(()))) = &plan {
+        let (mut e, what) = super::device::cuda_engine_from_checkpoint(&a.model, tokens.len())?;
+        let ran = e
+            .apply_plan(plan)
+            .with_context(|| format!("applying recipe {r} on the device engine"))?;
+        (
+            e,
+            format!("recipe {r}, plan {}", plan.short_hash()),
+            format!("{what}; {ran}"),
+        )
+    } else if let Some((r, _, Err(why))) = &plan {
         let (mut model, _) = load_model(&a.model)?;
         let precision = apply_recipe(&mut model, &a.model, r)?;
         let (e, what) = super::device::cuda_engine(&model, tokens.len())?;
         (
             e,
             precision,
-            format!("{what} (the recipe's plan is applied on a host model first)"),
+            format!("{what} (the recipe's plan is applied on a host model first: {why})"),
         )
     } else {
         let (e, what) = super::device::cuda_engine_from_checkpoint(&a.model, tokens.len())?;
