@@ -119,6 +119,9 @@ pub struct CudaBackend {
     /// AdamW's gradient scale on the device (value bits, buffer).
     grad_scale: std::sync::Mutex<Option<(u32, std::sync::Arc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
+    /// Average rows per expert from which the routed-expert GEMMs run one cuBLAS call per
+    /// expert ([`PER_EXPERT_ROWS`] unless set by [`CudaBackend::set_per_expert_rows`]).
+    per_expert_rows: Cell<usize>,
 }
 
 impl CudaBackend {
@@ -148,6 +151,7 @@ impl CudaBackend {
             qlin: QLinear::new(&gpu).map_err(|e| e.to_string()),
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
+            per_expert_rows: Cell::new(PER_EXPERT_ROWS),
             gpu,
         })
     }
@@ -155,6 +159,13 @@ impl CudaBackend {
     /// The GPU.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Average rows per expert from which routed-expert GEMMs (outside decode) run as one
+    /// cuBLAS call per expert instead of the one-launch grouped kernels (`usize::MAX`: always
+    /// the grouped kernels). Both give the same products, summed in another order.
+    pub fn set_per_expert_rows(&self, rows: usize) {
+        self.per_expert_rows.set(rows);
     }
 
     /// `cuda:N (name)`.
@@ -215,7 +226,7 @@ impl CudaBackend {
         experts: usize,
         rows: usize,
     ) -> DResult<Option<Vec<u32>>> {
-        if rows < PER_EXPERT_ROWS * experts.max(1) {
+        if rows < self.per_expert_rows.get().saturating_mul(experts.max(1)) {
             return Ok(None);
         }
         let o = match host {

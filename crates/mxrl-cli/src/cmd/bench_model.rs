@@ -65,6 +65,11 @@ pub struct ModelArgs {
     /// bytes with the plan's backward mode, each against BF16 in the same run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     train_recipes: Vec<String>,
+    /// CUDA: average rows per expert from which the routed-expert GEMMs run one cuBLAS call
+    /// per expert (default 128; 0 = always, a huge value = always the one-launch grouped
+    /// kernels).
+    #[arg(long)]
+    per_expert_rows: Option<usize>,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
@@ -170,6 +175,9 @@ pub fn run(a: ModelArgs) -> Result<()> {
 fn cuda(cfg: &ModelConfig, a: &ModelArgs, max_pos: usize) -> Result<Results> {
     let b = mxrl_cuda::backend::CudaBackend::new(0)
         .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
+    if let Some(r) = a.per_expert_rows {
+        b.set_per_expert_rows(r);
+    }
     let copy = b.copy_bandwidth_gbps(1 << 30)?;
     eprintln!(
         "{}: device copy {copy:.0} GB/s; building the model on the device ...",
