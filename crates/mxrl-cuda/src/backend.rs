@@ -76,8 +76,14 @@ impl QExperts {
     }
 }
 
-/// Average rows per expert from which routed-expert GEMMs run as one cuBLAS call per expert.
-pub const PER_EXPERT_ROWS: usize = 128;
+/// Average rows per expert from which routed-expert GEMMs run as one cuBLAS call per expert
+/// by default: never (`usize::MAX`), every size runs the one-launch grouped kernels. At the
+/// training shape of `mxrl bench model` (512 rows per expert) cuBLAS per expert takes less GPU
+/// time (`bench_gemm`), but its ~2 000 calls per step keep the host queueing for most of the
+/// backward: measured in one call on an H200, the whole step took 109 ms with the grouped
+/// kernels against 107–213 ms (median 167) per expert. [`CudaBackend::set_per_expert_rows`]
+/// chooses another split.
+pub const PER_EXPERT_ROWS: usize = usize::MAX;
 
 /// Block-format routed experts pick their kernels by the average rows per expert: up to
 /// [`QFRAG_ROWS_PER_EXPERT`], where the weights' shape fits ([`QGemm::frag_fits`]: `N` a
@@ -214,7 +220,8 @@ impl CudaBackend {
         Ok(2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9)
     }
 
-    /// For training-sized batches (on average at least [`PER_EXPERT_ROWS`] rows per expert),
+    /// For batches of at least the set rows per expert on average ([`PER_EXPERT_ROWS`] by
+    /// default),
     /// the expert row offsets read back to the host so that each expert's GEMM runs as one
     /// cuBLAS call (faster than the one-launch grouped kernel at these sizes, measured by
     /// `bench_gemm`); `None` for decode-sized batches, which stay in one launch with no host

@@ -18,6 +18,7 @@ pub struct Args {
 }
 
 #[derive(clap::Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 enum What {
     /// Memory each backward mode keeps (seed experiment: x [2048, 2048] BF16, 8192 outputs).
     Memory(MemoryArgs),

@@ -66,8 +66,7 @@ pub struct ModelArgs {
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     train_recipes: Vec<String>,
     /// CUDA: average rows per expert from which the routed-expert GEMMs run one cuBLAS call
-    /// per expert (default 128; 0 = always, a huge value = always the one-launch grouped
-    /// kernels).
+    /// per expert (0 = always; by default never: the one-launch grouped kernels).
     #[arg(long)]
     per_expert_rows: Option<usize>,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
