@@ -8,12 +8,15 @@
 //! logprob = log_softmax(lm_head(rmsnorm(x)) / τ)[target]
 //! ```
 //!
-//! Numerics: every linear multiplies BF16 operands with f32 accumulation (the products of
-//! [`LinearPrecision::Bf16`](crate::LinearPrecision::Bf16)); the residual stream, norms, softmax,
-//! router and loss are f32; the KV cache is BF16. On [`CpuBackend`] each op is the CPU model's
-//! own function, so [`Engine`] on the CPU reproduces [`Model`] with every linear at
-//! `LinearPrecision::Bf16` (bitwise for the forward; decode differs only by the BF16 KV cache).
-//! A GPU backend runs the same definition; only summation orders differ.
+//! Numerics: a linear multiplies BF16 operands with f32 accumulation (the products of
+//! [`LinearPrecision::Bf16`](crate::LinearPrecision::Bf16)), or, where a precision plan stores it
+//! in MXFP8 / NVFP4 ([`Engine::apply_plan`]), its stored quantized weight with the activations
+//! quantized per forward from the f32 rows and the plan's backward mode (the products of
+//! [`LinearPrecision::Quantized`](crate::LinearPrecision::Quantized)); the residual stream,
+//! norms, softmax, router and loss are f32; the KV cache is BF16. On [`CpuBackend`] each op is
+//! the CPU model's own function, so [`Engine`] on the CPU reproduces [`Model`] with the same
+//! linear precisions (bitwise for the forward, backward and AdamW; decode differs only by the
+//! BF16 KV cache). A GPU backend runs the same definition; only summation orders differ.
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
