@@ -10,7 +10,7 @@ use std::path::Path;
 
 /// The model parameter `name`'s value from its HF parts: plain values concatenate row-wise
 /// (gate rows, then up rows); quantized parts stack along N with [`stack_rows`].
-fn fuse(
+pub(crate) fn fuse(
     dir: &Path,
     name: &str,
     parts: &[String],

@@ -851,7 +851,7 @@ impl<B: Backend> Engine<B> {
 
     /// The linear weights a precision plan decides on, with the number of weights each
     /// holds (routed experts stacked: `E`).
-    fn plan_linears(&self) -> Vec<(usize, usize)> {
+    pub(crate) fn plan_linears(&self) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
         for l in &self.layers {
             let a = &l.attn;
@@ -1005,7 +1005,7 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    fn install_prepared(&mut self, i: usize, pws: Vec<PreparedWeight>) -> Result<()> {
+    pub(crate) fn install_prepared(&mut self, i: usize, pws: Vec<PreparedWeight>) -> Result<()> {
         let first = pws
             .first()
             .ok_or_else(|| ModelError::Input("no stored weights".into()))?;
@@ -2696,6 +2696,10 @@ impl<B: Backend> Engine<B> {
         self.requantize(i)
     }
 
+    pub(crate) fn param_name(&self, i: usize) -> &str {
+        &self.params[i].name
+    }
+
     fn param_index(&self, name: &str) -> Result<usize> {
         self.params
             .iter()
@@ -3124,7 +3128,7 @@ impl<B: Backend> Engine<B> {
 
 /// The name of weight `g` of a parameter holding `groups` (routed experts stacked as
 /// `….experts.*.…` → `….experts.{g}.…`).
-fn group_name(name: &str, g: usize, groups: usize) -> String {
+pub(crate) fn group_name(name: &str, g: usize, groups: usize) -> String {
     match name.split_once(".experts.*.") {
         Some((a, b)) => format!("{a}.experts.{g}.{b}"),
         None => {

@@ -255,40 +255,59 @@ fn bad_checkpoints_are_refused_naming_the_tensor() {
     );
 }
 
-/// An `mxrl convert` output with MXFP8 routed experts: `from_checkpoint` builds the engine
-/// `from_model_as_run` builds from `Model::load_converted` (the stored expert bytes), and says
-/// it went through the host model.
+/// `mxrl convert` outputs (the `mxfp8` / `nvfp4-hp` presets: MXFP8 attention, dense MLP
+/// and routed experts; NVFP4 routed experts): `from_checkpoint` streams the stored tensors into the engine
+/// and gives bit for bit the engine `from_model_as_run` builds from `Model::load_converted` —
+/// the same masters (the contract dequantization), the same stored bytes, the same logits.
 #[test]
-fn converted_checkpoint_goes_through_the_host_model() {
-    // K of every expert linear a multiple of the MXFP8 block (32).
+fn converted_checkpoint_streams_its_stored_bytes() {
+    // K of every linear a multiple of the MXFP8 block (32).
     let mut c = small(Arch::Qwen3Moe);
     c.moe_intermediate_size = 32;
-    let recipe = mxrl_plan::Recipe::from_toml_str(
-        "name = \"mxfp8-experts\"\nbackward = \"dequantized\"\ndefault = \"bf16\"\n\
-         [[rule]]\nrole = \"routed_expert\"\nformat = \"mxfp8\"\n",
-        "test recipe",
-    )
-    .unwrap();
-    let root = tempfile::tempdir().unwrap();
-    let (src, dst) = (root.path().join("src"), root.path().join("out"));
-    save_hf(&model(&c, 5), &src).unwrap();
-    mxrl_ckpt::convert(
-        &src,
-        &recipe,
-        "test",
-        &dst,
-        &Default::default(),
-        &mxrl_ckpt::NoProgress,
-    )
-    .unwrap();
-    let (want, want_desc) =
-        Engine::from_model_as_run(&Model::load_converted(&dst).unwrap(), CpuBackend, 64).unwrap();
-    assert!(want_desc.contains("Mxfp8"), "{want_desc}");
-    let (got, desc) = Engine::from_checkpoint(&dst, CpuBackend, 64).unwrap();
-    assert!(desc.starts_with(&want_desc), "{desc}");
-    assert!(desc.contains("through the host model"), "{desc}");
-    assert_eq!(logits_bits(&got), logits_bits(&want));
-    // The stored MXFP8 experts run, not BF16 ones.
-    let bf16 = cpu_engine(&Model::load_hf(&src).unwrap(), 64).unwrap();
-    assert_ne!(logits_bits(&got), logits_bits(&bf16));
+    c.intermediate_size = 32;
+    for preset in ["mxfp8", "nvfp4-hp"] {
+        let recipe = mxrl_plan::Recipe::preset(preset).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let (src, dst) = (root.path().join("src"), root.path().join("out"));
+        save_hf(&model(&c, 5), &src).unwrap();
+        mxrl_ckpt::convert(
+            &src,
+            &recipe,
+            "test",
+            &dst,
+            &Default::default(),
+            &mxrl_ckpt::NoProgress,
+        )
+        .unwrap();
+        let (want, want_desc) =
+            Engine::from_model_as_run(&Model::load_converted(&dst).unwrap(), CpuBackend, 64)
+                .unwrap();
+        assert!(want_desc.contains("stored bytes"), "{preset}: {want_desc}");
+        let (got, desc) = Engine::from_checkpoint(&dst, CpuBackend, 64).unwrap();
+        assert!(desc.starts_with(&want_desc), "{preset}: {desc}");
+        assert!(
+            desc.contains("converted checkpoint") && desc.contains("tensor by tensor"),
+            "{desc}"
+        );
+        assert_eq!(logits_bits(&got), logits_bits(&want), "{preset}");
+        let mut stored = 0;
+        for n in want.param_names() {
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(
+                bits(got.param_values(n).unwrap()),
+                bits(want.param_values(n).unwrap()),
+                "{preset}: master {n}"
+            );
+            let (a, b) = (
+                got.stored_weights(n).unwrap(),
+                want.stored_weights(n).unwrap(),
+            );
+            stored += usize::from(a.is_some());
+            assert_eq!(a, b, "{preset}: stored {n}");
+        }
+        assert!(stored > 0, "{preset}: no block-format weight");
+        // The stored block-format weights run, not BF16 ones.
+        let bf16 = cpu_engine(&Model::load_hf(&src).unwrap(), 64).unwrap();
+        assert_ne!(logits_bits(&got), logits_bits(&bf16), "{preset}");
+    }
 }

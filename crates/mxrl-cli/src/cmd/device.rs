@@ -71,7 +71,8 @@ pub fn cuda_engine(
 /// The device engine of the checkpoint in `dir` on GPU 0 (`forward` and `generate` with
 /// `--device cuda`): a Hugging Face checkpoint is streamed from its memory-mapped files tensor
 /// by tensor (`Engine::from_checkpoint`: no host model, one tensor or one layer's experts in
-/// f32 at a time); an `mxrl convert` output goes through the host model. Returns the engine
+/// f32 at a time); an `mxrl convert` output is streamed from its stored tensors, block-format
+/// linears on their stored bytes. Returns the engine
 /// and a line saying what runs and how it was read.
 ///
 /// # Errors
