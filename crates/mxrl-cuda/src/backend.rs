@@ -651,7 +651,7 @@ impl Backend for CudaBackend {
         k: usize,
         spec: LinearSpec,
         name: &(dyn Fn(usize) -> String + Sync),
-        version: u64,
+        _version: u64, // the stored weights on the device carry no version tag
     ) -> DResult<QExperts> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         // MXFP8 blocks run along K inside a row, so the stack quantizes as one tensor on the
@@ -661,21 +661,11 @@ impl Backend for CudaBackend {
             return self.quantize_nvfp4_groups(master, groups, n, k, spec, name);
         }
         if spec.format() != Format::Mxfp8 {
-            let all = self.download_f32(master, groups * n * k)?;
-            let pws = (0..groups)
-                .map(|g| {
-                    PreparedWeight::quantize(
-                        &name(g),
-                        &all[g * n * k..(g + 1) * n * k],
-                        n,
-                        k,
-                        spec,
-                        version,
-                    )
-                    .map_err(|e| dev(e.to_string()))
-                })
-                .collect::<DResult<Vec<_>>>()?;
-            return self.upload_experts(pws);
+            return Err(dev(format!(
+                "quantize_weights {}: {:?} has no device kernels (MXFP8 and NVFP4 do)",
+                name(0),
+                spec.format()
+            )));
         }
         let ql = self
             .qlin

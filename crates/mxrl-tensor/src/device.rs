@@ -1039,6 +1039,38 @@ pub fn checksum_stored(ws: &[&mxrl_formats::QuantizedTensor]) -> u64 {
     checksum_bytes(0, &bytes)
 }
 
+/// Rows `offsets[g]..offsets[g + 1]` of weight `g` of a grouped quantized linear, checked to
+/// lie in `0..rows`, with the weight checked to be `[n, k]`.
+fn group_rows(
+    op: &str,
+    pw: &PreparedWeight,
+    offsets: &[u32],
+    g: usize,
+    rows: usize,
+    n: usize,
+    k: usize,
+) -> DResult<(usize, usize)> {
+    let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
+    if a > b || b > rows {
+        return Err(DeviceError::new(
+            "cpu",
+            format!("{op}: group {g} rows {a}..{b} outside 0..{rows}"),
+        ));
+    }
+    if pw.n() != n || pw.k() != k {
+        return Err(DeviceError::new(
+            "cpu",
+            format!(
+                "{op}: {} is [{}, {}], not [{n}, {k}]",
+                pw.name(),
+                pw.n(),
+                pw.k()
+            ),
+        ));
+    }
+    Ok((a, b))
+}
+
 fn need(what: &str, got: usize, want: usize) -> DResult<()> {
     if got < want {
         return Err(DeviceError::new(
@@ -1142,24 +1174,7 @@ impl Backend for CpuBackend {
             ));
         }
         for (e, pw) in w.iter().enumerate() {
-            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
-            if a > b || b > rows {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!("grouped_qlinear: expert {e} rows {a}..{b} outside 0..{rows}"),
-                ));
-            }
-            if pw.n() != n || pw.k() != k {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!(
-                        "grouped_qlinear: {} is [{}, {}], not [{n}, {k}]",
-                        pw.name(),
-                        pw.n(),
-                        pw.k()
-                    ),
-                ));
-            }
+            let (a, b) = group_rows("grouped_qlinear", pw, offsets, e, rows, n, k)?;
             if a == b {
                 continue;
             }
@@ -1270,24 +1285,7 @@ impl Backend for CpuBackend {
         need("grouped_qlinear_backward dw", dw.len(), groups * n * k)?;
         let err = |e: crate::qlinear::QLinearError| DeviceError::new("cpu", e.to_string());
         for (g, pw) in w.iter().enumerate() {
-            let (a, b) = (host_offsets[g] as usize, host_offsets[g + 1] as usize);
-            if a > b || b > rows {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!("grouped_qlinear_backward: group {g} rows {a}..{b} outside 0..{rows}"),
-                ));
-            }
-            if pw.n() != n || pw.k() != k {
-                return Err(DeviceError::new(
-                    "cpu",
-                    format!(
-                        "grouped_qlinear_backward: {} is [{}, {}], not [{n}, {k}]",
-                        pw.name(),
-                        pw.n(),
-                        pw.k()
-                    ),
-                ));
-            }
+            let (a, b) = group_rows("grouped_qlinear_backward", pw, host_offsets, g, rows, n, k)?;
             // No context for zero rows: the CPU model skips unused experts.
             if a == b {
                 continue;
