@@ -53,6 +53,32 @@ fn cfg(steps: u64, bitwise: bool) -> RlConfig {
     }
 }
 
+/// Runs the RL loop of `cfg` on the CPU engine under `recipe` from `model` in `dir` (a run
+/// already there resumes); returns every step's metrics.
+fn run_engine(
+    model: &mxrl_model::Model,
+    recipe: &str,
+    cfg: RlConfig,
+    dir: &std::path::Path,
+) -> Vec<mxrl_rl::metrics::StepMetrics> {
+    let codec = TextCodec::char_level();
+    let bd = engine_build(model, recipe).unwrap();
+    let mut run = RlRun::new(
+        cfg,
+        bd.trainer,
+        bd.rollout,
+        bd.reference,
+        TaskSource::Arithmetic(ArithmeticTask::default()),
+        &codec,
+        dir,
+        &bd.contract_hash,
+    )
+    .unwrap();
+    let mut ms = Vec::new();
+    run.run(&mut |m| ms.push(m.clone())).unwrap();
+    ms
+}
+
 /// The demo model after a supervised warm-up on the engine trainer (so rewards vary within
 /// groups and the policy gradient is not zero).
 fn warmed(seed: u64) -> mxrl_model::Model {
@@ -246,25 +272,10 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_nvfp4_modes() {
 /// also checked byte for byte against the wire export every step.
 #[test]
 fn engine_rl_loop_bitwise_mismatch_is_zero() {
-    let codec = TextCodec::char_level();
     let model = warmed(3);
-    let task = TaskSource::Arithmetic(ArithmeticTask::default());
     for bitwise in [true, false] {
-        let bd = engine_build(&model, "bf16").unwrap();
         let d = tempfile::tempdir().unwrap();
-        let mut run = RlRun::new(
-            cfg(3, bitwise),
-            bd.trainer,
-            bd.rollout,
-            bd.reference,
-            task.clone(),
-            &codec,
-            d.path(),
-            &bd.contract_hash,
-        )
-        .unwrap();
-        let mut ms = Vec::new();
-        run.run(&mut |m| ms.push(m.clone())).unwrap();
+        let ms = run_engine(&model, "bf16", cfg(3, bitwise), d.path());
         assert_eq!(ms.len(), 3);
         for m in &ms {
             assert!(
@@ -306,26 +317,9 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
 /// moments and step count are saved and restored.
 #[test]
 fn a_resumed_engine_run_continues_with_the_same_bits() {
-    let codec = TextCodec::char_level();
     let model = warmed(4);
-    let task = TaskSource::Arithmetic(ArithmeticTask::default());
-    let run_to = |dir: &std::path::Path, steps: u64| {
-        let bd = engine_build(&model, "bf16").unwrap();
-        let mut run = RlRun::new(
-            cfg(steps, true),
-            bd.trainer,
-            bd.rollout,
-            bd.reference,
-            task.clone(),
-            &codec,
-            dir,
-            &bd.contract_hash,
-        )
-        .unwrap();
-        let mut ms = Vec::new();
-        run.run(&mut |m| ms.push(m.clone())).unwrap();
-        ms
-    };
+    let run_to =
+        |dir: &std::path::Path, steps: u64| run_engine(&model, "bf16", cfg(steps, true), dir);
     let a = tempfile::tempdir().unwrap();
     let straight = run_to(a.path(), 4);
     let b = tempfile::tempdir().unwrap();
@@ -371,25 +365,10 @@ fn formats_without_engine_kernels_are_refused_with_the_reason() {
 /// are exactly 0.
 #[test]
 fn engine_rl_loop_under_block_formats_is_bitwise() {
-    let codec = TextCodec::char_level();
     let model = warmed(3);
-    let task = TaskSource::Arithmetic(ArithmeticTask::default());
     for recipe in ["mxfp8", "nvfp4-dq"] {
-        let bd = engine_build(&model, recipe).unwrap();
         let d = tempfile::tempdir().unwrap();
-        let mut run = RlRun::new(
-            cfg(2, true),
-            bd.trainer,
-            bd.rollout,
-            bd.reference,
-            task.clone(),
-            &codec,
-            d.path(),
-            &bd.contract_hash,
-        )
-        .unwrap();
-        let mut ms = Vec::new();
-        run.run(&mut |m| ms.push(m.clone())).unwrap();
+        let ms = run_engine(&model, recipe, cfg(2, true), d.path());
         assert_eq!(ms.len(), 2);
         for m in &ms {
             assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{recipe}: {m:?}");
