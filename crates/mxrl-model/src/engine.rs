@@ -61,8 +61,13 @@ struct QParam<B: Backend> {
     n: usize,
     k: usize,
     w: B::QExperts,
+}
+
+impl<B: Backend> QParam<B> {
     /// Stored bytes (codes, scales, amax).
-    bytes: usize,
+    fn bytes(&self) -> usize {
+        self.groups * self.spec.format().stored_bytes(self.n, self.k)
+    }
 }
 
 /// Attention block: `q/k/v/o` weights, optional q/k/v biases and per-head q/k norms.
@@ -806,7 +811,7 @@ impl<B: Backend> Engine<B> {
                 let f = c.moe_intermediate_size;
                 // Stored bytes of the used experts, in BF16 elements' worth.
                 let part = |q: Option<&QParam<B>>, elems: usize| match q {
-                    Some(q) => q.bytes / c.num_experts / 2,
+                    Some(q) => q.bytes() / c.num_experts / 2,
                     None => elems,
                 };
                 let (gu, dn) = match &self.layers[l].ffn {
@@ -904,11 +909,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
             let spec = spec.flatten();
-            let is_router = self
-                .layers
-                .iter()
-                .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.router == i));
-            if spec.is_some() && (i == self.head || is_router) {
+            if spec.is_some() && self.bf16_only(i) {
                 return Err(ModelError::BadTensor {
                     name,
                     message: "the device engine runs the router and lm_head in BF16; the plan \
@@ -991,7 +992,6 @@ impl<B: Backend> Engine<B> {
             n,
             k,
             w,
-            bytes: groups * spec.format().stored_bytes(n, k),
         })
     }
 
@@ -1005,15 +1005,11 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    pub(crate) fn install_prepared(&mut self, i: usize, pws: Vec<PreparedWeight>) -> Result<()> {
+    fn install_prepared(&mut self, i: usize, pws: Vec<PreparedWeight>) -> Result<()> {
         let first = pws
             .first()
             .ok_or_else(|| ModelError::Input("no stored weights".into()))?;
         let (spec, n, k, groups) = (first.spec(), first.n(), first.k(), pws.len());
-        let bytes = pws
-            .iter()
-            .map(|p| p.stored().map_or(0, QuantizedTensor::nbytes))
-            .sum();
         let w = self.b.upload_experts(pws).map_err(dev)?;
         self.params[i].q = Some(QParam {
             spec,
@@ -1021,9 +1017,57 @@ impl<B: Backend> Engine<B> {
             n,
             k,
             w,
-            bytes,
         });
         Ok(())
+    }
+
+    /// Whether linear parameter `i` runs in BF16 whatever a plan says (the router and
+    /// lm_head: the engine has no block-format path for them).
+    fn bf16_only(&self, i: usize) -> bool {
+        i == self.head
+            || self
+                .layers
+                .iter()
+                .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.router == i))
+    }
+
+    /// Installs the stored weights of linear parameter `i` (one per group; `None` where the
+    /// source holds none): nothing when none is stored; all of them when every group is
+    /// stored in one spec. Returns the number installed.
+    ///
+    /// # Errors
+    /// Some groups stored and some not, groups in different specs, a stored router or
+    /// lm_head (named); device failure.
+    pub(crate) fn install_groups(
+        &mut self,
+        i: usize,
+        pws: Vec<Option<PreparedWeight>>,
+    ) -> Result<usize> {
+        if pws.iter().all(Option::is_none) {
+            return Ok(0);
+        }
+        let name = &self.params[i].name;
+        if self.bf16_only(i) {
+            return Err(ModelError::Input(format!(
+                "{name}: the device engine runs the router and lm_head in BF16; this model \
+                 stores it in a block format"
+            )));
+        }
+        if pws.iter().any(Option::is_none) {
+            return Err(ModelError::Input(format!(
+                "{name}: the device engine runs a layer's routed experts in one format; some \
+                 are stored in a block format and some are not"
+            )));
+        }
+        let pws: Vec<PreparedWeight> = pws.into_iter().flatten().collect();
+        if pws.iter().any(|p| p.spec() != pws[0].spec()) {
+            return Err(ModelError::Input(format!(
+                "{name}: routed experts in different formats"
+            )));
+        }
+        let n = pws.len();
+        self.install_prepared(i, pws)?;
+        Ok(n)
     }
 
     /// The engine of `model` as the model runs: BF16 operands for its BF16 and f32 linears
@@ -1050,26 +1094,7 @@ impl<B: Backend> Engine<B> {
                         .cloned()
                 })
                 .collect();
-            if pws.iter().all(Option::is_none) {
-                continue;
-            }
-            let is_router = e
-                .layers
-                .iter()
-                .any(|l| matches!(&l.ffn, Ffn::Moe(m) if m.router == i));
-            if pws.iter().any(Option::is_none) || i == e.head || is_router {
-                return Err(ModelError::Input(format!(
-                    "{name}: the device engine runs a layer's routed experts in one format and \
-                     the router and lm_head in BF16; this model does not"
-                )));
-            }
-            let pws: Vec<PreparedWeight> = pws.into_iter().flatten().collect();
-            if pws.iter().any(|p| p.spec() != pws[0].spec()) {
-                return Err(ModelError::Input(format!(
-                    "{name}: routed experts in different formats"
-                )));
-            }
-            e.install_prepared(i, pws)?;
+            e.install_groups(i, pws)?;
         }
         let mut what = e.describe();
         if f32_linears > 0 {
@@ -2748,22 +2773,31 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// Device failure.
     pub fn weights_bf16(&self) -> Result<Vec<Bf16Param>> {
-        let b = &self.b;
         self.params
             .iter()
-            .map(|p| {
-                let bits = match (&p.op, &p.compute) {
-                    (Some(op), _) => b.download_bf16(op, p.len).map_err(dev)?,
-                    (None, c) => b
-                        .download_f32(c.as_ref().unwrap_or(&p.master), p.len)
-                        .map_err(dev)?
-                        .into_iter()
-                        .map(|v| half::bf16::from_f32(v).to_bits())
-                        .collect(),
-                };
-                Ok((p.name.clone(), p.shape.clone(), bits))
-            })
+            .map(|p| Ok((p.name.clone(), p.shape.clone(), self.bf16_bits(p)?)))
             .collect()
+    }
+
+    /// Parameter `name` as [`Engine::weights_bf16`] gives it (bit patterns).
+    ///
+    /// # Errors
+    /// Unknown name; device failure.
+    pub fn param_bf16(&self, name: &str) -> Result<Vec<u16>> {
+        self.bf16_bits(&self.params[self.param_index(name)?])
+    }
+
+    fn bf16_bits(&self, p: &Param<B>) -> Result<Vec<u16>> {
+        let b = &self.b;
+        Ok(match (&p.op, &p.compute) {
+            (Some(op), _) => b.download_bf16(op, p.len).map_err(dev)?,
+            (None, c) => b
+                .download_f32(c.as_ref().unwrap_or(&p.master), p.len)
+                .map_err(dev)?
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+        })
     }
 
     /// The master weights as a host [`Model`] (stacked experts split per expert), e.g. to
@@ -2837,7 +2871,7 @@ impl<B: Backend> Engine<B> {
         self.params
             .iter()
             .map(|p| match &p.q {
-                Some(q) => q.bytes as u64,
+                Some(q) => q.bytes() as u64,
                 None => 2 * p.len as u64,
             })
             .sum()

@@ -137,8 +137,8 @@ impl<B: Backend> Engine<B> {
                     crate::LinearPrecision::Quantized(s) => Some(s),
                     _ => None,
                 };
-                match (q, spec) {
-                    (Some(q), Some(spec)) => pws.push(
+                pws.push(match (q, spec) {
+                    (Some(q), Some(spec)) => Some(
                         PreparedWeight::from_quantized(&gname, q, spec, 0, None).map_err(|e| {
                             ModelError::BadTensor {
                                 name: gname.clone(),
@@ -146,7 +146,7 @@ impl<B: Backend> Engine<B> {
                             }
                         })?,
                     ),
-                    (None, None) => {}
+                    (None, None) => None,
                     (q, _) => {
                         return Err(ModelError::BadTensor {
                             name: gname,
@@ -165,25 +165,9 @@ impl<B: Backend> Engine<B> {
                             ),
                         })
                     }
-                }
+                });
             }
-            if pws.is_empty() {
-                continue;
-            }
-            if pws.len() != groups || pws.iter().any(|p| p.spec() != pws[0].spec()) {
-                return Err(ModelError::Input(format!(
-                    "{name}: the device engine runs a layer's routed experts in one format"
-                )));
-            }
-            let is_moe_router = name.ends_with(".mlp.gate.weight");
-            if is_moe_router || name == "lm_head.weight" || name == "model.embed_tokens.weight" {
-                return Err(ModelError::Input(format!(
-                    "{name}: the device engine runs the router and lm_head in BF16; this \
-                     checkpoint stores it in a block format"
-                )));
-            }
-            installed += groups;
-            e.install_prepared(i, pws)?;
+            installed += e.install_groups(i, pws)?;
         }
         if let Some(extra) = quantized.keys().min() {
             return Err(ModelError::BadTensor {

@@ -211,22 +211,28 @@ fn split_probes(per_layer: &[Vec<f32>], lens: &[usize], width: usize) -> Vec<Lay
 /// `….experts.{e}.…`).
 fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
     let mut out = Vec::new();
-    for (name, shape, bits) in e.weights_bf16().map_err(be)? {
-        match e.stored_weights(&name).map_err(be)? {
+    for name in e.param_names() {
+        match e.stored_weights(name).map_err(be)? {
             Some(qs) => {
                 let groups = qs.len();
                 for (g, q) in qs.iter().enumerate() {
                     out.push(crate::wire::from_quantized(
-                        &Engine::<B>::stored_name(&name, g, groups),
+                        &Engine::<B>::stored_name(name, g, groups),
                         q,
                     )?);
                 }
             }
+            // Only the BF16 parameters are copied as values.
             None => out.push(WireTensor {
-                name,
+                name: name.to_string(),
                 format: Format::Bf16,
-                shape,
-                data: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+                shape: e.param_shape(name).map_err(be)?.to_vec(),
+                data: e
+                    .param_bf16(name)
+                    .map_err(be)?
+                    .iter()
+                    .flat_map(|b| b.to_le_bytes())
+                    .collect(),
                 scales: Vec::new(),
                 amax: Vec::new(),
             }),
