@@ -19,6 +19,15 @@ fn grid(n: usize) -> LaunchConfig {
     }
 }
 
+/// Launch of a grid-stride reduction over `n` elements: at most 1 024 blocks.
+fn stride_grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 1024) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The loaded kernels.
 pub struct Elementwise {
     gpu: Gpu,
@@ -150,20 +159,12 @@ impl Elementwise {
             return Ok(());
         }
         let (n64, s64) = (n as u64, slot as u64);
-        let blocks = n.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
         let mut b = self.gpu.stream().launch_builder(&self.checksum_bf16);
         b.arg(x).arg(&n64).arg(out).arg(&s64);
         // SAFETY: threads read x[i] for i < n (x holds ≥ n, checked) and add atomically to the
         // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
         // allocations are 256-byte aligned); argument types match (const u16*, u64, u32*, u64).
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(|e| self.gpu.err(e))?;
+        unsafe { b.launch(stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -187,21 +188,13 @@ impl Elementwise {
             return Ok(());
         }
         let (n64, b64, s64) = (n as u64, base as u64, slot as u64);
-        let blocks = n.div_ceil(THREADS as usize).clamp(1, 1024) as u32;
         let mut b = self.gpu.stream().launch_builder(&self.checksum_u8);
         b.arg(x).arg(&n64).arg(&b64).arg(out).arg(&s64);
         // SAFETY: threads read x[i] for i < n (x holds ≥ n, checked) and add atomically to the
         // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
         // allocations are 256-byte aligned); argument types match (const u8*, u64, u64, u32*,
         // u64).
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(|e| self.gpu.err(e))?;
+        unsafe { b.launch(stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
