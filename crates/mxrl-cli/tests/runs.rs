@@ -4,41 +4,10 @@
 //! and errors that name their path.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 
-fn mxrl() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mxrl"));
-    c.env("RUST_BACKTRACE", "0");
-    c
-}
-
-fn run(args: &[&str], cwd: &Path) -> Output {
-    mxrl().args(args).current_dir(cwd).output().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn ok(args: &[&str], cwd: &Path) -> String {
-    let o = run(args, cwd);
-    assert!(o.status.success(), "mxrl {args:?} failed:\n{}", text(&o));
-    text(&o)
-}
-
-fn fails(args: &[&str], cwd: &Path) -> String {
-    let o = run(args, cwd);
-    assert!(
-        !o.status.success(),
-        "mxrl {args:?} succeeded:\n{}",
-        text(&o)
-    );
-    text(&o)
-}
+mod common;
+use common::{fails, mxrl, ok};
 
 /// A briefly warmed-up demo model in `cwd/base` (30 SFT steps: enough to answer and stop).
 fn base(cwd: &Path) -> PathBuf {

@@ -4,40 +4,9 @@
 //! prompt file; bad settings are named before anything runs.
 
 use std::path::Path;
-use std::process::{Command, Output};
 
-fn run(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mxrl"))
-        .env("RUST_BACKTRACE", "0")
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn ok(args: &[&str], cwd: &Path) -> String {
-    let o = run(args, cwd);
-    assert!(o.status.success(), "mxrl {args:?} failed:\n{}", text(&o));
-    text(&o)
-}
-
-fn fails(args: &[&str], cwd: &Path) -> String {
-    let o = run(args, cwd);
-    assert!(
-        !o.status.success(),
-        "mxrl {args:?} succeeded:\n{}",
-        text(&o)
-    );
-    text(&o)
-}
+mod common;
+use common::{fails, ok};
 
 fn json(p: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()

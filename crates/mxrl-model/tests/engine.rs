@@ -10,30 +10,8 @@ use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
 use mxrl_tensor::sample::{sample_rows, SampleParams};
 
-/// Qwen3-MoE with a dense layer, GQA, q/k norms; Qwen2-MoE (no shared expert) with q/k/v bias
-/// and tied embeddings.
-fn small(arch: Arch) -> ModelConfig {
-    let mut c = ModelConfig::tiny();
-    c.arch = arch;
-    c.vocab_size = 40;
-    c.hidden_size = 32;
-    c.num_layers = 3;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.head_dim = 8;
-    c.intermediate_size = 24;
-    c.moe_intermediate_size = 16;
-    c.num_experts = 6;
-    c.num_experts_per_tok = 2;
-    c.mlp_only_layers = vec![1];
-    c.initializer_range = 0.3;
-    if arch == Arch::Qwen2Moe {
-        c.qkv_bias = true;
-        c.tie_word_embeddings = true;
-        c.norm_topk_prob = false;
-    }
-    c
-}
+mod common;
+use common::small;
 
 fn bf16_model(c: &ModelConfig, seed: u64) -> Model {
     let mut m = Model::random(c, seed).unwrap();
