@@ -26,12 +26,12 @@ use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
-use cudarc::driver::{CudaGraph, CudaSlice};
-use mxrl_formats::Format;
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView};
+use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
 use mxrl_tensor::optim::AdamWConfig;
-use mxrl_tensor::qlinear::{ActScaling, LinearSpec, PreparedWeight};
+use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 use std::cell::Cell;
@@ -64,9 +64,10 @@ pub struct QExperts {
     pub amax: CudaSlice<f32>,
     /// NVFP4 activations' amax scope is per token (the only one the device path takes).
     pub spec: LinearSpec,
-    /// Each weight prepared for the training backward (its mode's operands), made from the
-    /// masters on the first backward of this weight version.
-    pub train: std::cell::OnceCell<Vec<crate::ops::qlinear::QWeight>>,
+    /// The weights' operand of the training backward's dgrad, for every expert at once
+    /// (BF16, `parts` stacks of `[E, N, K]`, module doc of [`Backend::grouped_qlinear_backward`]
+    /// here), made on the first backward of this weight version.
+    pub train: std::cell::OnceCell<CudaSlice<u16>>,
 }
 
 impl QExperts {
@@ -294,7 +295,15 @@ impl CudaBackend {
             .qlin
             .as_ref()
             .map_err(|e| dev(format!("{}: the quantizers did not load: {e}", name(0))))?;
-        let scheme = spec.weight_scheme().expect("NVFP4 has a weight scheme");
+        if !matches!(
+            spec.weight_scheme(),
+            Some(Scheme::Nvfp4(w)) if w.amax == mxrl_formats::AmaxScope::PerTensor
+        ) {
+            return Err(dev(format!(
+                "{}: NVFP4 weights carry one amax per weight on the device",
+                name(0)
+            )));
+        }
         let s = self.gpu.stream();
         let cp = |e: cudarc::driver::DriverError| dev(format!("device copy: {e:?}"));
         if master.len() < groups * n * k {
@@ -304,36 +313,22 @@ impl CudaBackend {
                 master.len()
             )));
         }
-        let (cg, sg) = (n * k / 2, n * k / 16);
-        let mut codes = self.gpu.empty::<u8>(groups * cg).map_err(de)?;
-        let mut scales = self.gpu.empty::<u8>(groups * sg).map_err(de)?;
-        let mut amax = self.gpu.empty::<f32>(groups).map_err(de)?;
-        for g in 0..groups {
-            let mut w = self.gpu.empty::<f32>(n * k).map_err(de)?;
-            s.memcpy_dtod(&master.slice(g * n * k..(g + 1) * n * k), &mut w)
-                .map_err(cp)?;
-            let q = ql
-                .quantizer()
-                .quantize_device(&DeviceInput::F32(w), [n, k], scheme)
-                .map_err(|e| dev(format!("{}: {e}", name(g))))?;
-            if q.data.len() != cg || q.scales.len() != sg {
-                return Err(dev(format!(
-                    "{}: {} code and {} scale bytes, {cg} and {sg} expected",
-                    name(g),
-                    q.data.len(),
-                    q.scales.len()
-                )));
-            }
-            s.memcpy_dtod(&q.data, &mut codes.slice_mut(g * cg..(g + 1) * cg))
-                .map_err(cp)?;
-            s.memcpy_dtod(&q.scales, &mut scales.slice_mut(g * sg..(g + 1) * sg))
-                .map_err(cp)?;
-            let bits = q
-                .amax_bits
-                .as_ref()
-                .ok_or_else(|| dev(format!("{}: no amax from the quantizer", name(g))))?;
+        // One device call for the stack: each weight keeps its own amax (the bytes of each
+        // weight quantized alone).
+        let mut w = self.gpu.empty::<f32>(groups * n * k).map_err(de)?;
+        s.memcpy_dtod(&master.slice(0..groups * n * k), &mut w)
+            .map_err(cp)?;
+        let crate::ops::qlinear::Nvfp4Stack {
+            codes,
+            scales,
+            amax_bits: bits,
+        } = ql
+            .quantize_nvfp4_stack(DeviceInput::F32(w), groups, n, k)
+            .map_err(|e| dev(format!("{}..{}: {e}", name(0), name(groups.max(1) - 1))))?;
+        let mut amax = self.gpu.empty::<f32>(groups.max(1)).map_err(de)?;
+        if groups > 0 {
             self.ew
-                .copy_f32_bits(&bits.as_view(), &mut amax, g, 1)
+                .copy_f32_bits(&bits.as_view(), &mut amax, 0, groups)
                 .map_err(de)?;
         }
         Ok(QExperts {
@@ -812,6 +807,19 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// All groups at once, in one launch per GEMM (cuBLAS for a dense linear, the grouped
+    /// tensor-core kernels for experts), on exactly the CPU layer's operands
+    /// ([`mxrl_tensor::qlinear`], `ops::qlinear` module doc), every one a BF16 number, so the
+    /// products are the CPU's and only the f32 summation order differs:
+    /// - `HighPrecision`: dgrad `bf16(dy)·bf16(W)`, wgrad `bf16(dy)ᵀ·bf16(x)`.
+    /// - `Dequantized`: `bf16(dy)` times the contract dequantization of the stored `W` and of
+    ///   the forward's quantized `x` (re-quantized here: the same bytes); NVFP4's has up to 24
+    ///   significant bits and runs as three BF16 parts.
+    /// - `Lowp` (MXFP8): dgrad `q_row(dy)·q_col(W)`, wgrad `q_col(dy)ᵀ·q_col(x)`, the
+    ///   column-wise blocks of `x` and `dy` starting at each group's first row (each group is
+    ///   its own tensor, as on the CPU), those of `W` at each weight's first row.
+    ///
+    /// The weights' operand is made once per weight version (`QExperts::train`).
     fn grouped_qlinear_backward(
         &self,
         x: &Self::F32,
@@ -829,6 +837,11 @@ impl Backend for CudaBackend {
         let ql = self.qlin.as_ref().map_err(|e| {
             dev(format!(
                 "grouped_qlinear_backward: the quantized linear did not load: {e}"
+            ))
+        })?;
+        let q = self.qgemm.as_ref().map_err(|e| {
+            dev(format!(
+                "grouped_qlinear_backward: the low-byte kernels did not load: {e}"
             ))
         })?;
         let groups = w.e;
@@ -854,55 +867,200 @@ impl Backend for CudaBackend {
                 )));
             }
         }
-        let s = self.gpu.stream();
-        let cp = |e: cudarc::driver::DriverError| dev(format!("device copy: {e:?}"));
-        let part = |src: &CudaSlice<f32>, a: usize, b: usize| -> DResult<CudaSlice<f32>> {
-            let mut o = self.gpu.empty::<f32>(b - a).map_err(de)?;
-            s.memcpy_dtod(&src.slice(a..b), &mut o).map_err(cp)?;
-            Ok(o)
-        };
+        if host_offsets.windows(2).any(|o| o[0] > o[1]) || host_offsets[groups] as usize > rows {
+            return Err(dev(format!(
+                "grouped_qlinear_backward: offsets {host_offsets:?} not increasing within 0..{rows}"
+            )));
+        }
+        let (mode, format) = (w.spec.backward(), w.format);
+        if format == Format::Nvfp4 && w.spec.act_scaling() != ActScaling::PerToken {
+            return Err(dev(
+                "grouped_qlinear_backward: NVFP4 with per-tensor activation scaling has no \
+                 device path"
+                    .into(),
+            ));
+        }
+        let wlen = groups * n * k;
+        // The weights' dgrad operand (parts × [E, N, K] BF16), once per weight version.
         if w.train.get().is_none() {
-            let prepared = (0..groups)
-                .map(|g| {
-                    let wg = std::sync::Arc::new(DeviceInput::F32(part(
-                        master,
-                        g * n * k,
-                        (g + 1) * n * k,
-                    )?));
-                    ql.prepare(&format!("weight {g} of {groups}"), &wg, n, k, w.spec, 0)
-                        .map_err(de)
-                })
-                .collect::<DResult<Vec<_>>>()?;
-            let _ = w.train.set(prepared);
+            let op = match (mode, format) {
+                (BackwardMode::HighPrecision, _) => self.bf16(master, wlen)?,
+                (BackwardMode::Dequantized, Format::Mxfp8) => {
+                    let mut o = self.gpu.empty::<u16>(wlen).map_err(de)?;
+                    q.dequant_weights_mxfp8(
+                        &w.codes.as_view(),
+                        &w.scales.as_view(),
+                        &mut o.as_view_mut(),
+                        groups,
+                        n,
+                        k,
+                    )
+                    .map_err(de)?;
+                    o
+                }
+                (BackwardMode::Dequantized, Format::Nvfp4) => ql
+                    .nvfp4_split3_weights(
+                        &w.codes.as_view(),
+                        &w.scales.as_view(),
+                        &w.amax.as_view(),
+                        groups,
+                        n,
+                        k,
+                    )
+                    .map_err(de)?,
+                (BackwardMode::Lowp, Format::Mxfp8) => {
+                    let per_weight: Vec<u32> = (0..=groups).map(|g| (g * n) as u32).collect();
+                    ql.mxfp8_col_groups_bf16(&master.slice(0..wlen), &per_weight, groups * n, k)
+                        .map_err(de)?
+                }
+                (m, f) => {
+                    return Err(dev(format!(
+                        "grouped_qlinear_backward: no device path for {f:?} with the {} \
+                         backward",
+                        m.name()
+                    )))
+                }
+            };
+            let _ = w.train.set(op);
         }
-        let prepared = w.train.get().expect("set above");
-        for g in 0..groups {
-            let (a, b) = (host_offsets[g] as usize, host_offsets[g + 1] as usize);
-            if a > b || b > rows {
-                return Err(dev(format!(
-                    "grouped_qlinear_backward: group {g} rows {a}..{b} outside 0..{rows}"
-                )));
+        let wop = w.train.get().expect("set above");
+        let parts = wop.len() / wlen.max(1);
+        let dense = groups == 1;
+        let offsets = if dense {
+            None
+        } else {
+            Some(self.gpu.upload(host_offsets).map_err(de)?)
+        };
+        let s = Grouped {
+            experts: groups,
+            rows,
+            n,
+            k,
+        };
+        let (r0, r1) = (host_offsets[0] as usize, host_offsets[groups] as usize);
+        // dx = a · Σ parts of W (overwrites the groups' rows); dW += b ᵀ · c.
+        let dgrad = |a: &CudaSlice<u16>, dx: &mut CudaSlice<f32>| -> DResult<()> {
+            for p in 0..parts {
+                let wp = wop.slice(p * wlen..(p + 1) * wlen);
+                match &offsets {
+                    None => {
+                        let (a, mut d) = (a.slice(r0 * n..r1 * n), dx.slice_mut(r0 * k..r1 * k));
+                        if p == 0 {
+                            self.gemm.dense_nn(&a, &wp, &mut d, r1 - r0, n, k)
+                        } else {
+                            self.gemm.dense_nn_acc(&a, &wp, &mut d, r1 - r0, n, k)
+                        }
+                        .map_err(de)?;
+                    }
+                    Some(o) if p == 0 => self
+                        .gemm
+                        .grouped_nn(&a.as_view(), &wp, &o.as_view(), &mut dx.as_view_mut(), s)
+                        .map_err(de)?,
+                    Some(o) => {
+                        let mut t = self.gpu.empty::<f32>(rows * k).map_err(de)?;
+                        self.gemm
+                            .grouped_nn(&a.as_view(), &wp, &o.as_view(), &mut t.as_view_mut(), s)
+                            .map_err(de)?;
+                        self.ew
+                            .add_inplace(
+                                &mut dx.slice_mut(r0 * k..r1 * k),
+                                &t.slice(r0 * k..r1 * k),
+                                (r1 - r0) * k,
+                            )
+                            .map_err(de)?;
+                    }
+                }
             }
-            if a == b {
-                continue;
+            Ok(())
+        };
+        let wgrad = |b: &CudaSlice<u16>, c: &CudaView<'_, u16>, dw: &mut CudaSlice<f32>| {
+            match &offsets {
+                None => self.gemm.dense_tn(
+                    &b.slice(r0 * n..r1 * n),
+                    &c.slice(r0 * k..r1 * k),
+                    &mut dw.slice_mut(0..n * k),
+                    r1 - r0,
+                    n,
+                    k,
+                ),
+                Some(o) => {
+                    self.gemm
+                        .grouped_tn(&b.as_view(), c, &o.as_view(), &mut dw.as_view_mut(), s)
+                }
             }
-            let m = b - a;
-            let qw = &prepared[g];
-            let xg = std::sync::Arc::new(DeviceInput::F32(part(x, a * k, b * k)?));
-            let saved = ql.save(qw, &xg, m).map_err(de)?;
-            let dyg = DeviceInput::F32(part(dy, a * n, b * n)?);
-            let gr = ql.backward(qw, saved, &dyg).map_err(de)?;
-            s.memcpy_dtod(&gr.dx, &mut dx.slice_mut(a * k..b * k))
-                .map_err(cp)?;
-            self.ew
-                .add_inplace(
-                    &mut dw.slice_mut(g * n * k..(g + 1) * n * k),
-                    &gr.dw.as_view(),
-                    n * k,
-                )
-                .map_err(de)?;
+            .map_err(de)
+        };
+        if r0 == r1 {
+            return Ok(());
         }
-        Ok(())
+        match (mode, format) {
+            (BackwardMode::Lowp, _) => {
+                let mut dyr = self.gpu.empty::<u16>(rows * n).map_err(de)?;
+                q.quant_act_mxfp8(&dy.slice(0..rows * n), rows, n, &mut dyr.as_view_mut())
+                    .map_err(de)?;
+                dgrad(&dyr, dx)?;
+                drop(dyr);
+                let dyc = ql
+                    .mxfp8_col_groups_bf16(&dy.slice(0..rows * n), host_offsets, rows, n)
+                    .map_err(de)?;
+                let xc = ql
+                    .mxfp8_col_groups_bf16(&x.slice(0..rows * k), host_offsets, rows, k)
+                    .map_err(de)?;
+                wgrad(&dyc, &xc.as_view(), dw)
+            }
+            (BackwardMode::HighPrecision, _) => {
+                let dyb = self.bf16(dy, rows * n)?;
+                dgrad(&dyb, dx)?;
+                let xb = self.bf16(x, rows * k)?;
+                wgrad(&dyb, &xb.as_view(), dw)
+            }
+            (BackwardMode::Dequantized, Format::Mxfp8) => {
+                let dyb = self.bf16(dy, rows * n)?;
+                dgrad(&dyb, dx)?;
+                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+                q.quant_act_mxfp8(&x.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                wgrad(&dyb, &xq.as_view(), dw)
+            }
+            (BackwardMode::Dequantized, _) => {
+                let dyb = self.bf16(dy, rows * n)?;
+                dgrad(&dyb, dx)?;
+                let xin = DeviceInput::F32(
+                    self.gpu
+                        .stream()
+                        .clone_dtod(&x.slice(0..rows * k))
+                        .map_err(|e| dev(format!("device copy: {e:?}")))?,
+                );
+                let scheme = w
+                    .spec
+                    .activation_scheme()
+                    .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
+                let qx = ql
+                    .quantizer()
+                    .quantize_device(&xin, [rows, k], scheme)
+                    .map_err(de)?;
+                drop(xin);
+                let amax = qx
+                    .amax_bits
+                    .as_ref()
+                    .ok_or_else(|| dev("NVFP4 activations without their amax".into()))?;
+                let xp = ql
+                    .nvfp4_split3_rows(
+                        &qx.data.as_view(),
+                        &qx.scales.as_view(),
+                        &amax.as_view(),
+                        rows,
+                        k,
+                        1,
+                    )
+                    .map_err(de)?;
+                drop(qx);
+                for p in 0..3 {
+                    wgrad(&dyb, &xp.slice(p * rows * k..(p + 1) * rows * k), dw)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     fn gather_f32(

@@ -379,7 +379,8 @@ fn backward_refuses_a_context_of_another_weight_version() {
 /// The engine backend's block-format linears (`CudaBackend::quantize_weights`,
 /// `grouped_qlinear`, `qlinear`, `grouped_qlinear_backward`) against the CPU backend's, over
 /// three stacked weights with ragged groups (37 rows, none, 33 rows): the stored bytes
-/// (quantized on the device for MXFP8, by the library for NVFP4) equal the CPU's exactly; `y`,
+/// (quantized on the device: MXFP8 as one tensor, NVFP4 as a stack with one amax per weight)
+/// equal the CPU's exactly; `y`,
 /// `dx` and `dW` of every group are within the same derived bounds as the single layer above;
 /// `dW` accumulates into what the buffer held.
 #[test]
@@ -516,5 +517,50 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
             let e = r.unwrap_err().to_string();
             assert!(e.contains("no dense device path"), "{e}");
         }
+        // The dense backward (one group of every row: cuBLAS on the same operands).
+        let w1 = &master[..n * k];
+        let mut dx1 = cb.zeros_f32(rows * k).unwrap();
+        let mut dw1 = cb.upload_f32(&acc[..n * k]).unwrap();
+        let md1 = cb.upload_f32(w1).unwrap();
+        let dense = [0u32, rows as u32];
+        cb.grouped_qlinear_backward(
+            &xd, &q1d, &md1, &dyd, &dense, rows, k, n, &mut dx1, &mut dw1,
+        )
+        .unwrap();
+        let (mut dx1c, mut dw1c) = (vec![0f32; rows * k], acc[..n * k].to_vec());
+        CpuBackend
+            .grouped_qlinear_backward(
+                &x,
+                &q1c,
+                &w1.to_vec(),
+                &dy,
+                &dense,
+                rows,
+                k,
+                n,
+                &mut dx1c,
+                &mut dw1c,
+            )
+            .unwrap();
+        let (dy_d, w_o, dy_w, x_o, sum) = backward_operands(s, &x, w1, &dy, (rows, k, n));
+        check(
+            &format!("{tag} dense dx"),
+            &cb.download_f32(&dx1, rows * k).unwrap(),
+            &dx1c,
+            &gemm_nn_bounds_with(&dy_d, &w_o, rows, n, k, sum),
+            seed,
+        );
+        let bw: Vec<f64> = gemm_tn_bounds_with(&dy_w, &x_o, None, n, rows, k, sum)
+            .iter()
+            .zip(&dw1c)
+            .map(|(b, w)| b + 2.0 * f64::from(w.abs()) * f64::from(f32::EPSILON))
+            .collect();
+        check(
+            &format!("{tag} dense dW"),
+            &cb.download_f32(&dw1, n * k).unwrap(),
+            &dw1c,
+            &bw,
+            seed,
+        );
     }
 }

@@ -276,6 +276,16 @@ pub struct QGrads {
     pub dw: CudaSlice<f32>,
 }
 
+/// A stack of NVFP4 weights quantized in one call ([`QLinear::quantize_nvfp4_stack`]).
+pub struct Nvfp4Stack {
+    /// Packed E2M1 codes `[experts·n, k/2]`.
+    pub codes: CudaSlice<u8>,
+    /// E4M3 block scales `[experts·n, k/16]`.
+    pub scales: CudaSlice<u8>,
+    /// One f32 amax (bit pattern) per weight.
+    pub amax_bits: CudaSlice<u32>,
+}
+
 /// The quantized linear layer's kernels on one GPU: the contract quantizers on the engine's
 /// stream, the BF16 GEMMs, the low-byte dequantizers and this family's operand kernels.
 pub struct QLinear {
@@ -286,6 +296,8 @@ pub struct QLinear {
     elem: Elementwise,
     deq_col: CudaFunction,
     split3: CudaFunction,
+    col_groups: CudaFunction,
+    amax_groups: CudaFunction,
 }
 
 impl QLinear {
@@ -307,6 +319,8 @@ impl QLinear {
             elem: Elementwise::new(gpu)?,
             deq_col: f("qlinear_dequant_mxfp8_col_bf16")?,
             split3: f("qlinear_nvfp4_dequant_split3")?,
+            col_groups: f("qlinear_mxfp8_col_segments_bf16")?,
+            amax_groups: f("qlinear_amax_groups")?,
         })
     }
 
@@ -876,40 +890,199 @@ impl QLinear {
         let Some(amax) = &q.amax_bits else {
             return Err(g.err("NVFP4 tensor without its amax"));
         };
-        let n = r * c;
-        if !c.is_multiple_of(mxrl_formats::NVFP4_BLOCK) {
-            return Err(g.err(format!("NVFP4 split: {c} columns are not whole 16-blocks")));
+        let rows_per_amax = if s.amax == AmaxScope::PerRow {
+            1
+        } else {
+            r.max(1)
+        };
+        self.nvfp4_split3_rows(
+            &q.data.as_view(),
+            &q.scales.as_view(),
+            &amax.as_view(),
+            r,
+            c,
+            rows_per_amax,
+        )
+    }
+
+    /// NVFP4 codes `[rows, cols/2]` and E4M3 scales `[rows, cols/16]` with one f32 amax (as
+    /// bits) per `rows_per_amax` rows (1: per row; the rows of one weight: a stack of weights
+    /// with one amax each; `rows`: one per-tensor amax) → the contract dequantization split
+    /// into three BF16 parts, `[3, rows, cols]` (`qlinear_nvfp4_dequant_split3`; exact for
+    /// `|v| ≥ 2⁻¹¹⁰`, module doc).
+    ///
+    /// # Errors
+    /// Columns not whole 16-blocks, `rows_per_amax` 0, short buffers; driver errors.
+    pub fn nvfp4_split3_rows(
+        &self,
+        data: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        amax_bits: &CudaView<'_, u32>,
+        rows: usize,
+        cols: usize,
+        rows_per_amax: usize,
+    ) -> Result<CudaSlice<u16>, DeviceError> {
+        let g = &self.gpu;
+        if !cols.is_multiple_of(mxrl_formats::NVFP4_BLOCK) {
+            return Err(g.err(format!(
+                "NVFP4 split: {cols} columns are not whole 16-blocks"
+            )));
         }
-        let per_row = i32::from(s.amax == AmaxScope::PerRow);
-        check_len(g, "NVFP4 codes", q.data.len(), n / 2)?;
+        if rows_per_amax == 0 {
+            return Err(g.err("NVFP4 split: 0 rows per amax"));
+        }
+        let n = rows * cols;
+        check_len(g, "NVFP4 codes", data.len(), n / 2)?;
         check_len(
             g,
             "NVFP4 scales",
-            q.scales.len(),
+            scales.len(),
             n / mxrl_formats::NVFP4_BLOCK,
         )?;
         check_len(
             g,
             "NVFP4 amax",
-            amax.len(),
-            if per_row == 1 { r } else { 1 },
+            amax_bits.len(),
+            rows.div_ceil(rows_per_amax).max(1),
         )?;
         let mut out = g.empty::<u16>(3 * n)?;
         if n > 0 {
-            let (n64, c64) = (n as u64, c as u64);
+            let (n64, c64, rpa) = (n as u64, cols as u64, rows_per_amax as u64);
             let mut b = g.stream().launch_builder(&self.split3);
-            b.arg(&q.data)
-                .arg(&q.scales)
-                .arg(amax)
+            b.arg(data)
+                .arg(scales)
+                .arg(amax_bits)
                 .arg(&mut out)
                 .arg(&n64)
                 .arg(&c64)
-                .arg(&per_row);
-            // SAFETY: grid-stride over i < n = r·c: reads data[i/2] (n/2 held), scales[i/16]
-            // (n/16 held), amax[i/c] (r held, per row) or amax[0]; writes out[i], out[n + i],
-            // out[2n + i] (3n held). Argument types match (const u8*, const u8*, const u32*,
-            // u16*, u64, u64, int).
+                .arg(&rpa);
+            // SAFETY: grid-stride over i < n = rows·cols: reads data[i/2] (n/2 held),
+            // scales[i/16] (n/16 held), amax_bits[(i/cols)/rows_per_amax] <
+            // ⌈rows/rows_per_amax⌉ (held, checked; rows_per_amax ≥ 1); writes out[i],
+            // out[n + i], out[2n + i] (3n held). Argument types match (const u8*, const u8*,
+            // const u32*, u16*, u64, u64, u64).
             unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
+        }
+        Ok(out)
+    }
+
+    /// [`QLinear::nvfp4_split3_rows`] of a stack of `experts` NVFP4 weights `[n, k]` with one
+    /// f32 amax each (the layout of the backend's stored experts): `[3, experts·n, k]`.
+    ///
+    /// # Errors
+    /// As [`QLinear::nvfp4_split3_rows`]; fewer than `experts` amax values.
+    pub fn nvfp4_split3_weights(
+        &self,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        amax: &CudaView<'_, f32>,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<CudaSlice<u16>, DeviceError> {
+        check_len(&self.gpu, "NVFP4 weight amax", amax.len(), experts)?;
+        // SAFETY: u32 and f32 have one size and alignment; the view covers `experts` f32
+        // values (checked), read as their bits.
+        let bits = unsafe { amax.transmute::<u32>(experts) }
+            .ok_or_else(|| self.gpu.err("NVFP4 weight amax view"))?;
+        self.nvfp4_split3_rows(codes, scales, &bits, experts * n, k, n.max(1))
+    }
+
+    /// NVFP4 of a stack of `experts` weights `[n, k]` (f32), each quantized as its own tensor
+    /// (one per-tensor amax each, the weight scheme's bytes) in three
+    /// launches for the whole stack: the amax of every row, the largest per weight
+    /// (`qlinear_amax_groups`), then the blocks with one amax per weight (a weight's `n·k`
+    /// elements are one row of the `[experts, n·k]` view, so its blocks read its amax).
+    /// Returns codes `[experts·n, k/2]`, scales `[experts·n, k/16]` and the `experts` amax
+    /// values as f32 bits.
+    ///
+    /// # Errors
+    /// `k` not whole 16-blocks, short input; driver errors.
+    pub fn quantize_nvfp4_stack(
+        &self,
+        w: DeviceInput,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Nvfp4Stack, DeviceError> {
+        let g = &self.gpu;
+        let rows = experts * n;
+        let row_bits = self.quant.amax(&w, [rows, k], AmaxScope::PerRow)?;
+        let mut bits = g.empty::<u32>(experts.max(1))?;
+        if experts > 0 {
+            let rpg = n as u64;
+            let mut b = g.stream().launch_builder(&self.amax_groups);
+            b.arg(&row_bits).arg(&mut bits).arg(&rpg);
+            // SAFETY: CTA g < experts reads row_bits[g·n..(g+1)·n) (rows = experts·n held:
+            // the per-row amax of [rows, k]) and writes bits[g] (experts held); 256 threads
+            // = the kernel's 8 warp slots. Argument types match (const u32*, u32*, u64).
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (experts as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(|e| g.err(e))?;
+        }
+        let q = self
+            .quant
+            .nvfp4_with_amax(&w, [experts, n * k], AmaxScope::PerRow, bits)?;
+        let bits = q
+            .amax_bits
+            .ok_or_else(|| g.err("NVFP4 quantizer returned no amax"))?;
+        Ok(Nvfp4Stack {
+            codes: q.data,
+            scales: q.scales,
+            amax_bits: bits,
+        })
+    }
+
+    /// Column-wise MXFP8 of `x [rows, cols]` (f32) per group of rows: group `g` holds rows
+    /// `offsets[g]..offsets[g+1]` and is quantized as its own tensor (32×1 blocks from its first
+    /// row, the last one zero-padded as the CPU's `Padding::Zero`), then dequantized by the
+    /// contract into BF16 `[rows, cols]` (`qlinear_mxfp8_col_segments_bf16`; exact for scale
+    /// bytes ≥ 3). What the `Lowp` backward multiplies for every expert of a grouped linear in
+    /// one launch. Rows outside every group are left unspecified.
+    ///
+    /// # Errors
+    /// Offsets that decrease or pass `rows`, short buffers; driver errors.
+    pub fn mxfp8_col_groups_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        offsets: &[u32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaSlice<u16>, DeviceError> {
+        let g = &self.gpu;
+        let n = rows * cols;
+        check_len(g, "column-wise input", x.len(), n)?;
+        let mut seg = Vec::with_capacity(2 * (rows / MXFP8_BLOCK + offsets.len()));
+        for w in offsets.windows(2) {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            if a > b || b > rows {
+                return Err(g.err(format!(
+                    "column-wise groups: rows {a}..{b} outside 0..{rows}"
+                )));
+            }
+            for r in (a..b).step_by(MXFP8_BLOCK) {
+                seg.push(r as u32);
+                seg.push((b - r).min(MXFP8_BLOCK) as u32);
+            }
+        }
+        let mut out = g.empty::<u16>(n)?;
+        let segs = seg.len() / 2;
+        if segs > 0 && cols > 0 {
+            let seg_d = g.upload(&seg)?;
+            let (s64, c64) = (segs as u64, cols as u64);
+            let mut b = g.stream().launch_builder(&self.col_groups);
+            b.arg(x).arg(&seg_d).arg(&mut out).arg(&s64).arg(&c64);
+            // SAFETY: grid-stride over t < segs·cols: reads seg[2j], seg[2j+1] (2·segs held)
+            // and x / writes out at (r0 + i)·cols + c for i < len, where every segment lies in
+            // 0..rows (built above from offsets checked against rows), so < rows·cols = n
+            // (x holds n, checked; out n). Argument types match (const float*, const u32*,
+            // u16*, u64, u64).
+            unsafe { b.launch(grid(segs * cols)) }.map_err(|e| g.err(e))?;
         }
         Ok(out)
     }
