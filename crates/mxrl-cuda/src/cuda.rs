@@ -1199,40 +1199,6 @@ impl CudaDevice {
         Ok(y)
     }
 
-    /// Row-major `c [m, n] = a [m, k] · b [k, n]` by one cuBLAS SGEMM in pedantic math.
-    pub(crate) fn sgemm_nn(
-        &self,
-        xa: &CudaSlice<f32>,
-        xb: &CudaSlice<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<CudaSlice<f32>, DeviceError> {
-        assert!(xa.len() == m * k && xb.len() == k * n);
-        let mut c = self.output::<f32>(m * n)?;
-        // Column-major cᵀ [n, m] = bᵀ · aᵀ: b's buffer is column-major bᵀ [n, k] (ld n),
-        // a's buffer column-major aᵀ [k, m] (ld k); neither transposed.
-        self.sgemm_cm(false, false, n, m, k, xb, n, xa, k, &mut c, n)?;
-        Ok(c)
-    }
-
-    /// Row-major `c [m, n] = a [k, m]ᵀ · b [k, n]` by one cuBLAS SGEMM in pedantic math.
-    pub(crate) fn sgemm_tn(
-        &self,
-        xa: &CudaSlice<f32>,
-        xb: &CudaSlice<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<CudaSlice<f32>, DeviceError> {
-        assert!(xa.len() == k * m && xb.len() == k * n);
-        let mut c = self.output::<f32>(m * n)?;
-        // Column-major cᵀ [n, m] = bᵀ · a: b's buffer is column-major bᵀ [n, k] (ld n), a's
-        // buffer column-major aᵀ [m, k] (ld m), transposed to a [k, m].
-        self.sgemm_cm(false, true, n, m, k, xb, n, xa, m, &mut c, n)?;
-        Ok(c)
-    }
-
     /// Column-major `C [m, n] = op(A) · op(B)` (`op(A)` `[m, k]`, `op(B)` `[k, n]`, β = 0) by
     /// one cuBLAS SGEMM on the device's handle in `CUBLAS_PEDANTIC_MATH` (f32 products and
     /// accumulation, no TF32). One handle on one stream, default (deterministic) atomics
@@ -1313,14 +1279,6 @@ impl CudaDevice {
         // neither input.
         unsafe { blas.gemm(cfg, a, b, c) }.map_err(|e| self.err(format!("{e:?}")))?;
         Ok(())
-    }
-
-    /// Copy host f32 values to a new device buffer.
-    ///
-    /// # Errors
-    /// A driver error.
-    pub(crate) fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>, DeviceError> {
-        self.stream.clone_htod(v).map_err(|e| self.err(e))
     }
 
     /// Copy a device f32 buffer to the host.

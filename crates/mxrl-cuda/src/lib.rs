@@ -24,11 +24,9 @@
 //! GEMMs `mxfp8_gemm_nt` / `nvfp4_gemm_nt` (exact operands, one cuBLAS SGEMM in pedantic math,
 //! NVFP4's α applied after the sum — the arithmetic of `mxrl_tensor::qlinear`).
 //!
-//! `CudaGemm` (feature `cuda`) is the GPU implementation of the linear layers' GEMM hook
-//! ([`mxrl_tensor::backend::GemmBackend`]): cuBLAS SGEMM in pedantic math on exactly the CPU
-//! emulation's f32 operands (only the summation order differs), deterministic for equal shapes,
-//! resident weight operands cached on the device by their key. `mxrl … --device cuda`
-//! selects it for the process.
+//! `backend::CudaBackend` (feature `cuda`) is the device engine's backend: every op of
+//! [`mxrl_tensor::device::Backend`] on one GPU, so `mxrl … --device cuda` runs the whole model
+//! there.
 //!
 //! [`QuantDevice`] (quantize / dequantize on a device, host buffers in and out) implemented by
 //! [`CpuDevice`] (the contract library) and, with `cuda`, `CudaDevice`; [`test_device!`] writes
@@ -42,14 +40,10 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-mod gemm;
-#[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod ops;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, DeviceInput, DeviceQuantized, QuantizeTiming};
-#[cfg(feature = "cuda")]
-pub use gemm::{CudaGemm, GemmStats};
 
 pub use prelude::cuda_prelude;
 

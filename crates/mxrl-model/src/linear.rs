@@ -2,12 +2,11 @@
 //!
 //! `y[m, n] = x[m, k] · W[n, k]ᵀ (+ b)`, with the GEMM operands chosen by the layer's
 //! [`LinearPrecision`] and f32 accumulation. The quantized formats of the precision plan plug
-//! in here, and nowhere else. Every GEMM runs on the process-wide GEMM backend
-//! ([`mxrl_tensor::backend`]: the CPU by default, a GPU with `--device cuda`); prepared
-//! weights are resident operands a device keeps between calls.
+//! in here, and nowhere else. Every GEMM runs on the CPU ([`mxrl_tensor::host_gemm`]); a GPU
+//! runs the whole model on the device engine ([`crate::engine`]) instead.
 
 use crate::params::{Grads, ParamId, ParamStore};
-use mxrl_tensor::backend::{linear_nn, linear_nt, linear_tn_into, GemmOperand, WeightView};
+use mxrl_tensor::host_gemm::{linear_nn, linear_nt, linear_tn_into, GemmOperand};
 use mxrl_tensor::precision::{round_bf16, round_bf16_vec};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, QLinearError, Saved};
 use std::borrow::Cow;
@@ -41,7 +40,7 @@ pub(crate) struct Linear {
 pub(crate) enum Prepared {
     /// Multiply the f32 master weight directly.
     Master,
-    /// A BF16-rounded copy of the master weight (resident for this weight version).
+    /// A BF16-rounded copy of the master weight (kept for this weight version).
     Bf16(GemmOperand),
     /// The quantized weight of a block-format linear.
     Quant(Box<PreparedWeight>),
@@ -59,9 +58,7 @@ impl Prepared {
     ) -> Result<Prepared, QLinearError> {
         Ok(match prec {
             LinearPrecision::F32 => Prepared::Master,
-            LinearPrecision::Bf16 => {
-                Prepared::Bf16(GemmOperand::resident(round_bf16_vec(master), version))
-            }
+            LinearPrecision::Bf16 => Prepared::Bf16(GemmOperand::new(round_bf16_vec(master))),
             LinearPrecision::Quantized(spec) => Prepared::Quant(Box::new(
                 PreparedWeight::quantize(name, master, n, k, spec, version)?,
             )),
@@ -77,11 +74,10 @@ fn operand(prec: LinearPrecision, x: &[f32]) -> Cow<'_, [f32]> {
 }
 
 impl Linear {
-    fn weight<'a>(&self, params: &'a ParamStore, prep: &'a Prepared) -> WeightView<'a> {
+    fn weight<'a>(&self, params: &'a ParamStore, prep: &'a Prepared) -> &'a [f32] {
         match prep {
-            // The master changes in place between versions: never cached on a device.
-            Prepared::Master => WeightView::transient(params.data(self.w)),
-            Prepared::Bf16(w) => w.view(),
+            Prepared::Master => params.data(self.w),
+            Prepared::Bf16(w) => w.values(),
             Prepared::Quant(_) => unreachable!("quantized weights take the qlinear path"),
         }
     }

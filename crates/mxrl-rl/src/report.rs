@@ -1185,7 +1185,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
         let _ = writeln!(s, "- model digest (sha256): `{}`", man.model_digest);
     }
     if !man.device.is_empty() {
-        let _ = writeln!(s, "- linear GEMMs on: {}", man.device);
+        let _ = writeln!(s, "- runs on: {}", man.device);
     }
     let _ = writeln!(s, "- task: {}", man.task);
     if !single {

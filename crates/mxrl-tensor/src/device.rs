@@ -13,7 +13,7 @@
 //! `LinearPrecision::Bf16`.
 
 use crate::attention::{attention_decode, attention_forward, AttnShape};
-use crate::backend::{CpuGemm, GemmBackend, WeightView};
+use crate::host_gemm;
 use crate::loss::logprobs_forward;
 use crate::moe::{combine_forward, Dispatch};
 use crate::norm::rmsnorm_forward;
@@ -1127,9 +1127,7 @@ impl CpuBackend {
     /// The CPU reference GEMM `y = a·wᵀ` exactly as the CPU model's linear layers run it
     /// (dot products for few rows, packed GEMM otherwise).
     fn nt(a: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        CpuGemm
-            .nt(a, WeightView::transient(w), m, k, n)
-            .expect("the CPU GEMM cannot fail")
+        host_gemm::linear_nt(a, w, m, k, n)
     }
 }
 
@@ -1994,14 +1992,10 @@ impl Backend for CpuBackend {
         need("linear_backward w", w.len(), n * k)?;
         need("linear_backward dw", dw.len(), n * k)?;
         let dyo: Vec<f32> = dy[..m * n].iter().map(|&v| round_bf16(v)).collect();
-        CpuGemm
-            .tn_into(&dyo, &x[..m * k], &mut dw[..n * k], n, m, k, true)
-            .expect("the CPU GEMM cannot fail");
+        host_gemm::linear_tn_into(&dyo, &x[..m * k], &mut dw[..n * k], n, m, k, true);
         if let Some(dx) = dx {
             need("linear_backward dx", dx.len(), m * k)?;
-            let r = CpuGemm
-                .nn(&dyo, WeightView::transient(&w[..n * k]), m, n, k)
-                .expect("the CPU GEMM cannot fail");
+            let r = host_gemm::linear_nn(&dyo, &w[..n * k], m, n, k);
             dx[..m * k].copy_from_slice(&r);
         }
         Ok(())

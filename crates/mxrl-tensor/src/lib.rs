@@ -14,7 +14,7 @@
 //! |---|---|
 //! | [`gemm`] | f32 GEMM `nt`/`nn`/`tn` (+ triple-loop reference) |
 //! | [`device`] | the op set every device implements ([`device::Backend`]) and the CPU reference implementation; [`device::Device`] |
-//! | [`backend`] | the process-wide GEMM backend of the linear layers (CPU reference default; a device implements [`backend::GemmBackend`]), resident weight operands |
+//! | [`host_gemm`] | the host model's linear-layer GEMMs on the CPU, shared weight operands |
 //! | [`precision`] | BF16 rounding of GEMM operands ([`precision::round_bf16`]) |
 //! | [`norm`] | RMSNorm |
 //! | [`rope`] | rotary position embedding (rotate-half form) |
@@ -33,11 +33,11 @@
 
 pub mod activation;
 pub mod attention;
-pub mod backend;
 pub mod device;
 pub mod embedding;
 pub mod gemm;
 pub mod gradcheck;
+pub mod host_gemm;
 pub mod loss;
 pub mod moe;
 pub mod norm;

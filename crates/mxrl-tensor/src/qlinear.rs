@@ -53,8 +53,8 @@
 //! ([`PreparedWeight::emulation_bytes`]). [`memory_model`] replays the allocations of one
 //! forward + backward of a device implementation for `mxrl bench memory`.
 
-use crate::backend::{self, GemmOperand, WeightView};
 use crate::gemm;
+use crate::host_gemm::{self, GemmOperand};
 use crate::precision::round_bf16_vec;
 use half::bf16;
 use mxrl_formats::{
@@ -329,8 +329,6 @@ pub const FP8_BLOCK_EMULATION: &str =
     "y = Σ_b fl(fl(sx[i,b]·sw[j/128,b]) · Σ_{k∈b} e4m3(x[i,k])·e4m3(W[j,k])), f32";
 
 /// The f32 GEMM operand decoded from a quantized tensor (products exact, see module doc).
-/// Weight operands are resident ([`GemmOperand::resident`]: a GEMM device may keep them),
-/// activation operands transient.
 #[derive(Debug, Clone)]
 enum Operand {
     /// Values multiplied as they are: BF16-rounded originals or exact MXFP8 dequantization.
@@ -346,21 +344,13 @@ enum Operand {
     },
 }
 
-/// A weight operand (resident, keyed with the weight version) or an activation (transient).
-fn gemm_operand(values: Vec<f32>, resident: Option<u64>) -> GemmOperand {
-    match resident {
-        Some(version) => GemmOperand::resident(values, version),
-        None => GemmOperand::transient(values),
-    }
-}
-
 impl Operand {
-    /// Decode `q`; `resident`: the weight version of a weight operand, `None` for activations.
-    fn from_quantized(q: &QuantizedTensor, resident: Option<u64>) -> Result<Self, FormatError> {
+    /// Decode `q`.
+    fn from_quantized(q: &QuantizedTensor) -> Result<Self, FormatError> {
         let q = q.clone().with_scale_layout(ScaleLayout::Compact)?;
         let (rows, k) = (q.shape[0], q.shape[1]);
         match (q.scheme, &q.scales) {
-            (Scheme::Mxfp8(_), _) => Ok(Operand::Plain(gemm_operand(q.dequantize()?, resident))),
+            (Scheme::Mxfp8(_), _) => Ok(Operand::Plain(GemmOperand::new(q.dequantize()?))),
             (Scheme::Nvfp4(s), Scales::Bytes(scales)) => {
                 let mut pre = Vec::with_capacity(rows * k);
                 for i in 0..rows {
@@ -376,7 +366,7 @@ impl Operand {
                     AmaxScope::PerRow => q.amax[..rows].to_vec(),
                 };
                 Ok(Operand::Nvfp4 {
-                    pre: gemm_operand(pre, resident),
+                    pre: GemmOperand::new(pre),
                     amax,
                 })
             }
@@ -406,25 +396,23 @@ impl Operand {
     }
 }
 
-/// Up to this many rows the forward GEMM runs as independent dot products on the CPU
-/// backend ([`gemm::matmul_nt_dot`]: decode steps, sparsely routed experts); above it, the
+/// Up to this many rows the forward GEMM runs as independent dot products
+/// ([`gemm::matmul_nt_dot`]: decode steps, sparsely routed experts); above it, the
 /// packed GEMM. Both accumulate the same exact products in f32, in different orders (the
 /// module's bounds hold for any order). Same threshold as the model's BF16 linears.
 pub const SMALL_M: usize = gemm::SMALL_M;
 
-/// Forward GEMM `a[m,k] · b[n,k]ᵀ` (f32 accumulation) of an unkeyed `b` on the current
-/// GEMM backend ([`crate::backend`]).
+/// Forward GEMM `a[m,k] · b[n,k]ᵀ` (f32 accumulation, [`host_gemm::linear_nt`]).
 fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-    backend::linear_nt(a, WeightView::transient(b), m, k, n)
+    host_gemm::linear_nt(a, b, m, k, n)
 }
 
-/// Emulated forward GEMM `y[m,n] = a[m,k] · b[n,k]ᵀ` of two operands of the same format, on
-/// the current GEMM backend (a resident `b` may stay on the device).
+/// Emulated forward GEMM `y[m,n] = a[m,k] · b[n,k]ᵀ` of two operands of the same format.
 fn emulated_nt(a: &Operand, b: &Operand, m: usize, k: usize, n: usize) -> Vec<f32> {
     match (a, b) {
-        (Operand::Plain(a), Operand::Plain(b)) => backend::linear_nt(a, b.view(), m, k, n),
+        (Operand::Plain(a), Operand::Plain(b)) => host_gemm::linear_nt(a, b, m, k, n),
         (Operand::Nvfp4 { pre: pa, amax: aa }, Operand::Nvfp4 { pre: pb, amax: ab }) => {
-            let mut acc = backend::linear_nt(pa, pb.view(), m, k, n);
+            let mut acc = host_gemm::linear_nt(pa, pb, m, k, n);
             debug_assert_eq!(ab.len(), 1, "NVFP4 weights carry one per-tensor amax");
             for i in 0..m {
                 let alpha = nvfp4_alpha(if aa.len() == 1 { aa[0] } else { aa[i] }, ab[0]);
@@ -525,7 +513,7 @@ pub struct PreparedWeight {
     stored: Option<QuantizedTensor>,
     operand: Operand,
     backward: WeightBackward,
-    /// The dgrad operand `[N, K]` of the backward mode, built on first use and kept (resident)
+    /// The dgrad operand `[N, K]` of the backward mode, built on first use and kept
     /// for this weight version when it is not the forward operand itself.
     dgrad: OnceLock<GemmOperand>,
 }
@@ -654,11 +642,10 @@ impl PreparedWeight {
         version: u64,
     ) -> Result<Self, QLinearError> {
         let operand = match &stored {
-            None => Operand::Plain(GemmOperand::resident(
-                round_bf16_vec(w.expect("BF16 weights are built from values")),
-                version,
-            )),
-            Some(q) => Operand::from_quantized(q, Some(version)).map_err(contract_err(name))?,
+            None => Operand::Plain(GemmOperand::new(round_bf16_vec(
+                w.expect("BF16 weights are built from values"),
+            ))),
+            Some(q) => Operand::from_quantized(q).map_err(contract_err(name))?,
         };
         let backward = match (spec.format, spec.backward, w) {
             (Format::Bf16, _, _) | (_, BackwardMode::Dequantized, _) => WeightBackward::Nothing,
@@ -816,8 +803,8 @@ impl PreparedWeight {
         m: usize,
     ) -> Result<Vec<f32>, QLinearError> {
         let xo = match qx {
-            None => Operand::Plain(GemmOperand::transient(round_bf16_vec(x))),
-            Some(q) => Operand::from_quantized(q, None).map_err(contract_err(&self.name))?,
+            None => Operand::Plain(GemmOperand::new(round_bf16_vec(x))),
+            Some(q) => Operand::from_quantized(q).map_err(contract_err(&self.name))?,
         };
         Ok(emulated_nt(&xo, &self.operand, m, self.k, self.n))
     }
@@ -870,8 +857,8 @@ impl PreparedWeight {
     pub fn backward(&self, saved: &Saved, dy: &[f32]) -> Result<Grads, QLinearError> {
         let ops = self.backward_operands(saved, dy)?;
         let (m, k, n) = (saved.m, self.k, self.n);
-        let dx = backend::linear_nn(&ops.dy_dgrad, ops.w.view(), m, n, k);
-        let dw = backend::linear_tn(ops.dy_wgrad(), &ops.x, n, m, k);
+        let dx = host_gemm::linear_nn(&ops.dy_dgrad, &ops.w, m, n, k);
+        let dw = host_gemm::linear_tn(ops.dy_wgrad(), &ops.x, n, m, k);
         Ok(Grads { dx, dw })
     }
 
@@ -896,14 +883,14 @@ impl PreparedWeight {
         )?;
         let ops = self.backward_operands(saved, dy)?;
         let (m, k, n) = (saved.m, self.k, self.n);
-        let dx = backend::linear_nn(&ops.dy_dgrad, ops.w.view(), m, n, k);
+        let dx = host_gemm::linear_nn(&ops.dy_dgrad, &ops.w, m, n, k);
         // dW[n, k] += dy[m, n]ᵀ · x[m, k].
-        backend::linear_tn_into(ops.dy_wgrad(), &ops.x, dw_acc, n, m, k, true);
+        host_gemm::linear_tn_into(ops.dy_wgrad(), &ops.x, dw_acc, n, m, k, true);
         Ok(dx)
     }
 
-    /// The dgrad weight operand built by `build` once per weight version (resident, so a GEMM
-    /// device keeps it too); later calls reuse the same values.
+    /// The dgrad weight operand built by `build` once per weight version; later calls reuse
+    /// the same values.
     fn dgrad_operand(
         &self,
         build: impl FnOnce() -> Result<Vec<f32>, QLinearError>,
@@ -911,7 +898,7 @@ impl PreparedWeight {
         if let Some(w) = self.dgrad.get() {
             return Ok(w.clone());
         }
-        let w = GemmOperand::resident(build()?, self.version);
+        let w = GemmOperand::new(build()?);
         Ok(self.dgrad.get_or_init(|| w).clone())
     }
 

@@ -75,10 +75,10 @@ pub fn ablate(
     let c = model.config();
     let cfg = rl.config();
     let device_line = match device {
-        Device::Cpu => mxrl_tensor::backend::gemm_backend().name(),
-        Device::Cuda => "GPU 0: the device engine (block-format linears on their stored bytes; \
-                         recipes without engine kernels: the host model with GPU GEMMs)"
-            .to_string(),
+        Device::Cpu => super::device::CPU_LINE.to_string(),
+        Device::Cuda => {
+            "GPU 0: the device engine (block-format linears on their stored bytes)".to_string()
+        }
     };
     let spec = AblationSpec {
         recipes: recipes.to_vec(),
@@ -108,7 +108,7 @@ pub fn ablate(
         &codec,
         |r| recipe_info(&model, r),
         |r| {
-            let (b, runs_on) = super::device::build_policies(&model, r, device, true)
+            let (b, runs_on) = super::device::build_policies(&model, r, device)
                 .map_err(|e| mxrl_rl::runner::RunError::Config(format!("{e:#}")))?;
             eprintln!("mxrl ablate: recipe {r} runs on {runs_on}");
             Ok(b)

@@ -4,7 +4,7 @@
 //! `runs/demo/report.md` with plots.
 //!
 //! `--size large` uses the embedded ~45M-parameter MoE ([`large_config`]) instead, meant for
-//! `--device cuda` (the linear GEMMs on GPU 0); its default output is `runs/demo-large`.
+//! `--device cuda` (the device engine on GPU 0); its default output is `runs/demo-large`.
 //!
 //! `--task chain` (with `--ops`, `--operators`, `--digits`) warms up and runs on chains of
 //! operations instead; `--tokenizer FILE` gives the fresh model a trained BPE tokenizer. The

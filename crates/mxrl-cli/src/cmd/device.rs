@@ -3,14 +3,16 @@
 //! - `cpu`: the CPU reference (`mxrl-model`'s model and kernels).
 //! - `cuda`: the device engine on GPU 0 (`mxrl_model::engine::Engine` on `mxrl-cuda`'s
 //!   backend: weights, gradients, AdamW moments, activations and KV caches on the GPU) for
-//!   `forward`, `generate`, `sft`, and for `rl`, `ablate`, `demo` and `rollout-server` under
-//!   BF16 recipes. A recipe that stores block formats (the engine does not train those yet)
-//!   runs the host model with its linear layers' GEMMs on GPU 0 (`mxrl_cuda::CudaGemm`: cuBLAS
-//!   f32 SGEMM, pedantic math, on exactly the operands the CPU emulation multiplies), and says
-//!   so. A trainer and its rollout server started with the same `--device` hold the same
-//!   tensor layout; `rl --rollout` refuses a server whose layout differs.
+//!   `forward`, `generate`, `sft`, `rl`, `ablate`, `demo` and `rollout-server`, block-format
+//!   linears on their stored bytes. A recipe the engine has no kernels for (`check_engine_plan`
+//!   names the tensor and why) is refused with `--device cuda` and runs with `--device cpu`. A
+//!   trainer and its rollout server started with the same `--device` hold the same tensor
+//!   layout; `rl --rollout` refuses a server whose layout differs.
 
 use anyhow::Result;
+
+/// What the CPU reference runs on, for the lines commands print.
+pub const CPU_LINE: &str = "cpu (the reference model; matrixmultiply f32 GEMMs)";
 
 /// Where the model runs.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -26,24 +28,9 @@ pub enum Device {
 #[derive(clap::Args, Debug, Clone, Copy, Default)]
 pub struct DeviceArgs {
     /// Where the model runs: `cpu` (the reference), or `cuda`: GPU 0, the whole model on the
-    /// device engine (BF16 recipes); block-format recipes run the host model with its linear
-    /// GEMMs on GPU 0. Each command prints which.
+    /// device engine. Each command prints which.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
-}
-
-impl DeviceArgs {
-    /// Select the process-wide GEMM backend of the host model; returns a one-line
-    /// description.
-    ///
-    /// # Errors
-    /// `cuda` in a binary built without the `cuda` feature, or no usable GPU.
-    pub fn select(&self) -> Result<String> {
-        match self.device {
-            Device::Cpu => Ok(mxrl_tensor::backend::gemm_backend().name()),
-            Device::Cuda => select_cuda(),
-        }
-    }
 }
 
 /// The device engine of `model` on GPU 0 (`forward` and `generate` with `--device cuda`):
@@ -95,20 +82,6 @@ pub fn cuda_engine_from_checkpoint(
     Ok((e, format!("{what} on {name}")))
 }
 
-#[cfg(feature = "cuda")]
-fn select_cuda() -> Result<String> {
-    let g = mxrl_cuda::CudaGemm::new(0)
-        .map_err(|e| anyhow::anyhow!("--device cuda: GPU 0 is not usable: {e}"))?;
-    let name = mxrl_tensor::backend::GemmBackend::name(&g);
-    mxrl_tensor::backend::set_gemm_backend(std::sync::Arc::new(g));
-    Ok(name)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn select_cuda() -> Result<String> {
-    cuda_built().map(|()| String::new())
-}
-
 /// Trainer, rollout and frozen reference of one recipe, boxed so that a run can hold either
 /// backend.
 pub type Policies =
@@ -131,48 +104,36 @@ where
     }
 }
 
-/// The policies of `recipe` on `device`, and a line saying what runs where. With `cuda`, a
-/// BF16 recipe runs on the device engine when `engine_ok`; otherwise the host model runs with
-/// its GEMMs on GPU 0. A rollout server started with the same `--device` holds the same
-/// layout ([`build_rollout`]).
+/// The policies of `recipe` on `device`, and a line saying what runs where: the CPU reference,
+/// or with `cuda` the device engine (a recipe it has no kernels for is refused, naming the
+/// tensor). A rollout server started with the same `--device` holds the same layout
+/// ([`build_rollout`]).
 ///
 /// # Errors
-/// The recipe does not resolve; no usable GPU; a model the engine cannot run.
+/// The recipe does not resolve; no usable GPU; a recipe or model the engine cannot run.
 pub fn build_policies(
     model: &mxrl_model::Model,
     recipe: &str,
     device: Device,
-    engine_ok: bool,
 ) -> Result<(Policies, String)> {
     if device == Device::Cpu {
         let b = mxrl_rl::session::build(model, recipe)?;
-        return Ok((boxed(b), mxrl_tensor::backend::gemm_backend().name()));
+        return Ok((boxed(b), CPU_LINE.to_string()));
     }
     cuda_built()?;
-    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
-    let why_not = if !engine_ok {
-        Some("the rollout holds the host model's tensors".to_string())
-    } else {
-        mxrl_rl::engine::check_engine_plan(&plan)
-            .err()
-            .map(|e| e.to_string())
-    };
-    match why_not {
-        None => engine_policies(model, recipe),
-        Some(why) => {
-            let gemm = select_cuda()?;
-            let b = mxrl_rl::session::build(model, recipe)?;
-            Ok((
-                boxed(b),
-                format!("the host model, linear GEMMs on {gemm} ({why})"),
-            ))
-        }
-    }
+    engine_plan(model, recipe)?;
+    engine_policies(model, recipe)
 }
 
-/// The rollout side alone (`rollout-server`): the device engine for a BF16 recipe on `cuda`,
-/// else the host model (GEMMs on GPU 0 with `cuda`); with its weight bytes per format, the
-/// contract hash and a line saying what runs where.
+/// Fails unless the device engine runs every tensor `recipe` stores on `model`.
+fn engine_plan(model: &mxrl_model::Model, recipe: &str) -> Result<()> {
+    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
+    mxrl_rl::engine::check_engine_plan(&plan).map_err(|e| anyhow::anyhow!("--device cuda: {e}"))
+}
+
+/// The rollout side alone (`rollout-server`): the CPU reference, or the device engine on
+/// `cuda`; with its weight bytes per format, the contract hash and a line saying what runs
+/// where.
 ///
 /// # Errors
 /// As [`build_policies`].
@@ -181,29 +142,20 @@ pub fn build_rollout(
     recipe: &str,
     device: Device,
 ) -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
-    let host = |on: String| -> Result<(Box<dyn mxrl_rl::RolloutPolicy + Send>, Built, String)> {
+    if device == Device::Cpu {
         let b = mxrl_rl::session::build(model, recipe)?;
-        Ok((
+        return Ok((
             Box::new(b.rollout),
             Built {
                 weight_bytes: b.weight_bytes,
                 contract_hash: b.contract_hash,
             },
-            on,
-        ))
-    };
-    if device == Device::Cpu {
-        return host(mxrl_tensor::backend::gemm_backend().name());
+            CPU_LINE.to_string(),
+        ));
     }
     cuda_built()?;
-    let plan = mxrl_rl::moe::plan_for(model.config(), recipe)?;
-    match mxrl_rl::engine::check_engine_plan(&plan) {
-        Ok(()) => engine_rollout(model, recipe),
-        Err(why) => {
-            let gemm = select_cuda()?;
-            host(format!("the host model, linear GEMMs on {gemm} ({why})"))
-        }
-    }
+    engine_plan(model, recipe)?;
+    engine_rollout(model, recipe)
 }
 
 /// What a built rollout reports besides the policy.
@@ -292,16 +244,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cpu_is_the_default_and_selects_the_reference_backend() {
-        let d = DeviceArgs::default();
-        assert_eq!(d.device, Device::Cpu);
-        assert!(d.select().unwrap().starts_with("cpu"));
+    fn cpu_is_the_default() {
+        assert_eq!(DeviceArgs::default().device, Device::Cpu);
     }
 
     #[test]
     fn policies_on_the_cpu_run_the_reference_model() {
         let (model, _) = mxrl_rl::session::demo_model(1).unwrap();
-        let (b, on) = build_policies(&model, "bf16", Device::Cpu, true).unwrap();
+        let (b, on) = build_policies(&model, "bf16", Device::Cpu).unwrap();
         assert!(on.starts_with("cpu"), "{on}");
         assert!(b.reference.is_some());
         assert!(!b.rollout.weights().is_empty());
@@ -311,7 +261,7 @@ mod tests {
     #[test]
     fn policies_on_cuda_without_the_feature_are_a_clear_error() {
         let (model, _) = mxrl_rl::session::demo_model(1).unwrap();
-        let e = build_policies(&model, "bf16", Device::Cuda, true)
+        let e = build_policies(&model, "bf16", Device::Cuda)
             .map(|_| ())
             .unwrap_err()
             .to_string();
@@ -321,12 +271,7 @@ mod tests {
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_without_the_feature_is_a_clear_error() {
-        let e = DeviceArgs {
-            device: Device::Cuda,
-        }
-        .select()
-        .unwrap_err()
-        .to_string();
+        let e = cuda_built().unwrap_err().to_string();
         assert!(e.contains("built without CUDA support"), "{e}");
         assert!(e.contains("--features cuda"), "{e}");
     }

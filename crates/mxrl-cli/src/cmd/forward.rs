@@ -157,11 +157,8 @@ fn engine_forward(a: &Args, targets: &[u32]) -> Result<ForwardResult> {
 
 #[cfg(not(feature = "cuda"))]
 fn engine_forward(_: &Args, _: &[u32]) -> Result<ForwardResult> {
-    super::device::DeviceArgs {
-        device: super::device::Device::Cuda,
-    }
-    .select()?;
-    unreachable!("selecting CUDA fails in a binary built without it")
+    super::device::cuda_built()?;
+    unreachable!("cuda_built fails in a binary built without CUDA")
 }
 
 /// The forward of the CPU model (loaded on the host), with `--bf16` or `--recipe` applied.
@@ -195,8 +192,6 @@ pub fn run(a: Args) -> Result<()> {
     let on_gpu = a.device.device == super::device::Device::Cuda;
     if on_gpu {
         super::device::cuda_built()?;
-    } else {
-        a.device.select()?;
     }
     if mxrl_ckpt::is_converted(&a.model) && (a.bf16 || a.recipe.is_some()) {
         bail!(

@@ -95,11 +95,8 @@ fn engine_generate(
 
 #[cfg(not(feature = "cuda"))]
 fn engine_generate(_: &Path, _: &[u32], _: &SamplingParams) -> Result<(Vec<u32>, Vec<f32>)> {
-    super::device::DeviceArgs {
-        device: super::device::Device::Cuda,
-    }
-    .select()?;
-    unreachable!("selecting CUDA fails in a binary built without it")
+    super::device::cuda_built()?;
+    unreachable!("cuda_built fails in a binary built without CUDA")
 }
 
 /// Runs the command.
@@ -107,8 +104,6 @@ pub fn run(a: Args) -> Result<()> {
     let on_gpu = a.device.device == super::device::Device::Cuda;
     if on_gpu {
         super::device::cuda_built()?;
-    } else {
-        a.device.select()?;
     }
     // On the GPU the checkpoint is streamed into the device engine; only the CPU path
     // builds the host model.

@@ -220,7 +220,7 @@ pub fn run(a: Args) -> Result<()> {
     let (model, codec) = load_model_dir(&a.model)?;
     let task = a.rl.task_spec().source(Some(&a.model))?;
     a.rl.warn_short_responses()?;
-    let (b, runs_on) = super::device::build_policies(&model, &a.recipe, a.device.device, true)?;
+    let (b, runs_on) = super::device::build_policies(&model, &a.recipe, a.device.device)?;
     eprintln!("mxrl rl: the model runs on {runs_on}");
     let cfg = a.rl.config();
     let out = a.out.clone().unwrap_or_else(|| default_out(&a.recipe));
