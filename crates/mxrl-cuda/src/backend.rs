@@ -826,6 +826,7 @@ impl Backend for CudaBackend {
         w: &QExperts,
         master: &Self::F32,
         dy: &Self::F32,
+        dev_offsets: Option<&Self::U32>,
         host_offsets: &[u32],
         rows: usize,
         k: usize,
@@ -910,7 +911,8 @@ impl Backend for CudaBackend {
                     .map_err(de)?,
                 (BackwardMode::Lowp, Format::Mxfp8) => {
                     let per_weight: Vec<u32> = (0..=groups).map(|g| (g * n) as u32).collect();
-                    ql.mxfp8_col_groups_bf16(&master.slice(0..wlen), &per_weight, groups * n, k)
+                    let segs = ql.col_segments(&per_weight, groups * n).map_err(de)?;
+                    ql.mxfp8_col_groups_bf16(&master.slice(0..wlen), &segs, k)
                         .map_err(de)?
                 }
                 (m, f) => {
@@ -925,11 +927,23 @@ impl Backend for CudaBackend {
         }
         let wop = w.train.get().expect("set above");
         let parts = wop.len() / wlen.max(1);
-        let dense = groups == 1;
-        let offsets = if dense {
-            None
-        } else {
-            Some(self.gpu.upload(host_offsets).map_err(de)?)
+        // The grouped kernels read the offsets on the device: the caller's, else uploaded.
+        let uploaded;
+        let offsets = match (groups == 1, dev_offsets) {
+            (true, _) => None,
+            (false, Some(o)) => {
+                if o.len() < groups + 1 {
+                    return Err(dev(format!(
+                        "grouped_qlinear_backward: {} device offsets for {groups} groups",
+                        o.len()
+                    )));
+                }
+                Some(o)
+            }
+            (false, None) => {
+                uploaded = self.gpu.upload(host_offsets).map_err(de)?;
+                Some(&uploaded)
+            }
         };
         let s = Grouped {
             experts: groups,
@@ -1000,11 +1014,12 @@ impl Backend for CudaBackend {
                     .map_err(de)?;
                 dgrad(&dyr, dx)?;
                 drop(dyr);
+                let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
                 let dyc = ql
-                    .mxfp8_col_groups_bf16(&dy.slice(0..rows * n), host_offsets, rows, n)
+                    .mxfp8_col_groups_bf16(&dy.slice(0..rows * n), &segs, n)
                     .map_err(de)?;
                 let xc = ql
-                    .mxfp8_col_groups_bf16(&x.slice(0..rows * k), host_offsets, rows, k)
+                    .mxfp8_col_groups_bf16(&x.slice(0..rows * k), &segs, k)
                     .map_err(de)?;
                 wgrad(&dyc, &xc.as_view(), dw)
             }

@@ -442,7 +442,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let mut dxd = cb.zeros_f32(rows * k).unwrap();
         let mut dwd = cb.upload_f32(&acc).unwrap();
         cb.grouped_qlinear_backward(
-            &xd, &qd, &md, &dyd, &offsets, rows, k, n, &mut dxd, &mut dwd,
+            &xd, &qd, &md, &dyd, None, &offsets, rows, k, n, &mut dxd, &mut dwd,
         )
         .unwrap();
         let (dx, dw) = (
@@ -524,7 +524,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let md1 = cb.upload_f32(w1).unwrap();
         let dense = [0u32, rows as u32];
         cb.grouped_qlinear_backward(
-            &xd, &q1d, &md1, &dyd, &dense, rows, k, n, &mut dx1, &mut dw1,
+            &xd, &q1d, &md1, &dyd, None, &dense, rows, k, n, &mut dx1, &mut dw1,
         )
         .unwrap();
         let (mut dx1c, mut dw1c) = (vec![0f32; rows * k], acc[..n * k].to_vec());
@@ -534,6 +534,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 &q1c,
                 &w1.to_vec(),
                 &dy,
+                None,
                 &dense,
                 rows,
                 k,

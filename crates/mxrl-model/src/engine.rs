@@ -720,8 +720,8 @@ impl<B: Backend> Engine<B> {
         let dense = [0, rows as u32];
         match (&p.q, x, offsets) {
             (Some(q), ActRef::F32(x), o) => {
-                let host = o.map_or(&dense[..], |o| o.1);
-                b.grouped_qlinear_backward(x, &q.w, &p.master, dy, host, rows, k, n, dx, g)
+                let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
+                b.grouped_qlinear_backward(x, &q.w, &p.master, dy, dev, host, rows, k, n, dx, g)
             }
             (None, ActRef::Bf16(x), None) => {
                 b.linear_backward(dy, x, self.op(i), rows, k, n, Some(dx), g)

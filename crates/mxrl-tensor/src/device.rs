@@ -857,7 +857,9 @@ pub trait Backend {
         y: &mut Self::F32,
     ) -> DResult<()>;
     /// Backward of a quantized (grouped) linear over expert-major rows (`host_offsets`: the
-    /// `[groups + 1]` row offsets; one group for a dense linear): for every group with rows,
+    /// `[groups + 1]` row offsets, and `offsets` the same on the device when the caller has
+    /// them — `None` for a dense linear or to let the backend upload them; one group for a
+    /// dense linear): for every group with rows,
     /// the context [`PreparedWeight::forward`] builds from its f32 input rows `x` (the same
     /// bytes the forward quantized), then [`PreparedWeight::backward_accumulate`] with `dy`:
     /// writes those rows of `dx [rows, k]` and **accumulates** `dW` into the group's part of
@@ -875,6 +877,7 @@ pub trait Backend {
         w: &Self::QExperts,
         master: &Self::F32,
         dy: &Self::F32,
+        offsets: Option<&Self::U32>,
         host_offsets: &[u32],
         rows: usize,
         k: usize,
@@ -1264,6 +1267,7 @@ impl Backend for CpuBackend {
         w: &Vec<PreparedWeight>,
         _master: &Vec<f32>,
         dy: &Vec<f32>,
+        _offsets: Option<&Vec<u32>>,
         host_offsets: &[u32],
         rows: usize,
         k: usize,

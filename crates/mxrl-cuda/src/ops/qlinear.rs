@@ -276,6 +276,15 @@ pub struct QGrads {
     pub dw: CudaSlice<f32>,
 }
 
+/// The row segments (≤ 32 rows, never across a group) of the column-wise MXFP8 blocks of a
+/// grouped tensor, on the device ([`QLinear::col_segments`]).
+pub struct ColSegments {
+    /// `[first row, rows]` per segment; `None` when there are none.
+    seg: Option<CudaSlice<u32>>,
+    count: usize,
+    rows: usize,
+}
+
 /// A stack of NVFP4 weights quantized in one call ([`QLinear::quantize_nvfp4_stack`]).
 pub struct Nvfp4Stack {
     /// Packed E2M1 codes `[experts·n, k/2]`.
@@ -1038,25 +1047,16 @@ impl QLinear {
         })
     }
 
-    /// Column-wise MXFP8 of `x [rows, cols]` (f32) per group of rows: group `g` holds rows
-    /// `offsets[g]..offsets[g+1]` and is quantized as its own tensor (32×1 blocks from its first
-    /// row, the last one zero-padded as the CPU's `Padding::Zero`), then dequantized by the
-    /// contract into BF16 `[rows, cols]` (`qlinear_mxfp8_col_segments_bf16`; exact for scale
-    /// bytes ≥ 3). What the `Lowp` backward multiplies for every expert of a grouped linear in
-    /// one launch. Rows outside every group are left unspecified.
+    /// The row segments of the column-wise MXFP8 blocks of a grouped tensor of `rows` rows:
+    /// group `g` holds rows `offsets[g]..offsets[g+1]` and is quantized as its own tensor
+    /// (32×1 blocks from its first row, the last one zero-padded as the CPU's
+    /// `Padding::Zero`), uploaded once for every tensor of that grouping
+    /// ([`QLinear::mxfp8_col_groups_bf16`]).
     ///
     /// # Errors
-    /// Offsets that decrease or pass `rows`, short buffers; driver errors.
-    pub fn mxfp8_col_groups_bf16(
-        &self,
-        x: &CudaView<'_, f32>,
-        offsets: &[u32],
-        rows: usize,
-        cols: usize,
-    ) -> Result<CudaSlice<u16>, DeviceError> {
+    /// Offsets that decrease or pass `rows`; driver errors.
+    pub fn col_segments(&self, offsets: &[u32], rows: usize) -> Result<ColSegments, DeviceError> {
         let g = &self.gpu;
-        let n = rows * cols;
-        check_len(g, "column-wise input", x.len(), n)?;
         let mut seg = Vec::with_capacity(2 * (rows / MXFP8_BLOCK + offsets.len()));
         for w in offsets.windows(2) {
             let (a, b) = (w[0] as usize, w[1] as usize);
@@ -1070,19 +1070,46 @@ impl QLinear {
                 seg.push((b - r).min(MXFP8_BLOCK) as u32);
             }
         }
+        let count = seg.len() / 2;
+        Ok(ColSegments {
+            seg: if count > 0 {
+                Some(g.upload(&seg)?)
+            } else {
+                None
+            },
+            count,
+            rows,
+        })
+    }
+
+    /// Column-wise MXFP8 of `x [rows, cols]` (f32) in the groups of `segs`, each group its own
+    /// tensor, dequantized by the contract into BF16 `[rows, cols]`
+    /// (`qlinear_mxfp8_col_segments_bf16`; exact for scale bytes ≥ 3): what the `Lowp`
+    /// backward multiplies for every expert of a grouped linear in one launch. Rows outside
+    /// every group are left unspecified.
+    ///
+    /// # Errors
+    /// Short input; driver errors.
+    pub fn mxfp8_col_groups_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        segs: &ColSegments,
+        cols: usize,
+    ) -> Result<CudaSlice<u16>, DeviceError> {
+        let g = &self.gpu;
+        let n = segs.rows * cols;
+        check_len(g, "column-wise input", x.len(), n)?;
         let mut out = g.empty::<u16>(n)?;
-        let segs = seg.len() / 2;
-        if segs > 0 && cols > 0 {
-            let seg_d = g.upload(&seg)?;
-            let (s64, c64) = (segs as u64, cols as u64);
+        if let (Some(seg), true) = (&segs.seg, cols > 0) {
+            let (s64, c64) = (segs.count as u64, cols as u64);
             let mut b = g.stream().launch_builder(&self.col_groups);
-            b.arg(x).arg(&seg_d).arg(&mut out).arg(&s64).arg(&c64);
-            // SAFETY: grid-stride over t < segs·cols: reads seg[2j], seg[2j+1] (2·segs held)
+            b.arg(x).arg(seg).arg(&mut out).arg(&s64).arg(&c64);
+            // SAFETY: grid-stride over t < count·cols: reads seg[2j], seg[2j+1] (2·count held)
             // and x / writes out at (r0 + i)·cols + c for i < len, where every segment lies in
-            // 0..rows (built above from offsets checked against rows), so < rows·cols = n
-            // (x holds n, checked; out n). Argument types match (const float*, const u32*,
+            // 0..rows (built by col_segments from offsets checked against rows), so < rows·cols
+            // = n (x holds n, checked; out n). Argument types match (const float*, const u32*,
             // u16*, u64, u64).
-            unsafe { b.launch(grid(segs * cols)) }.map_err(|e| g.err(e))?;
+            unsafe { b.launch(grid(segs.count * cols)) }.map_err(|e| g.err(e))?;
         }
         Ok(out)
     }
