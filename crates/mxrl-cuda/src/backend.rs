@@ -691,7 +691,7 @@ impl Backend for CudaBackend {
             k,
             codes: q.data,
             scales: q.scales,
-            amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
+            amax: self.gpu.zeros::<f32>(1).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
         })
