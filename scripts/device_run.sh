@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients]
 #   (default: tests hf bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,16 @@ if [[ " $what " == *" bench "* ]]; then
   timeout 420 .dev/mxrl bench model --device cuda "${hf[@]}" --expert-formats bf16,mxfp8,nvfp4 --json-out "$out/bench.json" >>"$log" 2>&1
   summary+=("bench_model rc=$?")
   sed -n '/^mxrl bench model:/,$p' "$log" | tail -22
+fi
+if [[ " $what " == *" trainq "* ]]; then
+  # The training step under every preset (block formats on their stored bytes, each plan's
+  # backward mode) and prefill/decode with the routed experts in each block format.
+  echo "===== bench model trainq" >>"$log"
+  timeout 540 .dev/mxrl bench model --device cuda --train-recipes \
+    bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block --train-steps 3 --batches 1,32 \
+    --expert-formats bf16,mxfp8,nvfp4,fp8-block --json-out "$out/bench-trainq.json" >>"$log" 2>&1
+  summary+=("bench_trainq rc=$?")
+  sed -n '/===== bench model trainq/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
 fi
 if [[ " $what " == *" gemm "* ]]; then
   echo "===== bench_gemm" >>"$log"
@@ -106,7 +116,7 @@ if [[ " $what " == *" rlq "* ]]; then
     rm -rf "$d" && mkdir -p "$d"
     timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 2 --out "$d/demo" >>"$log" 2>&1
   fi
-  for r in bf16 mxfp8 mxfp8-hp mxfp8-dq nvfp4-hp nvfp4-dq; do
+  for r in bf16 mxfp8 mxfp8-hp mxfp8-dq nvfp4-hp nvfp4-dq fp8-block; do
     s0=$(date +%s)
     timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe $r --device cuda --steps 8 \
       --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 --out "$d/rlq-$r" >>"$log" 2>&1

@@ -552,3 +552,105 @@ extern "C" __global__ void nvfp4_apply_alpha(float* y, const u32* amax_a, const 
     float alpha = __fmul_rn(__fmul_rn(aa, __uint_as_float(amax_b[0])), MXRL_NVFP4_ALPHA_FACTOR_INV);
     y[i] = __fmul_rn(alpha, y[i]);
 }
+
+// ---- FP8 block (ScaleRule::F32Exact / F32PowerOfTwo; reference mxrl_formats::reference's
+// fp8_block and mxrl_formats::rules::fp8_block_scale) ----
+
+__device__ __forceinline__ bool is_inf(float v) { return (__float_as_uint(v) & 0x7FFFFFFFu) == 0x7F800000u; }
+
+// The block's scale from its amax (>= 0, never NaN): 1 for amax 0 or Inf, else
+// fl(E4M3_MAX / amax) with an Inf quotient replaced by f32::MAX; the power-of-two rule then
+// keeps the sign and exponent bits only. scale_inv = fl(1 / scale) is what is stored.
+__device__ __forceinline__ float fp8_block_scale(float amax, bool pow2, float& scale_inv) {
+    float scale = 1.0f;
+    if (amax != 0.0f && !is_inf(amax)) {
+        scale = __fdiv_rn(MXRL_E4M3_MAX_F, amax);
+        if (is_inf(scale)) scale = MXRL_F32_MAX;
+    }
+    if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+    scale_inv = __fdiv_rn(1.0f, scale);
+    return scale;
+}
+
+// 1×128 blocks along K (Fp8Blocks::Activation1x128) of x [M, K], K % 128 == 0: one warp per
+// block (blocks are contiguous: block b = elements 128·b .. 128·b + 128, its scale_inv at
+// scales[b], row-major [M, K/128]); lane l takes the four consecutive elements 4l .. 4l + 4.
+// The block's amax (NaN ignored) is reduced over the warp; the lane's four codes are stored
+// as one aligned 4-byte word. A warp past the last block returns as a whole (its lanes share
+// b), so every shuffle has all 32 lanes.
+#if MXRL_FP8_BLOCK != 128
+#error "fp8_block_act maps one 128-element block to one warp of four elements per lane"
+#endif
+template <typename T>
+__device__ void fp8_block_act(const T* x, u8* data, float* scales, u64 n_blocks, bool pow2) {
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (b >= n_blocks) return;
+    const u32 lane = threadIdx.x & 31u;
+    const u64 base = b * MXRL_FP8_BLOCK + 4u * lane;
+    float v[4];
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[j] = load(x, base + j);
+        m = nan_ignoring_max(m, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
+    float inv;
+    const float scale = fp8_block_scale(m, pow2, inv);
+    u32 w = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w |= e4m3_encode(__fmul_rn(v[j], scale)) << (8 * j);
+    *reinterpret_cast<u32*>(data + base) = w;
+    if (lane == 0u) scales[b] = inv;
+}
+extern "C" __global__ void fp8_block_act_f32(const float* x, u8* d, float* s, u64 n, int pow2) { fp8_block_act(x, d, s, n, pow2 != 0); }
+extern "C" __global__ void fp8_block_act_bf16(const u16* x, u8* d, float* s, u64 n, int pow2) { fp8_block_act(x, d, s, n, pow2 != 0); }
+
+// 128×128 tiles (Fp8Blocks::Weight128x128) of x [M, K], M and K multiples of 128: one CTA of
+// FP8W_THREADS threads per tile (tile t = row-major index in [M/128, K/128], its scale_inv at
+// scales[t]); thread i takes the tile's elements i, i + FP8W_THREADS, ... in row-major order
+// (a warp reads 32 consecutive elements of one row): the tile's amax (NaN ignored, reduced
+// over the CTA), then every element again, encoded. No thread returns early (one barrier).
+#define FP8W_THREADS 256
+template <typename T>
+__device__ void fp8_block_weight(const T* x, u8* data, float* scales, u64 tiles_per_row, u64 cols, bool pow2) {
+    __shared__ float warp_max_s[FP8W_THREADS / 32];
+    const u64 tile = blockIdx.x;
+    const u64 r0 = (tile / tiles_per_row) * MXRL_FP8_BLOCK;
+    const u64 c0 = (tile % tiles_per_row) * MXRL_FP8_BLOCK;
+    const u32 tile_elems = MXRL_FP8_BLOCK * MXRL_FP8_BLOCK;
+    float m = 0.0f;
+    for (u32 i = threadIdx.x; i < tile_elems; i += FP8W_THREADS) {
+        const u64 idx = (r0 + i / MXRL_FP8_BLOCK) * cols + c0 + i % MXRL_FP8_BLOCK;
+        m = nan_ignoring_max(m, fabsf(load(x, idx)));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
+    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = m;
+    __syncthreads();
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < FP8W_THREADS / 32; ++w) a = nan_ignoring_max(a, warp_max_s[w]);
+    float inv;
+    const float scale = fp8_block_scale(a, pow2, inv);
+    for (u32 i = threadIdx.x; i < tile_elems; i += FP8W_THREADS) {
+        const u64 idx = (r0 + i / MXRL_FP8_BLOCK) * cols + c0 + i % MXRL_FP8_BLOCK;
+        data[idx] = (u8)e4m3_encode(__fmul_rn(load(x, idx), scale));
+    }
+    if (threadIdx.x == 0u) scales[tile] = inv;
+}
+extern "C" __global__ void __launch_bounds__(FP8W_THREADS)
+    fp8_block_weight_f32(const float* x, u8* d, float* s, u64 tpr, u64 cols, int pow2) { fp8_block_weight(x, d, s, tpr, cols, pow2 != 0); }
+extern "C" __global__ void __launch_bounds__(FP8W_THREADS)
+    fp8_block_weight_bf16(const u16* x, u8* d, float* s, u64 tpr, u64 cols, int pow2) { fp8_block_weight(x, d, s, tpr, cols, pow2 != 0); }
+
+// Dequantize FP8 block: x = fl(e4m3_value(code) · scale_inv[block]) with blocks of tile_rows
+// rows (128 for weights, 1 for activations) × 128 columns; one thread per element.
+extern "C" __global__ void fp8_block_dequantize(const u8* data, const float* scales, float* out, u64 n, u64 cols, u64 tile_rows) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const u64 r = i / cols, c = i % cols;
+    const float s = scales[(r / tile_rows) * (cols / MXRL_FP8_BLOCK) + c / MXRL_FP8_BLOCK];
+    out[i] = __fmul_rn(e4m3_value(data[i]), s);
+}

@@ -36,6 +36,8 @@ use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 use std::cell::Cell;
 
+mod fp8;
+
 fn de(e: CudaError) -> DeviceError {
     match e {
         CudaError::Cuda { device, what } => DeviceError::new(device, what),
@@ -46,7 +48,9 @@ fn de(e: CudaError) -> DeviceError {
 /// The routed experts' weights of one projection as stored: element codes and block scales
 /// of every expert back to back (`[E, N, K]` E4M3 bytes and `[E, N, K/32]` E8M0 scales for
 /// MXFP8; `[E, N, K/2]` packed E2M1 and `[E, N, K/16]` E4M3 scales plus one f32 amax per
-/// expert for NVFP4), the bytes `mxrl_formats` wrote, compact scale layout.
+/// expert for NVFP4; `[E, N, K]` E4M3 bytes and the f32 `scale_inv [E, N/128, K/128]` as
+/// little-endian bytes in `scales` for FP8 block), the bytes `mxrl_formats` wrote, compact
+/// scale layout.
 pub struct QExperts {
     /// The block format of every expert.
     pub format: Format,
@@ -60,7 +64,7 @@ pub struct QExperts {
     pub codes: CudaSlice<u8>,
     /// Block scales.
     pub scales: CudaSlice<u8>,
-    /// NVFP4 per-expert amax (one element, unused, for MXFP8).
+    /// NVFP4 per-expert amax (one element, unused, for MXFP8 and FP8 block).
     pub amax: CudaSlice<f32>,
     /// NVFP4 activations' amax scope is per token (the only one the device path takes).
     pub spec: LinearSpec,
@@ -71,9 +75,14 @@ pub struct QExperts {
 }
 
 impl QExperts {
-    /// Stored bytes on the device (codes, scales, amax).
+    /// Stored bytes on the device (codes, scales, and the amax of NVFP4).
     pub fn bytes(&self) -> usize {
-        self.codes.len() + self.scales.len() + 4 * self.amax.len()
+        let amax = if self.format == Format::Nvfp4 {
+            4 * self.amax.len()
+        } else {
+            0
+        };
+        self.codes.len() + self.scales.len() + amax
     }
 }
 
@@ -123,6 +132,8 @@ pub struct CudaBackend {
     /// The quantized linear layer (training backward of block-format linears; the error says
     /// why it is missing).
     qlin: Result<QLinear, String>,
+    /// The FP8-block quantizers and GEMM (the error says why they are missing).
+    fp8: Result<crate::ops::fp8block::Fp8Block, String>,
     /// AdamW's gradient scale on the device (value bits, buffer).
     grad_scale: std::sync::Mutex<Option<(u32, std::sync::Arc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
@@ -156,6 +167,7 @@ impl CudaBackend {
             sampler: Sampler::new(&gpu)?,
             qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
             qlin: QLinear::new(&gpu).map_err(|e| e.to_string()),
+            fp8: crate::ops::fp8block::Fp8Block::new(&gpu).map_err(|e| e.to_string()),
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
@@ -455,6 +467,9 @@ impl Backend for CudaBackend {
         let (spec, n, k) = (first.spec(), first.n(), first.k());
         let format = spec.format();
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if format == Format::Fp8Block {
+            return self.fp8_upload_experts(experts);
+        }
         match format {
             Format::Mxfp8 => {}
             Format::Nvfp4 if spec.act_scaling() == ActScaling::PerToken => {}
@@ -518,6 +533,9 @@ impl Backend for CudaBackend {
         y: &mut Self::F32,
     ) -> DResult<()> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if w.format == Format::Fp8Block {
+            return self.fp8_forward(x, w, Some(offsets), experts, rows, k, n, y);
+        }
         if (w.e, w.n, w.k) != (experts, n, k) {
             return Err(dev(format!(
                 "grouped_qlinear: experts stored as [{}, {}, {}], called with [{experts}, {n}, {k}]",
@@ -655,9 +673,12 @@ impl Backend for CudaBackend {
         if spec.format() == Format::Nvfp4 {
             return self.quantize_nvfp4_groups(master, groups, n, k, spec, name);
         }
+        if spec.format() == Format::Fp8Block {
+            return self.fp8_quantize_weights(master, groups, n, k, spec, name);
+        }
         if spec.format() != Format::Mxfp8 {
             return Err(dev(format!(
-                "quantize_weights {}: {:?} has no device kernels (MXFP8 and NVFP4 do)",
+                "quantize_weights {}: {:?} has no device kernels (MXFP8, NVFP4 and FP8 block do)",
                 name(0),
                 spec.format()
             )));
@@ -731,6 +752,9 @@ impl Backend for CudaBackend {
     }
 
     fn stored_weights(&self, w: &QExperts) -> DResult<Vec<mxrl_formats::QuantizedTensor>> {
+        if w.format == Format::Fp8Block {
+            return self.fp8_stored_weights(w);
+        }
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         let scheme = w
             .spec
@@ -772,6 +796,9 @@ impl Backend for CudaBackend {
         y: &mut Self::F32,
     ) -> DResult<()> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if w.format == Format::Fp8Block {
+            return self.fp8_forward(x, w, None, 1, rows, k, n, y);
+        }
         if (w.e, w.n, w.k) != (1, n, k) {
             return Err(dev(format!(
                 "qlinear: weight stored as [{}, {}, {}], called as a dense [{n}, {k}]",
@@ -802,7 +829,7 @@ impl Backend for CudaBackend {
             }
             other => Err(dev(format!(
                 "qlinear: no dense device path for {other:?} (block-format dense linears run \
-                 MXFP8 on the device)"
+                 MXFP8 and FP8 block on the device)"
             ))),
         }
     }

@@ -7,13 +7,14 @@
 use crate::{module_cache_key, module_source, DeviceError, Input, QuantDevice, NVRTC_OPTIONS};
 use cudarc::cublas::{sys as cublas_sys, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchArgs, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use mxrl_formats::{
-    AmaxScope, FormatError, MxBlocks, Nvfp4Blocks, QuantizedTensor, ScaleLayout, Scales, Scheme,
-    Usage, MXFP8_BLOCK, NVFP4_BLOCK,
+    AmaxScope, Format, FormatError, Fp8BlockScheme, Fp8Blocks, MxBlocks, Nvfp4Blocks,
+    QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme, Usage, FP8_BLOCK, MXFP8_BLOCK,
+    NVFP4_BLOCK,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -26,6 +27,8 @@ const COL_REG_THREADS: u32 = 128;
 const NVFP4_ROW_CHUNKS: usize = 4;
 /// Resident CTAs per SM the per-tensor amax grid is sized for (256 threads, 32 registers).
 const AMAX_CTAS_PER_SM: u32 = 8;
+/// CTA size of the FP8-block weight quantizer (`FP8W_THREADS` in kernels/quant.cu).
+const FP8W_THREADS: u32 = 256;
 
 /// Compiled modules by `(device ordinal, cache key)`; the key covers source and options.
 type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
@@ -68,6 +71,54 @@ struct Kernels {
     nvfp4_dequantize: CudaFunction,
     nvfp4_prescaled: CudaFunction,
     nvfp4_apply_alpha: CudaFunction,
+    fp8_block_act_f32: CudaFunction,
+    fp8_block_act_bf16: CudaFunction,
+    fp8_block_weight_f32: CudaFunction,
+    fp8_block_weight_bf16: CudaFunction,
+    fp8_block_dequantize: CudaFunction,
+}
+
+/// The FP8-block schemes this device quantizes: either block shape, either FP32 scale rule.
+fn fp8_block_scheme(scheme: Scheme) -> Option<Fp8BlockScheme> {
+    match scheme {
+        Scheme::Fp8Block(s)
+            if matches!(s.scale_rule, ScaleRule::F32Exact | ScaleRule::F32PowerOfTwo) =>
+        {
+            Some(s)
+        }
+        _ => None,
+    }
+}
+
+/// The element type of a quantizer's high-precision input.
+#[derive(Clone, Copy)]
+enum Elem {
+    /// f32 values.
+    F32,
+    /// BF16 bit patterns.
+    Bf16,
+}
+
+/// Rows of one FP8-block scale: 128 for 128×128 weight tiles, 1 for 1×128 activation blocks.
+fn fp8_tile_rows(s: Fp8BlockScheme) -> usize {
+    match s.blocks {
+        Fp8Blocks::Weight128x128 => FP8_BLOCK,
+        Fp8Blocks::Activation1x128 => 1,
+    }
+}
+
+/// `f32` values as their little-endian bytes (how FP8-block scales sit in a device byte
+/// buffer, and how the checksums of stored weights read them).
+pub(crate) fn f32_le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Little-endian bytes back to `f32` values (a trailing partial value is dropped; callers
+/// check the length).
+pub(crate) fn f32_from_le_bytes(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// A high-precision input resident on the GPU (BF16 kept as its 16-bit pattern).
@@ -102,7 +153,8 @@ pub struct DeviceQuantized {
     pub shape: [usize; 2],
     /// Element bytes.
     pub data: CudaSlice<u8>,
-    /// Compact byte scales.
+    /// Compact scales: bytes (MXFP8, NVFP4), or the f32 `scale_inv` of every block as
+    /// little-endian bytes (FP8 block).
     pub scales: CudaSlice<u8>,
     /// NVFP4 amax as f32 bit patterns (per tensor: 1, per row: M); empty otherwise.
     pub amax_bits: Option<CudaSlice<u32>>,
@@ -286,6 +338,11 @@ impl CudaDevice {
             nvfp4_dequantize: f("nvfp4_dequantize")?,
             nvfp4_prescaled: f("nvfp4_prescaled")?,
             nvfp4_apply_alpha: f("nvfp4_apply_alpha")?,
+            fp8_block_act_f32: f("fp8_block_act_f32")?,
+            fp8_block_act_bf16: f("fp8_block_act_bf16")?,
+            fp8_block_weight_f32: f("fp8_block_weight_f32")?,
+            fp8_block_weight_bf16: f("fp8_block_weight_bf16")?,
+            fp8_block_dequantize: f("fp8_block_dequantize")?,
         };
         let sms = ctx
             .attribute(
@@ -401,12 +458,15 @@ impl CudaDevice {
             Scheme::MXFP8_ROW => (1, MXFP8_BLOCK),
             Scheme::MXFP8_COL => (MXFP8_BLOCK, 1),
             Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => (1, NVFP4_BLOCK),
-            other => {
-                return Err(DeviceError::Unsupported {
-                    device: self.name(),
-                    scheme: other.name(),
-                })
-            }
+            other => match fp8_block_scheme(other) {
+                Some(s) => (fp8_tile_rows(s), FP8_BLOCK),
+                None => {
+                    return Err(DeviceError::Unsupported {
+                        device: self.name(),
+                        scheme: other.name(),
+                    })
+                }
+            },
         };
         for (dim, size, block) in [("M", shape[0], bm), ("K", shape[1], bk)] {
             if size % block != 0 {
@@ -554,12 +614,19 @@ impl CudaDevice {
             Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => {
                 (n / 2, n / NVFP4_BLOCK, Some(amax_len(shape, s.amax)))
             }
-            other => {
-                return Err(DeviceError::Unsupported {
-                    device: self.name(),
-                    scheme: other.name(),
-                })
-            }
+            other => match fp8_block_scheme(other) {
+                // f32 scale_inv per block, as raw little-endian bytes.
+                Some(s) => {
+                    let blocks = shape[0].div_ceil(fp8_tile_rows(s)) * shape[1].div_ceil(FP8_BLOCK);
+                    (n, 4 * blocks, None)
+                }
+                None => {
+                    return Err(DeviceError::Unsupported {
+                        device: self.name(),
+                        scheme: other.name(),
+                    })
+                }
+            },
         };
         Ok(DeviceQuantized {
             scheme,
@@ -603,11 +670,168 @@ impl CudaDevice {
                     .ok_or_else(|| self.err("NVFP4 output without an amax buffer"))?;
                 self.nvfp4_into(x, shape, s.amax, amax, &mut out.data, &mut out.scales)
             }
-            other => Err(DeviceError::Unsupported {
-                device: self.name(),
-                scheme: other.name(),
-            }),
+            other => match fp8_block_scheme(other) {
+                Some(s) => self.fp8_block_into(x, shape, s, &mut out.data, &mut out.scales),
+                None => Err(DeviceError::Unsupported {
+                    device: self.name(),
+                    scheme: other.name(),
+                }),
+            },
         }
+    }
+
+    /// FP8-block quantization (`s`) of `x` into `data` / `scales`: [`CudaDevice::fp8_block_launch`]
+    /// after the input checks of every scheme.
+    fn fp8_block_into(
+        &self,
+        x: &DeviceInput,
+        shape: [usize; 2],
+        s: Fp8BlockScheme,
+        data: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<u8>,
+    ) -> Result<(), DeviceError> {
+        self.check(x, shape, Scheme::Fp8Block(s))?;
+        let (mut d, mut sc) = (data.as_view_mut(), scales.as_view_mut());
+        match x {
+            DeviceInput::F32(v) => {
+                self.fp8_block_launch(&v.as_view(), Elem::F32, shape, s, &mut d, &mut sc)
+            }
+            DeviceInput::Bf16(v) => {
+                self.fp8_block_launch(&v.as_view(), Elem::Bf16, shape, s, &mut d, &mut sc)
+            }
+        }
+    }
+
+    /// FP8-block quantization (`s`) of the first `M·K` values of an f32 device view (e.g. an
+    /// engine buffer longer than the tensor) into caller buffers: codes into `data` (`M·K`
+    /// bytes), the f32 `scale_inv` of every block into `scales` (little-endian bytes). The
+    /// bytes of [`CudaDevice::quantize_device`].
+    ///
+    /// # Errors
+    /// A scheme that is not FP8 block, M or K not multiples of the block, short or misaligned
+    /// buffers, driver errors.
+    pub(crate) fn fp8_block_f32_into(
+        &self,
+        x: &CudaView<'_, f32>,
+        shape: [usize; 2],
+        scheme: Scheme,
+        data: &mut CudaViewMut<'_, u8>,
+        scales: &mut CudaViewMut<'_, u8>,
+    ) -> Result<(), DeviceError> {
+        let Some(s) = fp8_block_scheme(scheme) else {
+            return Err(DeviceError::Unsupported {
+                device: self.name(),
+                scheme: scheme.name(),
+            });
+        };
+        self.fp8_block_launch(x, Elem::F32, shape, s, data, scales)
+    }
+
+    /// The launcher of the FP8-block quantizers (reference `mxrl_formats::reference::quantize`
+    /// with `Scheme::Fp8Block`): 1×128 activation blocks one warp each
+    /// (`fp8_block_act_{f32,bf16}`), 128×128 weight tiles one CTA each
+    /// (`fp8_block_weight_{f32,bf16}`). Data `[M, K]` E4M3 codes; scales the f32 `scale_inv`
+    /// of every block (row-major `[M, K/128]` or `[M/128, K/128]`) as little-endian bytes.
+    /// `x` holds f32 values (`Elem::F32`) or BF16 bit patterns (`Elem::Bf16`).
+    fn fp8_block_launch<T: cudarc::driver::DeviceRepr>(
+        &self,
+        x: &CudaView<'_, T>,
+        elem: Elem,
+        shape: [usize; 2],
+        s: Fp8BlockScheme,
+        data: &mut CudaViewMut<'_, u8>,
+        scales: &mut CudaViewMut<'_, u8>,
+    ) -> Result<(), DeviceError> {
+        let expected = match elem {
+            Elem::F32 => std::mem::size_of::<f32>(),
+            Elem::Bf16 => std::mem::size_of::<u16>(),
+        };
+        if std::mem::size_of::<T>() != expected {
+            return Err(self.err("FP8-block quantizer: element type and kind disagree"));
+        }
+        let tile_rows = fp8_tile_rows(s);
+        let [m, k] = shape;
+        for (dim, size, block) in [("M", m, tile_rows), ("K", k, FP8_BLOCK)] {
+            if !size.is_multiple_of(block) {
+                return Err(FormatError::NotMultiple {
+                    scheme: Scheme::Fp8Block(s).name(),
+                    dim,
+                    size,
+                    block,
+                    shape: shape.to_vec(),
+                }
+                .into());
+            }
+        }
+        let n = m
+            .checked_mul(k)
+            .ok_or_else(|| self.err(format!("shape {shape:?} overflows")))?;
+        let blocks = (m / tile_rows) * (k / FP8_BLOCK);
+        if x.len() < n {
+            return Err(self.err(format!(
+                "FP8-block quantizer: input of {} elements for {shape:?}",
+                x.len()
+            )));
+        }
+        self.check_out(data.len(), n, scales.len(), 4 * blocks)?;
+        if blocks == 0 {
+            return Ok(());
+        }
+        for (what, ptr) in [
+            ("codes", data.device_ptr_mut(&self.stream).0),
+            ("scales", scales.device_ptr_mut(&self.stream).0),
+        ] {
+            if !ptr.is_multiple_of(4) {
+                return Err(self.err(format!(
+                    "FP8-block quantizer: {what} at {ptr:#x} are not 4-byte aligned"
+                )));
+            }
+        }
+        let pow2 = i32::from(s.scale_rule == ScaleRule::F32PowerOfTwo);
+        let (act, weight) = match elem {
+            Elem::F32 => (&self.k.fp8_block_act_f32, &self.k.fp8_block_weight_f32),
+            Elem::Bf16 => (&self.k.fp8_block_act_bf16, &self.k.fp8_block_weight_bf16),
+        };
+        match s.blocks {
+            Fp8Blocks::Activation1x128 => {
+                let nb = blocks as u64;
+                let cfg = self.grid(blocks * 32);
+                let mut b = self.stream.launch_builder(act);
+                b.arg(x).arg(data).arg(scales).arg(&nb).arg(&pow2);
+                // SAFETY: warp w (global thread index / 32) < n/128 = blocks reads x[128w ..
+                // 128w + 128) (x holds ≥ n elements of the kernel's type, checked), writes
+                // data[128w .. 128w + 128) as 4-byte words at 128w + 4·lane and the f32 at byte
+                // 4w of scales (data ≥ n bytes, scales ≥ 4·blocks, both 4-byte aligned,
+                // checked); a warp past the last block returns as a whole (blockDim 256 is a
+                // multiple of 32); the grid covers 32·blocks threads. Argument types match
+                // (T*, u8*, float* (the byte buffer), u64, int).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+            Fp8Blocks::Weight128x128 => {
+                let (tpr, cols) = ((k / FP8_BLOCK) as u64, k as u64);
+                let grid = u32::try_from(blocks)
+                    .ok()
+                    .filter(|&g| g <= i32::MAX as u32)
+                    .ok_or_else(|| self.err(format!("{blocks} FP8-block tiles: grid too large")))?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (FP8W_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = self.stream.launch_builder(weight);
+                b.arg(x).arg(data).arg(scales).arg(&tpr).arg(&cols);
+                b.arg(&pow2);
+                // SAFETY: CTA t < blocks = (M/128)·(K/128) reads x and writes data at the
+                // elements of tile (t / (K/128), t % (K/128)): rows 128·(t / (K/128)) .. +128 ≤ M,
+                // columns 128·(t % (K/128)) .. +128 ≤ K (M, K multiples of 128, checked; x ≥ n
+                // elements and data ≥ n bytes, checked), and writes the f32 at byte 4t of scales
+                // (≥ 4·blocks bytes, 4-byte aligned, checked); blockDim equals the kernel's
+                // FP8W_THREADS (its shared array and launch bound) and every thread reaches its
+                // one barrier. Argument types match (T*, u8*, float*, u64, u64, int).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
+        }
+        Ok(())
     }
 
     fn check_out(
@@ -938,6 +1162,28 @@ impl CudaDevice {
                 // (u8*, u8*, u32*, float*, u64, u64, int).
                 unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
             }
+            (Scheme::Fp8Block(s), _) if fp8_block_scheme(q.scheme).is_some() => {
+                let tile_rows = fp8_tile_rows(s);
+                let [m, k] = q.shape;
+                if !m.is_multiple_of(tile_rows) || !k.is_multiple_of(FP8_BLOCK) {
+                    return Err(self.err(format!("FP8-block dequantize of a {:?} tensor", q.shape)));
+                }
+                let blocks = (m / tile_rows) * (k / FP8_BLOCK);
+                assert!(q.data.len() == n && q.scales.len() == 4 * blocks);
+                let (cols, tr) = (k as u64, tile_rows as u64);
+                let mut b = self.stream.launch_builder(&self.k.fp8_block_dequantize);
+                b.arg(&q.data)
+                    .arg(&q.scales)
+                    .arg(&mut out)
+                    .arg(&n64)
+                    .arg(&cols)
+                    .arg(&tr);
+                // SAFETY: thread i < n reads data[i] and the f32 at scale index (i / K / tr)·(K /
+                // 128) + (i % K) / 128 < blocks (M % tr == 0, K % 128 == 0 checked; scales hold
+                // 4·blocks bytes, asserted) and writes out[i]; types match (u8*, float*, float*,
+                // u64, u64, u64).
+                unsafe { b.launch(cfg) }.map_err(|e| self.err(e))?;
+            }
             _ => {
                 return Err(DeviceError::Unsupported {
                     device: self.name(),
@@ -965,12 +1211,17 @@ impl CudaDevice {
                 .collect(),
             None => Vec::new(),
         };
+        let scales = if q.scheme.format() == Format::Fp8Block {
+            Scales::F32(f32_from_le_bytes(&scales))
+        } else {
+            Scales::Bytes(scales)
+        };
         Ok(QuantizedTensor {
             scheme: q.scheme,
             shape: q.shape.to_vec(),
             padded_shape: q.shape.to_vec(),
             data,
-            scales: Scales::Bytes(scales),
+            scales,
             scale_layout: ScaleLayout::Compact,
             amax,
         })
@@ -979,13 +1230,19 @@ impl CudaDevice {
     /// Upload a host quantized tensor (compact or swizzled scales) to the GPU.
     ///
     /// # Errors
-    /// An invalid tensor, FP32 scales (FP8 block is not on this device), or a driver error.
+    /// An invalid tensor, not 2-D, or a driver error.
     pub fn upload_quantized(&self, q: &QuantizedTensor) -> Result<DeviceQuantized, DeviceError> {
         let q = q.clone().with_scale_layout(ScaleLayout::Compact)?;
-        let (Scales::Bytes(scales), &[m, k]) = (&q.scales, &q.shape[..]) else {
+        q.validate()?;
+        let scales = match &q.scales {
+            Scales::Bytes(b) => b.clone(),
+            // FP8-block scale_inv values: little-endian f32 bytes in the byte buffer.
+            Scales::F32(v) => f32_le_bytes(v),
+        };
+        let &[m, k] = &q.shape[..] else {
             return Err(DeviceError::Unsupported {
                 device: self.name(),
-                scheme: q.scheme.name(),
+                scheme: format!("{} of shape {:?}", q.scheme, q.shape),
             });
         };
         if q.padded_shape != q.shape {
@@ -1005,7 +1262,7 @@ impl CudaDevice {
             scheme: q.scheme,
             shape: [m, k],
             data: up8(&q.data)?,
-            scales: up8(scales)?,
+            scales: up8(&scales)?,
             amax_bits,
         })
     }
@@ -1024,6 +1281,12 @@ impl CudaDevice {
             Scheme::MXFP8_ROW => self.mxfp8_row(x, shape),
             Scheme::MXFP8_COL => self.mxfp8_col(x, shape),
             Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => self.nvfp4(x, shape, s.amax),
+            other if fp8_block_scheme(other).is_some() => {
+                self.check(x, shape, other)?;
+                let mut q = self.alloc_quantized(shape, other)?;
+                self.quantize_device_into(x, shape, other, &mut q)?;
+                Ok(q)
+            }
             other => Err(DeviceError::Unsupported {
                 device: self.name(),
                 scheme: other.name(),

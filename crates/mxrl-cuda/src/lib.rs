@@ -20,7 +20,9 @@
 //!
 //! # API
 //! Kernels (one typed launcher each on `CudaDevice`): MXFP8 row-wise and column-wise quantize,
-//! NVFP4 amax (per tensor / per row) and quantize, MXFP8 and NVFP4 dequantize, and the emulated
+//! NVFP4 amax (per tensor / per row) and quantize, FP8-block quantize (1×128 activation blocks,
+//! 128×128 weight tiles, f32 `scale_inv` kept as little-endian bytes), MXFP8, NVFP4 and
+//! FP8-block dequantize, and the emulated
 //! GEMMs `mxfp8_gemm_nt` / `nvfp4_gemm_nt` (exact operands, one cuBLAS SGEMM in pedantic math,
 //! NVFP4's α applied after the sum — the arithmetic of `mxrl_tensor::qlinear`).
 //!

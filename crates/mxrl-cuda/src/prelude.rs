@@ -123,6 +123,8 @@ pub fn cuda_prelude() -> String {
         f32_lit(NVFP4_GLOBAL_NUMERATOR)
     );
     let _ = writeln!(w, "#define MXRL_F32_MAX {}", f32_lit(f32::MAX));
+    // FP8-block scales: scale = E4M3_MAX / amax (mxrl_formats::rules::fp8_block_scale).
+    let _ = writeln!(w, "#define MXRL_E4M3_MAX_F {}", f32_lit(E4M3_MAX));
     let _ = writeln!(
         w,
         "#define MXRL_NVFP4_ALPHA_FACTOR_INV {}",
@@ -341,6 +343,11 @@ mod tests {
             ),
             format!("#define MXRL_MXFP8_BLOCK {MXFP8_BLOCK}"),
             format!("#define MXRL_NVFP4_BLOCK {NVFP4_BLOCK}"),
+            format!("#define MXRL_FP8_BLOCK {FP8_BLOCK}"),
+            format!(
+                "#define MXRL_E4M3_MAX_F __uint_as_float(0x{:08X}u)",
+                E4M3_MAX.to_bits()
+            ),
             contract_hash().to_string(),
         ] {
             assert!(p.contains(&needle), "prelude lacks {needle}");

@@ -10,8 +10,8 @@
 //!
 //! Numerics: a linear multiplies BF16 operands with f32 accumulation (the products of
 //! [`LinearPrecision::Bf16`](crate::LinearPrecision::Bf16)), or, where a precision plan stores it
-//! in MXFP8 / NVFP4 ([`Engine::apply_plan`]), its stored quantized weight with the activations
-//! quantized per forward from the f32 rows and the plan's backward mode (the products of
+//! in MXFP8 / NVFP4 / FP8-block ([`Engine::apply_plan`]), its stored quantized weight with the
+//! activations quantized per forward from the f32 rows and the plan's backward mode (the products of
 //! [`LinearPrecision::Quantized`](crate::LinearPrecision::Quantized)); the residual stream,
 //! norms, softmax, router and loss are f32; the KV cache is BF16. On [`CpuBackend`] each op is
 //! the CPU model's own function, so [`Engine`] on the CPU reproduces [`Model`] with the same
@@ -829,9 +829,9 @@ impl<B: Backend> Engine<B> {
         2 * n
     }
 
-    /// Runs the routed experts of every MoE layer in the block format of `spec` (MXFP8 or
-    /// NVFP4): each expert's fused gate/up and down weights are quantized from the master
-    /// weights by the contract library, exactly as the CPU model's
+    /// Runs the routed experts of every MoE layer in the block format of `spec` (MXFP8,
+    /// NVFP4 or FP8-block): each expert's fused gate/up and down weights are quantized from
+    /// the master weights by the contract library, exactly as the CPU model's
     /// `PreparedWeight::quantize` does, and the device keeps the stored bytes; activations
     /// are quantized on every forward. A BF16 spec returns the experts to BF16.
     ///

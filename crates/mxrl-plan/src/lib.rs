@@ -67,7 +67,8 @@ pub use plan::{
     RuleSummary, Totals, META_PLAN_HASH,
 };
 pub use recipe::{
-    preset_toml, ActivationScale, BackwardMode, Recipe, RecipeFile, Rule, RuleFile, PRESETS,
+    preset_toml, ActivationScale, BackwardMode, Recipe, RecipeFile, Rule, RuleFile, ALL_PRESETS,
+    EXTRA_PRESETS, PRESETS,
 };
 pub use report::summary_table;
 pub use role::{Proj, Role, UnknownName};

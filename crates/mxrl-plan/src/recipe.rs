@@ -195,9 +195,25 @@ pub struct Recipe {
     file: RecipeFile,
 }
 
-/// Names of the built-in presets (the seed's six ablation configurations).
+/// Names of the seed's six ablation configurations (the default recipes of `mxrl ablate`).
+/// Every built-in preset is in [`ALL_PRESETS`].
 pub const PRESETS: [&str; 6] = [
     "bf16", "mxfp8", "mxfp8-hp", "mxfp8-dq", "nvfp4-hp", "nvfp4-dq",
+];
+
+/// Built-in presets beyond the six of [`PRESETS`]: `fp8-block` (DeepSeek-V3 style E4M3 with
+/// FP32 1×128 activation / 128×128 weight scales, backward `high_precision`).
+pub const EXTRA_PRESETS: [&str; 1] = ["fp8-block"];
+
+/// Every built-in preset: [`PRESETS`], then [`EXTRA_PRESETS`].
+pub const ALL_PRESETS: [&str; 7] = [
+    "bf16",
+    "mxfp8",
+    "mxfp8-hp",
+    "mxfp8-dq",
+    "nvfp4-hp",
+    "nvfp4-dq",
+    "fp8-block",
 ];
 
 /// Settings every low-precision MXFP8 preset shares: the last 15% of layers, the MTP
@@ -225,6 +241,16 @@ format = "bf16"
 [[rule]]
 role = "mla_kv_b"
 format = "bf16"
+"#;
+
+/// After [`MXFP8_RULES`] in the `fp8-block` preset: every other GEMM weight takes FP8-block,
+/// and one whose K is not a multiple of 128 (a small model's hidden size) stays BF16 (the
+/// plan marks it `fell_back`). A K that is a multiple of 128 with an N that is not is left to
+/// the quantizer, which refuses it by name (128×128 weight tiles are not padded).
+const FP8_BLOCK_RULES: &str = r#"
+[[rule]]
+format = "fp8_block"
+fallback = "bf16"
 "#;
 
 /// NVFP4 only on routed experts outside the last 15% of layers (and outside MTP);
@@ -255,6 +281,7 @@ pub fn preset_toml(name: &str) -> Option<String> {
         "mxfp8-dq" => head("dequantized", "mxfp8") + MXFP8_RULES,
         "nvfp4-hp" => head("high_precision", "bf16") + NVFP4_RULES,
         "nvfp4-dq" => head("dequantized", "bf16") + NVFP4_RULES,
+        "fp8-block" => head("high_precision", "fp8_block") + MXFP8_RULES + FP8_BLOCK_RULES,
         _ => return None,
     })
 }
@@ -278,11 +305,11 @@ impl Recipe {
         Recipe::from_toml_str(&text, &path.display().to_string())
     }
 
-    /// A built-in preset by name (see [`PRESETS`]).
+    /// A built-in preset by name (see [`ALL_PRESETS`]).
     pub fn preset(name: &str) -> Result<Recipe, PlanError> {
         let text = preset_toml(name).ok_or_else(|| PlanError::UnknownPreset {
             name: name.to_string(),
-            known: PRESETS.join(", "),
+            known: ALL_PRESETS.join(", "),
         })?;
         Recipe::from_toml_str(&text, &format!("preset `{name}`"))
     }
@@ -429,7 +456,9 @@ format = "bf16"
 
     #[test]
     fn all_presets_parse_with_expected_modes() {
-        for p in PRESETS {
+        assert_eq!(&ALL_PRESETS[..PRESETS.len()], &PRESETS[..]);
+        assert_eq!(&ALL_PRESETS[PRESETS.len()..], &EXTRA_PRESETS[..]);
+        for p in ALL_PRESETS {
             let r = Recipe::preset(p).unwrap();
             assert_eq!(r.name, p);
             assert_eq!(r.nvfp4_activation_scale, ActivationScale::PerToken);
@@ -453,6 +482,25 @@ format = "bf16"
         assert_eq!(
             Recipe::preset("nvfp4-dq").unwrap().backward,
             BackwardMode::Dequantized
+        );
+        let fp8 = Recipe::preset("fp8-block").unwrap();
+        assert_eq!(
+            (fp8.backward, fp8.default),
+            (BackwardMode::HighPrecision, Format::Fp8Block)
+        );
+        // The MXFP8 presets' exceptions, then FP8-block with a BF16 fallback for every other
+        // GEMM weight.
+        let mx = Recipe::preset("mxfp8").unwrap();
+        assert_eq!(fp8.rules[..mx.rules.len()], mx.rules[..]);
+        let last = fp8.rules.last().unwrap();
+        assert_eq!(fp8.rules.len(), mx.rules.len() + 1);
+        assert_eq!(
+            (last.format, last.fallback, last.describe()),
+            (
+                Format::Fp8Block,
+                Some(Format::Bf16),
+                "(every weight) → fp8_block (fallback bf16)".to_string()
+            )
         );
         assert!(Recipe::preset("bf16").unwrap().rules.is_empty());
         assert!(matches!(

@@ -542,3 +542,98 @@ fn summary_table_prints_resolved_layer_counts_and_groups() {
     );
     assert!(s.contains("smaller"), "{s}");
 }
+
+#[test]
+fn fp8_block_preset_on_qwen3_30b_a3b_keeps_the_mxfp8_exceptions_bf16() {
+    let inv = fixture("qwen3-30b-a3b.config.json");
+    let plan = resolve(&inv, &Recipe::preset("fp8-block").unwrap()).unwrap();
+    // 15% of 48 = 7.2 → 7 layers: 41-47, as in the MXFP8 presets.
+    assert_eq!(
+        plan.rule_summaries()[0].layers.as_deref(),
+        Some(&(41..48).collect::<Vec<_>>()[..])
+    );
+    let mut fp8 = 0;
+    for e in plan.entries() {
+        let t = &e.tensor;
+        let keep = t.kind != TensorKind::Linear
+            || t.layer.is_none_or(|l| l >= 41)
+            || matches!(t.role, Role::Router | Role::LmHead);
+        assert_eq!(e.format == Format::Bf16, keep, "{}", t.hf);
+        // Every dimension of this model is a multiple of 128: nothing falls back.
+        assert!(!e.fell_back, "{}", t.hf);
+        if !keep {
+            fp8 += 1;
+            assert_eq!(
+                (e.format, e.backward),
+                (Format::Fp8Block, BackwardMode::HighPrecision),
+                "{}",
+                t.hf
+            );
+            let (n, k) = t.linear_dims().unwrap();
+            assert_eq!(e.bytes, n * k + 4 * (n / 128) * (k / 128), "{}", t.hf);
+        }
+    }
+    // Per layer: q/k/v/o and 128 experts × gate/up/down.
+    assert_eq!(fp8, 41 * (4 + 128 * 3));
+    let expert =
+        Format::Fp8Block.stored_bytes(768, 2048) * 2 + Format::Fp8Block.stored_bytes(2048, 768);
+    let attn = Format::Fp8Block.stored_bytes(4096, 2048)
+        + 2 * Format::Fp8Block.stored_bytes(512, 2048)
+        + Format::Fp8Block.stored_bytes(2048, 4096);
+    assert_eq!(
+        plan.totals().bytes[&Format::Fp8Block],
+        41 * (128 * expert + attn)
+    );
+}
+
+/// FP8-block tiles are 128 wide in K and N. The plan layer checks K only (as for every
+/// block format): a weight whose K is not a multiple of 128 falls back to BF16 under the
+/// preset's catch-all rule (a demo-sized model runs entirely in BF16); one with K = 128 and
+/// N = 64 takes FP8-block with one (partial) 128×128 scale tile, and the quantizer decides
+/// whether it can store it.
+#[test]
+fn fp8_block_preset_falls_back_where_k_is_not_a_multiple_of_128() {
+    // The demo model's shape: hidden 64, experts of 32.
+    let demo = Inventory::from_config_json(
+        r#"{"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":4,"vocab_size":96,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":128,
+            "num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":32}"#,
+        "demo",
+    )
+    .unwrap();
+    let plan = resolve(&demo, &Recipe::preset("fp8-block").unwrap()).unwrap();
+    let linear: Vec<_> = plan
+        .entries()
+        .iter()
+        .filter(|e| e.tensor.kind == TensorKind::Linear)
+        .collect();
+    assert!(linear.iter().all(|e| e.format == Format::Bf16));
+    // Outside the last layer and the router/lm_head, the catch-all rule decided and fell back.
+    let fell = linear.iter().filter(|e| e.fell_back).count();
+    assert_eq!(fell, 3 * (4 + 8 * 3));
+    // Hidden 128: K = 128 everywhere but the experts' down projection (K = 32); the k/v
+    // projections have N = 2 · 32 = 64.
+    let wide = Inventory::from_config_json(
+        r#"{"model_type":"qwen3_moe","hidden_size":128,"num_hidden_layers":2,"vocab_size":96,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"intermediate_size":128,
+            "num_experts":2,"num_experts_per_tok":1,"moe_intermediate_size":32}"#,
+        "wide",
+    )
+    .unwrap();
+    let plan = resolve(&wide, &Recipe::preset("fp8-block").unwrap()).unwrap();
+    let k = plan
+        .by_hf("model.layers.0.self_attn.k_proj.weight")
+        .unwrap();
+    assert_eq!((k.format, k.fell_back), (Format::Fp8Block, false));
+    assert_eq!(k.bytes, 64 * 128 + 4);
+    let gate = plan
+        .by_hf("model.layers.0.mlp.experts.1.gate_proj.weight")
+        .unwrap();
+    assert_eq!((gate.format, gate.fell_back), (Format::Fp8Block, false));
+    let down = plan
+        .by_hf("model.layers.0.mlp.experts.1.down_proj.weight")
+        .unwrap();
+    assert_eq!((down.format, down.fell_back), (Format::Bf16, true));
+    // 15% of 2 layers rounds to none: the last-layers exception selects nothing here.
+    assert_eq!(plan.rule_summaries()[0].layers.as_deref(), Some(&[][..]));
+}

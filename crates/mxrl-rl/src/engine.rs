@@ -6,12 +6,13 @@
 //! - **Recipes.** The engine runs the precision plan ([`Engine::apply_plan`]): a tensor the
 //!   plan stores in BF16 is computed with exactly its BF16 value ([`Engine::use_bf16_params`]:
 //!   linear weights multiply their BF16 operand, norms and the embedding are read as
-//!   `f32(bf16(master))`); a linear it stores in MXFP8 or NVFP4 multiplies its stored bytes,
+//!   `f32(bf16(master))`); a linear it stores in MXFP8, NVFP4 or FP8-block multiplies its
+//!   stored bytes,
 //!   quantized from the f32 master after every optimizer step by the contract library, with
 //!   the plan's backward mode. The export is therefore the bytes the trainer computes with:
 //!   BF16 values, and the stored tensors of block-format linears (routed experts one tensor
-//!   per expert, as the CPU model names them). FP8-block is not run by the engine
-//!   ([`check_engine_plan`]).
+//!   per expert, as the CPU model names them). NVFP4 with per-tensor activation scaling is
+//!   not run by the engine ([`check_engine_plan`]).
 //! - **Trainer** ([`EngineTrainer`]): per micro-batch the host sends token ids and receives the
 //!   response tokens' logprobs; the backward takes `∂L/∂logprob`; the optimizer step (global
 //!   gradient clipping, AdamW with the engine's weight-decay rule: linear and embedding
@@ -62,23 +63,22 @@ fn be<E: std::fmt::Display>(e: E) -> PolicyError {
     PolicyError::Backend(e.to_string())
 }
 
-/// Whether the device engine runs `plan`'s formats: BF16, MXFP8, and NVFP4 with per-token
-/// activation scaling; refuses, naming the first such tensor, a plan that stores a tensor in
-/// FP8-block or NVFP4 with per-tensor activation scaling (the CUDA engine has no kernels for
-/// those). Where a block format may go is checked by [`Engine::apply_plan`].
+/// Whether the device engine runs `plan`'s formats: BF16, MXFP8, FP8-block, and NVFP4 with
+/// per-token activation scaling; refuses, naming the first such tensor, a plan that stores a
+/// tensor in NVFP4 with per-tensor activation scaling (the CUDA engine has no kernels for
+/// it). Where a block format may go is checked by [`Engine::apply_plan`].
 ///
 /// # Errors
 /// The plan uses a format the engine does not run.
 pub fn check_engine_plan(plan: &PrecisionPlan) -> Result<(), PolicyError> {
     let per_tensor = plan.nvfp4_activation_scale() == mxrl_plan::ActivationScale::PerTensor;
     if let Some(e) = plan.entries().iter().find(|e| match e.format {
-        Format::Bf16 | Format::Mxfp8 => false,
+        Format::Bf16 | Format::Mxfp8 | Format::Fp8Block => false,
         Format::Nvfp4 => per_tensor,
-        _ => true,
     }) {
         return Err(PolicyError::Invalid(format!(
-            "recipe `{}` stores `{}` as {}{}: the device engine runs BF16, MXFP8 and NVFP4 with \
-             per-token activation scaling; run this recipe with --device cpu",
+            "recipe `{}` stores `{}` as {}{}: the device engine runs BF16, MXFP8, FP8-block and \
+             NVFP4 with per-token activation scaling; run this recipe with --device cpu",
             plan.recipe().name,
             e.tensor.hf,
             e.format,

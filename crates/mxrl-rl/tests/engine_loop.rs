@@ -82,9 +82,33 @@ fn run_engine(
 /// The demo model after a supervised warm-up on the engine trainer (so rewards vary within
 /// groups and the policy gradient is not zero).
 fn warmed(seed: u64) -> mxrl_model::Model {
+    warm(demo_model(seed).unwrap().0, seed)
+}
+
+/// The demo model's configuration with every linear's K and N a multiple of 128 except the
+/// router's and lm_head's (FP8-block's 128×128 weight tiles; the demo model's hidden size 64
+/// makes the `fp8-block` preset fall back to BF16 everywhere): hidden 128, 4 heads of 64
+/// (2 KV heads), 4 experts of 128.
+fn fp8_config() -> mxrl_model::ModelConfig {
+    mxrl_model::ModelConfig {
+        hidden_size: 128,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        moe_intermediate_size: 128,
+        num_experts: 4,
+        ..mxrl_rl::session::demo_config()
+    }
+}
+
+fn fp8_model(seed: u64) -> mxrl_model::Model {
+    mxrl_model::Model::random(&fp8_config(), seed).unwrap()
+}
+
+/// `model` after the supervised warm-up of [`warmed`].
+fn warm(model: mxrl_model::Model, seed: u64) -> mxrl_model::Model {
     let codec = TextCodec::char_level();
     let task = TaskSource::Arithmetic(ArithmeticTask::default());
-    let (model, _) = demo_model(seed).unwrap();
     let mut t = engine_build(&model, "bf16").unwrap().trainer;
     sft(
         &mut t,
@@ -156,11 +180,15 @@ fn sft_step<T: TrainPolicy>(
 /// masters, and the exported weights (BF16 values and the stored bytes of block-format
 /// linears, re-quantized after every step).
 fn engine_trainer_equals_the_model_trainer(recipe: &str) {
+    engine_trainer_equals_the_model_trainer_on(&demo_model(5).unwrap().0, recipe);
+}
+
+/// [`engine_trainer_equals_the_model_trainer`] from `model`.
+fn engine_trainer_equals_the_model_trainer_on(model: &mxrl_model::Model, recipe: &str) {
     let codec = TextCodec::char_level();
-    let (model, _) = demo_model(5).unwrap();
     let b = batch_of(&codec, 6);
-    let mut mt = build(&model, recipe).unwrap().trainer;
-    let mut et = engine_build(&model, recipe).unwrap().trainer;
+    let mut mt = build(model, recipe).unwrap().trainer;
+    let mut et = engine_build(model, recipe).unwrap().trainer;
     let c = AdamWConfig {
         lr: 1e-2,
         weight_decay: 0.0,
@@ -266,6 +294,42 @@ fn engine_trainer_equals_the_model_trainer_bitwise_under_nvfp4_modes() {
     }
 }
 
+/// `fp8-block` on a model whose attention and expert linears have K and N multiples of 128:
+/// those run in FP8-block (1×128 activation, 128×128 weight scales; backward
+/// `high_precision`), the last layer, router and lm_head in BF16; bitwise the model trainer.
+#[test]
+fn engine_trainer_equals_the_model_trainer_bitwise_under_fp8_block() {
+    let model = fp8_model(5);
+    let plan = mxrl_rl::moe::plan_for(model.config(), "fp8-block").unwrap();
+    let fp8 = plan
+        .entries()
+        .iter()
+        .filter(|e| e.format == mxrl_formats::Format::Fp8Block)
+        .count();
+    // Layers 0-2 (the last of 4 stays BF16): q/k/v/o and 4 experts × gate/up/down.
+    assert_eq!(fp8, 3 * (4 + 4 * 3));
+    engine_trainer_equals_the_model_trainer_on(&model, "fp8-block");
+}
+
+/// On the demo model (hidden 64) every linear of `fp8-block` falls back to BF16: the recipe
+/// resolves and runs, exporting no stored tensors.
+#[test]
+fn fp8_block_on_the_demo_model_falls_back_to_bf16() {
+    let (model, _) = demo_model(5).unwrap();
+    let plan = mxrl_rl::moe::plan_for(model.config(), "fp8-block").unwrap();
+    assert!(plan
+        .entries()
+        .iter()
+        .all(|e| e.format == mxrl_formats::Format::Bf16));
+    assert!(plan.entries().iter().any(|e| e.fell_back));
+    let et = engine_build(&model, "fp8-block").unwrap().trainer;
+    assert!(et
+        .export_weights()
+        .unwrap()
+        .iter()
+        .all(|t| t.format == mxrl_formats::Format::Bf16));
+}
+
 /// Bitwise mode on the engine: the rollout re-scores with the trainer's forward, so the
 /// mismatch is exactly 0 at every step; without it the rollout's decode logprobs differ only
 /// in f32 summation order. The weight update stays on the device (checksummed there) and is
@@ -365,10 +429,23 @@ fn formats_without_engine_kernels_are_refused_with_the_reason() {
 /// are exactly 0.
 #[test]
 fn engine_rl_loop_under_block_formats_is_bitwise() {
-    let model = warmed(3);
-    for recipe in ["mxfp8", "nvfp4-dq"] {
+    rl_loop_is_bitwise(&warmed(3), &["mxfp8", "nvfp4-dq"], cfg(2, true));
+}
+
+/// [`engine_rl_loop_under_block_formats_is_bitwise`] under `fp8-block` (a 128-wide model).
+#[test]
+fn engine_rl_loop_under_fp8_block_is_bitwise() {
+    // The wider model moves further per step: a smaller learning rate keeps the rewards of
+    // the second step's groups varied (a non-zero policy gradient).
+    let mut c = cfg(2, true);
+    c.adam.lr = 1e-3;
+    rl_loop_is_bitwise(&warm(fp8_model(3), 3), &["fp8-block"], c);
+}
+
+fn rl_loop_is_bitwise(model: &mxrl_model::Model, recipes: &[&str], cfg: RlConfig) {
+    for &recipe in recipes {
         let d = tempfile::tempdir().unwrap();
-        let ms = run_engine(&model, recipe, cfg(2, true), d.path());
+        let ms = run_engine(model, recipe, cfg.clone(), d.path());
         assert_eq!(ms.len(), 2);
         for m in &ms {
             assert!(m.loss.is_finite() && m.grad_norm > 0.0, "{recipe}: {m:?}");
@@ -498,4 +575,70 @@ fn captured_routes_are_the_models_and_replay_matches_the_model_trainer() {
     let ne = optimizer_step(&mut bd.trainer, &mut oe).unwrap();
     let nm = optimizer_step(&mut mt, &mut om).unwrap();
     assert_eq!(ne.to_bits(), nm.to_bits(), "gradient norms {ne} vs {nm}");
+}
+
+/// The `fp8-block` weight update round-trips: after an optimizer step the trainer exports
+/// one stored tensor per routed expert (`….experts.{e}.gate_up_proj.weight`) and per
+/// attention linear, with E4M3 codes and the f32 128×128 `scale_inv` grid as little-endian
+/// bytes; a rollout made from the *original* weights loads them, then holds exactly those
+/// bytes and scores exactly the trainer's logprobs.
+#[test]
+fn fp8_block_weight_update_round_trips_through_the_wire_form() {
+    use mxrl_formats::{Format, Scales};
+    use mxrl_model::engine::Engine;
+    let codec = TextCodec::char_level();
+    let model = fp8_model(7);
+    let b = batch_of(&codec, 4);
+    let mut bd = engine_build(&model, "fp8-block").unwrap();
+    let mut opt = AdamW::new(AdamWConfig {
+        lr: 1e-2,
+        ..AdamWConfig::default()
+    });
+    sft_step(&mut bd.trainer, &mut opt, &b);
+    let wire = bd.trainer.export_weights().unwrap();
+    let stored: Vec<_> = wire.iter().filter(|t| t.format != Format::Bf16).collect();
+    assert!(stored.iter().all(|t| t.format == Format::Fp8Block));
+    let names: Vec<&str> = stored.iter().map(|t| t.name.as_str()).collect();
+    assert!(names.contains(&"model.layers.0.mlp.experts.3.gate_up_proj.weight"));
+    assert!(names.contains(&"model.layers.2.self_attn.o_proj.weight"));
+    assert!(!names.iter().any(|n| n.contains(".layers.3.")), "{names:?}");
+    let gate_up = stored
+        .iter()
+        .find(|t| t.name == "model.layers.1.mlp.experts.2.gate_up_proj.weight")
+        .unwrap();
+    // [2F, H] = [256, 128]: 2 × 1 tiles of f32 scales.
+    assert_eq!(gate_up.shape, [256, 128]);
+    assert_eq!(
+        (gate_up.data.len(), gate_up.scales.len()),
+        (256 * 128, 2 * 4)
+    );
+    // A rollout still on the original weights takes the update.
+    let mut fresh = engine_build(&model, "fp8-block").unwrap().rollout;
+    fresh.load_weights(&wire).unwrap();
+    let e = fresh.engine();
+    let mut checked = 0;
+    for param in e.param_names() {
+        let Some((spec, groups, _, _)) = e.stored_layout(param).unwrap() else {
+            continue;
+        };
+        assert_eq!(spec.format(), Format::Fp8Block);
+        for (g, held) in e.stored_weights(param).unwrap().unwrap().iter().enumerate() {
+            let name = Engine::<CpuBackend>::stored_name(param, g, groups);
+            let t = stored.iter().find(|t| t.name == name).unwrap();
+            let Scales::F32(s) = &held.scales else {
+                panic!("{name}: FP8-block scales are f32")
+            };
+            let sb: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+            assert!(
+                held.data == t.data && sb == t.scales,
+                "{name}: held bytes differ from the update"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, stored.len());
+    let ours = bd.trainer.forward(&seqs(&b), 1.0).unwrap();
+    let theirs = fresh.score(&seqs(&b), 1.0).unwrap();
+    let lt: Vec<Vec<f32>> = ours.into_iter().map(|f| f.logprobs).collect();
+    assert_eq!(bits(&lt), bits(&theirs));
 }

@@ -44,6 +44,28 @@ pub fn tensor_core_sum_bound(n: usize, abs_sum: f64) -> f64 {
     (gamma(n) + 2.0 * gamma(3 * n)) * abs_sum
 }
 
+/// Bound between the CPU emulation of an FP8-block GEMM entry
+/// ([`crate::qlinear::FP8_BLOCK_EMULATION`]: per 128-wide K block `b` an f32 sum `P_b` of
+/// exact E4M3 products, then `y = fl(y + fl(s_b · P_b))` with `s_b = fl(sx·sw)`, blocks in
+/// increasing order) and a device that sums each `P_b` on tensor cores and does the rest with
+/// the same IEEE operations in the same order. `blocks` is the number of K blocks and
+/// `scaled_abs_sum = Σ_b |s_b|·A_b`, `A_b = Σ_{k∈b} |e4m3(x_k)·e4m3(w_k)|`.
+///
+/// Derivation. Each evaluation's `P_b` is within `E_b ≤ ε·A_b` of the exact block sum, with
+/// `ε = 2·γ_{3·128}` for the tensor cores (see [`tensor_core_sum_bound`]) and `γ_128` for the
+/// CPU (both ≤ `ε`). Then `|fl(s_b·P_b) − s_b·P*_b| ≤ |s_b|·E_b + u·|s_b|·(A_b + E_b)`, and the
+/// f32 sum of the `blocks` terms adds at most `γ_blocks·(1 + u)·Σ_b |s_b|·(A_b + E_b)`. The two
+/// evaluations' distances to the exact value add up: the tensor-core part is
+/// `tensor_core_sum_bound(128, W)` with `W = scaled_abs_sum`, and the rest at most
+/// `2·(u + γ_blocks·(1 + u))·(1 + ε)·W`.
+pub fn fp8_block_sum_bound(blocks: usize, scaled_abs_sum: f64) -> f64 {
+    let block = mxrl_formats::FP8_BLOCK;
+    let u = crate::F32_UNIT_ROUNDOFF;
+    let eps = 2.0 * gamma(3 * block);
+    tensor_core_sum_bound(block, scaled_abs_sum)
+        + 2.0 * (u + gamma(blocks.max(1)) * (1.0 + u)) * (1.0 + eps) * scaled_abs_sum
+}
+
 /// [`gemm_nt_bounds`] with the sum bound `sum` (per entry `sum(k, Σₖ|A[i,k]·B[j,k]|)`).
 pub fn gemm_nt_bounds_with(
     a: &[f32],
@@ -843,6 +865,65 @@ mod tests {
         assert_eq!(violations(&[f32::NAN], &[f32::NAN], |_| 1.0).len(), 1);
         assert_eq!(violations(&[1.0 + 1e-3], &[1.0], |_| 1e-4).len(), 1);
         assert!(violations(&[1.0 + 1e-5], &[1.0], |_| 1e-4).is_empty());
+    }
+
+    /// The CPU emulation of an FP8-block forward lies within the bound of an evaluation whose
+    /// block sums are exact (f64 sums of the exact products, the same f32 scale products and
+    /// promotion): the bound covers one side's block-sum error with room, and a misapplied
+    /// scale (another block's, or the transposed weight tile's) would exceed it.
+    #[test]
+    fn fp8_block_forward_is_within_the_bound_of_exact_block_sums() {
+        use crate::qlinear::{BackwardMode, LinearSpec, PreparedWeight};
+        use mxrl_formats::{e4m3_decode, Format, Padding, Scales, Scheme};
+        let (m, n, k) = (5, 256, 384);
+        let mut z = 0x9E37_79B9u32;
+        let mut next = |scale: f32| {
+            z ^= z << 13;
+            z ^= z >> 17;
+            z ^= z << 5;
+            (z as f32 / u32::MAX as f32 - 0.5) * scale
+        };
+        // Blocks of different magnitudes, so each scale matters.
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| next(2f32.powi((i % k / 128) as i32 * 3)))
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| next(2f32.powi((i / k / 128) as i32 - 2)))
+            .collect();
+        let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::HighPrecision).unwrap();
+        let pw = PreparedWeight::quantize("w", &w, n, k, spec, 0).unwrap();
+        let y = pw.forward_inference(&x, m).unwrap();
+        let qx =
+            mxrl_formats::quantize(&x, &[m, k], Scheme::FP8_BLOCK_ACT, Padding::Reject).unwrap();
+        let qw = pw.stored().unwrap();
+        let (Scales::F32(sx), Scales::F32(sw)) = (&qx.scales, &qw.scales) else {
+            panic!("FP8-block scales are f32")
+        };
+        let kb = k / 128;
+        for i in 0..m {
+            for j in 0..n {
+                let (mut exact, mut abs) = (0f32, 0f64);
+                for b in 0..kb {
+                    let (mut p, mut a) = (0f64, 0f64);
+                    for kk in b * 128..(b + 1) * 128 {
+                        let t = e4m3_decode(qx.data[i * k + kk]) as f64
+                            * e4m3_decode(qw.data[j * k + kk]) as f64;
+                        p += t;
+                        a += t.abs();
+                    }
+                    let s = sx[i * kb + b] * sw[(j / 128) * kb + b];
+                    exact += s * p as f32;
+                    abs += (s as f64).abs() * a;
+                }
+                let bound = fp8_block_sum_bound(kb, abs);
+                let d = (y[i * n + j] as f64 - exact as f64).abs();
+                assert!(
+                    d <= bound,
+                    "y[{i},{j}] = {} vs {exact}: {d:e} > {bound:e}",
+                    y[i * n + j]
+                );
+            }
+        }
     }
 
     #[test]

@@ -14,7 +14,8 @@ pub struct Args {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Recipes, comma-separated (every one is resolved before the first run starts).
+    /// Recipes, comma-separated: presets (the default six, or `fp8-block`) or TOML files (every
+    /// one is resolved before the first run starts).
     #[arg(
         long,
         value_delimiter = ',',

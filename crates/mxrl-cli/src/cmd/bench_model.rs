@@ -57,12 +57,14 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 5)]
     train_steps: usize,
     /// Also measure prefill and decode with the routed experts in these block formats
-    /// (`bf16`, `mxfp8`, `nvfp4`; comma separated), each against BF16 in the same run.
+    /// (`bf16`, `mxfp8`, `nvfp4`, `fp8-block`; comma separated), each against BF16 in the same
+    /// run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     expert_formats: Vec<String>,
-    /// Also time the training step under these precision recipes (presets or TOML files;
-    /// comma separated): the engine runs each plan's block-format linears on their stored
-    /// bytes with the plan's backward mode, each against BF16 in the same run.
+    /// Also time the training step under these precision recipes (presets such as `mxfp8`,
+    /// `nvfp4-hp`, `fp8-block`, or TOML files; comma separated): the engine runs each plan's
+    /// block-format linears on their stored bytes with the plan's backward mode, each against
+    /// BF16 in the same run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     train_recipes: Vec<String>,
     /// CUDA: average rows per expert from which the routed-expert GEMMs run one cuBLAS call
@@ -344,7 +346,10 @@ fn expert_spec(name: &str) -> Result<LinearSpec> {
         "bf16" => return Ok(LinearSpec::bf16()),
         "mxfp8" => Format::Mxfp8,
         "nvfp4" => Format::Nvfp4,
-        other => bail!("--expert-formats: unknown format {other:?} (bf16, mxfp8, nvfp4)"),
+        "fp8-block" | "fp8_block" => Format::Fp8Block,
+        other => {
+            bail!("--expert-formats: unknown format {other:?} (bf16, mxfp8, nvfp4, fp8-block)")
+        }
     };
     Ok(LinearSpec::new(format, BackwardMode::HighPrecision)?)
 }

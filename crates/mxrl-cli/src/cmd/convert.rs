@@ -13,7 +13,8 @@ pub struct Args {
     /// Source Hugging Face checkpoint directory (config.json + safetensors).
     #[arg(long, value_name = "SRC_DIR")]
     model: PathBuf,
-    /// Recipe TOML file or preset name (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq).
+    /// Recipe TOML file or preset name (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq,
+    /// fp8-block).
     #[arg(long, value_name = "FILE_OR_PRESET")]
     recipe: String,
     /// Output directory (written as OUT.partial, renamed when complete).

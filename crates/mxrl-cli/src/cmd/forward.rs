@@ -98,8 +98,8 @@ type ForwardResult = (Vec<f32>, Vec<f32>, usize, String);
 /// The forward on the GPU's device engine: the checkpoint is streamed into the engine tensor
 /// by tensor ([`super::device::cuda_engine_from_checkpoint`]; no host model), and a recipe's
 /// plan is applied on the engine (its block-format linears quantized there, the bytes the
-/// host model's plan gives). A recipe the engine has no kernels for (FP8-block, per-tensor
-/// NVFP4 activations) is applied to a host model whose engine then runs as the model would.
+/// host model's plan gives). A recipe the engine has no kernels for (per-tensor NVFP4
+/// activations) is applied to a host model whose engine then runs as the model would.
 #[cfg(feature = "cuda")]
 fn engine_forward(a: &Args, targets: &[u32]) -> Result<ForwardResult> {
     let tokens = &a.tokens;

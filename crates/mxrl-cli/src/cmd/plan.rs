@@ -13,7 +13,8 @@ pub struct Args {
     /// Hugging Face model directory (config.json + safetensors headers) or a bare config.json.
     #[arg(long, value_name = "DIR_OR_CONFIG", required_unless_present = "audit")]
     model: Option<PathBuf>,
-    /// Recipe TOML file or built-in preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq).
+    /// Recipe TOML file or built-in preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq,
+    /// fp8-block).
     #[arg(long, value_name = "FILE_OR_PRESET")]
     recipe: String,
     /// Print the plan as JSON (one entry per HF tensor, in checkpoint order).

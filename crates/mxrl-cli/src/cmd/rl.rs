@@ -176,7 +176,8 @@ pub struct Args {
     /// Model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long)]
     model: PathBuf,
-    /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq) or a TOML file.
+    /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq,
+    /// fp8-block) or a TOML file.
     #[arg(long, default_value = "bf16")]
     recipe: String,
     /// Run directory (run.json, metrics.jsonl, checkpoint.safetensors); default

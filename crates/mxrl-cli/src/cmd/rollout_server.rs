@@ -21,7 +21,8 @@ pub struct Args {
     /// version 0 until the first update.
     #[arg(long)]
     model: PathBuf,
-    /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq) or a TOML file.
+    /// Precision recipe: a preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq,
+    /// fp8-block) or a TOML file.
     #[arg(long, default_value = "bf16")]
     recipe: String,
     /// Where to listen: unix:PATH (created 0600) or tcp:HOST:PORT (needs --token-file, and

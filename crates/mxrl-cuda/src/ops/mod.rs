@@ -12,6 +12,8 @@ pub mod embed_backward;
 #[cfg(feature = "cuda")]
 pub mod engine;
 #[cfg(feature = "cuda")]
+pub mod fp8block;
+#[cfg(feature = "cuda")]
 pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod head;
@@ -122,4 +124,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("ops_sample", include_str!("../../kernels/ops_sample.cu")),
     ("ops_qgemm", QGEMM_SOURCE),
     ("ops_qlinear", QLINEAR_SOURCE),
+    (
+        "ops_fp8block",
+        include_str!("../../kernels/ops_fp8block.cu"),
+    ),
 ];

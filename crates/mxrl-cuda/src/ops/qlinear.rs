@@ -349,8 +349,9 @@ impl QLinear {
     /// [`mxrl_tensor::qlinear::PreparedWeight::quantize`].
     ///
     /// # Errors
-    /// A format without a device path (FP8-block), shape errors (K not a multiple of the
-    /// block), driver errors; each names `name`.
+    /// Shape errors (K not a multiple of the block; FP8 block: N too), driver errors; each
+    /// names `name`. (FP8-block forward GEMMs run in `ops::fp8block`; this layer prepares an
+    /// FP8-block weight for its `high_precision` backward.)
     pub fn prepare(
         &self,
         name: &str,
@@ -364,19 +365,13 @@ impl QLinear {
         self.check_input(name, "weight", w, n, k)?;
         let forward = match spec.format() {
             Format::Bf16 => WeightForward::Bf16(self.bf16_kept(w).map_err(ctx)?),
-            Format::Mxfp8 | Format::Nvfp4 => {
+            Format::Mxfp8 | Format::Nvfp4 | Format::Fp8Block => {
                 let scheme = spec
                     .weight_scheme()
                     .expect("quantized formats have a scheme");
                 WeightForward::Quantized(
                     self.quant.quantize_device(w, [n, k], scheme).map_err(ctx)?,
                 )
-            }
-            other => {
-                return Err(DeviceError::Unsupported {
-                    device: self.gpu.name().to_string(),
-                    scheme: format!("linear `{name}`: {other} (no device linear)"),
-                })
             }
         };
         let backward = match (spec.format(), spec.backward()) {

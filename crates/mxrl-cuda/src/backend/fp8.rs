@@ -1,0 +1,219 @@
+//! FP8-block linears of [`CudaBackend`] (routed experts and dense linears): the stored
+//! weights as [`QExperts`] keeps them (E4M3 codes `[E, N, K]` in `codes`, the f32
+//! `scale_inv [E, N/128, K/128]` as little-endian bytes in `scales`, no amax), quantized on
+//! the device with the contract kernels and multiplied by the one-launch FP8-block GEMM
+//! ([`crate::ops::fp8block`]). References: the CPU backend's `upload_experts`,
+//! `quantize_weights`, `grouped_qlinear`, `qlinear` and `stored_weights` on
+//! `mxrl_tensor::qlinear::PreparedWeight` (bytes equal; GEMM outputs within
+//! `mxrl_tensor::tolerance::fp8_block_sum_bound`). The backward of a `high_precision` FP8-block
+//! linear multiplies BF16 operands from the f32 masters (`grouped_qlinear_backward`), as for
+//! the other formats.
+
+use super::{de, CudaBackend, QExperts};
+use crate::cuda::{f32_from_le_bytes, f32_le_bytes};
+use crate::ops::fp8block::Fp8Block;
+use crate::ops::gemm::Grouped;
+use cudarc::driver::CudaSlice;
+use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, Scales, Scheme, FP8_BLOCK};
+use mxrl_tensor::device::{DResult, DeviceError};
+use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
+
+impl CudaBackend {
+    fn fp8_err(&self, m: String) -> DeviceError {
+        DeviceError::new(self.gpu.name(), m)
+    }
+
+    /// The FP8-block kernels, or why they did not load.
+    fn fp8_ops(&self, what: &str) -> DResult<&Fp8Block> {
+        self.fp8
+            .as_ref()
+            .map_err(|e| self.fp8_err(format!("{what}: the FP8-block kernels did not load: {e}")))
+    }
+
+    /// Stored FP8-block weights as [`QExperts`] keeps them.
+    fn fp8_experts(
+        &self,
+        spec: LinearSpec,
+        e: usize,
+        n: usize,
+        k: usize,
+        codes: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+    ) -> DResult<QExperts> {
+        Ok(QExperts {
+            format: Format::Fp8Block,
+            e,
+            n,
+            k,
+            codes,
+            scales,
+            // Unused for FP8 block (QExperts::bytes counts amax for NVFP4 only).
+            amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
+            spec,
+            train: std::cell::OnceCell::new(),
+        })
+    }
+
+    /// `upload_experts` for FP8 block: every weight's stored codes and f32 scales, checked to
+    /// be 128×128 weight tiles of `[n, k]` with N and K multiples of 128.
+    pub(super) fn fp8_upload_experts(&self, experts: Vec<PreparedWeight>) -> DResult<QExperts> {
+        let first = &experts[0];
+        let (spec, n, k) = (first.spec(), first.n(), first.k());
+        if !n.is_multiple_of(FP8_BLOCK) || !k.is_multiple_of(FP8_BLOCK) {
+            return Err(self.fp8_err(format!(
+                "upload_experts: {} is [{n}, {k}]; the device runs FP8-block weights with N and \
+                 K multiples of 128",
+                first.name()
+            )));
+        }
+        let (mut codes, mut scales) = (Vec::new(), Vec::new());
+        for pw in &experts {
+            let q = pw
+                .stored()
+                .ok_or_else(|| self.fp8_err(format!("{}: no stored bytes", pw.name())))?
+                .clone()
+                .with_scale_layout(ScaleLayout::Compact)
+                .map_err(|e| self.fp8_err(format!("{}: {e}", pw.name())))?;
+            let Scales::F32(sv) = &q.scales else {
+                return Err(self.fp8_err(format!("{}: FP8-block scales are f32", pw.name())));
+            };
+            if q.scheme != Scheme::FP8_BLOCK_WEIGHT
+                || q.shape != [n, k]
+                || q.padded_shape != q.shape
+            {
+                return Err(self.fp8_err(format!(
+                    "{}: {} {:?} (padded {:?}); the device keeps {} [{n}, {k}] (128×128 tiles, \
+                     exact f32 scales)",
+                    pw.name(),
+                    q.scheme,
+                    q.shape,
+                    q.padded_shape,
+                    Scheme::FP8_BLOCK_WEIGHT
+                )));
+            }
+            codes.extend_from_slice(&q.data);
+            scales.extend(f32_le_bytes(sv));
+        }
+        let codes = self.gpu.upload(&codes).map_err(de)?;
+        let scales = self.gpu.upload(&scales).map_err(de)?;
+        self.fp8_experts(spec, experts.len(), n, k, codes, scales)
+    }
+
+    /// `quantize_weights` for FP8 block: the `groups` weights of `master` quantized on the
+    /// device as one `[groups·n, k]` stack (no 128-row tile crosses two weights when
+    /// `n % 128 == 0`; other shapes are refused, naming the weight, as the CPU refuses them).
+    pub(super) fn fp8_quantize_weights(
+        &self,
+        master: &CudaSlice<f32>,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+        name: &(dyn Fn(usize) -> String + Sync),
+    ) -> DResult<QExperts> {
+        let ops = self.fp8_ops(&name(0))?;
+        let len = groups * n * k;
+        if master.len() < len {
+            return Err(self.fp8_err(format!(
+                "quantize_weights {}: master of {} values for [{groups}·{n}, {k}]",
+                name(0),
+                master.len()
+            )));
+        }
+        let q = ops
+            .quantize_weights(&name(0), &master.slice(0..len), groups, n, k)
+            .map_err(de)?;
+        self.fp8_experts(spec, groups, n, k, q.codes, q.scales)
+    }
+
+    /// `grouped_qlinear` / `qlinear` for FP8 block: the activations quantized 1×128 on the
+    /// device, then the FP8-block GEMM (`offsets = None`: one dense weight over all rows).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fp8_forward(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &QExperts,
+        offsets: Option<&CudaSlice<u32>>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        let op = if offsets.is_some() {
+            "grouped_qlinear"
+        } else {
+            "qlinear"
+        };
+        if (w.format, w.e, w.n, w.k) != (Format::Fp8Block, experts, n, k) {
+            return Err(self.fp8_err(format!(
+                "{op}: {:?} weights stored as [{}, {}, {}], called as FP8 block [{experts}, \
+                 {n}, {k}]",
+                w.format, w.e, w.n, w.k
+            )));
+        }
+        let ops = self.fp8_ops(op)?;
+        if x.len() < rows * k || y.len() < rows * n {
+            return Err(self.fp8_err(format!(
+                "{op}: x of {} and y of {} elements for {rows} rows [{n}, {k}]",
+                x.len(),
+                y.len()
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let qx = ops
+            .quantize_act(&x.slice(0..rows * k), rows, k)
+            .map_err(de)?;
+        let off = offsets.map(|o| o.as_view());
+        ops.gemm_nt(
+            &qx.codes.as_view(),
+            &qx.scales.as_view(),
+            &w.codes.as_view(),
+            &w.scales.as_view(),
+            off.as_ref(),
+            &mut y.as_view_mut(),
+            Grouped {
+                experts,
+                rows,
+                n,
+                k,
+            },
+        )
+        .map_err(de)
+    }
+
+    /// `stored_weights` for FP8 block: per weight its codes and f32 `scale_inv` tiles.
+    pub(super) fn fp8_stored_weights(&self, w: &QExperts) -> DResult<Vec<QuantizedTensor>> {
+        let codes = self.gpu.download(&w.codes).map_err(de)?;
+        let scales = f32_from_le_bytes(&self.gpu.download(&w.scales).map_err(de)?);
+        let (cg, sg) = (w.n * w.k, (w.n / FP8_BLOCK) * (w.k / FP8_BLOCK));
+        if codes.len() != w.e * cg || scales.len() != w.e * sg {
+            return Err(self.fp8_err(format!(
+                "stored_weights: {} codes and {} scales for {} FP8-block weights [{}, {}]",
+                codes.len(),
+                scales.len(),
+                w.e,
+                w.n,
+                w.k
+            )));
+        }
+        (0..w.e)
+            .map(|g| {
+                let q = QuantizedTensor {
+                    scheme: Scheme::FP8_BLOCK_WEIGHT,
+                    shape: vec![w.n, w.k],
+                    padded_shape: vec![w.n, w.k],
+                    data: codes[g * cg..(g + 1) * cg].to_vec(),
+                    scales: Scales::F32(scales[g * sg..(g + 1) * sg].to_vec()),
+                    scale_layout: ScaleLayout::Compact,
+                    amax: Vec::new(),
+                };
+                q.validate()
+                    .map_err(|e| self.fp8_err(format!("stored weight {g}: {e}")))?;
+                Ok(q)
+            })
+            .collect()
+    }
+}

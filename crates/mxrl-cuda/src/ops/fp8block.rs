@@ -1,0 +1,288 @@
+//! FP8-block linears on the device (kernels `kernels/ops_fp8block.cu`, the quantizers of
+//! `kernels/quant.cu` through [`CudaDevice`]): E4M3 codes with f32 `scale_inv` blocks,
+//! activations 1×128 along K ([`Scheme::FP8_BLOCK_ACT`]) and weights 128×128
+//! ([`Scheme::FP8_BLOCK_WEIGHT`]), the DeepSeek-V3 recipe.
+//!
+//! # Ops and their CPU references
+//! - [`Fp8Block::quantize_act`] / [`Fp8Block::quantize_weights`]: f32 rows (the first `M·K`
+//!   values of a device buffer) → codes and `scale_inv` bytes, byte for byte
+//!   `mxrl_formats::quantize` with those schemes (the contract quantizer kernels of
+//!   [`CudaDevice`], on the engine's stream). Weights of several experts `[E·N, K]` are
+//!   quantized as one tensor: with `N % 128 == 0` no 128-row tile crosses two experts, so the
+//!   bytes are every expert's own; other `N` are refused (the CPU's `PreparedWeight::quantize`
+//!   refuses them too: 128×128 tiles are not padded).
+//! - [`Fp8Block::gemm_nt`]: `y [R, N] = x · W_eᵀ` per expert over expert-major rows (or one
+//!   dense weight), the arithmetic of `mxrl_tensor::qlinear::FP8_BLOCK_EMULATION`: a fresh
+//!   accumulator per 128-wide K block, the exact E4M3×E4M3 products summed on BF16 tensor
+//!   cores (`mma.m16n8k16`, f32 accumulation), then `y = fl(y + fl(fl(sx·sw) · P))` in
+//!   increasing block order on CUDA cores. Reference
+//!   `mxrl_tensor::qlinear::PreparedWeight::forward_inference` (the CPU backend's
+//!   `grouped_qlinear` / `qlinear`); only the order of each block's f32 sum differs (bound
+//!   [`mxrl_tensor::tolerance::fp8_block_sum_bound`]).
+//!
+//! Deterministic (one thread per output element, fixed order, no atomics). Launchers check
+//! lengths, alignment and block multiples, allocate only the outputs they return, and read
+//! nothing back, so a decode step that uses them can be captured in a CUDA graph.
+#![allow(unsafe_code)]
+
+use super::gemm::Grouped;
+use super::{check_align, check_len, mul};
+use crate::cuda::CudaDevice;
+use crate::gpu::Gpu;
+use crate::DeviceError;
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+use mxrl_formats::{Scheme, FP8_BLOCK};
+
+/// Kernel source of this family (the module's name is `ops_fp8block`).
+pub const SOURCE: &str = include_str!("../../kernels/ops_fp8block.cu");
+
+/// Output columns per CTA of the GEMM (`F8_BN`).
+const F8_BN: usize = 64;
+/// Activation rows per pass (`F8_BM`).
+const F8_BM: usize = 16;
+/// Threads per CTA (`F8_THREADS`).
+const F8_THREADS: u32 = 128;
+/// Most CTAs along the row passes of one expert (grid z).
+const MAX_PASS_CTAS: usize = 64;
+
+/// Stored FP8-block operands: E4M3 codes and the f32 `scale_inv` of every block as
+/// little-endian bytes (4 per block).
+pub struct Fp8Operand {
+    /// E4M3 codes, row-major.
+    pub codes: CudaSlice<u8>,
+    /// `scale_inv` bytes.
+    pub scales: CudaSlice<u8>,
+}
+
+/// The FP8-block kernels on one GPU.
+pub struct Fp8Block {
+    gpu: Gpu,
+    quant: CudaDevice,
+    grouped: CudaFunction,
+    dense: CudaFunction,
+}
+
+impl Fp8Block {
+    /// Loads (compiling on first use) the GEMM module and the contract quantizers on `gpu`
+    /// (its stream).
+    ///
+    /// # Errors
+    /// NVRTC or module-load errors.
+    pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
+        let m = gpu.module("ops_fp8block", SOURCE)?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
+        Ok(Fp8Block {
+            gpu: gpu.clone(),
+            quant: CudaDevice::on_gpu(gpu)?,
+            grouped: f("fp8_block_gemm_grouped")?,
+            dense: f("fp8_block_gemm_dense")?,
+        })
+    }
+
+    /// The contract quantizers (on the GPU's stream).
+    pub fn quantizer(&self) -> &CudaDevice {
+        &self.quant
+    }
+
+    /// `scheme` of the first `rows·k` values of `x` into new buffers.
+    fn quantize(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        scheme: Scheme,
+        blocks: usize,
+    ) -> Result<Fp8Operand, DeviceError> {
+        let g = &self.gpu;
+        let n = mul(g, "FP8-block quantize", rows, k)?;
+        let mut codes = g.empty::<u8>(n)?;
+        let mut scales = g.empty::<u8>(4 * blocks)?;
+        self.quant.fp8_block_f32_into(
+            x,
+            [rows, k],
+            scheme,
+            &mut codes.as_view_mut(),
+            &mut scales.as_view_mut(),
+        )?;
+        Ok(Fp8Operand { codes, scales })
+    }
+
+    /// Activations `x [rows, k]` (the first `rows·k` values) with [`Scheme::FP8_BLOCK_ACT`]:
+    /// codes `[rows, k]`, `scale_inv [rows, k/128]`.
+    ///
+    /// # Errors
+    /// `k` not a multiple of 128, a short buffer, driver errors.
+    pub fn quantize_act(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+    ) -> Result<Fp8Operand, DeviceError> {
+        self.quantize(x, rows, k, Scheme::FP8_BLOCK_ACT, rows * (k / FP8_BLOCK))
+    }
+
+    /// `groups` weights `[n, k]` back to back in `w` with [`Scheme::FP8_BLOCK_WEIGHT`]: codes
+    /// `[groups, n, k]`, `scale_inv [groups, n/128, k/128]` — each weight's own bytes.
+    ///
+    /// # Errors
+    /// `n` or `k` not a multiple of 128 (named by `name`), a short buffer, driver errors.
+    pub fn quantize_weights(
+        &self,
+        name: &str,
+        w: &CudaView<'_, f32>,
+        groups: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Fp8Operand, DeviceError> {
+        if !n.is_multiple_of(FP8_BLOCK) || !k.is_multiple_of(FP8_BLOCK) {
+            return Err(self.gpu.err(format!(
+                "{name}: FP8-block weights are stored in 128×128 tiles, so N and K must be \
+                 multiples of 128; the weight is [{n}, {k}]"
+            )));
+        }
+        let rows = mul(&self.gpu, name, groups, n)?;
+        let blocks = (rows / FP8_BLOCK) * (k / FP8_BLOCK);
+        self.quantize(w, rows, k, Scheme::FP8_BLOCK_WEIGHT, blocks)
+            .map_err(|e| self.gpu.err(format!("{name}: {e}")))
+    }
+
+    /// `y [R, N] = x · W_eᵀ` over expert-major rows (rows of expert `e`:
+    /// `offsets[e] .. offsets[e+1]`, clamped to `[0, R]`), or, with `offsets = None`, one
+    /// dense weight (`s.experts == 1`) over rows `0 .. R`. `x_codes [R, K]` and `x_scales`
+    /// (`scale_inv [R, K/128]` bytes) from [`Fp8Block::quantize_act`]; `w_codes [E, N, K]`,
+    /// `w_scales` (`scale_inv [E, N/128, K/128]` bytes) from [`Fp8Block::quantize_weights`]
+    /// or stored bytes. Rows of no expert are left as they are.
+    ///
+    /// # Errors
+    /// `N` or `K` not multiples of 128, short or misaligned buffers, sizes beyond `u32`,
+    /// launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_nt(
+        &self,
+        x_codes: &CudaView<'_, u8>,
+        x_scales: &CudaView<'_, u8>,
+        w_codes: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, u8>,
+        offsets: Option<&CudaView<'_, u32>>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "fp8_block_gemm";
+        let Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        } = s;
+        if !n.is_multiple_of(FP8_BLOCK) || !k.is_multiple_of(FP8_BLOCK) {
+            return Err(g.err(format!(
+                "{op}: N = {n} and K = {k} must be multiples of 128 (FP8-block tiles)"
+            )));
+        }
+        if offsets.is_none() && experts != 1 {
+            return Err(g.err(format!("{op}: a dense call with {experts} weights")));
+        }
+        for (what, v) in [("experts", experts), ("rows", rows), ("n", n), ("k", k)] {
+            if u32::try_from(v).is_err() {
+                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
+            }
+        }
+        let kb = k / FP8_BLOCK;
+        let xn = mul(g, op, rows, k)?;
+        let wn = mul(g, op, mul(g, op, experts, n)?, k)?;
+        check_len(g, &format!("{op} x codes"), x_codes.len(), xn)?;
+        check_len(g, &format!("{op} x scales"), x_scales.len(), 4 * rows * kb)?;
+        check_len(g, &format!("{op} w codes"), w_codes.len(), wn)?;
+        check_len(
+            g,
+            &format!("{op} w scales"),
+            w_scales.len(),
+            4 * experts * (n / FP8_BLOCK) * kb,
+        )?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, rows, n)?)?;
+        if let Some(o) = offsets {
+            check_len(g, &format!("{op} offsets"), o.len(), experts + 1)?;
+        }
+        if experts == 0 || rows == 0 || n == 0 || k == 0 {
+            return Ok(());
+        }
+        let stream = g.stream();
+        check_align(
+            g,
+            &format!("{op} x codes"),
+            x_codes.device_ptr(stream).0,
+            16,
+        )?;
+        check_align(
+            g,
+            &format!("{op} w codes"),
+            w_codes.device_ptr(stream).0,
+            16,
+        )?;
+        check_align(
+            g,
+            &format!("{op} x scales"),
+            x_scales.device_ptr(stream).0,
+            4,
+        )?;
+        check_align(
+            g,
+            &format!("{op} w scales"),
+            w_scales.device_ptr(stream).0,
+            4,
+        )?;
+        check_align(g, &format!("{op} y"), y.device_ptr_mut(stream).0, 8)?;
+        let passes = rows.div_ceil(F8_BM * experts);
+        let z = passes.clamp(1, MAX_PASS_CTAS) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((n / F8_BN) as u32, experts as u32, z),
+            block_dim: (F8_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, n32, k32) = (rows as u32, n as u32, k as u32);
+        match offsets {
+            Some(off) => {
+                let mut b = stream.launch_builder(&self.grouped);
+                b.arg(x_codes)
+                    .arg(x_scales)
+                    .arg(w_codes)
+                    .arg(w_scales)
+                    .arg(off);
+                b.arg(y).arg(&r).arg(&n32).arg(&k32);
+                // SAFETY: lengths checked above: x codes R·K, x scales 4·R·K/128 bytes, w codes
+                // E·N·K, w scales 4·E·(N/128)·(K/128) bytes, offsets E+1, y R·N; N and K
+                // multiples of 128 (checked). CTA (bx, e, z) reads offsets[e], offsets[e+1]
+                // (e < E = gridDim.y) and only rows in [lo, hi) ⊆ [0, R] (clamped): activation
+                // codes of those rows at 16-byte chunks below K (16-byte aligned: base checked,
+                // row and chunk offsets multiples of 16) and their scales (< R·K/128 floats,
+                // 4-byte aligned), weight rows e·N + 64·bx .. +64 ≤ E·N (64·(bx+1) ≤ N) and
+                // their scale row (< E·(N/128)·(K/128) floats), and writes y at those rows,
+                // columns 64·bx .. +64 ≤ N as 8-byte stores (even column, N even, base
+                // 8-byte aligned). An empty expert returns before any barrier as a whole
+                // CTA; otherwise all its threads run the same pass and K-block loops (bounds
+                // from lo, hi, K, blockIdx.z), so every barrier is reached by all. Shared
+                // memory is static (≈ 22 KB). Argument types match (const u8*, const float*,
+                // const u8*, const float*, const u32*, float*, u32, u32, u32).
+                unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            }
+            None => {
+                let mut b = stream.launch_builder(&self.dense);
+                b.arg(x_codes).arg(x_scales).arg(w_codes).arg(w_scales);
+                b.arg(y).arg(&r).arg(&n32).arg(&k32);
+                // SAFETY: as the grouped launch with E = 1 and rows 0 .. R (gridDim.y = 1):
+                // every read and write is inside the lengths checked above. Argument types
+                // match (const u8*, const float*, const u8*, const float*, float*, u32, u32,
+                // u32).
+                unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            }
+        }
+        Ok(())
+    }
+}
