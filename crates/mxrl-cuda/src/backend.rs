@@ -8,7 +8,7 @@
 //! math, deterministic (no atomics in reductions). The reference of every op is
 //! [`mxrl_tensor::device::CpuBackend`]; only summation orders (and a few ulps of `exp`) differ.
 
-use crate::cuda::DeviceInput;
+use crate::cuda::InputView;
 use crate::gpu::Gpu;
 use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
@@ -316,8 +316,6 @@ impl CudaBackend {
                 name(0)
             )));
         }
-        let s = self.gpu.stream();
-        let cp = |e: cudarc::driver::DriverError| dev(format!("device copy: {e:?}"));
         if master.len() < groups * n * k {
             return Err(dev(format!(
                 "quantize_weights {}: master of {} values for [{groups}·{n}, {k}]",
@@ -327,15 +325,12 @@ impl CudaBackend {
         }
         // One device call for the stack: each weight keeps its own amax (the bytes of each
         // weight quantized alone).
-        let mut w = self.gpu.empty::<f32>(groups * n * k).map_err(de)?;
-        s.memcpy_dtod(&master.slice(0..groups * n * k), &mut w)
-            .map_err(cp)?;
         let crate::ops::qlinear::Nvfp4Stack {
             codes,
             scales,
             amax_bits: bits,
         } = ql
-            .quantize_nvfp4_stack(DeviceInput::F32(w), groups, n, k)
+            .quantize_nvfp4_stack(&master.slice(0..groups * n * k), groups, n, k)
             .map_err(|e| dev(format!("{}..{}: {e}", name(0), name(groups.max(1) - 1))))?;
         let mut amax = self.gpu.empty::<f32>(groups.max(1)).map_err(de)?;
         if groups > 0 {
@@ -695,15 +690,18 @@ impl Backend for CudaBackend {
                 master.len()
             )));
         }
-        let mut copy = self.gpu.empty::<f32>(len).map_err(de)?;
-        self.gpu
-            .stream()
-            .memcpy_dtod(&master.slice(0..len), &mut copy)
-            .map_err(|e| dev(format!("{e:?}")))?;
         let scheme = spec.weight_scheme().expect("MXFP8 has a weight scheme");
-        let q = ql
-            .quantizer()
-            .quantize_device(&DeviceInput::F32(copy), [groups * n, k], scheme)
+        let quant = ql.quantizer();
+        let mut q = quant
+            .alloc_quantized([groups * n, k], scheme)
+            .map_err(|e| dev(format!("{}: {e}", name(0))))?;
+        quant
+            .quantize_view_into(
+                &InputView::F32(master.slice(0..len)),
+                [groups * n, k],
+                scheme,
+                &mut q,
+            )
             .map_err(|e| dev(format!("{}: {e}", name(0))))?;
         Ok(QExperts {
             format: Format::Mxfp8,
@@ -1067,21 +1065,20 @@ impl Backend for CudaBackend {
             (BackwardMode::Dequantized, _) => {
                 let dyb = self.bf16(dy, rows * n)?;
                 dgrad(&dyb, dx)?;
-                let xin = DeviceInput::F32(
-                    self.gpu
-                        .stream()
-                        .clone_dtod(&x.slice(0..rows * k))
-                        .map_err(|e| dev(format!("device copy: {e:?}")))?,
-                );
                 let scheme = w
                     .spec
                     .activation_scheme()
                     .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
-                let qx = ql
-                    .quantizer()
-                    .quantize_device(&xin, [rows, k], scheme)
+                let quant = ql.quantizer();
+                let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
+                quant
+                    .quantize_view_into(
+                        &InputView::F32(x.slice(0..rows * k)),
+                        [rows, k],
+                        scheme,
+                        &mut qx,
+                    )
                     .map_err(de)?;
-                drop(xin);
                 let amax = qx
                     .amax_bits
                     .as_ref()

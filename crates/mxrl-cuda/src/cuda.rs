@@ -129,11 +129,30 @@ pub enum DeviceInput {
     Bf16(CudaSlice<u16>),
 }
 
-impl DeviceInput {
+/// A borrowed high-precision input on the GPU (a view of a buffer the caller owns, e.g. an
+/// engine's parameter): what every quantizer reads.
+pub enum InputView<'a> {
+    /// f32 values.
+    F32(CudaView<'a, f32>),
+    /// BF16 bit patterns.
+    Bf16(CudaView<'a, u16>),
+}
+
+impl InputView<'_> {
     fn len(&self) -> usize {
         match self {
-            DeviceInput::F32(s) => s.len(),
-            DeviceInput::Bf16(s) => s.len(),
+            InputView::F32(s) => s.len(),
+            InputView::Bf16(s) => s.len(),
+        }
+    }
+}
+
+impl DeviceInput {
+    /// A view of the whole input.
+    pub fn view(&self) -> InputView<'_> {
+        match self {
+            DeviceInput::F32(s) => InputView::F32(s.as_view()),
+            DeviceInput::Bf16(s) => InputView::Bf16(s.as_view()),
         }
     }
 
@@ -420,17 +439,17 @@ impl CudaDevice {
     /// first argument.
     fn launch_on<'a>(
         &'a self,
-        x: &'a DeviceInput,
+        x: &'a InputView<'a>,
         f32k: &'a CudaFunction,
         bf16k: &'a CudaFunction,
     ) -> LaunchArgs<'a> {
         let mut b = self.stream.launch_builder(match x {
-            DeviceInput::F32(_) => f32k,
-            DeviceInput::Bf16(_) => bf16k,
+            InputView::F32(_) => f32k,
+            InputView::Bf16(_) => bf16k,
         });
         match x {
-            DeviceInput::F32(s) => b.arg(s),
-            DeviceInput::Bf16(s) => b.arg(s),
+            InputView::F32(s) => b.arg(s),
+            InputView::Bf16(s) => b.arg(s),
         };
         b
     }
@@ -443,7 +462,12 @@ impl CudaDevice {
         }
     }
 
-    fn check(&self, x: &DeviceInput, shape: [usize; 2], scheme: Scheme) -> Result<(), DeviceError> {
+    fn check(
+        &self,
+        x: &InputView<'_>,
+        shape: [usize; 2],
+        scheme: Scheme,
+    ) -> Result<(), DeviceError> {
         let n = shape[0] * shape[1];
         if x.len() != n {
             return Err(FormatError::LengthMismatch {
@@ -500,7 +524,7 @@ impl CudaDevice {
 
     fn mxfp8_row_into(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         data: &mut CudaSlice<u8>,
         scales: &mut CudaSlice<u8>,
@@ -548,7 +572,7 @@ impl CudaDevice {
 
     fn mxfp8_col_into(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         data: &mut CudaSlice<u8>,
         scales: &mut CudaSlice<u8>,
@@ -562,8 +586,8 @@ impl CudaDevice {
         }
         // Columns per thread of the register kernel: 8 bytes of one row.
         let group: u64 = match x {
-            DeviceInput::F32(_) => 2,
-            DeviceInput::Bf16(_) => 4,
+            InputView::F32(_) => 2,
+            InputView::Bf16(_) => 4,
         };
         let reg = cols.is_multiple_of(group);
         let cfg = if reg {
@@ -652,6 +676,21 @@ impl CudaDevice {
         scheme: Scheme,
         out: &mut DeviceQuantized,
     ) -> Result<(), DeviceError> {
+        self.quantize_view_into(&x.view(), shape, scheme, out)
+    }
+
+    /// [`CudaDevice::quantize_device_into`] of a view of a buffer the caller keeps (the first
+    /// `M·K` elements are the tensor): the same bytes, without a copy of the input.
+    ///
+    /// # Errors
+    /// As [`CudaDevice::quantize_device_into`].
+    pub fn quantize_view_into(
+        &self,
+        x: &InputView<'_>,
+        shape: [usize; 2],
+        scheme: Scheme,
+        out: &mut DeviceQuantized,
+    ) -> Result<(), DeviceError> {
         if out.scheme != scheme || out.shape != shape {
             return Err(self.err(format!(
                 "quantize into a {} {:?} output with {} {shape:?}",
@@ -684,7 +723,7 @@ impl CudaDevice {
     /// after the input checks of every scheme.
     fn fp8_block_into(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         s: Fp8BlockScheme,
         data: &mut CudaSlice<u8>,
@@ -693,12 +732,8 @@ impl CudaDevice {
         self.check(x, shape, Scheme::Fp8Block(s))?;
         let (mut d, mut sc) = (data.as_view_mut(), scales.as_view_mut());
         match x {
-            DeviceInput::F32(v) => {
-                self.fp8_block_launch(&v.as_view(), Elem::F32, shape, s, &mut d, &mut sc)
-            }
-            DeviceInput::Bf16(v) => {
-                self.fp8_block_launch(&v.as_view(), Elem::Bf16, shape, s, &mut d, &mut sc)
-            }
+            InputView::F32(v) => self.fp8_block_launch(v, Elem::F32, shape, s, &mut d, &mut sc),
+            InputView::Bf16(v) => self.fp8_block_launch(v, Elem::Bf16, shape, s, &mut d, &mut sc),
         }
     }
 
@@ -857,7 +892,7 @@ impl CudaDevice {
     /// Shape errors (K % 16 ≠ 0, length mismatch) or a driver error.
     pub fn amax(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         scope: AmaxScope,
     ) -> Result<CudaSlice<u32>, DeviceError> {
@@ -914,7 +949,7 @@ impl CudaDevice {
     /// Shape errors (K % 16 ≠ 0, length mismatch, amax length) or a driver error.
     pub fn nvfp4_with_amax(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         scope: AmaxScope,
         amax_bits: CudaSlice<u32>,
@@ -952,7 +987,7 @@ impl CudaDevice {
     /// (K % 16 == 0, length) and that data / scales / amax hold n/2, n/16 and 1 or M entries.
     fn nvfp4_blocks(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         scope: AmaxScope,
         amax: &CudaSlice<u32>,
@@ -1013,7 +1048,7 @@ impl CudaDevice {
             amax: scope,
             blocks: Nvfp4Blocks::Vector,
         });
-        self.check(x, shape, scheme)?;
+        self.check(&x.view(), shape, scheme)?;
         let mut q = self.alloc_quantized(shape, scheme)?;
         self.quantize_device_into(x, shape, scheme, &mut q)?;
         Ok(q)
@@ -1021,7 +1056,7 @@ impl CudaDevice {
 
     fn nvfp4_into(
         &self,
-        x: &DeviceInput,
+        x: &InputView<'_>,
         shape: [usize; 2],
         scope: AmaxScope,
         amax: &mut CudaSlice<u32>,
@@ -1053,8 +1088,8 @@ impl CudaDevice {
                 // per block: ~96 registers per thread, so 1024 threads would exceed an SM's
                 // 64 K registers and the launch would be refused); longer rows re-read the rest.
                 let func = match x {
-                    DeviceInput::F32(_) => &self.k.nvfp4_row_reg_f32,
-                    DeviceInput::Bf16(_) => &self.k.nvfp4_row_reg_bf16,
+                    InputView::F32(_) => &self.k.nvfp4_row_reg_f32,
+                    InputView::Bf16(_) => &self.k.nvfp4_row_reg_bf16,
                 };
                 let max_threads = func
                     .get_attribute(
@@ -1076,8 +1111,8 @@ impl CudaDevice {
                 };
                 let mut b = self.stream.launch_builder(func);
                 match x {
-                    DeviceInput::F32(s) => b.arg(s),
-                    DeviceInput::Bf16(s) => b.arg(s),
+                    InputView::F32(s) => b.arg(s),
+                    InputView::Bf16(s) => b.arg(s),
                 };
                 b.arg(amax).arg(data).arg(scales).arg(&cols);
                 // SAFETY: CTA r < M reads row r only, x[r·K..(r+1)·K) (16-byte aligned loads
@@ -1282,7 +1317,7 @@ impl CudaDevice {
             Scheme::MXFP8_COL => self.mxfp8_col(x, shape),
             Scheme::Nvfp4(s) if s.blocks == Nvfp4Blocks::Vector => self.nvfp4(x, shape, s.amax),
             other if fp8_block_scheme(other).is_some() => {
-                self.check(x, shape, other)?;
+                self.check(&x.view(), shape, other)?;
                 let mut q = self.alloc_quantized(shape, other)?;
                 self.quantize_device_into(x, shape, other, &mut q)?;
                 Ok(q)

@@ -45,7 +45,7 @@ mod cuda;
 pub mod gpu;
 pub mod ops;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaDevice, DeviceInput, DeviceQuantized, QuantizeTiming};
+pub use cuda::{CudaDevice, DeviceInput, DeviceQuantized, InputView, QuantizeTiming};
 
 pub use prelude::cuda_prelude;
 

@@ -469,8 +469,8 @@ fn cuda_nvfp4_with_precomputed_amax_matches_the_reference() {
                     (AmaxScope::PerRow, Scheme::NVFP4_ROW),
                 ] {
                     let dx = dev.upload(input).unwrap();
-                    let amax = dev.amax(&dx, shape, scope).unwrap();
-                    let q = dev.nvfp4_with_amax(&dx, shape, scope, amax).unwrap();
+                    let amax = dev.amax(&dx.view(), shape, scope).unwrap();
+                    let q = dev.nvfp4_with_amax(&dx.view(), shape, scope, amax).unwrap();
                     let got = dev.download(&q).unwrap();
                     let want = match input {
                         Input::F32(v) => reference::quantize(v, &shape, scheme, Padding::Reject),

@@ -67,7 +67,7 @@ use super::check_len;
 use super::elementwise::Elementwise;
 use super::gemm::{Gemm, Grouped};
 use super::qgemm::QGemm;
-use crate::cuda::{CudaDevice, DeviceInput, DeviceQuantized};
+use crate::cuda::{CudaDevice, DeviceInput, DeviceQuantized, InputView};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -1004,13 +1004,15 @@ impl QLinear {
     /// `k` not whole 16-blocks, short input; driver errors.
     pub fn quantize_nvfp4_stack(
         &self,
-        w: DeviceInput,
+        w: &CudaView<'_, f32>,
         experts: usize,
         n: usize,
         k: usize,
     ) -> Result<Nvfp4Stack, DeviceError> {
         let g = &self.gpu;
         let rows = experts * n;
+        check_len(g, "NVFP4 weight stack", w.len(), rows * k)?;
+        let w = InputView::F32(w.slice(0..rows * k));
         let row_bits = self.quant.amax(&w, [rows, k], AmaxScope::PerRow)?;
         let mut bits = g.empty::<u32>(experts.max(1))?;
         if experts > 0 {
