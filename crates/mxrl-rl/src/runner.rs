@@ -98,6 +98,17 @@ pub struct RlConfig {
     pub spike_factor: f64,
     /// Write a checkpoint every this many steps (and at the end).
     pub checkpoint_every: u64,
+    /// Record per-layer probes (the `hidden_diff` metric): the rollout's residual stream after
+    /// every layer at the response-predicting positions, from its generation (or, in bitwise
+    /// mode, its re-scoring), and the trainer's in its forward. On a device engine they cost
+    /// `layers × responses × hidden` f32 of device memory during generation.
+    #[serde(default = "probes_on")]
+    pub probes: bool,
+}
+
+/// [`RlConfig::probes`] of configurations written before the field existed.
+fn probes_on() -> bool {
+    true
 }
 
 impl Default for RlConfig {
@@ -117,6 +128,7 @@ impl Default for RlConfig {
             bucket_bytes: 1 << 20,
             spike_factor: 5.0,
             checkpoint_every: 10,
+            probes: true,
         }
     }
 }
@@ -419,7 +431,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
     pub fn new(
         cfg: RlConfig,
         mut trainer: T,
-        rollout: R,
+        mut rollout: R,
         reference: Option<T>,
         task: TaskSource,
         codec: &'a TextCodec,
@@ -433,8 +445,13 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         })?;
         let mut opt = AdamW::new(cfg.adam);
         let restored = load_checkpoint(dir, &mut trainer, &mut opt)?;
-        // Probes are compared only with a bitwise re-scoring's; the reference never needs them.
-        trainer.set_probes(cfg.bitwise);
+        // What the rollout records besides tokens: the routes when the trainer replays them;
+        // the probes from generation unless a bitwise re-scoring gives them. The trainer
+        // computes probes only for samples that carry some (set every step); the reference
+        // never needs them.
+        rollout.set_routes(cfg.routing_replay);
+        rollout.set_probes(cfg.probes && !cfg.bitwise);
+        trainer.set_probes(false);
         let mut reference = reference;
         if let Some(r) = reference.as_mut() {
             r.set_probes(false);
@@ -553,10 +570,21 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                         },
                     })
                     .collect();
-                let scored = self
-                    .rollout
-                    .policy
-                    .score_with_probes(&seqs, cfg.sampling.temperature)?;
+                let scored = if cfg.probes {
+                    self.rollout
+                        .policy
+                        .score_with_probes(&seqs, cfg.sampling.temperature)?
+                } else {
+                    self.rollout
+                        .policy
+                        .score(&seqs, cfg.sampling.temperature)?
+                        .into_iter()
+                        .map(|logprobs| crate::policy::Scored {
+                            logprobs,
+                            probes: None,
+                        })
+                        .collect()
+                };
                 for (s, sc) in mb.iter_mut().zip(scored) {
                     s.logprobs = sc.logprobs;
                     if sc.probes.is_some() {
@@ -582,6 +610,9 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
 
         // 3. Training: forward (routing replay), loss, backward per micro-batch; one AdamW step.
         let t1 = Instant::now();
+        // The trainer's probes are compared with the rollout's: only when there are some.
+        self.trainer
+            .set_probes(cfg.probes && samples.iter().any(|s| s.probes.is_some()));
         self.trainer.zero_grad();
         let replay = cfg.routing_replay;
         let mut train_lp: Vec<Vec<f32>> = Vec::with_capacity(samples.len());
