@@ -2123,6 +2123,7 @@ impl<B: Backend> Engine<B> {
     /// The device work of one decode step: embedding of `io.tokens` → layers (appending to the
     /// caches) → final norm → head into `io.logits`. Issues no host transfer, so it can be
     /// recorded; every buffer it allocates is freed before it returns.
+    #[allow(clippy::too_many_arguments)]
     fn decode_body(
         &self,
         k: &mut [B::Bf16],

@@ -909,6 +909,9 @@ pub fn sft_until<T: TrainPolicy>(
     Ok(cfg.steps)
 }
 
+/// What [`measured_reward`] samples with: the encoded prompts → the response token ids.
+pub type Generate<'a> = dyn FnMut(&[Vec<u32>]) -> Result<Vec<Vec<u32>>, RunError> + 'a;
+
 /// The mean reward of sampled answers to `count` problems of `task` (the problem stream of
 /// `seed`, step 0), scored with the task's reward: `generate` maps the encoded prompts to the
 /// response token ids it samples (ending at the end-of-sequence token when it is sampled).
@@ -920,7 +923,7 @@ pub fn measured_reward(
     codec: &TextCodec,
     count: usize,
     seed: u64,
-    generate: &mut dyn FnMut(&[Vec<u32>]) -> Result<Vec<Vec<u32>>, RunError>,
+    generate: &mut Generate<'_>,
 ) -> Result<f64, RunError> {
     let problems = task.batch(seed, 0, count);
     let prompts = encode_problems(codec, &problems)?;
