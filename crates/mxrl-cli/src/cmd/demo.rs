@@ -34,7 +34,8 @@ pub enum Size {
     /// A ~45M-parameter MoE (hidden 384, 6 layers, 16 experts top-2, F = 384): for `--device cuda`.
     Large,
     /// Qwen3-30B-A3B's layer shape (hidden 2048, 32/4 heads of 128, 128 experts top-8,
-    /// F = 768), 4 layers by default (~2.5B parameters, ~0.9B active): for `--device cuda`.
+    /// F = 768), 4 layers by default (~2.5B parameters, ~0.23B active per token): for
+    /// `--device cuda`.
     Real,
 }
 
