@@ -31,8 +31,9 @@
 //!   SHA-256-checked buckets) remains for `--check-weight-sync` and other rollouts.
 //! - **Routing replay**: the rollout records the routes of every position it feeds (prefill
 //!   and decode, on the device, in the recorded decode step too; only when the loop replays
-//!   them, [`RolloutPolicy::set_routes`]) and returns them with each sample; the trainer (and the bitwise re-scoring) replays the expert ids and recomputes
-//!   their combine weights from its own router (`ReplayKind::Ids`), so the router trains.
+//!   them, [`RolloutPolicy::set_routes`]) and returns them with each sample; the trainer
+//!   (and the bitwise re-scoring) replays the expert ids and recomputes their combine weights
+//!   from its own router (`ReplayKind::Ids`), so the router trains.
 //!   With replay the trainer also reports the routing it would choose itself (one more
 //!   forward with route capture), for the routing-agreement metric.
 //! - **Probes** (the per-layer `hidden_diff` metric): the residual stream after every layer
