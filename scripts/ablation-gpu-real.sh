@@ -4,9 +4,9 @@
 # top-8 with F = 768; 4 layers ≈ 2.5 B parameters), the chain task with a byte-level BPE
 # tokenizer trained on its text (BASE/tokenizer, BASE/base/tokenizer.json), an SFT warm-up on
 # the GPU that stops once sampled answers reach a mean reward of SFT_REWARD (at most SFT_STEPS
-# steps), then every recipe of RECIPES plus BF16 with the NOISE_SEEDS, STEPS GRPO steps each
-# (PROMPTS prompts × SAMPLES samples, responses up to MAX_NEW_TOKENS tokens), every run on the
-# device engine; report in OUT.
+# steps), then every recipe of RECIPES (the six presets and fp8-block) plus BF16 with the
+# NOISE_SEEDS (one more seed), STEPS GRPO steps each (PROMPTS prompts × SAMPLES samples,
+# responses up to MAX_NEW_TOKENS tokens), every run on the device engine; report in OUT.
 #
 # Usage (from the repository root; MXRL=path/to/mxrl uses a binary built elsewhere with
 # `--features cuda` instead of building one here):
@@ -30,9 +30,9 @@ LR="${LR:-1e-4}"
 SFT_STEPS="${SFT_STEPS:-400}"
 SFT_REWARD="${SFT_REWARD:-0.2}"
 CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-$STEPS}"
-# The recipes compared: the six presets (add fp8-block here once `mxrl plan --help` lists such
-# a preset and the device engine runs it).
-RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq}"
+# The recipes compared: the six presets and fp8-block (every linear dimension of this shape is
+# a multiple of its 128-wide blocks).
+RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"
 # Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
 NOISE_SEEDS="${NOISE_SEEDS:-2}"
 BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS}"
