@@ -36,11 +36,20 @@ fn a_trained_tokenizer_makes_a_model_that_sft_rl_ablate_and_generate_run_on() {
         out.contains("320 tokens") && out.contains("merges"),
         "{out}"
     );
-    let names: Vec<String> = std::fs::read_dir(cwd.join("tok"))
+    let mut names: Vec<String> = std::fs::read_dir(cwd.join("tok"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["tokenizer.json"], "temporary files left behind");
+    names.sort();
+    assert_eq!(
+        names,
+        ["tokenizer.json", "tokenizer_config.json"],
+        "temporary files left behind"
+    );
+    // Hugging Face tooling's companion file names the fast tokenizer and its specials.
+    let tc = json(&cwd.join("tok/tokenizer_config.json"));
+    assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(tc["eos_token"], "<eos>");
     let file = cwd.join("tok/tokenizer.json");
     let tok = tokenizers::Tokenizer::from_file(&file).unwrap();
     assert_eq!(tok.get_vocab_size(true), 320);
@@ -319,4 +328,73 @@ fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_anothe
         e.contains("another tokenizer than the char-level one"),
         "{e}"
     );
+}
+
+/// `demo --size real`: Qwen3-30B-A3B's layer shape, refused on the CPU without `--allow-cpu`
+/// (and `--layers` refused for the other sizes); with it, and the widths divided by 8 (the
+/// test-only `--real-shrink`), the whole path runs: a BPE tokenizer trained on the chain
+/// task's text into the run directory (loadable by the tokenizers crate, with its
+/// `tokenizer_config.json`), a model of that vocabulary and the real shape's structure (Qwen3
+/// q/k norms, `norm_topk_prob`, every layer MoE), an SFT warm-up that measures the reward of
+/// sampled answers, and the RL ablation.
+#[test]
+fn demo_real_size_trains_its_tokenizer_and_runs_the_real_layer_structure() {
+    let d = tempfile::tempdir().unwrap();
+    let cwd = d.path();
+    let e = fails(&["demo", "--size", "real", "--out", "dr"], cwd);
+    assert!(
+        e.contains("--device cuda") && e.contains("--allow-cpu"),
+        "{e}"
+    );
+    assert!(
+        !cwd.join("dr").exists(),
+        "a refused demo wrote its directory"
+    );
+    let e = fails(&["demo", "--layers", "2", "--out", "ds"], cwd);
+    assert!(e.contains("--layers") && e.contains("--size real"), "{e}");
+    let out = ok(
+        &[
+            "demo",
+            "--size",
+            "real",
+            "--allow-cpu",
+            "--real-shrink",
+            "8",
+            "--layers",
+            "2",
+            "--out",
+            "dr",
+            "--recipes",
+            "bf16",
+            "--steps",
+            "1",
+            "--sft-steps",
+            "10",
+        ],
+        cwd,
+    );
+    assert!(out.contains("reward"), "{out}");
+    for dir in ["dr/tokenizer", "dr/base"] {
+        let tok = tokenizers::Tokenizer::from_file(cwd.join(dir).join("tokenizer.json")).unwrap();
+        assert_eq!(tok.get_vocab_size(true), 512, "{dir}");
+        let ids = tok.encode("7+5*3-8=", false).unwrap();
+        assert_eq!(tok.decode(ids.get_ids(), true).unwrap(), "7+5*3-8=");
+        let tc = json(&cwd.join(dir).join("tokenizer_config.json"));
+        assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast", "{dir}");
+    }
+    let c = json(&cwd.join("dr/base/config.json"));
+    assert_eq!(c["model_type"], "qwen3_moe", "{c}");
+    assert_eq!(c["vocab_size"], 512, "{c}");
+    assert_eq!(c["num_hidden_layers"], 2, "{c}");
+    assert_eq!(c["hidden_size"], 2048 / 8, "{c}");
+    assert_eq!(c["head_dim"], 128, "{c}");
+    assert_eq!(c["num_attention_heads"], 32 / 8, "{c}");
+    assert_eq!(c["num_key_value_heads"], 1, "{c}");
+    assert_eq!(c["num_experts"], 128 / 8, "{c}");
+    assert_eq!(c["num_experts_per_tok"], 8, "{c}");
+    assert_eq!(c["moe_intermediate_size"], 768 / 8, "{c}");
+    assert_eq!(c["norm_topk_prob"], true, "{c}");
+    let w = json(&cwd.join("dr/warmup.json"));
+    assert!(w["task"].as_str().unwrap().contains("chains"), "{w}");
+    assert!(cwd.join("dr/report.md").exists());
 }

@@ -67,6 +67,23 @@ extern "C" __global__ void capture_routes(const u32* __restrict__ ids, const flo
     dst_w[d] = w[i];
 }
 
+// Row capture (generation probes): element i = r·w + j of x [rows, w] goes to the table
+// [slots, len, w] at slot s = (has_seq ? seq[r] : r), index pos[r] − first[s]; rows whose slot
+// is ≥ slots or whose position is outside first[s] .. first[s] + len are skipped. A copy.
+extern "C" __global__ void capture_rows(const float* __restrict__ x, u64 rows, u64 w,
+                                        const u32* __restrict__ seq, int has_seq,
+                                        const u32* __restrict__ pos, const u32* __restrict__ first,
+                                        u64 slots, u64 len, float* __restrict__ dst) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * w) return;
+    u64 r = i / w, j = i % w;
+    u64 s = has_seq ? (u64)seq[r] : r;
+    if (s >= slots) return;
+    u64 p = pos[r], f = first[s];
+    if (p < f || p - f >= len) return;
+    dst[(s * len + (p - f)) * w + j] = x[i];
+}
+
 // y[i] += x[i], i < n.
 extern "C" __global__ void add_inplace(float* __restrict__ y, const float* __restrict__ x, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -1614,6 +1614,34 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
+    fn capture_rows(
+        &self,
+        x: &Self::F32,
+        rows: usize,
+        w: usize,
+        seq: Option<&Self::U32>,
+        pos: &Self::U32,
+        first: &Self::U32,
+        slots: usize,
+        len: usize,
+        dst: &mut Self::F32,
+    ) -> DResult<()> {
+        let sv = seq.map(|s| s.as_view());
+        self.ew
+            .capture_rows(
+                &x.as_view(),
+                rows,
+                w,
+                sv.as_ref(),
+                &pos.as_view(),
+                &first.as_view(),
+                slots,
+                len,
+                &mut dst.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
     fn gather_bf16(
         &self,
         x: &Self::F32,

@@ -208,3 +208,67 @@ fn capture_routes_matches_the_cpu_backend() {
         assert!(ci.iter().any(|&x| x != 0));
     }
 }
+
+/// Row capture (generation probes) on the GPU equals the CPU backend's, bitwise: with a
+/// sequence map (prefill: only each slot's rows from position `first[s]` on land) and without
+/// (decode: row r is slot r); rows whose slot or index falls outside the table are skipped.
+#[test]
+fn capture_rows_matches_the_cpu_backend() {
+    use mxrl_tensor::device::{Backend, CpuBackend};
+    let g = gpu();
+    let ops = Elementwise::new(&g).unwrap();
+    let (rows, w, slots, len) = (41usize, 67usize, 5usize, 4usize);
+    let x = values(rows * w, 13);
+    let seq: Vec<u32> = (0..rows).map(|r| (r % 6) as u32).collect(); // 5 is out of range
+    let pos: Vec<u32> = (0..rows).map(|r| (r * 5 % 17) as u32).collect();
+    let first: Vec<u32> = vec![3, 0, 9, 2, 12];
+    for with_seq in [true, false] {
+        let rws = if with_seq { rows } else { slots };
+        let mut c = vec![0f32; slots * len * w];
+        CpuBackend
+            .capture_rows(
+                &x,
+                rws,
+                w,
+                with_seq.then_some(&seq),
+                &pos,
+                &first,
+                slots,
+                len,
+                &mut c,
+            )
+            .unwrap();
+        let (dx, ds, dp, df) = (
+            g.upload(&x).unwrap(),
+            g.upload(&seq).unwrap(),
+            g.upload(&pos).unwrap(),
+            g.upload(&first).unwrap(),
+        );
+        let mut d = g.zeros::<f32>(slots * len * w).unwrap();
+        let dsv = ds.as_view();
+        ops.capture_rows(
+            &dx.as_view(),
+            rws,
+            w,
+            with_seq.then_some(&dsv),
+            &dp.as_view(),
+            &df.as_view(),
+            slots,
+            len,
+            &mut d.as_view_mut(),
+        )
+        .unwrap();
+        let gb: Vec<u32> = g
+            .download(&d)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let cb: Vec<u32> = c.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(gb, cb, "seq map {with_seq}");
+        assert!(
+            c.iter().any(|&v| v != 0.0),
+            "seq map {with_seq}: nothing captured"
+        );
+    }
+}

@@ -341,3 +341,79 @@ fn block_recipe_on_the_gpu_engine(model: &mxrl_model::Model, recipe: &str) {
         a[0].reward_mean, a[0].loss, cm[0].reward_mean, cm[0].loss
     );
 }
+
+#[path = "../../mxrl-model/tests/common/generation_probes.rs"]
+mod generation_probes;
+
+/// The per-layer probes the GPU engine records while it generates (prefill, then decode steps
+/// replayed from the recorded graph) are, bitwise, the residual stream after every layer at
+/// the response-predicting positions: the check `mxrl-model` runs on the CPU engine
+/// (`generation_probes_are_the_residual_stream_after_every_layer`), here on the GPU — each
+/// layer's probes through the final norm and head give exactly the logits of the model cut
+/// after that layer, fed the same tokens on the GPU.
+#[test]
+fn generation_probes_on_the_gpu_are_the_residual_stream_after_every_layer() {
+    use mxrl_tensor::sample::SampleParams;
+    let (model, _, _) = warmed(5);
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            (0..(3 + i) as u32)
+                .map(|t| 40 + (t * 7 + i as u32) % 20)
+                .collect()
+        })
+        .collect();
+    let p = SampleParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 3,
+        step: 0,
+    };
+    let got =
+        generation_probes::check_generation_probes(&model, || gpu().unwrap(), &prompts, 6, &p);
+    assert!(got.iter().all(|g| g
+        .probes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .flatten()
+        .all(|x| x.is_finite())));
+}
+
+/// Without bitwise mode the GPU rollout records probes while it generates, so the RL loop
+/// reports `hidden_diff` for every layer: non-zero (decode reads the BF16 KV cache), and
+/// within twice the KV-cache rounding bound of `mxrl-rl`'s CPU test (`L · 2u`, u = 2⁻⁹): on the
+/// GPU the two paths also sum in other orders (other GEMM shapes), which can flip the BF16
+/// rounding of a GEMM operand by one unit u. A misplaced probe would be O(1) away.
+#[test]
+fn gpu_rl_loop_reports_hidden_diff_from_generation() {
+    let (model, _, _) = warmed(3);
+    let codec = TextCodec::char_level();
+    let task = TaskSource::Arithmetic(ArithmeticTask::default());
+    let b = gpu_build(&model);
+    let d = tempfile::tempdir().unwrap();
+    let mut run = RlRun::new(
+        RlConfig {
+            bitwise: false,
+            ..cfg(2)
+        },
+        b.trainer,
+        b.rollout,
+        b.reference,
+        task,
+        &codec,
+        d.path(),
+        &b.contract_hash,
+    )
+    .unwrap();
+    let mut ms = Vec::new();
+    run.run(&mut |m| ms.push(m.clone())).unwrap();
+    let layers = model.config().num_layers;
+    let bound = 2.0 * layers as f64 * 2.0 * 2f64.powi(-9);
+    for m in &ms {
+        eprintln!("GPU step {}: hidden_diff {:?}", m.step, m.hidden_diff);
+        assert_eq!(m.hidden_diff.len(), layers, "{m:?}");
+        assert!(m.hidden_diff.iter().any(|&x| x > 0.0), "{m:?}");
+        assert!(m.hidden_diff.iter().all(|&x| x <= bound), "{m:?}");
+    }
+}

@@ -261,6 +261,44 @@ pub struct DecodeState<B: Backend> {
     /// Per layer, the routes of every fed position `[slots, max_len, k]` (ids, weights), for
     /// MoE layers when routes are captured ([`Engine::generate_capturing`]); else empty.
     routes: Vec<Option<(B::U32, B::F32)>>,
+    /// The per-layer probes when they are recorded ([`Record::probes`]).
+    probes: Option<ProbeTable<B>>,
+}
+
+/// The probes a generation records on the device: per layer, the residual stream after the
+/// layer at the response-predicting positions, `[slots, len, H]`; position `p` of slot `s`
+/// goes to index `p − first[s]` (`first[s]` = the prompt's last position, which predicts the
+/// first new token).
+struct ProbeTable<B: Backend> {
+    first: B::U32,
+    len: usize,
+    layers: Vec<B::F32>,
+}
+
+/// What [`Engine::generate_recording`] records on the device besides the sampled tokens
+/// (each costs device memory, so only what a caller reads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The routes of every position fed to the model (MoE layers): `[slots, max_len, k]` ids
+    /// and weights per MoE layer.
+    pub routes: bool,
+    /// The residual stream after every layer at the positions that predict the new tokens:
+    /// `[slots, new_tokens, H]` f32 per layer.
+    pub probes: bool,
+}
+
+/// One sequence of [`Engine::generate_recording`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recorded {
+    /// The sampled tokens and their logprobs.
+    pub sampled: Sampled,
+    /// The routes of every fed position (the prompt and every new token but the last), when
+    /// recorded.
+    pub routes: Option<RoutingTrace>,
+    /// When recorded, per layer `[R, H]` row-major (`R` new tokens): the residual stream after
+    /// the layer at the positions that predict them (the prompt's last position, then every
+    /// new token but the last), as the KV-cache decode computed it.
+    pub probes: Option<Vec<Vec<f32>>>,
 }
 
 /// The persistent buffers of one decode step of `batch` rows.
@@ -1797,7 +1835,7 @@ impl<B: Backend> Engine<B> {
         b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
             .map_err(dev)?;
         let seq = match &cache {
-            Some(st) if !st.routes.is_empty() => {
+            Some(st) if !st.routes.is_empty() || st.probes.is_some() => {
                 let rows: Vec<u32> = (0..layout.num_seqs())
                     .flat_map(|s| std::iter::repeat_n(s as u32, layout.len(s)))
                     .collect();
@@ -1815,6 +1853,29 @@ impl<B: Backend> Engine<B> {
         };
         for li in 0..self.layers.len() {
             x = self.layer(li, n, x, &mut pass)?.0;
+            // The prompt's last position predicts the first new token: its probe.
+            if let Pass::Prefill {
+                cache: Some(st),
+                seq: Some(seq),
+                ..
+            } = &mut pass
+            {
+                let slots = st.lens.len();
+                if let Some(pt) = st.probes.as_mut() {
+                    b.capture_rows(
+                        &x,
+                        n,
+                        hd,
+                        Some(*seq),
+                        &ps,
+                        &pt.first,
+                        slots,
+                        pt.len,
+                        &mut pt.layers[li],
+                    )
+                    .map_err(dev)?;
+                }
+            }
         }
         let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
         let mut rstd = b.zeros_f32(n).map_err(dev)?;
@@ -1868,7 +1929,8 @@ impl<B: Backend> Engine<B> {
         &self,
         prompts: &[&[u32]],
         max_len: usize,
-        capture: bool,
+        capture: Record,
+        new_tokens: usize,
     ) -> Result<DecodeState<B>> {
         let b = &self.b;
         if max_len > self.max_pos {
@@ -1900,7 +1962,7 @@ impl<B: Backend> Engine<B> {
             lens: lens.iter().map(|&l| l as u32).collect(),
             max_len,
             io: self.step_io(slots)?,
-            routes: if capture {
+            routes: if capture.routes {
                 let kk = self.cfg.num_experts_per_tok;
                 (0..self.layers.len())
                     .map(|li| {
@@ -1915,6 +1977,19 @@ impl<B: Backend> Engine<B> {
                     .collect::<Result<_>>()?
             } else {
                 Vec::new()
+            },
+            probes: if capture.probes {
+                let first: Vec<u32> = lens.iter().map(|&l| l as u32 - 1).collect();
+                let cells = slots * new_tokens * self.cfg.hidden_size;
+                Some(ProbeTable {
+                    first: b.upload_u32(&first).map_err(dev)?,
+                    len: new_tokens,
+                    layers: (0..self.layers.len())
+                        .map(|_| b.zeros_f32(cells).map_err(dev))
+                        .collect::<Result<_>>()?,
+                })
+            } else {
+                None
             },
         };
         let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
@@ -1954,6 +2029,39 @@ impl<B: Backend> Engine<B> {
         self.b.download_f32(&z, t * v).map_err(dev)
     }
 
+    /// Logits `[rows, V]` (f32, on the host) of residual-stream rows `h: [rows, H]`: the final
+    /// norm and the head, as prefill and decode apply them to the last layer's output (e.g.
+    /// to read a recorded probe, [`Recorded::probes`]).
+    ///
+    /// # Errors
+    /// `h` not `rows × H` values; device failures.
+    pub fn head_logits(&self, h: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let b = &self.b;
+        let (hd, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        if h.len() != rows * hd {
+            return Err(ModelError::Input(format!(
+                "head_logits: {} values for {rows} rows of width {hd}",
+                h.len()
+            )));
+        }
+        let x = b.upload_f32(h).map_err(dev)?;
+        let mut hf = b.empty_f32(rows * hd).map_err(dev)?;
+        let mut rstd = b.empty_f32(rows).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            rows,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
+        )
+        .map_err(dev)?;
+        let mut z = b.empty_f32(rows * v).map_err(dev)?;
+        self.head_into(&hf, rows, &mut z)?;
+        b.download_f32(&z, rows * v).map_err(dev)
+    }
+
     /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
     /// sequence; returns it and the logits `[B, V]` of every prompt's last position.
     ///
@@ -1965,7 +2073,7 @@ impl<B: Backend> Engine<B> {
         prompts: &[&[u32]],
         max_len: usize,
     ) -> Result<(DecodeState<B>, Vec<f32>)> {
-        let st = self.prefill_state(prompts, max_len, false)?;
+        let st = self.prefill_state(prompts, max_len, Record::default(), 0)?;
         let logits = self
             .b
             .download_f32(&st.io.logits, prompts.len() * self.cfg.vocab_size)
@@ -1985,7 +2093,7 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
     ) -> Result<(DecodeState<B>, Vec<u32>, Vec<f32>)> {
         p.validate().map_err(ModelError::Input)?;
-        let mut st = self.prefill_state(prompts, max_len, false)?;
+        let mut st = self.prefill_state(prompts, max_len, Record::default(), 0)?;
         let (ids, lps) = self.sample_state(&mut st, p)?;
         Ok((st, ids, lps))
     }
@@ -2015,11 +2123,13 @@ impl<B: Backend> Engine<B> {
     /// The device work of one decode step: embedding of `io.tokens` → layers (appending to the
     /// caches) → final norm → head into `io.logits`. Issues no host transfer, so it can be
     /// recorded; every buffer it allocates is freed before it returns.
+    #[allow(clippy::too_many_arguments)]
     fn decode_body(
         &self,
         k: &mut [B::Bf16],
         v: &mut [B::Bf16],
         routes: &mut [Option<(B::U32, B::F32)>],
+        mut probes: Option<&mut ProbeTable<B>>,
         max_len: usize,
         io: &mut StepIo<B>,
         n: usize,
@@ -2048,6 +2158,22 @@ impl<B: Backend> Engine<B> {
             };
             for li in 0..self.layers.len() {
                 x = self.layer(li, n, x, &mut pass)?.0;
+                // Row r fed position pos[r], which predicts the next token: its probe (the
+                // positions are read on the device, so the recorded step replays it).
+                if let Some(pt) = probes.as_deref_mut() {
+                    b.capture_rows(
+                        &x,
+                        n,
+                        hd,
+                        None,
+                        &io.pos,
+                        &pt.first,
+                        n,
+                        pt.len,
+                        &mut pt.layers[li],
+                    )
+                    .map_err(dev)?;
+                }
             }
         }
         let mut hf = b.empty_f32(n * hd).map_err(dev)?;
@@ -2093,12 +2219,13 @@ impl<B: Backend> Engine<B> {
             max_len,
             io,
             routes,
+            probes,
         } = st;
         b.write_u32(&mut io.tokens, tokens).map_err(dev)?;
         b.write_u32(&mut io.pos, lens).map_err(dev)?;
         b.write_u32(&mut io.lens, &new_lens).map_err(dev)?;
         if !self.graphs {
-            self.decode_body(k, v, routes, *max_len, io, n)?;
+            self.decode_body(k, v, routes, probes.as_mut(), *max_len, io, n)?;
         } else if let GraphState::Ready(g) = &io.graph {
             b.launch_graph(g).map_err(dev)?;
         } else if matches!(io.graph, GraphState::None)
@@ -2106,7 +2233,7 @@ impl<B: Backend> Engine<B> {
             && b.begin_capture().map_err(dev)?
         {
             // Record (nothing runs while recording), then run the recording.
-            let body = self.decode_body(k, v, routes, *max_len, io, n);
+            let body = self.decode_body(k, v, routes, probes.as_mut(), *max_len, io, n);
             let ended = b.end_capture();
             match (body, ended) {
                 (Ok(()), Ok(Some(g))) => {
@@ -2120,11 +2247,11 @@ impl<B: Backend> Engine<B> {
                         _ => "nothing was recorded".to_string(),
                     };
                     io.graph = GraphState::Failed(why);
-                    self.decode_body(k, v, routes, *max_len, io, n)?;
+                    self.decode_body(k, v, routes, probes.as_mut(), *max_len, io, n)?;
                 }
             }
         } else {
-            self.decode_body(k, v, routes, *max_len, io, n)?;
+            self.decode_body(k, v, routes, probes.as_mut(), *max_len, io, n)?;
             io.plain_steps += 1;
         }
         *lens = new_lens;
@@ -2174,7 +2301,9 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
         stop: &[u32],
     ) -> Result<Vec<Sampled>> {
-        Ok(self.generate_inner(prompts, new_tokens, p, stop, false)?.0)
+        Ok(self
+            .generate_inner(prompts, new_tokens, p, stop, Record::default())?
+            .0)
     }
 
     /// [`Engine::generate`] that also returns, per prompt, the routes of every position it
@@ -2190,18 +2319,85 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
         stop: &[u32],
     ) -> Result<Vec<(Sampled, RoutingTrace)>> {
-        let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, true)?;
+        let rec = Record {
+            routes: true,
+            probes: false,
+        };
+        Ok(self
+            .generate_recording(prompts, new_tokens, p, stop, rec)?
+            .into_iter()
+            .map(|r| (r.sampled, r.routes.expect("routes were recorded")))
+            .collect())
+    }
+
+    /// [`Engine::generate`] that also records, on the device during prefill and decode (in
+    /// the recorded step too), what `rec` asks for — the routes of every fed position, the
+    /// residual stream after every layer at the response-predicting positions — and reads it
+    /// back once at the end. Tokens and logprobs are [`Engine::generate`]'s.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    pub fn generate_recording(
+        &self,
+        prompts: &[&[u32]],
+        new_tokens: usize,
+        p: &SampleParams,
+        stop: &[u32],
+        rec: Record,
+    ) -> Result<Vec<Recorded>> {
+        let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, rec)?;
         let fed: Vec<usize> = prompts
             .iter()
             .zip(&out)
             .map(|(q, s)| q.len() + s.tokens.len().saturating_sub(1))
             .collect();
-        let traces = match st {
-            Some(st) => self.traces_of(&st, &fed)?,
+        let mut traces = match (&st, rec.routes) {
+            (_, false) => None,
+            (Some(st), true) => Some(self.traces_of(st, &fed)?),
             // Nothing was generated: no position was fed.
-            None => vec![self.zero_trace(0); prompts.len()],
-        };
-        Ok(out.into_iter().zip(traces).collect())
+            (None, true) => Some(vec![self.zero_trace(0); prompts.len()]),
+        }
+        .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
+        let mut probes = match (&st, rec.probes) {
+            (_, false) => None,
+            (Some(st), true) => {
+                let lens: Vec<usize> = out.iter().map(|s| s.tokens.len()).collect();
+                Some(self.probes_of(st, &lens)?)
+            }
+            (None, true) => Some(vec![vec![Vec::new(); self.layers.len()]; prompts.len()]),
+        }
+        .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
+        Ok(out
+            .into_iter()
+            .enumerate()
+            .map(|(i, sampled)| Recorded {
+                sampled,
+                routes: traces.as_mut().and_then(|t| t[i].take()),
+                probes: probes.as_mut().and_then(|t| t[i].take()),
+            })
+            .collect())
+    }
+
+    /// The recorded probes of `st`'s sequences: per sequence, per layer the first `lens[s]`
+    /// rows `[lens[s], H]`.
+    fn probes_of(&self, st: &DecodeState<B>, lens: &[usize]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let pt = st
+            .probes
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("no probes were recorded".into()))?;
+        let hd = self.cfg.hidden_size;
+        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(pt.layers.len()); lens.len()];
+        for t in &pt.layers {
+            let all = self
+                .b
+                .download_f32(t, lens.len() * pt.len * hd)
+                .map_err(dev)?;
+            for (s, o) in out.iter_mut().enumerate() {
+                let a = s * pt.len * hd;
+                o.push(all[a..a + lens[s] * hd].to_vec());
+            }
+        }
+        Ok(out)
     }
 
     /// The routes the model takes at every position of each sequence (one prefill of the
@@ -2211,7 +2407,11 @@ impl<B: Backend> Engine<B> {
     /// Empty sequences, sequences longer than `max_pos`, bad token ids, device failures.
     pub fn routes_of(&self, seqs: &[&[u32]]) -> Result<Vec<RoutingTrace>> {
         let longest = seqs.iter().map(|q| q.len()).max().unwrap_or(0);
-        let st = self.prefill_state(seqs, longest.max(1), true)?;
+        let rec = Record {
+            routes: true,
+            probes: false,
+        };
+        let st = self.prefill_state(seqs, longest.max(1), rec, 0)?;
         let lens: Vec<usize> = seqs.iter().map(|q| q.len()).collect();
         self.traces_of(&st, &lens)
     }
@@ -2259,7 +2459,7 @@ impl<B: Backend> Engine<B> {
         new_tokens: usize,
         p: &SampleParams,
         stop: &[u32],
-        capture: bool,
+        capture: Record,
     ) -> Result<(Vec<Sampled>, Option<DecodeState<B>>)> {
         let mut out = vec![
             Sampled {
@@ -2273,7 +2473,7 @@ impl<B: Backend> Engine<B> {
         }
         let longest = prompts.iter().map(|q| q.len()).max().unwrap_or(0);
         p.validate().map_err(ModelError::Input)?;
-        let mut st = self.prefill_state(prompts, longest + new_tokens, capture)?;
+        let mut st = self.prefill_state(prompts, longest + new_tokens, capture, new_tokens)?;
         let (mut ids, mut lps) = self.sample_state(&mut st, p)?;
         let mut done = vec![false; prompts.len()];
         for t in 0..new_tokens {

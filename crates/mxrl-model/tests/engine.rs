@@ -457,3 +457,32 @@ fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen3() {
 fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen2_bias_tied() {
     gradients_bitwise(Arch::Qwen2Moe);
 }
+
+#[path = "common/generation_probes.rs"]
+mod generation_probes;
+
+/// The probes a generation records on the CPU engine (prefill: the prompt's last position;
+/// decode: the row each step feeds) are, bitwise, the residual stream after every layer at
+/// the positions that predict the new tokens, for both architectures (sampled, so the
+/// sequences diverge; prompts of different lengths, so the positions differ per sequence).
+#[test]
+fn generation_probes_are_the_residual_stream_after_every_layer() {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let m = bf16_model(&small(arch), 12);
+        let p = SampleParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 9,
+            step: 0,
+        };
+        let got = generation_probes::check_generation_probes(&m, || CpuBackend, &seqs(), 5, &p);
+        assert!(got.iter().all(|g| g
+            .probes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .flatten()
+            .any(|&x| x != 0.0)));
+    }
+}

@@ -30,16 +30,20 @@
 //!   through the host, never re-quantized. The wire form ([`TrainPolicy::export_weights`],
 //!   SHA-256-checked buckets) remains for `--check-weight-sync` and other rollouts.
 //! - **Routing replay**: the rollout records the routes of every position it feeds (prefill
-//!   and decode, on the device, in the recorded decode step too) and returns them with each
-//!   sample; the trainer (and the bitwise re-scoring) replays the expert ids and recomputes
-//!   their combine weights from its own router (`ReplayKind::Ids`), so the router trains.
+//!   and decode, on the device, in the recorded decode step too; only when the loop replays
+//!   them, [`RolloutPolicy::set_routes`]) and returns them with each sample; the trainer
+//!   (and the bitwise re-scoring) replays the expert ids and recomputes their combine weights
+//!   from its own router (`ReplayKind::Ids`), so the router trains.
 //!   With replay the trainer also reports the routing it would choose itself (one more
 //!   forward with route capture), for the routing-agreement metric.
 //! - **Probes** (the per-layer `hidden_diff` metric): the residual stream after every layer
-//!   at the response-predicting positions, gathered on the device in the training forward and
-//!   in the bitwise re-scoring. Not yet from generation: without `--bitwise` the rollout
-//!   reports none (the CPU `MoeRollout` records them while decoding). The per-token entropy
-//!   comes from the head kernel's pass that computes the logprobs.
+//!   at the response-predicting positions, gathered on the device in the training forward, in
+//!   the bitwise re-scoring, and while generating when asked ([`RolloutPolicy::set_probes`],
+//!   off by default: `layers × samples × max_new_tokens × hidden` f32 of device memory): the
+//!   prefill copies the prompt's last position (it predicts the first new token), every
+//!   decode step the row it fed, into a per-layer table (in the recorded decode step too),
+//!   read back once at the end, as the CPU `MoeRollout` records them while decoding. The
+//!   per-token entropy comes from the head kernel's pass that computes the logprobs.
 //!
 //! Parameter names are the engine's: Hugging Face names, with the routed experts of a layer
 //! stacked as `model.layers.L.mlp.experts.*.{gate_up,down}_proj.weight` (`[E·rows, cols]`).
@@ -51,7 +55,7 @@ use crate::policy::{
 };
 use crate::wire::bf16_values;
 use mxrl_formats::Format;
-use mxrl_model::engine::{Engine, Tape};
+use mxrl_model::engine::{Engine, Record, Tape};
 use mxrl_model::{ModelConfig, SeqInput};
 use mxrl_plan::PrecisionPlan;
 use mxrl_tensor::device::Backend;
@@ -557,6 +561,9 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
 /// Rollout side on the device engine.
 pub struct EngineRollout<B: Backend> {
     engine: Engine<B>,
+    /// What generation records besides tokens ([`RolloutPolicy::set_routes`], on by default;
+    /// [`RolloutPolicy::set_probes`], off by default).
+    record: Record,
 }
 
 impl<B: Backend> std::fmt::Debug for EngineRollout<B> {
@@ -577,7 +584,13 @@ impl<B: Backend> EngineRollout<B> {
     /// As [`EngineTrainer::new`].
     pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
         engine_for_plan(&mut engine, plan)?;
-        Ok(EngineRollout { engine })
+        Ok(EngineRollout {
+            engine,
+            record: Record {
+                routes: true,
+                probes: false,
+            },
+        })
     }
 
     /// The engine.
@@ -636,20 +649,33 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
         };
         let gens = self
             .engine
-            .generate_capturing(&expanded, cfg.max_new_tokens, &sp, &[eos])
+            .generate_recording(&expanded, cfg.max_new_tokens, &sp, &[eos], self.record)
             .map_err(be)?;
+        let width = self.engine.config().hidden_size;
         Ok(gens
             .into_iter()
             .enumerate()
-            .map(|(i, (g, routes))| Sample {
+            .map(|(i, g)| Sample {
                 prompt_index: i / n,
                 prompt: prompts[i / n].clone(),
-                response: g.tokens,
-                logprobs: g.logprobs,
-                routing: crate::moe::to_trace(&routes),
-                probes: None,
+                routing: g.routes.as_ref().and_then(crate::moe::to_trace),
+                probes: g.probes.map(|per_layer| LayerProbes {
+                    layers: per_layer.len(),
+                    width,
+                    values: per_layer.concat(),
+                }),
+                response: g.sampled.tokens,
+                logprobs: g.sampled.logprobs,
             })
             .collect())
+    }
+
+    fn set_probes(&mut self, on: bool) {
+        self.record.probes = on;
+    }
+
+    fn set_routes(&mut self, on: bool) {
+        self.record.routes = on;
     }
 
     fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError> {

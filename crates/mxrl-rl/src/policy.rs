@@ -299,6 +299,21 @@ pub trait RolloutPolicy {
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError>;
 
+    /// Whether [`RolloutPolicy::generate`] should record each sample's per-layer probes
+    /// ([`Sample::probes`]; the loop turns them on for the `hidden_diff` metric). A device
+    /// engine records them only when asked (they cost device memory); a policy whose probes
+    /// cost little may ignore it and always record them (the default does nothing).
+    fn set_probes(&mut self, on: bool) {
+        let _ = on;
+    }
+
+    /// Whether [`RolloutPolicy::generate`] must record each sample's routing decisions
+    /// ([`Sample::routing`]; the loop needs them for routing replay). A policy may record
+    /// them anyway (the default does nothing).
+    fn set_routes(&mut self, on: bool) {
+        let _ = on;
+    }
+
     /// [`RolloutPolicy::score`] that also returns each sequence's per-layer probes from the
     /// same forward, so bitwise mode compares hidden states computed like the trainer's. The
     /// default gives no probes (the generation's probes are kept).
@@ -460,6 +475,12 @@ impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
         temperature: f32,
     ) -> Result<Vec<Scored>, PolicyError> {
         (**self).score_with_probes(batch, temperature)
+    }
+    fn set_probes(&mut self, on: bool) {
+        (**self).set_probes(on)
+    }
+    fn set_routes(&mut self, on: bool) {
+        (**self).set_routes(on)
     }
 }
 

@@ -98,6 +98,17 @@ pub struct RlConfig {
     pub spike_factor: f64,
     /// Write a checkpoint every this many steps (and at the end).
     pub checkpoint_every: u64,
+    /// Record per-layer probes (the `hidden_diff` metric): the rollout's residual stream after
+    /// every layer at the response-predicting positions, from its generation (or, in bitwise
+    /// mode, its re-scoring), and the trainer's in its forward. On a device engine they cost
+    /// `layers × responses × hidden` f32 of device memory during generation.
+    #[serde(default = "probes_on")]
+    pub probes: bool,
+}
+
+/// [`RlConfig::probes`] of configurations written before the field existed.
+fn probes_on() -> bool {
+    true
 }
 
 impl Default for RlConfig {
@@ -117,6 +128,7 @@ impl Default for RlConfig {
             bucket_bytes: 1 << 20,
             spike_factor: 5.0,
             checkpoint_every: 10,
+            probes: true,
         }
     }
 }
@@ -419,7 +431,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
     pub fn new(
         cfg: RlConfig,
         mut trainer: T,
-        rollout: R,
+        mut rollout: R,
         reference: Option<T>,
         task: TaskSource,
         codec: &'a TextCodec,
@@ -433,8 +445,13 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         })?;
         let mut opt = AdamW::new(cfg.adam);
         let restored = load_checkpoint(dir, &mut trainer, &mut opt)?;
-        // Probes are compared only with a bitwise re-scoring's; the reference never needs them.
-        trainer.set_probes(cfg.bitwise);
+        // What the rollout records besides tokens: the routes when the trainer replays them;
+        // the probes from generation unless a bitwise re-scoring gives them. The trainer
+        // computes probes only for samples that carry some (set every step); the reference
+        // never needs them.
+        rollout.set_routes(cfg.routing_replay);
+        rollout.set_probes(cfg.probes && !cfg.bitwise);
+        trainer.set_probes(false);
         let mut reference = reference;
         if let Some(r) = reference.as_mut() {
             r.set_probes(false);
@@ -553,10 +570,21 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                         },
                     })
                     .collect();
-                let scored = self
-                    .rollout
-                    .policy
-                    .score_with_probes(&seqs, cfg.sampling.temperature)?;
+                let scored = if cfg.probes {
+                    self.rollout
+                        .policy
+                        .score_with_probes(&seqs, cfg.sampling.temperature)?
+                } else {
+                    self.rollout
+                        .policy
+                        .score(&seqs, cfg.sampling.temperature)?
+                        .into_iter()
+                        .map(|logprobs| crate::policy::Scored {
+                            logprobs,
+                            probes: None,
+                        })
+                        .collect()
+                };
                 for (s, sc) in mb.iter_mut().zip(scored) {
                     s.logprobs = sc.logprobs;
                     if sc.probes.is_some() {
@@ -582,6 +610,9 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
 
         // 3. Training: forward (routing replay), loss, backward per micro-batch; one AdamW step.
         let t1 = Instant::now();
+        // The trainer's probes are compared with the rollout's: only when there are some.
+        self.trainer
+            .set_probes(cfg.probes && samples.iter().any(|s| s.probes.is_some()));
         self.trainer.zero_grad();
         let replay = cfg.routing_replay;
         let mut train_lp: Vec<Vec<f32>> = Vec::with_capacity(samples.len());
@@ -803,6 +834,23 @@ pub fn sft<T: TrainPolicy>(
     cfg: &SftConfig,
     progress: &mut dyn FnMut(u64, f64),
 ) -> Result<(), RunError> {
+    sft_until(trainer, task, codec, cfg, &mut |_, step, loss| {
+        progress(step, loss);
+        Ok(false)
+    })
+    .map(|_| ())
+}
+
+/// [`sft`] that stops early: `after(trainer, step, loss)` is called after every step and
+/// returns whether to stop there (e.g. once a measured reward is reached,
+/// [`measured_reward`]). Returns the number of steps taken.
+pub fn sft_until<T: TrainPolicy>(
+    trainer: &mut T,
+    task: &TaskSource,
+    codec: &TextCodec,
+    cfg: &SftConfig,
+    after: &mut dyn FnMut(&mut T, u64, f64) -> Result<bool, RunError>,
+) -> Result<u64, RunError> {
     cfg.validate()?;
     let mut opt = AdamW::new(cfg.adam);
     for step in 0..cfg.steps {
@@ -854,9 +902,46 @@ pub fn sft<T: TrainPolicy>(
         if let Some(w) = first_non_finite_weight(trainer) {
             return Err(RunError::NonFinite { step, what: w });
         }
-        progress(step, loss);
+        if after(trainer, step, loss)? {
+            return Ok(step + 1);
+        }
     }
-    Ok(())
+    Ok(cfg.steps)
+}
+
+/// What [`measured_reward`] samples with: the encoded prompts → the response token ids.
+pub type Generate<'a> = dyn FnMut(&[Vec<u32>]) -> Result<Vec<Vec<u32>>, RunError> + 'a;
+
+/// The mean reward of sampled answers to `count` problems of `task` (the problem stream of
+/// `seed`, step 0), scored with the task's reward: `generate` maps the encoded prompts to the
+/// response token ids it samples (ending at the end-of-sequence token when it is sampled).
+///
+/// # Errors
+/// What `generate` returns; a prompt or response the codec cannot encode or decode.
+pub fn measured_reward(
+    task: &TaskSource,
+    codec: &TextCodec,
+    count: usize,
+    seed: u64,
+    generate: &mut Generate<'_>,
+) -> Result<f64, RunError> {
+    let problems = task.batch(seed, 0, count);
+    let prompts = encode_problems(codec, &problems)?;
+    let responses = generate(&prompts)?;
+    if responses.len() != problems.len() {
+        return Err(RunError::Config(format!(
+            "measured_reward: {} responses for {} prompts",
+            responses.len(),
+            problems.len()
+        )));
+    }
+    let kind = task.reward_kind();
+    let mut sum = 0f64;
+    // Scored as the RL loop scores a sample.
+    for (p, r) in problems.iter().zip(&responses) {
+        sum += kind.score(&codec.decode(r)?, &p.label).reward as f64;
+    }
+    Ok(sum / problems.len().max(1) as f64)
 }
 
 #[cfg(test)]
@@ -1102,5 +1187,55 @@ mod tests {
             panic!("expected NonFinite, got {e}")
         };
         assert_eq!(step, seen, "the failing step is the first one not reported");
+    }
+
+    /// `sft_until` stops after the step its callback ends (returning the steps taken, the
+    /// optimizer having stepped exactly that often), and `measured_reward` scores generated
+    /// answers with the task's reward as the loop does: the reference answers score 1, an
+    /// empty answer 0.
+    #[test]
+    fn sft_until_stops_where_asked_and_measured_reward_scores_answers() {
+        let codec = TextCodec::char_level();
+        let task = TaskSource::Arithmetic(ArithmeticTask::default());
+        let mut tr = TabularTrainer::new(
+            TabularShape {
+                buckets: 64,
+                max_len: 3,
+                vocab: codec.vocab_size,
+            },
+            Format::Bf16,
+        );
+        let cfg = SftConfig {
+            steps: 10,
+            batch: 8,
+            seed: 1,
+            adam: AdamWConfig::default(),
+        };
+        let mut seen = Vec::new();
+        let took = sft_until(&mut tr, &task, &codec, &cfg, &mut |_, step, _| {
+            seen.push(step);
+            Ok(step == 2)
+        })
+        .unwrap();
+        assert_eq!((took, seen), (3, vec![0, 1, 2]));
+        let problems = task.batch(5, 0, 6);
+        let right = measured_reward(&task, &codec, 6, 5, &mut |ps| {
+            assert_eq!(ps.len(), 6);
+            Ok(problems
+                .iter()
+                .map(|p| {
+                    let mut r = codec.encode(p.completion.as_ref().unwrap()).unwrap();
+                    r.push(codec.eos);
+                    r
+                })
+                .collect())
+        })
+        .unwrap();
+        assert_eq!(right, 1.0);
+        let empty = measured_reward(&task, &codec, 6, 5, &mut |ps| {
+            Ok(vec![Vec::new(); ps.len()])
+        })
+        .unwrap();
+        assert_eq!(empty, 0.0);
     }
 }

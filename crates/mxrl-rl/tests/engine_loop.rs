@@ -367,6 +367,18 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
                 assert!(m.hidden_diff.iter().all(|&d| d == 0.0), "{m:?}");
             } else {
                 assert!(m.train_rollout_logprob_abs_diff < 1e-3, "{m:?}");
+                // Probes recorded while generating (prefill and KV-cache decode) against the
+                // trainer's forward: every layer reported; the decode path reads the BF16 KV
+                // cache, so they differ, by about its rounding.
+                let layers = model.config().num_layers;
+                assert_eq!(m.hidden_diff.len(), layers, "{m:?}");
+                assert!(m.hidden_diff.iter().any(|&d| d > 0.0), "{m:?}");
+                assert!(
+                    m.hidden_diff
+                        .iter()
+                        .all(|&d| d <= kv_rounding_bound(layers)),
+                    "{m:?}"
+                );
             }
         }
         // The reference is frozen: the KL to it is 0 at the first step and positive after
@@ -641,4 +653,94 @@ fn fp8_block_weight_update_round_trips_through_the_wire_form() {
     let theirs = fresh.score(&seqs(&b), 1.0).unwrap();
     let lt: Vec<Vec<f32>> = ours.into_iter().map(|f| f.logprobs).collect();
     assert_eq!(bits(&lt), bits(&theirs));
+}
+
+/// Bound on the relative distance between the residual stream of KV-cache decode and of the
+/// training forward over the same tokens (the `hidden_diff` metric), when the cache is the
+/// only difference: it holds keys and values rounded to BF16 (relative error ≤ u = 2⁻⁹ each),
+/// which perturbs a layer's attention output by at most about 2u relative (u through the
+/// values, u through the scores' softmax), and the perturbations of `layers` layers add up.
+fn kv_rounding_bound(layers: usize) -> f64 {
+    layers as f64 * 2.0 * 2f64.powi(-9)
+}
+
+/// The engine rollout records per-layer probes only when asked ([`RolloutPolicy::set_probes`])
+/// and routes only when asked ([`RolloutPolicy::set_routes`], on by default); neither changes
+/// what is sampled. The probes are `[layer][response position][hidden]`, within the BF16
+/// KV-cache rounding ([`kv_rounding_bound`]) of the trainer's probes over the same tokens
+/// (the prefill's differ from the forward's only in f32 summation order; that they are
+/// bitwise the residual stream of generation is `mxrl-model`'s
+/// `generation_probes_are_the_residual_stream_after_every_layer`). A probe of another
+/// position or layer is O(1) away.
+#[test]
+fn engine_rollout_records_probes_and_routes_only_when_asked() {
+    let model = warmed(6);
+    let mut bd = engine_build(&model, "bf16").unwrap();
+    let codec = TextCodec::char_level();
+    let prompts: Vec<Vec<u32>> = batch_of(&codec, 3).into_iter().map(|(p, _)| p).collect();
+    let sc = SamplingConfig {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 4,
+    };
+    let plain = bd.rollout.generate(&prompts, 2, &sc, codec.eos, 5).unwrap();
+    assert!(plain
+        .iter()
+        .all(|s| s.probes.is_none() && s.routing.is_some()));
+    bd.rollout.set_probes(true);
+    bd.rollout.set_routes(false);
+    let probed = bd.rollout.generate(&prompts, 2, &sc, codec.eos, 5).unwrap();
+    let c = model.config();
+    let (layers, h) = (c.num_layers, c.hidden_size);
+    for (a, b) in plain.iter().zip(&probed) {
+        assert_eq!((&a.response, &a.logprobs), (&b.response, &b.logprobs));
+        assert!(b.routing.is_none());
+        let p = b.probes.as_ref().unwrap();
+        assert_eq!((p.layers, p.width), (layers, h));
+        assert_eq!(p.values.len(), layers * b.response.len() * h);
+    }
+    // The trainer's probes of the same sequences (no replay).
+    let seqs: Vec<TrainSeq<'_>> = probed
+        .iter()
+        .map(|s| TrainSeq {
+            prompt: &s.prompt,
+            response: &s.response,
+            replay: None,
+        })
+        .collect();
+    bd.trainer.set_probes(true);
+    let fw = bd.trainer.forward(&seqs, 1.0).unwrap();
+    let bound = kv_rounding_bound(layers);
+    for (s, f) in probed.iter().zip(&fw) {
+        let (a, b) = (s.probes.as_ref().unwrap(), f.probes.as_ref().unwrap());
+        assert_eq!(a.values.len(), b.values.len());
+        let r = s.response.len();
+        for l in 0..layers {
+            for t in 0..r {
+                let at = (l * r + t) * h;
+                let (x, y) = (&a.values[at..at + h], &b.values[at..at + h]);
+                let d: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+                let n: f64 = y.iter().map(|&q| (q as f64).powi(2)).sum();
+                let rel = (d / n).sqrt();
+                assert!(rel <= bound, "layer {l} position {t}: {rel:e} > {bound:e}");
+            }
+        }
+    }
+}
+
+/// `probes: false` turns the `hidden_diff` metric off on the engine (nothing recorded).
+#[test]
+fn engine_rl_loop_without_probes_reports_no_hidden_diff() {
+    let model = warmed(3);
+    let d = tempfile::tempdir().unwrap();
+    let ms = run_engine(
+        &model,
+        "bf16",
+        RlConfig {
+            probes: false,
+            ..cfg(1, false)
+        },
+        d.path(),
+    );
+    assert!(ms.iter().all(|m| m.hidden_diff.is_empty()), "{ms:?}");
 }

@@ -388,6 +388,26 @@ pub trait Backend {
         dst_ids: &mut Self::U32,
         dst_weights: &mut Self::F32,
     ) -> DResult<()>;
+    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]` (the per-layer probes a
+    /// generation records): row `r` goes to slot `s = seq[r]` (`r` itself when `seq` is
+    /// `None`) at index `pos[r] − first[s]`; rows whose slot is `≥ slots`, or whose position
+    /// is outside `first[s] .. first[s] + len`, are skipped. A plain copy (bitwise); reads
+    /// positions on the device, so a recorded decode step replays it at every length.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn capture_rows(
+        &self,
+        x: &Self::F32,
+        rows: usize,
+        w: usize,
+        seq: Option<&Self::U32>,
+        pos: &Self::U32,
+        first: &Self::U32,
+        slots: usize,
+        len: usize,
+        dst: &mut Self::F32,
+    ) -> DResult<()>;
     /// Gathers `x: [N, h]` rows into expert-major packed BF16 rows `[N·k, h]` per `perm`.
     ///
     /// # Errors
@@ -1809,6 +1829,40 @@ impl Backend for CpuBackend {
             let d = (s * max_len + p) * k;
             dst_ids[d..d + k].copy_from_slice(&ids[r * k..(r + 1) * k]);
             dst_weights[d..d + k].copy_from_slice(&weights[r * k..(r + 1) * k]);
+        }
+        Ok(())
+    }
+
+    fn capture_rows(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        w: usize,
+        seq: Option<&Vec<u32>>,
+        pos: &Vec<u32>,
+        first: &Vec<u32>,
+        slots: usize,
+        len: usize,
+        dst: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("capture_rows x", x.len(), rows * w)?;
+        need("capture_rows pos", pos.len(), rows)?;
+        if let Some(s) = seq {
+            need("capture_rows seq", s.len(), rows)?;
+        }
+        need("capture_rows first", first.len(), slots)?;
+        need("capture_rows dst", dst.len(), slots * len * w)?;
+        for r in 0..rows {
+            let s = seq.map_or(r, |q| q[r] as usize);
+            if s >= slots {
+                continue;
+            }
+            let (p, f) = (pos[r] as usize, first[s] as usize);
+            if p < f || p - f >= len {
+                continue;
+            }
+            let d = (s * len + p - f) * w;
+            dst[d..d + w].copy_from_slice(&x[r * w..(r + 1) * w]);
         }
         Ok(())
     }

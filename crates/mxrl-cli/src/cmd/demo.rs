@@ -6,6 +6,13 @@
 //! `--size large` uses the embedded ~45M-parameter MoE ([`large_config`]) instead, meant for
 //! `--device cuda` (the device engine on GPU 0); its default output is `runs/demo-large`.
 //!
+//! `--size real` runs decoder layers of Qwen3-30B-A3B's shape ([`real_config`]; 4 layers,
+//! `--layers N`) on the chain task with a byte-level BPE tokenizer trained on the task's text
+//! at the start (`OUT/tokenizer/`, with a `tokenizer_config.json` for Hugging Face tooling);
+//! the SFT warm-up stops once sampled answers reach a mean reward of `--sft-reward` (0.2), so
+//! GRPO starts where rewards vary within groups. Only for `--device cuda` (refused on the CPU
+//! without `--allow-cpu`); its default output is `runs/demo-real`.
+//!
 //! `--task chain` (with `--ops`, `--operators`, `--digits`) warms up and runs on chains of
 //! operations instead; `--tokenizer FILE` gives the fresh model a trained BPE tokenizer. The
 //! warm-up's task is recorded in `OUT/warmup.json`, so a warmed-up model is only reused for
@@ -26,6 +33,10 @@ pub enum Size {
     Small,
     /// A ~45M-parameter MoE (hidden 384, 6 layers, 16 experts top-2, F = 384): for `--device cuda`.
     Large,
+    /// Qwen3-30B-A3B's layer shape (hidden 2048, 32/4 heads of 128, 128 experts top-8,
+    /// F = 768), 4 layers by default (~2.5B parameters, ~0.23B active per token): for
+    /// `--device cuda`.
+    Real,
 }
 
 /// The `--size large` model: the demo's char-level vocabulary (128) and Qwen3-MoE layout with
@@ -46,6 +57,64 @@ pub fn large_config() -> ModelConfig {
     }
 }
 
+/// The `--size real` model: `layers` decoder layers of Qwen3-30B-A3B's shape — hidden 2048,
+/// 32 query / 4 kv heads of width 128 with Qwen3's q/k RMSNorm, 128 routed experts top-8 with
+/// F = 768 and renormalised top-k probabilities (`norm_topk_prob`), no shared expert, every
+/// layer MoE, RoPE θ = 10⁶, RMSNorm ε = 10⁻⁶, untied head — over a `vocab_size` vocabulary.
+/// ~623M parameters per layer (~57M active per token). Every contraction dim is a multiple
+/// of 32 (the MXFP8/NVFP4 blocks).
+pub fn real_config(layers: usize, vocab_size: usize) -> ModelConfig {
+    real_config_scaled(layers, vocab_size, 1)
+}
+
+/// [`real_config`] with the hidden size, the head and expert counts and the expert width
+/// divided by `shrink` (at least one kv head, two experts; top-k at most half the experts):
+/// `shrink = 1` is the real shape; larger ones run the same code path on a CPU in tests.
+fn real_config_scaled(layers: usize, vocab_size: usize, shrink: usize) -> ModelConfig {
+    let d = shrink.max(1);
+    let experts = (128 / d).max(2);
+    ModelConfig {
+        arch: mxrl_model::Arch::Qwen3Moe,
+        vocab_size,
+        hidden_size: 2048 / d,
+        num_layers: layers,
+        num_heads: (32 / d).max(1),
+        num_kv_heads: (4 / d).max(1),
+        head_dim: 128,
+        rope_theta: 1_000_000.0,
+        max_position_embeddings: 4096,
+        rms_norm_eps: 1e-6,
+        intermediate_size: 6144 / d,
+        moe_intermediate_size: 768 / d,
+        num_experts: experts,
+        num_experts_per_tok: 8.min(experts / 2),
+        norm_topk_prob: true,
+        decoder_sparse_step: 1,
+        mlp_only_layers: Vec::new(),
+        shared_expert_intermediate_size: 0,
+        qkv_bias: false,
+        tie_word_embeddings: false,
+        initializer_range: 0.02,
+        router_aux_loss_coef: 0.001,
+    }
+}
+
+/// Parameters of a model of `c` whose every layer is MoE without a shared expert (attention
+/// with q/k norms, router, routed experts, two norms per layer; embedding, final norm, head).
+fn moe_parameters(c: &ModelConfig) -> usize {
+    let (h, qd, kvd) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    );
+    let attention = 2 * h * qd + 2 * h * kvd + 2 * c.head_dim;
+    let experts = c.num_experts * (h + 3 * h * c.moe_intermediate_size);
+    c.num_layers * (attention + experts + 2 * h) + 2 * c.vocab_size * h + h
+}
+
+/// Vocabulary of the BPE tokenizer `--size real` trains on the task's text.
+pub const REAL_VOCAB: usize = 512;
+
 /// The RL defaults of `mxrl rl`, parsed from an empty command line.
 #[derive(Parser, Debug)]
 struct Defaults {
@@ -56,25 +125,45 @@ struct Defaults {
 /// Arguments of `mxrl demo`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Output directory (default `runs/demo`, `runs/demo-large` with `--size large`).
+    /// Output directory (default `runs/demo`, `runs/demo-large` with `--size large`,
+    /// `runs/demo-real` with `--size real`).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Embedded model: `small` (CPU, minutes) or `large` (~45M parameters, for `--device cuda`).
+    /// Embedded model: `small` (CPU, minutes), `large` (~45M parameters, for `--device cuda`)
+    /// or `real` (Qwen3-30B-A3B's layer shape, for `--device cuda`).
     #[arg(long, value_enum, default_value_t = Size::Small)]
     size: Size,
+    /// Decoder layers of the `--size real` model (default 4).
+    #[arg(long, value_parser = super::validate::count_usize)]
+    layers: Option<usize>,
+    /// Run `--size real` on the CPU anyway (hours per step at the real width).
+    #[arg(long)]
+    allow_cpu: bool,
+    /// `--size real`: the mean reward of sampled answers that ends the SFT warm-up (measured
+    /// every 10 steps on 64 problems; --sft-steps is then the most it may take).
+    #[arg(long, default_value_t = 0.2, value_parser = super::validate::non_negative)]
+    sft_reward: f32,
+    /// Stop after the SFT warm-up (the model in OUT/base), without the RL ablation (e.g. to
+    /// run `mxrl ablate` on it with other settings).
+    #[arg(long)]
+    warmup_only: bool,
+    /// Test only: divides the `--size real` widths by N (the same code path on a small model).
+    #[arg(long, hide = true, default_value_t = 1, value_parser = super::validate::count_usize)]
+    real_shrink: usize,
     /// Recipes to compare.
     #[arg(long, value_delimiter = ',', default_value = "bf16,mxfp8,nvfp4-hp")]
     recipes: Vec<String>,
     /// RL steps per recipe (≥ 1).
     #[arg(long, default_value_t = 60, value_parser = super::validate::count)]
     steps: u64,
-    /// SFT warm-up steps (≥ 1).
-    #[arg(long, default_value_t = 50, value_parser = super::validate::count)]
-    sft_steps: u64,
+    /// SFT warm-up steps (≥ 1; default 50, with `--size real` at most 400, ending earlier at
+    /// --sft-reward).
+    #[arg(long, value_parser = super::validate::count)]
+    sft_steps: Option<u64>,
     /// Built-in task: `arithmetic` (1-digit addition by default) or `chain` (a chain of
-    /// operations such as `7+5*3-8=`, standard precedence).
-    #[arg(long, default_value = "arithmetic")]
-    task: String,
+    /// operations such as `7+5*3-8=`, standard precedence; the default with `--size real`).
+    #[arg(long)]
+    task: Option<String>,
     /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
     digits: u32,
@@ -126,14 +215,33 @@ pub fn run(a: Args) -> Result<()> {
     if a.device.device == super::device::Device::Cuda {
         super::device::cuda_built()?;
     }
+    anyhow::ensure!(
+        a.layers.is_none() || a.size == Size::Real,
+        "--layers sets the depth of the --size real model; the {:?} demo model has a fixed one",
+        a.size
+    );
+    anyhow::ensure!(
+        a.size != Size::Real || a.device.device == super::device::Device::Cuda || a.allow_cpu,
+        "--size real is Qwen3-30B-A3B's layer width (~{:.1}B parameters at {} layers): it is          meant for --device cuda; pass --allow-cpu to run it on the CPU anyway",
+        moe_parameters(&real_config(a.layers.unwrap_or(4), REAL_VOCAB)) as f64 / 1e9,
+        a.layers.unwrap_or(4)
+    );
     let out = a.out.clone().unwrap_or_else(|| {
         PathBuf::from(match a.size {
             Size::Small => "runs/demo",
             Size::Large => "runs/demo-large",
+            Size::Real => "runs/demo-real",
         })
     });
+    let task_name = a.task.clone().unwrap_or_else(|| {
+        match a.size {
+            Size::Real => "chain",
+            _ => "arithmetic",
+        }
+        .to_string()
+    });
     let spec = TaskSpec {
-        name: Some(a.task.clone()),
+        name: Some(task_name),
         data: None,
         digits: a.digits,
         ops: a.ops,
@@ -141,22 +249,41 @@ pub fn run(a: Args) -> Result<()> {
     };
     let task_text = spec.describe()?;
     let chain = spec.chain()?;
-    let tokenizer = a
+    let mut tokenizer = a
         .tokenizer
         .as_deref()
         .map(super::sft::read_tokenizer)
         .transpose()?;
+    if a.size == Size::Real && tokenizer.is_none() {
+        // A readable vocabulary for the real-width model: BPE trained on the task's text
+        // (deterministic: the same task gives the same file).
+        let dir = out.join("tokenizer");
+        let json = super::tokenizer::train_into(&spec, REAL_VOCAB, 4096, 0, &dir)?;
+        let codec = mxrl_rl::text::TextCodec::from_bytes(
+            json.as_bytes(),
+            &dir.join("tokenizer.json").display().to_string(),
+        )?;
+        eprintln!(
+            "demo: tokenizer of {} tokens in {}",
+            codec.vocab_size,
+            dir.display()
+        );
+        tokenizer = Some((json, codec));
+    }
     let mut want = match a.size {
         Size::Small => demo_config(),
         Size::Large => large_config(),
+        Size::Real => real_config_scaled(a.layers.unwrap_or(4), REAL_VOCAB, a.real_shrink),
     };
     if let Some((_, codec)) = &tokenizer {
         want.vocab_size = codec.vocab_size;
     }
-    // Every recipe is resolved before the warm-up, so a typo costs nothing.
+    // Every recipe is resolved before the warm-up, so a typo costs nothing (none runs after
+    // --warmup-only).
     let bad: Vec<String> = a
         .recipes
         .iter()
+        .filter(|_| !a.warmup_only)
         .filter_map(|r| {
             mxrl_rl::moe::plan_for(&want, r)
                 .err()
@@ -189,6 +316,10 @@ pub fn run(a: Args) -> Result<()> {
             .with_context(|| format!("reading {}", base.join("tokenizer.json").display()))?;
         let (json, name) = match (&tokenizer, &a.tokenizer) {
             (Some((json, _)), Some(p)) => (json.clone(), p.display().to_string()),
+            (Some((json, _)), None) => (
+                json.clone(),
+                format!("the one trained in {}", out.join("tokenizer").display()),
+            ),
             _ => (
                 mxrl_rl::text::char_tokenizer_json(),
                 "the char-level one (no --tokenizer)".to_string(),
@@ -201,47 +332,112 @@ pub fn run(a: Args) -> Result<()> {
         );
         eprintln!("demo: reusing the warmed-up model in {}", base.display());
     } else {
-        let start = match a.size {
-            Size::Small => None,
-            Size::Large => {
-                let init = out.join("init");
-                let model = Model::random(&want, 7)?;
-                eprintln!(
-                    "demo: large MoE, {} parameters",
-                    model.params().num_elements()
-                );
-                let json = match &tokenizer {
-                    Some((json, _)) => json.clone(),
-                    None => mxrl_rl::text::char_tokenizer_json(),
+        let (sft_steps, sft_lr, stop) = match a.size {
+            Size::Small | Size::Large => (a.sft_steps.unwrap_or(50), 3e-3, None),
+            // From scratch at width 2048 a smaller step; the warm-up ends at the reward.
+            Size::Real => {
+                let c = chain.as_ref().ok_or_else(|| {
+                    anyhow::anyhow!("--size real runs the chain task (--task chain)")
+                })?;
+                let stop = super::sft::RewardStop {
+                    target: a.sft_reward as f64,
+                    every: 10,
+                    prompts: 64,
+                    max_new_tokens: c.max_label_chars() + 1,
+                    seed: 0x5eed,
                 };
-                save_model_dir(&model, &json, &init)?;
-                Some(init)
+                (a.sft_steps.unwrap_or(400), 1e-3, Some(stop))
             }
         };
         eprintln!(
-            "demo: SFT warm-up of the {:?} MoE on {task_text} ({} steps)",
-            a.size, a.sft_steps
+            "demo: SFT warm-up of the {:?} MoE on {task_text} ({}{sft_steps} steps)",
+            a.size,
+            if stop.is_some() { "at most " } else { "" }
         );
-        let loss = super::sft::sft_to_dir(
-            start.as_deref(),
-            &spec,
-            match a.size {
-                Size::Small => a.tokenizer.as_deref(),
-                Size::Large => None,
-            },
-            a.sft_steps,
-            64,
-            3e-3,
-            7,
-            &base,
-            false,
-            a.device.device,
-        )?;
+        let loss = match a.size {
+            Size::Small | Size::Large => {
+                let start = match a.size {
+                    Size::Large => {
+                        let init = out.join("init");
+                        let model = Model::random(&want, 7)?;
+                        eprintln!(
+                            "demo: large MoE, {} parameters",
+                            model.params().num_elements()
+                        );
+                        let json = match &tokenizer {
+                            Some((json, _)) => json.clone(),
+                            None => mxrl_rl::text::char_tokenizer_json(),
+                        };
+                        save_model_dir(&model, &json, &init)?;
+                        Some(init)
+                    }
+                    _ => None,
+                };
+                super::sft::sft_to_dir(
+                    start.as_deref(),
+                    &spec,
+                    match a.size {
+                        Size::Small => a.tokenizer.as_deref(),
+                        _ => None,
+                    },
+                    sft_steps,
+                    64,
+                    sft_lr,
+                    7,
+                    &base,
+                    false,
+                    a.device.device,
+                )?
+            }
+            Size::Real => {
+                let (json, codec) = tokenizer.as_ref().expect("trained or given above");
+                let model = Model::random(&want, 7)?;
+                eprintln!(
+                    "demo: real-width MoE ({} layers), {} parameters",
+                    want.num_layers,
+                    model.params().num_elements()
+                );
+                let cfg = mxrl_rl::runner::SftConfig {
+                    steps: sft_steps,
+                    batch: 64,
+                    seed: 7 ^ 0x5f7,
+                    adam: mxrl_rl::optim::AdamWConfig {
+                        lr: sft_lr,
+                        ..Default::default()
+                    },
+                };
+                let loss = super::sft::sft_model_to_dir(
+                    &model,
+                    json,
+                    codec,
+                    &spec.source(None)?,
+                    &cfg,
+                    stop.as_ref(),
+                    &base,
+                    false,
+                    a.device.device,
+                )?;
+                // Beside the model's tokenizer.json, for Hugging Face tooling.
+                mxrl_ckpt::write_bytes_atomic(
+                    &base.join("tokenizer_config.json"),
+                    super::tokenizer::tokenizer_config_json().as_bytes(),
+                )?;
+                loss
+            }
+        };
         eprintln!("demo: SFT done, loss {loss:.4}");
         mxrl_rl::manifest::write_json_atomic(
             &out.join("warmup.json"),
             &Warmup { task: task_text },
         )?;
+    }
+    if a.warmup_only {
+        eprintln!(
+            "demo: warm-up done in {:.0} s; the model is in {}",
+            t0.elapsed().as_secs_f64(),
+            base.display()
+        );
+        return Ok(());
     }
     let mut rl = Defaults::parse_from(["demo"]).rl;
     rl.steps = a.steps;
@@ -270,4 +466,52 @@ pub fn run(a: Args) -> Result<()> {
         base.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--size real` is Qwen3-30B-A3B's decoder layer (its config.json: hidden 2048, 32 q /
+    /// 4 kv heads of head_dim 128, 128 experts top-8 of moe_intermediate_size 768,
+    /// norm_topk_prob, every layer sparse, rope_theta 10⁶, ε 10⁻⁶, untied): ~623M parameters
+    /// per layer; the scaled constructor the CPU test uses keeps that structure.
+    #[test]
+    fn real_config_is_the_qwen3_30b_a3b_layer_shape() {
+        let c = real_config(4, REAL_VOCAB);
+        assert_eq!(c.arch, mxrl_model::Arch::Qwen3Moe);
+        assert_eq!(
+            (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim),
+            (2048, 32, 4, 128)
+        );
+        assert_eq!(
+            (
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.moe_intermediate_size
+            ),
+            (128, 8, 768)
+        );
+        assert!(c.norm_topk_prob && !c.tie_word_embeddings && !c.qkv_bias);
+        assert_eq!((c.decoder_sparse_step, c.mlp_only_layers.len()), (1, 0));
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (1e6, 1e-6));
+        assert_eq!(c.num_layers, 4);
+        c.validate().unwrap();
+        let per_layer = moe_parameters(&real_config(1, 0));
+        assert!(
+            (620_000_000..625_000_000).contains(&per_layer),
+            "{per_layer}"
+        );
+        // The scaled shape keeps the structure at a CPU size (what the CLI test runs).
+        let s = real_config_scaled(2, REAL_VOCAB, 16);
+        s.validate().unwrap();
+        assert_eq!(
+            (s.hidden_size, s.num_heads, s.num_kv_heads, s.num_experts),
+            (128, 2, 1, 8)
+        );
+        assert_eq!(
+            moe_parameters(&s),
+            Model::zeros(&s).unwrap().params().num_elements()
+        );
+    }
 }

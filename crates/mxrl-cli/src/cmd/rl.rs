@@ -87,6 +87,11 @@ pub struct RlArgs {
     /// Compare the rollout's weight bytes with the trainer's after every update.
     #[arg(long)]
     pub check_weight_sync: bool,
+    /// Record no per-layer probes (the `hidden_diff` metric). On a GPU engine the rollout
+    /// holds them during generation: layers × prompts × samples × max-new-tokens × hidden
+    /// f32 of device memory.
+    #[arg(long)]
+    pub no_probes: bool,
     /// Checkpoint every N steps (≥ 1).
     #[arg(long, default_value_t = 10, value_parser = validate::count)]
     pub checkpoint_every: u64,
@@ -165,6 +170,7 @@ impl RlArgs {
             bitwise: self.bitwise,
             check_weight_sync: self.check_weight_sync,
             checkpoint_every: self.checkpoint_every,
+            probes: !self.no_probes,
             ..RlConfig::default()
         }
     }

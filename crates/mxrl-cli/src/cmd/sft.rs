@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use mxrl_ckpt::{partial_path, StagedDir};
 use mxrl_rl::optim::AdamWConfig;
-use mxrl_rl::runner::{sft, SftConfig};
+use mxrl_rl::runner::{measured_reward, sft_until, SftConfig};
 use mxrl_rl::session::{build, demo_config, demo_model, load_model_dir, write_model_dir};
 use mxrl_rl::task::TaskSpec;
 use mxrl_rl::text::TextCodec;
@@ -147,15 +147,127 @@ pub fn sft_to_dir(
             ..AdamWConfig::default()
         },
     };
+    sft_model_to_dir(
+        &model, &tok_json, &codec, &task, &cfg, None, out, force, device,
+    )
+}
+
+/// Stops the SFT warm-up once the model's sampled answers reach a reward: every `every`
+/// steps, `prompts` problems (a stream of their own, never trained on: seed `seed`) are
+/// answered with the current weights (temperature 1, up to `max_new_tokens` tokens) and
+/// scored with the task's reward ([`mxrl_rl::runner::measured_reward`]); SFT stops at the
+/// first mean reward ≥ `target`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RewardStop {
+    /// Mean reward that ends the warm-up.
+    pub target: f64,
+    /// Steps between measurements (≥ 1).
+    pub every: u64,
+    /// Problems per measurement.
+    pub prompts: usize,
+    /// Longest sampled answer.
+    pub max_new_tokens: usize,
+    /// Seed of the measured problems and of sampling.
+    pub seed: u64,
+}
+
+/// Samples answers with a trainer's current weights (for [`RewardStop`]).
+trait Sampler {
+    /// The response token ids of every prompt (temperature 1, stopping after `eos`).
+    fn sample(
+        &mut self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError>;
+}
+
+fn run_err<E: std::fmt::Display>(e: E) -> mxrl_rl::runner::RunError {
+    mxrl_rl::runner::RunError::Policy(mxrl_rl::PolicyError::Backend(e.to_string()))
+}
+
+impl Sampler for mxrl_rl::moe::MoeTrainer {
+    fn sample(
+        &mut self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError> {
+        use mxrl_rl::TrainPolicy;
+        self.refresh_weights()?;
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let sp = mxrl_model::SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed,
+            max_new_tokens,
+            stop_tokens: vec![eos],
+        };
+        Ok(self
+            .model()
+            .generate(&refs, &sp)
+            .map_err(run_err)?
+            .into_iter()
+            .map(|g| g.tokens)
+            .collect())
+    }
+}
+
+impl<B: mxrl_tensor::device::Backend + 'static> Sampler for mxrl_rl::engine::EngineTrainer<B> {
+    fn sample(
+        &mut self,
+        prompts: &[Vec<u32>],
+        max_new_tokens: usize,
+        eos: u32,
+        seed: u64,
+    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError> {
+        use mxrl_rl::TrainPolicy;
+        self.refresh_weights()?;
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let sp = mxrl_tensor::sample::SampleParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed,
+            step: 0,
+        };
+        Ok(self
+            .engine()
+            .generate(&refs, max_new_tokens, &sp, &[eos])
+            .map_err(run_err)?
+            .into_iter()
+            .map(|g| g.tokens)
+            .collect())
+    }
+}
+
+/// SFT of `model` (with its tokenizer `tok_json`, `codec`) on `task` into the model directory
+/// `out`, on `device`; with `stop`, ends early once the measured reward is reached. Returns
+/// the final loss.
+#[allow(clippy::too_many_arguments)]
+pub fn sft_model_to_dir(
+    model: &mxrl_model::Model,
+    tok_json: &str,
+    codec: &TextCodec,
+    task: &mxrl_rl::task::TaskSource,
+    cfg: &SftConfig,
+    stop: Option<&RewardStop>,
+    out: &Path,
+    force: bool,
+    device: Device,
+) -> Result<f64> {
     let (trained, last) = match device {
         Device::Cpu => {
-            let mut t = build(&model, "bf16")?.trainer;
-            let last = train(&mut t, &task, &codec, &cfg)?;
+            let mut t = build(model, "bf16")?.trainer;
+            let last = train(&mut t, task, codec, cfg, stop)?;
             (t.master_model()?, last)
         }
-        Device::Cuda => sft_on_device(&model, &task, &codec, &cfg)?,
+        Device::Cuda => sft_on_device(model, task, codec, cfg, stop)?,
     };
-    write_model_dir(&trained, &tok_json, out, force)
+    write_model_dir(&trained, tok_json, out, force)
         .with_context(|| format!("writing the trained model to {}", out.display()))?;
     Ok(last)
 }
@@ -167,6 +279,7 @@ fn sft_on_device(
     task: &mxrl_rl::task::TaskSource,
     codec: &TextCodec,
     cfg: &SftConfig,
+    stop: Option<&RewardStop>,
 ) -> Result<(mxrl_model::Model, f64)> {
     let mut name = String::new();
     let mut t = mxrl_rl::session::build_engine(
@@ -185,7 +298,7 @@ fn sft_on_device(
     )?
     .trainer;
     eprintln!("sft: the model runs on the device engine on {name}");
-    let last = train(&mut t, task, codec, cfg)?;
+    let last = train(&mut t, task, codec, cfg, stop)?;
     Ok((t.master_model()?, last))
 }
 
@@ -195,18 +308,20 @@ fn sft_on_device(
     _: &mxrl_rl::task::TaskSource,
     _: &TextCodec,
     _: &SftConfig,
+    _: Option<&RewardStop>,
 ) -> Result<(mxrl_model::Model, f64)> {
     super::device::cuda_built()?;
     unreachable!("cuda_built fails without the feature")
 }
 
-/// The SFT loop with a progress bar (a line per step when stderr is not a terminal); returns
-/// the last loss.
-fn train<T: mxrl_rl::TrainPolicy>(
+/// The SFT loop with a progress bar (a line per step when stderr is not a terminal), ending
+/// early at `stop`'s reward; returns the last loss.
+fn train<T: mxrl_rl::TrainPolicy + Sampler>(
     t: &mut T,
     task: &mxrl_rl::task::TaskSource,
     codec: &TextCodec,
     cfg: &SftConfig,
+    stop: Option<&RewardStop>,
 ) -> Result<f64> {
     let steps = cfg.steps;
     let plain = !std::io::stderr().is_terminal();
@@ -219,15 +334,44 @@ fn train<T: mxrl_rl::TrainPolicy>(
     );
     pb.set_prefix("sft");
     let mut last = f64::NAN;
-    sft(t, task, codec, cfg, &mut |step, loss| {
+    let mut reward: Option<f64> = None;
+    let took = sft_until(t, task, codec, cfg, &mut |t, step, loss| {
         last = loss;
-        if plain {
-            eprintln!("sft step {}/{steps}: loss {loss:.4}", step + 1);
+        let mut done = false;
+        if let Some(s) = stop {
+            if (step + 1).is_multiple_of(s.every.max(1)) {
+                let r = measured_reward(task, codec, s.prompts, s.seed, &mut |ps| {
+                    t.sample(ps, s.max_new_tokens, codec.eos, s.seed)
+                })?;
+                reward = Some(r);
+                done = r >= s.target;
+            }
         }
-        pb.set_message(format!("loss {loss:.4}"));
+        let shown = match reward {
+            Some(r) => format!("loss {loss:.4} reward {r:.3}"),
+            None => format!("loss {loss:.4}"),
+        };
+        if plain {
+            eprintln!("sft step {}/{steps}: {shown}", step + 1);
+        }
+        pb.set_message(shown);
         pb.inc(1);
+        Ok(done)
     })?;
     pb.finish();
+    if let Some(s) = stop {
+        match reward {
+            Some(r) if r >= s.target => eprintln!(
+                "sft: measured reward {r:.3} ≥ {:.3} after {took} steps: warm-up done",
+                s.target
+            ),
+            r => eprintln!(
+                "sft: warning: the measured reward ({}) did not reach {:.3} in {took} steps",
+                r.map_or("not measured".into(), |r| format!("{r:.3}")),
+                s.target
+            ),
+        }
+    }
     Ok(last)
 }
 

@@ -1,10 +1,12 @@
 //! `mxrl tokenizer train`: a byte-level BPE `tokenizer.json` trained on a task's text
-//! ([`mxrl_rl::text::train_bpe`]), for `mxrl sft --tokenizer` and `mxrl demo --tokenizer`.
+//! ([`mxrl_rl::text::train_bpe`]), with a `tokenizer_config.json` beside it for Hugging Face
+//! tooling, for `mxrl sft --tokenizer` and `mxrl demo --tokenizer` (`mxrl demo --size real`
+//! trains one itself, [`train_into`]).
 
 use anyhow::{Context, Result};
 use mxrl_rl::task::TaskSpec;
 use mxrl_rl::text::{task_corpus, train_bpe};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `mxrl tokenizer`.
 #[derive(clap::Args, Debug)]
@@ -73,27 +75,70 @@ fn train(a: TrainArgs) -> Result<()> {
         ops: a.ops,
         operators: a.operators.clone(),
     };
-    let task = spec.source(None)?;
     let file = a.out.join("tokenizer.json");
     anyhow::ensure!(
         !file.exists() || a.force,
         "{}: already exists; refusing to overwrite it (pass --force to replace it)",
         file.display()
     );
-    let corpus = task_corpus(&task, a.samples, a.seed);
-    let json = train_bpe(corpus.iter(), a.vocab_size)?;
-    std::fs::create_dir_all(&a.out)
-        .with_context(|| format!("creating the output directory {}", a.out.display()))?;
-    mxrl_ckpt::write_bytes_atomic(&file, json.as_bytes())?;
+    train_into(&spec, a.vocab_size, a.samples, a.seed, &a.out)?;
+    eprintln!(
+        "written: {}\n  next: mxrl sft --tokenizer {} --out runs/base-bpe",
+        file.display(),
+        file.display()
+    );
+    Ok(())
+}
+
+/// `tokenizer_config.json` beside a trained `tokenizer.json`, so Hugging Face tooling
+/// (`AutoTokenizer.from_pretrained(DIR)`) loads it as a fast tokenizer with its specials
+/// ([`mxrl_rl::text::SPECIALS`]); nothing is added to an encoding.
+pub fn tokenizer_config_json() -> String {
+    let [pad, bos, eos, unk] = mxrl_rl::text::SPECIALS;
+    serde_json::to_string_pretty(&serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": pad,
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": unk,
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "clean_up_tokenization_spaces": false,
+    }))
+    .expect("static JSON")
+}
+
+/// Trains a byte-level BPE of `vocab_size` tokens on `samples` problems of `spec` (problem
+/// stream `seed`) and writes `DIR/tokenizer.json` (checked to load with the `tokenizers`
+/// crate) and `DIR/tokenizer_config.json` ([`tokenizer_config_json`]), each to a temporary
+/// file renamed when complete; returns the `tokenizer.json` text.
+pub fn train_into(
+    spec: &TaskSpec,
+    vocab_size: usize,
+    samples: usize,
+    seed: u64,
+    dir: &Path,
+) -> Result<String> {
+    let task = spec.source(None)?;
+    let file = dir.join("tokenizer.json");
+    let corpus = task_corpus(&task, samples, seed);
+    let json = train_bpe(corpus.iter(), vocab_size)?;
     let tok: tokenizers::Tokenizer = json
         .parse()
         .map_err(|e| anyhow::anyhow!("{}: reloading: {e}", file.display()))?;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the output directory {}", dir.display()))?;
+    mxrl_ckpt::write_bytes_atomic(&file, json.as_bytes())?;
+    mxrl_ckpt::write_bytes_atomic(
+        &dir.join("tokenizer_config.json"),
+        tokenizer_config_json().as_bytes(),
+    )?;
     let v: serde_json::Value = serde_json::from_str(&json)?;
     let merges = v["model"]["merges"].as_array().map_or(0, Vec::len);
     eprintln!(
         "tokenizer: {} tokens (4 specials, 256 bytes, {merges} merges, {} reserved) from {} texts of {}",
-        a.vocab_size,
-        a.vocab_size - 260 - merges,
+        vocab_size,
+        vocab_size - 260 - merges,
         corpus.len(),
         spec.describe()?
     );
@@ -103,10 +148,5 @@ fn train(a: TrainArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("encoding {text:?}: {e}"))?;
         eprintln!("  {text:?} → {:?}", enc.get_tokens());
     }
-    eprintln!(
-        "written: {}\n  next: mxrl sft --tokenizer {} --out runs/base-bpe",
-        file.display(),
-        file.display()
-    );
-    Ok(())
+    Ok(json)
 }

@@ -37,6 +37,7 @@ pub struct Elementwise {
     checksum_bf16: CudaFunction,
     checksum_u8: CudaFunction,
     capture_routes: CudaFunction,
+    capture_rows: CudaFunction,
     add_inplace: CudaFunction,
     embed_gather: CudaFunction,
 }
@@ -60,6 +61,7 @@ impl Elementwise {
             checksum_bf16: f("checksum_bf16")?,
             checksum_u8: f("checksum_u8")?,
             capture_routes: f("capture_routes")?,
+            capture_rows: f("capture_rows")?,
             add_inplace: f("add_inplace")?,
             embed_gather: f("embed_gather")?,
         })
@@ -308,6 +310,65 @@ impl Elementwise {
         // sequence or position falls outside are skipped in the kernel; table lengths checked);
         // argument types match the kernel's.
         unsafe { b.launch(grid(rows * k)) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]`: row `r` to slot
+    /// `s = seq[r]` (`r` when `seq` is `None`) at index `pos[r] − first[s]`; rows whose slot or
+    /// index falls outside the table are skipped. Reference: `CpuBackend::capture_rows`
+    /// (`mxrl_tensor::device`).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn capture_rows(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        w: usize,
+        seq: Option<&CudaView<'_, u32>>,
+        pos: &CudaView<'_, u32>,
+        first: &CudaView<'_, u32>,
+        slots: usize,
+        len: usize,
+        dst: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "capture_rows x", x.len(), rows * w)?;
+        check_len(g, "capture_rows pos", pos.len(), rows)?;
+        if let Some(s) = seq {
+            check_len(g, "capture_rows seq", s.len(), rows)?;
+        }
+        check_len(g, "capture_rows first", first.len(), slots)?;
+        check_len(g, "capture_rows dst", dst.len(), slots * len * w)?;
+        if rows == 0 || w == 0 || slots == 0 || len == 0 {
+            return Ok(());
+        }
+        let (rows64, w64, has, slots64, len64) = (
+            rows as u64,
+            w as u64,
+            i32::from(seq.is_some()),
+            slots as u64,
+            len as u64,
+        );
+        let mut b = g.stream().launch_builder(&self.capture_rows);
+        b.arg(x)
+            .arg(&rows64)
+            .arg(&w64)
+            .arg(seq.unwrap_or(pos))
+            .arg(&has)
+            .arg(pos)
+            .arg(first)
+            .arg(&slots64)
+            .arg(&len64)
+            .arg(dst);
+        // SAFETY: thread i < rows·w reads x[i] (rows·w checked), seq[r] and pos[r] (rows
+        // checked; `seq` is only read when has_seq, else `pos` stands in) and first[s] for
+        // s < slots (slots checked; larger slots are skipped before the read), and writes one
+        // element at an index below slots·len·w (rows outside the table are skipped in the
+        // kernel; the table length is checked); argument types match the kernel's (const
+        // float*, u64, u64, const u32*, int, const u32*, const u32*, u64, u64, float*).
+        unsafe { b.launch(grid(rows * w)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 

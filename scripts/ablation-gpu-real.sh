@@ -1,0 +1,50 @@
+#!/usr/bin/env sh
+# The GPU ablation (scripts/ablation-gpu.sh) at a real model's width, on one CUDA GPU: LAYERS
+# decoder layers of Qwen3-30B-A3B's shape (hidden 2048, 32 q / 4 kv heads of 128, 128 experts
+# top-8 with F = 768; 4 layers ≈ 2.5 B parameters), the chain task with a byte-level BPE
+# tokenizer trained on its text (BASE/tokenizer, BASE/base/tokenizer.json), an SFT warm-up on
+# the GPU that stops once sampled answers reach a mean reward of SFT_REWARD (at most SFT_STEPS
+# steps), then every recipe of RECIPES (the six presets and fp8-block) plus BF16 with the
+# NOISE_SEEDS (one more seed), STEPS GRPO steps each (PROMPTS prompts × SAMPLES samples,
+# responses up to MAX_NEW_TOKENS tokens), every run on the device engine; report in OUT.
+#
+# Usage (from the repository root; MXRL=path/to/mxrl uses a binary built elsewhere with
+# `--features cuda` instead of building one here):
+#   scripts/ablation-gpu-real.sh                  # 100 steps, 64 × 8, up to 256 tokens, 4 layers
+#   STEPS=3 PROMPTS=8 MAX_NEW_TOKENS=32 LAYERS=1 SFT_STEPS=40 RECIPES=bf16,mxfp8,nvfp4-hp \
+#     NOISE_SEEDS=none OUT=runs/ablation-gpu-real-reduced scripts/ablation-gpu-real.sh
+#                                                 # reduced: a few minutes on one H200
+# Memory: the trainer holds f32 masters, gradients and AdamW moments (16 bytes per parameter,
+# ~40 GB at 4 layers), the rollout and the frozen reference their own copies. Disk: each run's
+# checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers); one is
+# written every CHECKPOINT_EVERY steps (default: only at the end of a run), so the full
+# ablation needs ~30 GB per run on the output's disk.
+set -eu
+STEPS="${STEPS:-100}"
+PROMPTS="${PROMPTS:-64}"
+SAMPLES="${SAMPLES:-8}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
+LAYERS="${LAYERS:-4}"
+MICRO_BATCH="${MICRO_BATCH:-64}"
+LR="${LR:-1e-4}"
+SFT_STEPS="${SFT_STEPS:-400}"
+SFT_REWARD="${SFT_REWARD:-0.2}"
+CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-$STEPS}"
+# The recipes compared: the six presets and fp8-block (every linear dimension of this shape is
+# a multiple of its 128-wide blocks).
+RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"
+# Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
+NOISE_SEEDS="${NOISE_SEEDS:-2}"
+BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS}"
+OUT="${OUT:-docs/ablation-gpu-real}"
+if [ -z "${MXRL:-}" ]; then
+  cargo build --release -p mxrl-cli --features cuda
+  MXRL=target/release/mxrl
+fi
+# Tokenizer and warm-up (reused when BASE already holds them for this task and tokenizer).
+"$MXRL" demo --device cuda --size real --layers "$LAYERS" --task chain \
+    --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --warmup-only --out "$BASE"
+"$MXRL" ablate --model "$BASE/base" --device cuda --task chain --recipes "$RECIPES" \
+    --noise-seeds "$NOISE_SEEDS" --steps "$STEPS" --prompts-per-step "$PROMPTS" \
+    --samples "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --micro-batch "$MICRO_BATCH" \
+    --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" --restart
