@@ -15,10 +15,10 @@
 #     NOISE_SEEDS=none OUT=runs/ablation-gpu-real-reduced scripts/ablation-gpu-real.sh
 #                                                 # reduced: a few minutes on one H200
 # Memory: the trainer holds f32 masters, gradients and AdamW moments (16 bytes per parameter,
-# ~40 GB at 4 layers), the rollout and the frozen reference their own copies. Disk: each run's
-# checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers); one is
-# written every CHECKPOINT_EVERY steps (default: only at the end of a run), so the full
-# ablation needs ~30 GB per run on the output's disk.
+# ~40 GB at 4 layers), the rollout and the frozen reference their own copies. Disk: a run's
+# checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers), so by
+# default none is written (CHECKPOINT_EVERY=0: runs cannot be resumed); CHECKPOINT_EVERY=N
+# writes one every N steps and at the end (~30 GB per run on the output's disk).
 set -eu
 STEPS="${STEPS:-100}"
 PROMPTS="${PROMPTS:-64}"
@@ -29,7 +29,7 @@ MICRO_BATCH="${MICRO_BATCH:-64}"
 LR="${LR:-1e-4}"
 SFT_STEPS="${SFT_STEPS:-400}"
 SFT_REWARD="${SFT_REWARD:-0.2}"
-CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-$STEPS}"
+CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-0}"
 # The recipes compared: the six presets and fp8-block (every linear dimension of this shape is
 # a multiple of its 128-wide blocks).
 RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"

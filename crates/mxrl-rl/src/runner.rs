@@ -96,7 +96,9 @@ pub struct RlConfig {
     pub bucket_bytes: usize,
     /// Spike flag threshold: grad norm > this × running median.
     pub spike_factor: f64,
-    /// Write a checkpoint every this many steps (and at the end).
+    /// Write a checkpoint every this many steps (and at the end); 0: never (the run cannot be
+    /// resumed, and nothing of its size is written: for runs whose checkpoints would not fit
+    /// on the disk).
     pub checkpoint_every: u64,
     /// Record per-layer probes (the `hidden_diff` metric): the rollout's residual stream after
     /// every layer at the response-predicting positions, from its generation (or, in bitwise
@@ -160,7 +162,6 @@ impl RlConfig {
             "",
         );
         count("bucket_bytes", self.bucket_bytes as u64, 1, "");
-        count("checkpoint_every", self.checkpoint_every, 1, "");
         let mut real = |name: &str, v: f64, ok: bool, want: &str| {
             if !v.is_finite() || !ok {
                 bad.push(format!("{name} = {v}: must be {want}"));
@@ -516,7 +517,8 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             let m = self.step()?;
             progress(&m);
             let done = self.state.step;
-            if done.is_multiple_of(self.cfg.checkpoint_every.max(1)) || done == self.cfg.steps {
+            let every = self.cfg.checkpoint_every;
+            if every > 0 && (done.is_multiple_of(every) || done == self.cfg.steps) {
                 save_checkpoint(&self.dir, &mut self.trainer, &self.opt, &self.state)?;
             }
         }
@@ -1036,6 +1038,28 @@ mod tests {
             .all(|m| m.train_rollout_logprob_abs_diff == 0.0 && m.k3_kl == 0.0));
         assert!(ms.iter().all(|m| m.ref_kl.is_some()));
         assert_eq!(ms.last().unwrap().weight_version, 30);
+    }
+
+    /// `checkpoint_every = 0`: the run's metrics are written, no checkpoint ever is; with any
+    /// other value the last step leaves one.
+    #[test]
+    fn checkpoint_every_zero_writes_no_checkpoint() {
+        for (every, want) in [(0u64, false), (5, true)] {
+            let d = tempfile::tempdir().unwrap();
+            let (mut cfg, tr, task, codec) = setup(d.path(), 2);
+            cfg.checkpoint_every = every;
+            let ro = tr.rollout().unwrap();
+            let mut run =
+                RlRun::new(cfg, tr.clone(), ro, None, task, &codec, d.path(), "h").unwrap();
+            run.run(&mut |_| {}).unwrap();
+            let ms = crate::metrics::read_jsonl(&d.path().join("metrics.jsonl")).unwrap();
+            assert_eq!(ms.len(), 2, "every = {every}");
+            assert_eq!(
+                d.path().join("checkpoint.safetensors").exists(),
+                want,
+                "every = {every}"
+            );
+        }
     }
 
     #[test]

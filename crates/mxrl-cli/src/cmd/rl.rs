@@ -92,8 +92,9 @@ pub struct RlArgs {
     /// f32 of device memory.
     #[arg(long)]
     pub no_probes: bool,
-    /// Checkpoint every N steps (≥ 1).
-    #[arg(long, default_value_t = 10, value_parser = validate::count)]
+    /// Checkpoint every N steps and at the end; 0: never (the run cannot be resumed; for
+    /// models whose checkpoints would not fit on the disk).
+    #[arg(long, default_value_t = 10)]
     pub checkpoint_every: u64,
 }
 
