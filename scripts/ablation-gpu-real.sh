@@ -33,6 +33,9 @@ CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-0}"
 # The recipes compared: the six presets and fp8-block (every linear dimension of this shape is
 # a multiple of its 128-wide blocks).
 RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"
+# The chain task's operations per problem and digits per operand (the task's defaults: 3, 1).
+OPS="${OPS:-3}"
+DIGITS="${DIGITS:-1}"
 # Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
 NOISE_SEEDS="${NOISE_SEEDS:-2}"
 BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS}"
@@ -42,9 +45,10 @@ if [ -z "${MXRL:-}" ]; then
   MXRL=target/release/mxrl
 fi
 # Tokenizer and warm-up (reused when BASE already holds them for this task and tokenizer).
-"$MXRL" demo --device cuda --size real --layers "$LAYERS" --task chain \
+"$MXRL" demo --device cuda --size real --layers "$LAYERS" --task chain --ops "$OPS" --digits "$DIGITS" \
     --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --warmup-only --out "$BASE"
-"$MXRL" ablate --model "$BASE/base" --device cuda --task chain --recipes "$RECIPES" \
+"$MXRL" ablate --model "$BASE/base" --device cuda --task chain --ops "$OPS" --digits "$DIGITS" \
+    --recipes "$RECIPES" \
     --noise-seeds "$NOISE_SEEDS" --steps "$STEPS" --prompts-per-step "$PROMPTS" \
     --samples "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --micro-batch "$MICRO_BATCH" \
     --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" --restart

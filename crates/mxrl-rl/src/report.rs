@@ -937,6 +937,8 @@ fn drift_section(sums: &[RunSummary]) -> String {
 fn fmt_bytes(b: u64) -> String {
     if b >= 1 << 20 {
         format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+    } else if b < 1 << 10 {
+        format!("{b} B")
     } else {
         format!("{:.1} KiB", b as f64 / 1024.0)
     }
@@ -1208,7 +1210,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
         s,
         "- Timing note: rollout/train times are wall-clock of this machine; {}",
         if man.device.starts_with("GPU") {
-            "on Hopper the block-format products run exactly on BF16 tensor cores (decode reads the stored bytes, the training backward of block-format linears still runs one expert at a time), so the time differences are this engine's, not the formats' on hardware with MXFP8/NVFP4 tensor cores."
+            "on Hopper the block-format products run exactly on BF16 tensor cores (decode reads the stored bytes; the training backward multiplies the mode's exact BF16 operands, NVFP4's dequantized ones as three parts), so the time differences are this engine's, not the formats' on hardware with MXFP8/NVFP4 tensor cores."
         } else {
             "on CPU the block-format GEMMs are emulated (operands quantized by the contract quantizer and decoded exactly, f32 accumulation), so time differences between recipes are not format speedups."
         }
@@ -1261,19 +1263,21 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
         );
     }
     if man.runs.iter().any(|e| !e.weight_bytes.is_empty()) {
+        // One column per format any run stores, in the contract's order.
+        let formats: Vec<&str> = mxrl_formats::Format::ALL
+            .iter()
+            .map(|f| f.name())
+            .filter(|f| man.runs.iter().any(|e| e.weight_bytes.contains_key(*f)))
+            .collect();
         let _ = writeln!(s, "\nWeight bytes per format:\n");
-        let _ = writeln!(s, "| run | {} |", ["bf16", "mxfp8", "nvfp4"].join(" | "));
-        let _ = writeln!(s, "|---|---|---|---|");
+        let _ = writeln!(s, "| run | {} |", formats.join(" | "));
+        let _ = writeln!(s, "|---|{}", "---|".repeat(formats.len()));
         for e in &man.runs {
-            let cell = |f: &str| e.weight_bytes.get(f).map_or("–".into(), |b| fmt_bytes(*b));
-            let _ = writeln!(
-                s,
-                "| `{}` | {} | {} | {} |",
-                e.name,
-                cell("bf16"),
-                cell("mxfp8"),
-                cell("nvfp4")
-            );
+            let cells: Vec<String> = formats
+                .iter()
+                .map(|f| e.weight_bytes.get(*f).map_or("–".into(), |b| fmt_bytes(*b)))
+                .collect();
+            let _ = writeln!(s, "| `{}` | {} |", e.name, cells.join(" | "));
         }
     }
     s.push_str(&speedup_section(sums));
@@ -1323,7 +1327,11 @@ mod tests {
                 recipe: recipe.to_string(),
                 seed: *seed,
                 dir: name.to_string(),
-                weight_bytes: BTreeMap::from([("bf16".to_string(), 1000u64)]),
+                weight_bytes: if *recipe == "fp8-block" {
+                    BTreeMap::from([("bf16".to_string(), 10u64), ("fp8_block".to_string(), 990)])
+                } else {
+                    BTreeMap::from([("bf16".to_string(), 1000u64)])
+                },
                 plan_hash: String::new(),
             });
         }
@@ -1357,6 +1365,24 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    /// The per-format weight table has a column for every format some run stores, FP8-block
+    /// included, and a dash where a run stores none of it.
+    #[test]
+    fn weight_bytes_table_has_a_column_per_stored_format() {
+        let d = tempfile::tempdir().unwrap();
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, steps(0.0, 0.0, 1.0)),
+                ("fp8-block", "fp8-block", 1, steps(0.0, 1e-3, 1.0)),
+            ],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        assert!(md.contains("| run | bf16 | fp8_block |\n|---|---|---|\n"), "{md}");
+        assert!(md.contains("| `bf16` | 1000 B | – |"), "{md}");
+        assert!(md.contains("| `fp8-block` | 10 B | 990 B |"), "{md}");
     }
 
     #[test]
