@@ -16,10 +16,11 @@
 // CPU's operations in the CPU's order.
 //
 // Tiles: a CTA of F8_THREADS (4 warps) owns F8_BN = 64 output columns (warp w: columns
-// 16w .. 16w+16, two n8 tiles) of expert blockIdx.y and row passes of F8_BM = 16 rows: pass p
-// of the expert's rows is taken by the CTA with blockIdx.z == p mod gridDim.z. Per K block the
-// CTA decodes the 16 × 128 activation codes and 64 × 128 weight codes into shared memory
-// (row stride F8_LD: conflict-free 32-bit fragment loads), then each warp runs 8 k16 steps.
+// 16w .. 16w+16, two n8 tiles) of expert blockIdx.y and row passes of 16·MT rows (MT = 1, or
+// 4 in the `_m64` kernels): pass p of the expert's rows is taken by the CTA with blockIdx.z ==
+// p mod gridDim.z. Per K block the CTA decodes the 16·MT × 128 activation codes and 64 × 128
+// weight codes into shared memory (row stride F8_LD: conflict-free 32-bit fragment loads),
+// then each warp runs 8 k16 steps on each of its MT row tiles.
 // Fragment layout of mma.m16n8k16.row.col (g = lane / 4, t = lane % 4): A a0 = (row g,
 // k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..);
 // B b0 = (k 2t..2t+1, column g), b1 = (k 2t+8.., column g); C c0,c1 = (row g, columns 2t,
@@ -37,7 +38,6 @@
 #endif
 
 #define F8_BN 64
-#define F8_BM 16
 #define F8_THREADS 128
 #define F8_LD (MXRL_FP8_BLOCK + 8)  // BF16 row stride of the shared tiles (272 bytes)
 
@@ -67,11 +67,17 @@ __device__ __forceinline__ void f8_decode16(const uint4 w, const u16* lut, u16* 
     reinterpret_cast<uint4*>(dst)[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// The CTA's work for expert e with rows lo .. hi (lo < hi ≤ R): see the file comment.
+// The CTA's work for expert e with rows lo .. hi (lo < hi ≤ R): see the file comment. MT is
+// the number of 16-row tiles per pass (a pass covers 16·MT rows): 1 for few rows per expert
+// (decode), 4 for many (prefill, training), where the 64 × 128 weight tile decoded into shared
+// memory then serves four times as many rows. Each output element's sum runs the same k16
+// steps in the same order for every MT, so both give the same bits.
+template <int MT>
 __device__ __forceinline__ void f8_body(const u8* __restrict__ xc, const float* __restrict__ xs,
                                         const u8* __restrict__ wc, const float* __restrict__ ws,
                                         float* __restrict__ y, u32 e, u32 lo, u32 hi, u32 N, u32 K) {
-    __shared__ __align__(16) u16 As[F8_BM * F8_LD];
+    constexpr u32 BM = 16u * MT;
+    __shared__ __align__(16) u16 As[BM * F8_LD];
     __shared__ __align__(16) u16 Bs[F8_BN * F8_LD];
     __shared__ u16 lut[256];
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, t = lane & 3u;
@@ -82,19 +88,23 @@ __device__ __forceinline__ void f8_body(const u8* __restrict__ xc, const float* 
     const u64 wrow0 = (u64)e * N + n0;  // the CTA's first weight row in the stack
     // The CTA's 64 columns lie in one 128-row scale tile of the weight: its scale row.
     const float* wsr = ws + ((u64)e * (N / MXRL_FP8_BLOCK) + n0 / MXRL_FP8_BLOCK) * kbs;
-    const u32 passes = (hi - lo + F8_BM - 1) / F8_BM;
+    const u32 passes = (hi - lo + BM - 1) / BM;
     for (u32 p = blockIdx.z; p < passes; p += gridDim.z) {
-        const u32 rb = lo + p * F8_BM;
-        float yacc[2][4];
+        const u32 rb = lo + p * BM;
+        float yacc[MT][2][4];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) yacc[j][q] = 0.0f;
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) yacc[m][j][q] = 0.0f;
         for (u32 kb = 0; kb < kbs; ++kb) {
             const u64 k0 = (u64)kb * MXRL_FP8_BLOCK;
-            {
-                // Activation rows rb .. rb+16 (zeros past hi): thread = (row tid / 8, chunk tid % 8).
-                const u32 row = tid >> 3, ch = tid & 7u;
+#pragma unroll
+            for (u32 i = 0; i < (BM * 8) / F8_THREADS; ++i) {
+                // Activation rows rb .. rb+BM (zeros past hi): chunk c = (row c / 8, 16 codes c % 8).
+                const u32 c = tid + i * F8_THREADS;
+                const u32 row = c >> 3, ch = c & 7u;
                 const u32 r = rb + row;
                 const uint4 w = r < hi ? *reinterpret_cast<const uint4*>(xc + (u64)r * K + k0 + 16u * ch)
                                        : make_uint4(0u, 0u, 0u, 0u);
@@ -109,63 +119,91 @@ __device__ __forceinline__ void f8_body(const u8* __restrict__ xc, const float* 
                 f8_decode16(w, lut, Bs + row * F8_LD + 16u * ch);
             }
             __syncthreads();
-            float part[2][4];
+            float part[MT][2][4];
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) part[j][q] = 0.0f;
-#pragma unroll
-            for (u32 kk = 0; kk < MXRL_FP8_BLOCK; kk += 16) {
-                const u16* ap = As + g * F8_LD + kk + 2u * t;
-                u32 a[4];
-                a[0] = *reinterpret_cast<const u32*>(ap);
-                a[1] = *reinterpret_cast<const u32*>(ap + 8 * F8_LD);
-                a[2] = *reinterpret_cast<const u32*>(ap + 8);
-                a[3] = *reinterpret_cast<const u32*>(ap + 8 * F8_LD + 8);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const u16* bp = Bs + (16u * warp + 8u * j + g) * F8_LD + kk + 2u * t;
-                    f8_mma(part[j], a, *reinterpret_cast<const u32*>(bp), *reinterpret_cast<const u32*>(bp + 8));
-                }
-            }
-            __syncthreads();  // the next K block overwrites the tiles
-            // Promotion: y = fl(y + fl(fl(sx · sw) · P)) for this thread's rows g, g + 8.
-            const float sw = wsr[kb];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const u32 r = rb + g + 8u * hh;
-                const float sx = r < hi ? xs[(u64)r * kbs + kb] : 0.0f;
-                const float s = __fmul_rn(sx, sw);
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
 #pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        yacc[j][2 * hh + q] = __fadd_rn(yacc[j][2 * hh + q], __fmul_rn(s, part[j][2 * hh + q]));
+                    for (int q = 0; q < 4; ++q) part[m][j][q] = 0.0f;
+#pragma unroll
+            for (u32 kk = 0; kk < MXRL_FP8_BLOCK; kk += 16) {
+                u32 b[2][2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const u16* bp = Bs + (16u * warp + 8u * j + g) * F8_LD + kk + 2u * t;
+                    b[j][0] = *reinterpret_cast<const u32*>(bp);
+                    b[j][1] = *reinterpret_cast<const u32*>(bp + 8);
+                }
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const u16* ap = As + (16u * m + g) * F8_LD + kk + 2u * t;
+                    u32 a[4];
+                    a[0] = *reinterpret_cast<const u32*>(ap);
+                    a[1] = *reinterpret_cast<const u32*>(ap + 8 * F8_LD);
+                    a[2] = *reinterpret_cast<const u32*>(ap + 8);
+                    a[3] = *reinterpret_cast<const u32*>(ap + 8 * F8_LD + 8);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) f8_mma(part[m][j], a, b[j][0], b[j][1]);
+                }
             }
+            __syncthreads();  // the next K block overwrites the tiles
+            // Promotion: y = fl(y + fl(fl(sx · sw) · P)) for this thread's rows.
+            const float sw = wsr[kb];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32 r = rb + 16u * m + g + 8u * hh;
+                    const float sx = r < hi ? xs[(u64)r * kbs + kb] : 0.0f;
+                    const float sc = __fmul_rn(sx, sw);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+#pragma unroll
+                        for (int q = 0; q < 2; ++q)
+                            yacc[m][j][2 * hh + q] =
+                                __fadd_rn(yacc[m][j][2 * hh + q], __fmul_rn(sc, part[m][j][2 * hh + q]));
+                }
         }
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 r = rb + g + 8u * hh;
-            if (r >= hi) continue;
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const u32 col = n0 + 16u * warp + 8u * j + 2u * t;
-                *reinterpret_cast<float2*>(y + (u64)r * N + col) = make_float2(yacc[j][2 * hh], yacc[j][2 * hh + 1]);
+            for (int hh = 0; hh < 2; ++hh) {
+                const u32 r = rb + 16u * m + g + 8u * hh;
+                if (r >= hi) continue;
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const u32 col = n0 + 16u * warp + 8u * j + 2u * t;
+                    *reinterpret_cast<float2*>(y + (u64)r * N + col) = make_float2(yacc[m][j][2 * hh], yacc[m][j][2 * hh + 1]);
+                }
             }
-        }
     }
 }
 
-// Grouped over experts: grid (N / 64, E, Z).
-extern "C" __global__ void __launch_bounds__(F8_THREADS)
-    fp8_block_gemm_grouped(const u8* __restrict__ xc, const float* __restrict__ xs, const u8* __restrict__ wc,
-                           const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 R,
-                           u32 N, u32 K) {
+// Grouped over experts: grid (N / 64, E, Z); passes of 16 rows (`_m64`: 64 rows).
+template <int MT>
+__device__ __forceinline__ void f8_grouped(const u8* __restrict__ xc, const float* __restrict__ xs,
+                                           const u8* __restrict__ wc, const float* __restrict__ ws,
+                                           const u32* __restrict__ off, float* __restrict__ y, u32 R, u32 N, u32 K) {
     const u32 e = blockIdx.y;
     const u32 hi = min(off[e + 1], R);
     const u32 lo = min(off[e], hi);
     if (lo == hi) return;  // the whole CTA: no barrier is skipped by part of it
-    f8_body(xc, xs, wc, ws, y, e, lo, hi, N, K);
+    f8_body<MT>(xc, xs, wc, ws, y, e, lo, hi, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(F8_THREADS)
+    fp8_block_gemm_grouped(const u8* __restrict__ xc, const float* __restrict__ xs, const u8* __restrict__ wc,
+                           const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 R,
+                           u32 N, u32 K) {
+    f8_grouped<1>(xc, xs, wc, ws, off, y, R, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(F8_THREADS)
+    fp8_block_gemm_grouped_m64(const u8* __restrict__ xc, const float* __restrict__ xs, const u8* __restrict__ wc,
+                               const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 R,
+                               u32 N, u32 K) {
+    f8_grouped<4>(xc, xs, wc, ws, off, y, R, N, K);
 }
 
 // One weight (a dense linear): rows 0 .. R; grid (N / 64, 1, Z).
@@ -173,5 +211,12 @@ extern "C" __global__ void __launch_bounds__(F8_THREADS)
     fp8_block_gemm_dense(const u8* __restrict__ xc, const float* __restrict__ xs, const u8* __restrict__ wc,
                          const float* __restrict__ ws, float* __restrict__ y, u32 R, u32 N, u32 K) {
     if (R == 0u) return;
-    f8_body(xc, xs, wc, ws, y, 0u, 0u, R, N, K);
+    f8_body<1>(xc, xs, wc, ws, y, 0u, 0u, R, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(F8_THREADS)
+    fp8_block_gemm_dense_m64(const u8* __restrict__ xc, const float* __restrict__ xs, const u8* __restrict__ wc,
+                             const float* __restrict__ ws, float* __restrict__ y, u32 R, u32 N, u32 K) {
+    if (R == 0u) return;
+    f8_body<4>(xc, xs, wc, ws, y, 0u, 0u, R, N, K);
 }

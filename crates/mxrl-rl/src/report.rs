@@ -1380,7 +1380,10 @@ mod tests {
             ],
         );
         let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
-        assert!(md.contains("| run | bf16 | fp8_block |\n|---|---|---|\n"), "{md}");
+        assert!(
+            md.contains("| run | bf16 | fp8_block |\n|---|---|---|\n"),
+            "{md}"
+        );
         assert!(md.contains("| `bf16` | 1000 B | – |"), "{md}");
         assert!(md.contains("| `fp8-block` | 10 B | 990 B |"), "{md}");
     }

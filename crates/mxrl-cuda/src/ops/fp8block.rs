@@ -41,8 +41,11 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_fp8block.cu");
 
 /// Output columns per CTA of the GEMM (`F8_BN`).
 const F8_BN: usize = 64;
-/// Activation rows per pass (`F8_BM`).
+/// Activation rows per pass of the narrow kernels (one 16-row tile).
 const F8_BM: usize = 16;
+/// Activation rows per pass of the wide (`_m64`) kernels: four 16-row tiles share each
+/// decoded weight tile. They serve calls with at least this many rows per expert on average.
+const F8_BM_WIDE: usize = 64;
 /// Threads per CTA (`F8_THREADS`).
 const F8_THREADS: u32 = 128;
 /// Most CTAs along the row passes of one expert (grid z).
@@ -63,6 +66,8 @@ pub struct Fp8Block {
     quant: CudaDevice,
     grouped: CudaFunction,
     dense: CudaFunction,
+    grouped_wide: CudaFunction,
+    dense_wide: CudaFunction,
 }
 
 impl Fp8Block {
@@ -82,6 +87,8 @@ impl Fp8Block {
             quant: CudaDevice::on_gpu(gpu)?,
             grouped: f("fp8_block_gemm_grouped")?,
             dense: f("fp8_block_gemm_dense")?,
+            grouped_wide: f("fp8_block_gemm_grouped_m64")?,
+            dense_wide: f("fp8_block_gemm_dense_m64")?,
         })
     }
 
@@ -239,7 +246,11 @@ impl Fp8Block {
             4,
         )?;
         check_align(g, &format!("{op} y"), y.device_ptr_mut(stream).0, 8)?;
-        let passes = rows.div_ceil(F8_BM * experts);
+        // Wide passes once the experts average a whole wide pass of rows (prefill, training);
+        // both kernels give the same bits.
+        let wide = rows >= F8_BM_WIDE * experts;
+        let bm = if wide { F8_BM_WIDE } else { F8_BM };
+        let passes = rows.div_ceil(bm * experts);
         let z = passes.clamp(1, MAX_PASS_CTAS) as u32;
         let cfg = LaunchConfig {
             grid_dim: ((n / F8_BN) as u32, experts as u32, z),
@@ -249,7 +260,11 @@ impl Fp8Block {
         let (r, n32, k32) = (rows as u32, n as u32, k as u32);
         match offsets {
             Some(off) => {
-                let mut b = stream.launch_builder(&self.grouped);
+                let mut b = stream.launch_builder(if wide {
+                    &self.grouped_wide
+                } else {
+                    &self.grouped
+                });
                 b.arg(x_codes)
                     .arg(x_scales)
                     .arg(w_codes)
@@ -268,12 +283,13 @@ impl Fp8Block {
                 // 8-byte aligned). An empty expert returns before any barrier as a whole
                 // CTA; otherwise all its threads run the same pass and K-block loops (bounds
                 // from lo, hi, K, blockIdx.z), so every barrier is reached by all. Shared
-                // memory is static (≈ 22 KB). Argument types match (const u8*, const float*,
+                // memory is static (≈ 22 KB; 35 KB for the wide kernels). Argument types match (const u8*, const float*,
                 // const u8*, const float*, const u32*, float*, u32, u32, u32).
                 unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
             }
             None => {
-                let mut b = stream.launch_builder(&self.dense);
+                let mut b =
+                    stream.launch_builder(if wide { &self.dense_wide } else { &self.dense });
                 b.arg(x_codes).arg(x_scales).arg(w_codes).arg(w_scales);
                 b.arg(y).arg(&r).arg(&n32).arg(&k32);
                 // SAFETY: as the grouped launch with E = 1 and rows 0 .. R (gridDim.y = 1):
