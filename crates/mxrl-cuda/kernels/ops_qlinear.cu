@@ -49,14 +49,21 @@ extern "C" __global__ void __launch_bounds__(256)
                                     u16* __restrict__ out, u64 segs, u64 cols) {
     for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < segs * cols; t += (u64)gridDim.x * blockDim.x) {
         const u64 j = t / cols, c = t - j * cols;
-        const u64 r0 = seg[2 * j], len = seg[2 * j + 1];
+        const u64 r0 = seg[2 * j];
+        const u32 len = seg[2 * j + 1];
+        // The block's 32 values in registers, all loads in flight at once; rows past the
+        // segment read as 0 (the zero padding, which leaves the amax as it is).
+        float v[MXRL_MXFP8_BLOCK];
+#pragma unroll
+        for (u32 i = 0; i < MXRL_MXFP8_BLOCK; ++i) v[i] = i < len ? x[(r0 + i) * cols + c] : 0.0f;
         float m = 0.0f;
-        for (u64 i = 0; i < len; ++i) m = nan_ignoring_max(m, fabsf(x[(r0 + i) * cols + c]));
+#pragma unroll
+        for (u32 i = 0; i < MXRL_MXFP8_BLOCK; ++i) m = nan_ignoring_max(m, fabsf(v[i]));
         const u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
         const float inv = ue8m0_reciprocal(s), dec = ue8m0_decode(s);
-        for (u64 i = 0; i < len; ++i) {
-            const u64 idx = (r0 + i) * cols + c;
-            out[idx] = f32_to_bf16(__fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(x[idx], inv)))));
+#pragma unroll
+        for (u32 i = 0; i < MXRL_MXFP8_BLOCK; ++i) {
+            if (i < len) out[(r0 + i) * cols + c] = f32_to_bf16(__fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(v[i], inv)))));
         }
     }
 }
