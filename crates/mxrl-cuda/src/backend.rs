@@ -285,8 +285,9 @@ impl CudaBackend {
         Ok(buf)
     }
 
-    /// NVFP4 weights (per-tensor amax each) quantized one by one on the device with the
-    /// contract's kernels, laid out as [`QExperts`] keeps them.
+    /// NVFP4 weights (per-tensor amax each) quantized on the device as one stack
+    /// ([`QLinear::quantize_nvfp4_stack`]: three launches, the bytes of each weight quantized
+    /// alone), laid out as [`QExperts`] keeps them.
     fn quantize_nvfp4_groups(
         &self,
         master: &CudaSlice<f32>,
