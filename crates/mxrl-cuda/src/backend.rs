@@ -359,6 +359,25 @@ impl CudaBackend {
             .map_err(de)?;
         Ok(o)
     }
+
+    /// The stored experts `w` as BF16 `[E, N, K]` GEMM operands: MXFP8 the contract
+    /// dequantization (exact), NVFP4 `e2m1 × e4m3(scale)` (exact; α applied after the sum).
+    fn experts_bf16(&self, q: &QGemm, w: &QExperts) -> DResult<CudaSlice<u16>> {
+        let mut wb = self.gpu.empty::<u16>(w.e * w.n * w.k).map_err(de)?;
+        let (codes, scales, mut out) = (w.codes.as_view(), w.scales.as_view(), wb.as_view_mut());
+        match w.format {
+            Format::Mxfp8 => q.dequant_weights_mxfp8(&codes, &scales, &mut out, w.e, w.n, w.k),
+            Format::Nvfp4 => q.dequant_weights_nvfp4(&codes, &scales, &mut out, w.e, w.n, w.k),
+            other => {
+                return Err(DeviceError::new(
+                    self.gpu.name(),
+                    format!("no BF16 dequantization of {other:?} experts"),
+                ))
+            }
+        }
+        .map_err(de)?;
+        Ok(wb)
+    }
 }
 
 impl Backend for CudaBackend {
@@ -580,16 +599,7 @@ impl Backend for CudaBackend {
                         )
                         .map_err(de);
                 }
-                let mut wb = self.gpu.empty::<u16>(experts * n * k).map_err(de)?;
-                q.dequant_weights_mxfp8(
-                    &w.codes.as_view(),
-                    &w.scales.as_view(),
-                    &mut wb.as_view_mut(),
-                    experts,
-                    n,
-                    k,
-                )
-                .map_err(de)?;
+                let wb = self.experts_bf16(q, w)?;
                 self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)
             }
             Format::Nvfp4 => {
@@ -626,16 +636,7 @@ impl Backend for CudaBackend {
                         )
                         .map_err(de);
                 }
-                let mut wb = self.gpu.empty::<u16>(experts * n * k).map_err(de)?;
-                q.dequant_weights_nvfp4(
-                    &w.codes.as_view(),
-                    &w.scales.as_view(),
-                    &mut wb.as_view_mut(),
-                    experts,
-                    n,
-                    k,
-                )
-                .map_err(de)?;
+                let wb = self.experts_bf16(q, w)?;
                 self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)?;
                 q.nvfp4_scale_rows(
                     &mut y.as_view_mut(),
@@ -814,16 +815,7 @@ impl Backend for CudaBackend {
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
-                let mut wb = self.gpu.empty::<u16>(n * k).map_err(de)?;
-                q.dequant_weights_mxfp8(
-                    &w.codes.as_view(),
-                    &w.scales.as_view(),
-                    &mut wb.as_view_mut(),
-                    1,
-                    n,
-                    k,
-                )
-                .map_err(de)?;
+                let wb = self.experts_bf16(q, w)?;
                 self.linear(&xq, &wb, rows, k, n, y)
             }
             other => Err(dev(format!(
@@ -912,19 +904,7 @@ impl Backend for CudaBackend {
         if w.train.get().is_none() {
             let op = match (mode, format) {
                 (BackwardMode::HighPrecision, _) => self.bf16(master, wlen)?,
-                (BackwardMode::Dequantized, Format::Mxfp8) => {
-                    let mut o = self.gpu.empty::<u16>(wlen).map_err(de)?;
-                    q.dequant_weights_mxfp8(
-                        &w.codes.as_view(),
-                        &w.scales.as_view(),
-                        &mut o.as_view_mut(),
-                        groups,
-                        n,
-                        k,
-                    )
-                    .map_err(de)?;
-                    o
-                }
+                (BackwardMode::Dequantized, Format::Mxfp8) => self.experts_bf16(q, w)?,
                 (BackwardMode::Dequantized, Format::Nvfp4) => ql
                     .nvfp4_split3_weights(
                         &w.codes.as_view(),
