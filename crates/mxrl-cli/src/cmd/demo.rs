@@ -164,15 +164,8 @@ pub struct Args {
     /// operations such as `7+5*3-8=`, standard precedence; the default with `--size real`).
     #[arg(long)]
     task: Option<String>,
-    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
-    digits: u32,
-    /// Operations per problem of the chain task (1–16; default 3).
-    #[arg(long)]
-    ops: Option<u32>,
-    /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long, allow_hyphen_values = true)]
-    operators: Option<String>,
+    #[command(flatten)]
+    problems: super::rl::ProblemArgs,
     /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`) for the demo model instead of
     /// the char-level one; the model's vocabulary becomes the tokenizer's.
     #[arg(long)]
@@ -243,9 +236,7 @@ pub fn run(a: Args) -> Result<()> {
     let spec = TaskSpec {
         name: Some(task_name),
         data: None,
-        digits: a.digits,
-        ops: a.ops,
-        operators: a.operators.clone(),
+        ..a.problems.task_spec()
     };
     let task_text = spec.describe()?;
     let chain = spec.chain()?;
@@ -442,9 +433,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut rl = Defaults::parse_from(["demo"]).rl;
     rl.steps = a.steps;
     rl.task = spec.name.clone();
-    rl.digits = spec.digits;
-    rl.ops = spec.ops;
-    rl.operators = spec.operators.clone();
+    rl.problems = a.problems.clone();
     if let Some(c) = &chain {
         // Room for the longest answer (one token per character at most).
         rl.max_new_tokens = rl.max_new_tokens.max(c.max_label_chars());

@@ -17,6 +17,34 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The shape of the built-in tasks' problems, shared by `sft`, `rl`, `ablate`, `demo` and
+/// `tokenizer train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProblemArgs {
+    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
+    pub digits: u32,
+    /// Operations per problem of the chain task (1–16; default 3).
+    #[arg(long)]
+    pub ops: Option<u32>,
+    /// Operators the chain task draws from (some of `+-*`; default all three).
+    #[arg(long, allow_hyphen_values = true)]
+    pub operators: Option<String>,
+}
+
+impl ProblemArgs {
+    /// A task of these problems (no name, no data file: the caller sets those).
+    pub fn task_spec(&self) -> TaskSpec {
+        TaskSpec {
+            name: None,
+            data: None,
+            digits: self.digits,
+            ops: self.ops,
+            operators: self.operators.clone(),
+        }
+    }
+}
+
 /// Hyper-parameters shared by `rl`, `ablate` and `demo`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RlArgs {
@@ -27,15 +55,8 @@ pub struct RlArgs {
     /// DAPO-style JSONL prompt file (`prompt`, `label`), scored with the `Answer: X` reward.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
-    pub digits: u32,
-    /// Operations per problem of the chain task (1–16; default 3).
-    #[arg(long)]
-    pub ops: Option<u32>,
-    /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long, allow_hyphen_values = true)]
-    pub operators: Option<String>,
+    #[command(flatten)]
+    pub problems: ProblemArgs,
     /// Optimizer steps (≥ 1).
     #[arg(long, default_value_t = 50, value_parser = validate::count)]
     pub steps: u64,
@@ -104,9 +125,7 @@ impl RlArgs {
         TaskSpec {
             name: self.task.clone(),
             data: self.data.clone(),
-            digits: self.digits,
-            ops: self.ops,
-            operators: self.operators.clone(),
+            ..self.problems.task_spec()
         }
     }
 

@@ -22,15 +22,8 @@ pub struct Args {
     /// `17+5*3-8=`, standard precedence).
     #[arg(long, default_value = "arithmetic")]
     task: String,
-    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
-    digits: u32,
-    /// Operations per problem of the chain task (1–16; default 3).
-    #[arg(long)]
-    ops: Option<u32>,
-    /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long, allow_hyphen_values = true)]
-    operators: Option<String>,
+    #[command(flatten)]
+    problems: super::rl::ProblemArgs,
     /// A `tokenizer.json` (e.g. from `mxrl tokenizer train`; or a directory holding one) for
     /// the fresh model: its vocabulary size becomes the model's and the file is copied into
     /// OUT. Default: the char-level tokenizer.
@@ -380,9 +373,7 @@ pub fn run(a: Args) -> Result<()> {
     let task = TaskSpec {
         name: Some(a.task.clone()),
         data: None,
-        digits: a.digits,
-        ops: a.ops,
-        operators: a.operators.clone(),
+        ..a.problems.task_spec()
     };
     let loss = sft_to_dir(
         a.model.as_deref(),

@@ -39,15 +39,8 @@ struct TrainArgs {
     /// DAPO-style JSONL prompt file (`prompt`, `label`): its prompts and `Answer: X` lines.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Digits per operand: 1–6 for the arithmetic task, 1–9 for the chain task.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=9))]
-    digits: u32,
-    /// Operations per problem of the chain task (1–16; default 3).
-    #[arg(long)]
-    ops: Option<u32>,
-    /// Operators the chain task draws from (some of `+-*`; default all three).
-    #[arg(long, allow_hyphen_values = true)]
-    operators: Option<String>,
+    #[command(flatten)]
+    problems: super::rl::ProblemArgs,
     /// Problems in the corpus (each gives its prompt and its answer; a prompt file gives at
     /// most its own lines) (≥ 1).
     #[arg(long, default_value_t = 4096, value_parser = super::validate::count_usize)]
@@ -71,9 +64,7 @@ fn train(a: TrainArgs) -> Result<()> {
     let spec = TaskSpec {
         name: a.task.clone(),
         data: a.data.clone(),
-        digits: a.digits,
-        ops: a.ops,
-        operators: a.operators.clone(),
+        ..a.problems.task_spec()
     };
     let file = a.out.join("tokenizer.json");
     anyhow::ensure!(
