@@ -26,7 +26,7 @@ mod bench {
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{FragRows, LowByte, QGemm, QLanes};
+    use mxrl_cuda::ops::qgemm::{frag_split, FragRows, LowByte, QGemm, QLanes};
     use rand::seq::index::sample;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
@@ -199,6 +199,7 @@ mod bench {
 
         let mut rows = Vec::new();
         let mut lanes_rows = Vec::new();
+        let mut split_rows = Vec::new();
         for batch in [1usize, 32, 128] {
             let counts = route(batch, 100 + batch as u64);
             let used = counts.iter().filter(|&&c| c > 0).count();
@@ -323,6 +324,74 @@ mod bench {
                             }
                             .expect("low-byte fragment");
                         }));
+                    }
+                }
+                // Every split of the fragment kernels' reduction (warps per 32-column block),
+                // BF16 weights included; the launcher's pick is starred.
+                if QGemm::frag_fits(n, k) {
+                    for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
+                        let pick = frag_split(
+                            s,
+                            match fmt {
+                                "BF16" => 2 * k,
+                                "Mxfp8" => k,
+                                _ => k / 2,
+                            },
+                        );
+                        let mut times = Vec::new();
+                        for split in [1usize, 2, 4, 8] {
+                            let t = median_us(&g, &mut flush, reps, || {
+                                let (xv, ov) = (xq.as_view(), off.as_view());
+                                let mut yv = y.as_view_mut();
+                                match fmt {
+                                    "BF16" => q.grouped_nt_frag_bf16_with(
+                                        frag_rows,
+                                        split,
+                                        &xv,
+                                        &w.bf16.as_view(),
+                                        &ov,
+                                        &mut yv,
+                                        s,
+                                    ),
+                                    "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
+                                        frag_rows,
+                                        split,
+                                        &xv,
+                                        &w.mx_codes.as_view(),
+                                        &w.mx_scales.as_view(),
+                                        &ov,
+                                        &mut yv,
+                                        s,
+                                    ),
+                                    _ => q.grouped_nt_frag_nvfp4_with(
+                                        frag_rows,
+                                        split,
+                                        &xv,
+                                        &xamax.as_view(),
+                                        &w.nv_codes.as_view(),
+                                        &w.nv_scales.as_view(),
+                                        &w.nv_amax.as_view(),
+                                        &ov,
+                                        &mut yv,
+                                        s,
+                                    ),
+                                }
+                                .expect("fragment split");
+                            });
+                            times.push((split, t));
+                        }
+                        if fmt == "BF16" {
+                            let us = times.iter().find(|(k, _)| *k == pick).expect("pick").1;
+                            rows.push(Row {
+                                step: step.clone(),
+                                op: format!("BF16 fragments ({frag_rows:?}, split {pick})"),
+                                us,
+                                bytes: (used * n * k * 2) as f64,
+                                bf16_us,
+                                tiled_us,
+                            });
+                        }
+                        split_rows.push((step.clone(), fmt, pick, times));
                     }
                 }
                 let mut run = |f: LowByte, lanes: QLanes| {
@@ -458,6 +527,16 @@ mod bench {
                 r.us / r.bf16_us,
                 r.us / r.tiled_us
             );
+        }
+        println!(
+            "\n| step | fragment weights | split 1 µs | 2 | 4 | 8 |\n|---|---|---:|---:|---:|---:|"
+        );
+        for (step, fmt, pick, times) in &split_rows {
+            let cells: Vec<String> = times
+                .iter()
+                .map(|(k, t)| format!("{t:.1}{}", if k == pick { "*" } else { "" }))
+                .collect();
+            println!("| {step} | {fmt} | {} |", cells.join(" | "));
         }
         println!("\n| step | format | L32 µs | L16 µs | L8 µs |\n|---|---|---:|---:|---:|");
         for (step, f, pick, times) in &lanes_rows {

@@ -626,23 +626,25 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 //
 // The transposed product y_eᵀ = W_e · x_eᵀ: the stored weights are the mma A operand (16 output
 // columns as the m16 rows), the expert's activation rows the B operand (8 rows as the n8
-// columns, rows past the expert's loaded as zeros and never stored). A block of QF_WARPS warps
-// owns QF_COLS = 32 output columns (two 16-column tiles) of expert blockIdx.y; its warps split
-// the reduction: warp w takes the super-steps w, w + QF_WARPS, … of 64 code bytes per weight
-// row (MXFP8: 64 elements, NVFP4: 128), the next one's loads issued before the current one is
-// decoded. Lane (g = lane / 4, t = lane % 4) loads bytes 16t .. 16t+16 of the super-step of
-// weight rows n0 + g + 8i (i < 4: tile i / 2, fragment row g or g + 8) and the matching 16
-// (MXFP8) or 32 (NVFP4) activation elements of row 8·tg + g of the pass, and decodes its codes
-// in registers to the exact operand values (MXFP8: BF16 of fl(e4m3 · 2^(s−127)), the values
-// dequant_mxfp8_bf16 writes; NVFP4: e2m1 · e4m3(scale) in binary16, exact, with the BF16
-// activation operand converted to binary16, exact too — module doc). The k order is permuted
-// alike in A and B (mma step s takes elements 4s .. 4s+3 of each lane's chunk as the k indices
-// 2t, 2t+1, 2t+8, 2t+9), so every product is one x·w of the sum. Products exact, f32
-// accumulation in the tensor cores (bound: tensor_core_sum_bound); the warps' partial sums are
-// then added in shared memory in warp order (fixed; no atomics). NVFP4: y = fl(sum · α) as
-// qgemm_body. QF_TG = token groups of 8 rows per pass (1, 2, 4); rows beyond take more passes.
-#define QF_WARPS 8
-#define QF_THREADS (QF_WARPS * 32)
+// columns, rows past the expert's loaded as zeros and never stored). A block of KS = blockDim / 32
+// warps (1, 2, 4 or 8: the launcher's split) owns QF_COLS = 32 output columns (two 16-column
+// tiles) of expert blockIdx.y; its warps split the reduction: warp w takes the super-steps w,
+// w + KS, … of 64 weight bytes per row (MXFP8: 64 elements, NVFP4: 128, BF16: 32), the next
+// one's loads issued before the current one is decoded. Lane (g = lane / 4, t = lane % 4) loads
+// bytes 16t .. 16t+16 of the super-step of weight rows n0 + g + 8i (i < 4: tile i / 2, fragment
+// row g or g + 8) and the matching 16 (MXFP8), 32 (NVFP4) or 8 (BF16) activation elements of
+// row 8·tg + g of the pass, and decodes its codes in registers to the exact operand values
+// (MXFP8: BF16 of fl(e4m3 · 2^(s−127)), the values dequant_mxfp8_bf16 writes; NVFP4: e2m1 ·
+// e4m3(scale) in binary16, exact, with the BF16 activation operand converted to binary16, exact
+// too — module doc; BF16: the stored value). The k order is permuted alike in A and B (mma step
+// s takes elements 4s .. 4s+3 of each lane's chunk as the k indices 2t, 2t+1, 2t+8, 2t+9), so
+// every product is one x·w of the sum. Products exact, f32 accumulation in the tensor cores
+// (bound: tensor_core_sum_bound); with KS > 1 the warps' partial sums are then added in dynamic
+// shared memory (KS · 8·TG · 32 floats) in warp order (fixed; no atomics), with KS = 1 each lane
+// stores its own sums. NVFP4: y = fl(sum · α) as qgemm_body. QF_TG = token groups of 8 rows per
+// pass (1, 2, 4); rows beyond take more passes. Few (expert, column block) pairs (batch 1) want
+// a deep split for enough loads in flight; many (batch 32) want KS = 1, no reduction at all.
+#define QF_MAX_WARPS 8
 #define QF_COLS 32
 
 __device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
@@ -714,18 +716,39 @@ struct QfNvfp4 : QmNvfp4 {
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
 };
 
+// BF16 weights as stored (u16 [E, N, K]): 8 elements per lane and super-step, no scales.
+struct QfBf16 {
+    static constexpr u32 CHUNK = 8, STEPS = 2;
+    static constexpr bool ALPHA = false;
+    static constexpr int XV = 1;
+    __device__ static u32 row_bytes(u32 K) { return 2 * K; }
+    __device__ static u32 scale_row(u32) { return 0; }
+    __device__ static u32 load_scale(const u8*, u32) { return 0; }
+    __device__ static u32 prep(u32) { return 0; }
+    __device__ static void pairs(const uint4& w, u32, int s, u32& lo, u32& hi) {
+        lo = word_of(w, 2 * s);
+        hi = word_of(w, 2 * s + 1);
+    }
+    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
+        b0 = word_of(xa[0], 2 * s);
+        b1 = word_of(xa[0], 2 * s + 1);
+    }
+    __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
+};
+
 template <class F, int TG>
 __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                 const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                 const float* __restrict__ w_amax, const u32* __restrict__ off,
                                                 float* __restrict__ y, u32 R, u32 N, u32 K) {
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
-    __shared__ float red[QF_WARPS][NACC][32];
+    extern __shared__ float red[];     // [KS][NACC][32] when KS > 1
     const u32 e = blockIdx.y;
     u32 lo, hi;
     qm_expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 KS = blockDim.x >> 5;
     const u32 n0 = blockIdx.x * QF_COLS;
     const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
     const u32 steps = (rowb + 63) / 64;  // super-steps of 64 code bytes per row
@@ -761,10 +784,10 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         uint4 wq[4];
         u32 sr[4];
         load_w(warp, wq, sr);
-        for (u32 kt = warp; kt < steps; kt += QF_WARPS) {
+        for (u32 kt = warp; kt < steps; kt += KS) {
             uint4 nq[4];
             u32 ns[4];
-            load_w(kt + QF_WARPS, nq, ns);
+            load_w(kt + KS, nq, ns);
             // Activation chunk of this super-step: elements kt·elems + t·CHUNK .. + CHUNK of row
             // rb + 8·tg + g (zeros past the expert's rows or past K).
             const u32 k0 = kt * elems + t * F::CHUNK;
@@ -803,22 +826,9 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
                 sr[i] = ns[i];
             }
         }
-        // Partial sums of the warps, added in warp order.
-        __syncthreads();  // the previous pass's reads of red are done
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) red[warp][(j * TG + tg) * 4 + q][lane] = acc[j][tg][q];
-        __syncthreads();
-        for (u32 i = tid; i < (u32)NACC * 32; i += QF_THREADS) {
-            const u32 slot = i / 32, l = i % 32;
-            float sum = red[0][slot][l];
-#pragma unroll
-            for (int w = 1; w < QF_WARPS; ++w) sum = __fadd_rn(sum, red[w][slot][l]);
-            // Fragment entry q of tile j, token group tg, lane l: column row g' (+8 for q ≥ 2)
-            // of the tile, activation row 2t' (+1 for odd q) of the group.
+        // Output of fragment entry q of tile j, token group tg held by lane l: column row g'
+        // (+8 for q ≥ 2) of the tile, activation row 2t' (+1 for odd q) of the group.
+        auto store = [&](u32 slot, u32 l, float sum) {
             const u32 q = slot % 4, tg = (slot / 4) % TG, j = slot / (4 * TG);
             const u32 r = rb + 8 * tg + 2 * (l & 3) + (q & 1);
             const u32 col = n0 + 16 * j + (l >> 2) + 8 * (q >> 1);
@@ -829,18 +839,47 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
                 }
                 y[(u64)r * N + col] = sum;
             }
+        };
+        if (KS == 1) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) store((j * TG + tg) * 4 + q, lane, acc[j][tg][q]);
+            continue;
+        }
+        // Partial sums of the warps, added in warp order.
+        __syncthreads();  // the previous pass's reads of red are done
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) red[(warp * NACC + (j * TG + tg) * 4 + q) * 32 + lane] = acc[j][tg][q];
+        __syncthreads();
+        for (u32 i = tid; i < (u32)NACC * 32; i += blockDim.x) {
+            const u32 slot = i / 32, l = i % 32;
+            float sum = red[slot * 32 + l];
+            for (u32 w = 1; w < KS; ++w) sum = __fadd_rn(sum, red[(w * NACC + slot) * 32 + l]);
+            store(slot, l, sum);
         }
     }
 }
 
-// Entry points: suffix = token groups of 8 rows per pass.
-#define QF_ENTRY_MXFP8(name, TG, MINB)                                                                    \
-    extern "C" __global__ void __launch_bounds__(QF_THREADS, MINB) name(QGEMM_MXFP8_ARGS) {             \
+// Entry points: suffix = token groups of 8 rows per pass; blocks of 32 · KS threads.
+#define QF_ENTRY_MXFP8(name, TG, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
         qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                 \
     }
-#define QF_ENTRY_NVFP4(name, TG, MINB)                                                                    \
-    extern "C" __global__ void __launch_bounds__(QF_THREADS, MINB) name(QGEMM_NVFP4_ARGS) {             \
+#define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
         qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                   \
+    }
+// BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
+#define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                  \
     }
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
@@ -848,3 +887,6 @@ QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, 4, 1)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t1, 1, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t2, 2, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t4, 4, 1)
+QF_ENTRY_BF16(qgemm_frag_bf16_t1, 1, 2)
+QF_ENTRY_BF16(qgemm_frag_bf16_t2, 2, 2)
+QF_ENTRY_BF16(qgemm_frag_bf16_t4, 4, 1)

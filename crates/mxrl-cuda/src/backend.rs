@@ -1361,18 +1361,33 @@ impl Backend for CudaBackend {
             }
             return Ok(());
         }
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        // Decode batches: the fragment kernels stream the BF16 experts into the mma operands.
+        if let Ok(q) = &self.qgemm {
+            if QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts {
+                return q
+                    .grouped_nt_frag_bf16(
+                        &x.as_view(),
+                        &w.as_view(),
+                        &offsets.as_view(),
+                        &mut y.as_view_mut(),
+                        s,
+                    )
+                    .map_err(de);
+            }
+        }
         self.gemm
             .grouped_nt(
                 &x.as_view(),
                 &w.as_view(),
                 &offsets.as_view(),
                 &mut y.as_view_mut(),
-                Grouped {
-                    experts,
-                    rows,
-                    n,
-                    k,
-                },
+                s,
             )
             .map(|_| ())
             .map_err(de)

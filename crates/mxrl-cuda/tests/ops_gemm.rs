@@ -608,3 +608,151 @@ fn dense_cublas_gemms_match_reference_on_odd_shapes() {
         assert_within(&format!("dense tn {m}x{n}x{k}"), seed, &got, &want, &b);
     }
 }
+
+/// BF16 experts through the fragment kernels (`QGemm::grouped_nt_frag_bf16`, the engine's
+/// decode path for 1–32 rows per expert): every pass size and every split of the reduction
+/// (1, 2, 4, 8 warps) against the per-expert reference within `tensor_core_sum_bound`, rows
+/// of no expert left untouched, a second run the same bits; pass sizes give the launcher's
+/// bits for its split (they change which rows share a weight fragment, not any sum); shapes
+/// off the 32-column blocks refused by name. Cases: experts of 0, 1, 3, 16, 17 and 33 rows,
+/// K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
+#[test]
+fn bf16_fragment_kernels_match_reference() {
+    use mxrl_cuda::ops::qgemm::{frag_split, FragRows, QGemm};
+    let g = gpu();
+    let q = QGemm::new(&g).unwrap();
+    let mut cases = vec![
+        (
+            71u64,
+            Case {
+                counts: vec![0, 1, 3, 16, 17, 0, 33, 2],
+                n: 96,
+                k: 192,
+                extra: 3,
+            },
+        ),
+        (
+            72,
+            Case {
+                counts: vec![2, 0, 5],
+                n: 32,
+                k: 32,
+                extra: 1,
+            },
+        ),
+        (73, routed_case(1, 73, 64, 2048)),
+        (74, routed_case(32, 74, 128, 768)),
+    ];
+    for seed in 75..79u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let e = rng.gen_range(1..=10);
+        let counts = (0..e)
+            .map(|_| {
+                if rng.gen_bool(0.25) {
+                    0
+                } else {
+                    rng.gen_range(1..=40)
+                }
+            })
+            .collect();
+        cases.push((
+            seed,
+            Case {
+                counts,
+                n: 32 * rng.gen_range(1..=4),
+                k: 32 * rng.gen_range(1..=64),
+                extra: rng.gen_range(0..3),
+            },
+        ));
+    }
+    let run = |c: &Case, x: &Bf16, w: &Bf16, plan: Option<(FragRows, usize)>| {
+        let s = c.shape();
+        let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+        let mut y = g.upload(&vec![f32::NAN; s.rows * s.n]).unwrap();
+        let (xv, wv, ov) = (dx.as_view(), dw.as_view(), doff.as_view());
+        let mut yv = y.as_view_mut();
+        match plan {
+            Some((rows, split)) => {
+                q.grouped_nt_frag_bf16_with(rows, split, &xv, &wv, &ov, &mut yv, s)
+            }
+            None => q.grouped_nt_frag_bf16(&xv, &wv, &ov, &mut yv, s),
+        }
+        .unwrap();
+        let mut out = g.download(&y).unwrap();
+        out.truncate(s.rows * s.n);
+        out
+    };
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for (seed, c) in &cases {
+        let s = c.shape();
+        assert!(QGemm::frag_fits(s.n, s.k));
+        let x = bf16_values(s.rows * s.k, seed * 3 + 1);
+        let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
+        let (want, tc) = reference_nt(c, &x, &w, tensor_core_sum_bound);
+        let auto = run(c, &x, &w, None);
+        assert_grouped(&format!("fragment auto {c:?}"), *seed, &auto, &want, &tc);
+        assert!(
+            same(&auto, &run(c, &x, &w, None)),
+            "seed {seed}: a second run differs"
+        );
+        let split = frag_split(s, 2 * s.k);
+        for rows in FragRows::ALL {
+            let got = run(c, &x, &w, Some((rows, split)));
+            assert!(
+                same(&got, &auto),
+                "seed {seed}: {rows:?} differs from the launcher's pick"
+            );
+        }
+        for split in [1usize, 2, 4, 8] {
+            let rows = FragRows::for_rows(s.rows, s.experts);
+            let got = run(c, &x, &w, Some((rows, split)));
+            let what = format!("fragment split {split} {c:?}");
+            assert_grouped(&what, *seed, &got, &want, &tc);
+            assert!(
+                same(&got, &run(c, &x, &w, Some((rows, split)))),
+                "{what}: not deterministic"
+            );
+        }
+    }
+    // Off the 32-column blocks, or a split that is no power of two up to 8: refused by name.
+    let c = Case {
+        counts: vec![2],
+        n: 48,
+        k: 64,
+        extra: 0,
+    };
+    let s = c.shape();
+    let (x, w) = (bf16_values(2 * 64, 1), bf16_values(48 * 64, 2));
+    let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+    let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+    let mut y = g.upload(&vec![0f32; 2 * 48]).unwrap();
+    let err = q
+        .grouped_nt_frag_bf16(
+            &dx.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("grouped_nt_frag_bf16") && err.contains("multiple of 32"),
+        "{err}"
+    );
+    let s32 = Grouped { n: 32, ..s };
+    let err = q
+        .grouped_nt_frag_bf16_with(
+            FragRows::R8,
+            3,
+            &dx.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut y.as_view_mut(),
+            s32,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("split 3"), "{err}");
+}

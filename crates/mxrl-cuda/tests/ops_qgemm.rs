@@ -28,7 +28,7 @@
 use half::bf16;
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-use mxrl_cuda::ops::qgemm::{FragRows, LowByte, QGemm, QLanes};
+use mxrl_cuda::ops::qgemm::{frag_split, FragRows, LowByte, QGemm, QLanes};
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -954,8 +954,9 @@ fn tensor_core_grouped_kernels_on_stored_bytes_match_the_cpu_emulation() {
     }
 }
 
-/// Quantizes the activations and runs the fragment kernel (`rows` None: the launcher's pick).
-fn run_frag(ops: &QGemm, f: LowByte, rows: Option<FragRows>, c: &Case, d: &mut Dev) {
+/// Quantizes the activations and runs the fragment kernel (`plan` None: the launcher's pick
+/// of rows per pass and split).
+fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, usize)>, c: &Case, d: &mut Dev) {
     let s = c.shape();
     match f {
         LowByte::Mxfp8 => {
@@ -968,8 +969,10 @@ fn run_frag(ops: &QGemm, f: LowByte, rows: Option<FragRows>, c: &Case, d: &mut D
                 d.off.as_view(),
             );
             let mut yv = d.y.as_view_mut();
-            match rows {
-                Some(p) => ops.grouped_nt_frag_mxfp8_with(p, &xv, &cv, &sv, &ov, &mut yv, s),
+            match plan {
+                Some((p, k)) => {
+                    ops.grouped_nt_frag_mxfp8_with(p, k, &xv, &cv, &sv, &ov, &mut yv, s)
+                }
                 None => ops.grouped_nt_frag_mxfp8(&xv, &cv, &sv, &ov, &mut yv, s),
             }
             .unwrap();
@@ -992,9 +995,9 @@ fn run_frag(ops: &QGemm, f: LowByte, rows: Option<FragRows>, c: &Case, d: &mut D
                 d.off.as_view(),
             );
             let mut yv = d.y.as_view_mut();
-            match rows {
-                Some(p) => {
-                    ops.grouped_nt_frag_nvfp4_with(p, &xv, &av, &cv, &sv, &wv, &ov, &mut yv, s)
+            match plan {
+                Some((p, k)) => {
+                    ops.grouped_nt_frag_nvfp4_with(p, k, &xv, &av, &cv, &sv, &wv, &ov, &mut yv, s)
                 }
                 None => ops.grouped_nt_frag_nvfp4(&xv, &av, &cv, &sv, &wv, &ov, &mut yv, s),
             }
@@ -1008,9 +1011,10 @@ fn run_frag(ops: &QGemm, f: LowByte, rows: Option<FragRows>, c: &Case, d: &mut D
 /// terms): experts of 0, 1, 3, 16, 17 and 33 rows (one pass, several passes of 8, 16 and 32
 /// rows) and rows of no expert; K = 32 (most lanes past the row), K off the 64-byte super-step,
 /// batch-1 (K 2048) and batch-32 (K 768) decode steps of the benchmark model's routing, random
-/// shapes with K up to 2048. Every pass size gives the same bits as the launcher's pick (passes
-/// change which rows share a weight fragment, not any sum), and a second run the same bits;
-/// `n` off the 32-column blocks is refused by name.
+/// shapes with K up to 2048. Every pass size gives the same bits as the launcher's pick for its
+/// split of the reduction (passes change which rows share a weight fragment, not any sum), and
+/// a second run the same bits; every split (1, 2, 4, 8 warps) is within the bound and
+/// deterministic; `n` off the 32-column blocks is refused by name.
 #[test]
 fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
     let (_l, g) = gpu();
@@ -1100,7 +1104,11 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
             );
             for rows in FragRows::ALL {
                 let mut d = upload(&g, c, &x, &w);
-                run_frag(&ops, f, Some(rows), c, &mut d);
+                let row_bytes = match f {
+                    LowByte::Mxfp8 => s.k,
+                    LowByte::Nvfp4 => s.k / 2,
+                };
+                run_frag(&ops, f, Some((rows, frag_split(s, row_bytes))), c, &mut d);
                 let other = download_y(&g, c, &d);
                 let what = format!("{f:?} fragment {rows:?}, seed {seed}, {c:?}");
                 assert_grouped(&what, c, &other, &want, &bound);
@@ -1110,6 +1118,23 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                         .zip(&got)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{what}: differs from the launcher's pick {auto:?}"
+                );
+            }
+            // Every split of the reduction: other sums, within the same bound, deterministic.
+            for split in [1usize, 2, 4, 8] {
+                let mut d = upload(&g, c, &x, &w);
+                run_frag(&ops, f, Some((auto, split)), c, &mut d);
+                let other = download_y(&g, c, &d);
+                let what = format!("{f:?} fragment split {split}, seed {seed}, {c:?}");
+                assert_grouped(&what, c, &other, &want, &bound);
+                run_frag(&ops, f, Some((auto, split)), c, &mut d);
+                let again = download_y(&g, c, &d);
+                assert!(
+                    other
+                        .iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: a second run differs"
                 );
             }
         }

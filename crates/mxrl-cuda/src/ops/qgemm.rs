@@ -178,6 +178,7 @@ pub struct QGemm {
     tc_nvfp4: CudaFunction,
     frag_mxfp8: [CudaFunction; 3],
     frag_nvfp4: [CudaFunction; 3],
+    frag_bf16: [CudaFunction; 3],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -189,8 +190,33 @@ const QT_THREADS: u32 = 128;
 
 /// Output columns per block of the fragment kernels (`QF_COLS`); `N` must be a multiple.
 pub const FRAG_COLS: usize = 32;
-/// Threads per block of the fragment kernels (`QF_THREADS`: 8 warps splitting the reduction).
-const QF_THREADS: u32 = 256;
+/// The most warps a block of the fragment kernels splits the reduction over (`QF_MAX_WARPS`).
+pub const FRAG_MAX_SPLIT: usize = 8;
+
+/// The fragment kernels' split of the reduction for a shape whose weight rows are `row_bytes`
+/// long (BF16 `2K`, MXFP8 `K`, NVFP4 `K/2`): warps per 32-column block, the largest of 8, 4,
+/// 2, 1 that leaves each warp at least [`FRAG_MIN_STEPS`] super-steps of 64 bytes per row —
+/// 3 while the step's blocks (`min(experts, rows)` experts × `n / 32` column blocks) are
+/// fewer than [`FRAG_MANY_BLOCKS`] (batch 1: a deep split keeps enough loads in flight), 6
+/// beyond (batch 32–128: a shallow split leaves more of each warp's time to its loads than to
+/// the reduction). Measured on an H200 (BENCHMARKS.md). Changes the f32 summation order
+/// (deterministic for a shape), not the products.
+pub fn frag_split(s: Grouped, row_bytes: usize) -> usize {
+    let blocks = s.experts.min(s.rows) * (s.n / FRAG_COLS);
+    let min_steps = FRAG_MIN_STEPS[usize::from(blocks >= FRAG_MANY_BLOCKS)];
+    let steps = row_bytes.div_ceil(64);
+    let mut split = FRAG_MAX_SPLIT;
+    while split > 1 && steps < min_steps * split {
+        split /= 2;
+    }
+    split
+}
+
+/// Super-steps per warp [`frag_split`] keeps at least: few blocks, many blocks.
+pub const FRAG_MIN_STEPS: [usize; 2] = [3, 6];
+
+/// Blocks of a step from which [`frag_split`] counts it as many (~16 per SM of an H200).
+pub const FRAG_MANY_BLOCKS: usize = 2048;
 
 /// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
 /// groups of 8 (the `n8` of `mma.m16n8k16`) multiplied by each decoded weight fragment. An
@@ -305,6 +331,11 @@ impl QGemm {
                 f("qgemm_frag_nvfp4_t1")?,
                 f("qgemm_frag_nvfp4_t2")?,
                 f("qgemm_frag_nvfp4_t4")?,
+            ],
+            frag_bf16: [
+                f("qgemm_frag_bf16_t1")?,
+                f("qgemm_frag_bf16_t2")?,
+                f("qgemm_frag_bf16_t4")?,
             ],
         })
     }
@@ -741,17 +772,34 @@ impl QGemm {
         n.is_multiple_of(FRAG_COLS) && k.is_multiple_of(32)
     }
 
-    fn frag_grid(&self, op: &str, s: Grouped) -> Result<LaunchConfig, DeviceError> {
+    fn frag_grid(
+        &self,
+        op: &str,
+        s: Grouped,
+        rows: FragRows,
+        split: usize,
+    ) -> Result<LaunchConfig, DeviceError> {
         if !Self::frag_fits(s.n, s.k) {
             return Err(self.gpu.err(format!(
                 "{op}: n = {} must be a multiple of {FRAG_COLS} (columns per block)",
                 s.n
             )));
         }
+        if !matches!(split, 1 | 2 | 4 | 8) {
+            return Err(self
+                .gpu
+                .err(format!("{op}: split {split} is not 1, 2, 4 or 8 warps")));
+        }
+        // Partial sums of the block's warps: split × (8 per token group) × 32 lanes f32.
+        let red = if split > 1 {
+            split * 8 * (rows.rows() / 8) * 32 * 4
+        } else {
+            0
+        };
         Ok(LaunchConfig {
             grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
-            block_dim: (QF_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: (32 * split as u32, 1, 1),
+            shared_mem_bytes: red as u32,
         })
     }
 
@@ -776,10 +824,11 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = FragRows::for_rows(s.rows, s.experts);
-        self.grouped_nt_frag_mxfp8_with(rows, x, codes, scales, offsets, y, s)
+        self.grouped_nt_frag_mxfp8_with(rows, frag_split(s, s.k), x, codes, scales, offsets, y, s)
     }
 
-    /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass.
+    /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass and the
+    /// reduction split over `split` warps per block (1, 2, 4 or 8).
     ///
     /// # Errors
     /// As [`QGemm::grouped_nt_frag_mxfp8`].
@@ -787,6 +836,7 @@ impl QGemm {
     pub fn grouped_nt_frag_mxfp8_with(
         &self,
         rows: FragRows,
+        split: usize,
         x: &CudaView<'_, u16>,
         codes: &CudaView<'_, u8>,
         scales: &CudaView<'_, u8>,
@@ -796,7 +846,7 @@ impl QGemm {
     ) -> Result<(), DeviceError> {
         let op = "grouped_nt_frag_mxfp8";
         self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
-        let cfg = self.frag_grid(op, s)?;
+        let cfg = self.frag_grid(op, s, rows, split)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
@@ -812,8 +862,8 @@ impl QGemm {
         // only when 16c < K and its scale byte c/2 < K/32, activation rows in [lo, hi) ⊆ [0, R]
         // (offsets clamped) at 16-element chunks starting below K, and writes y at those rows,
         // columns < N. The block's threads run the same pass loop (bounds from offsets, equal
-        // for all), so both barriers per pass are reached by all; the shared array is static
-        // (8 KB per 8 rows of the pass). Argument types match (const u16*, const u8*, const u8*,
+        // for all), so both barriers per pass are reached by all (none with split 1); the
+        // dynamic shared array holds split × 8·TG × 32 floats (frag_grid). Argument types match (const u16*, const u8*, const u8*,
         // const u32*, float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
@@ -840,10 +890,14 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = FragRows::for_rows(s.rows, s.experts);
-        self.grouped_nt_frag_nvfp4_with(rows, x_pre, x_amax, codes, scales, w_amax, offsets, y, s)
+        let split = frag_split(s, s.k / 2);
+        self.grouped_nt_frag_nvfp4_with(
+            rows, split, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
+        )
     }
 
-    /// [`QGemm::grouped_nt_frag_nvfp4`] with `rows` activation rows per pass.
+    /// [`QGemm::grouped_nt_frag_nvfp4`] with `rows` activation rows per pass and the
+    /// reduction split over `split` warps per block (1, 2, 4 or 8).
     ///
     /// # Errors
     /// As [`QGemm::grouped_nt_frag_nvfp4`].
@@ -851,6 +905,7 @@ impl QGemm {
     pub fn grouped_nt_frag_nvfp4_with(
         &self,
         rows: FragRows,
+        split: usize,
         x_pre: &CudaView<'_, u16>,
         x_amax: &CudaView<'_, f32>,
         codes: &CudaView<'_, u8>,
@@ -863,7 +918,7 @@ impl QGemm {
         let op = "grouped_nt_frag_nvfp4";
         let g = &self.gpu;
         self.check_grouped(op, LowByte::Nvfp4, s, x_pre, codes, scales, offsets, y)?;
-        let cfg = self.frag_grid(op, s)?;
+        let cfg = self.frag_grid(op, s, rows, split)?;
         check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
         check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
@@ -880,6 +935,91 @@ impl QGemm {
         // activation chunks of 32 elements starting below K), x_amax read at rows < R (R
         // entries), w_amax at e < E (E entries). Argument types match (const u16*, const
         // float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// BF16 routed experts (`w [E, N, K]` BF16 bit patterns) by the fragment kernels: the
+    /// [`QGemm::grouped_nt_frag_mxfp8`] scheme with the stored values as the A fragments
+    /// (16-byte loads straight into registers, no shared memory), `x [R, K]` BF16 as B. Every
+    /// product exact in f32; tensor-core f32 sums (bound `tensor_core_sum_bound`);
+    /// deterministic. For 1–32 rows per expert (decode batches), where it streams the weights
+    /// closer to the copy bandwidth than the tiled kernels.
+    ///
+    /// # Errors
+    /// `n` not a multiple of [`FRAG_COLS`], `k` not a multiple of 32, short or misaligned
+    /// buffers (x and w 16-byte aligned), sizes past u32, launch errors.
+    pub fn grouped_nt_frag_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let rows = FragRows::for_rows(s.rows, s.experts);
+        self.grouped_nt_frag_bf16_with(rows, frag_split(s, 2 * s.k), x, w, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_frag_bf16`] with `rows` activation rows per pass and `split` warps
+    /// per block.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_bf16`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_bf16_with(
+        &self,
+        rows: FragRows,
+        split: usize,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_frag_bf16";
+        let g = &self.gpu;
+        check_multiple(g, op, s.k, 32, "64-byte super-steps of BF16 weight rows")?;
+        let cfg = self.frag_grid(op, s, rows, split)?;
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("n", s.n),
+                ("k", s.k),
+            ],
+        )?;
+        if s.experts > 65_535 {
+            return Err(g.err(format!(
+                "{op}: {} experts exceed the grid's y limit 65535",
+                s.experts
+            )));
+        }
+        let enk = mul(g, op, mul(g, op, s.experts, s.n)?, s.k)?;
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, s.rows, s.k)?)?;
+        check_len(g, &format!("{op} w"), w.len(), enk)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} w"), w.device_ptr(stream).0, 16)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(&self.frag_bf16[rows.index()]);
+        // The kernel's `scales` is never read for BF16 weights (QfBf16::load_scale).
+        b.arg(x).arg(w).arg(w).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n % 32 == 0
+        // and k % 32 == 0 (checked), x and w 16-byte aligned (checked): block (bx, e) reads
+        // the 2K-byte weight rows bx·32 .. +32 ≤ N of expert e < E in 16-byte chunks below 2K,
+        // activation rows in [lo, hi) ⊆ [0, R] (offsets clamped) at 8-element chunks starting
+        // below K, and writes y at those rows, columns < N; barriers and shared memory as
+        // grouped_nt_frag_mxfp8. Argument types match (const u16*, const u8*, const u8*,
+        // const u32*, float*, u32 × 4): device pointers of u16 buffers passed as bytes.
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
