@@ -226,6 +226,38 @@ mod bench {
                         cublas_ms: Some(cb),
                     });
                 }
+                if op == "fwd" {
+                    // The same grouped forward as one cublasGemmEx per expert (the host's copy
+                    // of the offsets; host time included: the calls are queued one by one).
+                    // cublasGemmGroupedBatchedEx answers NOT_SUPPORTED for BF16 in, f32 out.
+                    let host_off = offsets(&counts);
+                    let t = time(&g, reps, || {
+                        for e in 0..EXPERTS {
+                            let (lo, hi) = (host_off[e] as usize, host_off[e + 1] as usize);
+                            if lo == hi {
+                                continue;
+                            }
+                            ops.dense_nt(
+                                &a.slice(lo * k..hi * k),
+                                &w.slice(e * n * k..(e + 1) * n * k),
+                                &mut out.slice_mut(lo * n..hi * n),
+                                hi - lo,
+                                n,
+                                k,
+                            )
+                            .expect("cuBLAS per expert");
+                        }
+                    });
+                    rows_out.push(Row {
+                        case: case.clone(),
+                        op: "fwd cuBLAS per expert".into(),
+                        ms: t,
+                        flops,
+                        weight_bytes: wb,
+                        copy_ms: cp,
+                        cublas_ms: Some(cb),
+                    });
+                }
                 rows_out.push(Row {
                     case: case.clone(),
                     op: format!("{op} cuBLAS dense"),

@@ -23,6 +23,7 @@
 #define GT_LD (GT_K + 8)         // K-contiguous row stride in bf16 (80 bytes: 16-byte multiple,
                                  // conflict-free ldmatrix rows)
 #define NO_EXPERT 0xFFFFFFFFu
+#define GT_STAGES 4              // shared-memory stages of the tiled kernels' pipeline
 
 // Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
 __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
@@ -74,8 +75,8 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
 // stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
 // "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
 // contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
-// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), two or
-// three stages in flight (Cfg::STAGES), and fragments come from ldmatrix (.trans for
+// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), GT_STAGES
+// stages in dynamic shared memory (Cfg::STAGES), and fragments come from ldmatrix (.trans for
 // MN-contiguous tiles).
 
 #define MN_LD(ROWS) ((ROWS) + 8)  // row stride of an MN-contiguous tile (bf16; 144 bytes)
@@ -189,8 +190,9 @@ struct Cfg {
     static constexpr int THREADS = 64 * WN_WARPS;
     static constexpr int WM = BM / 2;
     static constexpr int MI = WM / 16;
-    // Stages in flight: 3 while the buffers fit the 48 KB of static shared memory, else 2.
-    static constexpr int STAGES = (BM + BN) * GT_LD * 2 * 3 <= 40 * 1024 ? 3 : 2;
+    // Stages in flight (dynamic shared memory, GT_STAGES of each operand's tile: 80 KB for
+    // the 128 × 128 forward; the launchers size it with the same formula).
+    static constexpr int STAGES = GT_STAGES;
 };
 
 template <int BM, int BN, bool A_MN, bool B_MN>
@@ -198,8 +200,11 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
                                          float acc[Cfg<BM, BN>::MI][4][4]) {
     typedef Cfg<BM, BN> C;
     constexpr int S = C::STAGES;
-    __shared__ __align__(128) u16 As[S][TileSize<A_MN, BM>::elems];
-    __shared__ __align__(128) u16 Bs[S][TileSize<B_MN, BN>::elems];
+    // S stages of A, then S of B (16-byte multiples each: cp.async destinations stay aligned).
+    extern __shared__ __align__(128) u16 gt_smem[];
+    constexpr int AE = TileSize<A_MN, BM>::elems, BE = TileSize<B_MN, BN>::elems;
+    u16* const As = gt_smem;
+    u16* const Bs = gt_smem + S * AE;
     const int warp = threadIdx.x >> 5;
     const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
 #pragma unroll
@@ -214,8 +219,8 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
         if ((u64)st < nk) {
-            issue_stage<A_MN, BM, C::THREADS>(As[st], A, red_lo + (u64)st * GT_K);
-            issue_stage<B_MN, BN, C::THREADS>(Bs[st], B, red_lo + (u64)st * GT_K);
+            issue_stage<A_MN, BM, C::THREADS>(As + st * AE, A, red_lo + (u64)st * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs + st * BE, B, red_lo + (u64)st * GT_K);
         }
         cp_async_commit();
     }
@@ -225,8 +230,8 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
         // exist, so "at most S - 1 pending" means groups 0 .. kt (stage kt) have landed.
         const u64 nxt = kt + S - 1;
         if (nxt < nk) {
-            issue_stage<A_MN, BM, C::THREADS>(As[nxt % S], A, red_lo + nxt * GT_K);
-            issue_stage<B_MN, BN, C::THREADS>(Bs[nxt % S], B, red_lo + nxt * GT_K);
+            issue_stage<A_MN, BM, C::THREADS>(As + (nxt % S) * AE, A, red_lo + nxt * GT_K);
+            issue_stage<B_MN, BN, C::THREADS>(Bs + (nxt % S) * BE, B, red_lo + nxt * GT_K);
         }
         cp_async_commit();
         cp_async_wait<S - 1>();
@@ -236,11 +241,11 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
         for (int kk = 0; kk < GT_K; kk += 16) {
             u32 a[C::MI][4], b[4][2];
 #pragma unroll
-            for (int i = 0; i < C::MI; ++i) frag_a<A_MN, BM>(a[i], As[cur], wm + 16 * i, kk);
+            for (int i = 0; i < C::MI; ++i) frag_a<A_MN, BM>(a[i], As + cur * AE, wm + 16 * i, kk);
 #pragma unroll
             for (int j = 0; j < 4; j += 2) {
                 u32 r[4];
-                frag_b2<B_MN, BN>(r, Bs[cur], wn + 8 * j, kk);
+                frag_b2<B_MN, BN>(r, Bs + cur * BE, wn + 8 * j, kk);
                 b[j][0] = r[0];
                 b[j][1] = r[1];
                 b[j + 1][0] = r[2];

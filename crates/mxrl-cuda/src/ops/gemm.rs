@@ -33,6 +33,7 @@ use super::{check_align, check_len, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg,
@@ -84,11 +85,34 @@ impl Tile {
         }
     }
 
+    /// Dynamic shared memory of the tile's kernel: [`GT_STAGES`] stages of both operand tiles,
+    /// each `rows × (GT_K + 8)` BF16 when its reduction index is the contiguous one (`mn`
+    /// false), else `GT_K × (rows + 8)` (the kernel's `TileSize`).
+    fn smem_bytes(self, a_mn: bool, b_mn: bool) -> usize {
+        let tile = |rows: usize, mn: bool| {
+            if mn {
+                GT_K * (rows + 8)
+            } else {
+                rows * (GT_K + 8)
+            }
+        };
+        GT_STAGES * (tile(self.rows(), a_mn) + tile(self.cols(), b_mn)) * 2
+    }
+
     fn index(self) -> usize {
         match self {
             Tile::T64 => 0,
             Tile::T128 => 1,
             Tile::T32x128 => 2,
+        }
+    }
+
+    /// The kernels' name suffix (`grouped_nt_t64`, …).
+    fn suffix(self) -> &'static str {
+        match self {
+            Tile::T64 => "64",
+            Tile::T128 => "128",
+            Tile::T32x128 => "32x128",
         }
     }
 
@@ -105,6 +129,15 @@ impl Tile {
 /// Output columns one block of the small-M kernel covers (`SM_WARPS · SM_NB`).
 const SMALL_M_COLS: usize = 32;
 const SMALL_M_THREADS: u32 = 256;
+
+/// Reduction depth of one shared-memory stage of the tiled kernels (`GT_K`).
+const GT_K: usize = 32;
+/// Shared-memory stages of the tiled kernels' pipeline (`GT_STAGES`).
+const GT_STAGES: usize = 4;
+/// Operand layouts (A, B contiguous along the output index?) of the forward, dgrad and wgrad.
+const NT_MN: (bool, bool) = (false, false);
+const NN_MN: (bool, bool) = (false, true);
+const TN_MN: (bool, bool) = (true, true);
 
 /// [`Gemm::grouped_nt`] takes the small-M (GEMV-style) kernel when the total row count is at
 /// most this many rows per expert on average (`rows ≤ SMALL_M_ROWS_PER_EXPERT · experts`):
@@ -236,24 +269,35 @@ impl Gemm {
             m.load_function(n)
                 .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
         };
+        let tiled = |kind: &str, (a_mn, b_mn): (bool, bool)| {
+            Tile::ALL.map(|t| {
+                let name = format!("grouped_{kind}_t{}", t.suffix());
+                let func = f(&name)?;
+                let bytes = t.smem_bytes(a_mn, b_mn);
+                func.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|x| {
+                    gpu.err(format!(
+                        "{name}: allowing {bytes} B of shared memory: {x:?}"
+                    ))
+                })?;
+                Ok::<_, DeviceError>(func)
+            })
+        };
+        let [a, b, c] = tiled("nt", NT_MN);
+        let nt_tiled = [a?, b?, c?];
+        let [a, b, c] = tiled("nn", NN_MN);
+        let nn_tiled = [a?, b?, c?];
+        let [a, b, c] = tiled("tn", TN_MN);
+        let tn_tiled = [a?, b?, c?];
         Ok(Gemm {
             gpu: gpu.clone(),
             blas: blas_for(gpu)?,
-            nt_tiled: [
-                f("grouped_nt_t64")?,
-                f("grouped_nt_t128")?,
-                f("grouped_nt_t32x128")?,
-            ],
-            nn_tiled: [
-                f("grouped_nn_t64")?,
-                f("grouped_nn_t128")?,
-                f("grouped_nn_t32x128")?,
-            ],
-            tn_tiled: [
-                f("grouped_tn_t64")?,
-                f("grouped_tn_t128")?,
-                f("grouped_tn_t32x128")?,
-            ],
+            nt_tiled,
+            nn_tiled,
+            tn_tiled,
             nt_small_m: f("grouped_nt_small_m")?,
         })
     }
@@ -569,7 +613,7 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
-        let cfg = self.row_tile_grid("grouped_nt", tile, s, s.n)?;
+        let cfg = self.row_tile_grid("grouped_nt", tile, s, s.n, NT_MN)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let mut b = g.stream().launch_builder(&self.nt_tiled[tile.index()]);
         b.arg(x).arg(w).arg(offsets).arg(y);
@@ -679,7 +723,7 @@ impl Gemm {
         if s.experts == 0 || s.rows == 0 || s.k == 0 {
             return Ok(());
         }
-        let cfg = self.row_tile_grid("grouped_nn", tile, s, s.k)?;
+        let cfg = self.row_tile_grid("grouped_nn", tile, s, s.k, NN_MN)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let mut b = g.stream().launch_builder(&self.nn_tiled[tile.index()]);
         b.arg(dy).arg(w).arg(offsets).arg(dx);
@@ -742,7 +786,7 @@ impl Gemm {
         let cfg = LaunchConfig {
             grid_dim: (gx as u32, gy as u32, s.experts as u32),
             block_dim: (tile.threads(), 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: tile.smem_bytes(TN_MN.0, TN_MN.1) as u32,
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let mut b = g.stream().launch_builder(&self.tn_tiled[tile.index()]);
@@ -764,6 +808,7 @@ impl Gemm {
         tile: Tile,
         s: Grouped,
         cols: usize,
+        (a_mn, b_mn): (bool, bool),
     ) -> Result<LaunchConfig, DeviceError> {
         let gx = s.rows.div_ceil(tile.rows()) + s.experts;
         let gy = cols.div_ceil(tile.cols());
@@ -775,7 +820,7 @@ impl Gemm {
         Ok(LaunchConfig {
             grid_dim: (gx as u32, gy as u32, 1),
             block_dim: (tile.threads(), 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: tile.smem_bytes(a_mn, b_mn) as u32,
         })
     }
 }
