@@ -101,7 +101,8 @@ pub const PER_EXPERT_ROWS: usize = usize::MAX;
 /// fragments (decode batches); beyond that, weights dequantized to BF16 for the tiled
 /// tensor-core grouped GEMMs (prefill, scoring). Off the fragment kernels' shapes the small-M
 /// kernels serve up to [`QSMALL_M_ROWS_PER_EXPERT`] rows per expert, the dequantized path
-/// beyond.
+/// beyond. BF16 routed experts take the same fragment kernels on their stored BF16 values up
+/// to [`QFRAG_ROWS_PER_EXPERT`] rows per expert (`grouped_linear`), the tiled kernels beyond.
 pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
 
 /// Average rows per expert up to which the fragment kernels on stored bytes
