@@ -28,3 +28,65 @@ extern "C" __global__ void rope_apply(float* __restrict__ x, const float* __rest
     v[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
+
+// A decode step's attention inputs in one pass (Backend::decode_attn_prep): block (r, h) of grid
+// (rows, hq + hkv), blockDim = the RMSNorm kernels' row_threads(D) (so the row sum runs the same
+// reduction tree as rmsnorm_fwd: bitwise its result). Head h < hq is q's head h, else k's head
+// h - hq. With `norm`: x ← (x·rs)·w as rmsnorm_fwd (rs = 1/sqrt(Σx²/D + eps)); then rope_apply's
+// rotation (sign +1) at pos[r], NaN past the table; the rotated row is written back to q / k,
+// and for a k head, with len = lens[r] ∈ [1, max_len], bf16 of it and of v's head to the caches
+// at [r, len - 1, h - hq] (kv_append's bytes). Shared memory: D floats.
+extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __restrict__ k,
+                                            const float* __restrict__ v, const float* __restrict__ wq,
+                                            const float* __restrict__ wk, int norm, float eps, u32 hq,
+                                            u32 hkv, u32 d, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, const u32* __restrict__ pos,
+                                            u32 max_pos, const u32* __restrict__ lens, u32 max_len,
+                                            u16* __restrict__ kc, u16* __restrict__ vc) {
+    extern __shared__ float rowbuf[];
+    __shared__ float scratch[32];
+    const u64 r = blockIdx.x;
+    const u32 h = blockIdx.y;
+    const bool is_q = h < hq;
+    const u32 kh = h - hq;
+    float* x = is_q ? q + (r * hq + h) * (u64)d : k + (r * hkv + kh) * (u64)d;
+    if (norm) {
+        const float* w = is_q ? wq : wk;
+        float ss = 0.0f;
+        for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[j], x[j]));
+        ss = block_sum(ss, scratch);
+        const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+        for (u32 j = threadIdx.x; j < d; j += blockDim.x) rowbuf[j] = __fmul_rn(__fmul_rn(x[j], rs), w[j]);
+    } else {
+        for (u32 j = threadIdx.x; j < d; j += blockDim.x) rowbuf[j] = x[j];
+    }
+    __syncthreads();
+    const u32 half = d / 2, p = pos[r];
+    const u32 len = lens[r];
+    const bool append = !is_q && len != 0 && len <= max_len;
+    const u64 kvw = (u64)hkv * d;
+    const u64 o = ((u64)r * max_len + (len - 1)) * kvw + (u64)kh * d;
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        float lo, hi;
+        if (p >= max_pos) {
+            lo = __int_as_float(0x7fc00000);
+            hi = lo;
+        } else {
+            const float c = cos_t[(u64)p * half + i];
+            const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
+            const float a = rowbuf[i], b = rowbuf[i + half];
+            lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        }
+        x[i] = lo;
+        x[i + half] = hi;
+        if (append) {
+            kc[o + i] = f32_to_bf16(lo);
+            kc[o + i + half] = f32_to_bf16(hi);
+        }
+    }
+    if (append) {
+        const float* vr = v + (r * hkv + kh) * (u64)d;
+        for (u32 j = threadIdx.x; j < d; j += blockDim.x) vc[o + j] = f32_to_bf16(vr[j]);
+    }
+}

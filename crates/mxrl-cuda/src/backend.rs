@@ -1422,6 +1422,51 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
+    fn decode_attn_prep(
+        &self,
+        q: &mut Self::F32,
+        k: &mut Self::F32,
+        v: &Self::F32,
+        norms: Option<[&Self::F32; 2]>,
+        eps: f32,
+        rows: usize,
+        shape: AttnShape,
+        pos: &Self::U32,
+        table: &Self::Rope,
+        lens: &Self::U32,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()> {
+        if shape.head_dim != table.head_dim() {
+            return Err(DeviceError::new(
+                self.gpu.name(),
+                format!(
+                    "decode_attn_prep: head width {} but a RoPE table of {}",
+                    shape.head_dim,
+                    table.head_dim()
+                ),
+            ));
+        }
+        let norm_views = norms.map(|[a, b]| (a.as_view(), b.as_view()));
+        self.rope
+            .decode_attn_prep(
+                &mut q.as_view_mut(),
+                &mut k.as_view_mut(),
+                &v.as_view(),
+                norm_views.as_ref().map(|(a, b)| (a, b)),
+                eps,
+                rows,
+                (shape.q_heads, shape.kv_heads),
+                &pos.as_view(),
+                table,
+                &lens.as_view(),
+                max_len,
+                (&mut k_cache.as_view_mut(), &mut v_cache.as_view_mut()),
+            )
+            .map_err(de)
+    }
+
     fn kv_append(
         &self,
         k: &Self::F32,

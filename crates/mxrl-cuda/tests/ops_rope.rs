@@ -88,3 +88,132 @@ fn rope_position_outside_the_table_gives_nan_and_short_buffers_are_refused() {
     assert!(e.to_string().contains("rope forward"), "{e}");
     assert!(RopeDeviceTable::new(&g, 4, 7, 1e4).is_err());
 }
+
+/// `Backend::decode_attn_prep` on the CUDA backend (one fused launch) gives the bits of the
+/// ops it stands for run one by one on the same GPU (per-head RMSNorm of q and k, RoPE of
+/// both, cache append), with and without the q/k norms, for Qwen3's head layout and smaller
+/// ones, rows whose length is 0 or past the cache (nothing appended) and positions past the
+/// table (NaN rows); the CPU backend's default gives its own composition's bits too.
+#[test]
+fn fused_decode_attention_prep_is_bitwise_the_ops_it_replaces() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::attention::AttnShape;
+    use mxrl_tensor::device::{Backend, CpuBackend};
+
+    fn run<B: Backend>(b: &B, fused: bool, c: &Case, norms: bool) -> [Vec<u32>; 4] {
+        let (rows, s) = (c.rows, c.shape);
+        let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
+        let mut q = b
+            .upload_f32(&test_values(rows * hq * d, c.seed, 2.0))
+            .unwrap();
+        let mut k = b
+            .upload_f32(&test_values(rows * hkv * d, c.seed + 1, 2.0))
+            .unwrap();
+        let v = b
+            .upload_f32(&test_values(rows * hkv * d, c.seed + 2, 2.0))
+            .unwrap();
+        let wq = b.upload_f32(&test_values(d, c.seed + 3, 1.0)).unwrap();
+        let wk = b.upload_f32(&test_values(d, c.seed + 4, 1.0)).unwrap();
+        let pos = b.upload_u32(&c.pos).unwrap();
+        let lens = b.upload_u32(&c.lens).unwrap();
+        let table = b.rope_table(c.max_pos, d, 1e6).unwrap();
+        let cache = rows * c.max_len * hkv * d;
+        let mut kc = b.zeros_bf16(cache).unwrap();
+        let mut vc = b.zeros_bf16(cache).unwrap();
+        let eps = 1e-6;
+        let w = norms.then_some([&wq, &wk]);
+        if fused {
+            b.decode_attn_prep(
+                &mut q, &mut k, &v, w, eps, rows, s, &pos, &table, &lens, c.max_len, &mut kc,
+                &mut vc,
+            )
+            .unwrap();
+        } else {
+            if let Some([wq, wk]) = w {
+                for (x, w, heads) in [(&mut q, wq, hq), (&mut k, wk, hkv)] {
+                    let mut y = b.zeros_f32(rows * heads * d).unwrap();
+                    let mut rstd = b.zeros_f32(rows * heads).unwrap();
+                    b.rmsnorm(x, w, rows * heads, d, eps, &mut y, &mut rstd)
+                        .unwrap();
+                    *x = y;
+                }
+            }
+            b.rope(&mut q, rows, hq, d, &pos, &table).unwrap();
+            b.rope(&mut k, rows, hkv, d, &pos, &table).unwrap();
+            b.kv_append(&k, &v, &lens, rows, hkv * d, c.max_len, &mut kc, &mut vc)
+                .unwrap();
+        }
+        let f = |x: &B::F32, n: usize| bits(&b.download_f32(x, n).unwrap());
+        let h = |x: &B::Bf16| {
+            b.download_bf16(x, cache)
+                .unwrap()
+                .into_iter()
+                .map(u32::from)
+                .collect()
+        };
+        [f(&q, rows * hq * d), f(&k, rows * hkv * d), h(&kc), h(&vc)]
+    }
+
+    struct Case {
+        rows: usize,
+        shape: AttnShape,
+        max_pos: usize,
+        max_len: usize,
+        pos: Vec<u32>,
+        lens: Vec<u32>,
+        seed: u64,
+    }
+    let shape = |q_heads, kv_heads, head_dim| AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    let cases = [
+        Case {
+            rows: 5,
+            shape: shape(16, 4, 128),
+            max_pos: 64,
+            max_len: 40,
+            pos: vec![0, 7, 39, 63, 70],
+            lens: vec![1, 8, 40, 0, 41],
+            seed: 3100,
+        },
+        Case {
+            rows: 3,
+            shape: shape(4, 2, 64),
+            max_pos: 16,
+            max_len: 16,
+            pos: vec![3, 15, 2],
+            lens: vec![4, 16, 3],
+            seed: 3200,
+        },
+        Case {
+            rows: 2,
+            shape: shape(3, 1, 6),
+            max_pos: 8,
+            max_len: 9,
+            pos: vec![1, 5],
+            lens: vec![2, 6],
+            seed: 3300,
+        },
+    ];
+    let gpu_b = CudaBackend::new(0).unwrap();
+    for (i, c) in cases.iter().enumerate() {
+        for norms in [true, false] {
+            let what = ["q", "k", "k cache", "v cache"];
+            let fused = run(&gpu_b, true, c, norms);
+            let ops = run(&gpu_b, false, c, norms);
+            for (j, w) in what.iter().enumerate() {
+                assert_eq!(
+                    fused[j], ops[j],
+                    "case {i} (norms {norms}): GPU {w} differs"
+                );
+            }
+            let cpu = [
+                run(&CpuBackend, true, c, norms),
+                run(&CpuBackend, false, c, norms),
+            ];
+            assert_eq!(cpu[0], cpu[1], "case {i} (norms {norms}): CPU differs");
+        }
+    }
+}

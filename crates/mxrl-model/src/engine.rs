@@ -1239,7 +1239,9 @@ impl<B: Backend> Engine<B> {
             b.add_bias(&mut v, self.w(bv), n, kvd).map_err(dev)?;
         }
         let mut q_pre = None;
-        if let Some([nq, nk]) = l.attn.qk_norm {
+        // Decode runs the q/k norms inside `decode_attn_prep` (nothing is taped there).
+        let decode = matches!(pass, Pass::Decode { .. });
+        if let (false, Some([nq, nk])) = (decode, l.attn.qk_norm) {
             let (mut qn, mut kn) = (e(n * qd)?, e(n * kvd)?);
             let (mut rq, mut rk) = (e(n * hq)?, e(n * hkv)?);
             b.rmsnorm(&q, self.w(nq), n * hq, d, eps, &mut qn, &mut rq)
@@ -1287,10 +1289,23 @@ impl<B: Backend> Engine<B> {
                 pos,
                 ..
             } => {
-                b.rope(&mut q, n, hq, d, pos, &self.rope).map_err(dev)?;
-                b.rope(&mut k, n, hkv, d, pos, &self.rope).map_err(dev)?;
-                b.kv_append(&k, &v, lens, n, kvd, *max_len, &mut kc[li], &mut vc[li])
-                    .map_err(dev)?;
+                let norms = l.attn.qk_norm.map(|[nq, nk]| [self.w(nq), self.w(nk)]);
+                b.decode_attn_prep(
+                    &mut q,
+                    &mut k,
+                    &v,
+                    norms,
+                    eps,
+                    n,
+                    shape,
+                    pos,
+                    &self.rope,
+                    lens,
+                    *max_len,
+                    &mut kc[li],
+                    &mut vc[li],
+                )
+                .map_err(dev)?;
                 // The lengths are read on the device: a recorded step replays at any length.
                 b.attention_decode(
                     &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,

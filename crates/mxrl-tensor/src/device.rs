@@ -350,6 +350,45 @@ pub trait Backend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()>;
+    /// A decode step's attention inputs in one op: with `norms` (`[w_q, w_k]`, the per-head
+    /// q/k RMSNorm weights of width `head_dim`) each head of `q [rows, q_heads·D]` and
+    /// `k [rows, kv_heads·D]` is normalized in place ([`Backend::rmsnorm`] over rows of `D`),
+    /// then RoPE rotates both at `pos` ([`Backend::rope`]), then `k` and `v` are appended to
+    /// the caches ([`Backend::kv_append`]). The default runs exactly those ops; a backend that
+    /// fuses them must give the same bits.
+    ///
+    /// # Errors
+    /// As the ops it stands for.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attn_prep(
+        &self,
+        q: &mut Self::F32,
+        k: &mut Self::F32,
+        v: &Self::F32,
+        norms: Option<[&Self::F32; 2]>,
+        eps: f32,
+        rows: usize,
+        shape: AttnShape,
+        pos: &Self::U32,
+        table: &Self::Rope,
+        lens: &Self::U32,
+        max_len: usize,
+        k_cache: &mut Self::Bf16,
+        v_cache: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        if let Some([wq, wk]) = norms {
+            for (x, w, heads) in [(&mut *q, wq, hq), (&mut *k, wk, hkv)] {
+                let mut y = self.empty_f32(rows * heads * d)?;
+                let mut rstd = self.empty_f32(rows * heads)?;
+                self.rmsnorm(x, w, rows * heads, d, eps, &mut y, &mut rstd)?;
+                *x = y;
+            }
+        }
+        self.rope(q, rows, hq, d, pos, table)?;
+        self.rope(k, rows, hkv, d, pos, table)?;
+        self.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
+    }
     /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):
     /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch. With `replay`
     /// (expert ids `[N, k]`, slot order) those experts are used instead of the top-k and the

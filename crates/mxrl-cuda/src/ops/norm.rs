@@ -34,7 +34,7 @@ pub fn backward_scratch_len(rows: usize, d: usize) -> usize {
 
 /// Threads per block of the per-row kernels: one warp per 32 columns up to 256 (a function of
 /// `d` only, so the reduction tree is fixed by the shape).
-fn row_threads(d: usize) -> u32 {
+pub(crate) fn row_threads(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 

@@ -70,6 +70,7 @@ impl RopeDeviceTable {
 pub struct Rope {
     gpu: Gpu,
     apply: CudaFunction,
+    decode_prep: CudaFunction,
 }
 
 impl Rope {
@@ -79,12 +80,14 @@ impl Rope {
     /// NVRTC or module-load errors.
     pub fn new(gpu: &Gpu) -> Result<Self, DeviceError> {
         let m = gpu.module("ops_rope", SOURCE)?;
-        let apply = m
-            .load_function("rope_apply")
-            .map_err(|x| gpu.err(format!("kernel rope_apply: {x:?}")))?;
+        let f = |n: &str| {
+            m.load_function(n)
+                .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
+        };
         Ok(Rope {
             gpu: gpu.clone(),
-            apply,
+            apply: f("rope_apply")?,
+            decode_prep: f("decode_attn_prep")?,
         })
     }
 
@@ -122,6 +125,95 @@ impl Rope {
         table: &RopeDeviceTable,
     ) -> Result<(), DeviceError> {
         self.apply(dy, pos, n, heads, table, -1.0, "rope backward")
+    }
+
+    /// A decode step's attention inputs in one launch (`decode_attn_prep`): per row `r` and
+    /// head, with `norms` the per-head RMSNorm of `q [rows, q_heads·D]` / `k [rows,
+    /// kv_heads·D]` (bitwise [`super::norm`]'s forward: same reduction tree), then the RoPE
+    /// rotation at `pos[r]` (bitwise [`Rope::forward`]), written back in place; for k heads,
+    /// with `len = lens[r]` in `1..=max_len`, `bf16` of the rotated k row and of v's row to
+    /// the caches `[rows, max_len, kv_heads·D]` at position `len − 1` (the bytes of
+    /// `Attention::kv_append`). Reference: those ops one after the other.
+    ///
+    /// # Errors
+    /// Short buffers, an odd head width or one that is not the table's, shapes past u32;
+    /// launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_attn_prep(
+        &self,
+        q: &mut CudaViewMut<'_, f32>,
+        k: &mut CudaViewMut<'_, f32>,
+        v: &CudaView<'_, f32>,
+        norms: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>)>,
+        eps: f32,
+        rows: usize,
+        (hq, hkv): (usize, usize),
+        pos: &CudaView<'_, u32>,
+        table: &RopeDeviceTable,
+        lens: &CudaView<'_, u32>,
+        max_len: usize,
+        (kc, vc): (&mut CudaViewMut<'_, u16>, &mut CudaViewMut<'_, u16>),
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "decode_attn_prep";
+        let d = table.head_dim;
+        let len = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| g.err(format!("{op}: shape too large")))
+        };
+        let (qn, kn) = (len(rows, hq * d)?, len(rows, hkv * d)?);
+        let cache = len(len(rows, max_len)?, hkv * d)?;
+        for (what, have, need) in [
+            ("q", q.len(), qn),
+            ("k", k.len(), kn),
+            ("v", v.len(), kn),
+            ("pos", pos.len(), rows),
+            ("lens", lens.len(), rows),
+            ("k cache", kc.len(), cache),
+            ("v cache", vc.len(), cache),
+        ] {
+            if have < need {
+                return Err(g.err(format!("{op}: {what} holds {have} entries, {need} needed")));
+            }
+        }
+        if let Some((wq, wk)) = &norms {
+            if wq.len() < d || wk.len() < d {
+                return Err(g.err(format!("{op}: q/k norm weights shorter than D = {d}")));
+            }
+        }
+        if rows == 0 || hq + hkv == 0 {
+            return Ok(());
+        }
+        if rows > i32::MAX as usize || hq + hkv > 65_535 || max_len > u32::MAX as usize {
+            return Err(g.err(format!("{op}: shape too large for one launch")));
+        }
+        let (norm, (wq, wk)) = match norms {
+            Some(w) => (1i32, w),
+            // Never read without `norm`: any device pointers do.
+            None => (0, (v, v)),
+        };
+        let (hq32, hkv32, d32) = (hq as u32, hkv as u32, d as u32);
+        let (maxp32, max_len32) = (table.max_pos as u32, max_len as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, (hq + hkv) as u32, 1),
+            block_dim: (super::norm::row_threads(d), 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        let mut b = g.stream().launch_builder(&self.decode_prep);
+        b.arg(q).arg(k).arg(v).arg(wq).arg(wk).arg(&norm).arg(&eps);
+        b.arg(&hq32).arg(&hkv32).arg(&d32);
+        b.arg(&table.cos).arg(&table.sin).arg(pos).arg(&maxp32);
+        b.arg(lens).arg(&max_len32).arg(kc).arg(vc);
+        // SAFETY: block (r, h) with r < rows and h < hq + hkv touches the D-element head row of
+        // q (h < hq) or k (rows·heads·D checked), reads v's head row (rows·hkv·D checked), the
+        // norm weights below D (checked, read only with norm), pos[r] and lens[r] (rows
+        // checked), table entries below max_pos·D/2 only when pos[r] < max_pos, and writes the
+        // caches at (r·max_len + len − 1)·hkv·D + kh·D + j < rows·max_len·hkv·D only when
+        // 1 ≤ len ≤ max_len; shared memory D floats (dynamic) plus 32 (static); blockDim a
+        // warp multiple ≤ 256 (block_sum). Argument types match (float*, float*, const float*
+        // × 3, int, float, u32 × 3, const float* × 2, const u32*, u32, const u32*, u32, u16* × 2).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
