@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
 # .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmarks (mxrl-cuda's
-# bench_gemm, bench_head_ops and bench_qgemm examples) and the CUDA test binaries of mxrl-cuda and mxrl-model. `scripts/device_run.sh` runs them on the GPU machine, which needs
+# bench_gemm, bench_head_ops and bench_qgemm examples), the CUDA test binaries of mxrl-cuda and
+# mxrl-cli's GPU test. `scripts/device_run.sh` runs them on the GPU machine, which needs
 # no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +18,10 @@ cargo build --release -p mxrl-cuda --features cuda --example bench_qgemm
 cp target/release/examples/bench_qgemm "$out/bench_qgemm"
 cargo build --release -p mxrl-cuda --features cuda --example bench_attn_ops
 cp target/release/examples/bench_attn_ops "$out/bench_attn_ops"
-for pkg in mxrl-cuda; do
-  cargo test --release -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null \
+for pkg in mxrl-cuda mxrl-cli; do
+  # mxrl-cli: only its GPU test (the two-process rollout on the device); the others are CI's.
+  sel=(); [[ $pkg == mxrl-cli ]] && sel=(--test rollout_gpu)
+  cargo test --release -p "$pkg" --features cuda "${sel[@]}" --no-run --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys, shutil, os
 for line in sys.stdin:

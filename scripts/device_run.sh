@@ -14,6 +14,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 summary=()
 if [[ " $what " == *" tests "* ]]; then
+  # The CLI's GPU tests run the binary built beside them, not the path baked in at build time.
+  export MXRL_BIN=$PWD/.dev/mxrl
   for t in .dev/tests/*; do
     name=$(basename "$t")
     start=$(date +%s)

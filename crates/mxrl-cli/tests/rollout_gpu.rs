@@ -1,0 +1,103 @@
+//! The rollout engine in its own process on the GPU: `mxrl rl --device cuda --rollout spawn`
+//! starts `mxrl rollout-server --device cuda`, and every weight update moves the trainer's
+//! stored bytes (BF16, MXFP8, FP8-block) over gRPC into the server's device engine. In bitwise
+//! mode the server re-scores with the trainer's forward, so |Δlogprob| is exactly 0 at every
+//! step, and the run equals the in-process GPU run bit for bit: same samples, rewards, loss,
+//! gradient norm and update. Needs a GPU (`--features cuda`); `MXRL_BIN` names the binary where
+//! the test runs on another machine than it was built on.
+#![cfg(feature = "cuda")]
+
+use mxrl_rl::metrics::{read_jsonl, StepMetrics};
+use mxrl_rl::session::{demo_model, save_model_dir};
+use std::path::Path;
+use std::process::Command;
+
+fn mxrl() -> Command {
+    let bin = std::env::var("MXRL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_mxrl").into());
+    let mut c = Command::new(bin);
+    c.env("RUST_BACKTRACE", "0");
+    c
+}
+
+fn run_ok(args: &[String]) -> String {
+    let out = mxrl().args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "mxrl {args:?} failed:\n{text}");
+    text
+}
+
+fn rl_args(model: &Path, recipe: &str, out: &Path) -> Vec<String> {
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let mut v = vec!["rl".to_string(), "--model".into(), p(model)];
+    for a in [
+        "--recipe",
+        recipe,
+        "--device",
+        "cuda",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--samples",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--lr",
+        "0.01",
+        "--bitwise",
+        "--check-weight-sync",
+        "--checkpoint-every",
+        "0",
+    ] {
+        v.push(a.into());
+    }
+    v.push("--out".into());
+    v.push(p(out));
+    v
+}
+
+#[test]
+fn spawned_gpu_rollout_server_equals_the_in_process_gpu_run() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let (m, tok) = demo_model(3).unwrap();
+    save_model_dir(&m, &tok, &model).unwrap();
+    for recipe in ["bf16", "mxfp8", "fp8-block"] {
+        let (local, remote) = (
+            d.path().join(format!("{recipe}-local")),
+            d.path().join(format!("{recipe}-remote")),
+        );
+        run_ok(&rl_args(&model, recipe, &local));
+        let mut args = rl_args(&model, recipe, &remote);
+        args.extend(["--rollout".to_string(), "spawn".to_string()]);
+        run_ok(&args);
+        let l = read_jsonl(&local.join("metrics.jsonl")).unwrap();
+        let r = read_jsonl(&remote.join("metrics.jsonl")).unwrap();
+        assert_eq!(r.len(), 3, "{recipe}: {r:?}");
+        let key = |m: &StepMetrics| {
+            (
+                m.step,
+                m.weight_version,
+                m.tokens,
+                m.sync_bytes,
+                m.reward_mean.to_bits(),
+                m.loss.to_bits(),
+                m.grad_norm.to_bits(),
+                m.k3_kl.to_bits(),
+                m.entropy.to_bits(),
+            )
+        };
+        for (a, b) in r.iter().zip(&l) {
+            assert!(a.tokens > 0 && a.sync_bytes > 0, "{recipe}: {a:?}");
+            assert_eq!(a.train_rollout_logprob_abs_diff, 0.0, "{recipe}: {a:?}");
+            assert_eq!(key(a), key(b), "{recipe}: server process vs in process");
+        }
+        let log = std::fs::read_to_string(remote.join("rollout-server.log")).unwrap();
+        assert!(log.contains("applied weight version 4"), "{recipe}: {log}");
+    }
+}
