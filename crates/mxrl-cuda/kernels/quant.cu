@@ -38,7 +38,29 @@ __device__ __forceinline__ void load8(const u16* p, u64 i, float v[8]) {
     }
 }
 
-__device__ __forceinline__ float e4m3_value(u32 code) { return __uint_as_float(MXRL_E4M3_BITS[code & 0xFFu]); }
+
+// e4m3_value for a code 0x00..0x7E (non-negative, not NaN) without the table (a per-thread
+// table index serializes the constant cache): normal codes are the bit pattern shifted into
+// place with the bias moved; subnormal codes m·2^(1−bias−man) are computed exactly as
+// (1 + m·2^−man)·2^(1−bias) − 2^(1−bias).
+__device__ __forceinline__ float e4m3_value_nonneg(u32 code) {
+    const u32 shift = 23u - MXRL_E4M3_MAN;
+    const u32 rebias = (u32)(127 - MXRL_E4M3_BIAS) << 23;
+    if ((code >> MXRL_E4M3_MAN) != 0u) return __uint_as_float((code << shift) + rebias);
+    const float lead = __uint_as_float(((1u << MXRL_E4M3_MAN) << shift) + rebias);
+    return __fsub_rn(__uint_as_float(((code | (1u << MXRL_E4M3_MAN)) << shift) + rebias), lead);
+}
+
+// The value of an E4M3 code (the contract's table MXRL_E4M3_BITS): computed for every finite
+// code (e4m3_value_nonneg and the sign), read from the table only for the NaN codes, so a warp
+// whose lanes hold different codes does not serialize on the constant cache.
+__device__ __forceinline__ float e4m3_value(u32 code) {
+    code &= 0xFFu;
+    const u32 mag = code & 0x7Fu;
+    if (mag > MXRL_E4M3_MAX_CODE) return __uint_as_float(MXRL_E4M3_BITS[code]);
+    const float v = e4m3_value_nonneg(mag);
+    return (code & 0x80u) ? -v : v;
+}
 
 // f32 -> E4M3 satfinite RNE (e4m3fn); same bit algorithm as mxrl_formats::e4m3_encode.
 __device__ __forceinline__ u32 e4m3_encode(float x) {
@@ -136,17 +158,6 @@ __device__ __forceinline__ u32 ue4m3_finite(float v) {
 #endif
 }
 
-// e4m3_value for a code 0x00..0x7E (non-negative, not NaN) without the table (a per-thread
-// table index serializes the constant cache): normal codes are the bit pattern shifted into
-// place with the bias moved; subnormal codes m·2^(1−bias−man) are computed exactly as
-// (1 + m·2^−man)·2^(1−bias) − 2^(1−bias).
-__device__ __forceinline__ float e4m3_value_nonneg(u32 code) {
-    const u32 shift = 23u - MXRL_E4M3_MAN;
-    const u32 rebias = (u32)(127 - MXRL_E4M3_BIAS) << 23;
-    if ((code >> MXRL_E4M3_MAN) != 0u) return __uint_as_float((code << shift) + rebias);
-    const float lead = __uint_as_float(((1u << MXRL_E4M3_MAN) << shift) + rebias);
-    return __fsub_rn(__uint_as_float(((code | (1u << MXRL_E4M3_MAN)) << shift) + rebias), lead);
-}
 
 // f32 -> E2M1 nibble for every value but a negative NaN (which gives 0xF instead of the
 // contract's 0x7; callers detect NaN and take e2m1_encode): the prelude's floating-point
