@@ -58,23 +58,69 @@ struct Layer {
 /// Replay input of one layer for the packed batch: ids and weights `[N, k]` (`None`: dense).
 pub(crate) type PackedRoutes = Option<(Vec<u32>, Vec<f32>)>;
 
-/// Routing decisions of one sequence: for every decoder layer, the [`Routes`] of the sequence's
-/// tokens (`None` for dense layers). Expert ids **and** combine weights, in slot order.
-#[derive(Clone, Debug, PartialEq)]
+/// Routing decisions of one sequence: for every MoE layer in decoder order (a dense layer
+/// routes nothing and has no entry), the [`Routes`] of the sequence's tokens: expert ids
+/// **and** combine weights `[token][k]`, in slot order. What a forward or a generation
+/// captures, what [`ForwardOptions::replay`] replays, and what the RL loop moves from the
+/// rollout to the trainer.
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct RoutingTrace {
-    /// One entry per decoder layer.
-    pub layers: Vec<Option<Routes>>,
+    /// One entry per MoE layer, in decoder order.
+    pub layers: Vec<Routes>,
 }
 
 impl RoutingTrace {
+    /// A trace of `tokens` tokens with zero ids and weights in every MoE layer of `config`.
+    pub fn zeros(config: &ModelConfig, tokens: usize) -> RoutingTrace {
+        let k = config.num_experts_per_tok;
+        RoutingTrace {
+            layers: (0..config.num_layers)
+                .filter(|&l| config.is_moe_layer(l))
+                .map(|_| Routes {
+                    top_k: k,
+                    ids: vec![0; tokens * k],
+                    weights: vec![0.0; tokens * k],
+                })
+                .collect(),
+        }
+    }
+
     /// Number of tokens covered (0 for a model without MoE layers).
     pub fn num_tokens(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|r| r.num_tokens())
-            .next()
-            .unwrap_or(0)
+        self.layers.first().map_or(0, Routes::num_tokens)
+    }
+
+    /// Experts per token (0 for a model without MoE layers).
+    pub fn top_k(&self) -> usize {
+        self.layers.first().map_or(0, |r| r.top_k)
+    }
+
+    /// Per MoE layer, over the tokens both traces cover: (tokens whose expert **sets**
+    /// agree, tokens compared). `None` when the layer counts or top-k differ.
+    pub fn agreement_per_layer(&self, other: &RoutingTrace) -> Option<Vec<(usize, usize)>> {
+        let k = self.top_k();
+        if self.layers.len() != other.layers.len() || k != other.top_k() {
+            return None;
+        }
+        let n = self.num_tokens().min(other.num_tokens());
+        Some(
+            self.layers
+                .iter()
+                .zip(&other.layers)
+                .map(|(a, b)| {
+                    let same = (0..n)
+                        .filter(|&p| {
+                            let mut x = a.ids[p * k..(p + 1) * k].to_vec();
+                            let mut y = b.ids[p * k..(p + 1) * k].to_vec();
+                            x.sort_unstable();
+                            y.sort_unstable();
+                            x == y
+                        })
+                        .count();
+                    (same, n)
+                })
+                .collect(),
+        )
     }
 }
 
@@ -1517,16 +1563,15 @@ impl Model {
                 layers: trunk
                     .routes
                     .iter()
+                    .flatten()
                     .map(|r| {
-                        r.as_ref().map(|r| {
-                            let k = r.top_k;
-                            let (o, l) = (layout.offset(b), layout.len(b));
-                            Routes {
-                                top_k: k,
-                                ids: r.ids[o * k..(o + l) * k].to_vec(),
-                                weights: r.weights[o * k..(o + l) * k].to_vec(),
-                            }
-                        })
+                        let k = r.top_k;
+                        let (o, l) = (layout.offset(b), layout.len(b));
+                        Routes {
+                            top_k: k,
+                            ids: r.ids[o * k..(o + l) * k].to_vec(),
+                            weights: r.weights[o * k..(o + l) * k].to_vec(),
+                        }
                     })
                     .collect(),
             })
@@ -1584,6 +1629,7 @@ impl Model {
             )));
         }
         let mut out = Vec::with_capacity(c.num_layers);
+        let mut moe = 0;
         for l in 0..c.num_layers {
             if !c.is_moe_layer(l) {
                 out.push(None);
@@ -1593,7 +1639,7 @@ impl Model {
             let mut ids = Vec::new();
             let mut w = Vec::new();
             for (b, t) in traces.iter().enumerate() {
-                let r = t.layers.get(l).and_then(|r| r.as_ref()).ok_or_else(|| {
+                let r = t.layers.get(moe).ok_or_else(|| {
                     ModelError::Input(format!(
                         "routing replay: sequence {b} has no routes for MoE layer {l}"
                     ))
@@ -1616,6 +1662,7 @@ impl Model {
                 ids.extend_from_slice(&r.ids);
                 w.extend_from_slice(&r.weights);
             }
+            moe += 1;
             out.push(Some((ids, w)));
         }
         Ok(out)

@@ -35,15 +35,15 @@
 //!   bitwise mode, from its re-scoring forward ([`RolloutPolicy::score_with_probes`]).
 
 use crate::policy::{
-    LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
+    replay_of, routed, LayerProbes, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig,
     Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::sampling::{entropy, log_softmax_tempered};
 use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
-    ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, Routes, SamplingParams, SeqInput,
-    Tape, WeightValue,
+    ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, SamplingParams, SeqInput, Tape,
+    WeightValue,
 };
 use mxrl_plan::{PrecisionPlan, Recipe};
 use mxrl_tensor::precision::round_bf16;
@@ -150,56 +150,6 @@ fn held_weights(model: &Model, quantized: &[bool]) -> Result<Vec<WireTensor>, Po
             }
         })
         .collect()
-}
-
-/// Model routing (per layer, `None` for dense) → the loop's flat trace over MoE layers.
-pub(crate) fn to_trace(t: &mxrl_model::RoutingTrace) -> Option<RoutingTrace> {
-    let moe: Vec<&Routes> = t.layers.iter().flatten().collect();
-    let first = moe.first()?;
-    let (l, k, n) = (moe.len(), first.top_k, first.num_tokens());
-    let mut ids = Vec::with_capacity(n * l * k);
-    let mut weights = Vec::with_capacity(n * l * k);
-    for p in 0..n {
-        for r in &moe {
-            ids.extend_from_slice(&r.ids[p * k..(p + 1) * k]);
-            weights.extend_from_slice(&r.weights[p * k..(p + 1) * k]);
-        }
-    }
-    Some(RoutingTrace {
-        layers: l,
-        top_k: k,
-        ids,
-        weights,
-    })
-}
-
-/// The loop's trace → model routing for replay.
-pub(crate) fn from_trace(cfg: &ModelConfig, t: &RoutingTrace) -> mxrl_model::RoutingTrace {
-    let n = t.positions();
-    let (l, k) = (t.layers, t.top_k);
-    let mut moe_i = 0;
-    let layers = (0..cfg.num_layers)
-        .map(|layer| {
-            if !cfg.is_moe_layer(layer) {
-                return None;
-            }
-            let li = moe_i;
-            moe_i += 1;
-            let mut ids = Vec::with_capacity(n * k);
-            let mut weights = Vec::with_capacity(n * k);
-            for p in 0..n {
-                let b = (p * l + li) * k;
-                ids.extend_from_slice(&t.ids[b..b + k]);
-                weights.extend_from_slice(&t.weights[b..b + k]);
-            }
-            Some(Routes {
-                top_k: k,
-                ids,
-                weights,
-            })
-        })
-        .collect();
-    mxrl_model::RoutingTrace { layers }
 }
 
 /// Trainer side for the MoE model.
@@ -379,17 +329,7 @@ fn model_forward(
             targets: g,
         })
         .collect();
-    let replay: Option<Vec<mxrl_model::RoutingTrace>> =
-        if batch.iter().all(|s| s.replay.is_some()) && !batch.is_empty() {
-            Some(
-                batch
-                    .iter()
-                    .map(|s| from_trace(model.config(), s.replay.expect("checked")))
-                    .collect(),
-            )
-        } else {
-            None
-        };
+    let replay = replay_of(batch);
     let opts = ForwardOptions {
         temperature,
         return_logits: true,
@@ -404,6 +344,7 @@ fn model_forward(
     .map_err(be)?;
     let v = model.config().vocab_size;
     let logits = out.logits.unwrap_or_default();
+    let mut routing = out.routing.into_iter();
     let mut res = Vec::with_capacity(batch.len());
     let mut lp = Vec::new();
     for (i, s) in batch.iter().enumerate() {
@@ -420,7 +361,7 @@ fn model_forward(
                 f.entropy.push(entropy(&lp));
             }
         }
-        f.routing = out.routing.get(i).and_then(to_trace);
+        f.routing = routing.next().and_then(routed);
         f.probes = out
             .hidden
             .as_ref()
@@ -612,7 +553,7 @@ impl RolloutPolicy for MoeRollout {
                 probes: g.hidden.as_ref().map(|h| probes_of(h, g.tokens.len())),
                 response: g.tokens,
                 logprobs: g.logprobs,
-                routing: to_trace(&g.routing),
+                routing: routed(g.routing),
             })
             .collect())
     }
