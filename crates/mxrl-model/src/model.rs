@@ -8,7 +8,9 @@ use mxrl_tensor::activation::{sigmoid, swiglu_backward, swiglu_forward};
 use mxrl_tensor::attention::{
     attention_backward, attention_decode, attention_forward, AttnProbs, AttnShape,
 };
-use mxrl_tensor::loss::{logprobs_backward, logprobs_forward};
+use mxrl_tensor::loss::{
+    entropy_of_logprobs, log_softmax_tempered, logprobs_backward, logprobs_forward,
+};
 use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
 use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, Saved};
@@ -1666,6 +1668,28 @@ impl Model {
             out.push(Some((ids, w)));
         }
         Ok(out)
+    }
+
+    /// The entropy of the tempered next-token distribution at every position of a training
+    /// forward (per sequence), from the logits its tape kept
+    /// ([`mxrl_tensor::loss::log_softmax_tempered`], then
+    /// [`mxrl_tensor::loss::entropy_of_logprobs`]): what [`crate::engine::Engine::entropy`]
+    /// returns on a device.
+    pub fn entropy(&self, tape: &Tape) -> Vec<Vec<f32>> {
+        let v = self.config.vocab_size;
+        let mut lp = Vec::with_capacity(v);
+        (0..tape.layout.num_seqs())
+            .map(|b| {
+                let rows = tape.layout.offset(b)..tape.layout.offset(b) + tape.layout.len(b);
+                tape.logits[rows.start * v..rows.end * v]
+                    .chunks(v)
+                    .map(|row| {
+                        log_softmax_tempered(row, tape.temperature, &mut lp);
+                        entropy_of_logprobs(&lp)
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
     /// Backward from `dlogprobs` (per sequence, `∂L/∂logprob[t]`, same shapes as the forward's

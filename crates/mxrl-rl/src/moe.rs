@@ -38,7 +38,6 @@ use crate::policy::{
     replay_of, routed, LayerProbes, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig,
     Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
-use crate::sampling::{entropy, log_softmax_tempered};
 use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
@@ -332,7 +331,7 @@ fn model_forward(
     let replay = replay_of(batch);
     let opts = ForwardOptions {
         temperature,
-        return_logits: true,
+        return_logits: false,
         train,
         replay: replay.as_deref().map(|r| (r, replay_kind)),
     };
@@ -342,25 +341,21 @@ fn model_forward(
         model.forward(&inputs, &opts)
     }
     .map_err(be)?;
-    let v = model.config().vocab_size;
-    let logits = out.logits.unwrap_or_default();
+    // The trainer's forward reports the entropy; a scoring forward needs none.
+    let entropy = out.tape.as_ref().map(|t| model.entropy(t));
     let mut routing = out.routing.into_iter();
     let mut res = Vec::with_capacity(batch.len());
-    let mut lp = Vec::new();
     for (i, s) in batch.iter().enumerate() {
         let t = toks[i].0.len();
         let r = s.response.len();
         let start = t - r;
         let mut f = TrainForward {
             logprobs: out.logprobs[i][start..].to_vec(),
+            entropy: entropy
+                .as_ref()
+                .map_or(Vec::new(), |e| e[i][start..].to_vec()),
             ..TrainForward::default()
         };
-        if let Some(lg) = logits.get(i) {
-            for p in start..t {
-                log_softmax_tempered(&lg[p * v..(p + 1) * v], temperature, &mut lp);
-                f.entropy.push(entropy(&lp));
-            }
-        }
         f.routing = routing.next().and_then(routed);
         f.probes = out
             .hidden
