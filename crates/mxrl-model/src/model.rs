@@ -926,6 +926,14 @@ impl Model {
         }
     }
 
+    /// The stored quantized tensor the linear whose weight is `name` multiplies (quantized
+    /// from the master values, or installed by [`Model::load_weights`]): what a converted
+    /// checkpoint or a weight update carries. `None` when that linear does not run in a
+    /// block format (its values are then the parameter's).
+    pub fn stored_weight(&self, name: &str) -> Option<&mxrl_formats::QuantizedTensor> {
+        self.prepared_weight(name)?.stored()
+    }
+
     /// Whether the quantized weight `name` runs from stored bytes installed by
     /// [`Model::load_weights`] (rather than quantized from the master values).
     pub fn runs_stored_bytes(&self, name: &str) -> bool {

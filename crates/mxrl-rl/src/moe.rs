@@ -20,7 +20,7 @@
 //!   into the model, which re-quantizes each weight once for the new version.
 //! - **Export** ([`TrainPolicy::export_weights`]): the trainer's own bytes, never
 //!   re-quantized: for quantized linears the stored tensor its forward multiplies
-//!   (`PreparedWeight::stored`, converted losslessly by [`crate::wire::from_quantized`]), BF16
+//!   ([`Model::stored_weight`], converted losslessly by [`crate::wire::from_quantized`]), BF16
 //!   for everything else.
 //! - **Rollout** ([`MoeRollout`]): the same model under the same plan. [`RolloutPolicy::
 //!   load_weights`] checks every tensor (name, shape, plan format, bytes) and installs them
@@ -110,7 +110,7 @@ fn apply_plan(
         .iter()
         .zip(&formats)
         .map(|(p, &f)| {
-            let runs = model.prepared_weight(&p.name).map(|pw| pw.spec().format());
+            let runs = model.stored_weight(&p.name).map(|q| q.format());
             match runs {
                 Some(g) if g == f && f != Format::Bf16 => Ok(true),
                 None if f == Format::Bf16 => Ok(false),
@@ -127,26 +127,13 @@ fn apply_plan(
 
 /// What a model holds, in wire form: the stored bytes of its quantized linears, BF16 for the
 /// rest (their values are BF16-exact, so this is lossless).
-fn held_weights(model: &Model, quantized: &[bool]) -> Result<Vec<WireTensor>, PolicyError> {
+fn held_weights(model: &Model) -> Result<Vec<WireTensor>, PolicyError> {
     model
         .params()
         .iter()
-        .zip(quantized)
-        .map(|(p, &q)| {
-            if q {
-                let stored = model
-                    .prepared_weight(&p.name)
-                    .and_then(|pw| pw.stored())
-                    .ok_or_else(|| {
-                        PolicyError::Invalid(format!(
-                            "parameter {}: a quantized linear without stored bytes",
-                            p.name
-                        ))
-                    })?;
-                from_quantized(&p.name, stored)
-            } else {
-                Ok(bf16_wire(&p.name, p.shape.clone(), &p.data))
-            }
+        .map(|p| match model.stored_weight(&p.name) {
+            Some(stored) => from_quantized(&p.name, stored),
+            None => Ok(bf16_wire(&p.name, p.shape.clone(), &p.data)),
         })
         .collect()
 }
@@ -475,7 +462,7 @@ impl TrainPolicy for MoeTrainer {
                     .into(),
             ));
         }
-        held_weights(&self.model, &self.quantized)
+        held_weights(&self.model)
     }
 }
 
@@ -590,7 +577,7 @@ impl RolloutPolicy for MoeRollout {
     }
 
     fn weights(&self) -> Vec<WireTensor> {
-        held_weights(&self.model, &self.quantized)
+        held_weights(&self.model)
             .unwrap_or_else(|e| panic!("the rollout holds only wire-representable weights: {e}"))
     }
 
