@@ -207,7 +207,7 @@ fn routes_recorded_on_the_gpu_replay_the_engines_own_forward() {
     for (q, (s, t)) in prompts.iter().zip(gens) {
         let mut f = q.clone();
         f.extend_from_slice(&s.tokens);
-        for r in t.layers.iter().flatten() {
+        for r in &t.layers {
             assert_eq!(r.ids.len(), (f.len() - 1) * c.num_experts_per_tok);
             assert!(r.ids.iter().all(|&x| (x as usize) < c.num_experts));
         }

@@ -25,7 +25,6 @@ use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
-use mxrl_tensor::routing::Routes;
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 
@@ -1797,14 +1796,16 @@ impl<B: Backend> Engine<B> {
                 layout.num_seqs()
             )));
         }
+        let mut moe = 0;
         (0..c.num_layers)
             .map(|li| {
                 if !c.is_moe_layer(li) {
                     return Ok(None);
                 }
+                moe += 1;
                 let mut ids = Vec::with_capacity(layout.num_tokens() * k);
                 for (s, t) in traces.iter().enumerate() {
-                    let r = t.layers.get(li).and_then(Option::as_ref).ok_or_else(|| {
+                    let r = t.layers.get(moe - 1).ok_or_else(|| {
                         ModelError::Input(format!(
                             "routing replay: sequence {s} has no routes for MoE layer {li}"
                         ))
@@ -2370,7 +2371,7 @@ impl<B: Backend> Engine<B> {
             (_, false) => None,
             (Some(st), true) => Some(self.traces_of(st, &fed)?),
             // Nothing was generated: no position was fed.
-            (None, true) => Some(vec![self.zero_trace(0); prompts.len()]),
+            (None, true) => Some(vec![RoutingTrace::zeros(&self.cfg, 0); prompts.len()]),
         }
         .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
         let mut probes = match (&st, rec.probes) {
@@ -2431,34 +2432,19 @@ impl<B: Backend> Engine<B> {
         self.traces_of(&st, &lens)
     }
 
-    /// A trace of `n` positions with zero ids and weights in every MoE layer.
-    fn zero_trace(&self, n: usize) -> RoutingTrace {
-        let c = &self.cfg;
-        let k = c.num_experts_per_tok;
-        RoutingTrace {
-            layers: (0..c.num_layers)
-                .map(|li| {
-                    c.is_moe_layer(li).then(|| Routes {
-                        top_k: k,
-                        ids: vec![0; n * k],
-                        weights: vec![0.0; n * k],
-                    })
-                })
-                .collect(),
-        }
-    }
-
     /// The captured routes of `st`'s sequences, the first `fed[s]` positions of each.
     fn traces_of(&self, st: &DecodeState<B>, fed: &[usize]) -> Result<Vec<RoutingTrace>> {
         let k = self.cfg.num_experts_per_tok;
-        let mut traces: Vec<RoutingTrace> = fed.iter().map(|&n| self.zero_trace(n)).collect();
+        let mut traces: Vec<RoutingTrace> = fed
+            .iter()
+            .map(|&n| RoutingTrace::zeros(&self.cfg, n))
+            .collect();
         let cells = fed.len() * st.max_len * k;
-        for (li, t) in st.routes.iter().enumerate() {
-            let Some((ti, tw)) = t else { continue };
+        for (mi, (ti, tw)) in st.routes.iter().flatten().enumerate() {
             let ids = self.b.download_u32(ti, cells).map_err(dev)?;
             let ws = self.b.download_f32(tw, cells).map_err(dev)?;
             for (s, tr) in traces.iter_mut().enumerate() {
-                let r = tr.layers[li].as_mut().expect("MoE layer");
+                let r = &mut tr.layers[mi];
                 let a = s * st.max_len * k;
                 let n = fed[s] * k;
                 r.ids.copy_from_slice(&ids[a..a + n]);

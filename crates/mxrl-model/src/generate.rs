@@ -105,32 +105,15 @@ fn append_routes(
     row0: usize,
     rows: usize,
 ) {
-    for (dst, src) in trace.layers.iter_mut().zip(layer_routes) {
-        if let (Some(d), Some(s)) = (dst.as_mut(), src.as_ref()) {
-            let k = s.top_k;
-            d.ids.extend_from_slice(&s.ids[row0 * k..(row0 + rows) * k]);
-            d.weights
-                .extend_from_slice(&s.weights[row0 * k..(row0 + rows) * k]);
-        }
+    for (d, s) in trace.layers.iter_mut().zip(layer_routes.iter().flatten()) {
+        let k = s.top_k;
+        d.ids.extend_from_slice(&s.ids[row0 * k..(row0 + rows) * k]);
+        d.weights
+            .extend_from_slice(&s.weights[row0 * k..(row0 + rows) * k]);
     }
 }
 
 impl Model {
-    fn empty_trace(&self) -> RoutingTrace {
-        let c = self.config();
-        RoutingTrace {
-            layers: (0..c.num_layers)
-                .map(|l| {
-                    c.is_moe_layer(l).then(|| Routes {
-                        top_k: c.num_experts_per_tok,
-                        ids: Vec::new(),
-                        weights: Vec::new(),
-                    })
-                })
-                .collect(),
-        }
-    }
-
     /// Runs the prompts through the model, filling one fresh [`KvCache`] per prompt.
     pub fn prefill(&self, prompts: &[&[u32]]) -> Result<Prefilled> {
         Ok(self.prefill_impl(prompts, false)?.0)
@@ -177,7 +160,7 @@ impl Model {
         let rows = logits.chunks(v).map(|r| r.to_vec()).collect();
         let traces = (0..prompts.len())
             .map(|b| {
-                let mut t = self.empty_trace();
+                let mut t = RoutingTrace::zeros(self.config(), 0);
                 append_routes(&mut t, &trunk.routes, layout.offset(b), layout.len(b));
                 t
             })

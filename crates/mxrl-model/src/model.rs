@@ -8,7 +8,9 @@ use mxrl_tensor::activation::{sigmoid, swiglu_backward, swiglu_forward};
 use mxrl_tensor::attention::{
     attention_backward, attention_decode, attention_forward, AttnProbs, AttnShape,
 };
-use mxrl_tensor::loss::{logprobs_backward, logprobs_forward};
+use mxrl_tensor::loss::{
+    entropy_of_logprobs, log_softmax_tempered, logprobs_backward, logprobs_forward,
+};
 use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
 use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, Saved};
@@ -58,23 +60,69 @@ struct Layer {
 /// Replay input of one layer for the packed batch: ids and weights `[N, k]` (`None`: dense).
 pub(crate) type PackedRoutes = Option<(Vec<u32>, Vec<f32>)>;
 
-/// Routing decisions of one sequence: for every decoder layer, the [`Routes`] of the sequence's
-/// tokens (`None` for dense layers). Expert ids **and** combine weights, in slot order.
-#[derive(Clone, Debug, PartialEq)]
+/// Routing decisions of one sequence: for every MoE layer in decoder order (a dense layer
+/// routes nothing and has no entry), the [`Routes`] of the sequence's tokens: expert ids
+/// **and** combine weights `[token][k]`, in slot order. What a forward or a generation
+/// captures, what [`ForwardOptions::replay`] replays, and what the RL loop moves from the
+/// rollout to the trainer.
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct RoutingTrace {
-    /// One entry per decoder layer.
-    pub layers: Vec<Option<Routes>>,
+    /// One entry per MoE layer, in decoder order.
+    pub layers: Vec<Routes>,
 }
 
 impl RoutingTrace {
+    /// A trace of `tokens` tokens with zero ids and weights in every MoE layer of `config`.
+    pub fn zeros(config: &ModelConfig, tokens: usize) -> RoutingTrace {
+        let k = config.num_experts_per_tok;
+        RoutingTrace {
+            layers: (0..config.num_layers)
+                .filter(|&l| config.is_moe_layer(l))
+                .map(|_| Routes {
+                    top_k: k,
+                    ids: vec![0; tokens * k],
+                    weights: vec![0.0; tokens * k],
+                })
+                .collect(),
+        }
+    }
+
     /// Number of tokens covered (0 for a model without MoE layers).
     pub fn num_tokens(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|r| r.num_tokens())
-            .next()
-            .unwrap_or(0)
+        self.layers.first().map_or(0, Routes::num_tokens)
+    }
+
+    /// Experts per token (0 for a model without MoE layers).
+    pub fn top_k(&self) -> usize {
+        self.layers.first().map_or(0, |r| r.top_k)
+    }
+
+    /// Per MoE layer, over the tokens both traces cover: (tokens whose expert **sets**
+    /// agree, tokens compared). `None` when the layer counts or top-k differ.
+    pub fn agreement_per_layer(&self, other: &RoutingTrace) -> Option<Vec<(usize, usize)>> {
+        let k = self.top_k();
+        if self.layers.len() != other.layers.len() || k != other.top_k() {
+            return None;
+        }
+        let n = self.num_tokens().min(other.num_tokens());
+        Some(
+            self.layers
+                .iter()
+                .zip(&other.layers)
+                .map(|(a, b)| {
+                    let same = (0..n)
+                        .filter(|&p| {
+                            let mut x = a.ids[p * k..(p + 1) * k].to_vec();
+                            let mut y = b.ids[p * k..(p + 1) * k].to_vec();
+                            x.sort_unstable();
+                            y.sort_unstable();
+                            x == y
+                        })
+                        .count();
+                    (same, n)
+                })
+                .collect(),
+        )
     }
 }
 
@@ -878,6 +926,14 @@ impl Model {
         }
     }
 
+    /// The stored quantized tensor the linear whose weight is `name` multiplies (quantized
+    /// from the master values, or installed by [`Model::load_weights`]): what a converted
+    /// checkpoint or a weight update carries. `None` when that linear does not run in a
+    /// block format (its values are then the parameter's).
+    pub fn stored_weight(&self, name: &str) -> Option<&mxrl_formats::QuantizedTensor> {
+        self.prepared_weight(name)?.stored()
+    }
+
     /// Whether the quantized weight `name` runs from stored bytes installed by
     /// [`Model::load_weights`] (rather than quantized from the master values).
     pub fn runs_stored_bytes(&self, name: &str) -> bool {
@@ -1517,16 +1573,15 @@ impl Model {
                 layers: trunk
                     .routes
                     .iter()
+                    .flatten()
                     .map(|r| {
-                        r.as_ref().map(|r| {
-                            let k = r.top_k;
-                            let (o, l) = (layout.offset(b), layout.len(b));
-                            Routes {
-                                top_k: k,
-                                ids: r.ids[o * k..(o + l) * k].to_vec(),
-                                weights: r.weights[o * k..(o + l) * k].to_vec(),
-                            }
-                        })
+                        let k = r.top_k;
+                        let (o, l) = (layout.offset(b), layout.len(b));
+                        Routes {
+                            top_k: k,
+                            ids: r.ids[o * k..(o + l) * k].to_vec(),
+                            weights: r.weights[o * k..(o + l) * k].to_vec(),
+                        }
                     })
                     .collect(),
             })
@@ -1584,6 +1639,7 @@ impl Model {
             )));
         }
         let mut out = Vec::with_capacity(c.num_layers);
+        let mut moe = 0;
         for l in 0..c.num_layers {
             if !c.is_moe_layer(l) {
                 out.push(None);
@@ -1593,7 +1649,7 @@ impl Model {
             let mut ids = Vec::new();
             let mut w = Vec::new();
             for (b, t) in traces.iter().enumerate() {
-                let r = t.layers.get(l).and_then(|r| r.as_ref()).ok_or_else(|| {
+                let r = t.layers.get(moe).ok_or_else(|| {
                     ModelError::Input(format!(
                         "routing replay: sequence {b} has no routes for MoE layer {l}"
                     ))
@@ -1616,9 +1672,32 @@ impl Model {
                 ids.extend_from_slice(&r.ids);
                 w.extend_from_slice(&r.weights);
             }
+            moe += 1;
             out.push(Some((ids, w)));
         }
         Ok(out)
+    }
+
+    /// The entropy of the tempered next-token distribution at every position of a training
+    /// forward (per sequence), from the logits its tape kept
+    /// ([`mxrl_tensor::loss::log_softmax_tempered`], then
+    /// [`mxrl_tensor::loss::entropy_of_logprobs`]): what [`crate::engine::Engine::entropy`]
+    /// returns on a device.
+    pub fn entropy(&self, tape: &Tape) -> Vec<Vec<f32>> {
+        let v = self.config.vocab_size;
+        let mut lp = Vec::with_capacity(v);
+        (0..tape.layout.num_seqs())
+            .map(|b| {
+                let rows = tape.layout.offset(b)..tape.layout.offset(b) + tape.layout.len(b);
+                tape.logits[rows.start * v..rows.end * v]
+                    .chunks(v)
+                    .map(|row| {
+                        log_softmax_tempered(row, tape.temperature, &mut lp);
+                        entropy_of_logprobs(&lp)
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
     /// Backward from `dlogprobs` (per sequence, `∂L/∂logprob[t]`, same shapes as the forward's

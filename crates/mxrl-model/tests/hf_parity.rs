@@ -119,8 +119,12 @@ fn parity(arch: &str) {
                 "{arch} seq {i} pos {t}: logprob {a} vs {b}"
             );
         }
-        for (l, r) in out.routing[i].layers.iter().enumerate() {
-            match r {
+        let mut moe = out.routing[i].layers.iter();
+        for l in 0..c.num_layers {
+            match c
+                .is_moe_layer(l)
+                .then(|| moe.next().expect("routes of every MoE layer"))
+            {
                 Some(r) => {
                     let ids = i32s(&st, &format!("seq{i}/layer{l}/ids"));
                     let w = f32s(&st, &format!("seq{i}/layer{l}/weights"));

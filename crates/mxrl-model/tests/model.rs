@@ -210,16 +210,11 @@ fn generation_logprobs_and_routing_match_the_training_forward() {
     }
     let tr = &fwd.routing[0];
     assert_eq!(g.routing.num_tokens(), full.len() - 1);
+    assert_eq!(tr.layers.len(), g.routing.layers.len(), "MoE layer counts");
     for (a, b) in tr.layers.iter().zip(&g.routing.layers) {
-        match (a, b) {
-            (Some(a), Some(b)) => {
-                assert_eq!(a.ids, b.ids);
-                for (x, y) in a.weights.iter().zip(&b.weights) {
-                    assert!((x - y).abs() <= order_tol());
-                }
-            }
-            (None, None) => {}
-            _ => panic!("dense/MoE layer mismatch"),
+        assert_eq!(a.ids, b.ids);
+        for (x, y) in a.weights.iter().zip(&b.weights) {
+            assert!((x - y).abs() <= order_tol());
         }
     }
 }
@@ -295,7 +290,7 @@ fn replayed_routing_equals_captured() {
         }
         // Replay forces a different choice when told to: swap the two slots' experts.
         let mut forced = cap.routing.clone();
-        for r in forced[0].layers.iter_mut().flatten() {
+        for r in forced[0].layers.iter_mut() {
             for pair in r.ids.chunks_mut(2) {
                 pair.swap(0, 1);
             }
@@ -314,14 +309,14 @@ fn replayed_routing_equals_captured() {
             forced[0]
                 .layers
                 .iter()
-                .map(|l| l.as_ref().map(|r| {
+                .map(|r| {
                     let mut r = r.clone();
                     // weights follow the swapped ids
                     for pair in r.weights.chunks_mut(2) {
                         pair.swap(0, 1);
                     }
                     r
-                }))
+                })
                 .collect::<Vec<_>>()
         );
     }
@@ -347,7 +342,7 @@ fn replay_input_is_validated() {
         "{err}"
     );
     let mut bad = cap.routing.clone();
-    bad[1].layers[0].as_mut().unwrap().ids[0] = 99;
+    bad[1].layers[0].ids[0] = 99;
     let err = model
         .forward(
             &batch,

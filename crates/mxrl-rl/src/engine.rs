@@ -50,8 +50,8 @@
 
 use crate::optim::{AdamWConfig, Moments};
 use crate::policy::{
-    LayerProbes, LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig, Scored,
-    TrainForward, TrainPolicy, TrainSeq, WireTensor,
+    replay_of, routed, LayerProbes, LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample,
+    SamplingConfig, Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use crate::wire::bf16_values;
 use mxrl_formats::Format;
@@ -119,23 +119,6 @@ fn seq_tokens(s: &TrainSeq<'_>) -> Result<(Vec<u32>, Vec<u32>), PolicyError> {
     Ok(crate::moe::seq_tokens(s))
 }
 
-/// The replay traces of a batch in the engine's form: `None` unless every sequence carries
-/// one.
-fn replay_of(
-    config: &ModelConfig,
-    batch: &[TrainSeq<'_>],
-) -> Option<Vec<mxrl_model::RoutingTrace>> {
-    if batch.is_empty() || batch.iter().any(|s| s.replay.is_none()) {
-        return None;
-    }
-    Some(
-        batch
-            .iter()
-            .map(|s| crate::moe::from_trace(config, s.replay.expect("checked")))
-            .collect(),
-    )
-}
-
 /// What [`engine_forward`] returns.
 struct Forward<B: Backend> {
     /// The tokens fed per sequence (`prompt + response[..len-1]`).
@@ -163,7 +146,7 @@ fn engine_forward<B: Backend>(
             targets: g,
         })
         .collect();
-    let replay = replay_of(engine.config(), batch);
+    let replay = replay_of(batch);
     let rl: Vec<usize> = batch.iter().map(|s| s.response.len()).collect();
     let (lp, tape) = engine
         .forward_train_probed(
@@ -359,9 +342,9 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
         };
         // With replay, the routing the trainer would choose itself (the routing-agreement
         // metric) comes from one more forward of the same tokens with route capture.
-        let own = if batch.iter().all(|s| s.replay.is_some()) {
+        let mut own = if batch.iter().all(|s| s.replay.is_some()) {
             let f: Vec<&[u32]> = fed.iter().map(Vec::as_slice).collect();
-            Some(self.engine.routes_of(&f).map_err(be)?)
+            Some(self.engine.routes_of(&f).map_err(be)?.into_iter())
         } else {
             None
         };
@@ -376,11 +359,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
             .zip(ent)
             .zip(&self.resp_lens)
             .zip(probes)
-            .enumerate()
-            .map(|(i, (((l, e), &(t, r)), p))| TrainForward {
+            .map(|(((l, e), &(t, r)), p)| TrainForward {
                 logprobs: l[t - r..].to_vec(),
                 entropy: e[t - r..].to_vec(),
-                routing: own.as_ref().and_then(|o| crate::moe::to_trace(&o[i])),
+                routing: own.as_mut().and_then(Iterator::next).and_then(routed),
                 probes: p,
             })
             .collect())
@@ -658,7 +640,7 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
             .map(|(i, g)| Sample {
                 prompt_index: i / n,
                 prompt: prompts[i / n].clone(),
-                routing: g.routes.as_ref().and_then(crate::moe::to_trace),
+                routing: g.routes.and_then(routed),
                 probes: g.probes.map(|per_layer| LayerProbes {
                     layers: per_layer.len(),
                     width,

@@ -20,7 +20,7 @@
 //!   into the model, which re-quantizes each weight once for the new version.
 //! - **Export** ([`TrainPolicy::export_weights`]): the trainer's own bytes, never
 //!   re-quantized: for quantized linears the stored tensor its forward multiplies
-//!   (`PreparedWeight::stored`, converted losslessly by [`crate::wire::from_quantized`]), BF16
+//!   ([`Model::stored_weight`], converted losslessly by [`crate::wire::from_quantized`]), BF16
 //!   for everything else.
 //! - **Rollout** ([`MoeRollout`]): the same model under the same plan. [`RolloutPolicy::
 //!   load_weights`] checks every tensor (name, shape, plan format, bytes) and installs them
@@ -35,15 +35,14 @@
 //!   bitwise mode, from its re-scoring forward ([`RolloutPolicy::score_with_probes`]).
 
 use crate::policy::{
-    LayerProbes, ParamMut, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig,
+    replay_of, routed, LayerProbes, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig,
     Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
-use crate::sampling::{entropy, log_softmax_tempered};
 use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
-    ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, Routes, SamplingParams, SeqInput,
-    Tape, WeightValue,
+    ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, SamplingParams, SeqInput, Tape,
+    WeightValue,
 };
 use mxrl_plan::{PrecisionPlan, Recipe};
 use mxrl_tensor::precision::round_bf16;
@@ -111,7 +110,7 @@ fn apply_plan(
         .iter()
         .zip(&formats)
         .map(|(p, &f)| {
-            let runs = model.prepared_weight(&p.name).map(|pw| pw.spec().format());
+            let runs = model.stored_weight(&p.name).map(|q| q.format());
             match runs {
                 Some(g) if g == f && f != Format::Bf16 => Ok(true),
                 None if f == Format::Bf16 => Ok(false),
@@ -128,78 +127,15 @@ fn apply_plan(
 
 /// What a model holds, in wire form: the stored bytes of its quantized linears, BF16 for the
 /// rest (their values are BF16-exact, so this is lossless).
-fn held_weights(model: &Model, quantized: &[bool]) -> Result<Vec<WireTensor>, PolicyError> {
+fn held_weights(model: &Model) -> Result<Vec<WireTensor>, PolicyError> {
     model
         .params()
         .iter()
-        .zip(quantized)
-        .map(|(p, &q)| {
-            if q {
-                let stored = model
-                    .prepared_weight(&p.name)
-                    .and_then(|pw| pw.stored())
-                    .ok_or_else(|| {
-                        PolicyError::Invalid(format!(
-                            "parameter {}: a quantized linear without stored bytes",
-                            p.name
-                        ))
-                    })?;
-                from_quantized(&p.name, stored)
-            } else {
-                Ok(bf16_wire(&p.name, p.shape.clone(), &p.data))
-            }
+        .map(|p| match model.stored_weight(&p.name) {
+            Some(stored) => from_quantized(&p.name, stored),
+            None => Ok(bf16_wire(&p.name, p.shape.clone(), &p.data)),
         })
         .collect()
-}
-
-/// Model routing (per layer, `None` for dense) → the loop's flat trace over MoE layers.
-pub(crate) fn to_trace(t: &mxrl_model::RoutingTrace) -> Option<RoutingTrace> {
-    let moe: Vec<&Routes> = t.layers.iter().flatten().collect();
-    let first = moe.first()?;
-    let (l, k, n) = (moe.len(), first.top_k, first.num_tokens());
-    let mut ids = Vec::with_capacity(n * l * k);
-    let mut weights = Vec::with_capacity(n * l * k);
-    for p in 0..n {
-        for r in &moe {
-            ids.extend_from_slice(&r.ids[p * k..(p + 1) * k]);
-            weights.extend_from_slice(&r.weights[p * k..(p + 1) * k]);
-        }
-    }
-    Some(RoutingTrace {
-        layers: l,
-        top_k: k,
-        ids,
-        weights,
-    })
-}
-
-/// The loop's trace → model routing for replay.
-pub(crate) fn from_trace(cfg: &ModelConfig, t: &RoutingTrace) -> mxrl_model::RoutingTrace {
-    let n = t.positions();
-    let (l, k) = (t.layers, t.top_k);
-    let mut moe_i = 0;
-    let layers = (0..cfg.num_layers)
-        .map(|layer| {
-            if !cfg.is_moe_layer(layer) {
-                return None;
-            }
-            let li = moe_i;
-            moe_i += 1;
-            let mut ids = Vec::with_capacity(n * k);
-            let mut weights = Vec::with_capacity(n * k);
-            for p in 0..n {
-                let b = (p * l + li) * k;
-                ids.extend_from_slice(&t.ids[b..b + k]);
-                weights.extend_from_slice(&t.weights[b..b + k]);
-            }
-            Some(Routes {
-                top_k: k,
-                ids,
-                weights,
-            })
-        })
-        .collect();
-    mxrl_model::RoutingTrace { layers }
 }
 
 /// Trainer side for the MoE model.
@@ -379,20 +315,10 @@ fn model_forward(
             targets: g,
         })
         .collect();
-    let replay: Option<Vec<mxrl_model::RoutingTrace>> =
-        if batch.iter().all(|s| s.replay.is_some()) && !batch.is_empty() {
-            Some(
-                batch
-                    .iter()
-                    .map(|s| from_trace(model.config(), s.replay.expect("checked")))
-                    .collect(),
-            )
-        } else {
-            None
-        };
+    let replay = replay_of(batch);
     let opts = ForwardOptions {
         temperature,
-        return_logits: true,
+        return_logits: false,
         train,
         replay: replay.as_deref().map(|r| (r, replay_kind)),
     };
@@ -402,25 +328,22 @@ fn model_forward(
         model.forward(&inputs, &opts)
     }
     .map_err(be)?;
-    let v = model.config().vocab_size;
-    let logits = out.logits.unwrap_or_default();
+    // The trainer's forward reports the entropy; a scoring forward needs none.
+    let entropy = out.tape.as_ref().map(|t| model.entropy(t));
+    let mut routing = out.routing.into_iter();
     let mut res = Vec::with_capacity(batch.len());
-    let mut lp = Vec::new();
     for (i, s) in batch.iter().enumerate() {
         let t = toks[i].0.len();
         let r = s.response.len();
         let start = t - r;
         let mut f = TrainForward {
             logprobs: out.logprobs[i][start..].to_vec(),
+            entropy: entropy
+                .as_ref()
+                .map_or(Vec::new(), |e| e[i][start..].to_vec()),
             ..TrainForward::default()
         };
-        if let Some(lg) = logits.get(i) {
-            for p in start..t {
-                log_softmax_tempered(&lg[p * v..(p + 1) * v], temperature, &mut lp);
-                f.entropy.push(entropy(&lp));
-            }
-        }
-        f.routing = out.routing.get(i).and_then(to_trace);
+        f.routing = routing.next().and_then(routed);
         f.probes = out
             .hidden
             .as_ref()
@@ -539,7 +462,7 @@ impl TrainPolicy for MoeTrainer {
                     .into(),
             ));
         }
-        held_weights(&self.model, &self.quantized)
+        held_weights(&self.model)
     }
 }
 
@@ -612,7 +535,7 @@ impl RolloutPolicy for MoeRollout {
                 probes: g.hidden.as_ref().map(|h| probes_of(h, g.tokens.len())),
                 response: g.tokens,
                 logprobs: g.logprobs,
-                routing: to_trace(&g.routing),
+                routing: routed(g.routing),
             })
             .collect())
     }
@@ -654,7 +577,7 @@ impl RolloutPolicy for MoeRollout {
     }
 
     fn weights(&self) -> Vec<WireTensor> {
-        held_weights(&self.model, &self.quantized)
+        held_weights(&self.model)
             .unwrap_or_else(|e| panic!("the rollout holds only wire-representable weights: {e}"))
     }
 

@@ -34,52 +34,23 @@ impl Default for SamplingConfig {
     }
 }
 
-/// The routing decisions of one sequence: for every position fed to the model
-/// (`prompt + response[..len-1]`), every MoE layer, the top-k expert ids **in order** and
-/// their combine weights. Flattened as `[position][layer][k]`.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct RoutingTrace {
-    /// MoE layers.
-    pub layers: usize,
-    /// Experts per token.
-    pub top_k: usize,
-    /// Expert ids, `[position][layer][k]`.
-    pub ids: Vec<u32>,
-    /// Combine weights, same layout as `ids`.
-    pub weights: Vec<f32>,
+/// The routing decisions of one sequence (the model's type): for every MoE layer, the top-k
+/// expert ids **in order** and their combine weights of every position fed to the model
+/// (`prompt + response[..len-1]`).
+pub use mxrl_model::RoutingTrace;
+
+/// A captured trace as the loop carries it: `None` for a model without MoE layers.
+pub(crate) fn routed(t: RoutingTrace) -> Option<RoutingTrace> {
+    (!t.layers.is_empty()).then_some(t)
 }
 
-impl RoutingTrace {
-    /// Positions covered.
-    pub fn positions(&self) -> usize {
-        self.ids
-            .len()
-            .checked_div(self.layers * self.top_k)
-            .unwrap_or(0)
-    }
-
-    /// Fraction of (position, layer) pairs, over the positions both traces cover, whose expert
-    /// **sets** agree, per layer. `None` when the shapes differ.
-    pub fn agreement_per_layer(&self, other: &RoutingTrace) -> Option<Vec<(usize, usize)>> {
-        if self.layers != other.layers || self.top_k != other.top_k {
-            return None;
-        }
-        let (l, k) = (self.layers, self.top_k);
-        let n = self.positions().min(other.positions());
-        let mut out = vec![(0usize, 0usize); l];
-        for p in 0..n {
-            for (li, o) in out.iter_mut().enumerate() {
-                let base = (p * l + li) * k;
-                let mut a: Vec<u32> = self.ids[base..base + k].to_vec();
-                let mut b: Vec<u32> = other.ids[base..base + k].to_vec();
-                a.sort_unstable();
-                b.sort_unstable();
-                o.0 += usize::from(a == b);
-                o.1 += 1;
-            }
-        }
-        Some(out)
-    }
+/// The traces a batch replays: `None` unless every sequence carries one.
+pub(crate) fn replay_of(batch: &[TrainSeq<'_>]) -> Option<Vec<RoutingTrace>> {
+    batch
+        .iter()
+        .map(|s| s.replay.cloned())
+        .collect::<Option<Vec<_>>>()
+        .filter(|r| !r.is_empty())
 }
 
 /// Per-layer hidden-state probes of one sequence: `[layer][position][hidden]` flattened, the
@@ -95,7 +66,7 @@ pub struct LayerProbes {
 }
 
 /// One generated response.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
     /// Index of the prompt in the batch.
     pub prompt_index: usize,

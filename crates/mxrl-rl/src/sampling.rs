@@ -3,21 +3,8 @@
 
 use rand::Rng;
 
-/// `log softmax(logits / temperature)` into `out`.
-pub fn log_softmax_tempered(logits: &[f32], temperature: f32, out: &mut Vec<f32>) {
-    out.clear();
-    let inv_t = 1.0 / temperature;
-    let mx = logits
-        .iter()
-        .map(|&x| x * inv_t)
-        .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .map(|&x| ((x * inv_t - mx) as f64).exp())
-        .sum();
-    let lse = mx + sum.ln() as f32;
-    out.extend(logits.iter().map(|&x| x * inv_t - lse));
-}
+/// `log softmax(logits / temperature)` into `out` (`mxrl_tensor::loss::log_softmax_tempered`).
+pub use mxrl_tensor::loss::log_softmax_tempered;
 
 /// Entropy of a distribution given by its logprobs (`mxrl_tensor::loss::entropy_of_logprobs`).
 pub use mxrl_tensor::loss::entropy_of_logprobs as entropy;

@@ -738,12 +738,7 @@ fn check_trace(
             "{what}: routing trace has a non-finite weight"
         )));
     }
-    Ok(RoutingTrace {
-        layers: m.moe_layers,
-        top_k: m.top_k,
-        ids: t.ids,
-        weights: t.weights,
-    })
+    Ok(trace_from_wire(m.moe_layers, m.top_k, &t.ids, &t.weights))
 }
 
 fn check_score(l: &Limits, r: pb::ScoreRequest) -> Result<(f32, Vec<OwnedSeq>), Refuse> {
@@ -810,12 +805,45 @@ fn check_score(l: &Limits, r: pb::ScoreRequest) -> Result<(f32, Vec<OwnedSeq>), 
 // ---------------------------------------------------------------------------------------------
 // Conversions.
 
-fn trace_to_proto(t: RoutingTrace) -> pb::RoutingTrace {
+/// A trace in the wire layout: `[position][layer][k]` flattened.
+fn trace_to_proto(t: &RoutingTrace) -> pb::RoutingTrace {
+    let (l, k, n) = (t.layers.len(), t.top_k(), t.num_tokens());
+    let mut ids = Vec::with_capacity(n * l * k);
+    let mut weights = Vec::with_capacity(n * l * k);
+    for p in 0..n {
+        for r in &t.layers {
+            ids.extend_from_slice(&r.ids[p * k..(p + 1) * k]);
+            weights.extend_from_slice(&r.weights[p * k..(p + 1) * k]);
+        }
+    }
     pb::RoutingTrace {
-        layers: t.layers as u64,
-        top_k: t.top_k as u64,
-        ids: t.ids,
-        weights: t.weights,
+        layers: l as u64,
+        top_k: k as u64,
+        ids,
+        weights,
+    }
+}
+
+/// The trace of the wire layout `[position][layers][top_k]` (`ids` and `weights` of a whole
+/// number of positions, checked by the caller).
+fn trace_from_wire(layers: usize, top_k: usize, ids: &[u32], weights: &[f32]) -> RoutingTrace {
+    let n = ids.len().checked_div(layers * top_k).unwrap_or(0);
+    RoutingTrace {
+        layers: (0..layers)
+            .map(|li| {
+                let (mut r_ids, mut r_w) = (Vec::with_capacity(n * top_k), Vec::new());
+                for p in 0..n {
+                    let b = (p * layers + li) * top_k;
+                    r_ids.extend_from_slice(&ids[b..b + top_k]);
+                    r_w.extend_from_slice(&weights[b..b + top_k]);
+                }
+                mxrl_model::Routes {
+                    top_k,
+                    ids: r_ids,
+                    weights: r_w,
+                }
+            })
+            .collect(),
     }
 }
 
@@ -825,7 +853,7 @@ fn sample_to_proto(s: Sample) -> pb::Sample {
         prompt: s.prompt,
         response: s.response,
         logprobs: s.logprobs,
-        routing: s.routing.map(trace_to_proto),
+        routing: s.routing.as_ref().map(trace_to_proto),
         probes: s.probes.map(|p| pb::LayerProbes {
             layers: p.layers as u64,
             width: p.width as u64,
@@ -838,6 +866,10 @@ fn usize_of(v: u64, what: &str) -> Result<usize, String> {
     usize::try_from(v).map_err(|_| format!("{what} {v} does not fit this machine"))
 }
 
+/// Most MoE layers a received routing trace may name (each is allocated, even without
+/// positions).
+const MAX_TRACE_LAYERS: usize = 1 << 16;
+
 fn sample_from_proto(s: pb::Sample) -> Result<Sample, String> {
     Ok(Sample {
         prompt_index: usize_of(s.prompt_index, "prompt index")?,
@@ -847,12 +879,21 @@ fn sample_from_proto(s: pb::Sample) -> Result<Sample, String> {
         routing: s
             .routing
             .map(|t| {
-                Ok::<_, String>(RoutingTrace {
-                    layers: usize_of(t.layers, "routing layers")?,
-                    top_k: usize_of(t.top_k, "routing top-k")?,
-                    ids: t.ids,
-                    weights: t.weights,
-                })
+                let l = usize_of(t.layers, "routing layers")?;
+                let k = usize_of(t.top_k, "routing top-k")?;
+                let cell = l.saturating_mul(k);
+                let whole = match cell {
+                    0 => t.ids.is_empty(),
+                    c => t.ids.len() % c == 0,
+                };
+                if t.ids.len() != t.weights.len() || !whole || l > MAX_TRACE_LAYERS {
+                    return Err(format!(
+                        "routing trace with {} ids and {} weights for {l} layers × top-{k}",
+                        t.ids.len(),
+                        t.weights.len()
+                    ));
+                }
+                Ok(trace_from_wire(l, k, &t.ids, &t.weights))
             })
             .transpose()?,
         probes: s
@@ -2619,7 +2660,7 @@ impl RolloutClient {
                 .map(|s| pb::ScoreSequence {
                     prompt: s.prompt.to_vec(),
                     response: s.response.to_vec(),
-                    replay: s.replay.cloned().map(trace_to_proto),
+                    replay: s.replay.map(trace_to_proto),
                 })
                 .collect(),
         };
@@ -3566,7 +3607,7 @@ mod tests {
             weights: vec![0.5; 12],
         };
         let (_, s) = check_score(&l, seq(good.clone())).unwrap();
-        assert_eq!(s[0].replay.as_ref().unwrap().positions(), 3);
+        assert_eq!(s[0].replay.as_ref().unwrap().num_tokens(), 3);
         let mut short = good.clone();
         short.ids.truncate(8);
         short.weights.truncate(8);

@@ -512,8 +512,12 @@ fn captured_routes_are_the_models_and_replay_matches_the_model_trainer() {
         let mut full = s.prompt.clone();
         full.extend_from_slice(&s.response);
         let fed = &full[..full.len() - 1];
-        assert_eq!(r.positions(), fed.len());
-        assert_eq!((r.layers, r.top_k), (moe_layers, cfg.num_experts_per_tok));
+        assert_eq!(r.num_tokens(), fed.len());
+        assert_eq!(
+            (r.layers.len(), r.top_k()),
+            (moe_layers, cfg.num_experts_per_tok)
+        );
+        let k = r.top_k();
         let out = mt
             .model()
             .forward(
@@ -530,12 +534,13 @@ fn captured_routes_are_the_models_and_replay_matches_the_model_trainer() {
             )
             .unwrap();
         let want = &out.routing[0];
-        for (li, l) in want.layers.iter().flatten().enumerate() {
+        assert_eq!(want.layers.len(), moe_layers);
+        for (li, (got, l)) in r.layers.iter().zip(&want.layers).enumerate() {
             for p in 0..fed.len() {
-                let b = (p * r.layers + li) * r.top_k;
+                let b = p * k;
                 assert_eq!(
-                    &r.ids[b..b + r.top_k],
-                    &l.ids[p * r.top_k..(p + 1) * r.top_k],
+                    &got.ids[b..b + k],
+                    &l.ids[p * k..(p + 1) * k],
                     "layer {li} position {p}"
                 );
                 // The prompt's positions come from the prefill (the forward's operations in
@@ -547,9 +552,9 @@ fn captured_routes_are_the_models_and_replay_matches_the_model_trainer() {
                 } else {
                     2f32.powi(-6)
                 };
-                for (x, y) in r.weights[b..b + r.top_k]
+                for (x, y) in got.weights[b..b + k]
                     .iter()
-                    .zip(&l.weights[p * r.top_k..(p + 1) * r.top_k])
+                    .zip(&l.weights[p * k..(p + 1) * k])
                 {
                     assert!(
                         (x - y).abs() <= tol * y.abs(),

@@ -81,6 +81,24 @@ pub fn logprobs_backward(
     }
 }
 
+/// `log softmax(logits / temperature)` of one row into `out`, the normaliser summed in f64 (so
+/// the same row always gives the same bits): the row form the RL loop's entropy and sampling
+/// use.
+pub fn log_softmax_tempered(logits: &[f32], temperature: f32, out: &mut Vec<f32>) {
+    out.clear();
+    let inv_t = 1.0 / temperature;
+    let mx = logits
+        .iter()
+        .map(|&x| x * inv_t)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .map(|&x| ((x * inv_t - mx) as f64).exp())
+        .sum();
+    let lse = mx + sum.ln() as f32;
+    out.extend(logits.iter().map(|&x| x * inv_t - lse));
+}
+
 /// Entropy `−Σ_v p_v·log p_v` of a distribution given by its logprobs (terms with a
 /// non-finite logprob count 0), summed in f64.
 pub fn entropy_of_logprobs(logp: &[f32]) -> f32 {

@@ -4,11 +4,13 @@ use super::device::Device;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use mxrl_ckpt::{partial_path, StagedDir};
+use mxrl_rl::ablate::Built;
 use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{measured_reward, sft_until, SftConfig};
 use mxrl_rl::session::{build, demo_config, demo_model, load_model_dir, write_model_dir};
 use mxrl_rl::task::TaskSpec;
 use mxrl_rl::text::TextCodec;
+use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
@@ -164,77 +166,36 @@ pub struct RewardStop {
     pub seed: u64,
 }
 
-/// Samples answers with a trainer's current weights (for [`RewardStop`]).
-trait Sampler {
-    /// The response token ids of every prompt (temperature 1, stopping after `eos`).
-    fn sample(
-        &mut self,
-        prompts: &[Vec<u32>],
-        max_new_tokens: usize,
-        eos: u32,
-        seed: u64,
-    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError>;
-}
-
-fn run_err<E: std::fmt::Display>(e: E) -> mxrl_rl::runner::RunError {
-    mxrl_rl::runner::RunError::Policy(mxrl_rl::PolicyError::Backend(e.to_string()))
-}
-
-impl Sampler for mxrl_rl::moe::MoeTrainer {
-    fn sample(
-        &mut self,
-        prompts: &[Vec<u32>],
-        max_new_tokens: usize,
-        eos: u32,
-        seed: u64,
-    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError> {
-        use mxrl_rl::TrainPolicy;
-        self.refresh_weights()?;
-        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-        let sp = mxrl_model::SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed,
-            max_new_tokens,
-            stop_tokens: vec![eos],
-        };
-        Ok(self
-            .model()
-            .generate(&refs, &sp)
-            .map_err(run_err)?
-            .into_iter()
-            .map(|g| g.tokens)
-            .collect())
+/// The answers to `prompts` under the trainer's current weights (for [`RewardStop`]): the
+/// rollout takes the trainer's weights as version `version` (device to device when both sides
+/// can), then samples one response per prompt (temperature 1, stopping after `eos`).
+fn sample<T: TrainPolicy, R: RolloutPolicy>(
+    t: &mut T,
+    rollout: &mut R,
+    version: u64,
+    prompts: &[Vec<u32>],
+    s: &RewardStop,
+    eos: u32,
+) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError> {
+    t.refresh_weights()?;
+    let local = match t.local_export() {
+        Some(x) => rollout.load_local(version, &mut x?),
+        None => None,
+    };
+    match local {
+        Some(done) => done?,
+        None => rollout.load_weights(&t.export_weights()?)?,
     }
-}
-
-impl<B: mxrl_tensor::device::Backend + 'static> Sampler for mxrl_rl::engine::EngineTrainer<B> {
-    fn sample(
-        &mut self,
-        prompts: &[Vec<u32>],
-        max_new_tokens: usize,
-        eos: u32,
-        seed: u64,
-    ) -> Result<Vec<Vec<u32>>, mxrl_rl::runner::RunError> {
-        use mxrl_rl::TrainPolicy;
-        self.refresh_weights()?;
-        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-        let sp = mxrl_tensor::sample::SampleParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed,
-            step: 0,
-        };
-        Ok(self
-            .engine()
-            .generate(&refs, max_new_tokens, &sp, &[eos])
-            .map_err(run_err)?
-            .into_iter()
-            .map(|g| g.tokens)
-            .collect())
-    }
+    let cfg = SamplingConfig {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: s.max_new_tokens,
+    };
+    Ok(rollout
+        .generate(prompts, 1, &cfg, eos, s.seed)?
+        .into_iter()
+        .map(|x| x.response)
+        .collect())
 }
 
 /// SFT of `model` (with its tokenizer `tok_json`, `codec`) on `task` into the model directory
@@ -254,8 +215,12 @@ pub fn sft_model_to_dir(
 ) -> Result<f64> {
     let (trained, last) = match device {
         Device::Cpu => {
-            let mut t = build(model, "bf16")?.trainer;
-            let last = train(&mut t, task, codec, cfg, stop)?;
+            let Built {
+                trainer: mut t,
+                rollout: mut r,
+                ..
+            } = build(model, "bf16")?;
+            let last = train(&mut t, &mut r, task, codec, cfg, stop)?;
             (t.master_model()?, last)
         }
         Device::Cuda => sft_on_device(model, task, codec, cfg, stop)?,
@@ -275,7 +240,11 @@ fn sft_on_device(
     stop: Option<&RewardStop>,
 ) -> Result<(mxrl_model::Model, f64)> {
     let mut name = String::new();
-    let mut t = mxrl_rl::session::build_engine(
+    let Built {
+        trainer: mut t,
+        rollout: mut r,
+        ..
+    } = mxrl_rl::session::build_engine(
         model,
         "bf16",
         model.config().max_position_embeddings,
@@ -288,10 +257,9 @@ fn sft_on_device(
             name = b.name();
             Ok(b)
         },
-    )?
-    .trainer;
+    )?;
     eprintln!("sft: the model runs on the device engine on {name}");
-    let last = train(&mut t, task, codec, cfg, stop)?;
+    let last = train(&mut t, &mut r, task, codec, cfg, stop)?;
     Ok((t.master_model()?, last))
 }
 
@@ -309,8 +277,9 @@ fn sft_on_device(
 
 /// The SFT loop with a progress bar (a line per step when stderr is not a terminal), ending
 /// early at `stop`'s reward; returns the last loss.
-fn train<T: mxrl_rl::TrainPolicy + Sampler>(
+fn train<T: TrainPolicy, R: RolloutPolicy>(
     t: &mut T,
+    rollout: &mut R,
     task: &mxrl_rl::task::TaskSource,
     codec: &TextCodec,
     cfg: &SftConfig,
@@ -328,13 +297,17 @@ fn train<T: mxrl_rl::TrainPolicy + Sampler>(
     pb.set_prefix("sft");
     let mut last = f64::NAN;
     let mut reward: Option<f64> = None;
+    let mut version = 0;
+    // Generation records nothing beyond the tokens here.
+    rollout.set_routes(false);
     let took = sft_until(t, task, codec, cfg, &mut |t, step, loss| {
         last = loss;
         let mut done = false;
         if let Some(s) = stop {
             if (step + 1).is_multiple_of(s.every.max(1)) {
+                version += 1;
                 let r = measured_reward(task, codec, s.prompts, s.seed, &mut |ps| {
-                    t.sample(ps, s.max_new_tokens, codec.eos, s.seed)
+                    sample(t, rollout, version, ps, s, codec.eos)
                 })?;
                 reward = Some(r);
                 done = r >= s.target;
