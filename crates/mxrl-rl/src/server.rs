@@ -1009,6 +1009,12 @@ pub enum ServerEvent {
         bytes: u64,
         /// Buckets.
         buckets: u32,
+        /// From the header to the last bucket verified and decoded (the transfer, the
+        /// buckets' SHA-256 and their decoding).
+        receive: Duration,
+        /// Installing the verified tensors on the engine thread (waiting for a call in
+        /// flight included).
+        install: Duration,
     },
     /// A weight update was refused; nothing changed.
     Refused {
@@ -1070,9 +1076,14 @@ impl std::fmt::Display for ServerEvent {
                 version,
                 bytes,
                 buckets,
+                receive,
+                install,
             } => write!(
                 f,
-                "{peer}: applied weight version {version} ({bytes} bytes in {buckets} buckets)"
+                "{peer}: applied weight version {version} ({bytes} bytes in {buckets} buckets; \
+                 received and verified in {:.1} ms, installed in {:.1} ms)",
+                receive.as_secs_f64() * 1e3,
+                install.as_secs_f64() * 1e3
             ),
             ServerEvent::Refused {
                 peer,
@@ -1493,12 +1504,21 @@ fn bad_update(msg: String) -> Refuse {
     }
 }
 
+/// An update received and applied ([`Svc::receive_update`]).
+struct Received {
+    version: u64,
+    bytes: u64,
+    buckets: u32,
+    receive: Duration,
+    install: Duration,
+}
+
 impl Svc {
     /// Receive one update from `s`; `Ok` once it is applied.
     async fn receive_update(
         &self,
         s: &mut tonic::Streaming<pb::UpdateMessage>,
-    ) -> Result<(u64, u64, u32), Result<Refuse, String>> {
+    ) -> Result<Received, Result<Refuse, String>> {
         use pb::update_message::Kind;
         let l = &self.0.cfg.limits;
         let next = |m: Result<Option<pb::UpdateMessage>, Status>| match m {
@@ -1531,6 +1551,7 @@ impl Svc {
                 }))
             }
         };
+        let started = std::time::Instant::now();
         let header = UpdateHeader {
             version: h.version,
             contract_hash: h.contract_hash,
@@ -1612,11 +1633,19 @@ impl Svc {
         }
         let (bytes, buckets) = (asm.header().bytes, asm.header().buckets);
         let (version, tensors) = asm.finish().map_err(|e| Ok(refuse_sync(&e)))?;
+        let receive = started.elapsed();
+        let installing = std::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         self.submit(Job::Install(version, tensors, tx))
             .map_err(|e| Err(e.message().to_string()))?;
         match rx.await {
-            Ok(Ok(v)) => Ok((v, bytes, buckets)),
+            Ok(Ok(v)) => Ok(Received {
+                version: v,
+                bytes,
+                buckets,
+                receive,
+                install: installing.elapsed(),
+            }),
             Ok(Err(r)) => Err(Ok(r)),
             Err(_) => Err(Ok(engine_error("the engine dropped the update".into()))),
         }
@@ -1646,12 +1675,20 @@ impl pb::weight_sync_server::WeightSync for Svc {
         };
         let mut s = r.into_inner();
         match self.receive_update(&mut s).await {
-            Ok((version, bytes, buckets)) => {
+            Ok(Received {
+                version,
+                bytes,
+                buckets,
+                receive,
+                install,
+            }) => {
                 self.event(ServerEvent::Applied {
                     peer,
                     version,
                     bytes,
                     buckets,
+                    receive,
+                    install,
                 });
                 Ok(Response::new(pb::UpdateReply {
                     version,
