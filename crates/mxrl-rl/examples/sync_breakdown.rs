@@ -121,7 +121,8 @@ fn main() {
     for v in 1..=a.updates as u64 + 1 {
         trainer.refresh_weights().expect("refresh");
         let (ex, t_export) = timed(|| trainer.export_weights().expect("export"));
-        let (u, t_build) = timed(|| WeightUpdate::build(v, &contract, &ex, a.bucket_bytes));
+        let sent = ex.clone();
+        let (u, t_build) = timed(|| WeightUpdate::from_tensors(v, &contract, sent, a.bucket_bytes));
         let (r, t_apply) = timed(|| eng.apply(&u).expect("apply"));
         let (srv_receive, srv_install) = loop {
             match events
@@ -188,7 +189,7 @@ fn main() {
     };
     let (export_ms, build_ms, apply_ms) = (median(export), median(build), median(apply));
     row("trainer export_weights", export_ms);
-    row("WeightUpdate::build (encode + SHA-256)", build_ms);
+    row("WeightUpdate::from_tensors (encode + SHA-256)", build_ms);
     row("RolloutEngine::apply (sent, applied, acked)", apply_ms);
     row("  server: receive + verify + decode", median(receive));
     row("  server: install on the engine thread", median(install));

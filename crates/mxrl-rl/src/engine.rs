@@ -218,8 +218,8 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
         match e.stored_weights(name).map_err(be)? {
             Some(qs) => {
                 let groups = qs.len();
-                for (g, q) in qs.iter().enumerate() {
-                    out.push(crate::wire::from_quantized(
+                for (g, q) in qs.into_iter().enumerate() {
+                    out.push(crate::wire::into_wire(
                         &Engine::<B>::stored_name(name, g, groups),
                         q,
                     )?);
@@ -230,12 +230,7 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
                 name: name.to_string(),
                 format: Format::Bf16,
                 shape: e.param_shape(name).map_err(be)?.to_vec(),
-                data: e
-                    .param_bf16(name)
-                    .map_err(be)?
-                    .iter()
-                    .flat_map(|b| b.to_le_bytes())
-                    .collect(),
+                data: crate::wire::bf16_le_bytes(&e.param_bf16(name).map_err(be)?),
                 scales: Vec::new(),
                 amax: Vec::new(),
             }),

@@ -66,6 +66,15 @@ pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
     }
 }
 
+/// BF16 bit patterns as little-endian bytes (the wire's BF16 data).
+pub fn bf16_le_bytes(bits: &[u16]) -> Vec<u8> {
+    let mut out = vec![0u8; 2 * bits.len()];
+    for (o, b) in out.chunks_exact_mut(2).zip(bits) {
+        o.copy_from_slice(&b.to_le_bytes());
+    }
+    out
+}
+
 /// A stored quantized tensor (a quantized linear's forward weight, a converted checkpoint
 /// tensor) in wire form, losslessly: data, scales (FP32 scales as little-endian bytes) and
 /// amax are copied as they are. [`to_quantized`] gives back an equal tensor.
@@ -74,6 +83,14 @@ pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
 /// A scheme that is not its format's [`wire_scheme`], a non-compact scale layout, a padded
 /// or non-2-D tensor — each naming `name`.
 pub fn from_quantized(name: &str, q: &QuantizedTensor) -> Result<WireTensor, PolicyError> {
+    into_wire(name, q.clone())
+}
+
+/// [`from_quantized`] taking the tensor: its bytes move into the wire tensor.
+///
+/// # Errors
+/// As [`from_quantized`].
+pub fn into_wire(name: &str, q: QuantizedTensor) -> Result<WireTensor, PolicyError> {
     let format = q.scheme.format();
     if wire_scheme(format) != Some(q.scheme)
         || q.scale_layout != ScaleLayout::Compact
@@ -90,17 +107,17 @@ pub fn from_quantized(name: &str, q: &QuantizedTensor) -> Result<WireTensor, Pol
             wire_scheme(format).map_or_else(|| format.name().to_string(), |s| s.name()),
         )));
     }
-    let scales = match &q.scales {
-        Scales::Bytes(b) => b.clone(),
+    let scales = match q.scales {
+        Scales::Bytes(b) => b,
         Scales::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     };
     Ok(WireTensor {
         name: name.into(),
         format,
-        shape: q.shape.clone(),
-        data: q.data.clone(),
+        shape: q.shape,
+        data: q.data,
         scales,
-        amax: q.amax.clone(),
+        amax: q.amax,
     })
 }
 
