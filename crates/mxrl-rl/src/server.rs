@@ -519,6 +519,9 @@ pub const BUCKET_FRAMING_BYTES: u64 = 1 << 10;
 const STREAM_WINDOW_BYTES: u32 = 4 << 20;
 /// HTTP/2 receive window of one connection on both sides (the client's: 16 MiB).
 const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame the server accepts (hyper's default: 16 KiB), so a bucket arrives in
+/// megabyte frames rather than in tens of thousands of small ones.
+const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 impl Limits {
     /// Defaults for a model holding `weights`: a bucket holds at least its largest tensor, an
@@ -2461,10 +2464,10 @@ where
     };
     builder
         // Weight updates stream in megabytes: windows as large as the client's, so the
-        // sender is not held to the 1 MiB default per round trip.
+        // sender is not held to hyper's 1 MiB default per round trip.
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
-        .max_frame_size(Some(1 << 20))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .concurrency_limit_per_connection(calls)
         .max_concurrent_streams(Some(calls as u32))
         .layer(tonic::service::InterceptorLayer::new(auth))
@@ -3094,8 +3097,14 @@ impl RolloutPolicy for RemoteRollout {
     }
 
     /// Sends the buckets as they are (sharing their payloads, not copying them); the server
-    /// verifies every checksum and applies the update atomically.
+    /// verifies every checksum and applies the update atomically. An update with a bucket
+    /// larger than the server takes is left to the rollout engine (`None`), which verifies and
+    /// decodes it and sends its tensors in buckets of [`RemoteRollout::bucket_bytes`].
     fn load_update(&mut self, update: &WeightUpdate) -> Option<Result<(), PolicyError>> {
+        let max = self.info.max_bucket_bytes;
+        if update.buckets.iter().any(|b| b.payload.len() as u64 > max) {
+            return None;
+        }
         Some(self.send(update.clone()))
     }
 
