@@ -29,7 +29,7 @@ use crate::DeviceError as CudaError;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
-use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs};
+use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs, StoredBytes};
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
@@ -531,6 +531,69 @@ impl Backend for CudaBackend {
             k,
             codes: self.gpu.upload(&codes).map_err(de)?,
             scales: self.gpu.upload(&scales).map_err(de)?,
+            amax: self.gpu.upload(&amax).map_err(de)?,
+            spec,
+            train: std::cell::OnceCell::new(),
+        })
+    }
+
+    fn upload_stored(
+        &self,
+        spec: LinearSpec,
+        n: usize,
+        k: usize,
+        weights: &[StoredBytes<'_>],
+    ) -> DResult<QExperts> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        let scheme = mxrl_tensor::device::stored_scheme(self.gpu.name(), spec, weights)?;
+        let name = weights[0].name;
+        for w in weights {
+            w.check(scheme, &[n, k]).map_err(dev)?;
+        }
+        let format = spec.format();
+        match format {
+            Format::Mxfp8 => {}
+            Format::Nvfp4 if spec.act_scaling() == ActScaling::PerToken => {
+                if let Some(w) = weights.iter().find(|w| w.amax.len() != 1) {
+                    return Err(dev(format!(
+                        "{}: {} amax values, one per-tensor amax expected",
+                        w.name,
+                        w.amax.len()
+                    )));
+                }
+            }
+            Format::Fp8Block
+                if scheme == Scheme::FP8_BLOCK_WEIGHT
+                    && n.is_multiple_of(mxrl_formats::FP8_BLOCK)
+                    && k.is_multiple_of(mxrl_formats::FP8_BLOCK) => {}
+            _ => {
+                return Err(dev(format!(
+                    "upload_stored: {name} ({spec:?} [{n}, {k}]) has no device expert kernels \
+                     (MXFP8, NVFP4 with per-token activation scaling, FP8-block 128×128 tiles \
+                     with N and K multiples of 128)"
+                )))
+            }
+        }
+        // The layout of `QExperts`: every weight's codes back to back, then every weight's
+        // scale bytes, copied as they are through the page-locked staging buffers.
+        let staged = |parts: Vec<&[u8]>| self.gpu.upload_staged::<u8>(&parts).map_err(de);
+        let codes = staged(weights.iter().map(|w| w.data).collect())?;
+        let scales = staged(weights.iter().map(|w| w.scales).collect())?;
+        if format == Format::Fp8Block {
+            return self.fp8_experts(spec, weights.len(), n, k, codes, scales);
+        }
+        let amax: Vec<f32> = if format == Format::Nvfp4 {
+            weights.iter().map(|w| w.amax[0]).collect()
+        } else {
+            vec![0.0]
+        };
+        Ok(QExperts {
+            format,
+            e: weights.len(),
+            n,
+            k,
+            codes,
+            scales,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
@@ -1225,6 +1288,20 @@ impl Backend for CudaBackend {
         self.ew
             .checksum_bf16(&x.as_view(), n, &mut out.as_view_mut(), slot)
             .map_err(de)
+    }
+
+    fn upload_bf16_bytes(&self, bytes: &[u8]) -> DResult<Self::Bf16> {
+        if !bytes.len().is_multiple_of(2) {
+            return Err(DeviceError::new(
+                self.gpu.name(),
+                format!(
+                    "upload_bf16_bytes: {} bytes is not 2 per value",
+                    bytes.len()
+                ),
+            ));
+        }
+        // BF16 values are their little-endian bytes on the host and on the device.
+        self.gpu.upload_staged::<u16>(&[bytes]).map_err(de)
     }
 
     fn download_bf16(&self, b: &Self::Bf16, n: usize) -> DResult<Vec<u16>> {

@@ -9,7 +9,10 @@
 #![allow(unsafe_code)]
 
 use crate::{module_cache_key, DeviceError, NVRTC_OPTIONS};
-use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
+    PinnedHostSlice, ValidAsZeroBits,
+};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -102,8 +105,30 @@ fn keep_freed_memory(ctx: &CudaContext) {
     }
 }
 
-/// One CUDA GPU as the engine uses it: context, the stream every op runs on, and the module
-/// cache. Cheap to clone (`Arc`s).
+/// Bytes of each of the two page-locked host buffers that host → device copies of weight
+/// updates are staged through ([`Gpu::write_staged`]).
+pub const STAGING_BYTES: usize = 8 << 20;
+
+/// Two page-locked (write-combined) host buffers and, for each, an event recorded on the
+/// stream after the copy that last read it ([`Gpu::write_staged`]).
+struct Staging {
+    bufs: [PinnedHostSlice<u8>; 2],
+    read: [CudaEvent; 2],
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // The buffers are freed below: no copy may still be reading them. (With event tracking
+        // off, cudarc's own events of the buffers are never recorded, so it would not wait.)
+        for e in &self.read {
+            let _ = e.synchronize();
+        }
+    }
+}
+
+/// One CUDA GPU as the engine uses it: context, the stream every op runs on, the module
+/// cache and the page-locked staging buffers of host → device copies. Cheap to clone
+/// (`Arc`s).
 #[derive(Clone)]
 pub struct Gpu {
     ordinal: usize,
@@ -112,6 +137,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     arch: Option<&'static str>,
     options: Vec<String>,
+    /// Allocated on the first staged copy.
+    staging: Arc<Mutex<Option<Staging>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -170,6 +197,7 @@ impl Gpu {
             stream,
             arch,
             options,
+            staging: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -288,6 +316,110 @@ impl Gpu {
         self.stream
             .memcpy_htod(host, &mut dst.slice_mut(0..host.len()))
             .map_err(|x| self.err(format!("write of {} elements: {x:?}", host.len())))
+    }
+
+    /// Copies the concatenation of `parts` into the first bytes of `dst` (host → device, queued
+    /// on the stream) through the two page-locked staging buffers of [`STAGING_BYTES`]: the
+    /// host fills one buffer while the copy engine reads the other, and waits before it
+    /// refills a buffer until the copy that read it has finished (its event). Returns when
+    /// the last copy is queued; `parts` may be freed then (the bytes are in the staging
+    /// buffers). Copies of ops queued later on the stream see the bytes.
+    ///
+    /// # Errors
+    /// `dst` shorter than the parts; page-locked allocation or driver errors.
+    pub fn write_staged(
+        &self,
+        dst: &mut CudaViewMut<'_, u8>,
+        parts: &[&[u8]],
+    ) -> Result<(), DeviceError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total > dst.len() {
+            return Err(self.err(format!(
+                "staged write of {total} bytes into a buffer of {}",
+                dst.len()
+            )));
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let mut guard = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            let pinned = || {
+                // SAFETY: page-locked host memory; every byte copied from it is written first
+                // (below, `fill` bytes per copy).
+                unsafe { self.ctx.alloc_pinned::<u8>(STAGING_BYTES) }
+                    .map_err(|x| self.err(format!("page-locked staging buffer: {x:?}")))
+            };
+            let event = || {
+                self.ctx
+                    .new_event(None)
+                    .map_err(|x| self.err(format!("staging event: {x:?}")))
+            };
+            *guard = Some(Staging {
+                bufs: [pinned()?, pinned()?],
+                read: [event()?, event()?],
+            });
+        }
+        let st = guard.as_mut().expect("allocated above");
+        let (mut at, mut i) = (0usize, 0usize);
+        let mut rest = parts.iter().copied().filter(|p| !p.is_empty());
+        let mut part: &[u8] = rest.next().unwrap_or(&[]);
+        while at < total {
+            // Wait until the copy that last read buffer `i` is done, then fill it.
+            st.read[i]
+                .synchronize()
+                .map_err(|x| self.err(format!("staging event: {x:?}")))?;
+            let buf = st.bufs[i]
+                .as_mut_slice()
+                .map_err(|x| self.err(format!("staging buffer: {x:?}")))?;
+            let mut fill = 0;
+            while fill < buf.len() && !part.is_empty() {
+                let n = part.len().min(buf.len() - fill);
+                buf[fill..fill + n].copy_from_slice(&part[..n]);
+                fill += n;
+                part = &part[n..];
+                if part.is_empty() {
+                    part = rest.next().unwrap_or(&[]);
+                }
+            }
+            // An asynchronous copy (the source is page-locked), then the event the next fill
+            // of this buffer waits for.
+            self.stream
+                .memcpy_htod(&buf[..fill], &mut dst.slice_mut(at..at + fill))
+                .map_err(|x| self.err(format!("staged copy of {fill} bytes: {x:?}")))?;
+            st.read[i]
+                .record(&self.stream)
+                .map_err(|x| self.err(format!("staging event: {x:?}")))?;
+            at += fill;
+            i ^= 1;
+        }
+        Ok(())
+    }
+
+    /// A new buffer of `T` holding the concatenation of `parts` as it is (the bytes of each
+    /// element in the host's order, little-endian as on the device), copied through the
+    /// page-locked staging buffers ([`Gpu::write_staged`]).
+    ///
+    /// # Errors
+    /// A byte count that is not a whole number of `T`; out of device memory; driver errors.
+    pub fn upload_staged<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        parts: &[&[u8]],
+    ) -> Result<CudaSlice<T>, DeviceError> {
+        let bytes: usize = parts.iter().map(|p| p.len()).sum();
+        let size = std::mem::size_of::<T>();
+        if !bytes.is_multiple_of(size) {
+            return Err(self.err(format!(
+                "staged upload of {bytes} bytes is not a whole number of {size}-byte elements"
+            )));
+        }
+        let mut buf = self.empty::<T>(bytes / size)?;
+        // SAFETY: the buffer holds at least `bytes / size` elements, i.e. `bytes` bytes, and
+        // `T: ValidAsZeroBits` is plain data for which every byte pattern written is a value.
+        let mut view = unsafe { buf.transmute_mut::<u8>(bytes) }
+            .ok_or_else(|| self.err(format!("staged upload of {bytes} bytes")))?;
+        self.write_staged(&mut view, parts)?;
+        Ok(buf)
     }
 
     /// Starts recording the work queued on the stream into a graph instead of running it

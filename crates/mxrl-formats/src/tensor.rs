@@ -307,6 +307,27 @@ impl QuantizedTensor {
         self.data.len() + self.scales.nbytes() + 4 * self.amax.len()
     }
 
+    /// The lengths an unpadded tensor of `scheme` and `shape` has with compact scales —
+    /// `(data bytes, scale elements, amax values)`, scale elements being bytes, or f32 values
+    /// for FP8 block: exactly what [`QuantizedTensor::validate`] accepts for such a tensor, so
+    /// stored bytes can be checked before they are gathered into one (e.g. copied straight
+    /// into a device's buffers).
+    ///
+    /// # Errors
+    /// A shape the scheme does not tile without padding.
+    pub fn compact_lengths(
+        scheme: Scheme,
+        shape: &[usize],
+    ) -> Result<(usize, usize, usize), FormatError> {
+        let g = Geometry::new(shape, shape.iter().product(), scheme, Padding::Reject)?;
+        let (r, c) = g.scale_matrix(scheme);
+        Ok((
+            g.e * g.mp * g.data_row_bytes(scheme),
+            g.e * r * c,
+            g.amax_len(scheme),
+        ))
+    }
+
     /// Check every buffer length against the shapes and layout.
     pub fn validate(&self) -> Result<(), FormatError> {
         let g = self.geometry()?;

@@ -276,3 +276,33 @@ fn dequantize_applies_the_contract_formulas() {
     assert_eq!(q.scales.as_f32().unwrap(), &[1.0 / 128.0]);
     assert_eq!(&q.dequantize().unwrap()[..2], &[3.0, 1.0]);
 }
+
+/// `compact_lengths` gives exactly the buffer lengths of a quantized, compact, unpadded tensor
+/// of every weight scheme (the checks `validate` makes), 2-D and stacked 3-D, and refuses a
+/// shape its blocks do not tile.
+#[test]
+fn compact_lengths_are_the_lengths_of_quantized_tensors() {
+    use mxrl_formats::{Padding, QuantizedTensor, Scales, Scheme};
+    for (scheme, shape) in [
+        (Scheme::MXFP8_ROW, vec![256, 384]),
+        (Scheme::NVFP4_TENSOR, vec![256, 384]),
+        (Scheme::NVFP4_ROW, vec![3, 64, 128]),
+        (Scheme::FP8_BLOCK_WEIGHT, vec![256, 384]),
+    ] {
+        let n: usize = shape.iter().product();
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 997) as f32 / 97.0 - 5.0)
+            .collect();
+        let q = mxrl_formats::quantize(&x, &shape, scheme, Padding::Reject).unwrap();
+        let scales = match &q.scales {
+            Scales::Bytes(b) => b.len(),
+            Scales::F32(v) => v.len(),
+        };
+        assert_eq!(
+            QuantizedTensor::compact_lengths(scheme, &shape).unwrap(),
+            (q.data.len(), scales, q.amax.len()),
+            "{scheme} {shape:?}"
+        );
+    }
+    assert!(QuantizedTensor::compact_lengths(Scheme::MXFP8_ROW, &[128, 40]).is_err());
+}

@@ -239,6 +239,15 @@ pub enum DeviceTensor<B: Backend> {
     Stored(B::QExperts),
 }
 
+/// One parameter of a weight update received on the host ([`Engine::install_host`]).
+#[derive(Debug, Clone)]
+pub enum HostTensor<'a> {
+    /// BF16 values, little-endian bytes.
+    Bf16(&'a [u8]),
+    /// The stored weights of a block-format linear, one per group (routed expert).
+    Stored(Vec<mxrl_tensor::device::StoredBytes<'a>>),
+}
+
 /// A parameter's replacement, built before anything is swapped in.
 enum Fresh<B: Backend> {
     Bf16(B::F32, Option<B::Bf16>, Option<B::F32>),
@@ -3136,6 +3145,91 @@ impl<B: Backend> Engine<B> {
                 ),
             });
         }
+        self.swap_in(bufs)
+    }
+
+    /// Installs a weight update received on the host (engine order, one entry per
+    /// parameter): BF16 values as little-endian bytes, copied to the device as they are and
+    /// widened there, and the stored bytes of block-format linears copied straight into new
+    /// stored weights ([`Backend::upload_stored`]). Every entry is checked against its
+    /// parameter (kind, byte count, the stored weights' count and byte counts) before
+    /// anything is copied; every new buffer is built before the first parameter is replaced.
+    /// On any error nothing changes.
+    ///
+    /// # Errors
+    /// Wrong count, an entry of another kind or size than its parameter (the tensor named),
+    /// out of device memory, device failure.
+    pub fn install_host(&mut self, tensors: &[HostTensor<'_>]) -> Result<()> {
+        let np = self.params.len();
+        if tensors.len() != np {
+            return Err(ModelError::Input(format!(
+                "weight update of {} tensors for an engine of {np}",
+                tensors.len()
+            )));
+        }
+        for (t, p) in tensors.iter().zip(&self.params) {
+            let bad = |message: String| ModelError::BadTensor {
+                name: p.name.clone(),
+                message,
+            };
+            match (t, &p.q) {
+                (HostTensor::Bf16(bytes), None) => {
+                    if bytes.len() != 2 * p.len {
+                        return Err(bad(format!(
+                            "{} BF16 bytes for {} values {:?}",
+                            bytes.len(),
+                            p.len,
+                            p.shape
+                        )));
+                    }
+                }
+                (HostTensor::Stored(ws), Some(q)) => {
+                    let scheme = q.spec.weight_scheme().ok_or_else(|| {
+                        bad(format!("stored as {:?} without a block format", q.spec))
+                    })?;
+                    if ws.len() != q.groups {
+                        return Err(bad(format!(
+                            "{} stored weights for {} weights [{}, {}]",
+                            ws.len(),
+                            q.groups,
+                            q.n,
+                            q.k
+                        )));
+                    }
+                    for w in ws {
+                        w.check(scheme, &[q.n, q.k]).map_err(ModelError::Input)?;
+                    }
+                }
+                _ => {
+                    return Err(bad(
+                        "the update sends it in another form than this engine runs \
+                                    it (BF16 values vs stored block-format bytes)"
+                            .into(),
+                    ))
+                }
+            }
+        }
+        let b = &self.b;
+        let mut bufs = Vec::with_capacity(np);
+        for (t, p) in tensors.iter().zip(&self.params) {
+            bufs.push(match (t, &p.q) {
+                (HostTensor::Bf16(bytes), _) => {
+                    DeviceTensor::Bf16(b.upload_bf16_bytes(bytes).map_err(dev)?)
+                }
+                (HostTensor::Stored(ws), Some(q)) => {
+                    DeviceTensor::Stored(b.upload_stored(q.spec, q.n, q.k, ws).map_err(dev)?)
+                }
+                (HostTensor::Stored(_), None) => unreachable!("checked above"),
+            });
+        }
+        self.swap_in(bufs)
+    }
+
+    /// Builds every parameter's replacement from `bufs` (checked to match the parameters'
+    /// kinds and sizes): the master widened from the BF16 values on the device, the BF16
+    /// operand (the buffer itself) and the BF16 value; then swaps them all in.
+    fn swap_in(&mut self, bufs: Vec<DeviceTensor<B>>) -> Result<()> {
+        let np = self.params.len();
         let b = &self.b;
         let mut fresh: Vec<Fresh<B>> = Vec::with_capacity(np);
         for (buf, p) in bufs.into_iter().zip(&self.params) {

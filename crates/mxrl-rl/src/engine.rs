@@ -53,13 +53,12 @@ use crate::policy::{
     replay_of, routed, LayerProbes, LocalExport, ParamMut, PolicyError, RolloutPolicy, Sample,
     SamplingConfig, Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
-use crate::wire::bf16_values;
 use mxrl_formats::Format;
-use mxrl_model::engine::{Engine, Record, Tape};
+use mxrl_model::engine::{Engine, HostTensor, Record, Tape};
 use mxrl_model::{ModelConfig, SeqInput};
 use mxrl_plan::PrecisionPlan;
 use mxrl_tensor::device::Backend;
-use mxrl_tensor::qlinear::PreparedWeight;
+use mxrl_tensor::device::StoredBytes;
 use mxrl_tensor::sample::SampleParams;
 use std::collections::BTreeMap;
 
@@ -202,8 +201,8 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
         match e.stored_weights(name).map_err(be)? {
             Some(qs) => {
                 let groups = qs.len();
-                for (g, q) in qs.iter().enumerate() {
-                    out.push(crate::wire::from_quantized(
+                for (g, q) in qs.into_iter().enumerate() {
+                    out.push(crate::wire::into_wire(
                         &Engine::<B>::stored_name(name, g, groups),
                         q,
                     )?);
@@ -214,12 +213,7 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
                 name: name.to_string(),
                 format: Format::Bf16,
                 shape: e.param_shape(name).map_err(be)?.to_vec(),
-                data: e
-                    .param_bf16(name)
-                    .map_err(be)?
-                    .iter()
-                    .flat_map(|b| b.to_le_bytes())
-                    .collect(),
+                data: crate::wire::bf16_le_bytes(&e.param_bf16(name).map_err(be)?),
                 scales: Vec::new(),
                 amax: Vec::new(),
             }),
@@ -661,15 +655,14 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
     }
 
     fn load_weights(&mut self, tensors: &[WireTensor]) -> Result<(), PolicyError> {
-        // The tensors this engine takes, in order: (parameter, weight index, name, shape, format).
+        // The tensors this engine takes, in order: (stored weight index, name, shape, format).
         let mut expected = Vec::new();
         for n in self.engine.param_names() {
             match self.engine.stored_layout(n).map_err(be)? {
                 Some((spec, groups, rows, cols)) => {
                     for g in 0..groups {
                         expected.push((
-                            n.to_string(),
-                            Some((spec, g)),
+                            Some(g),
                             Engine::<B>::stored_name(n, g, groups),
                             vec![rows, cols],
                             spec.format(),
@@ -678,7 +671,7 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
                 }
                 None => {
                     let shape = self.engine.param_shape(n).map_err(be)?.to_vec();
-                    expected.push((n.to_string(), None, n.to_string(), shape, Format::Bf16));
+                    expected.push((None, n.to_string(), shape, Format::Bf16));
                 }
             }
         }
@@ -689,45 +682,41 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
                 expected.len()
             )));
         }
-        // Decode and check everything before the first tensor is replaced.
-        let mut values: Vec<(String, Vec<f32>)> = Vec::new();
-        let mut stored: Vec<(String, Vec<PreparedWeight>)> = Vec::new();
-        for (t, (param, q, name, shape, format)) in tensors.iter().zip(&expected) {
+        // Check every tensor against the engine before anything is copied; the engine then
+        // builds every new device buffer from these bytes before it replaces the first one.
+        let mut host: Vec<HostTensor<'_>> = Vec::new();
+        for (t, (g, name, shape, format)) in tensors.iter().zip(&expected) {
             if t.name != *name || t.shape != *shape || t.format != *format {
                 return Err(PolicyError::Update(format!(
                     "expected `{name}` {format} {shape:?}, got `{}` {} {:?}",
                     t.name, t.format, t.shape
                 )));
             }
-            match q {
-                None => values.push((param.clone(), bf16_values(t)?)),
-                Some((spec, g)) => {
-                    let pw = PreparedWeight::from_quantized(
-                        name,
-                        crate::wire::to_quantized(t)?,
-                        *spec,
-                        0,
-                        None,
-                    )
-                    .map_err(|e| PolicyError::Update(format!("tensor {name}: {e}")))?;
+            match g {
+                None => {
+                    crate::wire::check_bf16(t)?;
+                    host.push(HostTensor::Bf16(&t.data));
+                }
+                Some(g) => {
+                    let w = StoredBytes {
+                        name: &t.name,
+                        data: &t.data,
+                        scales: &t.scales,
+                        amax: &t.amax,
+                    };
                     if *g == 0 {
-                        stored.push((param.clone(), Vec::new()));
+                        host.push(HostTensor::Stored(Vec::new()));
                     }
-                    stored.last_mut().expect("pushed at weight 0").1.push(pw);
+                    match host.last_mut() {
+                        Some(HostTensor::Stored(ws)) => ws.push(w),
+                        _ => unreachable!("a stored weight set starts at weight 0"),
+                    }
                 }
             }
         }
-        for (n, v) in &values {
-            self.engine
-                .set_param_values(n, v)
-                .map_err(|e| PolicyError::Update(e.to_string()))?;
-        }
-        for (n, pws) in stored {
-            self.engine
-                .install_stored(&n, pws)
-                .map_err(|e| PolicyError::Update(e.to_string()))?;
-        }
-        Ok(())
+        self.engine
+            .install_host(&host)
+            .map_err(|e| PolicyError::Update(e.to_string()))
     }
 
     fn load_local(
@@ -787,6 +776,43 @@ mod tests {
     use crate::session::{build_engine, demo_model};
     use crate::sync::check_equal;
     use mxrl_tensor::device::CpuBackend;
+
+    /// A wire update is installed only whole: one tensor with a wrong byte count — the last
+    /// BF16 tensor, or the scales of one stored block-format weight — is refused naming it,
+    /// with every earlier (valid) tensor left uninstalled and the old weights serving; the
+    /// intact update is then installed bit for bit.
+    #[test]
+    fn a_wire_update_with_one_bad_tensor_is_refused_by_name_and_changes_nothing() {
+        for recipe in ["bf16", "mxfp8", "nvfp4-hp"] {
+            let (model, _) = demo_model(2).unwrap();
+            let mut b = build_engine(&model, recipe, 32, || Ok(CpuBackend)).unwrap();
+            let (other, _) = demo_model(9).unwrap();
+            let t2 = build_engine(&other, recipe, 32, || Ok(CpuBackend))
+                .unwrap()
+                .trainer;
+            let before = b.rollout.weights();
+            let good = t2.export_weights().unwrap();
+            assert!(check_equal(&before, &good).is_err());
+            let mut cases = vec![good.len() - 1];
+            if recipe != "bf16" {
+                let i = good.iter().rposition(|t| t.format != Format::Bf16).unwrap();
+                cases.push(i);
+            }
+            for i in cases {
+                let mut bad = good.clone();
+                if bad[i].format == Format::Bf16 {
+                    bad[i].data.pop();
+                } else {
+                    bad[i].scales.pop();
+                }
+                let e = b.rollout.load_weights(&bad).unwrap_err().to_string();
+                assert!(e.contains(&bad[i].name), "{recipe}: {e}");
+                check_equal(&b.rollout.weights(), &before).unwrap();
+            }
+            b.rollout.load_weights(&good).unwrap();
+            check_equal(&b.rollout.weights(), &good).unwrap();
+        }
+    }
 
     /// The device update carries the trainer's exact bytes (the wire export of both sides is
     /// then equal: BF16 values and, under a block-format recipe, the stored weights), and a

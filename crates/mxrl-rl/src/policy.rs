@@ -243,6 +243,21 @@ pub trait RolloutPolicy {
         self.load_weights(tensors)
     }
 
+    /// Has `update` — bucketed and checksummed ([`crate::sync::WeightUpdate`]), its contract
+    /// hash and version already checked by the rollout engine — verified and applied where
+    /// the weights live, atomically. `None` (the default): the policy takes tensors; the
+    /// rollout engine verifies and decodes the update itself and calls
+    /// [`RolloutPolicy::load_weights_versioned`]. A remote policy
+    /// ([`crate::server::RemoteRollout`]) sends the buckets as they are, so an update is
+    /// encoded and hashed once on the sending side.
+    fn load_update(
+        &mut self,
+        update: &crate::sync::WeightUpdate,
+    ) -> Option<Result<(), PolicyError>> {
+        let _ = update;
+        None
+    }
+
     /// Installs a weight update that stayed on the device ([`LocalExport`]) as `version`,
     /// verified and atomic like [`RolloutPolicy::load_weights`]. `None`: this policy does not
     /// take the exporter's kind (the default); the loop then sends the wire form.
@@ -425,6 +440,12 @@ impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
     }
     fn check_weights(&self, expected: &[WireTensor]) -> Result<(), crate::sync::SyncError> {
         (**self).check_weights(expected)
+    }
+    fn load_update(
+        &mut self,
+        update: &crate::sync::WeightUpdate,
+    ) -> Option<Result<(), PolicyError>> {
+        (**self).load_update(update)
     }
     fn load_local(
         &mut self,

@@ -503,9 +503,17 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             }
         }
         let ex = self.trainer.export_weights()?;
-        let u = WeightUpdate::build(version, &self.contract_hash, &ex, self.cfg.bucket_bytes);
+        // The tensors move into the update's buckets unless they are compared afterwards.
+        let (u, kept) = if self.cfg.check_weight_sync {
+            let u = WeightUpdate::build(version, &self.contract_hash, &ex, self.cfg.bucket_bytes);
+            (u, Some(ex))
+        } else {
+            let u =
+                WeightUpdate::from_tensors(version, &self.contract_hash, ex, self.cfg.bucket_bytes);
+            (u, None)
+        };
         let rep = self.rollout.apply(&u)?;
-        if self.cfg.check_weight_sync {
+        if let Some(ex) = kept {
             self.rollout.check(&ex)?;
         }
         Ok((rep.bytes, t.elapsed().as_secs_f64()))

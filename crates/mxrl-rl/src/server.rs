@@ -8,9 +8,11 @@
 //!
 //! - **The engine runs on its own thread** and owns the policy; the async runtime only moves
 //!   requests. Generate, score, fetch and install are jobs sent to that thread, each run under
-//!   `catch_unwind`: a panic is answered as `ENGINE_ERROR` and the engine keeps serving. `Info`,
-//!   `Digest` and health read a snapshot the engine thread refreshes after every applied
-//!   update, so a long generation never blocks them.
+//!   `catch_unwind`: a panic is answered as `ENGINE_ERROR` and the engine keeps serving. `Info`
+//!   and health read a snapshot the engine thread refreshes after every applied update, so a
+//!   long generation never blocks them; `Digest` reads the digest kept in it, computed at
+//!   start and, after an update, by the engine thread on the first `Digest` call (an update
+//!   never pays for a digest nobody asks for).
 //! - **Limits are checked before anything is allocated or queued** ([`Limits`]): each of the
 //!   three services has its own message size limit (enforced by tonic from the length prefix,
 //!   before buffering; its refusal is re-typed as `LIMIT_EXCEEDED` by [`TypedOversize`]); a
@@ -31,7 +33,9 @@
 //!   (EMFILE, ...) is logged and retried, never fatal.
 //! - **Weight updates keep the in-process semantics** of [`crate::sync`]: the contract hash,
 //!   SHA-256 per bucket, versions only forward, atomic apply at an explicit commit. A stream
-//!   that ends before its commit, or any refusal, changes nothing.
+//!   that ends before its commit, or any refusal, changes nothing. Each bucket is verified and
+//!   decoded on the blocking pool while the next one arrives; [`RemoteRollout`] sends the
+//!   buckets its caller built (encoded and hashed once, payloads shared, not copied).
 
 use crate::policy::{
     LayerProbes, PolicyError, RolloutPolicy, RoutingTrace, Sample, SamplingConfig, TrainSeq,
@@ -39,12 +43,13 @@ use crate::policy::{
 };
 use crate::proto as pb;
 use crate::sync::{
-    format_from_proto, format_to_proto, sha256, Bucket, RolloutEngine, SyncError, UpdateAssembler,
-    UpdateHeader, WeightUpdate,
+    format_from_proto, format_to_proto, sha256, verify_bucket, Bucket, RolloutEngine, SyncError,
+    UpdateAssembler, UpdateHeader, WeightUpdate,
 };
 use mxrl_formats::Format;
 use pb::refusal::Reason;
 use prost::Message;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -509,6 +514,14 @@ pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 pub const CONTROL_REQUEST_BYTES: u64 = 1 << 10;
 /// Framing a bucket message may add to its payload.
 pub const BUCKET_FRAMING_BYTES: u64 = 1 << 10;
+/// HTTP/2 receive window of one call on both sides (the client's: 4 MiB): how far a sender of
+/// weight buckets may run ahead of the receiver.
+const STREAM_WINDOW_BYTES: u32 = 4 << 20;
+/// HTTP/2 receive window of one connection on both sides (the client's: 16 MiB).
+const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame the server accepts (hyper's default: 16 KiB), so a bucket arrives in
+/// megabyte frames rather than in tens of thousands of small ones.
+const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 impl Limits {
     /// Defaults for a model holding `weights`: a bucket holds at least its largest tensor, an
@@ -1050,6 +1063,12 @@ pub enum ServerEvent {
         bytes: u64,
         /// Buckets.
         buckets: u32,
+        /// From the header to the last bucket verified and decoded (the transfer, the
+        /// buckets' SHA-256 and their decoding).
+        receive: Duration,
+        /// Installing the verified tensors on the engine thread (waiting for a call in
+        /// flight included).
+        install: Duration,
     },
     /// A weight update was refused; nothing changed.
     Refused {
@@ -1111,9 +1130,14 @@ impl std::fmt::Display for ServerEvent {
                 version,
                 bytes,
                 buckets,
+                receive,
+                install,
             } => write!(
                 f,
-                "{peer}: applied weight version {version} ({bytes} bytes in {buckets} buckets)"
+                "{peer}: applied weight version {version} ({bytes} bytes in {buckets} buckets; \
+                 received and verified in {:.1} ms, installed in {:.1} ms)",
+                receive.as_secs_f64() * 1e3,
+                install.as_secs_f64() * 1e3
             ),
             ServerEvent::Refused {
                 peer,
@@ -1161,19 +1185,32 @@ struct Snapshot {
     version: u64,
     tensors: usize,
     weight_bytes: u64,
-    digest: Arc<pb::DigestReply>,
+    /// The digest of the served weights: computed at start, and after an update on the first
+    /// `Digest` call (on the engine thread, from the weights it holds), not by the update.
+    digest: Option<Arc<pb::DigestReply>>,
+}
+
+/// The digest of the weights `e` holds now (copied from where they live, hashed in
+/// parallel).
+fn digest_of<P: RolloutPolicy>(e: &RolloutEngine<P>) -> (Vec<WireTensor>, pb::DigestReply) {
+    let w = e.policy.weights();
+    let tensors = w.par_iter().map(digest_to_proto).collect();
+    (
+        w,
+        pb::DigestReply {
+            version: e.version,
+            tensors,
+        },
+    )
 }
 
 fn snapshot_of<P: RolloutPolicy>(e: &RolloutEngine<P>) -> Snapshot {
-    let w = e.policy.weights();
+    let (w, d) = digest_of(e);
     Snapshot {
         version: e.version,
         tensors: w.len(),
         weight_bytes: w.iter().map(|t| t.byte_len() as u64).sum(),
-        digest: Arc::new(pb::DigestReply {
-            version: e.version,
-            tensors: w.iter().map(digest_to_proto).collect(),
-        }),
+        digest: Some(Arc::new(d)),
     }
 }
 
@@ -1184,6 +1221,7 @@ enum Job {
     Score(f32, Vec<OwnedSeq>, Reply<(u64, Vec<Vec<f32>>)>),
     Install(u64, Vec<WireTensor>, Reply<u64>),
     Weights(oneshot::Sender<(u64, Vec<WireTensor>)>),
+    Digest(Reply<Arc<pb::DigestReply>>),
 }
 
 fn engine_error(msg: String) -> Refuse {
@@ -1249,16 +1287,27 @@ fn engine_loop<P: RolloutPolicy>(
                     eng.install(v, &tensors).map_err(|e| refuse_sync(&e))
                 });
                 if r.is_ok() {
-                    let s = guarded("weight digest", || Ok(snapshot_of(&eng)));
-                    match s {
-                        Ok(s) => *snap.write().unwrap_or_else(|p| p.into_inner()) = s,
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                            continue;
-                        }
+                    // What the engine now holds is exactly these tensors (the policy installs
+                    // a whole set or nothing); their digest is computed when asked for.
+                    *snap.write().unwrap_or_else(|p| p.into_inner()) = Snapshot {
+                        version: eng.version,
+                        tensors: tensors.len(),
+                        weight_bytes: tensors.iter().map(|t| t.byte_len() as u64).sum(),
+                        digest: None,
+                    };
+                }
+                drop(tensors);
+                let _ = tx.send(r.map(|()| eng.version));
+            }
+            Job::Digest(tx) => {
+                let r = guarded("weight digest", || Ok(Arc::new(digest_of(&eng).1)));
+                if let Ok(d) = &r {
+                    let mut s = snap.write().unwrap_or_else(|p| p.into_inner());
+                    if s.version == d.version {
+                        s.digest = Some(d.clone());
                     }
                 }
-                let _ = tx.send(r.map(|()| eng.version));
+                let _ = tx.send(r);
             }
             Job::Weights(tx) => {
                 if let Ok(w) = guarded("fetch", || Ok(eng.policy.weights())) {
@@ -1438,15 +1487,19 @@ impl pb::rollout_server::Rollout for Svc {
 
     async fn digest(
         &self,
-        _r: Request<pb::DigestRequest>,
+        r: Request<pb::DigestRequest>,
     ) -> Result<Response<pb::DigestReply>, Status> {
-        let d = self
+        let held = self
             .0
             .snap
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .digest
             .clone();
+        let d = match held {
+            Some(d) => d,
+            None => self.run(&peer_of(&r), "digest", Job::Digest).await?,
+        };
         Ok(Response::new((*d).clone()))
     }
 
@@ -1534,12 +1587,50 @@ fn bad_update(msg: String) -> Refuse {
     }
 }
 
+/// A bucket being verified and decoded on the blocking pool ([`Svc::receive_update`]).
+type Check = tokio::task::JoinHandle<Result<(u32, Vec<WireTensor>), SyncError>>;
+
+/// Stores the buckets of `checks` whose verification finished (all of them with `all`, waiting
+/// for each), removing them; the first failure is returned.
+async fn settle(
+    asm: &mut UpdateAssembler,
+    checks: &mut Vec<Check>,
+    all: bool,
+) -> Result<(), SyncError> {
+    let mut i = 0;
+    while i < checks.len() {
+        if !all && !checks[i].is_finished() {
+            i += 1;
+            continue;
+        }
+        match checks.swap_remove(i).await {
+            Ok(Ok((index, tensors))) => asm.fill(index, tensors),
+            Ok(Err(e)) => return Err(e),
+            Err(e) => {
+                return Err(SyncError::Rejected(format!(
+                    "verifying a bucket failed: {e}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An update received and applied ([`Svc::receive_update`]).
+struct Received {
+    version: u64,
+    bytes: u64,
+    buckets: u32,
+    receive: Duration,
+    install: Duration,
+}
+
 impl Svc {
     /// Receive one update from `s`; `Ok` once it is applied.
     async fn receive_update(
         &self,
         s: &mut tonic::Streaming<pb::UpdateMessage>,
-    ) -> Result<(u64, u64, u32), Result<Refuse, String>> {
+    ) -> Result<Received, Result<Refuse, String>> {
         use pb::update_message::Kind;
         let l = &self.0.cfg.limits;
         let next = |m: Result<Option<pb::UpdateMessage>, Status>| match m {
@@ -1572,6 +1663,7 @@ impl Svc {
                 }))
             }
         };
+        let started = std::time::Instant::now();
         let header = UpdateHeader {
             version: h.version,
             contract_hash: h.contract_hash,
@@ -1594,8 +1686,22 @@ impl Svc {
                 current: serving,
             })));
         }
+        // Each bucket's SHA-256 and decoding run on the blocking pool while the next bucket
+        // arrives; the first failure among those finished ends the update, and all of them
+        // are settled before anything else (the commit, the end of the stream, an error).
+        let mut checks: Vec<Check> = Vec::new();
         loop {
-            match next(s.message().await)? {
+            let m = s.message().await;
+            let all = !matches!(
+                m,
+                Ok(Some(pb::UpdateMessage {
+                    kind: Some(Kind::Bucket(_))
+                }))
+            );
+            settle(&mut asm, &mut checks, all)
+                .await
+                .map_err(|e| Ok(refuse_sync(&e)))?;
+            match next(m)? {
                 Some(Kind::Bucket(b)) => {
                     if b.payload.len() as u64 > l.max_bucket_bytes {
                         return Err(Ok(Refuse::limit(
@@ -1617,12 +1723,16 @@ impl Svc {
                             b.sha256.len()
                         )))
                     })?;
-                    asm.add(&Bucket {
+                    asm.admit(b.index, b.payload.len())
+                        .map_err(|e| Ok(refuse_sync(&e)))?;
+                    let bucket = Bucket {
                         index: b.index,
                         checksum,
                         payload: b.payload,
-                    })
-                    .map_err(|e| Ok(refuse_sync(&e)))?;
+                    };
+                    checks.push(tokio::task::spawn_blocking(move || {
+                        verify_bucket(v, &bucket).map(|t| (bucket.index, t))
+                    }));
                 }
                 Some(Kind::Commit(c)) => {
                     if c.version != v {
@@ -1653,11 +1763,19 @@ impl Svc {
         }
         let (bytes, buckets) = (asm.header().bytes, asm.header().buckets);
         let (version, tensors) = asm.finish().map_err(|e| Ok(refuse_sync(&e)))?;
+        let receive = started.elapsed();
+        let installing = std::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         self.submit(Job::Install(version, tensors, tx))
             .map_err(|e| Err(e.message().to_string()))?;
         match rx.await {
-            Ok(Ok(v)) => Ok((v, bytes, buckets)),
+            Ok(Ok(v)) => Ok(Received {
+                version: v,
+                bytes,
+                buckets,
+                receive,
+                install: installing.elapsed(),
+            }),
             Ok(Err(r)) => Err(Ok(r)),
             Err(_) => Err(Ok(engine_error("the engine dropped the update".into()))),
         }
@@ -1687,12 +1805,20 @@ impl pb::weight_sync_server::WeightSync for Svc {
         };
         let mut s = r.into_inner();
         match self.receive_update(&mut s).await {
-            Ok((version, bytes, buckets)) => {
+            Ok(Received {
+                version,
+                bytes,
+                buckets,
+                receive,
+                install,
+            }) => {
                 self.event(ServerEvent::Applied {
                     peer,
                     version,
                     bytes,
                     buckets,
+                    receive,
+                    install,
                 });
                 Ok(Response::new(pb::UpdateReply {
                     version,
@@ -2378,6 +2504,11 @@ where
         limit: ("max_request_bytes", limits.max_request_bytes),
     };
     builder
+        // Weight updates stream in megabytes: windows as large as the client's, so the
+        // sender is not held to hyper's 1 MiB default per round trip.
+        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+        .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .concurrency_limit_per_connection(calls)
         .max_concurrent_streams(Some(calls as u32))
         .layer(tonic::service::InterceptorLayer::new(auth))
@@ -2464,8 +2595,8 @@ impl RolloutClient {
             e.http2_keep_alive_interval(Duration::from_secs(30))
                 .keep_alive_timeout(Duration::from_secs(20))
                 .keep_alive_while_idle(true)
-                .initial_stream_window_size(Some(4 << 20))
-                .initial_connection_window_size(Some(16 << 20))
+                .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+                .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         };
         let channel = match ep {
             Endpoint::Unix(_) if tls.is_some() => {
@@ -2949,6 +3080,23 @@ impl RemoteRollout {
     pub fn shutdown_server(&self) -> Result<(), ServerError> {
         self.client().shutdown()
     }
+
+    /// Sends update `u` and records its version once the server acknowledged it.
+    fn send(&mut self, u: WeightUpdate) -> Result<(), PolicyError> {
+        let version = u.header.version;
+        let v = self
+            .client()
+            .update(u)
+            .map_err(|e| PolicyError::Update(e.to_string()))?;
+        if v != version {
+            return Err(PolicyError::Update(format!(
+                "rollout server {}: acknowledged v{v} for update v{version}",
+                self.info.model
+            )));
+        }
+        self.version = version;
+        Ok(())
+    }
 }
 
 fn backend(e: ServerError) -> PolicyError {
@@ -2981,19 +3129,24 @@ impl RolloutPolicy for RemoteRollout {
         version: u64,
         tensors: &[WireTensor],
     ) -> Result<(), PolicyError> {
-        let u = WeightUpdate::build(version, &self.contract_hash, tensors, self.bucket_bytes);
-        let v = self
-            .client()
-            .update(u)
-            .map_err(|e| PolicyError::Update(e.to_string()))?;
-        if v != version {
-            return Err(PolicyError::Update(format!(
-                "rollout server {}: acknowledged v{v} for update v{version}",
-                self.info.model
-            )));
+        self.send(WeightUpdate::build(
+            version,
+            &self.contract_hash,
+            tensors,
+            self.bucket_bytes,
+        ))
+    }
+
+    /// Sends the buckets as they are (sharing their payloads, not copying them); the server
+    /// verifies every checksum and applies the update atomically. An update with a bucket
+    /// larger than the server takes is left to the rollout engine (`None`), which verifies and
+    /// decodes it and sends its tensors in buckets of [`RemoteRollout::bucket_bytes`].
+    fn load_update(&mut self, update: &WeightUpdate) -> Option<Result<(), PolicyError>> {
+        let max = self.info.max_bucket_bytes;
+        if update.buckets.iter().any(|b| b.payload.len() as u64 > max) {
+            return None;
         }
-        self.version = version;
-        Ok(())
+        Some(self.send(update.clone()))
     }
 
     /// The server's held weights; empty when the server cannot be reached (use
@@ -3275,6 +3428,61 @@ mod tests {
 
     /// Every refusal of an update is typed, carries the served version, changes nothing and
     /// leaves the connection usable; a stream cut before its commit changes nothing either.
+    /// A bucket corrupted in transit (one byte of its last tensor flipped, the checksum the
+    /// sender computed kept), sent the way the RL loop sends updates (a rollout engine over
+    /// [`RemoteRollout`]): refused as a checksum failure naming the bucket and the tensors it
+    /// carries; the server keeps serving the old version and the old bytes (its digest), the
+    /// intact update then applies, and the digest computed on demand after it is the new
+    /// bytes'.
+    #[test]
+    fn a_corrupted_bucket_is_refused_naming_its_tensors_and_the_old_weights_keep_serving() {
+        let dir = tempfile::tempdir().unwrap();
+        let ep = Endpoint::Unix(dir.path().join("c.sock"));
+        let t0 = trainer(0.0, Format::Mxfp8);
+        let before = t0.export_weights().unwrap();
+        let srv = start(&ep, t0.rollout().unwrap(), "h", |_| {});
+        let ex = trainer(2.0, Format::Mxfp8).export_weights().unwrap();
+        assert!(check_digests(
+            "t",
+            &RolloutClient::connect(&srv.at, None)
+                .unwrap()
+                .digest()
+                .unwrap(),
+            &ex
+        )
+        .is_err());
+        let mut eng =
+            RolloutEngine::new(RemoteRollout::connect(&srv.at, "h", None).unwrap(), 0, "h");
+        let mut u = WeightUpdate::build(1, "h", &ex, 64);
+        let last = u.buckets.len() - 1;
+        let names: Vec<String> = sync::decode_tensors(&u.buckets[last].payload)
+            .unwrap()
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        let mut p = u.buckets[last].payload.to_vec();
+        *p.last_mut().unwrap() ^= 0x10;
+        u.buckets[last].payload = p.into();
+        let e = eng.apply(&u).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("bucket {last}")) && e.contains("SHA-256") && e.contains(&names[0]),
+            "{e}"
+        );
+        assert_eq!(eng.version, 0);
+        let mut c = RolloutClient::connect(&srv.at, None).unwrap();
+        assert_eq!(c.info().unwrap().version, 0);
+        eng.check(&before).unwrap();
+        let rep = eng.apply(&WeightUpdate::build(1, "h", &ex, 64)).unwrap();
+        assert_eq!(rep.version, 1);
+        eng.check(&ex).unwrap();
+        assert!(eng.check(&before).is_err());
+        until(&srv.rx, |e| {
+            matches!(e, ServerEvent::Applied { version: 1, .. })
+        });
+        srv.stop.stop();
+        srv.h.join().unwrap();
+    }
+
     #[test]
     fn refused_and_dropped_updates_change_nothing_and_are_typed() {
         use pb::update_message::Kind;
@@ -3304,7 +3512,9 @@ mod tests {
         assert!(e.to_string().contains("contract-b") && e.to_string().contains("contract-a"));
 
         let mut bad = WeightUpdate::build(1, "contract-a", &ex, 64);
-        bad.buckets[0].payload[3] ^= 1;
+        let mut p = bad.buckets[0].payload.to_vec();
+        p[3] ^= 1;
+        bad.buckets[0].payload = p.into();
         let e = c.update(bad).unwrap_err();
         assert_eq!(reason(&e), Reason::BadChecksum);
         assert!(e.to_string().contains("bucket 0"), "{e}");

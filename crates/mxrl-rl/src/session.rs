@@ -23,6 +23,25 @@ pub fn demo_config() -> ModelConfig {
     }
 }
 
+/// The `mxrl demo --size large` model: the demo's char-level vocabulary (128) and Qwen3-MoE
+/// layout with hidden 384, 6 layers, 6 query / 2 kv heads of width 64, 16 experts top-2 with
+/// F = 384 — 44.7M parameters (~5.9M active per token). Every contraction dim is a multiple
+/// of 32.
+pub fn large_demo_config() -> ModelConfig {
+    ModelConfig {
+        hidden_size: 384,
+        num_layers: 6,
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 64,
+        moe_intermediate_size: 384,
+        num_experts: 16,
+        num_experts_per_tok: 2,
+        initializer_range: 0.02,
+        ..demo_config()
+    }
+}
+
 fn be<E: std::fmt::Display>(e: E) -> RunError {
     RunError::Policy(PolicyError::Backend(e.to_string()))
 }

@@ -14,8 +14,10 @@
 
 use crate::policy::{PolicyError, RolloutPolicy, WireTensor};
 use crate::proto as pb;
+use bytes::Bytes;
 use mxrl_formats::Format;
 use prost::Message;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -119,8 +121,8 @@ pub struct Bucket {
     pub index: u32,
     /// SHA-256 of `payload`.
     pub checksum: [u8; 32],
-    /// Serialized tensors.
-    pub payload: Vec<u8>,
+    /// Serialized tensors (a shared buffer: cloning a bucket does not copy it).
+    pub payload: Bytes,
 }
 
 /// A complete update as the sender builds it.
@@ -218,35 +220,52 @@ impl WeightUpdate {
     /// Bucket `tensors` (in order, a tensor never split; a tensor that would take a non-empty
     /// bucket past `bucket_bytes` starts the next one, so a bucket's payload is at most
     /// `max(bucket_bytes, largest single tensor record)`) under `version` and `contract_hash`.
+    /// Copies the tensors; [`WeightUpdate::from_tensors`] takes them.
     pub fn build(
         version: u64,
         contract_hash: &str,
         tensors: &[WireTensor],
         bucket_bytes: usize,
     ) -> WeightUpdate {
-        let mut payloads = Vec::new();
-        let mut cur = pb::TensorList::default();
+        Self::from_tensors(version, contract_hash, tensors.to_vec(), bucket_bytes)
+    }
+
+    /// [`WeightUpdate::build`] from owned tensors (their bytes are moved into the buckets'
+    /// encodings, not copied twice). The buckets are encoded and hashed in parallel; the
+    /// result does not depend on it.
+    pub fn from_tensors(
+        version: u64,
+        contract_hash: &str,
+        tensors: Vec<WireTensor>,
+        bucket_bytes: usize,
+    ) -> WeightUpdate {
+        let count = tensors.len();
+        let mut lists: Vec<Vec<pb::Tensor>> = Vec::new();
+        let mut cur: Vec<pb::Tensor> = Vec::new();
         let mut cur_len = 0usize;
         for t in tensors {
-            let p = tensor_to_proto(t.clone());
+            let p = tensor_to_proto(t);
             let n = encoded_len_in_list(&p);
-            if !cur.tensors.is_empty() && cur_len + n > bucket_bytes {
-                payloads.push(std::mem::take(&mut cur).encode_to_vec());
+            if !cur.is_empty() && cur_len + n > bucket_bytes {
+                lists.push(std::mem::take(&mut cur));
                 cur_len = 0;
             }
-            cur.tensors.push(p);
+            cur.push(p);
             cur_len += n;
         }
-        if !cur.tensors.is_empty() || payloads.is_empty() {
-            payloads.push(cur.encode_to_vec());
+        if !cur.is_empty() || lists.is_empty() {
+            lists.push(cur);
         }
-        let buckets: Vec<Bucket> = payloads
-            .into_iter()
+        let buckets: Vec<Bucket> = lists
+            .into_par_iter()
             .enumerate()
-            .map(|(i, payload)| Bucket {
-                index: i as u32,
-                checksum: sha256(&payload),
-                payload,
+            .map(|(i, tensors)| {
+                let payload = Bytes::from(pb::TensorList { tensors }.encode_to_vec());
+                Bucket {
+                    index: i as u32,
+                    checksum: sha256(&payload),
+                    payload,
+                }
             })
             .collect();
         WeightUpdate {
@@ -254,7 +273,7 @@ impl WeightUpdate {
                 version,
                 contract_hash: contract_hash.into(),
                 buckets: buckets.len() as u32,
-                tensors: tensors.len() as u32,
+                tensors: count as u32,
                 bytes: buckets.iter().map(|b| b.payload.len() as u64).sum(),
             },
             buckets,
@@ -267,7 +286,45 @@ impl WeightUpdate {
 pub struct UpdateAssembler {
     header: UpdateHeader,
     parts: Vec<Option<Vec<WireTensor>>>,
+    admitted: Vec<bool>,
     received: u64,
+}
+
+/// Checks bucket `b` of update `version` — the SHA-256 of its payload equals its checksum —
+/// and decodes its tensors. On a checksum mismatch the error names the tensors the payload
+/// seems to carry (when it still decodes).
+///
+/// # Errors
+/// A checksum mismatch or a malformed payload.
+pub fn verify_bucket(version: u64, b: &Bucket) -> Result<Vec<WireTensor>, SyncError> {
+    let err = |msg: String| SyncError::Bucket {
+        version,
+        index: b.index,
+        msg,
+    };
+    if sha256(&b.payload) != b.checksum {
+        let carries = match pb::TensorList::decode(&b.payload[..]) {
+            Ok(l) if !l.tensors.is_empty() => {
+                let names: Vec<&str> = l.tensors.iter().take(4).map(|t| t.name.as_str()).collect();
+                let more = l.tensors.len().saturating_sub(names.len());
+                format!(
+                    " (its payload carries tensor{} {}{})",
+                    if l.tensors.len() == 1 { "" } else { "s" },
+                    names.join(", "),
+                    if more > 0 {
+                        format!(" and {more} more")
+                    } else {
+                        String::new()
+                    }
+                )
+            }
+            _ => String::new(),
+        };
+        return Err(err(format!(
+            "SHA-256 of the payload does not match its checksum{carries}"
+        )));
+    }
+    decode_tensors(&b.payload).map_err(err)
 }
 
 impl UpdateAssembler {
@@ -322,6 +379,7 @@ impl UpdateAssembler {
         Ok(UpdateAssembler {
             header,
             parts: vec![None; n],
+            admitted: vec![false; n],
             received: 0,
         })
     }
@@ -331,38 +389,60 @@ impl UpdateAssembler {
         &self.header
     }
 
-    /// Verify and store one bucket.
+    /// Verify and store one bucket ([`UpdateAssembler::admit`], [`verify_bucket`],
+    /// [`UpdateAssembler::fill`]).
     pub fn add(&mut self, b: &Bucket) -> Result<(), SyncError> {
+        self.admit(b.index, b.payload.len())?;
+        let tensors = verify_bucket(self.header.version, b)?;
+        self.fill(b.index, tensors);
+        Ok(())
+    }
+
+    /// The checks of bucket `index` that need no look at its payload — the index is in range
+    /// and new, and the payloads so far (`len` bytes with this one) stay within the header's
+    /// total — recording it as arriving. Its payload is then checked by [`verify_bucket`]
+    /// (which may run on another thread, while the next bucket arrives) and stored with
+    /// [`UpdateAssembler::fill`]; until then it counts as missing.
+    pub fn admit(&mut self, index: u32, len: usize) -> Result<(), SyncError> {
         let version = self.header.version;
         let err = |msg: String| SyncError::Bucket {
             version,
-            index: b.index,
+            index,
             msg,
         };
-        let slot = self.parts.get_mut(b.index as usize).ok_or_else(|| {
-            err(format!(
+        let i = index as usize;
+        if i >= self.parts.len() {
+            return Err(err(format!(
                 "index out of range (update has {} buckets)",
                 self.header.buckets
-            ))
-        })?;
-        if slot.is_some() {
+            )));
+        }
+        if self.admitted[i] {
             return Err(err("received twice".into()));
         }
-        let total = self.received + b.payload.len() as u64;
+        let total = self.received + len as u64;
         if total > self.header.bytes {
             return Err(err(format!(
                 "buckets carry {total} payload bytes so far, the header announced {}",
                 self.header.bytes
             )));
         }
-        if sha256(&b.payload) != b.checksum {
-            return Err(err(
-                "SHA-256 of the payload does not match its checksum".into()
-            ));
-        }
-        *slot = Some(decode_tensors(&b.payload).map_err(err)?);
+        self.admitted[i] = true;
         self.received = total;
         Ok(())
+    }
+
+    /// Stores the verified tensors of admitted bucket `index`.
+    ///
+    /// # Panics
+    /// `index` was not admitted (a broken invariant of the caller).
+    pub fn fill(&mut self, index: u32, tensors: Vec<WireTensor>) {
+        let i = index as usize;
+        assert!(
+            self.admitted[i],
+            "bucket {index} filled before it was admitted"
+        );
+        self.parts[i] = Some(tensors);
     }
 
     /// All tensors, once every bucket arrived and the tensor count matches.
@@ -440,8 +520,35 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
         Ok(())
     }
 
-    /// Verify and apply an in-process update.
+    /// Verify and apply an update: refused when made under another contract or not newer
+    /// than the served version; a policy that takes updates as they are
+    /// ([`RolloutPolicy::load_update`], a rollout server) verifies and applies it where the
+    /// weights live; otherwise every bucket is verified and decoded here and the tensors are
+    /// installed ([`RolloutEngine::install`]).
     pub fn apply(&mut self, u: &WeightUpdate) -> Result<ApplyReport, SyncError> {
+        let version = u.header.version;
+        if u.header.contract_hash != self.contract_hash {
+            return Err(SyncError::ContractMismatch {
+                version,
+                got: u.header.contract_hash.clone(),
+                expected: self.contract_hash.clone(),
+            });
+        }
+        if version <= self.version {
+            return Err(SyncError::Stale {
+                got: version,
+                current: self.version,
+            });
+        }
+        if let Some(r) = self.policy.load_update(u) {
+            r.map_err(|source| SyncError::Policy { version, source })?;
+            self.version = version;
+            return Ok(ApplyReport {
+                version,
+                bytes: u.header.bytes,
+                buckets: u.header.buckets,
+            });
+        }
         let mut a = UpdateAssembler::begin(u.header.clone(), &self.contract_hash)?;
         for b in &u.buckets {
             a.add(b)?;
@@ -609,7 +716,9 @@ mod tests {
         let mut eng = RolloutEngine::new(t0.rollout().unwrap(), 0, "h");
         let ex = trainer(1.0).export_weights().unwrap();
         let mut u = WeightUpdate::build(1, "h", &ex, 1 << 10);
-        u.buckets[0].payload[40] ^= 1;
+        let mut p = u.buckets[0].payload.to_vec();
+        p[40] ^= 1;
+        u.buckets[0].payload = p.into();
         assert!(matches!(eng.apply(&u), Err(SyncError::Bucket { .. })));
         // A header announcing more buckets than tensors is refused before anything is
         // allocated; one whose bucket never arrives is incomplete.

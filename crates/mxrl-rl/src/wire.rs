@@ -7,6 +7,7 @@
 use crate::policy::{PolicyError, WireTensor};
 use half::bf16;
 use mxrl_formats::{Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme};
+use mxrl_tensor::device::StoredBytes;
 
 /// The wire scheme of a storage format (`None` for BF16): MXFP8 row-wise 1×32 blocks, NVFP4
 /// 1×16 blocks with one per-tensor FP32 amax, FP8-block 128×128 tiles with exact FP32
@@ -65,6 +66,15 @@ pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
     }
 }
 
+/// BF16 bit patterns as little-endian bytes (the wire's BF16 data).
+pub fn bf16_le_bytes(bits: &[u16]) -> Vec<u8> {
+    let mut out = vec![0u8; 2 * bits.len()];
+    for (o, b) in out.chunks_exact_mut(2).zip(bits) {
+        o.copy_from_slice(&b.to_le_bytes());
+    }
+    out
+}
+
 /// A stored quantized tensor (a quantized linear's forward weight, a converted checkpoint
 /// tensor) in wire form, losslessly: data, scales (FP32 scales as little-endian bytes) and
 /// amax are copied as they are. [`to_quantized`] gives back an equal tensor.
@@ -73,6 +83,14 @@ pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
 /// A scheme that is not its format's [`wire_scheme`], a non-compact scale layout, a padded
 /// or non-2-D tensor — each naming `name`.
 pub fn from_quantized(name: &str, q: &QuantizedTensor) -> Result<WireTensor, PolicyError> {
+    into_wire(name, q.clone())
+}
+
+/// [`from_quantized`] taking the tensor: its bytes move into the wire tensor.
+///
+/// # Errors
+/// As [`from_quantized`].
+pub fn into_wire(name: &str, q: QuantizedTensor) -> Result<WireTensor, PolicyError> {
     let format = q.scheme.format();
     if wire_scheme(format) != Some(q.scheme)
         || q.scale_layout != ScaleLayout::Compact
@@ -89,17 +107,17 @@ pub fn from_quantized(name: &str, q: &QuantizedTensor) -> Result<WireTensor, Pol
             wire_scheme(format).map_or_else(|| format.name().to_string(), |s| s.name()),
         )));
     }
-    let scales = match &q.scales {
-        Scales::Bytes(b) => b.clone(),
+    let scales = match q.scales {
+        Scales::Bytes(b) => b,
         Scales::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     };
     Ok(WireTensor {
         name: name.into(),
         format,
-        shape: q.shape.clone(),
-        data: q.data.clone(),
+        shape: q.shape,
+        data: q.data,
         scales,
-        amax: q.amax.clone(),
+        amax: q.amax,
     })
 }
 
@@ -116,42 +134,22 @@ pub fn to_quantized(t: &WireTensor) -> Result<QuantizedTensor, PolicyError> {
             t.name
         ))
     })?;
-    let scales = if t.format == Format::Fp8Block {
-        if !t.scales.len().is_multiple_of(4) {
-            return Err(PolicyError::Update(format!(
-                "tensor {}: {} FP8-block scale bytes is not a whole number of f32",
-                t.name,
-                t.scales.len()
-            )));
-        }
-        Scales::F32(
-            t.scales
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        )
-    } else {
-        Scales::Bytes(t.scales.clone())
-    };
-    let q = QuantizedTensor {
-        scheme,
-        shape: t.shape.clone(),
-        padded_shape: t.shape.clone(),
-        data: t.data.clone(),
-        scales,
-        scale_layout: ScaleLayout::Compact,
-        amax: t.amax.clone(),
-    };
-    q.validate()
-        .map_err(|e| PolicyError::Update(format!("tensor {}: {e}", t.name)))?;
-    Ok(q)
+    StoredBytes {
+        name: &t.name,
+        data: &t.data,
+        scales: &t.scales,
+        amax: &t.amax,
+    }
+    .to_quantized(scheme, &t.shape)
+    .map_err(PolicyError::Update)
 }
 
-/// Decode a BF16 wire tensor to its (exact) f32 values.
+/// Checks that `t` is a BF16 tensor with 2 data bytes per element of its shape and no
+/// scales or amax.
 ///
 /// # Errors
-/// Another format, or a byte count that is not 2 per element of its shape.
-pub fn bf16_values(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
+/// Another format or byte count, naming the tensor.
+pub fn check_bf16(t: &WireTensor) -> Result<(), PolicyError> {
     let n: usize = t.shape.iter().product();
     if t.format != Format::Bf16
         || t.data.len() != 2 * n
@@ -170,6 +168,15 @@ pub fn bf16_values(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
             2 * n
         )));
     }
+    Ok(())
+}
+
+/// Decode a BF16 wire tensor to its (exact) f32 values.
+///
+/// # Errors
+/// As [`check_bf16`].
+pub fn bf16_values(t: &WireTensor) -> Result<Vec<f32>, PolicyError> {
+    check_bf16(t)?;
     Ok(t.data
         .chunks_exact(2)
         .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())

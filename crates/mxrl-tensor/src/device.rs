@@ -196,6 +196,14 @@ pub trait Backend {
     /// # Errors
     /// Short buffer; a device failure.
     fn download_bf16(&self, b: &Self::Bf16, n: usize) -> DResult<Vec<u16>>;
+    /// BF16 values from their little-endian bytes (2 per value), host → device, as a weight
+    /// update carries them: a device copies the bytes as they are (CUDA through page-locked
+    /// staging buffers); the CPU, whose BF16 buffers hold the values as f32, widens them
+    /// (exact). The inverse of [`Backend::download_bf16`].
+    ///
+    /// # Errors
+    /// An odd byte count; out of memory; device failure.
+    fn upload_bf16_bytes(&self, bytes: &[u8]) -> DResult<Self::Bf16>;
     /// `y[i] += x[i]`, `i < n`.
     ///
     /// # Errors
@@ -882,6 +890,36 @@ pub trait Backend {
     /// # Errors
     /// Out of memory; device failure.
     fn copy_qweights(&self, w: &Self::QExperts) -> DResult<Self::QExperts>;
+    /// The stored weights of one projection (`weights`: `[n, k]` each, stored for `spec`, in
+    /// order) from the bytes a weight update carries, kept as [`Backend::upload_experts`]
+    /// keeps them; every weight is checked first ([`StoredBytes::check`]), naming it. The
+    /// default (the CPU) builds each weight's [`PreparedWeight::from_quantized`] and uploads
+    /// them; a device copies the bytes straight into its buffers (the same bytes).
+    ///
+    /// # Errors
+    /// A BF16 spec, no weights, a weight whose byte counts do not fit `[n, k]` under the
+    /// spec's scheme (named); out of memory; device failure.
+    fn upload_stored(
+        &self,
+        spec: LinearSpec,
+        n: usize,
+        k: usize,
+        weights: &[StoredBytes<'_>],
+    ) -> DResult<Self::QExperts> {
+        let dev = self.device().to_string();
+        let scheme = stored_scheme(&dev, spec, weights)?;
+        let pws = weights
+            .par_iter()
+            .map(|w| {
+                let q = w
+                    .to_quantized(scheme, &[n, k])
+                    .map_err(|e| DeviceError::new(dev.clone(), e))?;
+                PreparedWeight::from_quantized(w.name, q, spec, 0, None)
+                    .map_err(|e| DeviceError::new(dev.clone(), e.to_string()))
+            })
+            .collect::<DResult<Vec<_>>>()?;
+        self.upload_experts(pws)
+    }
     /// Adds [`checksum_stored`] of `w`'s stored weights to the u64 in `out[2·slot]` (as
     /// [`Backend::checksum_bf16`]); the caller zeroes it first.
     ///
@@ -1014,6 +1052,110 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn launch_graph(&self, g: &Self::Graph) -> DResult<()>;
+}
+
+/// One stored block-format weight as a weight update carries it ([`Backend::upload_stored`]):
+/// element codes, block scales (FP8 block: its f32 `scale_inv` as little-endian bytes) and the
+/// NVFP4 amax, compact scale layout, unpadded.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredBytes<'a> {
+    /// The weight's name (for errors).
+    pub name: &'a str,
+    /// Element codes.
+    pub data: &'a [u8],
+    /// Block scales as bytes.
+    pub scales: &'a [u8],
+    /// Second-level f32 scales (NVFP4), empty otherwise.
+    pub amax: &'a [f32],
+}
+
+impl StoredBytes<'_> {
+    /// Whether the byte counts are those of an unpadded `shape` tensor of `scheme` with
+    /// compact scales ([`mxrl_formats::QuantizedTensor::compact_lengths`]); the error names
+    /// the weight and what differs.
+    ///
+    /// # Errors
+    /// A shape the scheme does not tile, or a count that differs.
+    pub fn check(&self, scheme: mxrl_formats::Scheme, shape: &[usize]) -> Result<(), String> {
+        let name = self.name;
+        let (data, scales, amax) = mxrl_formats::QuantizedTensor::compact_lengths(scheme, shape)
+            .map_err(|e| format!("tensor {name}: {e}"))?;
+        let scale_bytes = if scheme.format() == mxrl_formats::Format::Fp8Block {
+            4 * scales
+        } else {
+            scales
+        };
+        if (self.data.len(), self.scales.len(), self.amax.len()) != (data, scale_bytes, amax) {
+            return Err(format!(
+                "tensor {name}: {} data bytes, {} scale bytes and {} amax for {scheme} {shape:?}, \
+                 expected {data}, {scale_bytes} and {amax}",
+                self.data.len(),
+                self.scales.len(),
+                self.amax.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The stored tensor these bytes are (copied), checked ([`StoredBytes::check`]) and
+    /// validated by the contract library; nothing is re-quantized.
+    ///
+    /// # Errors
+    /// As [`StoredBytes::check`], naming the weight.
+    pub fn to_quantized(
+        &self,
+        scheme: mxrl_formats::Scheme,
+        shape: &[usize],
+    ) -> Result<mxrl_formats::QuantizedTensor, String> {
+        use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, Scales};
+        self.check(scheme, shape)?;
+        let scales = if scheme.format() == Format::Fp8Block {
+            Scales::F32(
+                self.scales
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            )
+        } else {
+            Scales::Bytes(self.scales.to_vec())
+        };
+        let q = QuantizedTensor {
+            scheme,
+            shape: shape.to_vec(),
+            padded_shape: shape.to_vec(),
+            data: self.data.to_vec(),
+            scales,
+            scale_layout: ScaleLayout::Compact,
+            amax: self.amax.to_vec(),
+        };
+        q.validate()
+            .map_err(|e| format!("tensor {}: {e}", self.name))?;
+        Ok(q)
+    }
+}
+
+/// The weight scheme of `spec` for [`Backend::upload_stored`] (refusing a BF16 spec and an
+/// empty list).
+///
+/// # Errors
+/// As described, naming the first weight.
+pub fn stored_scheme(
+    device: &str,
+    spec: LinearSpec,
+    weights: &[StoredBytes<'_>],
+) -> DResult<mxrl_formats::Scheme> {
+    let first = weights
+        .first()
+        .ok_or_else(|| DeviceError::new(device, "upload_stored: no weights"))?;
+    spec.weight_scheme().ok_or_else(|| {
+        DeviceError::new(
+            device,
+            format!(
+                "upload_stored: {} has no stored form ({spec:?})",
+                first.name
+            ),
+        )
+    })
 }
 
 /// Checks a projection's expert weights for [`Backend::upload_experts`]: stored bytes, one
@@ -1533,6 +1675,23 @@ impl Backend for CpuBackend {
             *o = round_bf16(v);
         }
         Ok(())
+    }
+
+    fn upload_bf16_bytes(&self, bytes: &[u8]) -> DResult<Vec<f32>> {
+        if !bytes.len().is_multiple_of(2) {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "upload_bf16_bytes: {} bytes is not 2 per value",
+                    bytes.len()
+                ),
+            ));
+        }
+        // CPU BF16 buffers hold BF16 values as f32: the widening is exact.
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect())
     }
 
     fn download_bf16(&self, b: &Vec<f32>, n: usize) -> DResult<Vec<u16>> {

@@ -3,7 +3,7 @@
 //! BF16, MXFP8 and NVFP4 (plus two more BF16 seeds for the noise band) and writes
 //! `runs/demo/report.md` with plots.
 //!
-//! `--size large` uses the embedded ~45M-parameter MoE ([`large_config`]) instead, meant for
+//! `--size large` uses the embedded ~45M-parameter MoE ([`large_demo_config`]) instead, meant for
 //! `--device cuda` (the device engine on GPU 0); its default output is `runs/demo-large`.
 //!
 //! `--size real` runs decoder layers of Qwen3-30B-A3B's shape ([`real_config`]; 4 layers,
@@ -22,7 +22,7 @@ use super::rl::RlArgs;
 use anyhow::{Context, Result};
 use clap::Parser;
 use mxrl_model::{Model, ModelConfig};
-use mxrl_rl::session::{demo_config, save_model_dir};
+use mxrl_rl::session::{demo_config, large_demo_config, save_model_dir};
 use mxrl_rl::task::TaskSpec;
 use std::path::{Path, PathBuf};
 
@@ -37,24 +37,6 @@ pub enum Size {
     /// F = 768), 4 layers by default (~2.5B parameters, ~0.23B active per token): for
     /// `--device cuda`.
     Real,
-}
-
-/// The `--size large` model: the demo's char-level vocabulary (128) and Qwen3-MoE layout with
-/// hidden 384, 6 layers, 6 query / 2 kv heads of width 64, 16 experts top-2 with F = 384 —
-/// 44.7M parameters (~5.9M active per token). Every contraction dim is a multiple of 32.
-pub fn large_config() -> ModelConfig {
-    ModelConfig {
-        hidden_size: 384,
-        num_layers: 6,
-        num_heads: 6,
-        num_kv_heads: 2,
-        head_dim: 64,
-        moe_intermediate_size: 384,
-        num_experts: 16,
-        num_experts_per_tok: 2,
-        initializer_range: 0.02,
-        ..demo_config()
-    }
 }
 
 /// The `--size real` model: `layers` decoder layers of Qwen3-30B-A3B's shape — hidden 2048,
@@ -263,7 +245,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut want = match a.size {
         Size::Small => demo_config(),
-        Size::Large => large_config(),
+        Size::Large => large_demo_config(),
         Size::Real => real_config_scaled(a.layers.unwrap_or(4), REAL_VOCAB, a.real_shrink),
     };
     if let Some((_, codec)) = &tokenizer {

@@ -31,7 +31,7 @@ impl CudaBackend {
     }
 
     /// Stored FP8-block weights as [`QExperts`] keeps them.
-    fn fp8_experts(
+    pub(super) fn fp8_experts(
         &self,
         spec: LinearSpec,
         e: usize,
