@@ -439,6 +439,45 @@ impl QGemm {
         Ok(())
     }
 
+    /// Sizes of a grouped GEMM within u32 and the experts within the grid's y limit.
+    fn check_dims(&self, op: &str, s: Grouped) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("n", s.n),
+                ("k", s.k),
+            ],
+        )?;
+        if s.experts > 65_535 {
+            return Err(g.err(format!(
+                "{op}: {} experts exceed the grid's y limit 65535",
+                s.experts
+            )));
+        }
+        Ok(())
+    }
+
+    /// Lengths of the activation rows `x [R, K]` (16-byte aligned), the offsets `[E + 1]` and
+    /// the output `y [R, N]` of a grouped GEMM.
+    fn check_rows_io(
+        &self,
+        op: &str,
+        s: Grouped,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, s.rows, s.k)?)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        check_align(g, &format!("{op} x"), x.device_ptr(g.stream()).0, 16)
+    }
+
     /// Checks a low-byte grouped GEMM: `k % 32`, `n % 4`, u32 and grid limits, lengths and
     /// alignment of the operands every format has.
     #[allow(clippy::too_many_arguments)]
@@ -467,35 +506,17 @@ impl QGemm {
                 s.n
             )));
         }
-        check_u32(
-            g,
-            op,
-            &[
-                ("experts", s.experts),
-                ("rows", s.rows),
-                ("n", s.n),
-                ("k", s.k),
-            ],
-        )?;
-        if s.experts > 65_535 {
-            return Err(g.err(format!(
-                "{op}: {} experts exceed the grid's y limit 65535",
-                s.experts
-            )));
-        }
+        self.check_dims(op, s)?;
         let en = mul(g, op, s.experts, s.n)?;
         let enk = mul(g, op, en, s.k)?;
         let (codes_len, scales_len) = match f {
             LowByte::Mxfp8 => (enk, enk / 32),
             LowByte::Nvfp4 => (enk / 2, enk / 16),
         };
-        check_len(g, &format!("{op} x"), x.len(), mul(g, op, s.rows, s.k)?)?;
+        self.check_rows_io(op, s, x, offsets, y)?;
         check_len(g, &format!("{op} codes"), codes.len(), codes_len)?;
         check_len(g, &format!("{op} scales"), scales.len(), scales_len)?;
-        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
-        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
         let stream = g.stream();
-        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
         check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
         if f == LowByte::Nvfp4 {
             check_align(g, &format!("{op} scales"), scales.device_ptr(stream).0, 2)?;
@@ -981,30 +1002,11 @@ impl QGemm {
         let g = &self.gpu;
         check_multiple(g, op, s.k, 32, "64-byte super-steps of BF16 weight rows")?;
         let cfg = self.frag_grid(op, s, rows, split)?;
-        check_u32(
-            g,
-            op,
-            &[
-                ("experts", s.experts),
-                ("rows", s.rows),
-                ("n", s.n),
-                ("k", s.k),
-            ],
-        )?;
-        if s.experts > 65_535 {
-            return Err(g.err(format!(
-                "{op}: {} experts exceed the grid's y limit 65535",
-                s.experts
-            )));
-        }
+        self.check_dims(op, s)?;
         let enk = mul(g, op, mul(g, op, s.experts, s.n)?, s.k)?;
-        check_len(g, &format!("{op} x"), x.len(), mul(g, op, s.rows, s.k)?)?;
+        self.check_rows_io(op, s, x, offsets, y)?;
         check_len(g, &format!("{op} w"), w.len(), enk)?;
-        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
-        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
-        let stream = g.stream();
-        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
-        check_align(g, &format!("{op} w"), w.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} w"), w.device_ptr(g.stream()).0, 16)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
