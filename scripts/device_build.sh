@@ -37,3 +37,8 @@ for line in sys.stdin:
 done
 strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out/bench_attn_ops" "$out"/tests/*
 du -sh "$out"
+# The tree that travels to the GPU machine is capped at 64 MiB: past ~60 MiB, delete the test
+# binaries and benchmarks the run does not need before carrying .dev.
+if (( $(du -sm "$out" | cut -f1) > 60 )); then
+  echo "note: $out is over 60 MiB; remove what this run does not use (e.g. $out/bench_* or tests) before carrying it" >&2
+fi
