@@ -334,8 +334,8 @@ mod bench {
                             s,
                             match fmt {
                                 "BF16" => 2 * k,
-                                "Mxfp8" => k,
-                                _ => k / 2,
+                                "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
+                                _ => LowByte::Nvfp4.row_code_bytes(k),
                             },
                         );
                         let mut times = Vec::new();

@@ -1104,11 +1104,8 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
             );
             for rows in FragRows::ALL {
                 let mut d = upload(&g, c, &x, &w);
-                let row_bytes = match f {
-                    LowByte::Mxfp8 => s.k,
-                    LowByte::Nvfp4 => s.k / 2,
-                };
-                run_frag(&ops, f, Some((rows, frag_split(s, row_bytes))), c, &mut d);
+                let split = frag_split(s, f.row_code_bytes(s.k));
+                run_frag(&ops, f, Some((rows, split)), c, &mut d);
                 let other = download_y(&g, c, &d);
                 let what = format!("{f:?} fragment {rows:?}, seed {seed}, {c:?}");
                 assert_grouped(&what, c, &other, &want, &bound);

@@ -95,6 +95,15 @@ impl LowByte {
         }
     }
 
+    /// Code bytes of one stored weight row of `k` elements (MXFP8 one per element, NVFP4 two
+    /// elements per byte): the kernels' `row_bytes`.
+    pub fn row_code_bytes(self, k: usize) -> usize {
+        match self {
+            LowByte::Mxfp8 => k,
+            LowByte::Nvfp4 => k / 2,
+        }
+    }
+
     /// Stored bytes of one `[n, k]` weight: codes + scales (+ the f32 amax of NVFP4).
     pub fn weight_bytes(self, n: usize, k: usize) -> usize {
         match self {
@@ -509,9 +518,10 @@ impl QGemm {
         self.check_dims(op, s)?;
         let en = mul(g, op, s.experts, s.n)?;
         let enk = mul(g, op, en, s.k)?;
-        let (codes_len, scales_len) = match f {
-            LowByte::Mxfp8 => (enk, enk / 32),
-            LowByte::Nvfp4 => (enk / 2, enk / 16),
+        let codes_len = mul(g, op, en, f.row_code_bytes(s.k))?;
+        let scales_len = match f {
+            LowByte::Mxfp8 => enk / 32,
+            LowByte::Nvfp4 => enk / 16,
         };
         self.check_rows_io(op, s, x, offsets, y)?;
         check_len(g, &format!("{op} codes"), codes.len(), codes_len)?;
@@ -845,7 +855,8 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = FragRows::for_rows(s.rows, s.experts);
-        self.grouped_nt_frag_mxfp8_with(rows, frag_split(s, s.k), x, codes, scales, offsets, y, s)
+        let split = frag_split(s, LowByte::Mxfp8.row_code_bytes(s.k));
+        self.grouped_nt_frag_mxfp8_with(rows, split, x, codes, scales, offsets, y, s)
     }
 
     /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass and the
@@ -911,7 +922,7 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = FragRows::for_rows(s.rows, s.experts);
-        let split = frag_split(s, s.k / 2);
+        let split = frag_split(s, LowByte::Nvfp4.row_code_bytes(s.k));
         self.grouped_nt_frag_nvfp4_with(
             rows, split, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
         )
