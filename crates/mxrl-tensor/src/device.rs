@@ -384,18 +384,9 @@ pub trait Backend {
         k_cache: &mut Self::Bf16,
         v_cache: &mut Self::Bf16,
     ) -> DResult<()> {
-        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-        if let Some([wq, wk]) = norms {
-            for (x, w, heads) in [(&mut *q, wq, hq), (&mut *k, wk, hkv)] {
-                let mut y = self.empty_f32(rows * heads * d)?;
-                let mut rstd = self.empty_f32(rows * heads)?;
-                self.rmsnorm(x, w, rows * heads, d, eps, &mut y, &mut rstd)?;
-                *x = y;
-            }
-        }
-        self.rope(q, rows, hq, d, pos, table)?;
-        self.rope(k, rows, hkv, d, pos, table)?;
-        self.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
+        decode_attn_prep_ops(
+            self, q, k, v, norms, eps, rows, shape, pos, table, lens, max_len, k_cache, v_cache,
+        )
     }
     /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):
     /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch. With `replay`
@@ -1132,6 +1123,42 @@ impl StoredBytes<'_> {
             .map_err(|e| format!("tensor {}: {e}", self.name))?;
         Ok(q)
     }
+}
+
+/// [`Backend::decode_attn_prep`] as the ops it stands for, one after the other (the trait's
+/// default, and the reference a fused implementation is tested against).
+///
+/// # Errors
+/// As those ops.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attn_prep_ops<B: Backend + ?Sized>(
+    b: &B,
+    q: &mut B::F32,
+    k: &mut B::F32,
+    v: &B::F32,
+    norms: Option<[&B::F32; 2]>,
+    eps: f32,
+    rows: usize,
+    shape: AttnShape,
+    pos: &B::U32,
+    table: &B::Rope,
+    lens: &B::U32,
+    max_len: usize,
+    k_cache: &mut B::Bf16,
+    v_cache: &mut B::Bf16,
+) -> DResult<()> {
+    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    if let Some([wq, wk]) = norms {
+        for (x, w, heads) in [(&mut *q, wq, hq), (&mut *k, wk, hkv)] {
+            let mut y = b.empty_f32(rows * heads * d)?;
+            let mut rstd = b.empty_f32(rows * heads)?;
+            b.rmsnorm(x, w, rows * heads, d, eps, &mut y, &mut rstd)?;
+            *x = y;
+        }
+    }
+    b.rope(q, rows, hq, d, pos, table)?;
+    b.rope(k, rows, hkv, d, pos, table)?;
+    b.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
 }
 
 /// The weight scheme of `spec` for [`Backend::upload_stored`] (refusing a BF16 spec and an
