@@ -3,31 +3,16 @@
 //! stored bytes (BF16, MXFP8, FP8-block) over gRPC into the server's device engine. In bitwise
 //! mode the server re-scores with the trainer's forward, so |Δlogprob| is exactly 0 at every
 //! step, and the run equals the in-process GPU run bit for bit: same samples, rewards, loss,
-//! gradient norm and update (the bytes counted differ: the wire adds names and framing). Needs a GPU (`--features cuda`); `MXRL_BIN` names the binary where
-//! the test runs on another machine than it was built on.
+//! gradient norm and update (the bytes counted differ: the wire adds names and framing). Needs
+//! a GPU (`--features cuda`); `MXRL_BIN` names the binary where the test runs on another
+//! machine than it was built on (`tests/common`).
 #![cfg(feature = "cuda")]
 
 use mxrl_rl::metrics::{read_jsonl, StepMetrics};
 use std::path::Path;
-use std::process::Command;
 
-fn mxrl() -> Command {
-    let bin = std::env::var("MXRL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_mxrl").into());
-    let mut c = Command::new(bin);
-    c.env("RUST_BACKTRACE", "0");
-    c
-}
-
-fn run_ok(args: &[String]) -> String {
-    let out = mxrl().args(args).output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "mxrl {args:?} failed:\n{text}");
-    text
-}
+mod common;
+use common::ok;
 
 fn rl_args(model: &Path, recipe: &str, out: &Path) -> Vec<String> {
     let p = |x: &Path| x.to_str().unwrap().to_string();
@@ -63,24 +48,29 @@ fn rl_args(model: &Path, recipe: &str, out: &Path) -> Vec<String> {
 fn spawned_gpu_rollout_server_equals_the_in_process_gpu_run() {
     let d = tempfile::tempdir().unwrap();
     // A briefly warmed-up demo model, so that rewards, losses and updates are not all zero.
-    let model = d.path().join("base");
-    run_ok(
+    ok(
         &[
-            "sft", "--out", "-", "--steps", "30", "--batch", "32", "--lr", "0.01",
-        ]
-        .map(|a| if a == "-" { model.to_str().unwrap() } else { a })
-        .map(String::from),
+            "sft", "--out", "base", "--steps", "30", "--batch", "32", "--lr", "0.01",
+        ],
+        d.path(),
     );
+    let model = d.path().join("base");
+    let run = |args: &[String]| {
+        ok(
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            d.path(),
+        )
+    };
     let mut moved = false;
     for recipe in ["bf16", "mxfp8", "fp8-block"] {
         let (local, remote) = (
             d.path().join(format!("{recipe}-local")),
             d.path().join(format!("{recipe}-remote")),
         );
-        run_ok(&rl_args(&model, recipe, &local));
+        run(&rl_args(&model, recipe, &local));
         let mut args = rl_args(&model, recipe, &remote);
         args.extend(["--rollout".to_string(), "spawn".to_string()]);
-        run_ok(&args);
+        run(&args);
         let l = read_jsonl(&local.join("metrics.jsonl")).unwrap();
         let r = read_jsonl(&remote.join("metrics.jsonl")).unwrap();
         assert_eq!(r.len(), 3, "{recipe}: {r:?}");

@@ -4,9 +4,12 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-/// The `mxrl` binary under test (no backtraces in its error output).
+/// The `mxrl` binary under test (no backtraces in its error output): `$MXRL_BIN` where the
+/// tests run on another machine than they were built on (the GPU tests), else the one cargo
+/// built beside them.
 pub fn mxrl() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mxrl"));
+    let bin = std::env::var("MXRL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_mxrl").into());
+    let mut c = Command::new(bin);
     c.env("RUST_BACKTRACE", "0");
     c
 }
