@@ -253,15 +253,7 @@ fn block_format_recipes_run_on_the_gpu_engine() {
 /// checks as the other block formats.
 #[test]
 fn fp8_block_recipe_runs_on_the_gpu_engine() {
-    let wide = mxrl_model::ModelConfig {
-        hidden_size: 128,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        moe_intermediate_size: 128,
-        num_experts: 4,
-        ..mxrl_rl::session::demo_config()
-    };
+    let wide = mxrl_rl::session::fp8_block_demo_config();
     let (model, first, last) = warmed_model(mxrl_model::Model::random(&wide, 3).unwrap(), 3);
     eprintln!("GPU SFT (hidden 128): loss {first:.4} → {last:.4}");
     let plan = mxrl_rl::moe::plan_for(model.config(), "fp8-block").unwrap();

@@ -23,6 +23,22 @@ pub fn demo_config() -> ModelConfig {
     }
 }
 
+/// The demo model with every linear's K and N a multiple of 128 except the router's and
+/// lm_head's, so that the `fp8-block` preset's 128×128 weight tiles apply (at the demo's hidden
+/// size 64 it falls back to BF16 everywhere): hidden 128, 4 heads of 64 (2 KV heads), 4
+/// experts of F = 128.
+pub fn fp8_block_demo_config() -> ModelConfig {
+    ModelConfig {
+        hidden_size: 128,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        moe_intermediate_size: 128,
+        num_experts: 4,
+        ..demo_config()
+    }
+}
+
 /// The `mxrl demo --size large` model: the demo's char-level vocabulary (128) and Qwen3-MoE
 /// layout with hidden 384, 6 layers, 6 query / 2 kv heads of width 64, 16 experts top-2 with
 /// F = 384 — 44.7M parameters (~5.9M active per token). Every contraction dim is a multiple

@@ -85,24 +85,8 @@ fn warmed(seed: u64) -> mxrl_model::Model {
     warm(demo_model(seed).unwrap().0, seed)
 }
 
-/// The demo model's configuration with every linear's K and N a multiple of 128 except the
-/// router's and lm_head's (FP8-block's 128×128 weight tiles; the demo model's hidden size 64
-/// makes the `fp8-block` preset fall back to BF16 everywhere): hidden 128, 4 heads of 64
-/// (2 KV heads), 4 experts of 128.
-fn fp8_config() -> mxrl_model::ModelConfig {
-    mxrl_model::ModelConfig {
-        hidden_size: 128,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 64,
-        moe_intermediate_size: 128,
-        num_experts: 4,
-        ..mxrl_rl::session::demo_config()
-    }
-}
-
 fn fp8_model(seed: u64) -> mxrl_model::Model {
-    mxrl_model::Model::random(&fp8_config(), seed).unwrap()
+    mxrl_model::Model::random(&mxrl_rl::session::fp8_block_demo_config(), seed).unwrap()
 }
 
 /// `model` after the supervised warm-up of [`warmed`].
