@@ -7,7 +7,8 @@
 //! shared memory `grouped_nt_tc_*` and straight into mma fragments `grouped_nt_frag_*`), plus
 //! the activation quantizers that feed the low-byte kernels, all in one run.
 //!
-//! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N]`
+//! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N] [--large]`
+//! (`--large`: only the table of decode batches of 256–1024 sequences, see `large`)
 //!
 //! Every figure is the median of `--reps` (20) calls timed one by one with CUDA events after
 //! 3 warm-up calls; L2 is flushed (a 256 MiB memset, outside the timed interval) before each
@@ -147,6 +148,141 @@ mod bench {
         tiled_us: f64,
     }
 
+    /// `--large`: decode batches of 256, 512 and 1024 sequences (32, 64 and 128 rows per
+    /// expert on average): the fragment kernels in passes of 32 and of 64 rows against the
+    /// path they replace above 32 rows per expert — the stored experts dequantized to BF16
+    /// (every expert, each step) and the tiled BF16 kernels.
+    fn large(g: &Gpu, gemm: &Gemm, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize) {
+        let projs = [
+            ("gate_up", 2 * MOE_INTER, HIDDEN),
+            ("down", HIDDEN, MOE_INTER),
+        ];
+        let batches = [256usize, 512, 1024];
+        let max_rows = batches[2] * TOP_K;
+        let kmax = HIDDEN.max(MOE_INTER);
+        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
+        let x = g.upload(&xf).expect("upload x");
+        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
+        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
+        q.quant_act_nvfp4(
+            &x.as_view(),
+            max_rows,
+            kmax,
+            &mut xq.as_view_mut(),
+            &mut xamax.as_view_mut(),
+        )
+        .expect("act NVFP4");
+        let mut y = g
+            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
+            .expect("alloc");
+        let mut wb = g
+            .zeros::<u16>(EXPERTS * 2 * MOE_INTER * HIDDEN)
+            .expect("alloc");
+        println!(
+            "\n| step | weights | R32 passes µs | R64 passes µs | dequantize + tiled µs | R64 ÷ dequantized |\n|---|---|---:|---:|---:|---:|"
+        );
+        for (pi, &(name, n, k)) in projs.iter().enumerate() {
+            let w = weights(g, n, k, 10 * pi as u64 + 1);
+            for batch in batches {
+                let counts = route(batch, 100 + batch as u64);
+                let r = batch * TOP_K;
+                let most = counts.iter().max().copied().unwrap_or(0);
+                let off = g.upload(&offsets(&counts)).expect("offsets");
+                let s = Grouped {
+                    experts: EXPERTS,
+                    rows: r,
+                    n,
+                    k,
+                };
+                let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
+                for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
+                    let mut frag = |rows: FragRows| {
+                        median_us(g, flush, reps, || {
+                            let (xv, ov) = (xq.as_view(), off.as_view());
+                            let mut yv = y.as_view_mut();
+                            match fmt {
+                                "BF16" => q.grouped_nt_frag_bf16_with(
+                                    rows,
+                                    frag_split(s, 2 * k),
+                                    &xv,
+                                    &w.bf16.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                                "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
+                                    rows,
+                                    frag_split(s, LowByte::Mxfp8.row_code_bytes(k)),
+                                    &xv,
+                                    &w.mx_codes.as_view(),
+                                    &w.mx_scales.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                                _ => q.grouped_nt_frag_nvfp4_with(
+                                    rows,
+                                    frag_split(s, LowByte::Nvfp4.row_code_bytes(k)),
+                                    &xv,
+                                    &xamax.as_view(),
+                                    &w.nv_codes.as_view(),
+                                    &w.nv_scales.as_view(),
+                                    &w.nv_amax.as_view(),
+                                    &ov,
+                                    &mut yv,
+                                    s,
+                                ),
+                            }
+                            .expect("fragments");
+                        })
+                    };
+                    let (r32, r64) = (frag(FragRows::R32), frag(FragRows::R64));
+                    let deq = median_us(g, flush, reps, || {
+                        let len = EXPERTS * n * k;
+                        let mut out = wb.slice_mut(0..len);
+                        match fmt {
+                            "BF16" => Ok(()),
+                            "Mxfp8" => q.dequant_weights_mxfp8(
+                                &w.mx_codes.as_view(),
+                                &w.mx_scales.as_view(),
+                                &mut out,
+                                EXPERTS,
+                                n,
+                                k,
+                            ),
+                            _ => q.dequant_weights_nvfp4(
+                                &w.nv_codes.as_view(),
+                                &w.nv_scales.as_view(),
+                                &mut out,
+                                EXPERTS,
+                                n,
+                                k,
+                            ),
+                        }
+                        .expect("dequantize");
+                        let wv = if fmt == "BF16" {
+                            w.bf16.as_view()
+                        } else {
+                            wb.slice(0..len)
+                        };
+                        gemm.grouped_nt_tiled(
+                            &xq.as_view(),
+                            &wv,
+                            &off.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .expect("tiled");
+                    });
+                    println!(
+                        "| {step} | {fmt} | {r32:.1} | {r64:.1} | {deq:.1} | {:.2} |",
+                        r64 / deq
+                    );
+                }
+            }
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
         let reps = args
@@ -164,6 +300,10 @@ mod bench {
             g.name()
         );
         let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
+        if args.iter().any(|a| a == "--large") {
+            large(&g, &gemm, &q, &mut flush, reps);
+            return;
+        }
         {
             let big = 1usize << 30;
             let src = g.zeros::<u8>(big).expect("alloc");
@@ -296,7 +436,7 @@ mod bench {
                 // The fragment kernels (stored bytes decoded straight into mma fragments), the
                 // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert.
                 let mut frag_us = [None, None];
-                let frag_rows = FragRows::for_rows(r, EXPERTS);
+                let frag_rows = FragRows::for_rows(r, EXPERTS, FragRows::R32);
                 if QGemm::frag_fits(n, k) {
                     for f in LowByte::ALL {
                         frag_us[f as usize] = Some(median_us(&g, &mut flush, reps, || {

@@ -642,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 // (bound: tensor_core_sum_bound); with KS > 1 the warps' partial sums are then added in dynamic
 // shared memory (KS · 8·TG · 32 floats) in warp order (fixed; no atomics), with KS = 1 each lane
 // stores its own sums. NVFP4: y = fl(sum · α) as qgemm_body. QF_TG = token groups of 8 rows per
-// pass (1, 2, 4); rows beyond take more passes. Few (expert, column block) pairs (batch 1) want
+// pass (1, 2, 4, 8); rows beyond take more passes. Few (expert, column block) pairs (batch 1) want
 // a deep split for enough loads in flight; many (batch 32) want KS = 1, no reduction at all.
 #define QF_MAX_WARPS 8
 #define QF_COLS 32
@@ -681,9 +681,10 @@ __device__ __forceinline__ void qf_mma_f16(float* d, const u32* a, u32 b0, u32 b
 }
 
 // The formats as the fragment kernels see them (on top of QmMxfp8 / QmNvfp4): XV uint4 loads of
-// activation per lane and super-step; `pairs` gives the two operand pairs of mma step s from a
-// lane's weight chunk (lo: elements 4s, 4s+1; hi: 4s+2, 4s+3), `bpairs` the same from its
-// activation chunk; `mma` multiplies in the operand type.
+// activation per lane and super-step, uint4 v holding the elements of mma steps 2v and 2v + 1;
+// `pairs` gives the two operand pairs of mma step s from a lane's weight chunk (lo: elements
+// 4s, 4s+1; hi: 4s+2, 4s+3), `bpairs` the same from the activation uint4 of step s; `mma`
+// multiplies in the operand type.
 struct QfMxfp8 : QmMxfp8 {
     static constexpr int XV = 2;
     __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
@@ -692,9 +693,9 @@ struct QfMxfp8 : QmMxfp8 {
         lo = f32x2_to_bf16x2(v[0], v[1]);
         hi = f32x2_to_bf16x2(v[2], v[3]);
     }
-    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
-        b0 = word_of(xa[s >> 1], 2 * (s & 1));
-        b1 = word_of(xa[s >> 1], 2 * (s & 1) + 1);
+    __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
+        b0 = word_of(xv, 2 * (s & 1));
+        b1 = word_of(xv, 2 * (s & 1) + 1);
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
 };
@@ -709,9 +710,9 @@ struct QfNvfp4 : QmNvfp4 {
         lo = hmul2_rn(__byte_perm(t, 0u, 0x1404u), sf2);
         hi = hmul2_rn(__byte_perm(t, 0u, 0x3424u), sf2);
     }
-    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
-        b0 = bf16x2_to_f16x2(word_of(xa[s >> 1], 2 * (s & 1)));
-        b1 = bf16x2_to_f16x2(word_of(xa[s >> 1], 2 * (s & 1) + 1));
+    __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
+        b0 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1)));
+        b1 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1) + 1));
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
 };
@@ -729,9 +730,9 @@ struct QfBf16 {
         lo = word_of(w, 2 * s);
         hi = word_of(w, 2 * s + 1);
     }
-    __device__ static void bpairs(const uint4* xa, int s, u32& b0, u32& b1) {
-        b0 = word_of(xa[0], 2 * s);
-        b1 = word_of(xa[0], 2 * s + 1);
+    __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
+        b0 = word_of(xv, 2 * s);
+        b1 = word_of(xv, 2 * s + 1);
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
 };
@@ -790,34 +791,40 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
             load_w(kt + KS, nq, ns);
             // Activation chunk of this super-step: elements kt·elems + t·CHUNK .. + CHUNK of row
             // rb + 8·tg + g (zeros past the expert's rows or past K).
+            // Loaded VG uint4 per row at a time (all XV of them unless TG · XV > 16 registers'
+            // worth: NVFP4 with 64 rows per pass), the mma steps in increasing s either way.
             const u32 k0 = kt * elems + t * F::CHUNK;
-            uint4 xa[TG][F::XV];
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg) {
-                const u32 r = rb + 8 * tg + g;
-                const bool ok = r < hi && k0 < K;
-                const uint4* src = reinterpret_cast<const uint4*>(x + (u64)r * K + k0);
-#pragma unroll
-                for (int v = 0; v < F::XV; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
-            }
             u32 sp[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) sp[i] = F::prep(sr[i]);
+            constexpr int VG = F::XV < 16 / TG ? F::XV : 16 / TG;
 #pragma unroll
-            for (int s = 0; s < (int)F::STEPS; ++s) {
-                // A fragments of both tiles: {row g lo, row g+8 lo, row g hi, row g+8 hi}.
-                u32 a[2][4];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
-                    F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
-                }
+            for (int v0 = 0; v0 < F::XV; v0 += VG) {
+                uint4 xa[TG][VG];
 #pragma unroll
                 for (int tg = 0; tg < TG; ++tg) {
-                    u32 b0, b1;
-                    F::bpairs(xa[tg], s, b0, b1);
-                    F::mma(acc[0][tg], a[0], b0, b1);
-                    F::mma(acc[1][tg], a[1], b0, b1);
+                    const u32 r = rb + 8 * tg + g;
+                    const bool ok = r < hi && k0 < K;
+                    const uint4* src = reinterpret_cast<const uint4*>(x + (u64)r * K + k0) + v0;
+#pragma unroll
+                    for (int v = 0; v < VG; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (int s = 2 * v0; s < (int)F::STEPS && s < 2 * (v0 + VG); ++s) {
+                    // A fragments of both tiles: {row g lo, row g+8 lo, row g hi, row g+8 hi}.
+                    u32 a[2][4];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
+                        F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
+                    }
+#pragma unroll
+                    for (int tg = 0; tg < TG; ++tg) {
+                        u32 b0, b1;
+                        F::bpairs(xa[tg][(s >> 1) - v0], s, b0, b1);
+                        F::mma(acc[0][tg], a[0], b0, b1);
+                        F::mma(acc[1][tg], a[1], b0, b1);
+                    }
                 }
             }
 #pragma unroll
@@ -884,9 +891,12 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, 4, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t8, 8, 1)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t1, 1, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t2, 2, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t4, 4, 1)
+QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t8, 8, 1)
 QF_ENTRY_BF16(qgemm_frag_bf16_t1, 1, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t2, 2, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t4, 4, 1)
+QF_ENTRY_BF16(qgemm_frag_bf16_t8, 8, 1)

@@ -102,15 +102,22 @@ pub const PER_EXPERT_ROWS: usize = usize::MAX;
 /// tensor-core grouped GEMMs (prefill, scoring). Off the fragment kernels' shapes the small-M
 /// kernels serve up to [`QSMALL_M_ROWS_PER_EXPERT`] rows per expert, the dequantized path
 /// beyond. BF16 routed experts take the same fragment kernels on their stored BF16 values up
-/// to [`QFRAG_ROWS_PER_EXPERT`] rows per expert (`grouped_linear`), the tiled kernels beyond.
+/// to [`QFRAG_BF16_ROWS_PER_EXPERT`] rows per expert (`grouped_linear`), the tiled kernels
+/// beyond.
 pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
 
 /// Average rows per expert up to which the fragment kernels on stored bytes
-/// ([`QGemm::grouped_nt_frag_mxfp8`]) serve block-format experts: their largest pass (32
-/// rows, [`crate::ops::qgemm::FragRows::R32`]) reads each used expert's bytes once; above
-/// it the weights are read once per 32 rows, while the dequantized path writes and rereads
-/// them as BF16 once per step.
-pub const QFRAG_ROWS_PER_EXPERT: usize = 32;
+/// ([`QGemm::grouped_nt_frag_mxfp8`]) serve block-format experts. Each pass (up to 64 rows
+/// for MXFP8, 32 for NVFP4: [`crate::ops::qgemm::FragRows::largest`]) reads the expert's
+/// bytes again, mostly from L2; the dequantized path writes and rereads every stack as BF16
+/// once per step. Measured on an H200 (`bench_qgemm --large`, BENCHMARKS.md): at 64 and 128
+/// rows per expert the fragment kernels took 0.62–0.98× the dequantized path's time.
+pub const QFRAG_ROWS_PER_EXPERT: usize = 128;
+
+/// Average rows per expert up to which BF16 routed experts take the fragment kernels
+/// ([`QGemm::grouped_nt_frag_bf16`]); the tiled kernels beyond (faster from ~40 rows per
+/// expert on an H200: `bench_qgemm --large`).
+pub const QFRAG_BF16_ROWS_PER_EXPERT: usize = 32;
 
 /// The engine's CUDA backend on one GPU.
 pub struct CudaBackend {
@@ -1447,7 +1454,7 @@ impl Backend for CudaBackend {
         };
         // Decode batches: the fragment kernels stream the BF16 experts into the mma operands.
         if let Ok(q) = &self.qgemm {
-            if QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts {
+            if QGemm::frag_fits(n, k) && rows <= QFRAG_BF16_ROWS_PER_EXPERT * experts {
                 return q
                     .grouped_nt_frag_bf16(
                         &x.as_view(),

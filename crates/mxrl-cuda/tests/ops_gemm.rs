@@ -610,12 +610,12 @@ fn dense_cublas_gemms_match_reference_on_odd_shapes() {
 }
 
 /// BF16 experts through the fragment kernels (`QGemm::grouped_nt_frag_bf16`, the engine's
-/// decode path for 1–32 rows per expert): every pass size and every split of the reduction
+/// decode path for 1–64 rows per expert): every pass size and every split of the reduction
 /// (1, 2, 4, 8 warps) against the per-expert reference within `tensor_core_sum_bound`, rows
 /// of no expert left untouched, a second run the same bits; pass sizes give the launcher's
 /// bits for its split (they change which rows share a weight fragment, not any sum); shapes
-/// off the 32-column blocks refused by name. Cases: experts of 0, 1, 3, 16, 17 and 33 rows,
-/// K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
+/// off the 32-column blocks refused by name. Cases: experts of 0, 1, 3, 16, 17, 33, 64, 70
+/// and 130 rows, K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
 #[test]
 fn bf16_fragment_kernels_match_reference() {
     use mxrl_cuda::ops::qgemm::{frag_split, FragRows, QGemm};
@@ -642,6 +642,16 @@ fn bf16_fragment_kernels_match_reference() {
         ),
         (73, routed_case(1, 73, 64, 2048)),
         (74, routed_case(32, 74, 128, 768)),
+        // 64 rows per pass and more, ragged last passes.
+        (
+            79,
+            Case {
+                counts: vec![70, 0, 130, 64, 1],
+                n: 64,
+                k: 256,
+                extra: 2,
+            },
+        ),
     ];
     for seed in 75..79u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -705,7 +715,7 @@ fn bf16_fragment_kernels_match_reference() {
             );
         }
         for split in [1usize, 2, 4, 8] {
-            let rows = FragRows::for_rows(s.rows, s.experts);
+            let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
             let got = run(c, &x, &w, Some((rows, split)));
             let what = format!("fragment split {split} {c:?}");
             assert_grouped(&what, *seed, &got, &want, &tc);

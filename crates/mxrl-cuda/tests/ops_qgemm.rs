@@ -1049,6 +1049,16 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
         ),
         (54, routed(1, 54, 64, 2048)),
         (55, routed(32, 55, 128, 768)),
+        // Prefill-sized decode batches: 64 rows per pass and more, ragged last passes.
+        (
+            60,
+            Case {
+                counts: vec![70, 0, 130, 64, 1],
+                n: 64,
+                k: 256,
+                extra: 2,
+            },
+        ),
     ];
     for seed in 56..60u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -1088,7 +1098,7 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                 .iter()
                 .map(|&b| b / two_order_sum_bound(kk, 1.0) * tensor_core_sum_bound(kk, 1.0))
                 .collect();
-            let auto = FragRows::for_rows(s.rows, s.experts);
+            let auto = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(f)));
             let mut d = upload(&g, c, &x, &w);
             run_frag(&ops, f, None, c, &mut d);
             let got = download_y(&g, c, &d);
@@ -1171,16 +1181,28 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
     }
 }
 
-/// The launchers' pass size: the smallest pass holding the average expert's rows.
+/// The launchers' pass size: the smallest pass holding the average expert's rows, at most the
+/// format's largest.
 #[test]
 fn fragment_pass_holds_the_average_experts_rows() {
-    assert_eq!(FragRows::for_rows(8, 8), FragRows::R8);
-    assert_eq!(FragRows::for_rows(256, 64), FragRows::R8);
-    assert_eq!(FragRows::for_rows(512, 64), FragRows::R8);
-    assert_eq!(FragRows::for_rows(513, 64), FragRows::R16);
-    assert_eq!(FragRows::for_rows(1024, 64), FragRows::R16);
-    assert_eq!(FragRows::for_rows(1025, 64), FragRows::R32);
-    assert_eq!(FragRows::for_rows(5, 0), FragRows::R8);
+    let big = FragRows::R64;
+    assert_eq!(FragRows::for_rows(8, 8, big), FragRows::R8);
+    assert_eq!(FragRows::for_rows(256, 64, big), FragRows::R8);
+    assert_eq!(FragRows::for_rows(512, 64, big), FragRows::R8);
+    assert_eq!(FragRows::for_rows(513, 64, big), FragRows::R16);
+    assert_eq!(FragRows::for_rows(1024, 64, big), FragRows::R16);
+    assert_eq!(FragRows::for_rows(1025, 64, big), FragRows::R32);
+    assert_eq!(FragRows::for_rows(2048, 64, big), FragRows::R32);
+    assert_eq!(FragRows::for_rows(2049, 64, big), FragRows::R64);
+    assert_eq!(FragRows::for_rows(8192, 64, big), FragRows::R64);
+    assert_eq!(FragRows::for_rows(5, 0, big), FragRows::R8);
+    // Capped at the format's largest pass.
+    assert_eq!(FragRows::for_rows(8192, 64, FragRows::R32), FragRows::R32);
+    assert_eq!(FragRows::for_rows(600, 64, FragRows::R8), FragRows::R8);
+    assert_eq!(FragRows::for_rows(600, 64, FragRows::R32), FragRows::R16);
+    assert_eq!(FragRows::largest(Some(LowByte::Mxfp8)), FragRows::R64);
+    assert_eq!(FragRows::largest(Some(LowByte::Nvfp4)), FragRows::R32);
+    assert_eq!(FragRows::largest(None), FragRows::R32);
 }
 
 /// Large-M path: weights dequantized to BF16 once, the activation operand, the tensor-core

@@ -31,6 +31,15 @@ pub struct ModelArgs {
     /// A smaller configuration (hidden 256, 8 experts, vocab 1000) for a quick check.
     #[arg(long)]
     small: bool,
+    /// Routed experts per layer instead of the configuration's (e.g. 128: Qwen3-30B-A3B's).
+    #[arg(long)]
+    experts: Option<usize>,
+    /// Query heads of 128 instead of the configuration's (e.g. 32: Qwen3-30B-A3B's).
+    #[arg(long)]
+    q_heads: Option<usize>,
+    /// Vocabulary size instead of the configuration's.
+    #[arg(long)]
+    vocab: Option<usize>,
     /// Prefill length (one sequence).
     #[arg(long, default_value_t = 512)]
     prefill: usize,
@@ -157,7 +166,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Run `mxrl bench model`.
 pub fn run(a: ModelArgs) -> Result<()> {
-    let cfg = bench_config(a.layers, a.small);
+    let mut cfg = bench_config(a.layers, a.small);
+    cfg.num_experts = a.experts.unwrap_or(cfg.num_experts);
+    cfg.num_heads = a.q_heads.unwrap_or(cfg.num_heads);
+    cfg.vocab_size = a.vocab.unwrap_or(cfg.vocab_size);
     cfg.validate()?;
     let max_pos = a.prefill.max(a.prompt + a.steps + 4).max(a.train_len);
     let r = match a.device.as_str() {

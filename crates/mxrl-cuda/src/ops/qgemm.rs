@@ -57,6 +57,7 @@ use super::gemm::Grouped;
 use super::{check_align, check_len, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -185,9 +186,9 @@ pub struct QGemm {
     nvfp4: [CudaFunction; 3],
     tc_mxfp8: CudaFunction,
     tc_nvfp4: CudaFunction,
-    frag_mxfp8: [CudaFunction; 3],
-    frag_nvfp4: [CudaFunction; 3],
-    frag_bf16: [CudaFunction; 3],
+    frag_mxfp8: [CudaFunction; 4],
+    frag_nvfp4: [CudaFunction; 4],
+    frag_bf16: [CudaFunction; 4],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -221,6 +222,16 @@ pub fn frag_split(s: Grouped, row_bytes: usize) -> usize {
     split
 }
 
+/// Dynamic shared memory of a fragment kernel's block: the partial sums of its `split` warps,
+/// each 8 accumulators per token group of 8 rows for each of 32 lanes (f32); none for one warp.
+fn frag_smem_bytes(rows: FragRows, split: usize) -> usize {
+    if split > 1 {
+        split * 8 * (rows.rows() / 8) * 32 * 4
+    } else {
+        0
+    }
+}
+
 /// Super-steps per warp [`frag_split`] keeps at least: few blocks, many blocks.
 pub const FRAG_MIN_STEPS: [usize; 2] = [3, 6];
 
@@ -239,11 +250,13 @@ pub enum FragRows {
     R16,
     /// 32 rows per pass.
     R32,
+    /// 64 rows per pass (prefill-sized decode batches: 512 sequences over 64 experts).
+    R64,
 }
 
 impl FragRows {
     /// Every choice.
-    pub const ALL: [FragRows; 3] = [FragRows::R8, FragRows::R16, FragRows::R32];
+    pub const ALL: [FragRows; 4] = [FragRows::R8, FragRows::R16, FragRows::R32, FragRows::R64];
 
     /// Activation rows per pass.
     pub fn rows(self) -> usize {
@@ -251,6 +264,7 @@ impl FragRows {
             FragRows::R8 => 8,
             FragRows::R16 => 16,
             FragRows::R32 => 32,
+            FragRows::R64 => 64,
         }
     }
 
@@ -259,21 +273,41 @@ impl FragRows {
             FragRows::R8 => 0,
             FragRows::R16 => 1,
             FragRows::R32 => 2,
+            FragRows::R64 => 3,
         }
     }
 
     /// The launchers' choice for `rows` activation rows over `experts` experts: the smallest
-    /// pass that holds the average expert's rows (⌈rows / experts⌉ ≤ 8 → 8, ≤ 16 → 16, else
-    /// 32). The per-expert counts live on the device, so a busier expert than the average
-    /// takes more passes.
-    pub fn for_rows(rows: usize, experts: usize) -> Self {
+    /// pass that holds the average expert's rows (⌈rows / experts⌉ ≤ 8 → 8, ≤ 16 → 16, ≤ 32
+    /// → 32, else 64), at most `largest`. The per-expert counts live on the device, so a busier
+    /// expert than the average takes more passes.
+    pub fn for_rows(rows: usize, experts: usize, largest: FragRows) -> Self {
         let avg = rows.div_ceil(experts.max(1));
-        if avg <= 8 {
+        let fit = if avg <= 8 {
             FragRows::R8
         } else if avg <= 16 {
             FragRows::R16
-        } else {
+        } else if avg <= 32 {
             FragRows::R32
+        } else {
+            FragRows::R64
+        };
+        if fit.rows() <= largest.rows() {
+            fit
+        } else {
+            largest
+        }
+    }
+
+    /// The largest pass the launchers take for weights of format `f` (`None`: BF16). Measured
+    /// on an H200 at 64–128 rows per expert (`bench_qgemm --large`, BENCHMARKS.md): 64-row
+    /// passes are faster for MXFP8 (its decode is shared by twice the rows); for NVFP4 and
+    /// BF16 the 64-row kernels' registers (up to 249 per thread) cost more than they save, so
+    /// their passes stop at 32 rows.
+    pub fn largest(f: Option<LowByte>) -> Self {
+        match f {
+            Some(LowByte::Mxfp8) => FragRows::R64,
+            Some(LowByte::Nvfp4) | None => FragRows::R32,
         }
     }
 }
@@ -312,6 +346,31 @@ impl QGemm {
             m.load_function(n)
                 .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
         };
+        // The fragment kernels' reduction array at its largest (FragRows::R64, split 8: 64
+        // KiB) is past the 48 KiB a launch gets without asking.
+        let frag = |fmt: &str| {
+            ["t1", "t2", "t4", "t8"].map(|t| {
+                let name = format!("qgemm_frag_{fmt}_{t}");
+                let func = f(&name)?;
+                let bytes = frag_smem_bytes(FragRows::R64, FRAG_MAX_SPLIT);
+                func.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|x| {
+                    gpu.err(format!(
+                        "{name}: allowing {bytes} B of shared memory: {x:?}"
+                    ))
+                })?;
+                Ok::<_, DeviceError>(func)
+            })
+        };
+        let [a, b, c, d] = frag("mxfp8");
+        let frag_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = frag("nvfp4");
+        let frag_nvfp4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = frag("bf16");
+        let frag_bf16 = [a?, b?, c?, d?];
         Ok(QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
@@ -331,21 +390,9 @@ impl QGemm {
             ],
             tc_mxfp8: f("qgemm_tc_mxfp8")?,
             tc_nvfp4: f("qgemm_tc_nvfp4")?,
-            frag_mxfp8: [
-                f("qgemm_frag_mxfp8_t1")?,
-                f("qgemm_frag_mxfp8_t2")?,
-                f("qgemm_frag_mxfp8_t4")?,
-            ],
-            frag_nvfp4: [
-                f("qgemm_frag_nvfp4_t1")?,
-                f("qgemm_frag_nvfp4_t2")?,
-                f("qgemm_frag_nvfp4_t4")?,
-            ],
-            frag_bf16: [
-                f("qgemm_frag_bf16_t1")?,
-                f("qgemm_frag_bf16_t2")?,
-                f("qgemm_frag_bf16_t4")?,
-            ],
+            frag_mxfp8,
+            frag_nvfp4,
+            frag_bf16,
         })
     }
 
@@ -821,16 +868,10 @@ impl QGemm {
                 .gpu
                 .err(format!("{op}: split {split} is not 1, 2, 4 or 8 warps")));
         }
-        // Partial sums of the block's warps: split × (8 per token group) × 32 lanes f32.
-        let red = if split > 1 {
-            split * 8 * (rows.rows() / 8) * 32 * 4
-        } else {
-            0
-        };
         Ok(LaunchConfig {
             grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
             block_dim: (32 * split as u32, 1, 1),
-            shared_mem_bytes: red as u32,
+            shared_mem_bytes: frag_smem_bytes(rows, split) as u32,
         })
     }
 
@@ -854,7 +895,7 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts);
+        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(LowByte::Mxfp8)));
         let split = frag_split(s, LowByte::Mxfp8.row_code_bytes(s.k));
         self.grouped_nt_frag_mxfp8_with(rows, split, x, codes, scales, offsets, y, s)
     }
@@ -921,7 +962,7 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts);
+        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(LowByte::Nvfp4)));
         let split = frag_split(s, LowByte::Nvfp4.row_code_bytes(s.k));
         self.grouped_nt_frag_nvfp4_with(
             rows, split, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
@@ -989,7 +1030,7 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts);
+        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
         self.grouped_nt_frag_bf16_with(rows, frag_split(s, 2 * s.k), x, w, offsets, y, s)
     }
 
