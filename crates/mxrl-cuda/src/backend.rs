@@ -111,7 +111,7 @@ pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_E
 /// for MXFP8, 32 for NVFP4: [`crate::ops::qgemm::FragRows::largest`]) reads the expert's
 /// bytes again, mostly from L2; the dequantized path writes and rereads every stack as BF16
 /// once per step. Measured on an H200 (`bench_qgemm --large`, BENCHMARKS.md): at 64 and 128
-/// rows per expert the fragment kernels took 0.62–0.98× the dequantized path's time.
+/// rows per expert the fragment kernels took 0.59–0.98× the dequantized path's time.
 pub const QFRAG_ROWS_PER_EXPERT: usize = 128;
 
 /// Average rows per expert up to which BF16 routed experts take the fragment kernels
