@@ -97,6 +97,112 @@ extern "C" __global__ void router_fwd_topk(const float* __restrict__ logits, flo
     router_weights(p, sel, e, k, norm, ids + t * k, weights + t * k, &sum_s);
 }
 
+#define ROUTER_INVALID 0xFFFFFFFFu
+
+__device__ __forceinline__ u32 router_warp_incl_scan_u32(u32 v) {
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 u = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= (u32)o) v += u;
+    }
+    return v;
+}
+
+// Compute mode and the dispatch of the whole batch in one launch (grid N blocks, block and
+// shared memory as router_fwd_topk). Every block routes its token exactly as router_fwd_topk
+// (the same code, block size and reduction order: the same probs, ids and weights). The last
+// block to finish (ticket: a u32 at 0 before the launch, counted up with atomicInc modulo N, so
+// the last block leaves it at 0 again) builds from all N·k ids, with its first warp, what
+// moe_dispatch_small / moe_hist + moe_scan + moe_scatter write (mxrl_tensor::moe::Dispatch):
+// offsets[0..=e] (exclusive prefix of the per-expert counts), perm (expert-major, flat index
+// t*k + s ascending within an expert) and row_of (its inverse). Integer counts only: the
+// result does not depend on which block finishes last.
+extern "C" __global__ void router_fwd_topk_dispatch(const float* __restrict__ logits,
+                                                    float* __restrict__ probs, u32* __restrict__ ids,
+                                                    float* __restrict__ weights, u32 e, u32 k, int norm,
+                                                    u32* __restrict__ ticket, u32* __restrict__ offsets,
+                                                    u32* __restrict__ perm, u32* __restrict__ row_of) {
+    extern __shared__ float router_smem[];
+    __shared__ float scratch[32];
+    __shared__ float sum_s;
+    __shared__ u32 sel[ROUTER_MAX_TOP_K];
+    __shared__ int last;
+    float* p = router_smem;
+    u32* key = (u32*)(router_smem + e);
+    const u64 t = blockIdx.x;
+    router_softmax_row(logits + t * e, probs + t * e, e, p, scratch, &sum_s);
+    for (u32 j = threadIdx.x; j < e; j += blockDim.x) key[j] = router_key(p[j]);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < e; i += blockDim.x) {
+        const u32 ki = key[i];
+        u32 rank = 0;
+        for (u32 j = 0; j < e; ++j) {
+            const u32 kj = key[j];
+            rank += (kj > ki || (kj == ki && j < i)) ? 1u : 0u;
+        }
+        if (rank < k) sel[rank] = i;
+    }
+    __syncthreads();
+    router_weights(p, sel, e, k, norm, ids + t * k, weights + t * k, &sum_s);
+    // Every writer fences its ids before the block takes its ticket.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 n = gridDim.x;
+        last = atomicInc(ticket, n - 1) == n - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    const u32 lane = threadIdx.x;
+    const u32 total = gridDim.x * k;
+    u32* run = key;  // e words, free once the selection is done (barriers above)
+    for (u32 x = lane; x < e; x += 32) run[x] = 0;
+    __syncwarp();
+    for (u32 base = 0; base < total; base += 32) {
+        const u32 i = base + lane;
+        u32 x = i < total ? __ldcg(ids + i) : ROUTER_INVALID;
+        if (x >= e) x = ROUTER_INVALID;
+        const u32 same = __match_any_sync(FULL_MASK, x);
+        const u32 below = __popc(same & ((1u << lane) - 1u));
+        if (x != ROUTER_INVALID && below == 0) run[x] += __popc(same);
+        __syncwarp();
+    }
+    u32 carry = 0;
+    for (u32 base = 0; base < e; base += 32) {
+        const u32 x = base + lane;
+        const u32 v = x < e ? run[x] : 0;
+        const u32 inc = router_warp_incl_scan_u32(v);
+        if (x < e) {
+            run[x] = carry + inc - v;
+            offsets[x] = carry + inc - v;
+        }
+        carry += __shfl_sync(FULL_MASK, inc, 31);
+    }
+    if (lane == 0) offsets[e] = carry;
+    __syncwarp();
+    for (u32 base = 0; base < total; base += 32) {
+        const u32 i = base + lane;
+        u32 x = i < total ? __ldcg(ids + i) : ROUTER_INVALID;
+        if (x >= e) x = ROUTER_INVALID;
+        const u32 same = __match_any_sync(FULL_MASK, x);
+        const u32 below = __popc(same & ((1u << lane) - 1u));
+        if (i < total) {
+            if (x != ROUTER_INVALID) {
+                const u32 pos = run[x] + below;
+                perm[pos] = i;
+                row_of[i] = pos;
+            } else {
+                row_of[i] = ROUTER_INVALID;
+            }
+        }
+        __syncwarp();
+        if (x != ROUTER_INVALID && below == 0) run[x] += __popc(same);
+        __syncwarp();
+    }
+}
+
 // ReplayIds: softmax, ids copied from ids_in, weights from the current probabilities.
 extern "C" __global__ void router_fwd_replay_ids(const float* __restrict__ logits, float* __restrict__ probs,
                                                  const u32* __restrict__ ids_in, u32* __restrict__ ids,
