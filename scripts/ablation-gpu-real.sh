@@ -8,6 +8,16 @@
 # NOISE_SEEDS (one more seed), STEPS GRPO steps each (PROMPTS prompts × SAMPLES samples,
 # responses up to MAX_NEW_TOKENS tokens), every run on the device engine; report in OUT.
 #
+# WORKED=1 (the default) runs the chain task with worked responses (`--worked`): the model
+# writes every step before the answer (`17+5*3-8=` → `5*3=15, 17+15=32, 32-8=24. #24`), ≈ 20
+# tokens at OPS=3 with the trained tokenizer and about 6 more per operation, so a rollout's
+# time is spent decoding and the report's tokens/s compares the recipes' decode speed; the reward is
+# the final answer after `#` on a well-formed working (1/0). Raise OPS for longer responses
+# (the longest possible one must fit in MAX_NEW_TOKENS or it is warned about). WORKED=0: the
+# answer alone (about 2 tokens: prefill and fixed costs dominate). The warm-up in BASE is
+# reused only for the same task, so switching WORKED needs another BASE (the default BASE
+# names it).
+#
 # Usage (from the repository root; MXRL=path/to/mxrl uses a binary built elsewhere with
 # `--features cuda` instead of building one here):
 #   scripts/ablation-gpu-real.sh                  # 100 steps, 64 × 8, up to 256 tokens, 4 layers
@@ -36,9 +46,16 @@ RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"
 # The chain task's operations per problem and digits per operand (the task's defaults: 3, 1).
 OPS="${OPS:-3}"
 DIGITS="${DIGITS:-1}"
+# Worked responses (1) or the answer alone (0).
+WORKED="${WORKED:-1}"
+case "$WORKED" in
+  1) WORKED_FLAG="--worked"; WORKED_TAG="-worked" ;;
+  0) WORKED_FLAG=""; WORKED_TAG="" ;;
+  *) echo "WORKED must be 1 or 0, not '$WORKED'" >&2; exit 2 ;;
+esac
 # Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
 NOISE_SEEDS="${NOISE_SEEDS:-2}"
-BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS}"
+BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS$WORKED_TAG}"
 OUT="${OUT:-docs/ablation-gpu-real}"
 if [ -z "${MXRL:-}" ]; then
   cargo build --release -p mxrl-cli --features cuda
@@ -46,9 +63,9 @@ if [ -z "${MXRL:-}" ]; then
 fi
 # Tokenizer and warm-up (reused when BASE already holds them for this task and tokenizer).
 "$MXRL" demo --device cuda --size real --layers "$LAYERS" --task chain --ops "$OPS" --digits "$DIGITS" \
-    --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --warmup-only --out "$BASE"
+    $WORKED_FLAG --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --warmup-only --out "$BASE"
 "$MXRL" ablate --model "$BASE/base" --device cuda --task chain --ops "$OPS" --digits "$DIGITS" \
-    --recipes "$RECIPES" \
+    $WORKED_FLAG --recipes "$RECIPES" \
     --noise-seeds "$NOISE_SEEDS" --steps "$STEPS" --prompts-per-step "$PROMPTS" \
     --samples "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --micro-batch "$MICRO_BATCH" \
     --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" --restart

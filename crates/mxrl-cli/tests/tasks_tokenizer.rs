@@ -241,6 +241,31 @@ fn bad_task_and_tokenizer_settings_are_named_before_anything_runs() {
             &["demo", "--out", "dm", "--task", "chain", "--ops", "17"][..],
             "setting `ops`",
         ),
+        // --worked is a setting of the chain task: refused elsewhere, not ignored.
+        (&["sft", "--out", "x", "--worked"][..], "--task chain"),
+        (
+            &["sft", "--out", "x", "--task", "arithmetic", "--worked"][..],
+            "setting `worked`",
+        ),
+        (
+            &[
+                "tokenizer",
+                "train",
+                "--out",
+                "t",
+                "--data",
+                "p.jsonl",
+                "--worked",
+            ][..],
+            "setting `worked`",
+        ),
+        (&["demo", "--out", "dm", "--worked"][..], "--task chain"),
+        (
+            &[
+                "demo", "--out", "dm", "--task", "chain", "--worked", "--ops", "0",
+            ][..],
+            "setting `ops`",
+        ),
     ] {
         let e = fails(args, cwd);
         assert!(e.contains(want), "mxrl {args:?}: {e}");
@@ -326,6 +351,107 @@ fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_anothe
     let e = fails(&demo[..7], cwd);
     assert!(
         e.contains("another tokenizer than the char-level one"),
+        "{e}"
+    );
+}
+
+/// `--worked` through the binary: `sft` trains on the worked responses, `rl` and `ablate`
+/// record the worked task in run.json / the report and warn about a response limit shorter
+/// than the longest working; a run directory or a demo warm-up of the worked task is not
+/// resumed or reused for the answer-only one (nor the other way round).
+#[test]
+fn worked_chain_runs_record_their_task_and_are_not_mixed_with_answer_only_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let cwd = d.path();
+    let chain = [
+        "--task",
+        "chain",
+        "--ops",
+        "2",
+        "--operators",
+        "+*",
+        "--worked",
+    ];
+    let mut sft = vec!["sft", "--out", "m", "--steps", "2", "--batch", "8"];
+    sft.extend(chain);
+    ok(&sft, cwd);
+
+    // 1-digit chains of 2 operations from `+*`: values up to 9³ = 729, so steps of at most
+    // 3·3 + 2 characters, 2 of them, ", ", ". #" and the answer: 30 characters.
+    let mut rl = vec!["rl", "--model", "m", "--out", "r", "--max-new-tokens", "8"];
+    rl.extend(TINY);
+    rl.extend(chain);
+    let out = ok(&rl, cwd);
+    assert!(
+        out.contains("worked responses take up to 30 characters")
+            && out.contains("--max-new-tokens 8"),
+        "{out}"
+    );
+    let task = json(&cwd.join("r/run.json"))["task"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        task.contains("chains, 2 operations from `+*`") && task.contains("worked responses"),
+        "{task}"
+    );
+    // The same directory without --worked is another run: refused, the task named.
+    let answer_only: Vec<&str> = rl.iter().copied().filter(|a| *a != "--worked").collect();
+    let e = fails(&answer_only, cwd);
+    assert!(
+        e.contains("holds another run") && e.contains("task:") && e.contains("worked"),
+        "{e}"
+    );
+    // Long enough: no warning.
+    let mut rl = vec![
+        "rl",
+        "--model",
+        "m",
+        "--out",
+        "r30",
+        "--max-new-tokens",
+        "30",
+    ];
+    rl.extend(TINY);
+    rl.extend(chain);
+    let out = ok(&rl, cwd);
+    assert!(!out.contains("take up to"), "{out}");
+
+    let mut ab = vec![
+        "ablate",
+        "--model",
+        "m",
+        "--out",
+        "ab",
+        "--recipes",
+        "bf16",
+        "--noise-seeds",
+        "none",
+        "--max-new-tokens",
+        "30",
+    ];
+    ab.extend(TINY);
+    ab.extend(chain);
+    ok(&ab, cwd);
+    let md = std::fs::read_to_string(cwd.join("ab/report.md")).unwrap();
+    assert!(md.contains("worked responses"), "{md}");
+    let answer_only: Vec<&str> = ab.iter().copied().filter(|a| *a != "--worked").collect();
+    let e = fails(&answer_only, cwd);
+    assert!(e.contains("task") && e.contains("worked"), "{e}");
+
+    // demo: the warm-up records the worked task and is not reused for the answer-only one.
+    let mut demo = vec!["demo", "--out", "dm", "--warmup-only", "--sft-steps", "1"];
+    demo.extend(chain);
+    ok(&demo, cwd);
+    let w = json(&cwd.join("dm/warmup.json"));
+    assert!(
+        w["task"].as_str().unwrap().contains("worked responses"),
+        "{w}"
+    );
+    let answer_only: Vec<&str> = demo.iter().copied().filter(|a| *a != "--worked").collect();
+    let e = fails(&answer_only, cwd);
+    assert!(
+        e.contains("dm/base") && e.contains("trained on") && e.contains("worked responses"),
         "{e}"
     );
 }

@@ -6,9 +6,11 @@
 //!   after normalisation (numbers compared numerically), −1 otherwise.
 //! - [`exact_reward`]: the response (up to end-of-sequence) as a whole equals the label; the
 //!   synthetic arithmetic task uses it with rewards 1 / 0, so that mean reward = accuracy.
+//! - [`worked_reward`]: a worked response (`5*3=15, 17+15=32, 32-8=24. #24`) is well formed
+//!   and its answer after the `#` marker equals the label; 1 / 0 like [`exact_reward`].
 //! - [`ArithmeticTask`]: seeded multi-digit arithmetic problems of adjustable difficulty.
 //! - [`ChainTask`]: seeded chains of operations (`17+5*3-8=`), evaluated with standard
-//!   precedence on integers.
+//!   precedence on integers; optionally with worked responses ([`ChainResponse::Worked`]).
 //! - [`TaskSpec`]: a task as a command line names it, resolved to a [`TaskSource`].
 //! - [`load_jsonl`]: a DAPO-style prompt file (`prompt` + `label` per line).
 
@@ -36,6 +38,9 @@ pub enum RewardKind {
     Boxed,
     /// The whole response equals the label: 1 correct, 0 otherwise.
     Exact,
+    /// A well-formed worked response whose answer after the marker equals the label
+    /// ([`worked_reward`]): 1 correct, 0 otherwise.
+    Worked,
 }
 
 impl RewardKind {
@@ -45,6 +50,7 @@ impl RewardKind {
             RewardKind::AnswerTag => answer_tag_reward(response, label),
             RewardKind::Boxed => boxed_reward(response, label),
             RewardKind::Exact => exact_reward(response, label),
+            RewardKind::Worked => worked_reward(response, label),
         }
     }
 }
@@ -149,6 +155,57 @@ pub fn exact_reward(response: &str, label: &str) -> Score {
     }
 }
 
+/// What separates the steps of a worked response ([`ChainResponse::Worked`]).
+pub const WORKED_STEP_SEPARATOR: &str = ", ";
+/// What separates a worked response's steps from its answer: the answer follows the `#`.
+pub const WORKED_ANSWER_MARKER: &str = ". #";
+
+/// A decimal integer as the chain task writes one: an optional `-`, then digits.
+fn is_integer(s: &str) -> bool {
+    let d = s.strip_prefix('-').unwrap_or(s);
+    !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// One step of a worked response: `LHS OP RHS=VALUE`, where LHS and VALUE are integers (a
+/// running value may be negative), OP one of [`CHAIN_OPERATORS`], RHS digits (an operand or
+/// a product of operands, never negative).
+fn is_worked_step(s: &str) -> bool {
+    let Some((expr, value)) = s.split_once('=') else {
+        return false;
+    };
+    let sign = usize::from(expr.starts_with('-'));
+    let Some(at) = expr[sign..].find(['+', '-', '*']).map(|i| i + sign) else {
+        return false;
+    };
+    let rhs = &expr[at + 1..];
+    is_integer(&expr[..at])
+        && !rhs.is_empty()
+        && rhs.bytes().all(|b| b.is_ascii_digit())
+        && is_integer(value)
+}
+
+/// The answer of a well-formed worked response — one or more steps (`LHS OP RHS=VALUE`)
+/// joined by [`WORKED_STEP_SEPARATOR`], then [`WORKED_ANSWER_MARKER`] and an integer, nothing
+/// else but surrounding whitespace — or `None`. The steps' arithmetic is not checked.
+pub fn worked_answer(response: &str) -> Option<&str> {
+    let (working, answer) = response.trim().rsplit_once(WORKED_ANSWER_MARKER)?;
+    (is_integer(answer) && working.split(WORKED_STEP_SEPARATOR).all(is_worked_step))
+        .then_some(answer)
+}
+
+/// Worked reward: the response is a well-formed worked response ([`worked_answer`]) and its
+/// answer equals the label after [`normalize_answer`]; 1 or 0, as [`exact_reward`]. A missing
+/// marker, malformed steps or anything after the answer score 0 even when the right number
+/// appears; the steps themselves are a format, not graded (only the final answer is).
+pub fn worked_reward(response: &str, label: &str) -> Score {
+    let ok =
+        worked_answer(response).is_some_and(|a| normalize_answer(a) == normalize_answer(label));
+    Score {
+        reward: if ok { 1.0 } else { 0.0 },
+        correct: ok,
+    }
+}
+
 /// Seeded synthetic arithmetic: `a+b=` / `a-b=` / `a*b=` problems whose answer is the
 /// decimal result. Difficulty = the number of digits of the operands (1..=6); `ops` selects
 /// which operators appear.
@@ -213,11 +270,82 @@ pub const CHAIN_MAX_DIGITS: u32 = 9;
 /// [`ArithmeticTask`]); each operator uniformly from `operators`. Results are exact integers
 /// (i64; settings whose worst case could overflow are refused by [`ChainTask::new`]) and may
 /// be negative. A problem is a pure function of (seed, index).
+///
+/// The reference response ([`Problem::completion`], the SFT target) is the label alone, or,
+/// with [`ChainResponse::Worked`], every step of that evaluation and then the label
+/// ([`ChainTask::worked_text`]); the prompts and labels are the same either way.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChainTask {
     ops: u32,
     digits: u32,
     operators: String,
+    #[serde(default)]
+    response: ChainResponse,
+}
+
+/// What a [`ChainTask`]'s reference response holds, and so how responses are scored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChainResponse {
+    /// The result alone (`24`), scored by [`exact_reward`].
+    #[default]
+    Answer,
+    /// The working: one step per operation in evaluation order, then the result
+    /// (`5*3=15, 17+15=32, 32-8=24. #24`; [`ChainTask::worked_text`]), scored by
+    /// [`worked_reward`].
+    Worked,
+}
+
+/// One step of a chain's evaluation: `lhs op rhs = value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainStep {
+    /// The left operand: an operand or product so far (`*`), the running value (`+`, `-`).
+    pub lhs: i64,
+    /// The operator, one of [`CHAIN_OPERATORS`].
+    pub op: char,
+    /// The right operand: the next operand (`*`), the next term's product (`+`, `-`).
+    pub rhs: i64,
+    /// `lhs op rhs`.
+    pub value: i64,
+}
+
+/// The steps of evaluating `first op₁ x₁ op₂ x₂ …` with standard precedence, and its value.
+///
+/// Order: first every `*`, left to right, each multiplying the product so far of its run of
+/// `*` by the next operand (`2*3*4`: `2*3=6`, `6*4=24`); then every `+` and `-` of the
+/// resulting terms, left to right, on the running value (`1+6-20`: `1+6=7`, `7-20=-13`). One
+/// step per operation. The caller bounds every value to an i64 ([`ChainTask::new`]).
+pub fn chain_steps(first: i64, rest: &[(char, i64)]) -> (Vec<ChainStep>, i64) {
+    let mut steps = Vec::with_capacity(rest.len());
+    // Each term: its sign and its product so far.
+    let mut terms: Vec<(char, i64)> = vec![('+', first)];
+    for &(op, x) in rest {
+        if op == '*' {
+            let last = terms.last_mut().expect("the first operand opens a term");
+            let value = last.1 * x;
+            steps.push(ChainStep {
+                lhs: last.1,
+                op,
+                rhs: x,
+                value,
+            });
+            last.1 = value;
+        } else {
+            terms.push((op, x));
+        }
+    }
+    let mut acc = terms[0].1;
+    for &(op, t) in &terms[1..] {
+        let value = if op == '+' { acc + t } else { acc - t };
+        steps.push(ChainStep {
+            lhs: acc,
+            op,
+            rhs: t,
+            value,
+        });
+        acc = value;
+    }
+    (steps, acc)
 }
 
 impl ChainTask {
@@ -270,6 +398,7 @@ impl ChainTask {
             ops,
             digits,
             operators: operators.into(),
+            response: ChainResponse::Answer,
         };
         if t.max_abs().is_none() {
             return Err(bad(
@@ -300,6 +429,38 @@ impl ChainTask {
         &self.operators
     }
 
+    /// This task with reference responses of kind `response` (the same prompts and labels).
+    pub fn with_response(self, response: ChainResponse) -> ChainTask {
+        ChainTask { response, ..self }
+    }
+
+    /// What the reference responses hold.
+    pub fn response(&self) -> ChainResponse {
+        self.response
+    }
+
+    /// The reward function of this task's responses.
+    pub fn reward_kind(&self) -> RewardKind {
+        match self.response {
+            ChainResponse::Answer => RewardKind::Exact,
+            ChainResponse::Worked => RewardKind::Worked,
+        }
+    }
+
+    /// The worked response of a chain evaluated as `steps` to `value`: each step as
+    /// `LHS OP RHS=VALUE`, joined by [`WORKED_STEP_SEPARATOR`], then
+    /// [`WORKED_ANSWER_MARKER`] and the value — `5*3=15, 17+15=32, 32-8=24. #24`.
+    pub fn worked_text(steps: &[ChainStep], value: i64) -> String {
+        let steps: Vec<String> = steps
+            .iter()
+            .map(|s| format!("{}{}{}={}", s.lhs, s.op, s.rhs, s.value))
+            .collect();
+        format!(
+            "{}{WORKED_ANSWER_MARKER}{value}",
+            steps.join(WORKED_STEP_SEPARATOR)
+        )
+    }
+
     /// The largest |value| any problem can have: with `*` allowed and operands up to
     /// `m = 10^digits − 1 ≥ 2`, the product of all `ops + 1` operands (a product of numbers
     /// ≥ 2 is at least their sum); otherwise `(ops + 1)·m`. `None` when it exceeds i64.
@@ -321,6 +482,26 @@ impl ChainTask {
         v.to_string().len() + usize::from(self.operators.contains('-'))
     }
 
+    /// The longest reference response in characters: [`ChainTask::max_label_chars`] for
+    /// answers; for worked ones a bound, with `L` that many characters: `ops` steps of at
+    /// most `3L + 2` (every number of a step is a value of the chain or an operand, none
+    /// longer than `L`), the separators, the marker and the answer. A response limit of this
+    /// many tokens can always hold the reference response (every tokenizer here spends at
+    /// most one token per character).
+    pub fn max_response_chars(&self) -> usize {
+        let l = self.max_label_chars();
+        match self.response {
+            ChainResponse::Answer => l,
+            ChainResponse::Worked => {
+                let n = self.ops as usize;
+                n * (3 * l + 2)
+                    + (n - 1) * WORKED_STEP_SEPARATOR.len()
+                    + WORKED_ANSWER_MARKER.len()
+                    + l
+            }
+        }
+    }
+
     /// Problem number `index` of the stream seeded by `seed` (a pure function of both).
     pub fn problem(&self, seed: u64, index: u64) -> Problem {
         // A different stream than ArithmeticTask's for the same (seed, index).
@@ -331,29 +512,24 @@ impl ChainTask {
         let ops: Vec<char> = self.operators.chars().collect();
         let first = rng.gen_range(0..hi);
         let mut prompt = first.to_string();
-        // Standard precedence in one pass: `term` is the running product of the current
-        // `*`-run, `sign` the + or − in front of it, `acc` the sum of finished terms.
-        let (mut acc, mut sign, mut term) = (0i64, 1i64, first);
+        let mut rest = Vec::with_capacity(self.ops as usize);
         for _ in 0..self.ops {
             let op = ops[rng.gen_range(0..ops.len())];
             let x = rng.gen_range(0..hi);
             prompt.push(op);
             prompt.push_str(&x.to_string());
-            match op {
-                '*' => term *= x,
-                _ => {
-                    acc += sign * term;
-                    sign = if op == '+' { 1 } else { -1 };
-                    term = x;
-                }
-            }
+            rest.push((op, x));
         }
-        let v = acc + sign * term;
         prompt.push('=');
+        let (steps, v) = chain_steps(first, &rest);
+        let completion = match self.response {
+            ChainResponse::Answer => v.to_string(),
+            ChainResponse::Worked => Self::worked_text(&steps, v),
+        };
         Problem {
             prompt,
             label: v.to_string(),
-            completion: Some(v.to_string()),
+            completion: Some(completion),
         }
     }
 }
@@ -552,7 +728,8 @@ impl TaskSource {
     /// The reward function this source is scored with.
     pub fn reward_kind(&self) -> RewardKind {
         match self {
-            TaskSource::Arithmetic(_) | TaskSource::Chain(_) => RewardKind::Exact,
+            TaskSource::Arithmetic(_) => RewardKind::Exact,
+            TaskSource::Chain(t) => t.reward_kind(),
             TaskSource::List(_) => RewardKind::AnswerTag,
         }
     }
@@ -599,6 +776,9 @@ pub struct TaskSpec {
     pub ops: Option<u32>,
     /// Operators of the chain (chain only; default all of [`CHAIN_OPERATORS`]).
     pub operators: Option<String>,
+    /// Worked responses (chain only; [`ChainResponse::Worked`]): the reference response
+    /// shows every step, the reward checks the answer after the marker.
+    pub worked: bool,
 }
 
 impl Default for TaskSpec {
@@ -610,6 +790,7 @@ impl Default for TaskSpec {
             digits: 1,
             ops: None,
             operators: None,
+            worked: false,
         }
     }
 }
@@ -655,6 +836,7 @@ impl TaskSpec {
             for (field, set) in [
                 ("ops", self.ops.is_some()),
                 ("operators", self.operators.is_some()),
+                ("worked", self.worked),
             ] {
                 if set {
                     return Err(TaskError::Settings {
@@ -679,7 +861,13 @@ impl TaskSpec {
                 self.digits,
                 self.operators.as_deref().unwrap_or(CHAIN_OPERATORS),
             )
-            .map(Some),
+            .map(|t| {
+                Some(t.with_response(if self.worked {
+                    ChainResponse::Worked
+                } else {
+                    ChainResponse::Answer
+                }))
+            }),
             _ => Ok(None),
         }
     }
@@ -731,8 +919,16 @@ impl TaskSpec {
             ),
             Named::Chain => {
                 let c = self.chain().map_err(cfg)?.expect("named chain");
+                let scored = match c.response() {
+                    ChainResponse::Answer => "exact-match reward 1/0".to_string(),
+                    ChainResponse::Worked => format!(
+                        "worked responses: every step, then `{WORKED_ANSWER_MARKER}` and the \
+                         result; reward 1/0 for a well-formed working whose final answer \
+                         matches"
+                    ),
+                };
                 format!(
-                    "synthetic arithmetic chains, {} operations from `{}` on operands of up to {} digit(s), standard precedence, integer results (exact-match reward 1/0)",
+                    "synthetic arithmetic chains, {} operations from `{}` on operands of up to {} digit(s), standard precedence, integer results ({scored})",
                     c.ops(),
                     c.operators(),
                     c.digits()
@@ -959,6 +1155,178 @@ mod tests {
         }
     }
 
+    /// The worked response of a chain prompt, written independently of [`chain_steps`] by
+    /// rewriting the expression: while a `*` is left, the first one and its two neighbours
+    /// become their product; then the first `+` or `-` and its two neighbours become their
+    /// value; each rewrite is one step. Checked i64 arithmetic.
+    fn worked_by_rewriting(prompt: &str) -> String {
+        let (nums, ops) = chain_parts(prompt);
+        let mut nums: Vec<i64> = nums.iter().map(|n| n.parse().unwrap()).collect();
+        let mut ops = ops;
+        let mut steps = Vec::new();
+        while !ops.is_empty() {
+            let i = ops.iter().position(|&o| o == '*').unwrap_or(0);
+            let (a, o, b) = (nums[i], ops[i], nums[i + 1]);
+            let v = match o {
+                '*' => a.checked_mul(b),
+                '+' => a.checked_add(b),
+                _ => a.checked_sub(b),
+            }
+            .unwrap();
+            steps.push(format!("{a}{o}{b}={v}"));
+            nums.splice(i..=i + 1, [v]);
+            ops.remove(i);
+        }
+        format!("{}. #{}", steps.join(", "), nums[0])
+    }
+
+    #[test]
+    fn the_test_rewriter_works_hand_checked_chains() {
+        // Worked by hand: every `*` first (left to right), then `+`/`-` left to right.
+        assert_eq!(
+            worked_by_rewriting("17+5*3-8="),
+            "5*3=15, 17+15=32, 32-8=24. #24"
+        );
+        assert_eq!(worked_by_rewriting("2-3-4="), "2-3=-1, -1-4=-5. #-5");
+        assert_eq!(
+            worked_by_rewriting("2*3*4-30="),
+            "2*3=6, 6*4=24, 24-30=-6. #-6"
+        );
+        assert_eq!(
+            worked_by_rewriting("1+2*3+4*5="),
+            "2*3=6, 4*5=20, 1+6=7, 7+20=27. #27"
+        );
+        assert_eq!(worked_by_rewriting("0*9="), "0*9=0. #0");
+        // The generator's evaluation of the same chains gives the same text.
+        let gen = |first: i64, rest: &[(char, i64)]| {
+            let (steps, v) = chain_steps(first, rest);
+            assert_eq!(steps.len(), rest.len(), "one step per operation");
+            ChainTask::worked_text(&steps, v)
+        };
+        assert_eq!(
+            gen(17, &[('+', 5), ('*', 3), ('-', 8)]),
+            "5*3=15, 17+15=32, 32-8=24. #24"
+        );
+        assert_eq!(
+            gen(1, &[('+', 2), ('*', 3), ('+', 4), ('*', 5)]),
+            "2*3=6, 4*5=20, 1+6=7, 7+20=27. #27"
+        );
+    }
+
+    #[test]
+    fn worked_chain_responses_match_an_independent_rewriter_over_the_settings() {
+        for (ops, digits, operators) in [
+            (1, 1, "+-*"),
+            (3, 1, "+-*"),
+            (3, 2, "*"),
+            (5, 3, "+-"),
+            (8, 2, "-*"),
+            (16, 1, "+*-"),
+            (3, 4, "+-*"),
+        ] {
+            let answer = ChainTask::new(ops, digits, operators).unwrap();
+            let t = answer.clone().with_response(ChainResponse::Worked);
+            assert_eq!(t.response(), ChainResponse::Worked);
+            let mut longest = 0;
+            for i in 0..300 {
+                let p = t.problem(11, i);
+                let a = answer.problem(11, i);
+                // The same prompt and label as the answer-only task; only the response differs.
+                assert_eq!((&p.prompt, &p.label), (&a.prompt, &a.label));
+                let c = p.completion.clone().unwrap();
+                assert_eq!(c, worked_by_rewriting(&p.prompt), "{}", p.prompt);
+                assert_eq!(p.label, eval_chain(&p.prompt).to_string(), "{}", p.prompt);
+                assert_eq!(c.matches(WORKED_STEP_SEPARATOR).count() + 1, ops as usize);
+                assert_eq!(worked_answer(&c), Some(p.label.as_str()), "{c}");
+                assert_eq!(worked_reward(&c, &p.label).reward, 1.0, "{c}");
+                assert!(c.len() <= t.max_response_chars(), "{c}");
+                longest = longest.max(c.len());
+            }
+            // The bound is a bound, not a wild one for these settings' typical responses.
+            assert!(
+                longest > t.max_response_chars() / 8,
+                "ops {ops} digits {digits}: longest {longest}, bound {}",
+                t.max_response_chars()
+            );
+        }
+    }
+
+    #[test]
+    fn worked_reward_scores_the_answer_after_the_marker_of_a_well_formed_working() {
+        let good = "5*3=15, 17+15=32, 32-8=24. #24";
+        assert_eq!(
+            worked_reward(good, "24"),
+            Score {
+                reward: 1.0,
+                correct: true
+            }
+        );
+        // Surrounding whitespace and a zero-padded answer read as the value, as exact_reward.
+        assert_eq!(worked_reward(&format!("  {good}\n"), "24").reward, 1.0);
+        assert_eq!(worked_reward("5*3=15. #015", "15").reward, 1.0);
+        assert_eq!(worked_reward("2-3=-1, -1-4=-5. #-5", "-5").reward, 1.0);
+        // The steps are a format, not graded: only the final answer is.
+        assert_eq!(worked_reward("5*3=16. #24", "24").reward, 1.0);
+        // Incorrect answers.
+        for r in [
+            "5*3=15, 17+15=32, 32-8=24. #25",
+            "2-3=-1, -1-4=-5. #5",
+            "5*3=15. #-15",
+        ] {
+            assert_eq!(
+                worked_reward(r, "24")
+                    .reward
+                    .max(worked_reward(r, "-5").reward),
+                0.0,
+                "{r}"
+            );
+        }
+        assert_eq!(
+            worked_reward(good, "23"),
+            Score {
+                reward: 0.0,
+                correct: false
+            }
+        );
+        // Malformed: the right number is there, the format is not.
+        for r in [
+            "",
+            "24",
+            "#24",
+            ". #24",
+            " #24",
+            "5*3=15, 17+15=32, 32-8=24 #24",
+            "5*3=15, 17+15=32, 32-8=24. 24",
+            "5*3=15, 17+15=32, 32-8=24. #24.",
+            "5*3=15, 17+15=32, 32-8=24. #24 5*3",
+            "5*3=15, 17+15=32, 32-8=24. # 24",
+            "5*3=15 17+15=32, 32-8=24. #24",
+            "5*3=15,, 32-8=24. #24",
+            "5*3=15, , 32-8=24. #24",
+            "5*3=, 32-8=24. #24",
+            "5*3, 32-8=24. #24",
+            "5/3=15, 32-8=24. #24",
+            "5*-3=-15, 32-8=24. #24",
+            "5*3=15, 17+15=32, 32-8=2",
+            "Answer: 24",
+            "\\boxed{24}",
+        ] {
+            assert_eq!(worked_reward(r, "24").reward, 0.0, "{r:?}");
+            assert!(!worked_reward(r, "24").correct, "{r:?}");
+        }
+        // The reward kinds do not stand in for each other.
+        assert_eq!(RewardKind::Worked.score(good, "24").reward, 1.0);
+        assert_eq!(RewardKind::Exact.score(good, "24").reward, 0.0);
+        assert_eq!(RewardKind::Worked.score("24", "24").reward, 0.0);
+        let t = ChainTask::new(3, 1, "+-*").unwrap();
+        assert_eq!(
+            TaskSource::Chain(t.clone()).reward_kind(),
+            RewardKind::Exact
+        );
+        let w = t.with_response(ChainResponse::Worked);
+        assert_eq!(TaskSource::Chain(w).reward_kind(), RewardKind::Worked);
+    }
+
     #[test]
     fn chain_problems_depend_on_seed_and_index_and_differ_from_arithmetic() {
         let t = ChainTask::new(3, 2, "+-*").unwrap();
@@ -1030,6 +1398,71 @@ mod tests {
             "{e}"
         );
         assert!(spec.source(None).is_err());
+    }
+
+    #[test]
+    fn worked_is_a_chain_setting_refused_elsewhere_and_named_in_the_description() {
+        let chain = TaskSpec {
+            name: Some("chain".into()),
+            ..TaskSpec::default()
+        };
+        let worked = TaskSpec {
+            worked: true,
+            ..chain.clone()
+        };
+        let TaskSource::Chain(t) = worked.source(None).unwrap() else {
+            panic!("expected the chain task")
+        };
+        assert_eq!(t.response(), ChainResponse::Worked);
+        let TaskSource::Chain(t) = chain.source(None).unwrap() else {
+            panic!("expected the chain task")
+        };
+        assert_eq!(t.response(), ChainResponse::Answer);
+        // The descriptions differ (a run of one is never resumed as the other); the
+        // answer-only one is unchanged.
+        let (a, w) = (chain.describe().unwrap(), worked.describe().unwrap());
+        assert!(
+            a.ends_with("integer results (exact-match reward 1/0)"),
+            "{a}"
+        );
+        assert!(
+            w.contains("3 operations from `+-*`") && w.contains("worked responses"),
+            "{w}"
+        );
+        assert_ne!(a, w);
+        // On the arithmetic task and on a prompt file it is refused by name, not ignored.
+        for spec in [
+            TaskSpec {
+                worked: true,
+                ..TaskSpec::default()
+            },
+            TaskSpec {
+                name: Some("arithmetic".into()),
+                worked: true,
+                ..TaskSpec::default()
+            },
+            TaskSpec {
+                data: Some("p.jsonl".into()),
+                worked: true,
+                ..chain.clone()
+            },
+        ] {
+            let e = spec.source(None).unwrap_err().to_string();
+            assert!(
+                e.contains("setting `worked`") && e.contains("--task chain"),
+                "{e}"
+            );
+            assert!(spec.describe().is_err());
+        }
+        // Bad chain settings are still named first with it.
+        let e = TaskSpec {
+            ops: Some(0),
+            ..worked.clone()
+        }
+        .source(None)
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("setting `ops`"), "{e}");
     }
 
     #[test]

@@ -294,6 +294,9 @@ pub fn task_corpus(task: &crate::task::TaskSource, samples: usize, seed: u64) ->
                 (None, crate::task::RewardKind::AnswerTag) => format!("Answer: {}", p.label),
                 (None, crate::task::RewardKind::Boxed) => format!("\\boxed{{{}}}", p.label),
                 (None, crate::task::RewardKind::Exact) => p.label,
+                (None, crate::task::RewardKind::Worked) => {
+                    unreachable!("the worked chain task gives every problem its working")
+                }
             };
             [p.prompt, answer]
         })
@@ -421,6 +424,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("empty"), "{e}");
+    }
+
+    #[test]
+    fn task_corpus_of_worked_chains_holds_the_working() {
+        use crate::task::{ChainResponse, ChainTask, TaskSource};
+        let answer = ChainTask::new(3, 1, "+-*").unwrap();
+        let worked = TaskSource::Chain(answer.clone().with_response(ChainResponse::Worked));
+        let c = task_corpus(&worked, 50, 4);
+        let a = task_corpus(&TaskSource::Chain(answer), 50, 4);
+        for (i, p) in worked.batch(4, 0, 50).iter().enumerate() {
+            assert_eq!(c[2 * i], p.prompt);
+            assert_eq!(&c[2 * i + 1], p.completion.as_ref().unwrap());
+            // The same prompts; the answer text is the working ending in the label.
+            assert_eq!(a[2 * i], p.prompt);
+            assert_eq!(a[2 * i + 1], p.label);
+            assert!(
+                c[2 * i + 1].ends_with(&format!(". #{}", p.label)),
+                "{}",
+                c[2 * i + 1]
+            );
+            assert_eq!(c[2 * i + 1].matches('=').count(), 3);
+        }
     }
 
     #[test]

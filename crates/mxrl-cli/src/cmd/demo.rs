@@ -13,8 +13,9 @@
 //! GRPO starts where rewards vary within groups. Only for `--device cuda` (refused on the CPU
 //! without `--allow-cpu`); its default output is `runs/demo-real`.
 //!
-//! `--task chain` (with `--ops`, `--operators`, `--digits`) warms up and runs on chains of
-//! operations instead; `--tokenizer FILE` gives the fresh model a trained BPE tokenizer. The
+//! `--task chain` (with `--ops`, `--operators`, `--digits`, and `--worked` for responses that
+//! show every step before the answer) warms up and runs on chains of operations instead;
+//! `--tokenizer FILE` gives the fresh model a trained BPE tokenizer. The
 //! warm-up's task is recorded in `OUT/warmup.json`, so a warmed-up model is only reused for
 //! the task it was trained on.
 
@@ -97,6 +98,13 @@ fn moe_parameters(c: &ModelConfig) -> usize {
 /// Vocabulary of the BPE tokenizer `--size real` trains on the task's text.
 pub const REAL_VOCAB: usize = 512;
 
+/// The tokenizer `--size real` trains into `dir`: a BPE of [`REAL_VOCAB`] tokens on the
+/// prompts and reference responses (the worked ones with `--worked`) of 4096 problems of
+/// `spec` (problem stream 0; deterministic: the same task gives the same file).
+fn train_real_tokenizer(spec: &TaskSpec, dir: &Path) -> Result<String> {
+    super::tokenizer::train_into(spec, REAL_VOCAB, 4096, 0, dir)
+}
+
 /// The RL defaults of `mxrl rl`, parsed from an empty command line.
 #[derive(Parser, Debug)]
 struct Defaults {
@@ -143,7 +151,8 @@ pub struct Args {
     #[arg(long, value_parser = super::validate::count)]
     sft_steps: Option<u64>,
     /// Built-in task: `arithmetic` (1-digit addition by default) or `chain` (a chain of
-    /// operations such as `7+5*3-8=`, standard precedence; the default with `--size real`).
+    /// operations such as `7+5*3-8=`, standard precedence; the default with `--size real`;
+    /// `--worked` for responses that show their working).
     #[arg(long)]
     task: Option<String>,
     #[command(flatten)]
@@ -228,10 +237,9 @@ pub fn run(a: Args) -> Result<()> {
         .map(super::sft::read_tokenizer)
         .transpose()?;
     if a.size == Size::Real && tokenizer.is_none() {
-        // A readable vocabulary for the real-width model: BPE trained on the task's text
-        // (deterministic: the same task gives the same file).
+        // A readable vocabulary for the real-width model: BPE trained on the task's text.
         let dir = out.join("tokenizer");
-        let json = super::tokenizer::train_into(&spec, REAL_VOCAB, 4096, 0, &dir)?;
+        let json = train_real_tokenizer(&spec, &dir)?;
         let codec = mxrl_rl::text::TextCodec::from_bytes(
             json.as_bytes(),
             &dir.join("tokenizer.json").display().to_string(),
@@ -316,7 +324,7 @@ pub fn run(a: Args) -> Result<()> {
                     target: a.sft_reward as f64,
                     every: 10,
                     prompts: 64,
-                    max_new_tokens: c.max_label_chars() + 1,
+                    max_new_tokens: c.max_response_chars() + 1,
                     seed: 0x5eed,
                 };
                 (a.sft_steps.unwrap_or(400), 1e-3, Some(stop))
@@ -417,8 +425,8 @@ pub fn run(a: Args) -> Result<()> {
     rl.task = spec.name.clone();
     rl.problems = a.problems.clone();
     if let Some(c) = &chain {
-        // Room for the longest answer (one token per character at most).
-        rl.max_new_tokens = rl.max_new_tokens.max(c.max_label_chars());
+        // Room for the longest reference response (one token per character at most).
+        rl.max_new_tokens = rl.max_new_tokens.max(c.max_response_chars());
     }
     let report = super::ablate::ablate(
         &base,
@@ -442,6 +450,53 @@ pub fn run(a: Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The point of `--worked`: decoding, not prefill, dominates a rollout. With the
+    /// tokenizer `--size real` trains (here for 1-digit chains of 3 operations, the task's
+    /// defaults), the worked responses of problems it was not trained on take ≥ 10 tokens on
+    /// average, the answers alone under 3; every one round-trips.
+    #[test]
+    fn worked_chain_responses_are_long_with_the_demo_tokenizer() {
+        let mean_tokens = |worked: bool| {
+            let spec = TaskSpec {
+                name: Some("chain".into()),
+                worked,
+                ..TaskSpec::default()
+            };
+            let dir = tempfile::tempdir().unwrap();
+            let json = train_real_tokenizer(&spec, dir.path()).unwrap();
+            let codec = mxrl_rl::text::TextCodec::from_bytes(json.as_bytes(), "t").unwrap();
+            assert_eq!(codec.vocab_size, REAL_VOCAB);
+            let vocab: serde_json::Value = serde_json::from_str(&json).unwrap();
+            // `Ġ#` (a space and the marker) is learnt only from worked text.
+            assert_eq!(
+                vocab["model"]["vocab"].get("Ġ#").is_some(),
+                worked,
+                "worked {worked}"
+            );
+            let Some(c) = spec.chain().unwrap() else {
+                panic!("the chain task")
+            };
+            let problems = spec.source(None).unwrap().batch(0xfeed, 0, 500);
+            let mut total = 0usize;
+            for p in &problems {
+                let text = p.completion.as_ref().unwrap();
+                let ids = codec.encode(text).unwrap();
+                assert_eq!(&codec.decode(&ids).unwrap(), text);
+                assert!(ids.len() <= c.max_response_chars(), "{text}: {ids:?}");
+                total += ids.len();
+            }
+            total as f64 / problems.len() as f64
+        };
+        let worked = mean_tokens(true);
+        let answer = mean_tokens(false);
+        eprintln!("tokens per response on average: worked {worked:.1}, answer {answer:.1}");
+        assert!(
+            worked >= 10.0,
+            "worked responses: {worked:.1} tokens on average"
+        );
+        assert!(answer < 3.0, "answers: {answer:.1} tokens on average");
+    }
 
     /// `--size real` is Qwen3-30B-A3B's decoder layer (its config.json: hidden 2048, 32 q /
     /// 4 kv heads of head_dim 128, 128 experts top-8 of moe_intermediate_size 768,

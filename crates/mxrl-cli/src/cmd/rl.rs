@@ -10,7 +10,7 @@ use mxrl_rl::optim::AdamWConfig;
 use mxrl_rl::runner::{RlConfig, RlRun};
 use mxrl_rl::server::{ClientTls, Endpoint, RemoteRollout, RolloutClient, Token};
 use mxrl_rl::session::load_model_dir;
-use mxrl_rl::task::{TaskSource, TaskSpec};
+use mxrl_rl::task::{ChainResponse, TaskSource, TaskSpec};
 use mxrl_rl::text::TextCodec;
 use mxrl_rl::{RolloutPolicy, SamplingConfig, TrainPolicy};
 use std::path::{Path, PathBuf};
@@ -30,6 +30,11 @@ pub struct ProblemArgs {
     /// Operators the chain task draws from (some of `+-*`; default all three).
     #[arg(long, allow_hyphen_values = true)]
     pub operators: Option<String>,
+    /// Chain task with worked responses: the reference (SFT) response writes every step of
+    /// the evaluation, then `. #` and the result (`17+5*3-8=` → `5*3=15, 17+15=32, 32-8=24.
+    /// #24`); the reward is 1 for a well-formed working whose answer after `#` is right.
+    #[arg(long)]
+    pub worked: bool,
 }
 
 impl ProblemArgs {
@@ -41,6 +46,7 @@ impl ProblemArgs {
             digits: self.digits,
             ops: self.ops,
             operators: self.operators.clone(),
+            worked: self.worked,
         }
     }
 }
@@ -49,7 +55,8 @@ impl ProblemArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct RlArgs {
     /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
-    /// `17+5*3-8=`, standard precedence); ignored when --data is given.
+    /// `17+5*3-8=`, standard precedence; with --worked, responses show their working);
+    /// ignored when --data is given.
     #[arg(long)]
     pub task: Option<String>,
     /// DAPO-style JSONL prompt file (`prompt`, `label`), scored with the `Answer: X` reward.
@@ -134,15 +141,20 @@ impl RlArgs {
         Ok(self.task_spec().describe()?)
     }
 
-    /// Warn when --max-new-tokens is shorter than the chain task's longest answer (the
-    /// char-level tokenizer spends one token per character; a BPE one at most that).
+    /// Warn when --max-new-tokens is shorter than the chain task's longest reference
+    /// response (the char-level tokenizer spends one token per character; a BPE one at most
+    /// that).
     pub fn warn_short_responses(&self) -> Result<()> {
         if let Some(c) = self.task_spec().chain()? {
-            if self.max_new_tokens < c.max_label_chars() {
+            if self.max_new_tokens < c.max_response_chars() {
+                let what = match c.response() {
+                    ChainResponse::Answer => "answers",
+                    ChainResponse::Worked => "worked responses",
+                };
                 eprintln!(
-                    "warning: the chain task's answers take up to {} characters, and responses \
-                     are cut at --max-new-tokens {}: longer answers cannot be rewarded",
-                    c.max_label_chars(),
+                    "warning: the chain task's {what} take up to {} characters, and responses \
+                     are cut at --max-new-tokens {}: longer ones cannot be rewarded",
+                    c.max_response_chars(),
                     self.max_new_tokens
                 );
             }

@@ -21,7 +21,7 @@ pub struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
-    /// `17+5*3-8=`, standard precedence).
+    /// `17+5*3-8=`, standard precedence; with --worked the targets are worked responses).
     #[arg(long, default_value = "arithmetic")]
     task: String,
     #[command(flatten)]

@@ -33,7 +33,8 @@ struct TrainArgs {
     #[arg(long, default_value_t = 384)]
     vocab_size: usize,
     /// Built-in task: `arithmetic` (a+b=) or `chain` (a chain of operations such as
-    /// `17+5*3-8=`); ignored when --data is given.
+    /// `17+5*3-8=`; with --worked the corpus holds worked responses); ignored when --data is
+    /// given.
     #[arg(long)]
     task: Option<String>,
     /// DAPO-style JSONL prompt file (`prompt`, `label`): its prompts and `Answer: X` lines.
