@@ -282,11 +282,12 @@ pub struct DecodeState<B: Backend> {
 }
 
 /// The probes a generation records on the device: per layer, the residual stream after the
-/// layer at the response-predicting positions, `[slots, len, H]`; position `p` of slot `s`
-/// goes to index `p − first[s]` (`first[s]` = the prompt's last position, which predicts the
-/// first new token).
+/// layer at the response-predicting positions of the first `slots` sequences, `[slots, len,
+/// H]`; position `p` of slot `s` goes to index `p − first[s]` (`first[s]` = the prompt's last
+/// position, which predicts the first new token).
 struct ProbeTable<B: Backend> {
     first: B::U32,
+    slots: usize,
     len: usize,
     layers: Vec<B::F32>,
 }
@@ -298,9 +299,9 @@ pub struct Record {
     /// The routes of every position fed to the model (MoE layers): `[slots, max_len, k]` ids
     /// and weights per MoE layer.
     pub routes: bool,
-    /// The residual stream after every layer at the positions that predict the new tokens:
-    /// `[slots, new_tokens, H]` f32 per layer.
-    pub probes: bool,
+    /// The residual stream after every layer at the positions that predict the new tokens,
+    /// for the first `probes` sequences (0: none): `[probes, new_tokens, H]` f32 per layer.
+    pub probes: usize,
 }
 
 /// One sequence of [`Engine::generate_recording`].
@@ -1969,7 +1970,6 @@ impl<B: Backend> Engine<B> {
                 ..
             } = &mut pass
             {
-                let slots = st.lens.len();
                 if let Some(pt) = st.probes.as_mut() {
                     b.capture_rows(
                         &x,
@@ -1978,7 +1978,7 @@ impl<B: Backend> Engine<B> {
                         Some(*seq),
                         &ps,
                         &pt.first,
-                        slots,
+                        pt.slots,
                         pt.len,
                         &mut pt.layers[li],
                     )
@@ -2087,11 +2087,13 @@ impl<B: Backend> Engine<B> {
             } else {
                 Vec::new()
             },
-            probes: if capture.probes {
-                let first: Vec<u32> = lens.iter().map(|&l| l as u32 - 1).collect();
-                let cells = slots * new_tokens * self.cfg.hidden_size;
+            probes: if capture.probes > 0 {
+                let ps = capture.probes.min(slots);
+                let first: Vec<u32> = lens[..ps].iter().map(|&l| l as u32 - 1).collect();
+                let cells = ps * new_tokens * self.cfg.hidden_size;
                 Some(ProbeTable {
                     first: b.upload_u32(&first).map_err(dev)?,
+                    slots: ps,
                     len: new_tokens,
                     layers: (0..self.layers.len())
                         .map(|_| b.zeros_f32(cells).map_err(dev))
@@ -2102,15 +2104,31 @@ impl<B: Backend> Engine<B> {
             },
         };
         let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
-        // Last position of every prompt.
+        // Last position of every prompt, gathered on the device (a plain copy): row r of
+        // sequence seq[r] at position pos[r] goes to slot seq[r] when pos[r] = len − 1.
         let hd = self.cfg.hidden_size;
-        let all = b.download_f32(&hf, tokens.len() * hd).map_err(dev)?;
-        let mut last = Vec::with_capacity(slots * hd);
-        for s in 0..slots {
-            let r = layout.offset(s) + layout.len(s) - 1;
-            last.extend_from_slice(&all[r * hd..(r + 1) * hd]);
-        }
-        let last = b.upload_f32(&last).map_err(dev)?;
+        let seq: Vec<u32> = (0..slots as u32)
+            .flat_map(|s| std::iter::repeat_n(s, lens[s as usize]))
+            .collect();
+        let last_pos: Vec<u32> = lens.iter().map(|&l| l as u32 - 1).collect();
+        let (seq, pos_d, last_pos) = (
+            b.upload_u32(&seq).map_err(dev)?,
+            b.upload_u32(&pos).map_err(dev)?,
+            b.upload_u32(&last_pos).map_err(dev)?,
+        );
+        let mut last = b.empty_f32(slots * hd).map_err(dev)?;
+        b.capture_rows(
+            &hf,
+            tokens.len(),
+            hd,
+            Some(&seq),
+            &pos_d,
+            &last_pos,
+            slots,
+            1,
+            &mut last,
+        )
+        .map_err(dev)?;
         self.head_into(&last, slots, &mut st.io.logits)?;
         Ok(st)
     }
@@ -2283,7 +2301,7 @@ impl<B: Backend> Engine<B> {
                         None,
                         &io.pos,
                         &pt.first,
-                        n,
+                        pt.slots.min(n),
                         pt.len,
                         &mut pt.layers[li],
                     )
@@ -2452,7 +2470,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Vec<(Sampled, RoutingTrace)>> {
         let rec = Record {
             routes: true,
-            probes: false,
+            probes: 0,
         };
         Ok(self
             .generate_recording(prompts, new_tokens, p, stop, rec)?
@@ -2490,12 +2508,15 @@ impl<B: Backend> Engine<B> {
         }
         .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
         let mut probes = match (&st, rec.probes) {
-            (_, false) => None,
-            (Some(st), true) => {
+            (_, 0) => None,
+            (Some(st), _) => {
                 let lens: Vec<usize> = out.iter().map(|s| s.tokens.len()).collect();
                 Some(self.probes_of(st, &lens)?)
             }
-            (None, true) => Some(vec![vec![Vec::new(); self.layers.len()]; prompts.len()]),
+            (None, n) => Some(vec![
+                vec![Vec::new(); self.layers.len()];
+                n.min(prompts.len())
+            ]),
         }
         .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
         Ok(out
@@ -2504,19 +2525,22 @@ impl<B: Backend> Engine<B> {
             .map(|(i, sampled)| Recorded {
                 sampled,
                 routes: traces.as_mut().and_then(|t| t[i].take()),
-                probes: probes.as_mut().and_then(|t| t[i].take()),
+                probes: probes
+                    .as_mut()
+                    .and_then(|t| t.get_mut(i).and_then(Option::take)),
             })
             .collect())
     }
 
-    /// The recorded probes of `st`'s sequences: per sequence, per layer the first `lens[s]`
-    /// rows `[lens[s], H]`.
+    /// The recorded probes of `st`'s first sequences (those the table holds): per sequence,
+    /// per layer the first `lens[s]` rows `[lens[s], H]`.
     fn probes_of(&self, st: &DecodeState<B>, lens: &[usize]) -> Result<Vec<Vec<Vec<f32>>>> {
         let pt = st
             .probes
             .as_ref()
             .ok_or_else(|| ModelError::Input("no probes were recorded".into()))?;
         let hd = self.cfg.hidden_size;
+        let lens = &lens[..pt.slots.min(lens.len())];
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(pt.layers.len()); lens.len()];
         for t in &pt.layers {
             let all = self
@@ -2540,7 +2564,7 @@ impl<B: Backend> Engine<B> {
         let longest = seqs.iter().map(|q| q.len()).max().unwrap_or(0);
         let rec = Record {
             routes: true,
-            probes: false,
+            probes: 0,
         };
         let st = self.prefill_state(seqs, longest.max(1), rec, 0)?;
         let lens: Vec<usize> = seqs.iter().map(|q| q.len()).collect();

@@ -564,7 +564,7 @@ impl<B: Backend> EngineRollout<B> {
             engine,
             record: Record {
                 routes: true,
-                probes: false,
+                probes: 0,
             },
         })
     }
@@ -646,8 +646,8 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
             .collect())
     }
 
-    fn set_probes(&mut self, on: bool) {
-        self.record.probes = on;
+    fn set_probes(&mut self, sequences: usize) {
+        self.record.probes = sequences;
     }
 
     fn set_routes(&mut self, on: bool) {

@@ -285,12 +285,13 @@ pub trait RolloutPolicy {
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError>;
 
-    /// Whether [`RolloutPolicy::generate`] should record each sample's per-layer probes
-    /// ([`Sample::probes`]; the loop turns them on for the `hidden_diff` metric). A device
-    /// engine records them only when asked (they cost device memory); a policy whose probes
-    /// cost little may ignore it and always record them (the default does nothing).
-    fn set_probes(&mut self, on: bool) {
-        let _ = on;
+    /// For how many samples, from the first, [`RolloutPolicy::generate`] should record the
+    /// per-layer probes ([`Sample::probes`]; the loop asks for [`crate::runner::PROBE_SEQUENCES`]
+    /// for the `hidden_diff` metric; 0: none). A device engine records them only when asked
+    /// (they cost device memory and a download); a policy whose probes cost little may ignore
+    /// it and record more (the loop drops those past the count; the default does nothing).
+    fn set_probes(&mut self, sequences: usize) {
+        let _ = sequences;
     }
 
     /// Whether [`RolloutPolicy::generate`] must record each sample's routing decisions
@@ -468,8 +469,8 @@ impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
     ) -> Result<Vec<Scored>, PolicyError> {
         (**self).score_with_probes(batch, temperature)
     }
-    fn set_probes(&mut self, on: bool) {
-        (**self).set_probes(on)
+    fn set_probes(&mut self, sequences: usize) {
+        (**self).set_probes(sequences)
     }
     fn set_routes(&mut self, on: bool) {
         (**self).set_routes(on)

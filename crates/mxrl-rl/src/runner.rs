@@ -100,13 +100,22 @@ pub struct RlConfig {
     /// resumed, and nothing of its size is written: for runs whose checkpoints would not fit
     /// on the disk).
     pub checkpoint_every: u64,
-    /// Record per-layer probes (the `hidden_diff` metric): the rollout's residual stream after
-    /// every layer at the response-predicting positions, from its generation (or, in bitwise
-    /// mode, its re-scoring), and the trainer's in its forward. On a device engine they cost
-    /// `layers × responses × hidden` f32 of device memory during generation.
+    /// Record per-layer probes (the `hidden_diff` metric) of the first [`PROBE_SEQUENCES`]
+    /// samples of each step: the rollout's residual stream after every layer at the
+    /// response-predicting positions, from its generation (or, in bitwise mode, its
+    /// re-scoring), and the trainer's in its forward. On a device engine they cost `layers ×
+    /// PROBE_SEQUENCES × max_new_tokens × hidden` f32 of device memory during generation.
     #[serde(default = "probes_on")]
     pub probes: bool,
 }
+
+/// Samples per step, from the first, whose per-layer probes are recorded and compared for the
+/// `hidden_diff` metric (a mean over their response positions). Recording every sample's
+/// residual stream made the probes most of a GPU rollout's time at real width (512 samples ×
+/// responses × layers × hidden f32 read back per step: 0.31 s of rollout against 0.07 s
+/// without probes, BENCHMARKS.md); 64 samples give the metric ~1 500 positions per layer at
+/// 25-token responses.
+pub const PROBE_SEQUENCES: usize = 64;
 
 /// [`RlConfig::probes`] of configurations written before the field existed.
 fn probes_on() -> bool {
@@ -451,7 +460,11 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         // computes probes only for samples that carry some (set every step); the reference
         // never needs them.
         rollout.set_routes(cfg.routing_replay);
-        rollout.set_probes(cfg.probes && !cfg.bitwise);
+        rollout.set_probes(if cfg.probes && !cfg.bitwise {
+            PROBE_SEQUENCES
+        } else {
+            0
+        });
         trainer.set_probes(false);
         let mut reference = reference;
         if let Some(r) = reference.as_mut() {
@@ -567,7 +580,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             cfg.seed.wrapping_mul(1_000_003).wrapping_add(step),
         )?;
         if cfg.bitwise {
-            for mb in samples.chunks_mut(cfg.micro_batch) {
+            for (mb_i, mb) in samples.chunks_mut(cfg.micro_batch).enumerate() {
                 let seqs: Vec<TrainSeq<'_>> = mb
                     .iter()
                     .map(|s| TrainSeq {
@@ -580,7 +593,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                         },
                     })
                     .collect();
-                let scored = if cfg.probes {
+                let scored = if cfg.probes && mb_i * cfg.micro_batch < PROBE_SEQUENCES {
                     self.rollout
                         .policy
                         .score_with_probes(&seqs, cfg.sampling.temperature)?
@@ -603,6 +616,11 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 }
             }
         }
+        // The drift metric is measured on the first PROBE_SEQUENCES samples, whatever a
+        // policy recorded.
+        for s in samples.iter_mut().skip(PROBE_SEQUENCES) {
+            s.probes = None;
+        }
         let rollout_s = t0.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.response.len()).sum();
 
@@ -620,9 +638,6 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
 
         // 3. Training: forward (routing replay), loss, backward per micro-batch; one AdamW step.
         let t1 = Instant::now();
-        // The trainer's probes are compared with the rollout's: only when there are some.
-        self.trainer
-            .set_probes(cfg.probes && samples.iter().any(|s| s.probes.is_some()));
         self.trainer.zero_grad();
         let replay = cfg.routing_replay;
         let mut train_lp: Vec<Vec<f32>> = Vec::with_capacity(samples.len());
@@ -632,6 +647,9 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         let (mut loss, mut clipped, mut corrected, mut ref_kl_sum) = (0f64, 0usize, 0usize, 0f64);
         for (mb_i, mb) in samples.chunks(cfg.micro_batch).enumerate() {
             let base = mb_i * cfg.micro_batch;
+            // The trainer's probes are compared with the rollout's: only where there are some.
+            self.trainer
+                .set_probes(cfg.probes && mb.iter().any(|s| s.probes.is_some()));
             let fw = Self::forward_all(&mut self.trainer, mb, replay, cfg.sampling.temperature)?;
             let refl = match self.reference.as_mut() {
                 Some(r) => Some(Self::forward_all(r, mb, replay, cfg.sampling.temperature)?),

@@ -676,7 +676,7 @@ fn engine_rollout_records_probes_and_routes_only_when_asked() {
     assert!(plain
         .iter()
         .all(|s| s.probes.is_none() && s.routing.is_some()));
-    bd.rollout.set_probes(true);
+    bd.rollout.set_probes(usize::MAX);
     bd.rollout.set_routes(false);
     let probed = bd.rollout.generate(&prompts, 2, &sc, codec.eos, 5).unwrap();
     let c = model.config();

@@ -115,9 +115,9 @@ pub struct RlArgs {
     /// Compare the rollout's weight bytes with the trainer's after every update.
     #[arg(long)]
     pub check_weight_sync: bool,
-    /// Record no per-layer probes (the `hidden_diff` metric). On a GPU engine the rollout
-    /// holds them during generation: layers × prompts × samples × max-new-tokens × hidden
-    /// f32 of device memory.
+    /// Record no per-layer probes (the `hidden_diff` metric, measured on the first 64 samples
+    /// of each step). On a GPU engine the rollout holds them during generation: layers × 64 ×
+    /// max-new-tokens × hidden f32 of device memory.
     #[arg(long)]
     pub no_probes: bool,
     /// Checkpoint every N steps and at the end; 0: never (the run cannot be resumed; for

@@ -68,7 +68,7 @@ pub fn check_generation_probes<B: Backend>(
     let e = Engine::from_model(model, make(), max_pos).unwrap();
     let rec = Record {
         routes: true,
-        probes: true,
+        probes: usize::MAX,
     };
     let got = e.generate_recording(&refs, new, p, &[], rec).unwrap();
     let plain = e.generate(&refs, new, p, &[]).unwrap();
@@ -87,6 +87,31 @@ pub fn check_generation_probes<B: Backend>(
         assert_eq!(pr.len(), layers);
         assert!(pr.iter().all(|l| l.len() == new * hd), "sequence {s}");
         assert_eq!(g.sampled.tokens.len(), new);
+    }
+    // Probes of the first sequences only: theirs are the same rows, the others have none.
+    let first = slots.div_ceil(2);
+    let part = e
+        .generate_recording(
+            &refs,
+            new,
+            p,
+            &[],
+            Record {
+                routes: false,
+                probes: first,
+            },
+        )
+        .unwrap();
+    for (s, (g, all)) in part.iter().zip(&got).enumerate() {
+        assert_eq!(g.sampled, all.sampled, "sequence {s}");
+        if s < first {
+            assert_eq!(g.probes, all.probes, "sequence {s}: its probes changed");
+        } else {
+            assert!(
+                g.probes.is_none(),
+                "sequence {s} has probes it was not asked for"
+            );
+        }
     }
     // Without probes asked for, none come back.
     let none = e
