@@ -6,6 +6,14 @@
 //!   magnitudes, zeros, f32::MAX, values around the E4M3 grid and special values (NaN, ±Inf,
 //!   subnormals, −0); their dequantization equals the library's bit for bit; shapes off the
 //!   block are refused with the library's error;
+//! - (with `cuda`) the fragment kernels (`Fp8Block::gemm_nt_frag_with`, both tensor-core
+//!   variants) and the tiled kernels (`Fp8Block::gemm_nt`) on stored codes against the CPU
+//!   reference `PreparedWeight::forward_inference` at decode shapes of 64 and 128 experts
+//!   (batch 1, 32, 128 and 512 routed top-8; N 1536 / 2048, K 2048 / 768) and ragged groups
+//!   (empty experts, rows across pass boundaries, rows of no expert left untouched), within
+//!   `fp8_block_sum_bound`; bit for bit where every block sum is exact in f32 (what a
+//!   tensor-core sum with fewer bits than f32 would break); the fragment kernels' bits the same
+//!   for every split and rows per pass and from run to run;
 //! - (with `cuda`) the engine backend's FP8-block linears (`CudaBackend::quantize_weights`,
 //!   `upload_experts`, `stored_weights`, `checksum_qweights`, `grouped_qlinear`, `qlinear`)
 //!   against `CpuBackend`: stored bytes and checksums equal; `y` within the derived bound
@@ -223,7 +231,7 @@ mod engine_backend {
 
     /// Per-entry bound of `y` rows `a..b` (of `x`) against expert weight `w` (stored bytes):
     /// `fp8_block_sum_bound(K/128, Σ_b |sx·sw|·Σ_{k∈b} |x_k·w_k|)` on the E4M3 values.
-    fn bounds(x: &[f32], rows: usize, w: &mxrl_formats::QuantizedTensor) -> Vec<f64> {
+    pub(super) fn bounds(x: &[f32], rows: usize, w: &mxrl_formats::QuantizedTensor) -> Vec<f64> {
         let (n, k) = (w.shape[0], w.shape[1]);
         let kb = k / 128;
         let qx =
@@ -251,14 +259,15 @@ mod engine_backend {
         out
     }
 
-    fn check(what: &str, got: &[f32], want: &[f32], bound: &[f64], seed: u64) {
+    pub(super) fn check(what: &str, got: &[f32], want: &[f32], bound: &[f64], seed: u64) {
         let v = violations(got, want, |i| bound[i]);
         assert!(v.is_empty(), "{what} (seed {seed}): {}", v.join("; "));
     }
 
     /// Stored bytes, checksums and the grouped forward over four experts [256, 384] with
-    /// ragged groups (37 rows, none, 33 rows, none) and over 70 rows of one dense weight,
-    /// then 300 rows (several passes of 16 rows per CTA, split over the grid).
+    /// ragged groups (37 rows, none, 33 rows, none: 17.5 rows per expert, the fragment
+    /// kernels) and over 70 rows of one dense weight, then 300 rows (the tiled kernels: several
+    /// passes of 16 rows per CTA, split over the grid).
     #[test]
     fn grouped_and_dense_fp8_block_linears_match_the_cpu_backend() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -373,8 +382,8 @@ mod engine_backend {
         );
     }
 
-    /// Many rows per expert (more passes than grid CTAs along the rows) and a larger K: the
-    /// grouped forward stays within the bound.
+    /// Many rows per expert (the tiled kernels, more passes than grid CTAs along the rows) and
+    /// a larger K: the grouped forward stays within the bound.
     #[test]
     fn fp8_block_forward_with_many_rows_per_expert() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -446,5 +455,467 @@ mod engine_backend {
             e.contains("model.layers.0.mlp.experts.0.down_proj.weight") && e.contains("128"),
             "{e}"
         );
+    }
+}
+
+/// The FP8-block GEMM kernels (`Fp8Block`) on stored codes against the CPU reference
+/// `PreparedWeight::forward_inference`.
+#[cfg(feature = "cuda")]
+mod gemm_kernels {
+    use super::engine_backend::{bounds, check};
+    use cudarc::driver::CudaSlice;
+    use mxrl_cuda::gpu::Gpu;
+    use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma};
+    use mxrl_cuda::ops::gemm::Grouped;
+    use mxrl_cuda::ops::qgemm::FragRows;
+    use mxrl_formats::{
+        e4m3_decode, Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme,
+    };
+    use mxrl_tensor::gradcheck::test_values;
+    use mxrl_tensor::qlinear::{BackwardMode, LinearSpec, PreparedWeight};
+    use rand::seq::index::sample;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use std::sync::Mutex;
+
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// Bits written to `y` before each call: rows of no expert must keep them.
+    const SENTINEL: u32 = 0x7fc0_0bad;
+
+    fn ops() -> (Gpu, Fp8Block) {
+        let g = Gpu::shared(0)
+            .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"));
+        let f = Fp8Block::new(&g).expect("FP8-block kernels");
+        assert!(
+            f.frag_supported(),
+            "{}: the FP8-block fragment kernels need sm_89+",
+            g.name()
+        );
+        (g, f)
+    }
+
+    /// The kernels under test: the tiled kernels, and the fragment kernels with a tensor-core
+    /// variant, rows per pass and split (`None`: the launcher's choices).
+    #[derive(Debug, Clone, Copy)]
+    enum Kernel {
+        Tiled,
+        Frag(Fp8FragMma, Option<(FragRows, usize)>),
+    }
+
+    /// One grouped problem: per-expert stored weights and host-quantized activations.
+    struct Problem {
+        s: Grouped,
+        offsets: Vec<u32>,
+        weights: Vec<QuantizedTensor>,
+        x: Vec<f32>,
+        seed: u64,
+        wc: CudaSlice<u8>,
+        ws: CudaSlice<u8>,
+        xc: CudaSlice<u8>,
+        xs: CudaSlice<u8>,
+        off: CudaSlice<u32>,
+    }
+
+    fn le_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|f| f.to_le_bytes()).collect()
+    }
+
+    fn f32_scales(q: &QuantizedTensor) -> &[f32] {
+        match &q.scales {
+            Scales::F32(v) => v,
+            Scales::Bytes(_) => panic!("FP8-block scales are f32"),
+        }
+    }
+
+    impl Problem {
+        /// `rows` activation rows (offsets `offsets`, R = `rows` ≥ offsets[E]), weights
+        /// `weights` (one per expert), activations `x [rows, k]` quantized on the host.
+        fn new(
+            g: &Gpu,
+            offsets: Vec<u32>,
+            rows: usize,
+            weights: Vec<QuantizedTensor>,
+            x: Vec<f32>,
+            seed: u64,
+        ) -> Self {
+            let (n, k) = (weights[0].shape[0], weights[0].shape[1]);
+            let qx = mxrl_formats::quantize(&x, &[rows, k], Scheme::FP8_BLOCK_ACT, Padding::Reject)
+                .expect("activation quantize");
+            let mut codes = Vec::with_capacity(weights.len() * n * k);
+            let mut scales = Vec::new();
+            for w in &weights {
+                codes.extend_from_slice(&w.data);
+                scales.extend(le_bytes(f32_scales(w)));
+            }
+            let up = |v: &[u8]| g.upload(v).expect("upload");
+            Problem {
+                s: Grouped {
+                    experts: weights.len(),
+                    rows,
+                    n,
+                    k,
+                },
+                wc: up(&codes),
+                ws: up(&scales),
+                xc: up(&qx.data),
+                xs: up(&le_bytes(f32_scales(&qx))),
+                off: g.upload(&offsets).expect("upload"),
+                offsets,
+                weights,
+                x,
+                seed,
+            }
+        }
+
+        /// `y` of `kernel` (rows of no expert hold SENTINEL).
+        fn run(&self, g: &Gpu, f: &Fp8Block, kernel: Kernel) -> Vec<f32> {
+            let mut y = g
+                .upload(&vec![f32::from_bits(SENTINEL); self.s.rows * self.s.n])
+                .expect("upload");
+            let (xc, xs, wc, ws) = (
+                self.xc.as_view(),
+                self.xs.as_view(),
+                self.wc.as_view(),
+                self.ws.as_view(),
+            );
+            let off = self.off.as_view();
+            let mut yv = y.as_view_mut();
+            match kernel {
+                Kernel::Tiled => f.gemm_nt(&xc, &xs, &wc, &ws, Some(&off), &mut yv, self.s),
+                Kernel::Frag(mma, choice) => {
+                    let (rows, split) = choice.unwrap_or((
+                        FragRows::for_rows(self.s.rows, self.s.experts),
+                        fp8_frag_split(self.s),
+                    ));
+                    f.gemm_nt_frag_with(mma, rows, split, &xc, &xs, &wc, &ws, &off, &mut yv, self.s)
+                }
+            }
+            .unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
+            g.download(&y).expect("download")
+        }
+
+        /// Rows `[a, b)` of expert `e`.
+        fn rows_of(&self, e: usize) -> (usize, usize) {
+            let hi = (self.offsets[e + 1] as usize).min(self.s.rows);
+            ((self.offsets[e] as usize).min(hi), hi)
+        }
+
+        /// The rows the CPU checks: every row when `every`, else each expert's first and last
+        /// rows, those on either side of its 32-row passes, and every 17th.
+        fn checked_rows(&self, e: usize, every: bool) -> Vec<usize> {
+            let (a, b) = self.rows_of(e);
+            (a..b)
+                .filter(|&r| {
+                    let i = r - a;
+                    every || i == 0 || r + 1 == b || i % 32 == 0 || i % 32 == 31 || r % 17 == 0
+                })
+                .collect()
+        }
+
+        /// The CPU reference on the checked rows: per expert with rows, those rows, `y` and
+        /// the per-entry bound.
+        fn reference(&self, every: bool) -> Vec<Checked> {
+            let k = self.s.k;
+            let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
+            let mut out = Vec::new();
+            for (e, w) in self.weights.iter().enumerate() {
+                let rows = self.checked_rows(e, every);
+                if rows.is_empty() {
+                    continue;
+                }
+                let xs: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&r| self.x[r * k..(r + 1) * k].iter().copied())
+                    .collect();
+                let pw = PreparedWeight::from_quantized("w", w.clone(), spec, 0, None)
+                    .expect("prepared weight");
+                let want = pw
+                    .forward_inference(&xs, rows.len())
+                    .expect("CPU reference");
+                let bound = bounds(&xs, rows.len(), w);
+                out.push(Checked {
+                    expert: e,
+                    rows,
+                    want,
+                    bound,
+                });
+            }
+            out
+        }
+
+        /// `kernel`'s `y` within `fp8_block_sum_bound` of the CPU reference `want` on its
+        /// rows; rows of no expert untouched. Returns `y`.
+        fn check_against(
+            &self,
+            g: &Gpu,
+            f: &Fp8Block,
+            kernel: Kernel,
+            want: &[Checked],
+        ) -> Vec<f32> {
+            let y = self.run(g, f, kernel);
+            let n = self.s.n;
+            for c in want {
+                let got: Vec<f32> = c
+                    .rows
+                    .iter()
+                    .flat_map(|&r| y[r * n..(r + 1) * n].iter().copied())
+                    .collect();
+                check(
+                    &format!(
+                        "{kernel:?} {:?} expert {} rows {:?}",
+                        self.s, c.expert, c.rows
+                    ),
+                    &got,
+                    &c.want,
+                    &c.bound,
+                    self.seed,
+                );
+            }
+            let covered = self.offsets[self.s.experts] as usize;
+            for r in covered.min(self.s.rows)..self.s.rows {
+                assert!(
+                    y[r * n..(r + 1) * n]
+                        .iter()
+                        .all(|v| v.to_bits() == SENTINEL),
+                    "{kernel:?} {:?}: row {r} of no expert was written (seed {})",
+                    self.s,
+                    self.seed
+                );
+            }
+            y
+        }
+    }
+
+    /// The CPU reference on some rows of one expert.
+    struct Checked {
+        expert: usize,
+        rows: Vec<usize>,
+        want: Vec<f32>,
+        bound: Vec<f64>,
+    }
+
+    /// Random stored FP8-block weights `[n, k]`: codes without NaN, every 128×128 tile its own
+    /// `scale_inv` (magnitudes 2⁻¹² .. 2⁴).
+    fn random_weight(n: usize, k: usize, rng: &mut ChaCha8Rng) -> QuantizedTensor {
+        let mut data = vec![0u8; n * k];
+        rng.fill(&mut data[..]);
+        for c in &mut data {
+            if *c & 0x7F == 0x7F {
+                *c -= 1;
+            }
+        }
+        let tiles = (n / 128) * (k / 128);
+        let scales: Vec<f32> = (0..tiles)
+            .map(|_| rng.gen_range(1.0f32..2.0) * 2f32.powi(rng.gen_range(-12..5)))
+            .collect();
+        let q = QuantizedTensor {
+            scheme: Scheme::FP8_BLOCK_WEIGHT,
+            shape: vec![n, k],
+            padded_shape: vec![n, k],
+            data,
+            scales: Scales::F32(scales),
+            scale_layout: ScaleLayout::Compact,
+            amax: Vec::new(),
+        };
+        q.validate().expect("valid FP8-block weight");
+        q
+    }
+
+    /// `tokens` tokens each routed to 8 distinct random experts of `experts`: offsets.
+    fn routed(experts: usize, tokens: usize, rng: &mut ChaCha8Rng) -> Vec<u32> {
+        let mut counts = vec![0u32; experts];
+        for _ in 0..tokens {
+            for e in sample(rng, experts, 8) {
+                counts[e] += 1;
+            }
+        }
+        let mut o = vec![0u32];
+        for c in counts {
+            o.push(o.last().unwrap() + c);
+        }
+        o
+    }
+
+    fn decode_problem(
+        g: &Gpu,
+        experts: usize,
+        n: usize,
+        k: usize,
+        batch: usize,
+        seed: u64,
+    ) -> Problem {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let offsets = routed(experts, batch, &mut rng);
+        let rows = batch * 8;
+        let weights = (0..experts)
+            .map(|_| random_weight(n, k, &mut rng))
+            .collect();
+        let x = test_values(rows * k, seed + 1, 3.0);
+        Problem::new(g, offsets, rows, weights, x, seed)
+    }
+
+    /// Decode steps of the benchmark model's routed experts (fused gate/up [1536, 2048] and
+    /// down [2048, 768]) at batch 1, 32, 128 (128 experts) and 512 (64 rows per expert on
+    /// average: two 32-row passes): both fragment variants with the launcher's choices and
+    /// the tiled kernels within the bound of the CPU reference; the fragment kernels give the
+    /// same bits on a second run.
+    #[test]
+    fn fp8_block_fragment_kernels_match_the_cpu_at_decode_batches() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, f) = ops();
+        for (i, &(experts, n, k, batch)) in [
+            (64usize, 1536usize, 2048usize, 1usize),
+            (64, 2048, 768, 1),
+            (64, 2048, 768, 32),
+            (64, 1536, 2048, 32),
+            (128, 1536, 2048, 128),
+            (64, 2048, 768, 512),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let seed = 9100 + i as u64;
+            let p = decode_problem(&g, experts, n, k, batch, seed);
+            let want = p.reference(batch <= 32);
+            for mma in Fp8FragMma::ALL {
+                let y = p.check_against(&g, &f, Kernel::Frag(mma, None), &want);
+                let y2 = p.run(&g, &f, Kernel::Frag(mma, None));
+                assert!(
+                    y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{mma:?} {:?}: two runs differ (seed {seed})",
+                    p.s
+                );
+            }
+            if batch >= 32 {
+                p.check_against(&g, &f, Kernel::Tiled, &want);
+            }
+        }
+    }
+
+    /// Ragged groups: experts without rows, 1, 7–9, 15–17, 31–33 and 65 rows (every pass
+    /// boundary of 8, 16 and 32 rows), rows after the last expert's (left untouched); K of one
+    /// block up to 16 blocks (more blocks than warps: several rounds). Every split 1 ..= 8 and
+    /// every rows per pass give the same bits as the launcher's choice, within the bound.
+    #[test]
+    fn fp8_block_fragment_kernels_on_ragged_groups_for_every_split_and_pass() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, f) = ops();
+        let counts = [0u32, 1, 7, 8, 9, 0, 15, 16, 17, 31, 32, 33, 65, 0];
+        let mut offsets = vec![0u32];
+        for c in counts {
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        let rows = *offsets.last().unwrap() as usize + 5;
+        for (i, &(n, k)) in [(256usize, 128usize), (128, 384), (256, 2048)]
+            .iter()
+            .enumerate()
+        {
+            let seed = 9200 + i as u64;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let weights = (0..counts.len())
+                .map(|_| random_weight(n, k, &mut rng))
+                .collect();
+            let x = test_values(rows * k, seed + 1, 2.0);
+            let p = Problem::new(&g, offsets.clone(), rows, weights, x, seed);
+            let want = p.reference(true);
+            for mma in Fp8FragMma::ALL {
+                let y = p.check_against(&g, &f, Kernel::Frag(mma, None), &want);
+                for fr in FragRows::ALL {
+                    for split in 1..=8 {
+                        let y2 = p.run(&g, &f, Kernel::Frag(mma, Some((fr, split))));
+                        assert!(
+                            y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{mma:?} [{n}, {k}] {fr:?} split {split}: bits differ from the launcher's choice (seed {seed})"
+                        );
+                    }
+                }
+            }
+            p.check_against(&g, &f, Kernel::Tiled, &want);
+        }
+    }
+
+    /// Block sums that f32 holds exactly: per 128-wide block 32 products of E4M3 values in
+    /// 256 ..= 448 (multiples of 2¹⁰ up to 448²) and 96 odd products of odd integers ≤ 15, all
+    /// positive, so every partial sum is an integer below 2²³ that needs up to 23 significant
+    /// bits; block scales are powers of two (exact promotion products). Any f32 summation
+    /// order gives the exact P_b, so every kernel must equal the CPU reference bit for bit —
+    /// a tensor core that summed with fewer bits than f32 (or a promotion out of order) fails.
+    #[test]
+    fn fp8_block_kernels_are_exact_where_f32_block_sums_are() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, f) = ops();
+        let seed = 9300;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (n, k) = (256usize, 512usize);
+        let offsets = vec![0u32, 8, 8, 29, 30];
+        let rows = 30;
+        let big = [256.0f32, 288.0, 320.0, 352.0, 384.0, 416.0, 448.0];
+        let odd = [1.0f32, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0];
+        let value = |i: usize, rng: &mut ChaCha8Rng| -> f32 {
+            match i % 128 {
+                0 => 448.0,
+                1..=31 => big[rng.gen_range(0..big.len())],
+                _ => odd[rng.gen_range(0..odd.len())],
+            }
+        };
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| value(i % k, &mut rng) * 2f32.powi(((i / k + i % k / 128) % 5) as i32 - 2))
+            .collect();
+        let master: Vec<f32> = (0..4 * n * k)
+            .map(|i| {
+                let (row, c) = (i / k, i % k);
+                value(c, &mut rng) * 2f32.powi(((row / 128 + c / 128) % 3) as i32 - 1)
+            })
+            .collect();
+        let weights: Vec<QuantizedTensor> = master
+            .chunks(n * k)
+            .map(|w| {
+                mxrl_formats::quantize(w, &[n, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Reject)
+                    .unwrap()
+            })
+            .collect();
+        // The design holds: codes are the values, scales the powers of two.
+        for (e, w) in weights.iter().enumerate() {
+            for (i, &c) in w.data.iter().enumerate() {
+                let (row, col) = (i / k, i % k);
+                let s = 2f32.powi((((e * n + row) / 128 + col / 128) % 3) as i32 - 1);
+                assert_eq!(
+                    e4m3_decode(c) * s,
+                    master[e * n * k + i],
+                    "weight code {i} of {e}"
+                );
+            }
+            assert!(f32_scales(w).iter().all(|s| [0.5f32, 1.0, 2.0].contains(s)));
+        }
+        let p = Problem::new(&g, offsets, rows, weights, x, seed);
+        let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
+        let mut kernels = vec![Kernel::Tiled];
+        for mma in Fp8FragMma::ALL {
+            for split in [1, 2, 3, 4, 8] {
+                kernels.push(Kernel::Frag(mma, Some((FragRows::R8, split))));
+                kernels.push(Kernel::Frag(mma, Some((FragRows::R32, split))));
+            }
+        }
+        for kernel in kernels {
+            let y = p.run(&g, &f, kernel);
+            for (e, w) in p.weights.iter().enumerate() {
+                let (a, b) = p.rows_of(e);
+                if a == b {
+                    continue;
+                }
+                let pw = PreparedWeight::from_quantized("w", w.clone(), spec, 0, None).unwrap();
+                let want = pw.forward_inference(&p.x[a * k..b * k], b - a).unwrap();
+                for (i, (got, want)) in y[a * n..b * n].iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{kernel:?} expert {e} row {} column {}: {got} vs the CPU's {want} (seed {seed})",
+                        a + i / n,
+                        i % n
+                    );
+                }
+            }
+        }
     }
 }

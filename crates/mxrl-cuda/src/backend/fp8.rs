@@ -1,8 +1,10 @@
 //! FP8-block linears of [`CudaBackend`] (routed experts and dense linears): the stored
 //! weights as [`QExperts`] keeps them (E4M3 codes `[E, N, K]` in `codes`, the f32
 //! `scale_inv [E, N/128, K/128]` as little-endian bytes in `scales`, no amax), quantized on
-//! the device with the contract kernels and multiplied by the one-launch FP8-block GEMM
-//! ([`crate::ops::fp8block`]). References: the CPU backend's `upload_experts`,
+//! the device with the contract kernels and multiplied by the one-launch FP8-block GEMMs
+//! ([`crate::ops::fp8block`]): routed experts with up to
+//! [`crate::ops::fp8block::FRAG_ROWS_PER_EXPERT`] rows per expert on average (decode) by the
+//! fragment kernels on sm_89+, everything else by the tiled kernels. References: the CPU backend's `upload_experts`,
 //! `quantize_weights`, `grouped_qlinear`, `qlinear` and `stored_weights` on
 //! `mxrl_tensor::qlinear::PreparedWeight` (bytes equal; GEMM outputs within
 //! `mxrl_tensor::tolerance::fp8_block_sum_bound`). The backward of a `high_precision` FP8-block
@@ -11,7 +13,7 @@
 
 use super::{de, CudaBackend, QExperts};
 use crate::cuda::{f32_from_le_bytes, f32_le_bytes};
-use crate::ops::fp8block::Fp8Block;
+use crate::ops::fp8block::{Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
 use crate::ops::gemm::Grouped;
 use cudarc::driver::CudaSlice;
 use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, Scales, Scheme, FP8_BLOCK};
@@ -28,6 +30,14 @@ impl CudaBackend {
         self.fp8
             .as_ref()
             .map_err(|e| self.fp8_err(format!("{what}: the FP8-block kernels did not load: {e}")))
+    }
+
+    /// Chooses how the FP8-block fragment kernels (routed experts at decode) sum on the tensor
+    /// cores (default [`Fp8FragMma::E4m3`]); a no-op when the FP8-block kernels did not load.
+    pub fn set_fp8_frag_mma(&self, mma: Fp8FragMma) {
+        if let Ok(ops) = &self.fp8 {
+            ops.set_frag_mma(mma);
+        }
     }
 
     /// Stored FP8-block weights as [`QExperts`] keeps them.
@@ -127,7 +137,10 @@ impl CudaBackend {
     }
 
     /// `grouped_qlinear` / `qlinear` for FP8 block: the activations quantized 1×128 on the
-    /// device, then the FP8-block GEMM (`offsets = None`: one dense weight over all rows).
+    /// device, then the FP8-block GEMM (`offsets = None`: one dense weight over all rows):
+    /// the fragment kernels for routed experts with up to [`FRAG_ROWS_PER_EXPERT`] rows per
+    /// expert on average where the device runs them (sm_89+), the tiled kernels otherwise.
+    /// Both follow the same contract arithmetic and bound.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fp8_forward(
         &self,
@@ -166,22 +179,24 @@ impl CudaBackend {
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)
             .map_err(de)?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
         let off = offsets.map(|o| o.as_view());
-        ops.gemm_nt(
-            &qx.codes.as_view(),
-            &qx.scales.as_view(),
-            &w.codes.as_view(),
-            &w.scales.as_view(),
-            off.as_ref(),
-            &mut y.as_view_mut(),
-            Grouped {
-                experts,
-                rows,
-                n,
-                k,
-            },
-        )
-        .map_err(de)
+        let (xc, xs) = (qx.codes.as_view(), qx.scales.as_view());
+        let (wc, ws) = (w.codes.as_view(), w.scales.as_view());
+        match &off {
+            // Decode: the fragment kernels stream the used experts' codes into the mma operands.
+            Some(o) if ops.frag_supported() && rows <= FRAG_ROWS_PER_EXPERT * experts => ops
+                .gemm_nt_frag(&xc, &xs, &wc, &ws, o, &mut y.as_view_mut(), s)
+                .map_err(de),
+            _ => ops
+                .gemm_nt(&xc, &xs, &wc, &ws, off.as_ref(), &mut y.as_view_mut(), s)
+                .map_err(de),
+        }
     }
 
     /// `stored_weights` for FP8 block: per weight its codes and f32 `scale_inv` tiles.
