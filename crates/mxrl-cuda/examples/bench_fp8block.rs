@@ -222,7 +222,7 @@ mod bench {
                     k,
                 };
                 let step = format!("b={batch} ({r} rows, {used} experts) {name} N={n} K={k}");
-                let frag_rows = FragRows::for_rows(r, EXPERTS);
+                let frag_rows = FragRows::for_rows(r, EXPERTS, FragRows::R32);
                 let bf16_bytes = (used * n * k * 2) as f64;
                 let f8_bytes = (used * (n * k + 4 * (n / 128) * (k / 128))) as f64;
                 // BF16 weights: the fragment kernels, and the engine's BF16 expert path.
@@ -322,7 +322,7 @@ mod bench {
                         f8_bytes,
                     );
                     split_rows.push((step.clone(), mma, pick, times));
-                    let passes: Vec<(FragRows, f64)> = FragRows::ALL
+                    let passes: Vec<(FragRows, f64)> = mxrl_cuda::ops::fp8block::FRAG_PASSES
                         .iter()
                         .map(|&fr| {
                             (

@@ -67,6 +67,9 @@ const MAX_PASS_CTAS: usize = 64;
 /// L2). Not yet tuned on a GPU: `bench_fp8block` times both kernels at 8–64 rows per expert.
 pub const FRAG_ROWS_PER_EXPERT: usize = 64;
 
+/// The passes the fragment kernels have (8, 16 and 32 rows; no 64-row kernel).
+pub const FRAG_PASSES: [FragRows; 3] = [FragRows::R8, FragRows::R16, FragRows::R32];
+
 /// How the fragment kernels ([`Fp8Block::gemm_nt_frag`]) sum each 128-wide block's products on
 /// the tensor cores. Both multiply exact E4M3 values into an f32 accumulator (every product
 /// exact), so they differ from the CPU reference only in the order of each block's f32 sum —
@@ -444,7 +447,7 @@ impl Fp8Block {
     ) -> Result<(), DeviceError> {
         self.gemm_nt_frag_with(
             self.frag_mma(),
-            FragRows::for_rows(s.rows, s.experts),
+            FragRows::for_rows(s.rows, s.experts, FragRows::R32),
             fp8_frag_split(s),
             x_codes,
             x_scales,
