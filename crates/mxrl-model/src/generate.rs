@@ -125,6 +125,7 @@ impl Model {
         prompts: &[&[u32]],
         capture: bool,
     ) -> Result<(Prefilled, Option<Vec<HiddenStates>>)> {
+        self.check_current()?;
         let c = self.config();
         let mut tokens = Vec::new();
         let mut lens = Vec::new();
@@ -196,6 +197,7 @@ impl Model {
         caches: &mut [KvCache],
         capture: bool,
     ) -> Result<(DecodeStep, Vec<Vec<f32>>)> {
+        self.check_current()?;
         if tokens.len() != caches.len() {
             return Err(ModelError::Input(format!(
                 "decode_step: {} tokens for {} caches",

@@ -19,6 +19,14 @@
 //!   `∂L/∂logprob` per token (plus the aux-loss coefficient) and returns [`Grads`] for every
 //!   parameter. Routing replay: pass the rollout's traces in [`ForwardOptions::replay`]
 //!   ([`ReplayKind::Ids`] recomputes combine weights, [`ReplayKind::Full`] uses them verbatim).
+//! - Training state: the model owns its f32 masters ([`Model::params`]) and, after
+//!   [`Model::enable_training`], their gradients: [`Model::backward_accumulate`] adds a
+//!   backward's gradients, [`Model::train_params_mut`] hands masters and gradients to an
+//!   optimizer, and [`Model::refresh_weights`] re-derives the working weights (BF16 operands,
+//!   quantized stored bytes, and after [`Model::use_bf16_params`] the BF16 values of norms,
+//!   biases and an untied embedding) from the masters. [`Model::stored_weight`] and
+//!   [`Model::param_bf16`] are the weights the forward computes with, as a weight update
+//!   ships them. The same API shape as the device [`engine::Engine`].
 //! - Rollout: [`Model::generate`] (batched decode, per-sequence KV caches, seeded
 //!   temperature / top-k / top-p sampling) returns tokens, per-token logprobs and routing;
 //!   [`Model::prefill`] and [`Model::decode_step`] are the building blocks.
@@ -56,7 +64,7 @@ pub use generate::{sample_token, DecodeStep, FinishReason, Generation, Prefilled
 pub use linear::LinearPrecision;
 pub use model::{
     ForwardOptions, ForwardOutput, HiddenStates, KvCache, Model, ParamsMut, ReplayKind,
-    RoutingTrace, SeqInput, Tape, WeightValue,
+    RoutingTrace, SeqInput, Tape, TrainParamMut, WeightValue,
 };
 pub use mxrl_tensor::routing::Routes;
 pub use params::{Grads, Param, ParamId, ParamStore, TensorRole};

@@ -26,6 +26,17 @@ pub enum LinearPrecision {
     Quantized(LinearSpec),
 }
 
+/// Adds `bias` (`[n]`) to every row of `y` (`[m, n]`).
+fn add_bias(bias: Option<&[f32]>, n: usize, y: &mut [f32]) {
+    if let Some(bias) = bias {
+        for row in y.chunks_mut(n) {
+            for (a, &c) in row.iter_mut().zip(bias) {
+                *a += c;
+            }
+        }
+    }
+}
+
 /// A linear layer: weight `[n, k]` and optional bias `[n]` living in the [`ParamStore`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Linear {
@@ -44,6 +55,10 @@ pub(crate) enum Prepared {
     Bf16(GemmOperand),
     /// The quantized weight of a block-format linear.
     Quant(Box<PreparedWeight>),
+    /// A tensor that is not a linear weight (norm, bias, untied embedding) read at its BF16
+    /// value `f32(bf16(master))` ([`crate::Model::use_bf16_params`]; kept for this weight
+    /// version).
+    Bf16Value(Vec<f32>),
 }
 
 impl Prepared {
@@ -78,16 +93,19 @@ impl Linear {
         match prep {
             Prepared::Master => params.data(self.w),
             Prepared::Bf16(w) => w.values(),
+            Prepared::Bf16Value(w) => w,
             Prepared::Quant(_) => unreachable!("quantized weights take the qlinear path"),
         }
     }
 
-    /// Forward for `m` rows: `x: [m, k]` → `y: [m, n]`.
+    /// Forward for `m` rows: `x: [m, k]` → `y: [m, n]`, adding `bias` (the values of
+    /// [`Linear::b`] as the model reads them) when the layer has one.
     pub(crate) fn forward(
         &self,
         params: &ParamStore,
         prep: &Prepared,
         prec: LinearPrecision,
+        bias: Option<&[f32]>,
         x: &[f32],
         m: usize,
     ) -> Vec<f32> {
@@ -98,13 +116,13 @@ impl Linear {
             let mut y = pw
                 .forward_inference(x, m)
                 .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
-            self.add_bias(params, &mut y);
+            add_bias(bias, self.n, &mut y);
             return y;
         }
         let xo = operand(prec, x);
         let w = self.weight(params, prep);
         let mut y = linear_nt(&xo, w, m, self.k, self.n);
-        self.add_bias(params, &mut y);
+        add_bias(bias, self.n, &mut y);
         y
     }
 
@@ -118,6 +136,7 @@ impl Linear {
         params: &ParamStore,
         prep: &Prepared,
         prec: LinearPrecision,
+        bias: Option<&[f32]>,
         x: &[f32],
         m: usize,
     ) -> (Vec<f32>, Option<Saved>) {
@@ -125,21 +144,10 @@ impl Linear {
             let (mut y, saved) = pw
                 .forward(x, m)
                 .unwrap_or_else(|e| panic!("quantized linear forward: {e}"));
-            self.add_bias(params, &mut y);
+            add_bias(bias, self.n, &mut y);
             return (y, Some(saved));
         }
-        (self.forward(params, prep, prec, x, m), None)
-    }
-
-    fn add_bias(&self, params: &ParamStore, y: &mut [f32]) {
-        if let Some(b) = self.b {
-            let bias = params.data(b);
-            for row in y.chunks_mut(self.n) {
-                for (a, &c) in row.iter_mut().zip(bias) {
-                    *a += c;
-                }
-            }
-        }
+        (self.forward(params, prep, prec, bias, x, m), None)
     }
 
     /// Backward for `m` rows: given `dy: [m, n]` and what the forward kept — for a quantized

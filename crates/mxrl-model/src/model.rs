@@ -13,6 +13,7 @@ use mxrl_tensor::loss::{
 };
 use mxrl_tensor::moe::{combine_backward, combine_forward, gather, gather_backward, Dispatch};
 use mxrl_tensor::norm::{rmsnorm_backward, rmsnorm_forward};
+use mxrl_tensor::precision::round_bf16_vec;
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight, Saved};
 use mxrl_tensor::rope::{rope_backward, rope_forward, RopeTable};
 use mxrl_tensor::routing::{
@@ -479,7 +480,11 @@ pub(crate) struct TrunkOut {
 ///
 /// Parameters are f32 master weights in a [`ParamStore`]; each linear layer multiplies a
 /// prepared copy chosen by its [`LinearPrecision`] (rebuilt when the parameters change through
-/// [`Model::params_mut`]).
+/// [`Model::params_mut`], or by [`Model::refresh_weights`] after [`Model::train_params_mut`]).
+/// After [`Model::use_bf16_params`] every other tensor (norms, biases, an untied embedding) is
+/// read at its BF16 value too, so a BF16 recipe computes with exactly the values it stores
+/// while the masters keep full precision. A model in training ([`Model::enable_training`])
+/// also owns the gradients of its masters.
 #[derive(Clone, Debug)]
 pub struct Model {
     config: ModelConfig,
@@ -494,6 +499,28 @@ pub struct Model {
     /// ([`Model::load_weights`]) and is kept as is until the parameters are edited.
     stored: Vec<bool>,
     version: u64,
+    /// Tensors that are not linear weights are read at their BF16 value
+    /// ([`Model::use_bf16_params`]).
+    bf16_params: bool,
+    /// Gradients of the masters, once [`Model::enable_training`] allocated them.
+    grads: Option<Grads>,
+    /// Masters edited through [`Model::train_params_mut`] since the working weights were
+    /// derived from them ([`Model::refresh_weights`]).
+    stale: bool,
+}
+
+/// One parameter of a model in training, as [`Model::train_params_mut`] hands it out: its f32
+/// master values and its accumulated gradient.
+#[derive(Debug)]
+pub struct TrainParamMut<'a> {
+    /// Parameter name (as in [`Model::params`]).
+    pub name: &'a str,
+    /// What the tensor is.
+    pub role: TensorRole,
+    /// f32 master values.
+    pub value: &'a mut [f32],
+    /// Accumulated gradient (same length).
+    pub grad: &'a mut [f32],
 }
 
 /// Mutable access to a model's parameters; when dropped, the model rebuilds the prepared
@@ -517,11 +544,7 @@ impl DerefMut for ParamsMut<'_> {
 
 impl Drop for ParamsMut<'_> {
     fn drop(&mut self) {
-        // Edited master values are authoritative again: weights installed from stored bytes
-        // are rebuilt from them like every other weight.
-        self.model.stored.fill(false);
-        self.model.version += 1;
-        self.model.prepare();
+        self.model.refresh_weights();
     }
 }
 
@@ -746,6 +769,9 @@ impl Model {
             precision,
             prepared: Vec::new(),
             version: 0,
+            bf16_params: false,
+            grads: None,
+            stale: false,
         };
         m.prepare();
         Ok(m)
@@ -789,9 +815,197 @@ impl Model {
         ParamsMut { model: self }
     }
 
-    /// Weight version: incremented every time [`Model::params_mut`] is released.
+    /// Weight version: incremented every time [`Model::params_mut`] is released (and by
+    /// [`Model::refresh_weights`] and [`Model::load_weights`]).
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// Runs every parameter at its BF16 value, as a BF16 recipe stores it: BF16 linears
+    /// already multiply their BF16 operand; from now on norms, biases and an untied embedding
+    /// are read as `f32(bf16(master))` too (re-derived whenever the working weights are), so
+    /// the forward computes with exactly the values [`Model::param_bf16`] exports. The f32
+    /// masters in [`Model::params`] keep full precision. Linears running in f32
+    /// ([`LinearPrecision::F32`]) and quantized linears are not affected. The CPU twin of
+    /// [`crate::engine::Engine::use_bf16_params`].
+    pub fn use_bf16_params(&mut self) {
+        self.bf16_params = true;
+        // Only the tensors that are not linear weights read differently.
+        for i in 0..self.params.len() {
+            if self.precision[i].is_none() {
+                self.prepared[i] = self.non_linear(self.params.data(i));
+            }
+        }
+    }
+
+    /// Re-derives every working weight from the f32 masters — the GEMM weight of each linear
+    /// (its BF16 operand, or its stored bytes quantized once for the new version) and, after
+    /// [`Model::use_bf16_params`], the BF16 value of every other tensor — and bumps the weight
+    /// version. Weights installed from stored bytes ([`Model::load_weights`]) are rebuilt from
+    /// their masters like every other weight. What releasing [`Model::params_mut`] does; call
+    /// it after editing the masters through [`Model::train_params_mut`].
+    pub fn refresh_weights(&mut self) {
+        self.stored.fill(false);
+        self.version += 1;
+        self.stale = false;
+        self.prepare();
+    }
+
+    /// Whether the masters were edited through [`Model::train_params_mut`] after the working
+    /// weights were last derived from them; until [`Model::refresh_weights`], forward,
+    /// backward and generation are refused.
+    pub fn weights_stale(&self) -> bool {
+        self.stale
+    }
+
+    pub(crate) fn check_current(&self) -> Result<()> {
+        if self.stale {
+            return Err(ModelError::Input(
+                "the master weights were edited since the working weights were derived from \
+                 them; call Model::refresh_weights first"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Allocates a zero gradient for every master (once): the model can then accumulate
+    /// gradients ([`Model::backward_accumulate`]) and hand out masters with their gradients
+    /// ([`Model::train_params_mut`]). The CPU twin of
+    /// [`crate::engine::Engine::enable_training`] (the optimizer's moments stay with the
+    /// optimizer).
+    pub fn enable_training(&mut self) {
+        if self.grads.is_none() {
+            self.grads = Some(self.params.zero_grads());
+        }
+    }
+
+    /// The accumulated gradients (store order), when training is enabled.
+    pub fn grads(&self) -> Option<&Grads> {
+        self.grads.as_ref()
+    }
+
+    /// Sets every gradient to zero.
+    ///
+    /// # Errors
+    /// Training not enabled ([`Model::enable_training`]).
+    pub fn zero_grads(&mut self) -> Result<()> {
+        for g in &mut self.training_grads()?.grads {
+            g.fill(0.0);
+        }
+        Ok(())
+    }
+
+    fn training_grads(&mut self) -> Result<&mut Grads> {
+        self.grads
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this model".into()))
+    }
+
+    /// [`Model::backward`], with the gradients **added** to the model's own (call
+    /// [`Model::zero_grads`] first for a fresh step): each call's gradients are computed
+    /// whole and then summed into the accumulator element by element.
+    ///
+    /// # Errors
+    /// Training not enabled; as [`Model::backward`].
+    pub fn backward_accumulate(
+        &mut self,
+        tape: &Tape,
+        dlogprobs: &[Vec<f32>],
+        aux_loss_coef: f32,
+    ) -> Result<()> {
+        self.training_grads()?;
+        let g = self.backward(tape, dlogprobs, aux_loss_coef)?;
+        self.training_grads()?.add(&g);
+        Ok(())
+    }
+
+    /// Every master with its gradient (store order), for an optimizer step. The working
+    /// weights are stale from here until [`Model::refresh_weights`].
+    ///
+    /// # Errors
+    /// Training not enabled ([`Model::enable_training`]).
+    pub fn train_params_mut(&mut self) -> Result<Vec<TrainParamMut<'_>>> {
+        let grads = self
+            .grads
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this model".into()))?;
+        self.stale = true;
+        Ok(self
+            .params
+            .iter_mut()
+            .zip(grads.grads.iter_mut())
+            .map(|(p, g)| TrainParamMut {
+                name: &p.name,
+                role: p.role,
+                value: &mut p.data,
+                grad: g,
+            })
+            .collect())
+    }
+
+    /// A copy holding this model's f32 masters and precisions that runs them as a freshly
+    /// built model does: no gradients, no BF16 values of the non-linear tensors
+    /// ([`Model::use_bf16_params`] off), every weight derived from the masters. For saving a
+    /// checkpoint, or as the start of a rollout that then loads its weights.
+    pub fn master_model(&self) -> Model {
+        let mut m = Model {
+            config: self.config.clone(),
+            params: self.params.clone(),
+            embed: self.embed,
+            lm_head: self.lm_head,
+            norm: self.norm,
+            layers: self.layers.clone(),
+            precision: self.precision.clone(),
+            prepared: self
+                .prepared
+                .iter()
+                .map(|p| match p {
+                    Prepared::Bf16Value(_) => Prepared::Master,
+                    p => p.clone(),
+                })
+                .collect(),
+            stored: self.stored.clone(),
+            version: self.version,
+            bf16_params: false,
+            grads: None,
+            stale: false,
+        };
+        if self.stale {
+            m.refresh_weights();
+        }
+        m
+    }
+
+    /// The BF16 value (bit patterns) of a parameter that does not run as a quantized linear:
+    /// what a BF16 recipe stores and ships, and (a BF16 linear, or any tensor after
+    /// [`Model::use_bf16_params`]) exactly what the forward reads. `None` for an unknown name
+    /// or a quantized linear (its stored bytes are [`Model::stored_weight`]).
+    pub fn param_bf16(&self, name: &str) -> Option<Vec<u16>> {
+        let id = self.params.id(name)?;
+        let values = match &self.prepared[id] {
+            Prepared::Quant(_) => return None,
+            Prepared::Bf16(op) => op.values(),
+            Prepared::Bf16Value(v) => v,
+            Prepared::Master => self.params.data(id),
+        };
+        Some(
+            values
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+        )
+    }
+
+    /// Parameter `id` as the forward reads it when it is not a linear's GEMM weight (an
+    /// embedding, a norm, a bias): its BF16 value after [`Model::use_bf16_params`] (a tied
+    /// embedding shares the lm_head's BF16 operand), else its master.
+    fn value(&self, id: ParamId) -> &[f32] {
+        match &self.prepared[id] {
+            Prepared::Bf16Value(v) => v,
+            Prepared::Bf16(op) if self.bf16_params => op.values(),
+            _ => self.params.data(id),
+        }
     }
 
     /// Names of every linear-layer weight (the tensors a precision plan decides on), with
@@ -903,7 +1117,7 @@ impl Model {
                             message: format!("cannot run with {prec:?}: {e}"),
                         })?
                 }
-                None => Prepared::Master,
+                None => self.non_linear(&p.data),
             });
         }
         for (i, p) in prepared.iter().enumerate() {
@@ -989,7 +1203,7 @@ impl Model {
                             Prepared::build(prec, &p.name, &v, p.shape[0], p.shape[1], version)
                                 .map_err(|e| bad(format!("cannot run with {prec:?}: {e}")))?
                         }
-                        None => Prepared::Master,
+                        None => self.non_linear(&v),
                     };
                     (v, prep, false)
                 }
@@ -1025,6 +1239,16 @@ impl Model {
         Ok(())
     }
 
+    /// How the forward reads a tensor that is not a linear weight, with master values
+    /// `values`: at its BF16 value after [`Model::use_bf16_params`], else the master itself.
+    fn non_linear(&self, values: &[f32]) -> Prepared {
+        if self.bf16_params {
+            Prepared::Bf16Value(round_bf16_vec(values))
+        } else {
+            Prepared::Master
+        }
+    }
+
     /// Rebuilds the prepared weights; every precision was validated when it was set.
     fn prepare(&mut self) {
         self.try_prepare()
@@ -1033,7 +1257,8 @@ impl Model {
 
     fn lin_fwd(&self, l: &Linear, x: &[f32], m: usize) -> Vec<f32> {
         let prec = self.precision[l.w].expect("linear weight has a precision");
-        l.forward(&self.params, &self.prepared[l.w], prec, x, m)
+        let bias = l.b.map(|b| self.value(b));
+        l.forward(&self.params, &self.prepared[l.w], prec, bias, x, m)
     }
 
     /// Forward of one linear in a pass that keeps `keep`: with [`Keep::Saved`] a quantized
@@ -1046,11 +1271,14 @@ impl Model {
         keep: Keep,
     ) -> (Vec<f32>, Option<Saved>) {
         let prec = self.precision[l.w].expect("linear weight has a precision");
+        let bias = l.b.map(|b| self.value(b));
         match keep {
             // No context for zero rows (unused experts): backward skips them.
-            Keep::Saved if m > 0 => l.forward_saving(&self.params, &self.prepared[l.w], prec, x, m),
+            Keep::Saved if m > 0 => {
+                l.forward_saving(&self.params, &self.prepared[l.w], prec, bias, x, m)
+            }
             _ => (
-                l.forward(&self.params, &self.prepared[l.w], prec, x, m),
+                l.forward(&self.params, &self.prepared[l.w], prec, bias, x, m),
                 None,
             ),
         }
@@ -1139,7 +1367,7 @@ impl Model {
         let keep = keep_mode != Keep::Nothing;
         let (n, h, d) = (tokens.len(), c.hidden_size, c.head_dim);
         let (hq, hkv) = (c.num_heads, c.num_kv_heads);
-        let emb = self.params.data(self.embed);
+        let emb = self.value(self.embed);
         let mut x = Vec::with_capacity(n * h);
         for &t in tokens {
             x.extend_from_slice(&emb[t as usize * h..(t as usize + 1) * h]);
@@ -1155,7 +1383,7 @@ impl Model {
             let mut rstd1 = vec![0.0; n];
             rmsnorm_forward(
                 &x,
-                self.params.data(layer.ln1),
+                self.value(layer.ln1),
                 n,
                 h,
                 c.rms_norm_eps,
@@ -1199,7 +1427,7 @@ impl Model {
                 rstd_k = vec![0.0; n * hkv];
                 rmsnorm_forward(
                     &q_pre,
-                    self.params.data(qn),
+                    self.value(qn),
                     n * hq,
                     d,
                     c.rms_norm_eps,
@@ -1208,7 +1436,7 @@ impl Model {
                 );
                 rmsnorm_forward(
                     &k_pre,
-                    self.params.data(kn),
+                    self.value(kn),
                     n * hkv,
                     d,
                     c.rms_norm_eps,
@@ -1260,7 +1488,7 @@ impl Model {
             let mut rstd2 = vec![0.0; n];
             rmsnorm_forward(
                 &x,
-                self.params.data(layer.ln2),
+                self.value(layer.ln2),
                 n,
                 h,
                 c.rms_norm_eps,
@@ -1394,7 +1622,7 @@ impl Model {
         let mut rstd_final = vec![0.0; n];
         rmsnorm_forward(
             &x,
-            self.params.data(self.norm),
+            self.value(self.norm),
             n,
             h,
             c.rms_norm_eps,
@@ -1469,6 +1697,7 @@ impl Model {
     /// # Errors
     /// `residual.len()` not a multiple of the hidden size.
     pub fn logits_from_residual(&self, residual: &[f32]) -> Result<Vec<f32>> {
+        self.check_current()?;
         let c = &self.config;
         let h = c.hidden_size;
         if !residual.len().is_multiple_of(h) {
@@ -1482,7 +1711,7 @@ impl Model {
         let mut rstd = vec![0.0; n];
         rmsnorm_forward(
             residual,
-            self.params.data(self.norm),
+            self.value(self.norm),
             n,
             h,
             c.rms_norm_eps,
@@ -1499,6 +1728,7 @@ impl Model {
         capture: bool,
         train_keep: Keep,
     ) -> Result<ForwardOutput> {
+        self.check_current()?;
         let c = &self.config;
         let keep = if opts.train {
             train_keep
@@ -1709,6 +1939,7 @@ impl Model {
         dlogprobs: &[Vec<f32>],
         aux_loss_coef: f32,
     ) -> Result<Grads> {
+        self.check_current()?;
         let c = &self.config;
         if tape.version != self.version {
             return Err(ModelError::Input(format!(
@@ -1762,7 +1993,7 @@ impl Model {
         rmsnorm_backward(
             &dhf,
             &tape.x_final,
-            self.params.data(self.norm),
+            self.value(self.norm),
             &tape.rstd_final,
             n,
             h,
@@ -1862,7 +2093,7 @@ impl Model {
             rmsnorm_backward(
                 &dh2,
                 &t.x_mid,
-                self.params.data(layer.ln2),
+                self.value(layer.ln2),
                 &t.rstd2,
                 n,
                 h,
@@ -1887,7 +2118,7 @@ impl Model {
                 rmsnorm_backward(
                     &dq,
                     &t.q_pre,
-                    self.params.data(qn),
+                    self.value(qn),
                     &t.rstd_q,
                     n * hq,
                     d,
@@ -1899,7 +2130,7 @@ impl Model {
                 rmsnorm_backward(
                     &dk,
                     &t.k_pre,
-                    self.params.data(kn),
+                    self.value(kn),
                     &t.rstd_k,
                     n * hkv,
                     d,
@@ -1920,7 +2151,7 @@ impl Model {
             rmsnorm_backward(
                 &dh1,
                 &t.x_in,
-                self.params.data(layer.ln1),
+                self.value(layer.ln1),
                 &t.rstd1,
                 n,
                 h,

@@ -971,3 +971,192 @@ fn saved_context_tape_gives_the_recompute_reference_gradients_bitwise() {
         }
     }
 }
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// Training forward logprobs, aux loss and gradients of `m` on `seqs()` (with the aux loss).
+fn train_pass(m: &Model) -> (Vec<Vec<f32>>, Option<f32>, Vec<Vec<f32>>) {
+    let data = seqs();
+    let batch: Vec<SeqInput> = data.iter().map(|s| SeqInput::next_token(s)).collect();
+    let dlp: Vec<Vec<f32>> = batch
+        .iter()
+        .enumerate()
+        .map(|(b, s)| test_values(s.tokens.len(), 80 + b as u64, 1.0))
+        .collect();
+    let opts = ForwardOptions {
+        train: true,
+        ..Default::default()
+    };
+    let out = m.forward(&batch, &opts).unwrap();
+    let g = m.backward(out.tape.as_ref().unwrap(), &dlp, 0.01).unwrap();
+    (out.logprobs, out.aux_loss, g.grads)
+}
+
+/// `use_bf16_params` makes a model compute with the BF16 values of the tensors its plan does
+/// not quantize while keeping the f32 masters: its training forward, gradients, prefill
+/// logits and `param_bf16` equal bit for bit those of a model whose values of those tensors
+/// were rounded to BF16 (norms, biases, tied and untied embeddings included), for both
+/// architectures under a BF16 and two block-format recipes, and its masters are unchanged
+/// (some of them not BF16-exact, so the rounding is really applied by the model).
+#[test]
+fn bf16_params_compute_with_bf16_values_and_keep_the_masters() {
+    use mxrl_tensor::precision::round_bf16;
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let c = quant_small(arch);
+        for preset in ["bf16", "mxfp8", "nvfp4-hp"] {
+            let mut m = planned_config(&c, preset, 91);
+            let masters: Vec<Vec<f32>> = m.params().iter().map(|p| p.data.clone()).collect();
+            let mut rounded = m.clone();
+            {
+                let mut ps = rounded.params_mut();
+                for p in ps.iter_mut() {
+                    if m.stored_weight(&p.name).is_none() {
+                        p.data.iter_mut().for_each(|x| *x = round_bf16(*x));
+                    }
+                }
+            }
+            m.use_bf16_params();
+            let (lm, am, gm) = train_pass(&m);
+            let (lr, ar, gr) = train_pass(&rounded);
+            assert_eq!(bits(&lm), bits(&lr), "{arch:?} {preset}: logprobs");
+            assert_eq!(
+                am.map(f32::to_bits),
+                ar.map(f32::to_bits),
+                "{arch:?} {preset}"
+            );
+            assert_eq!(bits(&gm), bits(&gr), "{arch:?} {preset}: gradients");
+            let prompts: Vec<&[u32]> = vec![&[1, 2, 3], &[9, 4]];
+            let (pm, pr) = (
+                m.prefill(&prompts).unwrap(),
+                rounded.prefill(&prompts).unwrap(),
+            );
+            assert_eq!(
+                bits(&pm.last_logits),
+                bits(&pr.last_logits),
+                "{arch:?} {preset}"
+            );
+            let now: Vec<Vec<f32>> = m.params().iter().map(|p| p.data.clone()).collect();
+            assert_eq!(
+                bits(&now),
+                bits(&masters),
+                "{arch:?} {preset}: masters changed"
+            );
+            let mut inexact = 0;
+            for p in m.params().iter() {
+                let want: Option<Vec<u16>> = m.stored_weight(&p.name).is_none().then(|| {
+                    p.data
+                        .iter()
+                        .map(|&x| half::bf16::from_f32(x).to_bits())
+                        .collect()
+                });
+                assert_eq!(m.param_bf16(&p.name), want, "{arch:?} {preset} {}", p.name);
+                assert_eq!(m.param_bf16(&p.name), rounded.param_bf16(&p.name));
+                if want.is_some() && p.data.iter().any(|&x| round_bf16(x) != x) {
+                    inexact += 1;
+                }
+            }
+            assert!(
+                inexact > 0,
+                "{arch:?} {preset}: every master was BF16-exact"
+            );
+        }
+    }
+}
+
+/// The training state a model owns: without `enable_training` gradients are refused; with it,
+/// `backward_accumulate` adds each backward's gradients to the model's own in order (bitwise
+/// `(0 + g1) + g2`) and `zero_grads` clears them; masters edited through `train_params_mut`
+/// leave the model stale (forward and generation refused, naming `refresh_weights`) until
+/// `refresh_weights` re-derives every working weight — then the model equals, bit for bit, one
+/// edited through `params_mut` (logprobs, stored quantized bytes, BF16 values), one weight
+/// version on. `master_model` is a copy of the masters without gradients or BF16 values.
+#[test]
+fn a_model_in_training_owns_its_gradients_and_rederives_weights_from_its_masters() {
+    let c = quant_small(Arch::Qwen2Moe);
+    let mut m = planned_config(&c, "mxfp8", 93);
+    m.use_bf16_params();
+    assert!(m.zero_grads().is_err() && m.train_params_mut().is_err() && m.grads().is_none());
+    let data = seqs();
+    let batch: Vec<SeqInput> = data.iter().map(|s| SeqInput::next_token(s)).collect();
+    let opts = ForwardOptions {
+        train: true,
+        ..Default::default()
+    };
+    let t1 = m.forward(&batch[..2], &opts).unwrap().tape.unwrap();
+    let t2 = m.forward(&batch[1..], &opts).unwrap().tape.unwrap();
+    let d1: Vec<Vec<f32>> = batch[..2]
+        .iter()
+        .map(|s| vec![0.5; s.tokens.len()])
+        .collect();
+    let d2: Vec<Vec<f32>> = batch[1..]
+        .iter()
+        .map(|s| vec![-0.3; s.tokens.len()])
+        .collect();
+    let e = m.backward_accumulate(&t1, &d1, 0.0).unwrap_err();
+    assert!(e.to_string().contains("training is not enabled"), "{e}");
+    m.enable_training();
+    let g1 = m.backward(&t1, &d1, 0.01).unwrap();
+    let g2 = m.backward(&t2, &d2, 0.01).unwrap();
+    m.backward_accumulate(&t1, &d1, 0.01).unwrap();
+    m.backward_accumulate(&t2, &d2, 0.01).unwrap();
+    let want: Vec<Vec<f32>> = g1
+        .grads
+        .iter()
+        .zip(&g2.grads)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (0.0 + x) + y).collect())
+        .collect();
+    assert_eq!(bits(&m.grads().unwrap().grads), bits(&want));
+    assert!(want.iter().flatten().any(|&x| x != 0.0));
+    m.zero_grads().unwrap();
+    assert!(m.grads().unwrap().grads.iter().flatten().all(|&x| x == 0.0));
+
+    // Edit a quantized linear's master, a BF16 linear's and a norm's.
+    let edit = |name: &str| {
+        name == "model.layers.0.self_attn.q_proj.weight"
+            || name == "lm_head.weight"
+            || name == "model.norm.weight"
+    };
+    let mut by_guard = m.clone();
+    {
+        let mut ps = by_guard.params_mut();
+        for p in ps.iter_mut().filter(|p| edit(&p.name)) {
+            p.data.iter_mut().for_each(|x| *x += 0.013);
+        }
+    }
+    let v0 = m.version();
+    for p in m.train_params_mut().unwrap() {
+        if edit(p.name) {
+            p.value.iter_mut().for_each(|x| *x += 0.013);
+        }
+    }
+    assert!(m.weights_stale());
+    let e = m.forward(&batch, &opts).unwrap_err().to_string();
+    assert!(e.contains("refresh_weights"), "{e}");
+    assert!(m.prefill(&[&[1, 2]]).is_err());
+    m.refresh_weights();
+    assert!(!m.weights_stale());
+    assert_eq!((m.version(), by_guard.version()), (v0 + 1, v0 + 1));
+    assert_eq!(bits(&logprobs_of(&m)), bits(&logprobs_of(&by_guard)));
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert!(m.stored_weight(q).is_some());
+    for p in m.params().iter() {
+        assert_eq!(m.stored_weight(&p.name), by_guard.stored_weight(&p.name));
+        assert_eq!(m.param_bf16(&p.name), by_guard.param_bf16(&p.name));
+    }
+
+    let mm = m.master_model();
+    assert!(mm.grads().is_none() && !mm.weights_stale());
+    for (a, b) in mm.params().iter().zip(m.params().iter()) {
+        assert_eq!(a.name, b.name);
+        assert!(a
+            .data
+            .iter()
+            .map(|x| x.to_bits())
+            .eq(b.data.iter().map(|x| x.to_bits())));
+        assert_eq!(mm.stored_weight(&a.name), m.stored_weight(&a.name));
+    }
+}

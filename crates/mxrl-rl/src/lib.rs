@@ -3,8 +3,9 @@
 //!
 //! Design:
 //! - The loop talks to models through two small traits ([`RolloutPolicy`], [`TrainPolicy`]):
-//!   the rollout engine holds its own copy of the weights in the plan's formats; the trainer
-//!   holds f32 masters and exports the plan-quantized bytes that a weight update ships.
+//!   the rollout engine holds its own copy of the weights in the plan's formats; the trainer's
+//!   model (the CPU `mxrl_model::Model` or the device `Engine`) owns the f32 masters and their
+//!   gradients and exports the plan-quantized bytes that a weight update ships.
 //! - Weight updates ([`sync`]) carry a version and the quantizer contract hash, travel in
 //!   checksummed buckets and are applied atomically; a mismatched hash is refused.
 //! - Every step writes one JSON line of metrics ([`metrics`]); the report ([`report`]) is

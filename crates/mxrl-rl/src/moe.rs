@@ -9,19 +9,22 @@
 //!   `dequantized`). BF16 linears round operands to BF16; f32 accumulation throughout. Model
 //!   names map to plan names; a fused `gate_up_proj` takes its `gate_proj` entry (the plan
 //!   keeps gate and up equal).
-//! - **Trainer** ([`MoeTrainer`]): f32 master weights and gradients live here. The model holds
-//!   the masters of the quantized linears (their bytes are `quantize(master)` with the plan's
-//!   scheme, the bytes `mxrl convert` writes; `high_precision` backward multiplies the BF16
-//!   master) and the BF16 values of every other tensor (BF16 linears, router, norms,
-//!   embeddings: the plan stores them BF16, so the trainer computes with exactly the values
-//!   it ships). Gradients are [`Model::backward`]'s, with the plan's backward modes; they
-//!   update the f32 masters (for the BF16 tensors: the usual BF16-parameter / FP32-master
-//!   split). After an optimizer step [`TrainPolicy::refresh_weights`] puts the masters back
-//!   into the model, which re-quantizes each weight once for the new version.
-//! - **Export** ([`TrainPolicy::export_weights`]): the trainer's own bytes, never
+//! - **Trainer** ([`MoeTrainer`]): the model owns the f32 master weights and their
+//!   gradients ([`Model::enable_training`]); the trainer keeps no copy. The model multiplies
+//!   the quantized linears' stored bytes, `quantize(master)` with the plan's scheme (the bytes
+//!   `mxrl convert` writes; `high_precision` backward multiplies the BF16 master), and reads
+//!   every other tensor at its BF16 value ([`Model::use_bf16_params`]: BF16 linears, router,
+//!   norms, embeddings; the plan stores them BF16, so the trainer computes with exactly the
+//!   values it ships). Gradients are [`Model::backward_accumulate`]'s, with the plan's backward
+//!   modes; the optimizer updates the f32 masters in place ([`Model::train_params_mut`]; for
+//!   the BF16 tensors the usual BF16-parameter / FP32-master split). After an optimizer step
+//!   [`TrainPolicy::refresh_weights`] has the model re-derive its working weights from its
+//!   masters ([`Model::refresh_weights`]), quantizing each weight once for the new version —
+//!   as the device trainer (`crate::engine::EngineTrainer`) does on its engine.
+//! - **Export** ([`TrainPolicy::export_weights`]): the weights the model computes with, never
 //!   re-quantized: for quantized linears the stored tensor its forward multiplies
-//!   ([`Model::stored_weight`], converted losslessly by [`crate::wire::from_quantized`]), BF16
-//!   for everything else.
+//!   ([`Model::stored_weight`], converted losslessly by [`crate::wire::from_quantized`]), the
+//!   BF16 value ([`Model::param_bf16`]) of everything else.
 //! - **Rollout** ([`MoeRollout`]): the same model under the same plan. [`RolloutPolicy::
 //!   load_weights`] checks every tensor (name, shape, plan format, bytes) and installs them
 //!   atomically with [`Model::load_weights`]: quantized linears get the sent bytes as their
@@ -38,14 +41,13 @@ use crate::policy::{
     replay_of, routed, LayerProbes, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig,
     Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
-use crate::wire::{bf16_values, bf16_wire, from_quantized, to_quantized};
+use crate::wire::{bf16_le_bytes, bf16_values, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
     ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, SamplingParams, SeqInput, Tape,
     WeightValue,
 };
 use mxrl_plan::{PrecisionPlan, Recipe};
-use mxrl_tensor::precision::round_bf16;
 use std::collections::BTreeMap;
 
 fn be<E: std::fmt::Display>(e: E) -> PolicyError {
@@ -125,28 +127,33 @@ fn apply_plan(
     Ok((formats, quantized))
 }
 
-/// What a model holds, in wire form: the stored bytes of its quantized linears, BF16 for the
-/// rest (their values are BF16-exact, so this is lossless).
+/// What a model computes with, in wire form: the stored bytes of its quantized linears, the
+/// BF16 value of the rest (a rollout's values are BF16-exact, so for it this is lossless).
 fn held_weights(model: &Model) -> Result<Vec<WireTensor>, PolicyError> {
     model
         .params()
         .iter()
         .map(|p| match model.stored_weight(&p.name) {
             Some(stored) => from_quantized(&p.name, stored),
-            None => Ok(bf16_wire(&p.name, p.shape.clone(), &p.data)),
+            None => Ok(WireTensor {
+                name: p.name.clone(),
+                format: Format::Bf16,
+                shape: p.shape.clone(),
+                data: bf16_le_bytes(&model.param_bf16(&p.name).ok_or_else(|| {
+                    PolicyError::Backend(format!("parameter {} has no BF16 value", p.name))
+                })?),
+                scales: Vec::new(),
+                amax: Vec::new(),
+            }),
         })
         .collect()
 }
 
-/// Trainer side for the MoE model.
+/// Trainer side for the MoE model: the model owns the f32 masters and their gradients.
 pub struct MoeTrainer {
     model: Model,
     formats: Vec<Format>,
     quantized: Vec<bool>,
-    master: Vec<Vec<f32>>,
-    grad: Vec<Vec<f32>>,
-    names: Vec<String>,
-    dirty: bool,
     tape: Option<Tape>,
     resp_lens: Vec<(usize, usize)>,
     /// How routing is replayed in the training forward.
@@ -156,14 +163,14 @@ pub struct MoeTrainer {
 impl Clone for MoeTrainer {
     /// A copy of the weights and formats (gradients and saved activations are not copied).
     fn clone(&self) -> Self {
+        let mut model = self.model.clone();
+        model
+            .zero_grads()
+            .unwrap_or_else(|e| panic!("a trainer's model is in training: {e}"));
         MoeTrainer {
-            model: self.model.clone(),
+            model,
             formats: self.formats.clone(),
             quantized: self.quantized.clone(),
-            master: self.master.clone(),
-            grad: self.grad.iter().map(|g| vec![0.0; g.len()]).collect(),
-            names: self.names.clone(),
-            dirty: self.dirty,
             tape: None,
             resp_lens: Vec::new(),
             replay_kind: self.replay_kind,
@@ -173,34 +180,31 @@ impl Clone for MoeTrainer {
 
 impl std::fmt::Debug for MoeTrainer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MoeTrainer({} tensors)", self.names.len())
+        write!(f, "MoeTrainer({} tensors)", self.formats.len())
     }
 }
 
 impl MoeTrainer {
-    /// Wrap `model` (its current weights become the f32 masters) and run it under `plan`.
+    /// Train `model` under `plan`: its current weights are the f32 masters (which it keeps),
+    /// every tensor the plan stores BF16 is read at its BF16 value, every weight is derived
+    /// from its master (stored bytes a converted model was loaded with are re-quantized from
+    /// their dequantized masters), and the model allocates the gradients.
     ///
     /// # Errors
     /// A parameter the plan does not cover, or one whose plan format the model cannot run.
     pub fn new(mut model: Model, plan: &PrecisionPlan) -> Result<MoeTrainer, PolicyError> {
         let (formats, quantized) = apply_plan(&mut model, plan)?;
-        let master: Vec<Vec<f32>> = model.params().iter().map(|p| p.data.clone()).collect();
-        let names = model.params().iter().map(|p| p.name.clone()).collect();
-        let grad = master.iter().map(|m| vec![0.0; m.len()]).collect();
-        let mut t = MoeTrainer {
+        model.use_bf16_params();
+        model.enable_training();
+        model.refresh_weights();
+        Ok(MoeTrainer {
             model,
             formats,
             quantized,
-            master,
-            grad,
-            names,
-            dirty: true,
             tape: None,
             resp_lens: Vec::new(),
             replay_kind: ReplayKind::Ids,
-        };
-        t.refresh()?;
-        Ok(t)
+        })
     }
 
     /// The model configuration.
@@ -208,8 +212,8 @@ impl MoeTrainer {
         self.model.config()
     }
 
-    /// The model the trainer runs (under the plan; up to date after
-    /// [`TrainPolicy::refresh_weights`]).
+    /// The model the trainer runs (under the plan; it holds the f32 masters and gradients,
+    /// and its working weights are up to date after [`TrainPolicy::refresh_weights`]).
     pub fn model(&self) -> &Model {
         &self.model
     }
@@ -219,22 +223,16 @@ impl MoeTrainer {
         &self.formats
     }
 
-    /// The model with the f32 master weights (for saving a checkpoint).
+    /// The model with the f32 master weights (for saving a checkpoint): [`Model::master_model`].
     pub fn master_model(&self) -> Result<Model, PolicyError> {
-        let mut m = self.model.clone();
-        let mut ps = m.params_mut();
-        for (n, v) in self.names.iter().zip(&self.master) {
-            ps.set(n, v).map_err(be)?;
-        }
-        drop(ps);
-        Ok(m)
+        Ok(self.model.master_model())
     }
 
     /// A rollout engine under the same plan, holding this trainer's exported weights.
     pub fn rollout(&mut self) -> Result<MoeRollout, PolicyError> {
-        self.refresh()?;
+        self.refresh();
         let mut r = MoeRollout {
-            model: self.model.clone(),
+            model: self.model.master_model(),
             formats: self.formats.clone(),
             quantized: self.quantized.clone(),
             replay_kind: self.replay_kind,
@@ -243,25 +241,14 @@ impl MoeTrainer {
         Ok(r)
     }
 
-    /// Put the masters into the model: quantized linears get the f32 masters (quantized once
-    /// for the new weight version when the guard drops), every other tensor its BF16 value.
-    fn refresh(&mut self) -> Result<(), PolicyError> {
-        if !self.dirty {
-            return Ok(());
+    /// After the masters were edited ([`TrainPolicy::params`]), has the model re-derive its
+    /// working weights from them: quantized linears are quantized once for the new weight
+    /// version, every other tensor takes its BF16 value.
+    fn refresh(&mut self) {
+        if self.model.weights_stale() {
+            self.model.refresh_weights();
+            self.tape = None;
         }
-        let mut ps = self.model.params_mut();
-        for ((n, v), &q) in self.names.iter().zip(&self.master).zip(&self.quantized) {
-            if q {
-                ps.set(n, v).map_err(be)?;
-            } else {
-                let b: Vec<f32> = v.iter().map(|&x| round_bf16(x)).collect();
-                ps.set(n, &b).map_err(be)?;
-            }
-        }
-        drop(ps);
-        self.tape = None;
-        self.dirty = false;
-        Ok(())
     }
 }
 
@@ -360,7 +347,7 @@ impl TrainPolicy for MoeTrainer {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<TrainForward>, PolicyError> {
-        self.refresh()?;
+        self.refresh();
         let (mut fw, tape) = model_forward(
             &self.model,
             batch,
@@ -417,27 +404,22 @@ impl TrainPolicy for MoeTrainer {
                 v
             })
             .collect();
-        let g = self.model.backward(&tape, &full, 0.0).map_err(be)?;
-        for (acc, gi) in self.grad.iter_mut().zip(&g.grads) {
-            for (a, b) in acc.iter_mut().zip(gi) {
-                *a += b;
-            }
-        }
-        Ok(())
+        self.model
+            .backward_accumulate(&tape, &full, 0.0)
+            .map_err(be)
     }
 
     fn params(&mut self) -> Vec<ParamMut<'_>> {
-        self.dirty = true;
         self.tape = None;
-        self.names
-            .iter()
-            .zip(self.master.iter_mut())
-            .zip(self.grad.iter_mut())
+        self.model
+            .train_params_mut()
+            .unwrap_or_else(|e| panic!("a trainer's model is in training: {e}"))
+            .into_iter()
             .zip(&self.formats)
-            .map(|(((n, v), g), f)| ParamMut {
-                name: n,
-                value: v,
-                grad: g,
+            .map(|(p, f)| ParamMut {
+                name: p.name,
+                value: p.value,
+                grad: p.grad,
                 format: *f,
             })
             .collect()
@@ -445,17 +427,18 @@ impl TrainPolicy for MoeTrainer {
 
     fn zero_grad(&mut self) {
         // Gradients only: the weights (and the tape of a pending backward) stay valid.
-        for g in &mut self.grad {
-            g.fill(0.0);
-        }
+        self.model
+            .zero_grads()
+            .unwrap_or_else(|e| panic!("a trainer's model is in training: {e}"));
     }
 
     fn refresh_weights(&mut self) -> Result<(), PolicyError> {
-        self.refresh()
+        self.refresh();
+        Ok(())
     }
 
     fn export_weights(&self) -> Result<Vec<WireTensor>, PolicyError> {
-        if self.dirty {
+        if self.model.weights_stale() {
             return Err(PolicyError::Invalid(
                 "export_weights: the parameters changed since the last refresh_weights; \
                  refresh first so the export is the bytes the trainer multiplies"
@@ -617,5 +600,73 @@ impl RolloutPolicy for MoeRollout {
                 probes: f.probes,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::demo_model;
+    use crate::wire::{bf16_wire, wire_scheme};
+
+    /// The trainer's parameters are the model's own masters and gradients (no second copy):
+    /// the gradients [`TrainPolicy::params`] hands out are the model's, an edit through it is
+    /// the model's master at once, the export is refused until
+    /// [`TrainPolicy::refresh_weights`], and then it carries the BF16 value of an edited BF16
+    /// tensor's master and the plan's quantization of an edited quantized linear's master —
+    /// the bytes the model multiplies.
+    #[test]
+    fn the_trainer_edits_the_models_own_masters_and_gradients() {
+        let (model, _) = demo_model(3).unwrap();
+        let plan = plan_for(model.config(), "mxfp8").unwrap();
+        let mut t = MoeTrainer::new(model, &plan).unwrap();
+        let (bf, q) = (
+            "model.norm.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        );
+        assert!(t.model().stored_weight(q).is_some() && t.model().stored_weight(bf).is_none());
+        let seq = TrainSeq {
+            prompt: &[1, 2, 3],
+            response: &[4, 5],
+            replay: None,
+        };
+        let fw = t.forward(&[seq], 1.0).unwrap();
+        t.backward(&[vec![1.0; fw[0].logprobs.len()]]).unwrap();
+        let grads = t.model().grads().unwrap().grads.clone();
+        assert!(grads.iter().flatten().any(|&g| g != 0.0));
+        let mut edited = Vec::new();
+        for (p, g) in t.params().into_iter().zip(&grads) {
+            assert_eq!(p.grad, &g[..], "{}", p.name);
+            if p.name == bf || p.name == q {
+                p.value.iter_mut().for_each(|x| *x += 0.1234);
+                edited.push((p.name.to_string(), p.value.to_vec()));
+            }
+        }
+        assert!(t.model().weights_stale());
+        assert!(t.export_weights().is_err());
+        t.refresh_weights().unwrap();
+        let ex = t.export_weights().unwrap();
+        let m = t.model();
+        assert_eq!(edited.len(), 2);
+        for (name, want) in &edited {
+            let name = name.as_str();
+            let master = &m.params().by_name(name).unwrap().data;
+            assert!(
+                master == want,
+                "{name}: the model's master is not the edited value"
+            );
+            let w = ex.iter().find(|w| w.name == name).unwrap();
+            if name == bf {
+                assert_eq!(*w, bf16_wire(bf, w.shape.clone(), master));
+            } else {
+                let scheme = wire_scheme(Format::Mxfp8).unwrap();
+                let shape = &w.shape;
+                let qt =
+                    mxrl_formats::quantize(master, shape, scheme, mxrl_formats::Padding::Reject)
+                        .unwrap();
+                assert_eq!(m.stored_weight(q).unwrap(), &qt);
+                assert_eq!(*w, from_quantized(q, &qt).unwrap());
+            }
+        }
     }
 }

@@ -384,14 +384,21 @@ fn activations_are_quantized_not_only_weights() {
         let mut t = build(&model, r).unwrap().trainer;
         let (lp, _) = logprobs_and_grads(&mut t, &b);
         t.refresh_weights().unwrap();
-        // Weight-only: every linear F32 on the values the quantized model holds.
+        // Weight-only: every linear F32 on the values the quantized model computes with (the
+        // model keeps f32 masters; a tensor the plan stores BF16 runs at its BF16 value).
         let held: Vec<Vec<f32>> = t
             .model()
             .params()
             .iter()
             .map(|p| match t.model().prepared_weight(&p.name) {
                 Some(pw) => pw.stored().unwrap().dequantize().unwrap(),
-                None => p.data.clone(),
+                None => t
+                    .model()
+                    .param_bf16(&p.name)
+                    .unwrap()
+                    .into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect(),
             })
             .collect();
         let mut w: Model = t.model().clone();
