@@ -1220,23 +1220,18 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
 // Decode, pass 2. Grid (B, hq), block 32*k threads over d < D. Combines the sequence's chunks
 // 0 .. ceil(len/CHUNK) in increasing order: M = max m_s, L = sum l_s exp(m_s - M),
 // out = (sum o_s exp(m_s - M)) / L. len == 0 gives zeros (no keys, as the reference);
-// len > max_len gives NaN. With outb (may be null) each output is also written as bf16 bits
-// (f32_to_bf16 of the f32 written to out: to_bf16 of out, bitwise).
+// len > max_len gives NaN.
 extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_m,
                                                const float* __restrict__ part_l,
                                                const float* __restrict__ part_o,
                                                const u32* __restrict__ lens, float* __restrict__ out,
-                                               u16* __restrict__ outb, u32 hq, u32 D, u32 max_len,
-                                               u32 nsplit) {
+                                               u32 hq, u32 D, u32 max_len, u32 nsplit) {
     const u32 b = blockIdx.x, h = blockIdx.y;
     const u32 len = lens[b];
     const u64 ob = (u64)b * hq * D + (u64)h * D;
     if (len == 0 || len > max_len) {
         const float f = len == 0 ? 0.0f : att_nan();
-        for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-            out[ob + d] = f;
-            if (outb) outb[ob + d] = f32_to_bf16(f);
-        }
+        for (u32 d = threadIdx.x; d < D; d += blockDim.x) out[ob + d] = f;
         return;
     }
     const u32 ns = (len + ATT_DEC_CHUNK - 1) / ATT_DEC_CHUNK;
@@ -1249,8 +1244,6 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_m,
         float acc = 0.0f;
         for (u32 s = 0; s < ns; ++s)
             acc = __fadd_rn(acc, __fmul_rn(part_o[(pb + s) * D + d], expf(__fsub_rn(part_m[pb + s], M))));
-        const float o = __fdiv_rn(acc, L);
-        out[ob + d] = o;
-        if (outb) outb[ob + d] = f32_to_bf16(o);
+        out[ob + d] = __fdiv_rn(acc, L);
     }
 }

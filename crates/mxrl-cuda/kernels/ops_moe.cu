@@ -345,45 +345,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     }
 }
 
-// moe_combine with res, then rmsnorm_fwd_bf16 (ops_norm.cu) of the combined rows, in one pass:
-// the MoE block's residual sum and the next block's normalized BF16 input. One block per token
-// t (blockDim: the norm's row_threads(h)); thread tid owns columns j = tid, tid + blockDim, ...
-// as rmsnorm_fwd_bf16 does. out[t, j] is moe_combine's sum (the same products and adds in the
-// same order; its float4 path does per component what its scalar path does), then the row's
-// sum of squares, rstd[t] and bf16 rows exactly as rmsnorm_fwd_bf16 computes them from out
-// (the same column ownership and block_sum tree): bitwise the two launches.
-extern "C" __global__ void moe_combine_add_rmsnorm_bf16(const float* __restrict__ y, const float* __restrict__ w,
-                                                        const u32* __restrict__ row_of,
-                                                        const float* __restrict__ res,
-                                                        const float* __restrict__ nw, float* __restrict__ out,
-                                                        u16* __restrict__ outb, float* __restrict__ rstd, u32 k,
-                                                        u32 d, float eps) {
-    __shared__ u32 rows_s[MOE_MAX_TOP_K];
-    __shared__ float w_s[MOE_MAX_TOP_K];
-    __shared__ u32 order_s[MOE_MAX_TOP_K];
-    __shared__ float scratch[32];
-    const u64 t = blockIdx.x;
-    const u32 nv = moe_token_order(row_of, w, t, k, rows_s, w_s, order_s);
-    float* o = out + t * d;
-    const float* r = res + t * d;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        float acc = 0.0f;
-        for (u32 q = 0; q < nv; ++q) {
-            const u32 s = order_s[q];
-            acc = __fadd_rn(acc, __fmul_rn(w_s[s], y[(u64)rows_s[s] * d + j]));
-        }
-        acc = __fadd_rn(acc, r[j]);
-        o[j] = acc;
-        ss = __fadd_rn(ss, __fmul_rn(acc, acc));
-    }
-    ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
-    if (threadIdx.x == 0) rstd[t] = rs;
-    u16* ob = outb + t * d;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ob[j] = f32_to_bf16(__fmul_rn(__fmul_rn(o[j], rs), nw[j]));
-}
-
 // dx[t, j] = Σ_s dg[row(t, s), j], summed from 0 in ascending row (expert) order. Grid as
 // moe_combine.
 extern "C" __global__ void moe_gather_bwd(const float* __restrict__ dg, const u32* __restrict__ row_of,

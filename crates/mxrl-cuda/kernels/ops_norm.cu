@@ -37,30 +37,6 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const f
         yr[j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), w[j]));
 }
 
-// x[r,j] += res[r,j] (in place), then rmsnorm_fwd_bf16 of the new x: add_inplace followed by
-// rmsnorm_fwd_bf16 in one pass, bitwise (the same sum per element; the same row loop, block
-// size and block_sum tree over the new values). Each thread re-reads only the elements it wrote.
-extern "C" __global__ void add_rmsnorm_fwd_bf16(float* __restrict__ x, const float* __restrict__ res,
-                                                const float* __restrict__ w, u16* __restrict__ y,
-                                                float* __restrict__ rstd, u32 d, float eps) {
-    __shared__ float scratch[32];
-    const u64 r = blockIdx.x;
-    float* xr = x + r * d;
-    const float* rr = res + r * d;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = __fadd_rn(xr[j], rr[j]);
-        xr[j] = v;
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
-    }
-    ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
-    if (threadIdx.x == 0) rstd[r] = rs;
-    u16* yr = y + r * d;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x)
-        yr[j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), w[j]));
-}
-
 // dx of the backward, one block per row r < rows:
 // dot = sum_j (w[j] * dy[r,j]) * x[r,j]; c = ((dot * rs) * rs) * rs / d;
 // dx[r,j] = (rs * w[j]) * dy[r,j] - x[r,j] * c (overwritten).

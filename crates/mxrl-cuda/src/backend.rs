@@ -435,31 +435,6 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
-    fn add_rmsnorm_bf16(
-        &self,
-        x: &mut Self::F32,
-        residual: &Self::F32,
-        w: &Self::F32,
-        rows: usize,
-        d: usize,
-        eps: f32,
-        out: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-    ) -> DResult<()> {
-        self.norm
-            .add_forward_bf16(
-                &mut x.as_view_mut(),
-                &residual.as_view(),
-                &w.as_view(),
-                &mut out.as_view_mut(),
-                &mut rstd.as_view_mut(),
-                rows,
-                d,
-                eps,
-            )
-            .map_err(de)
-    }
-
     fn gather_rows_bf16(
         &self,
         xb: &Self::Bf16,
@@ -505,39 +480,6 @@ impl Backend for CudaBackend {
                 n,
                 h,
                 k,
-            )
-            .map_err(de)
-    }
-
-    fn combine_add_rmsnorm_bf16(
-        &self,
-        y: &Self::F32,
-        route: &RouteBufs<Self>,
-        n: usize,
-        _e: usize,
-        k: usize,
-        h: usize,
-        residual: &Self::F32,
-        w: &Self::F32,
-        eps: f32,
-        out: &mut Self::F32,
-        outb: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-    ) -> DResult<()> {
-        self.moe
-            .combine_add_rmsnorm_bf16(
-                &y.as_view(),
-                &route.weights.as_view(),
-                &route.row_of.as_view(),
-                &residual.as_view(),
-                &w.as_view(),
-                &mut out.as_view_mut(),
-                &mut outb.as_view_mut(),
-                &mut rstd.as_view_mut(),
-                n,
-                h,
-                k,
-                eps,
             )
             .map_err(de)
     }
@@ -1703,10 +1645,9 @@ impl Backend for CudaBackend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()> {
-        // Pass 2 reads only the partials pass 1 wrote: no zero fill.
         let mut scratch = self
             .gpu
-            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
+            .zeros::<f32>(attention::decode_scratch_len(batch, max_len, shape))
             .map_err(de)?;
         self.attn
             .decode(
@@ -1724,39 +1665,6 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
-    fn attention_decode_bf16(
-        &self,
-        q: &Self::F32,
-        k_cache: &Self::Bf16,
-        v_cache: &Self::Bf16,
-        lens: &Self::U32,
-        batch: usize,
-        max_len: usize,
-        shape: AttnShape,
-        out: &mut Self::F32,
-        outb: &mut Self::Bf16,
-    ) -> DResult<()> {
-        let mut scratch = self
-            .gpu
-            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
-            .map_err(de)?;
-        self.attn
-            .decode_bf16(
-                &q.as_view(),
-                &k_cache.as_view(),
-                &v_cache.as_view(),
-                &lens.as_view(),
-                batch,
-                batch,
-                max_len,
-                shape,
-                &mut scratch.as_view_mut(),
-                &mut out.as_view_mut(),
-                &mut outb.as_view_mut(),
-            )
-            .map_err(de)
-    }
-
     fn route(
         &self,
         logits: &Self::F32,
@@ -1767,25 +1675,6 @@ impl Backend for CudaBackend {
         replay: Option<&Self::U32>,
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
-        // Decode-sized batches route and dispatch in one launch (the same bits).
-        if replay.is_none() && n > 0 && n * k <= crate::ops::router::FUSED_DISPATCH_ENTRIES {
-            return self
-                .router
-                .forward_dispatch(
-                    &logits.as_view(),
-                    &mut out.probs.as_view_mut(),
-                    &mut out.ids.as_view_mut(),
-                    &mut out.weights.as_view_mut(),
-                    &mut out.offsets.as_view_mut(),
-                    &mut out.perm.as_view_mut(),
-                    &mut out.row_of.as_view_mut(),
-                    n,
-                    e,
-                    k,
-                    norm_topk_prob,
-                )
-                .map_err(de);
-        }
         let replayed = replay.map(|r| r.as_view());
         self.router
             .forward(
@@ -1803,10 +1692,9 @@ impl Backend for CudaBackend {
                 norm_topk_prob,
             )
             .map_err(de)?;
-        // The per-block counts are written whole before they are read: no zero fill.
         let mut scratch = self
             .gpu
-            .empty::<u32>(moe::dispatch_scratch_len(n, k, e))
+            .zeros::<u32>(moe::dispatch_scratch_len(n, k, e))
             .map_err(de)?;
         self.moe
             .dispatch(

@@ -115,14 +115,6 @@ type QkNormTape<B> = (
     <B as Backend>::F32,
 );
 
-/// A layer's normalized input as the layer before it computed it (fused with its residual
-/// sum): the reciprocal RMS `[n]` and the BF16 rows `[n, H]`.
-type NormOut<B> = (<B as Backend>::F32, <B as Backend>::Bf16);
-
-/// What [`Engine::layer`] returns: the new residual stream, the layer's tape and the norm
-/// after it when asked.
-type LayerOut<B> = (<B as Backend>::F32, LayerTape<B>, Option<NormOut<B>>);
-
 /// A checked, packed batch: layout, tokens, targets, positions.
 type Packed = (SeqLayout, Vec<u32>, Vec<u32>, Vec<u32>);
 
@@ -1188,41 +1180,15 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Whether layer `li` takes its normalized input in BF16 only (no block-format q/k/v
-    /// linear quantizing the f32 rows): the layer before it can then compute that input with
-    /// its residual sum ([`Engine::layer`]'s `next_norm`).
-    fn ln1_bf16_only(&self, li: usize) -> bool {
-        let a = &self.layers[li].attn;
-        ![a.q, a.k, a.v].iter().any(|&i| self.quantized(i))
-    }
-
-    /// The norm that follows layer `li` when the layer may compute it with its residual sum:
-    /// the next layer's input norm (where it is BF16 only), else after the last layer the
-    /// final norm when `final_norm`.
-    fn next_norm(&self, li: usize, final_norm: bool) -> Option<usize> {
-        if li + 1 < self.layers.len() {
-            self.ln1_bf16_only(li + 1)
-                .then_some(self.layers[li + 1].ln1)
-        } else {
-            final_norm.then_some(self.norm)
-        }
-    }
-
-    /// One decoder layer over `n` rows: returns the new residual stream, the layer's tape
-    /// (dropped by inference callers) and, with `next_norm` (the weight of the norm that
-    /// follows), that norm of the new residual stream in BF16 (`rstd`, rows), computed with
-    /// the residual sum (the same bits as [`Backend::rmsnorm_bf16`] after it). `pre`: this
-    /// layer's normalized input as the layer before computed it (used where the layer takes
-    /// it in BF16 only).
+    /// One decoder layer over `n` rows: returns the new residual stream and the layer's
+    /// tape (dropped by inference callers).
     fn layer(
         &self,
         li: usize,
         n: usize,
         x_in: B::F32,
         pass: &mut Pass<'_, B>,
-        pre: Option<NormOut<B>>,
-        next_norm: Option<usize>,
-    ) -> Result<LayerOut<B>> {
+    ) -> Result<(B::F32, LayerTape<B>)> {
         let c = &self.cfg;
         let b = &self.b;
         let l = &self.layers[li];
@@ -1233,23 +1199,23 @@ impl<B: Backend> Engine<B> {
         let e = |m: usize| b.empty_f32(m).map_err(dev);
         let eb = |m: usize| b.empty_bf16(m).map_err(dev);
         // x_mid = x_in + attention(rmsnorm(x_in))
+        let mut rstd1 = e(n)?;
+        let mut h1b = eb(n * hd)?;
         // Block-format linears quantize the f32 normalized rows (as the CPU model's quantized
         // linears do); BF16 ones take their BF16 rounding.
-        let (rstd1, h1b, h1) = match (self.ln1_bf16_only(li), pre) {
-            (true, Some((rstd1, h1b))) => (rstd1, h1b, None),
-            (true, None) => {
-                let (mut rstd1, mut h1b) = (e(n)?, eb(n * hd)?);
-                b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
-                    .map_err(dev)?;
-                (rstd1, h1b, None)
-            }
-            (false, _) => {
-                let (mut rstd1, mut h1b, mut h1) = (e(n)?, eb(n * hd)?, e(n * hd)?);
-                b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
-                    .map_err(dev)?;
-                b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
-                (rstd1, h1b, Some(h1))
-            }
+        let h1 = if [l.attn.q, l.attn.k, l.attn.v]
+            .iter()
+            .any(|&i| self.quantized(i))
+        {
+            let mut h1 = e(n * hd)?;
+            b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
+                .map_err(dev)?;
+            b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
+            Some(h1)
+        } else {
+            b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
+                .map_err(dev)?;
+            None
         };
         let (mut q, mut k, mut v) = (e(n * qd)?, e(n * kvd)?, e(n * kvd)?);
         self.lin(
@@ -1297,7 +1263,6 @@ impl<B: Backend> Engine<B> {
         }
         let shape = self.shape();
         let mut att = e(n * qd)?;
-        let mut attb = eb(n * qd)?;
         let mut lse = e(n * hq)?;
         match pass {
             Pass::Prefill {
@@ -1323,7 +1288,6 @@ impl<B: Backend> Engine<B> {
                 }
                 b.attention(&q, &k, &v, layout, offsets, shape, &mut att, &mut lse)
                     .map_err(dev)?;
-                b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
             }
             Pass::Decode {
                 k: kc,
@@ -1352,12 +1316,14 @@ impl<B: Backend> Engine<B> {
                 )
                 .map_err(dev)?;
                 // The lengths are read on the device: a recorded step replays at any length.
-                b.attention_decode_bf16(
-                    &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att, &mut attb,
+                b.attention_decode(
+                    &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,
                 )
                 .map_err(dev)?;
             }
         }
+        let mut attb = eb(n * qd)?;
+        b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
         let mut x_mid = e(n * hd)?;
         self.lin(
             l.attn.o,
@@ -1367,8 +1333,9 @@ impl<B: Backend> Engine<B> {
             hd,
             &mut x_mid,
         )?;
-        // o + x_in (the same f32 sum as the CPU model's `x += o`), then
-        // x_out = x_mid + ffn(rmsnorm(x_mid)).
+        // o + x_in: the same f32 sum as the CPU model's `x += o`.
+        b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
+        // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
         let mut h2b = eb(n * hd)?;
         let (gate_up, down) = match &l.ffn {
@@ -1377,7 +1344,6 @@ impl<B: Backend> Engine<B> {
         };
         let h2 = match self.quantized(gate_up) {
             true => {
-                b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
                 let mut h2 = e(n * hd)?;
                 b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
                     .map_err(dev)?;
@@ -1385,17 +1351,8 @@ impl<B: Backend> Engine<B> {
                 Some(h2)
             }
             false => {
-                b.add_rmsnorm_bf16(
-                    &mut x_mid,
-                    &x_in,
-                    self.w(l.ln2),
-                    n,
-                    hd,
-                    eps,
-                    &mut h2b,
-                    &mut rstd2,
-                )
-                .map_err(dev)?;
+                b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
+                    .map_err(dev)?;
                 None
             }
         };
@@ -1412,11 +1369,6 @@ impl<B: Backend> Engine<B> {
                 Ok(Act::Bf16(a))
             }
         };
-        // The norm after this layer, computed with its residual sum where asked.
-        let mut next = match next_norm {
-            Some(wi) => Some((wi, e(n)?, eb(n * hd)?)),
-            None => None,
-        };
         let (x_out, ffn) = match &l.ffn {
             Ffn::Dense(m) => {
                 let mut gu = e(n * 2 * m.f)?;
@@ -1431,13 +1383,7 @@ impl<B: Backend> Engine<B> {
                 let act = swiglu(&gu, n, m.f)?;
                 let mut y = e(n * hd)?;
                 self.lin(m.down, act.r(), n, m.f, hd, &mut y)?;
-                match &mut next {
-                    Some((wi, r, hb)) => {
-                        b.add_rmsnorm_bf16(&mut y, &x_mid, self.w(*wi), n, hd, eps, hb, r)
-                    }
-                    None => b.add(&mut y, &x_mid, n * hd),
-                }
-                .map_err(dev)?;
+                b.add(&mut y, &x_mid, n * hd).map_err(dev)?;
                 (y, FfnTape::Dense { gu, act })
             }
             Ffn::Moe(m) => {
@@ -1552,24 +1498,8 @@ impl<B: Backend> Engine<B> {
                 self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
                 // Σ over experts, then + x_mid: the CPU model's `x += out`.
                 let mut out = e(n * hd)?;
-                match &mut next {
-                    Some((wi, r, hb)) => b.combine_add_rmsnorm_bf16(
-                        &y,
-                        &route,
-                        n,
-                        ne,
-                        k,
-                        hd,
-                        &x_mid,
-                        self.w(*wi),
-                        eps,
-                        &mut out,
-                        hb,
-                        r,
-                    ),
-                    None => b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out),
-                }
-                .map_err(dev)?;
+                b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                    .map_err(dev)?;
                 (
                     out,
                     FfnTape::Moe {
@@ -1603,7 +1533,6 @@ impl<B: Backend> Engine<B> {
                 h2b,
                 ffn,
             },
-            next.map(|(_, r, hb)| (r, hb)),
         ))
     }
 
@@ -1695,9 +1624,6 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
-        // Each layer's normalized input, computed by the layer before with its residual sum
-        // (after the last layer: the final norm).
-        let mut pre = None;
         {
             let mut pass = Pass::Prefill {
                 layout: &layout,
@@ -1708,10 +1634,8 @@ impl<B: Backend> Engine<B> {
                 replay: replay.as_deref(),
             };
             for li in 0..self.layers.len() {
-                let (nx, t, nn) =
-                    self.layer(li, n, x, &mut pass, pre.take(), self.next_norm(li, true))?;
+                let (nx, t) = self.layer(li, n, x, &mut pass)?;
                 x = nx;
-                pre = nn;
                 layers.push(t);
                 if let Some((rows, count)) = &probe_rows {
                     // The residual stream after this layer at the probed rows (a row gather).
@@ -1721,24 +1645,20 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        let (rstd_final, hfb) = match pre {
-            Some(p) => p,
-            None => {
-                let mut hfb = b.empty_bf16(n * hd).map_err(dev)?;
-                let mut rstd_final = b.empty_f32(n).map_err(dev)?;
-                b.rmsnorm_bf16(
-                    &x,
-                    self.w(self.norm),
-                    n,
-                    hd,
-                    self.cfg.rms_norm_eps,
-                    &mut hfb,
-                    &mut rstd_final,
-                )
-                .map_err(dev)?;
-                (rstd_final, hfb)
-            }
-        };
+        let mut hf = b.zeros_f32(n * hd).map_err(dev)?;
+        let mut rstd_final = b.zeros_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
+            n,
+            hd,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd_final,
+        )
+        .map_err(dev)?;
+        let mut hfb = b.zeros_bf16(n * hd).map_err(dev)?;
+        b.to_bf16(&hf, &mut hfb, n * hd).map_err(dev)?;
         let targets_dev = b.upload_u32(&targets).map_err(dev)?;
         let mut lp = b.zeros_f32(n).map_err(dev)?;
         let mut lse = b.zeros_f32(n).map_err(dev)?;
@@ -1957,12 +1877,8 @@ impl<B: Backend> Engine<B> {
             seq: seq.as_ref(),
             replay: None,
         };
-        let mut pre = None;
         for li in 0..self.layers.len() {
-            let (nx, _, nn) =
-                self.layer(li, n, x, &mut pass, pre.take(), self.next_norm(li, false))?;
-            x = nx;
-            pre = nn;
+            x = self.layer(li, n, x, &mut pass)?.0;
             // The prompt's last position predicts the first new token: its probe.
             if let Pass::Prefill {
                 cache: Some(st),
@@ -2273,9 +2189,6 @@ impl<B: Backend> Engine<B> {
             &mut x,
         )
         .map_err(dev)?;
-        // Each layer's normalized input, computed by the layer before with its residual sum
-        // (after the last layer: the final norm, the head's BF16 operand).
-        let mut pre = None;
         {
             let mut pass = Pass::Decode {
                 k,
@@ -2287,10 +2200,7 @@ impl<B: Backend> Engine<B> {
                 routes,
             };
             for li in 0..self.layers.len() {
-                let (nx, _, nn) =
-                    self.layer(li, n, x, &mut pass, pre.take(), self.next_norm(li, true))?;
-                x = nx;
-                pre = nn;
+                x = self.layer(li, n, x, &mut pass)?.0;
                 // Row r fed position pos[r], which predicts the next token: its probe (the
                 // positions are read on the device, so the recorded step replays it).
                 if let Some(pt) = probes.as_deref_mut() {
@@ -2309,36 +2219,20 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        // The final norm straight to the head's BF16 operand (the bits of `head_into` on the
-        // f32 norm), computed by the last layer with its residual sum.
-        let (_, hb) = match pre {
-            Some(p) => p,
-            None => {
-                let mut hb = b.empty_bf16(n * hd).map_err(dev)?;
-                let mut rstd = b.empty_f32(n).map_err(dev)?;
-                b.rmsnorm_bf16(
-                    &x,
-                    self.w(self.norm),
-                    n,
-                    hd,
-                    self.cfg.rms_norm_eps,
-                    &mut hb,
-                    &mut rstd,
-                )
-                .map_err(dev)?;
-                (rstd, hb)
-            }
-        };
-        drop(x);
-        b.linear(
-            &hb,
-            self.op(self.head),
+        let mut hf = b.empty_f32(n * hd).map_err(dev)?;
+        let mut rstd = b.empty_f32(n).map_err(dev)?;
+        b.rmsnorm(
+            &x,
+            self.w(self.norm),
             n,
             hd,
-            self.cfg.vocab_size,
-            &mut io.logits,
+            self.cfg.rms_norm_eps,
+            &mut hf,
+            &mut rstd,
         )
-        .map_err(dev)
+        .map_err(dev)?;
+        drop(x);
+        self.head_into(&hf, n, &mut io.logits)
     }
 
     /// Appends `tokens[b]` to sequence `b` and leaves the next position's logits in the

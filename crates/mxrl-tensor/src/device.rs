@@ -358,29 +358,6 @@ pub trait Backend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()>;
-    /// [`Backend::attention_decode`] that also writes `outb = bf16(out)` (`[batch, Hq·D]`, the
-    /// o projection's BF16 operand). The default is [`attention_decode_bf16_ops`] (the op,
-    /// then [`Backend::to_bf16`]); a device that writes both in one pass gives the same bits.
-    ///
-    /// # Errors
-    /// As the ops it stands for.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_decode_bf16(
-        &self,
-        q: &Self::F32,
-        k_cache: &Self::Bf16,
-        v_cache: &Self::Bf16,
-        lens: &Self::U32,
-        batch: usize,
-        max_len: usize,
-        shape: AttnShape,
-        out: &mut Self::F32,
-        outb: &mut Self::Bf16,
-    ) -> DResult<()> {
-        attention_decode_bf16_ops(
-            self, q, k_cache, v_cache, lens, batch, max_len, shape, out, outb,
-        )
-    }
     /// A decode step's attention inputs in one op: with `norms` (`[w_q, w_k]`, the per-head
     /// q/k RMSNorm weights of width `head_dim`) each head of `q [rows, q_heads·D]` and
     /// `k [rows, kv_heads·D]` is normalized in place ([`Backend::rmsnorm`] over rows of `D`),
@@ -773,27 +750,6 @@ pub trait Backend {
         self.rmsnorm(x, w, rows, d, eps, &mut y, rstd)?;
         self.to_bf16(&y, out, rows * d)
     }
-    /// `x += residual`, then `out = bf16(rmsnorm(x))` with `rstd` (`x, residual: [rows, d]`):
-    /// [`Backend::add`] then [`Backend::rmsnorm_bf16`] — a block's residual sum and the next
-    /// linear's BF16 input. The default is [`add_rmsnorm_bf16_ops`]; a device that fuses them
-    /// must give the same bits (`x` and `rstd` included).
-    ///
-    /// # Errors
-    /// Short buffers; device failure.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rmsnorm_bf16(
-        &self,
-        x: &mut Self::F32,
-        residual: &Self::F32,
-        w: &Self::F32,
-        rows: usize,
-        d: usize,
-        eps: f32,
-        out: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-    ) -> DResult<()> {
-        add_rmsnorm_bf16_ops(self, x, residual, w, rows, d, eps, out, rstd)
-    }
     /// [`Backend::gather_bf16`] from rows already in BF16 (`xb: [N, h]`): the same values,
     /// without a second rounding.
     ///
@@ -829,34 +785,6 @@ pub trait Backend {
         self.fill_zero(out, n * h)?;
         self.combine(y, route, n, e, k, h, out)?;
         self.add(out, residual, n * h)
-    }
-
-    /// [`Backend::combine_add`] into `out`, then `outb = bf16(rmsnorm(out))` with `w: [h]`
-    /// and `rstd: [n]` ([`Backend::rmsnorm_bf16`]): a MoE block's residual stream and the next
-    /// block's normalized BF16 input. The default is [`combine_add_rmsnorm_bf16_ops`]; a device
-    /// that fuses them must give the same bits.
-    ///
-    /// # Errors
-    /// Short buffers; device failure.
-    #[allow(clippy::too_many_arguments)]
-    fn combine_add_rmsnorm_bf16(
-        &self,
-        y: &Self::F32,
-        route: &RouteBufs<Self>,
-        n: usize,
-        e: usize,
-        k: usize,
-        h: usize,
-        residual: &Self::F32,
-        w: &Self::F32,
-        eps: f32,
-        out: &mut Self::F32,
-        outb: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-    ) -> DResult<()> {
-        combine_add_rmsnorm_bf16_ops(
-            self, y, route, n, e, k, h, residual, w, eps, out, outb, rstd,
-        )
     }
 
     /// Keeps the stored (quantized) weights of one projection's experts (`[n, k]` each, one
@@ -1231,74 +1159,6 @@ pub fn decode_attn_prep_ops<B: Backend + ?Sized>(
     b.rope(q, rows, hq, d, pos, table)?;
     b.rope(k, rows, hkv, d, pos, table)?;
     b.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
-}
-
-/// [`Backend::attention_decode_bf16`] as the ops it stands for (the trait's default, and the
-/// reference a fused implementation is tested against).
-///
-/// # Errors
-/// As those ops.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_decode_bf16_ops<B: Backend + ?Sized>(
-    b: &B,
-    q: &B::F32,
-    k_cache: &B::Bf16,
-    v_cache: &B::Bf16,
-    lens: &B::U32,
-    batch: usize,
-    max_len: usize,
-    shape: AttnShape,
-    out: &mut B::F32,
-    outb: &mut B::Bf16,
-) -> DResult<()> {
-    b.attention_decode(q, k_cache, v_cache, lens, batch, max_len, shape, out)?;
-    b.to_bf16(out, outb, batch * shape.q_heads * shape.head_dim)
-}
-
-/// [`Backend::add_rmsnorm_bf16`] as the ops it stands for (the trait's default, and the
-/// reference a fused implementation is tested against).
-///
-/// # Errors
-/// As those ops.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rmsnorm_bf16_ops<B: Backend + ?Sized>(
-    b: &B,
-    x: &mut B::F32,
-    residual: &B::F32,
-    w: &B::F32,
-    rows: usize,
-    d: usize,
-    eps: f32,
-    out: &mut B::Bf16,
-    rstd: &mut B::F32,
-) -> DResult<()> {
-    b.add(x, residual, rows * d)?;
-    b.rmsnorm_bf16(x, w, rows, d, eps, out, rstd)
-}
-
-/// [`Backend::combine_add_rmsnorm_bf16`] as the ops it stands for (the trait's default, and
-/// the reference a fused implementation is tested against).
-///
-/// # Errors
-/// As those ops.
-#[allow(clippy::too_many_arguments)]
-pub fn combine_add_rmsnorm_bf16_ops<B: Backend + ?Sized>(
-    b: &B,
-    y: &B::F32,
-    route: &RouteBufs<B>,
-    n: usize,
-    e: usize,
-    k: usize,
-    h: usize,
-    residual: &B::F32,
-    w: &B::F32,
-    eps: f32,
-    out: &mut B::F32,
-    outb: &mut B::Bf16,
-    rstd: &mut B::F32,
-) -> DResult<()> {
-    b.combine_add(y, route, n, e, k, h, residual, out)?;
-    b.rmsnorm_bf16(out, w, n, h, eps, outb, rstd)
 }
 
 /// The weight scheme of `spec` for [`Backend::upload_stored`] (refusing a BF16 spec and an

@@ -654,9 +654,6 @@ impl Attention {
     /// `scratch` ([`decode_scratch_len`]). A length of 0 gives zeros, one above `max_len` NaN.
     /// Reference: `mxrl_tensor::attention::attention_decode` on the BF16 values of the cache.
     ///
-    /// The scratch holds only what pass 1 writes before pass 2 reads it: it needs no zero
-    /// fill.
-    ///
     /// # Errors
     /// A bad head geometry, more sequences than slots, short buffers; launch errors.
     #[allow(clippy::too_many_arguments)]
@@ -672,62 +669,6 @@ impl Attention {
         shape: AttnShape,
         scratch: &mut CudaViewMut<'_, f32>,
         out: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), DeviceError> {
-        self.decode_into(
-            q, k_cache, v_cache, lens, batch, slots, max_len, shape, scratch, out, None,
-        )
-    }
-
-    /// [`Attention::decode`] that also writes `outb: [batch, Hq·D]`, the BF16 bit patterns of
-    /// `out` (round to nearest even: the bits of [`crate::ops::elementwise::Elementwise::to_bf16`]
-    /// on `out`), from the same launches.
-    ///
-    /// # Errors
-    /// As [`Attention::decode`]; a short `outb`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_bf16(
-        &self,
-        q: &CudaView<'_, f32>,
-        k_cache: &CudaView<'_, u16>,
-        v_cache: &CudaView<'_, u16>,
-        lens: &CudaView<'_, u32>,
-        batch: usize,
-        slots: usize,
-        max_len: usize,
-        shape: AttnShape,
-        scratch: &mut CudaViewMut<'_, f32>,
-        out: &mut CudaViewMut<'_, f32>,
-        outb: &mut CudaViewMut<'_, u16>,
-    ) -> Result<(), DeviceError> {
-        self.decode_into(
-            q,
-            k_cache,
-            v_cache,
-            lens,
-            batch,
-            slots,
-            max_len,
-            shape,
-            scratch,
-            out,
-            Some(outb),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn decode_into(
-        &self,
-        q: &CudaView<'_, f32>,
-        k_cache: &CudaView<'_, u16>,
-        v_cache: &CudaView<'_, u16>,
-        lens: &CudaView<'_, u32>,
-        batch: usize,
-        slots: usize,
-        max_len: usize,
-        shape: AttnShape,
-        scratch: &mut CudaViewMut<'_, f32>,
-        out: &mut CudaViewMut<'_, f32>,
-        outb: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<(), DeviceError> {
         check_shape(&self.gpu, "attention decode", shape)?;
         self.check_smem("attention decode", shape.head_dim, smem_dec(shape.head_dim))?;
@@ -765,9 +706,6 @@ impl Attention {
             )?;
         }
         check_len(g, "attention decode out", out.len(), batch * hq * d)?;
-        if let Some(ob) = &outb {
-            check_len(g, "attention decode outb", ob.len(), batch * hq * d)?;
-        }
         let need = decode_scratch_len(batch, max_len, shape);
         check_len(g, "attention decode scratch", scratch.len(), need)?;
         if max_len == 0 {
@@ -826,18 +764,19 @@ impl Attention {
         };
         let mut b = g.stream().launch_builder(&self.dec_combine);
         let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
-        let null: u64 = 0;
-        b.arg(&pm).arg(&pl).arg(&po).arg(lens).arg(out);
-        match outb {
-            Some(ob) => b.arg(ob),
-            None => b.arg(&null),
-        };
-        b.arg(&hq32).arg(&d32).arg(&ml32).arg(&ns32);
+        b.arg(&pm)
+            .arg(&pl)
+            .arg(&po)
+            .arg(lens)
+            .arg(out)
+            .arg(&hq32)
+            .arg(&d32)
+            .arg(&ml32)
+            .arg(&ns32);
         // SAFETY: block (b, h) reads lens[b] and, for 1 ≤ lens[b] ≤ max_len, the partials of
         // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes out row
-        // b, head h (batch·Hq·D checked) and, when outb is not null, the same elements of outb
-        // (batch·Hq·D checked); types match (3 × const float*, const u32*, float*, u16* or a
-        // null pointer as a 64-bit zero, 4 × u32).
+        // b, head h (batch·Hq·D checked); types match (3 × const float*, const u32*, float*,
+        // 4 × u32).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }

@@ -81,7 +81,6 @@ pub struct Moe {
     gather_bf16: CudaFunction,
     gather_u16: CudaFunction,
     combine: CudaFunction,
-    combine_norm: CudaFunction,
     gather_bwd: CudaFunction,
     combine_bwd: CudaFunction,
 }
@@ -107,7 +106,6 @@ impl Moe {
             gather_bf16: f("moe_gather_bf16")?,
             gather_u16: f("moe_gather_rows_u16")?,
             combine: f("moe_combine")?,
-            combine_norm: f("moe_combine_add_rmsnorm_bf16")?,
             gather_bwd: f("moe_gather_bwd")?,
             combine_bwd: f("moe_combine_bwd")?,
         })
@@ -457,75 +455,6 @@ impl Moe {
         k: usize,
     ) -> Result<(), DeviceError> {
         self.combine_impl(y, weights, row_of, out, n, h, k, Some(residual))
-    }
-
-    /// [`Moe::combine_add`], then the RMSNorm of the summed rows to BF16
-    /// ([`crate::ops::norm::Norm::forward_bf16`] of `out` with `norm_w: [H]`, `eps`: `outb:
-    /// [N, H]`, `rstd: [N]`), in one launch (one block per token) and bitwise the two
-    /// launches: a MoE block's residual stream and the next block's normalized input.
-    ///
-    /// # Errors
-    /// As [`Moe::combine_add`]; `H ≥ 2³²`; short norm buffers.
-    #[allow(clippy::too_many_arguments)]
-    pub fn combine_add_rmsnorm_bf16(
-        &self,
-        y: &CudaView<'_, f32>,
-        weights: &CudaView<'_, f32>,
-        row_of: &CudaView<'_, u32>,
-        residual: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        out: &mut CudaViewMut<'_, f32>,
-        outb: &mut CudaViewMut<'_, u16>,
-        rstd: &mut CudaViewMut<'_, f32>,
-        n: usize,
-        h: usize,
-        k: usize,
-        eps: f32,
-    ) -> Result<(), DeviceError> {
-        let what = "moe combine + rmsnorm";
-        self.check_shape(what, n, 1, k)?;
-        if h > u32::MAX as usize {
-            return Err(self.gpu.err(format!("{what}: width {h} exceeds 2³² − 1")));
-        }
-        let g = &self.gpu;
-        check_len(g, "moe combine + rmsnorm y", y.len(), n * k * h)?;
-        check_len(g, "moe combine + rmsnorm weights", weights.len(), n * k)?;
-        check_len(g, "moe combine + rmsnorm row_of", row_of.len(), n * k)?;
-        check_len(g, "moe combine + rmsnorm residual", residual.len(), n * h)?;
-        check_len(g, "moe combine + rmsnorm norm weight", norm_w.len(), h)?;
-        check_len(g, "moe combine + rmsnorm out", out.len(), n * h)?;
-        check_len(g, "moe combine + rmsnorm outb", outb.len(), n * h)?;
-        check_len(g, "moe combine + rmsnorm rstd", rstd.len(), n)?;
-        if n == 0 || h == 0 {
-            return Ok(());
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (crate::ops::norm::row_threads(h), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (k32, h32) = (k as u32, h as u32);
-        let mut b = g.stream().launch_builder(&self.combine_norm);
-        b.arg(y)
-            .arg(weights)
-            .arg(row_of)
-            .arg(residual)
-            .arg(norm_w)
-            .arg(out)
-            .arg(outb)
-            .arg(rstd)
-            .arg(&k32)
-            .arg(&h32)
-            .arg(&eps);
-        // SAFETY: block t < N reads row_of/weights[t·k .. t·k + k] (N·k checked), y rows
-        // row_of[..] < N·k (a permutation from `dispatch`; invalid rows skipped) at columns
-        // < H (N·k·H checked), residual row t (N·H checked) and norm_w[..H] (checked); it
-        // writes out and outb row t (N·H each, checked) and rstd[t] (N checked), re-reading
-        // only the out elements its own threads wrote; static shared memory only; types
-        // (const float*, const float*, const u32*, const float*, const float*, float*, u16*,
-        // float*, u32, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|x| g.err(x))?;
-        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]

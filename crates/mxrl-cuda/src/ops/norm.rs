@@ -50,7 +50,6 @@ pub struct Norm {
     gpu: Gpu,
     fwd: CudaFunction,
     fwd_bf16: CudaFunction,
-    add_fwd_bf16: CudaFunction,
     bwd_dx: CudaFunction,
     dw_partial: CudaFunction,
     dw_reduce: CudaFunction,
@@ -71,7 +70,6 @@ impl Norm {
             gpu: gpu.clone(),
             fwd: f("rmsnorm_fwd")?,
             fwd_bf16: f("rmsnorm_fwd_bf16")?,
-            add_fwd_bf16: f("add_rmsnorm_fwd_bf16")?,
             bwd_dx: f("rmsnorm_bwd_dx")?,
             dw_partial: f("rmsnorm_bwd_dw_partial")?,
             dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
@@ -151,56 +149,6 @@ impl Norm {
         let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
-        // const float*, u16*, float*, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
-        Ok(())
-    }
-
-    /// `x += res` (in place, `[rows, d]`), then [`Norm::forward_bf16`] of the new `x`: the
-    /// residual add and the next norm in one pass, bitwise the two launches (the same f32 sum
-    /// per element, the same block size and reduction tree).
-    ///
-    /// # Errors
-    /// As [`Norm::forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_forward_bf16(
-        &self,
-        x: &mut CudaViewMut<'_, f32>,
-        res: &CudaView<'_, f32>,
-        w: &CudaView<'_, f32>,
-        y: &mut CudaViewMut<'_, u16>,
-        rstd: &mut CudaViewMut<'_, f32>,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<(), DeviceError> {
-        check_dims(&self.gpu, "add + rmsnorm forward", rows, d)?;
-        check_len(&self.gpu, "add + rmsnorm forward x", x.len(), rows * d)?;
-        check_len(&self.gpu, "add + rmsnorm forward res", res.len(), rows * d)?;
-        check_len(&self.gpu, "add + rmsnorm forward w", w.len(), d)?;
-        check_len(&self.gpu, "add + rmsnorm forward y", y.len(), rows * d)?;
-        check_len(&self.gpu, "add + rmsnorm forward rstd", rstd.len(), rows)?;
-        if rows == 0 || d == 0 {
-            return Ok(());
-        }
-        let d32 = d as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (row_threads(d), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.gpu.stream().launch_builder(&self.add_fwd_bf16);
-        b.arg(x)
-            .arg(res)
-            .arg(w)
-            .arg(y)
-            .arg(rstd)
-            .arg(&d32)
-            .arg(&eps);
-        // SAFETY: block r < rows reads and writes x[r·d .. (r+1)·d] (each element by the one
-        // thread that re-reads it), reads the same range of res and w[..d], writes that range
-        // of y and rstd[r]; every buffer holds at least that (checked above; x is exclusively
-        // borrowed, so it aliases no input); argument types match (float*, const float*,
         // const float*, u16*, float*, u32, float).
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())

@@ -30,7 +30,7 @@
 use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_router.cu");
@@ -65,18 +65,10 @@ pub enum ExtraDprobs<'v, 'a> {
     PerToken(&'v CudaView<'a, f32>),
 }
 
-/// [`Router::forward_dispatch`] takes batches of up to this many entries `N·k` (decode): its
-/// dispatch runs in one warp, 32 entries at a time.
-pub const FUSED_DISPATCH_ENTRIES: usize = 1024;
-
 /// The loaded kernels.
 pub struct Router {
     gpu: Gpu,
     fwd_topk: CudaFunction,
-    fwd_topk_dispatch: CudaFunction,
-    /// The ticket counter of `router_fwd_topk_dispatch` (0 between launches; the launch's last
-    /// block resets it). Locked for the launch, which is serialized on the stream.
-    ticket: std::sync::Mutex<CudaSlice<u32>>,
     fwd_replay_ids: CudaFunction,
     fwd_replay_full: CudaFunction,
     bwd: CudaFunction,
@@ -107,8 +99,6 @@ impl Router {
         Ok(Router {
             gpu: gpu.clone(),
             fwd_topk: f("router_fwd_topk")?,
-            fwd_topk_dispatch: f("router_fwd_topk_dispatch")?,
-            ticket: std::sync::Mutex::new(gpu.zeros::<u32>(1)?),
             fwd_replay_ids: f("router_fwd_replay_ids")?,
             fwd_replay_full: f("router_fwd_replay_full")?,
             bwd: f("router_bwd")?,
@@ -214,75 +204,6 @@ impl Router {
                 unsafe { b.launch(row_cfg(n, e, e)) }.map_err(|x| self.gpu.err(x))?;
             }
         }
-        Ok(())
-    }
-
-    /// [`Router::forward`] in `Compute` mode and the expert-major dispatch of its ids
-    /// ([`crate::ops::moe::Moe::dispatch`]: `offsets: [E + 1]`, `perm` and `row_of: [N·k]`) in
-    /// one launch, for batches of up to [`FUSED_DISPATCH_ENTRIES`] entries (decode). Bitwise
-    /// the two launchers one after the other: the routing is the same code with the same block
-    /// size; the dispatch is integer counting, written by the last block to finish (module
-    /// doc of `moe` for the layout).
-    ///
-    /// # Errors
-    /// Shape limits as [`Router::forward`]; more than [`FUSED_DISPATCH_ENTRIES`] entries;
-    /// short buffers; launch errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_dispatch(
-        &self,
-        logits: &CudaView<'_, f32>,
-        probs: &mut CudaViewMut<'_, f32>,
-        ids: &mut CudaViewMut<'_, u32>,
-        weights: &mut CudaViewMut<'_, f32>,
-        offsets: &mut CudaViewMut<'_, u32>,
-        perm: &mut CudaViewMut<'_, u32>,
-        row_of: &mut CudaViewMut<'_, u32>,
-        n: usize,
-        e: usize,
-        k: usize,
-        norm_topk_prob: bool,
-    ) -> Result<(), DeviceError> {
-        self.check_shape("router forward + dispatch", n, e, k)?;
-        if n * k > FUSED_DISPATCH_ENTRIES {
-            return Err(self.gpu.err(format!(
-                "router forward + dispatch: {n} tokens × {k} slots exceed \
-                 {FUSED_DISPATCH_ENTRIES} entries"
-            )));
-        }
-        check_len(&self.gpu, "router logits", logits.len(), n * e)?;
-        check_len(&self.gpu, "router probs", probs.len(), n * e)?;
-        check_len(&self.gpu, "router ids", ids.len(), n * k)?;
-        check_len(&self.gpu, "router weights", weights.len(), n * k)?;
-        check_len(&self.gpu, "dispatch offsets", offsets.len(), e + 1)?;
-        check_len(&self.gpu, "dispatch perm", perm.len(), n * k)?;
-        check_len(&self.gpu, "dispatch row_of", row_of.len(), n * k)?;
-        if n == 0 {
-            return Err(self
-                .gpu
-                .err("router forward + dispatch: no tokens (use the separate launches)"));
-        }
-        let (e32, k32, norm) = (e as u32, k as u32, norm_topk_prob as i32);
-        let mut ticket = self.ticket.lock().expect("router ticket poisoned");
-        let mut b = self.gpu.stream().launch_builder(&self.fwd_topk_dispatch);
-        b.arg(logits)
-            .arg(probs)
-            .arg(&mut *ids)
-            .arg(weights)
-            .arg(&e32)
-            .arg(&k32)
-            .arg(&norm)
-            .arg(&mut *ticket)
-            .arg(offsets)
-            .arg(perm)
-            .arg(row_of);
-        // SAFETY: as `forward` (Compute) for the routing: block t < N reads logits row t,
-        // writes probs row t (N·E checked) and ids/weights row t (N·k checked); shared memory
-        // 2·E words dynamic + static. The ticket is one u32 this launcher owns, 0 between
-        // launches (the last block's atomicInc wraps it to 0); launches are serialized on the
-        // stream and by the lock. The last block reads ids[..N·k] and writes offsets[..=E]
-        // (E + 1 checked), row_of[..N·k] and perm[pos], pos < offsets[E] ≤ N·k (checked);
-        // types (const float*, float*, u32*, float*, u32, u32, int, u32*, u32*, u32*, u32*).
-        unsafe { b.launch(row_cfg(n, e, 2 * e)) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
