@@ -33,7 +33,8 @@ impl CudaBackend {
     }
 
     /// Chooses how the FP8-block fragment kernels (routed experts at decode) sum on the tensor
-    /// cores (default [`Fp8FragMma::E4m3`]); a no-op when the FP8-block kernels did not load.
+    /// cores (default [`Fp8FragMma::F16`], see [`Fp8Block::set_frag_mma`]); a no-op when the
+    /// FP8-block kernels did not load.
     pub fn set_fp8_frag_mma(&self, mma: Fp8FragMma) {
         if let Ok(ops) = &self.fp8 {
             ops.set_frag_mma(mma);
