@@ -16,19 +16,17 @@
 //! device copy (bytes read + written).
 
 #[cfg(feature = "cuda")]
+#[path = "common/bench.rs"]
+mod common;
+
+#[cfg(feature = "cuda")]
 mod bench {
+    use super::common::*;
     use cudarc::driver::sys::CUevent_flags;
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile};
-    use rand::seq::index::sample;
-    use rand::SeedableRng;
-    use rand_chacha::ChaCha8Rng;
 
-    const HIDDEN: usize = 2048;
-    const MOE_INTER: usize = 768;
-    const EXPERTS: usize = 64;
-    const TOP_K: usize = 8;
     const TRAIN_TOKENS: usize = 4096;
 
     /// Mean milliseconds per call of `f` over `reps` calls, after 3 warm-up calls.
@@ -49,26 +47,6 @@ mod bench {
         }
         end.record(g.stream()).expect("record");
         start.elapsed_ms(&end).expect("elapsed") as f64 / reps as f64
-    }
-
-    /// Per-expert row counts of `tokens` tokens each routed to TOP_K distinct random experts.
-    fn route(tokens: usize, seed: u64) -> Vec<usize> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut counts = vec![0usize; EXPERTS];
-        for _ in 0..tokens {
-            for e in sample(&mut rng, EXPERTS, TOP_K) {
-                counts[e] += 1;
-            }
-        }
-        counts
-    }
-
-    fn offsets(counts: &[usize]) -> Vec<u32> {
-        let mut o = vec![0u32];
-        for c in counts {
-            o.push(o.last().unwrap() + *c as u32);
-        }
-        o
     }
 
     /// Random-ish BF16 bit patterns (values in ±[0.25, 2)) without a host round trip per call.

@@ -22,84 +22,16 @@
 //! launcher's pick.
 
 #[cfg(feature = "cuda")]
+#[path = "common/bench.rs"]
+mod common;
+
+#[cfg(feature = "cuda")]
 mod bench {
-    use cudarc::driver::sys::CUevent_flags;
+    use super::common::*;
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
     use mxrl_cuda::ops::qgemm::{frag_split, FragRows, LowByte, QGemm, QLanes};
-    use rand::seq::index::sample;
-    use rand::SeedableRng;
-    use rand_chacha::ChaCha8Rng;
-
-    const HIDDEN: usize = 2048;
-    const MOE_INTER: usize = 768;
-    const EXPERTS: usize = 64;
-    const TOP_K: usize = 8;
-    const FLUSH_BYTES: usize = 256 << 20;
-
-    /// Median microseconds of `f` over `reps` calls (each between its own pair of events, L2
-    /// flushed before each), after 3 warm-up calls.
-    fn median_us(g: &Gpu, flush: &mut CudaSlice<u8>, reps: usize, mut f: impl FnMut()) -> f64 {
-        for _ in 0..3 {
-            f();
-        }
-        g.sync().expect("warm-up");
-        let ev = || {
-            g.ctx()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event")
-        };
-        let mut pairs = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            g.stream().memset_zeros(flush).expect("L2 flush");
-            let (a, b) = (ev(), ev());
-            a.record(g.stream()).expect("record");
-            f();
-            b.record(g.stream()).expect("record");
-            pairs.push((a, b));
-        }
-        g.sync().expect("timed calls");
-        let mut t: Vec<f64> = pairs
-            .iter()
-            .map(|(a, b)| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3)
-            .collect();
-        t.sort_by(|a, b| a.total_cmp(b));
-        t[t.len() / 2]
-    }
-
-    /// Per-expert row counts of `tokens` tokens each routed to TOP_K distinct random experts.
-    fn route(tokens: usize, seed: u64) -> Vec<usize> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut counts = vec![0usize; EXPERTS];
-        for _ in 0..tokens {
-            for e in sample(&mut rng, EXPERTS, TOP_K) {
-                counts[e] += 1;
-            }
-        }
-        counts
-    }
-
-    fn offsets(counts: &[usize]) -> Vec<u32> {
-        let mut o = vec![0u32];
-        for c in counts {
-            o.push(o.last().unwrap() + *c as u32);
-        }
-        o
-    }
-
-    /// A deterministic byte stream (LCG) mapped by `map`.
-    fn bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                map((s >> 33) as u8)
-            })
-            .collect()
-    }
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
     /// ±[0.25, 2), E4M3 codes without NaN, scale bytes of ordinary magnitude).
@@ -146,6 +78,65 @@ mod bench {
         bytes: f64,
         bf16_us: f64,
         tiled_us: f64,
+    }
+
+    /// One call of the fragment kernel for `fmt` ("BF16", "Mxfp8", "Nvfp4") with `rows` per
+    /// pass and `split` warps per block, on the activations `xq` (`xamax` for NVFP4).
+    #[allow(clippy::too_many_arguments)]
+    fn frag_call(
+        q: &QGemm,
+        fmt: &str,
+        rows: FragRows,
+        split: usize,
+        xq: &CudaSlice<u16>,
+        xamax: &CudaSlice<f32>,
+        w: &Weights,
+        off: &CudaSlice<u32>,
+        y: &mut CudaSlice<f32>,
+        s: Grouped,
+    ) {
+        let (xv, ov) = (xq.as_view(), off.as_view());
+        let mut yv = y.as_view_mut();
+        match fmt {
+            "BF16" => {
+                q.grouped_nt_frag_bf16_with(rows, split, &xv, &w.bf16.as_view(), &ov, &mut yv, s)
+            }
+            "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
+                rows,
+                split,
+                &xv,
+                &w.mx_codes.as_view(),
+                &w.mx_scales.as_view(),
+                &ov,
+                &mut yv,
+                s,
+            ),
+            _ => q.grouped_nt_frag_nvfp4_with(
+                rows,
+                split,
+                &xv,
+                &xamax.as_view(),
+                &w.nv_codes.as_view(),
+                &w.nv_scales.as_view(),
+                &w.nv_amax.as_view(),
+                &ov,
+                &mut yv,
+                s,
+            ),
+        }
+        .expect("fragments");
+    }
+
+    /// The fragment kernels' split for `fmt`'s weight rows of `k` elements.
+    fn split_for(fmt: &str, s: Grouped, k: usize) -> usize {
+        frag_split(
+            s,
+            match fmt {
+                "BF16" => 2 * k,
+                "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
+                _ => LowByte::Nvfp4.row_code_bytes(k),
+            },
+        )
     }
 
     /// `--large`: decode batches of 256, 512 and 1024 sequences (32, 64 and 128 rows per
@@ -197,43 +188,9 @@ mod bench {
                 let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
                 for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
                     let mut frag = |rows: FragRows| {
+                        let split = split_for(fmt, s, k);
                         median_us(g, flush, reps, || {
-                            let (xv, ov) = (xq.as_view(), off.as_view());
-                            let mut yv = y.as_view_mut();
-                            match fmt {
-                                "BF16" => q.grouped_nt_frag_bf16_with(
-                                    rows,
-                                    frag_split(s, 2 * k),
-                                    &xv,
-                                    &w.bf16.as_view(),
-                                    &ov,
-                                    &mut yv,
-                                    s,
-                                ),
-                                "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
-                                    rows,
-                                    frag_split(s, LowByte::Mxfp8.row_code_bytes(k)),
-                                    &xv,
-                                    &w.mx_codes.as_view(),
-                                    &w.mx_scales.as_view(),
-                                    &ov,
-                                    &mut yv,
-                                    s,
-                                ),
-                                _ => q.grouped_nt_frag_nvfp4_with(
-                                    rows,
-                                    frag_split(s, LowByte::Nvfp4.row_code_bytes(k)),
-                                    &xv,
-                                    &xamax.as_view(),
-                                    &w.nv_codes.as_view(),
-                                    &w.nv_scales.as_view(),
-                                    &w.nv_amax.as_view(),
-                                    &ov,
-                                    &mut yv,
-                                    s,
-                                ),
-                            }
-                            .expect("fragments");
+                            frag_call(q, fmt, rows, split, &xq, &xamax, &w, &off, &mut y, s)
                         })
                     };
                     let (r32, r64) = (frag(FragRows::R32), frag(FragRows::R64));
@@ -470,53 +427,13 @@ mod bench {
                 // BF16 weights included; the launcher's pick is starred.
                 if QGemm::frag_fits(n, k) {
                     for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
-                        let pick = frag_split(
-                            s,
-                            match fmt {
-                                "BF16" => 2 * k,
-                                "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
-                                _ => LowByte::Nvfp4.row_code_bytes(k),
-                            },
-                        );
+                        let pick = split_for(fmt, s, k);
                         let mut times = Vec::new();
                         for split in [1usize, 2, 4, 8] {
                             let t = median_us(&g, &mut flush, reps, || {
-                                let (xv, ov) = (xq.as_view(), off.as_view());
-                                let mut yv = y.as_view_mut();
-                                match fmt {
-                                    "BF16" => q.grouped_nt_frag_bf16_with(
-                                        frag_rows,
-                                        split,
-                                        &xv,
-                                        &w.bf16.as_view(),
-                                        &ov,
-                                        &mut yv,
-                                        s,
-                                    ),
-                                    "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
-                                        frag_rows,
-                                        split,
-                                        &xv,
-                                        &w.mx_codes.as_view(),
-                                        &w.mx_scales.as_view(),
-                                        &ov,
-                                        &mut yv,
-                                        s,
-                                    ),
-                                    _ => q.grouped_nt_frag_nvfp4_with(
-                                        frag_rows,
-                                        split,
-                                        &xv,
-                                        &xamax.as_view(),
-                                        &w.nv_codes.as_view(),
-                                        &w.nv_scales.as_view(),
-                                        &w.nv_amax.as_view(),
-                                        &ov,
-                                        &mut yv,
-                                        s,
-                                    ),
-                                }
-                                .expect("fragment split");
+                                frag_call(
+                                    &q, fmt, frag_rows, split, &xq, &xamax, w, &off, &mut y, s,
+                                )
                             });
                             times.push((split, t));
                         }

@@ -9,9 +9,10 @@
 #![allow(unsafe_code)]
 
 use crate::{module_cache_key, DeviceError, NVRTC_OPTIONS};
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaModule, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
-    PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaViewMut,
+    DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::collections::HashMap;
@@ -238,6 +239,28 @@ impl Gpu {
     /// NVRTC options (numerics) the op modules are compiled with.
     pub fn nvrtc_options(&self) -> &[String] {
         &self.options
+    }
+
+    /// Lets `func` (kernel `name`) launch with up to `bytes` of dynamic shared memory (past the
+    /// 48 KiB a launch gets without asking).
+    ///
+    /// # Errors
+    /// The driver's refusal (e.g. more than the device has), naming the kernel and the size.
+    pub fn allow_dynamic_smem(
+        &self,
+        func: &CudaFunction,
+        name: &str,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(bytes).unwrap_or(i32::MAX),
+        )
+        .map_err(|x| {
+            self.err(format!(
+                "{name}: allowing {bytes} B of shared memory: {x:?}"
+            ))
+        })
     }
 
     /// A device error naming this GPU.

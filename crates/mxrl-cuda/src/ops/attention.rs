@@ -37,7 +37,7 @@
 use super::{check_align, check_len};
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
+use cudarc::driver::sys::CUdevice_attribute_enum;
 use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use mxrl_tensor::attention::AttnShape;
 
@@ -277,16 +277,7 @@ impl Attention {
             ));
         }
         for (func, need, name) in limits {
-            let bytes = need.min(a.smem_limit);
-            func.set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .map_err(|x| {
-                gpu.err(format!(
-                    "{name}: allowing {bytes} B of shared memory: {x:?}"
-                ))
-            })?;
+            gpu.allow_dynamic_smem(func, &name, need.min(a.smem_limit))?;
         }
         Ok(a)
     }

@@ -33,7 +33,6 @@ use super::{check_align, check_len, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg,
@@ -273,16 +272,7 @@ impl Gemm {
             Tile::ALL.map(|t| {
                 let name = format!("grouped_{kind}_t{}", t.suffix());
                 let func = f(&name)?;
-                let bytes = t.smem_bytes(a_mn, b_mn);
-                func.set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(|x| {
-                    gpu.err(format!(
-                        "{name}: allowing {bytes} B of shared memory: {x:?}"
-                    ))
-                })?;
+                gpu.allow_dynamic_smem(&func, &name, t.smem_bytes(a_mn, b_mn))?;
                 Ok::<_, DeviceError>(func)
             })
         };

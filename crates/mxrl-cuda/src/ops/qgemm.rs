@@ -57,7 +57,6 @@ use super::gemm::Grouped;
 use super::{check_align, check_len, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -352,16 +351,11 @@ impl QGemm {
             ["t1", "t2", "t4", "t8"].map(|t| {
                 let name = format!("qgemm_frag_{fmt}_{t}");
                 let func = f(&name)?;
-                let bytes = frag_smem_bytes(FragRows::R64, FRAG_MAX_SPLIT);
-                func.set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(|x| {
-                    gpu.err(format!(
-                        "{name}: allowing {bytes} B of shared memory: {x:?}"
-                    ))
-                })?;
+                gpu.allow_dynamic_smem(
+                    &func,
+                    &name,
+                    frag_smem_bytes(FragRows::R64, FRAG_MAX_SPLIT),
+                )?;
                 Ok::<_, DeviceError>(func)
             })
         };
