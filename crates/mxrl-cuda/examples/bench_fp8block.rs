@@ -106,24 +106,9 @@ mod bench {
             g.name()
         );
         let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
-        {
-            let big = 1usize << 30;
-            let src = g.zeros::<u8>(big).expect("alloc");
-            let mut dst = g.zeros::<u8>(big).expect("alloc");
-            let us = median_us(&g, &mut flush, reps, || {
-                g.stream().memcpy_dtod(&src, &mut dst).expect("copy");
-            });
-            println!(
-                "device copy of 1 GiB: {:.0} µs = {:.0} GB/s (bytes read + written)",
-                us,
-                2.0 * big as f64 / (us * 1e-6) / 1e9
-            );
-        }
+        print_copy_bandwidth(&g, &mut flush, reps);
 
-        let projs = [
-            ("gate_up", 2 * MOE_INTER, HIDDEN),
-            ("down", HIDDEN, MOE_INTER),
-        ];
+        let projs = PROJS;
         let ws: Vec<Weights> = projs
             .iter()
             .enumerate()

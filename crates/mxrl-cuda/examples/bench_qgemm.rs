@@ -144,10 +144,7 @@ mod bench {
     /// path they replace above 32 rows per expert — the stored experts dequantized to BF16
     /// (every expert, each step) and the tiled BF16 kernels.
     fn large(g: &Gpu, gemm: &Gemm, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize) {
-        let projs = [
-            ("gate_up", 2 * MOE_INTER, HIDDEN),
-            ("down", HIDDEN, MOE_INTER),
-        ];
+        let projs = PROJS;
         let batches = [256usize, 512, 1024];
         let max_rows = batches[2] * TOP_K;
         let kmax = HIDDEN.max(MOE_INTER);
@@ -261,24 +258,9 @@ mod bench {
             large(&g, &gemm, &q, &mut flush, reps);
             return;
         }
-        {
-            let big = 1usize << 30;
-            let src = g.zeros::<u8>(big).expect("alloc");
-            let mut dst = g.zeros::<u8>(big).expect("alloc");
-            let us = median_us(&g, &mut flush, reps, || {
-                g.stream().memcpy_dtod(&src, &mut dst).expect("copy");
-            });
-            println!(
-                "device copy of 1 GiB: {:.0} µs = {:.0} GB/s (bytes read + written)",
-                us,
-                2.0 * big as f64 / (us * 1e-6) / 1e9
-            );
-        }
+        print_copy_bandwidth(&g, &mut flush, reps);
 
-        let projs = [
-            ("gate_up", 2 * MOE_INTER, HIDDEN),
-            ("down", HIDDEN, MOE_INTER),
-        ];
+        let projs = PROJS;
         let ws: Vec<Weights> = projs
             .iter()
             .enumerate()

@@ -19,6 +19,11 @@ pub const MOE_INTER: usize = 768;
 pub const EXPERTS: usize = 64;
 /// Experts per token.
 pub const TOP_K: usize = 8;
+/// The experts' projections: (name, N, K) of the fused gate/up and the down projection.
+pub const PROJS: [(&str, usize, usize); 2] = [
+    ("gate_up", 2 * MOE_INTER, HIDDEN),
+    ("down", HIDDEN, MOE_INTER),
+];
 /// Bytes cleared before each timed call so that it reads its weights from device memory.
 pub const FLUSH_BYTES: usize = 256 << 20;
 
@@ -85,4 +90,20 @@ pub fn bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
             map((s >> 33) as u8)
         })
         .collect()
+}
+
+/// Prints the device copy bandwidth (1 GiB, bytes read + written), the ceiling the weight
+/// streams are read against.
+pub fn print_copy_bandwidth(g: &Gpu, flush: &mut CudaSlice<u8>, reps: usize) {
+    let big = 1usize << 30;
+    let src = g.zeros::<u8>(big).expect("alloc");
+    let mut dst = g.zeros::<u8>(big).expect("alloc");
+    let us = median_us(g, flush, reps, || {
+        g.stream().memcpy_dtod(&src, &mut dst).expect("copy");
+    });
+    println!(
+        "device copy of 1 GiB: {:.0} µs = {:.0} GB/s (bytes read + written)",
+        us,
+        2.0 * big as f64 / (us * 1e-6) / 1e9
+    );
 }
