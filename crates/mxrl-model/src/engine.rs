@@ -296,6 +296,21 @@ pub struct Record {
     pub probes: usize,
 }
 
+/// Where one [`Engine::generate_timed`] call's wall time went (s). Each phase ends when its
+/// results are on the host (the sampled ids are read back after every step), so the phases
+/// add up to the call's time without extra synchronisation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GenTiming {
+    /// Prefill of every prompt up to the first sampled tokens.
+    pub prefill_s: f64,
+    /// The decode steps after it.
+    pub decode_s: f64,
+    /// Decode steps run.
+    pub decode_steps: u64,
+    /// Reading back what was recorded (routes, probes).
+    pub readback_s: f64,
+}
+
 /// One sequence of [`Engine::generate_recording`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recorded {
@@ -2344,8 +2359,9 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
         stop: &[u32],
     ) -> Result<Vec<Sampled>> {
+        let mut timing = GenTiming::default();
         Ok(self
-            .generate_inner(prompts, new_tokens, p, stop, Record::default())?
+            .generate_inner(prompts, new_tokens, p, stop, Record::default(), &mut timing)?
             .0)
     }
 
@@ -2388,7 +2404,24 @@ impl<B: Backend> Engine<B> {
         stop: &[u32],
         rec: Record,
     ) -> Result<Vec<Recorded>> {
-        let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, rec)?;
+        Ok(self.generate_timed(prompts, new_tokens, p, stop, rec)?.0)
+    }
+
+    /// [`Engine::generate_recording`] that also says where its time went.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    pub fn generate_timed(
+        &self,
+        prompts: &[&[u32]],
+        new_tokens: usize,
+        p: &SampleParams,
+        stop: &[u32],
+        rec: Record,
+    ) -> Result<(Vec<Recorded>, GenTiming)> {
+        let mut timing = GenTiming::default();
+        let (out, st) = self.generate_inner(prompts, new_tokens, p, stop, rec, &mut timing)?;
+        let t_read = std::time::Instant::now();
         let fed: Vec<usize> = prompts
             .iter()
             .zip(&out)
@@ -2413,7 +2446,8 @@ impl<B: Backend> Engine<B> {
             ]),
         }
         .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
-        Ok(out
+        timing.readback_s = t_read.elapsed().as_secs_f64();
+        let recorded = out
             .into_iter()
             .enumerate()
             .map(|(i, sampled)| Recorded {
@@ -2423,7 +2457,8 @@ impl<B: Backend> Engine<B> {
                     .as_mut()
                     .and_then(|t| t.get_mut(i).and_then(Option::take)),
             })
-            .collect())
+            .collect();
+        Ok((recorded, timing))
     }
 
     /// The recorded probes of `st`'s first sequences (those the table holds): per sequence,
@@ -2494,6 +2529,7 @@ impl<B: Backend> Engine<B> {
         p: &SampleParams,
         stop: &[u32],
         capture: Record,
+        timing: &mut GenTiming,
     ) -> Result<(Vec<Sampled>, Option<DecodeState<B>>)> {
         let mut out = vec![
             Sampled {
@@ -2507,8 +2543,11 @@ impl<B: Backend> Engine<B> {
         }
         let longest = prompts.iter().map(|q| q.len()).max().unwrap_or(0);
         p.validate().map_err(ModelError::Input)?;
+        let t0 = std::time::Instant::now();
         let mut st = self.prefill_state(prompts, longest + new_tokens, capture, new_tokens)?;
         let (mut ids, mut lps) = self.sample_state(&mut st, p)?;
+        timing.prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = std::time::Instant::now();
         let mut done = vec![false; prompts.len()];
         for t in 0..new_tokens {
             for (i, o) in out.iter_mut().enumerate() {
@@ -2526,7 +2565,9 @@ impl<B: Backend> Engine<B> {
                 ..*p
             };
             (ids, lps) = self.decode_sample(&mut st, &ids, &sp)?;
+            timing.decode_steps += 1;
         }
+        timing.decode_s = t1.elapsed().as_secs_f64();
         Ok((out, Some(st)))
     }
 

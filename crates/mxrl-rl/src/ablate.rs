@@ -79,10 +79,17 @@ impl AblationSpec {
     }
 }
 
-/// The one-line console summary of a step.
+/// The one-line console summary of a step (with the rollout's prefill / decode split when
+/// the policy measured it).
 pub fn progress_line(m: &StepMetrics) -> String {
+    let phases = m.rollout_phases.map_or(String::new(), |p| {
+        format!(
+            " (prefill {:.3}s, {} decode steps {:.3}s)",
+            p.prefill_s, p.decode_steps, p.decode_s
+        )
+    });
     format!(
-        "reward {:+.3} acc {:.2} len {:.1} |Δlp| {:.1e} k3 {:.1e} gn {:.2}{} ent {:.2} v{} {:.0} tok/s roll {:.2}s train {:.2}s sync {:.3}s",
+        "reward {:+.3} acc {:.2} len {:.1} |Δlp| {:.1e} k3 {:.1e} gn {:.2}{} ent {:.2} v{} {:.0} tok/s roll {:.2}s{phases} train {:.2}s sync {:.3}s",
         m.reward_mean,
         m.accuracy,
         m.response_len,

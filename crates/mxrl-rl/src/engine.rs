@@ -54,7 +54,7 @@ use crate::policy::{
     SamplingConfig, Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
 use mxrl_formats::Format;
-use mxrl_model::engine::{Engine, HostTensor, Record, Tape};
+use mxrl_model::engine::{Engine, GenTiming, HostTensor, Record, Tape};
 use mxrl_model::{ModelConfig, SeqInput};
 use mxrl_plan::PrecisionPlan;
 use mxrl_tensor::device::Backend;
@@ -540,6 +540,8 @@ pub struct EngineRollout<B: Backend> {
     /// What generation records besides tokens ([`RolloutPolicy::set_routes`], on by default;
     /// [`RolloutPolicy::set_probes`], off by default).
     record: Record,
+    /// Where the last generation's time went.
+    timing: Option<GenTiming>,
 }
 
 impl<B: Backend> std::fmt::Debug for EngineRollout<B> {
@@ -566,6 +568,7 @@ impl<B: Backend> EngineRollout<B> {
                 routes: true,
                 probes: 0,
             },
+            timing: None,
         })
     }
 
@@ -623,10 +626,11 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
             seed,
             step: 0,
         };
-        let gens = self
+        let (gens, timing) = self
             .engine
-            .generate_recording(&expanded, cfg.max_new_tokens, &sp, &[eos], self.record)
+            .generate_timed(&expanded, cfg.max_new_tokens, &sp, &[eos], self.record)
             .map_err(be)?;
+        self.timing = Some(timing);
         let width = self.engine.config().hidden_size;
         Ok(gens
             .into_iter()
@@ -648,6 +652,10 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
 
     fn set_probes(&mut self, sequences: usize) {
         self.record.probes = sequences;
+    }
+
+    fn last_timing(&self) -> Option<GenTiming> {
+        self.timing
     }
 
     fn set_routes(&mut self, on: bool) {

@@ -53,6 +53,11 @@ pub struct StepMetrics {
     pub hidden_diff: Vec<f64>,
     /// Rollout wall time (s).
     pub rollout_s: f64,
+    /// Where the generation inside the rollout spent its time (prefill, decode steps,
+    /// read-back of what it recorded), when the rollout policy measures it (the device
+    /// engine does); bitwise mode's re-scoring is in `rollout_s` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_phases: Option<crate::policy::GenTiming>,
     /// Training (forward + backward + optimizer) wall time (s).
     pub train_s: f64,
     /// Weight-sync wall time (export, bucket, verify, apply) (s).

@@ -11,6 +11,7 @@
 //! Both sides compute logprobs of the **tempered** distribution `softmax(logits / T)`.
 
 use mxrl_formats::Format;
+pub use mxrl_model::engine::GenTiming;
 use serde::{Deserialize, Serialize};
 
 /// Sampling settings of the rollout engine.
@@ -301,6 +302,12 @@ pub trait RolloutPolicy {
         let _ = on;
     }
 
+    /// Where the last [`RolloutPolicy::generate`] call's time went (prefill, decode steps,
+    /// read-back), when the policy measures it (the device engine does; the default: `None`).
+    fn last_timing(&self) -> Option<GenTiming> {
+        None
+    }
+
     /// [`RolloutPolicy::score`] that also returns each sequence's per-layer probes from the
     /// same forward, so bitwise mode compares hidden states computed like the trainer's. The
     /// default gives no probes (the generation's probes are kept).
@@ -474,6 +481,9 @@ impl<P: RolloutPolicy + ?Sized> RolloutPolicy for Box<P> {
     }
     fn set_routes(&mut self, on: bool) {
         (**self).set_routes(on)
+    }
+    fn last_timing(&self) -> Option<GenTiming> {
+        (**self).last_timing()
     }
 }
 

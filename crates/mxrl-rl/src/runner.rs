@@ -579,6 +579,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             self.codec.eos,
             cfg.seed.wrapping_mul(1_000_003).wrapping_add(step),
         )?;
+        let rollout_phases = self.rollout.policy.last_timing();
         if cfg.bitwise {
             for (mb_i, mb) in samples.chunks_mut(cfg.micro_batch).enumerate() {
                 let seqs: Vec<TrainSeq<'_>> = mb
@@ -777,6 +778,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 .collect(),
             hidden_diff: hid.iter().map(|&(s, c)| s / c.max(1) as f64).collect(),
             rollout_s,
+            rollout_phases,
             train_s,
             sync_s,
             tokens_per_s: tokens as f64 / rollout_s.max(1e-9),

@@ -343,6 +343,25 @@ fn engine_rl_loop_bitwise_mismatch_is_zero() {
             // The update stayed on the device: exactly the BF16 bytes, no wire framing.
             assert_eq!(m.sync_bytes, 2 * model.params().num_elements() as u64);
             assert!(m.tokens > 0, "{m:?}");
+            // The engine's generation says where its time went: phases within the rollout's
+            // wall time, one decode step per new token after the first (at most).
+            let ph = m
+                .rollout_phases
+                .expect("the engine rollout times its phases");
+            let sum = ph.prefill_s + ph.decode_s + ph.readback_s;
+            assert!(
+                ph.prefill_s > 0.0 && ph.decode_s >= 0.0 && ph.readback_s >= 0.0,
+                "{ph:?}"
+            );
+            assert!(sum <= m.rollout_s, "{ph:?} against {m:?}");
+            let most = cfg(3, bitwise).sampling.max_new_tokens as u64;
+            assert!(ph.decode_steps < most, "{ph:?}");
+            if m.response_len > 1.0 {
+                assert!(
+                    ph.decode_steps >= 1 && ph.decode_s > 0.0,
+                    "{ph:?} against {m:?}"
+                );
+            }
             if bitwise {
                 assert_eq!(m.train_rollout_logprob_abs_diff, 0.0, "{m:?}");
                 assert_eq!(m.k3_kl, 0.0, "{m:?}");
