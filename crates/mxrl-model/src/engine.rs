@@ -1857,8 +1857,9 @@ impl<B: Backend> Engine<B> {
             .collect()
     }
 
-    /// Embeds and runs every layer over packed sequences, filling `cache`; returns the
-    /// final-norm hidden states `[n, H]` f32.
+    /// Embeds and runs every layer over packed sequences (positions from 0 in each), filling
+    /// `cache`; returns the final-norm hidden states `[n, H]` f32, or with a cache only each
+    /// sequence's last row `[sequences, H]` (what the head reads to sample).
     fn prefill_hidden(
         &self,
         tokens: &[u32],
@@ -1876,13 +1877,13 @@ impl<B: Backend> Engine<B> {
         b.embed(self.w(self.embed), self.cfg.vocab_size, &tk, n, hd, &mut x)
             .map_err(dev)?;
         let seq = match &cache {
-            Some(st) if !st.routes.is_empty() || st.probes.is_some() => {
+            Some(_) => {
                 let rows: Vec<u32> = (0..layout.num_seqs())
                     .flat_map(|s| std::iter::repeat_n(s as u32, layout.len(s)))
                     .collect();
                 Some(b.upload_u32(&rows).map_err(dev)?)
             }
-            _ => None,
+            None => None,
         };
         let mut pass = Pass::Prefill {
             layout,
@@ -1929,7 +1930,19 @@ impl<B: Backend> Engine<B> {
             &mut rstd,
         )
         .map_err(dev)?;
-        Ok(hf)
+        let Some(seq) = seq else {
+            return Ok(hf);
+        };
+        // With a decode state only each sequence's last row feeds the head: gathered on the
+        // device (a plain copy; row r of sequence seq[r] at position pos[r] goes to slot seq[r]
+        // when pos[r] = len − 1, the positions counting from 0 in every sequence).
+        let slots = layout.num_seqs();
+        let last_pos: Vec<u32> = (0..slots).map(|s| layout.len(s) as u32 - 1).collect();
+        let last_pos = b.upload_u32(&last_pos).map_err(dev)?;
+        let mut last = b.empty_f32(slots * hd).map_err(dev)?;
+        b.capture_rows(&hf, n, hd, Some(&seq), &ps, &last_pos, slots, 1, &mut last)
+            .map_err(dev)?;
+        Ok(last)
     }
 
     /// Logits `[rows, V]` (f32, into `out`) of final hidden states `hf: [rows, H]`.
@@ -2034,32 +2047,7 @@ impl<B: Backend> Engine<B> {
                 None
             },
         };
-        let hf = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
-        // Last position of every prompt, gathered on the device (a plain copy): row r of
-        // sequence seq[r] at position pos[r] goes to slot seq[r] when pos[r] = len − 1.
-        let hd = self.cfg.hidden_size;
-        let seq: Vec<u32> = (0..slots as u32)
-            .flat_map(|s| std::iter::repeat_n(s, lens[s as usize]))
-            .collect();
-        let last_pos: Vec<u32> = lens.iter().map(|&l| l as u32 - 1).collect();
-        let (seq, pos_d, last_pos) = (
-            b.upload_u32(&seq).map_err(dev)?,
-            b.upload_u32(&pos).map_err(dev)?,
-            b.upload_u32(&last_pos).map_err(dev)?,
-        );
-        let mut last = b.empty_f32(slots * hd).map_err(dev)?;
-        b.capture_rows(
-            &hf,
-            tokens.len(),
-            hd,
-            Some(&seq),
-            &pos_d,
-            &last_pos,
-            slots,
-            1,
-            &mut last,
-        )
-        .map_err(dev)?;
+        let last = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
         self.head_into(&last, slots, &mut st.io.logits)?;
         Ok(st)
     }
@@ -3573,7 +3561,7 @@ enum Pass<'a, B: Backend> {
         offsets: &'a B::U32,
         pos: &'a B::U32,
         cache: Option<&'a mut DecodeState<B>>,
-        /// The sequence of every packed row (device), when routes are captured.
+        /// The sequence of every packed row (device), with a decode state.
         seq: Option<&'a B::U32>,
         /// Per layer, expert ids `[N, k]` to replay (MoE layers).
         replay: Option<&'a [Option<B::U32>]>,
