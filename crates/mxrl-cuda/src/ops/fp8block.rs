@@ -64,7 +64,9 @@ const MAX_PASS_CTAS: usize = 64;
 /// ([`Fp8Block::gemm_nt`]), whose decoded 64 × 128 weight tiles serve 64 rows per pass. Their
 /// largest pass (32 rows, [`FragRows::R32`]) reads an expert's codes once per 32 rows, so at
 /// 64 rows per expert each used expert's codes are read twice (the second time mostly from
-/// L2). Not yet tuned on a GPU: `bench_fp8block` times both kernels at 8–64 rows per expert.
+/// L2). Measured on an H200 (`bench_fp8block`, BENCHMARKS.md): at 64 rows per expert the
+/// fragment kernels (binary16, one warp per block) took 297 / 163 µs for the benchmark model's
+/// gate_up / down against 463 / 228 µs for the tiled ones; past 64 not measured.
 pub const FRAG_ROWS_PER_EXPERT: usize = 64;
 
 /// The passes the fragment kernels have (8, 16 and 32 rows; no 64-row kernel).

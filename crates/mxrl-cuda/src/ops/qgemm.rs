@@ -871,12 +871,14 @@ impl QGemm {
 
     /// [`QGemm::grouped_nt_small_m_mxfp8`] on tensor cores with the stored weights decoded
     /// straight into `mma.m16n8k16` A fragments (no shared-memory round trip): per block 32
-    /// output columns of one expert, its 8 warps splitting K, the expert's activation rows as
-    /// the B operand in passes of [`FragRows::for_rows`]. Weight values are those
+    /// output columns of one expert, its warps ([`frag_split`]) splitting K, the expert's
+    /// activation rows as the B operand in passes of [`FragRows::for_rows`] (up to
+    /// [`FragRows::largest`]). Weight values are those
     /// [`QGemm::dequant_weights_mxfp8`] writes (exact for scale bytes ≥ 3); products exact,
     /// f32 sums in the tensor cores' order per warp, then the warps' partial sums added in a
     /// fixed order (bound: `tensor_core_sum_bound`; deterministic). Each used expert's bytes
-    /// are read once per pass. For 1–32 rows per expert (decode batches).
+    /// are read once per pass. The engine backend takes it up to
+    /// `backend::QFRAG_ROWS_PER_EXPERT` rows per expert (decode batches up to rollout size).
     ///
     /// # Errors
     /// As [`QGemm::grouped_nt_small_m_mxfp8`]; also `n` not a multiple of [`FRAG_COLS`].
