@@ -209,14 +209,11 @@ fn export<B: Backend>(e: &Engine<B>) -> Result<Vec<WireTensor>, PolicyError> {
                 }
             }
             // Only the BF16 parameters are copied as values.
-            None => out.push(WireTensor {
-                name: name.to_string(),
-                format: Format::Bf16,
-                shape: e.param_shape(name).map_err(be)?.to_vec(),
-                data: crate::wire::bf16_le_bytes(&e.param_bf16(name).map_err(be)?),
-                scales: Vec::new(),
-                amax: Vec::new(),
-            }),
+            None => out.push(crate::wire::bf16_bits_wire(
+                name,
+                e.param_shape(name).map_err(be)?.to_vec(),
+                &e.param_bf16(name).map_err(be)?,
+            )),
         }
     }
     Ok(out)

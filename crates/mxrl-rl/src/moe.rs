@@ -41,7 +41,7 @@ use crate::policy::{
     replay_of, routed, LayerProbes, ParamMut, PolicyError, RolloutPolicy, Sample, SamplingConfig,
     Scored, TrainForward, TrainPolicy, TrainSeq, WireTensor,
 };
-use crate::wire::{bf16_le_bytes, bf16_values, from_quantized, to_quantized};
+use crate::wire::{bf16_bits_wire, bf16_values, from_quantized, to_quantized};
 use mxrl_formats::Format;
 use mxrl_model::{
     ForwardOptions, HiddenStates, Model, ModelConfig, ReplayKind, SamplingParams, SeqInput, Tape,
@@ -135,16 +135,13 @@ fn held_weights(model: &Model) -> Result<Vec<WireTensor>, PolicyError> {
         .iter()
         .map(|p| match model.stored_weight(&p.name) {
             Some(stored) => from_quantized(&p.name, stored),
-            None => Ok(WireTensor {
-                name: p.name.clone(),
-                format: Format::Bf16,
-                shape: p.shape.clone(),
-                data: bf16_le_bytes(&model.param_bf16(&p.name).ok_or_else(|| {
+            None => Ok(bf16_bits_wire(
+                &p.name,
+                p.shape.clone(),
+                &model.param_bf16(&p.name).ok_or_else(|| {
                     PolicyError::Backend(format!("parameter {} has no BF16 value", p.name))
-                })?),
-                scales: Vec::new(),
-                amax: Vec::new(),
-            }),
+                })?,
+            )),
         })
         .collect()
 }

@@ -53,26 +53,27 @@ pub fn quantize(
 
 /// A BF16 wire tensor of `values` (round to nearest even; lossless for BF16-exact values).
 pub fn bf16_wire(name: &str, shape: Vec<usize>, values: &[f32]) -> WireTensor {
+    let bits: Vec<u16> = values
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_bits())
+        .collect();
+    bf16_bits_wire(name, shape, &bits)
+}
+
+/// A BF16 tensor on the wire from its BF16 bit patterns (the data: little-endian bytes).
+pub fn bf16_bits_wire(name: &str, shape: Vec<usize>, bits: &[u16]) -> WireTensor {
+    let mut data = vec![0u8; 2 * bits.len()];
+    for (o, b) in data.chunks_exact_mut(2).zip(bits) {
+        o.copy_from_slice(&b.to_le_bytes());
+    }
     WireTensor {
         name: name.into(),
         format: Format::Bf16,
         shape,
-        data: values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
+        data,
         scales: Vec::new(),
         amax: Vec::new(),
     }
-}
-
-/// BF16 bit patterns as little-endian bytes (the wire's BF16 data).
-pub fn bf16_le_bytes(bits: &[u16]) -> Vec<u8> {
-    let mut out = vec![0u8; 2 * bits.len()];
-    for (o, b) in out.chunks_exact_mut(2).zip(bits) {
-        o.copy_from_slice(&b.to_le_bytes());
-    }
-    out
 }
 
 /// A stored quantized tensor (a quantized linear's forward weight, a converted checkpoint
