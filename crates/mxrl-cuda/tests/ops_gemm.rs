@@ -18,6 +18,10 @@ use mxrl_tensor::tolerance::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "common/grouped.rs"]
+mod grouped;
+use grouped::{offsets_of, routed, Case};
+
 fn gpu() -> Gpu {
     Gpu::shared(0).unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"))
 }
@@ -40,38 +44,6 @@ fn bf16_values(n: usize, seed: u64) -> Bf16 {
 fn assert_within(what: &str, seed: u64, got: &[f32], want: &[f32], bound: &[f64]) {
     let v = violations(got, want, |i| bound[i]);
     assert!(v.is_empty(), "{what} (seed {seed}): {v:?}");
-}
-
-fn offsets_of(counts: &[usize]) -> Vec<u32> {
-    let mut o = vec![0u32];
-    for c in counts {
-        o.push(o.last().unwrap() + *c as u32);
-    }
-    o
-}
-
-/// A grouped problem: per-expert row counts (packed expert-major), N, K, and `extra` rows
-/// after the last expert that belong to no expert.
-#[derive(Debug, Clone)]
-struct Case {
-    counts: Vec<usize>,
-    n: usize,
-    k: usize,
-    extra: usize,
-}
-
-impl Case {
-    fn rows(&self) -> usize {
-        self.counts.iter().sum::<usize>() + self.extra
-    }
-    fn shape(&self) -> Grouped {
-        Grouped {
-            experts: self.counts.len(),
-            rows: self.rows(),
-            n: self.n,
-            k: self.k,
-        }
-    }
 }
 
 fn random_case(seed: u64) -> Case {
@@ -138,24 +110,6 @@ fn fixed_cases() -> Vec<Case> {
     ]
 }
 
-/// Model-like routing: `tokens` tokens each sent to 8 distinct random experts of 64 (the
-/// benchmark config's top-8 of 64), so every expert has tens of rows and several row tiles.
-fn routed_case(tokens: usize, seed: u64, n: usize, k: usize) -> Case {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut counts = vec![0usize; 64];
-    for _ in 0..tokens {
-        for e in rand::seq::index::sample(&mut rng, 64, 8) {
-            counts[e] += 1;
-        }
-    }
-    Case {
-        counts,
-        n,
-        k,
-        extra: 0,
-    }
-}
-
 fn all_cases() -> Vec<(u64, Case)> {
     let mut v: Vec<(u64, Case)> = fixed_cases()
         .into_iter()
@@ -163,7 +117,7 @@ fn all_cases() -> Vec<(u64, Case)> {
         .map(|(i, c)| (1000 + i as u64, c))
         .collect();
     v.extend((0..8).map(|s| (s, random_case(s))));
-    v.push((2000, routed_case(512, 2000, 264, 520)));
+    v.push((2000, routed(512, 2000, 264, 520)));
     v
 }
 
@@ -640,8 +594,8 @@ fn bf16_fragment_kernels_match_reference() {
                 extra: 1,
             },
         ),
-        (73, routed_case(1, 73, 64, 2048)),
-        (74, routed_case(32, 74, 128, 768)),
+        (73, routed(1, 73, 64, 2048)),
+        (74, routed(32, 74, 128, 768)),
         // 64 rows per pass and more, ragged last passes.
         (
             79,

@@ -38,6 +38,10 @@ use mxrl_tensor::qlinear::{nvfp4_alpha, BackwardMode, LinearSpec, PreparedWeight
 use mxrl_tensor::tolerance::{tensor_core_sum_bound, two_order_sum_bound};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+
+#[path = "common/grouped.rs"]
+mod grouped;
+use grouped::{routed, Case};
 use std::sync::{Mutex, MutexGuard};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -470,58 +474,6 @@ fn quantize_experts(f: LowByte, e: usize, n: usize, k: usize, seed: u64) -> QExp
         w.amax.push(0.0);
     }
     w
-}
-
-/// Per-expert row counts (packed expert-major), N, K and `extra` rows that belong to no
-/// expert.
-#[derive(Debug, Clone)]
-struct Case {
-    counts: Vec<usize>,
-    n: usize,
-    k: usize,
-    extra: usize,
-}
-
-impl Case {
-    fn rows(&self) -> usize {
-        self.counts.iter().sum::<usize>() + self.extra
-    }
-    fn shape(&self) -> Grouped {
-        Grouped {
-            experts: self.counts.len(),
-            rows: self.rows(),
-            n: self.n,
-            k: self.k,
-        }
-    }
-    fn offsets(&self) -> Vec<u32> {
-        let mut o = vec![0u32];
-        for c in &self.counts {
-            o.push(o.last().unwrap() + *c as u32);
-        }
-        o
-    }
-    fn expert_of(&self, row: usize) -> Option<usize> {
-        let o = self.offsets();
-        (0..self.counts.len()).find(|&e| (o[e] as usize..o[e + 1] as usize).contains(&row))
-    }
-}
-
-/// `tokens` tokens each routed to 8 distinct experts of 64 (the benchmark model's top-8).
-fn routed(tokens: usize, seed: u64, n: usize, k: usize) -> Case {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut counts = vec![0usize; 64];
-    for _ in 0..tokens {
-        for e in rand::seq::index::sample(&mut rng, 64, 8) {
-            counts[e] += 1;
-        }
-    }
-    Case {
-        counts,
-        n,
-        k,
-        extra: 0,
-    }
 }
 
 /// Ragged rows (0-row experts, passes of 8 and one more, rows of no expert, N off the block
