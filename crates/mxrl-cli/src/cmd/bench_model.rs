@@ -52,6 +52,14 @@ pub struct ModelArgs {
     /// Timed decode steps per batch size (after two warm-up steps).
     #[arg(long, default_value_t = 16)]
     steps: usize,
+    /// Whole generations timed per batch size (`--generate-batches`): this many new tokens
+    /// from fresh prompts, as one rollout runs them (prefill, the recorded decode step,
+    /// sampling with temperature 1, routes and 64 probes recorded and read back).
+    #[arg(long, default_value_t = 32)]
+    generate_tokens: usize,
+    /// Batch sizes of the whole-generation figure (none by default).
+    #[arg(long, value_delimiter = ',')]
+    generate_batches: Vec<usize>,
     /// Timed prefill repetitions (after one warm-up).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -76,6 +84,12 @@ pub struct ModelArgs {
     /// BF16 in the same run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
     train_recipes: Vec<String>,
+    /// Also measure prefill and decode under these precision recipes (presets or TOML files;
+    /// comma separated): every linear the plan stores in a block format (attention, shared
+    /// and routed experts) runs on its stored bytes, as a rollout under that recipe does,
+    /// each against BF16 in the same run.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![String::from("bf16")])]
+    decode_recipes: Vec<String>,
     /// CUDA: average rows per expert from which the routed-expert GEMMs run one cuBLAS call
     /// per expert (0 = always; by default never: the one-launch grouped kernels).
     #[arg(long)]
@@ -137,6 +151,10 @@ struct Results {
     decode_plain: Vec<(usize, f64)>,
     /// Prefill and decode with the routed experts in a block format.
     expert_formats: Vec<FormatResult>,
+    /// Prefill and decode under a whole precision recipe (`--decode-recipes`).
+    decode_recipes: Vec<FormatResult>,
+    /// Whole generations in BF16 (`--generate-batches`).
+    generate: Vec<GenResult>,
     copy_gbps: Option<f64>,
     peak_device_bytes: Option<usize>,
     train_tokens: usize,
@@ -157,6 +175,22 @@ struct FormatResult {
     prefill_ms: f64,
     /// (batch, ms/step, roofline ms/step of the stored bytes)
     decode: Vec<(usize, f64, Option<f64>)>,
+    /// Whole generations (`--generate-batches`).
+    generate: Vec<GenResult>,
+}
+
+/// One whole generation of `--generate-tokens` new tokens at one batch size.
+#[derive(serde::Serialize, Default, Debug, Clone)]
+struct GenResult {
+    batch: usize,
+    /// Wall time of the generation (median of two after one warm-up).
+    ms: f64,
+    /// New tokens per second.
+    tokens_per_s: f64,
+    prefill_ms: f64,
+    decode_ms: f64,
+    decode_steps: u64,
+    readback_ms: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -171,7 +205,10 @@ pub fn run(a: ModelArgs) -> Result<()> {
     cfg.num_heads = a.q_heads.unwrap_or(cfg.num_heads);
     cfg.vocab_size = a.vocab.unwrap_or(cfg.vocab_size);
     cfg.validate()?;
-    let max_pos = a.prefill.max(a.prompt + a.steps + 4).max(a.train_len);
+    let max_pos = a
+        .prefill
+        .max(a.prompt + a.steps.max(a.generate_tokens) + 4)
+        .max(a.train_len);
     let r = match a.device.as_str() {
         "cpu" => {
             eprintln!("building the model on the CPU ...");
@@ -242,6 +279,7 @@ fn measure<B: Backend>(
         }
         r.decode.push((bs, ms, roof));
     }
+    r.generate = time_generations(e, a, "BF16")?;
     // The routed experts in each block format (stored bytes on the device, activations
     // quantized per forward): prefill and decode again, then back to BF16 for training.
     for fmt in a.expert_formats.iter().filter(|f| f.as_str() != "bf16") {
@@ -263,9 +301,39 @@ fn measure<B: Backend>(
             quantize_s,
             prefill_ms,
             decode,
+            generate: time_generations(e, a, &format!("{fmt} experts"))?,
         });
     }
     e.quantize_experts(LinearSpec::bf16())?;
+    // Whole recipes: every linear the plan stores in a block format, as a rollout runs them.
+    for recipe in a.decode_recipes.iter().filter(|x| x.as_str() != "bf16") {
+        let plan = mxrl_rl::moe::plan_for(e.config(), recipe)?;
+        mxrl_rl::engine::check_engine_plan(&plan)?;
+        let t = Instant::now();
+        let what = e.apply_plan(&plan)?;
+        let quantize_s = t.elapsed().as_secs_f64();
+        eprintln!("recipe {recipe} (quantized in {quantize_s:.1} s): {what}");
+        let prefill_ms = time_prefill(e, a, &batch)?;
+        eprintln!("recipe {recipe}: prefill {prefill_ms:.2} ms");
+        let mut decode = Vec::new();
+        for &bs in &a.batches {
+            let (ms, _) = time_decode(e, a, bs, false)?;
+            let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
+            eprintln!("recipe {recipe}: decode batch {bs}: {ms:.3} ms/step");
+            decode.push((bs, ms, roof));
+        }
+        r.decode_recipes.push(FormatResult {
+            format: recipe.clone(),
+            quantize_s,
+            prefill_ms,
+            decode,
+            generate: time_generations(e, a, &format!("recipe {recipe}"))?,
+        });
+    }
+    if !r.decode_recipes.is_empty() {
+        let plan = mxrl_rl::moe::plan_for(e.config(), "bf16")?;
+        e.apply_plan(&plan)?;
+    }
     if a.train_seqs > 0 && a.train_len > 1 {
         e.enable_training()?;
         let (ms, ntok) = time_training(e, a, "bf16")?;
@@ -409,12 +477,15 @@ fn time_decode<B: Backend>(
         let greedy = SampleParams::greedy();
         let (mut st, mut next, _) = e.prefill_sample(&refs, a.prompt + a.steps + 3, &greedy)?;
         let mut times = Vec::new();
+        let mut first = Vec::new();
         for step in 0..a.steps + 2 {
             let t = Instant::now();
             let (ids, lps) = e.decode_sample(&mut st, &next, &greedy)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             if step >= 2 {
                 times.push(ms);
+            } else {
+                first.push(ms);
             }
             if !lps.iter().all(|x| x.is_finite()) {
                 bail!("non-finite logprobs in the decode benchmark");
@@ -422,6 +493,11 @@ fn time_decode<B: Backend>(
             next = ids;
         }
         if graphs {
+            eprintln!(
+                "decode batch {bs}: first step {:.3} ms (op by op), second {:.3} ms (records \
+                 the step where the device has graphs)",
+                first[0], first[1]
+            );
             recorded = st.graph_status().0;
             if let (false, Some(why)) = st.graph_status() {
                 eprintln!("decode batch {bs}: graph recording failed ({why}); steps ran op by op");
@@ -431,6 +507,72 @@ fn time_decode<B: Backend>(
     }
     e.set_decode_graphs(true);
     Ok((timed[0], (recorded && plain).then_some(timed[1])))
+}
+
+/// Whole generations of `--generate-tokens` new tokens at each `--generate-batches` size from
+/// fresh prompts of `--prompt` tokens, as a rollout runs them: sampled at temperature 1 (no
+/// stop token, so every step runs), routes and the first 64 sequences' probes recorded and
+/// read back. Median of two after one warm-up.
+fn time_generations<B: Backend>(
+    e: &Engine<B>,
+    a: &ModelArgs,
+    label: &str,
+) -> Result<Vec<GenResult>> {
+    let v = e.config().vocab_size as u32;
+    let mut out = Vec::new();
+    for &bs in &a.generate_batches {
+        let prompts: Vec<Vec<u32>> = (0..bs)
+            .map(|s| {
+                (0..a.prompt as u32)
+                    .map(|i| (i * 17 + s as u32 * 37 + 3) % v)
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let rec = mxrl_model::engine::Record {
+            routes: true,
+            probes: 64,
+        };
+        let mut runs = Vec::new();
+        for rep in 0..3u64 {
+            let sp = SampleParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: rep,
+                step: 0,
+            };
+            let t = Instant::now();
+            let (_, tm) = e.generate_timed(&refs, a.generate_tokens, &sp, &[], rec)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if rep > 0 {
+                runs.push(GenResult {
+                    batch: bs,
+                    ms,
+                    tokens_per_s: (bs * a.generate_tokens) as f64 / (ms / 1e3),
+                    prefill_ms: tm.prefill_s * 1e3,
+                    decode_ms: tm.decode_s * 1e3,
+                    decode_steps: tm.decode_steps,
+                    readback_ms: tm.readback_s * 1e3,
+                });
+            }
+        }
+        runs.sort_by(|x, y| x.ms.total_cmp(&y.ms));
+        let g = runs[runs.len() / 2].clone();
+        eprintln!(
+            "{label}: generate {} tokens at batch {bs}: {:.1} ms ({:.0} tokens/s; prefill \
+             {:.1} ms, {} decode steps {:.1} ms, read-back {:.1} ms)",
+            a.generate_tokens,
+            g.ms,
+            g.tokens_per_s,
+            g.prefill_ms,
+            g.decode_steps,
+            g.decode_ms,
+            g.readback_ms
+        );
+        out.push(g);
+    }
+    Ok(out)
 }
 
 fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
@@ -489,25 +631,72 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
             roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
         );
     }
-    for f in &r.expert_formats {
+    let rows = r
+        .expert_formats
+        .iter()
+        .map(|f| (f, format!("{} experts", f.format)))
+        .chain(
+            r.decode_recipes
+                .iter()
+                .map(|f| (f, format!("recipe {}", f.format))),
+        );
+    for (f, label) in rows {
         let ratio_bf16 = |ours: f64, bf16: f64| format!("{:.2}× BF16's time", ours / bf16);
         println!(
-            "| prefill {} tokens, {} experts | {:.2} ms | | {} | | |",
+            "| prefill {} tokens, {label} | {:.2} ms | | {} | | |",
             r.prefill_tokens,
-            f.format,
             f.prefill_ms,
             ratio_bf16(f.prefill_ms, r.prefill_ms)
         );
         for &(bs, ms, roof) in &f.decode {
             let bf16 = r.decode.iter().find(|d| d.0 == bs).map(|d| d.1);
             println!(
-                "| decode batch {bs}, {} experts | {ms:.3} ms/step | | {} | {} | {} |",
-                f.format,
+                "| decode batch {bs}, {label} | {ms:.3} ms/step | | {} | {} | {} |",
                 bf16.map_or("-".into(), |b| ratio_bf16(ms, b)),
                 roof.map_or("-".into(), |x| format!("{x:.3} ms")),
                 roof.map_or("-".into(), |x| format!("{:.2}×", ms / x)),
             );
         }
+    }
+    if !r.generate.is_empty() {
+        println!();
+        println!(
+            "| whole generation ({} new tokens) | batch | ms | tokens/s | vs BF16 | prefill | decode \
+             steps | read-back |",
+            a.generate_tokens
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        let rows = std::iter::once(("BF16".to_string(), &r.generate))
+            .chain(
+                r.expert_formats
+                    .iter()
+                    .map(|f| (format!("{} experts", f.format), &f.generate)),
+            )
+            .chain(
+                r.decode_recipes
+                    .iter()
+                    .map(|f| (format!("recipe {}", f.format), &f.generate)),
+            );
+        for (label, gens) in rows {
+            for g in gens {
+                let base = r.generate.iter().find(|b| b.batch == g.batch);
+                println!(
+                    "| {label} | {} | {:.1} | {:.0} | {} | {:.1} ms | {} in {:.1} ms | {:.1} ms |",
+                    g.batch,
+                    g.ms,
+                    g.tokens_per_s,
+                    base.map_or("-".into(), |b| format!(
+                        "{:.2}× tokens/s",
+                        g.tokens_per_s / b.tokens_per_s
+                    )),
+                    g.prefill_ms,
+                    g.decode_steps,
+                    g.decode_ms,
+                    g.readback_ms
+                );
+            }
+        }
+        println!();
     }
     for &(bs, ms) in &r.decode_plain {
         let graph = r.decode.iter().find(|d| d.0 == bs).map(|d| d.1);
