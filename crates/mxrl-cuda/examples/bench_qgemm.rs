@@ -31,7 +31,7 @@ mod bench {
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{frag_split, FragRows, LowByte, QGemm, QLanes};
+    use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, LowByte, QGemm, QLanes};
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
     /// ±[0.25, 2), E4M3 codes without NaN, scale bytes of ordinary magnitude).
@@ -87,7 +87,7 @@ mod bench {
         q: &QGemm,
         fmt: &str,
         rows: FragRows,
-        split: usize,
+        split: FragLayout,
         xq: &CudaSlice<u16>,
         xamax: &CudaSlice<f32>,
         w: &Weights,
@@ -127,16 +127,14 @@ mod bench {
         .expect("fragments");
     }
 
-    /// The fragment kernels' split for `fmt`'s weight rows of `k` elements.
-    fn split_for(fmt: &str, s: Grouped, k: usize) -> usize {
-        frag_split(
-            s,
-            match fmt {
-                "BF16" => 2 * k,
-                "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
-                _ => LowByte::Nvfp4.row_code_bytes(k),
-            },
-        )
+    /// The fragment kernels' layout for `fmt`'s weights at `rows` rows per pass.
+    fn split_for(fmt: &str, s: Grouped, rows: FragRows) -> FragLayout {
+        let f = match fmt {
+            "BF16" => None,
+            "Mxfp8" => Some(LowByte::Mxfp8),
+            _ => Some(LowByte::Nvfp4),
+        };
+        frag_layout(s, f, rows)
     }
 
     /// `--large`: decode batches of 256, 512 and 1024 sequences (32, 64 and 128 rows per
@@ -185,7 +183,7 @@ mod bench {
                 let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
                 for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
                     let mut frag = |rows: FragRows| {
-                        let split = split_for(fmt, s, k);
+                        let split = split_for(fmt, s, rows);
                         median_us(g, flush, reps, || {
                             frag_call(q, fmt, rows, split, &xq, &xamax, &w, &off, &mut y, s)
                         })
@@ -409,9 +407,13 @@ mod bench {
                 // BF16 weights included; the launcher's pick is starred.
                 if QGemm::frag_fits(n, k) {
                     for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
-                        let pick = split_for(fmt, s, k);
+                        let pick = split_for(fmt, s, frag_rows);
                         let mut times = Vec::new();
-                        for split in [1usize, 2, 4, 8] {
+                        let layouts = [1usize, 2, 4, 8]
+                            .map(FragLayout::Split)
+                            .into_iter()
+                            .chain([FragLayout::Staged]);
+                        for split in layouts {
                             let t = median_us(&g, &mut flush, reps, || {
                                 frag_call(
                                     &q, fmt, frag_rows, split, &xq, &xamax, w, &off, &mut y, s,
@@ -423,7 +425,7 @@ mod bench {
                             let us = times.iter().find(|(k, _)| *k == pick).expect("pick").1;
                             rows.push(Row {
                                 step: step.clone(),
-                                op: format!("BF16 fragments ({frag_rows:?}, split {pick})"),
+                                op: format!("BF16 fragments ({frag_rows:?}, {pick:?})"),
                                 us,
                                 bytes: (used * n * k * 2) as f64,
                                 bf16_us,
@@ -568,7 +570,7 @@ mod bench {
             );
         }
         println!(
-            "\n| step | fragment weights | split 1 µs | 2 | 4 | 8 |\n|---|---|---:|---:|---:|---:|"
+            "\n| step | fragment weights | split 1 µs | 2 | 4 | 8 | staged |\n|---|---|---:|---:|---:|---:|---:|"
         );
         for (step, fmt, pick, times) in &split_rows {
             let cells: Vec<String> = times

@@ -900,3 +900,189 @@ QF_ENTRY_BF16(qgemm_frag_bf16_t1, 1, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t2, 2, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t4, 4, 1)
 QF_ENTRY_BF16(qgemm_frag_bf16_t8, 8, 1)
+
+// ---- the fragment kernels with the operands staged in shared memory ----
+//
+// The scheme of qgemm_frag_body with one warp per 32 output columns (no split of the
+// reduction) and QS_WARPS warps per block on adjacent column blocks of one expert, so the
+// expert's activation rows are loaded once per block instead of once per warp: every super-step's
+// operands are copied into shared memory by cp.async QS_STAGES − 1 super-steps ahead — each
+// lane copies the very weight chunks (and the block the activation chunks) it will read — and
+// read from there. Lanes hold the same fragments, decode them with the same code and issue the
+// same mma sequence as qgemm_frag_body with one warp, so the results are those bit for bit.
+// Dynamic shared memory: the scale rows of the block's 32·QS_WARPS weight rows (whole K, copied
+// first), then QS_STAGES stages of each warp's 32 × 64 weight bytes, then QS_STAGES stages of
+// the pass's 8·TG activation rows × (elements per super-step + 8 padding, so that the 8 rows a
+// uint4 load touches fall in different banks).
+#define QS_WARPS 4
+#define QS_STAGES 4
+
+__device__ __forceinline__ u32 qs_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16 bytes from global `src` to shared `dst`, or 16 zero bytes when !valid (src not read).
+__device__ __forceinline__ void qs_cp16(void* dst, const void* src, bool valid) {
+    const u32 n = valid ? 16u : 0u;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(qs_smem(dst)), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void qs_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void qs_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <class F, int TG>
+__device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
+                                                  const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                                  const float* __restrict__ w_amax, const u32* __restrict__ off,
+                                                  float* __restrict__ y, u32 R, u32 N, u32 K) {
+    extern __shared__ __align__(16) u8 qs_mem[];
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
+    if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);   // the block's first column
+    const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
+    const u32 n0 = nb + QF_COLS * warp;
+    const bool active = n0 < N;  // a warp past N only helps with the copies and barriers
+    const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
+    const u32 steps = (rowb + 63) / 64;
+    const u32 elems = F::CHUNK * 4;  // elements per super-step
+    constexpr u32 XROWS = 8 * TG;
+    const u32 xld = elems + 8;  // u16 per staged activation row
+    // Shared memory layout (all parts 16-byte multiples: sk·32 rows, 2 KB, 16·xld bytes).
+    u8* s_scale = qs_mem;
+    u8* s_w = s_scale + (u64)QF_COLS * QS_WARPS * sk;
+    u16* s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
+    // The block's scale rows are contiguous in `scales` ([E, N, sk]): copied once.
+    {
+        const u8* src = scales + ((u64)e * N + nb) * sk;
+        const u32 chunks = wrows * sk / 16;
+        for (u32 c = tid; c < chunks; c += blockDim.x) qs_cp16(s_scale + 16 * c, src + 16 * c, true);
+    }
+    const u8* wc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wc[i] = codes + ((u64)e * N + n0 + g + 8 * i) * rowb;
+    u8* my_w = s_w + (u64)warp * QS_STAGES * 2048;
+    const float wa = F::ALPHA ? w_amax[e] : 0.0f;
+    for (u32 rb = lo; rb < hi; rb += XROWS) {
+        // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16
+        // of the step; zeros past the row) and the block's share of the activation chunks
+        // (8 elements each; zeros past the expert's rows or past K).
+        auto issue = [&](u32 kt, u32 slot) {
+            if (kt < steps) {
+                const u32 c = 4 * kt + t;
+                const bool ok = active && 16 * c < rowb;
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    qs_cp16(my_w + slot * 2048 + (g + 8 * i) * 64 + 16 * t, ok ? wc[i] + 16 * (u64)c : codes, ok);
+                const u32 cpr = elems / 8;  // chunks per activation row
+                u16* dst = s_x + (u64)slot * XROWS * xld;
+                for (u32 q = tid; q < XROWS * cpr; q += blockDim.x) {
+                    const u32 r = q / cpr, j = q % cpr;
+                    const u32 row = rb + r, k = kt * elems + 8 * j;
+                    const bool okx = row < hi && k < K;
+                    qs_cp16(dst + r * xld + 8 * j, okx ? x + (u64)row * K + k : x, okx);
+                }
+            }
+            qs_commit();  // an empty group past the last step keeps the wait counts uniform
+        };
+        float acc[2][TG][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+        __syncthreads();  // the previous pass's reads of the stages are done
+#pragma unroll
+        for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
+        for (u32 kt = 0; kt < steps; ++kt) {
+            qs_wait<QS_STAGES - 2>();  // this thread's copies of step kt (and the scales) landed
+            __syncthreads();           // everyone's; and step kt − 1's slot is free again
+            issue(kt + QS_STAGES - 1, (kt + QS_STAGES - 1) % QS_STAGES);
+            if (!active) continue;
+            const u32 slot = kt % QS_STAGES;
+            uint4 wq[4];
+            u32 sp[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                wq[i] = *reinterpret_cast<const uint4*>(my_w + slot * 2048 + (g + 8 * i) * 64 + 16 * t);
+                const u32 c = 4 * kt + t;
+                const bool ok = 16 * c < rowb;
+                sp[i] = F::prep(ok ? F::load_scale(s_scale + (u64)(QF_COLS * warp + g + 8 * i) * sk, c) : 0u);
+            }
+            const u16* xs = s_x + (u64)slot * XROWS * xld + t * F::CHUNK;
+            constexpr int VG = F::XV < 16 / TG ? F::XV : 16 / TG;
+#pragma unroll
+            for (int v0 = 0; v0 < F::XV; v0 += VG) {
+                uint4 xa[TG][VG];
+#pragma unroll
+                for (int tg = 0; tg < TG; ++tg) {
+                    const uint4* src = reinterpret_cast<const uint4*>(xs + (8 * tg + g) * xld) + v0;
+#pragma unroll
+                    for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
+                }
+#pragma unroll
+                for (int s = 2 * v0; s < (int)F::STEPS && s < 2 * (v0 + VG); ++s) {
+                    u32 a[2][4];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
+                        F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
+                    }
+#pragma unroll
+                    for (int tg = 0; tg < TG; ++tg) {
+                        u32 b0, b1;
+                        F::bpairs(xa[tg][(s >> 1) - v0], s, b0, b1);
+                        F::mma(acc[0][tg], a[0], b0, b1);
+                        F::mma(acc[1][tg], a[1], b0, b1);
+                    }
+                }
+            }
+        }
+        qs_wait<0>();
+        if (!active) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const u32 r = rb + 8 * tg + 2 * t + (q & 1);
+                    const u32 col = n0 + 16 * j + g + 8 * (q >> 1);
+                    if (r < hi) {
+                        float sum = acc[j][tg][q];
+                        if (F::ALPHA) {
+                            const float alpha = __fmul_rn(__fmul_rn(x_amax[r], wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
+                            sum = __fmul_rn(sum, alpha);
+                        }
+                        y[(u64)r * N + col] = sum;
+                    }
+                }
+    }
+}
+
+#define QS_ENTRY_MXFP8(name, TG)                                                                               \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
+        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);               \
+    }
+#define QS_ENTRY_NVFP4(name, TG)                                                                               \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_NVFP4_ARGS) {                       \
+        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                 \
+    }
+#define QS_ENTRY_BF16(name, TG)                                                                                \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
+        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                \
+    }
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, 4)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t8, 8)
+QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t1, 1)
+QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t2, 2)
+QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t4, 4)
+QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t8, 8)
+QS_ENTRY_BF16(qgemm_fragsm_bf16_t1, 1)
+QS_ENTRY_BF16(qgemm_fragsm_bf16_t2, 2)
+QS_ENTRY_BF16(qgemm_fragsm_bf16_t4, 4)
+QS_ENTRY_BF16(qgemm_fragsm_bf16_t8, 8)

@@ -572,7 +572,7 @@ fn dense_cublas_gemms_match_reference_on_odd_shapes() {
 /// and 130 rows, K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
 #[test]
 fn bf16_fragment_kernels_match_reference() {
-    use mxrl_cuda::ops::qgemm::{frag_split, FragRows, QGemm};
+    use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, QGemm};
     let g = gpu();
     let q = QGemm::new(&g).unwrap();
     let mut cases = vec![
@@ -629,7 +629,7 @@ fn bf16_fragment_kernels_match_reference() {
             },
         ));
     }
-    let run = |c: &Case, x: &Bf16, w: &Bf16, plan: Option<(FragRows, usize)>| {
+    let run = |c: &Case, x: &Bf16, w: &Bf16, plan: Option<(FragRows, FragLayout)>| {
         let s = c.shape();
         let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
         let doff = g.upload(&offsets_of(&c.counts)).unwrap();
@@ -637,8 +637,8 @@ fn bf16_fragment_kernels_match_reference() {
         let (xv, wv, ov) = (dx.as_view(), dw.as_view(), doff.as_view());
         let mut yv = y.as_view_mut();
         match plan {
-            Some((rows, split)) => {
-                q.grouped_nt_frag_bf16_with(rows, split, &xv, &wv, &ov, &mut yv, s)
+            Some((rows, layout)) => {
+                q.grouped_nt_frag_bf16_with(rows, layout, &xv, &wv, &ov, &mut yv, s)
             }
             None => q.grouped_nt_frag_bf16(&xv, &wv, &ov, &mut yv, s),
         }
@@ -660,21 +660,31 @@ fn bf16_fragment_kernels_match_reference() {
             same(&auto, &run(c, &x, &w, None)),
             "seed {seed}: a second run differs"
         );
-        let split = frag_split(s, 2 * s.k);
+        let pick = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
+        let layout = frag_layout(s, None, pick);
         for rows in FragRows::ALL {
-            let got = run(c, &x, &w, Some((rows, split)));
+            let got = run(c, &x, &w, Some((rows, layout)));
             assert!(
                 same(&got, &auto),
                 "seed {seed}: {rows:?} differs from the launcher's pick"
             );
+            // The staged layout: the bits of one warp per column block.
+            let one = run(c, &x, &w, Some((rows, FragLayout::Split(1))));
+            let staged = run(c, &x, &w, Some((rows, FragLayout::Staged)));
+            assert!(
+                same(&staged, &one),
+                "seed {seed}: staged {rows:?} differs from one warp per column block"
+            );
         }
         for split in [1usize, 2, 4, 8] {
-            let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
-            let got = run(c, &x, &w, Some((rows, split)));
+            let got = run(c, &x, &w, Some((pick, FragLayout::Split(split))));
             let what = format!("fragment split {split} {c:?}");
             assert_grouped(&what, *seed, &got, &want, &tc);
             assert!(
-                same(&got, &run(c, &x, &w, Some((rows, split)))),
+                same(
+                    &got,
+                    &run(c, &x, &w, Some((pick, FragLayout::Split(split))))
+                ),
                 "{what}: not deterministic"
             );
         }
@@ -709,7 +719,7 @@ fn bf16_fragment_kernels_match_reference() {
     let err = q
         .grouped_nt_frag_bf16_with(
             FragRows::R8,
-            3,
+            FragLayout::Split(3),
             &dx.as_view(),
             &dw.as_view(),
             &doff.as_view(),

@@ -28,7 +28,7 @@
 use half::bf16;
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-use mxrl_cuda::ops::qgemm::{frag_split, FragRows, LowByte, QGemm, QLanes};
+use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, LowByte, QGemm, QLanes};
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -907,8 +907,8 @@ fn tensor_core_grouped_kernels_on_stored_bytes_match_the_cpu_emulation() {
 }
 
 /// Quantizes the activations and runs the fragment kernel (`plan` None: the launcher's pick
-/// of rows per pass and split).
-fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, usize)>, c: &Case, d: &mut Dev) {
+/// of rows per pass and layout).
+fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, FragLayout)>, c: &Case, d: &mut Dev) {
     let s = c.shape();
     match f {
         LowByte::Mxfp8 => {
@@ -1064,10 +1064,10 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{what}: a second run differs"
             );
+            let layout = frag_layout(s, Some(f), auto);
             for rows in FragRows::ALL {
                 let mut d = upload(&g, c, &x, &w);
-                let split = frag_split(s, f.row_code_bytes(s.k));
-                run_frag(&ops, f, Some((rows, split)), c, &mut d);
+                run_frag(&ops, f, Some((rows, layout)), c, &mut d);
                 let other = download_y(&g, c, &d);
                 let what = format!("{f:?} fragment {rows:?}, seed {seed}, {c:?}");
                 assert_grouped(&what, c, &other, &want, &bound);
@@ -1079,14 +1079,32 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                     "{what}: differs from the launcher's pick {auto:?}"
                 );
             }
+            // The staged layout: the bits of one warp per column block, at every pass size.
+            for rows in FragRows::ALL {
+                let mut d = upload(&g, c, &x, &w);
+                run_frag(&ops, f, Some((rows, FragLayout::Split(1))), c, &mut d);
+                let one = download_y(&g, c, &d);
+                run_frag(&ops, f, Some((rows, FragLayout::Staged)), c, &mut d);
+                let staged = download_y(&g, c, &d);
+                let what = format!("{f:?} fragment staged {rows:?}, seed {seed}, {c:?}");
+                assert_grouped(&what, c, &staged, &want, &bound);
+                assert!(
+                    staged
+                        .iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: differs from one warp per column block"
+                );
+            }
             // Every split of the reduction: other sums, within the same bound, deterministic.
             for split in [1usize, 2, 4, 8] {
                 let mut d = upload(&g, c, &x, &w);
-                run_frag(&ops, f, Some((auto, split)), c, &mut d);
+                let layout = FragLayout::Split(split);
+                run_frag(&ops, f, Some((auto, layout)), c, &mut d);
                 let other = download_y(&g, c, &d);
                 let what = format!("{f:?} fragment split {split}, seed {seed}, {c:?}");
                 assert_grouped(&what, c, &other, &want, &bound);
-                run_frag(&ops, f, Some((auto, split)), c, &mut d);
+                run_frag(&ops, f, Some((auto, layout)), c, &mut d);
                 let again = download_y(&g, c, &d);
                 assert!(
                     other

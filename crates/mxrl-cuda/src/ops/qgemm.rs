@@ -188,6 +188,9 @@ pub struct QGemm {
     frag_mxfp8: [CudaFunction; 4],
     frag_nvfp4: [CudaFunction; 4],
     frag_bf16: [CudaFunction; 4],
+    staged_mxfp8: [CudaFunction; 4],
+    staged_nvfp4: [CudaFunction; 4],
+    staged_bf16: [CudaFunction; 4],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -236,6 +239,71 @@ pub const FRAG_MIN_STEPS: [usize; 2] = [3, 6];
 
 /// Blocks of a step from which [`frag_split`] counts it as many (~16 per SM of an H200).
 pub const FRAG_MANY_BLOCKS: usize = 2048;
+
+/// How the warps of a fragment kernel's block share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FragLayout {
+    /// 1, 2, 4 or 8 warps split the reduction of one block of [`FRAG_COLS`] columns, each lane
+    /// loading its weight and activation chunks from global memory into registers, one
+    /// super-step ahead ([`frag_split`]).
+    Split(usize),
+    /// [`STAGED_WARPS`] warps on adjacent [`FRAG_COLS`]-column blocks of one expert (one warp
+    /// each, the whole reduction), the expert's activation rows loaded once per block: every
+    /// super-step's weight and activation bytes are copied into shared memory by `cp.async`
+    /// [`STAGED_STAGES`] − 1 super-steps ahead. The same fragments and the same `mma`
+    /// sequence as `Split(1)`, so the same bits.
+    Staged,
+}
+
+/// Warps (column blocks of [`FRAG_COLS`]) per block of [`FragLayout::Staged`] (`QS_WARPS`).
+pub const STAGED_WARPS: usize = 4;
+/// Shared-memory stages of [`FragLayout::Staged`] (`QS_STAGES`).
+pub const STAGED_STAGES: usize = 4;
+/// The most dynamic shared memory a [`FragLayout::Staged`] launch may take (H200: 227 KiB per
+/// block).
+pub const STAGED_SMEM_MAX: usize = 200 << 10;
+
+/// Dynamic shared memory of a [`FragLayout::Staged`] block for weights of `format` (`None`:
+/// BF16) with rows of `k` elements and `rows` activation rows per pass: the scale rows of its
+/// `32 · STAGED_WARPS` weight rows, the stages of each warp's 32 × 64 weight bytes and the
+/// stages of the pass's activation rows (elements per super-step + 8, as BF16).
+pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> usize {
+    let (scale_row, elems) = match format {
+        Some(LowByte::Mxfp8) => (k / 32, 64),
+        Some(LowByte::Nvfp4) => (k / 16, 128),
+        None => (0, 32),
+    };
+    FRAG_COLS * STAGED_WARPS * scale_row
+        + STAGED_STAGES * STAGED_WARPS * 32 * 64
+        + STAGED_STAGES * rows.rows() * (elems + 8) * 2
+}
+
+/// The launchers' layout for a step: [`FragLayout::Staged`] for MXFP8 and NVFP4 weights
+/// from [`STAGED_ROWS_PER_EXPERT`] rows per expert on average, where its shared memory fits;
+/// else [`FragLayout::Split`] of [`frag_split`]. Measured on an H200 (BENCHMARKS.md): at
+/// 32–64 rows per expert the staged kernels took the A3B-shaped decode step at batch 512 from
+/// 2.90 to 2.53 ms (MXFP8) and 2.59 to 2.40 ms (NVFP4) and the gate/up GEMM at 64 rows per
+/// expert from 275 to 221 µs (MXFP8); at 16 rows per expert and for BF16 weights a split of
+/// the reduction is as fast or faster.
+pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragLayout {
+    let row_bytes = match format {
+        Some(f) => f.row_code_bytes(s.k),
+        None => 2 * s.k,
+    };
+    let avg = s.rows.div_ceil(s.experts.max(1));
+    if format.is_some()
+        && avg >= STAGED_ROWS_PER_EXPERT
+        && staged_smem_bytes(format, s.k, rows) <= STAGED_SMEM_MAX
+    {
+        FragLayout::Staged
+    } else {
+        FragLayout::Split(frag_split(s, row_bytes))
+    }
+}
+
+/// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
+/// block-format weights.
+pub const STAGED_ROWS_PER_EXPERT: usize = 17;
 
 /// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
 /// groups of 8 (the `n8` of `mma.m16n8k16`) multiplied by each decoded weight fragment. An
@@ -365,6 +433,21 @@ impl QGemm {
         let frag_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("bf16");
         let frag_bf16 = [a?, b?, c?, d?];
+        // The staged kernels' stages and scale rows: up to STAGED_SMEM_MAX (checked per launch).
+        let staged = |fmt: &str| {
+            ["t1", "t2", "t4", "t8"].map(|t| {
+                let name = format!("qgemm_fragsm_{fmt}_{t}");
+                let func = f(&name)?;
+                gpu.allow_dynamic_smem(&func, &name, STAGED_SMEM_MAX)?;
+                Ok::<_, DeviceError>(func)
+            })
+        };
+        let [a, b, c, d] = staged("mxfp8");
+        let staged_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("nvfp4");
+        let staged_nvfp4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("bf16");
+        let staged_bf16 = [a?, b?, c?, d?];
         Ok(QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
@@ -387,6 +470,9 @@ impl QGemm {
             frag_mxfp8,
             frag_nvfp4,
             frag_bf16,
+            staged_mxfp8,
+            staged_nvfp4,
+            staged_bf16,
         })
     }
 
@@ -838,6 +924,26 @@ impl QGemm {
         Ok(())
     }
 
+    /// The staged layout copies each block's scale rows with 16-byte `cp.async`: `scales`
+    /// must be 16-byte aligned there (every block's rows start at a multiple of 32 rows).
+    fn check_staged_scales(
+        &self,
+        op: &str,
+        layout: FragLayout,
+        scales: &CudaView<'_, u8>,
+    ) -> Result<(), DeviceError> {
+        if layout == FragLayout::Staged && !scales.is_empty() {
+            let g = &self.gpu;
+            check_align(
+                g,
+                &format!("{op} scales"),
+                scales.device_ptr(g.stream()).0,
+                16,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Whether the fragment kernels take this shape (`N` a multiple of [`FRAG_COLS`]; `K` of 32
     /// as every low-byte GEMM).
     pub fn frag_fits(n: usize, k: usize) -> bool {
@@ -848,8 +954,9 @@ impl QGemm {
         &self,
         op: &str,
         s: Grouped,
+        format: Option<LowByte>,
         rows: FragRows,
-        split: usize,
+        layout: FragLayout,
     ) -> Result<LaunchConfig, DeviceError> {
         if !Self::frag_fits(s.n, s.k) {
             return Err(self.gpu.err(format!(
@@ -857,21 +964,59 @@ impl QGemm {
                 s.n
             )));
         }
-        if !matches!(split, 1 | 2 | 4 | 8) {
-            return Err(self
-                .gpu
-                .err(format!("{op}: split {split} is not 1, 2, 4 or 8 warps")));
+        match layout {
+            FragLayout::Split(split) => {
+                if !matches!(split, 1 | 2 | 4 | 8) {
+                    return Err(self
+                        .gpu
+                        .err(format!("{op}: split {split} is not 1, 2, 4 or 8 warps")));
+                }
+                Ok(LaunchConfig {
+                    grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
+                    block_dim: (32 * split as u32, 1, 1),
+                    shared_mem_bytes: frag_smem_bytes(rows, split) as u32,
+                })
+            }
+            FragLayout::Staged => {
+                let smem = staged_smem_bytes(format, s.k, rows);
+                if smem > STAGED_SMEM_MAX {
+                    return Err(self.gpu.err(format!(
+                        "{op}: the staged layout needs {smem} B of shared memory at k = {} \
+                         (at most {STAGED_SMEM_MAX})",
+                        s.k
+                    )));
+                }
+                let cols = FRAG_COLS * STAGED_WARPS;
+                Ok(LaunchConfig {
+                    grid_dim: (
+                        grid_x(&self.gpu, op, s.n.div_ceil(cols))?,
+                        s.experts as u32,
+                        1,
+                    ),
+                    block_dim: (32 * STAGED_WARPS as u32, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                })
+            }
         }
-        Ok(LaunchConfig {
-            grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
-            block_dim: (32 * split as u32, 1, 1),
-            shared_mem_bytes: frag_smem_bytes(rows, split) as u32,
-        })
+    }
+
+    /// The kernel of `layout` among a format's split (`frag`) and staged (`staged`) entries.
+    fn frag_kernel<'a>(
+        layout: FragLayout,
+        rows: FragRows,
+        frag: &'a [CudaFunction; 4],
+        staged: &'a [CudaFunction; 4],
+    ) -> &'a CudaFunction {
+        match layout {
+            FragLayout::Split(_) => &frag[rows.index()],
+            FragLayout::Staged => &staged[rows.index()],
+        }
     }
 
     /// [`QGemm::grouped_nt_small_m_mxfp8`] on tensor cores with the stored weights decoded
     /// straight into `mma.m16n8k16` A fragments (no shared-memory round trip): per block 32
-    /// output columns of one expert, its warps ([`frag_split`]) splitting K, the expert's
+    /// output columns of one expert, its warps ([`frag_split`]) splitting K (or, from
+    /// [`STAGED_ROWS_PER_EXPERT`] rows per expert, [`FragLayout::Staged`]: [`frag_layout`]), the expert's
     /// activation rows as the B operand in passes of [`FragRows::for_rows`] (up to
     /// [`FragRows::largest`]). Weight values are those
     /// [`QGemm::dequant_weights_mxfp8`] writes (exact for scale bytes ≥ 3); products exact,
@@ -891,9 +1036,10 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(LowByte::Mxfp8)));
-        let split = frag_split(s, LowByte::Mxfp8.row_code_bytes(s.k));
-        self.grouped_nt_frag_mxfp8_with(rows, split, x, codes, scales, offsets, y, s)
+        let f = Some(LowByte::Mxfp8);
+        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(f));
+        let layout = frag_layout(s, f, rows);
+        self.grouped_nt_frag_mxfp8_with(rows, layout, x, codes, scales, offsets, y, s)
     }
 
     /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass and the
@@ -905,7 +1051,7 @@ impl QGemm {
     pub fn grouped_nt_frag_mxfp8_with(
         &self,
         rows: FragRows,
-        split: usize,
+        layout: FragLayout,
         x: &CudaView<'_, u16>,
         codes: &CudaView<'_, u8>,
         scales: &CudaView<'_, u8>,
@@ -915,13 +1061,15 @@ impl QGemm {
     ) -> Result<(), DeviceError> {
         let op = "grouped_nt_frag_mxfp8";
         self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
-        let cfg = self.frag_grid(op, s, rows, split)?;
+        let cfg = self.frag_grid(op, s, Some(LowByte::Mxfp8), rows, layout)?;
+        self.check_staged_scales(op, layout, scales)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let g = &self.gpu;
-        let mut b = g.stream().launch_builder(&self.frag_mxfp8[rows.index()]);
+        let func = Self::frag_kernel(layout, rows, &self.frag_mxfp8, &self.staged_mxfp8);
+        let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: x holds R·K, codes E·N·K, scales E·N·K/32, offsets E+1 and y R·N elements
@@ -932,8 +1080,12 @@ impl QGemm {
         // (offsets clamped) at 16-element chunks starting below K, and writes y at those rows,
         // columns < N. The block's threads run the same pass loop (bounds from offsets, equal
         // for all), so both barriers per pass are reached by all (none with split 1); the
-        // dynamic shared array holds split × 8·TG × 32 floats (frag_grid). Argument types match (const u16*, const u8*, const u8*,
-        // const u32*, float*, u32 × 4).
+        // dynamic shared array holds split × 8·TG × 32 floats (frag_grid). Staged layout: block
+        // bx covers weight rows bx·128 .. min(+128, N) (warps past N copy zeros, read nothing),
+        // its scale rows (a contiguous 16-byte aligned range, checked) and the 16-byte
+        // chunks above, by cp.async into the dynamic shared memory that frag_grid sizes with
+        // staged_smem_bytes; every thread reaches every barrier of the step loop. Argument
+        // types match (const u16*, const u8*, const u8*, const u32*, float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -958,10 +1110,11 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(LowByte::Nvfp4)));
-        let split = frag_split(s, LowByte::Nvfp4.row_code_bytes(s.k));
+        let f = Some(LowByte::Nvfp4);
+        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(f));
+        let layout = frag_layout(s, f, rows);
         self.grouped_nt_frag_nvfp4_with(
-            rows, split, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
+            rows, layout, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
         )
     }
 
@@ -974,7 +1127,7 @@ impl QGemm {
     pub fn grouped_nt_frag_nvfp4_with(
         &self,
         rows: FragRows,
-        split: usize,
+        layout: FragLayout,
         x_pre: &CudaView<'_, u16>,
         x_amax: &CudaView<'_, f32>,
         codes: &CudaView<'_, u8>,
@@ -987,14 +1140,16 @@ impl QGemm {
         let op = "grouped_nt_frag_nvfp4";
         let g = &self.gpu;
         self.check_grouped(op, LowByte::Nvfp4, s, x_pre, codes, scales, offsets, y)?;
-        let cfg = self.frag_grid(op, s, rows, split)?;
+        let cfg = self.frag_grid(op, s, Some(LowByte::Nvfp4), rows, layout)?;
+        self.check_staged_scales(op, layout, scales)?;
         check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
         check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.frag_nvfp4[rows.index()]);
+        let func = Self::frag_kernel(layout, rows, &self.frag_nvfp4, &self.staged_nvfp4);
+        let mut b = g.stream().launch_builder(func);
         b.arg(x_pre).arg(x_amax).arg(codes).arg(scales).arg(w_amax);
         b.arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
@@ -1002,8 +1157,9 @@ impl QGemm {
         // (checked; weight rows K/2 bytes, 16-byte chunks c with 16c < K/2, the u16 scale pair
         // 2c < K/16 of each row, 2-byte aligned: scales checked 2-byte aligned and K/16 even;
         // activation chunks of 32 elements starting below K), x_amax read at rows < R (R
-        // entries), w_amax at e < E (E entries). Argument types match (const u16*, const
-        // float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
+        // entries), w_amax at e < E (E entries); the staged layout as there. Argument types
+        // match (const u16*, const float*, const u8*, const u8*, const float*, const u32*,
+        // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -1027,7 +1183,8 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
-        self.grouped_nt_frag_bf16_with(rows, frag_split(s, 2 * s.k), x, w, offsets, y, s)
+        let layout = frag_layout(s, None, rows);
+        self.grouped_nt_frag_bf16_with(rows, layout, x, w, offsets, y, s)
     }
 
     /// [`QGemm::grouped_nt_frag_bf16`] with `rows` activation rows per pass and `split` warps
@@ -1039,7 +1196,7 @@ impl QGemm {
     pub fn grouped_nt_frag_bf16_with(
         &self,
         rows: FragRows,
-        split: usize,
+        layout: FragLayout,
         x: &CudaView<'_, u16>,
         w: &CudaView<'_, u16>,
         offsets: &CudaView<'_, u32>,
@@ -1049,7 +1206,7 @@ impl QGemm {
         let op = "grouped_nt_frag_bf16";
         let g = &self.gpu;
         check_multiple(g, op, s.k, 32, "64-byte super-steps of BF16 weight rows")?;
-        let cfg = self.frag_grid(op, s, rows, split)?;
+        let cfg = self.frag_grid(op, s, None, rows, layout)?;
         self.check_dims(op, s)?;
         let enk = mul(g, op, mul(g, op, s.experts, s.n)?, s.k)?;
         self.check_rows_io(op, s, x, offsets, y)?;
@@ -1059,7 +1216,8 @@ impl QGemm {
             return Ok(());
         }
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.frag_bf16[rows.index()]);
+        let func = Self::frag_kernel(layout, rows, &self.frag_bf16, &self.staged_bf16);
+        let mut b = g.stream().launch_builder(func);
         // The kernel's `scales` is never read for BF16 weights (QfBf16::load_scale).
         b.arg(x).arg(w).arg(w).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
