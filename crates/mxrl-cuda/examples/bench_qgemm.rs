@@ -31,7 +31,9 @@ mod bench {
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, LowByte, QGemm, QLanes};
+    use mxrl_cuda::ops::qgemm::{
+        frag_layout, frag_split, FragLayout, FragRows, LowByte, QGemm, QLanes,
+    };
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
     /// ±[0.25, 2), E4M3 codes without NaN, scale bytes of ordinary magnitude).
@@ -127,6 +129,15 @@ mod bench {
         .expect("fragments");
     }
 
+    /// Bytes of one of `fmt`'s weight rows of `k` elements.
+    fn split_bytes(fmt: &str, k: usize) -> usize {
+        match fmt {
+            "BF16" => 2 * k,
+            "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
+            _ => LowByte::Nvfp4.row_code_bytes(k),
+        }
+    }
+
     /// The fragment kernels' layout for `fmt`'s weights at `rows` rows per pass.
     fn split_for(fmt: &str, s: Grouped, rows: FragRows) -> FragLayout {
         let f = match fmt {
@@ -137,14 +148,15 @@ mod bench {
         frag_layout(s, f, rows)
     }
 
-    /// `--large`: decode batches of 256, 512 and 1024 sequences (32, 64 and 128 rows per
-    /// expert on average): the fragment kernels in passes of 32 and of 64 rows against the
-    /// path they replace above 32 rows per expert — the stored experts dequantized to BF16
-    /// (every expert, each step) and the tiled BF16 kernels.
+    /// `--large`: decode batches of 128, 256, 512 and 1024 sequences (16, 32, 64 and 128 rows
+    /// per expert on average): the fragment kernels in passes of 16, 32 and 64 rows, each with
+    /// the reduction split ([`frag_split`]) and staged ([`FragLayout::Staged`]), the
+    /// launchers' pick starred, against the path they replace above 32 rows per expert — the
+    /// stored experts dequantized to BF16 (every expert, each step) and the tiled BF16 kernels.
     fn large(g: &Gpu, gemm: &Gemm, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize) {
         let projs = PROJS;
-        let batches = [256usize, 512, 1024];
-        let max_rows = batches[2] * TOP_K;
+        let batches = [128usize, 256, 512, 1024];
+        let max_rows = batches[3] * TOP_K;
         let kmax = HIDDEN.max(MOE_INTER);
         let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
         let x = g.upload(&xf).expect("upload x");
@@ -165,7 +177,7 @@ mod bench {
             .zeros::<u16>(EXPERTS * 2 * MOE_INTER * HIDDEN)
             .expect("alloc");
         println!(
-            "\n| step | weights | R32 passes µs | R64 passes µs | dequantize + tiled µs | R64 ÷ dequantized |\n|---|---|---:|---:|---:|---:|"
+            "\n| step | weights | R16 split µs | R16 staged | R32 split | R32 staged | R64 split | R64 staged | dequantize + tiled µs | launchers' pick ÷ dequantized |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for (pi, &(name, n, k)) in projs.iter().enumerate() {
             let w = weights(g, n, k, 10 * pi as u64 + 1);
@@ -182,13 +194,35 @@ mod bench {
                 };
                 let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
                 for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
-                    let mut frag = |rows: FragRows| {
-                        let split = split_for(fmt, s, rows);
-                        median_us(g, flush, reps, || {
-                            frag_call(q, fmt, rows, split, &xq, &xamax, &w, &off, &mut y, s)
-                        })
+                    let f = match fmt {
+                        "BF16" => None,
+                        "Mxfp8" => Some(LowByte::Mxfp8),
+                        _ => Some(LowByte::Nvfp4),
                     };
-                    let (r32, r64) = (frag(FragRows::R32), frag(FragRows::R64));
+                    let pick_rows = FragRows::for_rows(r, EXPERTS, FragRows::largest(f));
+                    let pick = (pick_rows, split_for(fmt, s, pick_rows));
+                    let mut cells = Vec::new();
+                    let mut pick_us = f64::NAN;
+                    for rows in [FragRows::R16, FragRows::R32, FragRows::R64] {
+                        let split = match split_for(fmt, s, rows) {
+                            FragLayout::Staged => {
+                                FragLayout::Split(frag_split(s, split_bytes(fmt, k)))
+                            }
+                            l => l,
+                        };
+                        for layout in [split, FragLayout::Staged] {
+                            let us = median_us(g, flush, reps, || {
+                                frag_call(q, fmt, rows, layout, &xq, &xamax, &w, &off, &mut y, s)
+                            });
+                            let star = if (rows, layout) == pick {
+                                pick_us = us;
+                                "*"
+                            } else {
+                                ""
+                            };
+                            cells.push(format!("{us:.1}{star}"));
+                        }
+                    }
                     let deq = median_us(g, flush, reps, || {
                         let len = EXPERTS * n * k;
                         let mut out = wb.slice_mut(0..len);
@@ -227,8 +261,9 @@ mod bench {
                         .expect("tiled");
                     });
                     println!(
-                        "| {step} | {fmt} | {r32:.1} | {r64:.1} | {deq:.1} | {:.2} |",
-                        r64 / deq
+                        "| {step} | {fmt} | {} | {deq:.1} | {:.2} |",
+                        cells.join(" | "),
+                        pick_us / deq
                     );
                 }
             }

@@ -72,6 +72,10 @@ pub struct QExperts {
     /// (BF16, `parts` stacks of `[E, N, K]`, module doc of [`Backend::grouped_qlinear_backward`]
     /// here), made on the first backward of this weight version.
     pub train: std::cell::OnceCell<CudaSlice<u16>>,
+    /// A dense MXFP8 weight's forward operand: its contract dequantization to BF16 `[N, K]`,
+    /// made by the first forward of this weight version that is not being recorded into a
+    /// graph (a recorded step reuses it; the weights never change within a version).
+    pub serve: std::cell::OnceCell<CudaSlice<u16>>,
 }
 
 impl QExperts {
@@ -357,6 +361,7 @@ impl CudaBackend {
             amax,
             spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
@@ -541,6 +546,7 @@ impl Backend for CudaBackend {
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
@@ -604,6 +610,7 @@ impl Backend for CudaBackend {
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
@@ -786,6 +793,7 @@ impl Backend for CudaBackend {
             amax: self.gpu.zeros::<f32>(1).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
@@ -803,6 +811,7 @@ impl Backend for CudaBackend {
             amax: s.clone_dtod(&w.amax).map_err(e)?,
             spec: w.spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
@@ -882,12 +891,20 @@ impl Backend for CudaBackend {
             .map_err(|e| dev(format!("qlinear: the low-byte kernels did not load: {e}")))?;
         match w.format {
             Format::Mxfp8 => {
-                // Exact BF16 operands: the contract dequantization of x and of W.
+                // Exact BF16 operands: the contract dequantization of x and of W (W's once per
+                // weight version, outside graph recording: memory allocated while recording
+                // would belong to the graph).
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
+                if let Some(wb) = w.serve.get() {
+                    return self.linear(&xq, wb, rows, k, n, y);
+                }
                 let wb = self.experts_bf16(q, w)?;
-                self.linear(&xq, &wb, rows, k, n, y)
+                if self.gpu.capturing().map_err(de)? {
+                    return self.linear(&xq, &wb, rows, k, n, y);
+                }
+                self.linear(&xq, w.serve.get_or_init(|| wb), rows, k, n, y)
             }
             other => Err(dev(format!(
                 "qlinear: no dense device path for {other:?} (block-format dense linears run \

@@ -445,6 +445,18 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// Whether the stream is recording into a graph now ([`Gpu::begin_capture`]).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn capturing(&self) -> Result<bool, DeviceError> {
+        let status = self
+            .stream
+            .capture_status()
+            .map_err(|x| self.err(format!("capture status: {x:?}")))?;
+        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Starts recording the work queued on the stream into a graph instead of running it
     /// ([`Gpu::end_capture`] ends it). Relaxed mode: other threads may allocate meanwhile.
     ///

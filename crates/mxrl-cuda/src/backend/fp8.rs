@@ -62,6 +62,7 @@ impl CudaBackend {
             amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
             spec,
             train: std::cell::OnceCell::new(),
+            serve: std::cell::OnceCell::new(),
         })
     }
 
