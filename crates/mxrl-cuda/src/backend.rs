@@ -210,6 +210,20 @@ impl CudaBackend {
         Some(self.peak.get())
     }
 
+    /// The first `n` elements of `b` through [`Gpu::download_with`] (`download_*_with`).
+    fn download_with<T>(&self, b: &CudaSlice<T>, n: usize, f: &mut dyn FnMut(&[T])) -> DResult<()>
+    where
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+    {
+        let v = b.try_slice(0..n).ok_or_else(|| {
+            de(self.gpu.err(format!(
+                "download: buffer of {} elements, {n} needed",
+                b.len()
+            )))
+        })?;
+        self.gpu.download_with(&v, |h| f(h)).map_err(de)
+    }
+
     fn note_memory(&self) {
         if let Ok((free, total)) = self.gpu.ctx().mem_get_info() {
             self.peak.set(self.peak.get().max(total - free));
@@ -1280,6 +1294,16 @@ impl Backend for CudaBackend {
 
     fn download_u32(&self, b: &Self::U32, n: usize) -> DResult<Vec<u32>> {
         self.gpu.download(&b.slice(0..n)).map_err(de)
+    }
+
+    fn download_f32_with(&self, b: &Self::F32, n: usize, f: &mut dyn FnMut(&[f32])) -> DResult<()> {
+        let r = self.download_with(b, n, f);
+        self.note_memory();
+        r
+    }
+
+    fn download_u32_with(&self, b: &Self::U32, n: usize, f: &mut dyn FnMut(&[u32])) -> DResult<()> {
+        self.download_with(b, n, f)
     }
 
     fn copy_bf16(&self, src: &Self::Bf16, dst: &mut Self::Bf16, n: usize) -> DResult<()> {

@@ -128,8 +128,8 @@ impl Drop for Staging {
 }
 
 /// One CUDA GPU as the engine uses it: context, the stream every op runs on, the module
-/// cache and the page-locked staging buffers of host → device copies. Cheap to clone
-/// (`Arc`s).
+/// cache, the page-locked staging buffers of host → device copies and the page-locked
+/// read-back buffer of device → host copies. Cheap to clone (`Arc`s).
 #[derive(Clone)]
 pub struct Gpu {
     ordinal: usize,
@@ -140,6 +140,10 @@ pub struct Gpu {
     options: Vec<String>,
     /// Allocated on the first staged copy.
     staging: Arc<Mutex<Option<Staging>>>,
+    /// Page-locked (not write-combined: the host reads it) host buffer of
+    /// [`Gpu::download_with`]: allocated on its first call, replaced by a larger one when a
+    /// read-back needs more bytes, kept otherwise.
+    readback: Arc<Mutex<Option<PinnedHostSlice<u8>>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -199,6 +203,7 @@ impl Gpu {
             arch,
             options,
             staging: Arc::new(Mutex::new(None)),
+            readback: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -506,6 +511,77 @@ impl Gpu {
         self.stream
             .clone_dtoh(src)
             .map_err(|x| self.err(format!("download: {x:?}")))
+    }
+
+    /// Copies a device buffer (or view) into the page-locked read-back buffer, waits for the
+    /// copy (synchronizes the stream), and calls `f` with the elements there; returns what `f`
+    /// returns. Unlike [`Gpu::download`], nothing is allocated once the buffer is large enough
+    /// (it grows to the largest read-back asked for and is kept), and the copy runs at the
+    /// full bandwidth of page-locked memory into pages that are already resident: for large
+    /// tables of which the caller keeps parts. The buffer is held (a lock) until `f` returns,
+    /// so `f` must not read back through this GPU (another clone of it included).
+    ///
+    /// # Errors
+    /// Page-locked allocation or driver errors (including one from an earlier asynchronous
+    /// launch).
+    pub fn download_with<T, S, R>(
+        &self,
+        src: &S,
+        f: impl FnOnce(&[T]) -> R,
+    ) -> Result<R, DeviceError>
+    where
+        T: DeviceRepr + ValidAsZeroBits,
+        S: cudarc::driver::DevicePtr<T>,
+    {
+        let n = src.len();
+        if n == 0 {
+            return Ok(f(&[]));
+        }
+        let bytes = n * std::mem::size_of::<T>();
+        let mut guard = self.readback.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.as_ref().is_none_or(|b| b.len() < bytes) {
+            // Free the smaller buffer first (no copy reads or writes it: every read-back
+            // synchronizes the stream before it returns).
+            *guard = None;
+            // SAFETY: page-locked host memory, plain (flags 0, not write-combined: the host
+            // reads it); it is zeroed below before any of it is read.
+            let mut buf =
+                unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(|x| {
+                    self.err(format!(
+                        "page-locked read-back buffer of {bytes} bytes: {x:?}"
+                    ))
+                })?;
+            buf.as_mut_slice()
+                .map_err(|x| self.err(format!("read-back buffer: {x:?}")))?
+                .fill(0);
+            *guard = Some(buf);
+        }
+        let buf = guard
+            .as_mut()
+            .expect("allocated above")
+            .as_mut_slice()
+            .map_err(|x| self.err(format!("read-back buffer: {x:?}")))?;
+        if !buf.as_ptr().cast::<T>().is_aligned() {
+            return Err(self.err(format!(
+                "read-back buffer at {:p} is not aligned for {}-byte elements",
+                buf.as_ptr(),
+                std::mem::align_of::<T>()
+            )));
+        }
+        // SAFETY: the buffer holds at least `bytes` = `n · size_of::<T>()` initialized bytes;
+        // its start is page-aligned (page-locked allocations are whole pages), so aligned for
+        // `T` (checked above all the same); `T: DeviceRepr + ValidAsZeroBits` is plain data,
+        // for which the zero bytes the buffer starts with and the bytes of `T` values copied
+        // from the device are values. The view borrows `buf` mutably: nothing else aliases it.
+        let host: &mut [T] =
+            unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>(), n) };
+        // Asynchronous (the destination is page-locked); the synchronization below waits for
+        // it and for everything queued before it.
+        self.stream
+            .memcpy_dtoh(src, host)
+            .map_err(|x| self.err(format!("read-back of {n} elements: {x:?}")))?;
+        self.sync()?;
+        Ok(f(host))
     }
 
     /// Bytes of this GPU's default memory pool in use now and the most in use since the last

@@ -8,6 +8,10 @@
 //!   weight, FP8-block 128×128 tiles) keeps exactly the stored tensors the CPU backend keeps
 //!   from the same bytes (`stored_weights` equal), and its device checksum is the reference's;
 //! - a weight whose scale bytes are one short is refused naming it.
+//!
+//! And the way back: `download_f32_with` / `download_u32_with`, read back through the one
+//! page-locked read-back buffer (`Gpu::download_with`) as it grows and is reused, give exactly
+//! what `download_f32` / `download_u32` give, once per call, and refuse a short buffer.
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::backend::CudaBackend;
@@ -110,4 +114,64 @@ fn stored_bytes_staged_to_the_device_are_the_cpu_backends_stored_weights() {
             assert!(e.to_string().contains("w.1"), "{tag}: {e}");
         }
     }
+}
+
+#[test]
+fn read_backs_through_the_page_locked_buffer_are_the_downloads() {
+    let cb = gpu();
+    let big = 3 * STAGING_BYTES / 4 + 5;
+    let fv = test_values(big, 7, 3.0);
+    let uv: Vec<u32> = (0..big as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let (fd, ud) = (cb.upload_f32(&fv).unwrap(), cb.upload_u32(&uv).unwrap());
+    // Small first (the buffer is allocated), then the whole buffers (it grows), then smaller
+    // again (it is kept: its first bytes are rewritten), f32 and u32 sharing it.
+    for n in [1000, big, 17, big - 3, big] {
+        let want = cb.download_f32(&fd, n).unwrap();
+        let mut calls = 0;
+        cb.download_f32_with(&fd, n, &mut |h| {
+            calls += 1;
+            assert_eq!(h.len(), n);
+            assert!(
+                h.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "f32 read-back of {n}"
+            );
+        })
+        .unwrap();
+        assert_eq!(calls, 1, "f32 read-back of {n}");
+        let want = cb.download_u32(&ud, n).unwrap();
+        let mut calls = 0;
+        cb.download_u32_with(&ud, n, &mut |h| {
+            calls += 1;
+            assert_eq!(h, want.as_slice(), "u32 read-back of {n}");
+        })
+        .unwrap();
+        assert_eq!(calls, 1, "u32 read-back of {n}");
+    }
+    // Nothing asked for: `f` sees no elements.
+    let mut seen = usize::MAX;
+    cb.download_f32_with(&fd, 0, &mut |h| seen = h.len())
+        .unwrap();
+    assert_eq!(seen, 0);
+    // What the device wrote after a read-back is what the next one sees.
+    let mut wide = cb.zeros_f32(big).unwrap();
+    cb.add(&mut wide, &fd, big).unwrap();
+    cb.add(&mut wide, &fd, big).unwrap();
+    cb.download_f32_with(&wide, big, &mut |h| {
+        assert!(h
+            .iter()
+            .zip(&fv)
+            .all(|(a, b)| a.to_bits() == (2.0 * b).to_bits()));
+    })
+    .unwrap();
+    // A buffer shorter than asked for: refused, `f` not called.
+    let mut called = false;
+    assert!(cb
+        .download_f32_with(&fd, big + 1, &mut |_| called = true)
+        .is_err());
+    assert!(cb
+        .download_u32_with(&ud, big + 1, &mut |_| called = true)
+        .is_err());
+    assert!(!called);
 }

@@ -2459,15 +2459,23 @@ impl<B: Backend> Engine<B> {
         let hd = self.cfg.hidden_size;
         let lens = &lens[..pt.slots.min(lens.len())];
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(pt.layers.len()); lens.len()];
+        // The table up to the last row asked for, read back into the backend's host buffer;
+        // each sequence's rows are copied from there.
+        let n = lens
+            .iter()
+            .enumerate()
+            .map(|(s, &l)| s * pt.len * hd + l * hd)
+            .max()
+            .unwrap_or(0);
         for t in &pt.layers {
-            let all = self
-                .b
-                .download_f32(t, lens.len() * pt.len * hd)
+            self.b
+                .download_f32_with(t, n, &mut |all| {
+                    for (s, o) in out.iter_mut().enumerate() {
+                        let a = s * pt.len * hd;
+                        o.push(all[a..a + lens[s] * hd].to_vec());
+                    }
+                })
                 .map_err(dev)?;
-            for (s, o) in out.iter_mut().enumerate() {
-                let a = s * pt.len * hd;
-                o.push(all[a..a + lens[s] * hd].to_vec());
-            }
         }
         Ok(out)
     }
@@ -2495,17 +2503,33 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&n| RoutingTrace::zeros(&self.cfg, n))
             .collect();
-        let cells = fed.len() * st.max_len * k;
+        // The tables up to the last cell asked for, each read back into the backend's host
+        // buffer; each sequence's cells are copied from there.
+        let cells = fed
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| (s * st.max_len + n) * k)
+            .max()
+            .unwrap_or(0);
         for (mi, (ti, tw)) in st.routes.iter().flatten().enumerate() {
-            let ids = self.b.download_u32(ti, cells).map_err(dev)?;
-            let ws = self.b.download_f32(tw, cells).map_err(dev)?;
-            for (s, tr) in traces.iter_mut().enumerate() {
-                let r = &mut tr.layers[mi];
-                let a = s * st.max_len * k;
-                let n = fed[s] * k;
-                r.ids.copy_from_slice(&ids[a..a + n]);
-                r.weights.copy_from_slice(&ws[a..a + n]);
-            }
+            self.b
+                .download_u32_with(ti, cells, &mut |ids| {
+                    for (s, tr) in traces.iter_mut().enumerate() {
+                        let a = s * st.max_len * k;
+                        tr.layers[mi].ids.copy_from_slice(&ids[a..a + fed[s] * k]);
+                    }
+                })
+                .map_err(dev)?;
+            self.b
+                .download_f32_with(tw, cells, &mut |ws| {
+                    for (s, tr) in traces.iter_mut().enumerate() {
+                        let a = s * st.max_len * k;
+                        tr.layers[mi]
+                            .weights
+                            .copy_from_slice(&ws[a..a + fed[s] * k]);
+                    }
+                })
+                .map_err(dev)?;
         }
         Ok(traces)
     }

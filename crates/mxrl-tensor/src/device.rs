@@ -158,6 +158,20 @@ pub trait Backend {
     /// # Errors
     /// A device failure.
     fn download_u32(&self, b: &Self::U32, n: usize) -> DResult<Vec<u32>>;
+    /// Device → host read-back of the first `n` elements without a new `Vec`: `f` is called
+    /// once with them, borrowed from the backend's own host memory (the CPU's buffer itself;
+    /// CUDA's reusable page-locked read-back buffer, held by this call until `f` returns).
+    /// For large tables of which the caller keeps only parts. `f` must not read back through
+    /// the same backend.
+    ///
+    /// # Errors
+    /// Short buffer; a device failure (also of an earlier queued op).
+    fn download_f32_with(&self, b: &Self::F32, n: usize, f: &mut dyn FnMut(&[f32])) -> DResult<()>;
+    /// See [`Backend::download_f32_with`].
+    ///
+    /// # Errors
+    /// Short buffer; a device failure.
+    fn download_u32_with(&self, b: &Self::U32, n: usize, f: &mut dyn FnMut(&[u32])) -> DResult<()>;
 
     /// `out[i] = bf16(x[i])`, `i < n` (round to nearest even).
     ///
@@ -1664,6 +1678,18 @@ impl Backend for CpuBackend {
     fn download_u32(&self, b: &Vec<u32>, n: usize) -> DResult<Vec<u32>> {
         need("download", b.len(), n)?;
         Ok(b[..n].to_vec())
+    }
+
+    fn download_f32_with(&self, b: &Vec<f32>, n: usize, f: &mut dyn FnMut(&[f32])) -> DResult<()> {
+        need("download", b.len(), n)?;
+        f(&b[..n]);
+        Ok(())
+    }
+
+    fn download_u32_with(&self, b: &Vec<u32>, n: usize, f: &mut dyn FnMut(&[u32])) -> DResult<()> {
+        need("download", b.len(), n)?;
+        f(&b[..n]);
+        Ok(())
     }
 
     fn copy_bf16(&self, src: &Vec<f32>, dst: &mut Vec<f32>, n: usize) -> DResult<()> {
