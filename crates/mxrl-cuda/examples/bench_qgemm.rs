@@ -32,7 +32,7 @@ mod bench {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
     use mxrl_cuda::ops::qgemm::{
-        frag_layout, frag_split, FragLayout, FragRows, LowByte, QGemm, QLanes,
+        frag_layout, frag_rows, frag_split, FragLayout, FragRows, LowByte, QGemm, QLanes,
     };
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
@@ -199,7 +199,7 @@ mod bench {
                         "Mxfp8" => Some(LowByte::Mxfp8),
                         _ => Some(LowByte::Nvfp4),
                     };
-                    let pick_rows = FragRows::for_rows(r, EXPERTS, FragRows::largest(f));
+                    let pick_rows = frag_rows(s, f);
                     let pick = (pick_rows, split_for(fmt, s, pick_rows));
                     let mut cells = Vec::new();
                     let mut pick_us = f64::NAN;

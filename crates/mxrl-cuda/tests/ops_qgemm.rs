@@ -28,7 +28,7 @@
 use half::bf16;
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, LowByte, QGemm, QLanes};
+use mxrl_cuda::ops::qgemm::{frag_layout, frag_rows, FragLayout, FragRows, LowByte, QGemm, QLanes};
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -1050,7 +1050,7 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                 .iter()
                 .map(|&b| b / two_order_sum_bound(kk, 1.0) * tensor_core_sum_bound(kk, 1.0))
                 .collect();
-            let auto = FragRows::for_rows(s.rows, s.experts, FragRows::largest(Some(f)));
+            let auto = frag_rows(s, Some(f));
             let mut d = upload(&g, c, &x, &w);
             run_frag(&ops, f, None, c, &mut d);
             let got = download_y(&g, c, &d);
@@ -1170,6 +1170,29 @@ fn fragment_pass_holds_the_average_experts_rows() {
     assert_eq!(FragRows::for_rows(8192, 64, FragRows::R32), FragRows::R32);
     assert_eq!(FragRows::for_rows(600, 64, FragRows::R8), FragRows::R8);
     assert_eq!(FragRows::for_rows(600, 64, FragRows::R32), FragRows::R16);
+    // Block formats in the staged layout (from 9 rows per expert): a pass that holds
+    // avg + ⌈2√avg⌉ rows.
+    let step = |rows: usize| Grouped {
+        experts: 64,
+        rows,
+        n: 1536,
+        k: 2048,
+    };
+    let (mx, nv) = (Some(LowByte::Mxfp8), Some(LowByte::Nvfp4));
+    assert_eq!(frag_rows(step(512), mx), FragRows::R8); // 8 per expert: split layout
+    assert_eq!(frag_rows(step(576), mx), FragRows::R16); // 9 + 6
+    assert_eq!(frag_rows(step(1024), mx), FragRows::R32); // 16 + 8
+    assert_eq!(frag_rows(step(1024), None), FragRows::R16); // BF16: the average
+    assert_eq!(frag_rows(step(2048), mx), FragRows::R64); // 32 + 12
+    assert_eq!(frag_rows(step(2048), nv), FragRows::R32); // capped
+    assert_eq!(
+        frag_layout(step(1024), mx, FragRows::R32),
+        FragLayout::Staged
+    );
+    assert!(matches!(
+        frag_layout(step(1024), None, FragRows::R16),
+        FragLayout::Split(_)
+    ));
     assert_eq!(FragRows::largest(Some(LowByte::Mxfp8)), FragRows::R64);
     assert_eq!(FragRows::largest(Some(LowByte::Nvfp4)), FragRows::R32);
     assert_eq!(FragRows::largest(None), FragRows::R32);

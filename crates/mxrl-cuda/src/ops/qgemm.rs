@@ -280,11 +280,10 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
 
 /// The launchers' layout for a step: [`FragLayout::Staged`] for MXFP8 and NVFP4 weights
 /// from [`STAGED_ROWS_PER_EXPERT`] rows per expert on average, where its shared memory fits;
-/// else [`FragLayout::Split`] of [`frag_split`]. Measured on an H200 (BENCHMARKS.md): at
-/// 32–64 rows per expert the staged kernels took the A3B-shaped decode step at batch 512 from
-/// 2.90 to 2.53 ms (MXFP8) and 2.59 to 2.40 ms (NVFP4) and the gate/up GEMM at 64 rows per
-/// expert from 275 to 221 µs (MXFP8); at 16 rows per expert and for BF16 weights a split of
-/// the reduction is as fast or faster.
+/// else [`FragLayout::Split`] of [`frag_split`]. Measured on an H200 (`bench_qgemm --large`,
+/// BENCHMARKS.md): from 16 rows per expert the staged kernels are the faster for both block
+/// formats (gate/up at 16 rows per expert: MXFP8 107 against 119 µs, NVFP4 93 against 107);
+/// for BF16 weights a split of the reduction is as fast or faster.
 pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragLayout {
     let row_bytes = match format {
         Some(f) => f.row_code_bytes(s.k),
@@ -303,7 +302,25 @@ pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragL
 
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
 /// block-format weights.
-pub const STAGED_ROWS_PER_EXPERT: usize = 17;
+pub const STAGED_ROWS_PER_EXPERT: usize = 9;
+
+/// The launchers' rows per pass for weights of `format` (`None`: BF16): for block formats in
+/// the staged layout, the smallest pass that holds `avg + ⌈2·√avg⌉` rows (`avg` the average
+/// rows per expert), so that most experts of a routed step (whose counts spread around the
+/// average) take one pass over their weights rather than two; else
+/// [`FragRows::for_rows`]. Capped at [`FragRows::largest`]. Measured on an H200 at 32 rows
+/// per expert on average (up to 42): MXFP8 gate/up in 64-row passes 134 µs against 176 µs in
+/// 32-row passes.
+pub fn frag_rows(s: Grouped, format: Option<LowByte>) -> FragRows {
+    let largest = FragRows::largest(format);
+    let avg = s.rows.div_ceil(s.experts.max(1));
+    if format.is_some() && avg >= STAGED_ROWS_PER_EXPERT {
+        let margin = (2.0 * (avg as f64).sqrt()).ceil() as usize;
+        FragRows::for_rows(avg + margin, 1, largest)
+    } else {
+        FragRows::for_rows(s.rows, s.experts, largest)
+    }
+}
 
 /// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
 /// groups of 8 (the `n8` of `mma.m16n8k16`) multiplied by each decoded weight fragment. An
@@ -1037,7 +1054,7 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let f = Some(LowByte::Mxfp8);
-        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(f));
+        let rows = frag_rows(s, f);
         let layout = frag_layout(s, f, rows);
         self.grouped_nt_frag_mxfp8_with(rows, layout, x, codes, scales, offsets, y, s)
     }
@@ -1111,7 +1128,7 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let f = Some(LowByte::Nvfp4);
-        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(f));
+        let rows = frag_rows(s, f);
         let layout = frag_layout(s, f, rows);
         self.grouped_nt_frag_nvfp4_with(
             rows, layout, x_pre, x_amax, codes, scales, w_amax, offsets, y, s,
@@ -1182,7 +1199,7 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let rows = FragRows::for_rows(s.rows, s.experts, FragRows::largest(None));
+        let rows = frag_rows(s, None);
         let layout = frag_layout(s, None, rows);
         self.grouped_nt_frag_bf16_with(rows, layout, x, w, offsets, y, s)
     }
