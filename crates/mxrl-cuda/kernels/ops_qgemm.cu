@@ -747,7 +747,9 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     const u32 e = blockIdx.y;
     u32 lo, hi;
     qm_expert_rows(off, e, R, lo, hi);
-    if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z): a busy expert's passes are
+    // spread over Z blocks. The whole block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * 8 * TG >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 KS = blockDim.x >> 5;
     const u32 n0 = blockIdx.x * QF_COLS;
@@ -763,7 +765,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         ws[i] = scales + row * sk;
     }
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
-    for (u32 rb = lo; rb < hi; rb += 8 * TG) {
+    for (u32 rb = lo + blockIdx.z * 8 * TG; rb < hi; rb += gridDim.z * 8 * TG) {
         float acc[2][TG][4];
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -938,7 +940,10 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     const u32 e = blockIdx.y;
     u32 lo, hi;
     qm_expert_rows(off, e, R, lo, hi);
-    if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
+    constexpr u32 XROWS = 8 * TG;
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z), as qgemm_frag_body. The whole
+    // block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * XROWS >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);   // the block's first column
     const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
@@ -947,7 +952,6 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
     const u32 steps = (rowb + 63) / 64;
     const u32 elems = F::CHUNK * 4;  // elements per super-step
-    constexpr u32 XROWS = 8 * TG;
     const u32 xld = elems + 8;  // u16 per staged activation row
     // Shared memory layout (all parts 16-byte multiples: sk·32 rows, 2 KB, 16·xld bytes).
     u8* s_scale = qs_mem;
@@ -964,7 +968,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     for (int i = 0; i < 4; ++i) wc[i] = codes + ((u64)e * N + n0 + g + 8 * i) * rowb;
     u8* my_w = s_w + (u64)warp * QS_STAGES * 2048;
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
-    for (u32 rb = lo; rb < hi; rb += XROWS) {
+    for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
         // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16
         // of the step; zeros past the row) and the block's share of the activation chunks
         // (8 elements each; zeros past the expert's rows or past K).

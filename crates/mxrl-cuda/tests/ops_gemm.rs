@@ -568,8 +568,8 @@ fn dense_cublas_gemms_match_reference_on_odd_shapes() {
 /// (1, 2, 4, 8 warps) against the per-expert reference within `tensor_core_sum_bound`, rows
 /// of no expert left untouched, a second run the same bits; pass sizes give the launcher's
 /// bits for its split (they change which rows share a weight fragment, not any sum); shapes
-/// off the 32-column blocks refused by name. Cases: experts of 0, 1, 3, 16, 17, 33, 64, 70
-/// and 130 rows, K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
+/// off the 32-column blocks refused by name. Cases: experts of 0, 1, 3, 16, 17, 33, 64, 70,
+/// 130 and 300 rows (several blocks sharing a busy expert's passes), K = 32, batch-1 (K 2048) and batch-32 (K 768) routing of the benchmark model, random ones.
 #[test]
 fn bf16_fragment_kernels_match_reference() {
     use mxrl_cuda::ops::qgemm::{frag_layout, FragLayout, FragRows, QGemm};
@@ -604,6 +604,17 @@ fn bf16_fragment_kernels_match_reference() {
                 n: 64,
                 k: 256,
                 extra: 2,
+            },
+        ),
+        // One busy expert: its passes spread over several blocks (frag_row_blocks), one
+        // block taking two of them.
+        (
+            80,
+            Case {
+                counts: vec![300, 2, 0, 5],
+                n: 64,
+                k: 256,
+                extra: 1,
             },
         ),
     ];

@@ -961,7 +961,7 @@ fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, FragLayout)>, c: &C
 /// The fragment kernels (stored bytes decoded straight into mma fragments, K split over the
 /// block's warps) against the CPU emulation with the tensor-core bound (NVFP4 over K + 1
 /// terms): experts of 0, 1, 3, 16, 17 and 33 rows (one pass, several passes of 8, 16 and 32
-/// rows) and rows of no expert; K = 32 (most lanes past the row), K off the 64-byte super-step,
+/// rows), one of 300 rows whose passes several blocks share, and rows of no expert; K = 32 (most lanes past the row), K off the 64-byte super-step,
 /// batch-1 (K 2048) and batch-32 (K 768) decode steps of the benchmark model's routing, random
 /// shapes with K up to 2048. Every pass size gives the same bits as the launcher's pick for its
 /// split of the reduction (passes change which rows share a weight fragment, not any sum), and
@@ -1009,6 +1009,17 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                 n: 64,
                 k: 256,
                 extra: 2,
+            },
+        ),
+        // One busy expert: its passes spread over several blocks (frag_row_blocks), one
+        // block taking two of them.
+        (
+            61,
+            Case {
+                counts: vec![300, 2, 0, 5],
+                n: 64,
+                k: 256,
+                extra: 1,
             },
         ),
     ];

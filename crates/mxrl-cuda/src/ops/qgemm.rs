@@ -300,6 +300,24 @@ pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragL
     }
 }
 
+/// Blocks per (column block, expert) of the fragment kernels, each taking every
+/// `FRAG_ROW_BLOCKS`-th pass over the expert's rows from its own: 1 up to
+/// [`STAGED_ROWS_PER_EXPERT`] rows per expert on average, else the passes the step's rows
+/// could fill, at most [`FRAG_ROW_BLOCKS`]. Routing in a rollout is far from uniform (many
+/// sequences at a similar point send their tokens to the same experts), and a busy expert's
+/// passes run one after another in one block while the others are done; the extra blocks of
+/// idle experts return at once. Changes which block runs a pass, not any sum.
+pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
+    let avg = s.rows.div_ceil(s.experts.max(1));
+    if avg < STAGED_ROWS_PER_EXPERT {
+        return 1;
+    }
+    s.rows.div_ceil(rows.rows()).clamp(1, FRAG_ROW_BLOCKS)
+}
+
+/// The most blocks [`frag_row_blocks`] gives one expert's column block.
+pub const FRAG_ROW_BLOCKS: usize = 4;
+
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
 /// block-format weights.
 pub const STAGED_ROWS_PER_EXPERT: usize = 9;
@@ -989,7 +1007,11 @@ impl QGemm {
                         .err(format!("{op}: split {split} is not 1, 2, 4 or 8 warps")));
                 }
                 Ok(LaunchConfig {
-                    grid_dim: (grid_x(&self.gpu, op, s.n / FRAG_COLS)?, s.experts as u32, 1),
+                    grid_dim: (
+                        grid_x(&self.gpu, op, s.n / FRAG_COLS)?,
+                        s.experts as u32,
+                        frag_row_blocks(s, rows) as u32,
+                    ),
                     block_dim: (32 * split as u32, 1, 1),
                     shared_mem_bytes: frag_smem_bytes(rows, split) as u32,
                 })
