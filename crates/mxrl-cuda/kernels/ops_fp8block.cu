@@ -327,7 +327,9 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
     const u32 e = blockIdx.y;
     const u32 hi = min(off[e + 1], R);
     const u32 lo = min(off[e], hi);
-    if (lo == hi) return;  // the whole block: no barrier is skipped by part of it
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z, qgemm::frag_row_blocks). The
+    // whole block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * 8u * TG >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, t = lane & 3u;
     const u32 KS = blockDim.x >> 5;
     const u32 kbs = K / MXRL_FP8_BLOCK;
@@ -338,7 +340,7 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
     for (int i = 0; i < 4; ++i) wr[i] = wc + ((u64)e * N + n0 + g + 8u * i) * K + 16u * t;
     // The block's 32 columns lie in one 128-row scale tile: its scale row.
     const float* wsr = ws + ((u64)e * (N / MXRL_FP8_BLOCK) + n0 / MXRL_FP8_BLOCK) * kbs;
-    for (u32 rb = lo; rb < hi; rb += 8u * TG) {
+    for (u32 rb = lo + blockIdx.z * 8u * TG; rb < hi; rb += gridDim.z * 8u * TG) {
         // Chunk h of K block kb (bytes 128·kb + 64h + 16t .. +16; zeros past K or past the
         // expert's rows): weights wq[i], activation rows xa[tg].
         auto load = [&](u32 kb, u32 h, uint4 (&wq)[4], uint4 (&xa)[TG]) {

@@ -32,7 +32,7 @@
 #![allow(unsafe_code)]
 
 use super::gemm::Grouped;
-use super::qgemm::{frag_split, FragRows, FRAG_COLS, FRAG_MAX_SPLIT};
+use super::qgemm::{frag_row_blocks, frag_split, FragRows, FRAG_COLS, FRAG_MAX_SPLIT};
 use super::{check_align, check_len, mul};
 use crate::cuda::CudaDevice;
 use crate::gpu::Gpu;
@@ -532,7 +532,11 @@ impl Fp8Block {
         let entries = 8 * groups * 32;
         let smem = 4 * entries * (1 + if split > 1 { split } else { 0 });
         let cfg = LaunchConfig {
-            grid_dim: ((s.n / FRAG_COLS) as u32, s.experts as u32, 1),
+            grid_dim: (
+                (s.n / FRAG_COLS) as u32,
+                s.experts as u32,
+                frag_row_blocks(s, rows) as u32,
+            ),
             block_dim: (32 * split as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
