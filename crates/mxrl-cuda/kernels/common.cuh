@@ -71,3 +71,41 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 #endif
+
+// Pass slots of the grouped fragment kernels (ops_qgemm, ops_fp8block): the passes of X rows
+// over every expert's rows [min(off[e], R), min(off[e + 1], R)), in expert order (expert e has ⌈rows_e / X⌉ of them, none without rows), one block per slot and column
+// block, so a busy expert's passes run side by side instead of one after another. Finds slot
+// `slot`'s expert and rows [lo, hi) (at most X); false past the last slot. Each warp scans the
+// experts 32 at a time (lane i: expert base + i; an inclusive prefix of the pass counts by
+// shuffles), so every lane of the block gets the same answer.
+__device__ __forceinline__ bool expert_pass_slot(const u32* __restrict__ off, u32 E, u32 R, u32 X, u32 slot,
+                                             u32& e_out, u32& lo, u32& hi) {
+    const u32 lane = threadIdx.x & 31;
+    u32 rem = slot;
+    for (u32 base = 0; base < E; base += 32) {
+        const u32 e = base + lane;
+        u32 np = 0;
+        if (e < E) {
+            const u32 h = min(off[e + 1], R);
+            np = (h - min(off[e], h) + X - 1) / X;
+        }
+        u32 inc = np;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 v = __shfl_up_sync(FULL_MASK, inc, o);
+            if (lane >= (u32)o) inc += v;
+        }
+        const u32 total = __shfl_sync(FULL_MASK, inc, 31);
+        if (rem < total) {
+            const u32 src = __ffs(__ballot_sync(FULL_MASK, inc > rem)) - 1;
+            const u32 before = __shfl_sync(FULL_MASK, inc - np, src);
+            e_out = base + src;
+            const u32 h = min(off[e_out + 1], R);
+            lo = min(off[e_out], h) + (rem - before) * X;
+            hi = min(lo + X, h);
+            return true;
+        }
+        rem -= total;
+    }
+    return false;
+}
