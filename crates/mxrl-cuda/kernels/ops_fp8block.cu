@@ -316,18 +316,20 @@ __device__ __forceinline__ u32 f8f_word(const uint4& v, int i) {
 template <int MMA, int TG>
 __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float* __restrict__ xs,
                                          const u8* __restrict__ wc, const float* __restrict__ ws,
-                                         const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,
-                                         u32 N, u32 K) {
+                                         const u32* __restrict__ off, float* __restrict__ y, u32 R, u32 N,
+                                         u32 K) {
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment entry
     // Dynamic shared memory: y of the pass [NACC][32], then the round's terms [KS][NACC][32]
     // when KS > 1.
     extern __shared__ float f8f_smem[];
     float* f8f_y = f8f_smem;
     float* f8f_red = f8f_smem + NACC * 32;
-    // One pass (expert_pass_slot): slot blockIdx.y. The whole block returns past the last
-    // slot: no barrier is skipped by part of it.
-    u32 e, lo, hi;
-    if (!expert_pass_slot(off, E, R, 8u * TG, blockIdx.y, e, lo, hi)) return;
+    const u32 e = blockIdx.y;
+    const u32 hi = min(off[e + 1], R);
+    const u32 lo = min(off[e], hi);
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z, qgemm::frag_row_blocks). The
+    // whole block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * 8u * TG >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, t = lane & 3u;
     const u32 KS = blockDim.x >> 5;
     const u32 kbs = K / MXRL_FP8_BLOCK;
@@ -338,7 +340,7 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
     for (int i = 0; i < 4; ++i) wr[i] = wc + ((u64)e * N + n0 + g + 8u * i) * K + 16u * t;
     // The block's 32 columns lie in one 128-row scale tile: its scale row.
     const float* wsr = ws + ((u64)e * (N / MXRL_FP8_BLOCK) + n0 / MXRL_FP8_BLOCK) * kbs;
-    for (u32 rb = lo; rb < hi; rb += 8u * TG) {  // one pass
+    for (u32 rb = lo + blockIdx.z * 8u * TG; rb < hi; rb += gridDim.z * 8u * TG) {
         // Chunk h of K block kb (bytes 128·kb + 64h + 16t .. +16; zeros past K or past the
         // expert's rows): weights wq[i], activation rows xa[tg].
         auto load = [&](u32 kb, u32 h, uint4 (&wq)[4], uint4 (&xa)[TG]) {
@@ -481,13 +483,12 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
 
 #define F8F_ARGS                                                                                          \
     const u8 *__restrict__ xc, const float *__restrict__ xs, const u8 *__restrict__ wc,                     \
-        const float *__restrict__ ws, const u32 *__restrict__ off, float *__restrict__ y, u32 E, u32 R,      \
-        u32 N, u32 K
+        const float *__restrict__ ws, const u32 *__restrict__ off, float *__restrict__ y, u32 R, u32 N, u32 K
 // Entry points: _e4m3 / _f16 = the mma, _tN = N token groups of 8 rows per pass; blocks of 32·KS
-// threads (KS ≤ 8), grid (N / 32, pass slots: qgemm::frag_pass_slots).
+// threads (KS ≤ 8), grid (N / 32, E).
 #define F8F_ENTRY(name, MMA, TG, MINB)                                                                   \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(F8F_ARGS) {                             \
-        f8f_body<MMA, TG>(xc, xs, wc, ws, off, y, E, R, N, K);                                           \
+        f8f_body<MMA, TG>(xc, xs, wc, ws, off, y, R, N, K);                                              \
     }
 F8F_ENTRY(fp8_block_frag_e4m3_t1, F8F_E4M3, 1, 2)
 F8F_ENTRY(fp8_block_frag_e4m3_t2, F8F_E4M3, 2, 2)

@@ -628,7 +628,7 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 // columns as the m16 rows), the expert's activation rows the B operand (8 rows as the n8
 // columns, rows past the expert's loaded as zeros and never stored). A block of KS = blockDim / 32
 // warps (1, 2, 4 or 8: the launcher's split) owns QF_COLS = 32 output columns (two 16-column
-// tiles) for the rows of one pass, pass slot blockIdx.y (expert_pass_slot); its warps split the reduction: warp w takes the super-steps w,
+// tiles) of expert blockIdx.y; its warps split the reduction: warp w takes the super-steps w,
 // w + KS, … of 64 weight bytes per row (MXFP8: 64 elements, NVFP4: 128, BF16: 32), the next
 // one's loads issued before the current one is decoded. Lane (g = lane / 4, t = lane % 4) loads
 // bytes 16t .. 16t+16 of the super-step of weight rows n0 + g + 8i (i < 4: tile i / 2, fragment
@@ -642,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 // (bound: tensor_core_sum_bound); with KS > 1 the warps' partial sums are then added in dynamic
 // shared memory (KS · 8·TG · 32 floats) in warp order (fixed; no atomics), with KS = 1 each lane
 // stores its own sums. NVFP4: y = fl(sum · α) as qgemm_body. QF_TG = token groups of 8 rows per
-// pass (1, 2, 4, 8); an expert with more rows has more passes, each its own block. Few (expert, column block) pairs (batch 1) want
+// pass (1, 2, 4, 8); rows beyond take more passes. Few (expert, column block) pairs (batch 1) want
 // a deep split for enough loads in flight; many (batch 32) want KS = 1, no reduction at all.
 #define QF_MAX_WARPS 8
 #define QF_COLS 32
@@ -741,13 +741,15 @@ template <class F, int TG>
 __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                 const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                 const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+                                                float* __restrict__ y, u32 R, u32 N, u32 K) {
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
     extern __shared__ float red[];     // [KS][NACC][32] when KS > 1
-    // One pass (expert_pass_slot): slot blockIdx.y. The whole block returns past the last slot:
-    // no barrier is skipped by part of it.
-    u32 e, lo, hi;
-    if (!expert_pass_slot(off, E, R, 8 * TG, blockIdx.y, e, lo, hi)) return;
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z): a busy expert's passes are
+    // spread over Z blocks. The whole block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * 8 * TG >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 KS = blockDim.x >> 5;
     const u32 n0 = blockIdx.x * QF_COLS;
@@ -763,7 +765,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         ws[i] = scales + row * sk;
     }
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
-    for (u32 rb = lo; rb < hi; rb += 8 * TG) {  // one pass
+    for (u32 rb = lo + blockIdx.z * 8 * TG; rb < hi; rb += gridDim.z * 8 * TG) {
         float acc[2][TG][4];
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -877,16 +879,16 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // Entry points: suffix = token groups of 8 rows per pass; blocks of 32 · KS threads.
 #define QF_ENTRY_MXFP8(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, E, R, N, K);              \
+        qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                 \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
-        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, E, R, N, K);                \
+        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                   \
     }
 // BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
 #define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, E, R, N, K);               \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                  \
     }
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
@@ -933,13 +935,15 @@ template <class F, int TG>
 __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                   const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                   const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                  float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
+                                                  float* __restrict__ y, u32 R, u32 N, u32 K) {
     extern __shared__ __align__(16) u8 qs_mem[];
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    qm_expert_rows(off, e, R, lo, hi);
     constexpr u32 XROWS = 8 * TG;
-    // One pass (expert_pass_slot): slot blockIdx.y. The whole block returns past the last slot:
-    // no barrier is skipped by part of it.
-    u32 e, lo, hi;
-    if (!expert_pass_slot(off, E, R, XROWS, blockIdx.y, e, lo, hi)) return;
+    // Passes z, z + Z, … of the expert's rows (Z = gridDim.z), as qgemm_frag_body. The whole
+    // block returns: no barrier is skipped by part of it.
+    if (lo + blockIdx.z * XROWS >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);   // the block's first column
     const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
@@ -964,7 +968,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     for (int i = 0; i < 4; ++i) wc[i] = codes + ((u64)e * N + n0 + g + 8 * i) * rowb;
     u8* my_w = s_w + (u64)warp * QS_STAGES * 2048;
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
-    for (u32 rb = lo; rb < hi; rb += XROWS) {  // one pass
+    for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
         // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16
         // of the step; zeros past the row) and the block's share of the activation chunks
         // (8 elements each; zeros past the expert's rows or past K).
@@ -1064,15 +1068,15 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 
 #define QS_ENTRY_MXFP8(name, TG)                                                                               \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, E, R, N, K);            \
+        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);               \
     }
 #define QS_ENTRY_NVFP4(name, TG)                                                                               \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_NVFP4_ARGS) {                       \
-        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, E, R, N, K);              \
+        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                 \
     }
 #define QS_ENTRY_BF16(name, TG)                                                                                \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, E, R, N, K);             \
+        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                \
     }
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)

@@ -606,8 +606,8 @@ fn bf16_fragment_kernels_match_reference() {
                 extra: 2,
             },
         ),
-        // One busy expert: its passes each run in their own block (frag_pass_slots), one
-        // slot per pass.
+        // One busy expert: its passes spread over several blocks (frag_row_blocks), one
+        // block taking two of them.
         (
             80,
             Case {

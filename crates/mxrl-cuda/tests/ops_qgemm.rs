@@ -1011,8 +1011,8 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                 extra: 2,
             },
         ),
-        // One busy expert: its passes each run in their own block (frag_pass_slots), one
-        // slot per pass.
+        // One busy expert: its passes spread over several blocks (frag_row_blocks), one
+        // block taking two of them.
         (
             61,
             Case {

@@ -32,9 +32,7 @@
 #![allow(unsafe_code)]
 
 use super::gemm::Grouped;
-use super::qgemm::{
-    frag_pass_slots, frag_split, FragRows, FRAG_COLS, FRAG_MAX_PASS_SLOTS, FRAG_MAX_SPLIT,
-};
+use super::qgemm::{frag_row_blocks, frag_split, FragRows, FRAG_COLS, FRAG_MAX_SPLIT};
 use super::{check_align, check_len, mul};
 use crate::cuda::CudaDevice;
 use crate::gpu::Gpu;
@@ -531,34 +529,30 @@ impl Fp8Block {
         debug_assert!(s.n.is_multiple_of(FRAG_COLS));
         // y of the pass (8 entries per token group × 32 lanes, f32), then the terms of the
         // block's warps in one round (split × as many) when split > 1.
-        let slots = frag_pass_slots(s, rows);
-        if slots > FRAG_MAX_PASS_SLOTS {
-            return Err(g.err(format!(
-                "{op}: {} rows over {} experts make up to {slots} passes (at most \
-                 {FRAG_MAX_PASS_SLOTS})",
-                s.rows, s.experts
-            )));
-        }
         let entries = 8 * groups * 32;
         let smem = 4 * entries * (1 + if split > 1 { split } else { 0 });
         let cfg = LaunchConfig {
-            grid_dim: ((s.n / FRAG_COLS) as u32, slots as u32, 1),
+            grid_dim: (
+                (s.n / FRAG_COLS) as u32,
+                s.experts as u32,
+                frag_row_blocks(s, rows) as u32,
+            ),
             block_dim: (32 * split as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (e32, r, n32, k32) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let (r, n32, k32) = (s.rows as u32, s.n as u32, s.k as u32);
         let mut b = g.stream().launch_builder(&self.frag[mma.index()][tg]);
         b.arg(x_codes)
             .arg(x_scales)
             .arg(w_codes)
             .arg(w_scales)
             .arg(offsets);
-        b.arg(y).arg(&e32).arg(&r).arg(&n32).arg(&k32);
+        b.arg(y).arg(&r).arg(&n32).arg(&k32);
         // SAFETY: lengths checked (check_operands): x codes R·K, x scales 4·R·K/128 bytes, w
         // codes E·N·K, w scales 4·E·(N/128)·(K/128) bytes, offsets E+1, y R·N; N and K
-        // multiples of 128, N/32 blocks along x and the pass slots along y (at most
-        // FRAG_MAX_PASS_SLOTS, checked). Block (bx, slot) reads offsets[0 ..= E] to find its
-        // expert e < E and pass, and only rows in [lo, hi) ⊆ [0, R] (clamped): activation codes of those rows and weight rows
+        // multiples of 128, N/32 blocks along x and E along y (both < 2³¹: u32-checked sizes,
+        // N/32 < 2²⁷). Block (bx, e) reads offsets[e], offsets[e+1] (e < E) and only rows in
+        // [lo, hi) ⊆ [0, R] (clamped): activation codes of those rows and weight rows
         // e·N + 32·bx + 0 .. 32 (< E·N) at 16-byte chunks 128·kb + 64h + 16t < K (kb < K/128;
         // 16-byte aligned: bases checked, row lengths K and chunk offsets multiples of 16),
         // their scales (< R·K/128 and < E·(N/128)·(K/128) floats, 4-byte aligned), and writes

@@ -300,19 +300,23 @@ pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragL
     }
 }
 
-/// Pass slots of a fragment-kernel launch (grid y): every expert's rows in passes of `rows`,
-/// each pass its own block per column block, so a busy expert's passes run side by side (a
-/// rollout's routing is far from uniform: many sequences at a similar point send their tokens
-/// to the same experts). The kernels find their pass from the offsets on the device; this is
-/// the most passes `s.rows` rows can make over `s.experts` experts (⌈rows / pass⌉ plus one
-/// partial pass per non-empty expert); slots past the last pass return at once. Changes which
-/// block runs a pass, not any sum.
-pub fn frag_pass_slots(s: Grouped, rows: FragRows) -> usize {
-    s.rows.div_ceil(rows.rows()) + s.experts.min(s.rows)
+/// Blocks per (column block, expert) of the fragment kernels, each taking every
+/// `FRAG_ROW_BLOCKS`-th pass over the expert's rows from its own: 1 up to
+/// [`STAGED_ROWS_PER_EXPERT`] rows per expert on average, else the passes the step's rows
+/// could fill, at most [`FRAG_ROW_BLOCKS`]. Routing in a rollout is far from uniform (many
+/// sequences at a similar point send their tokens to the same experts), and a busy expert's
+/// passes run one after another in one block while the others are done; the extra blocks of
+/// idle experts return at once. Changes which block runs a pass, not any sum.
+pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
+    let avg = s.rows.div_ceil(s.experts.max(1));
+    if avg < STAGED_ROWS_PER_EXPERT {
+        return 1;
+    }
+    s.rows.div_ceil(rows.rows()).clamp(1, FRAG_ROW_BLOCKS)
 }
 
-/// The most pass slots a launch takes (the grid's y limit).
-pub const FRAG_MAX_PASS_SLOTS: usize = 65_535;
+/// The most blocks [`frag_row_blocks`] gives one expert's column block.
+pub const FRAG_ROW_BLOCKS: usize = 4;
 
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
 /// block-format weights.
@@ -1005,8 +1009,8 @@ impl QGemm {
                 Ok(LaunchConfig {
                     grid_dim: (
                         grid_x(&self.gpu, op, s.n / FRAG_COLS)?,
-                        self.pass_slots(op, s, rows)?,
-                        1,
+                        s.experts as u32,
+                        frag_row_blocks(s, rows) as u32,
                     ),
                     block_dim: (32 * split as u32, 1, 1),
                     shared_mem_bytes: frag_smem_bytes(rows, split) as u32,
@@ -1033,21 +1037,6 @@ impl QGemm {
                 })
             }
         }
-    }
-
-    /// [`frag_pass_slots`], checked against the grid's limit.
-    fn pass_slots(&self, op: &str, s: Grouped, rows: FragRows) -> Result<u32, DeviceError> {
-        let slots = frag_pass_slots(s, rows);
-        if slots > FRAG_MAX_PASS_SLOTS {
-            return Err(self.gpu.err(format!(
-                "{op}: {} rows over {} experts make up to {slots} passes of {} rows (at most \
-                 {FRAG_MAX_PASS_SLOTS})",
-                s.rows,
-                s.experts,
-                rows.rows()
-            )));
-        }
-        Ok(slots.max(1) as u32)
     }
 
     /// The kernel of `layout` among a format's split (`frag`) and staged (`staged`) entries.
@@ -1125,9 +1114,7 @@ impl QGemm {
         // SAFETY: x holds R·K, codes E·N·K, scales E·N·K/32, offsets E+1 and y R·N elements
         // (checked); n % 32 == 0 and k % 32 == 0 (checked), x and codes 16-byte aligned
         // (checked), weight rows K bytes and activation rows K elements (64-byte multiples):
-        // block (bx, slot) reads offsets[0 ..= E] to find its expert e < E and pass (none past
-        // the last; the pass slots are at most FRAG_MAX_PASS_SLOTS, checked), then weight rows
-        // bx·32 .. +32 ≤ N of expert e, each 16-byte chunk c
+        // block (bx, e) reads weight rows bx·32 .. +32 ≤ N of expert e < E, each 16-byte chunk c
         // only when 16c < K and its scale byte c/2 < K/32, activation rows in [lo, hi) ⊆ [0, R]
         // (offsets clamped) at 16-element chunks starting below K, and writes y at those rows,
         // columns < N. The block's threads run the same pass loop (bounds from offsets, equal
@@ -1274,9 +1261,8 @@ impl QGemm {
         b.arg(x).arg(w).arg(w).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n % 32 == 0
-        // and k % 32 == 0 (checked), x and w 16-byte aligned (checked): block (bx, slot) finds
-        // its expert e < E and pass as grouped_nt_frag_mxfp8 and reads the 2K-byte weight rows
-        // bx·32 .. +32 ≤ N of expert e in 16-byte chunks below 2K,
+        // and k % 32 == 0 (checked), x and w 16-byte aligned (checked): block (bx, e) reads
+        // the 2K-byte weight rows bx·32 .. +32 ≤ N of expert e < E in 16-byte chunks below 2K,
         // activation rows in [lo, hi) ⊆ [0, R] (offsets clamped) at 8-element chunks starting
         // below K, and writes y at those rows, columns < N; barriers and shared memory as
         // grouped_nt_frag_mxfp8. Argument types match (const u16*, const u8*, const u8*,
