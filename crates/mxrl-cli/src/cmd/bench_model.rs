@@ -287,22 +287,11 @@ fn measure<B: Backend>(
         let t = Instant::now();
         e.quantize_experts(spec)?;
         let quantize_s = t.elapsed().as_secs_f64();
-        let prefill_ms = time_prefill(e, a, &batch)?;
-        eprintln!("{fmt} experts (quantized in {quantize_s:.1} s): prefill {prefill_ms:.2} ms");
-        let mut decode = Vec::new();
-        for &bs in &a.batches {
-            let (ms, _) = time_decode(e, a, bs, false)?;
-            let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
-            eprintln!("{fmt} experts: decode batch {bs}: {ms:.3} ms/step");
-            decode.push((bs, ms, roof));
-        }
-        r.expert_formats.push(FormatResult {
-            format: fmt.clone(),
-            quantize_s,
-            prefill_ms,
-            decode,
-            generate: time_generations(e, a, &format!("{fmt} experts"))?,
-        });
+        eprintln!("{fmt} experts quantized in {quantize_s:.1} s");
+        let label = format!("{fmt} experts");
+        r.expert_formats.push(time_variant(
+            e, a, &batch, copy_gbps, fmt, &label, quantize_s,
+        )?);
     }
     e.quantize_experts(LinearSpec::bf16())?;
     // Whole recipes: every linear the plan stores in a block format, as a rollout runs them.
@@ -313,22 +302,10 @@ fn measure<B: Backend>(
         let what = e.apply_plan(&plan)?;
         let quantize_s = t.elapsed().as_secs_f64();
         eprintln!("recipe {recipe} (quantized in {quantize_s:.1} s): {what}");
-        let prefill_ms = time_prefill(e, a, &batch)?;
-        eprintln!("recipe {recipe}: prefill {prefill_ms:.2} ms");
-        let mut decode = Vec::new();
-        for &bs in &a.batches {
-            let (ms, _) = time_decode(e, a, bs, false)?;
-            let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
-            eprintln!("recipe {recipe}: decode batch {bs}: {ms:.3} ms/step");
-            decode.push((bs, ms, roof));
-        }
-        r.decode_recipes.push(FormatResult {
-            format: recipe.clone(),
-            quantize_s,
-            prefill_ms,
-            decode,
-            generate: time_generations(e, a, &format!("recipe {recipe}"))?,
-        });
+        let label = format!("recipe {recipe}");
+        r.decode_recipes.push(time_variant(
+            e, a, &batch, copy_gbps, recipe, &label, quantize_s,
+        )?);
     }
     if !r.decode_recipes.is_empty() {
         let plan = mxrl_rl::moe::plan_for(e.config(), "bf16")?;
@@ -360,6 +337,36 @@ fn measure<B: Backend>(
     }
     r.peak_device_bytes = peak(e);
     Ok(r)
+}
+
+/// Prefill, decode at every `--batches` size and whole generations of the engine as it is now
+/// (block-format experts or a recipe applied), as one [`FormatResult`] named `format`.
+#[allow(clippy::too_many_arguments)]
+fn time_variant<B: Backend>(
+    e: &mut Engine<B>,
+    a: &ModelArgs,
+    batch: &[SeqInput<'_>],
+    copy_gbps: Option<f64>,
+    format: &str,
+    label: &str,
+    quantize_s: f64,
+) -> Result<FormatResult> {
+    let prefill_ms = time_prefill(e, a, batch)?;
+    eprintln!("{label}: prefill {prefill_ms:.2} ms");
+    let mut decode = Vec::new();
+    for &bs in &a.batches {
+        let (ms, _) = time_decode(e, a, bs, false)?;
+        let roof = copy_gbps.map(|g| e.decode_weight_bytes(bs) as f64 / (g * 1e9) * 1e3);
+        eprintln!("{label}: decode batch {bs}: {ms:.3} ms/step");
+        decode.push((bs, ms, roof));
+    }
+    Ok(FormatResult {
+        format: format.to_string(),
+        quantize_s,
+        prefill_ms,
+        decode,
+        generate: time_generations(e, a, label)?,
+    })
 }
 
 /// Median training step (forward, backward, clipping and AdamW; block-format weights
