@@ -51,6 +51,13 @@ pub struct StepMetrics {
     /// kernels) or, in bitwise mode, from its re-scoring forward; the trainer's from its
     /// training forward (with routing replay when on). Empty when a policy gives no probes.
     pub hidden_diff: Vec<f64>,
+    /// Per MoE layer: the busiest expert's share of a decode step's routed rows (the
+    /// rollout's recorded routes; `k` rows per sequence still decoding), averaged over the
+    /// decode steps weighted by their sequences ([`decode_busiest_share`]). Uniform routing
+    /// over `E` experts gives about `1/E`; the fragment kernels' time follows the busiest
+    /// expert's rows. Empty without recorded routes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decode_busiest_share: Vec<f64>,
     /// Rollout wall time (s).
     pub rollout_s: f64,
     /// Where the generation inside the rollout spent its time (prefill, decode steps,
@@ -68,6 +75,53 @@ pub struct StepMetrics {
     pub sync_bytes: u64,
     /// Response tokens in the step.
     pub tokens: u64,
+}
+
+/// Per MoE layer, the busiest expert's share of each decode step's routed rows, averaged over
+/// the steps weighted by the sequences decoding at each (see
+/// [`StepMetrics::decode_busiest_share`]). Sequence `s` (prompt of `p` tokens, response of
+/// `m`) is fed at decode step `j` (1 ≤ j < m) its response token `j − 1`, trace position
+/// `p + j − 1`; the prompt's positions are the prefill's and are left out. `seqs` gives each
+/// sequence's prompt length, response length and recorded routes (per MoE layer). Empty when
+/// no sequence has routes or decode steps.
+pub fn decode_busiest_share(seqs: &[(usize, usize, &[mxrl_model::Routes])]) -> Vec<f64> {
+    let layers = seqs.iter().map(|s| s.2.len()).max().unwrap_or(0);
+    let steps = seqs.iter().map(|s| s.1).max().unwrap_or(0);
+    let mut out = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let (mut weighted, mut total) = (0f64, 0usize);
+        let mut counts: Vec<usize> = Vec::new();
+        for j in 1..steps {
+            counts.iter_mut().for_each(|c| *c = 0);
+            let (mut rows, mut seqs_here) = (0usize, 0usize);
+            for &(p, m, routes) in seqs {
+                let Some(r) = routes.get(l) else { continue };
+                let pos = p + j - 1;
+                if j >= m || pos >= r.num_tokens() {
+                    continue;
+                }
+                seqs_here += 1;
+                for &e in &r.ids[pos * r.top_k..(pos + 1) * r.top_k] {
+                    let e = e as usize;
+                    if counts.len() <= e {
+                        counts.resize(e + 1, 0);
+                    }
+                    counts[e] += 1;
+                    rows += 1;
+                }
+            }
+            if rows > 0 {
+                let busiest = counts.iter().copied().max().unwrap_or(0);
+                weighted += seqs_here as f64 * busiest as f64 / rows as f64;
+                total += seqs_here;
+            }
+        }
+        if total == 0 {
+            return Vec::new();
+        }
+        out.push(weighted / total as f64);
+    }
+    out
 }
 
 /// Errors writing or reading metrics.
@@ -208,6 +262,37 @@ mod tests {
         assert!(is_spike(&[1.0, 2.0, 1.0], 5.1, 5.0));
         assert!(!is_spike(&[1.0, 2.0, 1.0], 5.0, 5.0));
         assert_eq!(median(&[3.0, 1.0, 2.0, 10.0]), Some(2.5));
+    }
+
+    /// Two sequences with prompts of 2 and 1 tokens, responses of 3 and 2, top-2 routes over
+    /// one MoE layer: decode step 1 feeds positions 2 and 1 (experts {0, 1} and {0, 2}: the
+    /// busiest, 0, has 2 of 4 rows), step 2 only the first sequence's position 3 ({3, 4}: 1
+    /// of 2). Weighted by sequences: (2 · 0.5 + 1 · 0.5) / 3 = 0.5. Prompt positions (the
+    /// prefill's) never count; no routes or no decode step give nothing.
+    #[test]
+    fn decode_busiest_share_follows_the_decode_steps() {
+        use mxrl_model::Routes;
+        let r = |ids: Vec<u32>| {
+            vec![Routes {
+                top_k: 2,
+                weights: vec![0.5; ids.len()],
+                ids,
+            }]
+        };
+        // Fed positions: prompt + response minus its last token.
+        let a = r(vec![7, 7, 7, 7, 0, 1, 3, 4]); // positions 0..4
+        let b = r(vec![7, 7, 0, 2]); // positions 0..2
+        let seqs = [(2usize, 3usize, a.as_slice()), (1, 2, b.as_slice())];
+        let got = decode_busiest_share(&seqs);
+        assert_eq!(got.len(), 1);
+        assert!((got[0] - 0.5).abs() < 1e-12, "{got:?}");
+        // All of step 1 on one expert: share 1 there.
+        let c = r(vec![7, 7, 7, 7, 5, 5, 3, 4]);
+        let d = r(vec![7, 7, 5, 5]);
+        let got = decode_busiest_share(&[(2, 3, c.as_slice()), (1, 2, d.as_slice())]);
+        assert!((got[0] - (2.0 * 1.0 + 0.5) / 3.0).abs() < 1e-12, "{got:?}");
+        assert!(decode_busiest_share(&[]).is_empty());
+        assert!(decode_busiest_share(&[(2, 1, a.as_slice())]).is_empty());
     }
 
     #[test]

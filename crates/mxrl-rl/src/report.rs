@@ -220,6 +220,9 @@ pub struct RunSummary {
     /// Per decoder layer: the step statistics of `hidden_diff` (steps that recorded the
     /// layer); empty when the run recorded no probes.
     pub drift: Vec<Stat>,
+    /// Per MoE layer: the median over steps of `decode_busiest_share` (the busiest expert's
+    /// share of a decode step's routed rows); empty when the run recorded no routes.
+    pub busiest: Vec<f64>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
@@ -273,6 +276,20 @@ pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
                     &m.iter()
                         .filter_map(|x| x.hidden_diff.get(l).copied())
                         .collect::<Vec<f64>>(),
+                )
+            })
+            .collect(),
+        busiest: (0..m
+            .iter()
+            .map(|x| x.decode_busiest_share.len())
+            .max()
+            .unwrap_or(0))
+            .map(|l| {
+                quantile(
+                    &m.iter()
+                        .filter_map(|x| x.decode_busiest_share.get(l).copied())
+                        .collect::<Vec<f64>>(),
+                    0.5,
                 )
             })
             .collect(),
@@ -934,6 +951,37 @@ fn drift_section(sums: &[RunSummary]) -> String {
     s
 }
 
+/// The decode-routing table: per run and MoE layer, the median over steps of the busiest
+/// expert's share of a decode step's routed rows; empty when no run recorded routes.
+fn routing_section(sums: &[RunSummary]) -> String {
+    let mut s = String::new();
+    let layers = sums.iter().map(|r| r.busiest.len()).max().unwrap_or(0);
+    if layers == 0 {
+        return s;
+    }
+    let _ = writeln!(s, "\n## Decode routing\n");
+    let _ = writeln!(
+        s,
+        "Per MoE layer, the busiest expert's share of a decode step's routed rows (the rollout's routes; each sequence still decoding sends top-k rows), averaged over a step's decode steps: median over steps. Uniform routing over E experts gives about 1/E; the decode step's expert kernels take as long as the busiest expert's rows."
+    );
+    let _ = writeln!(s);
+    let head: Vec<String> = (0..layers).map(|l| format!("MoE layer {l}")).collect();
+    let _ = writeln!(s, "| run | {} |", head.join(" | "));
+    let _ = writeln!(s, "|---|{}", "---|".repeat(layers));
+    for r in sums {
+        let cells: Vec<String> = (0..layers)
+            .map(|l| {
+                r.busiest
+                    .get(l)
+                    .filter(|x| x.is_finite())
+                    .map_or("–".into(), |x| format!("{:.1} %", 100.0 * x))
+            })
+            .collect();
+        let _ = writeln!(s, "| `{}` | {} |", r.name, cells.join(" | "));
+    }
+    s
+}
+
 fn fmt_bytes(b: u64) -> String {
     if b >= 1 << 20 {
         format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
@@ -1282,6 +1330,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     }
     s.push_str(&speedup_section(sums));
     s.push_str(&drift_section(sums));
+    s.push_str(&routing_section(sums));
     let _ = writeln!(s, "\n## Plots\n");
     let drift = sums.iter().any(|r| !r.drift.is_empty());
     for (f, t) in [

@@ -624,6 +624,15 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         }
         let rollout_s = t0.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.response.len()).sum();
+        let routed: Vec<(usize, usize, &[mxrl_model::Routes])> = samples
+            .iter()
+            .filter_map(|s| {
+                let r = s.routing.as_ref()?;
+                Some((s.prompt.len(), s.response.len(), r.layers.as_slice()))
+            })
+            .collect();
+        let decode_busiest_share = crate::metrics::decode_busiest_share(&routed);
+        drop(routed);
 
         // 2. Rewards and advantages.
         let kind = self.task.reward_kind();
@@ -777,6 +786,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 .map(|&(a, b)| a as f64 / b.max(1) as f64)
                 .collect(),
             hidden_diff: hid.iter().map(|&(s, c)| s / c.max(1) as f64).collect(),
+            decode_busiest_share,
             rollout_s,
             rollout_phases,
             train_s,
