@@ -306,7 +306,10 @@ pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragL
 /// could fill, at most [`FRAG_ROW_BLOCKS`]. Routing in a rollout is far from uniform (many
 /// sequences at a similar point send their tokens to the same experts), and a busy expert's
 /// passes run one after another in one block while the others are done; the extra blocks of
-/// idle experts return at once. Changes which block runs a pass, not any sum.
+/// idle experts return at once. Changes which block runs a pass, not any sum. Taken by the
+/// split layout ([`FragLayout::Split`]) and the FP8-block fragment kernels; the staged
+/// launch still runs one block per expert (its kernels read `blockIdx.z` alike, but that
+/// launch has not been measured or tested with more than one).
 pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
     let avg = s.rows.div_ceil(s.experts.max(1));
     if avg < STAGED_ROWS_PER_EXPERT {
