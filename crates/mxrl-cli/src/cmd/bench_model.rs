@@ -456,6 +456,19 @@ fn time_prefill<B: Backend>(e: &Engine<B>, a: &ModelArgs, batch: &[SeqInput<'_>]
     Ok(median(times))
 }
 
+/// `bs` prompts of `len` tokens: token `i` of prompt `s` is `(i·m[0] + s·m[1] + m[2]) mod
+/// vocab` (fixed, distinct per prompt).
+fn bench_prompts(bs: usize, len: usize, vocab: usize, m: [u32; 3]) -> Vec<Vec<u32>> {
+    let v = vocab as u32;
+    (0..bs as u32)
+        .map(|s| {
+            (0..len as u32)
+                .map(|i| (i * m[0] + s * m[1] + m[2]) % v)
+                .collect()
+        })
+        .collect()
+}
+
 /// Greedy decode ms/step at batch `bs` with on-device sampling (only the ids come back),
 /// replaying a recorded graph per step (the default), and with `plain` also op by op on the
 /// same prompts (`None` where the device records no graphs).
@@ -465,14 +478,7 @@ fn time_decode<B: Backend>(
     bs: usize,
     plain: bool,
 ) -> Result<(f64, Option<f64>)> {
-    let v = e.config().vocab_size as u32;
-    let prompts: Vec<Vec<u32>> = (0..bs)
-        .map(|s| {
-            (0..a.prompt as u32)
-                .map(|i| (i * 31 + s as u32 * 101 + 7) % v)
-                .collect()
-        })
-        .collect();
+    let prompts = bench_prompts(bs, a.prompt, e.config().vocab_size, [31, 101, 7]);
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
     let mut timed = [f64::NAN; 2];
     let mut recorded = false;
@@ -525,16 +531,9 @@ fn time_generations<B: Backend>(
     a: &ModelArgs,
     label: &str,
 ) -> Result<Vec<GenResult>> {
-    let v = e.config().vocab_size as u32;
     let mut out = Vec::new();
     for &bs in &a.generate_batches {
-        let prompts: Vec<Vec<u32>> = (0..bs)
-            .map(|s| {
-                (0..a.prompt as u32)
-                    .map(|i| (i * 17 + s as u32 * 37 + 3) % v)
-                    .collect()
-            })
-            .collect();
+        let prompts = bench_prompts(bs, a.prompt, e.config().vocab_size, [17, 37, 3]);
         let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
         let rec = mxrl_model::engine::Record {
             routes: true,
