@@ -223,6 +223,9 @@ pub struct RunSummary {
     /// Per MoE layer: the median over steps of `decode_busiest_share` (the busiest expert's
     /// share of a decode step's routed rows); empty when the run recorded no routes.
     pub busiest: Vec<f64>,
+    /// Medians over the steps that recorded `rollout_phases`: prefill s, decode s per decode
+    /// step, decode steps, read-back s; `None` when no step did.
+    pub phases: Option<[f64; 4]>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
@@ -279,6 +282,20 @@ pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
                 )
             })
             .collect(),
+        phases: {
+            let ph: Vec<_> = m.iter().filter_map(|x| x.rollout_phases).collect();
+            let med = |f: fn(&crate::policy::GenTiming) -> f64| {
+                quantile(&ph.iter().map(f).collect::<Vec<f64>>(), 0.5)
+            };
+            (!ph.is_empty()).then(|| {
+                [
+                    med(|p| p.prefill_s),
+                    med(|p| p.decode_s / (p.decode_steps.max(1) as f64)),
+                    med(|p| p.decode_steps as f64),
+                    med(|p| p.readback_s),
+                ]
+            })
+        },
         busiest: (0..m
             .iter()
             .map(|x| x.decode_busiest_share.len())
@@ -951,6 +968,48 @@ fn drift_section(sums: &[RunSummary]) -> String {
     s
 }
 
+/// The rollout-phase table: per run, the medians of where its generations spent their time;
+/// empty when no run recorded phases.
+fn phases_section(sums: &[RunSummary]) -> String {
+    let mut s = String::new();
+    if sums.iter().all(|r| r.phases.is_none()) {
+        return s;
+    }
+    let _ = writeln!(s, "\n## Rollout phases\n");
+    let _ = writeln!(
+        s,
+        "Where each rollout's generation spent its time (the engine's own timing, each phase ending at a read-back it already does): medians over steps. Decode per step = a step's decode time ÷ its decode steps; read-back = the recorded routes and probes brought to the host."
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "| run | prefill ms | decode ms per step | decode steps | read-back ms | rollout ms |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for r in sums {
+        let Some([pre, per, steps, back]) = r.phases else {
+            let _ = writeln!(
+                s,
+                "| `{}` | – | – | – | – | {:.1} |",
+                r.name,
+                1e3 * r.rollout_s.median
+            );
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "| `{}` | {:.1} | {:.3} | {:.0} | {:.1} | {:.1} |",
+            r.name,
+            1e3 * pre,
+            1e3 * per,
+            steps,
+            1e3 * back,
+            1e3 * r.rollout_s.median
+        );
+    }
+    s
+}
+
 /// The decode-routing table: per run and MoE layer, the median over steps of the busiest
 /// expert's share of a decode step's routed rows; empty when no run recorded routes.
 fn routing_section(sums: &[RunSummary]) -> String {
@@ -1330,6 +1389,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     }
     s.push_str(&speedup_section(sums));
     s.push_str(&drift_section(sums));
+    s.push_str(&phases_section(sums));
     s.push_str(&routing_section(sums));
     let _ = writeln!(s, "\n## Plots\n");
     let drift = sums.iter().any(|r| !r.drift.is_empty());
@@ -1524,6 +1584,40 @@ mod tests {
         let mut s = summarize(&e, &steps(0.0, 0.0, 1.0));
         s.final_reward = final_reward;
         s
+    }
+
+    /// Rollout phases: medians over the steps that recorded them (decode per step = decode
+    /// time ÷ decode steps of each step), in milliseconds in the table; runs without phases
+    /// get dashes, and no run with phases gives no section.
+    #[test]
+    fn rollout_phases_are_medians_over_the_steps_that_recorded_them() {
+        let e = RunEntry {
+            name: "gpu".into(),
+            recipe: "bf16".into(),
+            seed: 1,
+            dir: "gpu".into(),
+            weight_bytes: BTreeMap::new(),
+            plan_hash: String::new(),
+        };
+        let mut m = steps(0.0, 0.0, 1.0);
+        for (i, x) in m.iter_mut().enumerate().take(3) {
+            x.rollout_phases = Some(crate::policy::GenTiming {
+                prefill_s: 0.001 * (i + 1) as f64,
+                decode_s: 0.010 * (i + 1) as f64,
+                decode_steps: 10,
+                readback_s: 0.004,
+            });
+        }
+        let with = summarize(&e, &m);
+        let [pre, per, steps_med, back] = with.phases.expect("phases");
+        assert!((pre - 0.002).abs() < 1e-12 && (per - 0.002).abs() < 1e-12);
+        assert!((steps_med - 10.0).abs() < 1e-12 && (back - 0.004).abs() < 1e-12);
+        let without = summary("cpu", "bf16", 0.5);
+        assert!(without.phases.is_none());
+        let t = phases_section(&[with, without.clone()]);
+        assert!(t.contains("| `gpu` | 2.0 | 2.000 | 10 | 4.0 |"), "{t}");
+        assert!(t.contains("| `cpu` | – | – | – | – |"), "{t}");
+        assert!(phases_section(&[without]).is_empty());
     }
 
     #[test]
