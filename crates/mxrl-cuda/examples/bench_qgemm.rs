@@ -32,7 +32,8 @@ mod bench {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
     use mxrl_cuda::ops::qgemm::{
-        frag_layout, frag_rows, frag_split, FragLayout, FragRows, LowByte, QGemm, QLanes,
+        frag_layout, frag_row_bytes, frag_rows, frag_split, FragLayout, FragRows, LowByte, QGemm,
+        QLanes,
     };
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
@@ -129,23 +130,18 @@ mod bench {
         .expect("fragments");
     }
 
-    /// Bytes of one of `fmt`'s weight rows of `k` elements.
-    fn split_bytes(fmt: &str, k: usize) -> usize {
+    /// The block format of a weights label (`None`: BF16).
+    fn low_byte(fmt: &str) -> Option<LowByte> {
         match fmt {
-            "BF16" => 2 * k,
-            "Mxfp8" => LowByte::Mxfp8.row_code_bytes(k),
-            _ => LowByte::Nvfp4.row_code_bytes(k),
+            "BF16" => None,
+            "Mxfp8" => Some(LowByte::Mxfp8),
+            _ => Some(LowByte::Nvfp4),
         }
     }
 
     /// The fragment kernels' layout for `fmt`'s weights at `rows` rows per pass.
     fn split_for(fmt: &str, s: Grouped, rows: FragRows) -> FragLayout {
-        let f = match fmt {
-            "BF16" => None,
-            "Mxfp8" => Some(LowByte::Mxfp8),
-            _ => Some(LowByte::Nvfp4),
-        };
-        frag_layout(s, f, rows)
+        frag_layout(s, low_byte(fmt), rows)
     }
 
     /// `--large`: decode batches of 128, 256, 512 and 1024 sequences (16, 32, 64 and 128 rows
@@ -194,11 +190,7 @@ mod bench {
                 };
                 let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
                 for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
-                    let f = match fmt {
-                        "BF16" => None,
-                        "Mxfp8" => Some(LowByte::Mxfp8),
-                        _ => Some(LowByte::Nvfp4),
-                    };
+                    let f = low_byte(fmt);
                     let pick_rows = frag_rows(s, f);
                     let pick = (pick_rows, split_for(fmt, s, pick_rows));
                     let mut cells = Vec::new();
@@ -206,7 +198,7 @@ mod bench {
                     for rows in [FragRows::R16, FragRows::R32, FragRows::R64] {
                         let split = match split_for(fmt, s, rows) {
                             FragLayout::Staged => {
-                                FragLayout::Split(frag_split(s, split_bytes(fmt, k)))
+                                FragLayout::Split(frag_split(s, frag_row_bytes(f, k)))
                             }
                             l => l,
                         };

@@ -285,19 +285,25 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
 /// formats (gate/up at 16 rows per expert: MXFP8 107 against 119 µs, NVFP4 93 against 107);
 /// for BF16 weights a split of the reduction is as fast or faster.
 pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragLayout {
-    let row_bytes = match format {
-        Some(f) => f.row_code_bytes(s.k),
-        None => 2 * s.k,
-    };
-    let avg = s.rows.div_ceil(s.experts.max(1));
     if format.is_some()
-        && avg >= STAGED_ROWS_PER_EXPERT
+        && rows_per_expert(s) >= STAGED_ROWS_PER_EXPERT
         && staged_smem_bytes(format, s.k, rows) <= STAGED_SMEM_MAX
     {
         FragLayout::Staged
     } else {
-        FragLayout::Split(frag_split(s, row_bytes))
+        FragLayout::Split(frag_split(s, frag_row_bytes(format, s.k)))
     }
+}
+
+/// Bytes of one stored weight row of `k` elements for the fragment kernels: the format's
+/// codes ([`LowByte::row_code_bytes`]), or `2k` for BF16 weights (`None`).
+pub fn frag_row_bytes(format: Option<LowByte>, k: usize) -> usize {
+    format.map_or(2 * k, |f| f.row_code_bytes(k))
+}
+
+/// Rows per expert of a step on average (rounded up), what the launchers' choices read.
+fn rows_per_expert(s: Grouped) -> usize {
+    s.rows.div_ceil(s.experts.max(1))
 }
 
 /// Blocks per (column block, expert) of the fragment kernels, each taking every
@@ -311,8 +317,7 @@ pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragL
 /// launch still runs one block per expert (its kernels read `blockIdx.z` alike, but that
 /// launch has not been measured or tested with more than one).
 pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
-    let avg = s.rows.div_ceil(s.experts.max(1));
-    if avg < STAGED_ROWS_PER_EXPERT {
+    if rows_per_expert(s) < STAGED_ROWS_PER_EXPERT {
         return 1;
     }
     s.rows.div_ceil(rows.rows()).clamp(1, FRAG_ROW_BLOCKS)
@@ -334,7 +339,7 @@ pub const STAGED_ROWS_PER_EXPERT: usize = 9;
 /// 32-row passes.
 pub fn frag_rows(s: Grouped, format: Option<LowByte>) -> FragRows {
     let largest = FragRows::largest(format);
-    let avg = s.rows.div_ceil(s.experts.max(1));
+    let avg = rows_per_expert(s);
     if format.is_some() && avg >= STAGED_ROWS_PER_EXPERT {
         let margin = (2.0 * (avg as f64).sqrt()).ceil() as usize;
         FragRows::for_rows(avg + margin, 1, largest)
@@ -1120,8 +1125,10 @@ impl QGemm {
         // block (bx, e) reads weight rows bx·32 .. +32 ≤ N of expert e < E, each 16-byte chunk c
         // only when 16c < K and its scale byte c/2 < K/32, activation rows in [lo, hi) ⊆ [0, R]
         // (offsets clamped) at 16-element chunks starting below K, and writes y at those rows,
-        // columns < N. The block's threads run the same pass loop (bounds from offsets, equal
-        // for all), so both barriers per pass are reached by all (none with split 1); the
+        // columns < N; with frag_row_blocks > 1 block (bx, e, z) takes the passes z, z + Z, …
+        // of those rows. The block's threads run the same pass loop (bounds from offsets and
+        // blockIdx.z, equal for all), so both barriers per pass are reached by all (none with
+        // split 1); the
         // dynamic shared array holds split × 8·TG × 32 floats (frag_grid). Staged layout: block
         // bx covers weight rows bx·128 .. min(+128, N) (warps past N copy zeros, read nothing),
         // its scale rows (a contiguous 16-byte aligned range, checked) and the 16-byte
