@@ -550,9 +550,10 @@ impl Fp8Block {
         b.arg(y).arg(&r).arg(&n32).arg(&k32);
         // SAFETY: lengths checked (check_operands): x codes R·K, x scales 4·R·K/128 bytes, w
         // codes E·N·K, w scales 4·E·(N/128)·(K/128) bytes, offsets E+1, y R·N; N and K
-        // multiples of 128, N/32 blocks along x and E along y (both < 2³¹: u32-checked sizes,
-        // N/32 < 2²⁷). Block (bx, e) reads offsets[e], offsets[e+1] (e < E) and only rows in
-        // [lo, hi) ⊆ [0, R] (clamped): activation codes of those rows and weight rows
+        // multiples of 128, N/32 blocks along x, E along y and frag_row_blocks (≤ 4) along z
+        // (all < 2³¹: u32-checked sizes, N/32 < 2²⁷). Block (bx, e, z) reads offsets[e],
+        // offsets[e+1] (e < E) and only rows in [lo, hi) ⊆ [0, R] (clamped; its passes z,
+        // z + Z, …): activation codes of those rows and weight rows
         // e·N + 32·bx + 0 .. 32 (< E·N) at 16-byte chunks 128·kb + 64h + 16t < K (kb < K/128;
         // 16-byte aligned: bases checked, row lengths K and chunk offsets multiples of 16),
         // their scales (< R·K/128 and < E·(N/128)·(K/128) floats, 4-byte aligned), and writes
