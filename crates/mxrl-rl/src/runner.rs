@@ -632,7 +632,6 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             })
             .collect();
         let decode_busiest_share = crate::metrics::decode_busiest_share(&routed);
-        drop(routed);
 
         // 2. Rewards and advantages.
         let kind = self.task.reward_kind();
