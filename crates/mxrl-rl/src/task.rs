@@ -1109,17 +1109,21 @@ mod tests {
         (nums, ops)
     }
 
+    /// Operations, digits per operand and operators of the chain-task settings the tests
+    /// sweep.
+    const CHAIN_SETTINGS: [(u32, u32, &str); 7] = [
+        (1, 1, "+-*"),
+        (3, 1, "+-*"),
+        (3, 2, "*"),
+        (5, 3, "+-"),
+        (8, 2, "-*"),
+        (16, 1, "+*-"),
+        (3, 4, "+-*"),
+    ];
+
     #[test]
     fn chain_labels_match_an_independent_evaluator_over_the_digit_and_op_ranges() {
-        for (ops, digits, operators) in [
-            (1, 1, "+-*"),
-            (3, 1, "+-*"),
-            (3, 2, "*"),
-            (5, 3, "+-"),
-            (8, 2, "-*"),
-            (16, 1, "+*-"),
-            (3, 4, "+-*"),
-        ] {
+        for (ops, digits, operators) in CHAIN_SETTINGS {
             let t = ChainTask::new(ops, digits, operators).unwrap();
             let mut seen_ops = std::collections::BTreeSet::new();
             let mut longest_operand = 0;
@@ -1215,15 +1219,7 @@ mod tests {
 
     #[test]
     fn worked_chain_responses_match_an_independent_rewriter_over_the_settings() {
-        for (ops, digits, operators) in [
-            (1, 1, "+-*"),
-            (3, 1, "+-*"),
-            (3, 2, "*"),
-            (5, 3, "+-"),
-            (8, 2, "-*"),
-            (16, 1, "+*-"),
-            (3, 4, "+-*"),
-        ] {
+        for (ops, digits, operators) in CHAIN_SETTINGS {
             let answer = ChainTask::new(ops, digits, operators).unwrap();
             let t = answer.clone().with_response(ChainResponse::Worked);
             assert_eq!(t.response(), ChainResponse::Worked);
