@@ -550,7 +550,7 @@ impl Fp8Block {
         b.arg(y).arg(&r).arg(&n32).arg(&k32);
         // SAFETY: lengths checked (check_operands): x codes R·K, x scales 4·R·K/128 bytes, w
         // codes E·N·K, w scales 4·E·(N/128)·(K/128) bytes, offsets E+1, y R·N; N and K
-        // multiples of 128, N/32 blocks along x, E along y and frag_row_blocks (≤ 4) along z
+        // multiples of 128, N/32 blocks along x, E along y and frag_row_blocks (≤ FRAG_ROW_BLOCKS) along z
         // (all < 2³¹: u32-checked sizes, N/32 < 2²⁷). Block (bx, e, z) reads offsets[e],
         // offsets[e+1] (e < E) and only rows in [lo, hi) ⊆ [0, R] (clamped; its passes z,
         // z + Z, …): activation codes of those rows and weight rows

@@ -312,10 +312,8 @@ fn rows_per_expert(s: Grouped) -> usize {
 /// could fill, at most [`FRAG_ROW_BLOCKS`]. Routing in a rollout is far from uniform (many
 /// sequences at a similar point send their tokens to the same experts), and a busy expert's
 /// passes run one after another in one block while the others are done; the extra blocks of
-/// idle experts return at once. Changes which block runs a pass, not any sum. Taken by the
-/// split layout ([`FragLayout::Split`]) and the FP8-block fragment kernels; the staged
-/// launch still runs one block per expert (its kernels read `blockIdx.z` alike, but that
-/// launch has not been measured or tested with more than one).
+/// idle experts return at once. Changes which block runs a pass, not any sum. Taken by both
+/// layouts ([`FragLayout`]) and the FP8-block fragment kernels.
 pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
     if rows_per_expert(s) < STAGED_ROWS_PER_EXPERT {
         return 1;
@@ -324,7 +322,7 @@ pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
 }
 
 /// The most blocks [`frag_row_blocks`] gives one expert's column block.
-pub const FRAG_ROW_BLOCKS: usize = 4;
+pub const FRAG_ROW_BLOCKS: usize = 8;
 
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
 /// block-format weights.
@@ -1038,7 +1036,7 @@ impl QGemm {
                     grid_dim: (
                         grid_x(&self.gpu, op, s.n.div_ceil(cols))?,
                         s.experts as u32,
-                        1,
+                        frag_row_blocks(s, rows) as u32,
                     ),
                     block_dim: (32 * STAGED_WARPS as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
