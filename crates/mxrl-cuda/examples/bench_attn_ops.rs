@@ -1,5 +1,6 @@
 //! Times the attention-side op families (RMSNorm, RoPE, attention training forward/backward,
-//! KV append + decode) on the shapes of the engine's benchmark model, with CUDA events after a
+//! KV append + decode) on the shapes of the engine's benchmark model (decode: Qwen3-30B-A3B's
+//! 32 query heads), with CUDA events after a
 //! warm-up, and prints each time beside its floor: bytes over the device copy bandwidth
 //! (4.3 TB/s on the H200) for the memory-bound ops, FLOPs over the f32 CUDA-core rate
 //! (60 TFLOP/s counting a fused multiply-add as two; the kernels are compiled without FMA
@@ -256,21 +257,23 @@ mod bench {
             }
         }
 
+        // Qwen3-30B-A3B's attention (32 query heads over 4 kv heads of 128): a rollout's
+        // short and long contexts, batch 1 to 512.
         let s = AttnShape {
-            q_heads: 16,
+            q_heads: 32,
             kv_heads: 4,
             head_dim: 128,
         };
-        let row = 4 * 128;
-        for len in [128usize, 640] {
-            for batch in [1usize, 8, 32, 128] {
-                let max_len = 640;
+        let (hq, row) = (s.q_heads, s.kv_heads * s.head_dim);
+        for len in [60usize, 320] {
+            for batch in [1usize, 32, 128, 512] {
+                let max_len = 320;
                 let kc = g.zeros::<u16>(batch * max_len * row)?;
                 let vc = g.zeros::<u16>(batch * max_len * row)?;
                 let lens = g.upload(&vec![len as u32; batch])?;
-                let q = g.upload(&test_values(batch * 16 * 128, 9, 1.0))?;
+                let q = g.upload(&test_values(batch * hq * 128, 9, 1.0))?;
                 let mut scratch = g.zeros::<f32>(decode_scratch_len(batch, max_len, s))?;
-                let mut out = g.zeros::<f32>(batch * 16 * 128)?;
+                let mut out = g.zeros::<f32>(batch * hq * 128)?;
                 let ms = time(&g, || {
                     att.decode(
                         &q.as_view(),
@@ -287,7 +290,7 @@ mod bench {
                 })?;
                 let bytes = (batch * len * row * 2 * 2) as f64;
                 line(
-                    &format!("decode B {batch}, len {len}, Hq 16, Hkv 4, D 128"),
+                    &format!("decode B {batch}, len {len}, Hq {hq}, Hkv 4, D 128"),
                     ms,
                     bytes / COPY_BW * 1e3,
                     "BF16 K and V read",

@@ -1101,117 +1101,163 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
     vc[o] = f32_to_bf16(v_new[idx]);
 }
 
-// Decode, pass 1. Grid (B, Hkv, nsplit), ATT_DEC_WARPS warps. Block (b, kh, s) covers keys
-// s*CHUNK .. min(len_b, (s+1)*CHUNK) of slot b for the query heads of kv head kh. The chunk's
-// K and V rows are staged in shared memory as BF16 (4-byte loads, all independent), the query
-// rows of up to ATT_DEC_G heads per pass as f32. Scores: warp w takes keys w, w + ATT_DEC_WARPS,
-// ...; lane l forms the partial dot over elements d = l + 32i in i order, the warp adds the 32
-// partials by a butterfly (fixed order); s = fl(dot)*scale. Softmax and weighted sums: warp w
-// takes heads w, w + ATT_DEC_WARPS, ...; lane l owns the chunk's keys l and l + 32 for the max
-// and the sum of exp(s - m), and columns l + 32i of the weighted sum over keys in index order.
-// Writes the chunk's max m, sum l and unnormalized o = sum exp(s - m) v to part_m, part_l:
-// [B, hq, nsplit] and part_o: [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
-// Dynamic shared memory (bytes): 4*(ATT_DEC_G*d4 + ATT_DEC_G*ATT_DEC_CHUNK) + 2*2*ATT_DEC_CHUNK*D.
+// Decode, pass 1. Grid (B, Hkv, nsplit), ATT_DEC_WARPS warps (128 threads). Block (b, kh, s)
+// covers keys s*CHUNK .. min(len_b, (s+1)*CHUNK) of slot b for the query heads of kv head kh,
+// ATT_DEC_G heads per pass. The chunk's K rows are staged in shared memory as BF16 pairs with
+// a row stride of D/2 + 1 words (32 lanes reading one word of 32 different keys hit 32 banks),
+// its V rows unpadded (both read with 16-byte loads, several rows in flight, when D % 8 == 0
+// and the rows are 16-byte aligned; else word loads), the pass's query rows as f32 pairs [D/2][ATT_DEC_G] (the pairs of 4
+// heads in two 16-byte reads), the scores [CHUNK][ATT_DEC_G]. Scores: thread t takes key
+// t % 64 and heads 4*(t / 64) .. +4 of the pass; each dot is one chain of fused multiply-adds
+// over d in index order, s = fl(dot)*scale. Softmax: warp w takes heads w, w + ATT_DEC_WARPS,
+// ...; lane l owns the chunk's keys l and l + 32 for the max m and the sum l of exp(s - m)
+// (butterflies, fixed order). Weighted sums: thread t owns column pair t % (D/2) of a run of
+// consecutive heads (the 128 / (D/2) groups of threads split the pass's heads), one chain of
+// fused multiply-adds per column over the keys in index order. Writes the chunk's m, l and
+// unnormalized o = sum exp(s - m) v to part_m, part_l: [B, hq, nsplit] and part_o:
+// [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
+// Dynamic shared memory (bytes): 4*(ATT_DEC_G*D + ATT_DEC_G*CHUNK + CHUNK*(D/2 + 1) + CHUNK*D/2).
 // Needs D even and the caches 4-byte aligned (the launcher checks).
-#if ATT_DEC_CHUNK != 64
-#error "attn_decode_partial gives each lane two keys of a chunk"
+#if ATT_DEC_CHUNK != 64 || ATT_DEC_WARPS != 4 || ATT_DEC_G != 8 || ATT_MAX_D > 256
+#error "attn_decode_partial: 128 threads = 64 keys x 2 groups of 4 heads; two keys per lane"
 #endif
-extern "C" __global__ void __launch_bounds__(ATT_DEC_WARPS * 32)
+#define ATT_DEC_THREADS (ATT_DEC_WARPS * 32)
+// Rows of K and of V a thread loads before storing them (16-byte loads).
+#define ATT_DEC_LOADS 8
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS)
 attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                     const u32* __restrict__ lens, float* __restrict__ part_m,
                     float* __restrict__ part_l, float* __restrict__ part_o, u32 hq, u32 hkv, u32 D,
                     u32 max_len, float scale) {
     extern __shared__ float4 smem4[];
-    float* smem = reinterpret_cast<float*>(smem4);
-    const u32 d4 = att_d4(D);
-    float* qs = smem;
-    float* ss = qs + ATT_DEC_G * d4;
-    u16* ks = reinterpret_cast<u16*>(ss + ATT_DEC_G * ATT_DEC_CHUNK);
-    u16* vs = ks + ATT_DEC_CHUNK * D;
+    const u32 half = D >> 1, kst = half + 1;
+    float* qs = reinterpret_cast<float*>(smem4);       // [D/2][ATT_DEC_G] pairs
+    float* ss = qs + ATT_DEC_G * D;                     // [CHUNK][ATT_DEC_G]
+    u32* ks = reinterpret_cast<u32*>(ss + ATT_DEC_G * ATT_DEC_CHUNK);  // [CHUNK][kst]
+    u32* vs = ks + ATT_DEC_CHUNK * kst;                 // [CHUNK][half]
     const u32 b = blockIdx.x, kh = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const u32 len = lens[b];
     if (len > max_len) return;  // the combine writes NaN for this sequence
     const u32 k0 = split * ATT_DEC_CHUNK;
     if (k0 >= len) return;
     const u32 jn = min(len - k0, (u32)ATT_DEC_CHUNK);
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const u32 tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const u32 g = hq / hkv;
-    const u64 row = (u64)hkv * D;
-    const u64 base = ((u64)b * max_len + k0) * row + (u64)kh * D;  // even: D is even
+    const u64 row32 = ((u64)hkv * D) >> 1;  // words per cache position (D even)
+    // Weighted sums: this thread's column pair and group of heads (half <= 128).
+    const u32 ngrp = ATT_DEC_THREADS / half, vcol = tid % half, vgrp = tid / half;
     {
-        const u32 half = D >> 1, words = jn * half;
-        const u32* k32 = reinterpret_cast<const u32*>(kc + base);
-        const u32* v32 = reinterpret_cast<const u32*>(vc + base);
-        u32* ks32 = reinterpret_cast<u32*>(ks);
-        u32* vs32 = reinterpret_cast<u32*>(vs);
-        const u64 row32 = row >> 1;
-        for (u32 idx = threadIdx.x; idx < words; idx += blockDim.x) {
-            const u32 j = idx / half, c = idx - j * half;
-            ks32[idx] = k32[(u64)j * row32 + c];
-            vs32[idx] = v32[(u64)j * row32 + c];
+        const u64 base = ((u64)b * max_len + k0) * row32 + (u64)kh * half;
+        const u32* k32 = reinterpret_cast<const u32*>(kc) + base;
+        const u32* v32 = reinterpret_cast<const u32*>(vc) + base;
+        if ((half & 3u) == 0 && ((reinterpret_cast<u64>(k32) | reinterpret_cast<u64>(v32)) & 15u) == 0) {
+            // 16-byte loads (row32 is then a multiple of 4 words too), up to ATT_DEC_LOADS rows
+            // of K and of V in flight per thread before any is stored.
+            const u32 q4 = half >> 2, rgrp = ATT_DEC_THREADS / q4, c4 = tid % q4, r0 = tid / q4;
+            for (u32 jb = r0; jb < jn; jb += ATT_DEC_LOADS * rgrp) {
+                uint4 kv4[ATT_DEC_LOADS], vv4[ATT_DEC_LOADS];
+#pragma unroll
+                for (u32 i = 0; i < ATT_DEC_LOADS; ++i) {
+                    const u32 j = jb + i * rgrp;
+                    if (j < jn) {
+                        kv4[i] = reinterpret_cast<const uint4*>(k32 + (u64)j * row32)[c4];
+                        vv4[i] = reinterpret_cast<const uint4*>(v32 + (u64)j * row32)[c4];
+                    }
+                }
+#pragma unroll
+                for (u32 i = 0; i < ATT_DEC_LOADS; ++i) {
+                    const u32 j = jb + i * rgrp;
+                    if (j < jn) {
+                        u32* kd = ks + j * kst + 4 * c4;  // padded rows: four word stores
+                        kd[0] = kv4[i].x;
+                        kd[1] = kv4[i].y;
+                        kd[2] = kv4[i].z;
+                        kd[3] = kv4[i].w;
+                        reinterpret_cast<uint4*>(vs + j * half)[c4] = vv4[i];
+                    }
+                }
+            }
+        } else if (vgrp < ngrp) {
+#pragma unroll 4
+            for (u32 j = vgrp; j < jn; j += ngrp) {
+                ks[j * kst + vcol] = k32[(u64)j * row32 + vcol];
+                vs[j * half + vcol] = v32[(u64)j * row32 + vcol];
+            }
         }
     }
+    const u32 kj = tid & (ATT_DEC_CHUNK - 1), hq4 = 4 * (tid >> 6);  // scores: key, first head
     for (u32 hb = 0; hb < g; hb += ATT_DEC_G) {
         const u32 gn = min((u32)ATT_DEC_G, g - hb);
         const u32 h0 = kh * g + hb;
         __syncthreads();  // staging done; the previous pass is done with qs and ss
-        for (u32 idx = threadIdx.x; idx < gn * D; idx += blockDim.x) {
+        for (u32 idx = tid; idx < gn * D; idx += ATT_DEC_THREADS) {
             const u32 hh = idx / D, d = idx - hh * D;
-            qs[hh * d4 + d] = q[((u64)b * hq + h0 + hh) * D + d];
+            qs[(d >> 1) * (2 * ATT_DEC_G) + 2 * hh + (d & 1)] = q[((u64)b * hq + h0) * D + idx];
         }
         __syncthreads();
-        for (u32 j = w; j < jn; j += ATT_DEC_WARPS) {
-            float kv[ATT_MAX_D / 32];
-#pragma unroll
-            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
-                const u32 d = lane + 32u * i;
-                kv[i] = d < D ? bf16_to_f32(ks[j * D + d]) : 0.0f;
+        if (kj < jn && hq4 < gn) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const u32* kr = ks + kj * kst;
+            // Heads past gn read stale pairs and are never stored.
+            const float4* q4 = reinterpret_cast<const float4*>(qs + 2 * hq4);
+            for (u32 c = 0; c < half; ++c) {
+                const u32 kw = kr[c];
+                const float ka = __uint_as_float(kw << 16), kb = __uint_as_float(kw & 0xffff0000u);
+                const float4 qa = q4[c * (ATT_DEC_G / 2)], qb = q4[c * (ATT_DEC_G / 2) + 1];
+                acc[0] = __fmaf_rn(qa.y, kb, __fmaf_rn(qa.x, ka, acc[0]));
+                acc[1] = __fmaf_rn(qa.w, kb, __fmaf_rn(qa.z, ka, acc[1]));
+                acc[2] = __fmaf_rn(qb.y, kb, __fmaf_rn(qb.x, ka, acc[2]));
+                acc[3] = __fmaf_rn(qb.w, kb, __fmaf_rn(qb.z, ka, acc[3]));
             }
-            for (u32 hh = 0; hh < gn; ++hh) {
-                float acc = 0.0f;
 #pragma unroll
-                for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
-                    const u32 d = lane + 32u * i;
-                    if (d < D) acc = __fadd_rn(acc, __fmul_rn(qs[hh * d4 + d], kv[i]));
-                }
-                acc = warp_sum(acc);
-                if (lane == 0) ss[hh * ATT_DEC_CHUNK + j] = __fmul_rn(acc, scale);
-            }
+            for (u32 hh = 0; hh < 4; ++hh)
+                if (hq4 + hh < gn) ss[kj * ATT_DEC_G + hq4 + hh] = __fmul_rn(acc[hh], scale);
         }
         __syncthreads();
         for (u32 hh = w; hh < gn; hh += ATT_DEC_WARPS) {
-            float* sh = ss + hh * ATT_DEC_CHUNK;
             const bool v0 = lane < jn, v1 = lane + 32u < jn;
-            const float s0 = v0 ? sh[lane] : att_neg_inf();
-            const float s1 = v1 ? sh[lane + 32] : att_neg_inf();
+            float* s0p = ss + lane * ATT_DEC_G + hh;
+            float* s1p = ss + (lane + 32u) * ATT_DEC_G + hh;
+            const float s0 = v0 ? *s0p : att_neg_inf();
+            const float s1 = v1 ? *s1p : att_neg_inf();
             const float m = warp_max(fmaxf(s0, s1));
             const float p0 = v0 ? expf(__fsub_rn(s0, m)) : 0.0f;
             const float p1 = v1 ? expf(__fsub_rn(s1, m)) : 0.0f;
             const float l = warp_sum(__fadd_rn(p0, p1));
-            __syncwarp();
-            if (v0) sh[lane] = p0;
-            if (v1) sh[lane + 32] = p1;
-            __syncwarp();
-            float acc[ATT_MAX_D / 32];
-#pragma unroll
-            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) acc[i] = 0.0f;
-            for (u32 j = 0; j < jn; ++j) {
-                const float p = sh[j];
-#pragma unroll
-                for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
-                    const u32 d = lane + 32u * i;
-                    if (d < D) acc[i] = __fadd_rn(acc[i], __fmul_rn(p, bf16_to_f32(vs[j * D + d])));
-                }
-            }
-            const u64 pi = ((u64)b * hq + h0 + hh) * nsplit + split;
-#pragma unroll
-            for (u32 i = 0; i < ATT_MAX_D / 32; ++i) {
-                const u32 d = lane + 32u * i;
-                if (d < D) part_o[pi * D + d] = acc[i];
-            }
+            if (v0) *s0p = p0;
+            if (v1) *s1p = p1;
             if (lane == 0) {
+                const u64 pi = ((u64)b * hq + h0 + hh) * nsplit + split;
                 part_m[pi] = m;
                 part_l[pi] = l;
+            }
+        }
+        __syncthreads();
+        const u32 hpt = (gn + ngrp - 1) / ngrp;  // heads per group of threads (<= ATT_DEC_G)
+        const u32 hfirst = vgrp * hpt, hn = vgrp < ngrp ? min(hfirst + hpt, gn) - min(hfirst, gn) : 0;
+        float2 acc[ATT_DEC_G];
+#pragma unroll
+        for (u32 i = 0; i < ATT_DEC_G; ++i) acc[i] = make_float2(0.0f, 0.0f);
+        if (hn > 0) {
+            const float* pr = ss + hfirst;
+            for (u32 j = 0; j < jn; ++j) {
+                const u32 vw = vs[j * half + vcol];
+                const float va = __uint_as_float(vw << 16), vb = __uint_as_float(vw & 0xffff0000u);
+#pragma unroll
+                for (u32 i = 0; i < ATT_DEC_G; ++i) {
+                    if (i < hn) {
+                        const float p = pr[j * ATT_DEC_G + i];
+                        acc[i].x = __fmaf_rn(p, va, acc[i].x);
+                        acc[i].y = __fmaf_rn(p, vb, acc[i].y);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (u32 i = 0; i < ATT_DEC_G; ++i) {
+            if (i < hn) {
+                const u64 pi = ((u64)b * hq + h0 + hfirst + i) * nsplit + split;
+                reinterpret_cast<float2*>(part_o + pi * D)[vcol] = acc[i];
             }
         }
     }

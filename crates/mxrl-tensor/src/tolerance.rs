@@ -228,7 +228,9 @@ pub fn rmsnorm_dx_bounds(
 /// sums, `exp`, `log`) and `delta = rowsum(dout∘out)` are IEEE f32 in every variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnSums {
-    /// IEEE f32 products and sums in any order: the CPU reference and the CUDA-core kernels.
+    /// IEEE f32 products and sums in any order: the CPU reference and the CUDA-core kernels
+    /// (fused multiply-adds included, as in decode: one rounding where a product and a sum
+    /// had two, within the same bound).
     F32,
     /// Both f32 operands split into three BF16 parts, `x = hi + mid + lo` (`hi = bf16(x)`,
     /// `mid = bf16(x − hi)`, `lo = bf16(x − hi − mid)`; exact for `2⁻¹¹⁰ ≤ |x| < 2¹²⁸·(1 − 2⁻⁹)`

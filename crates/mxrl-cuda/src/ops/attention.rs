@@ -151,8 +151,10 @@ pub enum TrainingKernels {
 
 /// Query heads a decode block keeps in shared memory per pass (`ATT_DEC_G`).
 const DEC_G: usize = 8;
+/// Dynamic shared memory of `attn_decode_partial`: the pass's query rows and scores (f32), the
+/// chunk's K rows as BF16 pairs padded to `D/2 + 1` words, its V rows.
 fn smem_dec(d: usize) -> usize {
-    4 * (DEC_G * d4(d) + DEC_G * DECODE_CHUNK) + 2 * 2 * DECODE_CHUNK * d
+    4 * (DEC_G * d + DEC_G * DECODE_CHUNK + DECODE_CHUNK * (d / 2 + 1) + DECODE_CHUNK * d / 2)
 }
 
 /// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
