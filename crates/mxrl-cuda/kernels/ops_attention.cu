@@ -1115,8 +1115,11 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
 // consecutive heads (the 128 / (D/2) groups of threads split the pass's heads), one chain of
 // fused multiply-adds per column over the keys in index order. Writes the chunk's m, l and
 // unnormalized o = sum exp(s - m) v to part_m, part_l: [B, hq, nsplit] and part_o:
-// [B, hq, nsplit, D]. Blocks past the sequence's end write nothing.
-// Dynamic shared memory (bytes): 4*(ATT_DEC_G*D + ATT_DEC_G*CHUNK + CHUNK*(D/2 + 1) + CHUNK*D/2).
+// [B, hq, nsplit, D]. Blocks past the sequence's end write nothing. With nsplit == 1 (max_len
+// <= CHUNK) no partial is written: the block writes out = o / l, the bits the combine of one
+// chunk gives (zeros for len == 0, NaN for len > max_len), and the combine is not launched.
+// Dynamic shared memory (bytes): 4*(ATT_DEC_G*D + ATT_DEC_G*CHUNK + CHUNK*(D/2 + 1) + CHUNK*D/2
+// + 2*ATT_DEC_G).
 // Needs D even and the caches 4-byte aligned (the launcher checks).
 #if ATT_DEC_CHUNK != 64 || ATT_DEC_WARPS != 4 || ATT_DEC_G != 8 || ATT_MAX_D > 256
 #error "attn_decode_partial: 128 threads = 64 keys x 2 groups of 4 heads; two keys per lane"
@@ -1127,22 +1130,30 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
 extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS)
 attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                     const u32* __restrict__ lens, float* __restrict__ part_m,
-                    float* __restrict__ part_l, float* __restrict__ part_o, u32 hq, u32 hkv, u32 D,
-                    u32 max_len, float scale) {
+                    float* __restrict__ part_l, float* __restrict__ part_o, float* __restrict__ out,
+                    u32 hq, u32 hkv, u32 D, u32 max_len, float scale) {
     extern __shared__ float4 smem4[];
     const u32 half = D >> 1, kst = half + 1;
     float* qs = reinterpret_cast<float*>(smem4);       // [D/2][ATT_DEC_G] pairs
     float* ss = qs + ATT_DEC_G * D;                     // [CHUNK][ATT_DEC_G]
     u32* ks = reinterpret_cast<u32*>(ss + ATT_DEC_G * ATT_DEC_CHUNK);  // [CHUNK][kst]
     u32* vs = ks + ATT_DEC_CHUNK * kst;                 // [CHUNK][half]
+    float* sl = reinterpret_cast<float*>(vs + ATT_DEC_CHUNK * half);  // [2][ATT_DEC_G]: l, m
     const u32 b = blockIdx.x, kh = blockIdx.y, split = blockIdx.z, nsplit = gridDim.z;
     const u32 len = lens[b];
+    const u32 tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const u32 g = hq / hkv;
+    // One chunk (nsplit == 1): this block writes the output itself, as the combine would.
+    const bool direct = nsplit == 1;
+    if (direct && (len == 0 || len > max_len)) {
+        const float f = len == 0 ? 0.0f : att_nan();
+        for (u32 i = tid; i < g * D; i += ATT_DEC_THREADS) out[((u64)b * hq + (u64)kh * g) * D + i] = f;
+        return;
+    }
     if (len > max_len) return;  // the combine writes NaN for this sequence
     const u32 k0 = split * ATT_DEC_CHUNK;
     if (k0 >= len) return;
     const u32 jn = min(len - k0, (u32)ATT_DEC_CHUNK);
-    const u32 tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const u32 g = hq / hkv;
     const u64 row32 = ((u64)hkv * D) >> 1;  // words per cache position (D even)
     // Weighted sums: this thread's column pair and group of heads (half <= 128).
     const u32 ngrp = ATT_DEC_THREADS / half, vcol = tid % half, vgrp = tid / half;
@@ -1228,8 +1239,12 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
             if (v1) *s1p = p1;
             if (lane == 0) {
                 const u64 pi = ((u64)b * hq + h0 + hh) * nsplit + split;
-                part_m[pi] = m;
-                part_l[pi] = l;
+                if (!direct) {
+                    part_m[pi] = m;
+                    part_l[pi] = l;
+                }
+                sl[hh] = l;
+                sl[ATT_DEC_G + hh] = m;
             }
         }
         __syncthreads();
@@ -1257,7 +1272,16 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
         for (u32 i = 0; i < ATT_DEC_G; ++i) {
             if (i < hn) {
                 const u64 pi = ((u64)b * hq + h0 + hfirst + i) * nsplit + split;
-                reinterpret_cast<float2*>(part_o + pi * D)[vcol] = acc[i];
+                if (direct) {
+                    // attn_decode_combine's arithmetic for one chunk (M = m), so the same bits.
+                    const float e = expf(__fsub_rn(sl[ATT_DEC_G + hfirst + i], sl[ATT_DEC_G + hfirst + i]));
+                    const float L = __fadd_rn(0.0f, __fmul_rn(sl[hfirst + i], e));
+                    reinterpret_cast<float2*>(out + pi * D)[vcol] =
+                        make_float2(__fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].x, e)), L),
+                                    __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].y, e)), L));
+                } else {
+                    reinterpret_cast<float2*>(part_o + pi * D)[vcol] = acc[i];
+                }
             }
         }
     }

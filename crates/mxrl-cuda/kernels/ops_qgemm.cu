@@ -917,7 +917,7 @@ QF_ENTRY_BF16(qgemm_frag_bf16_t8, 8, 1)
 // the pass's 8·TG activation rows × (elements per super-step + 8 padding, so that the 8 rows a
 // uint4 load touches fall in different banks).
 #define QS_WARPS 4
-#define QS_STAGES 4
+#define QS_STAGES 3
 
 __device__ __forceinline__ u32 qs_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // 16 bytes from global `src` to shared `dst`, or 16 zero bytes when !valid (src not read).

@@ -119,9 +119,11 @@ pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_E
 pub const QFRAG_ROWS_PER_EXPERT: usize = 128;
 
 /// Average rows per expert up to which BF16 routed experts take the fragment kernels
-/// ([`QGemm::grouped_nt_frag_bf16`]); the tiled kernels beyond (faster from ~40 rows per
-/// expert on an H200: `bench_qgemm --large`).
-pub const QFRAG_BF16_ROWS_PER_EXPERT: usize = 32;
+/// ([`QGemm::grouped_nt_frag_bf16`]); the tiled kernels beyond. Measured on an H200
+/// (`bench_qgemm --large`, 64 experts): the staged 64-row passes against the tiled kernels
+/// 261.9 against 271.5 µs (gate/up) at 64 rows per expert on average, 432.5 against 378.6 at
+/// 128.
+pub const QFRAG_BF16_ROWS_PER_EXPERT: usize = 64;
 
 /// The engine's CUDA backend on one GPU.
 pub struct CudaBackend {

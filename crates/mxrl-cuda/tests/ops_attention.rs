@@ -274,6 +274,8 @@ fn kv_append_and_decode_match_reference_within_derived_bounds() {
         (shape(8, 1, 64), 70, vec![70]),
         (shape(2, 2, 256), 40, vec![40, 2]),
         (shape(3, 3, 6), 9, vec![9, 5, 1, 3]),
+        // Qwen3-30B-A3B's heads in a cache of one chunk (written without the combine).
+        (shape(32, 4, 128), 60, vec![60, 0, 1, 33]),
     ];
     for (case, (s, max_len, lens)) in cases.into_iter().enumerate() {
         let seed = 4000 + 10 * case as u64;
@@ -401,6 +403,92 @@ fn kv_append_and_decode_match_reference_within_derived_bounds() {
             bits(&decode(1)),
             bits(&got[..hq * d]),
             "{ctx}: sequence 0 alone differs from sequence 0 in the batch"
+        );
+    }
+}
+
+/// Decode into a cache of one chunk (the partial kernel writes the output, no combine) gives the
+/// bits of the two-pass decode of the same keys in a longer cache (one chunk used, combined):
+/// rows 0 .. max_len of each slot copied into a cache of 2·max_len + 3 positions. Lengths 0 and
+/// max_len + 1 give zeros and NaN in both.
+#[test]
+fn decode_of_one_chunk_gives_the_bits_of_the_combined_decode() {
+    let g = gpu();
+    let ops = Attention::new(&g).unwrap();
+    for (case, (s, max_len, lens)) in [
+        (shape(32, 4, 128), 64usize, vec![64usize, 1, 0, 37, 65]),
+        (shape(4, 2, 16), 20, vec![20, 3, 21, 0]),
+        (shape(3, 3, 6), 9, vec![9, 5]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 5000 + 10 * case as u64;
+        let (hq, d) = (s.q_heads, s.head_dim);
+        let row = s.kv_heads * d;
+        let batch = lens.len();
+        let long = 2 * max_len + 3;
+        let kc: Vec<u16> = test_values(batch * max_len * row, seed, 1.5)
+            .into_iter()
+            .map(to_bf16_bits)
+            .collect();
+        let vc: Vec<u16> = test_values(batch * max_len * row, seed + 1, 1.0)
+            .into_iter()
+            .map(to_bf16_bits)
+            .collect();
+        let mut kl = vec![0u16; batch * long * row];
+        let mut vl = vec![0u16; batch * long * row];
+        for b in 0..batch {
+            let (src, dst) = (b * max_len * row, b * long * row);
+            kl[dst..dst + max_len * row].copy_from_slice(&kc[src..src + max_len * row]);
+            vl[dst..dst + max_len * row].copy_from_slice(&vc[src..src + max_len * row]);
+        }
+        let q = g
+            .upload(&test_values(batch * hq * d, seed + 2, 1.5))
+            .unwrap();
+        let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+        let dl = g.upload(&lens32).unwrap();
+        let run = |k: &[u16], v: &[u16], cache_len: usize| {
+            let (k, v) = (g.upload(k).unwrap(), g.upload(v).unwrap());
+            let mut scratch = g
+                .zeros::<f32>(decode_scratch_len(batch, cache_len, s))
+                .unwrap();
+            let mut out = g.upload(&vec![7.0f32; batch * hq * d]).unwrap();
+            ops.decode(
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &dl.as_view(),
+                batch,
+                batch,
+                cache_len,
+                s,
+                &mut scratch.as_view_mut(),
+                &mut out.as_view_mut(),
+            )
+            .unwrap();
+            g.download(&out).unwrap()
+        };
+        assert_eq!(decode_scratch_len(batch, max_len, s), 1);
+        let one = run(&kc, &vc, max_len);
+        // Past max_len the two caches differ: NaN in the short one, a real length in the long.
+        let mut two = run(&kl, &vl, long);
+        for (b, &l) in lens.iter().enumerate() {
+            let o = &one[b * hq * d..(b + 1) * hq * d];
+            if l > max_len {
+                assert!(
+                    o.iter().all(|x| x.is_nan()),
+                    "case {case}: len {l} > {max_len}"
+                );
+                two[b * hq * d..(b + 1) * hq * d].copy_from_slice(o);
+            } else if l == 0 {
+                assert!(o.iter().all(|&x| x.to_bits() == 0), "case {case}: len 0");
+            }
+        }
+        assert_eq!(
+            bits(&one),
+            bits(&two),
+            "case {case}: {s:?}, max_len {max_len}, lens {lens:?}"
         );
     }
 }

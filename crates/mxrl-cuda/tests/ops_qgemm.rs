@@ -1183,8 +1183,7 @@ fn fragment_pass_holds_the_average_experts_rows() {
     assert_eq!(FragRows::for_rows(8192, 64, FragRows::R32), FragRows::R32);
     assert_eq!(FragRows::for_rows(600, 64, FragRows::R8), FragRows::R8);
     assert_eq!(FragRows::for_rows(600, 64, FragRows::R32), FragRows::R16);
-    // Block formats in the staged layout (from 9 rows per expert): a pass that holds
-    // avg + ⌈2√avg⌉ rows.
+    // The staged layout (from 9 rows per expert): a pass that holds avg + ⌈2√avg⌉ rows.
     let step = |rows: usize| Grouped {
         experts: 64,
         rows,
@@ -1195,20 +1194,27 @@ fn fragment_pass_holds_the_average_experts_rows() {
     assert_eq!(frag_rows(step(512), mx), FragRows::R8); // 8 per expert: split layout
     assert_eq!(frag_rows(step(576), mx), FragRows::R16); // 9 + 6
     assert_eq!(frag_rows(step(1024), mx), FragRows::R32); // 16 + 8
-    assert_eq!(frag_rows(step(1024), None), FragRows::R16); // BF16: the average
+    assert_eq!(frag_rows(step(512), None), FragRows::R8); // BF16 too
+    assert_eq!(frag_rows(step(1024), None), FragRows::R32);
     assert_eq!(frag_rows(step(2048), mx), FragRows::R64); // 32 + 12
+    assert_eq!(frag_rows(step(2048), None), FragRows::R64);
     assert_eq!(frag_rows(step(2048), nv), FragRows::R32); // capped
-    assert_eq!(
-        frag_layout(step(1024), mx, FragRows::R32),
-        FragLayout::Staged
-    );
-    assert!(matches!(
-        frag_layout(step(1024), None, FragRows::R16),
-        FragLayout::Split(_)
-    ));
+    for f in [mx, nv, None] {
+        assert_eq!(
+            frag_layout(step(1024), f, FragRows::R32),
+            FragLayout::Staged
+        );
+        assert!(matches!(
+            frag_layout(step(512), f, FragRows::R8),
+            FragLayout::Split(_)
+        ));
+    }
     assert_eq!(FragRows::largest(Some(LowByte::Mxfp8)), FragRows::R64);
     assert_eq!(FragRows::largest(Some(LowByte::Nvfp4)), FragRows::R32);
     assert_eq!(FragRows::largest(None), FragRows::R32);
+    assert_eq!(FragRows::largest_staged(mx), FragRows::R64);
+    assert_eq!(FragRows::largest_staged(nv), FragRows::R32);
+    assert_eq!(FragRows::largest_staged(None), FragRows::R64);
 }
 
 /// Large-M path: weights dequantized to BF16 once, the activation operand, the tensor-core

@@ -152,9 +152,14 @@ pub enum TrainingKernels {
 /// Query heads a decode block keeps in shared memory per pass (`ATT_DEC_G`).
 const DEC_G: usize = 8;
 /// Dynamic shared memory of `attn_decode_partial`: the pass's query rows and scores (f32), the
-/// chunk's K rows as BF16 pairs padded to `D/2 + 1` words, its V rows.
+/// chunk's K rows as BF16 pairs padded to `D/2 + 1` words, its V rows, each pass head's chunk
+/// sum and max.
 fn smem_dec(d: usize) -> usize {
-    4 * (DEC_G * d + DEC_G * DECODE_CHUNK + DECODE_CHUNK * (d / 2 + 1) + DECODE_CHUNK * d / 2)
+    4 * (DEC_G * d
+        + DEC_G * DECODE_CHUNK
+        + DECODE_CHUNK * (d / 2 + 1)
+        + DECODE_CHUNK * d / 2
+        + 2 * DEC_G)
 }
 
 /// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
@@ -164,9 +169,14 @@ pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
 
 /// Elements of the scratch [`Attention::decode`] needs for `batch` sequences in a cache of
 /// `max_len` positions: per (sequence, query head, chunk) a running max, a sum and `D` partial
-/// outputs, `batch·Hq·ceil(max_len/DECODE_CHUNK)·(D + 2)` (at least one).
+/// outputs, `batch·Hq·ceil(max_len/DECODE_CHUNK)·(D + 2)`; none (one element) for a cache of
+/// one chunk, whose blocks write the output themselves.
 pub fn decode_scratch_len(batch: usize, max_len: usize, shape: AttnShape) -> usize {
-    (batch * shape.q_heads * max_len.div_ceil(DECODE_CHUNK) * (shape.head_dim + 2)).max(1)
+    let chunks = max_len.div_ceil(DECODE_CHUNK);
+    if chunks <= 1 {
+        return 1;
+    }
+    batch * shape.q_heads * chunks * (shape.head_dim + 2)
 }
 
 fn check_shape(gpu: &Gpu, op: &str, s: AttnShape) -> Result<(), DeviceError> {
@@ -644,7 +654,8 @@ impl Attention {
     /// holding the new token's k/v, see [`Attention::kv_append`]) with device `lens: u32
     /// [batch]` (length including the new token) → `out: [batch, Hq·D]`. f32 accumulation;
     /// each sequence is split into chunks of [`DECODE_CHUNK`] keys combined in order through
-    /// `scratch` ([`decode_scratch_len`]). A length of 0 gives zeros, one above `max_len` NaN.
+    /// `scratch` ([`decode_scratch_len`]; a cache of one chunk is written directly, one launch,
+    /// the same bits). A length of 0 gives zeros, one above `max_len` NaN.
     /// Reference: `mxrl_tensor::attention::attention_decode` on the BF16 values of the cache.
     ///
     /// # Errors
@@ -711,7 +722,8 @@ impl Attention {
         if nsplit > MAX_GRID_YZ {
             return Err(g.err(format!("attention decode: max_len {max_len} too large")));
         }
-        let parts = batch * hq * nsplit;
+        // One chunk: the partial kernel writes `out` and takes no scratch.
+        let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
         let (mut part_m, mut rest) = scratch.split_at_mut(parts);
         let (mut part_l, mut part_o) = rest.split_at_mut(parts);
         let (hq32, hkv32, d32, ml32, ns32, scale) = (
@@ -737,18 +749,24 @@ impl Attention {
                 .arg(&mut part_m)
                 .arg(&mut part_l)
                 .arg(&mut part_o)
+                .arg(&mut *out)
                 .arg(&hq32)
                 .arg(&hkv32)
                 .arg(&d32)
                 .arg(&ml32)
                 .arg(&scale);
-            // SAFETY: block (b, kh, s) returns unless lens[b] ≤ max_len and s·64 < lens[b]; it
+            // SAFETY: block (b, kh, s) returns unless lens[b] ≤ max_len and s·64 < lens[b]
+            // (with nsplit = 1 after writing out row b's heads of kh, batch·Hq·D checked); it
             // reads cache positions < lens[b] ≤ max_len of slot b < batch ≤ slots
-            // (slots·max_len·Hkv·D checked), q row b (batch·Hq·D checked), and writes
+            // (slots·max_len·Hkv·D checked), q row b (batch·Hq·D checked), and writes, with
+            // nsplit = 1, out row b's heads of kh and nothing else; else
             // part_m/part_l[(b·Hq + h)·nsplit + s] (batch·Hq·nsplit each) and part_o at that
             // index ·D (+D): the three splits of scratch hold exactly that
             // (decode_scratch_len checked); shared memory smem_dec(D) ≤ the attribute.
             unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        }
+        if nsplit == 1 {
+            return Ok(());
         }
         let cfg = LaunchConfig {
             grid_dim: (batch as u32, hq as u32, 1),

@@ -258,7 +258,7 @@ pub enum FragLayout {
 /// Warps (column blocks of [`FRAG_COLS`]) per block of [`FragLayout::Staged`] (`QS_WARPS`).
 pub const STAGED_WARPS: usize = 4;
 /// Shared-memory stages of [`FragLayout::Staged`] (`QS_STAGES`).
-pub const STAGED_STAGES: usize = 4;
+pub const STAGED_STAGES: usize = 3;
 /// The most dynamic shared memory a [`FragLayout::Staged`] launch may take (H200: 227 KiB per
 /// block).
 pub const STAGED_SMEM_MAX: usize = 200 << 10;
@@ -278,15 +278,14 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
         + STAGED_STAGES * rows.rows() * (elems + 8) * 2
 }
 
-/// The launchers' layout for a step: [`FragLayout::Staged`] for MXFP8 and NVFP4 weights
-/// from [`STAGED_ROWS_PER_EXPERT`] rows per expert on average, where its shared memory fits;
-/// else [`FragLayout::Split`] of [`frag_split`]. Measured on an H200 (`bench_qgemm --large`,
-/// BENCHMARKS.md): from 16 rows per expert the staged kernels are the faster for both block
-/// formats (gate/up at 16 rows per expert: MXFP8 107 against 119 µs, NVFP4 93 against 107);
-/// for BF16 weights a split of the reduction is as fast or faster.
+/// The launchers' layout for a step: [`FragLayout::Staged`] from [`STAGED_ROWS_PER_EXPERT`]
+/// rows per expert on average, where its shared memory fits; else [`FragLayout::Split`] of
+/// [`frag_split`]. Measured on an H200 (`bench_qgemm --large`, BENCHMARKS.md, three stages):
+/// from 16 rows per expert the staged kernels are the faster for every weight format (gate/up
+/// at up to 26 rows per expert: MXFP8 118.5 against 127.0 µs, NVFP4 85.2 against 103.6, BF16
+/// 175.6 against 182.4).
 pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragLayout {
-    if format.is_some()
-        && rows_per_expert(s) >= STAGED_ROWS_PER_EXPERT
+    if rows_per_expert(s) >= STAGED_ROWS_PER_EXPERT
         && staged_smem_bytes(format, s.k, rows) <= STAGED_SMEM_MAX
     {
         FragLayout::Staged
@@ -324,25 +323,23 @@ pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
 /// The most blocks [`frag_row_blocks`] gives one expert's column block.
 pub const FRAG_ROW_BLOCKS: usize = 8;
 
-/// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`] for
-/// block-format weights.
+/// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`].
 pub const STAGED_ROWS_PER_EXPERT: usize = 9;
 
-/// The launchers' rows per pass for weights of `format` (`None`: BF16): for block formats in
-/// the staged layout, the smallest pass that holds `avg + ⌈2·√avg⌉` rows (`avg` the average
-/// rows per expert), so that most experts of a routed step (whose counts spread around the
-/// average) take one pass over their weights rather than two; else
-/// [`FragRows::for_rows`]. Capped at [`FragRows::largest`]. Measured on an H200 at 32 rows
-/// per expert on average (up to 42): MXFP8 gate/up in 64-row passes 134 µs against 176 µs in
-/// 32-row passes.
+/// The launchers' rows per pass for weights of `format` (`None`: BF16): in the staged layout
+/// (from [`STAGED_ROWS_PER_EXPERT`] rows per expert on average), the smallest pass that holds
+/// `avg + ⌈2·√avg⌉` rows (`avg` the average rows per expert), so that most experts of a
+/// routed step (whose counts spread around the average) take one pass over their weights
+/// rather than two, capped at [`FragRows::largest_staged`]; else [`FragRows::for_rows`]
+/// capped at [`FragRows::largest`]. Measured on an H200 at 32 rows per expert on average (up
+/// to 42): MXFP8 gate/up in 64-row passes 134 µs against 176 µs in 32-row passes.
 pub fn frag_rows(s: Grouped, format: Option<LowByte>) -> FragRows {
-    let largest = FragRows::largest(format);
     let avg = rows_per_expert(s);
-    if format.is_some() && avg >= STAGED_ROWS_PER_EXPERT {
+    if avg >= STAGED_ROWS_PER_EXPERT {
         let margin = (2.0 * (avg as f64).sqrt()).ceil() as usize;
-        FragRows::for_rows(avg + margin, 1, largest)
+        FragRows::for_rows(avg + margin, 1, FragRows::largest_staged(format))
     } else {
-        FragRows::for_rows(s.rows, s.experts, largest)
+        FragRows::for_rows(s.rows, s.experts, FragRows::largest(format))
     }
 }
 
@@ -416,6 +413,17 @@ impl FragRows {
         match f {
             Some(LowByte::Mxfp8) => FragRows::R64,
             Some(LowByte::Nvfp4) | None => FragRows::R32,
+        }
+    }
+
+    /// The largest pass of the staged layout ([`FragLayout::Staged`]) for weights of format
+    /// `f`: 64 rows for MXFP8 and BF16, 32 for NVFP4. Measured on an H200 with three stages
+    /// (`bench_qgemm --large`, 64 experts, gate/up at up to 42 rows per expert): MXFP8 118.9
+    /// against 146.3 µs in 32-row passes, BF16 177.6 against 248.4; NVFP4 138.7 against 123.0.
+    pub fn largest_staged(f: Option<LowByte>) -> Self {
+        match f {
+            Some(LowByte::Mxfp8) | None => FragRows::R64,
+            Some(LowByte::Nvfp4) => FragRows::R32,
         }
     }
 }
