@@ -70,4 +70,16 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// Zeroes a fragment kernel's accumulators: [2 column tiles][TG token groups][4 entries of the
+// m16n8 fragment] (ops_qgemm's fragment kernels, ops_fp8block's).
+template <int TG>
+__device__ __forceinline__ void frag_acc_zero(float (&acc)[2][TG][4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+}
+
 #endif

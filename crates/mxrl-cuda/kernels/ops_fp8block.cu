@@ -365,12 +365,7 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
         for (u32 rd = 0; rd < rounds; ++rd) {
             const u32 kb = rd * KS + warp;
             float acc[2][TG][4];
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+            frag_acc_zero<TG>(acc);
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
                 uint4 nq[4], nx[TG];

@@ -737,6 +737,33 @@ struct QfBf16 {
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
 };
 
+// The mma steps s = 2·v0 .. 2·(v0 + VG) (below F::STEPS) of one super-step: the A fragments
+// of both 16-column tiles decoded from the weight chunks wq with the prepared scales sp
+// ({row g lo, row g+8 lo, row g hi, row g+8 hi}), multiplied by each token group's B
+// fragments from the activation chunks xa (uint4 v0 .. v0 + VG of each group's row), in
+// increasing s. Shared by the split (qgemm_frag_body) and staged (qgemm_fragsm_body) kernels,
+// so both issue the same fragments in the same order.
+template <class F, int TG, int VG>
+__device__ __forceinline__ void qf_mma_steps(const uint4 (&wq)[4], const u32 (&sp)[4],
+                                             const uint4 (&xa)[TG][VG], int v0, float (&acc)[2][TG][4]) {
+#pragma unroll
+    for (int s = 2 * v0; s < (int)F::STEPS && s < 2 * (v0 + VG); ++s) {
+        u32 a[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
+            F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
+        }
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            u32 b0, b1;
+            F::bpairs(xa[tg][(s >> 1) - v0], s, b0, b1);
+            F::mma(acc[0][tg], a[0], b0, b1);
+            F::mma(acc[1][tg], a[1], b0, b1);
+        }
+    }
+}
+
 template <class F, int TG>
 __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                 const u8* __restrict__ codes, const u8* __restrict__ scales,
@@ -767,12 +794,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * 8 * TG; rb < hi; rb += gridDim.z * 8 * TG) {
         float acc[2][TG][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+        frag_acc_zero<TG>(acc);
         // Chunk c = 4·kt + t of each weight row: codes bytes 16c .. 16c+16 (zeros and scale 0,
         // which decode to zeros, past the row).
         auto load_w = [&](u32 kt, uint4* wq, u32* sr) {
@@ -811,23 +833,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 #pragma unroll
                     for (int v = 0; v < VG; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
                 }
-#pragma unroll
-                for (int s = 2 * v0; s < (int)F::STEPS && s < 2 * (v0 + VG); ++s) {
-                    // A fragments of both tiles: {row g lo, row g+8 lo, row g hi, row g+8 hi}.
-                    u32 a[2][4];
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
-                        F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
-                    }
-#pragma unroll
-                    for (int tg = 0; tg < TG; ++tg) {
-                        u32 b0, b1;
-                        F::bpairs(xa[tg][(s >> 1) - v0], s, b0, b1);
-                        F::mma(acc[0][tg], a[0], b0, b1);
-                        F::mma(acc[1][tg], a[1], b0, b1);
-                    }
-                }
+                qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -991,12 +997,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
             qs_commit();  // an empty group past the last step keeps the wait counts uniform
         };
         float acc[2][TG][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[j][tg][q] = 0.0f;
+        frag_acc_zero<TG>(acc);
         __syncthreads();  // the previous pass's reads of the stages are done
 #pragma unroll
         for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
@@ -1026,22 +1027,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 #pragma unroll
                     for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
                 }
-#pragma unroll
-                for (int s = 2 * v0; s < (int)F::STEPS && s < 2 * (v0 + VG); ++s) {
-                    u32 a[2][4];
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        F::pairs(wq[2 * j], sp[2 * j], s, a[j][0], a[j][2]);
-                        F::pairs(wq[2 * j + 1], sp[2 * j + 1], s, a[j][1], a[j][3]);
-                    }
-#pragma unroll
-                    for (int tg = 0; tg < TG; ++tg) {
-                        u32 b0, b1;
-                        F::bpairs(xa[tg][(s >> 1) - v0], s, b0, b1);
-                        F::mma(acc[0][tg], a[0], b0, b1);
-                        F::mma(acc[1][tg], a[1], b0, b1);
-                    }
-                }
+                qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
         }
         qs_wait<0>();
