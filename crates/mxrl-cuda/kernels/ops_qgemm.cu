@@ -937,6 +937,102 @@ __device__ __forceinline__ void qs_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// What a staged pass reads of its block (set up once per block by qgemm_fragsm_body).
+struct QsBlock {
+    const u16* x;
+    const float* x_amax;
+    const u8* codes;
+    float* y;
+    const u8* wc[4];  // this lane's weight rows g + 8i of the warp's 32 columns
+    const u8* s_scale;
+    u8* my_w;  // the warp's weight stages
+    u16* s_x;  // the activation stages (XROWS rows each)
+    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, elems, xld, xrows;
+    float wa;
+    bool active;
+};
+
+// One pass of TGP token groups from row rb (TGP ≤ the kernel's TG; the stages are laid out
+// for TG, i.e. c.xrows rows).
+template <class F, int TGP>
+__device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
+    // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16 of
+    // the step; zeros past the row) and the block's share of the activation chunks of the
+    // pass's 8·TGP rows (8 elements each; zeros past the expert's rows or past K).
+    auto issue = [&](u32 kt, u32 slot) {
+        if (kt < c.steps) {
+            const u32 ch = 4 * kt + c.t;
+            const bool ok = c.active && 16 * ch < c.rowb;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                qs_cp16(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t, ok ? c.wc[i] + 16 * (u64)ch : c.codes,
+                        ok);
+            const u32 cpr = c.elems / 8;  // chunks per activation row
+            u16* dst = c.s_x + (u64)slot * c.xrows * c.xld;
+            for (u32 q = c.tid; q < 8 * TGP * cpr; q += blockDim.x) {
+                const u32 r = q / cpr, j = q % cpr;
+                const u32 row = rb + r, k = kt * c.elems + 8 * j;
+                const bool okx = row < c.hi && k < c.K;
+                qs_cp16(dst + r * c.xld + 8 * j, okx ? c.x + (u64)row * c.K + k : c.x, okx);
+            }
+        }
+        qs_commit();  // an empty group past the last step keeps the wait counts uniform
+    };
+    float acc[2][TGP][4];
+    frag_acc_zero<TGP>(acc);
+    __syncthreads();  // the previous pass's reads of the stages are done
+#pragma unroll
+    for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
+    for (u32 kt = 0; kt < c.steps; ++kt) {
+        qs_wait<QS_STAGES - 2>();  // this thread's copies of step kt (and the scales) landed
+        __syncthreads();           // everyone's; and step kt − 1's slot is free again
+        issue(kt + QS_STAGES - 1, (kt + QS_STAGES - 1) % QS_STAGES);
+        if (!c.active) continue;
+        const u32 slot = kt % QS_STAGES;
+        uint4 wq[4];
+        u32 sp[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            wq[i] = *reinterpret_cast<const uint4*>(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t);
+            const u32 ch = 4 * kt + c.t;
+            const bool ok = 16 * ch < c.rowb;
+            sp[i] = F::prep(ok ? F::load_scale(c.s_scale + (u64)(QF_COLS * c.warp + c.g + 8 * i) * c.sk, ch) : 0u);
+        }
+        const u16* xs = c.s_x + (u64)slot * c.xrows * c.xld + c.t * F::CHUNK;
+        constexpr int VG = F::XV < 16 / TGP ? F::XV : 16 / TGP;
+#pragma unroll
+        for (int v0 = 0; v0 < F::XV; v0 += VG) {
+            uint4 xa[TGP][VG];
+#pragma unroll
+            for (int tg = 0; tg < TGP; ++tg) {
+                const uint4* src = reinterpret_cast<const uint4*>(xs + (8 * tg + c.g) * c.xld) + v0;
+#pragma unroll
+                for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
+            }
+            qf_mma_steps<F, TGP, VG>(wq, sp, xa, v0, acc);
+        }
+    }
+    qs_wait<0>();
+    if (!c.active) return;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int tg = 0; tg < TGP; ++tg)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const u32 r = rb + 8 * tg + 2 * c.t + (q & 1);
+                const u32 col = c.n0 + 16 * j + c.g + 8 * (q >> 1);
+                if (r < c.hi) {
+                    float sum = acc[j][tg][q];
+                    if (F::ALPHA) {
+                        const float alpha = __fmul_rn(__fmul_rn(c.x_amax[r], c.wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
+                        sum = __fmul_rn(sum, alpha);
+                    }
+                    c.y[(u64)r * c.N + col] = sum;
+                }
+            }
+}
+
 template <class F, int TG>
 __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                   const u8* __restrict__ codes, const u8* __restrict__ scales,
@@ -950,105 +1046,53 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     // Passes z, z + Z, … of the expert's rows (Z = gridDim.z), as qgemm_frag_body. The whole
     // block returns: no barrier is skipped by part of it.
     if (lo + blockIdx.z * XROWS >= hi) return;
-    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);   // the block's first column
+    QsBlock c;
+    c.x = x;
+    c.x_amax = x_amax;
+    c.codes = codes;
+    c.y = y;
+    c.hi = hi;
+    c.N = N;
+    c.K = K;
+    c.tid = threadIdx.x;
+    const u32 lane = c.tid & 31;
+    c.warp = c.tid >> 5;
+    c.g = lane >> 2;
+    c.t = lane & 3;
+    const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);          // the block's first column
     const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
-    const u32 n0 = nb + QF_COLS * warp;
-    const bool active = n0 < N;  // a warp past N only helps with the copies and barriers
-    const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
-    const u32 steps = (rowb + 63) / 64;
-    const u32 elems = F::CHUNK * 4;  // elements per super-step
-    const u32 xld = elems + 8;  // u16 per staged activation row
+    c.n0 = nb + QF_COLS * c.warp;
+    c.active = c.n0 < N;  // a warp past N only helps with the copies and barriers
+    c.rowb = F::row_bytes(K);
+    c.sk = F::scale_row(K);
+    c.steps = (c.rowb + 63) / 64;
+    c.elems = F::CHUNK * 4;  // elements per super-step
+    c.xld = c.elems + 8;     // u16 per staged activation row
+    c.xrows = XROWS;
     // Shared memory layout (all parts 16-byte multiples: sk·32 rows, 2 KB, 16·xld bytes).
     u8* s_scale = qs_mem;
-    u8* s_w = s_scale + (u64)QF_COLS * QS_WARPS * sk;
-    u16* s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
+    u8* s_w = s_scale + (u64)QF_COLS * QS_WARPS * c.sk;
+    c.s_scale = s_scale;
+    c.s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
     // The block's scale rows are contiguous in `scales` ([E, N, sk]): copied once.
     {
-        const u8* src = scales + ((u64)e * N + nb) * sk;
-        const u32 chunks = wrows * sk / 16;
-        for (u32 c = tid; c < chunks; c += blockDim.x) qs_cp16(s_scale + 16 * c, src + 16 * c, true);
+        const u8* src = scales + ((u64)e * N + nb) * c.sk;
+        const u32 chunks = wrows * c.sk / 16;
+        for (u32 q = c.tid; q < chunks; q += blockDim.x) qs_cp16(s_scale + 16 * q, src + 16 * q, true);
     }
-    const u8* wc[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wc[i] = codes + ((u64)e * N + n0 + g + 8 * i) * rowb;
-    u8* my_w = s_w + (u64)warp * QS_STAGES * 2048;
-    const float wa = F::ALPHA ? w_amax[e] : 0.0f;
+    for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb;
+    c.my_w = s_w + (u64)c.warp * QS_STAGES * 2048;
+    c.wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
-        // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16
-        // of the step; zeros past the row) and the block's share of the activation chunks
-        // (8 elements each; zeros past the expert's rows or past K).
-        auto issue = [&](u32 kt, u32 slot) {
-            if (kt < steps) {
-                const u32 c = 4 * kt + t;
-                const bool ok = active && 16 * c < rowb;
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    qs_cp16(my_w + slot * 2048 + (g + 8 * i) * 64 + 16 * t, ok ? wc[i] + 16 * (u64)c : codes, ok);
-                const u32 cpr = elems / 8;  // chunks per activation row
-                u16* dst = s_x + (u64)slot * XROWS * xld;
-                for (u32 q = tid; q < XROWS * cpr; q += blockDim.x) {
-                    const u32 r = q / cpr, j = q % cpr;
-                    const u32 row = rb + r, k = kt * elems + 8 * j;
-                    const bool okx = row < hi && k < K;
-                    qs_cp16(dst + r * xld + 8 * j, okx ? x + (u64)row * K + k : x, okx);
-                }
-            }
-            qs_commit();  // an empty group past the last step keeps the wait counts uniform
-        };
-        float acc[2][TG][4];
-        frag_acc_zero<TG>(acc);
-        __syncthreads();  // the previous pass's reads of the stages are done
-#pragma unroll
-        for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
-        for (u32 kt = 0; kt < steps; ++kt) {
-            qs_wait<QS_STAGES - 2>();  // this thread's copies of step kt (and the scales) landed
-            __syncthreads();           // everyone's; and step kt − 1's slot is free again
-            issue(kt + QS_STAGES - 1, (kt + QS_STAGES - 1) % QS_STAGES);
-            if (!active) continue;
-            const u32 slot = kt % QS_STAGES;
-            uint4 wq[4];
-            u32 sp[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                wq[i] = *reinterpret_cast<const uint4*>(my_w + slot * 2048 + (g + 8 * i) * 64 + 16 * t);
-                const u32 c = 4 * kt + t;
-                const bool ok = 16 * c < rowb;
-                sp[i] = F::prep(ok ? F::load_scale(s_scale + (u64)(QF_COLS * warp + g + 8 * i) * sk, c) : 0u);
-            }
-            const u16* xs = s_x + (u64)slot * XROWS * xld + t * F::CHUNK;
-            constexpr int VG = F::XV < 16 / TG ? F::XV : 16 / TG;
-#pragma unroll
-            for (int v0 = 0; v0 < F::XV; v0 += VG) {
-                uint4 xa[TG][VG];
-#pragma unroll
-                for (int tg = 0; tg < TG; ++tg) {
-                    const uint4* src = reinterpret_cast<const uint4*>(xs + (8 * tg + g) * xld) + v0;
-#pragma unroll
-                    for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
-                }
-                qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
-            }
+        // A pass whose rows fill at most half of it runs half the token groups (the mma steps
+        // of the empty half would multiply zeros into sums nobody stores): the same fragments,
+        // in the same order, for every row it holds. Uniform over the block.
+        if (TG > 1 && hi - rb <= 4 * TG) {
+            qs_pass<F, (TG > 1 ? TG / 2 : 1)>(c, rb);
+        } else {
+            qs_pass<F, TG>(c, rb);
         }
-        qs_wait<0>();
-        if (!active) continue;
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const u32 r = rb + 8 * tg + 2 * t + (q & 1);
-                    const u32 col = n0 + 16 * j + g + 8 * (q >> 1);
-                    if (r < hi) {
-                        float sum = acc[j][tg][q];
-                        if (F::ALPHA) {
-                            const float alpha = __fmul_rn(__fmul_rn(x_amax[r], wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
-                            sum = __fmul_rn(sum, alpha);
-                        }
-                        y[(u64)r * N + col] = sum;
-                    }
-                }
     }
 }
 
