@@ -90,3 +90,90 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
         for (u32 j = threadIdx.x; j < d; j += blockDim.x) vc[o + j] = f32_to_bf16(vr[j]);
     }
 }
+
+// decode_attn_prep with one warp per (row, head) and DPW_HEADS of them per block, for D = 64,
+// 128 or 256 (NW = D/32 elements per lane; every head width of the supported models): lane l holds elements
+// l + 32w (w < D/32), so a rotation pair i, i + D/2 lies in one lane. The row sum runs
+// rmsnorm_fwd's reduction tree at blockDim = row_threads(D) = D: each "warp" w of that block
+// is summed by the same xor butterfly (run here side by side in registers), then the D/32 warp
+// sums by one more butterfly over lanes holding them (zeros beyond), as block_sum does: the
+// same bits. Item it = blockIdx.x·DPW_HEADS + warp is (r, h) = (it / (hq + hkv), it % (hq + hkv)).
+#define DPW_HEADS 8
+template <int NW>
+__device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v,
+                          const float* __restrict__ wq, const float* __restrict__ wk, int norm, float eps,
+                          u32 hq, u32 hkv, u32 d, const float* __restrict__ cos_t,
+                          const float* __restrict__ sin_t, const u32* __restrict__ pos, u32 max_pos,
+                          const u32* __restrict__ lens, u32 max_len, u16* __restrict__ kc,
+                          u16* __restrict__ vc, u64 items) {
+    const u32 lane = threadIdx.x & 31;
+    const u64 it = (u64)blockIdx.x * DPW_HEADS + (threadIdx.x >> 5);
+    if (it >= items) return;  // whole warps: no shuffle below misses a lane
+    const u32 heads = hq + hkv;
+    const u64 r = it / heads;
+    const u32 h = (u32)(it - r * heads);
+    const bool is_q = h < hq;
+    const u32 kh = h - hq;
+    float* x = is_q ? q + (r * hq + h) * (u64)d : k + (r * hkv + kh) * (u64)d;
+    float xv[NW];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) xv[w] = x[32 * w + lane];
+    if (norm) {
+        const float* wt = is_q ? wq : wk;
+        float t = 0.0f;  // lane w < NW: warp w's sum, as block_sum's scratch[lane]
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float sw = warp_sum(__fadd_rn(0.0f, __fmul_rn(xv[w], xv[w])));
+            t = lane == (u32)w ? sw : t;
+        }
+        const float ss = warp_sum(t);
+        const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+#pragma unroll
+        for (int w = 0; w < NW; ++w) xv[w] = __fmul_rn(__fmul_rn(xv[w], rs), wt[32 * w + lane]);
+    }
+    constexpr int HW = NW / 2;
+    const u32 half = d / 2, p = pos[r];
+    const u32 len = lens[r];
+    const bool append = !is_q && len != 0 && len <= max_len;
+    const u64 o = ((u64)r * max_len + (len - 1)) * ((u64)hkv * d) + (u64)kh * d;
+#pragma unroll
+    for (int w = 0; w < HW; ++w) {
+        const u32 i = 32 * w + lane;
+        float lo, hi;
+        if (p >= max_pos) {
+            lo = __int_as_float(0x7fc00000);
+            hi = lo;
+        } else {
+            const float c = cos_t[(u64)p * half + i];
+            const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
+            const float a = xv[w], b = xv[w + HW];
+            lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        }
+        x[i] = lo;
+        x[i + half] = hi;
+        if (append) {
+            kc[o + i] = f32_to_bf16(lo);
+            kc[o + i + half] = f32_to_bf16(hi);
+        }
+    }
+    if (append) {
+        const float* vr = v + (r * hkv + kh) * (u64)d;
+        for (u32 j = lane; j < d; j += 32) vc[o + j] = f32_to_bf16(vr[j]);
+    }
+}
+#define DPW_ARGS                                                                                       \
+    float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v, const float *__restrict__ wq, \
+        const float *__restrict__ wk, int norm, float eps, u32 hq, u32 hkv, u32 d,                     \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t, const u32 *__restrict__ pos,  \
+        u32 max_pos, const u32 *__restrict__ lens, u32 max_len, u16 *__restrict__ kc,                   \
+        u16 *__restrict__ vc, u64 items
+#define DPW_ENTRY(name, NW)                                                                              \
+    extern "C" __global__ void __launch_bounds__(DPW_HEADS * 32) name(DPW_ARGS) {                        \
+        dpw_body<NW>(q, k, v, wq, wk, norm, eps, hq, hkv, d, cos_t, sin_t, pos, max_pos, lens, max_len, kc, \
+                     vc, items);                                                                        \
+    }
+// Entries by D / 32: D = 64, 128, 256.
+DPW_ENTRY(decode_attn_prep_w2, 2)
+DPW_ENTRY(decode_attn_prep_w4, 4)
+DPW_ENTRY(decode_attn_prep_w8, 8)

@@ -92,7 +92,8 @@ fn rope_position_outside_the_table_gives_nan_and_short_buffers_are_refused() {
 /// `Backend::decode_attn_prep` on the CUDA backend (one fused launch) gives the bits of the
 /// ops it stands for run one by one on the same GPU (per-head RMSNorm of q and k, RoPE of
 /// both, cache append), with and without the q/k norms, for Qwen3's head layout and smaller
-/// ones, rows whose length is 0 or past the cache (nothing appended) and positions past the
+/// ones (head widths 64, 128 and 256 take the one-warp-per-head kernel, 6 the block kernel;
+/// item counts that leave the last block part-filled), rows whose length is 0 or past the cache (nothing appended) and positions past the
 /// table (NaN rows). The other backends' default is that composition itself
 /// (`decode_attn_prep_ops`).
 #[test]
@@ -176,6 +177,15 @@ fn fused_decode_attention_prep_is_bitwise_the_ops_it_replaces() {
             pos: vec![3, 15, 2],
             lens: vec![4, 16, 3],
             seed: 3200,
+        },
+        Case {
+            rows: 3,
+            shape: shape(2, 1, 256),
+            max_pos: 12,
+            max_len: 10,
+            pos: vec![0, 9, 11],
+            lens: vec![1, 10, 5],
+            seed: 3250,
         },
         Case {
             rows: 2,

@@ -15,6 +15,8 @@ use mxrl_tensor::rope::RopeTable;
 pub const SOURCE: &str = include_str!("../../kernels/ops_rope.cu");
 
 const THREADS: u32 = 256;
+/// (row, head) items per block of `decode_attn_prep_warp` (`DPW_HEADS`), one warp each.
+const DPW_HEADS: u64 = 8;
 
 /// cos/sin of positions `0..max_pos` on the device: `[max_pos, D/2]` each, f32.
 pub struct RopeDeviceTable {
@@ -71,6 +73,8 @@ pub struct Rope {
     gpu: Gpu,
     apply: CudaFunction,
     decode_prep: CudaFunction,
+    /// `decode_attn_prep_w2/w4/w8`: D = 64, 128, 256.
+    decode_prep_warp: [CudaFunction; 3],
 }
 
 impl Rope {
@@ -88,6 +92,11 @@ impl Rope {
             gpu: gpu.clone(),
             apply: f("rope_apply")?,
             decode_prep: f("decode_attn_prep")?,
+            decode_prep_warp: [
+                f("decode_attn_prep_w2")?,
+                f("decode_attn_prep_w4")?,
+                f("decode_attn_prep_w8")?,
+            ],
         })
     }
 
@@ -194,6 +203,39 @@ impl Rope {
         };
         let (hq32, hkv32, d32) = (hq as u32, hkv as u32, d as u32);
         let (maxp32, max_len32) = (table.max_pos as u32, max_len as u32);
+        // Head widths 64, 128, 256: one warp per (row, head), the same reduction tree and the
+        // same bits (kernel comment).
+        let warp_kernel = match d {
+            64 => Some(&self.decode_prep_warp[0]),
+            128 => Some(&self.decode_prep_warp[1]),
+            256 => Some(&self.decode_prep_warp[2]),
+            _ => None,
+        };
+        if let Some(func) = warp_kernel {
+            let items = (rows as u64) * (hq + hkv) as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(items.div_ceil(DPW_HEADS))
+                        .map_err(|_| g.err(format!("{op}: shape too large for one launch")))?,
+                    1,
+                    1,
+                ),
+                block_dim: (32 * DPW_HEADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = g.stream().launch_builder(func);
+            b.arg(q).arg(k).arg(v).arg(wq).arg(wk).arg(&norm).arg(&eps);
+            b.arg(&hq32).arg(&hkv32).arg(&d32);
+            b.arg(&table.cos).arg(&table.sin).arg(pos).arg(&maxp32);
+            b.arg(lens).arg(&max_len32).arg(kc).arg(vc).arg(&items);
+            // SAFETY: warp item it < items = rows·(hq + hkv) touches exactly what block (r, h)
+            // of `decode_attn_prep` does (below), lanes covering the D elements 32w + lane
+            // (D ∈ {64, 128, 256}, the entry's D); warps past `items` return whole; no shared
+            // memory. Argument types match (float*, float*, const float* × 3, int, float,
+            // u32 × 3, const float* × 2, const u32*, u32, const u32*, u32, u16* × 2, u64).
+            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            return Ok(());
+        }
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, (hq + hkv) as u32, 1),
             block_dim: (super::norm::row_threads(d), 1, 1),
