@@ -37,6 +37,27 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const f
         yr[j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), w[j]));
 }
 
+// rmsnorm_fwd and rmsnorm_fwd_bf16 in one pass: y (f32) and yb = bf16(y), bitwise.
+extern "C" __global__ void rmsnorm_fwd_both(const float* __restrict__ x, const float* __restrict__ w,
+                                            float* __restrict__ y, u16* __restrict__ yb,
+                                            float* __restrict__ rstd, u32 d, float eps) {
+    __shared__ float scratch[32];
+    const u64 r = blockIdx.x;
+    const float* xr = x + r * d;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
+    ss = block_sum(ss, scratch);
+    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    if (threadIdx.x == 0) rstd[r] = rs;
+    float* yr = y + r * d;
+    u16* ybr = yb + r * d;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
+        yr[j] = v;
+        ybr[j] = f32_to_bf16(v);
+    }
+}
+
 // dx of the backward, one block per row r < rows:
 // dot = sum_j (w[j] * dy[r,j]) * x[r,j]; c = ((dot * rs) * rs) * rs / d;
 // dx[r,j] = (rs * w[j]) * dy[r,j] - x[r,j] * c (overwritten).

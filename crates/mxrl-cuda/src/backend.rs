@@ -456,6 +456,31 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
+    fn rmsnorm_both(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: &mut Self::F32,
+        yb: &mut Self::Bf16,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        self.norm
+            .forward_both(
+                &x.as_view(),
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                &mut yb.as_view_mut(),
+                &mut rstd.as_view_mut(),
+                rows,
+                d,
+                eps,
+            )
+            .map_err(de)
+    }
+
     fn gather_rows_bf16(
         &self,
         xb: &Self::Bf16,
@@ -641,110 +666,68 @@ impl Backend for CudaBackend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()> {
-        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         if w.format == Format::Fp8Block {
             return self.fp8_forward(x, w, Some(offsets), experts, rows, k, n, y);
         }
-        if (w.e, w.n, w.k) != (experts, n, k) {
-            return Err(dev(format!(
-                "grouped_qlinear: experts stored as [{}, {}, {}], called with [{experts}, {n}, {k}]",
-                w.e, w.n, w.k
-            )));
+        let act = self.quant_act_rows(x, w, rows, k, "grouped_qlinear")?;
+        self.grouped_qlinear_on(&act, w, offsets, experts, rows, k, n, y)
+    }
+
+    fn grouped_qlinear_gathered(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        w: &QExperts,
+        experts: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        let rows = tokens * top_k;
+        if w.format == Format::Fp8Block {
+            let mut xg = self.gpu.empty::<f32>(rows * k).map_err(de)?;
+            self.gather_f32(x, route, tokens, experts, top_k, k, &mut xg)?;
+            return self.fp8_forward(&xg, w, Some(&route.offsets), experts, rows, k, n, y);
         }
-        let q = self.qgemm.as_ref().map_err(|e| {
-            dev(format!(
-                "grouped_qlinear: the low-byte expert kernels did not load: {e}"
-            ))
-        })?;
-        let s = Grouped {
-            experts,
-            rows,
-            n,
-            k,
+        // Each row is quantized alone (MXFP8 blocks along k, NVFP4's per-token factor): the
+        // tokens' rows once, then their operands gathered, are the gathered rows' operands.
+        let act = self.quant_act_rows(x, w, tokens, k, "grouped_qlinear")?;
+        let mut xg = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        self.moe
+            .gather_rows_bf16(
+                &act.xq.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut xg.as_view_mut(),
+                tokens,
+                k,
+                experts,
+                top_k,
+            )
+            .map_err(de)?;
+        let amax = match &act.amax {
+            Some(a) => {
+                let mut ag = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
+                self.moe
+                    .gather(
+                        &a.slice(0..tokens),
+                        &route.perm.as_view(),
+                        &route.offsets.as_view(),
+                        &mut ag.slice_mut(0..rows),
+                        tokens,
+                        1,
+                        experts,
+                        top_k,
+                    )
+                    .map_err(de)?;
+                Some(ag)
+            }
+            None => None,
         };
-        let frag = QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts;
-        let small = !frag && rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
-        let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-        match w.format {
-            Format::Mxfp8 => {
-                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
-                if frag {
-                    return q
-                        .grouped_nt_frag_mxfp8(
-                            &xq.as_view(),
-                            &w.codes.as_view(),
-                            &w.scales.as_view(),
-                            &offsets.as_view(),
-                            &mut y.as_view_mut(),
-                            s,
-                        )
-                        .map_err(de);
-                }
-                if small {
-                    return q
-                        .grouped_nt_small_m_mxfp8(
-                            &xq.as_view(),
-                            &w.codes.as_view(),
-                            &w.scales.as_view(),
-                            &offsets.as_view(),
-                            &mut y.as_view_mut(),
-                            s,
-                        )
-                        .map_err(de);
-                }
-                let wb = self.experts_bf16(q, w)?;
-                self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)
-            }
-            Format::Nvfp4 => {
-                let mut x_amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
-                let mut xa = x_amax.slice_mut(0..rows);
-                q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
-                    .map_err(de)?;
-                let xa = x_amax.slice(0..rows);
-                if frag {
-                    return q
-                        .grouped_nt_frag_nvfp4(
-                            &xq.as_view(),
-                            &xa,
-                            &w.codes.as_view(),
-                            &w.scales.as_view(),
-                            &w.amax.as_view(),
-                            &offsets.as_view(),
-                            &mut y.as_view_mut(),
-                            s,
-                        )
-                        .map_err(de);
-                }
-                if small {
-                    return q
-                        .grouped_nt_small_m_nvfp4(
-                            &xq.as_view(),
-                            &xa,
-                            &w.codes.as_view(),
-                            &w.scales.as_view(),
-                            &w.amax.as_view(),
-                            &offsets.as_view(),
-                            &mut y.as_view_mut(),
-                            s,
-                        )
-                        .map_err(de);
-                }
-                let wb = self.experts_bf16(q, w)?;
-                self.grouped_linear(&xq, &wb, offsets, None, experts, rows, k, n, y)?;
-                q.nvfp4_scale_rows(
-                    &mut y.as_view_mut(),
-                    &xa,
-                    &w.amax.as_view(),
-                    &offsets.as_view(),
-                    s,
-                )
-                .map_err(de)
-            }
-            other => Err(dev(format!(
-                "grouped_qlinear: no device kernels for {other:?} experts"
-            ))),
-        }
+        let act = QuantRows { xq: xg, amax };
+        self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
     }
 
     fn quantize_weights(
@@ -907,26 +890,47 @@ impl Backend for CudaBackend {
             .map_err(|e| dev(format!("qlinear: the low-byte kernels did not load: {e}")))?;
         match w.format {
             Format::Mxfp8 => {
-                // Exact BF16 operands: the contract dequantization of x and of W (W's once per
-                // weight version, outside graph recording: memory allocated while recording
-                // would belong to the graph).
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
-                if let Some(wb) = w.serve.get() {
-                    return self.linear(&xq, wb, rows, k, n, y);
-                }
-                let wb = self.experts_bf16(q, w)?;
-                if self.gpu.capturing().map_err(de)? {
-                    return self.linear(&xq, &wb, rows, k, n, y);
-                }
-                self.linear(&xq, w.serve.get_or_init(|| wb), rows, k, n, y)
+                self.mxfp8_dense_on(&xq, w, rows, k, n, y)
             }
             other => Err(dev(format!(
                 "qlinear: no dense device path for {other:?} (block-format dense linears run \
                  MXFP8 and FP8 block on the device)"
             ))),
         }
+    }
+
+    fn qlinear_shared(
+        &self,
+        x: &Self::F32,
+        rows: usize,
+        k: usize,
+        outs: &mut [(&QExperts, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        let dense = |f: Format| {
+            outs.iter()
+                .all(|(w, n, _)| (w.format, w.e, w.n, w.k) == (f, 1, *n, k))
+        };
+        if outs.len() > 1 && dense(Format::Mxfp8) {
+            if let Ok(q) = self.qgemm.as_ref() {
+                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                for (w, n, y) in outs.iter_mut() {
+                    self.mxfp8_dense_on(&xq, w, rows, k, *n, y)?;
+                }
+                return Ok(());
+            }
+        }
+        if outs.len() > 1 && dense(Format::Fp8Block) {
+            return self.fp8_forward_shared(x, rows, k, outs);
+        }
+        for (w, n, y) in outs.iter_mut() {
+            self.qlinear(x, w, rows, k, *n, y)?;
+        }
+        Ok(())
     }
 
     /// All groups at once, in one launch per GEMM (cuBLAS for a dense linear, the grouped
@@ -2308,6 +2312,198 @@ impl Backend for CudaBackend {
         self.eng
             .bias_backward(&dy.as_view(), &mut db.as_view_mut(), rows, n)
             .map_err(de)
+    }
+}
+
+/// The activation operand of an MXFP8 / NVFP4 linear: the contract's dequantized rows as BF16
+/// (MXFP8) or as NVFP4's pre-scaled values with each row's amax (`amax`, NVFP4 only).
+struct QuantRows {
+    xq: CudaSlice<u16>,
+    amax: Option<CudaSlice<f32>>,
+}
+
+impl CudaBackend {
+    /// The dense MXFP8 linear on the quantized rows `xq` (the contract's dequantized BF16
+    /// values): exact BF16 operands, W's dequantization made once per weight version, outside
+    /// graph recording (memory allocated while recording would belong to the graph).
+    fn mxfp8_dense_on(
+        &self,
+        xq: &CudaSlice<u16>,
+        w: &QExperts,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        if let Some(wb) = w.serve.get() {
+            return self.linear(xq, wb, rows, k, n, y);
+        }
+        let q = self.qgemm.as_ref().map_err(|e| {
+            DeviceError::new(
+                self.gpu.name(),
+                format!("qlinear: the low-byte kernels did not load: {e}"),
+            )
+        })?;
+        let wb = self.experts_bf16(q, w)?;
+        if self.gpu.capturing().map_err(de)? {
+            return self.linear(xq, &wb, rows, k, n, y);
+        }
+        self.linear(xq, w.serve.get_or_init(|| wb), rows, k, n, y)
+    }
+
+    /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`.
+    fn quant_act_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &QExperts,
+        rows: usize,
+        k: usize,
+        op: &str,
+    ) -> DResult<QuantRows> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        let q = self.qgemm.as_ref().map_err(|e| {
+            dev(format!(
+                "{op}: the low-byte expert kernels did not load: {e}"
+            ))
+        })?;
+        let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        match w.format {
+            Format::Mxfp8 => {
+                q.quant_act_mxfp8(&x.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                Ok(QuantRows { xq, amax: None })
+            }
+            Format::Nvfp4 => {
+                let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
+                let mut xa = amax.slice_mut(0..rows);
+                q.quant_act_nvfp4(
+                    &x.slice(0..rows * k),
+                    rows,
+                    k,
+                    &mut xq.as_view_mut(),
+                    &mut xa,
+                )
+                .map_err(de)?;
+                Ok(QuantRows {
+                    xq,
+                    amax: Some(amax),
+                })
+            }
+            other => Err(dev(format!(
+                "{op}: no device kernels for {other:?} experts"
+            ))),
+        }
+    }
+
+    /// The grouped MXFP8 / NVFP4 linear on quantized rows `act` (expert-major, `rows` of them).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_on(
+        &self,
+        act: &QuantRows,
+        w: &QExperts,
+        offsets: &CudaSlice<u32>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if (w.e, w.n, w.k) != (experts, n, k) {
+            return Err(dev(format!(
+                "grouped_qlinear: experts stored as [{}, {}, {}], called with [{experts}, {n}, {k}]",
+                w.e, w.n, w.k
+            )));
+        }
+        let q = self.qgemm.as_ref().map_err(|e| {
+            dev(format!(
+                "grouped_qlinear: the low-byte expert kernels did not load: {e}"
+            ))
+        })?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        let frag = QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts;
+        let small = !frag && rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
+        let xq = &act.xq;
+        match (w.format, &act.amax) {
+            (Format::Mxfp8, None) => {
+                if frag {
+                    return q
+                        .grouped_nt_frag_mxfp8(
+                            &xq.as_view(),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                if small {
+                    return q
+                        .grouped_nt_small_m_mxfp8(
+                            &xq.as_view(),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                let wb = self.experts_bf16(q, w)?;
+                self.grouped_linear(xq, &wb, offsets, None, experts, rows, k, n, y)
+            }
+            (Format::Nvfp4, Some(x_amax)) => {
+                let xa = x_amax.slice(0..rows);
+                if frag {
+                    return q
+                        .grouped_nt_frag_nvfp4(
+                            &xq.as_view(),
+                            &xa,
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &w.amax.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                if small {
+                    return q
+                        .grouped_nt_small_m_nvfp4(
+                            &xq.as_view(),
+                            &xa,
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &w.amax.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .map_err(de);
+                }
+                let wb = self.experts_bf16(q, w)?;
+                self.grouped_linear(xq, &wb, offsets, None, experts, rows, k, n, y)?;
+                q.nvfp4_scale_rows(
+                    &mut y.as_view_mut(),
+                    &xa,
+                    &w.amax.as_view(),
+                    &offsets.as_view(),
+                    s,
+                )
+                .map_err(de)
+            }
+            (other, _) => Err(dev(format!(
+                "grouped_qlinear: no device kernels for {other:?} experts (or an activation \
+                 operand of another format)"
+            ))),
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The fused ops of the CUDA backend (RMSNorm → BF16, gather of BF16 rows, combine + residual)
+//! The fused ops of the CUDA backend (RMSNorm → BF16, RMSNorm → f32 and BF16, gather of BF16 rows, combine + residual)
 //! give the same bits as the unfused ops they replace (each of which `ops_norm` / `ops_moe`
 //! check against the CPU reference), and the CPU backend's gather of BF16 rows equals its
 //! gather with rounding.
@@ -35,7 +35,7 @@ fn route<B: Backend>(b: &B, logits: &[f32], n: usize, e: usize, k: usize) -> Rou
 const SHAPES: [(usize, usize); 5] = [(1, 64), (7, 130), (33, 2048), (5, 3), (128, 256)];
 
 #[test]
-fn rmsnorm_bf16_is_rmsnorm_then_to_bf16_bitwise() {
+fn rmsnorm_bf16_and_rmsnorm_both_are_rmsnorm_then_to_bf16_bitwise() {
     let g = gpu();
     for (i, &(n, d)) in SHAPES.iter().enumerate() {
         let x = test_values(n * d, 10 + i as u64, 2.0);
@@ -58,6 +58,28 @@ fn rmsnorm_bf16_is_rmsnorm_then_to_bf16_bitwise() {
         );
         assert_eq!(
             bits(&g.download_f32(&r2, n).unwrap()),
+            bits(&g.download_f32(&r1, n).unwrap())
+        );
+        // Both outputs of one pass: the f32 rows and their rounding (fresh NaN-filled
+        // buffers, so an element the kernel leaves unwritten fails).
+        let mut both = g.upload_f32(&vec![f32::NAN; n * d]).unwrap();
+        let mut both_b = g.empty_bf16(n * d).unwrap();
+        g.to_bf16(&both, &mut both_b, n * d).unwrap();
+        let mut r3 = g.upload_f32(&vec![f32::NAN; n]).unwrap();
+        g.rmsnorm_both(&xd, &wd, n, d, 1e-6, &mut both, &mut both_b, &mut r3)
+            .unwrap();
+        assert_eq!(
+            bits(&g.download_f32(&both, n * d).unwrap()),
+            bits(&g.download_f32(&y, n * d).unwrap()),
+            "rmsnorm_both f32 [{n}, {d}]"
+        );
+        assert_eq!(
+            gpu_bits(&both_b)[..n * d],
+            gpu_bits(&yb)[..n * d],
+            "rmsnorm_both bf16 [{n}, {d}]"
+        );
+        assert_eq!(
+            bits(&g.download_f32(&r3, n).unwrap()),
             bits(&g.download_f32(&r1, n).unwrap())
         );
     }

@@ -565,3 +565,102 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         );
     }
 }
+
+/// The engine backend's fused forms give the unfused ops' bits on the device: the grouped
+/// quantized linear of gathered token rows (`grouped_qlinear_gathered`: the token rows
+/// quantized once, their operands gathered) against `gather_f32` + `grouped_qlinear`, and one
+/// input times several dense weights (`qlinear_shared`: the input quantized once) against
+/// `qlinear` per weight, for MXFP8, NVFP4 (grouped only: NVFP4 dense linears have no device
+/// path) and FP8 block, at token counts that take the fragment and the tiled kernels. The
+/// fused outputs go into NaN-filled buffers, so an element left unwritten fails.
+#[test]
+fn gathered_and_shared_quantized_linears_give_the_unfused_bits() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::device::{Backend, RouteBufs};
+    let (_g, _) = layer();
+    let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
+    let (experts, top_k, n, k) = (4usize, 2usize, 128usize, 256usize);
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let nan = |len: usize| cb.upload_f32(&vec![f32::NAN; len]).unwrap();
+    let mut specs: Vec<LinearSpec> = [Format::Mxfp8, Format::Nvfp4]
+        .into_iter()
+        .map(|f| LinearSpec::new(f, BackwardMode::HighPrecision).unwrap())
+        .collect();
+    specs.push(LinearSpec::new(Format::Fp8Block, BackwardMode::HighPrecision).unwrap());
+    for (si, s) in specs.into_iter().enumerate() {
+        let name = |g: usize| format!("w{g}");
+        let master = test_values(experts * n * k, 1300 + si as u64, 1.0);
+        let md = cb.upload_f32(&master).unwrap();
+        let qd = cb
+            .quantize_weights(&md, experts, n, k, s, &name, 0)
+            .unwrap();
+        for tokens in [1usize, 37, 300] {
+            let tag = format!("{s}, {tokens} tokens");
+            let seed = 1400 + 10 * si as u64 + tokens as u64;
+            let x = test_values(tokens * k, seed, 2.0);
+            let logits = cb
+                .upload_f32(&test_values(tokens * experts, seed + 1, 3.0))
+                .unwrap();
+            let rows = tokens * top_k;
+            let mut r = RouteBufs {
+                ids: cb.zeros_u32(rows).unwrap(),
+                weights: cb.zeros_f32(rows).unwrap(),
+                probs: cb.zeros_f32(tokens * experts).unwrap(),
+                offsets: cb.zeros_u32(experts + 1).unwrap(),
+                perm: cb.zeros_u32(rows).unwrap(),
+                row_of: cb.zeros_u32(rows).unwrap(),
+            };
+            cb.route(&logits, tokens, experts, top_k, true, None, &mut r)
+                .unwrap();
+            let xd = cb.upload_f32(&x).unwrap();
+            let mut xg = cb.zeros_f32(rows * k).unwrap();
+            cb.gather_f32(&xd, &r, tokens, experts, top_k, k, &mut xg)
+                .unwrap();
+            let mut want = cb.zeros_f32(rows * n).unwrap();
+            cb.grouped_qlinear(&xg, &qd, &r.offsets, experts, rows, k, n, &mut want)
+                .unwrap();
+            let mut got = nan(rows * n);
+            cb.grouped_qlinear_gathered(&xd, &r, tokens, top_k, &qd, experts, k, n, &mut got)
+                .unwrap();
+            assert_eq!(
+                bits(cb.download_f32(&got, rows * n).unwrap()),
+                bits(cb.download_f32(&want, rows * n).unwrap()),
+                "{tag}: grouped_qlinear_gathered"
+            );
+            if s.format() == Format::Nvfp4 {
+                continue;
+            }
+            // Three dense weights of different widths, as q, k and v.
+            let widths = [n, 2 * n, n];
+            let dense: Vec<_> = widths
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| {
+                    let m = cb
+                        .upload_f32(&test_values(w * k, seed + 2 + i as u64, 1.0))
+                        .unwrap();
+                    cb.quantize_weights(&m, 1, w, k, s, &name, 0).unwrap()
+                })
+                .collect();
+            let mut ys: Vec<_> = widths.iter().map(|&w| nan(tokens * w)).collect();
+            {
+                let mut outs: Vec<_> = dense
+                    .iter()
+                    .zip(&widths)
+                    .zip(ys.iter_mut())
+                    .map(|((q, &w), y)| (q, w, y))
+                    .collect();
+                cb.qlinear_shared(&xd, tokens, k, &mut outs).unwrap();
+            }
+            for ((q, &w), y) in dense.iter().zip(&widths).zip(&ys) {
+                let mut one = cb.zeros_f32(tokens * w).unwrap();
+                cb.qlinear(&xd, q, tokens, k, w, &mut one).unwrap();
+                assert_eq!(
+                    bits(cb.download_f32(y, tokens * w).unwrap()),
+                    bits(cb.download_f32(&one, tokens * w).unwrap()),
+                    "{tag}: qlinear_shared, width {w}"
+                );
+            }
+        }
+    }
+}

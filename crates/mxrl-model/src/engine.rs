@@ -28,6 +28,14 @@ use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 
+/// A layer's normalized rows: f32 (for block-format linears) and/or BF16 (for BF16 ones).
+type NormRows<B> = (Option<<B as Backend>::F32>, Option<<B as Backend>::Bf16>);
+
+/// Rows a layer made only where a reader needs them, asked for by such a reader.
+fn rows_made<'a, T>(rows: Option<&'a T>, what: &str) -> Result<&'a T> {
+    rows.ok_or_else(|| ModelError::Input(format!("{what} was not made (internal)")))
+}
+
 fn dev(e: DeviceError) -> ModelError {
     ModelError::Device(e.to_string())
 }
@@ -122,20 +130,23 @@ type Packed = (SeqLayout, Vec<u32>, Vec<u32>, Vec<u32>);
 struct LayerTape<B: Backend> {
     x_in: B::F32,
     rstd1: B::F32,
-    h1b: B::Bf16,
+    /// The BF16 normalized rows; `None` where every q/k/v linear takes the f32 rows.
+    h1b: Option<B::Bf16>,
     q_pre: Option<QkNormTape<B>>,
     q: B::F32,
     k: B::F32,
     v: B::F32,
     att: B::F32,
     lse: B::F32,
-    attb: B::Bf16,
+    /// The BF16 attention output; `None` where the o linear takes the f32 rows.
+    attb: Option<B::Bf16>,
     x_mid: B::F32,
     rstd2: B::F32,
     /// The f32 normalized rows, kept where a block-format linear quantizes them.
     h1: Option<B::F32>,
     h2: Option<B::F32>,
-    h2b: B::Bf16,
+    /// The BF16 normalized rows of the FFN; `None` where only block-format linears read them.
+    h2b: Option<B::Bf16>,
     ffn: FfnTape<B>,
 }
 
@@ -148,7 +159,8 @@ enum FfnTape<B: Backend> {
         route: RouteBufs<B>,
         /// The expert offsets on the host (outside decode).
         host_offsets: Option<Vec<u32>>,
-        xg: Act<B>,
+        /// The gathered input rows; `None` without a tape (no backward).
+        xg: Option<Act<B>>,
         gu: B::F32,
         act: Act<B>,
         y: B::F32,
@@ -708,11 +720,50 @@ impl<B: Backend> Engine<B> {
         self.params[i].q.is_some()
     }
 
-    /// The input of linear `i`: the f32 rows for a block-format linear, else the BF16 rows.
-    fn input<'a>(&self, i: usize, xb: &'a B::Bf16, x: Option<&'a B::F32>) -> ActRef<'a, B> {
-        match (self.quantized(i), x) {
-            (true, Some(x)) => ActRef::F32(x),
-            _ => ActRef::Bf16(xb),
+    /// RMSNorm of `x` with norm parameter `wi`: the f32 rows (`f32`: a block-format linear
+    /// quantizes them) and/or their BF16 rounding (`bf16`: a BF16 linear reads it), with
+    /// `rstd` for the backward. Both from one pass where both are wanted.
+    fn norm_rows(
+        &self,
+        x: &B::F32,
+        wi: usize,
+        n: usize,
+        f32: bool,
+        bf16: bool,
+        rstd: &mut B::F32,
+    ) -> Result<NormRows<B>> {
+        let b = &self.b;
+        let (hd, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+        let mut hb = match bf16 {
+            true => Some(b.empty_bf16(n * hd).map_err(dev)?),
+            false => None,
+        };
+        let mut h = match f32 || !bf16 {
+            true => Some(b.empty_f32(n * hd).map_err(dev)?),
+            false => None,
+        };
+        match (h.as_mut(), hb.as_mut()) {
+            (Some(h), Some(hb)) => b.rmsnorm_both(x, self.w(wi), n, hd, eps, h, hb, rstd),
+            (Some(h), None) => b.rmsnorm(x, self.w(wi), n, hd, eps, h, rstd),
+            (None, Some(hb)) => b.rmsnorm_bf16(x, self.w(wi), n, hd, eps, hb, rstd),
+            (None, None) => Ok(()), // not reached: the f32 rows are made unless the BF16 are
+        }
+        .map_err(dev)?;
+        Ok((h, hb))
+    }
+
+    /// The input of linear `i`: the f32 rows for a block-format linear, else the BF16 rows
+    /// (a rounding that only block-format linears read is not made: `xb` is then `None`).
+    fn input<'a>(
+        &self,
+        i: usize,
+        xb: Option<&'a B::Bf16>,
+        x: Option<&'a B::F32>,
+    ) -> Result<ActRef<'a, B>> {
+        match (self.quantized(i), x, xb) {
+            (true, Some(x), _) => Ok(ActRef::F32(x)),
+            (_, _, Some(xb)) => Ok(ActRef::Bf16(xb)),
+            _ => Err(self.wrong_input(i)),
         }
     }
 
@@ -1215,48 +1266,50 @@ impl<B: Backend> Engine<B> {
         let eb = |m: usize| b.empty_bf16(m).map_err(dev);
         // x_mid = x_in + attention(rmsnorm(x_in))
         let mut rstd1 = e(n)?;
-        let mut h1b = eb(n * hd)?;
         // Block-format linears quantize the f32 normalized rows (as the CPU model's quantized
-        // linears do); BF16 ones take their BF16 rounding.
-        let h1 = if [l.attn.q, l.attn.k, l.attn.v]
-            .iter()
-            .any(|&i| self.quantized(i))
-        {
-            let mut h1 = e(n * hd)?;
-            b.rmsnorm(&x_in, self.w(l.ln1), n, hd, eps, &mut h1, &mut rstd1)
-                .map_err(dev)?;
-            b.to_bf16(&h1, &mut h1b, n * hd).map_err(dev)?;
-            Some(h1)
-        } else {
-            b.rmsnorm_bf16(&x_in, self.w(l.ln1), n, hd, eps, &mut h1b, &mut rstd1)
-                .map_err(dev)?;
-            None
-        };
+        // linears do); BF16 ones take their BF16 rounding (made only when one reads it).
+        let qkv = [l.attn.q, l.attn.k, l.attn.v];
+        let (h1, h1b) = self.norm_rows(
+            &x_in,
+            l.ln1,
+            n,
+            qkv.iter().any(|&i| self.quantized(i)),
+            qkv.iter().any(|&i| !self.quantized(i)),
+            &mut rstd1,
+        )?;
         let (mut q, mut k, mut v) = (e(n * qd)?, e(n * kvd)?, e(n * kvd)?);
-        self.lin(
-            l.attn.q,
-            self.input(l.attn.q, &h1b, h1.as_ref()),
-            n,
-            hd,
-            qd,
-            &mut q,
-        )?;
-        self.lin(
-            l.attn.k,
-            self.input(l.attn.k, &h1b, h1.as_ref()),
-            n,
-            hd,
-            kvd,
-            &mut k,
-        )?;
-        self.lin(
-            l.attn.v,
-            self.input(l.attn.v, &h1b, h1.as_ref()),
-            n,
-            hd,
-            kvd,
-            &mut v,
-        )?;
+        let p = |i: usize| self.params[i].q.as_ref();
+        match (p(l.attn.q), p(l.attn.k), p(l.attn.v), h1.as_ref()) {
+            // All three in a block format: one input, quantized once where the device can.
+            (Some(wq), Some(wk), Some(wv), Some(h1)) => b
+                .qlinear_shared(
+                    h1,
+                    n,
+                    hd,
+                    &mut [
+                        (&wq.w, qd, &mut q),
+                        (&wk.w, kvd, &mut k),
+                        (&wv.w, kvd, &mut v),
+                    ],
+                )
+                .map_err(dev)?,
+            _ => {
+                for (i, width, y) in [
+                    (l.attn.q, qd, &mut q),
+                    (l.attn.k, kvd, &mut k),
+                    (l.attn.v, kvd, &mut v),
+                ] {
+                    self.lin(
+                        i,
+                        self.input(i, h1b.as_ref(), h1.as_ref())?,
+                        n,
+                        hd,
+                        width,
+                        y,
+                    )?;
+                }
+            }
+        }
         if let Some([bq, bk, bv]) = l.attn.bias {
             b.add_bias(&mut q, self.w(bq), n, qd).map_err(dev)?;
             b.add_bias(&mut k, self.w(bk), n, kvd).map_err(dev)?;
@@ -1337,12 +1390,18 @@ impl<B: Backend> Engine<B> {
                 .map_err(dev)?;
             }
         }
-        let mut attb = eb(n * qd)?;
-        b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
+        let attb = match self.quantized(l.attn.o) {
+            true => None,
+            false => {
+                let mut attb = eb(n * qd)?;
+                b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
+                Some(attb)
+            }
+        };
         let mut x_mid = e(n * hd)?;
         self.lin(
             l.attn.o,
-            self.input(l.attn.o, &attb, Some(&att)),
+            self.input(l.attn.o, attb.as_ref(), Some(&att))?,
             n,
             qd,
             hd,
@@ -1352,25 +1411,19 @@ impl<B: Backend> Engine<B> {
         b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
-        let mut h2b = eb(n * hd)?;
         let (gate_up, down) = match &l.ffn {
             Ffn::Dense(m) => (m.gate_up, m.down),
             Ffn::Moe(m) => (m.gate_up, m.down),
         };
-        let h2 = match self.quantized(gate_up) {
-            true => {
-                let mut h2 = e(n * hd)?;
-                b.rmsnorm(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2, &mut rstd2)
-                    .map_err(dev)?;
-                b.to_bf16(&h2, &mut h2b, n * hd).map_err(dev)?;
-                Some(h2)
-            }
-            false => {
-                b.rmsnorm_bf16(&x_mid, self.w(l.ln2), n, hd, eps, &mut h2b, &mut rstd2)
-                    .map_err(dev)?;
-                None
-            }
-        };
+        // The router (a BF16 linear) reads the BF16 rows of an MoE layer.
+        let (h2, h2b) = self.norm_rows(
+            &x_mid,
+            l.ln2,
+            n,
+            self.quantized(gate_up),
+            matches!(l.ffn, Ffn::Moe(_)) || !self.quantized(gate_up),
+            &mut rstd2,
+        )?;
         // SwiGLU of `rows` rows into the down projection's input: f32 for a block-format
         // down projection, else BF16.
         let swiglu = |gu: &B::F32, rows: usize, f: usize| -> Result<Act<B>> {
@@ -1389,7 +1442,7 @@ impl<B: Backend> Engine<B> {
                 let mut gu = e(n * 2 * m.f)?;
                 self.lin(
                     m.gate_up,
-                    self.input(m.gate_up, &h2b, h2.as_ref()),
+                    self.input(m.gate_up, h2b.as_ref(), h2.as_ref())?,
                     n,
                     hd,
                     2 * m.f,
@@ -1405,7 +1458,8 @@ impl<B: Backend> Engine<B> {
                 let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
                 let mut logits = e(n * ne)?;
-                b.linear(&h2b, self.op(m.router), n, hd, ne, &mut logits)
+                let h2b_router = rows_made(h2b.as_ref(), "the router's BF16 input")?;
+                b.linear(h2b_router, self.op(m.router), n, hd, ne, &mut logits)
                     .map_err(dev)?;
                 // Router and dispatch write every entry of these.
                 let u = |m: usize| b.empty_u32(m).map_err(dev);
@@ -1482,32 +1536,56 @@ impl<B: Backend> Engine<B> {
                         Some(b.download_u32(&route.offsets, ne + 1).map_err(dev)?)
                     }
                 };
-                let xg = match &h2 {
-                    Some(h2) => {
-                        let mut xg = e(rows * hd)?;
-                        b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
-                            .map_err(dev)?;
-                        Act::F32(xg)
-                    }
-                    None => {
-                        let mut xg = eb(rows * hd)?;
-                        b.gather_rows_bf16(&h2b, &route, n, ne, k, hd, &mut xg)
-                            .map_err(dev)?;
-                        Act::Bf16(xg)
-                    }
-                };
                 let ho = host_offsets.as_deref();
                 let mut gu = e(rows * 2 * m.f)?;
-                self.glin(
-                    m.gate_up,
-                    xg.r(),
-                    &route.offsets,
-                    ho,
-                    rows,
-                    hd,
-                    2 * m.f,
-                    &mut gu,
-                )?;
+                // Without a tape (decode, a forward for scoring or generation) no gathered rows
+                // are kept: a block-format gate/up quantizes the token rows and gathers their
+                // operands (the same operands).
+                let taped = matches!(pass, Pass::Prefill { tape: true, .. });
+                let xg = match (&h2, &self.params[m.gate_up].q, taped) {
+                    (Some(h2), Some(q), false) => {
+                        b.grouped_qlinear_gathered(
+                            h2,
+                            &route,
+                            n,
+                            k,
+                            &q.w,
+                            ne,
+                            hd,
+                            2 * m.f,
+                            &mut gu,
+                        )
+                        .map_err(dev)?;
+                        None
+                    }
+                    _ => {
+                        let xg = match &h2 {
+                            Some(h2) => {
+                                let mut xg = e(rows * hd)?;
+                                b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
+                                    .map_err(dev)?;
+                                Act::F32(xg)
+                            }
+                            None => {
+                                let mut xg = eb(rows * hd)?;
+                                b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
+                                    .map_err(dev)?;
+                                Act::Bf16(xg)
+                            }
+                        };
+                        self.glin(
+                            m.gate_up,
+                            xg.r(),
+                            &route.offsets,
+                            ho,
+                            rows,
+                            hd,
+                            2 * m.f,
+                            &mut gu,
+                        )?;
+                        Some(xg)
+                    }
+                };
                 let act = swiglu(&gu, rows, m.f)?;
                 let mut y = e(rows * hd)?;
                 self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
@@ -1647,6 +1725,7 @@ impl<B: Backend> Engine<B> {
                 cache: None,
                 seq: None,
                 replay: replay.as_deref(),
+                tape: true,
             };
             for li in 0..self.layers.len() {
                 let (nx, t) = self.layer(li, n, x, &mut pass)?;
@@ -1892,6 +1971,7 @@ impl<B: Backend> Engine<B> {
             cache,
             seq: seq.as_ref(),
             replay: None,
+            tape: false,
         };
         for li in 0..self.layers.len() {
             x = self.layer(li, n, x, &mut pass)?.0;
@@ -2732,7 +2812,7 @@ impl<B: Backend> Engine<B> {
                     let mut dgu = z(n * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, n, m.f, &mut dgu)
                         .map_err(dev)?;
-                    let x = self.input(m.gate_up, &t.h2b, t.h2.as_ref());
+                    let x = self.input(m.gate_up, t.h2b.as_ref(), t.h2.as_ref())?;
                     self.lin_bwd(
                         m.gate_up,
                         &dgu,
@@ -2785,7 +2865,7 @@ impl<B: Backend> Engine<B> {
                     self.lin_bwd(
                         m.gate_up,
                         &dgu,
-                        xg.r(),
+                        rows_made(xg.as_ref(), "the experts' gathered input")?.r(),
                         off,
                         rows,
                         hd,
@@ -2801,7 +2881,7 @@ impl<B: Backend> Engine<B> {
                     let mut dr = z(n * hd)?;
                     b.linear_backward(
                         &dlogits,
-                        &t.h2b,
+                        rows_made(t.h2b.as_ref(), "the router's BF16 input")?,
                         self.op(m.router),
                         n,
                         hd,
@@ -2829,7 +2909,7 @@ impl<B: Backend> Engine<B> {
             b.add(&mut dx, &dxm, n * hd).map_err(dev)?;
             // Attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), ...)), h1 = rmsnorm(x_in)
             let mut datt = z(n * qd)?;
-            let x = self.input(l.attn.o, &t.attb, Some(&t.att));
+            let x = self.input(l.attn.o, t.attb.as_ref(), Some(&t.att))?;
             self.lin_bwd(
                 l.attn.o,
                 &dx,
@@ -2886,7 +2966,7 @@ impl<B: Backend> Engine<B> {
                         .map_err(dev)?;
                 }
                 let out = if j == 0 { &mut dh1 } else { &mut tmp };
-                let x = self.input(wi, &t.h1b, t.h1.as_ref());
+                let x = self.input(wi, t.h1b.as_ref(), t.h1.as_ref())?;
                 self.lin_bwd(wi, dd, x, None, n, hd, width, out, &mut g[wi])?;
                 if j > 0 {
                     b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
@@ -3589,6 +3669,9 @@ enum Pass<'a, B: Backend> {
         seq: Option<&'a B::U32>,
         /// Per layer, expert ids `[N, k]` to replay (MoE layers).
         replay: Option<&'a [Option<B::U32>]>,
+        /// Whether the layers' tapes are kept for a backward (a training forward): inputs
+        /// only a backward reads are made only then.
+        tape: bool,
     },
     Decode {
         k: &'a mut [B::Bf16],

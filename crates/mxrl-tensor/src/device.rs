@@ -764,6 +764,26 @@ pub trait Backend {
         self.rmsnorm(x, w, rows, d, eps, &mut y, rstd)?;
         self.to_bf16(&y, out, rows * d)
     }
+    /// [`Backend::rmsnorm`] into `y` and its [`Backend::to_bf16`] rounding into `yb`, bitwise,
+    /// in one pass where the device has the fused kernel (the default composes the two).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_both(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: &mut Self::F32,
+        yb: &mut Self::Bf16,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        self.rmsnorm(x, w, rows, d, eps, y, rstd)?;
+        self.to_bf16(y, yb, rows * d)
+    }
     /// [`Backend::gather_bf16`] from rows already in BF16 (`xb: [N, h]`): the same values,
     /// without a second rounding.
     ///
@@ -827,6 +847,32 @@ pub trait Backend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()>;
+    /// [`Backend::grouped_qlinear`] of the rows [`Backend::gather_f32`] makes of the token rows
+    /// `x: [tokens, k]` (expert-major, `tokens · top_k` of them; `route.offsets` the experts'
+    /// ranges), for a forward that keeps no gathered rows (decode). Every block format
+    /// quantizes each row alone, so a device may quantize the token rows once and gather their
+    /// operands: the same operands. The default gathers, then calls `grouped_qlinear`.
+    ///
+    /// # Errors
+    /// As [`Backend::grouped_qlinear`].
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_gathered(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        w: &Self::QExperts,
+        experts: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        let rows = tokens * top_k;
+        let mut xg = self.empty_f32(rows * k)?;
+        self.gather_f32(x, route, tokens, experts, top_k, k, &mut xg)?;
+        self.grouped_qlinear(&xg, w, &route.offsets, experts, rows, k, n, y)
+    }
     /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
     ///
     /// # Errors
@@ -958,6 +1004,26 @@ pub trait Backend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()>;
+    /// [`Backend::qlinear`] of one input `x: [rows, k]` by several block-format weights
+    /// (`outs[i] = (w, n, y)`: `y [rows, n] = x · wᵀ`), as q, k and v of attention are: a
+    /// device may quantize `x` once for weights that quantize their input alike (the same
+    /// bytes each time). The default calls `qlinear` for each.
+    ///
+    /// # Errors
+    /// As [`Backend::qlinear`].
+    #[allow(clippy::type_complexity)]
+    fn qlinear_shared(
+        &self,
+        x: &Self::F32,
+        rows: usize,
+        k: usize,
+        outs: &mut [(&Self::QExperts, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        for (w, n, y) in outs.iter_mut() {
+            self.qlinear(x, w, rows, k, *n, y)?;
+        }
+        Ok(())
+    }
     /// Backward of a quantized (grouped) linear over expert-major rows (`host_offsets`: the
     /// `[groups + 1]` row offsets, and `offsets` the same on the device when the caller has
     /// them — `None` for a dense linear or to let the backend upload them; one group for a

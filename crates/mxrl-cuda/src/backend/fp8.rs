@@ -201,6 +201,55 @@ impl CudaBackend {
         }
     }
 
+    /// `qlinear_shared` for dense FP8-block weights: `x` quantized 1×128 once, then each
+    /// weight's GEMM on those operands (what `fp8_forward` does per weight).
+    #[allow(clippy::type_complexity)]
+    pub(super) fn fp8_forward_shared(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+        outs: &mut [(&QExperts, usize, &mut CudaSlice<f32>)],
+    ) -> DResult<()> {
+        let ops = self.fp8_ops("qlinear")?;
+        for (w, n, y) in outs.iter() {
+            if (w.format, w.e, w.n, w.k) != (Format::Fp8Block, 1, *n, k)
+                || x.len() < rows * k
+                || y.len() < rows * n
+            {
+                return Err(self.fp8_err(format!(
+                    "qlinear: {:?} weight [{}, {}, {}] with x of {} and y of {} elements, \
+                     called as FP8 block [{n}, {k}] over {rows} rows",
+                    w.format,
+                    w.e,
+                    w.n,
+                    w.k,
+                    x.len(),
+                    y.len()
+                )));
+            }
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let qx = ops
+            .quantize_act(&x.slice(0..rows * k), rows, k)
+            .map_err(de)?;
+        let (xc, xs) = (qx.codes.as_view(), qx.scales.as_view());
+        for (w, n, y) in outs.iter_mut() {
+            let s = Grouped {
+                experts: 1,
+                rows,
+                n: *n,
+                k,
+            };
+            let (wc, ws) = (w.codes.as_view(), w.scales.as_view());
+            ops.gemm_nt(&xc, &xs, &wc, &ws, None, &mut y.as_view_mut(), s)
+                .map_err(de)?;
+        }
+        Ok(())
+    }
+
     /// `stored_weights` for FP8 block: per weight its codes and f32 `scale_inv` tiles.
     pub(super) fn fp8_stored_weights(&self, w: &QExperts) -> DResult<Vec<QuantizedTensor>> {
         let codes = self.gpu.download(&w.codes).map_err(de)?;

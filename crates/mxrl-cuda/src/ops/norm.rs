@@ -50,6 +50,7 @@ pub struct Norm {
     gpu: Gpu,
     fwd: CudaFunction,
     fwd_bf16: CudaFunction,
+    fwd_both: CudaFunction,
     bwd_dx: CudaFunction,
     dw_partial: CudaFunction,
     dw_reduce: CudaFunction,
@@ -70,6 +71,7 @@ impl Norm {
             gpu: gpu.clone(),
             fwd: f("rmsnorm_fwd")?,
             fwd_bf16: f("rmsnorm_fwd_bf16")?,
+            fwd_both: f("rmsnorm_fwd_both")?,
             bwd_dx: f("rmsnorm_bwd_dx")?,
             dw_partial: f("rmsnorm_bwd_dw_partial")?,
             dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
@@ -150,6 +152,46 @@ impl Norm {
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
         // const float*, u16*, float*, u32, float).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// [`Norm::forward`] into `y` and [`Norm::forward_bf16`]'s output into `yb`, in one
+    /// pass (the same bits as the two).
+    ///
+    /// # Errors
+    /// Short buffers, a shape too large for one launch; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_both(
+        &self,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
+        yb: &mut CudaViewMut<'_, u16>,
+        rstd: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
+        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
+        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward yb", yb.len(), rows * d)?;
+        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let d32 = d as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_threads(d), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(&self.fwd_both);
+        b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
+        // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
+        // (const float*, const float*, float*, u16*, float*, u32, float).
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
