@@ -8,7 +8,8 @@
 //! the activation quantizers that feed the low-byte kernels, all in one run.
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N] [--large]`
-//! (`--large`: only the table of decode batches of 256–1024 sequences, see `large`)
+//! (`--large`: only the table of decode batches of 128–1024 sequences, see `large`;
+//! `--large --batches 2048,4096 [--busy]`: other batch sizes, one busy expert)
 //!
 //! Every figure is the median of `--reps` (20) calls timed one by one with CUDA events after
 //! 3 warm-up calls; L2 is flushed (a 256 MiB memset, outside the timed interval) before each
@@ -149,10 +150,22 @@ mod bench {
     /// the reduction split ([`frag_split`]) and staged ([`FragLayout::Staged`]), the
     /// launchers' pick starred, against the path they replace above 32 rows per expert — the
     /// stored experts dequantized to BF16 (every expert, each step) and the tiled BF16 kernels.
-    fn large(g: &Gpu, gemm: &Gemm, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize) {
+    ///
+    /// `batches` replaces the four batch sizes (`--batches 2048,4096`: prefill-sized groups);
+    /// `busy` routes one of every token's 8 rows to expert 0 and the other 7 to distinct
+    /// random experts among the rest (`--busy`: the pattern the RL runs' routing shows, one
+    /// expert with 1/8 of the rows).
+    fn large(
+        g: &Gpu,
+        gemm: &Gemm,
+        q: &QGemm,
+        flush: &mut CudaSlice<u8>,
+        reps: usize,
+        batches: &[usize],
+        busy: bool,
+    ) {
         let projs = PROJS;
-        let batches = [128usize, 256, 512, 1024];
-        let max_rows = batches[3] * TOP_K;
+        let max_rows = batches.iter().copied().max().unwrap_or(0) * TOP_K;
         let kmax = HIDDEN.max(MOE_INTER);
         let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
         let x = g.upload(&xf).expect("upload x");
@@ -177,8 +190,11 @@ mod bench {
         );
         for (pi, &(name, n, k)) in projs.iter().enumerate() {
             let w = weights(g, n, k, 10 * pi as u64 + 1);
-            for batch in batches {
-                let counts = route(batch, 100 + batch as u64);
+            for &batch in batches {
+                let counts = match busy {
+                    true => route_busy(batch, 100 + batch as u64),
+                    false => route(batch, 100 + batch as u64),
+                };
                 let r = batch * TOP_K;
                 let most = counts.iter().max().copied().unwrap_or(0);
                 let off = g.upload(&offsets(&counts)).expect("offsets");
@@ -280,7 +296,18 @@ mod bench {
         );
         let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
         if args.iter().any(|a| a == "--large") {
-            large(&g, &gemm, &q, &mut flush, reps);
+            let batches: Vec<usize> = args
+                .iter()
+                .position(|a| a == "--batches")
+                .map(|i| {
+                    args[i + 1]
+                        .split(',')
+                        .map(|b| b.parse().expect("--batches N,N,…"))
+                        .collect()
+                })
+                .unwrap_or_else(|| vec![128, 256, 512, 1024]);
+            let busy = args.iter().any(|a| a == "--busy");
+            large(&g, &gemm, &q, &mut flush, reps, &batches, busy);
             return;
         }
         print_copy_bandwidth(&g, &mut flush, reps);

@@ -111,12 +111,14 @@ pub const PER_EXPERT_ROWS: usize = usize::MAX;
 pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_EXPERT;
 
 /// Average rows per expert up to which the fragment kernels on stored bytes
-/// ([`QGemm::grouped_nt_frag_mxfp8`]) serve block-format experts. Each pass (up to 64 rows
-/// for MXFP8, 32 for NVFP4: [`crate::ops::qgemm::FragRows::largest`]) reads the expert's
-/// bytes again, mostly from L2; the dequantized path writes and rereads every stack as BF16
-/// once per step. Measured on an H200 (`bench_qgemm --large`, BENCHMARKS.md): at 64 and 128
-/// rows per expert the fragment kernels took 0.59–0.98× the dequantized path's time.
-pub const QFRAG_ROWS_PER_EXPERT: usize = 128;
+/// ([`QGemm::grouped_nt_frag_mxfp8`]) serve block-format experts. Each pass (64 rows in the
+/// staged layout: [`crate::ops::qgemm::FragRows::largest_staged`]) reads the expert's bytes
+/// again, mostly from L2; the dequantized path writes and rereads every stack as BF16 once
+/// per step. Measured on an H200 (`bench_qgemm --large`, 64 experts, BENCHMARKS.md): at 64
+/// and 128 rows per expert on average the staged kernels took 0.40–0.62× the dequantized
+/// path's time; with one expert holding 1/8 of the rows (the rollouts' routing), 0.85–0.93×
+/// at 256 rows per expert and 0.91–1.02× at 768 (prefill-sized steps).
+pub const QFRAG_ROWS_PER_EXPERT: usize = 512;
 
 /// Average rows per expert up to which BF16 routed experts take the fragment kernels
 /// ([`QGemm::grouped_nt_frag_bf16`]); the tiled kernels beyond. Measured on an H200

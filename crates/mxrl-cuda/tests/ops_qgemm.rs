@@ -1198,7 +1198,7 @@ fn fragment_pass_holds_the_average_experts_rows() {
     assert_eq!(frag_rows(step(1024), None), FragRows::R32);
     assert_eq!(frag_rows(step(2048), mx), FragRows::R64); // 32 + 12
     assert_eq!(frag_rows(step(2048), None), FragRows::R64);
-    assert_eq!(frag_rows(step(2048), nv), FragRows::R32); // capped
+    assert_eq!(frag_rows(step(2048), nv), FragRows::R64);
     for f in [mx, nv, None] {
         assert_eq!(
             frag_layout(step(1024), f, FragRows::R32),
@@ -1213,7 +1213,7 @@ fn fragment_pass_holds_the_average_experts_rows() {
     assert_eq!(FragRows::largest(Some(LowByte::Nvfp4)), FragRows::R32);
     assert_eq!(FragRows::largest(None), FragRows::R32);
     assert_eq!(FragRows::largest_staged(mx), FragRows::R64);
-    assert_eq!(FragRows::largest_staged(nv), FragRows::R32);
+    assert_eq!(FragRows::largest_staged(nv), FragRows::R64);
     assert_eq!(FragRows::largest_staged(None), FragRows::R64);
 }
 

@@ -70,6 +70,21 @@ pub fn route(tokens: usize, seed: u64) -> Vec<usize> {
     counts
 }
 
+/// As [`route`], with one of every token's `TOP_K` rows sent to expert 0 and the others to
+/// distinct uniformly random experts among the rest: one busy expert holding 1/`TOP_K` of
+/// the rows.
+pub fn route_busy(tokens: usize, seed: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut counts = vec![0usize; EXPERTS];
+    for _ in 0..tokens {
+        counts[0] += 1;
+        for e in sample(&mut rng, EXPERTS - 1, TOP_K - 1) {
+            counts[e + 1] += 1;
+        }
+    }
+    counts
+}
+
 /// Row offsets of the experts' groups (`counts.len() + 1` entries).
 pub fn offsets(counts: &[usize]) -> Vec<u32> {
     let mut o = vec![0u32];

@@ -417,14 +417,14 @@ impl FragRows {
     }
 
     /// The largest pass of the staged layout ([`FragLayout::Staged`]) for weights of format
-    /// `f`: 64 rows for MXFP8 and BF16, 32 for NVFP4. Measured on an H200 with three stages
-    /// (`bench_qgemm --large`, 64 experts, gate/up at up to 42 rows per expert): MXFP8 118.9
-    /// against 146.3 µs in 32-row passes, BF16 177.6 against 248.4; NVFP4 138.7 against 123.0.
-    pub fn largest_staged(f: Option<LowByte>) -> Self {
-        match f {
-            Some(LowByte::Mxfp8) | None => FragRows::R64,
-            Some(LowByte::Nvfp4) => FragRows::R32,
-        }
+    /// `f`: 64 rows for every format (a pass whose rows fill at most half of it runs half its
+    /// token groups). Measured on an H200 (`bench_qgemm --large --busy`, 64 experts, one of
+    /// them holding 1/8 of the rows, as in the rollouts; gate/up, 4096 rows): NVFP4 192.7
+    /// against 231.7 µs in 32-row passes, MXFP8 183.0 against 265.6, BF16 259.0 against
+    /// 417.4. With uniform routing at up to 42 rows per expert NVFP4's 32-row passes are the
+    /// faster (114.8 against 129.6 µs); the rollouts' routing is not uniform.
+    pub fn largest_staged(_f: Option<LowByte>) -> Self {
+        FragRows::R64
     }
 }
 
