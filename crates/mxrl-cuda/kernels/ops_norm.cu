@@ -10,10 +10,7 @@ extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float*
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const float* xr = x + r * d;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
-    ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    const float rs = rms_row_rstd(xr, d, eps, scratch);
     if (threadIdx.x == 0) rstd[r] = rs;
     float* yr = y + r * d;
     for (u32 j = threadIdx.x; j < d; j += blockDim.x) yr[j] = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
@@ -27,10 +24,7 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const f
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const float* xr = x + r * d;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
-    ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    const float rs = rms_row_rstd(xr, d, eps, scratch);
     if (threadIdx.x == 0) rstd[r] = rs;
     u16* yr = y + r * d;
     for (u32 j = threadIdx.x; j < d; j += blockDim.x)
@@ -44,10 +38,7 @@ extern "C" __global__ void rmsnorm_fwd_both(const float* __restrict__ x, const f
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const float* xr = x + r * d;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
-    ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    const float rs = rms_row_rstd(xr, d, eps, scratch);
     if (threadIdx.x == 0) rstd[r] = rs;
     float* yr = y + r * d;
     u16* ybr = yb + r * d;

@@ -29,6 +29,22 @@ extern "C" __global__ void rope_apply(float* __restrict__ x, const float* __rest
     v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
+// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) at position p (NaN past
+// the table), for the decode preps.
+__device__ __forceinline__ void rope_pair(float a, float b, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, u32 p, u32 max_pos, u32 half, u32 i,
+                                          float& lo, float& hi) {
+    if (p >= max_pos) {
+        lo = __int_as_float(0x7fc00000);
+        hi = lo;
+        return;
+    }
+    const float c = cos_t[(u64)p * half + i];
+    const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
+    lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 // A decode step's attention inputs in one pass (Backend::decode_attn_prep): block (r, h) of grid
 // (rows, hq + hkv), blockDim = the RMSNorm kernels' row_threads(D) (so the row sum runs the same
 // reduction tree as rmsnorm_fwd: bitwise its result). Head h < hq is q's head h, else k's head
@@ -52,10 +68,7 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
     float* x = is_q ? q + (r * hq + h) * (u64)d : k + (r * hkv + kh) * (u64)d;
     if (norm) {
         const float* w = is_q ? wq : wk;
-        float ss = 0.0f;
-        for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[j], x[j]));
-        ss = block_sum(ss, scratch);
-        const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+        const float rs = rms_row_rstd(x, d, eps, scratch);
         for (u32 j = threadIdx.x; j < d; j += blockDim.x) rowbuf[j] = __fmul_rn(__fmul_rn(x[j], rs), w[j]);
     } else {
         for (u32 j = threadIdx.x; j < d; j += blockDim.x) rowbuf[j] = x[j];
@@ -68,16 +81,7 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
     const u64 o = ((u64)r * max_len + (len - 1)) * kvw + (u64)kh * d;
     for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
         float lo, hi;
-        if (p >= max_pos) {
-            lo = __int_as_float(0x7fc00000);
-            hi = lo;
-        } else {
-            const float c = cos_t[(u64)p * half + i];
-            const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
-            const float a = rowbuf[i], b = rowbuf[i + half];
-            lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-        }
+        rope_pair(rowbuf[i], rowbuf[i + half], cos_t, sin_t, p, max_pos, half, i, lo, hi);
         x[i] = lo;
         x[i + half] = hi;
         if (append) {
@@ -140,16 +144,7 @@ __device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restric
     for (int w = 0; w < HW; ++w) {
         const u32 i = 32 * w + lane;
         float lo, hi;
-        if (p >= max_pos) {
-            lo = __int_as_float(0x7fc00000);
-            hi = lo;
-        } else {
-            const float c = cos_t[(u64)p * half + i];
-            const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
-            const float a = xv[w], b = xv[w + HW];
-            lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-        }
+        rope_pair(xv[w], xv[w + HW], cos_t, sin_t, p, max_pos, half, i, lo, hi);
         x[i] = lo;
         x[i + half] = hi;
         if (append) {

@@ -78,6 +78,35 @@ impl Norm {
         })
     }
 
+    /// The forward kernels' checks (x, w, each named output of `rows · d` elements, rstd) and
+    /// launch shape (one block of [`row_threads`] per row); `None` when there is nothing to do.
+    fn forward_cfg(
+        &self,
+        x: usize,
+        w: usize,
+        outs: &[(&str, usize)],
+        rstd: usize,
+        rows: usize,
+        d: usize,
+    ) -> Result<Option<LaunchConfig>, DeviceError> {
+        let g = &self.gpu;
+        check_dims(g, "rmsnorm forward", rows, d)?;
+        check_len(g, "rmsnorm forward x", x, rows * d)?;
+        check_len(g, "rmsnorm forward w", w, d)?;
+        for &(name, len) in outs {
+            check_len(g, &format!("rmsnorm forward {name}"), len, rows * d)?;
+        }
+        check_len(g, "rmsnorm forward rstd", rstd, rows)?;
+        if rows == 0 || d == 0 {
+            return Ok(None);
+        }
+        Ok(Some(LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_threads(d), 1, 1),
+            shared_mem_bytes: 0,
+        }))
+    }
+
     /// RMSNorm forward: `x: [rows, d]`, `w: [d]` → `y: [rows, d]`, `rstd: [rows]` with
     /// `rstd[r] = 1/sqrt(Σ_j x[r,j]²/d + eps)`, `y[r,j] = (x[r,j]·rstd[r])·w[j]`; f32
     /// accumulation. Reference: `mxrl_tensor::norm::rmsnorm_forward`.
@@ -95,20 +124,12 @@ impl Norm {
         d: usize,
         eps: f32,
     ) -> Result<(), DeviceError> {
-        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
-        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
-        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
-        if rows == 0 || d == 0 {
+        let Some(cfg) =
+            self.forward_cfg(x.len(), w.len(), &[("y", y.len())], rstd.len(), rows, d)?
+        else {
             return Ok(());
-        }
-        let d32 = d as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (row_threads(d), 1, 1),
-            shared_mem_bytes: 0,
         };
+        let d32 = d as u32;
         let mut b = self.gpu.stream().launch_builder(&self.fwd);
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
@@ -134,20 +155,12 @@ impl Norm {
         d: usize,
         eps: f32,
     ) -> Result<(), DeviceError> {
-        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
-        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
-        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
-        if rows == 0 || d == 0 {
+        let Some(cfg) =
+            self.forward_cfg(x.len(), w.len(), &[("y", y.len())], rstd.len(), rows, d)?
+        else {
             return Ok(());
-        }
-        let d32 = d as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (row_threads(d), 1, 1),
-            shared_mem_bytes: 0,
         };
+        let d32 = d as u32;
         let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
@@ -173,21 +186,18 @@ impl Norm {
         d: usize,
         eps: f32,
     ) -> Result<(), DeviceError> {
-        check_dims(&self.gpu, "rmsnorm forward", rows, d)?;
-        check_len(&self.gpu, "rmsnorm forward x", x.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward w", w.len(), d)?;
-        check_len(&self.gpu, "rmsnorm forward y", y.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward yb", yb.len(), rows * d)?;
-        check_len(&self.gpu, "rmsnorm forward rstd", rstd.len(), rows)?;
-        if rows == 0 || d == 0 {
+        let Some(cfg) = self.forward_cfg(
+            x.len(),
+            w.len(),
+            &[("y", y.len()), ("yb", yb.len())],
+            rstd.len(),
+            rows,
+            d,
+        )?
+        else {
             return Ok(());
-        }
-        let d32 = d as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (row_threads(d), 1, 1),
-            shared_mem_bytes: 0,
         };
+        let d32 = d as u32;
         let mut b = self.gpu.stream().launch_builder(&self.fwd_both);
         b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
