@@ -2371,21 +2371,15 @@ impl CudaBackend {
         let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
         match w.format {
             Format::Mxfp8 => {
-                q.quant_act_mxfp8(&x.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
+                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
                 Ok(QuantRows { xq, amax: None })
             }
             Format::Nvfp4 => {
                 let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
                 let mut xa = amax.slice_mut(0..rows);
-                q.quant_act_nvfp4(
-                    &x.slice(0..rows * k),
-                    rows,
-                    k,
-                    &mut xq.as_view_mut(),
-                    &mut xa,
-                )
-                .map_err(de)?;
+                q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
+                    .map_err(de)?;
                 Ok(QuantRows {
                     xq,
                     amax: Some(amax),
