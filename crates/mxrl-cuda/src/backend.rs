@@ -886,16 +886,10 @@ impl Backend for CudaBackend {
                 w.e, w.n, w.k
             )));
         }
-        let q = self
-            .qgemm
-            .as_ref()
-            .map_err(|e| dev(format!("qlinear: the low-byte kernels did not load: {e}")))?;
         match w.format {
             Format::Mxfp8 => {
-                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
-                self.mxfp8_dense_on(&xq, w, rows, k, n, y)
+                let act = self.quant_act_rows(x, w, rows, k, "qlinear")?;
+                self.mxfp8_dense_on(&act.xq, w, rows, k, n, y)
             }
             other => Err(dev(format!(
                 "qlinear: no dense device path for {other:?} (block-format dense linears run \
@@ -916,15 +910,11 @@ impl Backend for CudaBackend {
                 .all(|(w, n, _)| (w.format, w.e, w.n, w.k) == (f, 1, *n, k))
         };
         if outs.len() > 1 && dense(Format::Mxfp8) {
-            if let Ok(q) = self.qgemm.as_ref() {
-                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
-                for (w, n, y) in outs.iter_mut() {
-                    self.mxfp8_dense_on(&xq, w, rows, k, *n, y)?;
-                }
-                return Ok(());
+            let act = self.quant_act_rows(x, outs[0].0, rows, k, "qlinear")?;
+            for (w, n, y) in outs.iter_mut() {
+                self.mxfp8_dense_on(&act.xq, w, rows, k, *n, y)?;
             }
+            return Ok(());
         }
         if outs.len() > 1 && dense(Format::Fp8Block) {
             return self.fp8_forward_shared(x, rows, k, outs);
@@ -2353,7 +2343,8 @@ impl CudaBackend {
         self.linear(xq, w.serve.get_or_init(|| wb), rows, k, n, y)
     }
 
-    /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`.
+    /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`
+    /// (dense or routed experts).
     fn quant_act_rows(
         &self,
         x: &CudaSlice<f32>,
@@ -2363,11 +2354,10 @@ impl CudaBackend {
         op: &str,
     ) -> DResult<QuantRows> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
-        let q = self.qgemm.as_ref().map_err(|e| {
-            dev(format!(
-                "{op}: the low-byte expert kernels did not load: {e}"
-            ))
-        })?;
+        let q = self
+            .qgemm
+            .as_ref()
+            .map_err(|e| dev(format!("{op}: the low-byte kernels did not load: {e}")))?;
         let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
         match w.format {
             Format::Mxfp8 => {
