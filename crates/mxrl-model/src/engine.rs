@@ -734,21 +734,28 @@ impl<B: Backend> Engine<B> {
     ) -> Result<NormRows<B>> {
         let b = &self.b;
         let (hd, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
-        let mut hb = match bf16 {
-            true => Some(b.empty_bf16(n * hd).map_err(dev)?),
-            false => None,
+        let w = self.w(wi);
+        let (e, eb) = (|| b.empty_f32(n * hd), || b.empty_bf16(n * hd));
+        let (h, hb) = match (f32, bf16) {
+            (true, true) => {
+                let (mut h, mut hb) = (e().map_err(dev)?, eb().map_err(dev)?);
+                b.rmsnorm_both(x, w, n, hd, eps, &mut h, &mut hb, rstd)
+                    .map_err(dev)?;
+                (Some(h), Some(hb))
+            }
+            (false, true) => {
+                let mut hb = eb().map_err(dev)?;
+                b.rmsnorm_bf16(x, w, n, hd, eps, &mut hb, rstd)
+                    .map_err(dev)?;
+                (None, Some(hb))
+            }
+            // f32 rows alone (also when neither is asked for: every caller wants one).
+            (_, false) => {
+                let mut h = e().map_err(dev)?;
+                b.rmsnorm(x, w, n, hd, eps, &mut h, rstd).map_err(dev)?;
+                (Some(h), None)
+            }
         };
-        let mut h = match f32 || !bf16 {
-            true => Some(b.empty_f32(n * hd).map_err(dev)?),
-            false => None,
-        };
-        match (h.as_mut(), hb.as_mut()) {
-            (Some(h), Some(hb)) => b.rmsnorm_both(x, self.w(wi), n, hd, eps, h, hb, rstd),
-            (Some(h), None) => b.rmsnorm(x, self.w(wi), n, hd, eps, h, rstd),
-            (None, Some(hb)) => b.rmsnorm_bf16(x, self.w(wi), n, hd, eps, hb, rstd),
-            (None, None) => Ok(()), // not reached: the f32 rows are made unless the BF16 are
-        }
-        .map_err(dev)?;
         Ok((h, hb))
     }
 
