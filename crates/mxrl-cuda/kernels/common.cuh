@@ -70,14 +70,18 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// 1 / sqrt(ss / d + eps): RMSNorm's rstd from a row's sum of squares.
+__device__ __forceinline__ float rms_rstd_of_sum(float ss, u32 d, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+}
+
 // 1 / sqrt(Σ_j x[j]² / d + eps) of one row, summed by the block (threads j, j + blockDim.x, …
 // in order, then block_sum): the RMSNorm kernels' reduction, so every caller gets the same
 // bits. Every thread of the block must call it (barriers inside); all get the result.
 __device__ __forceinline__ float rms_row_rstd(const float* __restrict__ xr, u32 d, float eps, float* scratch) {
     float ss = 0.0f;
     for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
-    ss = block_sum(ss, scratch);
-    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+    return rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
 }
 
 // Zeroes a fragment kernel's accumulators: [2 column tiles][TG token groups][4 entries of the

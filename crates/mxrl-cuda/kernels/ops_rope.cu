@@ -45,6 +45,18 @@ __device__ __forceinline__ void rope_pair(float a, float b, const float* __restr
     hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
+// The decode preps' output of the rotated pair (lo, hi) = (x[i], x[i + half]): back to the row,
+// and for an appended k row its BF16 to the cache row at o.
+__device__ __forceinline__ void rope_store(float* __restrict__ x, u16* __restrict__ kc, u64 o, u32 i, u32 half,
+                                           float lo, float hi, bool append) {
+    x[i] = lo;
+    x[i + half] = hi;
+    if (append) {
+        kc[o + i] = f32_to_bf16(lo);
+        kc[o + i + half] = f32_to_bf16(hi);
+    }
+}
+
 // A decode step's attention inputs in one pass (Backend::decode_attn_prep): block (r, h) of grid
 // (rows, hq + hkv), blockDim = the RMSNorm kernels' row_threads(D) (so the row sum runs the same
 // reduction tree as rmsnorm_fwd: bitwise its result). Head h < hq is q's head h, else k's head
@@ -82,12 +94,7 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
     for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
         float lo, hi;
         rope_pair(rowbuf[i], rowbuf[i + half], cos_t, sin_t, p, max_pos, half, i, lo, hi);
-        x[i] = lo;
-        x[i + half] = hi;
-        if (append) {
-            kc[o + i] = f32_to_bf16(lo);
-            kc[o + i + half] = f32_to_bf16(hi);
-        }
+        rope_store(x, kc, o, i, half, lo, hi, append);
     }
     if (append) {
         const float* vr = v + (r * hkv + kh) * (u64)d;
@@ -96,8 +103,8 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
 }
 
 // decode_attn_prep with one warp per (row, head) and DPW_HEADS of them per block, for D = 64,
-// 128 or 256 (NW = D/32 elements per lane; every head width of the supported models): lane l holds elements
-// l + 32w (w < D/32), so a rotation pair i, i + D/2 lies in one lane. The row sum runs
+// 128 or 256 (NW = D/32 elements per lane; every head width of the supported models): lane l
+// holds elements l + 32w (w < D/32), so a rotation pair i, i + D/2 lies in one lane. The row sum runs
 // rmsnorm_fwd's reduction tree at blockDim = row_threads(D) = D: each "warp" w of that block
 // is summed by the same xor butterfly (run here side by side in registers), then the D/32 warp
 // sums by one more butterfly over lanes holding them (zeros beyond), as block_sum does: the
@@ -130,8 +137,7 @@ __device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restric
             const float sw = warp_sum(__fadd_rn(0.0f, __fmul_rn(xv[w], xv[w])));
             t = lane == (u32)w ? sw : t;
         }
-        const float ss = warp_sum(t);
-        const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
+        const float rs = rms_rstd_of_sum(warp_sum(t), d, eps);
 #pragma unroll
         for (int w = 0; w < NW; ++w) xv[w] = __fmul_rn(__fmul_rn(xv[w], rs), wt[32 * w + lane]);
     }
@@ -145,12 +151,7 @@ __device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restric
         const u32 i = 32 * w + lane;
         float lo, hi;
         rope_pair(xv[w], xv[w + HW], cos_t, sin_t, p, max_pos, half, i, lo, hi);
-        x[i] = lo;
-        x[i + half] = hi;
-        if (append) {
-            kc[o + i] = f32_to_bf16(lo);
-            kc[o + i + half] = f32_to_bf16(hi);
-        }
+        rope_store(x, kc, o, i, half, lo, hi, append);
     }
     if (append) {
         const float* vr = v + (r * hkv + kh) * (u64)d;

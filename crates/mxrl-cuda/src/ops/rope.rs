@@ -15,7 +15,7 @@ use mxrl_tensor::rope::RopeTable;
 pub const SOURCE: &str = include_str!("../../kernels/ops_rope.cu");
 
 const THREADS: u32 = 256;
-/// (row, head) items per block of `decode_attn_prep_warp` (`DPW_HEADS`), one warp each.
+/// (row, head) items per block of `decode_attn_prep_w2/w4/w8` (`DPW_HEADS`), one warp each.
 const DPW_HEADS: u64 = 8;
 
 /// cos/sin of positions `0..max_pos` on the device: `[max_pos, D/2]` each, f32.
