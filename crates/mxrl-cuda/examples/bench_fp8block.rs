@@ -21,6 +21,12 @@
 //! (`Fp8Block::quantize_act`, as the engine's forward runs it). A second table times every
 //! split of the fragment kernels' reduction (warps per 32-column block; `*` = the launcher's
 //! pick); a third the rows per pass.
+//!
+//! `--staged [--batches 128,512,4096] [--busy]`: only the staged kernels
+//! (`QGemm::grouped_nt_staged_fp8_block`, binary16 operands staged in shared memory by
+//! `cp.async`, 128 columns per block) in passes of 16, 32 and 64 rows (`*` = the launcher's
+//! pick) against the fragment and tiled kernels, each with its activation quantizer
+//! (`--busy`: one of every token's 8 rows to expert 0, the routing of the RL runs).
 
 #[cfg(feature = "cuda")]
 #[path = "common/bench.rs"]
@@ -34,7 +40,7 @@ mod bench {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{FragRows, QGemm};
+    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm};
 
     const BATCHES: [usize; 4] = [1, 32, 128, 512];
     const SPLITS: [usize; 6] = [1, 2, 3, 4, 6, 8];
@@ -86,6 +92,111 @@ mod bench {
         engine_us: f64,
     }
 
+    /// `--staged`: the staged kernels against the fragment and tiled ones (module doc).
+    #[allow(clippy::too_many_arguments)]
+    fn staged(
+        g: &Gpu,
+        q: &QGemm,
+        f8: &Fp8Block,
+        flush: &mut CudaSlice<u8>,
+        reps: usize,
+        batches: &[usize],
+        busy: bool,
+    ) {
+        let max_rows = batches.iter().copied().max().unwrap_or(0) * TOP_K;
+        let kmax = HIDDEN.max(MOE_INTER);
+        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
+        let x = g.upload(&xf).expect("upload x");
+        let mut xh = g.zeros::<u16>(max_rows * kmax).expect("alloc");
+        let mut xhs = g.zeros::<f32>(max_rows * kmax / 128).expect("alloc");
+        let mut y = g
+            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
+            .expect("alloc");
+        println!(
+            "\n| step | R16 staged µs | R32 staged | R64 staged | fragments (F16, pick) | tiled | act u8 | act f16 | staged+act ÷ fragments+act | ÷ tiled+act |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for (pi, &(name, n, k)) in PROJS.iter().enumerate() {
+            let w = weights(g, n, k, 10 * pi as u64 + 1);
+            let (wc, wsc) = (w.codes.as_view(), w.scales.as_view());
+            for &batch in batches {
+                let counts = match busy {
+                    true => route_busy(batch, 100 + batch as u64),
+                    false => route(batch, 100 + batch as u64),
+                };
+                let r = batch * TOP_K;
+                let most = counts.iter().max().copied().unwrap_or(0);
+                let off = g.upload(&offsets(&counts)).expect("offsets");
+                let s = Grouped {
+                    experts: EXPERTS,
+                    rows: r,
+                    n,
+                    k,
+                };
+                let xv = x.slice(0..r * k);
+                let act_u8 = median_us(g, flush, reps, || {
+                    f8.quantize_act(&xv, r, k).expect("act FP8 block");
+                });
+                let act_f16 = median_us(g, flush, reps, || {
+                    q.quant_act_fp8_block(
+                        &xv,
+                        r,
+                        k,
+                        false,
+                        &mut xh.slice_mut(0..r * k),
+                        &mut xhs.slice_mut(0..r * k / 128),
+                    )
+                    .expect("act FP8 block f16");
+                });
+                let qx = f8.quantize_act(&xv, r, k).expect("act FP8 block");
+                let (xc, xs) = (qx.codes.as_view(), qx.scales.as_view());
+                let pick = frag_rows(s, None);
+                let mut cells = Vec::new();
+                let mut pick_us = f64::NAN;
+                for rows in [FragRows::R16, FragRows::R32, FragRows::R64] {
+                    let us = median_us(g, flush, reps, || {
+                        q.grouped_nt_staged_fp8_block_with(
+                            rows,
+                            &xh.slice(0..r * k),
+                            &xhs.slice(0..r * k / 128),
+                            &wc,
+                            &wsc,
+                            &off.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                        )
+                        .expect("staged FP8 block");
+                    });
+                    if rows == pick {
+                        pick_us = us;
+                    }
+                    cells.push(format!("{us:.1}{}", if rows == pick { "*" } else { "" }));
+                }
+                let frag = median_us(g, flush, reps, || {
+                    f8.gemm_nt_frag(&xc, &xs, &wc, &wsc, &off.as_view(), &mut y.as_view_mut(), s)
+                        .expect("FP8-block fragments");
+                });
+                let tiled = median_us(g, flush, reps, || {
+                    f8.gemm_nt(
+                        &xc,
+                        &xs,
+                        &wc,
+                        &wsc,
+                        Some(&off.as_view()),
+                        &mut y.as_view_mut(),
+                        s,
+                    )
+                    .expect("FP8-block tiled");
+                });
+                println!(
+                    "| b={batch} ({r} rows, ≤ {most} per expert) {name} | {} | {frag:.1} | {tiled:.1} | {act_u8:.1} | {act_f16:.1} | {:.2} | {:.2} |",
+                    cells.join(" | "),
+                    (pick_us + act_f16) / (frag + act_u8),
+                    (pick_us + act_f16) / (tiled + act_u8)
+                );
+            }
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
         let reps = args
@@ -106,6 +217,21 @@ mod bench {
             g.name()
         );
         let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
+        if args.iter().any(|a| a == "--staged") {
+            let batches: Vec<usize> = args
+                .iter()
+                .position(|a| a == "--batches")
+                .map(|i| {
+                    args[i + 1]
+                        .split(',')
+                        .map(|b| b.parse().expect("--batches B,B,..."))
+                        .collect()
+                })
+                .unwrap_or_else(|| vec![128, 512, 4096]);
+            let busy = args.iter().any(|a| a == "--busy");
+            staged(&g, &q, &f8, &mut flush, reps, &batches, busy);
+            return;
+        }
         print_copy_bandwidth(&g, &mut flush, reps);
 
         let projs = PROJS;

@@ -208,6 +208,24 @@ extern "C" __global__ void __launch_bounds__(QA_THREADS)
     }
 }
 
+// FP8 block 1×128 along K (Scheme::FP8_BLOCK_ACT) of x [rows, K] f32 as the staged FP8-block
+// kernels' operand: out = the binary16 value of each E4M3 code (exact: ≤ 4 significant bits
+// in [2⁻⁹, 448], NaN codes NaN), scales = the blocks' f32 scale_inv [rows, K/128]. The codes
+// and scale_inv are quant.cu's fp8_block_act (the same function, one warp per block, four
+// elements per lane); n_blocks = rows·K/128, pow2 the scheme's power-of-two scale rule.
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_fp8_block_f16(const float* __restrict__ x, u16* __restrict__ out, float* __restrict__ scales,
+                            u64 n_blocks, int pow2) {
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (b >= n_blocks) return;  // the whole warp (its lanes share b)
+    const u32 lane = threadIdx.x & 31u;
+    float inv;
+    const u32 w = fp8_block_act_word(x, b, lane, pow2 != 0, inv);
+    *reinterpret_cast<uint2*>(out + b * MXRL_FP8_BLOCK + 4u * lane) =
+        make_uint2(e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+    if (lane == 0u) scales[b] = inv;
+}
+
 // ---- plain weight dequantization to BF16 (large-M path; eight elements per thread) ----
 
 // MXFP8 row-wise [n, K/32]-scaled codes (n = E·N rows, K % 32 == 0): out = bf16 of the
@@ -687,6 +705,7 @@ __device__ __forceinline__ void qf_mma_f16(float* d, const u32* a, u32 b0, u32 b
 // multiplies in the operand type.
 struct QfMxfp8 : QmMxfp8 {
     static constexpr int XV = 2;
+    static constexpr bool BLOCKED = false;
     __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
         float v[4];
         mxfp8_decode4(word_of(w, s), __uint_as_float(prep), v);
@@ -701,6 +720,7 @@ struct QfMxfp8 : QmMxfp8 {
 };
 struct QfNvfp4 : QmNvfp4 {
     static constexpr int XV = 4;
+    static constexpr bool BLOCKED = false;
     __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
         // nvfp4_decode4 without the widening to f32: binary16 pairs of e2m1 · scale (exact).
         const u32 sf2 = __byte_perm(prep, 0u, s < 4 ? 0x1010u : 0x3232u);
@@ -720,7 +740,7 @@ struct QfNvfp4 : QmNvfp4 {
 // BF16 weights as stored (u16 [E, N, K]): 8 elements per lane and super-step, no scales.
 struct QfBf16 {
     static constexpr u32 CHUNK = 8, STEPS = 2;
-    static constexpr bool ALPHA = false;
+    static constexpr bool ALPHA = false, BLOCKED = false;
     static constexpr int XV = 1;
     __device__ static u32 row_bytes(u32 K) { return 2 * K; }
     __device__ static u32 scale_row(u32) { return 0; }
@@ -735,6 +755,33 @@ struct QfBf16 {
         b1 = word_of(xv, 2 * s + 1);
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
+};
+
+// FP8-block weights (E4M3 codes [E, N, K], f32 scale_inv [E, N/128, K/128]) in the staged
+// kernels only: 16 codes per lane and super-step decoded to binary16 (cvt.rn.f16x2.e4m3x2,
+// exact), the k order of QfMxfp8; the activation operand is the binary16 value of each
+// activation code (quant_act_fp8_block_f16), so both operands are the codes' exact values
+// and every product is exact in f32. No per-chunk scales: BLOCKED kernels sum each 128-wide K
+// block (two super-steps) into a fresh accumulator P_b and add fl(fl(sx·sw)·P_b) to y in
+// increasing b (qs_pass), the FP8-block contract's order.
+struct QfFp8b {
+    static constexpr u32 CHUNK = 16, STEPS = 4;
+    static constexpr bool ALPHA = false, BLOCKED = true;
+    static constexpr int XV = 2;
+    __device__ static u32 row_bytes(u32 K) { return K; }
+    __device__ static u32 scale_row(u32) { return 0; }
+    __device__ static u32 load_scale(const u8*, u32) { return 0; }
+    __device__ static u32 prep(u32) { return 0; }
+    __device__ static void pairs(const uint4& w, u32, int s, u32& lo, u32& hi) {
+        const u32 q = word_of(w, s);
+        lo = e4m3x2_to_f16x2(q);
+        hi = e4m3x2_to_f16x2(q >> 16);
+    }
+    __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
+        b0 = word_of(xv, 2 * (s & 1));
+        b1 = word_of(xv, 2 * (s & 1) + 1);
+    }
+    __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
 };
 
 // The mma steps s = 2·v0 .. 2·(v0 + VG) (below F::STEPS) of one super-step: the A fragments
@@ -931,6 +978,11 @@ __device__ __forceinline__ void qs_cp16(void* dst, const void* src, bool valid) 
     const u32 n = valid ? 16u : 0u;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(qs_smem(dst)), "l"(src), "r"(n) : "memory");
 }
+// 4 bytes from global `src` to shared `dst`, or 4 zero bytes when !valid (src not read).
+__device__ __forceinline__ void qs_cp4(void* dst, const void* src, bool valid) {
+    const u32 n = valid ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(qs_smem(dst)), "l"(src), "r"(n) : "memory");
+}
 __device__ __forceinline__ void qs_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void qs_wait() {
@@ -940,14 +992,15 @@ __device__ __forceinline__ void qs_wait() {
 // What a staged pass reads of its block (set up once per block by qgemm_fragsm_body).
 struct QsBlock {
     const u16* x;
-    const float* x_amax;
+    const float* x_amax;  // NVFP4: the rows' amax; FP8 block (BLOCKED): their scale_inv [R, K/128]
     const u8* codes;
     float* y;
     const u8* wc[4];  // this lane's weight rows g + 8i of the warp's 32 columns
-    const u8* s_scale;
+    const u8* s_scale;  // the block's weight scale rows (BLOCKED: its 128-row scale_inv row)
     u8* my_w;  // the warp's weight stages
     u16* s_x;  // the activation stages (XROWS rows each)
-    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, elems, xld, xrows;
+    float* s_sx;  // BLOCKED: the pass's activation scale_inv rows [XROWS][kbs]
+    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, elems, xld, xrows, kbs;
     float wa;
     bool active;
 };
@@ -980,7 +1033,18 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     };
     float acc[2][TGP][4];
     frag_acc_zero<TGP>(acc);
+    float yb[2][TGP][4];  // BLOCKED: y of the pass, the promoted K blocks' sum
+    if (F::BLOCKED) frag_acc_zero<TGP>(yb);
     __syncthreads();  // the previous pass's reads of the stages are done
+    if (F::BLOCKED) {
+        // The pass's activation scale_inv rows (zeros past the expert's rows), landing with
+        // stage 0's copies (same commit group).
+        for (u32 q = c.tid; q < 8 * TGP * c.kbs; q += blockDim.x) {
+            const u32 row = rb + q / c.kbs;
+            const bool ok = row < c.hi;
+            qs_cp4(c.s_sx + q, ok ? c.x_amax + (u64)row * c.kbs + q % c.kbs : c.x_amax, ok);
+        }
+    }
 #pragma unroll
     for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
     for (u32 kt = 0; kt < c.steps; ++kt) {
@@ -1011,6 +1075,26 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
             }
             qf_mma_steps<F, TGP, VG>(wq, sp, xa, v0, acc);
         }
+        if (F::BLOCKED && (kt & 1u)) {
+            // K block b = kt / 2 is summed: y = fl(y + fl(fl(sx[r, b] · sw[b]) · P_b)) for
+            // entry q of token group tg (activation row 8·tg + 2t + (q & 1) of the pass; the
+            // block's 128 columns lie in one scale tile), then a fresh P for the next block.
+            const u32 b = kt >> 1;
+            const float sw = reinterpret_cast<const float*>(c.s_scale)[b];
+#pragma unroll
+            for (int tg = 0; tg < TGP; ++tg)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float sc = __fmul_rn(c.s_sx[(8 * tg + 2 * c.t + hh) * c.kbs + b], sw);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+#pragma unroll
+                        for (int q = hh; q < 4; q += 2) {
+                            yb[j][tg][q] = __fadd_rn(yb[j][tg][q], __fmul_rn(sc, acc[j][tg][q]));
+                            acc[j][tg][q] = 0.0f;
+                        }
+                }
+        }
     }
     qs_wait<0>();
     if (!c.active) return;
@@ -1023,7 +1107,7 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
                 const u32 r = rb + 8 * tg + 2 * c.t + (q & 1);
                 const u32 col = c.n0 + 16 * j + c.g + 8 * (q >> 1);
                 if (r < c.hi) {
-                    float sum = acc[j][tg][q];
+                    float sum = F::BLOCKED ? yb[j][tg][q] : acc[j][tg][q];
                     if (F::ALPHA) {
                         const float alpha = __fmul_rn(__fmul_rn(c.x_amax[r], c.wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
                         sum = __fmul_rn(sum, alpha);
@@ -1069,13 +1153,22 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     c.elems = F::CHUNK * 4;  // elements per super-step
     c.xld = c.elems + 8;     // u16 per staged activation row
     c.xrows = XROWS;
-    // Shared memory layout (all parts 16-byte multiples: sk·32 rows, 2 KB, 16·xld bytes).
+    c.kbs = K / 128;  // BLOCKED: 128-wide K blocks
+    // Shared memory layout (all parts 16-byte multiples: sk·32 rows, or BLOCKED the scale
+    // row's kbs floats rounded up; 2 KB; 16·xld bytes), then BLOCKED the pass's XROWS·kbs
+    // activation scales.
     u8* s_scale = qs_mem;
-    u8* s_w = s_scale + (u64)QF_COLS * QS_WARPS * c.sk;
+    u8* s_w = s_scale + (F::BLOCKED ? (4 * c.kbs + 15) / 16 * 16 : (u64)QF_COLS * QS_WARPS * c.sk);
     c.s_scale = s_scale;
     c.s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
-    // The block's scale rows are contiguous in `scales` ([E, N, sk]): copied once.
-    {
+    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)QS_STAGES * XROWS * c.xld);
+    if (F::BLOCKED) {
+        // The block's 128 columns are one 128-row scale tile of expert e ([E, N/128, kbs]
+        // floats): its kbs scale_inv values, copied once.
+        const float* src = reinterpret_cast<const float*>(scales) + ((u64)e * (N / 128) + nb / 128) * c.kbs;
+        for (u32 q = c.tid; q < c.kbs; q += blockDim.x) qs_cp4(s_scale + 4 * q, src + q, true);
+    } else {
+        // The block's scale rows are contiguous in `scales` ([E, N, sk]): copied once.
         const u8* src = scales + ((u64)e * N + nb) * c.sk;
         const u32 chunks = wrows * c.sk / 16;
         for (u32 q = c.tid; q < chunks; q += blockDim.x) qs_cp16(s_scale + 16 * q, src + 16 * q, true);
@@ -1108,6 +1201,16 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
         qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                \
     }
+// FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
+// scale_inv [R, K/128], codes the E4M3 weights [E, N, K], ws their scale_inv [E, N/128, K/128];
+// N a multiple of 128 (each block's columns one scale tile), K of 128.
+#define QS_ENTRY_FP8B(name, TG)                                                                                \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
+        name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ codes,             \
+             const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,     \
+             u32 N, u32 K) {                                                                                   \
+        qgemm_fragsm_body<QfFp8b, TG>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, K); \
+    }
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, 4)
@@ -1120,3 +1223,7 @@ QS_ENTRY_BF16(qgemm_fragsm_bf16_t1, 1)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t2, 2)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t4, 4)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t8, 8)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8)

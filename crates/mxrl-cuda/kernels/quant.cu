@@ -592,11 +592,11 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2, float& s
 #if MXRL_FP8_BLOCK != 128
 #error "fp8_block_act maps one 128-element block to one warp of four elements per lane"
 #endif
+//
+// fp8_block_act_word: the lane's four codes of block b (element 4·lane + j in byte j) and the
+// block's scale_inv, for every lane of the warp (the whole warp calls it with the same b).
 template <typename T>
-__device__ void fp8_block_act(const T* x, u8* data, float* scales, u64 n_blocks, bool pow2) {
-    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (b >= n_blocks) return;
-    const u32 lane = threadIdx.x & 31u;
+__device__ __forceinline__ u32 fp8_block_act_word(const T* x, u64 b, u32 lane, bool pow2, float& inv) {
     const u64 base = b * MXRL_FP8_BLOCK + 4u * lane;
     float v[4];
     float m = 0.0f;
@@ -607,12 +607,20 @@ __device__ void fp8_block_act(const T* x, u8* data, float* scales, u64 n_blocks,
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
-    float inv;
     const float scale = fp8_block_scale(m, pow2, inv);
     u32 w = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) w |= e4m3_encode(__fmul_rn(v[j], scale)) << (8 * j);
-    *reinterpret_cast<u32*>(data + base) = w;
+    return w;
+}
+template <typename T>
+__device__ void fp8_block_act(const T* x, u8* data, float* scales, u64 n_blocks, bool pow2) {
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (b >= n_blocks) return;
+    const u32 lane = threadIdx.x & 31u;
+    float inv;
+    const u32 w = fp8_block_act_word(x, b, lane, pow2, inv);
+    *reinterpret_cast<u32*>(data + b * MXRL_FP8_BLOCK + 4u * lane) = w;
     if (lane == 0u) scales[b] = inv;
 }
 extern "C" __global__ void fp8_block_act_f32(const float* x, u8* d, float* s, u64 n, int pow2) { fp8_block_act(x, d, s, n, pow2 != 0); }

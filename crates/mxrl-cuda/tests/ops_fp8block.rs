@@ -13,7 +13,10 @@
 //!   (empty experts, rows across pass boundaries, rows of no expert left untouched), within
 //!   `fp8_block_sum_bound`; bit for bit where every block sum is exact in f32 (what a
 //!   tensor-core sum with fewer bits than f32 would break); the fragment kernels' bits the same
-//!   for every split and rows per pass and from run to run;
+//!   for every split and rows per pass and from run to run; the staged kernels
+//!   (`QGemm::grouped_nt_staged_fp8_block_with`, every rows per pass) the bits of the `F16`
+//!   fragment kernels, and their activation quantizer (`QGemm::quant_act_fp8_block`) the
+//!   reference's codes as binary16 values and its scales;
 //! - (with `cuda`) the engine backend's FP8-block linears (`CudaBackend::quantize_weights`,
 //!   `upload_experts`, `stored_weights`, `checksum_qweights`, `grouped_qlinear`, `qlinear`)
 //!   against `CpuBackend`: stored bytes and checksums equal; `y` within the derived bound
@@ -265,7 +268,7 @@ mod engine_backend {
     }
 
     /// Stored bytes, checksums and the grouped forward over four experts [256, 384] with
-    /// ragged groups (37 rows, none, 33 rows, none: 17.5 rows per expert, the fragment
+    /// ragged groups (37 rows, none, 33 rows, none: 17.5 rows per expert, the staged
     /// kernels) and over 70 rows of one dense weight, then 300 rows (the tiled kernels: several
     /// passes of 16 rows per CTA, split over the grid).
     #[test]
@@ -467,7 +470,7 @@ mod gemm_kernels {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma};
     use mxrl_cuda::ops::gemm::Grouped;
-    use mxrl_cuda::ops::qgemm::FragRows;
+    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm};
     use mxrl_formats::{
         e4m3_decode, Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme,
     };
@@ -501,6 +504,18 @@ mod gemm_kernels {
     enum Kernel {
         Tiled,
         Frag(Fp8FragMma, Option<(FragRows, usize)>),
+        /// The staged kernels (`QGemm::grouped_nt_staged_fp8_block_with`) with rows per pass
+        /// (`None`: the launcher's choice).
+        Staged(Option<FragRows>),
+    }
+
+    /// The staged kernels' activation operand on the host: the binary16 bits of each code's
+    /// E4M3 value (exact).
+    fn f16_operand(codes: &[u8]) -> Vec<u16> {
+        codes
+            .iter()
+            .map(|&c| half::f16::from_f32(e4m3_decode(c)).to_bits())
+            .collect()
     }
 
     /// One grouped problem: per-expert stored weights and host-quantized activations.
@@ -514,6 +529,9 @@ mod gemm_kernels {
         ws: CudaSlice<u8>,
         xc: CudaSlice<u8>,
         xs: CudaSlice<u8>,
+        /// The staged kernels' operand: binary16 code values and the f32 scale_inv.
+        xh: CudaSlice<u16>,
+        xsf: CudaSlice<f32>,
         off: CudaSlice<u32>,
     }
 
@@ -560,6 +578,8 @@ mod gemm_kernels {
                 ws: up(&scales),
                 xc: up(&qx.data),
                 xs: up(&le_bytes(f32_scales(&qx))),
+                xh: g.upload(&f16_operand(&qx.data)).expect("upload"),
+                xsf: g.upload(f32_scales(&qx)).expect("upload"),
                 off: g.upload(&offsets).expect("upload"),
                 offsets,
                 weights,
@@ -590,6 +610,18 @@ mod gemm_kernels {
                     ));
                     f.gemm_nt_frag_with(mma, rows, split, &xc, &xs, &wc, &ws, &off, &mut yv, self.s)
                 }
+                Kernel::Staged(rows) => QGemm::new(g)
+                    .expect("low-byte kernels")
+                    .grouped_nt_staged_fp8_block_with(
+                        rows.unwrap_or_else(|| frag_rows(self.s, None)),
+                        &self.xh.as_view(),
+                        &self.xsf.as_view(),
+                        &wc,
+                        &ws,
+                        &off,
+                        &mut yv,
+                        self.s,
+                    ),
             }
             .unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
             g.download(&y).expect("download")
@@ -759,7 +791,7 @@ mod gemm_kernels {
     /// down [2048, 768]) at batch 1, 32, 128 (128 experts) and 512 (64 rows per expert on
     /// average: two 32-row passes): both fragment variants with the launcher's choices and
     /// the tiled kernels within the bound of the CPU reference; the fragment kernels give the
-    /// same bits on a second run.
+    /// same bits on a second run, and the staged kernels the bits of the `F16` fragments.
     #[test]
     fn fp8_block_fragment_kernels_match_the_cpu_at_decode_batches() {
         let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -790,13 +822,25 @@ mod gemm_kernels {
             if batch >= 32 {
                 p.check_against(&g, &f, Kernel::Tiled, &want);
             }
+            let frag = p.run(&g, &f, Kernel::Frag(Fp8FragMma::F16, None));
+            let staged = p.check_against(&g, &f, Kernel::Staged(None), &want);
+            assert!(
+                staged
+                    .iter()
+                    .zip(&frag)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{:?}: the staged kernels' bits differ from the F16 fragments' (seed {seed})",
+                p.s
+            );
         }
     }
 
     /// Ragged groups: experts without rows, 1, 7–9, 15–17, 31–33 and 65 rows (every pass
     /// boundary of 8, 16 and 32 rows), rows after the last expert's (left untouched); K of one
     /// block up to 16 blocks (more blocks than warps: several rounds). Every split 1 ..= 8 and
-    /// every rows per pass give the same bits as the launcher's choice, within the bound.
+    /// every rows per pass give the same bits as the launcher's choice, within the bound; so
+    /// do the staged kernels in passes of 8 to 64 rows (experts over several passes, passes
+    /// run at half their token groups).
     #[test]
     fn fp8_block_fragment_kernels_on_ragged_groups_for_every_split_and_pass() {
         let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -832,6 +876,20 @@ mod gemm_kernels {
                 }
             }
             p.check_against(&g, &f, Kernel::Tiled, &want);
+            let frag = p.run(&g, &f, Kernel::Frag(Fp8FragMma::F16, None));
+            for fr in [
+                None,
+                Some(FragRows::R8),
+                Some(FragRows::R16),
+                Some(FragRows::R32),
+                Some(FragRows::R64),
+            ] {
+                let y = p.check_against(&g, &f, Kernel::Staged(fr), &want);
+                assert!(
+                    y.iter().zip(&frag).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "staged {fr:?} [{n}, {k}]: bits differ from the F16 fragments' (seed {seed})"
+                );
+            }
         }
     }
 
@@ -891,6 +949,9 @@ mod gemm_kernels {
         let p = Problem::new(&g, offsets, rows, weights, x, seed);
         let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
         let mut kernels = vec![Kernel::Tiled];
+        for fr in FragRows::ALL {
+            kernels.push(Kernel::Staged(Some(fr)));
+        }
         for mma in Fp8FragMma::ALL {
             for split in [1, 2, 3, 4, 8] {
                 kernels.push(Kernel::Frag(mma, Some((FragRows::R8, split))));
@@ -915,6 +976,57 @@ mod gemm_kernels {
                         i % n
                     );
                 }
+            }
+        }
+    }
+
+    /// The staged kernels' activation quantizer (`QGemm::quant_act_fp8_block`) on every data
+    /// family of the quantizer tests, both scale rules: the binary16 operand is the E4M3 value
+    /// of `mxrl_formats::quantize`'s code (NaN codes NaN) and the scales its `scale_inv` bit
+    /// for bit.
+    #[test]
+    fn fp8_block_staged_operand_quantizer_matches_the_reference() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _f) = ops();
+        let q = QGemm::new(&g).expect("low-byte kernels");
+        let (rows, k) = (37usize, 640usize);
+        for (fi, fam) in super::FAMILIES.iter().enumerate() {
+            let x = super::family(fam, rows, k, 9400 + fi as u64);
+            let xd = g.upload(&x).expect("upload");
+            for scheme in super::schemes() {
+                let mxrl_formats::Scheme::Fp8Block(fs) = scheme else {
+                    unreachable!()
+                };
+                if fs.blocks != mxrl_formats::Fp8Blocks::Activation1x128 {
+                    continue;
+                }
+                let want = mxrl_formats::quantize(&x, &[rows, k], scheme, Padding::Reject)
+                    .expect("reference");
+                let mut out = g.upload(&vec![0xFFFFu16; rows * k]).expect("upload");
+                let mut sc = g.upload(&vec![f32::NAN; rows * k / 128]).expect("upload");
+                q.quant_act_fp8_block(
+                    &xd.as_view(),
+                    rows,
+                    k,
+                    fs.scale_rule == mxrl_formats::ScaleRule::F32PowerOfTwo,
+                    &mut out.as_view_mut(),
+                    &mut sc.as_view_mut(),
+                )
+                .expect("quant_act_fp8_block");
+                let (out, sc) = (g.download(&out).unwrap(), g.download(&sc).unwrap());
+                for (i, (&h, &c)) in out.iter().zip(&want.data).enumerate() {
+                    let (got, v) = (half::f16::from_bits(h).to_f32(), e4m3_decode(c));
+                    assert!(
+                        got.to_bits() == v.to_bits() || (got.is_nan() && v.is_nan()),
+                        "{fam} {scheme}: element {i}: operand {got} for code {c:#04x} ({v})"
+                    );
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&sc),
+                    bits(f32_scales(&want)),
+                    "{fam} {scheme}: scale_inv"
+                );
             }
         }
     }

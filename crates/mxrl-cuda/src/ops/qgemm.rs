@@ -191,6 +191,8 @@ pub struct QGemm {
     staged_mxfp8: [CudaFunction; 4],
     staged_nvfp4: [CudaFunction; 4],
     staged_bf16: [CudaFunction; 4],
+    act_fp8b: CudaFunction,
+    staged_fp8b: [CudaFunction; 4],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -276,6 +278,19 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
     FRAG_COLS * STAGED_WARPS * scale_row
         + STAGED_STAGES * STAGED_WARPS * 32 * 64
         + STAGED_STAGES * rows.rows() * (elems + 8) * 2
+}
+
+/// Dynamic shared memory of a staged FP8-block block ([`QGemm::grouped_nt_staged_fp8_block`])
+/// at `k` elements per row and `rows` activation rows per pass: its 128-row weight scale tile
+/// row (`k / 128` floats, rounded up to 16 bytes), the stages of each warp's 32 × 64 code
+/// bytes, the stages of the pass's binary16 activation rows (64 elements per super-step + 8)
+/// and the pass's activation scales (`rows · k / 128` floats).
+pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows) -> usize {
+    let kbs = k / 128;
+    (4 * kbs).div_ceil(16) * 16
+        + STAGED_STAGES * STAGED_WARPS * 32 * 64
+        + STAGED_STAGES * rows.rows() * (64 + 8) * 2
+        + rows.rows() * kbs * 4
 }
 
 /// The launchers' layout for a step: [`FragLayout::Staged`] from [`STAGED_ROWS_PER_EXPERT`]
@@ -497,6 +512,8 @@ impl QGemm {
         let staged_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("bf16");
         let staged_bf16 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b");
+        let staged_fp8b = [a?, b?, c?, d?];
         Ok(QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
@@ -522,6 +539,8 @@ impl QGemm {
             staged_mxfp8,
             staged_nvfp4,
             staged_bf16,
+            act_fp8b: f("quant_act_fp8_block_f16")?,
+            staged_fp8b,
         })
     }
 
@@ -1283,6 +1302,183 @@ impl QGemm {
         // below K, and writes y at those rows, columns < N; barriers and shared memory as
         // grouped_nt_frag_mxfp8. Argument types match (const u16*, const u8*, const u8*,
         // const u32*, float*, u32 × 4): device pointers of u16 buffers passed as bytes.
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// FP8-block activation quantization (1×128 along K, [`mxrl_formats::Scheme::FP8_BLOCK_ACT`]
+    /// or any 1×128 scheme with `pow2` its power-of-two scale rule) as the staged kernels'
+    /// operand: `x [rows, k]` f32 → `out [rows, k]` the binary16 values of the E4M3 codes
+    /// (exact) and `scales [rows, k/128]` the blocks' f32 `scale_inv`. Codes and scales are
+    /// those of `mxrl_formats::quantize(x, [rows, k], scheme)` (quant.cu's `fp8_block_act`).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 128, short or misaligned buffers (x 16-byte, out 8-byte aligned),
+    /// launch errors.
+    pub fn quant_act_fp8_block(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        pow2: bool,
+        out: &mut CudaViewMut<'_, u16>,
+        scales: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_fp8_block";
+        check_multiple(g, op, k, 128, "FP8 blocks of 128")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} x"), x.len(), len)?;
+        check_len(g, &format!("{op} out"), out.len(), len)?;
+        check_len(g, &format!("{op} scales"), scales.len(), len / 128)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} out"), out.device_ptr_mut(stream).0, 8)?;
+        let n_blocks = (len / 128) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, (len / 128).div_ceil(8))?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let pow2 = i32::from(pow2);
+        let mut b = g.stream().launch_builder(&self.act_fp8b);
+        b.arg(x).arg(out).arg(scales).arg(&n_blocks).arg(&pow2);
+        // SAFETY: x and out hold rows·k elements, scales rows·k/128 (checked); warp w of the
+        // grid (8 per block of 256) handles block w < n_blocks only — elements 128w + 4l ..
+        // +4 of lane l (16-byte loads of x, 8-byte stores of out: bases checked, offsets
+        // multiples of 4 elements) and scales[w] — and a warp past the last block returns
+        // whole (every shuffle complete). Argument types match (const float*, u16*, float*,
+        // u64, int).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// FP8-block routed experts on the staged fragment kernels: `y [R, N] = x · W_eᵀ` per
+    /// expert (rows of expert `e`: `offsets[e] .. offsets[e+1]`, clamped to `[0, R]`) with
+    /// the arithmetic of `mxrl_tensor::qlinear::FP8_BLOCK_EMULATION`: for each 128-wide K block
+    /// `b` in increasing order a fresh f32 sum `P_b` of the exact E4M3 × E4M3 products
+    /// (binary16 operands on the tensor cores), then `y = fl(y + fl(fl(sx·sw) · P_b))`.
+    /// `x` from [`QGemm::quant_act_fp8_block`] (binary16 code values `[R, K]`, `x_scales`
+    /// `[R, K/128]`), `codes [E, N, K]` E4M3 and `w_scales` the f32 `scale_inv [E, N/128,
+    /// K/128]` as bytes. Blocks of [`STAGED_WARPS`] warps cover 128 columns (one weight scale
+    /// tile) of one expert, passes of [`frag_rows`] rows, a busy expert's passes spread over
+    /// [`frag_row_blocks`] blocks. Every `P_b` is the same 8 `mma` steps in the same order as
+    /// `Fp8Block::gemm_nt_frag` with `Fp8FragMma::F16`, and every promotion the same
+    /// operations, so the two give the same bits; the CPU reference differs in the order of
+    /// each block's sum only (bound `fp8_block_sum_bound`). Deterministic.
+    ///
+    /// # Errors
+    /// `n` or `k` not a multiple of 128, short or misaligned buffers, sizes past u32, the
+    /// stages past [`STAGED_SMEM_MAX`], launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_staged_fp8_block(
+        &self,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let rows = frag_rows(s, None);
+        self.grouped_nt_staged_fp8_block_with(rows, x, x_scales, codes, w_scales, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_staged_fp8_block`] with `rows` activation rows per pass.
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_staged_fp8_block`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_staged_fp8_block_with(
+        &self,
+        rows: FragRows,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let op = "grouped_nt_staged_fp8_block";
+        let g = &self.gpu;
+        if !s.n.is_multiple_of(128) || !s.k.is_multiple_of(128) {
+            return Err(g.err(format!(
+                "{op}: n = {} and k = {} must be multiples of 128 (FP8-block tiles)",
+                s.n, s.k
+            )));
+        }
+        self.check_dims(op, s)?;
+        self.check_rows_io(op, s, x, offsets, y)?;
+        let kb = s.k / 128;
+        let en = mul(g, op, s.experts, s.n)?;
+        check_len(g, &format!("{op} x scales"), x_scales.len(), s.rows * kb)?;
+        check_len(g, &format!("{op} codes"), codes.len(), mul(g, op, en, s.k)?)?;
+        check_len(
+            g,
+            &format!("{op} w scales"),
+            w_scales.len(),
+            4 * (en / 128) * kb,
+        )?;
+        let smem = fp8_staged_smem_bytes(s.k, rows);
+        if smem > STAGED_SMEM_MAX {
+            return Err(g.err(format!(
+                "{op}: the staged layout needs {smem} B of shared memory at k = {} (at most \
+                 {STAGED_SMEM_MAX})",
+                s.k
+            )));
+        }
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
+        check_align(
+            g,
+            &format!("{op} x scales"),
+            x_scales.device_ptr(stream).0,
+            4,
+        )?;
+        check_align(
+            g,
+            &format!("{op} w scales"),
+            w_scales.device_ptr(stream).0,
+            4,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x(g, op, s.n / 128)?,
+                s.experts as u32,
+                frag_row_blocks(s, rows) as u32,
+            ),
+            block_dim: (32 * STAGED_WARPS as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = stream.launch_builder(&self.staged_fp8b[rows.index()]);
+        b.arg(x)
+            .arg(x_scales)
+            .arg(codes)
+            .arg(w_scales)
+            .arg(offsets)
+            .arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        // SAFETY: x holds R·K, x_scales R·K/128, codes E·N·K, w_scales 4·E·(N/128)·(K/128)
+        // bytes, offsets E+1 and y R·N elements (checked); n and k multiples of 128 (checked),
+        // x and codes 16-byte aligned, the scales 4-byte aligned (checked). Block (bx, e, z)
+        // covers weight rows bx·128 .. +128 ≤ N of expert e < E and their scale row (kbs
+        // floats at (e·N/128 + bx)·kbs), copies 16-byte chunks of weight rows below K,
+        // activation rows in [lo, hi) ⊆ [0, R] (offsets clamped) at 8-element chunks below K
+        // and their scale_inv rows (4-byte copies, zeros past hi) into the dynamic shared
+        // memory sized by fp8_staged_smem_bytes (checked ≤ STAGED_SMEM_MAX, allowed at load),
+        // and writes y at those rows, columns < N. Every thread runs the same pass and step
+        // loops (bounds from offsets, blockIdx.z and K), so every barrier is reached by all.
+        // Argument types match (const u16*, const float*, const u8*, const float*, const u32*,
+        // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
