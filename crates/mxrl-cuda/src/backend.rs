@@ -150,6 +150,9 @@ pub struct CudaBackend {
     qlin: Result<QLinear, String>,
     /// The FP8-block quantizers and GEMM (the error says why they are missing).
     fp8: Result<crate::ops::fp8block::Fp8Block, String>,
+    /// Grouped-GEMM offsets `[0, u32::MAX]`: one group holding every row (the kernels clamp
+    /// offsets to their row count), for dense linears on the grouped kernels.
+    whole_rows: CudaSlice<u32>,
     /// AdamW's gradient scale on the device (value bits, buffer).
     grad_scale: std::sync::Mutex<Option<(u32, std::sync::Arc<CudaSlice<f32>>)>>,
     peak: Cell<usize>,
@@ -184,6 +187,7 @@ impl CudaBackend {
             qgemm: QGemm::new(&gpu).map_err(|e| e.to_string()),
             qlin: QLinear::new(&gpu).map_err(|e| e.to_string()),
             fp8: crate::ops::fp8block::Fp8Block::new(&gpu).map_err(|e| e.to_string()),
+            whole_rows: gpu.upload(&[0u32, u32::MAX])?,
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
@@ -689,43 +693,14 @@ impl Backend for CudaBackend {
     ) -> DResult<()> {
         let rows = tokens * top_k;
         if w.format == Format::Fp8Block {
-            let mut xg = self.gpu.empty::<f32>(rows * k).map_err(de)?;
-            self.gather_f32(x, route, tokens, experts, top_k, k, &mut xg)?;
-            return self.fp8_forward(&xg, w, Some(&route.offsets), experts, rows, k, n, y);
+            return self.fp8_forward_gathered(x, route, tokens, top_k, w, experts, k, n, y);
         }
         // Each row is quantized alone (MXFP8 blocks along k, NVFP4's per-token factor): the
         // tokens' rows once, then their operands gathered, are the gathered rows' operands.
         let act = self.quant_act_rows(x, w, tokens, k, "grouped_qlinear")?;
-        let mut xg = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-        self.moe
-            .gather_rows_bf16(
-                &act.xq.as_view(),
-                &route.perm.as_view(),
-                &route.offsets.as_view(),
-                &mut xg.as_view_mut(),
-                tokens,
-                k,
-                experts,
-                top_k,
-            )
-            .map_err(de)?;
+        let xg = self.gather_token_rows_u16(&act.xq, route, tokens, top_k, experts, k)?;
         let amax = match &act.amax {
-            Some(a) => {
-                let mut ag = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
-                self.moe
-                    .gather(
-                        &a.slice(0..tokens),
-                        &route.perm.as_view(),
-                        &route.offsets.as_view(),
-                        &mut ag.slice_mut(0..rows),
-                        tokens,
-                        1,
-                        experts,
-                        top_k,
-                    )
-                    .map_err(de)?;
-                Some(ag)
-            }
+            Some(a) => Some(self.gather_token_rows_f32(a, route, tokens, top_k, experts, 1)?),
             None => None,
         };
         let act = QuantRows { xq: xg, amax };
@@ -2341,6 +2316,61 @@ impl CudaBackend {
             return self.linear(xq, &wb, rows, k, n, y);
         }
         self.linear(xq, w.serve.get_or_init(|| wb), rows, k, n, y)
+    }
+
+    /// Token rows `src [tokens, width]` (u16 operands) in the routed order of `route`:
+    /// `[tokens · top_k, width]`, row `i` the token row the permutation puts there.
+    fn gather_token_rows_u16(
+        &self,
+        src: &CudaSlice<u16>,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+        width: usize,
+    ) -> DResult<CudaSlice<u16>> {
+        let rows = tokens * top_k;
+        let mut out = self.gpu.empty::<u16>(rows * width).map_err(de)?;
+        self.moe
+            .gather_rows_bf16(
+                &src.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut out.as_view_mut(),
+                tokens,
+                width,
+                experts,
+                top_k,
+            )
+            .map_err(de)?;
+        Ok(out)
+    }
+
+    /// [`CudaBackend::gather_token_rows_u16`] for f32 rows (per-row factors, scale rows).
+    fn gather_token_rows_f32(
+        &self,
+        src: &CudaSlice<f32>,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+        width: usize,
+    ) -> DResult<CudaSlice<f32>> {
+        let rows = tokens * top_k;
+        let mut out = self.gpu.empty::<f32>((rows * width).max(1)).map_err(de)?;
+        self.moe
+            .gather(
+                &src.as_view(),
+                &route.perm.as_view(),
+                &route.offsets.as_view(),
+                &mut out.slice_mut(0..rows * width),
+                tokens,
+                width,
+                experts,
+                top_k,
+            )
+            .map_err(de)?;
+        Ok(out)
     }
 
     /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`

@@ -2,21 +2,30 @@
 //! weights as [`QExperts`] keeps them (E4M3 codes `[E, N, K]` in `codes`, the f32
 //! `scale_inv [E, N/128, K/128]` as little-endian bytes in `scales`, no amax), quantized on
 //! the device with the contract kernels and multiplied by the one-launch FP8-block GEMMs
-//! ([`crate::ops::fp8block`]): routed experts with up to
-//! [`crate::ops::fp8block::FRAG_ROWS_PER_EXPERT`] rows per expert on average (decode) by the
-//! fragment kernels on sm_89+, everything else by the tiled kernels. References: the CPU backend's `upload_experts`,
+//! ([`crate::ops::fp8block`], [`QGemm::grouped_nt_staged_fp8_block`]), chosen by the rows
+//! per weight on average:
+//! - from [`STAGED_ROWS_PER_EXPERT`] rows — up to [`super::QFRAG_ROWS_PER_EXPERT`] for routed
+//!   experts, any number for a dense weight (one group of every row) — the staged kernels,
+//!   on binary16 operands from [`QGemm::quant_act_fp8_block`]; routed experts without a tape
+//!   quantize the tokens' rows once and gather their operands;
+//! - fewer rows: routed experts on the fragment kernels (sm_89+), dense weights on the tiled
+//!   kernels; more rows per routed expert: the tiled kernels.
+//!
+//! References: the CPU backend's `upload_experts`,
 //! `quantize_weights`, `grouped_qlinear`, `qlinear` and `stored_weights` on
 //! `mxrl_tensor::qlinear::PreparedWeight` (bytes equal; GEMM outputs within
 //! `mxrl_tensor::tolerance::fp8_block_sum_bound`). The backward of a `high_precision` FP8-block
 //! linear multiplies BF16 operands from the f32 masters (`grouped_qlinear_backward`), as for
 //! the other formats.
 
-use super::{de, CudaBackend, QExperts};
+use super::{de, CudaBackend, QExperts, RouteBufs, QFRAG_ROWS_PER_EXPERT};
 use crate::cuda::{f32_from_le_bytes, f32_le_bytes};
 use crate::ops::fp8block::{Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
 use crate::ops::gemm::Grouped;
+use crate::ops::qgemm::STAGED_SMEM_MAX;
+use crate::ops::qgemm::{fp8_staged_smem_bytes, frag_rows, QGemm, STAGED_ROWS_PER_EXPERT};
 use cudarc::driver::CudaSlice;
-use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, Scales, Scheme, FP8_BLOCK};
+use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme, FP8_BLOCK};
 use mxrl_tensor::device::{DResult, DeviceError};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 
@@ -138,11 +147,43 @@ impl CudaBackend {
         self.fp8_experts(spec, groups, n, k, q.codes, q.scales)
     }
 
+    /// The FP8-block linears' checks: `w` stored as FP8 block `[experts, n, k]`, `x` holding
+    /// `x_rows` rows of `k` and `y` `rows` rows of `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_check(
+        &self,
+        op: &str,
+        w: &QExperts,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        x_len: usize,
+        y_len: usize,
+        x_rows: usize,
+    ) -> DResult<()> {
+        if (w.format, w.e, w.n, w.k) != (Format::Fp8Block, experts, n, k) {
+            return Err(self.fp8_err(format!(
+                "{op}: {:?} weights stored as [{}, {}, {}], called as FP8 block [{experts}, \
+                 {n}, {k}]",
+                w.format, w.e, w.n, w.k
+            )));
+        }
+        if x_len < x_rows * k || y_len < rows * n {
+            return Err(self.fp8_err(format!(
+                "{op}: x of {x_len} and y of {y_len} elements for {x_rows} input and {rows} \
+                 output rows [{n}, {k}]"
+            )));
+        }
+        Ok(())
+    }
+
     /// `grouped_qlinear` / `qlinear` for FP8 block: the activations quantized 1×128 on the
-    /// device, then the FP8-block GEMM (`offsets = None`: one dense weight over all rows):
-    /// the fragment kernels for routed experts with up to [`FRAG_ROWS_PER_EXPERT`] rows per
-    /// expert on average where the device runs them (sm_89+), the tiled kernels otherwise.
-    /// Both follow the same contract arithmetic and bound.
+    /// device, then the FP8-block GEMM (`offsets = None`: one dense weight over all rows) the
+    /// module doc names: the staged kernels where they take the step, else the fragment
+    /// kernels for routed experts with up to [`FRAG_ROWS_PER_EXPERT`] rows per expert on
+    /// average where the device runs them (sm_89+), the tiled kernels otherwise. All follow
+    /// the same contract arithmetic and bound.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fp8_forward(
         &self,
@@ -160,23 +201,32 @@ impl CudaBackend {
         } else {
             "qlinear"
         };
-        if (w.format, w.e, w.n, w.k) != (Format::Fp8Block, experts, n, k) {
-            return Err(self.fp8_err(format!(
-                "{op}: {:?} weights stored as [{}, {}, {}], called as FP8 block [{experts}, \
-                 {n}, {k}]",
-                w.format, w.e, w.n, w.k
-            )));
-        }
+        self.fp8_check(op, w, experts, rows, k, n, x.len(), y.len(), rows)?;
         let ops = self.fp8_ops(op)?;
-        if x.len() < rows * k || y.len() < rows * n {
-            return Err(self.fp8_err(format!(
-                "{op}: x of {} and y of {} elements for {rows} rows [{n}, {k}]",
-                x.len(),
-                y.len()
-            )));
-        }
         if rows == 0 {
             return Ok(());
+        }
+        if let Some(q) = self.fp8_staged(rows, experts, n, k, offsets.is_some()) {
+            // A dense weight is one group of every row.
+            let o = offsets.unwrap_or(&self.whole_rows);
+            let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
+            let s = Grouped {
+                experts,
+                rows,
+                n,
+                k,
+            };
+            return q
+                .grouped_nt_staged_fp8_block(
+                    &xh.as_view(),
+                    &xs.slice(0..rows * k / FP8_BLOCK),
+                    &w.codes.as_view(),
+                    &w.scales.as_view(),
+                    &o.as_view(),
+                    &mut y.as_view_mut(),
+                    s,
+                )
+                .map_err(de);
         }
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)
@@ -199,6 +249,126 @@ impl CudaBackend {
                 .gemm_nt(&xc, &xs, &wc, &ws, off.as_ref(), &mut y.as_view_mut(), s)
                 .map_err(de),
         }
+    }
+
+    /// The low-byte kernels when the staged FP8-block kernels take a step of `rows` rows over
+    /// `experts` weights `[n, k]` (`routed`, or one dense weight): from
+    /// [`STAGED_ROWS_PER_EXPERT`] rows per weight on average — up to [`QFRAG_ROWS_PER_EXPERT`]
+    /// for routed experts, any number for a dense weight (its passes spread over the grid) —
+    /// with `n` and `k` multiples of 128 and the stages within shared memory; `None`
+    /// otherwise (the fragment or tiled kernels). Measured on an H200 (`bench_fp8block
+    /// --staged --busy`, BENCHMARKS.md): 0.60–0.81× the fragment kernels' time and 0.36–0.55×
+    /// the tiled kernels' from 16 to 512 rows per expert.
+    fn fp8_staged(
+        &self,
+        rows: usize,
+        experts: usize,
+        n: usize,
+        k: usize,
+        routed: bool,
+    ) -> Option<&QGemm> {
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        let avg = rows.div_ceil(experts.max(1));
+        let most = if routed {
+            QFRAG_ROWS_PER_EXPERT
+        } else {
+            usize::MAX
+        };
+        let fits = (STAGED_ROWS_PER_EXPERT..=most).contains(&avg)
+            && n.is_multiple_of(FP8_BLOCK)
+            && k.is_multiple_of(FP8_BLOCK)
+            && fp8_staged_smem_bytes(k, frag_rows(s, None)) <= STAGED_SMEM_MAX;
+        fits.then(|| self.qgemm.as_ref().ok()).flatten()
+    }
+
+    /// `x [rows, k]` quantized 1×128 as the staged kernels' operand: binary16 code values and
+    /// f32 `scale_inv [rows, k/128]` (the bytes of [`Scheme::FP8_BLOCK_ACT`]).
+    fn fp8_act_f16(
+        &self,
+        q: &QGemm,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+    ) -> DResult<(CudaSlice<u16>, CudaSlice<f32>)> {
+        let Scheme::Fp8Block(act) = Scheme::FP8_BLOCK_ACT else {
+            return Err(self.fp8_err("FP8_BLOCK_ACT is not an FP8-block scheme".into()));
+        };
+        let pow2 = act.scale_rule == ScaleRule::F32PowerOfTwo;
+        let mut xh = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        let mut xs = self
+            .gpu
+            .empty::<f32>((rows * k / FP8_BLOCK).max(1))
+            .map_err(de)?;
+        q.quant_act_fp8_block(
+            &x.slice(0..rows * k),
+            rows,
+            k,
+            pow2,
+            &mut xh.as_view_mut(),
+            &mut xs.slice_mut(0..rows * k / FP8_BLOCK),
+        )
+        .map_err(de)?;
+        Ok((xh, xs))
+    }
+
+    /// `grouped_qlinear_gathered` for FP8-block experts: on the staged kernels (where they
+    /// take the step) the tokens' rows quantized once and their operands and scale rows
+    /// gathered — each row's blocks are its own, so these are the gathered rows' operands;
+    /// else the f32 rows gathered, then [`CudaBackend::fp8_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fp8_forward_gathered(
+        &self,
+        x: &CudaSlice<f32>,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        w: &QExperts,
+        experts: usize,
+        k: usize,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        let rows = tokens * top_k;
+        let Some(q) = self.fp8_staged(rows, experts, n, k, true) else {
+            let xg = self.gather_token_rows_f32(x, route, tokens, top_k, experts, k)?;
+            return self.fp8_forward(&xg, w, Some(&route.offsets), experts, rows, k, n, y);
+        };
+        self.fp8_check(
+            "grouped_qlinear",
+            w,
+            experts,
+            rows,
+            k,
+            n,
+            x.len(),
+            y.len(),
+            tokens,
+        )?;
+        let (xh, xs) = self.fp8_act_f16(q, x, tokens, k)?;
+        let kb = k / FP8_BLOCK;
+        let xg = self.gather_token_rows_u16(&xh, route, tokens, top_k, experts, k)?;
+        let sg = self.gather_token_rows_f32(&xs, route, tokens, top_k, experts, kb)?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        q.grouped_nt_staged_fp8_block(
+            &xg.as_view(),
+            &sg.slice(0..rows * kb),
+            &w.codes.as_view(),
+            &w.scales.as_view(),
+            &route.offsets.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+        .map_err(de)
     }
 
     /// `qlinear_shared` for dense FP8-block weights: `x` quantized 1×128 once, then each
@@ -230,6 +400,32 @@ impl CudaBackend {
             }
         }
         if rows == 0 {
+            return Ok(());
+        }
+        let staged = outs
+            .iter()
+            .map(|(_, n, _)| self.fp8_staged(rows, 1, *n, k, false))
+            .collect::<Option<Vec<_>>>();
+        if let Some(q) = staged.and_then(|v| v.first().copied()) {
+            let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
+            for (w, n, y) in outs.iter_mut() {
+                let s = Grouped {
+                    experts: 1,
+                    rows,
+                    n: *n,
+                    k,
+                };
+                q.grouped_nt_staged_fp8_block(
+                    &xh.as_view(),
+                    &xs.slice(0..rows * k / FP8_BLOCK),
+                    &w.codes.as_view(),
+                    &w.scales.as_view(),
+                    &self.whole_rows.as_view(),
+                    &mut y.as_view_mut(),
+                    s,
+                )
+                .map_err(de)?;
+            }
             return Ok(());
         }
         let qx = ops
