@@ -2,51 +2,44 @@
 // Every per-element operation is the reference's, in the same order; only the row sums (sum of
 // squares, the backward's dot) and the dw sum over rows are summed in a different fixed order.
 
-// One block per row r < rows (blockDim.x a multiple of 32). x, y: [rows, d]; w: [d]; rstd: [rows].
-// rstd[r] = 1 / sqrt(sum_j x[r,j]^2 / d + eps); y[r,j] = (x[r,j] * rstd[r]) * w[j].
+// One block per row r < rows (blockDim.x a multiple of 32). x: [rows, d]; w: [d]; rstd: [rows].
+// rstd[r] = 1 / sqrt(sum_j x[r,j]^2 / d + eps); v[r,j] = (x[r,j] * rstd[r]) * w[j], written as
+// f32 to y (F32) and as bf16(v) bit patterns (round to nearest even) to yb (B16).
+template <bool F32, bool B16>
+__device__ __forceinline__ void rmsnorm_fwd_rows(const float* __restrict__ x, const float* __restrict__ w,
+                                                 float* __restrict__ y, u16* __restrict__ yb,
+                                                 float* __restrict__ rstd, u32 d, float eps) {
+    __shared__ float scratch[32];
+    const u64 r = blockIdx.x;
+    const float* xr = x + r * d;
+    const float rs = rms_row_rstd(xr, d, eps, scratch);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
+        if (F32) y[r * d + j] = v;
+        if (B16) yb[r * d + j] = f32_to_bf16(v);
+    }
+}
+
+// y = the f32 rows.
 extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float* __restrict__ w,
                                        float* __restrict__ y, float* __restrict__ rstd, u32 d,
                                        float eps) {
-    __shared__ float scratch[32];
-    const u64 r = blockIdx.x;
-    const float* xr = x + r * d;
-    const float rs = rms_row_rstd(xr, d, eps, scratch);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    float* yr = y + r * d;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) yr[j] = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
+    rmsnorm_fwd_rows<true, false>(x, w, y, nullptr, rstd, d, eps);
 }
 
-// As rmsnorm_fwd, writing bf16(y) bit patterns (round to nearest even): rmsnorm_fwd followed by
-// to_bf16 in one pass, bitwise.
+// y = their bf16 bit patterns: rmsnorm_fwd followed by to_bf16 in one pass, bitwise.
 extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const float* __restrict__ w,
                                             u16* __restrict__ y, float* __restrict__ rstd, u32 d,
                                             float eps) {
-    __shared__ float scratch[32];
-    const u64 r = blockIdx.x;
-    const float* xr = x + r * d;
-    const float rs = rms_row_rstd(xr, d, eps, scratch);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    u16* yr = y + r * d;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x)
-        yr[j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), w[j]));
+    rmsnorm_fwd_rows<false, true>(x, w, nullptr, y, rstd, d, eps);
 }
 
-// rmsnorm_fwd and rmsnorm_fwd_bf16 in one pass: y (f32) and yb = bf16(y), bitwise.
+// Both in one pass: y (f32) and yb = bf16(y), bitwise.
 extern "C" __global__ void rmsnorm_fwd_both(const float* __restrict__ x, const float* __restrict__ w,
                                             float* __restrict__ y, u16* __restrict__ yb,
                                             float* __restrict__ rstd, u32 d, float eps) {
-    __shared__ float scratch[32];
-    const u64 r = blockIdx.x;
-    const float* xr = x + r * d;
-    const float rs = rms_row_rstd(xr, d, eps, scratch);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    float* yr = y + r * d;
-    u16* ybr = yb + r * d;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
-        yr[j] = v;
-        ybr[j] = f32_to_bf16(v);
-    }
+    rmsnorm_fwd_rows<true, true>(x, w, y, yb, rstd, d, eps);
 }
 
 // dx of the backward, one block per row r < rows:
