@@ -59,14 +59,16 @@ const F8_THREADS: u32 = 128;
 /// Most CTAs along the row passes of one expert (grid z).
 const MAX_PASS_CTAS: usize = 64;
 
-/// Average rows per expert up to which the grouped forward of the engine backend runs the
-/// fragment kernels ([`Fp8Block::gemm_nt_frag`]); above it the tiled kernels
-/// ([`Fp8Block::gemm_nt`]), whose decoded 64 × 128 weight tiles serve 64 rows per pass. Their
-/// largest pass (32 rows, [`FragRows::R32`]) reads an expert's codes once per 32 rows, so at
-/// 64 rows per expert each used expert's codes are read twice (the second time mostly from
-/// L2). Measured on an H200 (`bench_fp8block`, BENCHMARKS.md): at 64 rows per expert the
-/// fragment kernels (binary16, one warp per block) took 297 / 163 µs for the benchmark model's
-/// gate_up / down against 463 / 228 µs for the tiled ones; past 64 not measured.
+/// Where the staged kernels of [`crate::ops::qgemm`] do not take a routed step (fewer than 9
+/// or more than 512 rows per expert on average: `backend/fp8.rs`), the engine backend's
+/// grouped forward runs the fragment kernels ([`Fp8Block::gemm_nt_frag`]) up to this many rows
+/// per expert and the tiled kernels ([`Fp8Block::gemm_nt`]) above, whose decoded 64 × 128
+/// weight tiles serve 64 rows per pass. The fragment kernels' largest pass (32 rows,
+/// [`FragRows::R32`]) reads an expert's codes once per 32 rows, so at 64 rows per expert each
+/// used expert's codes are read twice (the second time mostly from L2). Measured on an H200
+/// (`bench_fp8block`, BENCHMARKS.md): at 64 rows per expert the fragment kernels (binary16,
+/// one warp per block) took 297 / 163 µs for the benchmark model's gate_up / down against 463
+/// / 228 µs for the tiled ones; past 64 not measured.
 pub const FRAG_ROWS_PER_EXPERT: usize = 64;
 
 /// The passes the fragment kernels have (8, 16 and 32 rows; no 64-row kernel).
