@@ -216,17 +216,7 @@ impl CudaBackend {
                 n,
                 k,
             };
-            return q
-                .grouped_nt_staged_fp8_block(
-                    &xh.as_view(),
-                    &xs.slice(0..rows * k / FP8_BLOCK),
-                    &w.codes.as_view(),
-                    &w.scales.as_view(),
-                    &o.as_view(),
-                    &mut y.as_view_mut(),
-                    s,
-                )
-                .map_err(de);
+            return self.fp8_staged_gemm(q, &xh, &xs, w, o, y, s);
         }
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)
@@ -316,6 +306,32 @@ impl CudaBackend {
         Ok((xh, xs))
     }
 
+    /// `y = x · Wᵀ` of the stored FP8-block weights `w` (`experts` of them, rows grouped by
+    /// `offsets`) on the staged kernels, from `x`'s operand `xh` and scale rows `xs` as
+    /// [`CudaBackend::fp8_act_f16`] writes them.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_staged_gemm(
+        &self,
+        q: &QGemm,
+        xh: &CudaSlice<u16>,
+        xs: &CudaSlice<f32>,
+        w: &QExperts,
+        offsets: &CudaSlice<u32>,
+        y: &mut CudaSlice<f32>,
+        s: Grouped,
+    ) -> DResult<()> {
+        q.grouped_nt_staged_fp8_block(
+            &xh.as_view(),
+            &xs.slice(0..s.rows * s.k / FP8_BLOCK),
+            &w.codes.as_view(),
+            &w.scales.as_view(),
+            &offsets.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+        .map_err(de)
+    }
+
     /// `grouped_qlinear_gathered` for FP8-block experts: on the staged kernels (where they
     /// take the step) the tokens' rows quantized once and their operands and scale rows
     /// gathered — each row's blocks are its own, so these are the gathered rows' operands;
@@ -359,16 +375,7 @@ impl CudaBackend {
             n,
             k,
         };
-        q.grouped_nt_staged_fp8_block(
-            &xg.as_view(),
-            &sg.slice(0..rows * kb),
-            &w.codes.as_view(),
-            &w.scales.as_view(),
-            &route.offsets.as_view(),
-            &mut y.as_view_mut(),
-            s,
-        )
-        .map_err(de)
+        self.fp8_staged_gemm(q, &xg, &sg, w, &route.offsets, y, s)
     }
 
     /// `qlinear_shared` for dense FP8-block weights: `x` quantized 1×128 once, then each
@@ -383,21 +390,7 @@ impl CudaBackend {
     ) -> DResult<()> {
         let ops = self.fp8_ops("qlinear")?;
         for (w, n, y) in outs.iter() {
-            if (w.format, w.e, w.n, w.k) != (Format::Fp8Block, 1, *n, k)
-                || x.len() < rows * k
-                || y.len() < rows * n
-            {
-                return Err(self.fp8_err(format!(
-                    "qlinear: {:?} weight [{}, {}, {}] with x of {} and y of {} elements, \
-                     called as FP8 block [{n}, {k}] over {rows} rows",
-                    w.format,
-                    w.e,
-                    w.n,
-                    w.k,
-                    x.len(),
-                    y.len()
-                )));
-            }
+            self.fp8_check("qlinear", w, 1, rows, k, *n, x.len(), y.len(), rows)?;
         }
         if rows == 0 {
             return Ok(());
@@ -415,16 +408,7 @@ impl CudaBackend {
                     n: *n,
                     k,
                 };
-                q.grouped_nt_staged_fp8_block(
-                    &xh.as_view(),
-                    &xs.slice(0..rows * k / FP8_BLOCK),
-                    &w.codes.as_view(),
-                    &w.scales.as_view(),
-                    &self.whole_rows.as_view(),
-                    &mut y.as_view_mut(),
-                    s,
-                )
-                .map_err(de)?;
+                self.fp8_staged_gemm(q, &xh, &xs, w, &self.whole_rows, y, s)?;
             }
             return Ok(());
         }
