@@ -1007,7 +1007,7 @@ struct QsBlock {
 
 // One pass of TGP token groups from row rb (TGP ≤ the kernel's TG; the stages are laid out
 // for TG, i.e. c.xrows rows).
-template <class F, int TGP>
+template <class F, int TGP, int ST = QS_STAGES>
 __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16 of
     // the step; zeros past the row) and the block's share of the activation chunks of the
@@ -1046,13 +1046,13 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
         }
     }
 #pragma unroll
-    for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
+    for (u32 st = 0; st < ST - 1; ++st) issue(st, st);
     for (u32 kt = 0; kt < c.steps; ++kt) {
-        qs_wait<QS_STAGES - 2>();  // this thread's copies of step kt (and the scales) landed
+        qs_wait<ST - 2>();  // this thread's copies of step kt (and the scales) landed
         __syncthreads();           // everyone's; and step kt − 1's slot is free again
-        issue(kt + QS_STAGES - 1, (kt + QS_STAGES - 1) % QS_STAGES);
+        issue(kt + ST - 1, (kt + ST - 1) % ST);
         if (!c.active) continue;
-        const u32 slot = kt % QS_STAGES;
+        const u32 slot = kt % ST;
         uint4 wq[4];
         u32 sp[4];
 #pragma unroll
@@ -1117,11 +1117,11 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
             }
 }
 
-template <class F, int TG>
+template <class F, int TG, int ST = QS_STAGES>
 __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                   const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                   const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                  float* __restrict__ y, u32 R, u32 N, u32 K) {
+                                                  float* __restrict__ y, u32 R, u32 N, u32 K, u32 bx) {
     extern __shared__ __align__(16) u8 qs_mem[];
     const u32 e = blockIdx.y;
     u32 lo, hi;
@@ -1143,7 +1143,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     c.warp = c.tid >> 5;
     c.g = lane >> 2;
     c.t = lane & 3;
-    const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);          // the block's first column
+    const u32 nb = bx * (QF_COLS * QS_WARPS);                  // the block's first column
     const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
     c.n0 = nb + QF_COLS * c.warp;
     c.active = c.n0 < N;  // a warp past N only helps with the copies and barriers
@@ -1160,8 +1160,8 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     u8* s_scale = qs_mem;
     u8* s_w = s_scale + (F::BLOCKED ? (4 * c.kbs + 15) / 16 * 16 : (u64)QF_COLS * QS_WARPS * c.sk);
     c.s_scale = s_scale;
-    c.s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
-    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)QS_STAGES * XROWS * c.xld);
+    c.s_x = reinterpret_cast<u16*>(s_w + ST * QS_WARPS * 2048);
+    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)ST * XROWS * c.xld);
     if (F::BLOCKED) {
         // The block's 128 columns are one 128-row scale tile of expert e ([E, N/128, kbs]
         // floats): its kbs scale_inv values, copied once.
@@ -1175,31 +1175,31 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb;
-    c.my_w = s_w + (u64)c.warp * QS_STAGES * 2048;
+    c.my_w = s_w + (u64)c.warp * ST * 2048;
     c.wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
         // A pass whose rows fill at most half of it runs half the token groups (the mma steps
         // of the empty half would multiply zeros into sums nobody stores): the same fragments,
         // in the same order, for every row it holds. Uniform over the block.
         if (TG > 1 && hi - rb <= 4 * TG) {
-            qs_pass<F, (TG > 1 ? TG / 2 : 1)>(c, rb);
+            qs_pass<F, (TG > 1 ? TG / 2 : 1), ST>(c, rb);
         } else {
-            qs_pass<F, TG>(c, rb);
+            qs_pass<F, TG, ST>(c, rb);
         }
     }
 }
 
 #define QS_ENTRY_MXFP8(name, TG)                                                                               \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);               \
+        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);    \
     }
 #define QS_ENTRY_NVFP4(name, TG)                                                                               \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_NVFP4_ARGS) {                       \
-        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                 \
+        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);      \
     }
 #define QS_ENTRY_BF16(name, TG)                                                                                \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                \
+        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);     \
     }
 // FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
 // scale_inv [R, K/128], codes the E4M3 weights [E, N, K], ws their scale_inv [E, N/128, K/128];
@@ -1209,7 +1209,42 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
         name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ codes,             \
              const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,     \
              u32 N, u32 K) {                                                                                   \
-        qgemm_fragsm_body<QfFp8b, TG>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, K); \
+        qgemm_fragsm_body<QfFp8b, TG>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, K, \
+                                       blockIdx.x);                                                           \
+    }
+// FP8 block, up to three dense weights on one input in one launch (q, k and v): block column
+// bx of the grid runs weight i's column block bx − (the column blocks of weights < i) with
+// weight i's codes, scales, output and N (a weight with N = 0 has no blocks); one group of
+// rows (`off` = {0, ≥ R}), E = 1. Each weight's blocks are those of QS_ENTRY_FP8B on it alone,
+// so the outputs are the single launches' bits.
+#define QS_ENTRY_FP8B3(name, TG, ST)                                                                           \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
+        name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ c0,                \
+             const float* __restrict__ s0, float* __restrict__ y0, u32 N0, const u8* __restrict__ c1,           \
+             const float* __restrict__ s1, float* __restrict__ y1, u32 N1, const u8* __restrict__ c2,           \
+             const float* __restrict__ s2, float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R,  \
+             u32 K) {                                                                                          \
+        const u32 b0 = N0 / 128, b1 = N1 / 128;                                                                \
+        u32 bx = blockIdx.x;                                                                                   \
+        const u8* codes = c0;                                                                                  \
+        const float* ws = s0;                                                                                  \
+        float* y = y0;                                                                                         \
+        u32 N = N0;                                                                                            \
+        if (bx >= b0 + b1) {                                                                                   \
+            bx -= b0 + b1;                                                                                     \
+            codes = c2;                                                                                        \
+            ws = s2;                                                                                           \
+            y = y2;                                                                                            \
+            N = N2;                                                                                            \
+        } else if (bx >= b0) {                                                                                 \
+            bx -= b0;                                                                                          \
+            codes = c1;                                                                                        \
+            ws = s1;                                                                                           \
+            y = y1;                                                                                            \
+            N = N1;                                                                                            \
+        }                                                                                                      \
+        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
+                                          K, bx);                                                              \
     }
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)
@@ -1227,3 +1262,17 @@ QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1)
 QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2)
 QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4)
 QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8)
+// Suffix _sN: N stages (N − 1 super-steps in flight per block), for dense launches whose few
+// blocks are bound by one block's latency.
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t1, 1, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t2, 2, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t4, 4, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t8, 8, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t1, 1, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t2, 2, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t4, 4, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t8, 8, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t1, 1, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t2, 2, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t4, 4, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t8, 8, 6)

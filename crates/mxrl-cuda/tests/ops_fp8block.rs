@@ -16,7 +16,8 @@
 //!   for every split and rows per pass and from run to run; the staged kernels
 //!   (`QGemm::grouped_nt_staged_fp8_block_with`, every rows per pass) the bits of the `F16`
 //!   fragment kernels, and their activation quantizer (`QGemm::quant_act_fp8_block`) the
-//!   reference's codes as binary16 values and its scales;
+//!   reference's codes as binary16 values and its scales; up to three dense weights in one
+//!   launch (`QGemm::dense_nt_staged_fp8_block_multi`) the bits of their own launches;
 //! - (with `cuda`) the engine backend's FP8-block linears (`CudaBackend::quantize_weights`,
 //!   `upload_experts`, `stored_weights`, `checksum_qweights`, `grouped_qlinear`, `qlinear`)
 //!   against `CpuBackend`: stored bytes and checksums equal; `y` within the derived bound
@@ -470,7 +471,7 @@ mod gemm_kernels {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma};
     use mxrl_cuda::ops::gemm::Grouped;
-    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm};
+    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm, FP8_DENSE_STAGES};
     use mxrl_formats::{
         e4m3_decode, Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme,
     };
@@ -1027,6 +1028,114 @@ mod gemm_kernels {
                     bits(f32_scales(&want)),
                     "{fam} {scheme}: scale_inv"
                 );
+            }
+        }
+    }
+
+    /// Up to three dense weights in one launch (`QGemm::dense_nt_staged_fp8_block_multi`, the
+    /// layer's q, k and v): each output has the bits of the weight's own one-expert staged
+    /// launch over every row (offsets `[0, u32::MAX]`, clamped to the rows), which are within
+    /// the bound of the CPU reference, for every stage count; 5, 37 and 300 rows (one pass and several, spread over
+    /// blocks), one to three weights of 256, 128 and 384 columns.
+    #[test]
+    fn fp8_block_staged_dense_weights_in_one_launch() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _f) = ops();
+        let q = QGemm::new(&g).expect("low-byte kernels");
+        let k = 384usize;
+        let ns = [256usize, 128, 384];
+        let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
+        let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
+        for (i, &rows) in [5usize, 37, 300].iter().enumerate() {
+            let seed = 9500 + i as u64;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let weights: Vec<QuantizedTensor> =
+                ns.iter().map(|&n| random_weight(n, k, &mut rng)).collect();
+            let x = test_values(rows * k, seed + 1, 2.0);
+            let qx = mxrl_formats::quantize(&x, &[rows, k], Scheme::FP8_BLOCK_ACT, Padding::Reject)
+                .expect("activation quantize");
+            let xh = g.upload(&f16_operand(&qx.data)).expect("upload");
+            let xs = g.upload(f32_scales(&qx)).expect("upload");
+            let codes: Vec<CudaSlice<u8>> = weights
+                .iter()
+                .map(|w| g.upload(&w.data).expect("upload"))
+                .collect();
+            let scales: Vec<CudaSlice<u8>> = weights
+                .iter()
+                .map(|w| g.upload(&le_bytes(f32_scales(w))).expect("upload"))
+                .collect();
+            let sentinel = |n: usize| {
+                g.upload(&vec![f32::from_bits(SENTINEL); rows * n])
+                    .expect("upload")
+            };
+            // Each weight alone, checked against the CPU.
+            let mut singles = Vec::new();
+            for (j, w) in weights.iter().enumerate() {
+                let n = ns[j];
+                let mut y = sentinel(n);
+                q.grouped_nt_staged_fp8_block(
+                    &xh.as_view(),
+                    &xs.as_view(),
+                    &codes[j].as_view(),
+                    &scales[j].as_view(),
+                    &whole.as_view(),
+                    &mut y.as_view_mut(),
+                    Grouped {
+                        experts: 1,
+                        rows,
+                        n,
+                        k,
+                    },
+                )
+                .expect("staged FP8 block, one weight");
+                let y = g.download(&y).expect("download");
+                let pw = PreparedWeight::from_quantized("w", w.clone(), spec, 0, None).unwrap();
+                let want = pw.forward_inference(&x, rows).unwrap();
+                check(
+                    &format!("dense weight {j} [{n}, {k}] over {rows} rows"),
+                    &y,
+                    &want,
+                    &bounds(&x, rows, w),
+                    seed,
+                );
+                singles.push(y);
+            }
+            for (count, stages) in (1..=3).flat_map(|c| FP8_DENSE_STAGES.map(|st| (c, st))) {
+                let mut ys: Vec<CudaSlice<f32>> =
+                    ns[..count].iter().map(|&n| sentinel(n)).collect();
+                let mut outs: Vec<_> = ys
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, y)| {
+                        (
+                            codes[j].as_view(),
+                            scales[j].as_view(),
+                            y.as_view_mut(),
+                            ns[j],
+                        )
+                    })
+                    .collect();
+                q.dense_nt_staged_fp8_block_multi_with(
+                    stages,
+                    &xh.as_view(),
+                    &xs.as_view(),
+                    &whole.as_view(),
+                    &mut outs,
+                    rows,
+                    k,
+                )
+                .expect("staged FP8 block, weights in one launch");
+                drop(outs);
+                for (j, y) in ys.iter().enumerate() {
+                    let y = g.download(y).expect("download");
+                    assert!(
+                        y.iter()
+                            .zip(&singles[j])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{count} weights in one launch ({stages} stages), weight {j} over {rows} \
+                         rows: bits differ from its own launch (seed {seed})"
+                    );
+                }
             }
         }
     }

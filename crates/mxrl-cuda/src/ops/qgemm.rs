@@ -193,6 +193,8 @@ pub struct QGemm {
     staged_bf16: [CudaFunction; 4],
     act_fp8b: CudaFunction,
     staged_fp8b: [CudaFunction; 4],
+    /// [stage count of FP8_DENSE_STAGES][rows per pass].
+    staged_fp8b3: [[CudaFunction; 4]; 3],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -281,17 +283,36 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
 }
 
 /// Dynamic shared memory of a staged FP8-block block ([`QGemm::grouped_nt_staged_fp8_block`])
-/// at `k` elements per row and `rows` activation rows per pass: its 128-row weight scale tile
-/// row (`k / 128` floats, rounded up to 16 bytes), the stages of each warp's 32 × 64 code
-/// bytes, the stages of the pass's binary16 activation rows (64 elements per super-step + 8)
-/// and the pass's activation scales (`rows · k / 128` floats).
-pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows) -> usize {
+/// at `k` elements per row, `rows` activation rows per pass and `stages` stages: its 128-row
+/// weight scale tile row (`k / 128` floats, rounded up to 16 bytes), the stages of each warp's
+/// 32 × 64 code bytes, the stages of the pass's binary16 activation rows (64 elements per
+/// super-step + 8) and the pass's activation scales (`rows · k / 128` floats).
+pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows, stages: usize) -> usize {
     let kbs = k / 128;
     (4 * kbs).div_ceil(16) * 16
-        + STAGED_STAGES * STAGED_WARPS * 32 * 64
-        + STAGED_STAGES * rows.rows() * (64 + 8) * 2
+        + stages * STAGED_WARPS * 32 * 64
+        + stages * rows.rows() * (64 + 8) * 2
         + rows.rows() * kbs * 4
 }
+
+/// The stage counts of the dense FP8-block kernels
+/// ([`QGemm::dense_nt_staged_fp8_block_multi_with`]).
+pub const FP8_DENSE_STAGES: [usize; 3] = [3, 4, 6];
+
+/// The stages [`QGemm::dense_nt_staged_fp8_block_multi`] takes: six. A dense launch has few
+/// blocks (q, k and v of a decode step: 40 column blocks × 8 row blocks), each bound by its
+/// own latency, and its 64-row kernel's registers (216) already hold an SM to two blocks, which
+/// six stages' shared memory (≈ 107 KB at k = 2048) still allows.
+pub const FP8_DENSE_STAGES_PICK: usize = 6;
+
+/// One dense weight of [`QGemm::dense_nt_staged_fp8_block_multi`]: E4M3 codes `[n, k]`, the
+/// f32 `scale_inv [n/128, k/128]` as bytes, the output `y [rows, n]` and `n`.
+pub type Fp8DenseOut<'a, 'b> = (
+    CudaView<'a, u8>,
+    CudaView<'a, u8>,
+    CudaViewMut<'b, f32>,
+    usize,
+);
 
 /// The launchers' layout for a step: [`FragLayout::Staged`] from [`STAGED_ROWS_PER_EXPERT`]
 /// rows per expert on average, where its shared memory fits; else [`FragLayout::Split`] of
@@ -514,6 +535,12 @@ impl QGemm {
         let staged_bf16 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("fp8b");
         let staged_fp8b = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b3_s3");
+        let s3 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b3_s4");
+        let s4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b3_s6");
+        let staged_fp8b3 = [s3, s4, [a?, b?, c?, d?]];
         Ok(QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
@@ -541,6 +568,7 @@ impl QGemm {
             staged_bf16,
             act_fp8b: f("quant_act_fp8_block_f16")?,
             staged_fp8b,
+            staged_fp8b3,
         })
     }
 
@@ -1406,49 +1434,22 @@ impl QGemm {
     ) -> Result<(), DeviceError> {
         let op = "grouped_nt_staged_fp8_block";
         let g = &self.gpu;
-        if !s.n.is_multiple_of(128) || !s.k.is_multiple_of(128) {
-            return Err(g.err(format!(
-                "{op}: n = {} and k = {} must be multiples of 128 (FP8-block tiles)",
-                s.n, s.k
-            )));
-        }
-        self.check_dims(op, s)?;
-        self.check_rows_io(op, s, x, offsets, y)?;
-        let kb = s.k / 128;
-        let en = mul(g, op, s.experts, s.n)?;
-        check_len(g, &format!("{op} x scales"), x_scales.len(), s.rows * kb)?;
-        check_len(g, &format!("{op} codes"), codes.len(), mul(g, op, en, s.k)?)?;
-        check_len(
-            g,
-            &format!("{op} w scales"),
-            w_scales.len(),
-            4 * (en / 128) * kb,
+        let smem = self.check_staged_fp8(
+            op,
+            rows,
+            STAGED_STAGES,
+            x,
+            x_scales,
+            codes,
+            w_scales,
+            offsets,
+            y,
+            s,
         )?;
-        let smem = fp8_staged_smem_bytes(s.k, rows);
-        if smem > STAGED_SMEM_MAX {
-            return Err(g.err(format!(
-                "{op}: the staged layout needs {smem} B of shared memory at k = {} (at most \
-                 {STAGED_SMEM_MAX})",
-                s.k
-            )));
-        }
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
         let stream = g.stream();
-        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
-        check_align(
-            g,
-            &format!("{op} x scales"),
-            x_scales.device_ptr(stream).0,
-            4,
-        )?;
-        check_align(
-            g,
-            &format!("{op} w scales"),
-            w_scales.device_ptr(stream).0,
-            4,
-        )?;
         let cfg = LaunchConfig {
             grid_dim: (
                 grid_x(g, op, s.n / 128)?,
@@ -1479,6 +1480,187 @@ impl QGemm {
         // loops (bounds from offsets, blockIdx.z and K), so every barrier is reached by all.
         // Argument types match (const u16*, const float*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// The staged FP8-block kernels' checks (see [`QGemm::grouped_nt_staged_fp8_block`]);
+    /// returns the dynamic shared memory of a block.
+    #[allow(clippy::too_many_arguments)]
+    fn check_staged_fp8(
+        &self,
+        op: &str,
+        rows: FragRows,
+        stages: usize,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<usize, DeviceError> {
+        let g = &self.gpu;
+        if !s.n.is_multiple_of(128) || !s.k.is_multiple_of(128) {
+            return Err(g.err(format!(
+                "{op}: n = {} and k = {} must be multiples of 128 (FP8-block tiles)",
+                s.n, s.k
+            )));
+        }
+        self.check_dims(op, s)?;
+        self.check_rows_io(op, s, x, offsets, y)?;
+        let kb = s.k / 128;
+        let en = mul(g, op, s.experts, s.n)?;
+        check_len(g, &format!("{op} x scales"), x_scales.len(), s.rows * kb)?;
+        check_len(g, &format!("{op} codes"), codes.len(), mul(g, op, en, s.k)?)?;
+        check_len(
+            g,
+            &format!("{op} w scales"),
+            w_scales.len(),
+            4 * (en / 128) * kb,
+        )?;
+        let smem = fp8_staged_smem_bytes(s.k, rows, stages);
+        if smem > STAGED_SMEM_MAX {
+            return Err(g.err(format!(
+                "{op}: the staged layout needs {smem} B of shared memory at k = {} (at most \
+                 {STAGED_SMEM_MAX})",
+                s.k
+            )));
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
+        check_align(
+            g,
+            &format!("{op} x scales"),
+            x_scales.device_ptr(stream).0,
+            4,
+        )?;
+        check_align(
+            g,
+            &format!("{op} w scales"),
+            w_scales.device_ptr(stream).0,
+            4,
+        )?;
+        Ok(smem)
+    }
+
+    /// Up to three dense FP8-block weights on one input in one launch (q, k and v of a layer):
+    /// for each `(codes [n, k], w_scales, y [rows, n], n)` of `outs`, `y = x · Wᵀ` exactly as
+    /// [`QGemm::grouped_nt_staged_fp8_block`] with one expert over every row (`whole_rows`:
+    /// offsets `[0, ≥ rows]`) — the same blocks, so the same bits — with the weights' column
+    /// blocks side by side in one grid, so a small weight (k and v: 4 blocks of 128 columns)
+    /// runs beside the others instead of after them.
+    ///
+    /// # Errors
+    /// No output or more than three; as [`QGemm::grouped_nt_staged_fp8_block`] per weight.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn dense_nt_staged_fp8_block_multi(
+        &self,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [Fp8DenseOut<'_, '_>],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.dense_nt_staged_fp8_block_multi_with(
+            FP8_DENSE_STAGES_PICK,
+            x,
+            x_scales,
+            whole_rows,
+            outs,
+            rows,
+            k,
+        )
+    }
+
+    /// [`QGemm::dense_nt_staged_fp8_block_multi`] with `stages` shared-memory stages (one of
+    /// [`FP8_DENSE_STAGES`]; the same bits for every count).
+    ///
+    /// # Errors
+    /// As [`QGemm::dense_nt_staged_fp8_block_multi`]; a stage count not compiled.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_nt_staged_fp8_block_multi_with(
+        &self,
+        stages: usize,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [Fp8DenseOut<'_, '_>],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let Some(si) = FP8_DENSE_STAGES.iter().position(|&st| st == stages) else {
+            return Err(g.err(format!(
+                "dense_nt_staged_fp8_block_multi: {stages} stages (compiled: \
+                 {FP8_DENSE_STAGES:?})"
+            )));
+        };
+        let op = "dense_nt_staged_fp8_block_multi";
+        if outs.is_empty() || outs.len() > 3 {
+            return Err(g.err(format!("{op}: {} weights (one to three)", outs.len())));
+        }
+        let shape = |n: usize| Grouped {
+            experts: 1,
+            rows,
+            n,
+            k,
+        };
+        let fr = frag_rows(shape(128), None);
+        let mut smem = 0;
+        for (codes, w_scales, y, n) in outs.iter_mut() {
+            smem = self.check_staged_fp8(
+                op,
+                fr,
+                stages,
+                x,
+                x_scales,
+                codes,
+                w_scales,
+                whole_rows,
+                y,
+                shape(*n),
+            )?;
+        }
+        let blocks: usize = outs.iter().map(|o| o.3 / 128).sum();
+        if rows == 0 || blocks == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x(g, op, blocks)?,
+                1,
+                frag_row_blocks(shape(128), fr) as u32,
+            ),
+            block_dim: (32 * STAGED_WARPS as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (r, k32) = (rows as u32, k as u32);
+        let null = 0u64;
+        let zero = 0u32;
+        let mut b = g
+            .stream()
+            .launch_builder(&self.staged_fp8b3[si][fr.index()]);
+        b.arg(x).arg(x_scales);
+        let ns: Vec<u32> = outs.iter().map(|o| o.3 as u32).collect();
+        let missing = 3 - outs.len();
+        for (i, (codes, w_scales, y, _)) in outs.iter_mut().enumerate() {
+            b.arg(&*codes).arg(&*w_scales).arg(y).arg(&ns[i]);
+        }
+        for _ in 0..missing {
+            // A missing weight: N = 0, no blocks, its pointers never read.
+            b.arg(&null).arg(&null).arg(&null).arg(&zero);
+        }
+        b.arg(whole_rows).arg(&r).arg(&k32);
+        // SAFETY: each weight was checked as a one-expert grouped_nt_staged_fp8_block call
+        // (codes n·k, scales 4·(n/128)·(k/128) bytes, y rows·n, x rows·k and x_scales
+        // rows·k/128 elements, whole_rows 2, n and k multiples of 128, alignment); block column
+        // bx runs weight i's column block bx − Σ_{j<i} n_j/128 < n_i/128 with that weight's
+        // pointers and N (grid x = Σ n_i/128), so it touches exactly what that single call's
+        // block would; missing weights have N = 0 and no blocks. Shared memory as checked (≤
+        // STAGED_SMEM_MAX, allowed at load). Argument types match (const u16*, const float*,
+        // then three × (const u8*, const float*, float*, u32), const u32*, u32, u32).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
