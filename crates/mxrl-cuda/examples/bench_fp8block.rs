@@ -44,7 +44,7 @@ mod bench {
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
     use mxrl_cuda::ops::qgemm::{
-        frag_rows, FragRows, QGemm, FP8_DENSE_STAGES, FP8_DENSE_STAGES_PICK,
+        frag_rows, FragRows, QGemm, FP8_DENSE_STAGES_PICK, FP8_ROUTED_STAGES_PICK, FP8_STAGES,
     };
 
     const BATCHES: [usize; 4] = [1, 32, 128, 512];
@@ -141,7 +141,7 @@ mod bench {
             .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
             .expect("alloc");
         println!(
-            "\n| step | R16 staged µs | R32 staged | R64 staged | fragments (F16, pick) | tiled | act u8 | act f16 | staged+act ÷ fragments+act | ÷ tiled+act |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "\n| step | R16 staged µs | R32 staged | R64 staged | R64, 4 stages | R64, 6 stages | fragments (F16, pick) | tiled | act u8 | act f16 | staged+act ÷ fragments+act | ÷ tiled+act |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for (pi, &(name, n, k)) in PROJS.iter().enumerate() {
             let w = weights(g, n, k, 10 * pi as u64 + 1);
@@ -180,10 +180,17 @@ mod bench {
                 let pick = frag_rows(s, None);
                 let mut cells = Vec::new();
                 let mut pick_us = f64::NAN;
-                for rows in [FragRows::R16, FragRows::R32, FragRows::R64] {
+                for (rows, stages) in [
+                    (FragRows::R16, 3),
+                    (FragRows::R32, 3),
+                    (FragRows::R64, 3),
+                    (FragRows::R64, 4),
+                    (FragRows::R64, 6),
+                ] {
                     let us = median_us(g, flush, reps, || {
                         q.grouped_nt_staged_fp8_block_with(
                             rows,
+                            stages,
                             &xh.slice(0..r * k),
                             &xhs.slice(0..r * k / 128),
                             &wc,
@@ -194,10 +201,11 @@ mod bench {
                         )
                         .expect("staged FP8 block");
                     });
-                    if rows == pick {
+                    let picked = rows == pick && stages == FP8_ROUTED_STAGES_PICK;
+                    if picked {
                         pick_us = us;
                     }
-                    cells.push(format!("{us:.1}{}", if rows == pick { "*" } else { "" }));
+                    cells.push(format!("{us:.1}{}", if picked { "*" } else { "" }));
                 }
                 let frag = median_us(g, flush, reps, || {
                     f8.gemm_nt_frag(&xc, &xs, &wc, &wsc, &off.as_view(), &mut y.as_view_mut(), s)
@@ -228,8 +236,8 @@ mod bench {
         // per weight (three stages) and in one launch for every stage count.
         println!(
             "\n| rows | weights | tiled µs | staged, one launch per weight | one launch, {} stages |\n|---|---|---:|---:|{}",
-            FP8_DENSE_STAGES.map(|s| s.to_string()).join(" / "),
-            "---:|".repeat(FP8_DENSE_STAGES.len())
+            FP8_STAGES.map(|s| s.to_string()).join(" / "),
+            "---:|".repeat(FP8_STAGES.len())
         );
         let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
         for (label, k, ns) in [
@@ -292,7 +300,7 @@ mod bench {
                     }
                 });
                 let mut cells = Vec::new();
-                for st in FP8_DENSE_STAGES {
+                for st in FP8_STAGES {
                     let us = median_us(g, flush, reps, || {
                         let mut outs: Vec<_> = ws
                             .iter()

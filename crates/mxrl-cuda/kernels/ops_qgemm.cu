@@ -1204,13 +1204,14 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 // FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
 // scale_inv [R, K/128], codes the E4M3 weights [E, N, K], ws their scale_inv [E, N/128, K/128];
 // N a multiple of 128 (each block's columns one scale tile), K of 128.
-#define QS_ENTRY_FP8B(name, TG)                                                                                \
+// ST: stages (suffix _sN; none for three).
+#define QS_ENTRY_FP8B(name, TG, ST)                                                                            \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
         name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ codes,             \
              const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,     \
              u32 N, u32 K) {                                                                                   \
-        qgemm_fragsm_body<QfFp8b, TG>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, K, \
-                                       blockIdx.x);                                                           \
+        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
+                                          K, blockIdx.x);                                                      \
     }
 // FP8 block, up to three dense weights on one input in one launch (q, k and v): block column
 // bx of the grid runs weight i's column block bx − (the column blocks of weights < i) with
@@ -1258,10 +1259,18 @@ QS_ENTRY_BF16(qgemm_fragsm_bf16_t1, 1)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t2, 2)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t4, 4)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t8, 8)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t1, 1, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t2, 2, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t4, 4, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t8, 8, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t1, 1, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t2, 2, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t4, 4, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t8, 8, 6)
 // Suffix _sN: N stages (N − 1 super-steps in flight per block), for dense launches whose few
 // blocks are bound by one block's latency.
 QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t1, 1, 3)

@@ -471,7 +471,7 @@ mod gemm_kernels {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma};
     use mxrl_cuda::ops::gemm::Grouped;
-    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm, FP8_DENSE_STAGES};
+    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm, FP8_ROUTED_STAGES_PICK, FP8_STAGES};
     use mxrl_formats::{
         e4m3_decode, Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme,
     };
@@ -506,8 +506,8 @@ mod gemm_kernels {
         Tiled,
         Frag(Fp8FragMma, Option<(FragRows, usize)>),
         /// The staged kernels (`QGemm::grouped_nt_staged_fp8_block_with`) with rows per pass
-        /// (`None`: the launcher's choice).
-        Staged(Option<FragRows>),
+        /// (`None`: the launcher's choice) and stages.
+        Staged(Option<FragRows>, usize),
     }
 
     /// The staged kernels' activation operand on the host: the binary16 bits of each code's
@@ -611,10 +611,11 @@ mod gemm_kernels {
                     ));
                     f.gemm_nt_frag_with(mma, rows, split, &xc, &xs, &wc, &ws, &off, &mut yv, self.s)
                 }
-                Kernel::Staged(rows) => QGemm::new(g)
+                Kernel::Staged(rows, stages) => QGemm::new(g)
                     .expect("low-byte kernels")
                     .grouped_nt_staged_fp8_block_with(
                         rows.unwrap_or_else(|| frag_rows(self.s, None)),
+                        stages,
                         &self.xh.as_view(),
                         &self.xsf.as_view(),
                         &wc,
@@ -824,7 +825,8 @@ mod gemm_kernels {
                 p.check_against(&g, &f, Kernel::Tiled, &want);
             }
             let frag = p.run(&g, &f, Kernel::Frag(Fp8FragMma::F16, None));
-            let staged = p.check_against(&g, &f, Kernel::Staged(None), &want);
+            let staged =
+                p.check_against(&g, &f, Kernel::Staged(None, FP8_ROUTED_STAGES_PICK), &want);
             assert!(
                 staged
                     .iter()
@@ -885,11 +887,14 @@ mod gemm_kernels {
                 Some(FragRows::R32),
                 Some(FragRows::R64),
             ] {
-                let y = p.check_against(&g, &f, Kernel::Staged(fr), &want);
-                assert!(
-                    y.iter().zip(&frag).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "staged {fr:?} [{n}, {k}]: bits differ from the F16 fragments' (seed {seed})"
-                );
+                for stages in FP8_STAGES {
+                    let y = p.check_against(&g, &f, Kernel::Staged(fr, stages), &want);
+                    assert!(
+                        y.iter().zip(&frag).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "staged {fr:?}, {stages} stages [{n}, {k}]: bits differ from the F16 \
+                         fragments' (seed {seed})"
+                    );
+                }
             }
         }
     }
@@ -951,7 +956,9 @@ mod gemm_kernels {
         let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
         let mut kernels = vec![Kernel::Tiled];
         for fr in FragRows::ALL {
-            kernels.push(Kernel::Staged(Some(fr)));
+            for stages in FP8_STAGES {
+                kernels.push(Kernel::Staged(Some(fr), stages));
+            }
         }
         for mma in Fp8FragMma::ALL {
             for split in [1, 2, 3, 4, 8] {
@@ -1100,7 +1107,7 @@ mod gemm_kernels {
                 );
                 singles.push(y);
             }
-            for (count, stages) in (1..=3).flat_map(|c| FP8_DENSE_STAGES.map(|st| (c, st))) {
+            for (count, stages) in (1..=3).flat_map(|c| FP8_STAGES.map(|st| (c, st))) {
                 let mut ys: Vec<CudaSlice<f32>> =
                     ns[..count].iter().map(|&n| sentinel(n)).collect();
                 let mut outs: Vec<_> = ys

@@ -25,8 +25,8 @@ use crate::cuda::{f32_from_le_bytes, f32_le_bytes};
 use crate::ops::fp8block::{Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
 use crate::ops::gemm::Grouped;
 use crate::ops::qgemm::{
-    fp8_staged_smem_bytes, frag_rows, QGemm, FP8_DENSE_STAGES_PICK, STAGED_ROWS_PER_EXPERT,
-    STAGED_SMEM_MAX, STAGED_STAGES,
+    fp8_staged_smem_bytes, frag_rows, QGemm, FP8_DENSE_STAGES_PICK, FP8_ROUTED_STAGES_PICK,
+    STAGED_ROWS_PER_EXPERT, STAGED_SMEM_MAX,
 };
 use cudarc::driver::CudaSlice;
 use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme, FP8_BLOCK};
@@ -278,7 +278,7 @@ impl CudaBackend {
             usize::MAX
         };
         let stages = if routed {
-            STAGED_STAGES
+            FP8_ROUTED_STAGES_PICK
         } else {
             FP8_DENSE_STAGES_PICK
         };

@@ -192,8 +192,9 @@ pub struct QGemm {
     staged_nvfp4: [CudaFunction; 4],
     staged_bf16: [CudaFunction; 4],
     act_fp8b: CudaFunction,
-    staged_fp8b: [CudaFunction; 4],
-    /// [stage count of FP8_DENSE_STAGES][rows per pass].
+    /// [stage count of FP8_STAGES][rows per pass].
+    staged_fp8b: [[CudaFunction; 4]; 3],
+    /// [stage count of FP8_STAGES][rows per pass].
     staged_fp8b3: [[CudaFunction; 4]; 3],
 }
 
@@ -295,9 +296,15 @@ pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows, stages: usize) -> usize {
         + rows.rows() * kbs * 4
 }
 
-/// The stage counts of the dense FP8-block kernels
-/// ([`QGemm::dense_nt_staged_fp8_block_multi_with`]).
-pub const FP8_DENSE_STAGES: [usize; 3] = [3, 4, 6];
+/// The stage counts the staged FP8-block kernels are compiled for
+/// ([`QGemm::grouped_nt_staged_fp8_block_with`], [`QGemm::dense_nt_staged_fp8_block_multi_with`]).
+pub const FP8_STAGES: [usize; 3] = [3, 4, 6];
+
+/// The stages [`QGemm::grouped_nt_staged_fp8_block`] takes for routed experts: three, the
+/// count measured on an H200 (`bench_fp8block --staged`, BENCHMARKS.md). The 64-row kernel's
+/// 211 registers hold an SM to two blocks, so four or six stages would cost no occupancy;
+/// `bench_fp8block --staged` times them beside it.
+pub const FP8_ROUTED_STAGES_PICK: usize = 3;
 
 /// The stages [`QGemm::dense_nt_staged_fp8_block_multi`] takes: six. A dense launch has few
 /// blocks (q, k and v of a decode step: 40 column blocks × 8 row blocks), each bound by its
@@ -534,7 +541,11 @@ impl QGemm {
         let [a, b, c, d] = staged("bf16");
         let staged_bf16 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("fp8b");
-        let staged_fp8b = [a?, b?, c?, d?];
+        let s3 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b_s4");
+        let s4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b_s6");
+        let staged_fp8b = [s3, s4, [a?, b?, c?, d?]];
         let [a, b, c, d] = staged("fp8b3_s3");
         let s3 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("fp8b3_s4");
@@ -1413,17 +1424,29 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = frag_rows(s, None);
-        self.grouped_nt_staged_fp8_block_with(rows, x, x_scales, codes, w_scales, offsets, y, s)
+        self.grouped_nt_staged_fp8_block_with(
+            rows,
+            FP8_ROUTED_STAGES_PICK,
+            x,
+            x_scales,
+            codes,
+            w_scales,
+            offsets,
+            y,
+            s,
+        )
     }
 
-    /// [`QGemm::grouped_nt_staged_fp8_block`] with `rows` activation rows per pass.
+    /// [`QGemm::grouped_nt_staged_fp8_block`] with `rows` activation rows per pass and
+    /// `stages` shared-memory stages (one of [`FP8_STAGES`]; the same bits for every choice).
     ///
     /// # Errors
-    /// As [`QGemm::grouped_nt_staged_fp8_block`].
+    /// As [`QGemm::grouped_nt_staged_fp8_block`]; a stage count not compiled.
     #[allow(clippy::too_many_arguments)]
     pub fn grouped_nt_staged_fp8_block_with(
         &self,
         rows: FragRows,
+        stages: usize,
         x: &CudaView<'_, u16>,
         x_scales: &CudaView<'_, f32>,
         codes: &CudaView<'_, u8>,
@@ -1434,17 +1457,9 @@ impl QGemm {
     ) -> Result<(), DeviceError> {
         let op = "grouped_nt_staged_fp8_block";
         let g = &self.gpu;
+        let si = self.fp8_stage_index(op, stages)?;
         let smem = self.check_staged_fp8(
-            op,
-            rows,
-            STAGED_STAGES,
-            x,
-            x_scales,
-            codes,
-            w_scales,
-            offsets,
-            y,
-            s,
+            op, rows, stages, x, x_scales, codes, w_scales, offsets, y, s,
         )?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
@@ -1460,7 +1475,7 @@ impl QGemm {
             shared_mem_bytes: smem as u32,
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = stream.launch_builder(&self.staged_fp8b[rows.index()]);
+        let mut b = stream.launch_builder(&self.staged_fp8b[si][rows.index()]);
         b.arg(x)
             .arg(x_scales)
             .arg(codes)
@@ -1482,6 +1497,17 @@ impl QGemm {
         // float*, u32 × 4).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// The index of `stages` in [`FP8_STAGES`] (the staged FP8-block kernels compiled).
+    fn fp8_stage_index(&self, op: &str, stages: usize) -> Result<usize, DeviceError> {
+        FP8_STAGES
+            .iter()
+            .position(|&st| st == stages)
+            .ok_or_else(|| {
+                self.gpu
+                    .err(format!("{op}: {stages} stages (compiled: {FP8_STAGES:?})"))
+            })
     }
 
     /// The staged FP8-block kernels' checks (see [`QGemm::grouped_nt_staged_fp8_block`]);
@@ -1575,7 +1601,7 @@ impl QGemm {
     }
 
     /// [`QGemm::dense_nt_staged_fp8_block_multi`] with `stages` shared-memory stages (one of
-    /// [`FP8_DENSE_STAGES`]; the same bits for every count).
+    /// [`FP8_STAGES`]; the same bits for every count).
     ///
     /// # Errors
     /// As [`QGemm::dense_nt_staged_fp8_block_multi`]; a stage count not compiled.
@@ -1591,12 +1617,7 @@ impl QGemm {
         k: usize,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let Some(si) = FP8_DENSE_STAGES.iter().position(|&st| st == stages) else {
-            return Err(g.err(format!(
-                "dense_nt_staged_fp8_block_multi: {stages} stages (compiled: \
-                 {FP8_DENSE_STAGES:?})"
-            )));
-        };
+        let si = self.fp8_stage_index("dense_nt_staged_fp8_block_multi", stages)?;
         let op = "dense_nt_staged_fp8_block_multi";
         if outs.is_empty() || outs.len() > 3 {
             return Err(g.err(format!("{op}: {} weights (one to three)", outs.len())));
