@@ -1042,8 +1042,9 @@ mod gemm_kernels {
     /// Up to three dense weights in one launch (`QGemm::dense_nt_staged_fp8_block_multi`, the
     /// layer's q, k and v): each output has the bits of the weight's own one-expert staged
     /// launch over every row (offsets `[0, u32::MAX]`, clamped to the rows), which are within
-    /// the bound of the CPU reference, for every stage count; 5, 37 and 300 rows (one pass and several, spread over
-    /// blocks), one to three weights of 256, 128 and 384 columns.
+    /// the bound of the CPU reference, for every stage count; 5, 37, 300 and 1100 rows (one
+    /// pass and several, spread over up to 18 blocks per column block), one to three weights of
+    /// 256, 128 and 384 columns.
     #[test]
     fn fp8_block_staged_dense_weights_in_one_launch() {
         let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1053,7 +1054,7 @@ mod gemm_kernels {
         let ns = [256usize, 128, 384];
         let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
         let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
-        for (i, &rows) in [5usize, 37, 300].iter().enumerate() {
+        for (i, &rows) in [5usize, 37, 300, 1100].iter().enumerate() {
             let seed = 9500 + i as u64;
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             let weights: Vec<QuantizedTensor> =

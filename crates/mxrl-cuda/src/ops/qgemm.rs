@@ -366,6 +366,23 @@ pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
 /// The most blocks [`frag_row_blocks`] gives one expert's column block.
 pub const FRAG_ROW_BLOCKS: usize = 8;
 
+/// Blocks per column block of the staged FP8-block kernels: [`frag_row_blocks`] for routed
+/// experts; for one weight over every row (a dense linear: prefill, training) up to
+/// [`DENSE_ROW_BLOCKS`], one pass each where the rows allow — a dense launch has only
+/// `n / 128` column blocks, and each block's passes run one after another. Changes which
+/// block runs a pass, not any sum.
+pub fn fp8_row_blocks(s: Grouped, rows: FragRows) -> usize {
+    if s.experts == 1 {
+        s.rows.div_ceil(rows.rows()).clamp(1, DENSE_ROW_BLOCKS)
+    } else {
+        frag_row_blocks(s, rows)
+    }
+}
+
+/// The most blocks [`fp8_row_blocks`] gives one column block of a dense weight (the tiled
+/// FP8-block kernels' limit).
+pub const DENSE_ROW_BLOCKS: usize = 64;
+
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`].
 pub const STAGED_ROWS_PER_EXPERT: usize = 9;
 
@@ -1469,7 +1486,7 @@ impl QGemm {
             grid_dim: (
                 grid_x(g, op, s.n / 128)?,
                 s.experts as u32,
-                frag_row_blocks(s, rows) as u32,
+                fp8_row_blocks(s, rows) as u32,
             ),
             block_dim: (32 * STAGED_WARPS as u32, 1, 1),
             shared_mem_bytes: smem as u32,
@@ -1652,7 +1669,7 @@ impl QGemm {
             grid_dim: (
                 grid_x(g, op, blocks)?,
                 1,
-                frag_row_blocks(shape(128), fr) as u32,
+                fp8_row_blocks(shape(128), fr) as u32,
             ),
             block_dim: (32 * STAGED_WARPS as u32, 1, 1),
             shared_mem_bytes: smem as u32,
