@@ -27,7 +27,7 @@
 //! `cp.async`, 128 columns per block) in passes of 16, 32 and 64 rows (`*` = the launcher's
 //! pick) against the fragment and tiled kernels, each with its activation quantizer
 //! (`--busy`: one of every token's 8 rows to expert 0, the routing of the RL runs); then the
-//! layer's dense attention linears (q, k, v on one input; o) at 64 and 512 rows: tiled, staged
+//! layer's dense attention linears (q, k, v on one input; o) at 64, 512 and 4096 rows: tiled, staged
 //! one launch per weight, and `QGemm::dense_nt_staged_fp8_block_multi_with` for every stage
 //! count.
 
@@ -48,6 +48,8 @@ mod bench {
     };
 
     const BATCHES: [usize; 4] = [1, 32, 128, 512];
+    /// Rows of the dense linears' table: decode batches of 64 and 512, a prefill-sized call.
+    const DENSE_ROWS: [usize; 3] = [64, 512, 4096];
     const SPLITS: [usize; 6] = [1, 2, 3, 4, 6, 8];
 
     /// Stored weights of one projection: BF16 values in ±[0.25, 2), and FP8 block — E4M3 codes
@@ -240,6 +242,13 @@ mod bench {
             "---:|".repeat(FP8_STAGES.len())
         );
         let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
+        // Their own activations: up to the largest row count at k = 4096.
+        let dmax = DENSE_ROWS[DENSE_ROWS.len() - 1] * 4096;
+        let xd = g
+            .upload(&mxrl_tensor::gradcheck::test_values(dmax, 6, 3.0))
+            .expect("upload x");
+        let mut xdh = g.zeros::<u16>(dmax).expect("alloc");
+        let mut xdhs = g.zeros::<f32>(dmax / 128).expect("alloc");
         for (label, k, ns) in [
             ("q, k, v", HIDDEN, vec![4096usize, 512, 512]),
             ("o", 4096, vec![HIDDEN]),
@@ -249,16 +258,16 @@ mod bench {
                 .enumerate()
                 .map(|(i, &n)| dense_weight(g, n, k, 70 + i as u64))
                 .collect();
-            for &rows in &[64usize, 512] {
-                let xv = x.slice(0..rows * k);
+            for &rows in &DENSE_ROWS {
+                let xv = xd.slice(0..rows * k);
                 let qx = f8.quantize_act(&xv, rows, k).expect("act FP8 block");
                 q.quant_act_fp8_block(
                     &xv,
                     rows,
                     k,
                     false,
-                    &mut xh.slice_mut(0..rows * k),
-                    &mut xhs.slice_mut(0..rows * k / 128),
+                    &mut xdh.slice_mut(0..rows * k),
+                    &mut xdhs.slice_mut(0..rows * k / 128),
                 )
                 .expect("act FP8 block f16");
                 let mut ys: Vec<CudaSlice<f32>> = ns
@@ -288,8 +297,8 @@ mod bench {
                 let single = median_us(g, flush, reps, || {
                     for (w, (y, &n)) in ws.iter().zip(ys.iter_mut().zip(&ns)) {
                         q.grouped_nt_staged_fp8_block(
-                            &xh.slice(0..rows * k),
-                            &xhs.slice(0..rows * k / 128),
+                            &xdh.slice(0..rows * k),
+                            &xdhs.slice(0..rows * k / 128),
                             &w.codes.as_view(),
                             &w.scales.as_view(),
                             &whole.as_view(),
@@ -311,8 +320,8 @@ mod bench {
                             .collect();
                         q.dense_nt_staged_fp8_block_multi_with(
                             st,
-                            &xh.slice(0..rows * k),
-                            &xhs.slice(0..rows * k / 128),
+                            &xdh.slice(0..rows * k),
+                            &xdhs.slice(0..rows * k / 128),
                             &whole.as_view(),
                             &mut outs,
                             rows,
