@@ -69,6 +69,14 @@ __device__ __forceinline__ float e4m3_value_cvt(u32 code) {
     return lo;
 }
 
+// The bits of ue8m0_decode(b) (b < 256) as selects, without branches: the decode runs per
+// chunk and weight row in the fragment kernels' loops.
+__device__ __forceinline__ u32 ue8m0_bits(u32 b) {
+    u32 v = b << 23;
+    v = b == 0u ? 0x00400000u : v;
+    return b == 0xFFu ? 0x7FC00000u : v;
+}
+
 // Four E4M3 codes (element j in byte j of w) times sc = ue8m0_decode(s):
 // v[j] = fl(sc · e4m3_value(code_j)), the contract's MXFP8 dequantization (exact in f32).
 __device__ __forceinline__ void mxfp8_decode4(u32 w, float sc, float v[4]) {
@@ -353,7 +361,7 @@ struct QmMxfp8 {
     __device__ static u32 scale_row(u32 K) { return K / 32; }
     // The chunk's UE8M0 byte (a chunk lies inside one 32-block).
     __device__ static u32 load_scale(const u8* ws, u32 c) { return ws[c / 2]; }
-    __device__ static u32 prep(u32 raw) { return __float_as_uint(ue8m0_decode(raw)); }
+    __device__ static u32 prep(u32 raw) { return ue8m0_bits(raw); }
     __device__ static void decode4(const uint4& w, u32 prep, int h, float v[4]) {
         mxfp8_decode4(word_of(w, h), __uint_as_float(prep), v);
     }
