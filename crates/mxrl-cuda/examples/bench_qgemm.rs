@@ -425,7 +425,17 @@ mod bench {
                     }
                 }
                 // The fragment kernels (stored bytes decoded straight into mma fragments), the
-                // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert.
+                // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert; NVFP4's operand
+                // in binary16 from here on, as they take it (the other kernels timed below
+                // read the same buffer: their time does not depend on its values).
+                q.quant_act_nvfp4_f16(
+                    &x.as_view(),
+                    r,
+                    k,
+                    &mut xq.as_view_mut(),
+                    &mut xamax.as_view_mut(),
+                )
+                .expect("act NVFP4 (binary16)");
                 let mut frag_us = [None, None];
                 let frag_rows = FragRows::for_rows(r, EXPERTS, FragRows::R32);
                 if QGemm::frag_fits(n, k) {

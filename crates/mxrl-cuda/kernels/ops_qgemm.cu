@@ -69,6 +69,14 @@ __device__ __forceinline__ float e4m3_value_cvt(u32 code) {
     return lo;
 }
 
+// The bits of ue8m0_decode(b) (b < 256) as selects, without branches: the decode runs per
+// chunk and weight row in the fragment kernels' loops.
+__device__ __forceinline__ u32 ue8m0_bits(u32 b) {
+    u32 v = b << 23;
+    v = b == 0u ? 0x00400000u : v;
+    return b == 0xFFu ? 0x7FC00000u : v;
+}
+
 // Four E4M3 codes (element j in byte j of w) times sc = ue8m0_decode(s):
 // v[j] = fl(sc · e4m3_value(code_j)), the contract's MXFP8 dequantization (exact in f32).
 __device__ __forceinline__ void mxfp8_decode4(u32 w, float sc, float v[4]) {
@@ -149,14 +157,33 @@ extern "C" __global__ void __launch_bounds__(256)
     *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
 }
 
+// Two f32 values as a binary16 pair (low half: lo), rounded to nearest even.
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Eight f32 values exact in binary16 (NVFP4 operand values) as eight binary16 bit patterns.
+__device__ __forceinline__ uint4 pack_f16x8(const float v[8]) {
+    uint4 o;
+    o.x = f32x2_to_f16x2(v[0], v[1]);
+    o.y = f32x2_to_f16x2(v[2], v[3]);
+    o.z = f32x2_to_f16x2(v[4], v[5]);
+    o.w = f32x2_to_f16x2(v[6], v[7]);
+    return o;
+}
+
 // NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
-// row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16
-// (exact). One block of QA_THREADS per row: a pass for the amax, then the quantization pass
-// (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16; two threads per
-// 16-element block).
+// row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16, or
+// with F16 in binary16 (both exact: ≤ 6 significant bits in [2^-10, 2688]; the fragment
+// kernels multiply binary16). One block of QA_THREADS per row: a pass for the amax, then the
+// quantization pass (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16;
+// two threads per 16-element block).
 #define QA_THREADS 128
-extern "C" __global__ void __launch_bounds__(QA_THREADS)
-    quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+template <bool F16>
+__device__ __forceinline__ void quant_act_nvfp4_body(const float* __restrict__ x, u16* __restrict__ pre,
+                                                     float* __restrict__ amax, u64 k) {
     __shared__ float warp_max_s[QA_THREADS / 32];
     const u64 row = blockIdx.x;
     const float* xr = x + row * k;
@@ -204,8 +231,16 @@ extern "C" __global__ void __launch_bounds__(QA_THREADS)
         if (!active) continue;
         float d[8];
         nvfp4_decode8(word, sf2, d);
-        *reinterpret_cast<uint4*>(pre + row * k + c * 8) = pack_bf16x8(d);
+        *reinterpret_cast<uint4*>(pre + row * k + c * 8) = F16 ? pack_f16x8(d) : pack_bf16x8(d);
     }
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+    quant_act_nvfp4_body<false>(x, pre, amax, k);
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_f16(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+    quant_act_nvfp4_body<true>(x, pre, amax, k);
 }
 
 // FP8 block 1×128 along K (Scheme::FP8_BLOCK_ACT) of x [rows, K] f32 as the staged FP8-block
@@ -326,7 +361,7 @@ struct QmMxfp8 {
     __device__ static u32 scale_row(u32 K) { return K / 32; }
     // The chunk's UE8M0 byte (a chunk lies inside one 32-block).
     __device__ static u32 load_scale(const u8* ws, u32 c) { return ws[c / 2]; }
-    __device__ static u32 prep(u32 raw) { return __float_as_uint(ue8m0_decode(raw)); }
+    __device__ static u32 prep(u32 raw) { return ue8m0_bits(raw); }
     __device__ static void decode4(const uint4& w, u32 prep, int h, float v[4]) {
         mxfp8_decode4(word_of(w, h), __uint_as_float(prep), v);
     }
@@ -653,8 +688,8 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 // row g or g + 8) and the matching 16 (MXFP8), 32 (NVFP4) or 8 (BF16) activation elements of
 // row 8·tg + g of the pass, and decodes its codes in registers to the exact operand values
 // (MXFP8: BF16 of fl(e4m3 · 2^(s−127)), the values dequant_mxfp8_bf16 writes; NVFP4: e2m1 ·
-// e4m3(scale) in binary16, exact, with the BF16 activation operand converted to binary16, exact
-// too — module doc; BF16: the stored value). The k order is permuted alike in A and B (mma step
+// e4m3(scale) in binary16, exact, times the binary16 activation operand of quant_act_nvfp4_f16
+// (the same values — module doc; BF16: the stored value). The k order is permuted alike in A and B (mma step
 // s takes elements 4s .. 4s+3 of each lane's chunk as the k indices 2t, 2t+1, 2t+8, 2t+9), so
 // every product is one x·w of the sum. Products exact, f32 accumulation in the tensor cores
 // (bound: tensor_core_sum_bound); with KS > 1 the warps' partial sums are then added in dynamic
@@ -669,17 +704,6 @@ __device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
-}
-
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// A BF16 pair (low half: the lower index) as a binary16 pair (exact for NVFP4 operand values).
-__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
-    return f32x2_to_f16x2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
 }
 
 __device__ __forceinline__ void qf_mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
@@ -730,9 +754,10 @@ struct QfNvfp4 : QmNvfp4 {
         lo = hmul2_rn(__byte_perm(t, 0u, 0x1404u), sf2);
         hi = hmul2_rn(__byte_perm(t, 0u, 0x3424u), sf2);
     }
+    // The activation operand is binary16 already (quant_act_nvfp4_f16).
     __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
-        b0 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1)));
-        b1 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1) + 1));
+        b0 = word_of(xv, 2 * (s & 1));
+        b1 = word_of(xv, 2 * (s & 1) + 1);
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
 };

@@ -25,7 +25,7 @@
 //! run one at a time (one of them records the stream into a graph).
 #![cfg(feature = "cuda")]
 
-use half::bf16;
+use half::{bf16, f16};
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
 use mxrl_cuda::ops::qgemm::{frag_layout, frag_rows, FragLayout, FragRows, LowByte, QGemm, QLanes};
@@ -319,6 +319,53 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
                 bad.is_empty(),
                 "{}",
                 act_report(&what, &x, k, &lib, &got, &want, &bad)
+            );
+            // The fragment kernels' binary16 operand: the same values, the same amax.
+            let what16 = format!(
+                "quant_act_nvfp4_f16 {name} [{rows}, {k}] (seed {})",
+                200 + si
+            );
+            assert!(
+                lib.iter()
+                    .all(|&v| v.is_nan() || f16::from_f32(v).to_f32().to_bits() == v.to_bits()),
+                "{what16}: library values not exact in binary16"
+            );
+            let want16: Vec<u16> = lib.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let mut pre16 = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+            let mut damax16 = g.upload(&vec![f32::NAN; rows]).unwrap();
+            ops.quant_act_nvfp4_f16(
+                &dx.as_view(),
+                rows,
+                k,
+                &mut pre16.as_view_mut(),
+                &mut damax16.as_view_mut(),
+            )
+            .unwrap();
+            let got16 = g.download(&pre16).unwrap();
+            let got_amax16 = g.download(&damax16).unwrap();
+            assert!(
+                got_amax16
+                    .iter()
+                    .zip(&got_amax)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what16}: row amax differs from quant_act_nvfp4's"
+            );
+            // NaN matches any NaN, as for BF16.
+            let bad16: Vec<usize> = (0..want16.len())
+                .filter(|&i| {
+                    let (a, b) = (f16::from_bits(got16[i]), f16::from_bits(want16[i]));
+                    !(got16[i] == want16[i] || (a.is_nan() && b.is_nan()))
+                })
+                .collect();
+            assert!(
+                bad16.is_empty(),
+                "{what16}: {} of {} values differ, first at {} (got {:#06x}, library {:#06x} = {:e})",
+                bad16.len(),
+                want16.len(),
+                bad16[0],
+                got16[bad16[0]],
+                want16[bad16[0]],
+                lib[bad16[0]]
             );
         }
     }
@@ -930,7 +977,8 @@ fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, FragLayout)>, c: &C
             .unwrap();
         }
         LowByte::Nvfp4 => {
-            ops.quant_act_nvfp4(
+            // The fragment kernels' operand is the binary16 one.
+            ops.quant_act_nvfp4_f16(
                 &d.x.as_view(),
                 s.rows,
                 s.k,

@@ -10,7 +10,8 @@
 //!   operand of `mxrl_tensor::qlinear`).
 //! - [`QGemm::quant_act_nvfp4`]: `x` → per-token NVFP4 (`Scheme::NVFP4_ROW`): the row amax
 //!   (f32) and the GEMM operand `pre = e2m1(code) · e4m3(block scale)` as BF16 (the
-//!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`).
+//!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`); [`QGemm::quant_act_nvfp4_f16`]
+//!   the same values in binary16, the fragment kernels' operand.
 //! - [`QGemm::grouped_nt_small_m_mxfp8`] / [`QGemm::grouped_nt_small_m_nvfp4`]: per expert,
 //!   `y = x · W_eᵀ` on those operands (NVFP4: then `y = fl(y · α)`,
 //!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
@@ -178,6 +179,7 @@ pub struct QGemm {
     gpu: Gpu,
     act_mxfp8: CudaFunction,
     act_nvfp4: CudaFunction,
+    act_nvfp4_f16: CudaFunction,
     deq_mxfp8: CudaFunction,
     deq_nvfp4: CudaFunction,
     scale_rows: CudaFunction,
@@ -573,6 +575,7 @@ impl QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
             act_nvfp4: f("quant_act_nvfp4")?,
+            act_nvfp4_f16: f("quant_act_nvfp4_f16")?,
             deq_mxfp8: f("dequant_mxfp8_bf16")?,
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
             scale_rows: f("nvfp4_scale_rows")?,
@@ -664,8 +667,47 @@ impl QGemm {
         out_pre: &mut CudaViewMut<'_, u16>,
         amax: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
+        self.quant_act_nvfp4_on(
+            &self.act_nvfp4,
+            "quant_act_nvfp4",
+            x,
+            rows,
+            k,
+            out_pre,
+            amax,
+        )
+    }
+
+    /// [`QGemm::quant_act_nvfp4`] with `out_pre` the binary16 bit patterns of the same values
+    /// (exact: ≤ 6 significant bits in `[2⁻¹⁰, 2688]`): the operand of the fragment kernels
+    /// ([`QGemm::grouped_nt_frag_nvfp4`]), which multiply binary16.
+    ///
+    /// # Errors
+    /// As [`QGemm::quant_act_nvfp4`].
+    pub fn quant_act_nvfp4_f16(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let op = "quant_act_nvfp4_f16";
+        self.quant_act_nvfp4_on(&self.act_nvfp4_f16, op, x, rows, k, out_pre, amax)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn quant_act_nvfp4_on(
+        &self,
+        func: &CudaFunction,
+        op: &str,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let op = "quant_act_nvfp4";
         check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
         let len = mul(g, op, rows, k)?;
         check_len(g, &format!("{op} x"), x.len(), len)?;
@@ -688,7 +730,7 @@ impl QGemm {
             shared_mem_bytes: 0,
         };
         let k64 = k as u64;
-        let mut b = g.stream().launch_builder(&self.act_nvfp4);
+        let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(out_pre).arg(amax).arg(&k64);
         // SAFETY: x and out_pre hold rows·k elements, amax rows (checked); block r touches row
         // r < rows only: elements 8c .. 8c+8 for c < k/8 (k % 16 == 0, so pairs of threads
@@ -1223,8 +1265,9 @@ impl QGemm {
     /// [`QGemm::grouped_nt_small_m_nvfp4`] on tensor cores with the stored weights decoded
     /// straight into mma fragments, as [`QGemm::grouped_nt_frag_mxfp8`]: operands the exact
     /// `pre` values in binary16 (weights `e2m1 · e4m3(scale)` decoded from the stored bytes,
-    /// the BF16 activation operand converted, both exact), f32 accumulation, `y = fl(sum · α)`
-    /// per row with α = `nvfp4_alpha(x_amax[r], w_amax[e])`.
+    /// `x_pre` the binary16 operand of [`QGemm::quant_act_nvfp4_f16`], not the BF16 one of
+    /// the other NVFP4 kernels), f32 accumulation, `y = fl(sum · α)` per row with
+    /// α = `nvfp4_alpha(x_amax[r], w_amax[e])`.
     ///
     /// # Errors
     /// As [`QGemm::grouped_nt_small_m_nvfp4`]; also `n` not a multiple of [`FRAG_COLS`].
