@@ -1020,38 +1020,62 @@ struct QsBlock {
     const float* x_amax;  // NVFP4: the rows' amax; FP8 block (BLOCKED): their scale_inv [R, K/128]
     const u8* codes;
     float* y;
-    const u8* wc[4];  // this lane's weight rows g + 8i of the warp's 32 columns
+    const u8* wc[4];  // this lane's first weight chunk (bytes 16t..16t+16) of rows g + 8i
     const u8* s_scale;  // the block's weight scale rows (BLOCKED: its 128-row scale_inv row)
-    u8* my_w;  // the warp's weight stages
+    const u8* s_wrow;  // this lane's weight scale row g of the warp's 32 columns (not BLOCKED)
+    u8* w_lane;  // this lane's chunk of row g in stage 0 of the warp's weight stages
     u16* s_x;  // the activation stages (XROWS rows each)
+    const u16* x_lane;  // this lane's activation chunk of row g in stage 0 (t·CHUNK)
     float* s_sx;  // BLOCKED: the pass's activation scale_inv rows [XROWS][kbs]
-    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, elems, xld, xrows, kbs;
+    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, xrows, kbs;
     float wa;
     bool active;
 };
 
 // One pass of TGP token groups from row rb (TGP ≤ the kernel's TG; the stages are laid out
-// for TG, i.e. c.xrows rows).
+// for TG, i.e. c.xrows rows). Addresses are set up once per block and pass and advanced per
+// super-step; the copies, fragments and mma order are those of qgemm_frag_body with one warp.
 template <class F, int TGP, int ST = QS_STAGES>
 __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
+    constexpr u32 THREADS = QS_WARPS * 32;
+    constexpr u32 ELEMS = F::CHUNK * 4;  // elements per super-step
+    constexpr u32 XLD = ELEMS + 8;       // u16 per staged activation row
+    constexpr u32 CPR = ELEMS / 8;       // 16-byte chunks per staged activation row
+    constexpr u32 XCH = 8 * TGP * CPR;   // activation chunks per stage
+    constexpr u32 NCP = (XCH + THREADS - 1) / THREADS;  // of them copied per thread
+    constexpr u32 RSTEP = THREADS / CPR;  // rows between a thread's chunks
+    static_assert(THREADS % CPR == 0, "a thread's activation chunks share one column");
+    // This thread's activation chunks: column j of rows r0 + m·RSTEP (m < NCP), those inside
+    // the pass (and the expert's rows) in bit m of xrow_ok.
+    const u32 j = c.tid % CPR, r0 = c.tid / CPR;
+    u32 xrow_ok = 0;
+#pragma unroll
+    for (u32 m = 0; m < NCP; ++m) {
+        const u32 r = r0 + m * RSTEP;
+        if (r < 8 * TGP && rb + r < c.hi) xrow_ok |= 1u << m;
+    }
+    const u16* xsrc = c.x + (u64)(rb + r0) * c.K + 8 * j;  // read only where its row is ok
+    const u64 xstride = (u64)RSTEP * c.K;
+    u16* const xdst = c.s_x + r0 * XLD + 8 * j;
     // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16 of
-    // the step; zeros past the row) and the block's share of the activation chunks of the
-    // pass's 8·TGP rows (8 elements each; zeros past the expert's rows or past K).
+    // the step; zeros past the row) and this thread's activation chunks (8 elements each;
+    // zeros past the expert's rows or past K).
     auto issue = [&](u32 kt, u32 slot) {
         if (kt < c.steps) {
-            const u32 ch = 4 * kt + c.t;
-            const bool ok = c.active && 16 * ch < c.rowb;
+            const bool ok = c.active && 64 * kt + 16 * c.t < c.rowb;
+            u8* wd = c.w_lane + slot * 2048;
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                qs_cp16(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t, ok ? c.wc[i] + 16 * (u64)ch : c.codes,
-                        ok);
-            const u32 cpr = c.elems / 8;  // chunks per activation row
-            u16* dst = c.s_x + (u64)slot * c.xrows * c.xld;
-            for (u32 q = c.tid; q < 8 * TGP * cpr; q += blockDim.x) {
-                const u32 r = q / cpr, j = q % cpr;
-                const u32 row = rb + r, k = kt * c.elems + 8 * j;
-                const bool okx = row < c.hi && k < c.K;
-                qs_cp16(dst + r * c.xld + 8 * j, okx ? c.x + (u64)row * c.K + k : c.x, okx);
+            for (int i = 0; i < 4; ++i) qs_cp16(wd + 512 * i, ok ? c.wc[i] + 64 * (u64)kt : c.codes, ok);
+            const u32 k = kt * ELEMS + 8 * j;
+            const u16* src = xsrc + kt * ELEMS;
+            u16* dst = xdst + slot * c.xrows * XLD;
+#pragma unroll
+            for (u32 m = 0; m < NCP; ++m) {
+                if (m + 1 < NCP || XCH % THREADS == 0 || r0 + m * RSTEP < 8 * TGP) {
+                    const bool okx = ((xrow_ok >> m) & 1u) && k < c.K;
+                    qs_cp16(dst + m * RSTEP * XLD, okx ? src : c.x, okx);
+                }
+                src += xstride;
             }
         }
         qs_commit();  // an empty group past the last step keeps the wait counts uniform
@@ -1064,7 +1088,7 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     if (F::BLOCKED) {
         // The pass's activation scale_inv rows (zeros past the expert's rows), landing with
         // stage 0's copies (same commit group).
-        for (u32 q = c.tid; q < 8 * TGP * c.kbs; q += blockDim.x) {
+        for (u32 q = c.tid; q < 8 * TGP * c.kbs; q += THREADS) {
             const u32 row = rb + q / c.kbs;
             const bool ok = row < c.hi;
             qs_cp4(c.s_sx + q, ok ? c.x_amax + (u64)row * c.kbs + q % c.kbs : c.x_amax, ok);
@@ -1072,29 +1096,33 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     }
 #pragma unroll
     for (u32 st = 0; st < ST - 1; ++st) issue(st, st);
+    u32 slot = 0, next = ST - 1;  // kt % ST and (kt + ST − 1) % ST
     for (u32 kt = 0; kt < c.steps; ++kt) {
         qs_wait<ST - 2>();  // this thread's copies of step kt (and the scales) landed
-        __syncthreads();           // everyone's; and step kt − 1's slot is free again
-        issue(kt + ST - 1, (kt + ST - 1) % ST);
+        __syncthreads();    // everyone's; and step kt − 1's slot is free again
+        issue(kt + ST - 1, next);
+        next = next + 1 == ST ? 0 : next + 1;
+        const u32 cur = slot;
+        slot = slot + 1 == ST ? 0 : slot + 1;
         if (!c.active) continue;
-        const u32 slot = kt % ST;
         uint4 wq[4];
         u32 sp[4];
+        const u8* wsrc = c.w_lane + cur * 2048;
+        const u32 ch = 4 * kt + c.t;
+        const bool sok = 16 * ch < c.rowb;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            wq[i] = *reinterpret_cast<const uint4*>(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t);
-            const u32 ch = 4 * kt + c.t;
-            const bool ok = 16 * ch < c.rowb;
-            sp[i] = F::prep(ok ? F::load_scale(c.s_scale + (u64)(QF_COLS * c.warp + c.g + 8 * i) * c.sk, ch) : 0u);
+            wq[i] = *reinterpret_cast<const uint4*>(wsrc + 512 * i);
+            sp[i] = F::prep(sok ? F::load_scale(c.s_wrow + 8 * i * c.sk, ch) : 0u);
         }
-        const u16* xs = c.s_x + (u64)slot * c.xrows * c.xld + c.t * F::CHUNK;
+        const u16* xs = c.x_lane + cur * c.xrows * XLD;
         constexpr int VG = F::XV < 16 / TGP ? F::XV : 16 / TGP;
 #pragma unroll
         for (int v0 = 0; v0 < F::XV; v0 += VG) {
             uint4 xa[TGP][VG];
 #pragma unroll
             for (int tg = 0; tg < TGP; ++tg) {
-                const uint4* src = reinterpret_cast<const uint4*>(xs + (8 * tg + c.g) * c.xld) + v0;
+                const uint4* src = reinterpret_cast<const uint4*>(xs + 8 * tg * XLD) + v0;
 #pragma unroll
                 for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
             }
@@ -1112,11 +1140,11 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
                 for (int hh = 0; hh < 2; ++hh) {
                     const float sc = __fmul_rn(c.s_sx[(8 * tg + 2 * c.t + hh) * c.kbs + b], sw);
 #pragma unroll
-                    for (int j = 0; j < 2; ++j)
+                    for (int j2 = 0; j2 < 2; ++j2)
 #pragma unroll
                         for (int q = hh; q < 4; q += 2) {
-                            yb[j][tg][q] = __fadd_rn(yb[j][tg][q], __fmul_rn(sc, acc[j][tg][q]));
-                            acc[j][tg][q] = 0.0f;
+                            yb[j2][tg][q] = __fadd_rn(yb[j2][tg][q], __fmul_rn(sc, acc[j2][tg][q]));
+                            acc[j2][tg][q] = 0.0f;
                         }
                 }
         }
@@ -1124,15 +1152,15 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     qs_wait<0>();
     if (!c.active) return;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j2 = 0; j2 < 2; ++j2)
 #pragma unroll
         for (int tg = 0; tg < TGP; ++tg)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const u32 r = rb + 8 * tg + 2 * c.t + (q & 1);
-                const u32 col = c.n0 + 16 * j + c.g + 8 * (q >> 1);
+                const u32 col = c.n0 + 16 * j2 + c.g + 8 * (q >> 1);
                 if (r < c.hi) {
-                    float sum = F::BLOCKED ? yb[j][tg][q] : acc[j][tg][q];
+                    float sum = F::BLOCKED ? yb[j2][tg][q] : acc[j2][tg][q];
                     if (F::ALPHA) {
                         const float alpha = __fmul_rn(__fmul_rn(c.x_amax[r], c.wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
                         sum = __fmul_rn(sum, alpha);
@@ -1175,8 +1203,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     c.rowb = F::row_bytes(K);
     c.sk = F::scale_row(K);
     c.steps = (c.rowb + 63) / 64;
-    c.elems = F::CHUNK * 4;  // elements per super-step
-    c.xld = c.elems + 8;     // u16 per staged activation row
+    constexpr u32 XLD = F::CHUNK * 4 + 8;  // u16 per staged activation row (qs_pass)
     c.xrows = XROWS;
     c.kbs = K / 128;  // BLOCKED: 128-wide K blocks
     // Shared memory layout (all parts 16-byte multiples: sk·32 rows, or BLOCKED the scale
@@ -1186,7 +1213,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     u8* s_w = s_scale + (F::BLOCKED ? (4 * c.kbs + 15) / 16 * 16 : (u64)QF_COLS * QS_WARPS * c.sk);
     c.s_scale = s_scale;
     c.s_x = reinterpret_cast<u16*>(s_w + ST * QS_WARPS * 2048);
-    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)ST * XROWS * c.xld);
+    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)ST * XROWS * XLD);
     if (F::BLOCKED) {
         // The block's 128 columns are one 128-row scale tile of expert e ([E, N/128, kbs]
         // floats): its kbs scale_inv values, copied once.
@@ -1199,8 +1226,10 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
         for (u32 q = c.tid; q < chunks; q += blockDim.x) qs_cp16(s_scale + 16 * q, src + 16 * q, true);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb;
-    c.my_w = s_w + (u64)c.warp * ST * 2048;
+    for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb + 16 * c.t;
+    c.w_lane = s_w + (u64)c.warp * ST * 2048 + 64 * c.g + 16 * c.t;
+    c.s_wrow = s_scale + (u64)(QF_COLS * c.warp + c.g) * c.sk;
+    c.x_lane = c.s_x + c.g * XLD + c.t * F::CHUNK;
     c.wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
         // A pass whose rows fill at most half of it runs half the token groups (the mma steps
@@ -1214,16 +1243,20 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     }
 }
 
+// Resident blocks per SM the register budget of a TG-group MXFP8 / NVFP4 / BF16 staged kernel
+// is cut for (FP8 block: none): four up to 32 rows per pass (MXFP8's and BF16's shared memory
+// fits four), three for the 64-row passes' fragments.
+#define QS_MINB(TG) ((TG) >= 8 ? 3 : 4)
 #define QS_ENTRY_MXFP8(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {                       \
         qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);    \
     }
 #define QS_ENTRY_NVFP4(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_NVFP4_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_NVFP4_ARGS) {                       \
         qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);      \
     }
 #define QS_ENTRY_BF16(name, TG)                                                                                \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {                       \
         qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);     \
     }
 // FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
