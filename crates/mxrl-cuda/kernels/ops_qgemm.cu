@@ -742,6 +742,67 @@ struct QfMxfp8 : QmMxfp8 {
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
 };
+// MXFP8 weights decoded without leaving BF16, for weights whose every scale byte is at most
+// MXFP8_FAST_MAX_SCALE and that hold no NaN code (mxfp8_fast_check; the host picks these
+// kernels only then): the bytes of a code pair are spread into the two halves of a word with
+// their signs replicated (prmt), shifted and masked to sign | exponent-and-mantissa << 4 — the
+// BF16 pattern of e4m3_value(code) · 2^-120, exact for every code, subnormal E4M3 codes
+// landing on BF16 subnormals and zeros on zeros — then multiplied by the BF16 factor
+// 2^(s − 7) = 2^120 · 2^(s − 127) (s ≤ 134 keeps it finite): one rounding of the exact product
+// e4m3_value(code) · 2^(s − 127), which is what QfMxfp8 computes in f32 and rounds to BF16
+// (both round the same exact value to nearest even), so the operands, and the sums, are
+// QfMxfp8's bit for bit. Four instructions per pair where QfMxfp8 takes six.
+#define MXFP8_FAST_MAX_SCALE 134u
+__device__ __forceinline__ u32 mxfp8_fast_pair(u32 q, u32 sel, u32 factor) {
+    u32 t;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(t) : "r"(q), "r"(sel));
+    t = (t << 4) & 0x87F087F0u;
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(t), "r"(factor), "r"(0x80008000u));
+    return d;
+}
+struct QfMxfp8Fast : QfMxfp8 {
+    // The chunk's BF16 factor 2^(s − 7) in both halves.
+    __device__ static u32 prep(u32 raw) { return ((raw + 120u) << 7) * 0x10001u; }
+    __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
+        const u32 q = word_of(w, s);
+        lo = mxfp8_fast_pair(q, 0x9180u, prep);  // bytes 0, 1, each over its sign copies
+        hi = mxfp8_fast_pair(q, 0xB3A2u, prep);  // bytes 2, 3
+    }
+};
+
+// Eligibility for QfMxfp8Fast of stored MXFP8 weights: clears *ok when a code byte is NaN
+// (0x7F / 0xFF) or a scale byte exceeds MXFP8_FAST_MAX_SCALE (*ok set to 1 by the caller; every
+// writer writes 0, so the result does not depend on the order). Grid-stride over the codes'
+// u32 words (nc a multiple of 4, 4-byte aligned) and the scale bytes.
+extern "C" __global__ void mxfp8_fast_check(const u32* __restrict__ codes, u64 nc, const u8* __restrict__ scales,
+                                            u64 ns, u32* __restrict__ ok) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    bool bad = false;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nc / 4; i += stride) {
+        const u32 m = codes[i] & 0x7F7F7F7Fu;  // a byte of 0x7F carries into its top bit
+        bad |= ((m + 0x01010101u) & 0x80808080u) != 0u;
+    }
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < ns; i += stride) bad |= scales[i] > MXFP8_FAST_MAX_SCALE;
+    if (bad) *ok = 0u;
+}
+
+// Every code under every eligible scale byte through both MXFP8 decoders (for the tests):
+// thread (s, c4) decodes codes 4·c4 .. 4·c4 + 3 under scale byte s as word 0 of a chunk;
+// general / fast [s·256 + code] = the BF16 operand bits of QfMxfp8 / QfMxfp8Fast.
+extern "C" __global__ void mxfp8_decode_table(u16* __restrict__ general, u16* __restrict__ fast) {
+    const u32 s = blockIdx.x, c4 = threadIdx.x;  // grid MXFP8_FAST_MAX_SCALE + 1, block 64
+    const u32 q = (4u * c4) | ((4u * c4 + 1u) << 8) | ((4u * c4 + 2u) << 16) | ((4u * c4 + 3u) << 24);
+    const uint4 w = make_uint4(q, 0u, 0u, 0u);
+    u32 lo, hi;
+    QfMxfp8::pairs(w, QfMxfp8::prep(s), 0, lo, hi);
+    u16* g = general + s * 256u + 4u * c4;
+    g[0] = (u16)lo, g[1] = (u16)(lo >> 16), g[2] = (u16)hi, g[3] = (u16)(hi >> 16);
+    QfMxfp8Fast::pairs(w, QfMxfp8Fast::prep(s), 0, lo, hi);
+    u16* f = fast + s * 256u + 4u * c4;
+    f[0] = (u16)lo, f[1] = (u16)(lo >> 16), f[2] = (u16)hi, f[3] = (u16)(hi >> 16);
+}
+
 struct QfNvfp4 : QmNvfp4 {
     static constexpr int XV = 4;
     static constexpr bool BLOCKED = false;
@@ -955,9 +1016,10 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 }
 
 // Entry points: suffix = token groups of 8 rows per pass; blocks of 32 · KS threads.
-#define QF_ENTRY_MXFP8(name, TG, MINB)                                                                         \
+// F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
+#define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                 \
+        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                       \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
@@ -968,10 +1030,14 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
         qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                  \
     }
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, 4, 1)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t8, 8, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, QfMxfp8, 1, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, QfMxfp8, 2, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, QfMxfp8, 4, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t8, QfMxfp8, 8, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t1, QfMxfp8Fast, 1, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t2, QfMxfp8Fast, 2, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t4, QfMxfp8Fast, 4, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t8, QfMxfp8Fast, 8, 1)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t1, 1, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t2, 2, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t4, 4, 1)
@@ -1247,16 +1313,17 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 // is cut for (FP8 block: none): four up to 32 rows per pass (MXFP8's and BF16's shared memory
 // fits four), three for the 64-row passes' fragments.
 #define QS_MINB(TG) ((TG) >= 8 ? 3 : 4)
-#define QS_ENTRY_MXFP8(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);    \
+// F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
+#define QS_ENTRY_MXFP8(name, F, TG)                                                                            \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {          \
+        qgemm_fragsm_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);          \
     }
 #define QS_ENTRY_NVFP4(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_NVFP4_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_NVFP4_ARGS) {          \
         qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);      \
     }
 #define QS_ENTRY_BF16(name, TG)                                                                                \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {          \
         qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);     \
     }
 // FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
@@ -1305,10 +1372,14 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
         qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
                                           K, bx);                                                              \
     }
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, 4)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t8, 8)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, QfMxfp8, 1)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, QfMxfp8, 2)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, QfMxfp8, 4)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t8, QfMxfp8, 8)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t1, QfMxfp8Fast, 1)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t2, QfMxfp8Fast, 2)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t4, QfMxfp8Fast, 4)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t8, QfMxfp8Fast, 8)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t1, 1)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t2, 2)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t4, 4)

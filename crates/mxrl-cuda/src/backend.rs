@@ -19,7 +19,7 @@ use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
-use crate::ops::qgemm::QGemm;
+use crate::ops::qgemm::{mxfp8_fast_eligible, Mxfp8Decode, QGemm};
 use crate::ops::qlinear::QLinear;
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
@@ -72,6 +72,9 @@ pub struct QExperts {
     /// (BF16, `parts` stacks of `[E, N, K]`, module doc of [`Backend::grouped_qlinear_backward`]
     /// here), made on the first backward of this weight version.
     pub train: std::cell::OnceCell<CudaSlice<u16>>,
+    /// MXFP8: every scale byte ≤ 134 and no NaN code, so the fragment kernels may decode
+    /// with [`Mxfp8Decode::Fast`] (the same bits); checked once when the weights are made.
+    pub fast_decode: bool,
     /// A dense MXFP8 weight's forward operand: its contract dequantization to BF16 `[N, K]`,
     /// made by the first forward of this weight version that is not being recorded into a
     /// graph (a recorded step reuses it; the weights never change within a version).
@@ -382,6 +385,7 @@ impl CudaBackend {
             scales,
             amax,
             spec,
+            fast_decode: false,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -592,6 +596,7 @@ impl Backend for CudaBackend {
             scales: self.gpu.upload(&scales).map_err(de)?,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
+            fast_decode: format == Format::Mxfp8 && mxfp8_fast_eligible(&codes, &scales),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -656,6 +661,10 @@ impl Backend for CudaBackend {
             scales,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
+            fast_decode: format == Format::Mxfp8
+                && weights
+                    .iter()
+                    .all(|w| mxfp8_fast_eligible(w.data, w.scales)),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -763,6 +772,13 @@ impl Backend for CudaBackend {
                 &mut q,
             )
             .map_err(|e| dev(format!("{}: {e}", name(0))))?;
+        // Once per weight version: may the fragment kernels take the fast decode?
+        let fast_decode = match self.qgemm.as_ref() {
+            Ok(g) => g
+                .mxfp8_fast_check(&q.data.as_view(), &q.scales.as_view())
+                .map_err(de)?,
+            Err(_) => false,
+        };
         Ok(QExperts {
             format: Format::Mxfp8,
             e: groups,
@@ -772,6 +788,7 @@ impl Backend for CudaBackend {
             scales: q.scales,
             amax: self.gpu.zeros::<f32>(1).map_err(de)?,
             spec,
+            fast_decode,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -790,6 +807,7 @@ impl Backend for CudaBackend {
             scales: s.clone_dtod(&w.scales).map_err(e)?,
             amax: s.clone_dtod(&w.amax).map_err(e)?,
             spec: w.spec,
+            fast_decode: w.fast_decode,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -2486,8 +2504,14 @@ impl CudaBackend {
         match (w.format, &act.amax) {
             (Format::Mxfp8, None) => {
                 if frag {
+                    let decode = if w.fast_decode {
+                        Mxfp8Decode::Fast
+                    } else {
+                        Mxfp8Decode::General
+                    };
                     return q
-                        .grouped_nt_frag_mxfp8(
+                        .grouped_nt_frag_mxfp8_decode(
+                            decode,
                             &xq.as_view(),
                             &w.codes.as_view(),
                             &w.scales.as_view(),

@@ -188,12 +188,17 @@ pub struct QGemm {
     tc_mxfp8: CudaFunction,
     tc_nvfp4: CudaFunction,
     frag_mxfp8: [CudaFunction; 4],
+    /// The same with the fast MXFP8 decode ([`Mxfp8Decode::Fast`]).
+    frag_mxfp8f: [CudaFunction; 4],
     frag_nvfp4: [CudaFunction; 4],
     frag_bf16: [CudaFunction; 4],
     staged_mxfp8: [CudaFunction; 4],
+    staged_mxfp8f: [CudaFunction; 4],
     staged_nvfp4: [CudaFunction; 4],
     staged_bf16: [CudaFunction; 4],
     act_fp8b: CudaFunction,
+    mxfp8_fast_check: CudaFunction,
+    mxfp8_decode_table: CudaFunction,
     /// [stage count of FP8_STAGES][rows per pass].
     staged_fp8b: [[CudaFunction; 4]; 3],
     /// [stage count of FP8_STAGES][rows per pass].
@@ -405,6 +410,28 @@ pub fn frag_rows(s: Grouped, format: Option<LowByte>) -> FragRows {
     }
 }
 
+/// The largest MXFP8 scale byte [`Mxfp8Decode::Fast`] takes (`MXFP8_FAST_MAX_SCALE`): its BF16
+/// factor `2^(s − 7)` stays finite.
+pub const MXFP8_FAST_MAX_SCALE: u8 = 134;
+
+/// [`QGemm::mxfp8_fast_check`] on the host, for stored bytes that are there: no NaN code
+/// (`0x7F` / `0xFF`) and no scale byte above [`MXFP8_FAST_MAX_SCALE`].
+pub fn mxfp8_fast_eligible(codes: &[u8], scales: &[u8]) -> bool {
+    codes.iter().all(|&c| c & 0x7F != 0x7F) && scales.iter().all(|&b| b <= MXFP8_FAST_MAX_SCALE)
+}
+
+/// How the MXFP8 fragment kernels decode the stored weights into their BF16 operands; both
+/// give the same operand bits, so the same sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mxfp8Decode {
+    /// Every code and scale byte (E4M3 → binary16 → f32, times the scale, rounded to BF16).
+    General,
+    /// In BF16 throughout (the code's bits placed as `value · 2⁻¹²⁰`, one BF16 multiply by
+    /// `2^(s − 7)`), in two thirds of the instructions; only for weights without NaN codes and
+    /// with scale bytes ≤ 134 ([`QGemm::mxfp8_fast_check`]).
+    Fast,
+}
+
 /// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
 /// groups of 8 (the `n8` of `mma.m16n8k16`) multiplied by each decoded weight fragment. An
 /// expert with more rows takes further passes over its weights; fewer leave columns of the
@@ -540,6 +567,8 @@ impl QGemm {
         };
         let [a, b, c, d] = frag("mxfp8");
         let frag_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = frag("mxfp8f");
+        let frag_mxfp8f = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("nvfp4");
         let frag_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("bf16");
@@ -555,6 +584,8 @@ impl QGemm {
         };
         let [a, b, c, d] = staged("mxfp8");
         let staged_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("mxfp8f");
+        let staged_mxfp8f = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("nvfp4");
         let staged_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("bf16");
@@ -592,12 +623,16 @@ impl QGemm {
             tc_mxfp8: f("qgemm_tc_mxfp8")?,
             tc_nvfp4: f("qgemm_tc_nvfp4")?,
             frag_mxfp8,
+            frag_mxfp8f,
             frag_nvfp4,
             frag_bf16,
             staged_mxfp8,
+            staged_mxfp8f,
             staged_nvfp4,
             staged_bf16,
             act_fp8b: f("quant_act_fp8_block_f16")?,
+            mxfp8_fast_check: f("mxfp8_fast_check")?,
+            mxfp8_decode_table: f("mxfp8_decode_table")?,
             staged_fp8b,
             staged_fp8b3,
         })
@@ -1212,6 +1247,94 @@ impl QGemm {
         self.grouped_nt_frag_mxfp8_with(rows, layout, x, codes, scales, offsets, y, s)
     }
 
+    /// [`QGemm::grouped_nt_frag_mxfp8`] with the weights decoded by `decode`: the same bits
+    /// either way, [`Mxfp8Decode::Fast`] in fewer instructions but only for weights
+    /// [`QGemm::mxfp8_fast_check`] found eligible (the caller's promise; other weights would
+    /// give wrong values, not an error).
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_mxfp8_decode(
+        &self,
+        decode: Mxfp8Decode,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let f = Some(LowByte::Mxfp8);
+        let rows = frag_rows(s, f);
+        let layout = frag_layout(s, f, rows);
+        self.grouped_nt_frag_mxfp8_decode_with(
+            decode, rows, layout, x, codes, scales, offsets, y, s,
+        )
+    }
+
+    /// Whether stored MXFP8 weights (`codes`, `scales` as [`QGemm::grouped_nt_frag_mxfp8`]
+    /// takes them) may take [`Mxfp8Decode::Fast`]: no NaN code (0x7F / 0xFF) and no scale byte
+    /// above 134 (a block amax below 2⁸·448). One pass over the bytes, then the answer is read
+    /// back (a synchronization): once per weight version.
+    ///
+    /// # Errors
+    /// `codes` not a multiple of 4 bytes or misaligned, launch and copy errors.
+    pub fn mxfp8_fast_check(
+        &self,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+    ) -> Result<bool, DeviceError> {
+        let g = &self.gpu;
+        let op = "mxfp8_fast_check";
+        check_multiple(g, op, codes.len(), 4, "whole u32 words of codes")?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 4)?;
+        let mut ok = g.upload(&[1u32])?;
+        if codes.is_empty() && scales.is_empty() {
+            return Ok(true);
+        }
+        let (nc, ns) = (codes.len() as u64, scales.len() as u64);
+        let blocks = (codes.len() / 4).div_ceil(256).clamp(1, 1024) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.mxfp8_fast_check);
+        b.arg(codes).arg(&nc).arg(scales).arg(&ns).arg(&mut ok);
+        // SAFETY: codes holds nc bytes (nc % 4 == 0, 4-byte aligned: read as nc/4 u32 words),
+        // scales ns bytes, ok one u32; the grid-stride loops stay below those counts. Argument
+        // types match (const u32*, u64, const u8*, u64, u32*).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(g.download(&ok)?[0] == 1)
+    }
+
+    /// Every E4M3 code under every scale byte up to 134 through both MXFP8 decoders of the
+    /// fragment kernels: `(general, fast)`, each `[135 · 256]` BF16 bit patterns indexed by
+    /// `scale · 256 + code` (the operand bits the kernels multiply; equal where the fast
+    /// decode is allowed, i.e. for every non-NaN code).
+    ///
+    /// # Errors
+    /// Allocation, launch and copy errors.
+    pub fn mxfp8_decode_table(&self) -> Result<(Vec<u16>, Vec<u16>), DeviceError> {
+        let g = &self.gpu;
+        let n = 135 * 256;
+        let mut general = g.zeros::<u16>(n)?;
+        let mut fast = g.zeros::<u16>(n)?;
+        let cfg = LaunchConfig {
+            grid_dim: (135, 1, 1),
+            block_dim: (64, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.mxfp8_decode_table);
+        b.arg(&mut general).arg(&mut fast);
+        // SAFETY: both outputs hold 135·256 u16; thread (s, c4) writes [s·256 + 4·c4, +4) with
+        // s < 135, c4 < 64. Argument types match (u16*, u16*).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok((g.download(&general)?, g.download(&fast)?))
+    }
+
     /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass and the
     /// reduction split over `split` warps per block (1, 2, 4 or 8).
     ///
@@ -1220,6 +1343,30 @@ impl QGemm {
     #[allow(clippy::too_many_arguments)]
     pub fn grouped_nt_frag_mxfp8_with(
         &self,
+        rows: FragRows,
+        layout: FragLayout,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let decode = Mxfp8Decode::General;
+        self.grouped_nt_frag_mxfp8_decode_with(
+            decode, rows, layout, x, codes, scales, offsets, y, s,
+        )
+    }
+
+    /// [`QGemm::grouped_nt_frag_mxfp8_with`] with the weights decoded by `decode` (as
+    /// [`QGemm::grouped_nt_frag_mxfp8_decode`]).
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_mxfp8_decode_with(
+        &self,
+        decode: Mxfp8Decode,
         rows: FragRows,
         layout: FragLayout,
         x: &CudaView<'_, u16>,
@@ -1238,7 +1385,14 @@ impl QGemm {
         }
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let g = &self.gpu;
-        let func = Self::frag_kernel(layout, rows, &self.frag_mxfp8, &self.staged_mxfp8);
+        let func = match decode {
+            Mxfp8Decode::General => {
+                Self::frag_kernel(layout, rows, &self.frag_mxfp8, &self.staged_mxfp8)
+            }
+            Mxfp8Decode::Fast => {
+                Self::frag_kernel(layout, rows, &self.frag_mxfp8f, &self.staged_mxfp8f)
+            }
+        };
         let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
