@@ -1086,7 +1086,8 @@ struct QsBlock {
     const float* x_amax;  // NVFP4: the rows' amax; FP8 block (BLOCKED): their scale_inv [R, K/128]
     const u8* codes;
     float* y;
-    const u8* wc[4];  // this lane's first weight chunk (bytes 16t..16t+16) of rows g + 8i
+    const u8* wc;  // this lane's first weight chunk (bytes 16t..16t+16) of row g; row g + 8i at + i·w8
+    u64 w8;  // bytes of 8 weight rows
     const u8* s_scale;  // the block's weight scale rows (BLOCKED: its 128-row scale_inv row)
     const u8* s_wrow;  // this lane's weight scale row g of the warp's 32 columns (not BLOCKED)
     u8* w_lane;  // this lane's chunk of row g in stage 0 of the warp's weight stages
@@ -1130,8 +1131,12 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
         if (kt < c.steps) {
             const bool ok = c.active && 64 * kt + 16 * c.t < c.rowb;
             u8* wd = c.w_lane + slot * 2048;
+            const u8* ws = c.wc + 64 * (u64)kt;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) qs_cp16(wd + 512 * i, ok ? c.wc[i] + 64 * (u64)kt : c.codes, ok);
+            for (int i = 0; i < 4; ++i) {
+                qs_cp16(wd + 512 * i, ok ? ws : c.codes, ok);
+                ws += c.w8;
+            }
             const u32 k = kt * ELEMS + 8 * j;
             const u16* src = xsrc + kt * ELEMS;
             u16* dst = xdst + slot * c.xrows * XLD;
@@ -1174,12 +1179,18 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
         uint4 wq[4];
         u32 sp[4];
         const u8* wsrc = c.w_lane + cur * 2048;
+        // The chunk's scales (past the row: chunk 0's, loaded unconditionally, then dropped
+        // for prep(0) — the codes there are zeros).
         const u32 ch = 4 * kt + c.t;
         const bool sok = 16 * ch < c.rowb;
+        const u32 chs = sok ? ch : 0u;
+        const u8* sr = c.s_wrow;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             wq[i] = *reinterpret_cast<const uint4*>(wsrc + 512 * i);
-            sp[i] = F::prep(sok ? F::load_scale(c.s_wrow + 8 * i * c.sk, ch) : 0u);
+            const u32 raw = F::load_scale(sr, chs);
+            sp[i] = F::prep(sok ? raw : 0u);
+            sr += 8 * c.sk;
         }
         const u16* xs = c.x_lane + cur * c.xrows * XLD;
         constexpr int VG = F::XV < 16 / TGP ? F::XV : 16 / TGP;
@@ -1291,8 +1302,8 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
         const u32 chunks = wrows * c.sk / 16;
         for (u32 q = c.tid; q < chunks; q += blockDim.x) qs_cp16(s_scale + 16 * q, src + 16 * q, true);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb + 16 * c.t;
+    c.wc = codes + ((u64)e * N + c.n0 + c.g) * c.rowb + 16 * c.t;
+    c.w8 = 8 * (u64)c.rowb;
     c.w_lane = s_w + (u64)c.warp * ST * 2048 + 64 * c.g + 16 * c.t;
     c.s_wrow = s_scale + (u64)(QF_COLS * c.warp + c.g) * c.sk;
     c.x_lane = c.s_x + c.g * XLD + c.t * F::CHUNK;
@@ -1310,9 +1321,12 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 }
 
 // Resident blocks per SM the register budget of a TG-group MXFP8 / NVFP4 / BF16 staged kernel
-// is cut for (FP8 block: none): four up to 32 rows per pass (MXFP8's and BF16's shared memory
-// fits four), three for the 64-row passes' fragments.
+// is cut for: four up to 32 rows per pass (MXFP8's and BF16's shared memory fits four), three
+// for the 64-row passes' fragments.
 #define QS_MINB(TG) ((TG) >= 8 ? 3 : 4)
+// FP8 block: four up to 32 rows per pass; the 64-row passes, and the dense three-weight
+// entries (QS_ENTRY_FP8B3: their arguments), keep their registers.
+#define QS_MINB_FP8B(TG) ((TG) >= 8 ? 1 : 4)
 // F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
 #define QS_ENTRY_MXFP8(name, F, TG)                                                                            \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {          \
@@ -1331,7 +1345,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 // N a multiple of 128 (each block's columns one scale tile), K of 128.
 // ST: stages (suffix _sN; none for three).
 #define QS_ENTRY_FP8B(name, TG, ST)                                                                            \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB_FP8B(TG))                             \
         name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ codes,             \
              const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,     \
              u32 N, u32 K) {                                                                                   \
