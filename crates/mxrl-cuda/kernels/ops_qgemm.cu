@@ -916,14 +916,12 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
     const u32 steps = (rowb + 63) / 64;  // super-steps of 64 code bytes per row
     const u32 elems = F::CHUNK * 4;      // elements per super-step
-    const u8* wc[4];
-    const u8* ws[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const u64 row = (u64)e * N + n0 + g + 8 * i;
-        wc[i] = codes + row * rowb;
-        ws[i] = scales + row * sk;
-    }
+    // This lane's chunk 0 (bytes 16t .. 16t+16) of weight row n0 + g and that row's scales;
+    // row g + 8i at + i·w8 and + i·s8.
+    const u64 row0 = (u64)e * N + n0 + g;
+    const u8* const wc = codes + row0 * rowb + 16 * t;
+    const u8* const ws = scales + row0 * sk;
+    const u64 w8 = 8 * (u64)rowb, s8 = 8 * (u64)sk;
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * 8 * TG; rb < hi; rb += gridDim.z * 8 * TG) {
         float acc[2][TG][4];
@@ -933,12 +931,23 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         auto load_w = [&](u32 kt, uint4* wq, u32* sr) {
             const u32 c = 4 * kt + t;
             const bool ok = kt < steps && 16 * c < rowb;
+            const u8* pw = wc + 64 * (u64)kt;
+            const u8* ps = ws;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                wq[i] = ok ? *reinterpret_cast<const uint4*>(wc[i] + 16 * (u64)c) : make_uint4(0u, 0u, 0u, 0u);
-                sr[i] = ok ? F::load_scale(ws[i], c) : 0u;
+                wq[i] = ok ? *reinterpret_cast<const uint4*>(pw) : make_uint4(0u, 0u, 0u, 0u);
+                sr[i] = ok ? F::load_scale(ps, c) : 0u;
+                pw += w8;
+                ps += s8;
             }
         };
+        // The pass's activation rows rb + 8·tg + g of this lane (bit tg: inside the expert's
+        // rows), from its chunk t·CHUNK; row tg at + tg·x8.
+        u32 rows_ok = 0;
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) rows_ok |= (rb + 8 * tg + g < hi ? 1u : 0u) << tg;
+        const u16* const xb = x + (u64)(rb + g) * K + t * F::CHUNK;
+        const u64 x8 = 8 * (u64)K;
         uint4 wq[4];
         u32 sr[4];
         load_w(warp, wq, sr);
@@ -951,6 +960,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
             // Loaded VG uint4 per row at a time (all XV of them unless TG · XV > 16 registers'
             // worth: NVFP4 with 64 rows per pass), the mma steps in increasing s either way.
             const u32 k0 = kt * elems + t * F::CHUNK;
+            const bool kok = k0 < K;
             u32 sp[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) sp[i] = F::prep(sr[i]);
@@ -958,13 +968,14 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 #pragma unroll
             for (int v0 = 0; v0 < F::XV; v0 += VG) {
                 uint4 xa[TG][VG];
+                const u16* xr = xb + kt * elems;
 #pragma unroll
                 for (int tg = 0; tg < TG; ++tg) {
-                    const u32 r = rb + 8 * tg + g;
-                    const bool ok = r < hi && k0 < K;
-                    const uint4* src = reinterpret_cast<const uint4*>(x + (u64)r * K + k0) + v0;
+                    const bool ok = ((rows_ok >> tg) & 1u) && kok;
+                    const uint4* src = reinterpret_cast<const uint4*>(xr) + v0;
 #pragma unroll
                     for (int v = 0; v < VG; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+                    xr += x8;
                 }
                 qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
