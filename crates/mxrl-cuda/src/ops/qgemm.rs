@@ -2069,3 +2069,85 @@ impl QGemm {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use mxrl_formats::e4m3_decode;
+
+    /// `prmt.b32 d, q, 0, sel` in its default mode: byte `i` of `d` is byte `sel[i] & 7` of
+    /// `{0 (bytes 4-7), q (bytes 0-3)}`, or with bit 3 of the selector nibble set, that byte's
+    /// top bit copied into all eight bits.
+    fn prmt(q: u32, sel: u32) -> u32 {
+        let bytes = (q as u64).to_le_bytes();
+        (0..4)
+            .map(|i| {
+                let nib = (sel >> (4 * i)) & 0xF;
+                let b = bytes[(nib & 7) as usize];
+                let b = if nib & 8 != 0 {
+                    if b & 0x80 != 0 {
+                        0xFF
+                    } else {
+                        0
+                    }
+                } else {
+                    b
+                };
+                u32::from(b) << (8 * i)
+            })
+            .sum()
+    }
+
+    /// The kernels' fast MXFP8 decode of one code (`mxfp8_fast_pair` with its `fma.rn.bf16x2`
+    /// by the factor and −0: one rounding of the exact product, here through f64, where the
+    /// product of a BF16 value and a power of two is exact).
+    fn fast_decode(code: u8, scale: u8) -> u16 {
+        let t = (prmt(u32::from(code), 0x9180) << 4) & 0x87F0_87F0;
+        let factor = ((u32::from(scale) + 120) << 7) as u16;
+        let product = bf16::from_bits(t as u16).to_f64() * bf16::from_bits(factor).to_f64();
+        bf16::from_f64(product).to_bits()
+    }
+
+    #[test]
+    fn fast_mxfp8_decode_rounds_the_contract_value_for_every_code_and_scale() {
+        for scale in 0..=MXFP8_FAST_MAX_SCALE {
+            let sc = if scale == 0 {
+                f32::from_bits(0x0040_0000)
+            } else {
+                f32::from_bits(u32::from(scale) << 23)
+            };
+            for code in 0..=255u8 {
+                if code & 0x7F == 0x7F {
+                    continue; // NaN codes: not eligible
+                }
+                // The contract's dequantized value (exact in f32), rounded to BF16.
+                let want = bf16::from_f32(e4m3_decode(code) * sc).to_bits();
+                assert_eq!(
+                    fast_decode(code, scale),
+                    want,
+                    "code {code:#04x} scale {scale}"
+                );
+            }
+        }
+        // The pair layout: code 1's bits in the high half, from byte 1 and its sign copies.
+        let q = 0x0000_B838u32; // codes 0x38 (1.0) and 0xB8 (−1.0)
+        let t = (prmt(q, 0x9180) << 4) & 0x87F0_87F0;
+        assert_eq!(
+            (
+                bf16::from_bits(t as u16).to_f32(),
+                bf16::from_bits((t >> 16) as u16).to_f32()
+            ),
+            (2f32.powi(-120), -(2f32.powi(-120)))
+        );
+    }
+
+    #[test]
+    fn fast_mxfp8_eligibility_refuses_nan_codes_and_large_scales() {
+        assert!(mxfp8_fast_eligible(&[0, 0x7E, 0xFE, 0x80], &[0, 134]));
+        assert!(!mxfp8_fast_eligible(&[0x7F], &[]));
+        assert!(!mxfp8_fast_eligible(&[0xFF], &[]));
+        assert!(!mxfp8_fast_eligible(&[], &[135]));
+        assert!(mxfp8_fast_eligible(&[], &[]));
+    }
+}
