@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
 # .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmarks (mxrl-cuda's
-# bench_gemm, bench_head_ops and bench_qgemm examples), the CUDA test binaries of mxrl-cuda and
+# bench_gemm, bench_head_ops, bench_qgemm, bench_attn_ops and bench_fp8block examples), the CUDA test binaries of mxrl-cuda and
 # mxrl-cli's GPU test. `scripts/device_run.sh` runs them on the GPU machine, which needs
 # no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
 set -euo pipefail
@@ -18,6 +18,8 @@ cargo build --release -p mxrl-cuda --features cuda --example bench_qgemm
 cp target/release/examples/bench_qgemm "$out/bench_qgemm"
 cargo build --release -p mxrl-cuda --features cuda --example bench_attn_ops
 cp target/release/examples/bench_attn_ops "$out/bench_attn_ops"
+cargo build --release -p mxrl-cuda --features cuda --example bench_fp8block
+cp target/release/examples/bench_fp8block "$out/bench_fp8block"
 for pkg in mxrl-cuda mxrl-cli; do
   # mxrl-cli: only its GPU test (the two-process rollout on the device); the others are CI's.
   sel=(); [[ $pkg == mxrl-cli ]] && sel=(--test rollout_gpu)
@@ -35,7 +37,8 @@ for line in sys.stdin:
         print(dst)
 ' "$out/tests" "$pkg"
 done
-strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out/bench_attn_ops" "$out"/tests/*
+strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out/bench_attn_ops" \
+  "$out/bench_fp8block" "$out"/tests/*
 du -sh "$out"
 # The tree that travels to the GPU machine is capped at 64 MiB: past ~60 MiB, delete the test
 # binaries and benchmarks the run does not need before carrying .dev.

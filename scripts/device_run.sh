@@ -2,8 +2,12 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged]
 #   (default: tests hf bench)
+#   staged: the low-byte expert and linear kernels in one call — their device tests
+#   (ops_qgemm, ops_fp8block, ops_qlinear, engine_gpu, rl_engine_gpu), `bench_qgemm --large`
+#   and `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
+#   at real width with every block-format decode recipe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
@@ -135,6 +139,32 @@ print(f"rlq {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:
       f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
 PY
   done
+fi
+if [[ " $what " == *" staged "* ]]; then
+  export MXRL_BIN=$PWD/.dev/mxrl
+  for name in ops_qgemm ops_fp8block ops_qlinear engine_gpu rl_engine_gpu; do
+    t=$(ls .dev/tests/*-"$name" 2>/dev/null | head -1)
+    if [[ -z $t ]]; then summary+=("$name: no binary in .dev/tests"); continue; fi
+    start=$(date +%s)
+    echo "===== $name" >>"$log"
+    timeout 240 "$t" --test-threads=1 --nocapture >>"$log" 2>&1
+    rc=$?
+    res=$(sed -n "/===== $name/,\$p" "$log" | grep -E '^test result' | tail -1)
+    summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
+  done
+  echo "===== bench_qgemm --large" >>"$log"
+  timeout 240 .dev/bench_qgemm --large --batches 512 --busy >>"$log" 2>&1
+  summary+=("bench_qgemm_large rc=$?")
+  echo "===== bench_fp8block --staged" >>"$log"
+  timeout 180 .dev/bench_fp8block --staged --reps 10 --batches 512 --busy >>"$log" 2>&1
+  summary+=("bench_fp8block_staged rc=$?")
+  echo "===== bench model decode recipes" >>"$log"
+  timeout 300 .dev/mxrl bench model --device cuda --layers 2 --experts 128 --q-heads 32 \
+    --train-seqs 0 --vocab 512 --prompt 12 --batches 64,512 --generate-batches 512 \
+    --generate-tokens 24 --decode-recipes mxfp8,nvfp4-hp,fp8-block \
+    --json-out "$out/bench-staged.json" >>"$log" 2>&1
+  summary+=("bench_model_decode rc=$?")
+  sed -n '/===== bench model decode recipes/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
 fi
 if [[ " $what " == *" clients "* ]]; then
   echo "===== clientcheck" >>"$log"
