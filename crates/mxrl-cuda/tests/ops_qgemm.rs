@@ -296,18 +296,20 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
             );
             let want: Vec<u16> = lib.iter().map(|&v| bf16_bits(v)).collect();
             let dx = g.upload(&x).unwrap();
-            let mut pre = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
-            let mut damax = g.upload(&vec![f32::NAN; rows]).unwrap();
-            ops.quant_act_nvfp4(
-                &dx.as_view(),
-                rows,
-                k,
-                &mut pre.as_view_mut(),
-                &mut damax.as_view_mut(),
-            )
-            .unwrap();
-            let got = g.download(&pre).unwrap();
-            let got_amax = g.download(&damax).unwrap();
+            // One quantizer (BF16 or binary16 operand) into fresh buffers of 0xFFFF and NaN.
+            let run = |f16_operand: bool| {
+                let mut pre = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+                let mut damax = g.upload(&vec![f32::NAN; rows]).unwrap();
+                let (xv, mut pv, mut av) = (dx.as_view(), pre.as_view_mut(), damax.as_view_mut());
+                if f16_operand {
+                    ops.quant_act_nvfp4_f16(&xv, rows, k, &mut pv, &mut av)
+                } else {
+                    ops.quant_act_nvfp4(&xv, rows, k, &mut pv, &mut av)
+                }
+                .unwrap();
+                (g.download(&pre).unwrap(), g.download(&damax).unwrap())
+            };
+            let (got, got_amax) = run(false);
             for r in 0..rows {
                 assert_eq!(
                     got_amax[r].to_bits(),
@@ -334,18 +336,7 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
                 "{what16}: library values not exact in binary16"
             );
             let want16: Vec<u16> = lib.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
-            let mut pre16 = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
-            let mut damax16 = g.upload(&vec![f32::NAN; rows]).unwrap();
-            ops.quant_act_nvfp4_f16(
-                &dx.as_view(),
-                rows,
-                k,
-                &mut pre16.as_view_mut(),
-                &mut damax16.as_view_mut(),
-            )
-            .unwrap();
-            let got16 = g.download(&pre16).unwrap();
-            let got_amax16 = g.download(&damax16).unwrap();
+            let (got16, got_amax16) = run(true);
             assert!(
                 got_amax16
                     .iter()

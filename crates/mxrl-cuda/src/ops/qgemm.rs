@@ -1241,10 +1241,8 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let f = Some(LowByte::Mxfp8);
-        let rows = frag_rows(s, f);
-        let layout = frag_layout(s, f, rows);
-        self.grouped_nt_frag_mxfp8_with(rows, layout, x, codes, scales, offsets, y, s)
+        let decode = Mxfp8Decode::General;
+        self.grouped_nt_frag_mxfp8_decode(decode, x, codes, scales, offsets, y, s)
     }
 
     /// [`QGemm::grouped_nt_frag_mxfp8`] with the weights decoded by `decode`: the same bits
