@@ -1336,7 +1336,8 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 // for the 64-row passes' fragments.
 #define QS_MINB(TG) ((TG) >= 8 ? 3 : 4)
 // FP8 block: four up to 32 rows per pass; the 64-row passes, and the dense three-weight
-// entries (QS_ENTRY_FP8B3: their arguments), keep their registers.
+// entries (QS_ENTRY_FP8B3: their arguments; one block's bound, or ptxas caps them at 128
+// registers and spills), keep their registers.
 #define QS_MINB_FP8B(TG) ((TG) >= 8 ? 1 : 4)
 // F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
 #define QS_ENTRY_MXFP8(name, F, TG)                                                                            \
@@ -1369,7 +1370,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
 // rows (`off` = {0, ≥ R}), E = 1. Each weight's blocks are those of QS_ENTRY_FP8B on it alone,
 // so the outputs are the single launches' bits.
 #define QS_ENTRY_FP8B3(name, TG, ST)                                                                           \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, 1)                                             \
         name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ c0,                \
              const float* __restrict__ s0, float* __restrict__ y0, u32 N0, const u8* __restrict__ c1,           \
              const float* __restrict__ s1, float* __restrict__ y1, u32 N1, const u8* __restrict__ c2,           \
