@@ -81,7 +81,7 @@ extern "C" __global__ void capture_rows(const float* __restrict__ x, u64 rows, u
     if (s >= slots) return;
     u64 p = pos[r], f = first[s];
     if (p < f || p - f >= len) return;
-    dst[(s * len + (p - f)) * w + j] = x[i];
+    dst[((p - f) * slots + s) * w + j] = x[i];
 }
 
 // y[i] += x[i], i < n.

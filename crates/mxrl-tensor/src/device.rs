@@ -440,11 +440,13 @@ pub trait Backend {
         dst_ids: &mut Self::U32,
         dst_weights: &mut Self::F32,
     ) -> DResult<()>;
-    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]` (the per-layer probes a
-    /// generation records): row `r` goes to slot `s = seq[r]` (`r` itself when `seq` is
-    /// `None`) at index `pos[r] − first[s]`; rows whose slot is `≥ slots`, or whose position
-    /// is outside `first[s] .. first[s] + len`, are skipped. A plain copy (bitwise); reads
-    /// positions on the device, so a recorded decode step replays it at every length.
+    /// Copies rows of `x: [rows, w]` into a table `[len, slots, w]` (the per-layer probes a
+    /// generation records; index-major, so the first `i` indices of every slot are one prefix
+    /// of the table): row `r` goes to slot `s = seq[r]` (`r` itself when `seq` is `None`) at
+    /// index `i = pos[r] − first[s]`, i.e. table row `i·slots + s`; rows whose slot is
+    /// `≥ slots`, or whose position is outside `first[s] .. first[s] + len`, are skipped. A
+    /// plain copy (bitwise); reads positions on the device, so a recorded decode step replays
+    /// it at every length.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -2178,7 +2180,7 @@ impl Backend for CpuBackend {
             if p < f || p - f >= len {
                 continue;
             }
-            let d = (s * len + p - f) * w;
+            let d = ((p - f) * slots + s) * w;
             dst[d..d + w].copy_from_slice(&x[r * w..(r + 1) * w]);
         }
         Ok(())

@@ -313,10 +313,10 @@ impl Elementwise {
         Ok(())
     }
 
-    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]`: row `r` to slot
-    /// `s = seq[r]` (`r` when `seq` is `None`) at index `pos[r] − first[s]`; rows whose slot or
-    /// index falls outside the table are skipped. Reference: `CpuBackend::capture_rows`
-    /// (`mxrl_tensor::device`).
+    /// Copies rows of `x: [rows, w]` into a table `[len, slots, w]`: row `r` to slot
+    /// `s = seq[r]` (`r` when `seq` is `None`) at index `i = pos[r] − first[s]`, table row
+    /// `i·slots + s`; rows whose slot or index falls outside the table are skipped. Reference:
+    /// `CpuBackend::capture_rows` (`mxrl_tensor::device`).
     ///
     /// # Errors
     /// Short buffers; launch errors.
