@@ -278,7 +278,7 @@ pub struct DecodeState<B: Backend> {
     lens: Vec<u32>,
     max_len: usize,
     io: StepIo<B>,
-    /// Per layer, the routes of every fed position `[slots, max_len, k]` (ids, weights), for
+    /// Per layer, the routes of every fed position `[max_len, slots, k]` (ids, weights), for
     /// MoE layers when routes are captured ([`Engine::generate_capturing`]); else empty.
     routes: Vec<Option<(B::U32, B::F32)>>,
     /// The per-layer probes when they are recorded ([`Record::probes`]).
@@ -2592,30 +2592,30 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&n| RoutingTrace::zeros(&self.cfg, n))
             .collect();
-        // The tables up to the last cell asked for, each read back into the backend's host
-        // buffer; each sequence's cells are copied from there.
-        let cells = fed
-            .iter()
-            .enumerate()
-            .map(|(s, &n)| (s * st.max_len + n) * k)
-            .max()
-            .unwrap_or(0);
+        // The tables' first positions, up to the longest sequence fed (position-major: one
+        // prefix), each read back into the backend's host buffer; each sequence's cells are
+        // copied from there (position p of sequence s at table row p·slots + s).
+        let slots = st.lens.len();
+        let most = fed.iter().copied().max().unwrap_or(0).min(st.max_len);
+        let cells = most * slots * k;
         for (mi, (ti, tw)) in st.routes.iter().flatten().enumerate() {
             self.b
                 .download_u32_with(ti, cells, &mut |ids| {
                     for (s, tr) in traces.iter_mut().enumerate() {
-                        let a = s * st.max_len * k;
-                        tr.layers[mi].ids.copy_from_slice(&ids[a..a + fed[s] * k]);
+                        for p in 0..fed[s] {
+                            let (a, d) = ((p * slots + s) * k, p * k);
+                            tr.layers[mi].ids[d..d + k].copy_from_slice(&ids[a..a + k]);
+                        }
                     }
                 })
                 .map_err(dev)?;
             self.b
                 .download_f32_with(tw, cells, &mut |ws| {
                     for (s, tr) in traces.iter_mut().enumerate() {
-                        let a = s * st.max_len * k;
-                        tr.layers[mi]
-                            .weights
-                            .copy_from_slice(&ws[a..a + fed[s] * k]);
+                        for p in 0..fed[s] {
+                            let (a, d) = ((p * slots + s) * k, p * k);
+                            tr.layers[mi].weights[d..d + k].copy_from_slice(&ws[a..a + k]);
+                        }
                     }
                 })
                 .map_err(dev)?;

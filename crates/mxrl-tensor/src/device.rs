@@ -421,9 +421,10 @@ pub trait Backend {
         out: &mut RouteBufs<Self>,
     ) -> DResult<()>;
     /// Copies every row's routes (`ids`, `weights`: `[rows, k]`) into capture tables
-    /// `[S, max_len, k]`: row `r` goes to sequence `seq[r]` (`r` itself when `seq` is `None`)
-    /// at position `pos[r]`; rows whose sequence is `≥ slots` or position `≥ max_len` are
-    /// skipped.
+    /// `[max_len, S, k]` (position-major, so the first positions of every sequence are one
+    /// prefix of the table): row `r` goes to sequence `s = seq[r]` (`r` itself when `seq` is
+    /// `None`) at position `p = pos[r]`, table row `p·slots + s`; rows whose sequence is
+    /// `≥ slots` or position `≥ max_len` are skipped.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -2145,7 +2146,7 @@ impl Backend for CpuBackend {
             if s >= slots || p >= max_len {
                 continue;
             }
-            let d = (s * max_len + p) * k;
+            let d = (p * slots + s) * k;
             dst_ids[d..d + k].copy_from_slice(&ids[r * k..(r + 1) * k]);
             dst_weights[d..d + k].copy_from_slice(&weights[r * k..(r + 1) * k]);
         }

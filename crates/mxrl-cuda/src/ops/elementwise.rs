@@ -243,9 +243,10 @@ impl Elementwise {
             .map_err(|e| self.gpu.err(e))
     }
 
-    /// Copies routes `ids`, `weights: [rows, k]` into tables `[slots, max_len, k]`: row `r` to
-    /// sequence `seq[r]` (`r` when `seq` is `None`) at position `pos[r]`; rows outside the
-    /// tables are skipped. Reference: `CpuBackend::capture_routes` (`mxrl_tensor::device`).
+    /// Copies routes `ids`, `weights: [rows, k]` into tables `[max_len, slots, k]`: row `r` to
+    /// sequence `s = seq[r]` (`r` when `seq` is `None`) at position `p = pos[r]`, table row
+    /// `p·slots + s`; rows outside the tables are skipped. Reference:
+    /// `CpuBackend::capture_routes` (`mxrl_tensor::device`).
     ///
     /// # Errors
     /// Short buffers; launch errors.
