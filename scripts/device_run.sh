@@ -5,9 +5,9 @@
 # Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged]
 #   (default: tests hf bench)
 #   staged: the low-byte expert and linear kernels in one call — their device tests
-#   (ops_qgemm, ops_fp8block, ops_qlinear, engine_gpu, rl_engine_gpu), `bench_qgemm --large`
-#   and `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
-#   at real width with every block-format decode recipe.
+#   (ops_qgemm, ops_fp8block, ops_qlinear, ops_elementwise, engine_gpu, rl_engine_gpu),
+#   `bench_qgemm --large` and `bench_fp8block --staged` at a rollout's batch with busy
+#   routing, and `mxrl bench model` at real width with every block-format decode recipe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
@@ -142,7 +142,7 @@ PY
 fi
 if [[ " $what " == *" staged "* ]]; then
   export MXRL_BIN=$PWD/.dev/mxrl
-  for name in ops_qgemm ops_fp8block ops_qlinear engine_gpu rl_engine_gpu; do
+  for name in ops_qgemm ops_fp8block ops_qlinear ops_elementwise engine_gpu rl_engine_gpu; do
     t=$(ls .dev/tests/*-"$name" 2>/dev/null | head -1)
     if [[ -z $t ]]; then summary+=("$name: no binary in .dev/tests"); continue; fi
     start=$(date +%s)
