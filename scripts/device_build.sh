@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything a GPU run needs and puts it, stripped, under
 # .dev/ (git-ignored): the mxrl binary with CUDA support, the GEMM benchmarks (mxrl-cuda's
-# bench_gemm, bench_head_ops, bench_qgemm, bench_attn_ops and bench_fp8block examples), the CUDA test binaries of mxrl-cuda and
-# mxrl-cli's GPU test. `scripts/device_run.sh` runs them on the GPU machine, which needs
-# no Rust toolchain. The CUDA libraries are loaded at run time, so no CUDA is needed here.
+# bench_gemm, bench_head_ops, bench_qgemm, bench_attn_ops and bench_fp8block examples), the
+# CUDA test binaries of mxrl-cuda and mxrl-cli's GPU test. `scripts/device_run.sh` runs them on
+# the GPU machine, which needs no Rust toolchain. The CUDA libraries are loaded at run time, so
+# no CUDA is needed here.
+#
+# Usage: scripts/device_build.sh [staged]
+#   staged: keep only what `scripts/device_run.sh staged` runs (the tree that travels is
+#   capped at 64 MiB; everything is about 70).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.dev
@@ -39,6 +44,15 @@ for line in sys.stdin:
 done
 strip "$out/mxrl" "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_qgemm" "$out/bench_attn_ops" \
   "$out/bench_fp8block" "$out"/tests/*
+if [[ ${1:-} == staged ]]; then
+  rm -f "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_attn_ops"
+  for t in "$out"/tests/*; do
+    case $(basename "$t") in
+      *-ops_qgemm | *-ops_fp8block | *-ops_qlinear | *-ops_elementwise | *-engine_gpu | *-rl_engine_gpu) ;;
+      *) rm -f "$t" ;;
+    esac
+  done
+fi
 du -sh "$out"
 # The tree that travels to the GPU machine is capped at 64 MiB: past ~60 MiB, delete the test
 # binaries and benchmarks the run does not need before carrying .dev.

@@ -4,10 +4,11 @@
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
 # Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged]
 #   (default: tests hf bench)
-#   staged: the low-byte expert and linear kernels in one call — their device tests
-#   (ops_qgemm, ops_fp8block, ops_qlinear, ops_elementwise, engine_gpu, rl_engine_gpu),
-#   `bench_qgemm --large` and `bench_fp8block --staged` at a rollout's batch with busy
-#   routing, and `mxrl bench model` at real width with every block-format decode recipe.
+#   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
+#   one call — their device tests (ops_qgemm, ops_fp8block, ops_qlinear, ops_elementwise,
+#   engine_gpu, rl_engine_gpu), `bench_qgemm --large` and `bench_fp8block --staged` at a
+#   rollout's batch with busy routing, and `mxrl bench model` at real width with every
+#   block-format decode recipe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
