@@ -1295,7 +1295,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     c.xrows = XROWS;
     c.kbs = K / 128;  // BLOCKED: 128-wide K blocks
     // Shared memory layout (all parts 16-byte multiples: sk·32 rows, or BLOCKED the scale
-    // row's kbs floats rounded up; 2 KB; 16·xld bytes), then BLOCKED the pass's XROWS·kbs
+    // row's kbs floats rounded up; 2 KB; 16·XLD bytes), then BLOCKED the pass's XROWS·kbs
     // activation scales.
     u8* s_scale = qs_mem;
     u8* s_w = s_scale + (F::BLOCKED ? (4 * c.kbs + 15) / 16 * 16 : (u64)QF_COLS * QS_WARPS * c.sk);
