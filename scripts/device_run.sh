@@ -5,10 +5,10 @@
 # Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged]
 #   (default: tests hf bench)
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
-#   one call — their device tests (ops_qgemm, ops_fp8block, ops_qlinear, ops_elementwise,
-#   engine_gpu, rl_engine_gpu), `bench_qgemm --large` and `bench_fp8block --staged` at a
-#   rollout's batch with busy routing, and `mxrl bench model` at real width with every
-#   block-format decode recipe.
+#   one call — the device tests that build kept (ops_qgemm, ops_fp8block, ops_qlinear,
+#   ops_elementwise, engine_gpu, rl_engine_gpu), `bench_qgemm --large` and
+#   `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
+#   at real width with every block-format decode recipe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
@@ -18,7 +18,8 @@ what=${*:-tests hf bench}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 summary=()
-if [[ " $what " == *" tests "* ]]; then
+# Every test binary in .dev/tests, one after another, each line of the summary its result.
+run_tests() {
   # The CLI's GPU tests run the binary built beside them, not the path baked in at build time.
   export MXRL_BIN=$PWD/.dev/mxrl
   for t in .dev/tests/*; do
@@ -30,6 +31,9 @@ if [[ " $what " == *" tests "* ]]; then
     res=$(sed -n "/===== $name/,\$p" "$log" | grep -E '^test result' | tail -1)
     summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
   done
+}
+if [[ " $what " == *" tests "* ]]; then
+  run_tests
 fi
 if [[ " $what " == *" hf "* ]]; then
   echo "===== bench_hf" >>"$log"
@@ -142,17 +146,8 @@ PY
   done
 fi
 if [[ " $what " == *" staged "* ]]; then
-  export MXRL_BIN=$PWD/.dev/mxrl
-  for name in ops_qgemm ops_fp8block ops_qlinear ops_elementwise engine_gpu rl_engine_gpu; do
-    t=$(ls .dev/tests/*-"$name" 2>/dev/null | head -1)
-    if [[ -z $t ]]; then summary+=("$name: no binary in .dev/tests"); continue; fi
-    start=$(date +%s)
-    echo "===== $name" >>"$log"
-    timeout 240 "$t" --test-threads=1 --nocapture >>"$log" 2>&1
-    rc=$?
-    res=$(sed -n "/===== $name/,\$p" "$log" | grep -E '^test result' | tail -1)
-    summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
-  done
+  # The test binaries device_build.sh staged kept (the list lives there).
+  [[ " $what " == *" tests "* ]] || run_tests
   echo "===== bench_qgemm --large" >>"$log"
   timeout 240 .dev/bench_qgemm --large --batches 512 --busy >>"$log" 2>&1
   summary+=("bench_qgemm_large rc=$?")
