@@ -18,19 +18,25 @@ import subprocess
 import sys
 
 
-def sass(cubin, kernel):
+def sass(cubin):
+    """Every kernel of the cubin and its instructions: {name: [(address, text)]}, from one
+    disassembly."""
     exe = shutil.which("cuobjdump")
     if exe is None:
         sys.exit("sass_loops.py: cuobjdump not on PATH (scripts/sass_profile.sh sets it up)")
-    out = subprocess.run([exe, "-sass", "-fun", kernel, cubin], capture_output=True, text=True)
+    out = subprocess.run([exe, "-sass", cubin], capture_output=True, text=True)
     if out.returncode != 0:
-        sys.exit(f"sass_loops.py: cuobjdump failed on {kernel}: {out.stderr.strip()}")
-    ins = []
+        sys.exit(f"sass_loops.py: cuobjdump failed on {cubin}: {out.stderr.strip()}")
+    kernels, ins = {}, None
     for line in out.stdout.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        m = re.search(r"Function : (\S+)", line)
         if m:
+            ins = kernels.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m and ins is not None:
             ins.append((int(m.group(1), 16), m.group(2)))
-    return ins
+    return kernels
 
 
 def loops(ins):
@@ -48,12 +54,6 @@ def loops(ins):
 
 def opcode(text):
     return re.sub(r"^@!?U?P\S+\s+", "", text).split()[0].split(".")[0]
-
-
-def kernels(cubin):
-    exe = shutil.which("cuobjdump")
-    out = subprocess.run([exe, "-sass", cubin], capture_output=True, text=True).stdout
-    return re.findall(r"Function : (\S+)", out)
 
 
 def ptxas_regs(log):
@@ -76,10 +76,9 @@ def main():
         sys.exit(__doc__)
     cubin, pattern = sys.argv[1], re.compile(sys.argv[2])
     regs, spills = ptxas_regs(sys.argv[3]) if len(sys.argv) > 3 else ({}, {})
-    for k in sorted(kernels(cubin)):
+    for k, ins in sorted(sass(cubin).items()):
         if not pattern.search(k):
             continue
-        ins = sass(cubin, k)
         all_loops = loops(ins)
         mma = [lp for lp in all_loops if any("HMMA" in ins[j][1] for j in range(lp[0], lp[1] + 1))]
         inner = [lp for lp in mma if not any(o != lp and o[0] >= lp[0] and o[1] <= lp[1] for o in mma)]
