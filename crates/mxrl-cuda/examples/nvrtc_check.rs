@@ -4,7 +4,9 @@
 //! `ptxas -arch=sm_90 -v` can report registers, shared memory and spills.
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example nvrtc_check [-- --out DIR]`
-//! (needs `libnvrtc` on the library path).
+//! (needs `libnvrtc` on the library path). `--sources DIR` instead writes each module's full
+//! source (`DIR/NAME.cu`, what NVRTC would compile) and the generated prelude
+//! (`DIR/prelude.cuh`), and compiles nothing (no NVRTC needed): the input of `scripts/cuemu.sh`.
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -13,8 +15,21 @@ fn main() {
         .iter()
         .position(|a| a == "--out")
         .map(|i| std::path::PathBuf::from(&args[i + 1]));
-    let mut failed = 0;
     let modules = mxrl_cuda::ops::SOURCES;
+    if let Some(i) = args.iter().position(|a| a == "--sources") {
+        let dir = std::path::PathBuf::from(args.get(i + 1).expect("--sources DIR"));
+        std::fs::create_dir_all(&dir).expect("create --sources");
+        for (name, src) in modules {
+            let path = dir.join(format!("{name}.cu"));
+            std::fs::write(&path, mxrl_cuda::gpu::op_module_source(src))
+                .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        }
+        // The generated prelude alone, for assembling another revision's module sources.
+        std::fs::write(dir.join("prelude.cuh"), mxrl_cuda::cuda_prelude()).expect("write prelude");
+        println!("{} module sources in {}", modules.len(), dir.display());
+        return;
+    }
+    let mut failed = 0;
     for (name, src) in modules {
         match mxrl_cuda::gpu::compile_op_module(name, src, Some("compute_90")) {
             Ok(ptx) => {
