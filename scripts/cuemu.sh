@@ -38,7 +38,16 @@ if [[ -n $base ]]; then
   objs+=("$out/v0/ops_qgemm.o")
 fi
 "${cxx[@]}" -c "$emu/runtime.cpp" -o "$out/runtime.o"
-"${cxx[@]}" -c "$emu/qgemm_check.cpp" -o "$out/qgemm_check.o"
 wait
+# Each version's kernels (its namespace's defined functions), for the signature check.
+for v in v0 v1; do
+  if [[ -f $out/$v/ops_qgemm.o ]]; then
+    nm -C --defined-only "$out/$v/ops_qgemm.o" | awk '$2=="T"{print $3}' |
+      sed -n "s/^$v::\([A-Za-z0-9_]*\)(.*/\"\1\",/p" | sort -u >"$out/names_$v.inc"
+  else
+    : >"$out/names_$v.inc"
+  fi
+done
+"${cxx[@]}" -c "$emu/qgemm_check.cpp" -o "$out/qgemm_check.o"
 "${cxx[@]}" "${objs[@]}" "$out/runtime.o" "$out/qgemm_check.o" -o "$out/qgemm_check"
 "$out/qgemm_check" "${args[@]}"

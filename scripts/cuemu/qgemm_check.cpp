@@ -31,6 +31,20 @@ typedef unsigned int u32;
     W void pre##_t2(ARGS); \
     W void pre##_t4(ARGS); \
     W void pre##_t8(ARGS);
+#define DECLS_LIST(X)                  \
+    X(qgemm_frag_mxfp8)                \
+    X(qgemm_frag_mxfp8f)               \
+    X(qgemm_frag_nvfp4)                \
+    X(qgemm_frag_bf16)                 \
+    X(qgemm_fragsm_mxfp8)              \
+    X(qgemm_fragsm_mxfp8f)             \
+    X(qgemm_fragsm_nvfp4)              \
+    X(qgemm_fragsm_bf16)               \
+    X(qgemm_fragsm_fp8b)               \
+    X(qgemm_fragsm_fp8b_s4)            \
+    X(qgemm_fragsm_fp8b_s6)            \
+    X(qgemm_fragsm_fp8b3_s3)           \
+    X(qgemm_fragsm_fp8b3_s6)
 #define DECLS                                       \
     DECL4(qgemm_frag_mxfp8, MX_ARGS)                \
     DECL4(qgemm_frag_mxfp8f, MX_ARGS)               \
@@ -45,7 +59,7 @@ typedef unsigned int u32;
     DECL4(qgemm_fragsm_fp8b_s6, F8_ARGS)            \
     DECL4(qgemm_fragsm_fp8b3_s3, F83_ARGS)          \
     DECL4(qgemm_fragsm_fp8b3_s6, F83_ARGS)          \
-    W void quant_act_nvfp4_f16(const float*, u16*, float*, u32, u32);
+    W void quant_act_nvfp4_f16(const float*, u16*, float*, unsigned long long);
 namespace v0 {
 DECLS
 }
@@ -53,8 +67,22 @@ namespace v1 {
 DECLS
 }
 
+// The kernels each version defines (nm of its object, written by scripts/cuemu.sh).
+const char* const NAMES_V0[] = {
+#include "names_v0.inc"
+    nullptr};
+const char* const NAMES_V1[] = {
+#include "names_v1.inc"
+    nullptr};
+
 namespace {
 int g_fail = 0, g_pass = 0, g_skip = 0;
+
+bool defines(const char* const* names, const std::string& n) {
+    for (; *names; ++names)
+        if (n == *names) return true;
+    return false;
+}
 
 void report(bool ok, const std::string& what, const std::string& detail = "") {
     if (ok) ++g_pass;
@@ -382,6 +410,24 @@ int main(int argc, char** argv) {
     const bool have_v0 = (void*)&v0::qgemm_frag_mxfp8_t1 != nullptr;
     std::printf("base version (v0): %s; NVFP4 fragment operand binary16: v0 %s, v1 %s\n",
                 have_v0 ? "linked" : "none", f16_v0 ? "yes" : "no", f16_v1 ? "yes" : "no");
+    // A kernel a version defines but this checker did not link has another signature than the
+    // one declared above: a failure (its checks would be skipped silently otherwise).
+    {
+        struct Ref {
+            std::string name;
+            void *p0, *p1;
+        };
+        std::vector<Ref> refs = {{"quant_act_nvfp4_f16", (void*)&v0::quant_act_nvfp4_f16, (void*)&v1::quant_act_nvfp4_f16}};
+#define REF1(n) refs.push_back({#n, (void*)&v0::n, (void*)&v1::n});
+#define REF4(pre) REF1(pre##_t1) REF1(pre##_t2) REF1(pre##_t4) REF1(pre##_t8)
+        DECLS_LIST(REF4)
+        for (const Ref& r : refs) {
+            if (!r.p0 && defines(NAMES_V0, r.name))
+                report(false, "v0 " + r.name, "defined with another signature than qgemm_check.cpp declares");
+            if (!r.p1 && defines(NAMES_V1, r.name))
+                report(false, "v1 " + r.name, "defined with another signature than qgemm_check.cpp declares");
+        }
+    }
     const u32 N = 256, K = 512;
     struct S {
         const char* name;
