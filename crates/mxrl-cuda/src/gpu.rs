@@ -18,9 +18,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Device helpers shared by every op kernel (bf16 conversion, warp reductions, ...):
-/// `kernels/common.cuh`, placed after the prelude and before each op source.
-pub const COMMON_SOURCE: &str = include_str!("../kernels/common.cuh");
+pub use crate::{op_module_source, COMMON_SOURCE};
 
 type ModuleCache = Mutex<HashMap<(usize, String), Arc<CudaModule>>>;
 
@@ -41,11 +39,6 @@ pub fn arch_for(major: i32, minor: i32) -> Option<&'static str> {
         (12, 0) => Some("compute_120"),
         _ => None,
     }
-}
-
-/// The full source of an op module: prelude + common helpers + the op's kernels.
-pub fn op_module_source(source: &str) -> String {
-    format!("{}\n{}\n{}", crate::cuda_prelude(), COMMON_SOURCE, source)
 }
 
 /// Compiles an op module's source with the engine's NVRTC options for `arch` (no GPU needed:

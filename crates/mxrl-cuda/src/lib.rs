@@ -70,6 +70,16 @@ pub fn module_source() -> String {
     format!("{}\n{}", cuda_prelude(), KERNEL_SOURCE)
 }
 
+/// Device helpers shared by every op kernel (bf16 conversion, warp reductions, ...):
+/// `kernels/common.cuh`, placed after the prelude and before each op source.
+pub const COMMON_SOURCE: &str = include_str!("../kernels/common.cuh");
+
+/// The full source of an op module: prelude + common helpers + the op's kernels (what NVRTC
+/// compiles in `gpu::Gpu::module`, and what `scripts/cuemu` runs on the host).
+pub fn op_module_source(source: &str) -> String {
+    format!("{}\n{}\n{}", cuda_prelude(), COMMON_SOURCE, source)
+}
+
 /// Cache key of a compiled module: SHA-256 (16 hex digits) of the source and the exact
 /// option list, so a change of either compiles a new module.
 pub fn module_cache_key(source: &str, options: &[String]) -> String {
