@@ -1,14 +1,58 @@
 #!/usr/bin/env bash
-# Runs the low-byte GEMM kernels (ops_qgemm) on the host under cuemu (scripts/cuemu/): every
-# fragment / staged kernel on ragged expert groups against a host reference, and bit for bit
-# against the same kernels of BASE (a git revision) where both have them. No GPU and no CUDA
-# toolkit needed (g++, nm and python3); this checks indexing, barriers, staging and the
-# kernels' own sums, not speed and not the hardware's tensor-core summation (cuemu.h).
-# `cargo test -p mxrl-cuda --test cuemu` runs the same checker without a base.
+# cuemu: the engine's CUDA kernels on the host, no GPU and no CUDA toolkit needed (g++, nm and
+# python3; scripts/cuemu/). Checks indexing, barriers, staging and the kernels' own sums, not
+# speed and not the hardware's tensor-core summation order (cuemu.h says what is modelled).
 #
-# Usage: scripts/cuemu.sh [--base REV] [--quick]
+#   scripts/cuemu.sh [check] [--base REV] [--quick]
+#       The decode GEMM kernels (ops_qgemm) on ragged expert groups against a host reference,
+#       and bit for bit against the same kernels of REV where both have them.
+#       (`cargo test -p mxrl-cuda --test cuemu` runs this without a base.)
+#   scripts/cuemu.sh tests [TEST...]
+#       The crate's device tests (crates/mxrl-cuda/tests/*.rs, `--features cuda`; all, or the
+#       named ones) on a stand-in CUDA installation whose every kernel runs under cuemu
+#       (libcuda, libnvrtc and libcublas from scripts/cuemu/fake.sh). Slow: minutes per binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=check
+if [[ $# -gt 0 && ($1 == check || $1 == tests) ]]; then
+  mode=$1
+  shift
+fi
+out=target/cuemu
+rm -rf "$out/src" && mkdir -p "$out/src"
+cargo build --release -q -p mxrl-cuda --features cuda --example nvrtc_check
+target/release/examples/nvrtc_check --sources "$out/src" >/dev/null
+if [[ $mode == tests ]]; then
+  mkdir -p "$out/srcs"
+  rm -f "$out"/srcs/*.cu && cp "$out"/src/*.cu "$out/srcs/"
+  scripts/cuemu/fake.sh "$out/srcs" "$out/fake"
+  mapfile -t bins < <(cargo test --release -p mxrl-cuda --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("kind") == ["test"] and m.get("executable"):
+        print(m["target"]["name"] + " " + m["executable"])')
+  failed=0
+  for entry in "${bins[@]}"; do
+    name=${entry%% *}
+    exe=${entry#* }
+    if [[ $# -gt 0 ]] && ! printf '%s\n' "$@" | grep -qx "$name"; then continue; fi
+    [[ $name == cuemu ]] && continue
+    start=$SECONDS
+    # One test at a time: the tests share one Gpu (Gpu::shared) and so one stream, and a decode
+    # graph captured in relaxed mode would also record a concurrent test's work on it (the
+    # emulated kernels make those capture windows long).
+    if LD_LIBRARY_PATH=$PWD/$out/fake/lib "$exe" --test-threads=1 >"$out/test_$name.log" 2>&1; then
+      echo "ok    $name ($((SECONDS - start)) s): $(grep '^test result' "$out/test_$name.log" | tail -1)"
+    else
+      failed=$((failed + 1))
+      echo "FAIL  $name ($((SECONDS - start)) s): see $out/test_$name.log"
+      grep -E '^test .* FAILED|panicked at|cuemu:' "$out/test_$name.log" | head -5 | sed 's/^/      /'
+    fi
+  done
+  exit $((failed > 0))
+fi
 base=""
 args=()
 while [[ $# -gt 0 ]]; do
@@ -17,17 +61,13 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
-out=target/cuemu
-mkdir -p "$out/src"
-cargo build --release -q -p mxrl-cuda --features cuda --example nvrtc_check
-target/release/examples/nvrtc_check --sources "$out/src" >/dev/null
 v0=()
 if [[ -n $base ]]; then
   # The base revision's module: this prelude (generated from the contract) + its common.cuh,
   # quant.cu and ops_qgemm.cu, as crates/mxrl-cuda/src/ops/mod.rs assembles QGEMM_SOURCE.
   k=crates/mxrl-cuda/kernels
   { cat "$out/src/prelude.cuh"; echo; git show "$base:$k/common.cuh"; echo; git show "$base:$k/quant.cu"
-    echo; git show "$base:$k/ops_qgemm.cu"; } >"$out/src/base_ops_qgemm.cu"
-  v0=("$out/src/base_ops_qgemm.cu")
+    echo; git show "$base:$k/ops_qgemm.cu"; } >"$out/base_ops_qgemm.cu"
+  v0=("$out/base_ops_qgemm.cu")
 fi
 scripts/cuemu/check.sh "$out/build" "$out/src/ops_qgemm.cu" "${v0[@]}" -- "${args[@]}"

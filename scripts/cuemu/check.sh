@@ -20,7 +20,7 @@ for tool in g++ nm python3; do
   command -v "$tool" >/dev/null || { echo "cuemu: needs $tool on the PATH" >&2; exit 2; }
 done
 rm -rf "$out" && mkdir -p "$out"
-cxx=(g++ -std=c++17 -O2 -ffp-contract=off -fno-strict-aliasing -fno-pie -no-pie -Wno-unknown-pragmas -I"$emu" -I"$out")
+cxx=(g++ -std=c++17 -O2 -ffp-contract=off -fno-strict-aliasing -Wno-unknown-pragmas -I"$emu" -I"$out")
 # The contract constants the host reference needs: the prelude's #define lines.
 grep '^#define MXRL_' "$v1" >"$out/prelude.h"
 pids=()

@@ -14,7 +14,7 @@
 // hardware's, so two kernels agree bit for bit here exactly when they issue the same mma
 // sequence on the same fragments. Misuse that the hardware would not report reliably is a hard
 // error: a warp collective whose lanes do not all arrive (deadlock), an exited lane in a
-// collective's mask, a shared address outside the host's low 4 GiB.
+// collective's mask.
 #pragma once
 #include <cmath>
 #include <math.h>
@@ -164,15 +164,36 @@ template <class A, class B>
 inline typename std::common_type<A, B>::type max(A a, B b) {
     return a < b ? b : a;
 }
+// CUDA's fmaxf / fminf (PTX max.f32 / min.f32): a NaN operand, quiet or signaling, gives
+// the other operand; -0 < +0. (glibc's turn a signaling NaN into NaN.)
+inline float cuemu_fmaxf(float a, float b) {
+    if (a != a) return b;
+    if (b != b) return a;
+    if (a == b) return std::signbit(a) ? b : a;
+    return a > b ? a : b;
+}
+inline float cuemu_fminf(float a, float b) {
+    if (a != a) return b;
+    if (b != b) return a;
+    if (a == b) return std::signbit(a) ? a : b;
+    return a < b ? a : b;
+}
+inline float max(float a, float b) { return cuemu_fmaxf(a, b); }
+inline float min(float a, float b) { return cuemu_fminf(a, b); }
 inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned umax(unsigned a, unsigned b) { return a < b ? b : a; }
 
+// Shared-window addresses: offsets from a base 2 GiB below the launch's shared memory, so the
+// static __shared__ arrays of the same binary (within ±2 GiB of it) get 32-bit addresses.
+namespace cuemu {
+extern const uintptr_t g_shared_base;
+}
 inline unsigned __cvta_generic_to_shared(const void* p) {
-    const uintptr_t a = (uintptr_t)p;
-    if (a >> 32) cuemu::fail("shared address above 4 GiB (build with -no-pie)");
+    const uintptr_t a = (uintptr_t)p - cuemu::g_shared_base;
+    if (a >> 32) cuemu::fail("a shared-memory pointer outside the 4 GiB window of this binary");
     return (unsigned)a;
 }
-inline void* cuemu_shared_ptr(unsigned a) { return (void*)(uintptr_t)a; }
+inline void* cuemu_shared_ptr(unsigned a) { return (void*)(cuemu::g_shared_base + a); }
 
 // ---- warp intrinsics ----
 namespace cuemu {
@@ -371,3 +392,7 @@ inline T atomicCAS(T* p, U cmp, V v) {
     if (o == (T)cmp) *p = (T)v;
     return o;
 }
+
+// Kernel code (after this header) gets CUDA's NaN rules for fmaxf / fminf.
+#define fmaxf cuemu_fmaxf
+#define fminf cuemu_fminf

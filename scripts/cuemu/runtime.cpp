@@ -1,5 +1,5 @@
 // cuemu's runtime: fibers for CUDA threads, barriers, warp collectives, cp.async groups, and
-// the PTX data movement and conversions declared in cuemu.h. x86-64 Linux, built -no-pie.
+// the PTX data movement and conversions declared in cuemu.h. x86-64 Linux.
 #include "cuemu.h"
 
 #include <sys/mman.h>
@@ -56,6 +56,7 @@ struct Thread {
 };
 
 Thread* g_cur = nullptr;
+const uintptr_t g_shared_base = (uintptr_t)g_smem - (uintptr_t{1} << 31);
 
 namespace {
 void* g_sched_sp = nullptr;

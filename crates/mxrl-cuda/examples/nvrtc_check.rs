@@ -24,7 +24,9 @@ fn main() {
             std::fs::write(&path, mxrl_cuda::gpu::op_module_source(src))
                 .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
         }
-        // The generated prelude alone, for assembling another revision's module sources.
+        // The quantizer module (`CudaDevice`), and the generated prelude alone, for assembling
+        // another revision's module sources.
+        std::fs::write(dir.join("quant.cu"), mxrl_cuda::module_source()).expect("write quant");
         std::fs::write(dir.join("prelude.cuh"), mxrl_cuda::cuda_prelude()).expect("write prelude");
         println!("{} module sources in {}", modules.len(), dir.display());
         return;
