@@ -51,6 +51,10 @@ struct Thread {
     unsigned linear = 0;
     bool done = false;
     const char* waiting = "";
+    // While blocked: the generation counter it waits on and the value it saw (the scheduler
+    // does not resume it until the counter moves).
+    const unsigned long long* wait_on = nullptr;
+    unsigned long long wait_gen = 0;
     std::vector<Copy> open;                 // issued, not yet committed
     std::vector<std::vector<Copy>> groups;  // committed, oldest first
 };
@@ -117,6 +121,7 @@ void start_fiber(Thread& t) {
     for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12..r15
     t.sp = sp;
     t.done = false;
+    t.wait_on = nullptr;
     t.open.clear();
     t.groups.clear();
 }
@@ -147,7 +152,10 @@ void syncthreads() {
         return;
     }
     g_cur->waiting = "__syncthreads";
+    g_cur->wait_on = &g_bar_gen;
+    g_cur->wait_gen = gen;
     while (g_bar_gen == gen) yield_to_scheduler();
+    g_cur->wait_on = nullptr;
     g_cur->waiting = "";
 }
 
@@ -169,7 +177,10 @@ void warp_collective(unsigned mask, const void* in, unsigned in_bytes, void* out
     } else {
         const unsigned long long gen = s.gen;
         g_cur->waiting = "warp collective";
+        g_cur->wait_on = &s.gen;
+        g_cur->wait_gen = gen;
         while (s.gen == gen) yield_to_scheduler();
+        g_cur->wait_on = nullptr;
         g_cur->waiting = "";
     }
     std::memcpy(out, s.outs[lane], out_bytes);
@@ -234,7 +245,7 @@ void launch(dim3 grid, dim3 block, unsigned smem, const std::function<void()>& b
                     const unsigned long long before = g_progress;
                     for (unsigned i = 0; i < n; ++i) {
                         Thread& t = g_threads[i];
-                        if (t.done) continue;
+                        if (t.done || (t.wait_on && *t.wait_on == t.wait_gen)) continue;
                         g_cur = &t;
                         cuemu_switch(&g_sched_sp, t.sp);
                     }
