@@ -102,26 +102,17 @@ inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) { cuemu::syncwarp(mask); }
 inline void __trap() { cuemu::fail("__trap"); }
 
 // ---- bit casts and scalar intrinsics ----
-inline float __uint_as_float(unsigned u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+template <class To, class From>
+inline To cuemu_bits(From v) {
+    static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+    To r;
+    std::memcpy(&r, &v, sizeof r);
+    return r;
 }
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-inline float __int_as_float(int u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline int __float_as_int(float f) {
-    int u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
+inline float __uint_as_float(unsigned u) { return cuemu_bits<float>(u); }
+inline unsigned __float_as_uint(float f) { return cuemu_bits<unsigned>(f); }
+inline float __int_as_float(int u) { return cuemu_bits<float>(u); }
+inline int __float_as_int(float f) { return cuemu_bits<int>(f); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

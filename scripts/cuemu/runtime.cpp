@@ -51,6 +51,10 @@ struct Thread {
     unsigned linear = 0;
     bool done = false;
     const char* waiting = "";
+    // While blocked: the generation counter it waits on and the value it saw (the scheduler
+    // does not resume it until the counter moves).
+    const unsigned long long* wait_on = nullptr;
+    unsigned long long wait_gen = 0;
     std::vector<Copy> open;                 // issued, not yet committed
     std::vector<std::vector<Copy>> groups;  // committed, oldest first
 };
@@ -117,6 +121,7 @@ void start_fiber(Thread& t) {
     for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12..r15
     t.sp = sp;
     t.done = false;
+    t.wait_on = nullptr;
     t.open.clear();
     t.groups.clear();
 }
@@ -147,7 +152,10 @@ void syncthreads() {
         return;
     }
     g_cur->waiting = "__syncthreads";
+    g_cur->wait_on = &g_bar_gen;
+    g_cur->wait_gen = gen;
     while (g_bar_gen == gen) yield_to_scheduler();
+    g_cur->wait_on = nullptr;
     g_cur->waiting = "";
 }
 
@@ -169,7 +177,10 @@ void warp_collective(unsigned mask, const void* in, unsigned in_bytes, void* out
     } else {
         const unsigned long long gen = s.gen;
         g_cur->waiting = "warp collective";
+        g_cur->wait_on = &s.gen;
+        g_cur->wait_gen = gen;
         while (s.gen == gen) yield_to_scheduler();
+        g_cur->wait_on = nullptr;
         g_cur->waiting = "";
     }
     std::memcpy(out, s.outs[lane], out_bytes);
@@ -234,7 +245,7 @@ void launch(dim3 grid, dim3 block, unsigned smem, const std::function<void()>& b
                     const unsigned long long before = g_progress;
                     for (unsigned i = 0; i < n; ++i) {
                         Thread& t = g_threads[i];
-                        if (t.done) continue;
+                        if (t.done || (t.wait_on && *t.wait_on == t.wait_gen)) continue;
                         g_cur = &t;
                         cuemu_switch(&g_sched_sp, t.sp);
                     }
@@ -251,46 +262,58 @@ void launch(dim3 grid, dim3 block, unsigned smem, const std::function<void()>& b
             }
 }
 
-// ---- conversions ----
-float f16_to_f32(unsigned short h) {
-    const unsigned s = (h >> 15) & 1u, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+// ---- conversions (bit-exact; tables where the domain is small) ----
+namespace {
+float f16_to_f32_slow(unsigned short h) {
+    const unsigned sg = (h >> 15) & 1u, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
     float v;
     if (e == 0) v = std::ldexp((float)m, -24);
     else if (e == 31) v = m ? __uint_as_float(0x7FC00000u) : __uint_as_float(0x7F800000u);
     else v = std::ldexp((float)(m | 0x400u), (int)e - 25);
-    return s ? -v : v;
+    return sg ? -v : v;
 }
+float e4m3_to_f32_slow(unsigned char c) {
+    const unsigned sg = c >> 7, e = (c >> 3) & 0xFu, m = c & 7u;
+    if ((c & 0x7F) == 0x7F) return __uint_as_float(0x7FC00000u);
+    const float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp((float)(m | 8u), (int)e - 10);
+    return sg ? -v : v;
+}
+struct Tables {
+    std::vector<float> f16, e4m3;
+    Tables() : f16(65536), e4m3(256) {
+        for (unsigned i = 0; i < 65536; ++i) f16[i] = f16_to_f32_slow((unsigned short)i);
+        for (unsigned i = 0; i < 256; ++i) e4m3[i] = e4m3_to_f32_slow((unsigned char)i);
+    }
+};
+const Tables& tables() {
+    static const Tables t;
+    return t;
+}
+}  // namespace
+float f16_to_f32(unsigned short h) { return tables().f16[h]; }
+// Round to nearest even on the bits (normal: at mantissa bit 13; subnormal: a right shift of
+// the full significand); NaN → 0x7FFF, beyond the largest finite (≥ 65520) → ±Inf.
 unsigned short f32_to_f16_rn(float f) {
-    const unsigned u = __float_as_uint(f), s = (u >> 16) & 0x8000u;
-    const float a = std::fabs(f);
-    if (std::isnan(f)) return 0x7FFF;
-    if (a >= 65520.0f) return (unsigned short)(s | 0x7C00u);  // rounds past the largest finite
-    // Quantum of the binade (subnormal quantum 2^-24), rint = round to nearest even.
-    int e;
-    std::frexp(a, &e);  // a = m·2^e, m in [0.5, 1)
-    int q = e - 11;
-    if (q < -24) q = -24;
-    const double r = std::nearbyint(std::ldexp((double)a, -q));  // exact scaling; RNE
-    const double v = std::ldexp(r, q);
-    if (v == 0) return (unsigned short)s;
-    int ve;
-    std::frexp(v, &ve);
-    unsigned bits;
-    if (ve - 1 < -14) bits = (unsigned)std::ldexp(v, 24);  // subnormal
-    else bits = ((unsigned)(ve - 1 + 15) << 10) | ((unsigned)std::ldexp(v, 11 - ve) & 0x3FFu);
-    return (unsigned short)(s | bits);
+    const unsigned x = __float_as_uint(f), sg = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return 0x7FFF;
+    if (a >= 0x477FF000u) return (unsigned short)(sg | 0x7C00u);
+    if (a >= 0x38800000u) {
+        const unsigned r = a + 0x0FFFu + ((a >> 13) & 1u);
+        return (unsigned short)(sg | ((r - 0x38000000u) >> 13));
+    }
+    if (a < 0x33000000u) return (unsigned short)sg;  // below 2^-25 (and 2^-25 itself, a tie to 0)
+    const unsigned e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u, sh = 126u - e;
+    unsigned r = m >> sh;
+    const unsigned rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return (unsigned short)(sg | r);
 }
 unsigned short f32_to_bf16_rn(float f) {
     const unsigned u = __float_as_uint(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
     return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-float e4m3_to_f32(unsigned char c) {
-    const unsigned s = c >> 7, e = (c >> 3) & 0xFu, m = c & 7u;
-    if ((c & 0x7F) == 0x7F) return __uint_as_float(0x7FC00000u);
-    const float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp((float)(m | 8u), (int)e - 10);
-    return s ? -v : v;
-}
+float e4m3_to_f32(unsigned char c) { return tables().e4m3[c]; }
 unsigned char f32_to_e4m3_satfinite_rn(float f) {
     if (std::isnan(f)) return 0x7F;
     const unsigned char s = std::signbit(f) ? 0x80 : 0;
