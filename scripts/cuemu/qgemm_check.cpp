@@ -59,7 +59,10 @@ typedef unsigned int u32;
     DECL4(qgemm_fragsm_fp8b_s6, F8_ARGS)            \
     DECL4(qgemm_fragsm_fp8b3_s3, F83_ARGS)          \
     DECL4(qgemm_fragsm_fp8b3_s6, F83_ARGS)          \
-    W void quant_act_nvfp4_f16(const float*, u16*, float*, unsigned long long);
+    W void quant_act_nvfp4_f16(const float*, u16*, float*, unsigned long long); \
+    W void quant_act_nvfp4(const float*, u16*, float*, unsigned long long);     \
+    W void mxfp8_decode_table(u16*, u16*);                                      \
+    W void mxfp8_fast_check(const u32*, unsigned long long, const u8*, unsigned long long, u32*);
 namespace v0 {
 DECLS
 }
@@ -417,7 +420,11 @@ int main(int argc, char** argv) {
             std::string name;
             void *p0, *p1;
         };
-        std::vector<Ref> refs = {{"quant_act_nvfp4_f16", (void*)&v0::quant_act_nvfp4_f16, (void*)&v1::quant_act_nvfp4_f16}};
+        std::vector<Ref> refs = {
+            {"quant_act_nvfp4_f16", (void*)&v0::quant_act_nvfp4_f16, (void*)&v1::quant_act_nvfp4_f16},
+            {"quant_act_nvfp4", (void*)&v0::quant_act_nvfp4, (void*)&v1::quant_act_nvfp4},
+            {"mxfp8_decode_table", (void*)&v0::mxfp8_decode_table, (void*)&v1::mxfp8_decode_table},
+            {"mxfp8_fast_check", (void*)&v0::mxfp8_fast_check, (void*)&v1::mxfp8_fast_check}};
 #define REF1(n) refs.push_back({#n, (void*)&v0::n, (void*)&v1::n});
 #define REF4(pre) REF1(pre##_t1) REF1(pre##_t2) REF1(pre##_t4) REF1(pre##_t8)
         DECLS_LIST(REF4)
@@ -554,6 +561,90 @@ int main(int argc, char** argv) {
                     check(what + " weight " + std::to_string(i), ps[i], ym[i], &ys[i], "its single launch");
             }
         }
+    }
+    // The NVFP4 activation quantizer's binary16 operand: the BF16 entry's values and amax.
+    if (!v1::quant_act_nvfp4_f16 || !v1::quant_act_nvfp4) skip("quant_act_nvfp4_f16 against quant_act_nvfp4");
+    else {
+        const u32 rows = 6, k = 1024;
+        std::vector<float> x((size_t)rows * k);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (u32 r = 0; r < rows; ++r)
+            for (u32 i = 0; i < k; ++i) {
+                float v = nd(rng);
+                if (r == 1) v = 0.0f;                        // all zeros
+                if (r == 2) v *= 1e30f;                      // near the top of f32
+                if (r == 3) v *= 1e-38f;                     // subnormal scales
+                if (r == 4 && i % 16 == 3) v = 0.0f;         // blocks with zeros
+                if (r == 5) v = (i % 97 == 0) ? 448.0f * 6 : v;  // outliers
+                x[(size_t)r * k + i] = v;
+            }
+        std::vector<u16> pb(x.size()), pf(x.size());
+        std::vector<float> ab(rows), af(rows);
+        cuemu::launch({rows, 1, 1}, {128, 1, 1}, 0, [&] { v1::quant_act_nvfp4(x.data(), pb.data(), ab.data(), k); });
+        cuemu::launch({rows, 1, 1}, {128, 1, 1}, 0, [&] { v1::quant_act_nvfp4_f16(x.data(), pf.data(), af.data(), k); });
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < x.size(); ++i) {
+            const float b = bf16_val(pb[i]), f = cuemu::f16_to_f32(pf[i]);
+            if (__float_as_uint(b) != __float_as_uint(f) && !bad++) first = i;
+        }
+        for (u32 r = 0; r < rows; ++r)
+            if (__float_as_uint(ab[r]) != __float_as_uint(af[r])) ++bad;
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%zu of %zu values or amaxes differ (first at %zu)", bad, x.size() + rows, first);
+        report(bad == 0, "quant_act_nvfp4_f16 == quant_act_nvfp4 (values as binary16, amax bits)", bad ? buf : "");
+    }
+    // The fast MXFP8 decode: the general decode's BF16 bits for every code under every eligible
+    // scale byte (0..=134).
+    if (!v1::mxfp8_decode_table) skip("mxfp8_decode_table");
+    else {
+        std::vector<u16> general(135 * 256, 0xFFFF), fast(135 * 256, 0xFFFF);
+        cuemu::launch({135, 1, 1}, {64, 1, 1}, 0, [&] { v1::mxfp8_decode_table(general.data(), fast.data()); });
+        size_t bad = 0, bad_c = 0;
+        for (u32 sb = 0; sb < 135; ++sb)
+            for (u32 c = 0; c < 256; ++c) {
+                const size_t i = sb * 256 + c;
+                if ((c & 0x7F) == 0x7F) continue;  // NaN codes are not eligible
+                if (general[i] != fast[i]) ++bad;
+                // The general decode against the contract: bf16(e4m3(c) · 2^(s − 127)).
+                const float want = (float)((double)cuemu::e4m3_to_f32((u8)c) * std::ldexp(1.0, (int)sb - 127));
+                if (general[i] != cuemu::f32_to_bf16_rn(want)) ++bad_c;
+            }
+        report(bad == 0, "mxfp8 fast decode == general decode, 254 codes × scale bytes 0..134",
+               bad ? std::to_string(bad) + " differ" : "");
+        report(bad_c == 0, "mxfp8 general decode == bf16(e4m3 · 2^(s−127)), same table",
+               bad_c ? std::to_string(bad_c) + " differ" : "");
+    }
+    // Fast-decode eligibility: clean weights pass; a NaN code or a scale byte above 134 fails.
+    if (!v1::mxfp8_fast_check) skip("mxfp8_fast_check");
+    else {
+        auto check_ok = [&](std::vector<u8> codes, std::vector<u8> scales) {
+            u32 ok = 1;
+            const u32 blocks = std::max<u32>(1, std::min<u32>(1024, (u32)(codes.size() / 4 + 255) / 256));
+            cuemu::launch({blocks, 1, 1}, {256, 1, 1}, 0, [&] {
+                v1::mxfp8_fast_check((const u32*)codes.data(), codes.size(), scales.data(), scales.size(), &ok);
+            });
+            return ok;
+        };
+        std::vector<u8> codes(8192), scales(256);
+        for (auto& c : codes) {
+            c = (u8)rnd(256);
+            if ((c & 0x7F) == 0x7F) c ^= 1;
+        }
+        for (auto& b : scales) b = (u8)rnd(135);
+        scales[17] = 134;
+        bool all = check_ok(codes, scales) == 1;
+        for (u8 nan : {(u8)0x7F, (u8)0xFF})
+            for (size_t at : {(size_t)0, (size_t)4095, (size_t)8191}) {
+                auto c2 = codes;
+                c2[at] = nan;
+                all &= check_ok(c2, scales) == 0;
+            }
+        for (u8 big : {(u8)135, (u8)255}) {
+            auto s2 = scales;
+            s2[255] = big;
+            all &= check_ok(codes, s2) == 0;
+        }
+        report(all, "mxfp8_fast_check: clean weights eligible; NaN codes (0x7F, 0xFF) and scale bytes 135, 255 not");
     }
     std::printf("\n%d passed, %d failed, %d skipped\n", g_pass, g_fail, g_skip);
     return g_fail ? 1 : 0;

@@ -26,7 +26,10 @@
 //! (`QGemm::grouped_nt_staged_fp8_block`, binary16 operands staged in shared memory by
 //! `cp.async`, 128 columns per block) in passes of 16, 32 and 64 rows (`*` = the launcher's
 //! pick) against the fragment and tiled kernels, each with its activation quantizer
-//! (`--busy`: one of every token's 8 rows to expert 0, the routing of the RL runs).
+//! (`--busy`: one of every token's 8 rows to expert 0, the routing of the RL runs); then the
+//! layer's dense attention linears (q, k, v on one input; o) at 64, 512 and 4096 rows: tiled, staged
+//! one launch per weight, and `QGemm::dense_nt_staged_fp8_block_multi_with` for every stage
+//! count.
 
 #[cfg(feature = "cuda")]
 #[path = "common/bench.rs"]
@@ -40,9 +43,13 @@ mod bench {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm};
+    use mxrl_cuda::ops::qgemm::{
+        frag_rows, FragRows, QGemm, FP8_DENSE_STAGES_PICK, FP8_ROUTED_STAGES_PICK, FP8_STAGES,
+    };
 
     const BATCHES: [usize; 4] = [1, 32, 128, 512];
+    /// Rows of the dense linears' table: decode batches of 64 and 512, a prefill-sized call.
+    const DENSE_ROWS: [usize; 3] = [64, 512, 4096];
     const SPLITS: [usize; 6] = [1, 2, 3, 4, 6, 8];
 
     /// Stored weights of one projection: BF16 values in ±[0.25, 2), and FP8 block — E4M3 codes
@@ -70,6 +77,29 @@ mod bench {
             .collect();
         Weights {
             bf16: g.upload(&bf16).expect("upload"),
+            codes: g
+                .upload(&bytes(len, seed + 1, |b| {
+                    if b & 0x7F == 0x7F {
+                        b - 1
+                    } else {
+                        b
+                    }
+                }))
+                .expect("upload"),
+            scales: g.upload(&scales).expect("upload"),
+        }
+    }
+
+    /// One dense FP8-block weight `[n, k]` (E = 1) as [`weights`] makes them.
+    fn dense_weight(g: &Gpu, n: usize, k: usize, seed: u64) -> Weights {
+        let len = n * k;
+        let tiles = (n / 128) * (k / 128);
+        let scales: Vec<u8> = bytes(tiles, seed + 2, |b| b)
+            .into_iter()
+            .flat_map(|b| (2f32.powi(-8) * (1.0 + f32::from(b) / 256.0)).to_le_bytes())
+            .collect();
+        Weights {
+            bf16: g.zeros::<u16>(1).expect("alloc"),
             codes: g
                 .upload(&bytes(len, seed + 1, |b| {
                     if b & 0x7F == 0x7F {
@@ -113,7 +143,7 @@ mod bench {
             .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
             .expect("alloc");
         println!(
-            "\n| step | R16 staged µs | R32 staged | R64 staged | fragments (F16, pick) | tiled | act u8 | act f16 | staged+act ÷ fragments+act | ÷ tiled+act |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "\n| step | R16 staged µs | R32 staged | R64 staged | R64, 4 stages | R64, 6 stages | fragments (F16, pick) | tiled | act u8 | act f16 | staged+act ÷ fragments+act | ÷ tiled+act |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for (pi, &(name, n, k)) in PROJS.iter().enumerate() {
             let w = weights(g, n, k, 10 * pi as u64 + 1);
@@ -152,10 +182,17 @@ mod bench {
                 let pick = frag_rows(s, None);
                 let mut cells = Vec::new();
                 let mut pick_us = f64::NAN;
-                for rows in [FragRows::R16, FragRows::R32, FragRows::R64] {
+                for (rows, stages) in [
+                    (FragRows::R16, 3),
+                    (FragRows::R32, 3),
+                    (FragRows::R64, 3),
+                    (FragRows::R64, 4),
+                    (FragRows::R64, 6),
+                ] {
                     let us = median_us(g, flush, reps, || {
                         q.grouped_nt_staged_fp8_block_with(
                             rows,
+                            stages,
                             &xh.slice(0..r * k),
                             &xhs.slice(0..r * k / 128),
                             &wc,
@@ -166,10 +203,11 @@ mod bench {
                         )
                         .expect("staged FP8 block");
                     });
-                    if rows == pick {
+                    let picked = rows == pick && stages == FP8_ROUTED_STAGES_PICK;
+                    if picked {
                         pick_us = us;
                     }
-                    cells.push(format!("{us:.1}{}", if rows == pick { "*" } else { "" }));
+                    cells.push(format!("{us:.1}{}", if picked { "*" } else { "" }));
                 }
                 let frag = median_us(g, flush, reps, || {
                     f8.gemm_nt_frag(&xc, &xs, &wc, &wsc, &off.as_view(), &mut y.as_view_mut(), s)
@@ -192,6 +230,113 @@ mod bench {
                     cells.join(" | "),
                     (pick_us + act_f16) / (frag + act_u8),
                     (pick_us + act_f16) / (tiled + act_u8)
+                );
+            }
+        }
+        // Dense attention linears of the benchmark layer (q [4096, 2048], k and v [512, 2048]
+        // on one input; o [2048, 4096]): the tiled kernels per weight against the staged ones,
+        // per weight (three stages) and in one launch for every stage count.
+        println!(
+            "\n| rows | weights | tiled µs | staged, one launch per weight | one launch, {} stages |\n|---|---|---:|---:|{}",
+            FP8_STAGES.map(|s| s.to_string()).join(" / "),
+            "---:|".repeat(FP8_STAGES.len())
+        );
+        let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
+        // Their own activations: up to the largest row count at k = 4096.
+        let dmax = DENSE_ROWS[DENSE_ROWS.len() - 1] * 4096;
+        let xd = g
+            .upload(&mxrl_tensor::gradcheck::test_values(dmax, 6, 3.0))
+            .expect("upload x");
+        let mut xdh = g.zeros::<u16>(dmax).expect("alloc");
+        let mut xdhs = g.zeros::<f32>(dmax / 128).expect("alloc");
+        for (label, k, ns) in [
+            ("q, k, v", HIDDEN, vec![4096usize, 512, 512]),
+            ("o", 4096, vec![HIDDEN]),
+        ] {
+            let ws: Vec<Weights> = ns
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| dense_weight(g, n, k, 70 + i as u64))
+                .collect();
+            for &rows in &DENSE_ROWS {
+                let xv = xd.slice(0..rows * k);
+                let qx = f8.quantize_act(&xv, rows, k).expect("act FP8 block");
+                q.quant_act_fp8_block(
+                    &xv,
+                    rows,
+                    k,
+                    false,
+                    &mut xdh.slice_mut(0..rows * k),
+                    &mut xdhs.slice_mut(0..rows * k / 128),
+                )
+                .expect("act FP8 block f16");
+                let mut ys: Vec<CudaSlice<f32>> = ns
+                    .iter()
+                    .map(|&n| g.zeros::<f32>(rows * n).expect("alloc"))
+                    .collect();
+                let shape = |n: usize| Grouped {
+                    experts: 1,
+                    rows,
+                    n,
+                    k,
+                };
+                let tiled = median_us(g, flush, reps, || {
+                    for (w, (y, &n)) in ws.iter().zip(ys.iter_mut().zip(&ns)) {
+                        f8.gemm_nt(
+                            &qx.codes.as_view(),
+                            &qx.scales.as_view(),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            None,
+                            &mut y.as_view_mut(),
+                            shape(n),
+                        )
+                        .expect("tiled");
+                    }
+                });
+                let single = median_us(g, flush, reps, || {
+                    for (w, (y, &n)) in ws.iter().zip(ys.iter_mut().zip(&ns)) {
+                        q.grouped_nt_staged_fp8_block(
+                            &xdh.slice(0..rows * k),
+                            &xdhs.slice(0..rows * k / 128),
+                            &w.codes.as_view(),
+                            &w.scales.as_view(),
+                            &whole.as_view(),
+                            &mut y.as_view_mut(),
+                            shape(n),
+                        )
+                        .expect("staged");
+                    }
+                });
+                let mut cells = Vec::new();
+                for st in FP8_STAGES {
+                    let us = median_us(g, flush, reps, || {
+                        let mut outs: Vec<_> = ws
+                            .iter()
+                            .zip(ys.iter_mut().zip(&ns))
+                            .map(|(w, (y, &n))| {
+                                (w.codes.as_view(), w.scales.as_view(), y.as_view_mut(), n)
+                            })
+                            .collect();
+                        q.dense_nt_staged_fp8_block_multi_with(
+                            st,
+                            &xdh.slice(0..rows * k),
+                            &xdhs.slice(0..rows * k / 128),
+                            &whole.as_view(),
+                            &mut outs,
+                            rows,
+                            k,
+                        )
+                        .expect("staged, one launch");
+                    });
+                    cells.push(format!(
+                        "{us:.1}{}",
+                        if st == FP8_DENSE_STAGES_PICK { "*" } else { "" }
+                    ));
+                }
+                println!(
+                    "| {rows} | {label} | {tiled:.1} | {single:.1} | {} |",
+                    cells.join(" | ")
                 );
             }
         }

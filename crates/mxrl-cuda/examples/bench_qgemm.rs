@@ -33,8 +33,8 @@ mod bench {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped};
     use mxrl_cuda::ops::qgemm::{
-        frag_layout, frag_row_bytes, frag_rows, frag_split, FragLayout, FragRows, LowByte, QGemm,
-        QLanes,
+        frag_layout, frag_row_bytes, frag_rows, frag_split, FragLayout, FragRows, LowByte,
+        Mxfp8Decode, QGemm, QLanes,
     };
 
     /// Stored weights of one projection in every format (random but valid values: BF16 in
@@ -84,8 +84,9 @@ mod bench {
         tiled_us: f64,
     }
 
-    /// One call of the fragment kernel for `fmt` ("BF16", "Mxfp8", "Nvfp4") with `rows` per
-    /// pass and `split` warps per block, on the activations `xq` (`xamax` for NVFP4).
+    /// One call of the fragment kernel for `fmt` ("BF16", "Mxfp8", "Mxfp8 fast" — the fast
+    /// decode, these weights being eligible — or "Nvfp4") with `rows` per pass and `split`
+    /// warps per block, on the activations `xq` (`xamax` for NVFP4).
     #[allow(clippy::too_many_arguments)]
     fn frag_call(
         q: &QGemm,
@@ -105,7 +106,12 @@ mod bench {
             "BF16" => {
                 q.grouped_nt_frag_bf16_with(rows, split, &xv, &w.bf16.as_view(), &ov, &mut yv, s)
             }
-            "Mxfp8" => q.grouped_nt_frag_mxfp8_with(
+            "Mxfp8" | "Mxfp8 fast" => q.grouped_nt_frag_mxfp8_decode_with(
+                if fmt == "Mxfp8" {
+                    Mxfp8Decode::General
+                } else {
+                    Mxfp8Decode::Fast
+                },
                 rows,
                 split,
                 &xv,
@@ -135,7 +141,7 @@ mod bench {
     fn low_byte(fmt: &str) -> Option<LowByte> {
         match fmt {
             "BF16" => None,
-            "Mxfp8" => Some(LowByte::Mxfp8),
+            "Mxfp8" | "Mxfp8 fast" => Some(LowByte::Mxfp8),
             _ => Some(LowByte::Nvfp4),
         }
     }
@@ -190,6 +196,14 @@ mod bench {
         );
         for (pi, &(name, n, k)) in projs.iter().enumerate() {
             let w = weights(g, n, k, 10 * pi as u64 + 1);
+            // The "Mxfp8 fast" rows time the decode the engine takes for such weights.
+            let fast_ok = q
+                .mxfp8_fast_check(&w.mx_codes.as_view(), &w.mx_scales.as_view())
+                .expect("mxfp8_fast_check");
+            assert!(
+                fast_ok,
+                "{name}: benchmark weights not eligible for the fast MXFP8 decode"
+            );
             for &batch in batches {
                 let counts = match busy {
                     true => route_busy(batch, 100 + batch as u64),
@@ -205,7 +219,7 @@ mod bench {
                     k,
                 };
                 let step = format!("b={batch} ({r} rows, ≤ {most} per expert) {name}");
-                for fmt in ["BF16", "Mxfp8", "Nvfp4"] {
+                for fmt in ["BF16", "Mxfp8", "Mxfp8 fast", "Nvfp4"] {
                     let f = low_byte(fmt);
                     let pick_rows = frag_rows(s, f);
                     let pick = (pick_rows, split_for(fmt, s, pick_rows));
@@ -236,7 +250,7 @@ mod bench {
                         let mut out = wb.slice_mut(0..len);
                         match fmt {
                             "BF16" => Ok(()),
-                            "Mxfp8" => q.dequant_weights_mxfp8(
+                            "Mxfp8" | "Mxfp8 fast" => q.dequant_weights_mxfp8(
                                 &w.mx_codes.as_view(),
                                 &w.mx_scales.as_view(),
                                 &mut out,
@@ -425,7 +439,17 @@ mod bench {
                     }
                 }
                 // The fragment kernels (stored bytes decoded straight into mma fragments), the
-                // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert.
+                // backend's pick up to QFRAG_ROWS_PER_EXPERT rows per expert; NVFP4's operand
+                // in binary16 from here on, as they take it (the other kernels timed below
+                // read the same buffer: their time does not depend on its values).
+                q.quant_act_nvfp4_f16(
+                    &x.as_view(),
+                    r,
+                    k,
+                    &mut xq.as_view_mut(),
+                    &mut xamax.as_view_mut(),
+                )
+                .expect("act NVFP4 (binary16)");
                 let mut frag_us = [None, None];
                 let frag_rows = FragRows::for_rows(r, EXPERTS, FragRows::R32);
                 if QGemm::frag_fits(n, k) {

@@ -50,8 +50,9 @@ extern "C" __global__ void checksum_u8(const unsigned char* __restrict__ x, u64 
     if ((threadIdx.x & 31) == 0) atomicAdd((u64*)(out + 2 * slot), acc);
 }
 
-// Route capture: element i = r·k + j of ids/weights [rows, k] goes to the tables [S, max_len, k]
-// at sequence (has_seq ? seq[r] : r), position pos[r]; rows outside the tables are skipped.
+// Route capture: element i = r·k + j of ids/weights [rows, k] goes to the tables [max_len, S, k]
+// at sequence s = (has_seq ? seq[r] : r), position p = pos[r] (table row p·S + s); rows
+// outside the tables are skipped.
 extern "C" __global__ void capture_routes(const u32* __restrict__ ids, const float* __restrict__ w,
                                           u64 rows, u32 k, const u32* __restrict__ seq, int has_seq,
                                           const u32* __restrict__ pos, u64 slots, u64 max_len,
@@ -62,7 +63,7 @@ extern "C" __global__ void capture_routes(const u32* __restrict__ ids, const flo
     u64 s = has_seq ? (u64)seq[r] : r;
     u64 p = pos[r];
     if (s >= slots || p >= max_len) return;
-    u64 d = (s * max_len + p) * k + j;
+    u64 d = (p * slots + s) * k + j;
     dst_ids[d] = ids[i];
     dst_w[d] = w[i];
 }
@@ -81,7 +82,7 @@ extern "C" __global__ void capture_rows(const float* __restrict__ x, u64 rows, u
     if (s >= slots) return;
     u64 p = pos[r], f = first[s];
     if (p < f || p - f >= len) return;
-    dst[(s * len + (p - f)) * w + j] = x[i];
+    dst[((p - f) * slots + s) * w + j] = x[i];
 }
 
 // y[i] += x[i], i < n.

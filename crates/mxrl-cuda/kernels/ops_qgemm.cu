@@ -69,6 +69,14 @@ __device__ __forceinline__ float e4m3_value_cvt(u32 code) {
     return lo;
 }
 
+// The bits of ue8m0_decode(b) (b < 256) as selects, without branches: the decode runs per
+// chunk and weight row in the fragment kernels' loops.
+__device__ __forceinline__ u32 ue8m0_bits(u32 b) {
+    u32 v = b << 23;
+    v = b == 0u ? 0x00400000u : v;
+    return b == 0xFFu ? 0x7FC00000u : v;
+}
+
 // Four E4M3 codes (element j in byte j of w) times sc = ue8m0_decode(s):
 // v[j] = fl(sc · e4m3_value(code_j)), the contract's MXFP8 dequantization (exact in f32).
 __device__ __forceinline__ void mxfp8_decode4(u32 w, float sc, float v[4]) {
@@ -149,14 +157,33 @@ extern "C" __global__ void __launch_bounds__(256)
     *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
 }
 
+// Two f32 values as a binary16 pair (low half: lo), rounded to nearest even.
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Eight f32 values exact in binary16 (NVFP4 operand values) as eight binary16 bit patterns.
+__device__ __forceinline__ uint4 pack_f16x8(const float v[8]) {
+    uint4 o;
+    o.x = f32x2_to_f16x2(v[0], v[1]);
+    o.y = f32x2_to_f16x2(v[2], v[3]);
+    o.z = f32x2_to_f16x2(v[4], v[5]);
+    o.w = f32x2_to_f16x2(v[6], v[7]);
+    return o;
+}
+
 // NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
-// row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16
-// (exact). One block of QA_THREADS per row: a pass for the amax, then the quantization pass
-// (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16; two threads per
-// 16-element block).
+// row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16, or
+// with F16 in binary16 (both exact: ≤ 6 significant bits in [2^-10, 2688]; the fragment
+// kernels multiply binary16). One block of QA_THREADS per row: a pass for the amax, then the
+// quantization pass (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16;
+// two threads per 16-element block).
 #define QA_THREADS 128
-extern "C" __global__ void __launch_bounds__(QA_THREADS)
-    quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+template <bool F16>
+__device__ __forceinline__ void quant_act_nvfp4_body(const float* __restrict__ x, u16* __restrict__ pre,
+                                                     float* __restrict__ amax, u64 k) {
     __shared__ float warp_max_s[QA_THREADS / 32];
     const u64 row = blockIdx.x;
     const float* xr = x + row * k;
@@ -204,8 +231,16 @@ extern "C" __global__ void __launch_bounds__(QA_THREADS)
         if (!active) continue;
         float d[8];
         nvfp4_decode8(word, sf2, d);
-        *reinterpret_cast<uint4*>(pre + row * k + c * 8) = pack_bf16x8(d);
+        *reinterpret_cast<uint4*>(pre + row * k + c * 8) = F16 ? pack_f16x8(d) : pack_bf16x8(d);
     }
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+    quant_act_nvfp4_body<false>(x, pre, amax, k);
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_f16(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
+    quant_act_nvfp4_body<true>(x, pre, amax, k);
 }
 
 // FP8 block 1×128 along K (Scheme::FP8_BLOCK_ACT) of x [rows, K] f32 as the staged FP8-block
@@ -326,7 +361,7 @@ struct QmMxfp8 {
     __device__ static u32 scale_row(u32 K) { return K / 32; }
     // The chunk's UE8M0 byte (a chunk lies inside one 32-block).
     __device__ static u32 load_scale(const u8* ws, u32 c) { return ws[c / 2]; }
-    __device__ static u32 prep(u32 raw) { return __float_as_uint(ue8m0_decode(raw)); }
+    __device__ static u32 prep(u32 raw) { return ue8m0_bits(raw); }
     __device__ static void decode4(const uint4& w, u32 prep, int h, float v[4]) {
         mxfp8_decode4(word_of(w, h), __uint_as_float(prep), v);
     }
@@ -653,8 +688,8 @@ extern "C" __global__ void __launch_bounds__(QT_THREADS) qgemm_tc_nvfp4(QGEMM_NV
 // row g or g + 8) and the matching 16 (MXFP8), 32 (NVFP4) or 8 (BF16) activation elements of
 // row 8·tg + g of the pass, and decodes its codes in registers to the exact operand values
 // (MXFP8: BF16 of fl(e4m3 · 2^(s−127)), the values dequant_mxfp8_bf16 writes; NVFP4: e2m1 ·
-// e4m3(scale) in binary16, exact, with the BF16 activation operand converted to binary16, exact
-// too — module doc; BF16: the stored value). The k order is permuted alike in A and B (mma step
+// e4m3(scale) in binary16, exact, times the binary16 activation operand of quant_act_nvfp4_f16
+// (the same values — module doc; BF16: the stored value). The k order is permuted alike in A and B (mma step
 // s takes elements 4s .. 4s+3 of each lane's chunk as the k indices 2t, 2t+1, 2t+8, 2t+9), so
 // every product is one x·w of the sum. Products exact, f32 accumulation in the tensor cores
 // (bound: tensor_core_sum_bound); with KS > 1 the warps' partial sums are then added in dynamic
@@ -669,17 +704,6 @@ __device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
-}
-
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// A BF16 pair (low half: the lower index) as a binary16 pair (exact for NVFP4 operand values).
-__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
-    return f32x2_to_f16x2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
 }
 
 __device__ __forceinline__ void qf_mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
@@ -718,6 +742,67 @@ struct QfMxfp8 : QmMxfp8 {
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_bf16(d, a, b0, b1); }
 };
+// MXFP8 weights decoded without leaving BF16, for weights whose every scale byte is at most
+// MXFP8_FAST_MAX_SCALE and that hold no NaN code (mxfp8_fast_check; the host picks these
+// kernels only then): the bytes of a code pair are spread into the two halves of a word with
+// their signs replicated (prmt), shifted and masked to sign | exponent-and-mantissa << 4 — the
+// BF16 pattern of e4m3_value(code) · 2^-120, exact for every code, subnormal E4M3 codes
+// landing on BF16 subnormals and zeros on zeros — then multiplied by the BF16 factor
+// 2^(s − 7) = 2^120 · 2^(s − 127) (s ≤ 134 keeps it finite): one rounding of the exact product
+// e4m3_value(code) · 2^(s − 127), which is what QfMxfp8 computes in f32 and rounds to BF16
+// (both round the same exact value to nearest even), so the operands, and the sums, are
+// QfMxfp8's bit for bit. Four instructions per pair where QfMxfp8 takes six.
+#define MXFP8_FAST_MAX_SCALE 134u
+__device__ __forceinline__ u32 mxfp8_fast_pair(u32 q, u32 sel, u32 factor) {
+    u32 t;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(t) : "r"(q), "r"(sel));
+    t = (t << 4) & 0x87F087F0u;
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(t), "r"(factor), "r"(0x80008000u));
+    return d;
+}
+struct QfMxfp8Fast : QfMxfp8 {
+    // The chunk's BF16 factor 2^(s − 7) in both halves.
+    __device__ static u32 prep(u32 raw) { return ((raw + 120u) << 7) * 0x10001u; }
+    __device__ static void pairs(const uint4& w, u32 prep, int s, u32& lo, u32& hi) {
+        const u32 q = word_of(w, s);
+        lo = mxfp8_fast_pair(q, 0x9180u, prep);  // bytes 0, 1, each over its sign copies
+        hi = mxfp8_fast_pair(q, 0xB3A2u, prep);  // bytes 2, 3
+    }
+};
+
+// Eligibility for QfMxfp8Fast of stored MXFP8 weights: clears *ok when a code byte is NaN
+// (0x7F / 0xFF) or a scale byte exceeds MXFP8_FAST_MAX_SCALE (*ok set to 1 by the caller; every
+// writer writes 0, so the result does not depend on the order). Grid-stride over the codes'
+// u32 words (nc a multiple of 4, 4-byte aligned) and the scale bytes.
+extern "C" __global__ void mxfp8_fast_check(const u32* __restrict__ codes, u64 nc, const u8* __restrict__ scales,
+                                            u64 ns, u32* __restrict__ ok) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    bool bad = false;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nc / 4; i += stride) {
+        const u32 m = codes[i] & 0x7F7F7F7Fu;  // a byte of 0x7F carries into its top bit
+        bad |= ((m + 0x01010101u) & 0x80808080u) != 0u;
+    }
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < ns; i += stride) bad |= scales[i] > MXFP8_FAST_MAX_SCALE;
+    if (bad) *ok = 0u;
+}
+
+// Every code under every eligible scale byte through both MXFP8 decoders (for the tests):
+// thread (s, c4) decodes codes 4·c4 .. 4·c4 + 3 under scale byte s as word 0 of a chunk;
+// general / fast [s·256 + code] = the BF16 operand bits of QfMxfp8 / QfMxfp8Fast.
+extern "C" __global__ void mxfp8_decode_table(u16* __restrict__ general, u16* __restrict__ fast) {
+    const u32 s = blockIdx.x, c4 = threadIdx.x;  // grid MXFP8_FAST_MAX_SCALE + 1, block 64
+    const u32 q = (4u * c4) | ((4u * c4 + 1u) << 8) | ((4u * c4 + 2u) << 16) | ((4u * c4 + 3u) << 24);
+    const uint4 w = make_uint4(q, 0u, 0u, 0u);
+    u32 lo, hi;
+    QfMxfp8::pairs(w, QfMxfp8::prep(s), 0, lo, hi);
+    u16* g = general + s * 256u + 4u * c4;
+    g[0] = (u16)lo, g[1] = (u16)(lo >> 16), g[2] = (u16)hi, g[3] = (u16)(hi >> 16);
+    QfMxfp8Fast::pairs(w, QfMxfp8Fast::prep(s), 0, lo, hi);
+    u16* f = fast + s * 256u + 4u * c4;
+    f[0] = (u16)lo, f[1] = (u16)(lo >> 16), f[2] = (u16)hi, f[3] = (u16)(hi >> 16);
+}
+
 struct QfNvfp4 : QmNvfp4 {
     static constexpr int XV = 4;
     static constexpr bool BLOCKED = false;
@@ -730,9 +815,10 @@ struct QfNvfp4 : QmNvfp4 {
         lo = hmul2_rn(__byte_perm(t, 0u, 0x1404u), sf2);
         hi = hmul2_rn(__byte_perm(t, 0u, 0x3424u), sf2);
     }
+    // The activation operand is binary16 already (quant_act_nvfp4_f16).
     __device__ static void bpairs(const uint4& xv, int s, u32& b0, u32& b1) {
-        b0 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1)));
-        b1 = bf16x2_to_f16x2(word_of(xv, 2 * (s & 1) + 1));
+        b0 = word_of(xv, 2 * (s & 1));
+        b1 = word_of(xv, 2 * (s & 1) + 1);
     }
     __device__ static void mma(float* d, const u32* a, u32 b0, u32 b1) { qf_mma_f16(d, a, b0, b1); }
 };
@@ -830,14 +916,12 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
     const u32 steps = (rowb + 63) / 64;  // super-steps of 64 code bytes per row
     const u32 elems = F::CHUNK * 4;      // elements per super-step
-    const u8* wc[4];
-    const u8* ws[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const u64 row = (u64)e * N + n0 + g + 8 * i;
-        wc[i] = codes + row * rowb;
-        ws[i] = scales + row * sk;
-    }
+    // This lane's chunk 0 (bytes 16t .. 16t+16) of weight row n0 + g and that row's scales;
+    // row g + 8i at + i·w8 and + i·s8.
+    const u64 row0 = (u64)e * N + n0 + g;
+    const u8* const wc = codes + row0 * rowb + 16 * t;
+    const u8* const ws = scales + row0 * sk;
+    const u64 w8 = 8 * (u64)rowb, s8 = 8 * (u64)sk;
     const float wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * 8 * TG; rb < hi; rb += gridDim.z * 8 * TG) {
         float acc[2][TG][4];
@@ -847,12 +931,23 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         auto load_w = [&](u32 kt, uint4* wq, u32* sr) {
             const u32 c = 4 * kt + t;
             const bool ok = kt < steps && 16 * c < rowb;
+            const u8* pw = wc + 64 * (u64)kt;
+            const u8* ps = ws;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                wq[i] = ok ? *reinterpret_cast<const uint4*>(wc[i] + 16 * (u64)c) : make_uint4(0u, 0u, 0u, 0u);
-                sr[i] = ok ? F::load_scale(ws[i], c) : 0u;
+                wq[i] = ok ? *reinterpret_cast<const uint4*>(pw) : make_uint4(0u, 0u, 0u, 0u);
+                sr[i] = ok ? F::load_scale(ps, c) : 0u;
+                pw += w8;
+                ps += s8;
             }
         };
+        // The pass's activation rows rb + 8·tg + g of this lane (bit tg: inside the expert's
+        // rows), from its chunk t·CHUNK; row tg at + tg·x8.
+        u32 rows_ok = 0;
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) rows_ok |= (rb + 8 * tg + g < hi ? 1u : 0u) << tg;
+        const u16* const xb = x + (u64)(rb + g) * K + t * F::CHUNK;
+        const u64 x8 = 8 * (u64)K;
         uint4 wq[4];
         u32 sr[4];
         load_w(warp, wq, sr);
@@ -865,6 +960,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
             // Loaded VG uint4 per row at a time (all XV of them unless TG · XV > 16 registers'
             // worth: NVFP4 with 64 rows per pass), the mma steps in increasing s either way.
             const u32 k0 = kt * elems + t * F::CHUNK;
+            const bool kok = k0 < K;
             u32 sp[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) sp[i] = F::prep(sr[i]);
@@ -872,13 +968,14 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 #pragma unroll
             for (int v0 = 0; v0 < F::XV; v0 += VG) {
                 uint4 xa[TG][VG];
+                const u16* xr = xb + kt * elems;
 #pragma unroll
                 for (int tg = 0; tg < TG; ++tg) {
-                    const u32 r = rb + 8 * tg + g;
-                    const bool ok = r < hi && k0 < K;
-                    const uint4* src = reinterpret_cast<const uint4*>(x + (u64)r * K + k0) + v0;
+                    const bool ok = ((rows_ok >> tg) & 1u) && kok;
+                    const uint4* src = reinterpret_cast<const uint4*>(xr) + v0;
 #pragma unroll
                     for (int v = 0; v < VG; ++v) xa[tg][v] = ok ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+                    xr += x8;
                 }
                 qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
@@ -930,9 +1027,10 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 }
 
 // Entry points: suffix = token groups of 8 rows per pass; blocks of 32 · KS threads.
-#define QF_ENTRY_MXFP8(name, TG, MINB)                                                                         \
+// F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
+#define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                 \
+        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                       \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
@@ -943,10 +1041,14 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
         qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                  \
     }
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, 1, 2)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, 2, 2)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, 4, 1)
-QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t8, 8, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, QfMxfp8, 1, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, QfMxfp8, 2, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t4, QfMxfp8, 4, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t8, QfMxfp8, 8, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t1, QfMxfp8Fast, 1, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t2, QfMxfp8Fast, 2, 2)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t4, QfMxfp8Fast, 4, 1)
+QF_ENTRY_MXFP8(qgemm_frag_mxfp8f_t8, QfMxfp8Fast, 8, 1)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t1, 1, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t2, 2, 2)
 QF_ENTRY_NVFP4(qgemm_frag_nvfp4_t4, 4, 1)
@@ -995,38 +1097,67 @@ struct QsBlock {
     const float* x_amax;  // NVFP4: the rows' amax; FP8 block (BLOCKED): their scale_inv [R, K/128]
     const u8* codes;
     float* y;
-    const u8* wc[4];  // this lane's weight rows g + 8i of the warp's 32 columns
+    const u8* wc;  // this lane's first weight chunk (bytes 16t..16t+16) of row g; row g + 8i at + i·w8
+    u64 w8;  // bytes of 8 weight rows
     const u8* s_scale;  // the block's weight scale rows (BLOCKED: its 128-row scale_inv row)
-    u8* my_w;  // the warp's weight stages
+    const u8* s_wrow;  // this lane's weight scale row g of the warp's 32 columns (not BLOCKED)
+    u8* w_lane;  // this lane's chunk of row g in stage 0 of the warp's weight stages
     u16* s_x;  // the activation stages (XROWS rows each)
+    const u16* x_lane;  // this lane's activation chunk of row g in stage 0 (t·CHUNK)
     float* s_sx;  // BLOCKED: the pass's activation scale_inv rows [XROWS][kbs]
-    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, elems, xld, xrows, kbs;
+    u32 hi, N, K, tid, warp, g, t, n0, rowb, sk, steps, xrows, kbs;
     float wa;
     bool active;
 };
 
 // One pass of TGP token groups from row rb (TGP ≤ the kernel's TG; the stages are laid out
-// for TG, i.e. c.xrows rows).
-template <class F, int TGP>
+// for TG, i.e. c.xrows rows). Addresses are set up once per block and pass and advanced per
+// super-step; the copies, fragments and mma order are those of qgemm_frag_body with one warp.
+template <class F, int TGP, int ST = QS_STAGES>
 __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
+    constexpr u32 THREADS = QS_WARPS * 32;
+    constexpr u32 ELEMS = F::CHUNK * 4;  // elements per super-step
+    constexpr u32 XLD = ELEMS + 8;       // u16 per staged activation row
+    constexpr u32 CPR = ELEMS / 8;       // 16-byte chunks per staged activation row
+    constexpr u32 XCH = 8 * TGP * CPR;   // activation chunks per stage
+    constexpr u32 NCP = (XCH + THREADS - 1) / THREADS;  // of them copied per thread
+    constexpr u32 RSTEP = THREADS / CPR;  // rows between a thread's chunks
+    static_assert(THREADS % CPR == 0, "a thread's activation chunks share one column");
+    // This thread's activation chunks: column j of rows r0 + m·RSTEP (m < NCP), those inside
+    // the pass (and the expert's rows) in bit m of xrow_ok.
+    const u32 j = c.tid % CPR, r0 = c.tid / CPR;
+    u32 xrow_ok = 0;
+#pragma unroll
+    for (u32 m = 0; m < NCP; ++m) {
+        const u32 r = r0 + m * RSTEP;
+        if (r < 8 * TGP && rb + r < c.hi) xrow_ok |= 1u << m;
+    }
+    const u16* xsrc = c.x + (u64)(rb + r0) * c.K + 8 * j;  // read only where its row is ok
+    const u64 xstride = (u64)RSTEP * c.K;
+    u16* const xdst = c.s_x + r0 * XLD + 8 * j;
     // Stage `slot` ← super-step kt: this lane's weight chunks (row g + 8i, bytes 16t..16t+16 of
-    // the step; zeros past the row) and the block's share of the activation chunks of the
-    // pass's 8·TGP rows (8 elements each; zeros past the expert's rows or past K).
+    // the step; zeros past the row) and this thread's activation chunks (8 elements each;
+    // zeros past the expert's rows or past K).
     auto issue = [&](u32 kt, u32 slot) {
         if (kt < c.steps) {
-            const u32 ch = 4 * kt + c.t;
-            const bool ok = c.active && 16 * ch < c.rowb;
+            const bool ok = c.active && 64 * kt + 16 * c.t < c.rowb;
+            u8* wd = c.w_lane + slot * 2048;
+            const u8* ws = c.wc + 64 * (u64)kt;
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                qs_cp16(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t, ok ? c.wc[i] + 16 * (u64)ch : c.codes,
-                        ok);
-            const u32 cpr = c.elems / 8;  // chunks per activation row
-            u16* dst = c.s_x + (u64)slot * c.xrows * c.xld;
-            for (u32 q = c.tid; q < 8 * TGP * cpr; q += blockDim.x) {
-                const u32 r = q / cpr, j = q % cpr;
-                const u32 row = rb + r, k = kt * c.elems + 8 * j;
-                const bool okx = row < c.hi && k < c.K;
-                qs_cp16(dst + r * c.xld + 8 * j, okx ? c.x + (u64)row * c.K + k : c.x, okx);
+            for (int i = 0; i < 4; ++i) {
+                qs_cp16(wd + 512 * i, ok ? ws : c.codes, ok);
+                ws += c.w8;
+            }
+            const u32 k = kt * ELEMS + 8 * j;
+            const u16* src = xsrc + kt * ELEMS;
+            u16* dst = xdst + slot * c.xrows * XLD;
+#pragma unroll
+            for (u32 m = 0; m < NCP; ++m) {
+                if (m + 1 < NCP || XCH % THREADS == 0 || r0 + m * RSTEP < 8 * TGP) {
+                    const bool okx = ((xrow_ok >> m) & 1u) && k < c.K;
+                    qs_cp16(dst + m * RSTEP * XLD, okx ? src : c.x, okx);
+                }
+                src += xstride;
             }
         }
         qs_commit();  // an empty group past the last step keeps the wait counts uniform
@@ -1039,37 +1170,47 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     if (F::BLOCKED) {
         // The pass's activation scale_inv rows (zeros past the expert's rows), landing with
         // stage 0's copies (same commit group).
-        for (u32 q = c.tid; q < 8 * TGP * c.kbs; q += blockDim.x) {
+        for (u32 q = c.tid; q < 8 * TGP * c.kbs; q += THREADS) {
             const u32 row = rb + q / c.kbs;
             const bool ok = row < c.hi;
             qs_cp4(c.s_sx + q, ok ? c.x_amax + (u64)row * c.kbs + q % c.kbs : c.x_amax, ok);
         }
     }
 #pragma unroll
-    for (u32 st = 0; st < QS_STAGES - 1; ++st) issue(st, st);
+    for (u32 st = 0; st < ST - 1; ++st) issue(st, st);
+    u32 slot = 0, next = ST - 1;  // kt % ST and (kt + ST − 1) % ST
     for (u32 kt = 0; kt < c.steps; ++kt) {
-        qs_wait<QS_STAGES - 2>();  // this thread's copies of step kt (and the scales) landed
-        __syncthreads();           // everyone's; and step kt − 1's slot is free again
-        issue(kt + QS_STAGES - 1, (kt + QS_STAGES - 1) % QS_STAGES);
+        qs_wait<ST - 2>();  // this thread's copies of step kt (and the scales) landed
+        __syncthreads();    // everyone's; and step kt − 1's slot is free again
+        issue(kt + ST - 1, next);
+        next = next + 1 == ST ? 0 : next + 1;
+        const u32 cur = slot;
+        slot = slot + 1 == ST ? 0 : slot + 1;
         if (!c.active) continue;
-        const u32 slot = kt % QS_STAGES;
         uint4 wq[4];
         u32 sp[4];
+        const u8* wsrc = c.w_lane + cur * 2048;
+        // The chunk's scales (past the row: chunk 0's, loaded unconditionally, then dropped
+        // for prep(0) — the codes there are zeros).
+        const u32 ch = 4 * kt + c.t;
+        const bool sok = 16 * ch < c.rowb;
+        const u32 chs = sok ? ch : 0u;
+        const u8* sr = c.s_wrow;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            wq[i] = *reinterpret_cast<const uint4*>(c.my_w + slot * 2048 + (c.g + 8 * i) * 64 + 16 * c.t);
-            const u32 ch = 4 * kt + c.t;
-            const bool ok = 16 * ch < c.rowb;
-            sp[i] = F::prep(ok ? F::load_scale(c.s_scale + (u64)(QF_COLS * c.warp + c.g + 8 * i) * c.sk, ch) : 0u);
+            wq[i] = *reinterpret_cast<const uint4*>(wsrc + 512 * i);
+            const u32 raw = F::load_scale(sr, chs);
+            sp[i] = F::prep(sok ? raw : 0u);
+            sr += 8 * c.sk;
         }
-        const u16* xs = c.s_x + (u64)slot * c.xrows * c.xld + c.t * F::CHUNK;
+        const u16* xs = c.x_lane + cur * c.xrows * XLD;
         constexpr int VG = F::XV < 16 / TGP ? F::XV : 16 / TGP;
 #pragma unroll
         for (int v0 = 0; v0 < F::XV; v0 += VG) {
             uint4 xa[TGP][VG];
 #pragma unroll
             for (int tg = 0; tg < TGP; ++tg) {
-                const uint4* src = reinterpret_cast<const uint4*>(xs + (8 * tg + c.g) * c.xld) + v0;
+                const uint4* src = reinterpret_cast<const uint4*>(xs + 8 * tg * XLD) + v0;
 #pragma unroll
                 for (int v = 0; v < VG; ++v) xa[tg][v] = src[v];
             }
@@ -1087,11 +1228,11 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
                 for (int hh = 0; hh < 2; ++hh) {
                     const float sc = __fmul_rn(c.s_sx[(8 * tg + 2 * c.t + hh) * c.kbs + b], sw);
 #pragma unroll
-                    for (int j = 0; j < 2; ++j)
+                    for (int j2 = 0; j2 < 2; ++j2)
 #pragma unroll
                         for (int q = hh; q < 4; q += 2) {
-                            yb[j][tg][q] = __fadd_rn(yb[j][tg][q], __fmul_rn(sc, acc[j][tg][q]));
-                            acc[j][tg][q] = 0.0f;
+                            yb[j2][tg][q] = __fadd_rn(yb[j2][tg][q], __fmul_rn(sc, acc[j2][tg][q]));
+                            acc[j2][tg][q] = 0.0f;
                         }
                 }
         }
@@ -1099,15 +1240,15 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
     qs_wait<0>();
     if (!c.active) return;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j2 = 0; j2 < 2; ++j2)
 #pragma unroll
         for (int tg = 0; tg < TGP; ++tg)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const u32 r = rb + 8 * tg + 2 * c.t + (q & 1);
-                const u32 col = c.n0 + 16 * j + c.g + 8 * (q >> 1);
+                const u32 col = c.n0 + 16 * j2 + c.g + 8 * (q >> 1);
                 if (r < c.hi) {
-                    float sum = F::BLOCKED ? yb[j][tg][q] : acc[j][tg][q];
+                    float sum = F::BLOCKED ? yb[j2][tg][q] : acc[j2][tg][q];
                     if (F::ALPHA) {
                         const float alpha = __fmul_rn(__fmul_rn(c.x_amax[r], c.wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
                         sum = __fmul_rn(sum, alpha);
@@ -1117,11 +1258,11 @@ __device__ __forceinline__ void qs_pass(const QsBlock& c, u32 rb) {
             }
 }
 
-template <class F, int TG>
+template <class F, int TG, int ST = QS_STAGES>
 __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                   const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                   const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                  float* __restrict__ y, u32 R, u32 N, u32 K) {
+                                                  float* __restrict__ y, u32 R, u32 N, u32 K, u32 bx) {
     extern __shared__ __align__(16) u8 qs_mem[];
     const u32 e = blockIdx.y;
     u32 lo, hi;
@@ -1143,25 +1284,24 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     c.warp = c.tid >> 5;
     c.g = lane >> 2;
     c.t = lane & 3;
-    const u32 nb = blockIdx.x * (QF_COLS * QS_WARPS);          // the block's first column
+    const u32 nb = bx * (QF_COLS * QS_WARPS);                  // the block's first column
     const u32 wrows = min((u32)(QF_COLS * QS_WARPS), N - nb);  // its weight rows (N % 32 == 0)
     c.n0 = nb + QF_COLS * c.warp;
     c.active = c.n0 < N;  // a warp past N only helps with the copies and barriers
     c.rowb = F::row_bytes(K);
     c.sk = F::scale_row(K);
     c.steps = (c.rowb + 63) / 64;
-    c.elems = F::CHUNK * 4;  // elements per super-step
-    c.xld = c.elems + 8;     // u16 per staged activation row
+    constexpr u32 XLD = F::CHUNK * 4 + 8;  // u16 per staged activation row (qs_pass)
     c.xrows = XROWS;
     c.kbs = K / 128;  // BLOCKED: 128-wide K blocks
     // Shared memory layout (all parts 16-byte multiples: sk·32 rows, or BLOCKED the scale
-    // row's kbs floats rounded up; 2 KB; 16·xld bytes), then BLOCKED the pass's XROWS·kbs
+    // row's kbs floats rounded up; 2 KB; 16·XLD bytes), then BLOCKED the pass's XROWS·kbs
     // activation scales.
     u8* s_scale = qs_mem;
     u8* s_w = s_scale + (F::BLOCKED ? (4 * c.kbs + 15) / 16 * 16 : (u64)QF_COLS * QS_WARPS * c.sk);
     c.s_scale = s_scale;
-    c.s_x = reinterpret_cast<u16*>(s_w + QS_STAGES * QS_WARPS * 2048);
-    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)QS_STAGES * XROWS * c.xld);
+    c.s_x = reinterpret_cast<u16*>(s_w + ST * QS_WARPS * 2048);
+    c.s_sx = reinterpret_cast<float*>(c.s_x + (u64)ST * XROWS * XLD);
     if (F::BLOCKED) {
         // The block's 128 columns are one 128-row scale tile of expert e ([E, N/128, kbs]
         // floats): its kbs scale_inv values, copied once.
@@ -1173,48 +1313,99 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
         const u32 chunks = wrows * c.sk / 16;
         for (u32 q = c.tid; q < chunks; q += blockDim.x) qs_cp16(s_scale + 16 * q, src + 16 * q, true);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c.wc[i] = codes + ((u64)e * N + c.n0 + c.g + 8 * i) * c.rowb;
-    c.my_w = s_w + (u64)c.warp * QS_STAGES * 2048;
+    c.wc = codes + ((u64)e * N + c.n0 + c.g) * c.rowb + 16 * c.t;
+    c.w8 = 8 * (u64)c.rowb;
+    c.w_lane = s_w + (u64)c.warp * ST * 2048 + 64 * c.g + 16 * c.t;
+    c.s_wrow = s_scale + (u64)(QF_COLS * c.warp + c.g) * c.sk;
+    c.x_lane = c.s_x + c.g * XLD + c.t * F::CHUNK;
     c.wa = F::ALPHA ? w_amax[e] : 0.0f;
     for (u32 rb = lo + blockIdx.z * XROWS; rb < hi; rb += gridDim.z * XROWS) {
         // A pass whose rows fill at most half of it runs half the token groups (the mma steps
         // of the empty half would multiply zeros into sums nobody stores): the same fragments,
         // in the same order, for every row it holds. Uniform over the block.
         if (TG > 1 && hi - rb <= 4 * TG) {
-            qs_pass<F, (TG > 1 ? TG / 2 : 1)>(c, rb);
+            qs_pass<F, (TG > 1 ? TG / 2 : 1), ST>(c, rb);
         } else {
-            qs_pass<F, TG>(c, rb);
+            qs_pass<F, TG, ST>(c, rb);
         }
     }
 }
 
-#define QS_ENTRY_MXFP8(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfMxfp8, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);               \
+// Resident blocks per SM the register budget of a TG-group MXFP8 / NVFP4 / BF16 staged kernel
+// is cut for: four up to 32 rows per pass (MXFP8's and BF16's shared memory fits four), three
+// for the 64-row passes' fragments.
+#define QS_MINB(TG) ((TG) >= 8 ? 3 : 4)
+// FP8 block: four up to 32 rows per pass; the 64-row passes, and the dense three-weight
+// entries (QS_ENTRY_FP8B3: their arguments; one block's bound, or ptxas caps them at 128
+// registers and spills), keep their registers.
+#define QS_MINB_FP8B(TG) ((TG) >= 8 ? 1 : 4)
+// F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
+#define QS_ENTRY_MXFP8(name, F, TG)                                                                            \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {          \
+        qgemm_fragsm_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);          \
     }
 #define QS_ENTRY_NVFP4(name, TG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_NVFP4_ARGS) {                       \
-        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                 \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_NVFP4_ARGS) {          \
+        qgemm_fragsm_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);      \
     }
 #define QS_ENTRY_BF16(name, TG)                                                                                \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32) name(QGEMM_MXFP8_ARGS) {                       \
-        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB(TG)) name(QGEMM_MXFP8_ARGS) {          \
+        qgemm_fragsm_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);     \
     }
 // FP8 block: x the binary16 activation operand [R, K] (quant_act_fp8_block_f16), xs its
 // scale_inv [R, K/128], codes the E4M3 weights [E, N, K], ws their scale_inv [E, N/128, K/128];
 // N a multiple of 128 (each block's columns one scale tile), K of 128.
-#define QS_ENTRY_FP8B(name, TG)                                                                                \
-    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                                \
+// ST: stages (suffix _sN; none for three).
+#define QS_ENTRY_FP8B(name, TG, ST)                                                                            \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, QS_MINB_FP8B(TG))                             \
         name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ codes,             \
              const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,     \
              u32 N, u32 K) {                                                                                   \
-        qgemm_fragsm_body<QfFp8b, TG>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, K); \
+        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
+                                          K, blockIdx.x);                                                      \
     }
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, 1)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, 2)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, 4)
-QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t8, 8)
+// FP8 block, up to three dense weights on one input in one launch (q, k and v): block column
+// bx of the grid runs weight i's column block bx − (the column blocks of weights < i) with
+// weight i's codes, scales, output and N (a weight with N = 0 has no blocks); one group of
+// rows (`off` = {0, ≥ R}), E = 1. Each weight's blocks are those of QS_ENTRY_FP8B on it alone,
+// so the outputs are the single launches' bits.
+#define QS_ENTRY_FP8B3(name, TG, ST)                                                                           \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32, 1)                                             \
+        name(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ c0,                \
+             const float* __restrict__ s0, float* __restrict__ y0, u32 N0, const u8* __restrict__ c1,           \
+             const float* __restrict__ s1, float* __restrict__ y1, u32 N1, const u8* __restrict__ c2,           \
+             const float* __restrict__ s2, float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R,  \
+             u32 K) {                                                                                          \
+        const u32 b0 = N0 / 128, b1 = N1 / 128;                                                                \
+        u32 bx = blockIdx.x;                                                                                   \
+        const u8* codes = c0;                                                                                  \
+        const float* ws = s0;                                                                                  \
+        float* y = y0;                                                                                         \
+        u32 N = N0;                                                                                            \
+        if (bx >= b0 + b1) {                                                                                   \
+            bx -= b0 + b1;                                                                                     \
+            codes = c2;                                                                                        \
+            ws = s2;                                                                                           \
+            y = y2;                                                                                            \
+            N = N2;                                                                                            \
+        } else if (bx >= b0) {                                                                                 \
+            bx -= b0;                                                                                          \
+            codes = c1;                                                                                        \
+            ws = s1;                                                                                           \
+            y = y1;                                                                                            \
+            N = N1;                                                                                            \
+        }                                                                                                      \
+        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
+                                          K, bx);                                                              \
+    }
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, QfMxfp8, 1)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, QfMxfp8, 2)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t4, QfMxfp8, 4)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t8, QfMxfp8, 8)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t1, QfMxfp8Fast, 1)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t2, QfMxfp8Fast, 2)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t4, QfMxfp8Fast, 4)
+QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8f_t8, QfMxfp8Fast, 8)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t1, 1)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t2, 2)
 QS_ENTRY_NVFP4(qgemm_fragsm_nvfp4_t4, 4)
@@ -1223,7 +1414,29 @@ QS_ENTRY_BF16(qgemm_fragsm_bf16_t1, 1)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t2, 2)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t4, 4)
 QS_ENTRY_BF16(qgemm_fragsm_bf16_t8, 8)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4)
-QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t1, 1, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t2, 2, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t4, 4, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_t8, 8, 3)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t1, 1, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t2, 2, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t4, 4, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s4_t8, 8, 4)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t1, 1, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t2, 2, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t4, 4, 6)
+QS_ENTRY_FP8B(qgemm_fragsm_fp8b_s6_t8, 8, 6)
+// Suffix _sN: N stages (N − 1 super-steps in flight per block), for dense launches whose few
+// blocks are bound by one block's latency.
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t1, 1, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t2, 2, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t4, 4, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s3_t8, 8, 3)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t1, 1, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t2, 2, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t4, 4, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s4_t8, 8, 4)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t1, 1, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t2, 2, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t4, 4, 6)
+QS_ENTRY_FP8B3(qgemm_fragsm_fp8b3_s6_t8, 8, 6)

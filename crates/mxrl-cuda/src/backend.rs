@@ -19,7 +19,7 @@ use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
-use crate::ops::qgemm::QGemm;
+use crate::ops::qgemm::{mxfp8_fast_eligible, Mxfp8Decode, QGemm};
 use crate::ops::qlinear::QLinear;
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
@@ -72,6 +72,9 @@ pub struct QExperts {
     /// (BF16, `parts` stacks of `[E, N, K]`, module doc of [`Backend::grouped_qlinear_backward`]
     /// here), made on the first backward of this weight version.
     pub train: std::cell::OnceCell<CudaSlice<u16>>,
+    /// MXFP8: every scale byte ≤ 134 and no NaN code, so the fragment kernels may decode
+    /// with [`Mxfp8Decode::Fast`] (the same bits); checked once when the weights are made.
+    pub fast_decode: bool,
     /// A dense MXFP8 weight's forward operand: its contract dequantization to BF16 `[N, K]`,
     /// made by the first forward of this weight version that is not being recorded into a
     /// graph (a recorded step reuses it; the weights never change within a version).
@@ -382,6 +385,7 @@ impl CudaBackend {
             scales,
             amax,
             spec,
+            fast_decode: false,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -592,6 +596,7 @@ impl Backend for CudaBackend {
             scales: self.gpu.upload(&scales).map_err(de)?,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
+            fast_decode: format == Format::Mxfp8 && mxfp8_fast_eligible(&codes, &scales),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -656,6 +661,10 @@ impl Backend for CudaBackend {
             scales,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
+            fast_decode: format == Format::Mxfp8
+                && weights
+                    .iter()
+                    .all(|w| mxfp8_fast_eligible(w.data, w.scales)),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -675,7 +684,7 @@ impl Backend for CudaBackend {
         if w.format == Format::Fp8Block {
             return self.fp8_forward(x, w, Some(offsets), experts, rows, k, n, y);
         }
-        let act = self.quant_act_rows(x, w, rows, k, "grouped_qlinear")?;
+        let act = self.quant_act_rows(x, w, rows, rows, k, "grouped_qlinear")?;
         self.grouped_qlinear_on(&act, w, offsets, experts, rows, k, n, y)
     }
 
@@ -697,13 +706,17 @@ impl Backend for CudaBackend {
         }
         // Each row is quantized alone (MXFP8 blocks along k, NVFP4's per-token factor): the
         // tokens' rows once, then their operands gathered, are the gathered rows' operands.
-        let act = self.quant_act_rows(x, w, tokens, k, "grouped_qlinear")?;
+        let act = self.quant_act_rows(x, w, tokens, rows, k, "grouped_qlinear")?;
         let xg = self.gather_token_rows_u16(&act.xq, route, tokens, top_k, experts, k)?;
         let amax = match &act.amax {
             Some(a) => Some(self.gather_token_rows_f32(a, route, tokens, top_k, experts, 1)?),
             None => None,
         };
-        let act = QuantRows { xq: xg, amax };
+        let act = QuantRows {
+            xq: xg,
+            amax,
+            f16: act.f16,
+        };
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
     }
 
@@ -759,6 +772,13 @@ impl Backend for CudaBackend {
                 &mut q,
             )
             .map_err(|e| dev(format!("{}: {e}", name(0))))?;
+        // Once per weight version: may the fragment kernels take the fast decode?
+        let fast_decode = match self.qgemm.as_ref() {
+            Ok(g) => g
+                .mxfp8_fast_check(&q.data.as_view(), &q.scales.as_view())
+                .map_err(de)?,
+            Err(_) => false,
+        };
         Ok(QExperts {
             format: Format::Mxfp8,
             e: groups,
@@ -768,6 +788,7 @@ impl Backend for CudaBackend {
             scales: q.scales,
             amax: self.gpu.zeros::<f32>(1).map_err(de)?,
             spec,
+            fast_decode,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -786,6 +807,7 @@ impl Backend for CudaBackend {
             scales: s.clone_dtod(&w.scales).map_err(e)?,
             amax: s.clone_dtod(&w.amax).map_err(e)?,
             spec: w.spec,
+            fast_decode: w.fast_decode,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -863,7 +885,7 @@ impl Backend for CudaBackend {
         }
         match w.format {
             Format::Mxfp8 => {
-                let act = self.quant_act_rows(x, w, rows, k, "qlinear")?;
+                let act = self.quant_act_rows(x, w, rows, rows, k, "qlinear")?;
                 self.mxfp8_dense_on(&act.xq, w, rows, k, n, y)
             }
             other => Err(dev(format!(
@@ -885,7 +907,7 @@ impl Backend for CudaBackend {
                 .all(|(w, n, _)| (w.format, w.e, w.n, w.k) == (f, 1, *n, k))
         };
         if outs.len() > 1 && dense(Format::Mxfp8) {
-            let act = self.quant_act_rows(x, outs[0].0, rows, k, "qlinear")?;
+            let act = self.quant_act_rows(x, outs[0].0, rows, rows, k, "qlinear")?;
             for (w, n, y) in outs.iter_mut() {
                 self.mxfp8_dense_on(&act.xq, w, rows, k, *n, y)?;
             }
@@ -2287,6 +2309,8 @@ impl Backend for CudaBackend {
 struct QuantRows {
     xq: CudaSlice<u16>,
     amax: Option<CudaSlice<f32>>,
+    /// NVFP4: `xq` holds binary16 values (the fragment kernels' operand), not BF16.
+    f16: bool,
 }
 
 impl CudaBackend {
@@ -2373,13 +2397,22 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Whether a grouped MXFP8 / NVFP4 linear of `rows` rows over `experts` experts runs on
+    /// the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`] and NVFP4's, which take NVFP4
+    /// activations in binary16).
+    fn qfrag_path(experts: usize, rows: usize, k: usize, n: usize) -> bool {
+        QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts
+    }
+
     /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`
-    /// (dense or routed experts).
+    /// (dense or routed experts) for a GEMM of `gemm_rows` rows (the rows gathered from them):
+    /// NVFP4 in binary16 where that GEMM takes the fragment kernels, BF16 otherwise.
     fn quant_act_rows(
         &self,
         x: &CudaSlice<f32>,
         w: &QExperts,
         rows: usize,
+        gemm_rows: usize,
         k: usize,
         op: &str,
     ) -> DResult<QuantRows> {
@@ -2393,16 +2426,27 @@ impl CudaBackend {
             Format::Mxfp8 => {
                 q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
-                Ok(QuantRows { xq, amax: None })
+                Ok(QuantRows {
+                    xq,
+                    amax: None,
+                    f16: false,
+                })
             }
             Format::Nvfp4 => {
                 let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
                 let mut xa = amax.slice_mut(0..rows);
-                q.quant_act_nvfp4(&x.as_view(), rows, k, &mut xq.as_view_mut(), &mut xa)
-                    .map_err(de)?;
+                let f16 = Self::qfrag_path(w.e, gemm_rows, k, w.n);
+                let (xv, mut ov) = (x.as_view(), xq.as_view_mut());
+                if f16 {
+                    q.quant_act_nvfp4_f16(&xv, rows, k, &mut ov, &mut xa)
+                } else {
+                    q.quant_act_nvfp4(&xv, rows, k, &mut ov, &mut xa)
+                }
+                .map_err(de)?;
                 Ok(QuantRows {
                     xq,
                     amax: Some(amax),
+                    f16,
                 })
             }
             other => Err(dev(format!(
@@ -2442,14 +2486,32 @@ impl CudaBackend {
             n,
             k,
         };
-        let frag = QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts;
+        let frag = Self::qfrag_path(experts, rows, k, n);
+        if w.format == Format::Nvfp4 && act.f16 != frag {
+            return Err(dev(format!(
+                "grouped_qlinear: NVFP4 activations quantized for the {} kernels, called for \
+                 the {} ones ({rows} rows over {experts} experts)",
+                if act.f16 {
+                    "fragment"
+                } else {
+                    "small-M / tiled"
+                },
+                if frag { "fragment" } else { "small-M / tiled" },
+            )));
+        }
         let small = !frag && rows <= QSMALL_M_ROWS_PER_EXPERT * experts;
         let xq = &act.xq;
         match (w.format, &act.amax) {
             (Format::Mxfp8, None) => {
                 if frag {
+                    let decode = if w.fast_decode {
+                        Mxfp8Decode::Fast
+                    } else {
+                        Mxfp8Decode::General
+                    };
                     return q
-                        .grouped_nt_frag_mxfp8(
+                        .grouped_nt_frag_mxfp8_decode(
+                            decode,
                             &xq.as_view(),
                             &w.codes.as_view(),
                             &w.scales.as_view(),

@@ -16,7 +16,8 @@
 //!   for every split and rows per pass and from run to run; the staged kernels
 //!   (`QGemm::grouped_nt_staged_fp8_block_with`, every rows per pass) the bits of the `F16`
 //!   fragment kernels, and their activation quantizer (`QGemm::quant_act_fp8_block`) the
-//!   reference's codes as binary16 values and its scales;
+//!   reference's codes as binary16 values and its scales; up to three dense weights in one
+//!   launch (`QGemm::dense_nt_staged_fp8_block_multi`) the bits of their own launches;
 //! - (with `cuda`) the engine backend's FP8-block linears (`CudaBackend::quantize_weights`,
 //!   `upload_experts`, `stored_weights`, `checksum_qweights`, `grouped_qlinear`, `qlinear`)
 //!   against `CpuBackend`: stored bytes and checksums equal; `y` within the derived bound
@@ -470,7 +471,7 @@ mod gemm_kernels {
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::fp8block::{fp8_frag_split, Fp8Block, Fp8FragMma};
     use mxrl_cuda::ops::gemm::Grouped;
-    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm};
+    use mxrl_cuda::ops::qgemm::{frag_rows, FragRows, QGemm, FP8_ROUTED_STAGES_PICK, FP8_STAGES};
     use mxrl_formats::{
         e4m3_decode, Format, Padding, QuantizedTensor, ScaleLayout, Scales, Scheme,
     };
@@ -505,8 +506,8 @@ mod gemm_kernels {
         Tiled,
         Frag(Fp8FragMma, Option<(FragRows, usize)>),
         /// The staged kernels (`QGemm::grouped_nt_staged_fp8_block_with`) with rows per pass
-        /// (`None`: the launcher's choice).
-        Staged(Option<FragRows>),
+        /// (`None`: the launcher's choice) and stages.
+        Staged(Option<FragRows>, usize),
     }
 
     /// The staged kernels' activation operand on the host: the binary16 bits of each code's
@@ -610,10 +611,11 @@ mod gemm_kernels {
                     ));
                     f.gemm_nt_frag_with(mma, rows, split, &xc, &xs, &wc, &ws, &off, &mut yv, self.s)
                 }
-                Kernel::Staged(rows) => QGemm::new(g)
+                Kernel::Staged(rows, stages) => QGemm::new(g)
                     .expect("low-byte kernels")
                     .grouped_nt_staged_fp8_block_with(
                         rows.unwrap_or_else(|| frag_rows(self.s, None)),
+                        stages,
                         &self.xh.as_view(),
                         &self.xsf.as_view(),
                         &wc,
@@ -823,7 +825,8 @@ mod gemm_kernels {
                 p.check_against(&g, &f, Kernel::Tiled, &want);
             }
             let frag = p.run(&g, &f, Kernel::Frag(Fp8FragMma::F16, None));
-            let staged = p.check_against(&g, &f, Kernel::Staged(None), &want);
+            let staged =
+                p.check_against(&g, &f, Kernel::Staged(None, FP8_ROUTED_STAGES_PICK), &want);
             assert!(
                 staged
                     .iter()
@@ -884,11 +887,14 @@ mod gemm_kernels {
                 Some(FragRows::R32),
                 Some(FragRows::R64),
             ] {
-                let y = p.check_against(&g, &f, Kernel::Staged(fr), &want);
-                assert!(
-                    y.iter().zip(&frag).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "staged {fr:?} [{n}, {k}]: bits differ from the F16 fragments' (seed {seed})"
-                );
+                for stages in FP8_STAGES {
+                    let y = p.check_against(&g, &f, Kernel::Staged(fr, stages), &want);
+                    assert!(
+                        y.iter().zip(&frag).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "staged {fr:?}, {stages} stages [{n}, {k}]: bits differ from the F16 \
+                         fragments' (seed {seed})"
+                    );
+                }
             }
         }
     }
@@ -950,7 +956,9 @@ mod gemm_kernels {
         let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
         let mut kernels = vec![Kernel::Tiled];
         for fr in FragRows::ALL {
-            kernels.push(Kernel::Staged(Some(fr)));
+            for stages in FP8_STAGES {
+                kernels.push(Kernel::Staged(Some(fr), stages));
+            }
         }
         for mma in Fp8FragMma::ALL {
             for split in [1, 2, 3, 4, 8] {
@@ -1027,6 +1035,115 @@ mod gemm_kernels {
                     bits(f32_scales(&want)),
                     "{fam} {scheme}: scale_inv"
                 );
+            }
+        }
+    }
+
+    /// Up to three dense weights in one launch (`QGemm::dense_nt_staged_fp8_block_multi`, the
+    /// layer's q, k and v): each output has the bits of the weight's own one-expert staged
+    /// launch over every row (offsets `[0, u32::MAX]`, clamped to the rows), which are within
+    /// the bound of the CPU reference, for every stage count; 5, 37, 300 and 1100 rows (one
+    /// pass and several, spread over up to 18 blocks per column block), one to three weights of
+    /// 256, 128 and 384 columns.
+    #[test]
+    fn fp8_block_staged_dense_weights_in_one_launch() {
+        let _l = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _f) = ops();
+        let q = QGemm::new(&g).expect("low-byte kernels");
+        let k = 384usize;
+        let ns = [256usize, 128, 384];
+        let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
+        let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
+        for (i, &rows) in [5usize, 37, 300, 1100].iter().enumerate() {
+            let seed = 9500 + i as u64;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let weights: Vec<QuantizedTensor> =
+                ns.iter().map(|&n| random_weight(n, k, &mut rng)).collect();
+            let x = test_values(rows * k, seed + 1, 2.0);
+            let qx = mxrl_formats::quantize(&x, &[rows, k], Scheme::FP8_BLOCK_ACT, Padding::Reject)
+                .expect("activation quantize");
+            let xh = g.upload(&f16_operand(&qx.data)).expect("upload");
+            let xs = g.upload(f32_scales(&qx)).expect("upload");
+            let codes: Vec<CudaSlice<u8>> = weights
+                .iter()
+                .map(|w| g.upload(&w.data).expect("upload"))
+                .collect();
+            let scales: Vec<CudaSlice<u8>> = weights
+                .iter()
+                .map(|w| g.upload(&le_bytes(f32_scales(w))).expect("upload"))
+                .collect();
+            let sentinel = |n: usize| {
+                g.upload(&vec![f32::from_bits(SENTINEL); rows * n])
+                    .expect("upload")
+            };
+            // Each weight alone, checked against the CPU.
+            let mut singles = Vec::new();
+            for (j, w) in weights.iter().enumerate() {
+                let n = ns[j];
+                let mut y = sentinel(n);
+                q.grouped_nt_staged_fp8_block(
+                    &xh.as_view(),
+                    &xs.as_view(),
+                    &codes[j].as_view(),
+                    &scales[j].as_view(),
+                    &whole.as_view(),
+                    &mut y.as_view_mut(),
+                    Grouped {
+                        experts: 1,
+                        rows,
+                        n,
+                        k,
+                    },
+                )
+                .expect("staged FP8 block, one weight");
+                let y = g.download(&y).expect("download");
+                let pw = PreparedWeight::from_quantized("w", w.clone(), spec, 0, None).unwrap();
+                let want = pw.forward_inference(&x, rows).unwrap();
+                check(
+                    &format!("dense weight {j} [{n}, {k}] over {rows} rows"),
+                    &y,
+                    &want,
+                    &bounds(&x, rows, w),
+                    seed,
+                );
+                singles.push(y);
+            }
+            for (count, stages) in (1..=3).flat_map(|c| FP8_STAGES.map(|st| (c, st))) {
+                let mut ys: Vec<CudaSlice<f32>> =
+                    ns[..count].iter().map(|&n| sentinel(n)).collect();
+                let mut outs: Vec<_> = ys
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, y)| {
+                        (
+                            codes[j].as_view(),
+                            scales[j].as_view(),
+                            y.as_view_mut(),
+                            ns[j],
+                        )
+                    })
+                    .collect();
+                q.dense_nt_staged_fp8_block_multi_with(
+                    stages,
+                    &xh.as_view(),
+                    &xs.as_view(),
+                    &whole.as_view(),
+                    &mut outs,
+                    rows,
+                    k,
+                )
+                .expect("staged FP8 block, weights in one launch");
+                drop(outs);
+                for (j, y) in ys.iter().enumerate() {
+                    let y = g.download(y).expect("download");
+                    assert!(
+                        y.iter()
+                            .zip(&singles[j])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{count} weights in one launch ({stages} stages), weight {j} over {rows} \
+                         rows: bits differ from its own launch (seed {seed})"
+                    );
+                }
             }
         }
     }

@@ -25,10 +25,13 @@
 //! run one at a time (one of them records the stream into a graph).
 #![cfg(feature = "cuda")]
 
-use half::bf16;
+use half::{bf16, f16};
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
-use mxrl_cuda::ops::qgemm::{frag_layout, frag_rows, FragLayout, FragRows, LowByte, QGemm, QLanes};
+use mxrl_cuda::ops::qgemm::{
+    frag_layout, frag_rows, mxfp8_fast_eligible, FragLayout, FragRows, LowByte, Mxfp8Decode, QGemm,
+    QLanes, MXFP8_FAST_MAX_SCALE,
+};
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -293,18 +296,20 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
             );
             let want: Vec<u16> = lib.iter().map(|&v| bf16_bits(v)).collect();
             let dx = g.upload(&x).unwrap();
-            let mut pre = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
-            let mut damax = g.upload(&vec![f32::NAN; rows]).unwrap();
-            ops.quant_act_nvfp4(
-                &dx.as_view(),
-                rows,
-                k,
-                &mut pre.as_view_mut(),
-                &mut damax.as_view_mut(),
-            )
-            .unwrap();
-            let got = g.download(&pre).unwrap();
-            let got_amax = g.download(&damax).unwrap();
+            // One quantizer (BF16 or binary16 operand) into fresh buffers of 0xFFFF and NaN.
+            let run = |f16_operand: bool| {
+                let mut pre = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+                let mut damax = g.upload(&vec![f32::NAN; rows]).unwrap();
+                let (xv, mut pv, mut av) = (dx.as_view(), pre.as_view_mut(), damax.as_view_mut());
+                if f16_operand {
+                    ops.quant_act_nvfp4_f16(&xv, rows, k, &mut pv, &mut av)
+                } else {
+                    ops.quant_act_nvfp4(&xv, rows, k, &mut pv, &mut av)
+                }
+                .unwrap();
+                (g.download(&pre).unwrap(), g.download(&damax).unwrap())
+            };
+            let (got, got_amax) = run(false);
             for r in 0..rows {
                 assert_eq!(
                     got_amax[r].to_bits(),
@@ -319,6 +324,42 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
                 bad.is_empty(),
                 "{}",
                 act_report(&what, &x, k, &lib, &got, &want, &bad)
+            );
+            // The fragment kernels' binary16 operand: the same values, the same amax.
+            let what16 = format!(
+                "quant_act_nvfp4_f16 {name} [{rows}, {k}] (seed {})",
+                200 + si
+            );
+            assert!(
+                lib.iter()
+                    .all(|&v| v.is_nan() || f16::from_f32(v).to_f32().to_bits() == v.to_bits()),
+                "{what16}: library values not exact in binary16"
+            );
+            let want16: Vec<u16> = lib.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let (got16, got_amax16) = run(true);
+            assert!(
+                got_amax16
+                    .iter()
+                    .zip(&got_amax)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what16}: row amax differs from quant_act_nvfp4's"
+            );
+            // NaN matches any NaN, as for BF16.
+            let bad16: Vec<usize> = (0..want16.len())
+                .filter(|&i| {
+                    let (a, b) = (f16::from_bits(got16[i]), f16::from_bits(want16[i]));
+                    !(got16[i] == want16[i] || (a.is_nan() && b.is_nan()))
+                })
+                .collect();
+            assert!(
+                bad16.is_empty(),
+                "{what16}: {} of {} values differ, first at {} (got {:#06x}, library {:#06x} = {:e})",
+                bad16.len(),
+                want16.len(),
+                bad16[0],
+                got16[bad16[0]],
+                want16[bad16[0]],
+                lib[bad16[0]]
             );
         }
     }
@@ -930,7 +971,8 @@ fn run_frag(ops: &QGemm, f: LowByte, plan: Option<(FragRows, FragLayout)>, c: &C
             .unwrap();
         }
         LowByte::Nvfp4 => {
-            ops.quant_act_nvfp4(
+            // The fragment kernels' operand is the binary16 one.
+            ops.quant_act_nvfp4_f16(
                 &d.x.as_view(),
                 s.rows,
                 s.k,
@@ -1109,6 +1151,57 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
                     "{what}: differs from one warp per column block"
                 );
             }
+            // MXFP8's fast decode (these weights are eligible): the general decode's bits, on
+            // the split and the staged kernels at every pass size.
+            if f == LowByte::Mxfp8 {
+                assert!(
+                    mxfp8_fast_eligible(&w.codes, &w.scales),
+                    "seed {seed}: test weights with a NaN code or a scale byte above 134"
+                );
+                let dev = upload(&g, c, &x, &w);
+                assert!(ops
+                    .mxfp8_fast_check(&dev.codes.as_view(), &dev.scales.as_view())
+                    .unwrap());
+                for rows in FragRows::ALL {
+                    for layout in [
+                        FragLayout::Split(1),
+                        FragLayout::Split(4),
+                        FragLayout::Staged,
+                    ] {
+                        let run = |decode: Mxfp8Decode| {
+                            let mut d = upload(&g, c, &x, &w);
+                            ops.quant_act_mxfp8(
+                                &d.x.as_view(),
+                                s.rows,
+                                s.k,
+                                &mut d.xq.as_view_mut(),
+                            )
+                            .unwrap();
+                            ops.grouped_nt_frag_mxfp8_decode_with(
+                                decode,
+                                rows,
+                                layout,
+                                &d.xq.as_view(),
+                                &d.codes.as_view(),
+                                &d.scales.as_view(),
+                                &d.off.as_view(),
+                                &mut d.y.as_view_mut(),
+                                s,
+                            )
+                            .unwrap();
+                            download_y(&g, c, &d)
+                        };
+                        let (general, fast) = (run(Mxfp8Decode::General), run(Mxfp8Decode::Fast));
+                        assert!(
+                            fast.iter()
+                                .zip(&general)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "MXFP8 fast decode {rows:?} {layout:?}, seed {seed}, {c:?}: differs \
+                             from the general decode"
+                        );
+                    }
+                }
+            }
             // Every split of the reduction: other sums, within the same bound, deterministic.
             for split in [1usize, 2, 4, 8] {
                 let mut d = upload(&g, c, &x, &w);
@@ -1166,6 +1259,86 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
 
 /// The launchers' pass size: the smallest pass holding the average expert's rows, at most the
 /// format's largest.
+/// The fast MXFP8 decode gives the general decode's BF16 operand for every non-NaN E4M3 code
+/// under every scale byte it takes (0..=134), and both give the contract's value rounded to
+/// BF16 (`bf16(e4m3_value(code) · 2^(s − 127))`, exact in f32 before the rounding).
+#[test]
+fn mxfp8_fast_decode_equals_the_general_decode_for_every_code_and_scale() {
+    let (_l, g) = gpu();
+    let ops = QGemm::new(&g).unwrap();
+    let (general, fast) = ops.mxfp8_decode_table().unwrap();
+    let mut nan_seen = 0;
+    for s in 0..=u32::from(MXFP8_FAST_MAX_SCALE) {
+        for code in 0..256u32 {
+            let i = (s * 256 + code) as usize;
+            let value = e4m3_decode(code as u8);
+            if value.is_nan() {
+                // The fast decode does not take NaN codes (mxfp8_fast_check); the general one
+                // keeps them NaN.
+                assert!(
+                    widen(general[i]).is_nan(),
+                    "scale {s} code {code:#04x}: not NaN"
+                );
+                nan_seen += 1;
+                continue;
+            }
+            let want =
+                bf16_bits(value * f32::from_bits(if s == 0 { 0x0040_0000 } else { s << 23 }));
+            assert_eq!(
+                general[i], want,
+                "scale {s} code {code:#04x}: general decode {:#06x}, contract {want:#06x}",
+                general[i]
+            );
+            assert_eq!(
+                fast[i], general[i],
+                "scale {s} code {code:#04x}: fast decode {:#06x}, general {:#06x}",
+                fast[i], general[i]
+            );
+        }
+    }
+    assert_eq!(nan_seen, 2 * 135);
+}
+
+/// `mxfp8_fast_check` (device) and `mxfp8_fast_eligible` (host) refuse weights with a NaN
+/// code or a scale byte above 134, and take the rest.
+#[test]
+fn mxfp8_fast_check_refuses_nan_codes_and_large_scales() {
+    let (_l, g) = gpu();
+    let ops = QGemm::new(&g).unwrap();
+    let w = quantize_experts(LowByte::Mxfp8, 3, 64, 256, 77);
+    let check = |codes: &[u8], scales: &[u8]| {
+        let (dc, ds) = (g.upload(codes).unwrap(), g.upload(scales).unwrap());
+        let dev = ops.mxfp8_fast_check(&dc.as_view(), &ds.as_view()).unwrap();
+        assert_eq!(
+            dev,
+            mxfp8_fast_eligible(codes, scales),
+            "device and host disagree"
+        );
+        dev
+    };
+    assert!(check(&w.codes, &w.scales), "ordinary weights refused");
+    for (at, code) in [(0usize, 0x7Fu8), (w.codes.len() - 1, 0xFF), (4097, 0x7F)] {
+        let mut codes = w.codes.clone();
+        codes[at] = code;
+        assert!(
+            !check(&codes, &w.scales),
+            "NaN code {code:#04x} at {at} taken"
+        );
+    }
+    let mut codes = w.codes.clone();
+    codes[5] = 0x7E; // 448, the largest finite code
+    codes[6] = 0xFE;
+    assert!(check(&codes, &w.scales), "codes ±448 refused");
+    for (at, b) in [(0usize, 135u8), (w.scales.len() - 1, 255)] {
+        let mut scales = w.scales.clone();
+        scales[at] = b;
+        assert!(!check(&w.codes, &scales), "scale byte {b} at {at} taken");
+    }
+    let mut scales = w.scales.clone();
+    scales[1] = MXFP8_FAST_MAX_SCALE;
+    assert!(check(&w.codes, &scales), "scale byte 134 refused");
+}
+
 #[test]
 fn fragment_pass_holds_the_average_experts_rows() {
     let big = FragRows::R64;

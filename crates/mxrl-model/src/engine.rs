@@ -278,7 +278,7 @@ pub struct DecodeState<B: Backend> {
     lens: Vec<u32>,
     max_len: usize,
     io: StepIo<B>,
-    /// Per layer, the routes of every fed position `[slots, max_len, k]` (ids, weights), for
+    /// Per layer, the routes of every fed position `[max_len, slots, k]` (ids, weights), for
     /// MoE layers when routes are captured ([`Engine::generate_capturing`]); else empty.
     routes: Vec<Option<(B::U32, B::F32)>>,
     /// The per-layer probes when they are recorded ([`Record::probes`]).
@@ -286,8 +286,9 @@ pub struct DecodeState<B: Backend> {
 }
 
 /// The probes a generation records on the device: per layer, the residual stream after the
-/// layer at the response-predicting positions of the first `slots` sequences, `[slots, len,
-/// H]`; position `p` of slot `s` goes to index `p − first[s]` (`first[s]` = the prompt's last
+/// layer at the response-predicting positions of the first `slots` sequences, `[len, slots,
+/// H]` (index-major: the read-back takes only the indices the longest response reached);
+/// position `p` of slot `s` goes to index `p − first[s]` (`first[s]` = the prompt's last
 /// position, which predicts the first new token).
 struct ProbeTable<B: Backend> {
     first: B::U32,
@@ -2546,20 +2547,21 @@ impl<B: Backend> Engine<B> {
         let hd = self.cfg.hidden_size;
         let lens = &lens[..pt.slots.min(lens.len())];
         let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(pt.layers.len()); lens.len()];
-        // The table up to the last row asked for, read back into the backend's host buffer;
-        // each sequence's rows are copied from there.
-        let n = lens
-            .iter()
-            .enumerate()
-            .map(|(s, &l)| s * pt.len * hd + l * hd)
-            .max()
-            .unwrap_or(0);
+        // The table's first indices, up to the longest response (index-major: one prefix),
+        // read back into the backend's host buffer; each sequence's rows are copied from
+        // there (index i of slot s at table row i·slots + s).
+        let slots = pt.slots;
+        let most = lens.iter().copied().max().unwrap_or(0).min(pt.len);
         for t in &pt.layers {
             self.b
-                .download_f32_with(t, n, &mut |all| {
+                .download_f32_with(t, most * slots * hd, &mut |all| {
                     for (s, o) in out.iter_mut().enumerate() {
-                        let a = s * pt.len * hd;
-                        o.push(all[a..a + lens[s] * hd].to_vec());
+                        let mut rows = Vec::with_capacity(lens[s] * hd);
+                        for i in 0..lens[s].min(pt.len) {
+                            let a = (i * slots + s) * hd;
+                            rows.extend_from_slice(&all[a..a + hd]);
+                        }
+                        o.push(rows);
                     }
                 })
                 .map_err(dev)?;
@@ -2590,30 +2592,30 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|&n| RoutingTrace::zeros(&self.cfg, n))
             .collect();
-        // The tables up to the last cell asked for, each read back into the backend's host
-        // buffer; each sequence's cells are copied from there.
-        let cells = fed
-            .iter()
-            .enumerate()
-            .map(|(s, &n)| (s * st.max_len + n) * k)
-            .max()
-            .unwrap_or(0);
+        // The tables' first positions, up to the longest sequence fed (position-major: one
+        // prefix), each read back into the backend's host buffer; each sequence's cells are
+        // copied from there (position p of sequence s at table row p·slots + s).
+        let slots = st.lens.len();
+        let most = fed.iter().copied().max().unwrap_or(0).min(st.max_len);
+        let cells = most * slots * k;
         for (mi, (ti, tw)) in st.routes.iter().flatten().enumerate() {
             self.b
                 .download_u32_with(ti, cells, &mut |ids| {
                     for (s, tr) in traces.iter_mut().enumerate() {
-                        let a = s * st.max_len * k;
-                        tr.layers[mi].ids.copy_from_slice(&ids[a..a + fed[s] * k]);
+                        for p in 0..fed[s] {
+                            let (a, d) = ((p * slots + s) * k, p * k);
+                            tr.layers[mi].ids[d..d + k].copy_from_slice(&ids[a..a + k]);
+                        }
                     }
                 })
                 .map_err(dev)?;
             self.b
                 .download_f32_with(tw, cells, &mut |ws| {
                     for (s, tr) in traces.iter_mut().enumerate() {
-                        let a = s * st.max_len * k;
-                        tr.layers[mi]
-                            .weights
-                            .copy_from_slice(&ws[a..a + fed[s] * k]);
+                        for p in 0..fed[s] {
+                            let (a, d) = ((p * slots + s) * k, p * k);
+                            tr.layers[mi].weights[d..d + k].copy_from_slice(&ws[a..a + k]);
+                        }
                     }
                 })
                 .map_err(dev)?;

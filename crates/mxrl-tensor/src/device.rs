@@ -421,9 +421,10 @@ pub trait Backend {
         out: &mut RouteBufs<Self>,
     ) -> DResult<()>;
     /// Copies every row's routes (`ids`, `weights`: `[rows, k]`) into capture tables
-    /// `[S, max_len, k]`: row `r` goes to sequence `seq[r]` (`r` itself when `seq` is `None`)
-    /// at position `pos[r]`; rows whose sequence is `≥ slots` or position `≥ max_len` are
-    /// skipped.
+    /// `[max_len, S, k]` (position-major, so the first positions of every sequence are one
+    /// prefix of the table): row `r` goes to sequence `s = seq[r]` (`r` itself when `seq` is
+    /// `None`) at position `p = pos[r]`, table row `p·slots + s`; rows whose sequence is
+    /// `≥ slots` or position `≥ max_len` are skipped.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -440,11 +441,13 @@ pub trait Backend {
         dst_ids: &mut Self::U32,
         dst_weights: &mut Self::F32,
     ) -> DResult<()>;
-    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]` (the per-layer probes a
-    /// generation records): row `r` goes to slot `s = seq[r]` (`r` itself when `seq` is
-    /// `None`) at index `pos[r] − first[s]`; rows whose slot is `≥ slots`, or whose position
-    /// is outside `first[s] .. first[s] + len`, are skipped. A plain copy (bitwise); reads
-    /// positions on the device, so a recorded decode step replays it at every length.
+    /// Copies rows of `x: [rows, w]` into a table `[len, slots, w]` (the per-layer probes a
+    /// generation records; index-major, so the first `i` indices of every slot are one prefix
+    /// of the table): row `r` goes to slot `s = seq[r]` (`r` itself when `seq` is `None`) at
+    /// index `i = pos[r] − first[s]`, i.e. table row `i·slots + s`; rows whose slot is
+    /// `≥ slots`, or whose position is outside `first[s] .. first[s] + len`, are skipped. A
+    /// plain copy (bitwise); reads positions on the device, so a recorded decode step replays
+    /// it at every length.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -2143,7 +2146,7 @@ impl Backend for CpuBackend {
             if s >= slots || p >= max_len {
                 continue;
             }
-            let d = (s * max_len + p) * k;
+            let d = (p * slots + s) * k;
             dst_ids[d..d + k].copy_from_slice(&ids[r * k..(r + 1) * k]);
             dst_weights[d..d + k].copy_from_slice(&weights[r * k..(r + 1) * k]);
         }
@@ -2178,7 +2181,7 @@ impl Backend for CpuBackend {
             if p < f || p - f >= len {
                 continue;
             }
-            let d = (s * len + p - f) * w;
+            let d = ((p - f) * slots + s) * w;
             dst[d..d + w].copy_from_slice(&x[r * w..(r + 1) * w]);
         }
         Ok(())

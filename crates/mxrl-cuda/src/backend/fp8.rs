@@ -7,7 +7,9 @@
 //! - from [`STAGED_ROWS_PER_EXPERT`] rows — up to [`super::QFRAG_ROWS_PER_EXPERT`] for routed
 //!   experts, any number for a dense weight (one group of every row) — the staged kernels,
 //!   on binary16 operands from [`QGemm::quant_act_fp8_block`]; routed experts without a tape
-//!   quantize the tokens' rows once and gather their operands;
+//!   quantize the tokens' rows once and gather their operands; dense weights run on the
+//!   deeper-staged dense kernels ([`QGemm::dense_nt_staged_fp8_block_multi`]), up to three
+//!   weights on one input (q, k, v) in one launch;
 //! - fewer rows: routed experts on the fragment kernels (sm_89+), dense weights on the tiled
 //!   kernels; more rows per routed expert: the tiled kernels.
 //!
@@ -22,8 +24,10 @@ use super::{de, CudaBackend, QExperts, RouteBufs, QFRAG_ROWS_PER_EXPERT};
 use crate::cuda::{f32_from_le_bytes, f32_le_bytes};
 use crate::ops::fp8block::{Fp8Block, Fp8FragMma, FRAG_ROWS_PER_EXPERT};
 use crate::ops::gemm::Grouped;
-use crate::ops::qgemm::STAGED_SMEM_MAX;
-use crate::ops::qgemm::{fp8_staged_smem_bytes, frag_rows, QGemm, STAGED_ROWS_PER_EXPERT};
+use crate::ops::qgemm::{
+    fp8_staged_smem_bytes, frag_rows, QGemm, FP8_DENSE_STAGES_PICK, FP8_ROUTED_STAGES_PICK,
+    STAGED_ROWS_PER_EXPERT, STAGED_SMEM_MAX,
+};
 use cudarc::driver::CudaSlice;
 use mxrl_formats::{Format, QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme, FP8_BLOCK};
 use mxrl_tensor::device::{DResult, DeviceError};
@@ -70,6 +74,7 @@ impl CudaBackend {
             // Unused for FP8 block (QExperts::bytes counts amax for NVFP4 only).
             amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
             spec,
+            fast_decode: false,
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -207,16 +212,20 @@ impl CudaBackend {
             return Ok(());
         }
         if let Some(q) = self.fp8_staged(rows, experts, n, k, offsets.is_some()) {
-            // A dense weight is one group of every row.
-            let o = offsets.unwrap_or(&self.whole_rows);
             let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
-            let s = Grouped {
-                experts,
-                rows,
-                n,
-                k,
+            return match offsets {
+                Some(o) => {
+                    let s = Grouped {
+                        experts,
+                        rows,
+                        n,
+                        k,
+                    };
+                    self.fp8_staged_gemm(q, &xh, &xs, w, o, y, s)
+                }
+                // A dense weight: one group of every row, on the dense kernels' stages.
+                None => self.fp8_staged_dense(q, &xh, &xs, &mut [(w, n, y)], rows, k),
             };
-            return self.fp8_staged_gemm(q, &xh, &xs, w, o, y, s);
         }
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)
@@ -269,10 +278,15 @@ impl CudaBackend {
         } else {
             usize::MAX
         };
+        let stages = if routed {
+            FP8_ROUTED_STAGES_PICK
+        } else {
+            FP8_DENSE_STAGES_PICK
+        };
         let fits = (STAGED_ROWS_PER_EXPERT..=most).contains(&avg)
             && n.is_multiple_of(FP8_BLOCK)
             && k.is_multiple_of(FP8_BLOCK)
-            && fp8_staged_smem_bytes(k, frag_rows(s, None)) <= STAGED_SMEM_MAX;
+            && fp8_staged_smem_bytes(k, frag_rows(s, None), stages) <= STAGED_SMEM_MAX;
         fits.then(|| self.qgemm.as_ref().ok()).flatten()
     }
 
@@ -330,6 +344,37 @@ impl CudaBackend {
             s,
         )
         .map_err(de)
+    }
+
+    /// `y = x · Wᵀ` of dense FP8-block weights on one input `x` (operand `xh`, scale rows
+    /// `xs`), up to three weights per launch of the dense staged kernels (q, k and v in one):
+    /// each output's blocks are the ones its own launch would run, so the bits are the same.
+    #[allow(clippy::type_complexity)]
+    fn fp8_staged_dense(
+        &self,
+        q: &QGemm,
+        xh: &CudaSlice<u16>,
+        xs: &CudaSlice<f32>,
+        outs: &mut [(&QExperts, usize, &mut CudaSlice<f32>)],
+        rows: usize,
+        k: usize,
+    ) -> DResult<()> {
+        for group in outs.chunks_mut(3) {
+            let mut views: Vec<_> = group
+                .iter_mut()
+                .map(|(w, n, y)| (w.codes.as_view(), w.scales.as_view(), y.as_view_mut(), *n))
+                .collect();
+            q.dense_nt_staged_fp8_block_multi(
+                &xh.as_view(),
+                &xs.slice(0..rows * k / FP8_BLOCK),
+                &self.whole_rows.as_view(),
+                &mut views,
+                rows,
+                k,
+            )
+            .map_err(de)?;
+        }
+        Ok(())
     }
 
     /// `grouped_qlinear_gathered` for FP8-block experts: on the staged kernels (where they
@@ -401,16 +446,7 @@ impl CudaBackend {
             .collect::<Option<Vec<_>>>();
         if let Some(q) = staged.and_then(|v| v.first().copied()) {
             let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
-            for (w, n, y) in outs.iter_mut() {
-                let s = Grouped {
-                    experts: 1,
-                    rows,
-                    n: *n,
-                    k,
-                };
-                self.fp8_staged_gemm(q, &xh, &xs, w, &self.whole_rows, y, s)?;
-            }
-            return Ok(());
+            return self.fp8_staged_dense(q, &xh, &xs, outs, rows, k);
         }
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)

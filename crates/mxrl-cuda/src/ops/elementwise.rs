@@ -243,9 +243,10 @@ impl Elementwise {
             .map_err(|e| self.gpu.err(e))
     }
 
-    /// Copies routes `ids`, `weights: [rows, k]` into tables `[slots, max_len, k]`: row `r` to
-    /// sequence `seq[r]` (`r` when `seq` is `None`) at position `pos[r]`; rows outside the
-    /// tables are skipped. Reference: `CpuBackend::capture_routes` (`mxrl_tensor::device`).
+    /// Copies routes `ids`, `weights: [rows, k]` into tables `[max_len, slots, k]`: row `r` to
+    /// sequence `s = seq[r]` (`r` when `seq` is `None`) at position `p = pos[r]`, table row
+    /// `p·slots + s`; rows outside the tables are skipped. Reference:
+    /// `CpuBackend::capture_routes` (`mxrl_tensor::device`).
     ///
     /// # Errors
     /// Short buffers; launch errors.
@@ -313,10 +314,10 @@ impl Elementwise {
         Ok(())
     }
 
-    /// Copies rows of `x: [rows, w]` into a table `[slots, len, w]`: row `r` to slot
-    /// `s = seq[r]` (`r` when `seq` is `None`) at index `pos[r] − first[s]`; rows whose slot or
-    /// index falls outside the table are skipped. Reference: `CpuBackend::capture_rows`
-    /// (`mxrl_tensor::device`).
+    /// Copies rows of `x: [rows, w]` into a table `[len, slots, w]`: row `r` to slot
+    /// `s = seq[r]` (`r` when `seq` is `None`) at index `i = pos[r] − first[s]`, table row
+    /// `i·slots + s`; rows whose slot or index falls outside the table are skipped. Reference:
+    /// `CpuBackend::capture_rows` (`mxrl_tensor::device`).
     ///
     /// # Errors
     /// Short buffers; launch errors.

@@ -10,7 +10,8 @@
 //!   operand of `mxrl_tensor::qlinear`).
 //! - [`QGemm::quant_act_nvfp4`]: `x` → per-token NVFP4 (`Scheme::NVFP4_ROW`): the row amax
 //!   (f32) and the GEMM operand `pre = e2m1(code) · e4m3(block scale)` as BF16 (the
-//!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`).
+//!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`); [`QGemm::quant_act_nvfp4_f16`]
+//!   the same values in binary16, the fragment kernels' operand.
 //! - [`QGemm::grouped_nt_small_m_mxfp8`] / [`QGemm::grouped_nt_small_m_nvfp4`]: per expert,
 //!   `y = x · W_eᵀ` on those operands (NVFP4: then `y = fl(y · α)`,
 //!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
@@ -178,6 +179,7 @@ pub struct QGemm {
     gpu: Gpu,
     act_mxfp8: CudaFunction,
     act_nvfp4: CudaFunction,
+    act_nvfp4_f16: CudaFunction,
     deq_mxfp8: CudaFunction,
     deq_nvfp4: CudaFunction,
     scale_rows: CudaFunction,
@@ -186,13 +188,21 @@ pub struct QGemm {
     tc_mxfp8: CudaFunction,
     tc_nvfp4: CudaFunction,
     frag_mxfp8: [CudaFunction; 4],
+    /// The same with the fast MXFP8 decode ([`Mxfp8Decode::Fast`]).
+    frag_mxfp8f: [CudaFunction; 4],
     frag_nvfp4: [CudaFunction; 4],
     frag_bf16: [CudaFunction; 4],
     staged_mxfp8: [CudaFunction; 4],
+    staged_mxfp8f: [CudaFunction; 4],
     staged_nvfp4: [CudaFunction; 4],
     staged_bf16: [CudaFunction; 4],
     act_fp8b: CudaFunction,
-    staged_fp8b: [CudaFunction; 4],
+    mxfp8_fast_check: CudaFunction,
+    mxfp8_decode_table: CudaFunction,
+    /// [stage count of FP8_STAGES][rows per pass].
+    staged_fp8b: [[CudaFunction; 4]; 3],
+    /// [stage count of FP8_STAGES][rows per pass].
+    staged_fp8b3: [[CudaFunction; 4]; 3],
 }
 
 /// Columns per block of the tensor-core grouped kernels (`QT_BN`); `N` must be a multiple.
@@ -281,17 +291,42 @@ pub fn staged_smem_bytes(format: Option<LowByte>, k: usize, rows: FragRows) -> u
 }
 
 /// Dynamic shared memory of a staged FP8-block block ([`QGemm::grouped_nt_staged_fp8_block`])
-/// at `k` elements per row and `rows` activation rows per pass: its 128-row weight scale tile
-/// row (`k / 128` floats, rounded up to 16 bytes), the stages of each warp's 32 × 64 code
-/// bytes, the stages of the pass's binary16 activation rows (64 elements per super-step + 8)
-/// and the pass's activation scales (`rows · k / 128` floats).
-pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows) -> usize {
+/// at `k` elements per row, `rows` activation rows per pass and `stages` stages: its 128-row
+/// weight scale tile row (`k / 128` floats, rounded up to 16 bytes), the stages of each warp's
+/// 32 × 64 code bytes, the stages of the pass's binary16 activation rows (64 elements per
+/// super-step + 8) and the pass's activation scales (`rows · k / 128` floats).
+pub fn fp8_staged_smem_bytes(k: usize, rows: FragRows, stages: usize) -> usize {
     let kbs = k / 128;
     (4 * kbs).div_ceil(16) * 16
-        + STAGED_STAGES * STAGED_WARPS * 32 * 64
-        + STAGED_STAGES * rows.rows() * (64 + 8) * 2
+        + stages * STAGED_WARPS * 32 * 64
+        + stages * rows.rows() * (64 + 8) * 2
         + rows.rows() * kbs * 4
 }
+
+/// The stage counts the staged FP8-block kernels are compiled for
+/// ([`QGemm::grouped_nt_staged_fp8_block_with`], [`QGemm::dense_nt_staged_fp8_block_multi_with`]).
+pub const FP8_STAGES: [usize; 3] = [3, 4, 6];
+
+/// The stages [`QGemm::grouped_nt_staged_fp8_block`] takes for routed experts: three, the
+/// count measured on an H200 (`bench_fp8block --staged`, BENCHMARKS.md). The 64-row kernel's
+/// 211 registers hold an SM to two blocks, so four or six stages would cost no occupancy;
+/// `bench_fp8block --staged` times them beside it.
+pub const FP8_ROUTED_STAGES_PICK: usize = 3;
+
+/// The stages [`QGemm::dense_nt_staged_fp8_block_multi`] takes: six. A dense launch has few
+/// blocks (q, k and v of a decode step: 40 column blocks × 8 row blocks), each bound by its
+/// own latency, and its 64-row kernel's registers (216) already hold an SM to two blocks, which
+/// six stages' shared memory (≈ 107 KB at k = 2048) still allows.
+pub const FP8_DENSE_STAGES_PICK: usize = 6;
+
+/// One dense weight of [`QGemm::dense_nt_staged_fp8_block_multi`]: E4M3 codes `[n, k]`, the
+/// f32 `scale_inv [n/128, k/128]` as bytes, the output `y [rows, n]` and `n`.
+pub type Fp8DenseOut<'a, 'b> = (
+    CudaView<'a, u8>,
+    CudaView<'a, u8>,
+    CudaViewMut<'b, f32>,
+    usize,
+);
 
 /// The launchers' layout for a step: [`FragLayout::Staged`] from [`STAGED_ROWS_PER_EXPERT`]
 /// rows per expert on average, where its shared memory fits; else [`FragLayout::Split`] of
@@ -338,6 +373,23 @@ pub fn frag_row_blocks(s: Grouped, rows: FragRows) -> usize {
 /// The most blocks [`frag_row_blocks`] gives one expert's column block.
 pub const FRAG_ROW_BLOCKS: usize = 8;
 
+/// Blocks per column block of the staged FP8-block kernels: [`frag_row_blocks`] for routed
+/// experts; for one weight over every row (a dense linear: prefill, training) up to
+/// [`DENSE_ROW_BLOCKS`], one pass each where the rows allow — a dense launch has only
+/// `n / 128` column blocks, and each block's passes run one after another. Changes which
+/// block runs a pass, not any sum.
+pub fn fp8_row_blocks(s: Grouped, rows: FragRows) -> usize {
+    if s.experts == 1 {
+        s.rows.div_ceil(rows.rows()).clamp(1, DENSE_ROW_BLOCKS)
+    } else {
+        frag_row_blocks(s, rows)
+    }
+}
+
+/// The most blocks [`fp8_row_blocks`] gives one column block of a dense weight (the tiled
+/// FP8-block kernels' limit).
+pub const DENSE_ROW_BLOCKS: usize = 64;
+
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`].
 pub const STAGED_ROWS_PER_EXPERT: usize = 9;
 
@@ -356,6 +408,28 @@ pub fn frag_rows(s: Grouped, format: Option<LowByte>) -> FragRows {
     } else {
         FragRows::for_rows(s.rows, s.experts, FragRows::largest(format))
     }
+}
+
+/// The largest MXFP8 scale byte [`Mxfp8Decode::Fast`] takes (`MXFP8_FAST_MAX_SCALE`): its BF16
+/// factor `2^(s − 7)` stays finite.
+pub const MXFP8_FAST_MAX_SCALE: u8 = 134;
+
+/// [`QGemm::mxfp8_fast_check`] on the host, for stored bytes that are there: no NaN code
+/// (`0x7F` / `0xFF`) and no scale byte above [`MXFP8_FAST_MAX_SCALE`].
+pub fn mxfp8_fast_eligible(codes: &[u8], scales: &[u8]) -> bool {
+    codes.iter().all(|&c| c & 0x7F != 0x7F) && scales.iter().all(|&b| b <= MXFP8_FAST_MAX_SCALE)
+}
+
+/// How the MXFP8 fragment kernels decode the stored weights into their BF16 operands; both
+/// give the same operand bits, so the same sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mxfp8Decode {
+    /// Every code and scale byte (E4M3 → binary16 → f32, times the scale, rounded to BF16).
+    General,
+    /// In BF16 throughout (the code's bits placed as `value · 2⁻¹²⁰`, one BF16 multiply by
+    /// `2^(s − 7)`), in two thirds of the instructions; only for weights without NaN codes and
+    /// with scale bytes ≤ 134 ([`QGemm::mxfp8_fast_check`]).
+    Fast,
 }
 
 /// Activation rows per pass of the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`]): token
@@ -493,6 +567,8 @@ impl QGemm {
         };
         let [a, b, c, d] = frag("mxfp8");
         let frag_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = frag("mxfp8f");
+        let frag_mxfp8f = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("nvfp4");
         let frag_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("bf16");
@@ -508,16 +584,29 @@ impl QGemm {
         };
         let [a, b, c, d] = staged("mxfp8");
         let staged_mxfp8 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("mxfp8f");
+        let staged_mxfp8f = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("nvfp4");
         let staged_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("bf16");
         let staged_bf16 = [a?, b?, c?, d?];
         let [a, b, c, d] = staged("fp8b");
-        let staged_fp8b = [a?, b?, c?, d?];
+        let s3 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b_s4");
+        let s4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b_s6");
+        let staged_fp8b = [s3, s4, [a?, b?, c?, d?]];
+        let [a, b, c, d] = staged("fp8b3_s3");
+        let s3 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b3_s4");
+        let s4 = [a?, b?, c?, d?];
+        let [a, b, c, d] = staged("fp8b3_s6");
+        let staged_fp8b3 = [s3, s4, [a?, b?, c?, d?]];
         Ok(QGemm {
             gpu: gpu.clone(),
             act_mxfp8: f("quant_act_mxfp8")?,
             act_nvfp4: f("quant_act_nvfp4")?,
+            act_nvfp4_f16: f("quant_act_nvfp4_f16")?,
             deq_mxfp8: f("dequant_mxfp8_bf16")?,
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
             scale_rows: f("nvfp4_scale_rows")?,
@@ -534,13 +623,18 @@ impl QGemm {
             tc_mxfp8: f("qgemm_tc_mxfp8")?,
             tc_nvfp4: f("qgemm_tc_nvfp4")?,
             frag_mxfp8,
+            frag_mxfp8f,
             frag_nvfp4,
             frag_bf16,
             staged_mxfp8,
+            staged_mxfp8f,
             staged_nvfp4,
             staged_bf16,
             act_fp8b: f("quant_act_fp8_block_f16")?,
+            mxfp8_fast_check: f("mxfp8_fast_check")?,
+            mxfp8_decode_table: f("mxfp8_decode_table")?,
             staged_fp8b,
+            staged_fp8b3,
         })
     }
 
@@ -608,8 +702,47 @@ impl QGemm {
         out_pre: &mut CudaViewMut<'_, u16>,
         amax: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
+        self.quant_act_nvfp4_on(
+            &self.act_nvfp4,
+            "quant_act_nvfp4",
+            x,
+            rows,
+            k,
+            out_pre,
+            amax,
+        )
+    }
+
+    /// [`QGemm::quant_act_nvfp4`] with `out_pre` the binary16 bit patterns of the same values
+    /// (exact: ≤ 6 significant bits in `[2⁻¹⁰, 2688]`): the operand of the fragment kernels
+    /// ([`QGemm::grouped_nt_frag_nvfp4`]), which multiply binary16.
+    ///
+    /// # Errors
+    /// As [`QGemm::quant_act_nvfp4`].
+    pub fn quant_act_nvfp4_f16(
+        &self,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let op = "quant_act_nvfp4_f16";
+        self.quant_act_nvfp4_on(&self.act_nvfp4_f16, op, x, rows, k, out_pre, amax)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn quant_act_nvfp4_on(
+        &self,
+        func: &CudaFunction,
+        op: &str,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let op = "quant_act_nvfp4";
         check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
         let len = mul(g, op, rows, k)?;
         check_len(g, &format!("{op} x"), x.len(), len)?;
@@ -632,7 +765,7 @@ impl QGemm {
             shared_mem_bytes: 0,
         };
         let k64 = k as u64;
-        let mut b = g.stream().launch_builder(&self.act_nvfp4);
+        let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(out_pre).arg(amax).arg(&k64);
         // SAFETY: x and out_pre hold rows·k elements, amax rows (checked); block r touches row
         // r < rows only: elements 8c .. 8c+8 for c < k/8 (k % 16 == 0, so pairs of threads
@@ -1108,10 +1241,96 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
+        let decode = Mxfp8Decode::General;
+        self.grouped_nt_frag_mxfp8_decode(decode, x, codes, scales, offsets, y, s)
+    }
+
+    /// [`QGemm::grouped_nt_frag_mxfp8`] with the weights decoded by `decode`: the same bits
+    /// either way, [`Mxfp8Decode::Fast`] in fewer instructions but only for weights
+    /// [`QGemm::mxfp8_fast_check`] found eligible (the caller's promise; other weights would
+    /// give wrong values, not an error).
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_mxfp8_decode(
+        &self,
+        decode: Mxfp8Decode,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
         let f = Some(LowByte::Mxfp8);
         let rows = frag_rows(s, f);
         let layout = frag_layout(s, f, rows);
-        self.grouped_nt_frag_mxfp8_with(rows, layout, x, codes, scales, offsets, y, s)
+        self.grouped_nt_frag_mxfp8_decode_with(
+            decode, rows, layout, x, codes, scales, offsets, y, s,
+        )
+    }
+
+    /// Whether stored MXFP8 weights (`codes`, `scales` as [`QGemm::grouped_nt_frag_mxfp8`]
+    /// takes them) may take [`Mxfp8Decode::Fast`]: no NaN code (0x7F / 0xFF) and no scale byte
+    /// above 134 (a block amax below 2⁸·448). One pass over the bytes, then the answer is read
+    /// back (a synchronization): once per weight version.
+    ///
+    /// # Errors
+    /// `codes` not a multiple of 4 bytes or misaligned, launch and copy errors.
+    pub fn mxfp8_fast_check(
+        &self,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+    ) -> Result<bool, DeviceError> {
+        let g = &self.gpu;
+        let op = "mxfp8_fast_check";
+        check_multiple(g, op, codes.len(), 4, "whole u32 words of codes")?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 4)?;
+        let mut ok = g.upload(&[1u32])?;
+        if codes.is_empty() && scales.is_empty() {
+            return Ok(true);
+        }
+        let (nc, ns) = (codes.len() as u64, scales.len() as u64);
+        let blocks = (codes.len() / 4).div_ceil(256).clamp(1, 1024) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.mxfp8_fast_check);
+        b.arg(codes).arg(&nc).arg(scales).arg(&ns).arg(&mut ok);
+        // SAFETY: codes holds nc bytes (nc % 4 == 0, 4-byte aligned: read as nc/4 u32 words),
+        // scales ns bytes, ok one u32; the grid-stride loops stay below those counts. Argument
+        // types match (const u32*, u64, const u8*, u64, u32*).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(g.download(&ok)?[0] == 1)
+    }
+
+    /// Every E4M3 code under every scale byte up to 134 through both MXFP8 decoders of the
+    /// fragment kernels: `(general, fast)`, each `[135 · 256]` BF16 bit patterns indexed by
+    /// `scale · 256 + code` (the operand bits the kernels multiply; equal where the fast
+    /// decode is allowed, i.e. for every non-NaN code).
+    ///
+    /// # Errors
+    /// Allocation, launch and copy errors.
+    pub fn mxfp8_decode_table(&self) -> Result<(Vec<u16>, Vec<u16>), DeviceError> {
+        let g = &self.gpu;
+        let n = 135 * 256;
+        let mut general = g.zeros::<u16>(n)?;
+        let mut fast = g.zeros::<u16>(n)?;
+        let cfg = LaunchConfig {
+            grid_dim: (135, 1, 1),
+            block_dim: (64, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.mxfp8_decode_table);
+        b.arg(&mut general).arg(&mut fast);
+        // SAFETY: both outputs hold 135·256 u16; thread (s, c4) writes [s·256 + 4·c4, +4) with
+        // s < 135, c4 < 64. Argument types match (u16*, u16*).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok((g.download(&general)?, g.download(&fast)?))
     }
 
     /// [`QGemm::grouped_nt_frag_mxfp8`] with `rows` activation rows per pass and the
@@ -1131,6 +1350,30 @@ impl QGemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
+        let decode = Mxfp8Decode::General;
+        self.grouped_nt_frag_mxfp8_decode_with(
+            decode, rows, layout, x, codes, scales, offsets, y, s,
+        )
+    }
+
+    /// [`QGemm::grouped_nt_frag_mxfp8_with`] with the weights decoded by `decode` (as
+    /// [`QGemm::grouped_nt_frag_mxfp8_decode`]).
+    ///
+    /// # Errors
+    /// As [`QGemm::grouped_nt_frag_mxfp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_frag_mxfp8_decode_with(
+        &self,
+        decode: Mxfp8Decode,
+        rows: FragRows,
+        layout: FragLayout,
+        x: &CudaView<'_, u16>,
+        codes: &CudaView<'_, u8>,
+        scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
         let op = "grouped_nt_frag_mxfp8";
         self.check_grouped(op, LowByte::Mxfp8, s, x, codes, scales, offsets, y)?;
         let cfg = self.frag_grid(op, s, Some(LowByte::Mxfp8), rows, layout)?;
@@ -1140,7 +1383,14 @@ impl QGemm {
         }
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let g = &self.gpu;
-        let func = Self::frag_kernel(layout, rows, &self.frag_mxfp8, &self.staged_mxfp8);
+        let func = match decode {
+            Mxfp8Decode::General => {
+                Self::frag_kernel(layout, rows, &self.frag_mxfp8, &self.staged_mxfp8)
+            }
+            Mxfp8Decode::Fast => {
+                Self::frag_kernel(layout, rows, &self.frag_mxfp8f, &self.staged_mxfp8f)
+            }
+        };
         let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(codes).arg(scales).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
@@ -1167,8 +1417,9 @@ impl QGemm {
     /// [`QGemm::grouped_nt_small_m_nvfp4`] on tensor cores with the stored weights decoded
     /// straight into mma fragments, as [`QGemm::grouped_nt_frag_mxfp8`]: operands the exact
     /// `pre` values in binary16 (weights `e2m1 · e4m3(scale)` decoded from the stored bytes,
-    /// the BF16 activation operand converted, both exact), f32 accumulation, `y = fl(sum · α)`
-    /// per row with α = `nvfp4_alpha(x_amax[r], w_amax[e])`.
+    /// `x_pre` the binary16 operand of [`QGemm::quant_act_nvfp4_f16`], not the BF16 one of
+    /// the other NVFP4 kernels), f32 accumulation, `y = fl(sum · α)` per row with
+    /// α = `nvfp4_alpha(x_amax[r], w_amax[e])`.
     ///
     /// # Errors
     /// As [`QGemm::grouped_nt_small_m_nvfp4`]; also `n` not a multiple of [`FRAG_COLS`].
@@ -1385,17 +1636,29 @@ impl QGemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let rows = frag_rows(s, None);
-        self.grouped_nt_staged_fp8_block_with(rows, x, x_scales, codes, w_scales, offsets, y, s)
+        self.grouped_nt_staged_fp8_block_with(
+            rows,
+            FP8_ROUTED_STAGES_PICK,
+            x,
+            x_scales,
+            codes,
+            w_scales,
+            offsets,
+            y,
+            s,
+        )
     }
 
-    /// [`QGemm::grouped_nt_staged_fp8_block`] with `rows` activation rows per pass.
+    /// [`QGemm::grouped_nt_staged_fp8_block`] with `rows` activation rows per pass and
+    /// `stages` shared-memory stages (one of [`FP8_STAGES`]; the same bits for every choice).
     ///
     /// # Errors
-    /// As [`QGemm::grouped_nt_staged_fp8_block`].
+    /// As [`QGemm::grouped_nt_staged_fp8_block`]; a stage count not compiled.
     #[allow(clippy::too_many_arguments)]
     pub fn grouped_nt_staged_fp8_block_with(
         &self,
         rows: FragRows,
+        stages: usize,
         x: &CudaView<'_, u16>,
         x_scales: &CudaView<'_, f32>,
         codes: &CudaView<'_, u8>,
@@ -1406,60 +1669,25 @@ impl QGemm {
     ) -> Result<(), DeviceError> {
         let op = "grouped_nt_staged_fp8_block";
         let g = &self.gpu;
-        if !s.n.is_multiple_of(128) || !s.k.is_multiple_of(128) {
-            return Err(g.err(format!(
-                "{op}: n = {} and k = {} must be multiples of 128 (FP8-block tiles)",
-                s.n, s.k
-            )));
-        }
-        self.check_dims(op, s)?;
-        self.check_rows_io(op, s, x, offsets, y)?;
-        let kb = s.k / 128;
-        let en = mul(g, op, s.experts, s.n)?;
-        check_len(g, &format!("{op} x scales"), x_scales.len(), s.rows * kb)?;
-        check_len(g, &format!("{op} codes"), codes.len(), mul(g, op, en, s.k)?)?;
-        check_len(
-            g,
-            &format!("{op} w scales"),
-            w_scales.len(),
-            4 * (en / 128) * kb,
+        let si = self.fp8_stage_index(op, stages)?;
+        let smem = self.check_staged_fp8(
+            op, rows, stages, x, x_scales, codes, w_scales, offsets, y, s,
         )?;
-        let smem = fp8_staged_smem_bytes(s.k, rows);
-        if smem > STAGED_SMEM_MAX {
-            return Err(g.err(format!(
-                "{op}: the staged layout needs {smem} B of shared memory at k = {} (at most \
-                 {STAGED_SMEM_MAX})",
-                s.k
-            )));
-        }
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
         let stream = g.stream();
-        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
-        check_align(
-            g,
-            &format!("{op} x scales"),
-            x_scales.device_ptr(stream).0,
-            4,
-        )?;
-        check_align(
-            g,
-            &format!("{op} w scales"),
-            w_scales.device_ptr(stream).0,
-            4,
-        )?;
         let cfg = LaunchConfig {
             grid_dim: (
                 grid_x(g, op, s.n / 128)?,
                 s.experts as u32,
-                frag_row_blocks(s, rows) as u32,
+                fp8_row_blocks(s, rows) as u32,
             ),
             block_dim: (32 * STAGED_WARPS as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = stream.launch_builder(&self.staged_fp8b[rows.index()]);
+        let mut b = stream.launch_builder(&self.staged_fp8b[si][rows.index()]);
         b.arg(x)
             .arg(x_scales)
             .arg(codes)
@@ -1479,6 +1707,193 @@ impl QGemm {
         // loops (bounds from offsets, blockIdx.z and K), so every barrier is reached by all.
         // Argument types match (const u16*, const float*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
+        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// The index of `stages` in [`FP8_STAGES`] (the staged FP8-block kernels compiled).
+    fn fp8_stage_index(&self, op: &str, stages: usize) -> Result<usize, DeviceError> {
+        FP8_STAGES
+            .iter()
+            .position(|&st| st == stages)
+            .ok_or_else(|| {
+                self.gpu
+                    .err(format!("{op}: {stages} stages (compiled: {FP8_STAGES:?})"))
+            })
+    }
+
+    /// The staged FP8-block kernels' checks (see [`QGemm::grouped_nt_staged_fp8_block`]);
+    /// returns the dynamic shared memory of a block.
+    #[allow(clippy::too_many_arguments)]
+    fn check_staged_fp8(
+        &self,
+        op: &str,
+        rows: FragRows,
+        stages: usize,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        codes: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, u8>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+    ) -> Result<usize, DeviceError> {
+        let g = &self.gpu;
+        if !s.n.is_multiple_of(128) || !s.k.is_multiple_of(128) {
+            return Err(g.err(format!(
+                "{op}: n = {} and k = {} must be multiples of 128 (FP8-block tiles)",
+                s.n, s.k
+            )));
+        }
+        self.check_dims(op, s)?;
+        self.check_rows_io(op, s, x, offsets, y)?;
+        let kb = s.k / 128;
+        let en = mul(g, op, s.experts, s.n)?;
+        check_len(g, &format!("{op} x scales"), x_scales.len(), s.rows * kb)?;
+        check_len(g, &format!("{op} codes"), codes.len(), mul(g, op, en, s.k)?)?;
+        check_len(
+            g,
+            &format!("{op} w scales"),
+            w_scales.len(),
+            4 * (en / 128) * kb,
+        )?;
+        let smem = fp8_staged_smem_bytes(s.k, rows, stages);
+        if smem > STAGED_SMEM_MAX {
+            return Err(g.err(format!(
+                "{op}: the staged layout needs {smem} B of shared memory at k = {} (at most \
+                 {STAGED_SMEM_MAX})",
+                s.k
+            )));
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
+        check_align(
+            g,
+            &format!("{op} x scales"),
+            x_scales.device_ptr(stream).0,
+            4,
+        )?;
+        check_align(
+            g,
+            &format!("{op} w scales"),
+            w_scales.device_ptr(stream).0,
+            4,
+        )?;
+        Ok(smem)
+    }
+
+    /// Up to three dense FP8-block weights on one input in one launch (q, k and v of a layer):
+    /// for each `(codes [n, k], w_scales, y [rows, n], n)` of `outs`, `y = x · Wᵀ` exactly as
+    /// [`QGemm::grouped_nt_staged_fp8_block`] with one expert over every row (`whole_rows`:
+    /// offsets `[0, ≥ rows]`) — the same blocks, so the same bits — with the weights' column
+    /// blocks side by side in one grid, so a small weight (k and v: 4 blocks of 128 columns)
+    /// runs beside the others instead of after them.
+    ///
+    /// # Errors
+    /// No output or more than three; as [`QGemm::grouped_nt_staged_fp8_block`] per weight.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn dense_nt_staged_fp8_block_multi(
+        &self,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [Fp8DenseOut<'_, '_>],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.dense_nt_staged_fp8_block_multi_with(
+            FP8_DENSE_STAGES_PICK,
+            x,
+            x_scales,
+            whole_rows,
+            outs,
+            rows,
+            k,
+        )
+    }
+
+    /// [`QGemm::dense_nt_staged_fp8_block_multi`] with `stages` shared-memory stages (one of
+    /// [`FP8_STAGES`]; the same bits for every count).
+    ///
+    /// # Errors
+    /// As [`QGemm::dense_nt_staged_fp8_block_multi`]; a stage count not compiled.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_nt_staged_fp8_block_multi_with(
+        &self,
+        stages: usize,
+        x: &CudaView<'_, u16>,
+        x_scales: &CudaView<'_, f32>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [Fp8DenseOut<'_, '_>],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let si = self.fp8_stage_index("dense_nt_staged_fp8_block_multi", stages)?;
+        let op = "dense_nt_staged_fp8_block_multi";
+        if outs.is_empty() || outs.len() > 3 {
+            return Err(g.err(format!("{op}: {} weights (one to three)", outs.len())));
+        }
+        let shape = |n: usize| Grouped {
+            experts: 1,
+            rows,
+            n,
+            k,
+        };
+        let fr = frag_rows(shape(128), None);
+        let mut smem = 0;
+        for (codes, w_scales, y, n) in outs.iter_mut() {
+            smem = self.check_staged_fp8(
+                op,
+                fr,
+                stages,
+                x,
+                x_scales,
+                codes,
+                w_scales,
+                whole_rows,
+                y,
+                shape(*n),
+            )?;
+        }
+        let blocks: usize = outs.iter().map(|o| o.3 / 128).sum();
+        if rows == 0 || blocks == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x(g, op, blocks)?,
+                1,
+                fp8_row_blocks(shape(128), fr) as u32,
+            ),
+            block_dim: (32 * STAGED_WARPS as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (r, k32) = (rows as u32, k as u32);
+        let null = 0u64;
+        let zero = 0u32;
+        let mut b = g
+            .stream()
+            .launch_builder(&self.staged_fp8b3[si][fr.index()]);
+        b.arg(x).arg(x_scales);
+        let ns: Vec<u32> = outs.iter().map(|o| o.3 as u32).collect();
+        let missing = 3 - outs.len();
+        for (i, (codes, w_scales, y, _)) in outs.iter_mut().enumerate() {
+            b.arg(&*codes).arg(&*w_scales).arg(y).arg(&ns[i]);
+        }
+        for _ in 0..missing {
+            // A missing weight: N = 0, no blocks, its pointers never read.
+            b.arg(&null).arg(&null).arg(&null).arg(&zero);
+        }
+        b.arg(whole_rows).arg(&r).arg(&k32);
+        // SAFETY: each weight was checked as a one-expert grouped_nt_staged_fp8_block call
+        // (codes n·k, scales 4·(n/128)·(k/128) bytes, y rows·n, x rows·k and x_scales
+        // rows·k/128 elements, whole_rows 2, n and k multiples of 128, alignment); block column
+        // bx runs weight i's column block bx − Σ_{j<i} n_j/128 < n_i/128 with that weight's
+        // pointers and N (grid x = Σ n_i/128), so it touches exactly what that single call's
+        // block would; missing weights have N = 0 and no blocks. Shared memory as checked (≤
+        // STAGED_SMEM_MAX, allowed at load). Argument types match (const u16*, const float*,
+        // then three × (const u8*, const float*, float*, u32), const u32*, u32, u32).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -1650,5 +2065,87 @@ impl QGemm {
         // float*, const u32*, u32 × 3).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use mxrl_formats::e4m3_decode;
+
+    /// `prmt.b32 d, q, 0, sel` in its default mode: byte `i` of `d` is byte `sel[i] & 7` of
+    /// `{0 (bytes 4-7), q (bytes 0-3)}`, or with bit 3 of the selector nibble set, that byte's
+    /// top bit copied into all eight bits.
+    fn prmt(q: u32, sel: u32) -> u32 {
+        let bytes = (q as u64).to_le_bytes();
+        (0..4)
+            .map(|i| {
+                let nib = (sel >> (4 * i)) & 0xF;
+                let b = bytes[(nib & 7) as usize];
+                let b = if nib & 8 != 0 {
+                    if b & 0x80 != 0 {
+                        0xFF
+                    } else {
+                        0
+                    }
+                } else {
+                    b
+                };
+                u32::from(b) << (8 * i)
+            })
+            .sum()
+    }
+
+    /// The kernels' fast MXFP8 decode of one code (`mxfp8_fast_pair` with its `fma.rn.bf16x2`
+    /// by the factor and −0: one rounding of the exact product, here through f64, where the
+    /// product of a BF16 value and a power of two is exact).
+    fn fast_decode(code: u8, scale: u8) -> u16 {
+        let t = (prmt(u32::from(code), 0x9180) << 4) & 0x87F0_87F0;
+        let factor = ((u32::from(scale) + 120) << 7) as u16;
+        let product = bf16::from_bits(t as u16).to_f64() * bf16::from_bits(factor).to_f64();
+        bf16::from_f64(product).to_bits()
+    }
+
+    #[test]
+    fn fast_mxfp8_decode_rounds_the_contract_value_for_every_code_and_scale() {
+        for scale in 0..=MXFP8_FAST_MAX_SCALE {
+            let sc = if scale == 0 {
+                f32::from_bits(0x0040_0000)
+            } else {
+                f32::from_bits(u32::from(scale) << 23)
+            };
+            for code in 0..=255u8 {
+                if code & 0x7F == 0x7F {
+                    continue; // NaN codes: not eligible
+                }
+                // The contract's dequantized value (exact in f32), rounded to BF16.
+                let want = bf16::from_f32(e4m3_decode(code) * sc).to_bits();
+                assert_eq!(
+                    fast_decode(code, scale),
+                    want,
+                    "code {code:#04x} scale {scale}"
+                );
+            }
+        }
+        // The pair layout: code 1's bits in the high half, from byte 1 and its sign copies.
+        let q = 0x0000_B838u32; // codes 0x38 (1.0) and 0xB8 (−1.0)
+        let t = (prmt(q, 0x9180) << 4) & 0x87F0_87F0;
+        assert_eq!(
+            (
+                bf16::from_bits(t as u16).to_f32(),
+                bf16::from_bits((t >> 16) as u16).to_f32()
+            ),
+            (2f32.powi(-120), -(2f32.powi(-120)))
+        );
+    }
+
+    #[test]
+    fn fast_mxfp8_eligibility_refuses_nan_codes_and_large_scales() {
+        assert!(mxfp8_fast_eligible(&[0, 0x7E, 0xFE, 0x80], &[0, 134]));
+        assert!(!mxfp8_fast_eligible(&[0x7F], &[]));
+        assert!(!mxfp8_fast_eligible(&[0xFF], &[]));
+        assert!(!mxfp8_fast_eligible(&[], &[135]));
+        assert!(mxfp8_fast_eligible(&[], &[]));
     }
 }
