@@ -52,9 +52,6 @@ void submit(void* s, std::function<void()> op) {
     if (st->capturing) st->recorded.push_back(std::move(op));
     else op();
 }
-struct Alloc {
-    size_t size;
-};
 std::map<uintptr_t, size_t> g_allocs;
 size_t g_used = 0, g_high = 0;
 constexpr size_t TOTAL = 64ull << 30;
