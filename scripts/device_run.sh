@@ -2,13 +2,15 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [ablation]
 #   (default: tests hf bench)
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
 #   one call — the device tests that build kept (ops_qgemm, ops_fp8block, ops_qlinear,
 #   ops_elementwise, engine_gpu, rl_engine_gpu), `bench_qgemm --large` and
 #   `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
 #   at real width with every block-format decode recipe.
+#   ablation: the real-width ablation (see its step below; ABLATION_OUT, ABLATION_LIMIT and
+#   scripts/ablation-gpu-real.sh's own variables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mxrl-device}
@@ -161,6 +163,24 @@ if [[ " $what " == *" staged "* ]]; then
     --json-out "$out/bench-staged.json" >>"$log" 2>&1
   summary+=("bench_model_decode rc=$?")
   sed -n '/===== bench model decode recipes/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
+fi
+if [[ " $what " == *" ablation "* ]]; then
+  # The real-width ablation (scripts/ablation-gpu-real.sh with the environment's settings and
+  # MXRL=.dev/mxrl), stopped after ABLATION_LIMIT seconds (default 540) so that what it wrote
+  # still comes back: the report directory (runs' metrics, ablation.json, report, plots; no
+  # checkpoints) packed into $OUT/ablation.tar.gz, the log beside it. ABLATION_OUT (default
+  # runs/device-ablation) is emptied first.
+  echo "===== ablation" >>"$log"
+  abl_out=${ABLATION_OUT:-runs/device-ablation}
+  rm -rf "$abl_out"
+  s0=$(date +%s)
+  OUT=$abl_out MXRL=.dev/mxrl timeout "${ABLATION_LIMIT:-540}" sh scripts/ablation-gpu-real.sh \
+    >"$out/ablation.log" 2>&1
+  summary+=("ablation rc=$? $(( $(date +%s) - s0 ))s")
+  # Stopped before its end: a report of the runs that finished.
+  [[ -f $abl_out/report.md ]] || timeout 30 .dev/mxrl report "$abl_out" >>"$out/ablation.log" 2>&1
+  tar -czf "$out/ablation.tar.gz" --exclude='checkpoint*' "$abl_out" 2>>"$log"
+  grep -E '^(run |[a-z0-9-]+: )|summary|reward' "$out/ablation.log" | tail -20
 fi
 if [[ " $what " == *" clients "* ]]; then
   echo "===== clientcheck" >>"$log"
