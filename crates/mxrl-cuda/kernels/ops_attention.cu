@@ -1121,6 +1121,12 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
 // Dynamic shared memory (bytes): 4*(ATT_DEC_G*D + ATT_DEC_G*CHUNK + CHUNK*(D/2 + 1) + CHUNK*D/2
 // + 2*ATT_DEC_G).
 // Needs D even and the caches 4-byte aligned (the launcher checks).
+// The decode output: f32 into out, or (outb not null) its BF16 rounding alone into outb, the
+// bits to_bf16 gives (a BF16 linear reads nothing else).
+__device__ __forceinline__ void att_dec_store(float* out, u16* outb, u64 i, float v) {
+    if (outb != nullptr) outb[i] = f32_to_bf16(v);
+    else out[i] = v;
+}
 #if ATT_DEC_CHUNK != 64 || ATT_DEC_WARPS != 4 || ATT_DEC_G != 8 || ATT_MAX_D > 256
 #error "attn_decode_partial: 128 threads = 64 keys x 2 groups of 4 heads; two keys per lane"
 #endif
@@ -1131,7 +1137,7 @@ extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS)
 attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                     const u32* __restrict__ lens, float* __restrict__ part_m,
                     float* __restrict__ part_l, float* __restrict__ part_o, float* __restrict__ out,
-                    u32 hq, u32 hkv, u32 D, u32 max_len, float scale) {
+                    u16* __restrict__ outb, u32 hq, u32 hkv, u32 D, u32 max_len, float scale) {
     extern __shared__ float4 smem4[];
     const u32 half = D >> 1, kst = half + 1;
     float* qs = reinterpret_cast<float*>(smem4);       // [D/2][ATT_DEC_G] pairs
@@ -1147,7 +1153,7 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
     const bool direct = nsplit == 1;
     if (direct && (len == 0 || len > max_len)) {
         const float f = len == 0 ? 0.0f : att_nan();
-        for (u32 i = tid; i < g * D; i += ATT_DEC_THREADS) out[((u64)b * hq + (u64)kh * g) * D + i] = f;
+        for (u32 i = tid; i < g * D; i += ATT_DEC_THREADS) att_dec_store(out, outb, ((u64)b * hq + (u64)kh * g) * D + i, f);
         return;
     }
     if (len > max_len) return;  // the combine writes NaN for this sequence
@@ -1276,9 +1282,9 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
                     // attn_decode_combine's arithmetic for one chunk (M = m), so the same bits.
                     const float e = expf(__fsub_rn(sl[ATT_DEC_G + hfirst + i], sl[ATT_DEC_G + hfirst + i]));
                     const float L = __fadd_rn(0.0f, __fmul_rn(sl[hfirst + i], e));
-                    reinterpret_cast<float2*>(out + pi * D)[vcol] =
-                        make_float2(__fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].x, e)), L),
-                                    __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].y, e)), L));
+                    const u64 o = pi * D + 2u * vcol;
+                    att_dec_store(out, outb, o, __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].x, e)), L));
+                    att_dec_store(out, outb, o + 1, __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(acc[i].y, e)), L));
                 } else {
                     reinterpret_cast<float2*>(part_o + pi * D)[vcol] = acc[i];
                 }
@@ -1295,13 +1301,14 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_m,
                                                const float* __restrict__ part_l,
                                                const float* __restrict__ part_o,
                                                const u32* __restrict__ lens, float* __restrict__ out,
-                                               u32 hq, u32 D, u32 max_len, u32 nsplit) {
+                                               u16* __restrict__ outb, u32 hq, u32 D, u32 max_len,
+                                               u32 nsplit) {
     const u32 b = blockIdx.x, h = blockIdx.y;
     const u32 len = lens[b];
     const u64 ob = (u64)b * hq * D + (u64)h * D;
     if (len == 0 || len > max_len) {
         const float f = len == 0 ? 0.0f : att_nan();
-        for (u32 d = threadIdx.x; d < D; d += blockDim.x) out[ob + d] = f;
+        for (u32 d = threadIdx.x; d < D; d += blockDim.x) att_dec_store(out, outb, ob + d, f);
         return;
     }
     const u32 ns = (len + ATT_DEC_CHUNK - 1) / ATT_DEC_CHUNK;
@@ -1314,6 +1321,6 @@ extern "C" __global__ void attn_decode_combine(const float* __restrict__ part_m,
         float acc = 0.0f;
         for (u32 s = 0; s < ns; ++s)
             acc = __fadd_rn(acc, __fmul_rn(part_o[(pb + s) * D + d], expf(__fsub_rn(part_m[pb + s], M))));
-        out[ob + d] = __fdiv_rn(acc, L);
+        att_dec_store(out, outb, ob + d, __fdiv_rn(acc, L));
     }
 }

@@ -1681,12 +1681,45 @@ impl Backend for CudaBackend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()> {
+        // The partial kernel writes every chunk the combine reads (those below each
+        // sequence's length): no zero fill.
         let mut scratch = self
             .gpu
-            .zeros::<f32>(attention::decode_scratch_len(batch, max_len, shape))
+            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
             .map_err(de)?;
         self.attn
             .decode(
+                &q.as_view(),
+                &k_cache.as_view(),
+                &v_cache.as_view(),
+                &lens.as_view(),
+                batch,
+                batch,
+                max_len,
+                shape,
+                &mut scratch.as_view_mut(),
+                &mut out.as_view_mut(),
+            )
+            .map_err(de)
+    }
+
+    fn attention_decode_bf16(
+        &self,
+        q: &Self::F32,
+        k_cache: &Self::Bf16,
+        v_cache: &Self::Bf16,
+        lens: &Self::U32,
+        batch: usize,
+        max_len: usize,
+        shape: AttnShape,
+        out: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let mut scratch = self
+            .gpu
+            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
+            .map_err(de)?;
+        self.attn
+            .decode_bf16(
                 &q.as_view(),
                 &k_cache.as_view(),
                 &v_cache.as_view(),
@@ -1728,9 +1761,10 @@ impl Backend for CudaBackend {
                 norm_topk_prob,
             )
             .map_err(de)?;
+        // moe_hist writes every count the scan reads: no zero fill.
         let mut scratch = self
             .gpu
-            .zeros::<u32>(moe::dispatch_scratch_len(n, k, e))
+            .empty::<u32>(moe::dispatch_scratch_len(n, k, e))
             .map_err(de)?;
         self.moe
             .dispatch(

@@ -448,11 +448,11 @@ fn decode_of_one_chunk_gives_the_bits_of_the_combined_decode() {
             .unwrap();
         let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
         let dl = g.upload(&lens32).unwrap();
+        // Scratch filled with NaN: a chunk the combine reads but no block wrote would show.
+        let garbage = |n: usize| g.upload(&vec![f32::NAN; n]).unwrap();
         let run = |k: &[u16], v: &[u16], cache_len: usize| {
             let (k, v) = (g.upload(k).unwrap(), g.upload(v).unwrap());
-            let mut scratch = g
-                .zeros::<f32>(decode_scratch_len(batch, cache_len, s))
-                .unwrap();
+            let mut scratch = garbage(decode_scratch_len(batch, cache_len, s));
             let mut out = g.upload(&vec![7.0f32; batch * hq * d]).unwrap();
             ops.decode(
                 &q.as_view(),
@@ -467,7 +467,30 @@ fn decode_of_one_chunk_gives_the_bits_of_the_combined_decode() {
                 &mut out.as_view_mut(),
             )
             .unwrap();
-            g.download(&out).unwrap()
+            let out = g.download(&out).unwrap();
+            // The BF16 output: the bits of the f32 output's rounding.
+            let mut scratch = garbage(decode_scratch_len(batch, cache_len, s));
+            let mut outb = g.upload(&vec![0x7FC1u16; batch * hq * d]).unwrap();
+            ops.decode_bf16(
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &dl.as_view(),
+                batch,
+                batch,
+                cache_len,
+                s,
+                &mut scratch.as_view_mut(),
+                &mut outb.as_view_mut(),
+            )
+            .unwrap();
+            let want: Vec<u16> = out.iter().map(|&x| to_bf16_bits(x)).collect();
+            assert_eq!(
+                g.download(&outb).unwrap(),
+                want,
+                "case {case}: BF16 decode output, cache of {cache_len}"
+            );
+            out
         };
         assert_eq!(decode_scratch_len(batch, max_len, s), 1);
         let one = run(&kc, &vc, max_len);

@@ -53,7 +53,10 @@ struct DevDispatch {
 
 fn dispatch(g: &Gpu, ops: &Moe, ids: &[u32], n: usize, e: usize, k: usize) -> DevDispatch {
     let dids = g.upload(ids).unwrap();
-    let mut scratch = g.zeros::<u32>(dispatch_scratch_len(n, k, e)).unwrap();
+    // Scratch of garbage: the dispatch must not rely on zeros there.
+    let mut scratch = g
+        .upload(&vec![0xA5A5_A5A5u32; dispatch_scratch_len(n, k, e)])
+        .unwrap();
     let mut offsets = g.zeros::<u32>(e + 1).unwrap();
     let mut perm = g.zeros::<u32>(n * k).unwrap();
     let mut row_of = g.zeros::<u32>(n * k).unwrap();

@@ -1338,7 +1338,11 @@ impl<B: Backend> Engine<B> {
             q_pre = Some((qp, rq, kp, rk));
         }
         let shape = self.shape();
-        let mut att = e(n * qd)?;
+        // Decode before a BF16 o projection writes the attention's BF16 rounding alone (the
+        // f32 rows are read by nothing then, and no tape keeps them: `att` stays unwritten).
+        let decode_bf16 = decode && !self.quantized(l.attn.o);
+        let mut att = e(if decode_bf16 { 1 } else { n * qd })?;
+        let mut attb = None;
         let mut lse = e(n * hq)?;
         match pass {
             Pass::Prefill {
@@ -1392,20 +1396,26 @@ impl<B: Backend> Engine<B> {
                 )
                 .map_err(dev)?;
                 // The lengths are read on the device: a recorded step replays at any length.
-                b.attention_decode(
-                    &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,
-                )
-                .map_err(dev)?;
+                if decode_bf16 {
+                    let mut ab = eb(n * qd)?;
+                    b.attention_decode_bf16(
+                        &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut ab,
+                    )
+                    .map_err(dev)?;
+                    attb = Some(ab);
+                } else {
+                    b.attention_decode(
+                        &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,
+                    )
+                    .map_err(dev)?;
+                }
             }
         }
-        let attb = match self.quantized(l.attn.o) {
-            true => None,
-            false => {
-                let mut attb = eb(n * qd)?;
-                b.to_bf16(&att, &mut attb, n * qd).map_err(dev)?;
-                Some(attb)
-            }
-        };
+        if attb.is_none() && !self.quantized(l.attn.o) {
+            let mut ab = eb(n * qd)?;
+            b.to_bf16(&att, &mut ab, n * qd).map_err(dev)?;
+            attb = Some(ab);
+        }
         let mut x_mid = e(n * hd)?;
         self.lin(
             l.attn.o,

@@ -372,6 +372,29 @@ pub trait Backend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()>;
+    /// [`Backend::attention_decode`]'s output as its [`Backend::to_bf16`] rounding alone
+    /// (`out: [batch, Hq·D]`), bitwise; one op where the device writes it directly (the
+    /// default composes the two).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode_bf16(
+        &self,
+        q: &Self::F32,
+        k_cache: &Self::Bf16,
+        v_cache: &Self::Bf16,
+        lens: &Self::U32,
+        batch: usize,
+        max_len: usize,
+        shape: AttnShape,
+        out: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let n = batch * shape.q_heads * shape.head_dim;
+        let mut y = self.empty_f32(n)?;
+        self.attention_decode(q, k_cache, v_cache, lens, batch, max_len, shape, &mut y)?;
+        self.to_bf16(&y, out, n)
+    }
     /// A decode step's attention inputs in one op: with `norms` (`[w_q, w_k]`, the per-head
     /// q/k RMSNorm weights of width `head_dim`) each head of `q [rows, q_heads·D]` and
     /// `k [rows, kv_heads·D]` is normalized in place ([`Backend::rmsnorm`] over rows of `D`),

@@ -167,6 +167,21 @@ pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
     (n * shape.q_heads).max(1)
 }
 
+/// Where [`Attention::decode`]'s output goes: f32, or its BF16 rounding alone.
+enum DecodeOut<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Bf16(&'a mut CudaViewMut<'b, u16>),
+}
+
+impl DecodeOut<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            DecodeOut::F32(o) => o.len(),
+            DecodeOut::Bf16(o) => o.len(),
+        }
+    }
+}
+
 /// Elements of the scratch [`Attention::decode`] needs for `batch` sequences in a cache of
 /// `max_len` positions: per (sequence, query head, chunk) a running max, a sum and `D` partial
 /// outputs, `batch·Hq·ceil(max_len/DECODE_CHUNK)·(D + 2)`; none (one element) for a cache of
@@ -674,6 +689,68 @@ impl Attention {
         scratch: &mut CudaViewMut<'_, f32>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
+        self.decode_to(
+            q,
+            k_cache,
+            v_cache,
+            lens,
+            batch,
+            slots,
+            max_len,
+            shape,
+            scratch,
+            DecodeOut::F32(out),
+        )
+    }
+
+    /// [`Attention::decode`] with the output written as its BF16 rounding (the bits of
+    /// `to_bf16` of the f32 output) into `out: [batch, Hq·D]` u16, and no f32 output: what a
+    /// BF16 linear after the attention reads.
+    ///
+    /// # Errors
+    /// As [`Attention::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_bf16(
+        &self,
+        q: &CudaView<'_, f32>,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        lens: &CudaView<'_, u32>,
+        batch: usize,
+        slots: usize,
+        max_len: usize,
+        shape: AttnShape,
+        scratch: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), DeviceError> {
+        self.decode_to(
+            q,
+            k_cache,
+            v_cache,
+            lens,
+            batch,
+            slots,
+            max_len,
+            shape,
+            scratch,
+            DecodeOut::Bf16(out),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode_to(
+        &self,
+        q: &CudaView<'_, f32>,
+        k_cache: &CudaView<'_, u16>,
+        v_cache: &CudaView<'_, u16>,
+        lens: &CudaView<'_, u32>,
+        batch: usize,
+        slots: usize,
+        max_len: usize,
+        shape: AttnShape,
+        scratch: &mut CudaViewMut<'_, f32>,
+        mut out: DecodeOut<'_, '_>,
+    ) -> Result<(), DeviceError> {
         check_shape(&self.gpu, "attention decode", shape)?;
         self.check_smem("attention decode", shape.head_dim, smem_dec(shape.head_dim))?;
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
@@ -710,6 +787,8 @@ impl Attention {
             )?;
         }
         check_len(g, "attention decode out", out.len(), batch * hq * d)?;
+        // The kernels take both outputs and write the one that is not null.
+        let null: u64 = 0;
         let need = decode_scratch_len(batch, max_len, shape);
         check_len(g, "attention decode scratch", scratch.len(), need)?;
         if max_len == 0 {
@@ -748,13 +827,12 @@ impl Attention {
                 .arg(lens)
                 .arg(&mut part_m)
                 .arg(&mut part_l)
-                .arg(&mut part_o)
-                .arg(&mut *out)
-                .arg(&hq32)
-                .arg(&hkv32)
-                .arg(&d32)
-                .arg(&ml32)
-                .arg(&scale);
+                .arg(&mut part_o);
+            match &mut out {
+                DecodeOut::F32(o) => b.arg(&mut **o).arg(&null),
+                DecodeOut::Bf16(o) => b.arg(&null).arg(&mut **o),
+            };
+            b.arg(&hq32).arg(&hkv32).arg(&d32).arg(&ml32).arg(&scale);
             // SAFETY: block (b, kh, s) returns unless lens[b] ≤ max_len and s·64 < lens[b]
             // (with nsplit = 1 after writing out row b's heads of kh, batch·Hq·D checked); it
             // reads cache positions < lens[b] ≤ max_len of slot b < batch ≤ slots
@@ -775,19 +853,16 @@ impl Attention {
         };
         let mut b = g.stream().launch_builder(&self.dec_combine);
         let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
-        b.arg(&pm)
-            .arg(&pl)
-            .arg(&po)
-            .arg(lens)
-            .arg(out)
-            .arg(&hq32)
-            .arg(&d32)
-            .arg(&ml32)
-            .arg(&ns32);
+        b.arg(&pm).arg(&pl).arg(&po).arg(lens);
+        match &mut out {
+            DecodeOut::F32(o) => b.arg(&mut **o).arg(&null),
+            DecodeOut::Bf16(o) => b.arg(&null).arg(&mut **o),
+        };
+        b.arg(&hq32).arg(&d32).arg(&ml32).arg(&ns32);
         // SAFETY: block (b, h) reads lens[b] and, for 1 ≤ lens[b] ≤ max_len, the partials of
-        // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes out row
-        // b, head h (batch·Hq·D checked); types match (3 × const float*, const u32*, float*,
-        // 4 × u32).
+        // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes row b,
+        // head h of the output that is not null (batch·Hq·D checked); types match (3 × const
+        // float*, const u32*, float*, u16* — a null one passed as a 0 u64 — and 4 × u32).
         unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
