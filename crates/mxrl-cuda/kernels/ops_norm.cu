@@ -42,6 +42,34 @@ extern "C" __global__ void rmsnorm_fwd_both(const float* __restrict__ x, const f
     rmsnorm_fwd_rows<true, true>(x, w, y, yb, rstd, d, eps);
 }
 
+// The residual sum and the norm of its rows in one pass, one block per row r < rows:
+// x[r,j] = x[r,j] + res[r,j] (written back: add_inplace's sum), then rmsnorm_fwd_rows of the
+// new x into y (f32, when not null) and yb (BF16 bits, when not null) — the bits of add_inplace
+// followed by rmsnorm_fwd / _bf16 / _both. Each thread sums its squares over the columns
+// rms_row_rstd gives it, in the same order, and reads back only the sums it wrote itself.
+extern "C" __global__ void add_rmsnorm_fwd(float* x, const float* __restrict__ res,
+                                           const float* __restrict__ w, float* __restrict__ y,
+                                           u16* __restrict__ yb, float* __restrict__ rstd, u32 d,
+                                           float eps) {
+    __shared__ float scratch[32];
+    const u64 r = blockIdx.x;
+    float* xr = x + r * d;
+    const float* rr = res + r * d;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = __fadd_rn(xr[j], rr[j]);
+        xr[j] = v;
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    const float rs = rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
+        if (y != nullptr) y[r * d + j] = v;
+        if (yb != nullptr) yb[r * d + j] = f32_to_bf16(v);
+    }
+}
+
 // dx of the backward, one block per row r < rows:
 // dot = sum_j (w[j] * dy[r,j]) * x[r,j]; c = ((dot * rs) * rs) * rs / d;
 // dx[r,j] = (rs * w[j]) * dy[r,j] - x[r,j] * c (overwritten).

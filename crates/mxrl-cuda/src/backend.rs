@@ -491,6 +491,35 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
+    fn add_rmsnorm(
+        &self,
+        x: &mut Self::F32,
+        res: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: Option<&mut Self::F32>,
+        yb: Option<&mut Self::Bf16>,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut yv = y.map(|y| y.as_view_mut());
+        let mut ybv = yb.map(|yb| yb.as_view_mut());
+        self.norm
+            .forward_add(
+                &mut x.as_view_mut(),
+                &res.as_view(),
+                &w.as_view(),
+                yv.as_mut(),
+                ybv.as_mut(),
+                &mut rstd.as_view_mut(),
+                rows,
+                d,
+                eps,
+            )
+            .map_err(de)
+    }
+
     fn gather_rows_bf16(
         &self,
         xb: &Self::Bf16,

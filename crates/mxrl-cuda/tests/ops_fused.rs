@@ -1,4 +1,5 @@
-//! The fused ops of the CUDA backend (RMSNorm → BF16, RMSNorm → f32 and BF16, gather of BF16 rows, combine + residual)
+//! The fused ops of the CUDA backend (RMSNorm → BF16, RMSNorm → f32 and BF16, residual add →
+//! RMSNorm, gather of BF16 rows, combine + residual)
 //! give the same bits as the unfused ops they replace (each of which `ops_norm` / `ops_moe`
 //! check against the CPU reference), and the CPU backend's gather of BF16 rows equals its
 //! gather with rounding.
@@ -82,6 +83,64 @@ fn rmsnorm_bf16_and_rmsnorm_both_are_rmsnorm_then_to_bf16_bitwise() {
             bits(&g.download_f32(&r3, n).unwrap()),
             bits(&g.download_f32(&r1, n).unwrap())
         );
+    }
+}
+
+#[test]
+fn add_rmsnorm_is_add_then_rmsnorm_bitwise() {
+    let g = gpu();
+    for (i, &(n, d)) in SHAPES.iter().enumerate() {
+        let (o, res) = (
+            test_values(n * d, 70 + i as u64, 2.0),
+            test_values(n * d, 80 + i as u64, 1.5),
+        );
+        let w = test_values(d, 90 + i as u64, 1.0);
+        let (resd, wd) = (g.upload_f32(&res).unwrap(), g.upload_f32(&w).unwrap());
+        // Unfused: add, then the norm with both outputs (each checked against the single
+        // ones above).
+        let mut x1 = g.upload_f32(&o).unwrap();
+        g.add(&mut x1, &resd, n * d).unwrap();
+        let mut y1 = g.empty_f32(n * d).unwrap();
+        let mut yb1 = g.empty_bf16(n * d).unwrap();
+        let mut r1 = g.empty_f32(n).unwrap();
+        g.rmsnorm_both(&x1, &wd, n, d, 1e-6, &mut y1, &mut yb1, &mut r1)
+            .unwrap();
+        let bf =
+            |v: &cudarc::driver::CudaSlice<u16>| g.gpu().download(v).unwrap()[..n * d].to_vec();
+        let f = |v: &cudarc::driver::CudaSlice<f32>, m: usize| bits(&g.download_f32(v, m).unwrap());
+        for (want_f32, want_bf16) in [(true, true), (true, false), (false, true)] {
+            let ctx = format!("[{n}, {d}], f32 {want_f32}, bf16 {want_bf16}");
+            // Fresh NaN-filled outputs: an element left unwritten fails.
+            let mut x2 = g.upload_f32(&o).unwrap();
+            let mut y2 = g.upload_f32(&vec![f32::NAN; n * d]).unwrap();
+            let mut yb2 = g.empty_bf16(n * d).unwrap();
+            g.to_bf16(&y2, &mut yb2, n * d).unwrap();
+            let mut r2 = g.upload_f32(&vec![f32::NAN; n]).unwrap();
+            g.add_rmsnorm(
+                &mut x2,
+                &resd,
+                &wd,
+                n,
+                d,
+                1e-6,
+                want_f32.then_some(&mut y2),
+                want_bf16.then_some(&mut yb2),
+                &mut r2,
+            )
+            .unwrap();
+            assert_eq!(f(&x2, n * d), f(&x1, n * d), "{ctx}: the residual sum");
+            assert_eq!(f(&r2, n), f(&r1, n), "{ctx}: rstd");
+            if want_f32 {
+                assert_eq!(f(&y2, n * d), f(&y1, n * d), "{ctx}: f32 rows");
+            }
+            if want_bf16 {
+                assert_eq!(bf(&yb2), bf(&yb1), "{ctx}: BF16 rows");
+            }
+        }
+        let mut x3 = g.upload_f32(&o).unwrap();
+        let mut r3 = g.empty_f32(n).unwrap();
+        let none = g.add_rmsnorm(&mut x3, &resd, &wd, n, d, 1e-6, None, None, &mut r3);
+        assert!(none.is_err(), "[{n}, {d}]: no output must be refused");
     }
 }
 

@@ -760,6 +760,45 @@ impl<B: Backend> Engine<B> {
         Ok((h, hb))
     }
 
+    /// `x += res`, then [`Engine::norm_rows`] of the new `x`, in one op
+    /// ([`Backend::add_rmsnorm`]: the same bits as the add and the norm).
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm_rows(
+        &self,
+        x: &mut B::F32,
+        res: &B::F32,
+        wi: usize,
+        n: usize,
+        f32: bool,
+        bf16: bool,
+        rstd: &mut B::F32,
+    ) -> Result<NormRows<B>> {
+        let b = &self.b;
+        let (hd, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+        // f32 rows alone also when neither is asked for (every caller wants one).
+        let mut h = match (f32, bf16) {
+            (_, false) | (true, true) => Some(b.empty_f32(n * hd).map_err(dev)?),
+            (false, true) => None,
+        };
+        let mut hb = match bf16 {
+            true => Some(b.empty_bf16(n * hd).map_err(dev)?),
+            false => None,
+        };
+        b.add_rmsnorm(
+            x,
+            res,
+            self.w(wi),
+            n,
+            hd,
+            eps,
+            h.as_mut(),
+            hb.as_mut(),
+            rstd,
+        )
+        .map_err(dev)?;
+        Ok((h, hb))
+    }
+
     /// The input of linear `i`: the f32 rows for a block-format linear, else the BF16 rows
     /// (a rounding that only block-format linears read is not made: `xb` is then `None`).
     fn input<'a>(
@@ -1425,17 +1464,17 @@ impl<B: Backend> Engine<B> {
             hd,
             &mut x_mid,
         )?;
-        // o + x_in: the same f32 sum as the CPU model's `x += o`.
-        b.add(&mut x_mid, &x_in, n * hd).map_err(dev)?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
         let (gate_up, down) = match &l.ffn {
             Ffn::Dense(m) => (m.gate_up, m.down),
             Ffn::Moe(m) => (m.gate_up, m.down),
         };
-        // The router (a BF16 linear) reads the BF16 rows of an MoE layer.
-        let (h2, h2b) = self.norm_rows(
-            &x_mid,
+        // x_mid = o + x_in (the same f32 sum as the CPU model's `x += o`) and its norm in one
+        // op. The router (a BF16 linear) reads the BF16 rows of an MoE layer.
+        let (h2, h2b) = self.add_norm_rows(
+            &mut x_mid,
+            &x_in,
             l.ln2,
             n,
             self.quantized(gate_up),

@@ -810,6 +810,37 @@ pub trait Backend {
         self.rmsnorm(x, w, rows, d, eps, y, rstd)?;
         self.to_bf16(y, yb, rows * d)
     }
+    /// The residual sum `x += res` ([`Backend::add`], `x, res: [rows, d]`) and the RMSNorm of
+    /// the new rows into `y` ([`Backend::rmsnorm`]), `yb` ([`Backend::rmsnorm_bf16`]) or both
+    /// ([`Backend::rmsnorm_both`]), bitwise, in one pass where the device has the fused kernel
+    /// (the default composes them).
+    ///
+    /// # Errors
+    /// Neither output; short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm(
+        &self,
+        x: &mut Self::F32,
+        res: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: Option<&mut Self::F32>,
+        yb: Option<&mut Self::Bf16>,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
+        self.add(x, res, rows * d)?;
+        match (y, yb) {
+            (Some(y), Some(yb)) => self.rmsnorm_both(x, w, rows, d, eps, y, yb, rstd),
+            (None, Some(yb)) => self.rmsnorm_bf16(x, w, rows, d, eps, yb, rstd),
+            (Some(y), None) => self.rmsnorm(x, w, rows, d, eps, y, rstd),
+            (None, None) => Err(DeviceError::new(
+                self.device().to_string(),
+                "add_rmsnorm: neither an f32 nor a BF16 output",
+            )),
+        }
+    }
     /// [`Backend::gather_bf16`] from rows already in BF16 (`xb: [N, h]`): the same values,
     /// without a second rounding.
     ///

@@ -51,6 +51,7 @@ pub struct Norm {
     fwd: CudaFunction,
     fwd_bf16: CudaFunction,
     fwd_both: CudaFunction,
+    fwd_add: CudaFunction,
     bwd_dx: CudaFunction,
     dw_partial: CudaFunction,
     dw_reduce: CudaFunction,
@@ -72,6 +73,7 @@ impl Norm {
             fwd: f("rmsnorm_fwd")?,
             fwd_bf16: f("rmsnorm_fwd_bf16")?,
             fwd_both: f("rmsnorm_fwd_both")?,
+            fwd_add: f("add_rmsnorm_fwd")?,
             bwd_dx: f("rmsnorm_bwd_dx")?,
             dw_partial: f("rmsnorm_bwd_dw_partial")?,
             dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
@@ -202,6 +204,62 @@ impl Norm {
         b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
         // (const float*, const float*, float*, u16*, float*, u32, float).
+        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// The residual sum `x += res` (`x, res: [rows, d]`, the f32 sum of `add_inplace`) and
+    /// the forward of the new `x` into `y` (f32) and/or `yb` (BF16 bits), in one pass: the
+    /// bits of the add followed by [`Norm::forward`], [`Norm::forward_bf16`] or
+    /// [`Norm::forward_both`]. At least one of `y`, `yb`.
+    ///
+    /// # Errors
+    /// Neither output, short buffers, a shape too large for one launch; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_add(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        res: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        y: Option<&mut CudaViewMut<'_, f32>>,
+        yb: Option<&mut CudaViewMut<'_, u16>>,
+        rstd: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        let mut outs = vec![("res", res.len())];
+        if let Some(y) = &y {
+            outs.push(("y", y.len()));
+        }
+        if let Some(yb) = &yb {
+            outs.push(("yb", yb.len()));
+        }
+        if outs.len() == 1 {
+            return Err(self
+                .gpu
+                .err("rmsnorm forward with a residual: neither an f32 nor a BF16 output"));
+        }
+        let Some(cfg) = self.forward_cfg(x.len(), w.len(), &outs, rstd.len(), rows, d)? else {
+            return Ok(());
+        };
+        let (d32, null) = (d as u32, 0u64);
+        let mut b = self.gpu.stream().launch_builder(&self.fwd_add);
+        b.arg(&mut *x).arg(res).arg(w);
+        match y {
+            Some(y) => b.arg(y),
+            None => b.arg(&null),
+        };
+        match yb {
+            Some(yb) => b.arg(yb),
+            None => b.arg(&null),
+        };
+        b.arg(rstd).arg(&d32).arg(&eps);
+        // SAFETY: block r < rows reads and writes x[r·d .. (r+1)·d], reads that range of res
+        // and w[..d], writes that range of each output that is not null and rstd[r]; every
+        // buffer holds at least that (checked above); argument types match (float*, const
+        // float*, const float*, float*, u16* — a missing output passed as a 0 u64 — float*,
+        // u32, float).
         unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
