@@ -11,6 +11,7 @@
 #       The crate's device tests (crates/mxrl-cuda/tests/*.rs, `--features cuda`; all, or the
 #       named ones) on a stand-in CUDA installation whose every kernel runs under cuemu
 #       (libcuda, libnvrtc and libcublas from scripts/cuemu/fake.sh). Slow: minutes per binary.
+#       CUEMU_TEST_THREADS=N runs N tests of a binary at a time (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=check
@@ -40,10 +41,10 @@ for line in sys.stdin:
     if [[ $# -gt 0 ]] && ! printf '%s\n' "$@" | grep -qx "$name"; then continue; fi
     [[ $name == cuemu ]] && continue
     start=$SECONDS
-    # One test at a time: the tests share one Gpu (Gpu::shared) and so one stream, and a decode
-    # graph captured in relaxed mode would also record a concurrent test's work on it (the
-    # emulated kernels make those capture windows long).
-    if LD_LIBRARY_PATH=$PWD/$out/fake/lib "$exe" --test-threads=1 >"$out/test_$name.log" 2>&1; then
+    # CUEMU_TEST_THREADS tests at a time (default 1: the log reads in order). Each test thread
+    # has its own stream (Gpu::shared), so a decode graph being recorded cannot capture another
+    # test's work.
+    if LD_LIBRARY_PATH=$PWD/$out/fake/lib "$exe" --test-threads="${CUEMU_TEST_THREADS:-1}" >"$out/test_$name.log" 2>&1; then
       echo "ok    $name ($((SECONDS - start)) s): $(grep '^test result' "$out/test_$name.log" | tail -1)"
     else
       failed=$((failed + 1))

@@ -200,17 +200,46 @@ impl Gpu {
         })
     }
 
-    /// The process-wide shared handle of GPU `ordinal` (opened on first use).
+    /// This thread's shared handle of GPU `ordinal`: everything opened on one thread shares
+    /// one stream (so work handed between its engines — a weight update device to device —
+    /// is ordered by the stream), each thread has its own (so a decode step being recorded
+    /// into a CUDA graph on one thread cannot capture another thread's work, as it would on
+    /// a shared stream). The context is opened once per process.
     ///
     /// # Errors
     /// As [`Gpu::new`].
     pub fn shared(ordinal: usize) -> Result<Self, DeviceError> {
-        let mut cache = shared_gpus().lock().expect("gpu cache poisoned");
-        if let Some(g) = cache.get(&ordinal) {
-            return Ok(g.clone());
+        thread_local! {
+            static THREAD_GPUS: std::cell::RefCell<HashMap<usize, Gpu>> =
+                std::cell::RefCell::new(HashMap::new());
         }
-        let g = Gpu::new(ordinal)?;
-        cache.insert(ordinal, g.clone());
+        if let Some(g) = THREAD_GPUS.with(|t| t.borrow().get(&ordinal).cloned()) {
+            return Ok(g);
+        }
+        let base = {
+            let mut cache = shared_gpus().lock().unwrap_or_else(|p| p.into_inner());
+            match cache.get(&ordinal) {
+                Some(g) => g.clone(),
+                None => {
+                    let g = Gpu::new(ordinal)?;
+                    cache.insert(ordinal, g.clone());
+                    // The first thread takes the stream opened with the context.
+                    THREAD_GPUS.with(|t| t.borrow_mut().insert(ordinal, g.clone()));
+                    return Ok(g);
+                }
+            }
+        };
+        let stream = base
+            .ctx
+            .new_stream()
+            .map_err(|x| base.err(format!("new stream: {x:?}")))?;
+        let g = Gpu {
+            stream,
+            staging: Arc::new(Mutex::new(None)),
+            readback: Arc::new(Mutex::new(None)),
+            ..base
+        };
+        THREAD_GPUS.with(|t| t.borrow_mut().insert(ordinal, g.clone()));
         Ok(g)
     }
 
