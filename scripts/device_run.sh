@@ -2,13 +2,14 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [ablation]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [ablation]
 #   (default: tests hf bench)
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
 #   one call — the device tests that build kept (ops_qgemm, ops_fp8block, ops_qlinear,
 #   ops_elementwise, engine_gpu, rl_engine_gpu), `bench_qgemm --large` and
 #   `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
 #   at real width with every block-format decode recipe.
+#   fixed: decode of every block-format recipe on the fixed 2.63 B config (batch 1/32/128).
 #   ablation: the real-width ablation (see its step below; ABLATION_OUT, ABLATION_LIMIT and
 #   scripts/ablation-gpu-real.sh's own variables).
 set -uo pipefail
@@ -163,6 +164,15 @@ if [[ " $what " == *" staged "* ]]; then
     --json-out "$out/bench-staged.json" >>"$log" 2>&1
   summary+=("bench_model_decode rc=$?")
   sed -n '/===== bench model decode recipes/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
+fi
+if [[ " $what " == *" fixed "* ]]; then
+  # Decode on the fixed 2.63 B benchmark config (BF16 and every block-format decode recipe,
+  # batch 1 / 32 / 128, no training): the issue tables' decode columns.
+  echo "===== bench model fixed decode" >>"$log"
+  timeout 300 .dev/mxrl bench model --device cuda --train-seqs 0 --batches 1,32,128 \
+    --decode-recipes mxfp8,nvfp4-hp,fp8-block --json-out "$out/bench-fixed.json" >>"$log" 2>&1
+  summary+=("bench_model_fixed rc=$?")
+  sed -n '/===== bench model fixed decode/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
 fi
 if [[ " $what " == *" ablation "* ]]; then
   # The real-width ablation (scripts/ablation-gpu-real.sh with the environment's settings and
