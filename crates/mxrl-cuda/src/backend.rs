@@ -1710,12 +1710,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
         out: &mut Self::F32,
     ) -> DResult<()> {
-        // The partial kernel writes every chunk the combine reads (those below each
-        // sequence's length): no zero fill.
-        let mut scratch = self
-            .gpu
-            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
-            .map_err(de)?;
+        let mut scratch = self.attn_decode_scratch(batch, max_len, shape)?;
         self.attn
             .decode(
                 &q.as_view(),
@@ -1743,10 +1738,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
         out: &mut Self::Bf16,
     ) -> DResult<()> {
-        let mut scratch = self
-            .gpu
-            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
-            .map_err(de)?;
+        let mut scratch = self.attn_decode_scratch(batch, max_len, shape)?;
         self.attn
             .decode_bf16(
                 &q.as_view(),
@@ -2377,6 +2369,19 @@ struct QuantRows {
 }
 
 impl CudaBackend {
+    /// Scratch of the decode attention: allocated without a fill, since the partial kernel
+    /// writes every chunk the combine reads (those below each sequence's length).
+    fn attn_decode_scratch(
+        &self,
+        batch: usize,
+        max_len: usize,
+        shape: AttnShape,
+    ) -> DResult<CudaSlice<f32>> {
+        self.gpu
+            .empty::<f32>(attention::decode_scratch_len(batch, max_len, shape))
+            .map_err(de)
+    }
+
     /// The dense MXFP8 linear on the quantized rows `xq` (the contract's dequantized BF16
     /// values): exact BF16 operands, W's dequantization made once per weight version, outside
     /// graph recording (memory allocated while recording would belong to the graph).

@@ -733,30 +733,11 @@ impl<B: Backend> Engine<B> {
         bf16: bool,
         rstd: &mut B::F32,
     ) -> Result<NormRows<B>> {
-        let b = &self.b;
         let (hd, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
-        let w = self.w(wi);
-        let (e, eb) = (|| b.empty_f32(n * hd), || b.empty_bf16(n * hd));
-        let (h, hb) = match (f32, bf16) {
-            (true, true) => {
-                let (mut h, mut hb) = (e().map_err(dev)?, eb().map_err(dev)?);
-                b.rmsnorm_both(x, w, n, hd, eps, &mut h, &mut hb, rstd)
-                    .map_err(dev)?;
-                (Some(h), Some(hb))
-            }
-            (false, true) => {
-                let mut hb = eb().map_err(dev)?;
-                b.rmsnorm_bf16(x, w, n, hd, eps, &mut hb, rstd)
-                    .map_err(dev)?;
-                (None, Some(hb))
-            }
-            // f32 rows alone (also when neither is asked for: every caller wants one).
-            (_, false) => {
-                let mut h = e().map_err(dev)?;
-                b.rmsnorm(x, w, n, hd, eps, &mut h, rstd).map_err(dev)?;
-                (Some(h), None)
-            }
-        };
+        let (mut h, mut hb) = self.norm_bufs(n, f32, bf16)?;
+        self.b
+            .rmsnorm_into(x, self.w(wi), n, hd, eps, h.as_mut(), hb.as_mut(), rstd)
+            .map_err(dev)?;
         Ok((h, hb))
     }
 
@@ -773,29 +754,36 @@ impl<B: Backend> Engine<B> {
         bf16: bool,
         rstd: &mut B::F32,
     ) -> Result<NormRows<B>> {
-        let b = &self.b;
         let (hd, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
-        // f32 rows alone also when neither is asked for (every caller wants one).
-        let mut h = match (f32, bf16) {
-            (_, false) | (true, true) => Some(b.empty_f32(n * hd).map_err(dev)?),
-            (false, true) => None,
-        };
-        let mut hb = match bf16 {
-            true => Some(b.empty_bf16(n * hd).map_err(dev)?),
+        let (mut h, mut hb) = self.norm_bufs(n, f32, bf16)?;
+        self.b
+            .add_rmsnorm(
+                x,
+                res,
+                self.w(wi),
+                n,
+                hd,
+                eps,
+                h.as_mut(),
+                hb.as_mut(),
+                rstd,
+            )
+            .map_err(dev)?;
+        Ok((h, hb))
+    }
+
+    /// The outputs [`Engine::norm_rows`] writes for `n` rows: the f32 rows when `f32` (also
+    /// when neither is asked for: every caller wants one), the BF16 rows when `bf16`.
+    fn norm_bufs(&self, n: usize, f32: bool, bf16: bool) -> Result<NormRows<B>> {
+        let (b, len) = (&self.b, n * self.cfg.hidden_size);
+        let h = match f32 || !bf16 {
+            true => Some(b.empty_f32(len).map_err(dev)?),
             false => None,
         };
-        b.add_rmsnorm(
-            x,
-            res,
-            self.w(wi),
-            n,
-            hd,
-            eps,
-            h.as_mut(),
-            hb.as_mut(),
-            rstd,
-        )
-        .map_err(dev)?;
+        let hb = match bf16 {
+            true => Some(b.empty_bf16(len).map_err(dev)?),
+            false => None,
+        };
         Ok((h, hb))
     }
 

@@ -831,13 +831,32 @@ pub trait Backend {
         rstd: &mut Self::F32,
     ) -> DResult<()> {
         self.add(x, res, rows * d)?;
+        self.rmsnorm_into(x, w, rows, d, eps, y, yb, rstd)
+    }
+    /// The RMSNorm of `x` into `y` ([`Backend::rmsnorm`]), `yb` ([`Backend::rmsnorm_bf16`])
+    /// or both ([`Backend::rmsnorm_both`]), whichever are given.
+    ///
+    /// # Errors
+    /// Neither output; short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_into(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        y: Option<&mut Self::F32>,
+        yb: Option<&mut Self::Bf16>,
+        rstd: &mut Self::F32,
+    ) -> DResult<()> {
         match (y, yb) {
             (Some(y), Some(yb)) => self.rmsnorm_both(x, w, rows, d, eps, y, yb, rstd),
             (None, Some(yb)) => self.rmsnorm_bf16(x, w, rows, d, eps, yb, rstd),
             (Some(y), None) => self.rmsnorm(x, w, rows, d, eps, y, rstd),
             (None, None) => Err(DeviceError::new(
                 self.device().to_string(),
-                "add_rmsnorm: neither an f32 nor a BF16 output",
+                "rmsnorm: neither an f32 nor a BF16 output",
             )),
         }
     }
