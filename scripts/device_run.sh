@@ -21,6 +21,16 @@ what=${*:-tests hf bench}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 summary=()
+# DEVICE_DEADLINE (seconds from now, default none): every step's timeout is cut to what is left
+# of it, so that one call's steps finish (and their logs come back) inside the call's limit.
+t0=$(date +%s)
+lim() {
+  local want=$1
+  [[ -z ${DEVICE_DEADLINE:-} ]] && { echo "$want"; return; }
+  local left=$(( DEVICE_DEADLINE - ($(date +%s) - t0) - 5 ))
+  (( left < 1 )) && left=1
+  (( left < want )) && echo "$left" || echo "$want"
+}
 # Every test binary in .dev/tests, one after another, each line of the summary its result.
 run_tests() {
   # The CLI's GPU tests run the binary built beside them, not the path baked in at build time.
@@ -29,7 +39,7 @@ run_tests() {
     name=$(basename "$t")
     start=$(date +%s)
     echo "===== $name" >>"$log"
-    timeout 240 "$t" --test-threads=1 --nocapture >>"$log" 2>&1
+    timeout "$(lim "${TEST_TIMEOUT:-240}")" "$t" --test-threads=1 --nocapture >>"$log" 2>&1
     rc=$?
     res=$(sed -n "/===== $name/,\$p" "$log" | grep -E '^test result' | tail -1)
     summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
@@ -48,7 +58,7 @@ if [[ " $what " == *" bench "* ]]; then
   if [[ -f $out/hf.json ]]; then hf=(--hf-json "$out/hf.json")
   elif [[ -f .dev/hf.json ]]; then hf=(--hf-json .dev/hf.json); fi
   echo "===== bench model" >>"$log"
-  timeout 420 .dev/mxrl bench model --device cuda "${hf[@]}" --expert-formats bf16,mxfp8,nvfp4 --json-out "$out/bench.json" >>"$log" 2>&1
+  timeout "$(lim 420)" .dev/mxrl bench model --device cuda "${hf[@]}" --expert-formats bf16,mxfp8,nvfp4 --json-out "$out/bench.json" >>"$log" 2>&1
   summary+=("bench_model rc=$?")
   sed -n '/^mxrl bench model:/,$p' "$log" | tail -22
 fi
@@ -56,7 +66,7 @@ if [[ " $what " == *" trainq "* ]]; then
   # The training step under every preset (block formats on their stored bytes, each plan's
   # backward mode) and prefill/decode with the routed experts in each block format.
   echo "===== bench model trainq" >>"$log"
-  timeout 540 .dev/mxrl bench model --device cuda --train-recipes \
+  timeout "$(lim 540)" .dev/mxrl bench model --device cuda --train-recipes \
     bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block --train-steps 3 --batches 1,32 \
     --expert-formats bf16,mxfp8,nvfp4,fp8-block --json-out "$out/bench-trainq.json" >>"$log" 2>&1
   summary+=("bench_trainq rc=$?")
@@ -64,30 +74,30 @@ if [[ " $what " == *" trainq "* ]]; then
 fi
 if [[ " $what " == *" gemm "* ]]; then
   echo "===== bench_gemm" >>"$log"
-  timeout 300 .dev/bench_gemm >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/bench_gemm >>"$log" 2>&1
   summary+=("bench_gemm rc=$?")
 fi
 if [[ " $what " == *" qgemm "* ]]; then
   echo "===== bench_qgemm" >>"$log"
-  timeout 300 .dev/bench_qgemm >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/bench_qgemm >>"$log" 2>&1
   summary+=("bench_qgemm rc=$?")
   sed -n '/===== bench_qgemm/,$p' "$log" | tail -40
 fi
 if [[ " $what " == *" quant "* ]]; then
   echo "===== bench quantize" >>"$log"
-  timeout 300 .dev/mxrl bench quantize >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/mxrl bench quantize >>"$log" 2>&1
   summary+=("bench_quantize rc=$?")
   sed -n '/===== bench quantize/,$p' "$log" | tail -14
 fi
 if [[ " $what " == *" attn "* ]]; then
   echo "===== bench_attn_ops" >>"$log"
-  timeout 300 .dev/bench_attn_ops >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/bench_attn_ops >>"$log" 2>&1
   summary+=("bench_attn_ops rc=$?")
   sed -n '/===== bench_attn_ops/,$p' "$log" | tail -20
 fi
 if [[ " $what " == *" headops "* ]]; then
   echo "===== bench_head_ops" >>"$log"
-  timeout 300 .dev/bench_head_ops >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/bench_head_ops >>"$log" 2>&1
   summary+=("bench_head_ops rc=$?")
   sed -n '/===== bench_head_ops/,$p' "$log" | tail -30
 fi
@@ -98,14 +108,14 @@ if [[ " $what " == *" rl "* ]]; then
   d=/tmp/mxrl-rl
   rm -rf "$d" && mkdir -p "$d"
   s0=$(date +%s)
-  timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 20 --out "$d/demo" >>"$log" 2>&1
+  timeout "$(lim 300)" .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 20 --out "$d/demo" >>"$log" 2>&1
   summary+=("demo_large_cuda rc=$? $(( $(date +%s) - s0 ))s")
   # cuda-spawn: trainer here, rollout in a `rollout-server --device cuda` child, bitwise mode.
   for dev in cuda cuda-spawn cpu; do
     steps=10; extra=(); [[ $dev == cpu ]] && steps=3
     [[ $dev == cuda-spawn ]] && extra=(--rollout spawn --bitwise)
     s0=$(date +%s)
-    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe bf16 --device "${dev%-spawn}" --steps $steps \
+    timeout "$(lim 240)" .dev/mxrl rl --model "$d/demo/base" --recipe bf16 --device "${dev%-spawn}" --steps $steps \
       --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 "${extra[@]}" --out "$d/rl-$dev" >>"$log" 2>&1
     summary+=("rl_$dev rc=$? $(( $(date +%s) - s0 ))s")
     cp "$d/rl-$dev/metrics.jsonl" "$out/rl-$dev.jsonl" 2>/dev/null
@@ -128,11 +138,11 @@ if [[ " $what " == *" rlq "* ]]; then
   d=/tmp/mxrl-rl
   if [[ ! -d $d/demo/base ]]; then
     rm -rf "$d" && mkdir -p "$d"
-    timeout 300 .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 2 --out "$d/demo" >>"$log" 2>&1
+    timeout "$(lim 300)" .dev/mxrl demo --device cuda --size large --recipes bf16 --steps 2 --out "$d/demo" >>"$log" 2>&1
   fi
   for r in bf16 mxfp8 mxfp8-hp mxfp8-dq nvfp4-hp nvfp4-dq fp8-block; do
     s0=$(date +%s)
-    timeout 240 .dev/mxrl rl --model "$d/demo/base" --recipe $r --device cuda --steps 8 \
+    timeout "$(lim 240)" .dev/mxrl rl --model "$d/demo/base" --recipe $r --device cuda --steps 8 \
       --prompts-per-step 64 --samples 8 --max-new-tokens 8 --micro-batch 64 --out "$d/rlq-$r" >>"$log" 2>&1
     summary+=("rlq_$r rc=$? $(( $(date +%s) - s0 ))s")
     cp "$d/rlq-$r/metrics.jsonl" "$out/rlq-$r.jsonl" 2>/dev/null
@@ -152,13 +162,13 @@ if [[ " $what " == *" staged "* ]]; then
   # The test binaries device_build.sh staged kept (the list lives there).
   [[ " $what " == *" tests "* ]] || run_tests
   echo "===== bench_qgemm --large" >>"$log"
-  timeout 240 .dev/bench_qgemm --large --batches 512 --busy >>"$log" 2>&1
+  timeout "$(lim "${MICRO_TIMEOUT:-240}")" .dev/bench_qgemm --large --batches 512 --busy >>"$log" 2>&1
   summary+=("bench_qgemm_large rc=$?")
   echo "===== bench_fp8block --staged" >>"$log"
-  timeout 180 .dev/bench_fp8block --staged --reps 10 --batches 512 --busy >>"$log" 2>&1
+  timeout "$(lim "${MICRO_TIMEOUT:-180}")" .dev/bench_fp8block --staged --reps 10 --batches 512 --busy >>"$log" 2>&1
   summary+=("bench_fp8block_staged rc=$?")
   echo "===== bench model decode recipes" >>"$log"
-  timeout 300 .dev/mxrl bench model --device cuda --layers 2 --experts 128 --q-heads 32 \
+  timeout "$(lim 300)" .dev/mxrl bench model --device cuda --layers 2 --experts 128 --q-heads 32 \
     --train-seqs 0 --vocab 512 --prompt 12 --batches 64,512 --generate-batches 512 \
     --generate-tokens 24 --decode-recipes mxfp8,nvfp4-hp,fp8-block \
     --json-out "$out/bench-staged.json" >>"$log" 2>&1
@@ -169,7 +179,7 @@ if [[ " $what " == *" fixed "* ]]; then
   # Decode on the fixed 2.63 B benchmark config (BF16 and every block-format decode recipe,
   # batch 1 / 32 / 128, no training): the issue tables' decode columns.
   echo "===== bench model fixed decode" >>"$log"
-  timeout 300 .dev/mxrl bench model --device cuda --train-seqs 0 --batches 1,32,128 \
+  timeout "$(lim 300)" .dev/mxrl bench model --device cuda --train-seqs 0 --batches 1,32,128 \
     --decode-recipes mxfp8,nvfp4-hp,fp8-block --json-out "$out/bench-fixed.json" >>"$log" 2>&1
   summary+=("bench_model_fixed rc=$?")
   sed -n '/===== bench model fixed decode/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
@@ -184,11 +194,11 @@ if [[ " $what " == *" ablation "* ]]; then
   abl_out=${ABLATION_OUT:-runs/device-ablation}
   rm -rf "$abl_out"
   s0=$(date +%s)
-  OUT=$abl_out MXRL=.dev/mxrl timeout "${ABLATION_LIMIT:-540}" sh scripts/ablation-gpu-real.sh \
+  OUT=$abl_out MXRL=.dev/mxrl timeout "$(lim "${ABLATION_LIMIT:-540}")" sh scripts/ablation-gpu-real.sh \
     >"$out/ablation.log" 2>&1
   summary+=("ablation rc=$? $(( $(date +%s) - s0 ))s")
   # Stopped before its end: a report of the runs that finished.
-  [[ -f $abl_out/report.md ]] || timeout 30 .dev/mxrl report "$abl_out" >>"$out/ablation.log" 2>&1
+  [[ -f $abl_out/report.md ]] || timeout "$(lim 30)" .dev/mxrl report "$abl_out" >>"$out/ablation.log" 2>&1
   tar -czf "$out/ablation.tar.gz" --exclude='checkpoint*' "$abl_out" 2>>"$log"
   grep -E '^(run |[a-z0-9-]+: )|summary|reward' "$out/ablation.log" | tail -20
 fi
