@@ -21,6 +21,7 @@ what=${*:-tests hf bench}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 summary=()
+# TESTS (default all): the test binaries to run, by name (engine_gpu ops_fused ...).
 # DEVICE_DEADLINE (seconds from now, default none): every step's timeout is cut to what is left
 # of it, so that one call's steps finish (and their logs come back) inside the call's limit.
 t0=$(date +%s)
@@ -37,6 +38,8 @@ run_tests() {
   export MXRL_BIN=$PWD/.dev/mxrl
   for t in .dev/tests/*; do
     name=$(basename "$t")
+    # TESTS="a b": only the binaries whose names end in -a or -b.
+    if [[ -n ${TESTS:-} ]] && ! printf '%s\n' $TESTS | grep -qx "${name##*-}"; then continue; fi
     start=$(date +%s)
     echo "===== $name" >>"$log"
     timeout "$(lim "${TEST_TIMEOUT:-240}")" "$t" --test-threads=1 --nocapture >>"$log" 2>&1
