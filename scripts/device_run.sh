@@ -53,7 +53,7 @@ if [[ " $what " == *" tests "* ]]; then
 fi
 if [[ " $what " == *" hf "* ]]; then
   echo "===== bench_hf" >>"$log"
-  timeout 420 python3 scripts/bench_hf.py --json-out "$out/hf.json" >>"$log" 2>&1
+  timeout "$(lim 420)" python3 scripts/bench_hf.py --json-out "$out/hf.json" >>"$log" 2>&1
   summary+=("bench_hf rc=$?")
 fi
 if [[ " $what " == *" bench "* ]]; then
@@ -207,7 +207,7 @@ if [[ " $what " == *" ablation "* ]]; then
 fi
 if [[ " $what " == *" clients "* ]]; then
   echo "===== clientcheck" >>"$log"
-  timeout 420 python3 scripts/clientcheck_device.py --dir .clientcheck --wheels .whl --out "$out/clientcheck.json" >>"$log" 2>&1
+  timeout "$(lim 420)" python3 scripts/clientcheck_device.py --dir .clientcheck --wheels .whl --out "$out/clientcheck.json" >>"$log" 2>&1
   summary+=("clientcheck rc=$?")
 fi
 echo "=== failures"
