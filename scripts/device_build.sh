@@ -48,7 +48,8 @@ if [[ ${1:-} == staged ]]; then
   rm -f "$out/bench_gemm" "$out/bench_head_ops" "$out/bench_attn_ops"
   for t in "$out"/tests/*; do
     case $(basename "$t") in
-      *-ops_qgemm | *-ops_fp8block | *-ops_qlinear | *-ops_elementwise | *-engine_gpu | *-rl_engine_gpu) ;;
+      *-ops_qgemm | *-ops_fp8block | *-ops_qlinear | *-ops_elementwise | *-engine_gpu | *-rl_engine_gpu \
+        | *-ops_attention | *-ops_fused | *-ops_moe | *-devices) ;;
       *) rm -f "$t" ;;
     esac
   done
