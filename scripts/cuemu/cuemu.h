@@ -284,6 +284,16 @@ namespace cuemu_ptx {
 inline void cvt_rn_satfinite_e4m3x2_f32(unsigned short& r, float hi, float lo) {
     r = (unsigned short)(cuemu::f32_to_e4m3_satfinite_rn(lo) | (cuemu::f32_to_e4m3_satfinite_rn(hi) << 8));
 }
+// max.NaN.f32: NaN (canonical) if either operand is NaN, else the larger (+0 over −0).
+inline void max_nan_f32(float& d, float a, float b) {
+    if (a != a || b != b) {
+        d = __uint_as_float(0x7FFFFFFFu);
+    } else if (a == b) {
+        d = __uint_as_float(__float_as_uint(a) & __float_as_uint(b));
+    } else {
+        d = a > b ? a : b;
+    }
+}
 inline void cvt_rn_f16x2_e4m3x2(unsigned& h, unsigned short pair) {
     const unsigned short lo = cuemu::f32_to_f16_rn(cuemu::e4m3_to_f32(pair & 0xFF));
     const unsigned short hi = cuemu::f32_to_f16_rn(cuemu::e4m3_to_f32(pair >> 8));

@@ -14,6 +14,7 @@ import sys
 # the call's arguments: 'o' outputs (incl. "+" operands) in order, then 'i' inputs in order.
 ASM = [
     ("cvt.rn.satfinite.e4m3x2.f32", "cuemu_ptx::cvt_rn_satfinite_e4m3x2_f32({o0}, {i0}, {i1})"),
+    ("max.NaN.f32 %0, %1, %2;", "cuemu_ptx::max_nan_f32({o0}, {i0}, {i1})"),
     ("cvt.rn.f16x2.e4m3x2", "cuemu_ptx::cvt_rn_f16x2_e4m3x2({o0}, {i0})"),
     ("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u;",
      "cuemu_ptx::f16x2_to_f32x2({o0}, {o1}, {i0})"),

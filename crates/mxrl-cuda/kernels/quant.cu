@@ -182,28 +182,52 @@ __device__ __forceinline__ void nvfp4_global(float a, float& s_dec, float& mult)
     mult = __fmul_rn(s_enc, MXRL_R6);
 }
 
+// max(acc, a) for a >= 0 that is NaN whenever either operand is (PTX max.NaN, sm_80+): a
+// block's maximum that also says whether the block holds a NaN, in one operation per element.
+__device__ __forceinline__ float max_nan(float acc, float a) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(acc), "f"(a));
+    return r;
+}
+
+// max_nan over a 16-block's magnitudes (from 0): the block's amax, or NaN if it holds a NaN.
+__device__ __forceinline__ float block16_max_nan(const float v[16]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) m = max_nan(m, fabsf(v[j]));
+    return m;
+}
+
+// A 16-block's amax with NaN ignored (nan_ignoring_max): max_nan's value when that is not
+// NaN, else the maximum again (fmaxf(acc, |x|) equals nan_ignoring_max: acc is never NaN,
+// |x| never −0) — only blocks that hold a NaN take the second loop.
+__device__ __forceinline__ float block16_amax(const float v[16], float max_or_nan) {
+    if (!is_nan(max_or_nan)) return max_or_nan;
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(v[j]));
+    return m;
+}
+
 // One NVFP4 16-block (contract section 3, step 4) held by one thread: v -> 16 nibbles
 // (element 2i low nibble of byte i) in lo (elements 0..7) and hi (8..15), and the scale byte.
-// bmax: fmaxf(acc, |x|) equals nan_ignoring_max (acc is never NaN, |x| never −0);
+// max_or_nan = block16_max_nan(v), computed by the caller (the per-token kernel has it from
+// its amax pass). Without a NaN in v every y = v·enc is a number or ±Inf (enc is finite and
+// > 0) and e2m1_fast is exact; a block with a NaN takes e2m1_encode for all 16.
 // 1/p: __frcp_rn is the correctly rounded reciprocal, the value of __fdiv_rn(1, p).
-__device__ __forceinline__ void nvfp4_block16(const float v[16], float s_dec, float mult, u32& lo, u32& hi, u32& scale) {
-    float bmax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) bmax = fmaxf(bmax, fabsf(v[j]));
+__device__ __forceinline__ void nvfp4_block16_max(const float v[16], float max_or_nan, float s_dec, float mult, u32& lo, u32& hi, u32& scale) {
+    const bool has_nan = is_nan(max_or_nan);
+    const float bmax = block16_amax(v, max_or_nan);
     float sdec = __fmul_rn(bmax, mult);
     sdec = sdec > MXRL_F32_MAX ? MXRL_F32_MAX : sdec; // never NaN: bmax >= 0, mult finite > 0
     scale = ue4m3_finite(sdec);
     float enc = __frcp_rn(__fmul_rn(e4m3_value_nonneg(scale), s_dec));
     enc = enc > MXRL_F32_MAX ? MXRL_F32_MAX : enc;
     float y[16];
-    float probe = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        y[j] = __fmul_rn(v[j], enc);
-        probe = __fadd_rn(probe, y[j]);
-    }
+    for (int j = 0; j < 16; ++j) y[j] = __fmul_rn(v[j], enc);
     u32 w0 = 0, w1 = 0;
-    if (!is_nan(probe)) {
+    if (!has_nan) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             w0 |= e2m1_fast(y[j]) << (4 * j);
@@ -218,6 +242,11 @@ __device__ __forceinline__ void nvfp4_block16(const float v[16], float s_dec, fl
     }
     lo = w0;
     hi = w1;
+}
+
+// nvfp4_block16_max with the block's maximum computed here.
+__device__ __forceinline__ void nvfp4_block16(const float v[16], float s_dec, float mult, u32& lo, u32& hi, u32& scale) {
+    nvfp4_block16_max(v, block16_max_nan(v), s_dec, mult, lo, hi, scale);
 }
 
 // ---- MXFP8 (contract section 2) ----
@@ -462,8 +491,8 @@ extern "C" __global__ void nvfp4_blocks_bf16(const u16* x, const u32* a, u8* d, 
 
 // Per-token NVFP4 in one read of each row: CTA r owns row r, thread t its 16-blocks t,
 // t + blockDim, ...; the first NVFP4_ROW_CHUNKS of them stay in registers between the row's
-// amax (block max, NaN ignored) and the quantization, blocks beyond (rows longer than
-// 16·NVFP4_ROW_CHUNKS·blockDim) are read again. amax_bits[r] gets the row's amax.
+// amax (NaN ignored; each kept block's max_nan is kept for its quantization) and the
+// quantization, blocks beyond (rows longer than 16·NVFP4_ROW_CHUNKS·blockDim) are read again. amax_bits[r] gets the row's amax.
 #define NVFP4_ROW_CHUNKS 4
 template <typename T>
 __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
@@ -472,6 +501,8 @@ __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, 
     const u64 nb = cols / MXRL_NVFP4_BLOCK;
     const T* xr = x + r * cols;
     float v[NVFP4_ROW_CHUNKS][16];
+    // Each kept block's max_nan, reused by the quantization (one max per element in all).
+    float bm[NVFP4_ROW_CHUNKS];
     float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
@@ -484,9 +515,10 @@ __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, 
         }
     }
 #pragma unroll
-    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k)
-#pragma unroll
-        for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(v[k][j]));
+    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
+        bm[k] = block16_max_nan(v[k]);
+        m = fmaxf(m, block16_amax(v[k], bm[k]));
+    }
     for (u64 b = threadIdx.x + (u64)NVFP4_ROW_CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
         float w[16];
         load16(xr, b * MXRL_NVFP4_BLOCK, w);
@@ -510,7 +542,7 @@ __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, 
         const u64 b = threadIdx.x + (u64)k * blockDim.x;
         if (b < nb) {
             u32 lo, hi, scale;
-            nvfp4_block16(v[k], s_dec, mult, lo, hi, scale);
+            nvfp4_block16_max(v[k], bm[k], s_dec, mult, lo, hi, scale);
             *reinterpret_cast<uint2*>(dr + b * (MXRL_NVFP4_BLOCK / 2)) = make_uint2(lo, hi);
             sr[b] = (u8)scale;
         }
