@@ -12,6 +12,10 @@
 #       named ones) on a stand-in CUDA installation whose every kernel runs under cuemu
 #       (libcuda, libnvrtc and libcublas from scripts/cuemu/fake.sh). Slow: minutes per binary.
 #       CUEMU_TEST_THREADS=N runs N tests of a binary at a time (default 1).
+#   CUEMU_TRACE_GRAPHS=1 (any program run on the stand-in, e.g.
+#   `LD_LIBRARY_PATH=target/cuemu/fake/lib target/release/mxrl bench model --device cuda --small
+#   --train-seqs 0 --batches 1 --steps 1 --reps 1`) lists every captured CUDA graph's nodes on
+#   stderr: kernel names, cuBLAS calls and copies in launch order, with the node count.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=check

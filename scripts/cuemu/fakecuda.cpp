@@ -34,6 +34,7 @@ std::recursive_mutex g_lock;
 struct Stream {
     bool capturing = false;
     std::vector<std::function<void()>> recorded;
+    std::vector<const char*> recorded_names;  // kernel name, or "memcpy" / "memset"
 };
 struct Graph {
     std::vector<std::function<void()>> ops;
@@ -46,11 +47,16 @@ struct Module {
 };
 Stream g_default_stream;
 Stream* stream_of(void* s) { return s ? (Stream*)s : &g_default_stream; }
-// Runs `op` now, or records it when the stream is capturing.
-void submit(void* s, std::function<void()> op) {
+// Runs `op` now, or records it when the stream is capturing (`what` names it in the
+// CUEMU_TRACE_GRAPHS listing).
+void submit(void* s, std::function<void()> op, const char* what = "memset") {
     Stream* st = stream_of(s);
-    if (st->capturing) st->recorded.push_back(std::move(op));
-    else op();
+    if (st->capturing) {
+        st->recorded.push_back(std::move(op));
+        st->recorded_names.push_back(what);
+    } else {
+        op();
+    }
 }
 std::map<uintptr_t, size_t> g_allocs;
 size_t g_used = 0, g_high = 0;
@@ -187,6 +193,7 @@ CUresult cuStreamBeginCapture_v2(void* s, int) {
     Stream* st = stream_of(s);
     st->capturing = true;
     st->recorded.clear();
+    st->recorded_names.clear();
     return OK;
 }
 CUresult cuStreamEndCapture(void* s, void** graph) {
@@ -195,6 +202,21 @@ CUresult cuStreamEndCapture(void* s, void** graph) {
     g->ops = std::move(st->recorded);
     st->recorded.clear();
     st->capturing = false;
+    // CUEMU_TRACE_GRAPHS=1: every captured graph's nodes on stderr, in order, runs of one
+    // name folded (`name xN`), then the node count.
+    if (std::getenv("CUEMU_TRACE_GRAPHS")) {
+        const auto& names = st->recorded_names;
+        std::fprintf(stderr, "cuemu graph: %zu nodes:", names.size());
+        for (size_t i = 0; i < names.size();) {
+            size_t j = i;
+            while (j < names.size() && std::strcmp(names[j], names[i]) == 0) ++j;
+            if (j - i > 1) std::fprintf(stderr, " %s x%zu", names[i], j - i);
+            else std::fprintf(stderr, " %s", names[i]);
+            i = j;
+        }
+        std::fprintf(stderr, "\n");
+    }
+    st->recorded_names.clear();
     *graph = g;
     return OK;
 }
@@ -229,7 +251,7 @@ CUresult cuEventCreate(void** e, unsigned) {
 }
 CUresult cuEventRecord(void* e, void* s) {
     Event* ev = (Event*)e;
-    submit(s, [ev] { ev->t = std::chrono::steady_clock::now(); });
+    submit(s, [ev] { ev->t = std::chrono::steady_clock::now(); }, "event");
     return OK;
 }
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }
@@ -245,7 +267,7 @@ CUresult cuEventDestroy_v2(void* e) {
     return OK;
 }
 CUresult cuLaunchHostFunc(void* s, void (*fn)(void*), void* data) {
-    submit(s, [fn, data] { fn(data); });
+    submit(s, [fn, data] { fn(data); }, "hostfn");
     return OK;
 }
 
@@ -295,15 +317,15 @@ CUresult cuMemcpyDtoD_v2(unsigned long long d, unsigned long long s, size_t n) {
     return OK;
 }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long d, const void* h, size_t n, void* s) {
-    submit(s, [=] { std::memcpy((void*)d, h, n); });
+    submit(s, [=] { std::memcpy((void*)d, h, n); }, "memcpyHtoD");
     return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* h, unsigned long long d, size_t n, void* s) {
-    submit(s, [=] { std::memcpy(h, (const void*)d, n); });
+    submit(s, [=] { std::memcpy(h, (const void*)d, n); }, "memcpyDtoH");
     return OK;
 }
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long d, unsigned long long src, size_t n, void* s) {
-    submit(s, [=] { std::memmove((void*)d, (const void*)src, n); });
+    submit(s, [=] { std::memmove((void*)d, (const void*)src, n); }, "memcpyDtoD");
     return OK;
 }
 CUresult cuMemsetD8_v2(unsigned long long d, unsigned char v, size_t n) {
@@ -395,7 +417,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
         const dim3 grid{gx, gy, gz}, block{bx, by, bz};
         void** a = args.data();
         cuemu::launch(grid, block, smem, [&] { k->call(a); });
-    });
+    }, k->name);
     return OK;
 }
 CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, void*, int, size_t, unsigned) {
@@ -509,13 +531,13 @@ static void gemm(int ta, int tb, int m, int n, int k, float alpha, const void* A
 int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha, const void* A, int at, int lda,
                  const void* B, int bt, int ldb, const void* beta, void* C, int ct, int ldc, int, int) {
     const float al = *(const float*)alpha, be = *(const float*)beta;
-    submit(((Blas*)h)->stream, [=] { gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, C, ct, ldc); });
+    submit(((Blas*)h)->stream, [=] { gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, C, ct, ldc); }, "cublasGemmEx");
     return 0;
 }
 int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* alpha, const float* A, int lda,
                    const float* B, int ldb, const float* beta, float* C, int ldc) {
     const float al = *alpha, be = *beta;
-    submit(((Blas*)h)->stream, [=] { gemm(ta, tb, m, n, k, al, A, 0, lda, B, 0, ldb, be, C, 0, ldc); });
+    submit(((Blas*)h)->stream, [=] { gemm(ta, tb, m, n, k, al, A, 0, lda, B, 0, ldb, be, C, 0, ldc); }, "cublasSgemm");
     return 0;
 }
 }  // extern "C"
