@@ -3,7 +3,8 @@
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
 # Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [ablation]
-#   (default: tests hf bench)
+#   (default: tests hf bench). The steps run in the order named (`hf` before `bench` for its
+#   ratios), so the one that matters most can go first.
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
 #   one call — the device tests that build kept (ops_qgemm, ops_fp8block, ops_qlinear,
 #   ops_elementwise, engine_gpu, rl_engine_gpu), `bench_qgemm --large` and
@@ -48,15 +49,15 @@ run_tests() {
     summary+=("$name rc=$rc $(( $(date +%s) - start ))s ${res:-no result}")
   done
 }
-if [[ " $what " == *" tests "* ]]; then
+step_tests() {
   run_tests
-fi
-if [[ " $what " == *" hf "* ]]; then
+}
+step_hf() {
   echo "===== bench_hf" >>"$log"
   timeout "$(lim 420)" python3 scripts/bench_hf.py --json-out "$out/hf.json" >>"$log" 2>&1
   summary+=("bench_hf rc=$?")
-fi
-if [[ " $what " == *" bench "* ]]; then
+}
+step_bench() {
   hf=()
   if [[ -f $out/hf.json ]]; then hf=(--hf-json "$out/hf.json")
   elif [[ -f .dev/hf.json ]]; then hf=(--hf-json .dev/hf.json); fi
@@ -64,8 +65,8 @@ if [[ " $what " == *" bench "* ]]; then
   timeout "$(lim 420)" .dev/mxrl bench model --device cuda "${hf[@]}" --expert-formats bf16,mxfp8,nvfp4 --json-out "$out/bench.json" >>"$log" 2>&1
   summary+=("bench_model rc=$?")
   sed -n '/^mxrl bench model:/,$p' "$log" | tail -22
-fi
-if [[ " $what " == *" trainq "* ]]; then
+}
+step_trainq() {
   # The training step under every preset (block formats on their stored bytes, each plan's
   # backward mode) and prefill/decode with the routed experts in each block format.
   echo "===== bench model trainq" >>"$log"
@@ -74,37 +75,37 @@ if [[ " $what " == *" trainq "* ]]; then
     --expert-formats bf16,mxfp8,nvfp4,fp8-block --json-out "$out/bench-trainq.json" >>"$log" 2>&1
   summary+=("bench_trainq rc=$?")
   sed -n '/===== bench model trainq/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
-fi
-if [[ " $what " == *" gemm "* ]]; then
+}
+step_gemm() {
   echo "===== bench_gemm" >>"$log"
   timeout "$(lim 300)" .dev/bench_gemm >>"$log" 2>&1
   summary+=("bench_gemm rc=$?")
-fi
-if [[ " $what " == *" qgemm "* ]]; then
+}
+step_qgemm() {
   echo "===== bench_qgemm" >>"$log"
   timeout "$(lim 300)" .dev/bench_qgemm >>"$log" 2>&1
   summary+=("bench_qgemm rc=$?")
   sed -n '/===== bench_qgemm/,$p' "$log" | tail -40
-fi
-if [[ " $what " == *" quant "* ]]; then
+}
+step_quant() {
   echo "===== bench quantize" >>"$log"
   timeout "$(lim 300)" .dev/mxrl bench quantize >>"$log" 2>&1
   summary+=("bench_quantize rc=$?")
   sed -n '/===== bench quantize/,$p' "$log" | tail -14
-fi
-if [[ " $what " == *" attn "* ]]; then
+}
+step_attn() {
   echo "===== bench_attn_ops" >>"$log"
   timeout "$(lim 300)" .dev/bench_attn_ops >>"$log" 2>&1
   summary+=("bench_attn_ops rc=$?")
   sed -n '/===== bench_attn_ops/,$p' "$log" | tail -20
-fi
-if [[ " $what " == *" headops "* ]]; then
+}
+step_headops() {
   echo "===== bench_head_ops" >>"$log"
   timeout "$(lim 300)" .dev/bench_head_ops >>"$log" 2>&1
   summary+=("bench_head_ops rc=$?")
   sed -n '/===== bench_head_ops/,$p' "$log" | tail -30
-fi
-if [[ " $what " == *" rl "* ]]; then
+}
+step_rl() {
   # The RL commands on the device engine: the large demo (BF16 recipe), then `rl` on its
   # warmed-up model on the GPU and on the host's CPU; per-step times from metrics.jsonl.
   echo "===== rl" >>"$log"
@@ -133,8 +134,8 @@ print(f"rl {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:.
       f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
 PY
   done
-fi
-if [[ " $what " == *" rlq "* ]]; then
+}
+step_rlq() {
   # Every recipe on the device engine (block formats multiply their stored bytes), `rl` on the
   # large demo's warmed-up model (made here when the `rl` step did not run), per-step medians.
   echo "===== rlq" >>"$log"
@@ -160,8 +161,8 @@ print(f"rlq {sys.argv[2]}: {len(m)} steps, median rollout {med('rollout_s')*1e3:
       f"max |dlogp| {max(x['train_rollout_logprob_abs_diff'] for x in m):.3g}")
 PY
   done
-fi
-if [[ " $what " == *" staged "* ]]; then
+}
+step_staged() {
   # The test binaries device_build.sh staged kept (the list lives there).
   [[ " $what " == *" tests "* ]] || run_tests
   echo "===== bench_qgemm --large" >>"$log"
@@ -177,8 +178,8 @@ if [[ " $what " == *" staged "* ]]; then
     --json-out "$out/bench-staged.json" >>"$log" 2>&1
   summary+=("bench_model_decode rc=$?")
   sed -n '/===== bench model decode recipes/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
-fi
-if [[ " $what " == *" fixed "* ]]; then
+}
+step_fixed() {
   # Decode on the fixed 2.63 B benchmark config (BF16 and every block-format decode recipe,
   # batch 1 / 32 / 128, no training): the issue tables' decode columns.
   echo "===== bench model fixed decode" >>"$log"
@@ -186,8 +187,8 @@ if [[ " $what " == *" fixed "* ]]; then
     --decode-recipes mxfp8,nvfp4-hp,fp8-block --json-out "$out/bench-fixed.json" >>"$log" 2>&1
   summary+=("bench_model_fixed rc=$?")
   sed -n '/===== bench model fixed decode/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
-fi
-if [[ " $what " == *" ablation "* ]]; then
+}
+step_ablation() {
   # The real-width ablation (scripts/ablation-gpu-real.sh with the environment's settings and
   # MXRL=.dev/mxrl), stopped after ABLATION_LIMIT seconds (default 540) so that what it wrote
   # still comes back: the report directory (runs' metrics, ablation.json, report, plots; no
@@ -204,12 +205,21 @@ if [[ " $what " == *" ablation "* ]]; then
   [[ -f $abl_out/report.md ]] || timeout "$(lim 30)" .dev/mxrl report "$abl_out" >>"$out/ablation.log" 2>&1
   tar -czf "$out/ablation.tar.gz" --exclude='checkpoint*' "$abl_out" 2>>"$log"
   grep -E '^(run |[a-z0-9-]+: )|summary|reward' "$out/ablation.log" | tail -20
-fi
-if [[ " $what " == *" clients "* ]]; then
+}
+step_clients() {
   echo "===== clientcheck" >>"$log"
   timeout "$(lim 420)" python3 scripts/clientcheck_device.py --dir .clientcheck --wheels .whl --out "$out/clientcheck.json" >>"$log" 2>&1
   summary+=("clientcheck rc=$?")
-fi
+}
+# The steps run in the order they are named.
+for w in $what; do
+  if declare -F "step_$w" >/dev/null; then
+    "step_$w"
+  else
+    echo "unknown step '$w'" | tee -a "$log" >&2
+    summary+=("$w: unknown step")
+  fi
+done
 echo "=== failures"
 grep -E '^test .* FAILED|panicked at|^thread .* panicked' "$log" | head -20
 echo "=== summary"
