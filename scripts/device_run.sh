@@ -7,7 +7,8 @@
 #   ratios), so the one that matters most can go first.
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
 #   one call — the device tests that build kept (ops_qgemm, ops_fp8block, ops_qlinear,
-#   ops_elementwise, engine_gpu, rl_engine_gpu), `bench_qgemm --large` and
+#   ops_elementwise, engine_gpu, rl_engine_gpu, ops_attention, ops_fused, ops_moe, devices;
+#   a test is left out by leaving its binary out of what is carried), `bench_qgemm --large` and
 #   `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
 #   at real width with every block-format decode recipe.
 #   fixed: decode of every block-format recipe on the fixed 2.63 B config (batch 1/32/128).

@@ -492,7 +492,8 @@ extern "C" __global__ void nvfp4_blocks_bf16(const u16* x, const u32* a, u8* d, 
 // Per-token NVFP4 in one read of each row: CTA r owns row r, thread t its 16-blocks t,
 // t + blockDim, ...; the first NVFP4_ROW_CHUNKS of them stay in registers between the row's
 // amax (NaN ignored; each kept block's max_nan is kept for its quantization) and the
-// quantization, blocks beyond (rows longer than 16·NVFP4_ROW_CHUNKS·blockDim) are read again. amax_bits[r] gets the row's amax.
+// quantization, blocks beyond (rows longer than 16·NVFP4_ROW_CHUNKS·blockDim) are read again.
+// amax_bits[r] gets the row's amax.
 #define NVFP4_ROW_CHUNKS 4
 template <typename T>
 __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
