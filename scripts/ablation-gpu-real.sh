@@ -56,7 +56,7 @@ esac
 # Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
 NOISE_SEEDS="${NOISE_SEEDS:-2}"
 BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS$WORKED_TAG}"
-OUT="${OUT:-docs/ablation-gpu-real}"
+OUT="${OUT:-docs/ablation-gpu}"
 if [ -z "${MXRL:-}" ]; then
   cargo build --release -p mxrl-cli --features cuda
   MXRL=target/release/mxrl
