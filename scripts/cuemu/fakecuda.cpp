@@ -34,7 +34,7 @@ std::recursive_mutex g_lock;
 struct Stream {
     bool capturing = false;
     std::vector<std::function<void()>> recorded;
-    std::vector<const char*> recorded_names;  // kernel name, or "memcpy" / "memset"
+    std::vector<const char*> recorded_names;  // what each recorded op is (submit's `what`)
 };
 struct Graph {
     std::vector<std::function<void()>> ops;
@@ -49,7 +49,7 @@ Stream g_default_stream;
 Stream* stream_of(void* s) { return s ? (Stream*)s : &g_default_stream; }
 // Runs `op` now, or records it when the stream is capturing (`what` names it in the
 // CUEMU_TRACE_GRAPHS listing).
-void submit(void* s, std::function<void()> op, const char* what = "memset") {
+void submit(void* s, std::function<void()> op, const char* what) {
     Stream* st = stream_of(s);
     if (st->capturing) {
         st->recorded.push_back(std::move(op));
@@ -233,7 +233,7 @@ CUresult cuGraphInstantiate_v2(void** exec, void* graph, void*, char*, size_t) {
     return cuGraphInstantiateWithFlags(exec, graph, 0);
 }
 CUresult cuGraphLaunch(void* exec, void* s) {
-    for (auto& op : ((Graph*)exec)->ops) submit(s, op);
+    for (auto& op : ((Graph*)exec)->ops) submit(s, op, "graph node");
     return OK;
 }
 CUresult cuGraphUpload(void*, void*) { return OK; }
@@ -333,13 +333,13 @@ CUresult cuMemsetD8_v2(unsigned long long d, unsigned char v, size_t n) {
     return OK;
 }
 CUresult cuMemsetD8Async(unsigned long long d, unsigned char v, size_t n, void* s) {
-    submit(s, [=] { std::memset((void*)d, v, n); });
+    submit(s, [=] { std::memset((void*)d, v, n); }, "memset");
     return OK;
 }
 CUresult cuMemsetD32Async(unsigned long long d, unsigned v, size_t n, void* s) {
     submit(s, [=] {
         for (size_t i = 0; i < n; ++i) std::memcpy((char*)d + 4 * i, &v, 4);
-    });
+    }, "memset");
     return OK;
 }
 CUresult cuMemsetD32_v2(unsigned long long d, unsigned v, size_t n) { return cuMemsetD32Async(d, v, n, nullptr); }
