@@ -489,38 +489,78 @@ __device__ void nvfp4_blocks(const T* x, const u32* amax_bits, u8* data, u8* sca
 extern "C" __global__ void nvfp4_blocks_f32(const float* x, const u32* a, u8* d, u8* s, u64 n, u64 bpr, int per_row) { nvfp4_blocks(x, a, d, s, n, bpr, per_row != 0); }
 extern "C" __global__ void nvfp4_blocks_bf16(const u16* x, const u32* a, u8* d, u8* s, u64 n, u64 bpr, int per_row) { nvfp4_blocks(x, a, d, s, n, bpr, per_row != 0); }
 
+// A 16-block of a row as the per-token kernel holds it between its two passes: f32 input as
+// its sixteen values, BF16 input as its eight packed words (half the registers, so more
+// CTAs stay resident; unpacked again, exactly, for the quantization).
+template <typename T> struct Held16;
+template <> struct Held16<float> {
+    float v[16];
+    __device__ __forceinline__ void load(const float* p, u64 i) { load16(p, i, v); }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) v[j] = 0.0f;
+    }
+    __device__ __forceinline__ void unpack(float out[16]) const {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) out[j] = v[j];
+    }
+};
+template <> struct Held16<u16> {
+    u32 w[8];
+    __device__ __forceinline__ void load(const u16* p, u64 i) {
+        const U4* q = reinterpret_cast<const U4*>(p + i);
+        U4 a = q[0], b = q[1];
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = 0u;
+    }
+    // load8's conversion: element 2j in the low half of word j.
+    __device__ __forceinline__ void unpack(float out[16]) const {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            out[2 * j] = __uint_as_float(w[j] << 16);
+            out[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+        }
+    }
+};
+
 // Per-token NVFP4 in one read of each row: CTA r owns row r, thread t its 16-blocks t,
-// t + blockDim, ...; the first NVFP4_ROW_CHUNKS of them stay in registers between the row's
+// t + blockDim, ...; the first CHUNKS of them stay in registers (Held16) between the row's
 // amax (NaN ignored; each kept block's max_nan is kept for its quantization) and the
-// quantization, blocks beyond (rows longer than 16·NVFP4_ROW_CHUNKS·blockDim) are read again.
-// amax_bits[r] gets the row's amax.
-#define NVFP4_ROW_CHUNKS 4
-template <typename T>
+// quantization, blocks beyond (rows longer than 16·CHUNKS·blockDim) are read again.
+// amax_bits[r] gets the row's amax. CHUNKS trades registers per thread (resident CTAs)
+// against threads per row; the launcher picks it per input type (NVFP4_ROW_CHUNKS_* in
+// src/cuda.rs), every CHUNKS gives the same bytes.
+template <typename T, int CHUNKS>
 __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, u64 cols) {
     __shared__ float warp_max[32];
     const u64 r = blockIdx.x;
     const u64 nb = cols / MXRL_NVFP4_BLOCK;
     const T* xr = x + r * cols;
-    float v[NVFP4_ROW_CHUNKS][16];
+    Held16<T> h[CHUNKS];
     // Each kept block's max_nan, reused by the quantization (one max per element in all).
-    float bm[NVFP4_ROW_CHUNKS];
+    float bm[CHUNKS];
     float m = 0.0f;
 #pragma unroll
-    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
+    for (int k = 0; k < CHUNKS; ++k) {
         const u64 b = threadIdx.x + (u64)k * blockDim.x;
         if (b < nb) {
-            load16(xr, b * MXRL_NVFP4_BLOCK, v[k]);
+            h[k].load(xr, b * MXRL_NVFP4_BLOCK);
         } else {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) v[k][j] = 0.0f;
+            h[k].zero();
         }
     }
 #pragma unroll
-    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
-        bm[k] = block16_max_nan(v[k]);
-        m = fmaxf(m, block16_amax(v[k], bm[k]));
+    for (int k = 0; k < CHUNKS; ++k) {
+        float v[16];
+        h[k].unpack(v);
+        bm[k] = block16_max_nan(v);
+        m = fmaxf(m, block16_amax(v, bm[k]));
     }
-    for (u64 b = threadIdx.x + (u64)NVFP4_ROW_CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
+    for (u64 b = threadIdx.x + (u64)CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
         float w[16];
         load16(xr, b * MXRL_NVFP4_BLOCK, w);
 #pragma unroll
@@ -539,16 +579,18 @@ __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, 
     u8* dr = data + r * (cols / 2);
     u8* sr = scales + r * nb;
 #pragma unroll
-    for (int k = 0; k < NVFP4_ROW_CHUNKS; ++k) {
+    for (int k = 0; k < CHUNKS; ++k) {
         const u64 b = threadIdx.x + (u64)k * blockDim.x;
         if (b < nb) {
+            float v[16];
+            h[k].unpack(v);
             u32 lo, hi, scale;
-            nvfp4_block16_max(v[k], bm[k], s_dec, mult, lo, hi, scale);
+            nvfp4_block16_max(v, bm[k], s_dec, mult, lo, hi, scale);
             *reinterpret_cast<uint2*>(dr + b * (MXRL_NVFP4_BLOCK / 2)) = make_uint2(lo, hi);
             sr[b] = (u8)scale;
         }
     }
-    for (u64 b = threadIdx.x + (u64)NVFP4_ROW_CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
+    for (u64 b = threadIdx.x + (u64)CHUNKS * blockDim.x; b < nb; b += blockDim.x) {
         float w[16];
         load16(xr, b * MXRL_NVFP4_BLOCK, w);
         u32 lo, hi, scale;
@@ -557,8 +599,18 @@ __device__ void nvfp4_row_reg(const T* x, u32* amax_bits, u8* data, u8* scales, 
         sr[b] = (u8)scale;
     }
 }
-extern "C" __global__ void nvfp4_row_reg_f32(const float* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_reg(x, a, d, s, c); }
-extern "C" __global__ void nvfp4_row_reg_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) { nvfp4_row_reg(x, a, d, s, c); }
+// Entry points: nvfp4_row_reg{CHUNKS}_{f32,bf16}.
+#define NVFP4_ROW_ENTRY(C)                                                                                   \
+    extern "C" __global__ void nvfp4_row_reg##C##_f32(const float* x, u32* a, u8* d, u8* s, u64 c) {         \
+        nvfp4_row_reg<float, C>(x, a, d, s, c);                                                              \
+    }                                                                                                        \
+    extern "C" __global__ void nvfp4_row_reg##C##_bf16(const u16* x, u32* a, u8* d, u8* s, u64 c) {          \
+        nvfp4_row_reg<u16, C>(x, a, d, s, c);                                                                \
+    }
+NVFP4_ROW_ENTRY(1)
+NVFP4_ROW_ENTRY(2)
+NVFP4_ROW_ENTRY(4)
+NVFP4_ROW_ENTRY(8)
 
 // x = fl(e2m1_value(code) * fl(fl(sf * amax) * R2688)).
 // Element i of an NVFP4 tensor with rows of `cols` elements, dequantized as the contract says:

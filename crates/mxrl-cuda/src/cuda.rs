@@ -22,9 +22,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 const THREADS: u32 = 256;
 /// CTA size of the column-wise register kernel.
 const COL_REG_THREADS: u32 = 128;
-/// 16-blocks per thread the per-row NVFP4 kernel keeps in registers (`NVFP4_ROW_CHUNKS` in
-/// kernels/quant.cu).
-const NVFP4_ROW_CHUNKS: usize = 4;
+/// The per-row NVFP4 kernel's compiled variants: 16-blocks per thread kept in registers
+/// (`nvfp4_row_reg{C}_{f32,bf16}` in kernels/quant.cu).
+pub const NVFP4_ROW_CHUNKS: [usize; 4] = [1, 2, 4, 8];
+/// The variant the launcher takes by default, per input type (f32, BF16).
+pub const NVFP4_ROW_CHUNKS_DEFAULT: (usize, usize) = (4, 4);
 /// Resident CTAs per SM the per-tensor amax grid is sized for (256 threads, 32 registers).
 const AMAX_CTAS_PER_SM: u32 = 8;
 /// CTA size of the FP8-block weight quantizer (`FP8W_THREADS` in kernels/quant.cu).
@@ -59,8 +61,8 @@ struct Kernels {
     mxfp8_col_bf16: CudaFunction,
     mxfp8_col_reg_f32: CudaFunction,
     mxfp8_col_reg_bf16: CudaFunction,
-    nvfp4_row_reg_f32: CudaFunction,
-    nvfp4_row_reg_bf16: CudaFunction,
+    /// Per `NVFP4_ROW_CHUNKS` entry: (f32, BF16) input.
+    nvfp4_row_reg: Vec<(CudaFunction, CudaFunction)>,
     amax_tensor_f32: CudaFunction,
     amax_tensor_bf16: CudaFunction,
     mxfp8_row_dequantize: CudaFunction,
@@ -225,6 +227,8 @@ pub struct CudaDevice {
     /// Streaming multiprocessors (sizes the per-tensor amax grid to the resident CTAs).
     sms: u32,
     blas: Mutex<Option<CudaBlas>>,
+    /// `set_nvfp4_row_chunks`: 0 = the default per input type.
+    nvfp4_row_chunks: std::sync::atomic::AtomicUsize,
 }
 
 impl CudaDevice {
@@ -345,8 +349,15 @@ impl CudaDevice {
             mxfp8_col_bf16: f("mxfp8_col_bf16")?,
             mxfp8_col_reg_f32: f("mxfp8_col_reg_f32")?,
             mxfp8_col_reg_bf16: f("mxfp8_col_reg_bf16")?,
-            nvfp4_row_reg_f32: f("nvfp4_row_reg_f32")?,
-            nvfp4_row_reg_bf16: f("nvfp4_row_reg_bf16")?,
+            nvfp4_row_reg: NVFP4_ROW_CHUNKS
+                .iter()
+                .map(|c| {
+                    Ok((
+                        f(&format!("nvfp4_row_reg{c}_f32"))?,
+                        f(&format!("nvfp4_row_reg{c}_bf16"))?,
+                    ))
+                })
+                .collect::<Result<_, DeviceError>>()?,
             amax_tensor_f32: f("amax_tensor_f32")?,
             amax_tensor_bf16: f("amax_tensor_bf16")?,
             mxfp8_row_dequantize: f("mxfp8_row_dequantize")?,
@@ -379,7 +390,26 @@ impl CudaDevice {
             k,
             sms,
             blas: Mutex::new(None),
+            nvfp4_row_chunks: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Which compiled variant of the per-row NVFP4 kernel the launcher takes: `Some(c)` with
+    /// `c` in [`NVFP4_ROW_CHUNKS`] (16-blocks per thread kept in registers), `None` the default
+    /// per input type. Every variant writes the same bytes; `mxrl bench quantize` times them.
+    ///
+    /// # Errors
+    /// A count that is not compiled.
+    pub fn set_nvfp4_row_chunks(&self, chunks: Option<usize>) -> Result<(), DeviceError> {
+        let c = chunks.unwrap_or(0);
+        if c != 0 && !NVFP4_ROW_CHUNKS.contains(&c) {
+            return Err(self.err(format!(
+                "per-row NVFP4 kernel with {c} blocks per thread: compiled are {NVFP4_ROW_CHUNKS:?}"
+            )));
+        }
+        self.nvfp4_row_chunks
+            .store(c, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// The process-wide shared device for `ordinal` (opened on first use).
@@ -1083,13 +1113,26 @@ impl CudaDevice {
                 if n == 0 {
                     return Ok(());
                 }
-                // Enough threads that each keeps at most NVFP4_ROW_CHUNKS 16-blocks of its row
-                // in registers (warp multiples, 32 up to what the kernel's register use allows
-                // per block: ~96 registers per thread, so 1024 threads would exceed an SM's
-                // 64 K registers and the launch would be refused); longer rows re-read the rest.
+                // Enough threads that each keeps at most `chunks` 16-blocks of its row in
+                // registers (warp multiples, 32 up to what the kernel's register use allows per
+                // block: ~96 registers per thread at 4 f32 blocks, so 1024 threads would exceed
+                // an SM's 64 K registers and the launch would be refused); longer rows re-read
+                // the rest.
+                let forced = self
+                    .nvfp4_row_chunks
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                let chunks = match (forced, x) {
+                    (0, InputView::F32(_)) => NVFP4_ROW_CHUNKS_DEFAULT.0,
+                    (0, InputView::Bf16(_)) => NVFP4_ROW_CHUNKS_DEFAULT.1,
+                    (c, _) => c,
+                };
+                let (f32_fn, bf16_fn) = &self.k.nvfp4_row_reg[NVFP4_ROW_CHUNKS
+                    .iter()
+                    .position(|&c| c == chunks)
+                    .unwrap_or(2)];
                 let func = match x {
-                    InputView::F32(_) => &self.k.nvfp4_row_reg_f32,
-                    InputView::Bf16(_) => &self.k.nvfp4_row_reg_bf16,
+                    InputView::F32(_) => f32_fn,
+                    InputView::Bf16(_) => bf16_fn,
                 };
                 let max_threads = func
                     .get_attribute(
@@ -1101,7 +1144,7 @@ impl CudaDevice {
                     * 32;
                 let blocks_per_row = shape[1] / NVFP4_BLOCK;
                 let threads = blocks_per_row
-                    .div_ceil(NVFP4_ROW_CHUNKS)
+                    .div_ceil(chunks)
                     .next_multiple_of(32)
                     .clamp(32, max_threads) as u32;
                 let cfg = LaunchConfig {

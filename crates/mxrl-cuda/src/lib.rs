@@ -45,7 +45,10 @@ mod cuda;
 pub mod gpu;
 pub mod ops;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaDevice, DeviceInput, DeviceQuantized, InputView, QuantizeTiming};
+pub use cuda::{
+    CudaDevice, DeviceInput, DeviceQuantized, InputView, QuantizeTiming, NVFP4_ROW_CHUNKS,
+    NVFP4_ROW_CHUNKS_DEFAULT,
+};
 
 pub use prelude::cuda_prelude;
 

@@ -483,3 +483,57 @@ fn cuda_nvfp4_with_precomputed_amax_matches_the_reference() {
         }
     }
 }
+
+/// Every compiled variant of the per-row NVFP4 kernel (16-blocks per thread kept in registers)
+/// writes the reference's bytes: the launcher's default is picked by speed, so each must be
+/// exact. 3×2096 leaves the register chunks partly filled; 2×16400 and 2×65552 give rows
+/// longer than the register cache of the small variants, whose rest is read again.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_nvfp4_row_variants_match_the_reference() {
+    let dev = mxrl_cuda::CudaDevice::new(0).expect("GPU 0 (the cuda feature's tests need one)");
+    for &chunks in &mxrl_cuda::NVFP4_ROW_CHUNKS {
+        dev.set_nvfp4_row_chunks(Some(chunks)).unwrap();
+        for (rows, cols) in [(1, 16), (5, 48), (3, 2096), (2, 16400), (2, 65552)] {
+            for (i, fam) in ["random", "boundary", "special"].iter().enumerate() {
+                let x = family(fam, rows, cols, 300 + i as u64);
+                let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                for input in [Input::F32(&x), Input::Bf16(&xb)] {
+                    let want = match input {
+                        Input::F32(v) => reference::quantize(
+                            v,
+                            &[rows, cols],
+                            Scheme::NVFP4_ROW,
+                            Padding::Reject,
+                        ),
+                        Input::Bf16(v) => reference::quantize(
+                            v,
+                            &[rows, cols],
+                            Scheme::NVFP4_ROW,
+                            Padding::Reject,
+                        ),
+                    }
+                    .unwrap();
+                    let got = dev
+                        .quantize(input, [rows, cols], Scheme::NVFP4_ROW)
+                        .unwrap();
+                    let dtype = if matches!(input, Input::F32(_)) {
+                        "f32"
+                    } else {
+                        "bf16"
+                    };
+                    assert_same(
+                        &dev,
+                        &got,
+                        &want,
+                        &format!("{chunks} blocks per thread, {dtype} {fam} [{rows}, {cols}]"),
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        dev.set_nvfp4_row_chunks(Some(3)).is_err(),
+        "an uncompiled variant is refused"
+    );
+}

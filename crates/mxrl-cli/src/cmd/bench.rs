@@ -134,6 +134,38 @@ fn quantize_gpu(a: QuantizeArgs) -> Result<()> {
             }
         }
     }
+    // The per-row NVFP4 kernel's compiled variants (16-blocks per thread kept in registers
+    // between the row's amax and its quantization), each checked against the CPU library.
+    println!(
+        "per-row NVFP4 variants (blocks per thread; default f32 {}, bf16 {}):",
+        mxrl_cuda::NVFP4_ROW_CHUNKS_DEFAULT.0,
+        mxrl_cuda::NVFP4_ROW_CHUNKS_DEFAULT.1
+    );
+    for &chunks in &mxrl_cuda::NVFP4_ROW_CHUNKS {
+        dev.set_nvfp4_row_chunks(Some(chunks))?;
+        for input in [Input::Bf16(&xb), Input::F32(&x)] {
+            let gpu = dev.quantize(input, [rows, cols], Scheme::NVFP4_ROW)?;
+            let cpu = CpuDevice.quantize(input, [rows, cols], Scheme::NVFP4_ROW)?;
+            let t = dev.time_quantize(input, [rows, cols], Scheme::NVFP4_ROW, a.iters)?;
+            let name = format!("nvfp4.row/{chunks}");
+            println!(
+                "{:<13} {:<5} {:>6} {:>11.3} {:>9.0} {:>10.3} {:>9.0} {:>6.2}",
+                name,
+                t.dtype,
+                if gpu == cpu { "equal" } else { "DIFFER" },
+                t.quantize_ms,
+                t.quantize_gbps(),
+                t.memcpy_ms,
+                t.memcpy_gbps(),
+                t.quantize_gbps() / t.memcpy_gbps()
+            );
+            if gpu != cpu {
+                dev.set_nvfp4_row_chunks(None)?;
+                bail!("{name} {}: GPU bytes differ from the CPU library", t.dtype);
+            }
+        }
+    }
+    dev.set_nvfp4_row_chunks(None)?;
     println!(
         "GB/s count input read + data/scales/amax written (quantize) and read + write (memcpy)"
     );
