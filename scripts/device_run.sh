@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [ablation]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [pdl] [ablation]
 #   (default: tests hf bench). The steps run in the order named (`hf` before `bench` for its
 #   ratios), so the one that matters most can go first.
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
@@ -12,6 +12,7 @@
 #   `bench_fp8block --staged` at a rollout's batch with busy routing, and `mxrl bench model`
 #   at real width with every block-format decode recipe.
 #   fixed: decode of every block-format recipe on the fixed 2.63 B config (batch 1/32/128).
+#   pdl: BF16 decode on the fixed config under each MXRL_GRAPH_PDL mode (off, ops, all).
 #   ablation: the real-width ablation (see its step below; ABLATION_OUT, ABLATION_LIMIT and
 #   scripts/ablation-gpu-real.sh's own variables).
 set -uo pipefail
@@ -188,6 +189,18 @@ step_fixed() {
     --decode-recipes mxfp8,nvfp4-hp,fp8-block --json-out "$out/bench-fixed.json" >>"$log" 2>&1
   summary+=("bench_model_fixed rc=$?")
   sed -n '/===== bench model fixed decode/,$p' "$log" | sed -n '/^mxrl bench model:/,$p' | tail -30
+}
+step_pdl() {
+  # Decode on the fixed 2.63 B config with the decode graphs' kernel-to-kernel edges as
+  # recorded, programmatic between op kernels, and programmatic from every kernel into an op
+  # kernel (MXRL_GRAPH_PDL off / ops / all), one run each, in the same call.
+  for mode in off ops all; do
+    echo "===== bench model pdl $mode" >>"$log"
+    MXRL_GRAPH_PDL=$mode timeout "$(lim 150)" .dev/mxrl bench model --device cuda --train-seqs 0 \
+      --batches 1,8,32,128 --json-out "$out/bench-pdl-$mode.json" >>"$log" 2>&1
+    summary+=("bench_model_pdl_$mode rc=$?")
+    sed -n "/===== bench model pdl $mode/,\$p" "$log" | grep -E '^\| decode|programmatic' | sort -u | head -12
+  done
 }
 step_ablation() {
   # The real-width ablation (scripts/ablation-gpu-real.sh with the environment's settings and

@@ -344,6 +344,9 @@ inline void cp_async_16(unsigned dst, const void* src, unsigned n) { cuemu::cp_a
 inline void cp_async_4(unsigned dst, const void* src, unsigned n) { cuemu::cp_async(cuemu_shared_ptr(dst), src, 4, n); }
 inline void cp_async_commit() { cuemu::cp_async_commit(); }
 inline void cp_async_wait(unsigned n) { cuemu::cp_async_wait(n); }
+// griddepcontrol.wait / launch_dependents: cuemu runs a stream's work in order, one grid at a
+// time, so every grid a kernel depends on has finished before it starts.
+inline void grid_dependency() {}
 void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr, bool trans);
 // d = a·b + c for one m16n8k16 tile (kind 0: BF16, 1: binary16) or m16n8k32 (kind 2: E4M3).
 void mma(int kind, float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2, unsigned a3,

@@ -237,6 +237,13 @@ CUresult cuGraphLaunch(void* exec, void* s) {
     return OK;
 }
 CUresult cuGraphUpload(void*, void*) { return OK; }
+// A recorded graph here is its ops in order, with no edge list to rewrite: no edges, so
+// the engine's programmatic-edge pass (gpu.rs) changes nothing under cuemu, which runs the
+// ops one after another in any case.
+CUresult cuGraphGetEdges_v2(void*, void**, void**, void*, size_t* n) {
+    *n = 0;
+    return OK;
+}
 CUresult cuGraphDestroy(void* g) {
     delete (Graph*)g;
     return OK;
@@ -383,6 +390,12 @@ CUresult cuModuleLoadDataEx(void** m, const void* image, unsigned, void*, void*)
 CUresult cuModuleUnload(void* m) {
     delete (Module*)m;
     return OK;
+}
+// Function handles here name a kernel table entry, not a module: "not found" (the engine then
+// treats no kernel as an op kernel, which only matters for graph edges).
+CUresult cuFuncGetModule(void** m, void*) {
+    *m = nullptr;
+    return ERR_NOT_FOUND;
 }
 CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
     const std::string& mod = ((Module*)m)->name;

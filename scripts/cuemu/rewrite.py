@@ -39,6 +39,8 @@ ASM = [
     ("cp.async.commit_group;", "cuemu_ptx::cp_async_commit()"),
     ("cp.async.wait_group %0;", "cuemu_ptx::cp_async_wait({i0})"),
     ("cp.async.wait_all;", "cuemu_ptx::cp_async_wait(0)"),
+    ("griddepcontrol.wait;", "cuemu_ptx::grid_dependency()"),
+    ("griddepcontrol.launch_dependents;", "cuemu_ptx::grid_dependency()"),
 ]
 
 

@@ -9,6 +9,7 @@
 //! [`mxrl_tensor::device::CpuBackend`]; only summation orders (and a few ulps of `exp`) differ.
 
 use crate::cuda::InputView;
+use crate::gpu::DeviceGraph;
 use crate::gpu::Gpu;
 use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
@@ -26,7 +27,7 @@ use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs, StoredBytes};
@@ -424,7 +425,7 @@ impl Backend for CudaBackend {
     type Bf16 = CudaSlice<u16>;
     type U32 = CudaSlice<u32>;
     type Rope = RopeDeviceTable;
-    type Graph = CudaGraph;
+    type Graph = DeviceGraph;
     type QExperts = QExperts;
 
     fn device(&self) -> Device {

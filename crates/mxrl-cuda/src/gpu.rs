@@ -27,6 +27,206 @@ fn modules() -> &'static ModuleCache {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// The driver handles (`CUmodule` as an address) of the loaded op modules: every kernel in
+/// them starts with `mxrl_grid_dependency()` ([`crate::op_module_source`]), so a graph edge
+/// into one of them may be programmatic ([`GraphPdl`]).
+fn op_module_handles() -> &'static Mutex<std::collections::HashSet<usize>> {
+    static SET: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
+    SET.get_or_init(|| Mutex::new(std::collections::HashSet::new()))
+}
+
+/// The module that holds `f` (`None` when the driver does not say).
+fn module_of(f: cudarc::driver::sys::CUfunction) -> Option<usize> {
+    let mut m: cudarc::driver::sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `f` is a function handle from the driver; `m` is written by it.
+    let r = unsafe { cudarc::driver::sys::cuFuncGetModule(&mut m, f) };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && !m.is_null()).then_some(m as usize)
+}
+
+/// Which edges of a recorded decode graph become programmatic dependencies (programmatic
+/// dependent launch, sm_90): with one, the next kernel is launched while its predecessor still
+/// runs and waits inside (`griddepcontrol.wait`) until the predecessor's writes are visible,
+/// which hides most of a launch's latency between the many small kernels of a decode step.
+/// The results are the same bits: every op kernel waits before its first memory access.
+/// Chosen by `MXRL_GRAPH_PDL` (`off`, `ops`, `all`), read when a graph is recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphPdl {
+    /// Every edge as recorded (each kernel starts after its predecessor has finished).
+    Off,
+    /// Edges from one op kernel to another.
+    Ops,
+    /// Edges from any kernel (cuBLAS' too: without a trigger of its own, a predecessor counts
+    /// as triggered when its blocks exit) into an op kernel.
+    All,
+}
+
+/// [`set_graph_pdl`]'s choice, ahead of `MXRL_GRAPH_PDL`.
+static GRAPH_PDL: Mutex<Option<GraphPdl>> = Mutex::new(None);
+/// (programmatic, all) edges of the graph recorded last in this process.
+static LAST_GRAPH_EDGES: Mutex<(usize, usize)> = Mutex::new((0, 0));
+
+/// Sets the [`GraphPdl`] mode of graphs recorded from now on in this process (`None`: back to
+/// `MXRL_GRAPH_PDL`).
+pub fn set_graph_pdl(mode: Option<GraphPdl>) {
+    *GRAPH_PDL.lock().expect("graph mode poisoned") = mode;
+}
+
+/// (edges made programmatic, all edges) of the graph this process recorded last.
+pub fn last_graph_edges() -> (usize, usize) {
+    *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned")
+}
+
+impl GraphPdl {
+    /// The mode [`set_graph_pdl`] set, else the one `MXRL_GRAPH_PDL` names (default
+    /// [`GraphPdl::Off`]).
+    ///
+    /// # Errors
+    /// A value other than `off`, `ops`, `all`.
+    pub fn from_env() -> Result<GraphPdl, String> {
+        if let Some(m) = *GRAPH_PDL.lock().expect("graph mode poisoned") {
+            return Ok(m);
+        }
+        match std::env::var("MXRL_GRAPH_PDL").as_deref() {
+            Err(_) | Ok("") | Ok("off") => Ok(GraphPdl::Off),
+            Ok("ops") => Ok(GraphPdl::Ops),
+            Ok("all") => Ok(GraphPdl::All),
+            Ok(v) => Err(format!("MXRL_GRAPH_PDL={v}: expected off, ops or all")),
+        }
+    }
+}
+
+/// A recorded and instantiated CUDA graph ([`Gpu::end_capture`]).
+pub struct DeviceGraph {
+    graph: cudarc::driver::sys::CUgraph,
+    exec: cudarc::driver::sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+    programmatic: usize,
+    edges: usize,
+}
+
+impl DeviceGraph {
+    /// Runs the graph on the stream it was recorded from.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn launch(&self) -> Result<(), cudarc::driver::DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `exec` is a live instantiated graph of this context.
+        unsafe { cudarc::driver::sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()
+    }
+
+    /// Edges made programmatic and all edges of the graph.
+    pub fn programmatic_edges(&self) -> (usize, usize) {
+        (self.programmatic, self.edges)
+    }
+}
+
+impl Drop for DeviceGraph {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: both handles were made by the driver for this graph and are dropped once.
+        unsafe {
+            let _ = cudarc::driver::sys::cuGraphExecDestroy(self.exec);
+            let _ = cudarc::driver::sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// Makes the chosen kernel-to-kernel edges of `g` programmatic (see [`GraphPdl`]); returns
+/// (edges changed, all edges).
+///
+/// # Safety
+/// `g` is a live graph of the current context, not yet instantiated.
+unsafe fn programmatic_edges(
+    g: cudarc::driver::sys::CUgraph,
+    mode: GraphPdl,
+) -> Result<(usize, usize), String> {
+    use cudarc::driver::sys;
+    let ok = |r: sys::CUresult, what: &str| {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what}: {r:?}"))
+        }
+    };
+    let mut n = 0usize;
+    ok(
+        sys::cuGraphGetEdges_v2(
+            g,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut n,
+        ),
+        "graph edge count",
+    )?;
+    if mode == GraphPdl::Off || n == 0 {
+        return Ok((0, n));
+    }
+    let mut from = vec![std::ptr::null_mut(); n];
+    let mut to = vec![std::ptr::null_mut(); n];
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+    ok(
+        sys::cuGraphGetEdges_v2(
+            g,
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut n,
+        ),
+        "graph edges",
+    )?;
+    let ours = op_module_handles()
+        .lock()
+        .expect("op module set poisoned")
+        .clone();
+    // The module of a kernel node's function (`None`: not a kernel node, or no module).
+    let kernel_module = |node: sys::CUgraphNode| -> Option<Option<usize>> {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        if sys::cuGraphNodeGetType(node, &mut t) != sys::CUresult::CUDA_SUCCESS
+            || t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+        {
+            return None;
+        }
+        let mut p: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+        if sys::cuGraphKernelNodeGetParams_v2(node, &mut p) != sys::CUresult::CUDA_SUCCESS
+            || p.func.is_null()
+        {
+            return Some(None);
+        }
+        Some(module_of(p.func))
+    };
+    let mut changed = 0;
+    for i in 0..n {
+        if data[i].type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8 {
+            continue;
+        }
+        let (Some(src), Some(Some(dst))) = (kernel_module(from[i]), kernel_module(to[i])) else {
+            continue;
+        };
+        let src_ours = src.is_some_and(|m| ours.contains(&m));
+        if !ours.contains(&dst) || (mode == GraphPdl::Ops && !src_ours) {
+            continue;
+        }
+        ok(
+            sys::cuGraphRemoveDependencies_v2(g, &from[i], &to[i], &data[i], 1),
+            "remove graph edge",
+        )?;
+        let e = sys::CUgraphEdgeData {
+            from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+            to_port: 0,
+            type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+            reserved: [0; 5],
+        };
+        ok(
+            sys::cuGraphAddDependencies_v2(g, &from[i], &to[i], &e, 1),
+            "add programmatic graph edge",
+        )?;
+        changed += 1;
+    }
+    Ok((changed, n))
+}
+
 /// The NVRTC `--gpu-architecture` value for a compute capability (`None`: NVRTC's default).
 pub fn arch_for(major: i32, minor: i32) -> Option<&'static str> {
     match (major, minor) {
@@ -317,6 +517,17 @@ impl Gpu {
             .ctx
             .load_module(ptx)
             .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
+        // Its handle, through the kernel every op module has (common.cuh).
+        if let Some(h) = m
+            .load_function("mxrl_module_probe")
+            .ok()
+            .and_then(|f| module_of(f.cu_function()))
+        {
+            op_module_handles()
+                .lock()
+                .expect("op module set poisoned")
+                .insert(h);
+        }
         cache.insert((self.ordinal, key), m.clone());
         Ok(m)
     }
@@ -501,10 +712,56 @@ impl Gpu {
     /// # Errors
     /// The capture was invalidated (an operation that cannot be recorded was issued) or the
     /// graph cannot be instantiated.
-    pub fn end_capture(&self) -> Result<Option<cudarc::driver::CudaGraph>, DeviceError> {
-        self.stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-            .map_err(|x| self.err(format!("end graph capture: {x:?}")))
+    /// Edges between kernels become programmatic as `MXRL_GRAPH_PDL` says ([`GraphPdl`]).
+    pub fn end_capture(&self) -> Result<Option<DeviceGraph>, DeviceError> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|x| self.err(format!("{x:?}")))?;
+        let mut g: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun on this stream; the driver writes `g`.
+        let r = unsafe { sys::cuStreamEndCapture(self.stream.cu_stream(), &mut g) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(self.err(format!("end graph capture: {r:?}")));
+        }
+        if g.is_null() {
+            return Ok(None);
+        }
+        let mode = GraphPdl::from_env().map_err(|e| self.err(e));
+        // SAFETY: `g` is the live graph just recorded, not yet instantiated.
+        let edges = mode.and_then(|m| {
+            unsafe { programmatic_edges(g, m) }.map_err(|e| self.err(format!("decode graph: {e}")))
+        });
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        let inst = edges.and_then(|e| {
+            // SAFETY: instantiates the live graph `g`; the driver writes `exec`.
+            let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                Ok(e)
+            } else {
+                Err(self.err(format!("instantiate graph: {r:?}")))
+            }
+        });
+        if let (Ok((p, n)), Ok(m)) = (&inst, GraphPdl::from_env()) {
+            *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned") = (*p, *n);
+            if m != GraphPdl::Off {
+                eprintln!("mxrl-cuda: recorded graph, {p} of {n} edges programmatic ({m:?})");
+            }
+        }
+        match inst {
+            Ok((programmatic, edges)) => Ok(Some(DeviceGraph {
+                graph: g,
+                exec,
+                stream: self.stream.clone(),
+                programmatic,
+                edges,
+            })),
+            Err(e) => {
+                // SAFETY: `g` is not used after this.
+                unsafe { sys::cuGraphDestroy(g) };
+                Err(e)
+            }
+        }
     }
 
     /// Copies host data to a new device buffer.

@@ -79,8 +79,57 @@ pub const COMMON_SOURCE: &str = include_str!("../kernels/common.cuh");
 
 /// The full source of an op module: prelude + common helpers + the op's kernels (what NVRTC
 /// compiles in `gpu::Gpu::module`, and what `scripts/cuemu` runs on the host).
+///
+/// Every `__global__` function's body starts with `mxrl_grid_dependency();` (common.cuh),
+/// inserted here so that no kernel can be left without it: a kernel that a decode graph
+/// reaches through a programmatic edge must wait for its predecessor before it reads.
 pub fn op_module_source(source: &str) -> String {
-    format!("{}\n{}\n{}", cuda_prelude(), COMMON_SOURCE, source)
+    with_grid_dependency(&format!(
+        "{}\n{}\n{}",
+        cuda_prelude(),
+        COMMON_SOURCE,
+        source
+    ))
+}
+
+/// `src` with `mxrl_grid_dependency();` after the opening brace of every `__global__`
+/// function (the first `{` after the keyword; `//` comments are skipped, and so is the
+/// keyword inside one).
+fn with_grid_dependency(src: &str) -> String {
+    const KEY: &str = "__global__";
+    const CALL: &str = " mxrl_grid_dependency();";
+    let b = src.as_bytes();
+    let mut out = String::with_capacity(src.len() + 8 * 1024);
+    let mut copied = 0;
+    let mut i = 0;
+    while let Some(off) = src[i..].find(KEY) {
+        let at = i + off;
+        let line_start = src[..at].rfind('\n').map_or(0, |p| p + 1);
+        i = at + KEY.len();
+        if src[line_start..at].contains("//") {
+            continue;
+        }
+        // The body's brace: the first `{` outside `//` comments.
+        let mut j = i;
+        while j < b.len() && b[j] != b'{' {
+            if b[j] == b'/' && b.get(j + 1) == Some(&b'/') {
+                while j < b.len() && b[j] != b'\n' {
+                    j += 1;
+                }
+            } else {
+                j += 1;
+            }
+        }
+        if j == b.len() {
+            break;
+        }
+        out.push_str(&src[copied..=j]);
+        out.push_str(CALL);
+        copied = j + 1;
+        i = j + 1;
+    }
+    out.push_str(&src[copied..]);
+    out
 }
 
 /// Cache key of a compiled module: SHA-256 (16 hex digits) of the source and the exact
@@ -231,6 +280,35 @@ macro_rules! test_device {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_op_kernel_starts_with_the_grid_dependency() {
+        let t = with_grid_dependency(
+            "// __global__ in a comment {\nextern \"C\" __global__ void a(int x, // {\n int y) {\n  x; }\n\
+             __global__ void __launch_bounds__(64) b() {}\n",
+        );
+        assert_eq!(
+            t,
+            "// __global__ in a comment {\nextern \"C\" __global__ void a(int x, // {\n int y) { \
+             mxrl_grid_dependency();\n  x; }\n__global__ void __launch_bounds__(64) b() { \
+             mxrl_grid_dependency();}\n"
+        );
+        // In every op module, each kernel (one per `__global__` outside comments) gets the
+        // call as the first statement of its body.
+        for (name, src) in ops::SOURCES {
+            let full = op_module_source(src);
+            let kernels = full
+                .lines()
+                .filter(|l| l.contains("__global__") && !l.trim_start().starts_with("//"))
+                .count();
+            assert!(kernels > 0, "{name}: no kernels");
+            assert_eq!(
+                full.matches("{ mxrl_grid_dependency();").count(),
+                kernels,
+                "{name}: every kernel starts with mxrl_grid_dependency()"
+            );
+        }
+    }
 
     #[test]
     fn cache_key_depends_on_source_and_options() {

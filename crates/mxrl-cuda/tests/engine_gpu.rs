@@ -241,6 +241,57 @@ fn gpu_decode_graph_replays_plain_steps_bitwise_and_samples_like_the_reference()
     assert!(st.graph_status().0);
 }
 
+/// Decode graphs whose kernel-to-kernel edges are programmatic (each kernel launched while its
+/// predecessor runs, waiting inside until that one's writes are visible) give the bits of the
+/// same steps run op by op, in both modes; the graph did get such edges (on a GPU: cuemu's
+/// stand-in graphs have no edge list, and run their ops in order anyway).
+#[test]
+fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
+    use mxrl_cuda::gpu::{last_graph_edges, set_graph_pdl, GraphPdl};
+    let m = model();
+    let s = seqs();
+    let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
+    let v = config().vocab_size;
+    let feed = |t: usize| -> Vec<u32> {
+        (0..prompts.len())
+            .map(|b| ((t * 11 + b * 5 + 2) % v) as u32)
+            .collect()
+    };
+    let run = |g: &Engine<CudaBackend>| {
+        let (mut st, z) = g.prefill(&prompts, 40).unwrap();
+        let mut all = vec![z.iter().map(|x| x.to_bits()).collect::<Vec<_>>()];
+        for t in 0..8 {
+            let z = g.decode_step(&mut st, &feed(t)).unwrap();
+            all.push(z.iter().map(|x| x.to_bits()).collect());
+        }
+        (all, st.graph_status().0)
+    };
+    let mut plain_engine = gpu_engine(&m);
+    plain_engine.set_decode_graphs(false);
+    let (plain, _) = run(&plain_engine);
+    let on_gpu = !plain_engine.backend().name().contains("cuemu");
+    for mode in [GraphPdl::Ops, GraphPdl::All] {
+        set_graph_pdl(Some(mode));
+        let g = gpu_engine(&m);
+        let (got, recorded) = run(&g);
+        let (programmatic, edges) = last_graph_edges();
+        set_graph_pdl(None);
+        assert!(
+            recorded,
+            "{mode:?}: decode steps were not recorded as a graph"
+        );
+        if on_gpu {
+            assert!(
+                programmatic > 0 && programmatic < edges,
+                "{mode:?}: {programmatic} of {edges} edges programmatic"
+            );
+        }
+        for (t, (a, b)) in got.iter().zip(&plain).enumerate() {
+            assert_eq!(a, b, "{mode:?} step {t}: differs from the plain step");
+        }
+    }
+}
+
 #[test]
 fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
     let m = model();
