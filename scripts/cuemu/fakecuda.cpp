@@ -237,11 +237,17 @@ CUresult cuGraphLaunch(void* exec, void* s) {
     return OK;
 }
 CUresult cuGraphUpload(void*, void*) { return OK; }
-// A recorded graph here is its ops in order, with no edge list to rewrite: no edges, so
-// the engine's programmatic-edge pass (gpu.rs) changes nothing under cuemu, which runs the
-// ops one after another in any case.
-CUresult cuGraphGetEdges_v2(void*, void**, void**, void*, size_t* n) {
-    *n = 0;
+// A capture here is a list of ops with no graph nodes to name: no current dependencies, so
+// the engine's programmatic edges (gpu.rs, launch_op) are never made under cuemu, which runs
+// a stream's ops one after another in any case.
+CUresult cuStreamGetCaptureInfo_v3(void* s, int* status, unsigned long long* id, void** graph,
+                                   const void** deps, const void** data, size_t* n) {
+    if (status) *status = stream_of(s)->capturing ? 1 : 0;
+    if (id) *id = 0;
+    if (graph) *graph = nullptr;
+    if (deps) *deps = nullptr;
+    if (data) *data = nullptr;
+    if (n) *n = 0;
     return OK;
 }
 CUresult cuGraphDestroy(void* g) {
@@ -390,12 +396,6 @@ CUresult cuModuleLoadDataEx(void** m, const void* image, unsigned, void*, void*)
 CUresult cuModuleUnload(void* m) {
     delete (Module*)m;
     return OK;
-}
-// Function handles here name a kernel table entry, not a module: "not found" (the engine then
-// treats no kernel as an op kernel, which only matters for graph edges).
-CUresult cuFuncGetModule(void** m, void*) {
-    *m = nullptr;
-    return ERR_NOT_FOUND;
 }
 CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
     const std::string& mod = ((Module*)m)->name;

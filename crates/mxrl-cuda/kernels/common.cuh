@@ -100,7 +100,7 @@ __device__ __forceinline__ void frag_acc_zero(float (&acc)[2][TG][4]) {
 // placed by `op_module_source` (src/lib.rs): wait until the grids this one depends on have
 // completed and their writes are visible, then allow the next grid to be launched. Launched
 // normally (no programmatic dependency) both instructions return at once; in a decode graph
-// whose kernel-to-kernel edges are programmatic (gpu.rs, `GraphPdl`) the next kernel's
+// whose edges into op kernels are programmatic (gpu.rs, `GraphPdl`, `launch_op`) the next kernel's
 // launch and block scheduling overlap this kernel's run, while its memory accesses still
 // begin only after this kernel has finished, so every result is what the ordered launches
 // give.
@@ -111,9 +111,5 @@ __device__ __forceinline__ void mxrl_grid_dependency() {
 #endif
 }
 
-// A kernel every op module has: the host loads it to learn the module's handle
-// (`gpu::Gpu::module`), so that graph edges are made programmatic only into this
-// module family's kernels (all of which start with mxrl_grid_dependency).
-extern "C" __global__ void mxrl_module_probe() {}
 
 #endif

@@ -27,22 +27,6 @@ fn modules() -> &'static ModuleCache {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The driver handles (`CUmodule` as an address) of the loaded op modules: every kernel in
-/// them starts with `mxrl_grid_dependency()` ([`crate::op_module_source`]), so a graph edge
-/// into one of them may be programmatic ([`GraphPdl`]).
-fn op_module_handles() -> &'static Mutex<std::collections::HashSet<usize>> {
-    static SET: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
-    SET.get_or_init(|| Mutex::new(std::collections::HashSet::new()))
-}
-
-/// The module that holds `f` (`None` when the driver does not say).
-fn module_of(f: cudarc::driver::sys::CUfunction) -> Option<usize> {
-    let mut m: cudarc::driver::sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: `f` is a function handle from the driver; `m` is written by it.
-    let r = unsafe { cudarc::driver::sys::cuFuncGetModule(&mut m, f) };
-    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && !m.is_null()).then_some(m as usize)
-}
-
 /// Which edges of a recorded decode graph become programmatic dependencies (programmatic
 /// dependent launch, sm_90): with one, the next kernel is launched while its predecessor still
 /// runs and waits inside (`griddepcontrol.wait`) until the predecessor's writes are visible,
@@ -62,7 +46,8 @@ pub enum GraphPdl {
 
 /// [`set_graph_pdl`]'s choice, ahead of `MXRL_GRAPH_PDL`.
 static GRAPH_PDL: Mutex<Option<GraphPdl>> = Mutex::new(None);
-/// (programmatic, all) edges of the graph recorded last in this process.
+/// (op kernels entered by a programmatic edge, op kernels) of the graph recorded last in this
+/// process.
 static LAST_GRAPH_EDGES: Mutex<(usize, usize)> = Mutex::new((0, 0));
 
 /// Sets the [`GraphPdl`] mode of graphs recorded from now on in this process (`None`: back to
@@ -71,7 +56,8 @@ pub fn set_graph_pdl(mode: Option<GraphPdl>) {
     *GRAPH_PDL.lock().expect("graph mode poisoned") = mode;
 }
 
-/// (edges made programmatic, all edges) of the graph this process recorded last.
+/// (op kernels entered by a programmatic edge, op kernels) of the graph this process recorded
+/// last.
 pub fn last_graph_edges() -> (usize, usize) {
     *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned")
 }
@@ -101,7 +87,7 @@ pub struct DeviceGraph {
     exec: cudarc::driver::sys::CUgraphExec,
     stream: Arc<CudaStream>,
     programmatic: usize,
-    edges: usize,
+    kernels: usize,
 }
 
 impl DeviceGraph {
@@ -115,9 +101,9 @@ impl DeviceGraph {
         unsafe { cudarc::driver::sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()
     }
 
-    /// Edges made programmatic and all edges of the graph.
+    /// Op kernels entered by a programmatic edge, and all op kernels of the graph.
     pub fn programmatic_edges(&self) -> (usize, usize) {
-        (self.programmatic, self.edges)
+        (self.programmatic, self.kernels)
     }
 }
 
@@ -132,99 +118,104 @@ impl Drop for DeviceGraph {
     }
 }
 
-/// Makes the chosen kernel-to-kernel edges of `g` programmatic (see [`GraphPdl`]); returns
-/// (edges changed, all edges).
+/// The capture under way on this thread ([`Gpu::begin_capture`]): its stream, the mode, the
+/// node of the op kernel launched last, and (edges made programmatic, op kernels launched).
+struct Capture {
+    stream: cudarc::driver::sys::CUstream,
+    mode: GraphPdl,
+    last_op: cudarc::driver::sys::CUgraphNode,
+    counts: (usize, usize),
+}
+
+thread_local! {
+    static CAPTURE: std::cell::RefCell<Option<Capture>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The capture's current dependencies (`None` unless exactly one node).
 ///
 /// # Safety
-/// `g` is a live graph of the current context, not yet instantiated.
-unsafe fn programmatic_edges(
-    g: cudarc::driver::sys::CUgraph,
-    mode: GraphPdl,
-) -> Result<(usize, usize), String> {
+/// `stream` is capturing.
+unsafe fn capture_tail(
+    stream: cudarc::driver::sys::CUstream,
+) -> Option<cudarc::driver::sys::CUgraphNode> {
     use cudarc::driver::sys;
-    let ok = |r: sys::CUresult, what: &str| {
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(format!("{what}: {r:?}"))
-        }
-    };
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut data: *const sys::CUgraphEdgeData = std::ptr::null();
     let mut n = 0usize;
-    ok(
-        sys::cuGraphGetEdges_v2(
-            g,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            &mut n,
-        ),
-        "graph edge count",
-    )?;
-    if mode == GraphPdl::Off || n == 0 {
-        return Ok((0, n));
+    let r = sys::cuStreamGetCaptureInfo_v3(
+        stream,
+        &mut status,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        &mut deps,
+        &mut data,
+        &mut n,
+    );
+    (r == sys::CUresult::CUDA_SUCCESS
+        && status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+        && n == 1
+        && !deps.is_null())
+    .then(|| *deps)
+}
+
+/// Launches an op kernel (one of the op modules', all of which start with
+/// `mxrl_grid_dependency()`). While this thread records a graph with a [`GraphPdl`] mode
+/// other than `Off`, the edge from the node before it (an op kernel, or for `All` any kernel)
+/// to this kernel is made programmatic first.
+///
+/// # Safety
+/// As [`LaunchArgs::launch`]; the function is an op module's kernel.
+pub(crate) unsafe fn launch_op(
+    b: &mut cudarc::driver::LaunchArgs<'_>,
+    cfg: cudarc::driver::LaunchConfig,
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    let active = CAPTURE.with(|c| c.borrow().as_ref().map(|c| (c.stream, c.mode, c.last_op)));
+    if let Some((stream, mode, last_op)) = active {
+        if mode != GraphPdl::Off {
+            if let Some(prev) = capture_tail(stream) {
+                let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                let kernel = sys::cuGraphNodeGetType(prev, &mut t) == sys::CUresult::CUDA_SUCCESS
+                    && t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
+                if kernel && (mode == GraphPdl::All || prev == last_op) {
+                    let mut node = prev;
+                    let e = sys::CUgraphEdgeData {
+                        from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                        to_port: 0,
+                        type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+                            as u8,
+                        reserved: [0; 5],
+                    };
+                    sys::cuStreamUpdateCaptureDependencies_v2(
+                        stream,
+                        &mut node,
+                        &e,
+                        1,
+                        sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                            as u32,
+                    )
+                    .result()?;
+                    CAPTURE.with(|c| {
+                        if let Some(c) = c.borrow_mut().as_mut() {
+                            c.counts.0 += 1;
+                        }
+                    });
+                }
+            }
+        }
     }
-    let mut from = vec![std::ptr::null_mut(); n];
-    let mut to = vec![std::ptr::null_mut(); n];
-    let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
-    ok(
-        sys::cuGraphGetEdges_v2(
-            g,
-            from.as_mut_ptr(),
-            to.as_mut_ptr(),
-            data.as_mut_ptr(),
-            &mut n,
-        ),
-        "graph edges",
-    )?;
-    let ours = op_module_handles()
-        .lock()
-        .expect("op module set poisoned")
-        .clone();
-    // The module of a kernel node's function (`None`: not a kernel node, or no module).
-    let kernel_module = |node: sys::CUgraphNode| -> Option<Option<usize>> {
-        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        if sys::cuGraphNodeGetType(node, &mut t) != sys::CUresult::CUDA_SUCCESS
-            || t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
-        {
-            return None;
-        }
-        let mut p: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
-        if sys::cuGraphKernelNodeGetParams_v2(node, &mut p) != sys::CUresult::CUDA_SUCCESS
-            || p.func.is_null()
-        {
-            return Some(None);
-        }
-        Some(module_of(p.func))
-    };
-    let mut changed = 0;
-    for i in 0..n {
-        if data[i].type_ != sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8 {
-            continue;
-        }
-        let (Some(src), Some(Some(dst))) = (kernel_module(from[i]), kernel_module(to[i])) else {
-            continue;
-        };
-        let src_ours = src.is_some_and(|m| ours.contains(&m));
-        if !ours.contains(&dst) || (mode == GraphPdl::Ops && !src_ours) {
-            continue;
-        }
-        ok(
-            sys::cuGraphRemoveDependencies_v2(g, &from[i], &to[i], &data[i], 1),
-            "remove graph edge",
-        )?;
-        let e = sys::CUgraphEdgeData {
-            from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
-            to_port: 0,
-            type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
-            reserved: [0; 5],
-        };
-        ok(
-            sys::cuGraphAddDependencies_v2(g, &from[i], &to[i], &e, 1),
-            "add programmatic graph edge",
-        )?;
-        changed += 1;
+    b.launch(cfg)?;
+    if let Some((stream, GraphPdl::Ops | GraphPdl::All, _)) = active {
+        let tail = capture_tail(stream);
+        CAPTURE.with(|c| {
+            if let Some(c) = c.borrow_mut().as_mut() {
+                c.last_op = tail.unwrap_or(std::ptr::null_mut());
+                c.counts.1 += 1;
+            }
+        });
     }
-    Ok((changed, n))
+    Ok(())
 }
 
 /// The NVRTC `--gpu-architecture` value for a compute capability (`None`: NVRTC's default).
@@ -517,17 +508,6 @@ impl Gpu {
             .ctx
             .load_module(ptx)
             .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
-        // Its handle, through the kernel every op module has (common.cuh).
-        if let Some(h) = m
-            .load_function("mxrl_module_probe")
-            .ok()
-            .and_then(|f| module_of(f.cu_function()))
-        {
-            op_module_handles()
-                .lock()
-                .expect("op module set poisoned")
-                .insert(h);
-        }
         cache.insert((self.ordinal, key), m.clone());
         Ok(m)
     }
@@ -701,9 +681,19 @@ impl Gpu {
     /// # Errors
     /// The driver's error (e.g. a capture already under way).
     pub fn begin_capture(&self) -> Result<(), DeviceError> {
+        let mode = GraphPdl::from_env().map_err(|e| self.err(e))?;
         self.stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(|x| self.err(format!("begin graph capture: {x:?}")))
+            .map_err(|x| self.err(format!("begin graph capture: {x:?}")))?;
+        CAPTURE.with(|c| {
+            *c.borrow_mut() = Some(Capture {
+                stream: self.stream.cu_stream(),
+                mode,
+                last_op: std::ptr::null_mut(),
+                counts: (0, 0),
+            })
+        });
+        Ok(())
     }
 
     /// Ends the capture begun by [`Gpu::begin_capture`] and instantiates the graph (`None`
@@ -712,9 +702,9 @@ impl Gpu {
     /// # Errors
     /// The capture was invalidated (an operation that cannot be recorded was issued) or the
     /// graph cannot be instantiated.
-    /// Edges between kernels become programmatic as `MXRL_GRAPH_PDL` says ([`GraphPdl`]).
     pub fn end_capture(&self) -> Result<Option<DeviceGraph>, DeviceError> {
         use cudarc::driver::sys;
+        let capture = CAPTURE.with(|c| c.borrow_mut().take());
         self.ctx
             .bind_to_thread()
             .map_err(|x| self.err(format!("{x:?}")))?;
@@ -727,34 +717,31 @@ impl Gpu {
         if g.is_null() {
             return Ok(None);
         }
-        let mode = GraphPdl::from_env().map_err(|e| self.err(e));
-        // SAFETY: `g` is the live graph just recorded, not yet instantiated.
-        let edges = mode.and_then(|m| {
-            unsafe { programmatic_edges(g, m) }.map_err(|e| self.err(format!("decode graph: {e}")))
-        });
+        let (programmatic, kernels) = capture.as_ref().map_or((0, 0), |c| c.counts);
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        let inst = edges.and_then(|e| {
-            // SAFETY: instantiates the live graph `g`; the driver writes `exec`.
-            let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
-            if r == sys::CUresult::CUDA_SUCCESS {
-                Ok(e)
-            } else {
-                Err(self.err(format!("instantiate graph: {r:?}")))
-            }
-        });
-        if let (Ok((p, n)), Ok(m)) = (&inst, GraphPdl::from_env()) {
+        // SAFETY: instantiates the live graph `g`; the driver writes `exec`.
+        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
+        let inst = if r == sys::CUresult::CUDA_SUCCESS {
+            Ok((programmatic, kernels))
+        } else {
+            Err(self.err(format!("instantiate graph: {r:?}")))
+        };
+        if let (Ok((p, n)), Some(c)) = (&inst, &capture) {
             *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned") = (*p, *n);
-            if m != GraphPdl::Off {
-                eprintln!("mxrl-cuda: recorded graph, {p} of {n} edges programmatic ({m:?})");
+            if c.mode != GraphPdl::Off {
+                eprintln!(
+                    "mxrl-cuda: recorded graph, {p} of {n} op kernels entered by a programmatic edge ({:?})",
+                    c.mode
+                );
             }
         }
         match inst {
-            Ok((programmatic, edges)) => Ok(Some(DeviceGraph {
+            Ok((programmatic, kernels)) => Ok(Some(DeviceGraph {
                 graph: g,
                 exec,
                 stream: self.stream.clone(),
                 programmatic,
-                edges,
+                kernels,
             })),
             Err(e) => {
                 // SAFETY: `g` is not used after this.

@@ -455,7 +455,7 @@ impl Attention {
         // kh·D + d < Hkv·D (geometry checked); the instantiation training_kernel picks covers
         // D; its shared memory ≤ the attribute set in `new` for that instantiation (the
         // largest D of the class); types match (both families take the same arguments).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -528,7 +528,7 @@ impl Attention {
         // SAFETY: warp r·Hq + h < N·Hq reads dout/out[(r·Hq + h)·D + d], d < D (N·Hq·D checked)
         // and writes delta[r·Hq + h] (N·Hq checked); types match (2 × const float*, float*, u64,
         // u32, u32).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
 
         let delta_v = delta.slice(..);
         let cfg = LaunchConfig {
@@ -552,7 +552,7 @@ impl Attention {
         // SAFETY: as the forward: rows offsets[b] + i < offsets[B] ≤ N of dout/q/dq (N·Hq·D),
         // k/v (N·Hkv·D), lse/delta (N·Hq), all checked; the kernel's shared memory ≤ the
         // attribute set in `new` for its instantiation; types match the kernel.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
 
         let cfg = LaunchConfig {
             grid_dim: (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32),
@@ -577,7 +577,7 @@ impl Attention {
         // (N·Hkv·D checked) and query rows offsets[b] + i (i < T_b) of q/dout (N·Hq·D) and
         // lse/delta (N·Hq), heads kh·g + hh < Hq; the kernel's shared memory ≤ the attribute
         // set in `new` for its instantiation (same tile); types match the kernel.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -633,7 +633,7 @@ impl Attention {
         // lens[b] (batch checked); it writes cache element (b·max_len + lens[b] − 1)·row + e
         // only when 1 ≤ lens[b] ≤ max_len, inside slot b < batch ≤ slots (slots·max_len·row
         // checked); types match (2 × const float*, 2 × u16*, const u32*, 3 × u32).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -841,7 +841,7 @@ impl Attention {
             // part_m/part_l[(b·Hq + h)·nsplit + s] (batch·Hq·nsplit each) and part_o at that
             // index ·D (+D): the three splits of scratch hold exactly that
             // (decode_scratch_len checked); shared memory smem_dec(D) ≤ the attribute.
-            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         }
         if nsplit == 1 {
             return Ok(());
@@ -863,7 +863,7 @@ impl Attention {
         // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes row b,
         // head h of the output that is not null (batch·Hq·D checked); types match (3 × const
         // float*, const u32*, float*, u16* — a null one passed as a 0 u64 — and 4 × u32).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 }

@@ -88,7 +88,7 @@ impl Elementwise {
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
         // argument types match (const float*, u16*, u64).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -113,7 +113,7 @@ impl Elementwise {
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
         // argument types match (const float*, float*, u64).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -137,7 +137,7 @@ impl Elementwise {
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: thread i < n reads x[i] and writes out[i]; both hold ≥ n elements (checked);
         // argument types match (const u16*, float*, u64).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -166,7 +166,7 @@ impl Elementwise {
         // SAFETY: threads read x[i] for i < n (x holds ≥ n, checked) and add atomically to the
         // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
         // allocations are 256-byte aligned); argument types match (const u16*, u64, u32*, u64).
-        unsafe { b.launch(stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -196,7 +196,7 @@ impl Elementwise {
         // 8-byte-aligned u64 at out[2·slot] (out holds ≥ 2·slot + 2 u32, checked; device
         // allocations are 256-byte aligned); argument types match (const u8*, u64, u64, u32*,
         // u64).
-        unsafe { b.launch(stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, stride_grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -310,7 +310,7 @@ impl Elementwise {
         // writes one element of each table at an index below slots·max_len·k (rows whose
         // sequence or position falls outside are skipped in the kernel; table lengths checked);
         // argument types match the kernel's.
-        unsafe { b.launch(grid(rows * k)) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(rows * k)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -369,7 +369,7 @@ impl Elementwise {
         // element at an index below slots·len·w (rows outside the table are skipped in the
         // kernel; the table length is checked); argument types match the kernel's (const
         // float*, u64, u64, const u32*, int, const u32*, const u32*, u64, u64, float*).
-        unsafe { b.launch(grid(rows * w)) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(rows * w)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -392,7 +392,7 @@ impl Elementwise {
         let mut b = self.gpu.stream().launch_builder(&self.add_inplace);
         b.arg(y).arg(x).arg(&n64);
         // SAFETY: thread i < n reads x[i], y[i] and writes y[i]; both hold ≥ n (checked).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -426,7 +426,7 @@ impl Elementwise {
         b.arg(table).arg(tokens).arg(out).arg(&h64);
         // SAFETY: block r < rows reads tokens[r] (< vocab, the caller's contract) and copies
         // table row tokens[r] (vocab·h elements checked) into out row r (rows·h checked).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }

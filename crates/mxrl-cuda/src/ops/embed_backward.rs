@@ -181,7 +181,7 @@ impl EmbedBackward {
         // upload) and rows[k] for k < rows; every row index is < rows by construction of the
         // grouping (a permutation of 0..rows); it reads dx[row·h + j] (rows·h held) and
         // reads/writes dtable[tok·h + j] (vocab·h held). Distinct blocks touch distinct tokens.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 }

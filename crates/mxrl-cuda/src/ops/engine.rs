@@ -67,7 +67,7 @@ impl EngineOps {
         let mut l = self.gpu.stream().launch_builder(&self.add_bias);
         l.arg(y).arg(b).arg(&r).arg(&c);
         // SAFETY: thread i < rows·n reads b[i % n] and updates y[i]; lengths checked above.
-        unsafe { l.launch(grid(rows * n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut l, grid(rows * n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -91,7 +91,7 @@ impl EngineOps {
         let mut l = self.gpu.stream().launch_builder(&self.bias_backward);
         l.arg(dy).arg(db).arg(&r).arg(&c);
         // SAFETY: thread j < n reads dy[r·n + j] for r < rows and updates db[j]; checked above.
-        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut l, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -153,7 +153,7 @@ impl EngineOps {
         // SAFETY: block r < rows reads k, v row r (rows·w checked) and writes cache row
         // (b·max_len + p)·w.. with b = row_seq[r] < slots and p = r − offsets[b] < max_len (the
         // caller's contract on the packed layout); cache lengths checked above.
-        unsafe { l.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut l, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }

@@ -400,7 +400,7 @@ impl Fp8Block {
                 // from lo, hi, K, blockIdx.z), so every barrier is reached by all. Shared
                 // memory is static (≈ 22 KB; 35 KB for the wide kernels). Argument types match (const u8*, const float*,
                 // const u8*, const float*, const u32*, float*, u32, u32, u32).
-                unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             }
             None => {
                 let mut b =
@@ -411,7 +411,7 @@ impl Fp8Block {
                 // every read and write is inside the lengths checked above. Argument types
                 // match (const u8*, const float*, const u8*, const float*, float*, u32, u32,
                 // u32).
-                unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             }
         }
         Ok(())
@@ -566,7 +566,7 @@ impl Fp8Block {
         // each thread indexes it below 8·TG·32·(1 + blockDim/32). sm_89+ checked. Argument
         // types match (const u8*, const float*, const u8*, const float*, const u32*, float*,
         // u32 × 3).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 }

@@ -615,7 +615,7 @@ impl Gemm {
         // covers Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E row tiles. The block size is the kernel's
         // (`tile.threads()`). Argument types match (const u16*, const u16*, const u32*,
         // float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -671,7 +671,7 @@ impl Gemm {
         // k = 8l + 256i < K stay inside a row; block (bx, e) reads offsets[e], offsets[e+1]
         // (e < E), clamps them to [0, R], and warps whose columns start at or beyond N exit.
         // Argument types match (const u16*, const u16*, const u32*, float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -723,7 +723,7 @@ impl Gemm {
         // offsets to [0, R] and bounds-checks rows < R, n < N and output columns < K
         // (out-of-range chunks zero-filled, not read); the grid covers every row tile
         // (Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E); block size `tile.threads()`. Argument types match.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -787,7 +787,7 @@ impl Gemm {
         // reads offsets[e], offsets[e+1] (e < E), clamps them to [0, R], and bounds-checks
         // n < N, k < K and rows < offsets[e+1] (out-of-range chunks zero-filled, not read);
         // block size `tile.threads()`. Argument types match.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 

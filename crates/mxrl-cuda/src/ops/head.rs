@@ -384,7 +384,7 @@ impl Head {
             let mut b = g.stream().launch_builder(&self.init);
             b.arg(&mut st).arg(&t64);
             // SAFETY: thread r < t writes st[r + i·t], i < 4; st holds 4·t floats.
-            unsafe { b.launch(grid(t)) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, grid(t)) }.map_err(|e| g.err(e))?;
         }
         let mut c0 = 0usize;
         while c0 < v {
@@ -433,7 +433,7 @@ impl Head {
             // SAFETY: block r < t reads z[r·cols .. (r+1)·cols) (z holds t·chunk ≥ t·cols),
             // targets[r] (≥ t checked), and reads/writes st[r + i·t], i < 4 (4·t held); the
             // target column is read only when it lies in [c0, c0 + cols).
-            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             c0 += cols;
         }
         let mut b = g.stream().launch_builder(&self.finish);
@@ -444,7 +444,7 @@ impl Head {
             .arg(&t64);
         // SAFETY: thread r < t reads st[r + i·t] (4·t held) and writes element r of the three
         // outputs (each ≥ t, checked).
-        unsafe { b.launch(grid(t)) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(t)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -463,7 +463,7 @@ impl Head {
         let mut b = self.gpu.stream().launch_builder(&self.to_f32);
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: grid-stride over i < n: reads x[i], writes out[i]; both hold ≥ n (checked).
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -490,7 +490,7 @@ impl Head {
         l.arg(x).arg(&mut a).arg(&mut b).arg(&mut c).arg(&n64);
         // SAFETY: grid-stride over i < n ≤ stride: reads x[i] (≥ n, checked), writes element i
         // of three disjoint views of `stride` elements each (3·stride held, checked).
-        unsafe { l.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut l, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -593,7 +593,7 @@ impl Head {
                     .arg(&t64);
                 // SAFETY: grid-stride over i < t·cols (≤ z's t·chunk): reads/writes z[i],
                 // reads targets, lse, dlogprob at i / cols < t (each ≥ t, checked).
-                unsafe { b.launch(grid(t * cols)) }.map_err(|e| g.err(e))?;
+                unsafe { crate::gpu::launch_op(&mut b, grid(t * cols)) }.map_err(|e| g.err(e))?;
             }
             if split {
                 self.split_bf16x3(&z, &mut parts, t * cols, t * chunk)?;

@@ -180,7 +180,7 @@ impl Moe {
             // (checked length), writes row_of[i] (N·k checked) and perm[pos], pos < offsets[E]
             // ≤ N·k; offsets[0..=E] (E + 1 checked); static shared memory sized for E ≤ 256
             // (checked above); types (const u32*, u32, u32, u32*, u32*, u32*).
-            unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
             return Ok(());
         }
         let g = dispatch_blocks(n, k);
@@ -199,7 +199,7 @@ impl Moe {
         // SAFETY: block b, thread j reads ids[b·256 + j] only when < N·k (checked length); the
         // block writes hist[x·G + b] for x < E (E·G = scratch length checked); dynamic shared
         // memory holds 8·E u32 (E ≤ 1024: 32 KiB); types (const u32*, u64, u32, u32*, u32).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         let scan_cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1024, 1, 1),
@@ -210,7 +210,7 @@ impl Moe {
         // SAFETY: one block reads/writes hist[x·G + b], x < E, b < G (E·G checked) and writes
         // offsets[0..=E] (E + 1 checked); static shared memory sized for E ≤ 1024 (checked);
         // types (u32*, u32, u32, u32*).
-        unsafe { b.launch(scan_cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, scan_cfg) }.map_err(|x| self.gpu.err(x))?;
         let mut b = self.gpu.stream().launch_builder(&self.scatter);
         b.arg(ids)
             .arg(&total64)
@@ -223,7 +223,7 @@ impl Moe {
         // row_of[i] for i < N·k and perm[pos] with pos < offsets[E] ≤ N·k (a permutation of the
         // valid entries; lengths checked); types (const u32*, u64, u32, const u32*, u32, u32*,
         // u32*).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -302,7 +302,8 @@ impl Moe {
         // perm[p] (N·k checked), x row perm[p]/k < N (perm holds flat indices < N·k), writes out
         // row p (N·k·H checked); types (const float*, const u32*, const u32*, u32, u32, u64,
         // float*).
-        unsafe { b.launch(Self::rows_cfg(n * k)) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, Self::rows_cfg(n * k)) }
+            .map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -349,7 +350,8 @@ impl Moe {
             .arg(out);
         // SAFETY: as `gather`, with u16 output rows (N·k·H checked); types (const float*,
         // const u32*, const u32*, u32, u32, u64, u16*).
-        unsafe { b.launch(Self::rows_cfg(n * k)) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, Self::rows_cfg(n * k)) }
+            .map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -395,7 +397,8 @@ impl Moe {
             .arg(out);
         // SAFETY: as `gather`, with u16 input and output rows (N·H and N·k·H checked); types
         // (const u16*, const u32*, const u32*, u32, u32, u64, u16*).
-        unsafe { b.launch(Self::rows_cfg(n * k)) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, Self::rows_cfg(n * k)) }
+            .map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -499,7 +502,7 @@ impl Moe {
         // < H (N·k·H checked), reads residual[t·H + j] when given (N·H checked) and writes
         // out[t·H + j], j < H (N·H checked); types (const float*, const float*, const u32*,
         // float*, u32, u64, const float* or a null pointer as a u64 the kernel tests).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -532,7 +535,7 @@ impl Moe {
         b.arg(dg).arg(row_of).arg(dx).arg(&k32).arg(&h64);
         // SAFETY: as `combine` (dg in place of y, no weights); types (const float*,
         // const u32*, float*, u32, u64).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -605,7 +608,7 @@ impl Moe {
         // row_of[ts], weights[ts] (N·k checked), dout row ts/k < N (N·H checked), y and dy row
         // row_of[ts] < N·k (N·k·H checked; invalid rows skipped) and writes dweights[ts];
         // types (const float* ×3, const u32*, float*, float*, u64, u32, u64).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 }

@@ -137,7 +137,7 @@ impl Norm {
         // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
         // and rstd[r]; every buffer holds at least that (checked above); argument types match
         // (const float*, const float*, float*, float*, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -167,7 +167,7 @@ impl Norm {
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
         // const float*, u16*, float*, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -204,7 +204,7 @@ impl Norm {
         b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
         // (const float*, const float*, float*, u16*, float*, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -260,7 +260,7 @@ impl Norm {
         // buffer holds at least that (checked above); argument types match (float*, const
         // float*, const float*, float*, u16* — a missing output passed as a 0 u64 — float*,
         // u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 
@@ -314,7 +314,7 @@ impl Norm {
         b.arg(dy).arg(x).arg(w).arg(rstd).arg(&mut *dx).arg(&d32);
         // SAFETY: block r < rows reads dy, x rows r (rows·d checked), w[..d], rstd[r] and
         // writes dx row r (rows·d checked); types match (4 × const float*, float*, u32).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
 
         let rpc = rows_per_chunk(rows);
         let chunks = rows.div_ceil(rpc);
@@ -337,7 +337,7 @@ impl Norm {
         // SAFETY: thread (column j < d, chunk c < chunks) reads dy, x at rows of chunk c (all
         // < rows, rows·d checked) and rstd of those rows, and writes scratch[c·d + j]
         // (chunks·d checked via backward_scratch_len); chunks ≤ 65 535 by rows_per_chunk.
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
 
         let cfg = LaunchConfig {
             grid_dim: (col_blocks, 1, 1),
@@ -349,7 +349,7 @@ impl Norm {
         b.arg(&partial).arg(dw).arg(&chunks32).arg(&d32);
         // SAFETY: thread j < d reads scratch[c·d + j] for c < chunks (checked) and updates
         // dw[j] (d checked); types match (const float*, float*, u32, u32).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }

@@ -163,7 +163,7 @@ impl Optim {
         // p_bf16[i] only when a copy of ≥ n elements was given (write_bf16 = 1; the stand-in
         // is never written), reads grad_scale[0] (≥ 1, checked); the argument list matches
         // the kernel's (five pointers, i32, pointer, u64, eight f32).
-        unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -247,7 +247,7 @@ impl Optim {
             b.arg(x).arg(&n64).arg(&mut dst);
             // SAFETY: grid-stride over i < n reads x[i] (≥ n, checked); block k < nb writes
             // dst[k] (nb elements).
-            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             off += nb;
         }
         let mut norm: CudaSlice<f64> = g.zeros(1)?;
@@ -267,7 +267,7 @@ impl Optim {
             .arg(&mut scale);
         // SAFETY: one block reads partial[0..np) (np = total_blocks ≤ its length) and writes
         // norm[0], scale[0] (one element each).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(GradNorm { norm, scale })
     }
 
@@ -291,7 +291,7 @@ impl Optim {
         let mut b = self.gpu.stream().launch_builder(&self.scale);
         b.arg(x).arg(scale).arg(&n64);
         // SAFETY: grid-stride over i < n reads/writes x[i] (≥ n, checked), reads scale[0].
-        unsafe { b.launch(grid(n)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }

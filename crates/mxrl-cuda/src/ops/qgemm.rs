@@ -681,7 +681,7 @@ impl QGemm {
         // k % 32 == 0), other threads load nothing and store nothing; the grid covers rows·k/8
         // threads in whole blocks of 256 (every warp complete for the shuffles). Argument
         // types match (const float*, u16*, u64).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -772,7 +772,7 @@ impl QGemm {
         // share whole 16-blocks), 16-byte aligned (bases checked, rows are 64-byte multiples);
         // amax[r] written by thread 0. Every warp runs the same iterations (shuffles complete).
         // Argument types match (const float*, u16*, float*, u64).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -937,7 +937,7 @@ impl QGemm {
         // [0, R]; lane groups whose columns start at N or beyond load nothing and write
         // nothing, whole warps past N exit before any shuffle. Argument types match (const
         // u16*, const u8*, const u8*, const u32*, float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1009,7 +1009,7 @@ impl QGemm {
         // is read for those rows, w_amax for e < E; lane groups past N load and write
         // nothing, whole warps past N exit before any shuffle. Argument types match (const
         // u16*, const float*, const u8*, const u8*, const float*, const u32*, float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1077,7 +1077,7 @@ impl QGemm {
         // offsets); shared tiles are static; every thread of a block runs the same loop
         // counts, so the barriers are reached by all. Argument types match (const u16*, const
         // u8*, const u8*, const u32*, float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1121,7 +1121,7 @@ impl QGemm {
         // x_amax read at rows < R (R entries), w_amax at e < E (E entries). Argument types
         // match (const u16*, const float*, const u8*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1304,7 +1304,7 @@ impl QGemm {
         // SAFETY: codes holds nc bytes (nc % 4 == 0, 4-byte aligned: read as nc/4 u32 words),
         // scales ns bytes, ok one u32; the grid-stride loops stay below those counts. Argument
         // types match (const u32*, u64, const u8*, u64, u32*).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(g.download(&ok)?[0] == 1)
     }
 
@@ -1329,7 +1329,7 @@ impl QGemm {
         b.arg(&mut general).arg(&mut fast);
         // SAFETY: both outputs hold 135·256 u16; thread (s, c4) writes [s·256 + 4·c4, +4) with
         // s < 135, c4 < 64. Argument types match (u16*, u16*).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok((g.download(&general)?, g.download(&fast)?))
     }
 
@@ -1410,7 +1410,7 @@ impl QGemm {
         // chunks above, by cp.async into the dynamic shared memory that frag_grid sizes with
         // staged_smem_bytes; every thread reaches every barrier of the step loop. Argument
         // types match (const u16*, const u8*, const u8*, const u32*, float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1485,7 +1485,7 @@ impl QGemm {
         // entries), w_amax at e < E (E entries); the staged layout as there. Argument types
         // match (const u16*, const float*, const u8*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1553,7 +1553,7 @@ impl QGemm {
         // below K, and writes y at those rows, columns < N; barriers and shared memory as
         // grouped_nt_frag_mxfp8. Argument types match (const u16*, const u8*, const u8*,
         // const u32*, float*, u32 × 4): device pointers of u16 buffers passed as bytes.
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1603,7 +1603,7 @@ impl QGemm {
         // multiples of 4 elements) and scales[w] — and a warp past the last block returns
         // whole (every shuffle complete). Argument types match (const float*, u16*, float*,
         // u64, int).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1707,7 +1707,7 @@ impl QGemm {
         // loops (bounds from offsets, blockIdx.z and K), so every barrier is reached by all.
         // Argument types match (const u16*, const float*, const u8*, const float*, const u32*,
         // float*, u32 × 4).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -1894,7 +1894,7 @@ impl QGemm {
         // block would; missing weights have N = 0 and no blocks. Shared memory as checked (≤
         // STAGED_SMEM_MAX, allowed at load). Argument types match (const u16*, const float*,
         // then three × (const u8*, const float*, float*, u32), const u32*, u32, u32).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -2016,7 +2016,7 @@ impl QGemm {
         // aligned; thread t < len/8 reads codes of elements 8t .. 8t+8 and scale byte
         // 8t / block, writes out[8t .. 8t+8]; other threads return. Argument types match
         // (const u8*, const u8*, u16*, u64).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -2063,7 +2063,7 @@ impl QGemm {
         // scans offsets[e], offsets[e+1] for e < E, reads x_amax[r] and w_amax[owner < E] and
         // rewrites y[r·N .. r·N + N]. Argument types match (float*, const float*, const
         // float*, const u32*, u32 × 3).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 }

@@ -878,7 +878,7 @@ impl QLinear {
             // scales[(i / c / 32)·c + i % c] < (r/32)·c = n/32 (held, checked; r % 32 == 0),
             // writes out[i] (n held). Argument types match (const u8*, const u8*, u16*, u64,
             // u64).
-            unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| g.err(e))?;
         }
         Ok(out)
     }
@@ -965,7 +965,7 @@ impl QLinear {
             // ⌈rows/rows_per_amax⌉ (held, checked; rows_per_amax ≥ 1); writes out[i],
             // out[n + i], out[2n + i] (3n held). Argument types match (const u8*, const u8*,
             // const u32*, u16*, u64, u64, u64).
-            unsafe { b.launch(grid(n)) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| g.err(e))?;
         }
         Ok(out)
     }
@@ -1023,11 +1023,14 @@ impl QLinear {
             // the per-row amax of [rows, k]) and writes bits[g] (experts held); 256 threads
             // = the kernel's 8 warp slots. Argument types match (const u32*, u32*, u64).
             unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (experts as u32, 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                })
+                crate::gpu::launch_op(
+                    &mut b,
+                    LaunchConfig {
+                        grid_dim: (experts as u32, 1, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
             }
             .map_err(|e| g.err(e))?;
         }
@@ -1106,7 +1109,8 @@ impl QLinear {
             // 0..rows (built by col_segments from offsets checked against rows), so < rows·cols
             // = n (x holds n, checked; out n). Argument types match (const float*, const u32*,
             // u16*, u64, u64).
-            unsafe { b.launch(grid(segs.count * cols)) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, grid(segs.count * cols)) }
+                .map_err(|e| g.err(e))?;
         }
         Ok(out)
     }

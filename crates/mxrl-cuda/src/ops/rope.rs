@@ -233,7 +233,7 @@ impl Rope {
             // (D ∈ {64, 128, 256}, the entry's D); warps past `items` return whole; no shared
             // memory. Argument types match (float*, float*, const float* × 3, int, float,
             // u32 × 3, const float* × 2, const u32*, u32, const u32*, u32, u16* × 2, u64).
-            unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             return Ok(());
         }
         let cfg = LaunchConfig {
@@ -254,7 +254,7 @@ impl Rope {
         // 1 ≤ len ≤ max_len; shared memory D floats (dynamic) plus 32 (static); blockDim a
         // warp multiple ≤ 256 (block_sum). Argument types match (float*, float*, const float*
         // × 3, int, float, u32 × 3, const float* × 2, const u32*, u32, const u32*, u32, u16* × 2).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
@@ -319,7 +319,7 @@ impl Rope {
         // when pos[t] < max_pos, table entries pos[t]·half + i < max_pos·half (the table's
         // length by construction); types match (float*, 2 × const float*, const u32*, u64,
         // u32, u32, u32, float).
-        unsafe { b.launch(cfg) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }

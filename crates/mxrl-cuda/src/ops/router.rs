@@ -169,7 +169,8 @@ impl Router {
                 // ids/weights row t (N·k checked); shared memory: 2·E words dynamic (≤ 8 KiB) +
                 // sel[256] (k ≤ 256 checked); types (const float*, float*, u32*, float*, u32,
                 // u32, int).
-                unsafe { b.launch(row_cfg(n, e, 2 * e)) }.map_err(|x| self.gpu.err(x))?;
+                unsafe { crate::gpu::launch_op(&mut b, row_cfg(n, e, 2 * e)) }
+                    .map_err(|x| self.gpu.err(x))?;
             }
             DeviceRouteMode::ReplayIds(ids_in) => {
                 check_len(&self.gpu, "router replayed ids", ids_in.len(), n * k)?;
@@ -185,7 +186,8 @@ impl Router {
                 // SAFETY: as Compute, plus ids_in row t (N·k checked); an id ≥ E is never used
                 // as an index (weight NaN); types (const float*, float*, const u32*, u32*,
                 // float*, u32, u32, int).
-                unsafe { b.launch(row_cfg(n, e, e)) }.map_err(|x| self.gpu.err(x))?;
+                unsafe { crate::gpu::launch_op(&mut b, row_cfg(n, e, e)) }
+                    .map_err(|x| self.gpu.err(x))?;
             }
             DeviceRouteMode::ReplayFull(ids_in, w_in) => {
                 check_len(&self.gpu, "router replayed ids", ids_in.len(), n * k)?;
@@ -201,7 +203,8 @@ impl Router {
                     .arg(&k32);
                 // SAFETY: as ReplayIds, plus w_in row t (N·k checked); types (const float*,
                 // float*, const u32*, const float*, u32*, float*, u32, u32).
-                unsafe { b.launch(row_cfg(n, e, e)) }.map_err(|x| self.gpu.err(x))?;
+                unsafe { crate::gpu::launch_op(&mut b, row_cfg(n, e, e)) }
+                    .map_err(|x| self.gpu.err(x))?;
             }
         }
         Ok(())
@@ -283,7 +286,8 @@ impl Router {
         // E: N·E checked; read only when present) and writes dlogits row t (N·E checked); ids
         // ≥ E are skipped; dynamic shared memory 2·E floats; types (const float*, const u32*,
         // const float* ×3, u64, float*, u32, u32, int, int, int).
-        unsafe { b.launch(row_cfg(n, e, 2 * e)) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, row_cfg(n, e, 2 * e)) }
+            .map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -313,7 +317,7 @@ impl Router {
         b.arg(psum).arg(counts).arg(&e32);
         // SAFETY: writes psum[x], counts[x] for x < E (both checked); types (double*, double*,
         // u32).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -359,7 +363,7 @@ impl Router {
         // SAFETY: thread (x < E, y) reads probs[t·E + x] for t < N (N·E checked) and, for y = 0,
         // offsets[x], offsets[x+1] (E + 1 checked) and psum/counts[x] (E checked); types
         // (const float*, const u32*, u64, u32, double*, double*).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 
@@ -404,7 +408,7 @@ impl Router {
         // SAFETY: one block reads psum/counts[x], writes grad[x] for x < E (checked) and
         // loss[0] (checked); types (const double*, const double*, u32, double, float, float*,
         // float*).
-        unsafe { b.launch(cfg) }.map_err(|x| self.gpu.err(x))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }
 }

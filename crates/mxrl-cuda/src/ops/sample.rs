@@ -167,7 +167,7 @@ impl Sampler {
         // branch never touches it), writes tokens[r] and
         // logprobs[r] (≥ rows, checked); tokens written are < v. Argument types match
         // (ptr, u64, i32, f32, u64, f32, u64, u64, ptr, ptr, ptr).
-        unsafe { b.launch(cfg) }.map_err(|e| g.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 }

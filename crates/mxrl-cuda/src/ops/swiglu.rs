@@ -94,14 +94,16 @@ impl Swiglu {
                 // SAFETY: row r < rows, column j < F reads gu[r·2F + j] and gu[r·2F + F + j]
                 // (< 2·rows·F, checked) and writes h[r·F + j] (rows·F checked); argument types
                 // match the kernel's (const float*, float*, u64, u64).
-                unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
+                unsafe { crate::gpu::launch_op(&mut b, grid(rows)) }
+                    .map_err(|e| self.gpu.err(e))?;
             }
             Some(hb) => {
                 let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
                 b.arg(gu).arg(h).arg(hb).arg(&r64).arg(&f64_);
                 // SAFETY: as above, plus hb[r·F + j] (rows·F checked); (const float*, float*, u16*,
                 // u64, u64).
-                unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
+                unsafe { crate::gpu::launch_op(&mut b, grid(rows)) }
+                    .map_err(|e| self.gpu.err(e))?;
             }
         }
         Ok(())
@@ -135,7 +137,7 @@ impl Swiglu {
         // SAFETY: row r < rows, column j < F reads dh[r·F + j] (rows·F checked), gu[r·2F + j] and
         // gu[r·2F + F + j] and writes dgu at the same two offsets (2·rows·F checked); types
         // (const float*, const float*, float*, u64, u64).
-        unsafe { b.launch(grid(rows)) }.map_err(|e| self.gpu.err(e))?;
+        unsafe { crate::gpu::launch_op(&mut b, grid(rows)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }
