@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::gpu::Gpu;
-use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
+use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedOp, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
 use mxrl_tensor::precision::round_bf16;
 use mxrl_tensor::tolerance::{
@@ -367,6 +367,146 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
                     &want,
                     &bound,
                 );
+            }
+        }
+    }
+}
+
+/// The per-expert GEMMs as one grouped cuBLAS call: forward and dgrad against the per-expert
+/// references (rows of no expert untouched: NaN stays NaN), wgrad accumulated per expert with
+/// empty experts' dW left bit for bit as they were; a bad offset table is refused.
+#[test]
+fn grouped_cublas_call_matches_reference() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let (n, k) = (s.n, s.k);
+        let off = offsets_of(&c.counts);
+        let x = bf16_values(s.rows * k, seed * 11 + 1);
+        let w = bf16_values(s.experts * n * k, seed * 11 + 2);
+        let dy = bf16_values(s.rows * n, seed * 11 + 3);
+        let (dx_, dw_, ddy) = (
+            g.upload(&x.bits).unwrap(),
+            g.upload(&w.bits).unwrap(),
+            g.upload(&dy.bits).unwrap(),
+        );
+        // Forward.
+        let (want, bound) = reference_nt(&c, &x, &w, tensor_core_sum_bound);
+        let mut y = g.upload(&vec![f32::NAN; s.rows * n]).unwrap();
+        ops.grouped_blas(
+            GroupedOp::Nt,
+            &dx_.as_view(),
+            &dw_.as_view(),
+            &mut y.as_view_mut(),
+            &off,
+            s,
+        )
+        .unwrap();
+        let mut got = g.download(&y).unwrap();
+        got.truncate(s.rows * n);
+        assert_grouped(
+            &format!("grouped cuBLAS nt {c:?}"),
+            seed,
+            &got,
+            &want,
+            &bound,
+        );
+        // Dgrad.
+        let mut want = vec![f32::NAN; s.rows * k];
+        let mut bound = vec![0.0f64; s.rows * k];
+        for (e, &rows) in c.counts.iter().enumerate() {
+            let r0 = off[e] as usize;
+            let dye = &dy.f[r0 * n..(r0 + rows) * n];
+            let we = &w.f[e * n * k..(e + 1) * n * k];
+            want[r0 * k..(r0 + rows) * k].copy_from_slice(&matmul_nn(dye, we, rows, n, k));
+            bound[r0 * k..(r0 + rows) * k].copy_from_slice(&gemm_nn_bounds_with(
+                dye,
+                we,
+                rows,
+                n,
+                k,
+                tensor_core_sum_bound,
+            ));
+        }
+        let mut dxo = g.upload(&vec![f32::NAN; s.rows * k]).unwrap();
+        ops.grouped_blas(
+            GroupedOp::Nn,
+            &ddy.as_view(),
+            &dw_.as_view(),
+            &mut dxo.as_view_mut(),
+            &off,
+            s,
+        )
+        .unwrap();
+        let mut got = g.download(&dxo).unwrap();
+        got.truncate(s.rows * k);
+        assert_grouped(
+            &format!("grouped cuBLAS nn {c:?}"),
+            seed,
+            &got,
+            &want,
+            &bound,
+        );
+        // Wgrad, accumulated.
+        let old = mxrl_tensor::gradcheck::test_values(s.experts * n * k, seed * 11 + 4, 5.0);
+        let mut dwo = g.upload(&old).unwrap();
+        ops.grouped_blas(
+            GroupedOp::Tn,
+            &ddy.as_view(),
+            &dx_.as_view(),
+            &mut dwo.as_view_mut(),
+            &off,
+            s,
+        )
+        .unwrap();
+        let got = g.download(&dwo).unwrap();
+        for (e, &rows) in c.counts.iter().enumerate() {
+            let r0 = off[e] as usize;
+            let span = e * n * k..(e + 1) * n * k;
+            let (got_e, old_e) = (&got[span.clone()], &old[span]);
+            if rows == 0 {
+                assert!(
+                    got_e
+                        .iter()
+                        .zip(old_e)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed}: expert {e} has no rows but dW changed"
+                );
+                continue;
+            }
+            let dye = &dy.f[r0 * n..(r0 + rows) * n];
+            let xe = &x.f[r0 * k..(r0 + rows) * k];
+            let sum = matmul_tn(dye, xe, n, rows, k);
+            let want: Vec<f32> = old_e.iter().zip(&sum).map(|(a, b)| a + b).collect();
+            let bound =
+                gemm_tn_bounds_with(dye, xe, Some(old_e), n, rows, k, tensor_core_sum_bound);
+            assert_within(
+                &format!("grouped cuBLAS tn expert {e} of {c:?}"),
+                seed,
+                got_e,
+                &want,
+                &bound,
+            );
+        }
+        // A decreasing offset table is refused with the table in the message.
+        let mut bad = off.clone();
+        if bad.len() > 2 {
+            let last = bad.len() - 1;
+            bad.swap(1, last);
+            if bad.windows(2).any(|w| w[0] > w[1]) {
+                let e = ops
+                    .grouped_blas(
+                        GroupedOp::Nt,
+                        &dx_.as_view(),
+                        &dw_.as_view(),
+                        &mut y.as_view_mut(),
+                        &bad,
+                        s,
+                    )
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("expert offsets"), "{e}");
             }
         }
     }

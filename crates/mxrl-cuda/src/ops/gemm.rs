@@ -43,6 +43,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_gemm.cu");
 
+/// The three products of a grouped linear ([`Gemm::grouped_blas`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupedOp {
+    /// Forward `Y = X · Wᵀ`.
+    Nt,
+    /// Dgrad `dX = dY · W`.
+    Nn,
+    /// Wgrad `dW += dYᵀ · X`.
+    Tn,
+}
+
 /// Block tile of the tensor-core grouped kernels (output rows × output columns; the kernels
 /// `*_t64` / `*_t128` / `*_t32x128` of the source).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,6 +493,162 @@ impl Gemm {
         // Row-major dW[n,k] is column-major dWᶜ[k,n] = xᶜ·dyᶜᵀ: x's buffer is column-major
         // [k,m] (ld k), dy's is column-major [n,m] (ld n), taken transposed to [m,n].
         self.gemm_ex(false, true, (k, n, m), x, k, dy, n, dw, k, 1.0)
+    }
+
+    /// Every non-empty expert's GEMM of a grouped op in **one** cuBLAS call
+    /// (`cublasGemmGroupedBatchedEx`: one group per expert, host-side shapes from the host copy
+    /// of the expert offsets, device arrays of the operand addresses): the products of
+    /// [`Self::dense_nt`] (`Nt`: `a` = X `[R, k]`, `b` = W `[E, n, k]`, `c` = Y `[R, n]`
+    /// overwritten), [`Self::dense_nn`] (`Nn`: `a` = dY `[R, n]`, `b` = W, `c` = dX `[R, k]`
+    /// overwritten) and [`Self::dense_tn`] (`Tn`: `a` = dY, `b` = X `[R, k]`, `c` = dW
+    /// `[E, n, k]` accumulated) for each expert, without a host call per expert. Rows of no
+    /// expert and empty experts' outputs are left as they are. Reference, per expert: the
+    /// dense op's.
+    ///
+    /// # Errors
+    /// Offsets that are not `E + 1` non-decreasing values within `R`, short buffers, sizes
+    /// beyond cuBLAS' i32 range; cuBLAS errors.
+    pub fn grouped_blas(
+        &self,
+        op: GroupedOp,
+        a: &CudaView<'_, u16>,
+        b: &CudaView<'_, u16>,
+        c: &mut CudaViewMut<'_, f32>,
+        offsets: &[u32],
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let (e, r, n, k) = (s.experts, s.rows, s.n, s.k);
+        if offsets.len() != e + 1
+            || offsets.windows(2).any(|w| w[0] > w[1])
+            || offsets[e] as usize > r
+        {
+            return Err(g.err(format!(
+                "grouped cuBLAS: expert offsets {offsets:?} for {e} experts and {r} rows"
+            )));
+        }
+        let (a_cols, b_len, c_len) = match op {
+            GroupedOp::Nt => (k, e * n * k, r * n),
+            GroupedOp::Nn => (n, e * n * k, r * k),
+            GroupedOp::Tn => (n, r * k, e * n * k),
+        };
+        check_len(g, "grouped cuBLAS a", a.len(), mul(g, "a", r, a_cols)?)?;
+        check_len(g, "grouped cuBLAS b", b.len(), b_len)?;
+        check_len(g, "grouped cuBLAS c", c.len(), c_len)?;
+        let stream = g.stream();
+        let (pa, _ra) = a.device_ptr(stream);
+        let (pb, _rb) = b.device_ptr(stream);
+        let (pc, _rc) = c.device_ptr_mut(stream);
+        let (tn, tt) = (
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+        );
+        // Per group (= non-empty expert): shapes, leading dimensions, scalars, operand addresses.
+        let mut ta = Vec::new();
+        let mut tb = Vec::new();
+        let (mut ms, mut ns, mut ks) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut lda, mut ldb, mut ldc) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut alpha, mut beta) = (Vec::new(), Vec::new());
+        let (mut aa, mut bb, mut cc) = (Vec::<u64>::new(), Vec::<u64>::new(), Vec::<u64>::new());
+        let el = |base: u64, i: usize, bytes: u64| base + i as u64 * bytes;
+        for x in 0..e {
+            let (lo, hi) = (offsets[x] as usize, offsets[x + 1] as usize);
+            let rows = hi - lo;
+            if rows == 0 || n == 0 || k == 0 {
+                continue;
+            }
+            let w = el(pb, x * n * k, 2);
+            // Column-major views as in dense_nt / dense_nn / dense_tn.
+            let (t, (m_, n_, k_), (pa_, la), (pb_, lb), (pc_, lc), be) = match op {
+                GroupedOp::Nt => (
+                    (tt, tn),
+                    (n, rows, k),
+                    (w, k),
+                    (el(pa, lo * k, 2), k),
+                    (el(pc, lo * n, 4), n),
+                    0.0f32,
+                ),
+                GroupedOp::Nn => (
+                    (tn, tn),
+                    (k, rows, n),
+                    (w, k),
+                    (el(pa, lo * n, 2), n),
+                    (el(pc, lo * k, 4), k),
+                    0.0,
+                ),
+                GroupedOp::Tn => (
+                    (tn, tt),
+                    (k, n, rows),
+                    (el(pb, lo * k, 2), k),
+                    (el(pa, lo * n, 2), n),
+                    (el(pc, x * n * k, 4), k),
+                    1.0,
+                ),
+            };
+            ta.push(t.0);
+            tb.push(t.1);
+            ms.push(dim_i32(g, "m", m_)?);
+            ns.push(dim_i32(g, "n", n_)?);
+            ks.push(dim_i32(g, "k", k_)?);
+            lda.push(dim_i32(g, "lda", la)?);
+            ldb.push(dim_i32(g, "ldb", lb)?);
+            ldc.push(dim_i32(g, "ldc", lc)?);
+            alpha.push(1.0f32);
+            beta.push(be);
+            aa.push(pa_);
+            bb.push(pb_);
+            cc.push(pc_);
+        }
+        let groups = ta.len();
+        if groups == 0 {
+            return Ok(());
+        }
+        let sizes = vec![1i32; groups];
+        // The address arrays on the device (freed in stream order after the call's kernels).
+        let (da, db, dc) = (g.upload(&aa)?, g.upload(&bb)?, g.upload(&cc)?);
+        let (pda, _x) = da.device_ptr(stream);
+        let (pdb, _y) = db.device_ptr(stream);
+        let (pdc, _z) = dc.device_ptr(stream);
+        g.ctx()
+            .bind_to_thread()
+            .map_err(|x| g.err(format!("bind context: {x:?}")))?;
+        let blas = self.blas.lock().expect("cuBLAS handle poisoned");
+        // SAFETY: the handle is live and bound to this stream; every per-group array holds
+        // `groups` entries and lives through the call (host arrays, pointer mode host); the
+        // address arrays hold `groups` device addresses inside a, b, c at offsets within the
+        // lengths checked above (each expert's rows lie in [0, R), weights in [0, E·n·k)); the
+        // outputs of different groups do not overlap (disjoint row ranges / experts) and c is
+        // exclusively borrowed.
+        let st = unsafe {
+            blas_sys::cublasGemmGroupedBatchedEx(
+                *blas.handle.handle(),
+                ta.as_ptr(),
+                tb.as_ptr(),
+                ms.as_ptr(),
+                ns.as_ptr(),
+                ks.as_ptr(),
+                alpha.as_ptr() as *const _,
+                pda as *const *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                lda.as_ptr(),
+                pdb as *const *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ldb.as_ptr(),
+                beta.as_ptr() as *const _,
+                pdc as *const *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                ldc.as_ptr(),
+                dim_i32(g, "groups", groups)?,
+                sizes.as_ptr(),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        if st != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(g.err(format!(
+                "cublasGemmGroupedBatchedEx ({op:?}, {groups} groups): {st:?}"
+            )));
+        }
+        Ok(())
     }
 
     fn zero(&self, y: &mut CudaViewMut<'_, f32>, len: usize) -> Result<(), DeviceError> {
