@@ -2,7 +2,7 @@
 # Runs on the GPU machine (built by scripts/device_build.sh): every CUDA test binary, then the
 # transformers baseline, `mxrl bench model` and the GEMM benchmark in the same call. All logs
 # go to $OUT/device.log (one file: the device tool returns few files); JSON results beside it.
-# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [pdl] [experts] [ablation]
+# Usage: scripts/device_run.sh [tests] [hf] [bench] [trainq] [gemm] [qgemm] [quant] [attn] [headops] [rl] [rlq] [clients] [staged] [fixed] [pdl] [ablation]
 #   (default: tests hf bench). The steps run in the order named (`hf` before `bench` for its
 #   ratios), so the one that matters most can go first.
 #   staged (after `scripts/device_build.sh staged`): the low-byte expert and linear kernels in
@@ -13,8 +13,6 @@
 #   at real width with every block-format decode recipe.
 #   fixed: decode of every block-format recipe on the fixed 2.63 B config (batch 1/32/128).
 #   pdl: BF16 decode on the fixed config under each MXRL_GRAPH_PDL mode (off, ops, all).
-#   experts: the BF16 training step with each routed-expert GEMM path (grouped kernels, cuBLAS
-#   per expert, one grouped cuBLAS call).
 #   ablation: the real-width ablation (see its step below; ABLATION_OUT, ABLATION_LIMIT and
 #   scripts/ablation-gpu-real.sh's own variables).
 set -uo pipefail
@@ -202,20 +200,6 @@ step_pdl() {
       --batches 1,8,32,128 --json-out "$out/bench-pdl-$mode.json" >>"$log" 2>&1
     summary+=("bench_model_pdl_$mode rc=$?")
     sed -n "/===== bench model pdl $mode/,\$p" "$log" | grep -E '^\| decode|programmatic' | sort -u | head -12
-  done
-}
-step_experts() {
-  # The BF16 training step on the fixed config with the routed-expert GEMMs as the one-launch
-  # grouped kernels (default), one cuBLAS call per expert, and one grouped cuBLAS call per
-  # projection (cublasGemmGroupedBatchedEx), one run each, in the same call.
-  for v in "tiled:" "per-expert:--per-expert-rows 0" "grouped:--per-expert-rows 0 --expert-blas-grouped"; do
-    name=${v%%:*}
-    read -ra flags <<<"${v#*:}"
-    echo "===== bench model experts $name" >>"$log"
-    timeout "$(lim 150)" .dev/mxrl bench model --device cuda --batches 1 --steps 2 --prefill 16 \
-      --reps 1 --train-steps 4 "${flags[@]}" --json-out "$out/bench-experts-$name.json" >>"$log" 2>&1
-    summary+=("bench_model_experts_$name rc=$?")
-    sed -n "/===== bench model experts $name/,\$p" "$log" | grep -E 'train step|^\| training' | tail -3 | sed "s/^/$name: /"
   done
 }
 step_ablation() {

@@ -547,25 +547,6 @@ int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha
     submit(((Blas*)h)->stream, [=] { gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, C, ct, ldc); }, "cublasGemmEx");
     return 0;
 }
-// Every problem of every group as one cublasGemmEx (per-group arrays on the host, the
-// operand pointer arrays in "device" memory, which is host memory here), in order.
-int cublasGemmGroupedBatchedEx(void* h, const int* ta, const int* tb, const int* m, const int* n, const int* k,
-                               const void* alpha, const void* const* A, int at, const int* lda,
-                               const void* const* B, int bt, const int* ldb, const void* beta, void* const* C,
-                               int ct, const int* ldc, int groups, const int* group_size, int) {
-    int p = 0;
-    for (int g = 0; g < groups; ++g)
-        for (int i = 0; i < group_size[g]; ++i, ++p) {
-            const float al = ((const float*)alpha)[g], be = ((const float*)beta)[g];
-            const int ta_ = ta[g], tb_ = tb[g], m_ = m[g], n_ = n[g], k_ = k[g];
-            const int lda_ = lda[g], ldb_ = ldb[g], ldc_ = ldc[g];
-            const void *a = A[p], *b = B[p];
-            void* c = C[p];
-            submit(((Blas*)h)->stream, [=] { gemm(ta_, tb_, m_, n_, k_, al, a, at, lda_, b, bt, ldb_, be, c, ct, ldc_); },
-                   "cublasGemmGroupedBatchedEx");
-        }
-    return 0;
-}
 int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* alpha, const float* A, int lda,
                    const float* B, int ldb, const float* beta, float* C, int ldc) {
     const float al = *alpha, be = *beta;

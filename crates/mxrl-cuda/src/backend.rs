@@ -15,7 +15,7 @@ use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
 use crate::ops::embed_backward::{EmbedBackward, EmbedGrouping};
 use crate::ops::engine::EngineOps;
-use crate::ops::gemm::{Gemm, Grouped, GroupedOp};
+use crate::ops::gemm::{Gemm, Grouped};
 use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK};
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
@@ -163,8 +163,6 @@ pub struct CudaBackend {
     /// Average rows per expert from which the routed-expert GEMMs run one cuBLAS call per
     /// expert ([`PER_EXPERT_ROWS`] unless set by [`CudaBackend::set_per_expert_rows`]).
     per_expert_rows: Cell<usize>,
-    /// The per-expert GEMMs as one grouped cuBLAS call ([`CudaBackend::set_expert_blas_grouped`]).
-    expert_blas_grouped: Cell<bool>,
 }
 
 impl CudaBackend {
@@ -197,7 +195,6 @@ impl CudaBackend {
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
-            expert_blas_grouped: Cell::new(false),
             gpu,
         })
     }
@@ -212,13 +209,6 @@ impl CudaBackend {
     /// the grouped kernels). Both give the same products, summed in another order.
     pub fn set_per_expert_rows(&self, rows: usize) {
         self.per_expert_rows.set(rows);
-    }
-
-    /// Whether the per-expert cuBLAS GEMMs (see [`CudaBackend::set_per_expert_rows`]) run as
-    /// one `cublasGemmGroupedBatchedEx` call per projection ([`Gemm::grouped_blas`]) instead
-    /// of one call per expert: the same products, one host call instead of ~64.
-    pub fn set_expert_blas_grouped(&self, on: bool) {
-        self.expert_blas_grouped.set(on);
     }
 
     /// `cuda:N (name)`.
@@ -1504,25 +1494,6 @@ impl Backend for CudaBackend {
         y: &mut Self::F32,
     ) -> DResult<()> {
         if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
-            if self.expert_blas_grouped.get() {
-                let s = Grouped {
-                    experts,
-                    rows,
-                    n,
-                    k,
-                };
-                return self
-                    .gemm
-                    .grouped_blas(
-                        GroupedOp::Nt,
-                        &x.as_view(),
-                        &w.as_view(),
-                        &mut y.as_view_mut(),
-                        &offs,
-                        s,
-                    )
-                    .map_err(de);
-            }
             for e in 0..experts {
                 let (a, b) = (offs[e] as usize, offs[e + 1] as usize);
                 if a == b {
@@ -2061,35 +2032,6 @@ impl Backend for CudaBackend {
     ) -> DResult<()> {
         let dyb = self.bf16(dy, rows * n)?;
         if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
-            if self.expert_blas_grouped.get() {
-                let s = Grouped {
-                    experts,
-                    rows,
-                    n,
-                    k,
-                };
-                self.gemm
-                    .grouped_blas(
-                        GroupedOp::Tn,
-                        &dyb.as_view(),
-                        &x.as_view(),
-                        &mut dw.as_view_mut(),
-                        &offs,
-                        s,
-                    )
-                    .map_err(de)?;
-                return self
-                    .gemm
-                    .grouped_blas(
-                        GroupedOp::Nn,
-                        &dyb.as_view(),
-                        &w.as_view(),
-                        &mut dx.as_view_mut(),
-                        &offs,
-                        s,
-                    )
-                    .map_err(de);
-            }
             for e in 0..experts {
                 let (a, b) = (offs[e] as usize, offs[e + 1] as usize);
                 if a == b {

@@ -94,10 +94,6 @@ pub struct ModelArgs {
     /// per expert (0 = always; by default never: the one-launch grouped kernels).
     #[arg(long)]
     per_expert_rows: Option<usize>,
-    /// CUDA: those per-expert cuBLAS GEMMs as one grouped cuBLAS call per projection
-    /// (`cublasGemmGroupedBatchedEx`) instead of one call per expert.
-    #[arg(long)]
-    expert_blas_grouped: bool,
     /// JSON written by `scripts/bench_hf.py` in the same run: print the ratios to it.
     #[arg(long)]
     hf_json: Option<PathBuf>,
@@ -232,7 +228,6 @@ fn cuda(cfg: &ModelConfig, a: &ModelArgs, max_pos: usize) -> Result<Results> {
     if let Some(r) = a.per_expert_rows {
         b.set_per_expert_rows(r);
     }
-    b.set_expert_blas_grouped(a.expert_blas_grouped);
     let copy = b.copy_bandwidth_gbps(1 << 30)?;
     eprintln!(
         "{}: device copy {copy:.0} GB/s; building the model on the device ...",
