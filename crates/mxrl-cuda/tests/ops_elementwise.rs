@@ -29,18 +29,44 @@ fn to_bf16_matches_round_bf16_on_every_class() {
         -3.4e38,
         1.0039062,
     ]);
-    let n = x.len();
     let dx = g.upload(&x).unwrap();
-    let mut out = g.zeros::<u16>(n).unwrap();
-    ops.to_bf16(&dx.as_view(), &mut out.as_view_mut(), n)
+    // Whole buffers (eight elements per thread, 16-byte accesses) and views at offsets that
+    // are not 16-byte aligned (element by element); lengths that leave a partial last group.
+    // Outputs start as 0xFFFF so that a skipped element fails, and past the length must stay.
+    for (x_off, out_off, n) in [
+        (0, 0, x.len()),
+        (0, 0, 8),
+        (0, 0, 13),
+        (3, 0, 1001),
+        (0, 5, 1001),
+        (8, 8, x.len() - 8),
+    ] {
+        let mut out = g.upload(&vec![0xFFFFu16; n + out_off + 3]).unwrap();
+        ops.to_bf16(
+            &dx.slice(x_off..x_off + n),
+            &mut out.slice_mut(out_off..out_off + n),
+            n,
+        )
         .unwrap();
-    let got = g.download(&out).unwrap();
-    for (i, (&b, &v)) in got.iter().zip(&x).enumerate() {
-        let want = round_bf16(v);
-        let gv = f32::from_bits((b as u32) << 16);
+        let got = g.download(&out).unwrap();
+        for (i, (&b, &v)) in got[out_off..out_off + n]
+            .iter()
+            .zip(&x[x_off..x_off + n])
+            .enumerate()
+        {
+            let want = round_bf16(v);
+            let gv = f32::from_bits((b as u32) << 16);
+            assert!(
+                gv.to_bits() == want.to_bits() || (gv.is_nan() && want.is_nan()),
+                "offsets ({x_off}, {out_off}), n {n}: [{i}] {v:e}: gpu {gv:e}, cpu {want:e}"
+            );
+        }
         assert!(
-            gv.to_bits() == want.to_bits() || (gv.is_nan() && want.is_nan()),
-            "[{i}] {v:e}: gpu {gv:e}, cpu {want:e}"
+            got[..out_off]
+                .iter()
+                .chain(&got[out_off + n..])
+                .all(|&b| b == 0xFFFF),
+            "offsets ({x_off}, {out_off}), n {n}: written outside the view"
         );
     }
 }
