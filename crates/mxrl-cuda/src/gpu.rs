@@ -47,7 +47,7 @@ pub enum GraphPdl {
 /// [`set_graph_pdl`]'s choice, ahead of `MXRL_GRAPH_PDL`.
 static GRAPH_PDL: Mutex<Option<GraphPdl>> = Mutex::new(None);
 /// (op kernels entered by a programmatic edge, op kernels) of the graph recorded last in this
-/// process.
+/// process; both 0 when it was recorded with [`GraphPdl::Off`] (nothing is counted then).
 static LAST_GRAPH_EDGES: Mutex<(usize, usize)> = Mutex::new((0, 0));
 
 /// Sets the [`GraphPdl`] mode of graphs recorded from now on in this process (`None`: back to
@@ -57,7 +57,7 @@ pub fn set_graph_pdl(mode: Option<GraphPdl>) {
 }
 
 /// (op kernels entered by a programmatic edge, op kernels) of the graph this process recorded
-/// last.
+/// last; both 0 when it was recorded with [`GraphPdl::Off`] (nothing is counted then).
 pub fn last_graph_edges() -> (usize, usize) {
     *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned")
 }
@@ -101,7 +101,8 @@ impl DeviceGraph {
         unsafe { cudarc::driver::sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()
     }
 
-    /// Op kernels entered by a programmatic edge, and all op kernels of the graph.
+    /// Op kernels entered by a programmatic edge, and all op kernels of the graph (both 0
+    /// for a graph recorded with [`GraphPdl::Off`]: nothing is counted then).
     pub fn programmatic_edges(&self) -> (usize, usize) {
         (self.programmatic, self.kernels)
     }
