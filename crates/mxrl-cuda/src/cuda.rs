@@ -1126,10 +1126,15 @@ impl CudaDevice {
                     (0, InputView::Bf16(_)) => NVFP4_ROW_CHUNKS_DEFAULT.1,
                     (c, _) => c,
                 };
-                let (f32_fn, bf16_fn) = &self.k.nvfp4_row_reg[NVFP4_ROW_CHUNKS
+                let variant = NVFP4_ROW_CHUNKS
                     .iter()
                     .position(|&c| c == chunks)
-                    .unwrap_or(2)];
+                    .ok_or_else(|| {
+                        self.err(format!(
+                            "per-row NVFP4 kernel with {chunks} blocks per thread is not compiled"
+                        ))
+                    })?;
+                let (f32_fn, bf16_fn) = &self.k.nvfp4_row_reg[variant];
                 let func = match x {
                     InputView::F32(_) => f32_fn,
                     InputView::Bf16(_) => bf16_fn,

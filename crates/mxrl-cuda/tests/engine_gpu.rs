@@ -167,6 +167,13 @@ fn gpu_engine_decode_is_deterministic_and_follows_the_cpu_engine() {
     );
 }
 
+/// The tokens fed to decode step `t` of a batch of `batch` sequences (vocabulary `v`).
+fn decode_feed(batch: usize, v: usize, t: usize) -> Vec<u32> {
+    (0..batch)
+        .map(|b| ((t * 13 + b * 7 + 1) % v) as u32)
+        .collect()
+}
+
 /// Decode steps replayed from a recorded device graph give the same bits as the same steps run
 /// op by op (the same kernels on the same buffers), the recording is made on the second step,
 /// and on-device sampling draws exactly what the reference sampler draws from those logits.
@@ -178,11 +185,7 @@ fn gpu_decode_graph_replays_plain_steps_bitwise_and_samples_like_the_reference()
     let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
     let v = config().vocab_size;
     let steps = 10;
-    let feed = |t: usize| -> Vec<u32> {
-        (0..prompts.len())
-            .map(|b| ((t * 13 + b * 7 + 1) % v) as u32)
-            .collect()
-    };
+    let feed = |t: usize| decode_feed(prompts.len(), v, t);
     let run_logits = |g: &Engine<CudaBackend>| {
         let (mut st, z) = g.prefill(&prompts, 40).unwrap();
         let mut all = vec![z];
@@ -252,11 +255,7 @@ fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
     let s = seqs();
     let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
     let v = config().vocab_size;
-    let feed = |t: usize| -> Vec<u32> {
-        (0..prompts.len())
-            .map(|b| ((t * 11 + b * 5 + 2) % v) as u32)
-            .collect()
-    };
+    let feed = |t: usize| decode_feed(prompts.len(), v, t);
     let run = |g: &Engine<CudaBackend>| {
         let (mut st, z) = g.prefill(&prompts, 40).unwrap();
         let mut all = vec![z.iter().map(|x| x.to_bits()).collect::<Vec<_>>()];

@@ -99,6 +99,20 @@ fn quantize_gpu(a: QuantizeArgs) -> Result<()> {
         .map(|(i, v)| v * 2f32.powi((i / cols % 9) as i32 * 4 - 16))
         .collect();
     let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    // One table row: the timing, whether the bytes equal the CPU library's, the ratio.
+    let print_row = |name: &str, t: &mxrl_cuda::QuantizeTiming, same: bool| {
+        println!(
+            "{:<13} {:<5} {:>6} {:>11.3} {:>9.0} {:>10.3} {:>9.0} {:>6.2}",
+            name,
+            t.dtype,
+            if same { "equal" } else { "DIFFER" },
+            t.quantize_ms,
+            t.quantize_gbps(),
+            t.memcpy_ms,
+            t.memcpy_gbps(),
+            t.quantize_gbps() / t.memcpy_gbps()
+        );
+    };
     let schemes = [
         Scheme::MXFP8_ROW,
         Scheme::MXFP8_COL,
@@ -115,17 +129,7 @@ fn quantize_gpu(a: QuantizeArgs) -> Result<()> {
             let cpu = CpuDevice.quantize(input, [rows, cols], scheme)?;
             let same = gpu == cpu;
             let t = dev.time_quantize(input, [rows, cols], scheme, a.iters)?;
-            println!(
-                "{:<13} {:<5} {:>6} {:>11.3} {:>9.0} {:>10.3} {:>9.0} {:>6.2}",
-                t.scheme,
-                t.dtype,
-                if same { "equal" } else { "DIFFER" },
-                t.quantize_ms,
-                t.quantize_gbps(),
-                t.memcpy_ms,
-                t.memcpy_gbps(),
-                t.quantize_gbps() / t.memcpy_gbps()
-            );
+            print_row(&t.scheme, &t, same);
             if !same {
                 bail!(
                     "{scheme} {}: GPU bytes differ from the CPU library",
@@ -148,17 +152,7 @@ fn quantize_gpu(a: QuantizeArgs) -> Result<()> {
             let cpu = CpuDevice.quantize(input, [rows, cols], Scheme::NVFP4_ROW)?;
             let t = dev.time_quantize(input, [rows, cols], Scheme::NVFP4_ROW, a.iters)?;
             let name = format!("nvfp4.row/{chunks}");
-            println!(
-                "{:<13} {:<5} {:>6} {:>11.3} {:>9.0} {:>10.3} {:>9.0} {:>6.2}",
-                name,
-                t.dtype,
-                if gpu == cpu { "equal" } else { "DIFFER" },
-                t.quantize_ms,
-                t.quantize_gbps(),
-                t.memcpy_ms,
-                t.memcpy_gbps(),
-                t.quantize_gbps() / t.memcpy_gbps()
-            );
+            print_row(&name, &t, gpu == cpu);
             if gpu != cpu {
                 dev.set_nvfp4_row_chunks(None)?;
                 bail!("{name} {}: GPU bytes differ from the CPU library", t.dtype);
