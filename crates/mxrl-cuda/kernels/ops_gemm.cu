@@ -31,7 +31,7 @@ __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, 
     lo = min(off[e], hi);
 }
 
-// Maps row tile t (blockIdx.x) to (expert, first row, end row): tiles are numbered expert by
+// Maps row tile t (blockIdx.y) to (expert, first row, end row): tiles are numbered expert by
 // expert, ceil(rows_e / BM) per expert. Warp 0 scans the offsets 32 experts at a time
 // (inclusive warp scan of the tile counts); job[0] = NO_EXPERT when t is a surplus tile.
 template <int BM>
@@ -90,11 +90,6 @@ struct Operand {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    const u32 n = valid ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n)
-                 : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's most recent cp.async groups are still in flight.
 template <int N>
@@ -102,17 +97,19 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
-                 : "memory");
+// ldmatrix .x4 (.trans when TRANS) from the shared byte address `addr`.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
 }
 
 // d += a · b for one m16n8k16 tile (BF16 operands, f32 accumulator).
@@ -124,56 +121,63 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Issues the cp.async copies of one ROWS × GT_K stage of `op` (reduction indices red0 ..
-// red0 + GT_K) into `tile`. ld, out0, out_end (and red_end for MN-contiguous operands) are
-// multiples of 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely
-// outside; K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the
-// wgrad's row reduction, always MN-contiguous.
+// The cp.async copies of one operand, ROWS × GT_K per stage, with every per-thread quantity
+// that does not change from stage to stage computed once (a thread's chunks, their shared-
+// memory offsets and global addresses, the output-index bound): a stage then costs one
+// compare, one pointer advance and one copy per chunk. Chunk v of a stage (v = threadIdx.x +
+// c·THREADS, c < PER) is, K-contiguous, row i = v / VPR, reduction j = (v % VPR)·8 of the tile
+// [ROWS][GT_LD]; MN-contiguous, reduction row j = v / VPR, output i = (v % VPR)·8 of the tile
+// [GT_K][ROWS + 8]. ld, out0, out_end (and red_end for MN-contiguous operands) are multiples of
+// 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely outside;
+// K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the wgrad's
+// row reduction, always MN-contiguous. Invalid chunks are zero-filled (nothing is read).
 template <bool MN, int ROWS, int THREADS>
-__device__ __forceinline__ void issue_stage(u16* tile, const Operand& op, u64 red0) {
-    if (!MN) {
-        constexpr int VPR = GT_K / 8;
-        for (int v = threadIdx.x; v < ROWS * VPR; v += THREADS) {
-            const int i = v / VPR, j = (v % VPR) * 8;
-            const u64 o = op.out0 + i, r = red0 + j;
-            const bool ok = o < op.out_end && r < op.red_end;
-            cp_async16(tile + i * GT_LD + j, ok ? op.p + o * op.ld + r : op.p, ok);
-        }
-    } else {
-        constexpr int VPR = ROWS / 8;
-        for (int v = threadIdx.x; v < GT_K * VPR; v += THREADS) {
-            const int j = v / VPR, i = (v % VPR) * 8;
-            const u64 o = op.out0 + i, r = red0 + j;
-            const bool ok = o < op.out_end && r < op.red_end;
-            cp_async16(tile + j * MN_LD(ROWS) + i, ok ? op.p + r * op.ld + o : op.p, ok);
+struct Loader {
+    static constexpr int VPR = MN ? ROWS / 8 : GT_K / 8;  // 16-byte chunks per tile row
+    static constexpr int CHUNKS = ROWS * GT_K / 8;
+    static constexpr int PER = (CHUNKS + THREADS - 1) / THREADS;
+    const u16* base;      // the operand's first element (the address of zero-filled chunks)
+    const u16* src[PER];  // the chunk's source at the next stage to issue
+    u32 dst[PER];         // byte offset of the chunk in a stage's tile
+    u32 red[PER];         // reduction index of the chunk relative to the stage's first
+    bool out_ok[PER];     // output index inside the operand (and the chunk exists)
+    u64 step;             // elements between two stages' sources
+    u64 red_next;         // first reduction index of the next stage to issue
+    u64 red_end;
+
+    __device__ __forceinline__ void init(const Operand& op, u64 red_lo) {
+        base = op.p;
+        red_next = red_lo;
+        red_end = op.red_end;
+        step = MN ? (u64)GT_K * op.ld : (u64)GT_K;
+#pragma unroll
+        for (int c = 0; c < PER; ++c) {
+            const int v = threadIdx.x + c * THREADS;
+            const int a = v / VPR, b = (v % VPR) * 8;  // (row, column) of the chunk in the tile
+            const int i = MN ? b : a, j = MN ? a : b;  // (output, reduction) index
+            const u64 o = op.out0 + i;
+            out_ok[c] = v < CHUNKS && o < op.out_end;
+            red[c] = (u32)j;
+            dst[c] = (u32)(MN ? (j * MN_LD(ROWS) + i) * 2 : (i * GT_LD + j) * 2);
+            src[c] = out_ok[c] ? (MN ? op.p + (red_lo + j) * op.ld + o : op.p + o * op.ld + red_lo + j) : op.p;
         }
     }
-}
 
-// A fragment (16 output rows from m0, reduction kk .. kk+16) of the mma.m16n8k16 layout
-// (PTX ISA: g = lane / 4, t = lane % 4; regs (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
-// (g+8, 2t+8..)): ldmatrix matrix i ∈ 0..4 covers rows m0 + 8·(i & 1), reduction kk + 8·(i >> 1);
-// lane l supplies row l % 8 of matrix l / 8.
-template <bool MN, int ROWS>
-__device__ __forceinline__ void frag_a(u32* a, const u16* tile, int m0, int kk) {
-    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
-    if (!MN)
-        ldsm_x4(a, tile + (m0 + 8 * (i & 1) + j) * GT_LD + kk + 8 * (i >> 1));
-    else
-        ldsm_x4_trans(a, tile + (kk + 8 * (i >> 1) + j) * MN_LD(ROWS) + m0 + 8 * (i & 1));
-}
-
-// B fragments of two n8 tiles (output columns n0 .. n0+16, reduction kk .. kk+16; regs
-// (k 2t..2t+1, n g), (k 2t+8.., n g)): matrix i covers columns n0 + 8·(i >> 1), reduction
-// kk + 8·(i & 1), so r = {b0[0], b0[1], b1[0], b1[1]}.
-template <bool MN, int ROWS>
-__device__ __forceinline__ void frag_b2(u32* r, const u16* tile, int n0, int kk) {
-    const int lane = threadIdx.x & 31, i = lane >> 3, j = lane & 7;
-    if (!MN)
-        ldsm_x4(r, tile + (n0 + 8 * (i >> 1) + j) * GT_LD + kk + 8 * (i & 1));
-    else
-        ldsm_x4_trans(r, tile + (kk + 8 * (i & 1) + j) * MN_LD(ROWS) + n0 + 8 * (i >> 1));
-}
+    // Issues the next stage into the tile at shared address `tile` and advances.
+    __device__ __forceinline__ void issue(u32 tile) {
+#pragma unroll
+        for (int c = 0; c < PER; ++c) {
+            if (CHUNKS % THREADS != 0 && threadIdx.x + c * THREADS >= CHUNKS) continue;
+            const bool ok = out_ok[c] && red_next + red[c] < red_end;
+            const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst[c]), "l"(ok ? src[c] : base),
+                         "r"(n)
+                         : "memory");
+            if (out_ok[c]) src[c] += step;
+        }
+        red_next += GT_K;
+    }
+};
 
 template <bool MN, int ROWS>
 struct TileSize {
@@ -182,12 +186,13 @@ struct TileSize {
 
 // acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's BM × BN tile, the
 // reduction in stages of GT_K in increasing order (fixed: deterministic). Warp w owns output
-// rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·32 .. +32: MI × 4 mma tiles
-// per k16 step (MI = BM / 32).
-template <int BM, int BN>
+// rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·WNT .. +WNT: MI × NJ mma
+// tiles per k16 step (MI = BM / 32, NJ = WNT / 8).
+template <int BM, int BN, int WNT>
 struct Cfg {
-    static constexpr int WN_WARPS = BN / 32;
+    static constexpr int WN_WARPS = BN / WNT;
     static constexpr int THREADS = 64 * WN_WARPS;
+    static constexpr int NJ = WNT / 8;  // n8 tiles per warp
     static constexpr int WM = BM / 2;
     static constexpr int MI = WM / 16;
     // Stages in flight (dynamic shared memory, GT_STAGES of each operand's tile: 80 KB for
@@ -195,66 +200,94 @@ struct Cfg {
     static constexpr int STAGES = GT_STAGES;
 };
 
-template <int BM, int BN, bool A_MN, bool B_MN>
+template <int BM, int BN, int WNT, bool A_MN, bool B_MN>
 __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
-                                         float acc[Cfg<BM, BN>::MI][4][4]) {
-    typedef Cfg<BM, BN> C;
+                                         float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4]) {
+    typedef Cfg<BM, BN, WNT> C;
     constexpr int S = C::STAGES;
     // S stages of A, then S of B (16-byte multiples each: cp.async destinations stay aligned).
     extern __shared__ __align__(128) u16 gt_smem[];
     constexpr int AE = TileSize<A_MN, BM>::elems, BE = TileSize<B_MN, BN>::elems;
-    u16* const As = gt_smem;
-    u16* const Bs = gt_smem + S * AE;
-    const int warp = threadIdx.x >> 5;
-    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
+    const u32 As = smem_addr(gt_smem), Bs = As + S * AE * 2;  // shared byte addresses
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, li = lane >> 3, lj = lane & 7;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * WNT;
 #pragma unroll
     for (int i = 0; i < C::MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < C::NJ; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    const u64 nk = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
-    if (nk == 0) return;
+    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
+    if (nk64 == 0) return;
+    const u32 nk = (u32)nk64;
+    // This lane's ldmatrix byte offsets within a stage at kk = 0, and the byte step of kk += 16.
+    // A fragment (16 output rows from m0, reduction kk .. kk+16) of the mma.m16n8k16 layout
+    // (PTX ISA: g = lane / 4, t = lane % 4; regs (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+    // (g+8, 2t+8..)): ldmatrix matrix i ∈ 0..4 covers rows m0 + 8·(i & 1), reduction
+    // kk + 8·(i >> 1); lane l supplies row l % 8 of matrix l / 8. B fragments of two n8 tiles
+    // (columns n0 .. n0+16; regs (k 2t..2t+1, n g), (k 2t+8.., n g)): matrix i covers columns
+    // n0 + 8·(i >> 1), reduction kk + 8·(i & 1), so r = {b0[0], b0[1], b1[0], b1[1]}.
+    // MN-contiguous tiles are read with .trans.
+    constexpr u32 A_KK = A_MN ? 16 * MN_LD(BM) * 2 : 16 * 2;
+    constexpr u32 B_KK = B_MN ? 16 * MN_LD(BN) * 2 : 16 * 2;
+    u32 a_off[C::MI], b_off[C::NJ / 2];
+#pragma unroll
+    for (int i = 0; i < C::MI; ++i) {
+        const int m0 = wm + 16 * i;
+        a_off[i] = (u32)(A_MN ? ((8 * (li >> 1) + lj) * MN_LD(BM) + m0 + 8 * (li & 1)) * 2
+                              : ((m0 + 8 * (li & 1) + lj) * GT_LD + 8 * (li >> 1)) * 2);
+    }
+#pragma unroll
+    for (int p = 0; p < C::NJ / 2; ++p) {
+        const int n0 = wn + 16 * p;
+        b_off[p] = (u32)(B_MN ? ((8 * (li & 1) + lj) * MN_LD(BN) + n0 + 8 * (li >> 1)) * 2
+                              : ((n0 + 8 * (li >> 1) + lj) * GT_LD + 8 * (li & 1)) * 2);
+    }
+    Loader<A_MN, BM, C::THREADS> la;
+    Loader<B_MN, BN, C::THREADS> lb;
+    la.init(A, red_lo);
+    lb.init(B, red_lo);
     // Prologue: stages 0 .. S-2, one commit group each (empty when past the end).
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
-        if ((u64)st < nk) {
-            issue_stage<A_MN, BM, C::THREADS>(As + st * AE, A, red_lo + (u64)st * GT_K);
-            issue_stage<B_MN, BN, C::THREADS>(Bs + st * BE, B, red_lo + (u64)st * GT_K);
+        if ((u32)st < nk) {
+            la.issue(As + st * AE * 2);
+            lb.issue(Bs + st * BE * 2);
         }
         cp_async_commit();
     }
-    for (u64 kt = 0; kt < nk; ++kt) {
+    for (u32 kt = 0; kt < nk; ++kt) {
         // Refill the buffer computed in iteration kt - 1 (released by its trailing barrier)
         // with stage kt + S - 1. Group g holds stage g; after this commit groups 0 .. kt+S-1
         // exist, so "at most S - 1 pending" means groups 0 .. kt (stage kt) have landed.
-        const u64 nxt = kt + S - 1;
+        const u32 nxt = kt + S - 1;
         if (nxt < nk) {
-            issue_stage<A_MN, BM, C::THREADS>(As + (nxt % S) * AE, A, red_lo + nxt * GT_K);
-            issue_stage<B_MN, BN, C::THREADS>(Bs + (nxt % S) * BE, B, red_lo + nxt * GT_K);
+            la.issue(As + (nxt % S) * AE * 2);
+            lb.issue(Bs + (nxt % S) * BE * 2);
         }
         cp_async_commit();
         cp_async_wait<S - 1>();
         __syncthreads();
-        const int cur = (int)(kt % S);
+        const u32 cur = kt % S;
+        const u32 a_st = As + cur * AE * 2, b_st = Bs + cur * BE * 2;
 #pragma unroll
-        for (int kk = 0; kk < GT_K; kk += 16) {
-            u32 a[C::MI][4], b[4][2];
+        for (int kk = 0; kk < GT_K / 16; ++kk) {
+            u32 a[C::MI][4], b[C::NJ][2];
 #pragma unroll
-            for (int i = 0; i < C::MI; ++i) frag_a<A_MN, BM>(a[i], As + cur * AE, wm + 16 * i, kk);
+            for (int i = 0; i < C::MI; ++i) ldsm_x4<A_MN>(a[i], a_st + a_off[i] + kk * A_KK);
 #pragma unroll
-            for (int j = 0; j < 4; j += 2) {
+            for (int p = 0; p < C::NJ / 2; ++p) {
                 u32 r[4];
-                frag_b2<B_MN, BN>(r, Bs + cur * BE, wn + 8 * j, kk);
-                b[j][0] = r[0];
-                b[j][1] = r[1];
-                b[j + 1][0] = r[2];
-                b[j + 1][1] = r[3];
+                ldsm_x4<B_MN>(r, b_st + b_off[p] + kk * B_KK);
+                b[2 * p][0] = r[0];
+                b[2 * p][1] = r[1];
+                b[2 * p + 1][0] = r[2];
+                b[2 * p + 1][1] = r[3];
             }
 #pragma unroll
             for (int i = 0; i < C::MI; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
+                for (int j = 0; j < C::NJ; ++j) mma_16816(acc[i][j], a[i], b[j]);
         }
         __syncthreads();  // the next iteration refills this stage's buffers
     }
@@ -264,17 +297,17 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
 // (col_end a multiple of 8, so a column pair is entirely inside or outside). C fragment: regs
 // (g, 2t..2t+1), (g+8, 2t..2t+1). With `accumulate` the stored value is old + acc (one f32
 // addition).
-template <int BM, int BN>
+template <int BM, int BN, int WNT>
 __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
-                                           u64 col_end, const float acc[Cfg<BM, BN>::MI][4][4], bool accumulate) {
-    typedef Cfg<BM, BN> C;
+                                           u64 col_end, const float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4], bool accumulate) {
+    typedef Cfg<BM, BN, WNT> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * 32;
+    const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * WNT;
 #pragma unroll
     for (int i = 0; i < C::MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < C::NJ; ++j) {
             const u64 c = col0 + wn + j * 8 + 2 * t;
             if (c >= col_end) continue;
 #pragma unroll
@@ -294,47 +327,48 @@ __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 
 }
 
 // Forward: y[r, n] = Σ_k x[r, k]·w[e][n, k] for every row r of expert e.
-// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(R/BM) + E, ceil(N/BN)); block
-// x-index = row tile (expert-major), surplus tiles exit.
-template <int BM, int BN>
+// x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(N/BN), ceil(R/BM) + E); block
+// y-index = row tile (expert-major), surplus tiles exit; x-index = column tile, so the blocks
+// of one row tile are launched together and share its activation rows in L2.
+template <int BM, int BN, int WNT>
 __device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const u16* __restrict__ w,
                                                 const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,
                                                 u32 N, u32 K) {
     __shared__ u32 job[3];
-    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
+    locate_row_tile<BM>(off, E, R, blockIdx.y, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 n0 = (u64)blockIdx.y * BN;
+    const u64 n0 = (u64)blockIdx.x * BN;
     const Operand A = {x, K, r0, r1, K};
     const Operand B = {w + e * (u64)N * K, K, n0, N, K};
-    float acc[Cfg<BM, BN>::MI][4][4];
-    mainloop<BM, BN, false, false>(A, B, 0, K, acc);
-    store_tile<BM, BN>(y, N, r0, r1, n0, N, acc, false);
+    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
+    mainloop<BM, BN, WNT, false, false>(A, B, 0, K, acc);
+    store_tile<BM, BN, WNT>(y, N, r0, r1, n0, N, acc, false);
 }
 
 // Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
-// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(R/BM) + E, ceil(K/BN)).
-template <int BM, int BN>
+// dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(K/BN), ceil(R/BM) + E).
+template <int BM, int BN, int WNT>
 __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, const u16* __restrict__ w,
                                                 const u32* __restrict__ off, float* __restrict__ dx, u32 E, u32 R,
                                                 u32 N, u32 K) {
     __shared__ u32 job[3];
-    locate_row_tile<BM>(off, E, R, blockIdx.x, job);
+    locate_row_tile<BM>(off, E, R, blockIdx.y, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 c0 = (u64)blockIdx.y * BN;  // first output column (index into K)
+    const u64 c0 = (u64)blockIdx.x * BN;  // first output column (index into K)
     const Operand A = {dy, N, r0, r1, N};
     const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
-    float acc[Cfg<BM, BN>::MI][4][4];
-    mainloop<BM, BN, false, true>(A, B, 0, N, acc);
-    store_tile<BM, BN>(dx, K, r0, r1, c0, K, acc, false);
+    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
+    mainloop<BM, BN, WNT, false, true>(A, B, 0, N, acc);
+    store_tile<BM, BN, WNT>(dx, K, r0, r1, c0, K, acc, false);
 }
 
 // Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
 // dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/BM), ceil(K/BN), E); a block
 // of an expert with no rows exits without touching dw. The reduction runs over the expert's
 // rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
-template <int BM, int BN>
+template <int BM, int BN, int WNT>
 __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
                                                 const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
                                                 u32 N, u32 K) {
@@ -345,43 +379,28 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
     const u64 n0 = (u64)blockIdx.x * BM, k0 = (u64)blockIdx.y * BN;
     const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
-    float acc[Cfg<BM, BN>::MI][4][4];
-    mainloop<BM, BN, true, true>(A, B, lo, hi, acc);
-    store_tile<BM, BN>(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
+    mainloop<BM, BN, WNT, true, true>(A, B, lo, hi, acc);
+    store_tile<BM, BN, WNT>(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
 }
 
 #define GROUPED_ARGS                                                                                  \
     const u16 *__restrict__ a, const u16 *__restrict__ b, const u32 *__restrict__ off, float *__restrict__ out, \
         u32 E, u32 R, u32 N, u32 K
 // Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads;
-// 32x128 = 32 × 128 tiles, 256 threads.
-extern "C" __global__ void __launch_bounds__(128) grouped_nt_t64(GROUPED_ARGS) {
-    grouped_nt_body<64, 64>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_nt_t128(GROUPED_ARGS) {
-    grouped_nt_body<128, 128>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_nt_t32x128(GROUPED_ARGS) {
-    grouped_nt_body<32, 128>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(128) grouped_nn_t64(GROUPED_ARGS) {
-    grouped_nn_body<64, 64>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_nn_t128(GROUPED_ARGS) {
-    grouped_nn_body<128, 128>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_nn_t32x128(GROUPED_ARGS) {
-    grouped_nn_body<32, 128>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(128) grouped_tn_t64(GROUPED_ARGS) {
-    grouped_tn_body<64, 64>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_tn_t128(GROUPED_ARGS) {
-    grouped_tn_body<128, 128>(a, b, off, out, E, R, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) grouped_tn_t32x128(GROUPED_ARGS) {
-    grouped_tn_body<32, 128>(a, b, off, out, E, R, N, K);
-}
+// 32x128 = 32 × 128 tiles, 256 threads. Warp tiles (BM / 2) × 32.
+#define GROUPED_ENTRY(OP, SUFFIX, BM, BN, WNT)                                          \
+    extern "C" __global__ void __launch_bounds__(Cfg<BM, BN, WNT>::THREADS)          \
+        grouped_##OP##_t##SUFFIX(GROUPED_ARGS) {                                     \
+        grouped_##OP##_body<BM, BN, WNT>(a, b, off, out, E, R, N, K);                \
+    }
+#define GROUPED_TILES(OP)                     \
+    GROUPED_ENTRY(OP, 64, 64, 64, 32)         \
+    GROUPED_ENTRY(OP, 128, 128, 128, 32)      \
+    GROUPED_ENTRY(OP, 32x128, 32, 128, 32)
+GROUPED_TILES(nt)
+GROUPED_TILES(nn)
+GROUPED_TILES(tn)
 
 // ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte
 // loads, and applied to all its rows (up to SM_RB rows per pass; more rows take more passes

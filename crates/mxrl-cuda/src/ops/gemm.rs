@@ -791,7 +791,7 @@ impl Gemm {
         Ok(())
     }
 
-    /// Launch shape of the row-tiled grouped kernels: `(⌈R/rows⌉ + E, ⌈cols/tile cols⌉)` blocks.
+    /// Launch shape of the row-tiled grouped kernels: `(⌈cols/tile cols⌉, ⌈R/rows⌉ + E)` blocks.
     fn row_tile_grid(
         &self,
         op: &str,
@@ -800,8 +800,10 @@ impl Gemm {
         cols: usize,
         (a_mn, b_mn): (bool, bool),
     ) -> Result<LaunchConfig, DeviceError> {
-        let gx = s.rows.div_ceil(tile.rows()) + s.experts;
-        let gy = cols.div_ceil(tile.cols());
+        // Column tiles along x (the fastest-launched index): the blocks that share a row tile
+        // run together and read its activation rows from L2 instead of once per column sweep.
+        let gy = s.rows.div_ceil(tile.rows()) + s.experts;
+        let gx = cols.div_ceil(tile.cols());
         if gx > i32::MAX as usize || gy > 65_535 {
             return Err(self
                 .gpu
