@@ -26,6 +26,7 @@ mod bench {
     use cudarc::driver::CudaSlice;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile};
+    use mxrl_tensor::device::GradWrite;
 
     const TRAIN_TOKENS: usize = 4096;
 
@@ -190,6 +191,7 @@ mod bench {
                                 &ov,
                                 &mut dw_max.as_view_mut(),
                                 s,
+                                GradWrite::Accumulate,
                             ),
                         }
                         .expect("grouped");
@@ -197,6 +199,30 @@ mod bench {
                     rows_out.push(Row {
                         case: case.clone(),
                         op: format!("{op} grouped {tile:?}"),
+                        ms: t,
+                        flops,
+                        weight_bytes: wb,
+                        copy_ms: cp,
+                        cublas_ms: Some(cb),
+                    });
+                }
+                if op == "wgrad" {
+                    // A fresh step's wgrad: dW overwritten (0 + Σ), not read.
+                    let t = time(&g, reps, || {
+                        ops.grouped_tn_with(
+                            Tile::T128,
+                            &d.as_view(),
+                            &a.as_view(),
+                            &off.as_view(),
+                            &mut dw_max.as_view_mut(),
+                            s,
+                            GradWrite::Overwrite,
+                        )
+                        .expect("grouped");
+                    });
+                    rows_out.push(Row {
+                        case: case.clone(),
+                        op: "wgrad grouped T128, overwrite".into(),
                         ms: t,
                         flops,
                         weight_bytes: wb,

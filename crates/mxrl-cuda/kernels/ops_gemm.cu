@@ -295,11 +295,15 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
 
 // out[(row0 + m)·ld + col0 + c] (+)= acc for the block tile, rows < row_end, columns < col_end
 // (col_end a multiple of 8, so a column pair is entirely inside or outside). C fragment: regs
-// (g, 2t..2t+1), (g+8, 2t..2t+1). With `accumulate` the stored value is old + acc (one f32
-// addition).
+// (g, 2t..2t+1), (g+8, 2t..2t+1). STORE_SET stores acc; STORE_ADD stores old + acc (one f32
+// addition); STORE_ADD_ZERO stores +0 + acc, the bits STORE_ADD gives over a zeroed buffer,
+// without reading it.
+#define STORE_SET 0
+#define STORE_ADD 1
+#define STORE_ADD_ZERO 2
 template <int BM, int BN, int WNT>
 __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
-                                           u64 col_end, const float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4], bool accumulate) {
+                                           u64 col_end, const float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4], int mode) {
     typedef Cfg<BM, BN, WNT> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -316,8 +320,8 @@ __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 
                 if (r >= row_end) continue;
                 float2* p = reinterpret_cast<float2*>(out + r * ld + c);
                 float2 v = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-                if (accumulate) {
-                    const float2 o = *p;
+                if (mode != STORE_SET) {
+                    const float2 o = mode == STORE_ADD ? *p : make_float2(0.0f, 0.0f);
                     v.x = __fadd_rn(o.x, v.x);
                     v.y = __fadd_rn(o.y, v.y);
                 }
@@ -343,7 +347,7 @@ __device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const
     const Operand B = {w + e * (u64)N * K, K, n0, N, K};
     float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
     mainloop<BM, BN, WNT, false, false>(A, B, 0, K, acc);
-    store_tile<BM, BN, WNT>(y, N, r0, r1, n0, N, acc, false);
+    store_tile<BM, BN, WNT>(y, N, r0, r1, n0, N, acc, STORE_SET);
 }
 
 // Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
@@ -361,27 +365,39 @@ __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, cons
     const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
     float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
     mainloop<BM, BN, WNT, false, true>(A, B, 0, N, acc);
-    store_tile<BM, BN, WNT>(dx, K, r0, r1, c0, K, acc, false);
+    store_tile<BM, BN, WNT>(dx, K, r0, r1, c0, K, acc, STORE_SET);
 }
 
-// Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k].
+// Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k] (`overwrite`: dw[e][n, k]
+// = +0 + Σ, dw not read).
 // dy [R, N] bf16, x [R, K] bf16, dw [E, N, K] f32. Grid (ceil(N/BM), ceil(K/BN), E); a block
-// of an expert with no rows exits without touching dw. The reduction runs over the expert's
-// rows lo .. hi (stages from lo; rows ≥ hi zero-filled).
+// of an expert with no rows exits without touching dw, or, overwriting, writes zeros over its
+// tile. The reduction runs over the expert's rows lo .. hi (stages from lo; rows ≥ hi
+// zero-filled).
 template <int BM, int BN, int WNT>
 __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
                                                 const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
-                                                u32 N, u32 K) {
+                                                u32 N, u32 K, bool overwrite) {
     const u32 e = blockIdx.z;
     u32 lo, hi;
     expert_rows(off, e, R, lo, hi);
-    if (lo == hi) return;
     const u64 n0 = (u64)blockIdx.x * BM, k0 = (u64)blockIdx.y * BN;
+    float* const dwe = dw + (u64)e * N * K;
+    if (lo == hi) {
+        if (overwrite) {
+            // K is a multiple of 8, so a column pair is entirely inside or outside.
+            for (u32 i = threadIdx.x; i < BM * BN / 2; i += Cfg<BM, BN, WNT>::THREADS) {
+                const u64 r = n0 + i / (BN / 2), c = k0 + 2 * (i % (BN / 2));
+                if (r < N && c < K) *reinterpret_cast<float2*>(dwe + r * K + c) = make_float2(0.0f, 0.0f);
+            }
+        }
+        return;
+    }
     const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
     float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
     mainloop<BM, BN, WNT, true, true>(A, B, lo, hi, acc);
-    store_tile<BM, BN, WNT>(dw + (u64)e * N * K, K, n0, N, k0, K, acc, true);
+    store_tile<BM, BN, WNT>(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
 }
 
 #define GROUPED_ARGS                                                                                  \
@@ -394,13 +410,21 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
         grouped_##OP##_t##SUFFIX(GROUPED_ARGS) {                                     \
         grouped_##OP##_body<BM, BN, WNT>(a, b, off, out, E, R, N, K);                \
     }
+// The wgrad's entry points take `overwrite` (0: dw += Σ; otherwise dw = +0 + Σ, not read).
+#define TN_ENTRY(SUFFIX, BM, BN, WNT)                                                   \
+    extern "C" __global__ void __launch_bounds__(Cfg<BM, BN, WNT>::THREADS)          \
+        grouped_tn_t##SUFFIX(GROUPED_ARGS, u32 overwrite) {                          \
+        grouped_tn_body<BM, BN, WNT>(a, b, off, out, E, R, N, K, overwrite != 0);    \
+    }
 #define GROUPED_TILES(OP)                     \
-    GROUPED_ENTRY(OP, 64, 64, 64, 32)         \
-    GROUPED_ENTRY(OP, 128, 128, 128, 32)      \
-    GROUPED_ENTRY(OP, 32x128, 32, 128, 32)
-GROUPED_TILES(nt)
-GROUPED_TILES(nn)
-GROUPED_TILES(tn)
+    OP(64, 64, 64, 32)                        \
+    OP(128, 128, 128, 32)                     \
+    OP(32x128, 32, 128, 32)
+#define NT_ENTRY(SUFFIX, BM, BN, WNT) GROUPED_ENTRY(nt, SUFFIX, BM, BN, WNT)
+#define NN_ENTRY(SUFFIX, BM, BN, WNT) GROUPED_ENTRY(nn, SUFFIX, BM, BN, WNT)
+GROUPED_TILES(NT_ENTRY)
+GROUPED_TILES(NN_ENTRY)
+GROUPED_TILES(TN_ENTRY)
 
 // ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte
 // loads, and applied to all its rows (up to SM_RB rows per pass; more rows take more passes

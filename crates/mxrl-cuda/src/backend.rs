@@ -30,7 +30,9 @@ use crate::DeviceError as CudaError;
 use cudarc::driver::{CudaSlice, CudaView};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
-use mxrl_tensor::device::{Backend, DResult, Device, DeviceError, RouteBufs, StoredBytes};
+use mxrl_tensor::device::{
+    Backend, DResult, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
+};
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
@@ -1130,10 +1132,14 @@ impl Backend for CudaBackend {
                     n,
                     k,
                 ),
-                Some(o) => {
-                    self.gemm
-                        .grouped_tn(&b.as_view(), c, &o.as_view(), &mut dw.as_view_mut(), s)
-                }
+                Some(o) => self.gemm.grouped_tn(
+                    &b.as_view(),
+                    c,
+                    &o.as_view(),
+                    &mut dw.as_view_mut(),
+                    s,
+                    GradWrite::Accumulate,
+                ),
             }
             .map_err(de)
         };
@@ -2029,9 +2035,13 @@ impl Backend for CudaBackend {
         n: usize,
         dx: &mut Self::F32,
         dw: &mut Self::F32,
+        dw_write: GradWrite,
     ) -> DResult<()> {
         let dyb = self.bf16(dy, rows * n)?;
         if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
+            if dw_write == GradWrite::Overwrite {
+                self.fill_zero(dw, experts * n * k)?;
+            }
             for e in 0..experts {
                 let (a, b) = (offs[e] as usize, offs[e + 1] as usize);
                 if a == b {
@@ -2074,6 +2084,7 @@ impl Backend for CudaBackend {
                 &offsets.as_view(),
                 &mut dw.as_view_mut(),
                 s,
+                dw_write,
             )
             .map_err(de)?;
         self.gemm

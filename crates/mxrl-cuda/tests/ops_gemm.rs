@@ -9,6 +9,7 @@
 
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
+use mxrl_tensor::device::GradWrite;
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
 use mxrl_tensor::precision::round_bf16;
 use mxrl_tensor::tolerance::{
@@ -336,6 +337,7 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
                 &doff.as_view(),
                 &mut dw.as_view_mut(),
                 s,
+                GradWrite::Accumulate,
             )
             .unwrap();
             let got = g.download(&dw).unwrap();
@@ -372,6 +374,61 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
     }
 }
 
+/// `GradWrite::Overwrite` over a buffer of NaNs gives, bit for bit, what accumulating into a
+/// zeroed buffer gives (zeros for experts without rows), without reading the buffer.
+#[test]
+fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let mut cases = all_cases();
+    // No rows at all: the launcher writes the zeros itself.
+    cases.push((
+        99,
+        Case {
+            counts: vec![0; 5],
+            n: 24,
+            k: 40,
+            extra: 0,
+        },
+    ));
+    for (seed, c) in cases {
+        let s = c.shape();
+        let (n, k) = (s.n, s.k);
+        let dy = bf16_values(s.rows * n, seed * 11 + 1);
+        let x = bf16_values(s.rows * k, seed * 11 + 2);
+        let off = offsets_of(&c.counts);
+        let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
+        let doff = g.upload(&off).unwrap();
+        let len = s.experts * n * k;
+        for tile in Tile::ALL {
+            let run = |init: f32, write: GradWrite| {
+                let mut dw = g.upload(&vec![init; len]).unwrap();
+                ops.grouped_tn_with(
+                    tile,
+                    &ddy.as_view(),
+                    &dx.as_view(),
+                    &doff.as_view(),
+                    &mut dw.as_view_mut(),
+                    s,
+                    write,
+                )
+                .unwrap();
+                g.download(&dw).unwrap()
+            };
+            let want = run(0.0, GradWrite::Accumulate);
+            let got = run(f32::NAN, GradWrite::Overwrite);
+            let bad = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(
+                bad.is_none(),
+                "seed {seed} {tile:?} {c:?}: overwrite differs from accumulating into zeros at {bad:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn grouped_kernels_are_deterministic() {
     let g = gpu();
@@ -395,7 +452,7 @@ fn grouped_kernels_are_deterministic() {
             0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
             1 => ops.grouped_nt_small_m(&av, &wv, &ov, &mut yv, s),
             2 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
-            _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s),
+            _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s, GradWrite::Accumulate),
         }
         .unwrap();
         g.download(&out)
@@ -464,6 +521,7 @@ fn grouped_launchers_reject_bad_shapes_with_clear_errors() {
         &off.as_view(),
         &mut y.slice_mut(0..2048),
         Grouped { n: 8, k: 128, ..ok },
+        GradWrite::Accumulate,
     )
     .unwrap();
 }

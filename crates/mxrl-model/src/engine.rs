@@ -23,7 +23,7 @@ use crate::error::{ModelError, Result};
 use crate::model::{Model, RoutingTrace, SeqInput};
 use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
-use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, RouteBufs};
+use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, GradWrite, RouteBufs};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
@@ -238,6 +238,10 @@ pub struct Engine<B: Backend> {
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
 struct TrainState<B: Backend> {
     grads: Vec<B::F32>,
+    /// Per parameter: zeroed by [`Engine::zero_grads`] but not yet written, its buffer's
+    /// contents unspecified (the routed experts' wgrad overwrites instead of accumulating, so
+    /// their zeroing costs no pass over the buffer); every reader settles it first.
+    pending_zero: Vec<bool>,
     m: Vec<B::F32>,
     v: Vec<B::F32>,
     step: u64,
@@ -849,7 +853,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Backward of [`Engine::lin`] / [`Engine::glin`] (`host_offsets`: the expert offsets;
-    /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`.
+    /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`. `fresh`: `g` is a
+    /// pending zero ([`Engine::zero_grads`]): the grouped BF16 wgrad overwrites it, other
+    /// paths zero it first.
     #[allow(clippy::too_many_arguments)]
     fn lin_bwd(
         &self,
@@ -862,10 +868,20 @@ impl<B: Backend> Engine<B> {
         n: usize,
         dx: &mut B::F32,
         g: &mut B::F32,
+        fresh: bool,
     ) -> Result<()> {
         let b = &self.b;
         let p = &self.params[i];
         let dense = [0, rows as u32];
+        let overwrite = fresh && p.q.is_none() && offsets.is_some();
+        if fresh && !overwrite {
+            b.fill_zero(g, p.len).map_err(dev)?;
+        }
+        let dw_write = if overwrite {
+            GradWrite::Overwrite
+        } else {
+            GradWrite::Accumulate
+        };
         match (&p.q, x, offsets) {
             (Some(q), ActRef::F32(x), o) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
@@ -886,6 +902,7 @@ impl<B: Backend> Engine<B> {
                 n,
                 dx,
                 g,
+                dw_write,
             ),
             _ => return Err(self.wrong_input(i)),
         }
@@ -2736,6 +2753,7 @@ impl<B: Backend> Engine<B> {
         let z = |p: &Param<B>| b.zeros_f32(p.len).map_err(dev);
         self.train = Some(TrainState {
             grads: self.params.iter().map(z).collect::<Result<_>>()?,
+            pending_zero: vec![false; self.params.len()],
             m: self.params.iter().map(z).collect::<Result<_>>()?,
             v: self.params.iter().map(z).collect::<Result<_>>()?,
             step: 0,
@@ -2753,8 +2771,35 @@ impl<B: Backend> Engine<B> {
             .train
             .as_mut()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
-        for (g, p) in st.grads.iter_mut().zip(&self.params) {
-            b.fill_zero(g, p.len).map_err(dev)?;
+        // The routed experts' gradients are only written by their wgrad, which takes a pending
+        // zero as "overwrite"; the rest are zeroed here.
+        let mut deferred = vec![false; self.params.len()];
+        for l in &self.layers {
+            if let Ffn::Moe(m) = &l.ffn {
+                deferred[m.gate_up] = true;
+                deferred[m.down] = true;
+            }
+        }
+        for (i, (g, p)) in st.grads.iter_mut().zip(&self.params).enumerate() {
+            if deferred[i] {
+                st.pending_zero[i] = true;
+            } else {
+                b.fill_zero(g, p.len).map_err(dev)?;
+                st.pending_zero[i] = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Zeroes the gradients [`Engine::zero_grads`] left pending (no backward wrote them).
+    fn settle_grads(&mut self) -> Result<()> {
+        let b = &self.b;
+        if let Some(st) = self.train.as_mut() {
+            for (i, p) in self.params.iter().enumerate() {
+                if std::mem::replace(&mut st.pending_zero[i], false) {
+                    b.fill_zero(&mut st.grads[i], p.len).map_err(dev)?;
+                }
+            }
         }
         Ok(())
     }
@@ -2784,7 +2829,7 @@ impl<B: Backend> Engine<B> {
             .train
             .take()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
-        let r = self.backward_into(tape, dlogprobs, &mut st.grads);
+        let r = self.backward_into(tape, dlogprobs, &mut st.grads, &mut st.pending_zero);
         self.train = Some(st);
         r
     }
@@ -2794,6 +2839,7 @@ impl<B: Backend> Engine<B> {
         tape: &Tape<B>,
         dlogprobs: &[Vec<f32>],
         g: &mut [B::F32],
+        pending_zero: &mut [bool],
     ) -> Result<()> {
         let b = &self.b;
         let c = &self.cfg;
@@ -2854,6 +2900,7 @@ impl<B: Backend> Engine<B> {
                         hd,
                         &mut dact,
                         &mut g[m.down],
+                        false,
                     )?;
                     let mut dgu = z(n * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, n, m.f, &mut dgu)
@@ -2869,6 +2916,7 @@ impl<B: Backend> Engine<B> {
                         2 * m.f,
                         &mut dh2,
                         &mut g[m.gate_up],
+                        false,
                     )?;
                 }
                 (
@@ -2903,6 +2951,7 @@ impl<B: Backend> Engine<B> {
                         hd,
                         &mut dact,
                         &mut g[m.down],
+                        std::mem::replace(&mut pending_zero[m.down], false),
                     )?;
                     let mut dgu = z(rows * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
@@ -2918,6 +2967,7 @@ impl<B: Backend> Engine<B> {
                         2 * m.f,
                         &mut dxg,
                         &mut g[m.gate_up],
+                        std::mem::replace(&mut pending_zero[m.gate_up], false),
                     )?;
                     b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
                         .map_err(dev)?;
@@ -2966,6 +3016,7 @@ impl<B: Backend> Engine<B> {
                 hd,
                 &mut datt,
                 &mut g[l.attn.o],
+                false,
             )?;
             let (mut dq, mut dk, mut dv) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
             b.attention_backward(
@@ -3013,7 +3064,7 @@ impl<B: Backend> Engine<B> {
                 }
                 let out = if j == 0 { &mut dh1 } else { &mut tmp };
                 let x = self.input(wi, t.h1b.as_ref(), t.h1.as_ref())?;
-                self.lin_bwd(wi, dd, x, None, n, hd, width, out, &mut g[wi])?;
+                self.lin_bwd(wi, dd, x, None, n, hd, width, out, &mut g[wi], false)?;
                 if j > 0 {
                     b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
                 }
@@ -3051,6 +3102,7 @@ impl<B: Backend> Engine<B> {
         weight_decay: f32,
         max_norm: Option<f64>,
     ) -> Result<f64> {
+        self.settle_grads()?;
         let b = &self.b;
         let st = self
             .train
@@ -3647,6 +3699,9 @@ impl<B: Backend> Engine<B> {
             .train
             .as_ref()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        if st.pending_zero[i] {
+            return Ok(vec![0.0; self.params[i].len]);
+        }
         self.b
             .download_f32(&st.grads[i], self.params[i].len)
             .map_err(dev)

@@ -100,6 +100,17 @@ pub struct RouteBufs<B: Backend + ?Sized> {
     pub row_of: B::U32,
 }
 
+/// How a backward op writes a weight gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradWrite {
+    /// `dW += Σ`: the buffer holds the gradient so far.
+    Accumulate,
+    /// The buffer holds nothing yet (its contents are unspecified, e.g. a fresh step whose
+    /// zeroing was deferred): `dW = 0 + Σ`, the bits accumulating into zeros gives, and every
+    /// element is written (zeros where there is no contribution), without reading the buffer.
+    Overwrite,
+}
+
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
 #[allow(clippy::too_many_arguments)]
 pub trait Backend {
@@ -584,7 +595,8 @@ pub trait Backend {
     ) -> DResult<()>;
     /// Backward of [`Backend::grouped_linear`]: per expert, `dW[e] += bf16(dy_e)ᵀ·x_e` and
     /// `dx_e = bf16(dy_e)·W[e]` over the expert's packed rows (`host_offsets` as in
-    /// [`Backend::grouped_linear`]).
+    /// [`Backend::grouped_linear`]). `dw_write` [`GradWrite::Overwrite`]: `dW` (all `E·n·k`
+    /// values) is written as if it had been zeroed first, without being read.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -601,6 +613,7 @@ pub trait Backend {
         n: usize,
         dx: &mut Self::F32,
         dw: &mut Self::F32,
+        dw_write: GradWrite,
     ) -> DResult<()>;
     /// SwiGLU backward (reference `activation::swiglu_backward`): `dact: [rows, F]`, the
     /// forward's `gu: [rows, 2F]` → `dgu` (overwritten).
@@ -2465,10 +2478,14 @@ impl Backend for CpuBackend {
         n: usize,
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
+        dw_write: GradWrite,
     ) -> DResult<()> {
         need("grouped_backward offsets", offsets.len(), experts + 1)?;
         need("grouped_backward dx", dx.len(), rows * k)?;
         need("grouped_backward dw", dw.len(), experts * n * k)?;
+        if dw_write == GradWrite::Overwrite {
+            dw[..experts * n * k].fill(0.0);
+        }
         for e in 0..experts {
             let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
             if a == b {

@@ -37,6 +37,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg,
 };
+use mxrl_tensor::device::GradWrite;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -730,8 +731,11 @@ impl Gemm {
     /// Grouped wgrad `dW[e] += dY[rows of e]ᵀ · X[rows of e]` for every expert: `dY [R, N]`
     /// BF16, `X [R, K]` BF16, `dW [E, N, K]` f32 (accumulated: `old + Σ`, the sum over the
     /// expert's rows in increasing order on tensor cores, added once). Experts without rows
-    /// leave their `dW[e]` untouched. One launch with [`Tile::for_shape`]. Reference, per
-    /// expert: [`mxrl_tensor::gemm::matmul_tn`] on the widened values plus the old dW.
+    /// leave their `dW[e]` untouched. With [`GradWrite::Overwrite`] the old value is taken as
+    /// +0 instead of being read (`0 + Σ`: the bits of accumulating into a zeroed buffer, one
+    /// f32 read of `dW` fewer) and experts without rows get zeros. One launch with
+    /// [`Tile::for_shape`]. Reference, per expert: [`mxrl_tensor::gemm::matmul_tn`] on the
+    /// widened values plus the old dW.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
@@ -742,14 +746,17 @@ impl Gemm {
         offsets: &CudaView<'_, u32>,
         dw: &mut CudaViewMut<'_, f32>,
         s: Grouped,
+        write: GradWrite,
     ) -> Result<(), DeviceError> {
-        self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s)
+        self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s, write)
     }
 
     /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/rows⌉, ⌈K/cols⌉, E)`.
+    /// Every block of an expert without rows exits at once, or, overwriting, writes zeros.
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
+    #[allow(clippy::too_many_arguments)]
     pub fn grouped_tn_with(
         &self,
         tile: Tile,
@@ -758,13 +765,20 @@ impl Gemm {
         offsets: &CudaView<'_, u32>,
         dw: &mut CudaViewMut<'_, f32>,
         s: Grouped,
+        write: GradWrite,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
         let x_len = mul(g, "x", s.rows, s.k)?;
         let dw_len = mul(g, "dw", mul(g, "dw", s.experts, s.n)?, s.k)?;
         self.check_grouped("grouped_tn", s, (dy, s.n), x, x_len, offsets, dw, dw_len)?;
-        if s.experts == 0 || s.rows == 0 || s.n == 0 || s.k == 0 {
+        if s.experts == 0 || s.n == 0 || s.k == 0 {
             return Ok(());
+        }
+        if s.rows == 0 {
+            return match write {
+                GradWrite::Accumulate => Ok(()),
+                GradWrite::Overwrite => self.zero(dw, dw_len),
+            };
         }
         let (gx, gy) = (s.n.div_ceil(tile.rows()), s.k.div_ceil(tile.cols()));
         if gy > 65_535 || s.experts > 65_535 {
@@ -779,14 +793,15 @@ impl Gemm {
             shared_mem_bytes: tile.smem_bytes(TN_MN.0, TN_MN.1) as u32,
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let overwrite = u32::from(write == GradWrite::Overwrite);
         let mut b = g.stream().launch_builder(&self.tn_tiled[tile.index()]);
         b.arg(dy).arg(x).arg(offsets).arg(dw);
-        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        b.arg(&e).arg(&r).arg(&n).arg(&k).arg(&overwrite);
         // SAFETY: dy holds R·N, x R·K, offsets E+1 and dw E·N·K elements (checked); n, k are
         // multiples of 8 with dy, x 16-byte / dw 8-byte aligned (checked); block (·, ·, e)
         // reads offsets[e], offsets[e+1] (e < E), clamps them to [0, R], and bounds-checks
         // n < N, k < K and rows < offsets[e+1] (out-of-range chunks zero-filled, not read);
-        // block size `tile.threads()`. Argument types match.
+        // block size `tile.threads()`. Argument types match (…, u32 × 5).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
