@@ -980,6 +980,7 @@ impl Backend for CudaBackend {
         n: usize,
         dx: &mut Self::F32,
         dw: &mut Self::F32,
+        dw_write: GradWrite,
     ) -> DResult<()> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         let ql = self.qlin.as_ref().map_err(|e| {
@@ -1122,28 +1123,47 @@ impl Backend for CudaBackend {
             }
             Ok(())
         };
+        // dW is still to be zeroed (`GradWrite::Overwrite`) until the first wgrad writes it.
+        let dw_pending = Cell::new(dw_write == GradWrite::Overwrite);
         let wgrad = |b: &CudaSlice<u16>, c: &CudaView<'_, u16>, dw: &mut CudaSlice<f32>| {
+            let overwrite = dw_pending.replace(false);
             match &offsets {
-                None => self.gemm.dense_tn(
-                    &b.slice(r0 * n..r1 * n),
-                    &c.slice(r0 * k..r1 * k),
-                    &mut dw.slice_mut(0..n * k),
-                    r1 - r0,
-                    n,
-                    k,
-                ),
-                Some(o) => self.gemm.grouped_tn(
-                    &b.as_view(),
-                    c,
-                    &o.as_view(),
-                    &mut dw.as_view_mut(),
-                    s,
-                    GradWrite::Accumulate,
-                ),
+                None => {
+                    if overwrite {
+                        self.fill_zero(dw, n * k)?;
+                    }
+                    self.gemm
+                        .dense_tn(
+                            &b.slice(r0 * n..r1 * n),
+                            &c.slice(r0 * k..r1 * k),
+                            &mut dw.slice_mut(0..n * k),
+                            r1 - r0,
+                            n,
+                            k,
+                        )
+                        .map_err(de)
+                }
+                Some(o) => self
+                    .gemm
+                    .grouped_tn(
+                        &b.as_view(),
+                        c,
+                        &o.as_view(),
+                        &mut dw.as_view_mut(),
+                        s,
+                        if overwrite {
+                            GradWrite::Overwrite
+                        } else {
+                            GradWrite::Accumulate
+                        },
+                    )
+                    .map_err(de),
             }
-            .map_err(de)
         };
         if r0 == r1 {
+            if dw_pending.get() {
+                self.fill_zero(dw, wlen)?;
+            }
             return Ok(());
         }
         match (mode, format) {

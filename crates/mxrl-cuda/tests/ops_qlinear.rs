@@ -24,6 +24,7 @@ use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::qlinear::QLinear;
 use mxrl_cuda::DeviceInput;
 use mxrl_formats::{quantize, Format, Padding, QuantizedTensor, Scheme};
+use mxrl_tensor::device::GradWrite;
 use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::qlinear::{nvfp4_alpha, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::tolerance::{
@@ -442,12 +443,44 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let mut dxd = cb.zeros_f32(rows * k).unwrap();
         let mut dwd = cb.upload_f32(&acc).unwrap();
         cb.grouped_qlinear_backward(
-            &xd, &qd, &md, &dyd, None, &offsets, rows, k, n, &mut dxd, &mut dwd,
+            &xd,
+            &qd,
+            &md,
+            &dyd,
+            None,
+            &offsets,
+            rows,
+            k,
+            n,
+            &mut dxd,
+            &mut dwd,
+            GradWrite::Accumulate,
         )
         .unwrap();
         let (dx, dw) = (
             cb.download_f32(&dxd, rows * k).unwrap(),
             cb.download_f32(&dwd, groups * n * k).unwrap(),
+        );
+        // A fresh dW: overwriting a buffer of NaNs gives, bit for bit, what accumulating into
+        // zeros gives (zeros for groups without rows).
+        let fresh = |init: f32, write: GradWrite| {
+            let mut dxf = cb.zeros_f32(rows * k).unwrap();
+            let mut dwf = cb.upload_f32(&vec![init; groups * n * k]).unwrap();
+            cb.grouped_qlinear_backward(
+                &xd, &qd, &md, &dyd, None, &offsets, rows, k, n, &mut dxf, &mut dwf, write,
+            )
+            .unwrap();
+            cb.download_f32(&dwf, groups * n * k).unwrap()
+        };
+        let (over, zero) = (
+            fresh(f32::NAN, GradWrite::Overwrite),
+            fresh(0.0, GradWrite::Accumulate),
+        );
+        assert!(
+            over.iter()
+                .zip(&zero)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{tag}: overwriting dW differs from accumulating into zeros"
         );
         for g in 0..groups {
             let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
@@ -524,7 +557,18 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let md1 = cb.upload_f32(w1).unwrap();
         let dense = [0u32, rows as u32];
         cb.grouped_qlinear_backward(
-            &xd, &q1d, &md1, &dyd, None, &dense, rows, k, n, &mut dx1, &mut dw1,
+            &xd,
+            &q1d,
+            &md1,
+            &dyd,
+            None,
+            &dense,
+            rows,
+            k,
+            n,
+            &mut dx1,
+            &mut dw1,
+            GradWrite::Accumulate,
         )
         .unwrap();
         let (mut dx1c, mut dw1c) = (vec![0f32; rows * k], acc[..n * k].to_vec());
@@ -541,6 +585,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 n,
                 &mut dx1c,
                 &mut dw1c,
+                GradWrite::Accumulate,
             )
             .unwrap();
         let (dy_d, w_o, dy_w, x_o, sum) = backward_operands(s, &x, w1, &dy, (rows, k, n));

@@ -854,8 +854,8 @@ impl<B: Backend> Engine<B> {
 
     /// Backward of [`Engine::lin`] / [`Engine::glin`] (`host_offsets`: the expert offsets;
     /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`. `fresh`: `g` is a
-    /// pending zero ([`Engine::zero_grads`]): the grouped BF16 wgrad overwrites it, other
-    /// paths zero it first.
+    /// pending zero ([`Engine::zero_grads`]): the grouped and block-format backwards overwrite
+    /// it, the dense BF16 one zeroes it first.
     #[allow(clippy::too_many_arguments)]
     fn lin_bwd(
         &self,
@@ -873,7 +873,7 @@ impl<B: Backend> Engine<B> {
         let b = &self.b;
         let p = &self.params[i];
         let dense = [0, rows as u32];
-        let overwrite = fresh && p.q.is_none() && offsets.is_some();
+        let overwrite = fresh && (p.q.is_some() || offsets.is_some());
         if fresh && !overwrite {
             b.fill_zero(g, p.len).map_err(dev)?;
         }
@@ -885,7 +885,9 @@ impl<B: Backend> Engine<B> {
         match (&p.q, x, offsets) {
             (Some(q), ActRef::F32(x), o) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
-                b.grouped_qlinear_backward(x, &q.w, &p.master, dy, dev, host, rows, k, n, dx, g)
+                b.grouped_qlinear_backward(
+                    x, &q.w, &p.master, dy, dev, host, rows, k, n, dx, g, dw_write,
+                )
             }
             (None, ActRef::Bf16(x), None) => {
                 b.linear_backward(dy, x, self.op(i), rows, k, n, Some(dx), g)

@@ -1123,6 +1123,8 @@ pub trait Backend {
     /// `dw [groups·n, k]`. `master` holds the f32 weights `w` was quantized from (the
     /// high-precision operand of the `HighPrecision` and `Lowp` modes). Bitwise the CPU
     /// model's on the CPU; a device multiplies the same operands, summed in another order.
+    /// `dw_write` [`GradWrite::Overwrite`]: `dw` (all `groups·n·k` values) is written as if it
+    /// had been zeroed first.
     ///
     /// # Errors
     /// Short buffers, bad offsets, a weight without what its backward mode needs; device
@@ -1141,6 +1143,7 @@ pub trait Backend {
         n: usize,
         dx: &mut Self::F32,
         dw: &mut Self::F32,
+        dw_write: GradWrite,
     ) -> DResult<()>;
 
     /// Buffers for outputs an op overwrites whole: their contents before the op are
@@ -1671,6 +1674,7 @@ impl Backend for CpuBackend {
         n: usize,
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
+        dw_write: GradWrite,
     ) -> DResult<()> {
         let groups = w.len();
         need(
@@ -1682,6 +1686,9 @@ impl Backend for CpuBackend {
         need("grouped_qlinear_backward dy", dy.len(), rows * n)?;
         need("grouped_qlinear_backward dx", dx.len(), rows * k)?;
         need("grouped_qlinear_backward dw", dw.len(), groups * n * k)?;
+        if dw_write == GradWrite::Overwrite {
+            dw[..groups * n * k].fill(0.0);
+        }
         let err = |e: crate::qlinear::QLinearError| DeviceError::new("cpu", e.to_string());
         for (g, pw) in w.iter().enumerate() {
             let (a, b) = group_rows("grouped_qlinear_backward", pw, host_offsets, g, rows, n, k)?;
