@@ -19,11 +19,10 @@
 // Block tiles: BM × BN outputs (64 × 64 with 4 warps; 128 × 128 or, for decode-sized experts,
 // 32 × 128 with 8 warps), the warps arranged 2 × (BN / 32), each owning a (BM / 2) × 32 output
 // tile.
-#define GT_K 32                  // reduction depth of one shared-memory stage
-#define GT_LD (GT_K + 8)         // K-contiguous row stride in bf16 (80 bytes: 16-byte multiple,
+#define K_LD(BK) ((BK) + 8)     // K-contiguous row stride in bf16 for stages BK deep (80 or 144
+                                 // bytes for BK = 32 / 64: 16-byte multiples,
                                  // conflict-free ldmatrix rows)
 #define NO_EXPERT 0xFFFFFFFFu
-#define GT_STAGES 4              // shared-memory stages of the tiled kernels' pipeline
 
 // Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
 __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
@@ -72,10 +71,10 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
 }
 
 // ---- Tensor-core main loop. A block computes a BM × BN output tile as Σ over reduction
-// stages of GT_K. Each operand tile lives in shared memory in the layout of its source:
-// "K-contiguous" [rows][GT_K] (padded to GT_LD) when the reduction index is the source's
-// contiguous one, "MN-contiguous" [GT_K][rows] (padded to rows + 8) when the output index is.
-// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), GT_STAGES
+// stages BK deep. Each operand tile lives in shared memory in the layout of its source:
+// "K-contiguous" [rows][BK] (padded to K_LD(BK)) when the reduction index is the source's
+// contiguous one, "MN-contiguous" [BK][rows] (padded to rows + 8) when the output index is.
+// Tiles are filled with 16-byte cp.async copies (zero-filled outside the valid range), ST
 // stages in dynamic shared memory (Cfg::STAGES), and fragments come from ldmatrix (.trans for
 // MN-contiguous tiles).
 
@@ -121,20 +120,20 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The cp.async copies of one operand, ROWS × GT_K per stage, with every per-thread quantity
+// The cp.async copies of one operand, ROWS × BK per stage, with every per-thread quantity
 // that does not change from stage to stage computed once (a thread's chunks, their shared-
 // memory offsets and global addresses, the output-index bound): a stage then costs one
 // compare, one pointer advance and one copy per chunk. Chunk v of a stage (v = threadIdx.x +
 // c·THREADS, c < PER) is, K-contiguous, row i = v / VPR, reduction j = (v % VPR)·8 of the tile
-// [ROWS][GT_LD]; MN-contiguous, reduction row j = v / VPR, output i = (v % VPR)·8 of the tile
-// [GT_K][ROWS + 8]. ld, out0, out_end (and red_end for MN-contiguous operands) are multiples of
+// [ROWS][K_LD(BK)]; MN-contiguous, reduction row j = v / VPR, output i = (v % VPR)·8 of the
+// tile [BK][ROWS + 8]. ld, out0, out_end (and red_end for MN-contiguous operands) are multiples of
 // 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely outside;
 // K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the wgrad's
 // row reduction, always MN-contiguous. Invalid chunks are zero-filled (nothing is read).
-template <bool MN, int ROWS, int THREADS>
+template <bool MN, int ROWS, int THREADS, int BK>
 struct Loader {
-    static constexpr int VPR = MN ? ROWS / 8 : GT_K / 8;  // 16-byte chunks per tile row
-    static constexpr int CHUNKS = ROWS * GT_K / 8;
+    static constexpr int VPR = MN ? ROWS / 8 : BK / 8;  // 16-byte chunks per tile row
+    static constexpr int CHUNKS = ROWS * BK / 8;
     static constexpr int PER = (CHUNKS + THREADS - 1) / THREADS;
     const u16* base;      // the operand's first element (the address of zero-filled chunks)
     const u16* src[PER];  // the chunk's source at the next stage to issue
@@ -149,7 +148,7 @@ struct Loader {
         base = op.p;
         red_next = red_lo;
         red_end = op.red_end;
-        step = MN ? (u64)GT_K * op.ld : (u64)GT_K;
+        step = MN ? (u64)BK * op.ld : (u64)BK;
 #pragma unroll
         for (int c = 0; c < PER; ++c) {
             const int v = threadIdx.x + c * THREADS;
@@ -158,7 +157,7 @@ struct Loader {
             const u64 o = op.out0 + i;
             out_ok[c] = v < CHUNKS && o < op.out_end;
             red[c] = (u32)j;
-            dst[c] = (u32)(MN ? (j * MN_LD(ROWS) + i) * 2 : (i * GT_LD + j) * 2);
+            dst[c] = (u32)(MN ? (j * MN_LD(ROWS) + i) * 2 : (i * K_LD(BK) + j) * 2);
             src[c] = out_ok[c] ? (MN ? op.p + (red_lo + j) * op.ld + o : op.p + o * op.ld + red_lo + j) : op.p;
         }
     }
@@ -175,39 +174,40 @@ struct Loader {
                          : "memory");
             if (out_ok[c]) src[c] += step;
         }
-        red_next += GT_K;
+        red_next += BK;
     }
 };
 
-template <bool MN, int ROWS>
+template <bool MN, int ROWS, int BK>
 struct TileSize {
-    static constexpr int elems = MN ? GT_K * MN_LD(ROWS) : ROWS * GT_LD;
+    static constexpr int elems = MN ? BK * MN_LD(ROWS) : ROWS * K_LD(BK);
 };
 
 // acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's BM × BN tile, the
-// reduction in stages of GT_K in increasing order (fixed: deterministic). Warp w owns output
+// reduction in stages of BK in increasing order (fixed: deterministic). Warp w owns output
 // rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·WNT .. +WNT: MI × NJ mma
 // tiles per k16 step (MI = BM / 32, NJ = WNT / 8).
-template <int BM, int BN, int WNT>
+template <int BM, int BN, int WNT, int BK_, int STAGES_>
 struct Cfg {
+    static constexpr int BK = BK_;  // reduction depth of one shared-memory stage
     static constexpr int WN_WARPS = BN / WNT;
     static constexpr int THREADS = 64 * WN_WARPS;
     static constexpr int NJ = WNT / 8;  // n8 tiles per warp
     static constexpr int WM = BM / 2;
     static constexpr int MI = WM / 16;
-    // Stages in flight (dynamic shared memory, GT_STAGES of each operand's tile: 80 KB for
-    // the 128 × 128 forward; the launchers size it with the same formula).
-    static constexpr int STAGES = GT_STAGES;
+    // Stages in flight (dynamic shared memory, STAGES of each operand's tile: 80 KB for the
+    // 128 × 128 forward at 4 × 32; the launchers size it with the same formula).
+    static constexpr int STAGES = STAGES_;
 };
 
-template <int BM, int BN, int WNT, bool A_MN, bool B_MN>
+template <int BM, int BN, int WNT, int BK, int ST, bool A_MN, bool B_MN>
 __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
-                                         float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4]) {
-    typedef Cfg<BM, BN, WNT> C;
+                                         float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4]) {
+    typedef Cfg<BM, BN, WNT, BK, ST> C;
     constexpr int S = C::STAGES;
     // S stages of A, then S of B (16-byte multiples each: cp.async destinations stay aligned).
     extern __shared__ __align__(128) u16 gt_smem[];
-    constexpr int AE = TileSize<A_MN, BM>::elems, BE = TileSize<B_MN, BN>::elems;
+    constexpr int AE = TileSize<A_MN, BM, BK>::elems, BE = TileSize<B_MN, BN, BK>::elems;
     const u32 As = smem_addr(gt_smem), Bs = As + S * AE * 2;  // shared byte addresses
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, li = lane >> 3, lj = lane & 7;
     const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * WNT;
@@ -217,7 +217,7 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
         for (int j = 0; j < C::NJ; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + GT_K - 1) / GT_K : 0;
+    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + C::BK - 1) / C::BK : 0;
     if (nk64 == 0) return;
     const u32 nk = (u32)nk64;
     // This lane's ldmatrix byte offsets within a stage at kk = 0, and the byte step of kk += 16.
@@ -235,16 +235,16 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
     for (int i = 0; i < C::MI; ++i) {
         const int m0 = wm + 16 * i;
         a_off[i] = (u32)(A_MN ? ((8 * (li >> 1) + lj) * MN_LD(BM) + m0 + 8 * (li & 1)) * 2
-                              : ((m0 + 8 * (li & 1) + lj) * GT_LD + 8 * (li >> 1)) * 2);
+                              : ((m0 + 8 * (li & 1) + lj) * K_LD(C::BK) + 8 * (li >> 1)) * 2);
     }
 #pragma unroll
     for (int p = 0; p < C::NJ / 2; ++p) {
         const int n0 = wn + 16 * p;
         b_off[p] = (u32)(B_MN ? ((8 * (li & 1) + lj) * MN_LD(BN) + n0 + 8 * (li >> 1)) * 2
-                              : ((n0 + 8 * (li >> 1) + lj) * GT_LD + 8 * (li & 1)) * 2);
+                              : ((n0 + 8 * (li >> 1) + lj) * K_LD(C::BK) + 8 * (li & 1)) * 2);
     }
-    Loader<A_MN, BM, C::THREADS> la;
-    Loader<B_MN, BN, C::THREADS> lb;
+    Loader<A_MN, BM, C::THREADS, BK> la;
+    Loader<B_MN, BN, C::THREADS, BK> lb;
     la.init(A, red_lo);
     lb.init(B, red_lo);
     // Prologue: stages 0 .. S-2, one commit group each (empty when past the end).
@@ -271,7 +271,7 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
         const u32 cur = kt % S;
         const u32 a_st = As + cur * AE * 2, b_st = Bs + cur * BE * 2;
 #pragma unroll
-        for (int kk = 0; kk < GT_K / 16; ++kk) {
+        for (int kk = 0; kk < C::BK / 16; ++kk) {
             u32 a[C::MI][4], b[C::NJ][2];
 #pragma unroll
             for (int i = 0; i < C::MI; ++i) ldsm_x4<A_MN>(a[i], a_st + a_off[i] + kk * A_KK);
@@ -301,10 +301,10 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
 #define STORE_SET 0
 #define STORE_ADD 1
 #define STORE_ADD_ZERO 2
-template <int BM, int BN, int WNT>
+template <int BM, int BN, int WNT, int BK, int ST>
 __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
-                                           u64 col_end, const float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4], int mode) {
-    typedef Cfg<BM, BN, WNT> C;
+                                           u64 col_end, const float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4], int mode) {
+    typedef Cfg<BM, BN, WNT, BK, ST> C;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wm = (warp / C::WN_WARPS) * C::WM, wn = (warp % C::WN_WARPS) * WNT;
@@ -334,7 +334,7 @@ __device__ __forceinline__ void store_tile(float* __restrict__ out, u64 ld, u64 
 // x [R, K] bf16, w [E, N, K] bf16, y [R, N] f32. Grid (ceil(N/BN), ceil(R/BM) + E); block
 // y-index = row tile (expert-major), surplus tiles exit; x-index = column tile, so the blocks
 // of one row tile are launched together and share its activation rows in L2.
-template <int BM, int BN, int WNT>
+template <int BM, int BN, int WNT, int BK, int ST>
 __device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const u16* __restrict__ w,
                                                 const u32* __restrict__ off, float* __restrict__ y, u32 E, u32 R,
                                                 u32 N, u32 K) {
@@ -345,14 +345,14 @@ __device__ __forceinline__ void grouped_nt_body(const u16* __restrict__ x, const
     const u64 n0 = (u64)blockIdx.x * BN;
     const Operand A = {x, K, r0, r1, K};
     const Operand B = {w + e * (u64)N * K, K, n0, N, K};
-    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
-    mainloop<BM, BN, WNT, false, false>(A, B, 0, K, acc);
-    store_tile<BM, BN, WNT>(y, N, r0, r1, n0, N, acc, STORE_SET);
+    float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4];
+    mainloop<BM, BN, WNT, BK, ST, false, false>(A, B, 0, K, acc);
+    store_tile<BM, BN, WNT, BK, ST>(y, N, r0, r1, n0, N, acc, STORE_SET);
 }
 
 // Dgrad: dx[r, k] = Σ_n dy[r, n]·w[e][n, k] for every row r of expert e.
 // dy [R, N] bf16, w [E, N, K] bf16, dx [R, K] f32. Grid (ceil(K/BN), ceil(R/BM) + E).
-template <int BM, int BN, int WNT>
+template <int BM, int BN, int WNT, int BK, int ST>
 __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, const u16* __restrict__ w,
                                                 const u32* __restrict__ off, float* __restrict__ dx, u32 E, u32 R,
                                                 u32 N, u32 K) {
@@ -363,9 +363,9 @@ __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, cons
     const u64 c0 = (u64)blockIdx.x * BN;  // first output column (index into K)
     const Operand A = {dy, N, r0, r1, N};
     const Operand B = {w + e * (u64)N * K, K, c0, K, N};  // element (k, n) at w[e][n·K + k]
-    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
-    mainloop<BM, BN, WNT, false, true>(A, B, 0, N, acc);
-    store_tile<BM, BN, WNT>(dx, K, r0, r1, c0, K, acc, STORE_SET);
+    float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4];
+    mainloop<BM, BN, WNT, BK, ST, false, true>(A, B, 0, N, acc);
+    store_tile<BM, BN, WNT, BK, ST>(dx, K, r0, r1, c0, K, acc, STORE_SET);
 }
 
 // Wgrad: dw[e][n, k] += Σ_{r in expert e, increasing} dy[r, n]·x[r, k] (`overwrite`: dw[e][n, k]
@@ -374,7 +374,7 @@ __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, cons
 // of an expert with no rows exits without touching dw, or, overwriting, writes zeros over its
 // tile. The reduction runs over the expert's rows lo .. hi (stages from lo; rows ≥ hi
 // zero-filled).
-template <int BM, int BN, int WNT>
+template <int BM, int BN, int WNT, int BK, int ST>
 __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
                                                 const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
                                                 u32 N, u32 K, bool overwrite) {
@@ -386,7 +386,7 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
     if (lo == hi) {
         if (overwrite) {
             // K is a multiple of 8, so a column pair is entirely inside or outside.
-            for (u32 i = threadIdx.x; i < BM * BN / 2; i += Cfg<BM, BN, WNT>::THREADS) {
+            for (u32 i = threadIdx.x; i < BM * BN / 2; i += Cfg<BM, BN, WNT, BK, ST>::THREADS) {
                 const u64 r = n0 + i / (BN / 2), c = k0 + 2 * (i % (BN / 2));
                 if (r < N && c < K) *reinterpret_cast<float2*>(dwe + r * K + c) = make_float2(0.0f, 0.0f);
             }
@@ -395,33 +395,38 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
     }
     const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
-    float acc[Cfg<BM, BN, WNT>::MI][Cfg<BM, BN, WNT>::NJ][4];
-    mainloop<BM, BN, WNT, true, true>(A, B, lo, hi, acc);
-    store_tile<BM, BN, WNT>(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
+    float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4];
+    mainloop<BM, BN, WNT, BK, ST, true, true>(A, B, lo, hi, acc);
+    store_tile<BM, BN, WNT, BK, ST>(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
 }
 
 #define GROUPED_ARGS                                                                                  \
     const u16 *__restrict__ a, const u16 *__restrict__ b, const u32 *__restrict__ off, float *__restrict__ out, \
         u32 E, u32 R, u32 N, u32 K
 // Entry points: suffix 64 = 64 × 64 tiles, 128 threads; 128 = 128 × 128 tiles, 256 threads;
-// 32x128 = 32 × 128 tiles, 256 threads. Warp tiles (BM / 2) × 32.
-#define GROUPED_ENTRY(OP, SUFFIX, BM, BN, WNT)                                          \
-    extern "C" __global__ void __launch_bounds__(Cfg<BM, BN, WNT>::THREADS)          \
+// 32x128 = 32 × 128 tiles, 256 threads; all with four stages 32 deep; 128k64 = 128 × 128
+// tiles, 256 threads, three stages 64 deep (half the barriers per reduction step). Warp tiles
+// (BM / 2) × 32.
+#define GROUPED_ENTRY(OP, SUFFIX, BM, BN, WNT, BK, ST, LB)                                     \
+    extern "C" __global__ void __launch_bounds__ LB                                   \
         grouped_##OP##_t##SUFFIX(GROUPED_ARGS) {                                     \
-        grouped_##OP##_body<BM, BN, WNT>(a, b, off, out, E, R, N, K);                \
+        grouped_##OP##_body<BM, BN, WNT, BK, ST>(a, b, off, out, E, R, N, K);                \
     }
 // The wgrad's entry points take `overwrite` (0: dw += Σ; otherwise dw = +0 + Σ, not read).
-#define TN_ENTRY(SUFFIX, BM, BN, WNT)                                                   \
-    extern "C" __global__ void __launch_bounds__(Cfg<BM, BN, WNT>::THREADS)          \
+#define TN_ENTRY(SUFFIX, BM, BN, WNT, BK, ST, LB)                                            \
+    extern "C" __global__ void __launch_bounds__ LB                                   \
         grouped_tn_t##SUFFIX(GROUPED_ARGS, u32 overwrite) {                          \
-        grouped_tn_body<BM, BN, WNT>(a, b, off, out, E, R, N, K, overwrite != 0);    \
+        grouped_tn_body<BM, BN, WNT, BK, ST>(a, b, off, out, E, R, N, K, overwrite != 0);    \
     }
-#define GROUPED_TILES(OP)                     \
-    OP(64, 64, 64, 32)                        \
-    OP(128, 128, 128, 32)                     \
-    OP(32x128, 32, 128, 32)
-#define NT_ENTRY(SUFFIX, BM, BN, WNT) GROUPED_ENTRY(nt, SUFFIX, BM, BN, WNT)
-#define NN_ENTRY(SUFFIX, BM, BN, WNT) GROUPED_ENTRY(nn, SUFFIX, BM, BN, WNT)
+// LB: the launch bounds (threads = Cfg::THREADS; the 64-deep tile also asks for two resident
+// blocks, i.e. at most 128 registers per thread, which the 32-deep ones reach unasked).
+#define GROUPED_TILES(OP)                             \
+    OP(64, 64, 64, 32, 32, 4, (128))                  \
+    OP(128, 128, 128, 32, 32, 4, (256))               \
+    OP(32x128, 32, 128, 32, 32, 4, (256))             \
+    OP(128k64, 128, 128, 32, 64, 3, (256, 2))
+#define NT_ENTRY(SUFFIX, BM, BN, WNT, BK, ST, LB) GROUPED_ENTRY(nt, SUFFIX, BM, BN, WNT, BK, ST, LB)
+#define NN_ENTRY(SUFFIX, BM, BN, WNT, BK, ST, LB) GROUPED_ENTRY(nn, SUFFIX, BM, BN, WNT, BK, ST, LB)
 GROUPED_TILES(NT_ENTRY)
 GROUPED_TILES(NN_ENTRY)
 GROUPED_TILES(TN_ENTRY)

@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const SOURCE: &str = include_str!("../../kernels/ops_gemm.cu");
 
 /// Block tile of the tensor-core grouped kernels (output rows × output columns; the kernels
-/// `*_t64` / `*_t128` / `*_t32x128` of the source).
+/// `*_t64` / `*_t128` / `*_t32x128` / `*_t128k64` of the source).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tile {
     /// 64 × 64 outputs, 4 warps (each 32 × 32).
@@ -54,18 +54,21 @@ pub enum Tile {
     T128,
     /// 32 × 128 outputs, 8 warps (each 16 × 32): experts with few rows (decode).
     T32x128,
+    /// 128 × 128 outputs, 8 warps, three stages 64 deep instead of four 32 deep (half the
+    /// barriers per reduction step).
+    T128k64,
 }
 
 impl Tile {
     /// Every tile.
-    pub const ALL: [Tile; 3] = [Tile::T64, Tile::T128, Tile::T32x128];
+    pub const ALL: [Tile; 4] = [Tile::T64, Tile::T128, Tile::T32x128, Tile::T128k64];
 
     /// Output rows of the tile (rows of the activation for forward and dgrad, rows of the
     /// expert weight for wgrad).
     pub fn rows(self) -> usize {
         match self {
             Tile::T64 => 64,
-            Tile::T128 => 128,
+            Tile::T128 | Tile::T128k64 => 128,
             Tile::T32x128 => 32,
         }
     }
@@ -74,29 +77,39 @@ impl Tile {
     pub fn cols(self) -> usize {
         match self {
             Tile::T64 => 64,
-            Tile::T128 | Tile::T32x128 => 128,
+            Tile::T128 | Tile::T32x128 | Tile::T128k64 => 128,
         }
     }
 
     fn threads(self) -> u32 {
         match self {
             Tile::T64 => 128,
-            Tile::T128 | Tile::T32x128 => 256,
+            Tile::T128 | Tile::T32x128 | Tile::T128k64 => 256,
         }
     }
 
-    /// Dynamic shared memory of the tile's kernel: [`GT_STAGES`] stages of both operand tiles,
-    /// each `rows × (GT_K + 8)` BF16 when its reduction index is the contiguous one (`mn`
-    /// false), else `GT_K × (rows + 8)` (the kernel's `TileSize`).
+    /// Reduction depth of one shared-memory stage and the stages in flight (the kernels'
+    /// `BK`, `ST`).
+    fn stages(self) -> (usize, usize) {
+        match self {
+            Tile::T128k64 => (64, 3),
+            _ => (32, 4),
+        }
+    }
+
+    /// Dynamic shared memory of the tile's kernel: `ST` stages of both operand tiles, each
+    /// `rows × (BK + 8)` BF16 when its reduction index is the contiguous one (`mn` false),
+    /// else `BK × (rows + 8)` (the kernel's `TileSize`).
     fn smem_bytes(self, a_mn: bool, b_mn: bool) -> usize {
+        let (bk, st) = self.stages();
         let tile = |rows: usize, mn: bool| {
             if mn {
-                GT_K * (rows + 8)
+                bk * (rows + 8)
             } else {
-                rows * (GT_K + 8)
+                rows * (bk + 8)
             }
         };
-        GT_STAGES * (tile(self.rows(), a_mn) + tile(self.cols(), b_mn)) * 2
+        st * (tile(self.rows(), a_mn) + tile(self.cols(), b_mn)) * 2
     }
 
     fn index(self) -> usize {
@@ -104,6 +117,7 @@ impl Tile {
             Tile::T64 => 0,
             Tile::T128 => 1,
             Tile::T32x128 => 2,
+            Tile::T128k64 => 3,
         }
     }
 
@@ -113,11 +127,13 @@ impl Tile {
             Tile::T64 => "64",
             Tile::T128 => "128",
             Tile::T32x128 => "32x128",
+            Tile::T128k64 => "128k64",
         }
     }
 
-    /// The tile the plain launchers use: 128 × 128 when the experts average at least 128
-    /// rows (training and prefill), else 64 × 64 (fewer wasted rows on small experts).
+    /// The tile the plain dgrad and wgrad launchers use: 128 × 128 when the experts average at
+    /// least 128 rows (training and prefill), else 64 × 64 (fewer wasted rows on small
+    /// experts).
     pub fn for_shape(s: Grouped) -> Self {
         if s.rows >= 128 * s.experts.max(1) {
             Tile::T128
@@ -125,15 +141,21 @@ impl Tile {
             Tile::T64
         }
     }
+
+    /// The forward's tile: as [`Tile::for_shape`], with the 64-deep stages for large experts
+    /// (8–10 % faster than [`Tile::T128`] on the training shapes on an H100, where the dgrad
+    /// gained at most 4 % and the wgrad lost 1–2 %: BENCHMARKS.md).
+    pub fn for_forward(s: Grouped) -> Self {
+        match Tile::for_shape(s) {
+            Tile::T128 => Tile::T128k64,
+            t => t,
+        }
+    }
 }
 /// Output columns one block of the small-M kernel covers (`SM_WARPS · SM_NB`).
 const SMALL_M_COLS: usize = 32;
 const SMALL_M_THREADS: u32 = 256;
 
-/// Reduction depth of one shared-memory stage of the tiled kernels (`GT_K`).
-const GT_K: usize = 32;
-/// Shared-memory stages of the tiled kernels' pipeline (`GT_STAGES`).
-const GT_STAGES: usize = 4;
 /// Operand layouts (A, B contiguous along the output index?) of the forward, dgrad and wgrad.
 const NT_MN: (bool, bool) = (false, false);
 const NN_MN: (bool, bool) = (false, true);
@@ -248,9 +270,9 @@ fn blas_for(gpu: &Gpu) -> Result<Arc<Mutex<Blas>>, DeviceError> {
 pub struct Gemm {
     gpu: Gpu,
     blas: Arc<Mutex<Blas>>,
-    nt_tiled: [CudaFunction; 3],
-    nn_tiled: [CudaFunction; 3],
-    tn_tiled: [CudaFunction; 3],
+    nt_tiled: [CudaFunction; 4],
+    nn_tiled: [CudaFunction; 4],
+    tn_tiled: [CudaFunction; 4],
     nt_small_m: CudaFunction,
 }
 
@@ -277,12 +299,12 @@ impl Gemm {
                 Ok::<_, DeviceError>(func)
             })
         };
-        let [a, b, c] = tiled("nt", NT_MN);
-        let nt_tiled = [a?, b?, c?];
-        let [a, b, c] = tiled("nn", NN_MN);
-        let nn_tiled = [a?, b?, c?];
-        let [a, b, c] = tiled("tn", TN_MN);
-        let tn_tiled = [a?, b?, c?];
+        let [a, b, c, d] = tiled("nt", NT_MN);
+        let nt_tiled = [a?, b?, c?, d?];
+        let [a, b, c, d] = tiled("nn", NN_MN);
+        let nn_tiled = [a?, b?, c?, d?];
+        let [a, b, c, d] = tiled("tn", TN_MN);
+        let tn_tiled = [a?, b?, c?, d?];
         Ok(Gemm {
             gpu: gpu.clone(),
             blas: blas_for(gpu)?,
@@ -567,7 +589,7 @@ impl Gemm {
         Ok(path)
     }
 
-    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Tile::for_shape`].
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Tile::for_forward`].
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
@@ -579,7 +601,7 @@ impl Gemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        self.grouped_nt_tiled_with(Tile::for_shape(s), x, w, offsets, y, s)
+        self.grouped_nt_tiled_with(Tile::for_forward(s), x, w, offsets, y, s)
     }
 
     /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile.rows()` × `tile.cols()` outputs per
