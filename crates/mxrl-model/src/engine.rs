@@ -2763,7 +2763,10 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Sets every gradient to zero.
+    /// Sets every gradient to zero. The routed experts' buffers are not touched here: they are
+    /// marked pending, their first wgrad of the next backward overwrites them (`0 + Σ`, the
+    /// same bits), and [`Engine::optimizer_step`] / [`Engine::grad_values`] see zeros where no
+    /// backward wrote them.
     ///
     /// # Errors
     /// Training not enabled; device failure.

@@ -486,3 +486,61 @@ fn generation_probes_are_the_residual_stream_after_every_layer() {
             .any(|&x| x != 0.0)));
     }
 }
+
+/// `zero_grads` leaves the routed experts' gradients pending: before any backward they read as
+/// zeros; the first backward writes them (0 + Σ) and the second accumulates, so two identical
+/// backwards give exactly twice the model's gradient (each element of an expert weight gets one
+/// addition per backward, and x + x is exact).
+#[test]
+fn pending_expert_gradients_read_zero_then_accumulate_over_two_backwards() {
+    let c = small(Arch::Qwen3Moe);
+    let m = bf16_model(&c, 11);
+    let mut e = cpu_engine(&m, 64).unwrap();
+    e.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let out = m
+        .forward(
+            &batch,
+            &ForwardOptions {
+                temperature: 1.0,
+                train: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let dl: Vec<Vec<f32>> = out
+        .logprobs
+        .iter()
+        .enumerate()
+        .map(|(b, l)| test_values(l.len(), 90 + b as u64, 1.0))
+        .collect();
+    let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    let (_, tape) = e.forward_train(&batch, 1.0).unwrap();
+    let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
+    // A backward, then zero_grads: every gradient reads as zero again, experts included.
+    e.zero_grads().unwrap();
+    e.backward(&tape, &dl).unwrap();
+    e.zero_grads().unwrap();
+    for name in &names {
+        let z = e.grad_values(name).unwrap();
+        assert!(
+            z.iter().all(|&x| x == 0.0),
+            "{name}: not zero after zero_grads"
+        );
+    }
+    e.backward(&tape, &dl).unwrap();
+    e.backward(&tape, &dl).unwrap();
+    let mut experts = 0;
+    for name in names.iter().filter(|n| n.contains(".experts.")) {
+        experts += 1;
+        let got = e.grad_values(name).unwrap();
+        let want: Vec<u32> = model_tensor(&m, &g, name, true)
+            .iter()
+            .map(|&x| (x + x).to_bits())
+            .collect();
+        let gb: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(gb, want, "twice the gradient of {name}");
+    }
+    assert!(experts >= 2, "no routed-expert parameter among {names:?}");
+}
