@@ -7,6 +7,7 @@
 //! an entry a kernel forgets to write fails the comparison.
 #![cfg(feature = "cuda")]
 
+use cudarc::driver::CudaSlice;
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
 use mxrl_tensor::device::GradWrite;
@@ -315,6 +316,30 @@ fn grouped_dgrad_matches_reference() {
     }
 }
 
+/// The grouped wgrad with `tile` on (dy, x, offsets) into a dW uploaded from `dw0`, read back.
+fn run_tn(
+    g: &Gpu,
+    ops: &Gemm,
+    tile: Tile,
+    (dy, x, off): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u32>),
+    dw0: &[f32],
+    s: Grouped,
+    write: GradWrite,
+) -> Vec<f32> {
+    let mut dw = g.upload(dw0).unwrap();
+    ops.grouped_tn_with(
+        tile,
+        &dy.as_view(),
+        &x.as_view(),
+        &off.as_view(),
+        &mut dw.as_view_mut(),
+        s,
+        write,
+    )
+    .unwrap();
+    g.download(&dw).unwrap()
+}
+
 #[test]
 fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
     let g = gpu();
@@ -329,18 +354,15 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
         let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
         let doff = g.upload(&off).unwrap();
         for tile in Tile::ALL {
-            let mut dw = g.upload(&old).unwrap();
-            ops.grouped_tn_with(
+            let got = run_tn(
+                &g,
+                &ops,
                 tile,
-                &ddy.as_view(),
-                &dx.as_view(),
-                &doff.as_view(),
-                &mut dw.as_view_mut(),
+                (&ddy, &dx, &doff),
+                &old,
                 s,
                 GradWrite::Accumulate,
-            )
-            .unwrap();
-            let got = g.download(&dw).unwrap();
+            );
             for (e, &rows) in c.counts.iter().enumerate() {
                 let r0 = off[e] as usize;
                 let span = e * n * k..(e + 1) * n * k;
@@ -400,20 +422,10 @@ fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
         let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
         let doff = g.upload(&off).unwrap();
         let len = s.experts * n * k;
+        let ops_in = (&ddy, &dx, &doff);
         for tile in Tile::ALL {
             let run = |init: f32, write: GradWrite| {
-                let mut dw = g.upload(&vec![init; len]).unwrap();
-                ops.grouped_tn_with(
-                    tile,
-                    &ddy.as_view(),
-                    &dx.as_view(),
-                    &doff.as_view(),
-                    &mut dw.as_view_mut(),
-                    s,
-                    write,
-                )
-                .unwrap();
-                g.download(&dw).unwrap()
+                run_tn(&g, &ops, tile, ops_in, &vec![init; len], s, write)
             };
             let want = run(0.0, GradWrite::Accumulate);
             let got = run(f32::NAN, GradWrite::Overwrite);

@@ -343,17 +343,17 @@ fn model_tensor(m: &Model, g: &mxrl_model::Grads, name: &str, grads: bool) -> Ve
     }
 }
 
-fn gradients_bitwise(arch: Arch) {
-    let c = small(arch);
-    let m = bf16_model(&c, 11);
-    let mut e = cpu_engine(&m, 64).unwrap();
-    e.enable_training().unwrap();
-    let s = seqs();
-    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    let temperature = 0.9;
+/// The CPU model's training forward of `batch`, random `∂L/∂logprob` (seeds `seed + b` per
+/// sequence) and its backward: (logprobs, dlogprobs, gradients).
+fn model_backward(
+    m: &Model,
+    batch: &[SeqInput],
+    temperature: f32,
+    seed: u64,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, mxrl_model::Grads) {
     let out = m
         .forward(
-            &batch,
+            batch,
             &ForwardOptions {
                 temperature,
                 train: true,
@@ -365,11 +365,23 @@ fn gradients_bitwise(arch: Arch) {
         .logprobs
         .iter()
         .enumerate()
-        .map(|(b, l)| test_values(l.len(), 70 + b as u64, 1.0))
+        .map(|(b, l)| test_values(l.len(), seed + b as u64, 1.0))
         .collect();
     let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    (out.logprobs, dl, g)
+}
+
+fn gradients_bitwise(arch: Arch) {
+    let c = small(arch);
+    let m = bf16_model(&c, 11);
+    let mut e = cpu_engine(&m, 64).unwrap();
+    e.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let temperature = 0.9;
+    let (logprobs, dl, g) = model_backward(&m, &batch, temperature, 70);
     let (lp, tape) = e.forward_train(&batch, temperature).unwrap();
-    assert_eq!(lp, out.logprobs);
+    assert_eq!(lp, logprobs);
     e.zero_grads().unwrap();
     e.backward(&tape, &dl).unwrap();
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
@@ -499,23 +511,7 @@ fn pending_expert_gradients_read_zero_then_accumulate_over_two_backwards() {
     e.enable_training().unwrap();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    let out = m
-        .forward(
-            &batch,
-            &ForwardOptions {
-                temperature: 1.0,
-                train: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    let dl: Vec<Vec<f32>> = out
-        .logprobs
-        .iter()
-        .enumerate()
-        .map(|(b, l)| test_values(l.len(), 90 + b as u64, 1.0))
-        .collect();
-    let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    let (_, dl, g) = model_backward(&m, &batch, 1.0, 90);
     let (_, tape) = e.forward_train(&batch, 1.0).unwrap();
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
     // A backward, then zero_grads: every gradient reads as zero again, experts included.
