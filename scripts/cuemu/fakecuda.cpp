@@ -250,6 +250,11 @@ CUresult cuStreamGetCaptureInfo_v3(void* s, int* status, unsigned long long* id,
     if (n) *n = 0;
     return OK;
 }
+// No node list (see cuStreamGetCaptureInfo_v3): a graph here counts as having no nodes.
+CUresult cuGraphGetNodes(void*, void**, size_t* n) {
+    *n = 0;
+    return OK;
+}
 CUresult cuGraphDestroy(void* g) {
     delete (Graph*)g;
     return OK;
@@ -298,7 +303,43 @@ CUresult cuMemFree_v2(unsigned long long p) {
     dev_free((void*)p);
     return OK;
 }
+// Memory pools of their own (the engine's recordings allocate from one): a freed buffer goes
+// back to its pool's free list, never to the host, and is handed out again for a request of
+// the same size (refilled with garbage, as fresh device memory is here).
+struct Pool {
+    std::multimap<size_t, uintptr_t> free;
+};
+std::map<uintptr_t, std::pair<Pool*, size_t>> g_pool_of;
+CUresult cuMemPoolCreate(void** pool, const void*) {
+    *pool = new Pool();
+    return OK;
+}
+CUresult cuMemPoolDestroy(void*) { return OK; }  // its buffers stay valid (leaked)
+CUresult cuMemAllocFromPoolAsync(unsigned long long* p, size_t n, void* pool, void*) {
+    std::lock_guard<std::recursive_mutex> l(g_lock);
+    Pool* pl = (Pool*)pool;
+    auto it = pl->free.find(n);
+    uintptr_t q;
+    if (it != pl->free.end()) {
+        q = it->second;
+        pl->free.erase(it);
+        std::memset((void*)q, 0xCD, n);
+    } else {
+        void* v = dev_alloc(n);
+        if (!v) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+        q = (uintptr_t)v;
+        g_pool_of[q] = {pl, n};
+    }
+    *p = q;
+    return OK;
+}
 CUresult cuMemFreeAsync(unsigned long long p, void* s) {
+    std::lock_guard<std::recursive_mutex> l(g_lock);
+    auto it = g_pool_of.find((uintptr_t)p);
+    if (it != g_pool_of.end()) {
+        it->second.first->free.emplace(it->second.second, (uintptr_t)p);
+        return OK;
+    }
     // A free captured into a graph would free at replay; the engine frees outside captures.
     if (stream_of(s)->capturing) return OK;
     return cuMemFree_v2(p);

@@ -49,6 +49,14 @@ static GRAPH_PDL: Mutex<Option<GraphPdl>> = Mutex::new(None);
 /// (op kernels entered by a programmatic edge, op kernels) of the graph recorded last in this
 /// process; both 0 when it was recorded with [`GraphPdl::Off`] (nothing is counted then).
 static LAST_GRAPH_EDGES: Mutex<(usize, usize)> = Mutex::new((0, 0));
+/// The node census of the graph recorded last in this process.
+static LAST_GRAPH_CENSUS: Mutex<NodeCensus> = Mutex::new(NodeCensus {
+    kernels: 0,
+    memsets: 0,
+    copies: 0,
+    allocs: 0,
+    other: 0,
+});
 
 /// Sets the [`GraphPdl`] mode of graphs recorded from now on in this process (`None`: back to
 /// `MXRL_GRAPH_PDL`).
@@ -60,6 +68,12 @@ pub fn set_graph_pdl(mode: Option<GraphPdl>) {
 /// last; both 0 when it was recorded with [`GraphPdl::Off`] (nothing is counted then).
 pub fn last_graph_edges() -> (usize, usize) {
     *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned")
+}
+
+/// The nodes by type of the graph this process recorded last (all zero where the driver lists
+/// no nodes, as the host stand-in does).
+pub fn last_graph_census() -> NodeCensus {
+    *LAST_GRAPH_CENSUS.lock().expect("graph census poisoned")
 }
 
 impl GraphPdl {
@@ -88,6 +102,65 @@ pub struct DeviceGraph {
     stream: Arc<CudaStream>,
     programmatic: usize,
     kernels: usize,
+    census: NodeCensus,
+}
+
+/// The nodes of a recorded graph by type ([`DeviceGraph::census`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeCensus {
+    /// Kernels (the engine's and cuBLAS').
+    pub kernels: usize,
+    /// Memory sets.
+    pub memsets: usize,
+    /// Copies.
+    pub copies: usize,
+    /// Stream-ordered allocations and frees recorded into the graph.
+    pub allocs: usize,
+    /// Every other node (events, empty nodes, host functions, child graphs).
+    pub other: usize,
+}
+
+impl std::fmt::Display for NodeCensus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kernels, {} memsets, {} copies, {} allocations/frees, {} other",
+            self.kernels, self.memsets, self.copies, self.allocs, self.other
+        )
+    }
+}
+
+/// The nodes of `g` by type (zeros where the driver cannot list them).
+///
+/// # Safety
+/// `g` is a live graph.
+unsafe fn census_of(g: cudarc::driver::sys::CUgraph) -> NodeCensus {
+    use cudarc::driver::sys::{self, CUgraphNodeType as T};
+    let mut c = NodeCensus::default();
+    let mut n = 0usize;
+    if sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+        return c;
+    }
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    if n == 0 || sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) != sys::CUresult::CUDA_SUCCESS
+    {
+        return c;
+    }
+    for &node in &nodes[..n] {
+        let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+        if sys::cuGraphNodeGetType(node, &mut t) != sys::CUresult::CUDA_SUCCESS {
+            c.other += 1;
+            continue;
+        }
+        match t {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY => c.copies += 1,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC | T::CU_GRAPH_NODE_TYPE_MEM_FREE => c.allocs += 1,
+            _ => c.other += 1,
+        }
+    }
+    c
 }
 
 impl DeviceGraph {
@@ -105,6 +178,11 @@ impl DeviceGraph {
     /// for a graph recorded with [`GraphPdl::Off`]: nothing is counted then).
     pub fn programmatic_edges(&self) -> (usize, usize) {
         (self.programmatic, self.kernels)
+    }
+
+    /// The graph's nodes by type.
+    pub fn census(&self) -> NodeCensus {
+        self.census
     }
 }
 
@@ -126,6 +204,41 @@ struct Capture {
     mode: GraphPdl,
     last_op: cudarc::driver::sys::CUgraphNode,
     counts: (usize, usize),
+    arena: Option<Arena>,
+}
+
+/// Where buffers allocated while a graph is recorded come from ([`Gpu::empty`],
+/// [`Gpu::zeros`]): a memory pool of the GPU's own, allocated from and freed to on a side
+/// stream that is never recorded, so the graph holds no allocation or free nodes (a kernel
+/// after one of those cannot be entered by a programmatic edge) and its buffers' addresses are
+/// fixed when it is recorded.
+///
+/// Why reuse is safe: a capture records one stream, so the graph is a chain in recording order.
+/// A buffer is freed (back to the pool, on the side stream) when its owner drops it, after
+/// every kernel that uses it was recorded; a buffer that gets the same bytes later is only
+/// used by kernels recorded later, which the chain runs later. Buffers still alive when the
+/// recording ends stay allocated. Nothing but recordings allocates from the pool, so no buffer
+/// outside a graph ever gets bytes a graph uses; graphs of one stream never run at once. The
+/// pool keeps what it was given (release threshold at the maximum).
+#[derive(Clone)]
+struct Arena {
+    side: Arc<CudaStream>,
+    pool: PoolHandle,
+}
+
+/// A memory pool made by `cuMemPoolCreate` for one [`Gpu`]'s recordings.
+#[derive(Clone, Copy)]
+struct PoolHandle(cudarc::driver::sys::CUmemoryPool);
+// SAFETY: a pool handle is a driver object usable from any thread of the process.
+unsafe impl Send for PoolHandle {}
+// SAFETY: as above; the driver synchronizes its own use of the pool.
+unsafe impl Sync for PoolHandle {}
+
+/// Whether recordings allocate from the [`Arena`] (`MXRL_GRAPH_ARENA`: `on`, the default, or
+/// `off`, which records allocation and free nodes into the graph as the stream-ordered
+/// allocator does).
+fn arena_enabled() -> bool {
+    !matches!(std::env::var("MXRL_GRAPH_ARENA").as_deref(), Ok("off"))
 }
 
 thread_local! {
@@ -266,6 +379,27 @@ pub fn compile_op_module(
     })
 }
 
+/// Where the PTX of module `name` with key `key` is kept between processes: under the folder
+/// `MXRL_PTX_CACHE` names (unset: no cache, every process compiles). The key hashes the full
+/// source and the NVRTC options (architecture included).
+fn ptx_cache_path(name: &str, key: &str) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("MXRL_PTX_CACHE").filter(|d| !d.is_empty())?;
+    Some(std::path::Path::new(&dir).join(format!("{name}-{key}.ptx")))
+}
+
+/// Writes `ptx` to `path` through a temporary file renamed when complete (best effort: a
+/// cache that cannot be written is only slower).
+fn store_ptx(path: &std::path::Path, ptx: &str) {
+    let Some(dir) = path.parent() else { return };
+    let tmp = path.with_extension(format!("ptx.partial-{}", std::process::id()));
+    let ok = std::fs::create_dir_all(dir).is_ok()
+        && std::fs::write(&tmp, ptx).is_ok()
+        && std::fs::rename(&tmp, path).is_ok();
+    if !ok {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
 /// Keeps memory freed by stream-ordered frees in the device's pool instead of returning it to
 /// the driver at every synchronization, so that the many short-lived buffers of a step are
 /// recycled without driver calls (as framework caching allocators do). Best effort: a driver
@@ -329,6 +463,27 @@ pub struct Gpu {
     /// [`Gpu::download_with`]: allocated on its first call, replaced by a larger one when a
     /// read-back needs more bytes, kept otherwise.
     readback: Arc<Mutex<Option<PinnedHostSlice<u8>>>>,
+    /// The [`Arena`] of this stream's recordings: made on the first recording, destroyed with
+    /// the last clone.
+    arena: Arc<ArenaSlot>,
+}
+
+/// Holds a stream's [`Arena`]; destroys its pool when dropped (the driver releases the pool's
+/// memory once the buffers still allocated from it, e.g. by a graph's owner, are freed).
+#[derive(Default)]
+struct ArenaSlot(Mutex<Option<Arena>>);
+
+impl Drop for ArenaSlot {
+    fn drop(&mut self) {
+        if let Some(a) = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = a.side.synchronize();
+            // SAFETY: the pool was made by `cuMemPoolCreate` and is destroyed once; buffers
+            // still allocated from it keep it alive inside the driver until they are freed.
+            unsafe {
+                let _ = cudarc::driver::sys::cuMemPoolDestroy(a.pool.0);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -389,6 +544,7 @@ impl Gpu {
             options,
             staging: Arc::new(Mutex::new(None)),
             readback: Arc::new(Mutex::new(None)),
+            arena: Arc::new(ArenaSlot::default()),
         })
     }
 
@@ -429,6 +585,7 @@ impl Gpu {
             stream,
             staging: Arc::new(Mutex::new(None)),
             readback: Arc::new(Mutex::new(None)),
+            arena: Arc::new(ArenaSlot::default()),
             ..base
         };
         THREAD_GPUS.with(|t| t.borrow_mut().insert(ordinal, g.clone()));
@@ -500,11 +657,24 @@ impl Gpu {
         if let Some(m) = cache.get(&(self.ordinal, key.clone())) {
             return Ok(m.clone());
         }
-        eprintln!(
-            "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options {:?}",
-            self.name, self.options
-        );
-        let ptx = compile_op_module(name, source, self.arch).map_err(|e| self.err(e))?;
+        let cached = ptx_cache_path(name, &key);
+        let ptx = match cached
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+        {
+            Some(src) => Ptx::from_src(src),
+            None => {
+                eprintln!(
+                    "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options {:?}",
+                    self.name, self.options
+                );
+                let ptx = compile_op_module(name, source, self.arch).map_err(|e| self.err(e))?;
+                if let Some(p) = &cached {
+                    store_ptx(p, &ptx.to_src());
+                }
+                ptx
+            }
+        };
         let m = self
             .ctx
             .load_module(ptx)
@@ -513,7 +683,8 @@ impl Gpu {
         Ok(m)
     }
 
-    /// A zero-filled device buffer.
+    /// A zero-filled device buffer. While this stream records a graph, from the recording's
+    /// [`Arena`] (the zeros are recorded as a memory set).
     ///
     /// # Errors
     /// Out of device memory (the driver's message).
@@ -521,19 +692,109 @@ impl Gpu {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>, DeviceError> {
+        if let Some(mut s) = self.arena_alloc::<T>(len)? {
+            self.stream
+                .memset_zeros(&mut s)
+                .map_err(|x| self.err(format!("zeroing {len} elements: {x:?}")))?;
+            return Ok(s);
+        }
         self.stream
             .alloc_zeros::<T>(len.max(1))
             .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
     }
 
     /// A device buffer whose contents are unspecified (for outputs an op overwrites whole).
+    /// While this stream records a graph, from the recording's [`Arena`].
     ///
     /// # Errors
     /// Out of device memory (the driver's message).
     pub fn empty<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, DeviceError> {
+        if let Some(s) = self.arena_alloc::<T>(len)? {
+            return Ok(s);
+        }
         // SAFETY: `T: DeviceRepr` is plain data; callers only read elements an op has written.
         unsafe { self.stream.alloc::<T>(len.max(1)) }
             .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+    }
+
+    /// `len` elements from the recording's [`Arena`] when this thread is recording this
+    /// GPU's stream with one (`None` otherwise). The buffer belongs to the side stream: its
+    /// drop frees it back to the pool there, outside the recording.
+    fn arena_alloc<T: DeviceRepr>(&self, len: usize) -> Result<Option<CudaSlice<T>>, DeviceError> {
+        let me = self.stream.cu_stream();
+        let Some(arena) = CAPTURE.with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|c| c.stream == me)
+                .and_then(|c| c.arena.clone())
+        }) else {
+            return Ok(None);
+        };
+        let n = len.max(1);
+        let bytes = n * std::mem::size_of::<T>();
+        let mut ptr: cudarc::driver::sys::CUdeviceptr = 0;
+        // SAFETY: allocates `bytes` from the live pool on the live side stream; the driver
+        // writes `ptr`.
+        unsafe {
+            cudarc::driver::sys::cuMemAllocFromPoolAsync(
+                &mut ptr,
+                bytes,
+                arena.pool.0,
+                arena.side.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|x| self.err(format!("allocating {len} elements while recording: {x:?}")))?;
+        // SAFETY: `ptr` is a fresh allocation of `n` elements of plain data; the slice frees it
+        // (stream-ordered, on the side stream, back to the pool) when dropped. Callers only
+        // read elements an op has written, as for [`Gpu::empty`].
+        Ok(Some(unsafe { arena.side.upgrade_device_ptr::<T>(ptr, n) }))
+    }
+
+    /// This stream's [`Arena`], made on first use.
+    fn arena(&self) -> Result<Arena, DeviceError> {
+        use cudarc::driver::sys;
+        let mut slot = self.arena.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = slot.as_ref() {
+            return Ok(a.clone());
+        }
+        let side = self
+            .ctx
+            .new_stream()
+            .map_err(|x| self.err(format!("new stream for recordings' buffers: {x:?}")))?;
+        let props = sys::CUmemPoolProps {
+            allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ordinal as i32,
+            },
+            // SAFETY: the remaining fields are plain data whose zero is "none".
+            ..unsafe { std::mem::zeroed() }
+        };
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        self.ctx
+            .bind_to_thread()
+            .map_err(|x| self.err(format!("{x:?}")))?;
+        // SAFETY: creates a pool with the properties above; the driver writes `pool`, and the
+        // threshold outlives the call that reads it.
+        unsafe {
+            sys::cuMemPoolCreate(&mut pool, &props)
+                .result()
+                .map_err(|x| self.err(format!("memory pool for recordings: {x:?}")))?;
+            let mut threshold: u64 = u64::MAX;
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            );
+        }
+        let a = Arena {
+            side,
+            pool: PoolHandle(pool),
+        };
+        *slot = Some(a.clone());
+        Ok(a)
     }
 
     /// Copies `host` into the first `host.len()` elements of `dst`.
@@ -683,6 +944,11 @@ impl Gpu {
     /// The driver's error (e.g. a capture already under way).
     pub fn begin_capture(&self) -> Result<(), DeviceError> {
         let mode = GraphPdl::from_env().map_err(|e| self.err(e))?;
+        let arena = if arena_enabled() {
+            Some(self.arena()?)
+        } else {
+            None
+        };
         self.stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(|x| self.err(format!("begin graph capture: {x:?}")))?;
@@ -692,6 +958,7 @@ impl Gpu {
                 mode,
                 last_op: std::ptr::null_mut(),
                 counts: (0, 0),
+                arena,
             })
         });
         Ok(())
@@ -715,10 +982,19 @@ impl Gpu {
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(self.err(format!("end graph capture: {r:?}")));
         }
+        if let Some(a) = capture.as_ref().and_then(|c| c.arena.as_ref()) {
+            // The recording's allocations and frees on the side stream are complete before
+            // the graph can run.
+            a.side
+                .synchronize()
+                .map_err(|x| self.err(format!("recordings' buffers: {x:?}")))?;
+        }
         if g.is_null() {
             return Ok(None);
         }
         let (programmatic, kernels) = capture.as_ref().map_or((0, 0), |c| c.counts);
+        // SAFETY: `g` is the live graph just recorded.
+        let census = unsafe { census_of(g) };
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: instantiates the live graph `g`; the driver writes `exec`.
         let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) };
@@ -727,11 +1003,15 @@ impl Gpu {
         } else {
             Err(self.err(format!("instantiate graph: {r:?}")))
         };
+        if inst.is_ok() {
+            *LAST_GRAPH_CENSUS.lock().expect("graph census poisoned") = census;
+        }
         if let (Ok((p, n)), Some(c)) = (&inst, &capture) {
             *LAST_GRAPH_EDGES.lock().expect("graph edges poisoned") = (*p, *n);
             if c.mode != GraphPdl::Off {
                 eprintln!(
-                    "mxrl-cuda: recorded graph, {p} of {n} op kernels entered by a programmatic edge ({:?})",
+                    "mxrl-cuda: recorded graph ({census}), {p} of {n} op kernels entered by a \
+                     programmatic edge ({:?})",
                     c.mode
                 );
             }
@@ -743,6 +1023,7 @@ impl Gpu {
                 stream: self.stream.clone(),
                 programmatic,
                 kernels,
+                census,
             })),
             Err(e) => {
                 // SAFETY: `g` is not used after this.

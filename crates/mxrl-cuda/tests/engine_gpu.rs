@@ -246,11 +246,13 @@ fn gpu_decode_graph_replays_plain_steps_bitwise_and_samples_like_the_reference()
 
 /// Decode graphs whose kernel-to-kernel edges are programmatic (each kernel launched while its
 /// predecessor runs, waiting inside until that one's writes are visible) give the bits of the
-/// same steps run op by op, in both modes; the graph did get such edges (on a GPU: cuemu's
-/// stand-in graphs have no edge list, and run their ops in order anyway).
+/// same steps run op by op, in both modes; the graph did get such edges, and no allocation
+/// nodes (on a GPU: cuemu's stand-in graphs have no edge or node list, and run their ops in
+/// order anyway). The replays reuse the recording's buffers, so equal bits over eight steps
+/// also say that no two live buffers of a step share bytes.
 #[test]
 fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
-    use mxrl_cuda::gpu::{last_graph_edges, set_graph_pdl, GraphPdl};
+    use mxrl_cuda::gpu::{last_graph_census, last_graph_edges, set_graph_pdl, GraphPdl};
     let m = model();
     let s = seqs();
     let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
@@ -274,6 +276,7 @@ fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
         let g = gpu_engine(&m);
         let (got, recorded) = run(&g);
         let (programmatic, edges) = last_graph_edges();
+        let census = last_graph_census();
         set_graph_pdl(None);
         assert!(
             recorded,
@@ -284,6 +287,12 @@ fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
                 programmatic > 0 && programmatic < edges,
                 "{mode:?}: {programmatic} of {edges} edges programmatic"
             );
+            // The step's buffers come from the recordings' pool: no allocation or free
+            // nodes, and every op kernel but the first follows a kernel.
+            assert_eq!(census.allocs, 0, "{mode:?}: {census}");
+            if mode == GraphPdl::All {
+                assert_eq!(programmatic + 1, edges, "{mode:?}: {census}");
+            }
         }
         for (t, (a, b)) in got.iter().zip(&plain).enumerate() {
             assert_eq!(a, b, "{mode:?} step {t}: differs from the plain step");
