@@ -164,6 +164,75 @@ fn rmsnorm_forward_and_backward_match_reference_within_derived_bounds() {
     }
 }
 
+/// Up to `WARP_ROW_MAX_D` columns the forward and the backward's `dx` run one warp per row;
+/// they give exactly the bits of one block per row (every width up to 256, rows around the
+/// eight rows of a block, values of mixed signs and magnitudes), for all three forward outputs.
+#[test]
+fn rmsnorm_warp_rows_give_the_block_rows_bits() {
+    use mxrl_cuda::ops::norm::WARP_ROW_MAX_D;
+    let g = gpu();
+    let ops = Norm::new(&g).unwrap();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x77617270);
+    let mut checked = 0;
+    for d in (1..=WARP_ROW_MAX_D).filter(|d| d % 31 == 0 || d % 32 < 2 || *d < 6) {
+        for rows in [1usize, 7, 8, 9, 23] {
+            let x = test_values(rows * d, r.gen(), 3.0);
+            let w: Vec<f32> = (0..d).map(|_| r.gen_range(-2.0..2.0)).collect();
+            let dy = test_values(rows * d, r.gen(), 0.5);
+            let rstd_in: Vec<f32> = (0..rows).map(|_| r.gen_range(0.1..3.0)).collect();
+            let dw0 = vec![0.0f32; d];
+            let mut both = Vec::new();
+            for block in [false, true] {
+                ops.set_block_rows(block);
+                let run = run_gpu(&g, &ops, &x, &w, &dy, &rstd_in, &dw0, rows, d, 1e-6);
+                let (dx_, dw_) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+                let mut yb = g.zeros::<u16>(rows * d).unwrap();
+                let mut y2 = g.zeros::<f32>(rows * d).unwrap();
+                let mut yb2 = g.zeros::<u16>(rows * d).unwrap();
+                let mut rs = g.zeros::<f32>(rows).unwrap();
+                ops.forward_bf16(
+                    &dx_.as_view(),
+                    &dw_.as_view(),
+                    &mut yb.as_view_mut(),
+                    &mut rs.as_view_mut(),
+                    rows,
+                    d,
+                    1e-6,
+                )
+                .unwrap();
+                ops.forward_both(
+                    &dx_.as_view(),
+                    &dw_.as_view(),
+                    &mut y2.as_view_mut(),
+                    &mut yb2.as_view_mut(),
+                    &mut rs.as_view_mut(),
+                    rows,
+                    d,
+                    1e-6,
+                )
+                .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                both.push((
+                    bits(&run.y),
+                    bits(&run.rstd),
+                    bits(&run.dx),
+                    bits(&run.dw),
+                    g.download(&yb).unwrap(),
+                    bits(&g.download(&y2).unwrap()),
+                    g.download(&yb2).unwrap(),
+                ));
+            }
+            ops.set_block_rows(false);
+            assert!(
+                both[0] == both[1],
+                "[{rows}, {d}]: warp rows and block rows differ"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 40);
+}
+
 #[test]
 fn rmsnorm_launchers_reject_short_buffers() {
     let g = gpu();

@@ -32,6 +32,14 @@ pub fn backward_scratch_len(rows: usize, d: usize) -> usize {
     (rows.div_ceil(rows_per_chunk(rows)) * d).max(1)
 }
 
+/// Widths up to which the forward and the backward's `dx` run one warp per row
+/// (`rmsnorm_*_w`, [`WARP_ROWS_PER_BLOCK`] rows per block): the per-head q/k norms' rows. Same
+/// bits as one block per row (whose block holds at most one column per thread at these widths).
+pub const WARP_ROW_MAX_D: usize = 256;
+
+/// Rows (warps) per block of the one-warp-per-row kernels.
+pub const WARP_ROWS_PER_BLOCK: usize = 8;
+
 /// Threads per block of the per-row kernels: one warp per 32 columns up to 256 (a function of
 /// `d` only, so the reduction tree is fixed by the shape).
 pub(crate) fn row_threads(d: usize) -> u32 {
@@ -55,6 +63,22 @@ pub struct Norm {
     bwd_dx: CudaFunction,
     dw_partial: CudaFunction,
     dw_reduce: CudaFunction,
+    fwd_w: CudaFunction,
+    fwd_bf16_w: CudaFunction,
+    fwd_both_w: CudaFunction,
+    bwd_dx_w: CudaFunction,
+    /// [`Norm::set_block_rows`]: one block per row at every width.
+    block_rows: std::cell::Cell<bool>,
+}
+
+/// Launch shape of the one-warp-per-row kernels for `rows` (`None` for widths past
+/// [`WARP_ROW_MAX_D`]: one block per row).
+fn warp_rows_cfg(rows: usize, d: usize) -> Option<LaunchConfig> {
+    (d <= WARP_ROW_MAX_D).then(|| LaunchConfig {
+        grid_dim: (rows.div_ceil(WARP_ROWS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (32 * WARP_ROWS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 impl Norm {
@@ -77,7 +101,27 @@ impl Norm {
             bwd_dx: f("rmsnorm_bwd_dx")?,
             dw_partial: f("rmsnorm_bwd_dw_partial")?,
             dw_reduce: f("rmsnorm_bwd_dw_reduce")?,
+            fwd_w: f("rmsnorm_fwd_w")?,
+            fwd_bf16_w: f("rmsnorm_fwd_bf16_w")?,
+            fwd_both_w: f("rmsnorm_fwd_both_w")?,
+            bwd_dx_w: f("rmsnorm_bwd_dx_w")?,
+            block_rows: std::cell::Cell::new(false),
         })
+    }
+
+    /// Runs every width on the one-block-per-row kernels (`true`), as widths past
+    /// [`WARP_ROW_MAX_D`] always do, instead of one warp per row up to it (`false`, the
+    /// default). Same bits either way; for tests that compare the two.
+    pub fn set_block_rows(&self, on: bool) {
+        self.block_rows.set(on);
+    }
+
+    fn warp_cfg(&self, rows: usize, d: usize) -> Option<LaunchConfig> {
+        if self.block_rows.get() {
+            None
+        } else {
+            warp_rows_cfg(rows, d)
+        }
     }
 
     /// The forward kernels' checks (x, w, each named output of `rows · d` elements, rstd) and
@@ -131,7 +175,22 @@ impl Norm {
         else {
             return Ok(());
         };
-        let d32 = d as u32;
+        let (d32, rows32) = (d as u32, rows as u32);
+        if let Some(cfg) = self.warp_cfg(rows, d) {
+            let mut b = self.gpu.stream().launch_builder(&self.fwd_w);
+            b.arg(x)
+                .arg(w)
+                .arg(y)
+                .arg(rstd)
+                .arg(&rows32)
+                .arg(&d32)
+                .arg(&eps);
+            // SAFETY: warp r < rows (the rest return) reads x row r and w[..d], writes y row r
+            // and rstd[r] (all checked above); types match (const float*, const float*,
+            // float*, float*, u32, u32, float).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+            return Ok(());
+        }
         let mut b = self.gpu.stream().launch_builder(&self.fwd);
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
@@ -162,7 +221,20 @@ impl Norm {
         else {
             return Ok(());
         };
-        let d32 = d as u32;
+        let (d32, rows32) = (d as u32, rows as u32);
+        if let Some(cfg) = self.warp_cfg(rows, d) {
+            let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16_w);
+            b.arg(x)
+                .arg(w)
+                .arg(y)
+                .arg(rstd)
+                .arg(&rows32)
+                .arg(&d32)
+                .arg(&eps);
+            // SAFETY: as `forward`'s warp-per-row launch, with u16 output elements.
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+            return Ok(());
+        }
         let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
         b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
@@ -199,7 +271,21 @@ impl Norm {
         else {
             return Ok(());
         };
-        let d32 = d as u32;
+        let (d32, rows32) = (d as u32, rows as u32);
+        if let Some(cfg) = self.warp_cfg(rows, d) {
+            let mut b = self.gpu.stream().launch_builder(&self.fwd_both_w);
+            b.arg(x)
+                .arg(w)
+                .arg(y)
+                .arg(yb)
+                .arg(rstd)
+                .arg(&rows32)
+                .arg(&d32)
+                .arg(&eps);
+            // SAFETY: as `forward`'s warp-per-row launch, also writing yb row r (checked).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+            return Ok(());
+        }
         let mut b = self.gpu.stream().launch_builder(&self.fwd_both);
         b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
         // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
@@ -310,11 +396,25 @@ impl Norm {
             block_dim: (row_threads(d), 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.gpu.stream().launch_builder(&self.bwd_dx);
-        b.arg(dy).arg(x).arg(w).arg(rstd).arg(&mut *dx).arg(&d32);
-        // SAFETY: block r < rows reads dy, x rows r (rows·d checked), w[..d], rstd[r] and
-        // writes dx row r (rows·d checked); types match (4 × const float*, float*, u32).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+        if let Some(cfg) = self.warp_cfg(rows, d) {
+            let mut b = self.gpu.stream().launch_builder(&self.bwd_dx_w);
+            b.arg(dy)
+                .arg(x)
+                .arg(w)
+                .arg(rstd)
+                .arg(&mut *dx)
+                .arg(&rows32)
+                .arg(&d32);
+            // SAFETY: warp r < rows (the rest return) reads dy, x rows r, w[..d], rstd[r] and
+            // writes dx row r (all checked); types match (4 × const float*, float*, u32, u32).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+        } else {
+            let mut b = self.gpu.stream().launch_builder(&self.bwd_dx);
+            b.arg(dy).arg(x).arg(w).arg(rstd).arg(&mut *dx).arg(&d32);
+            // SAFETY: block r < rows reads dy, x rows r (rows·d checked), w[..d], rstd[r] and
+            // writes dx row r (rows·d checked); types match (4 × const float*, float*, u32).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+        }
 
         let rpc = rows_per_chunk(rows);
         let chunks = rows.div_ceil(rpc);
