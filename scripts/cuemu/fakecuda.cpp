@@ -65,7 +65,7 @@ constexpr size_t TOTAL = 64ull << 30;
 void* dev_alloc(size_t n) {
     void* p = std::aligned_alloc(256, (n + 255) / 256 * 256 + 256);
     if (!p) return nullptr;
-    std::memset(p, 0xCD, n);  // fresh device memory holds garbage
+    std::memset(p, 0xFF, n);  // fresh device memory holds garbage (NaN as f32 and BF16)
     g_allocs[(uintptr_t)p] = n;
     g_used += n;
     if (g_used > g_high) g_high = g_used;
@@ -323,7 +323,7 @@ CUresult cuMemAllocFromPoolAsync(unsigned long long* p, size_t n, void* pool, vo
     if (it != pl->free.end()) {
         q = it->second;
         pl->free.erase(it);
-        std::memset((void*)q, 0xCD, n);
+        std::memset((void*)q, 0xFF, n);
     } else {
         void* v = dev_alloc(n);
         if (!v) return 2;  // CUDA_ERROR_OUT_OF_MEMORY

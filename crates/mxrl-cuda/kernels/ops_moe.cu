@@ -377,12 +377,15 @@ extern "C" __global__ void moe_gather_bwd(const float* __restrict__ dg, const u3
 
 // One warp per flat slot ts = t*k + s < total (blockDim.x / 32 slots per block):
 // dy[row, :] = w[ts]·dout[t, :] and dw[ts] = 0 + Σ_j dout[t, j]·y[row, j] (per-lane strided
-// partial sums — over float4 chunks when aligned — then the fixed warp_sum butterfly). A
+// partial sums — over float4 chunks when dout and y are aligned — then the fixed warp_sum
+// butterfly). A
 // dropped slot gets dw = 0 and no dy row. Every exit is uniform across its warp.
-extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const float* __restrict__ y,
-                                           const float* __restrict__ w, const u32* __restrict__ row_of,
-                                           float* __restrict__ dy, float* __restrict__ dw, u64 total,
-                                           u32 k, u64 h) {
+// B16: dy is written as BF16 bit patterns only (the bits of the f32 kernel then to_bf16).
+template <bool B16>
+__device__ __forceinline__ void moe_combine_bwd_slots(const float* __restrict__ dout, const float* __restrict__ y,
+                                                      const float* __restrict__ w, const u32* __restrict__ row_of,
+                                                      float* __restrict__ dy, u16* __restrict__ dyb,
+                                                      float* __restrict__ dw, u64 total, u32 k, u64 h) {
     const u32 lane = threadIdx.x & 31;
     const u64 ts = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (ts >= total) return;
@@ -395,16 +398,37 @@ extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const
     const float wv = w[ts];
     const float* d = dout + t * h;
     const float* yr = y + (u64)r * h;
-    float* dyr = dy + (u64)r * h;
+    float* dyr = B16 ? nullptr : dy + (u64)r * h;
+    u16* dybr = B16 ? dyb + (u64)r * h : nullptr;
+    // The sum's order depends on the inputs' alignment only; the stores are 8 / 16 bytes wide
+    // where the output row allows it, element by element otherwise.
+    const bool out_aligned = B16 ? (((u64)dybr) & 7) == 0 : moe_aligned16(dyr, dyr);
     float part = 0.0f;
-    if ((h & 3) == 0 && moe_aligned16(d, yr) && moe_aligned16(dyr, dyr)) {
+    if ((h & 3) == 0 && moe_aligned16(d, yr)) {
         const float4* d4 = (const float4*)d;
         const float4* y4 = (const float4*)yr;
-        float4* o4 = (float4*)dyr;
         for (u64 j = lane; j < (h >> 2); j += 32) {
             const float4 dv = d4[j], yv = y4[j];
-            o4[j] = make_float4(__fmul_rn(wv, dv.x), __fmul_rn(wv, dv.y), __fmul_rn(wv, dv.z),
-                                __fmul_rn(wv, dv.w));
+            const float4 o = make_float4(__fmul_rn(wv, dv.x), __fmul_rn(wv, dv.y), __fmul_rn(wv, dv.z),
+                                         __fmul_rn(wv, dv.w));
+            if (B16 && out_aligned) {
+                uint2 pk;
+                pk.x = (u32)f32_to_bf16(o.x) | ((u32)f32_to_bf16(o.y) << 16);
+                pk.y = (u32)f32_to_bf16(o.z) | ((u32)f32_to_bf16(o.w) << 16);
+                ((uint2*)dybr)[j] = pk;
+            } else if (B16) {
+                dybr[4 * j] = f32_to_bf16(o.x);
+                dybr[4 * j + 1] = f32_to_bf16(o.y);
+                dybr[4 * j + 2] = f32_to_bf16(o.z);
+                dybr[4 * j + 3] = f32_to_bf16(o.w);
+            } else if (out_aligned) {
+                ((float4*)dyr)[j] = o;
+            } else {
+                dyr[4 * j] = o.x;
+                dyr[4 * j + 1] = o.y;
+                dyr[4 * j + 2] = o.z;
+                dyr[4 * j + 3] = o.w;
+            }
             part = __fadd_rn(part, __fmul_rn(dv.x, yv.x));
             part = __fadd_rn(part, __fmul_rn(dv.y, yv.y));
             part = __fadd_rn(part, __fmul_rn(dv.z, yv.z));
@@ -413,10 +437,26 @@ extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const
     } else {
         for (u64 j = lane; j < h; j += 32) {
             const float dv = d[j];
-            dyr[j] = __fmul_rn(wv, dv);
+            const float o = __fmul_rn(wv, dv);
+            if (B16) dybr[j] = f32_to_bf16(o);
+            else dyr[j] = o;
             part = __fadd_rn(part, __fmul_rn(dv, yr[j]));
         }
     }
     const float tot = warp_sum(part);
     if (lane == 0) dw[ts] = __fadd_rn(0.0f, tot);
+}
+
+extern "C" __global__ void moe_combine_bwd(const float* __restrict__ dout, const float* __restrict__ y,
+                                           const float* __restrict__ w, const u32* __restrict__ row_of,
+                                           float* __restrict__ dy, float* __restrict__ dw, u64 total,
+                                           u32 k, u64 h) {
+    moe_combine_bwd_slots<false>(dout, y, w, row_of, dy, nullptr, dw, total, k, h);
+}
+
+extern "C" __global__ void moe_combine_bwd_bf16(const float* __restrict__ dout, const float* __restrict__ y,
+                                                const float* __restrict__ w, const u32* __restrict__ row_of,
+                                                u16* __restrict__ dy, float* __restrict__ dw, u64 total,
+                                                u32 k, u64 h) {
+    moe_combine_bwd_slots<true>(dout, y, w, row_of, nullptr, dy, dw, total, k, h);
 }

@@ -37,20 +37,46 @@ extern "C" __global__ void swiglu_fwd_bf16(const float* __restrict__ gu, float* 
     }
 }
 
+// hb[r, j] = bf16(silu(gu[r, j]) * gu[r, F + j]) only: swiglu_fwd_bf16's hb without its h.
+extern "C" __global__ void swiglu_fwd_bf16_only(const float* __restrict__ gu, u16* __restrict__ hb, u64 rows,
+                                                u64 f) {
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* g = gu + r * 2 * f;
+        for (u64 j = threadIdx.x; j < f; j += blockDim.x)
+            hb[r * f + j] = f32_to_bf16(__fmul_rn(swiglu_silu(g[j]), g[f + j]));
+    }
+}
+
 // dgu[r, j]     = (dh·up)·(s·(1 + g·(1 − s))),  s = 1/(1 + exp(−g))
 // dgu[r, F + j] = dh·(g·s)
-extern "C" __global__ void swiglu_bwd(const float* __restrict__ dh, const float* __restrict__ gu,
-                                      float* __restrict__ dgu, u64 rows, u64 f) {
+// T: float (the f32 values) or u16 (their BF16 bit patterns only, round to nearest even).
+__device__ __forceinline__ void swiglu_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void swiglu_store(u16* p, float v) { *p = f32_to_bf16(v); }
+
+template <typename T>
+__device__ __forceinline__ void swiglu_bwd_rows(const float* __restrict__ dh, const float* __restrict__ gu,
+                                                T* __restrict__ dgu, u64 rows, u64 f) {
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* gr = gu + r * 2 * f;
-        float* dr = dgu + r * 2 * f;
+        T* dr = dgu + r * 2 * f;
         for (u64 j = threadIdx.x; j < f; j += blockDim.x) {
             const float g = gr[j], u = gr[f + j];
             const float d = dh[r * f + j];
             const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, swiglu_exp(-g)));
             const float c = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
-            dr[j] = __fmul_rn(__fmul_rn(d, u), c);
-            dr[f + j] = __fmul_rn(d, __fmul_rn(g, s));
+            swiglu_store(dr + j, __fmul_rn(__fmul_rn(d, u), c));
+            swiglu_store(dr + f + j, __fmul_rn(d, __fmul_rn(g, s)));
         }
     }
+}
+
+extern "C" __global__ void swiglu_bwd(const float* __restrict__ dh, const float* __restrict__ gu,
+                                      float* __restrict__ dgu, u64 rows, u64 f) {
+    swiglu_bwd_rows<float>(dh, gu, dgu, rows, f);
+}
+
+// swiglu_bwd writing bf16(dgu) only: the bits of swiglu_bwd followed by to_bf16.
+extern "C" __global__ void swiglu_bwd_bf16(const float* __restrict__ dh, const float* __restrict__ gu,
+                                           u16* __restrict__ dgu, u64 rows, u64 f) {
+    swiglu_bwd_rows<u16>(dh, gu, dgu, rows, f);
 }

@@ -394,8 +394,9 @@ impl CudaBackend {
         })
     }
 
+    /// `bf16(x[..n])` in a new buffer (every element written by the conversion).
     fn bf16(&self, x: &CudaSlice<f32>, n: usize) -> DResult<CudaSlice<u16>> {
-        let mut o = self.gpu.zeros::<u16>(n).map_err(de)?;
+        let mut o = self.gpu.empty::<u16>(n).map_err(de)?;
         self.ew
             .to_bf16(&x.as_view(), &mut o.as_view_mut(), n)
             .map_err(de)?;
@@ -1917,15 +1918,8 @@ impl Backend for CudaBackend {
         f: usize,
         out: &mut Self::Bf16,
     ) -> DResult<()> {
-        let mut h = self.gpu.empty::<f32>(rows * f).map_err(de)?;
         self.swiglu
-            .forward(
-                &gu.as_view(),
-                &mut h.as_view_mut(),
-                Some(&mut out.as_view_mut()),
-                rows,
-                f,
-            )
+            .forward_bf16(&gu.as_view(), &mut out.as_view_mut(), rows, f)
             .map_err(de)
     }
 
@@ -2058,6 +2052,37 @@ impl Backend for CudaBackend {
         dw_write: GradWrite,
     ) -> DResult<()> {
         let dyb = self.bf16(dy, rows * n)?;
+        self.grouped_linear_backward_bf16(
+            &dyb,
+            x,
+            w,
+            offsets,
+            host_offsets,
+            experts,
+            rows,
+            k,
+            n,
+            dx,
+            dw,
+            dw_write,
+        )
+    }
+
+    fn grouped_linear_backward_bf16(
+        &self,
+        dyb: &Self::Bf16,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+        dw_write: GradWrite,
+    ) -> DResult<()> {
         if let Some(offs) = self.per_expert_offsets(offsets, host_offsets, experts, rows)? {
             if dw_write == GradWrite::Overwrite {
                 self.fill_zero(dw, experts * n * k)?;
@@ -2133,6 +2158,52 @@ impl Backend for CudaBackend {
                 &mut dgu.as_view_mut(),
                 rows,
                 f,
+            )
+            .map_err(de)
+    }
+
+    fn swiglu_backward_bf16(
+        &self,
+        dact: &Self::F32,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        dgu: &mut Self::Bf16,
+    ) -> DResult<()> {
+        self.swiglu
+            .backward_bf16(
+                &dact.as_view(),
+                &gu.as_view(),
+                &mut dgu.as_view_mut(),
+                rows,
+                f,
+            )
+            .map_err(de)
+    }
+
+    fn combine_backward_bf16(
+        &self,
+        dout: &Self::F32,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        _e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Self::Bf16,
+        dweights: &mut Self::F32,
+    ) -> DResult<()> {
+        self.moe
+            .combine_backward_bf16(
+                &dout.as_view(),
+                &y.as_view(),
+                &route.weights.as_view(),
+                &route.row_of.as_view(),
+                &mut dy.as_view_mut(),
+                &mut dweights.as_view_mut(),
+                n,
+                h,
+                k,
             )
             .map_err(de)
     }
@@ -2282,6 +2353,8 @@ impl Backend for CudaBackend {
         dh: &mut Self::F32,
         dw: &mut Self::F32,
     ) -> DResult<()> {
+        // The head accumulates `dh` over its vocabulary chunks; this op overwrites it.
+        self.fill_zero(dh, n * hidden)?;
         self.head
             .backward(
                 &h.as_view(),

@@ -225,6 +225,34 @@ fn check_case(
         None,
         "{ctx}: combine backward dy"
     );
+    // The BF16 variant: dy's bits are the f32 dy's BF16 rounding, dweights the same bits.
+    let mut dyb = g.zeros::<u16>(t * h).unwrap();
+    let mut ddw_b = g.zeros::<f32>(t).unwrap();
+    ops.combine_backward_bf16(
+        &ddout.as_view(),
+        &dy_in.as_view(),
+        &dw_in.as_view(),
+        &dd.row_of.as_view(),
+        &mut dyb.as_view_mut(),
+        &mut ddw_b.as_view_mut(),
+        n,
+        h,
+        k,
+    )
+    .unwrap();
+    let gotb = g.download(&dyb).unwrap();
+    for (i, (&b16, &f)) in gotb[..t * h].iter().zip(&got[..t * h]).enumerate() {
+        let (gb, wb) = (f32::from_bits((b16 as u32) << 16), round_bf16(f));
+        assert!(
+            gb.to_bits() == wb.to_bits() || (gb.is_nan() && wb.is_nan()),
+            "{ctx}: combine backward bf16 dy[{i}] {gb:e} vs round_bf16 {wb:e}"
+        );
+    }
+    assert_eq!(
+        bits_eq(&g.download(&ddw_b).unwrap()[..t], &dw_runs[0][..t]),
+        None,
+        "{ctx}: combine backward bf16 dweights"
+    );
     let got_dw = &dw_runs[0][..t];
     let v = mxrl_tensor::tolerance::violations(got_dw, &want_dw, |i| {
         let tok = i / k;

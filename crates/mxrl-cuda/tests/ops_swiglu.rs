@@ -70,6 +70,20 @@ fn check(g: &Gpu, ops: &Swiglu, gu: &[f32], dh: &[f32], rows: usize, f: usize, s
         f,
     )
     .unwrap();
+    let mut hb_only = g.zeros::<u16>(rows * f).unwrap();
+    ops.forward_bf16(&dgu_in.as_view(), &mut hb_only.as_view_mut(), rows, f)
+        .unwrap();
+    let hb_only = g.download(&hb_only).unwrap();
+    let mut dgub = g.zeros::<u16>(rows * 2 * f).unwrap();
+    ops.backward_bf16(
+        &ddh.as_view(),
+        &dgu_in.as_view(),
+        &mut dgub.as_view_mut(),
+        rows,
+        f,
+    )
+    .unwrap();
+    let dgub = g.download(&dgub).unwrap();
     let (h, h2, hb, dgu) = (
         g.download(&h).unwrap(),
         g.download(&h2).unwrap(),
@@ -105,6 +119,7 @@ fn check(g: &Gpu, ops: &Swiglu, gu: &[f32], dh: &[f32], rows: usize, f: usize, s
                 gb.to_bits() == wb.to_bits() || (gb.is_nan() && wb.is_nan()),
                 "{ctx}: bf16 h[{i}] {gb:e} vs round_bf16 {wb:e}"
             );
+            assert_eq!(hb_only[i], hb[i], "{ctx}: bf16-only h[{i}]");
             let (bg, bu) = swiglu_backward_bounds(dh[i], gv, uv, EXP_ULPS_DEVICE, EXP_ULPS_CPU);
             let (ig, iu) = (r * 2 * f + j, r * 2 * f + f + j);
             assert!(
@@ -120,6 +135,13 @@ fn check(g: &Gpu, ops: &Swiglu, gu: &[f32], dh: &[f32], rows: usize, f: usize, s
                 dgu[iu],
                 want_dgu[iu]
             );
+            for at in [ig, iu] {
+                let (gb, wb) = (f32::from_bits((dgub[at] as u32) << 16), round_bf16(dgu[at]));
+                assert!(
+                    gb.to_bits() == wb.to_bits() || (gb.is_nan() && wb.is_nan()),
+                    "{ctx}: bf16 variant's dgu[{at}] {gb:e} vs round_bf16 {wb:e}"
+                );
+            }
             for (a, w) in [
                 (h[i], want_h[i]),
                 (dgu[ig], want_dgu[ig]),

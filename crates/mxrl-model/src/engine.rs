@@ -911,6 +911,49 @@ impl<B: Backend> Engine<B> {
         .map_err(dev)
     }
 
+    /// [`Engine::lin_bwd`] of routed BF16 experts (`i` stored in BF16, `x` its BF16 rows)
+    /// from `dy` already rounded to BF16: the grouped GEMMs take `dyb` as their operand, so no
+    /// f32 copy of `dy` is written or converted.
+    #[allow(clippy::too_many_arguments)]
+    fn lin_bwd_bf16(
+        &self,
+        i: usize,
+        dyb: &B::Bf16,
+        x: ActRef<'_, B>,
+        offsets: (&B::U32, &[u32]),
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut B::F32,
+        g: &mut B::F32,
+        fresh: bool,
+    ) -> Result<()> {
+        let (ActRef::Bf16(x), None) = (x, &self.params[i].q) else {
+            return Err(self.wrong_input(i));
+        };
+        let dw_write = if fresh {
+            GradWrite::Overwrite
+        } else {
+            GradWrite::Accumulate
+        };
+        self.b
+            .grouped_linear_backward_bf16(
+                dyb,
+                x,
+                self.op(i),
+                offsets.0,
+                Some(offsets.1),
+                self.cfg.num_experts,
+                rows,
+                k,
+                n,
+                dx,
+                g,
+                dw_write,
+            )
+            .map_err(dev)
+    }
+
     fn wrong_input(&self, i: usize) -> ModelError {
         ModelError::Input(format!(
             "{}: input rows of the wrong precision for a {} linear (internal)",
@@ -2858,10 +2901,13 @@ impl<B: Backend> Engine<B> {
             c.vocab_size,
         );
         let (qd, kvd) = (hq * d, hkv * d);
+        // `z`: zeroed, for outputs an op accumulates into; `o`: unspecified contents, for
+        // outputs an op overwrites whole (every backend op says which in its contract).
         let z = |m: usize| b.zeros_f32(m).map_err(dev);
+        let o = |m: usize| b.empty_f32(m).map_err(dev);
         let dlp: Vec<f32> = dlogprobs.iter().flatten().copied().collect();
         let dlp = b.upload_f32(&dlp).map_err(dev)?;
-        let mut dhf = z(n * hd)?;
+        let mut dhf = o(n * hd)?;
         b.head_backward(
             &tape.hfb,
             self.op(self.head),
@@ -2876,7 +2922,7 @@ impl<B: Backend> Engine<B> {
             &mut g[self.head],
         )
         .map_err(dev)?;
-        let mut dx = z(n * hd)?;
+        let mut dx = o(n * hd)?;
         b.rmsnorm_backward(
             &dhf,
             &tape.x_final,
@@ -2894,7 +2940,7 @@ impl<B: Backend> Engine<B> {
             let mut dh2 = z(n * hd)?;
             match (&l.ffn, &t.ffn) {
                 (Ffn::Dense(m), FfnTape::Dense { gu, act }) => {
-                    let mut dact = z(n * m.f)?;
+                    let mut dact = o(n * m.f)?;
                     self.lin_bwd(
                         m.down,
                         &dx,
@@ -2907,7 +2953,7 @@ impl<B: Backend> Engine<B> {
                         &mut g[m.down],
                         false,
                     )?;
-                    let mut dgu = z(n * 2 * m.f)?;
+                    let mut dgu = o(n * 2 * m.f)?;
                     b.swiglu_backward(&dact, gu, n, m.f, &mut dgu)
                         .map_err(dev)?;
                     let x = self.input(m.gate_up, t.h2b.as_ref(), t.h2.as_ref())?;
@@ -2942,44 +2988,97 @@ impl<B: Backend> Engine<B> {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let rows = n * k;
                     let mut dweights = z(rows)?;
-                    let mut dy = z(rows * hd)?;
-                    b.combine_backward(&dx, y, route, n, e, k, hd, &mut dy, &mut dweights)
+                    let mut dact = o(rows * m.f)?;
+                    let fresh = std::mem::replace(&mut pending_zero[m.down], false);
+                    // Experts stored in BF16 take their output gradient as BF16 straight from
+                    // the combine (and the gate/up gradient from SwiGLU); block formats need
+                    // the f32 values.
+                    if self.params[m.down].q.is_none() {
+                        let mut dyb = b.empty_bf16(rows * hd).map_err(dev)?;
+                        b.combine_backward_bf16(
+                            &dx,
+                            y,
+                            route,
+                            n,
+                            e,
+                            k,
+                            hd,
+                            &mut dyb,
+                            &mut dweights,
+                        )
                         .map_err(dev)?;
-                    let mut dact = z(rows * m.f)?;
-                    self.lin_bwd(
-                        m.down,
-                        &dy,
-                        act.r(),
-                        off,
-                        rows,
-                        m.f,
-                        hd,
-                        &mut dact,
-                        &mut g[m.down],
-                        std::mem::replace(&mut pending_zero[m.down], false),
-                    )?;
-                    let mut dgu = z(rows * 2 * m.f)?;
-                    b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
-                        .map_err(dev)?;
-                    let mut dxg = z(rows * hd)?;
-                    self.lin_bwd(
-                        m.gate_up,
-                        &dgu,
-                        rows_made(xg.as_ref(), "the experts' gathered input")?.r(),
-                        off,
-                        rows,
-                        hd,
-                        2 * m.f,
-                        &mut dxg,
-                        &mut g[m.gate_up],
-                        std::mem::replace(&mut pending_zero[m.gate_up], false),
-                    )?;
+                        let off = (&route.offsets, ho);
+                        self.lin_bwd_bf16(
+                            m.down,
+                            &dyb,
+                            act.r(),
+                            off,
+                            rows,
+                            m.f,
+                            hd,
+                            &mut dact,
+                            &mut g[m.down],
+                            fresh,
+                        )?;
+                    } else {
+                        let mut dy = o(rows * hd)?;
+                        b.combine_backward(&dx, y, route, n, e, k, hd, &mut dy, &mut dweights)
+                            .map_err(dev)?;
+                        self.lin_bwd(
+                            m.down,
+                            &dy,
+                            act.r(),
+                            off,
+                            rows,
+                            m.f,
+                            hd,
+                            &mut dact,
+                            &mut g[m.down],
+                            fresh,
+                        )?;
+                    }
+                    let mut dxg = o(rows * hd)?;
+                    let fresh = std::mem::replace(&mut pending_zero[m.gate_up], false);
+                    let xg = rows_made(xg.as_ref(), "the experts' gathered input")?.r();
+                    if self.params[m.gate_up].q.is_none() {
+                        let mut dgub = b.empty_bf16(rows * 2 * m.f).map_err(dev)?;
+                        b.swiglu_backward_bf16(&dact, gu, rows, m.f, &mut dgub)
+                            .map_err(dev)?;
+                        self.lin_bwd_bf16(
+                            m.gate_up,
+                            &dgub,
+                            xg,
+                            (&route.offsets, ho),
+                            rows,
+                            hd,
+                            2 * m.f,
+                            &mut dxg,
+                            &mut g[m.gate_up],
+                            fresh,
+                        )?;
+                    } else {
+                        let mut dgu = o(rows * 2 * m.f)?;
+                        b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
+                            .map_err(dev)?;
+                        self.lin_bwd(
+                            m.gate_up,
+                            &dgu,
+                            xg,
+                            off,
+                            rows,
+                            hd,
+                            2 * m.f,
+                            &mut dxg,
+                            &mut g[m.gate_up],
+                            fresh,
+                        )?;
+                    }
                     b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
                         .map_err(dev)?;
-                    let mut dlogits = z(n * e)?;
+                    let mut dlogits = o(n * e)?;
                     b.router_backward(&dweights, route, n, e, k, c.norm_topk_prob, &mut dlogits)
                         .map_err(dev)?;
-                    let mut dr = z(n * hd)?;
+                    let mut dr = o(n * hd)?;
                     b.linear_backward(
                         &dlogits,
                         rows_made(t.h2b.as_ref(), "the router's BF16 input")?,
@@ -2995,7 +3094,7 @@ impl<B: Backend> Engine<B> {
                 }
                 _ => unreachable!("tape layer kind matches the layer kind"),
             }
-            let mut dxm = z(n * hd)?;
+            let mut dxm = o(n * hd)?;
             b.rmsnorm_backward(
                 &dh2,
                 &t.x_mid,
@@ -3009,7 +3108,7 @@ impl<B: Backend> Engine<B> {
             .map_err(dev)?;
             b.add(&mut dx, &dxm, n * hd).map_err(dev)?;
             // Attention block: x_mid = x_in + o(attn(rope(norm(q(h1))), ...)), h1 = rmsnorm(x_in)
-            let mut datt = z(n * qd)?;
+            let mut datt = o(n * qd)?;
             let x = self.input(l.attn.o, t.attb.as_ref(), Some(&t.att))?;
             self.lin_bwd(
                 l.attn.o,
@@ -3023,7 +3122,7 @@ impl<B: Backend> Engine<B> {
                 &mut g[l.attn.o],
                 false,
             )?;
-            let (mut dq, mut dk, mut dv) = (z(n * qd)?, z(n * kvd)?, z(n * kvd)?);
+            let (mut dq, mut dk, mut dv) = (o(n * qd)?, o(n * kvd)?, o(n * kvd)?);
             b.attention_backward(
                 &datt,
                 &t.q,
@@ -3044,17 +3143,17 @@ impl<B: Backend> Engine<B> {
             b.rope_backward(&mut dk, n, hkv, d, &tape.pos, &self.rope)
                 .map_err(dev)?;
             if let (Some([nq, nk]), Some((qp, rq, kp, rk))) = (l.attn.qk_norm, &t.q_pre) {
-                let mut dqp = z(n * qd)?;
+                let mut dqp = o(n * qd)?;
                 b.rmsnorm_backward(&dq, qp, self.w(nq), rq, n * hq, d, &mut dqp, &mut g[nq])
                     .map_err(dev)?;
                 dq = dqp;
-                let mut dkp = z(n * kvd)?;
+                let mut dkp = o(n * kvd)?;
                 b.rmsnorm_backward(&dk, kp, self.w(nk), rk, n * hkv, d, &mut dkp, &mut g[nk])
                     .map_err(dev)?;
                 dk = dkp;
             }
-            let mut dh1 = z(n * hd)?;
-            let mut tmp = z(n * hd)?;
+            let mut dh1 = o(n * hd)?;
+            let mut tmp = o(n * hd)?;
             for (j, (wi, dd, width)) in [
                 (l.attn.q, &dq, qd),
                 (l.attn.k, &dk, kvd),
@@ -3074,7 +3173,7 @@ impl<B: Backend> Engine<B> {
                     b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
                 }
             }
-            let mut dxi = z(n * hd)?;
+            let mut dxi = o(n * hd)?;
             b.rmsnorm_backward(
                 &dh1,
                 &t.x_in,

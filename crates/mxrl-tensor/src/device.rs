@@ -645,6 +645,84 @@ pub trait Backend {
         dy: &mut Self::F32,
         dweights: &mut Self::F32,
     ) -> DResult<()>;
+    /// [`Backend::swiglu_backward`] writing `dgu` as its BF16 rounding only: the bits of the
+    /// f32 op followed by [`Backend::to_bf16`] (a GEMM operand that needs nothing else).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn swiglu_backward_bf16(
+        &self,
+        dact: &Self::F32,
+        gu: &Self::F32,
+        rows: usize,
+        f: usize,
+        dgu: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let mut t = self.empty_f32(rows * 2 * f)?;
+        self.swiglu_backward(dact, gu, rows, f, &mut t)?;
+        self.to_bf16(&t, dgu, rows * 2 * f)
+    }
+    /// [`Backend::combine_backward`] writing `dy` as its BF16 rounding only (the bits of the
+    /// f32 op followed by [`Backend::to_bf16`]; the same `dweights`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn combine_backward_bf16(
+        &self,
+        dout: &Self::F32,
+        y: &Self::F32,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        k: usize,
+        h: usize,
+        dy: &mut Self::Bf16,
+        dweights: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut t = self.zeros_f32(n * k * h)?;
+        self.combine_backward(dout, y, route, n, e, k, h, &mut t, dweights)?;
+        self.to_bf16(&t, dy, n * k * h)
+    }
+    /// [`Backend::grouped_linear_backward`] from `dy` already rounded to BF16 (`dyb`, e.g.
+    /// from [`Backend::combine_backward_bf16`]): the same results as from any f32 `dy` whose
+    /// rounding is `dyb`.
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_linear_backward_bf16(
+        &self,
+        dyb: &Self::Bf16,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        offsets: &Self::U32,
+        host_offsets: Option<&[u32]>,
+        experts: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+        dx: &mut Self::F32,
+        dw: &mut Self::F32,
+        dw_write: GradWrite,
+    ) -> DResult<()> {
+        let mut t = self.empty_f32(rows * n)?;
+        self.widen_bf16(dyb, &mut t, rows * n)?;
+        self.grouped_linear_backward(
+            &t,
+            x,
+            w,
+            offsets,
+            host_offsets,
+            experts,
+            rows,
+            k,
+            n,
+            dx,
+            dw,
+            dw_write,
+        )
+    }
     /// Gather backward (reference `moe::gather_backward` for experts in order): `dx[token] +=
     /// dg[row]` over the packed rows `dg: [N·k, h]`.
     ///

@@ -83,6 +83,7 @@ pub struct Moe {
     combine: CudaFunction,
     gather_bwd: CudaFunction,
     combine_bwd: CudaFunction,
+    combine_bwd_bf16: CudaFunction,
 }
 
 impl Moe {
@@ -108,6 +109,7 @@ impl Moe {
             combine: f("moe_combine")?,
             gather_bwd: f("moe_gather_bwd")?,
             combine_bwd: f("moe_combine_bwd")?,
+            combine_bwd_bf16: f("moe_combine_bwd_bf16")?,
         })
     }
 
@@ -562,6 +564,66 @@ impl Moe {
         h: usize,
         k: usize,
     ) -> Result<(), DeviceError> {
+        self.combine_backward_to(
+            dout,
+            y,
+            weights,
+            row_of,
+            &self.combine_bwd,
+            dy,
+            dweights,
+            n,
+            h,
+            k,
+        )
+    }
+
+    /// [`Moe::combine_backward`] writing `dy` as its BF16 bit patterns only (the bits of the
+    /// f32 op followed by a BF16 conversion; the same `dweights`).
+    ///
+    /// # Errors
+    /// As [`Moe::combine`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine_backward_bf16(
+        &self,
+        dout: &CudaView<'_, f32>,
+        y: &CudaView<'_, f32>,
+        weights: &CudaView<'_, f32>,
+        row_of: &CudaView<'_, u32>,
+        dy: &mut CudaViewMut<'_, u16>,
+        dweights: &mut CudaViewMut<'_, f32>,
+        n: usize,
+        h: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        self.combine_backward_to(
+            dout,
+            y,
+            weights,
+            row_of,
+            &self.combine_bwd_bf16,
+            dy,
+            dweights,
+            n,
+            h,
+            k,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine_backward_to<T: cudarc::driver::DeviceRepr>(
+        &self,
+        dout: &CudaView<'_, f32>,
+        y: &CudaView<'_, f32>,
+        weights: &CudaView<'_, f32>,
+        row_of: &CudaView<'_, u32>,
+        kernel: &CudaFunction,
+        dy: &mut CudaViewMut<'_, T>,
+        dweights: &mut CudaViewMut<'_, f32>,
+        n: usize,
+        h: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
         self.check_shape("moe combine_backward", n, 1, k)?;
         check_len(&self.gpu, "moe combine_backward dout", dout.len(), n * h)?;
         check_len(&self.gpu, "moe combine_backward y", y.len(), n * k * h)?;
@@ -594,7 +656,7 @@ impl Moe {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.gpu.stream().launch_builder(&self.combine_bwd);
+        let mut b = self.gpu.stream().launch_builder(kernel);
         b.arg(dout)
             .arg(y)
             .arg(weights)
@@ -607,7 +669,8 @@ impl Moe {
         // SAFETY: warp ts < N·k (one per slot, 8 per block; warps past N·k exit) reads
         // row_of[ts], weights[ts] (N·k checked), dout row ts/k < N (N·H checked), y and dy row
         // row_of[ts] < N·k (N·k·H checked; invalid rows skipped) and writes dweights[ts];
-        // types (const float* ×3, const u32*, float*, float*, u64, u32, u64).
+        // types (const float* ×3, const u32*, T* (f32, or u16 for the BF16 kernel), float*,
+        // u64, u32, u64).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| self.gpu.err(x))?;
         Ok(())
     }

@@ -40,7 +40,9 @@ pub struct Swiglu {
     gpu: Gpu,
     fwd: CudaFunction,
     fwd_bf16: CudaFunction,
+    fwd_bf16_only: CudaFunction,
     bwd: CudaFunction,
+    bwd_bf16: CudaFunction,
 }
 
 impl Swiglu {
@@ -58,7 +60,9 @@ impl Swiglu {
             gpu: gpu.clone(),
             fwd: f("swiglu_fwd")?,
             fwd_bf16: f("swiglu_fwd_bf16")?,
+            fwd_bf16_only: f("swiglu_fwd_bf16_only")?,
             bwd: f("swiglu_bwd")?,
+            bwd_bf16: f("swiglu_bwd_bf16")?,
         })
     }
 
@@ -109,6 +113,34 @@ impl Swiglu {
         Ok(())
     }
 
+    /// [`Swiglu::forward`]'s BF16 output alone (`h_bf16: [rows, F]`, the same bits; no f32
+    /// `h` is written).
+    ///
+    /// # Errors
+    /// Short buffers; launch errors.
+    pub fn forward_bf16(
+        &self,
+        gu: &CudaView<'_, f32>,
+        h_bf16: &mut CudaViewMut<'_, u16>,
+        rows: usize,
+        f: usize,
+    ) -> Result<(), DeviceError> {
+        let n = rows * f;
+        check_len(&self.gpu, "swiglu gu", gu.len(), 2 * n)?;
+        check_len(&self.gpu, "swiglu h_bf16", h_bf16.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (r64, f64_) = (rows as u64, f as u64);
+        let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16_only);
+        b.arg(gu).arg(h_bf16).arg(&r64).arg(&f64_);
+        // SAFETY: row r < rows, column j < F reads gu[r·2F + j] and gu[r·2F + F + j] (< 2·rows·F,
+        // checked) and writes h_bf16[r·F + j] (rows·F checked); types (const float*, u16*, u64,
+        // u64).
+        unsafe { crate::gpu::launch_op(&mut b, grid(rows)) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
     /// SwiGLU backward: `dh: [rows, F]`, `gu: [rows, 2F]` → overwrites `dgu: [rows, 2F]` with
     /// `dgate = (dh·up)·(s·(1 + g·(1 − s)))`, `dup = dh·(g·s)`, `s = 1/(1 + exp(−g))`.
     /// Elementwise f32. Reference: `mxrl_tensor::activation::swiglu_backward` (bound: module
@@ -124,6 +156,34 @@ impl Swiglu {
         rows: usize,
         f: usize,
     ) -> Result<(), DeviceError> {
+        self.backward_to(dh, gu, &self.bwd, dgu, rows, f)
+    }
+
+    /// [`Swiglu::backward`] writing `dgu` as its BF16 bit patterns only (the bits of the f32
+    /// op followed by a BF16 conversion).
+    ///
+    /// # Errors
+    /// As [`Swiglu::backward`].
+    pub fn backward_bf16(
+        &self,
+        dh: &CudaView<'_, f32>,
+        gu: &CudaView<'_, f32>,
+        dgu: &mut CudaViewMut<'_, u16>,
+        rows: usize,
+        f: usize,
+    ) -> Result<(), DeviceError> {
+        self.backward_to(dh, gu, &self.bwd_bf16, dgu, rows, f)
+    }
+
+    fn backward_to<T: cudarc::driver::DeviceRepr>(
+        &self,
+        dh: &CudaView<'_, f32>,
+        gu: &CudaView<'_, f32>,
+        kernel: &CudaFunction,
+        dgu: &mut CudaViewMut<'_, T>,
+        rows: usize,
+        f: usize,
+    ) -> Result<(), DeviceError> {
         let n = rows * f;
         check_len(&self.gpu, "swiglu_bwd dh", dh.len(), n)?;
         check_len(&self.gpu, "swiglu_bwd gu", gu.len(), 2 * n)?;
@@ -132,11 +192,11 @@ impl Swiglu {
             return Ok(());
         }
         let (r64, f64_) = (rows as u64, f as u64);
-        let mut b = self.gpu.stream().launch_builder(&self.bwd);
+        let mut b = self.gpu.stream().launch_builder(kernel);
         b.arg(dh).arg(gu).arg(dgu).arg(&r64).arg(&f64_);
         // SAFETY: row r < rows, column j < F reads dh[r·F + j] (rows·F checked), gu[r·2F + j] and
         // gu[r·2F + F + j] and writes dgu at the same two offsets (2·rows·F checked); types
-        // (const float*, const float*, float*, u64, u64).
+        // (const float*, const float*, T* (f32, or u16 for the BF16 kernel), u64, u64).
         unsafe { crate::gpu::launch_op(&mut b, grid(rows)) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
