@@ -875,34 +875,169 @@ __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scal
     dp = ok ? ds : 0.0f;
 }
 
-// dq. Grid (B, hq, ceil(max_len / 64)), rows as attn_fwd_tc. Per key tile of BK keys
-// kt < min(row0 + 64, T) (the warp skips tiles wholly after its rows): S = Q K^T, dP = dO V^T,
-// p and ds (atc_pds), dq += dS K (k16 steps in key order); at the end dq = scale * dq.
-// Dynamic shared memory (BF16): 3 * ld * (2 * 64 + 2 * BK) (q, dout, k, v planes).
-template <int DMAX, int BK, bool FULL>
-__device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
-                                                    const float* __restrict__ k, const float* __restrict__ v,
-                                                    const float* __restrict__ lse,
-                                                    const float* __restrict__ delta,
-                                                    const u32* __restrict__ offsets, float* __restrict__ dq,
-                                                    u32 hq, u32 hkv, u32 D, float scale) {
+// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
+// straight-line body when D is the largest, a guarded one below). The second launch bound is
+// the blocks per SM the shared memory allows at the largest D.
+#define ATC_FWD_CALL(DM, BK)                                                                       \
+    if (D == DM)                                                                                  \
+        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
+    else                                                                                          \
+        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(64, 64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(128, 32);
+}
+// ---- Tensor-core backward on BF16 planes ----
+//
+// The backward splits q, dout, k and v once per call (attn_split_planes) into BF16 planes
+// [3][N][H][dp] (part, row, head, column; dp = D rounded up to 16, columns D..dp zero) in the
+// launcher's scratch, and the dq / dk,dv kernels copy tiles of those planes into shared memory
+// with cp.async (16-byte copies, rows past the sequence zero-filled), the streamed tiles double
+// buffered: the next tile's copies are in flight while the current one is multiplied. The
+// parts and the part products are those of the kernels above (atc_split2 is the split in both).
+// Blocks of ATC_BWD_THREADS = 8 warps own 64 rows: warp w takes rows 16 (w % 4) .. + 15 of the
+// block and the half hs = w / 4 of each streamed tile of ATC_BT = 32 keys (dq) or queries
+// (dk/dv), i.e. its k16 step hs. Each output element is thus the sum of two partial sums (the
+// steps of half 0 and those of half 1, each in increasing order), added once at the end
+// through shared memory: partial(half 0) + partial(half 1) (f32 addition, commutative, so the
+// bits do not depend on which warp adds). Fixed order, no atomics; the reduction length and
+// the part products are unchanged, so AttnSums::Bf16x3Mma bounds the sums as before.
+#define ATC_BWD_THREADS 256
+#define ATC_BT 32
+
+// planes[((p * rows + r) * H + h) * dp + c] = part p of x[r, h*D + c] (0 for c >= D), for
+// r < rows, h < H, c < dp (p = 0, 1, 2: hi, mid, lo of atc_split2). One thread per column pair,
+// grid-stride.
+extern "C" __global__ void attn_split_planes(const float* __restrict__ x, u16* __restrict__ planes, u64 rows,
+                                             u32 H, u32 D, u32 dp) {
+    const u64 half = dp >> 1, total = rows * H * half, plane = rows * H * dp;
+    for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (u64)gridDim.x * blockDim.x) {
+        const u64 rh = idx / half;
+        const u32 c = 2u * (u32)(idx - rh * half);
+        float x0 = 0.0f, x1 = 0.0f;
+        if (c < D) {
+            x0 = x[rh * D + c];
+            x1 = x[rh * D + c + 1];
+        }
+        u32 p0, p1, p2;
+        atc_split2(x0, x1, p0, p1, p2);
+        u16* o = planes + rh * dp + c;
+        *reinterpret_cast<u32*>(o) = p0;
+        *reinterpret_cast<u32*>(o + plane) = p1;
+        *reinterpret_cast<u32*>(o + 2u * plane) = p2;
+    }
+}
+
+__device__ __forceinline__ void atc_cp16(u16* dst, const u16* src, bool ok) {
+    const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(atc_saddr(dst)), "l"(src), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void atc_cp4(float* dst, const float* src, bool ok) {
+    const u32 n = ok ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(atc_saddr(dst)), "l"(src), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void atc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void atc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Issues the cp.async copies of rows r0 .. r0+ROWS-1 (those < r_end; the rest zero-filled) of
+// head h of a plane set [3][rows][H][dp] (plane = rows * H * dp elements; row r of the
+// sequence at base_row + r) into `tile` ([3][ROWS][ld]), columns 0 .. dp (FULL: dp == DMAX).
+// Thread i of the block takes the 16-byte chunks i, i + ATC_BWD_THREADS, ... of a
+// [3][ROWS][DMAX/8] grid.
+template <int ROWS, int DMAX, bool FULL>
+__device__ __forceinline__ void atc_cp_tile(u16* tile, u32 ld, const u16* __restrict__ planes, u64 plane,
+                                            u64 base_row, u32 r0, u32 r_end, u32 H, u32 h, u32 dp) {
+    constexpr u32 CPR = DMAX / 8, PER_PLANE = ROWS * CPR, ITERS = 3 * PER_PLANE / ATC_BWD_THREADS;
+    static_assert((3 * PER_PLANE) % ATC_BWD_THREADS == 0, "the chunk grid must fill the block");
+#pragma unroll
+    for (u32 it = 0; it < ITERS; ++it) {
+        const u32 idx = threadIdx.x + it * ATC_BWD_THREADS, p = idx / PER_PLANE, rem = idx % PER_PLANE;
+        const u32 rr = rem / CPR, c = 8u * (rem % CPR), r = r0 + rr;
+        if (FULL || c < dp) {
+            const bool ok = r < r_end;
+            const u16* src = ok ? planes + p * plane + ((base_row + r) * H + h) * dp + c : planes;
+            atc_cp16(tile + (p * ROWS + rr) * ld + c, src, ok);
+        }
+    }
+}
+
+// Adds the two halves' partial sums of a warp pair (warps w and w + 4: same rows) and stores
+// them: the warp of half hs writes its partial of the columns the other half stores
+// (n8 tiles [lo, hi) of the other half) to `xbuf`, then, after the barrier, adds the partner's
+// partial of its own columns: own + partner (commutative: the same bits in both warps' order).
+// The caller has passed a __syncthreads() after the last use of the shared memory under xbuf.
+template <int DMAX>
+__device__ __forceinline__ void atc_pair_sum(float (&acc)[DMAX / 8][4], float* xbuf, u32 lo, u32 hi) {
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    float* mine = xbuf + w * (DMAX * 8);  // [DMAX/16 n8 tiles * 4][32] per warp
+    float* theirs = xbuf + (w ^ 4u) * (DMAX * 8);
+    int slot = 0;
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+        if (!(nt >= (int)lo && nt < (int)hi)) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(slot * 4 + e) * 32 + lane] = acc[nt][e];
+            ++slot;
+        }
+    __syncthreads();
+    slot = 0;
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+        if (nt >= (int)lo && nt < (int)hi) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] = __fadd_rn(acc[nt][e], theirs[(slot * 4 + e) * 32 + lane]);
+            ++slot;
+        }
+}
+
+// dq. Grid (B, hq, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, h, z) owns query rows
+// row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w rows
+// row0 + 16 (w % 4) .., half hs = w / 4. Per key tile of ATC_BT keys kt < min(row0 + 64, T)
+// the warp takes keys kt + 16 hs .. + 15 (skipped when all after its rows): S = Q K^T,
+// dP = dO V^T, p and ds (atc_pds), dq += dS K (its k16 steps in key order); at the end
+// dq = scale * (partial(half 0) + partial(half 1)). Planes of q, dout [3][N][hq][dp], of k, v
+// [3][N][hkv][dp] (attn_split_planes). Dynamic shared memory (BF16): 3 * ld * (2 * 64 +
+// 4 * ATC_BT) (q, dout planes, then two stages of k, v planes).
+template <int DMAX, bool FULL>
+__device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp, const u16* __restrict__ dop,
+                                                     const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                                     const float* __restrict__ lse,
+                                                     const float* __restrict__ delta,
+                                                     const u32* __restrict__ offsets, float* __restrict__ dq,
+                                                     u64 n, u32 hq, u32 hkv, u32 D, float scale) {
     extern __shared__ float4 smem4[];
     u16* sm = reinterpret_cast<u16*>(smem4);
     const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
     u16* qs = sm;
     u16* dos = qs + 3u * ATC_BR * ld;
-    u16* ks = dos + 3u * ATC_BR * ld;
-    u16* vs = ks + 3u * BK * ld;
+    u16* st = dos + 3u * ATC_BR * ld;  // stage s: k planes at st + s * 6 * BT * ld, v after
     const u32 b = blockIdx.x, h = blockIdx.y;
     const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
     const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_BR;
     if (row0 >= T) return;  // block-uniform
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w & 3u, hs = w >> 2, t = lane & 3;
+    const u32 g = lane >> 2;
     const u32 kh = h / (hq / hkv);
-    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
-    atc_load<ATC_BR, DMAX, FULL>(dos, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp);
-    const u32 wr = row0 + 16u * w;
+    const u64 qplane = n * hq * dp, kplane = n * hkv * dp;
+    atc_cp_tile<ATC_BR, DMAX, FULL>(qs, ld, qp, qplane, t0, row0, T, hq, h, dp);
+    atc_cp_tile<ATC_BR, DMAX, FULL>(dos, ld, dop, qplane, t0, row0, T, hq, h, dp);
+    const u32 kend = min(row0 + ATC_BR, T), ntiles = (kend + ATC_BT - 1u) / ATC_BT;
+    const u32 stage = 6u * ATC_BT * ld;
+    auto issue = [&](u32 s) {
+        u16* kd = st + (s & 1u) * stage;
+        atc_cp_tile<ATC_BT, DMAX, FULL>(kd, ld, kp, kplane, t0, s * ATC_BT, T, hkv, kh, dp);
+        atc_cp_tile<ATC_BT, DMAX, FULL>(kd + 3u * ATC_BT * ld, ld, vp, kplane, t0, s * ATC_BT, T, hkv, kh, dp);
+    };
+    issue(0);
+    atc_cp_commit();  // q, dout and the first key tile
+    const u32 wr = row0 + 16u * wg;
     const u32 ir[2] = {wr + g, wr + g + 8u};
     float lse_r[2], del_r[2];
 #pragma unroll
@@ -915,71 +1050,108 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* __restrict__ do
     for (int nt = 0; nt < DMAX / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
-    const u32 kend = min(row0 + ATC_BR, T);
-    for (u32 kt = 0; kt < kend; kt += BK) {
-        __syncthreads();  // the previous tile's products are done with k and v
-        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        __syncthreads();
-        if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
-        float s[BK / 8][4], dpv[BK / 8][4];
-        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
-        atc_scores<BK / 8, DMAX, FULL>(dpv, dos, ATC_BR, 16u * w, vs, BK, ld, dp);
+    for (u32 s = 0; s < ntiles; ++s) {
+        if (s + 1u < ntiles) issue(s + 1u);
+        atc_cp_commit();  // possibly empty: one group per step keeps the count uniform
+        atc_cp_wait<1>();
+        __syncthreads();  // tile s visible to every warp
+        const u32 kt = s * ATC_BT + 16u * hs;  // the warp's first key
+        if (kt <= wr + 15u) {  // warp-uniform: else every key after every row of the warp
+            const u16* kst = st + (s & 1u) * stage;
+            const u16* vst = kst + 3u * ATC_BT * ld;
+            float sc[2][4], dpv[2][4];
+            atc_scores<2, DMAX, FULL>(sc, qs, ATC_BR, 16u * wg, kst + 16u * hs * ld, ATC_BT, ld, dp);
+            atc_scores<2, DMAX, FULL>(dpv, dos, ATC_BR, 16u * wg, vst + 16u * hs * ld, ATC_BT, ld, dp);
 #pragma unroll
-        for (int nt = 0; nt < BK / 8; ++nt)
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
+                for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const u32 j = kt + 8u * nt + 2u * t + e, i = ir[hf];
-                    atc_pds(s[nt][2 * hf + e], dpv[nt][2 * hf + e], j <= i && i < T, scale, lse_r[hf],
-                            del_r[hf]);
-                }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: ds = 0
+                    for (int e = 0; e < 2; ++e) {
+                        const u32 j = kt + 8u * nt + 2u * t + e, i = ir[hf];
+                        atc_pds(sc[nt][2 * hf + e], dpv[nt][2 * hf + e], j <= i && i < T, scale, lse_r[hf],
+                                del_r[hf]);
+                    }
             u32 a[3][4];
-            atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
-            atc_wsum<DMAX, FULL>(acc, a, ks, BK, ld, 16u * kk, dp);
+            atc_acc_to_a(a, dpv[0], dpv[1]);
+            atc_wsum<DMAX, FULL>(acc, a, kst, ATC_BT, ld, 16u * hs, dp);
+        }
+        __syncthreads();  // every warp is done with stage s & 1 before it is refilled
+    }
+    atc_cp_wait<0>();
+    // The stages are free (barrier above): exchange the halves' partials there.
+    atc_pair_sum<DMAX>(acc, reinterpret_cast<float*>(st), hs * (DMAX / 16), (hs + 1u) * (DMAX / 16));
+    // Half hs stores the n8 tiles [hs * DMAX/16, (hs + 1) * DMAX/16).
+    const u64 qstride = (u64)hq * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 r = wr + g + 8u * hf;
+        if (r < T) {
+            float* row = dq + (u64)(t0 + r) * qstride + (u64)h * D;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                const u32 c = 8u * nt + 2u * t;
+                if ((u32)nt / (DMAX / 16) == hs && c < D) {
+                    row[c] = __fmul_rn(acc[nt][2 * hf], scale);
+                    row[c + 1] = __fmul_rn(acc[nt][2 * hf + 1], scale);
+                }
+            }
         }
     }
-    atc_store<DMAX>(dq, acc, t0, wr, T, qstride, (u64)h * D, D, scale, true);
 }
 
-// dk, dv. Grid (B, hkv, ceil(max_len / 64)); block (b, kh, z) owns key rows j0 .. j0+63
-// (j0 = z * 64), warp w keys j0 + 16w ..; it sums over the group's query heads in increasing
-// order and, per head, over query tiles of BQ queries it = j0, j0 + BQ, .. < T (the warp skips
-// tiles wholly before its keys): S^T = K Q^T, dP^T = V dO^T, p and ds (atc_pds, with lse and
-// delta of the query), dv += P^T dO, dk += dS^T Q (k16 steps in query order); at the end
-// dk = scale * dk. Dynamic shared memory: BF16 3 * ld * (2 * 64 + 2 * BQ) (k, v, q, dout
-// planes), then f32 2 * BQ (lse, delta of the tile's queries).
-template <int DMAX, int BQ, bool FULL>
-__device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ dout, const float* __restrict__ q,
-                                                      const float* __restrict__ k, const float* __restrict__ v,
-                                                      const float* __restrict__ lse,
-                                                      const float* __restrict__ delta,
-                                                      const u32* __restrict__ offsets, float* __restrict__ dk,
-                                                      float* __restrict__ dv, u32 hq, u32 hkv, u32 D,
-                                                      float scale) {
+// dk, dv. Grid (B, hkv, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, kh, z) owns key
+// rows j0 .. j0+63 (j0 = z * 64), warp w keys j0 + 16 (w % 4) .., half hs = w / 4. It walks
+// the group's query heads in increasing order and, per head, query tiles of ATC_BT queries
+// it = j0, j0 + ATC_BT, .. < T; the warp takes queries it + 16 hs .. + 15 (skipped when all
+// before its keys or past T): S^T = K Q^T, dP^T = V dO^T, p and ds (atc_pds with lse and
+// delta of the query), dv += P^T dO, dk += dS^T Q (its k16 steps in (head, query) order); at
+// the end dv = partial(half 0) + partial(half 1) (half 1 stores it), dk = scale * (the same
+// sum of the dk partials) (half 0 stores it). Dynamic shared memory: BF16 3 * ld * (2 * 64 +
+// 4 * ATC_BT) (k, v planes, then two stages of q, dout planes), then f32 2 * 2 * ATC_BT (the
+// stages' lse, delta).
+template <int DMAX, bool FULL>
+__device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ qp, const u16* __restrict__ dop,
+                                                       const u16* __restrict__ kp, const u16* __restrict__ vp,
+                                                       const float* __restrict__ lse,
+                                                       const float* __restrict__ delta,
+                                                       const u32* __restrict__ offsets, float* __restrict__ dk,
+                                                       float* __restrict__ dv, u64 n, u32 hq, u32 hkv, u32 D,
+                                                       float scale) {
     extern __shared__ float4 smem4[];
     u16* sm = reinterpret_cast<u16*>(smem4);
     const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
     u16* ks = sm;
     u16* vs = ks + 3u * ATC_BR * ld;
-    u16* qs = vs + 3u * ATC_BR * ld;
-    u16* dos = qs + 3u * BQ * ld;
-    float* lse_t = reinterpret_cast<float*>(dos + 3u * BQ * ld);  // ld * 6 * rows: 4-byte aligned
-    float* del_t = lse_t + BQ;
+    u16* st = vs + 3u * ATC_BR * ld;  // stage s: q planes at st + s * 6 * BT * ld, dout after
+    float* lsd = reinterpret_cast<float*>(st + 12u * ATC_BT * ld);  // [2][lse, delta][BT]
     const u32 b = blockIdx.x, kh = blockIdx.y;
     const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
     const u32 j0 = blockIdx.z * ATC_BR;
     if (j0 >= T) return;  // block-uniform
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w & 3u, hs = w >> 2, t = lane & 3;
+    const u32 g = lane >> 2;
     const u32 gq = hq / hkv;
-    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load<ATC_BR, DMAX, FULL>(ks, ld, k, t0, j0, T, kstride, (u64)kh * D, D, dp);
-    atc_load<ATC_BR, DMAX, FULL>(vs, ld, v, t0, j0, T, kstride, (u64)kh * D, D, dp);
-    const u32 wj = j0 + 16u * w;  // the warp's first key
+    const u64 qplane = n * hq * dp, kplane = n * hkv * dp;
+    atc_cp_tile<ATC_BR, DMAX, FULL>(ks, ld, kp, kplane, t0, j0, T, hkv, kh, dp);
+    atc_cp_tile<ATC_BR, DMAX, FULL>(vs, ld, vp, kplane, t0, j0, T, hkv, kh, dp);
+    const u32 ntiles = (T - j0 + ATC_BT - 1u) / ATC_BT, nsteps = gq * ntiles;
+    const u32 stage = 6u * ATC_BT * ld;
+    auto issue = [&](u32 s) {
+        const u32 hh = s / ntiles, it = j0 + (s - hh * ntiles) * ATC_BT, h = kh * gq + hh;
+        u16* qd = st + (s & 1u) * stage;
+        atc_cp_tile<ATC_BT, DMAX, FULL>(qd, ld, qp, qplane, t0, it, T, hq, h, dp);
+        atc_cp_tile<ATC_BT, DMAX, FULL>(qd + 3u * ATC_BT * ld, ld, dop, qplane, t0, it, T, hq, h, dp);
+        if (threadIdx.x < 2u * ATC_BT) {
+            const u32 r = it + (threadIdx.x % ATC_BT);
+            const bool ok = r < T;
+            const float* src = threadIdx.x < ATC_BT ? lse : delta;
+            atc_cp4(lsd + (s & 1u) * 2u * ATC_BT + threadIdx.x, ok ? src + (u64)(t0 + r) * hq + h : src, ok);
+        }
+    };
+    issue(0);
+    atc_cp_commit();  // k, v and the first query tile
+    const u32 wj = j0 + 16u * wg;  // the warp's first key
     const u32 jr[2] = {wj + g, wj + g + 8u};
     float adk[DMAX / 8][4], adv[DMAX / 8][4];
 #pragma unroll
@@ -989,84 +1161,108 @@ __device__ __forceinline__ void attn_bwd_dkdv_tc_body(const float* __restrict__ 
             adk[nt][e] = 0.0f;
             adv[nt][e] = 0.0f;
         }
-    for (u32 hh = 0; hh < gq; ++hh) {
-        const u32 h = kh * gq + hh;
-        for (u32 it = j0; it < T; it += BQ) {
-            __syncthreads();  // the previous tile's products are done with q, dout, lse, delta
-            atc_load<BQ, DMAX, FULL>(qs, ld, q, t0, it, T, qstride, (u64)h * D, D, dp);
-            atc_load<BQ, DMAX, FULL>(dos, ld, dout, t0, it, T, qstride, (u64)h * D, D, dp);
-            if (threadIdx.x < BQ) {
-                const u32 r = it + threadIdx.x;
-                lse_t[threadIdx.x] = r < T ? lse[(u64)(t0 + r) * hq + h] : 0.0f;
-                del_t[threadIdx.x] = r < T ? delta[(u64)(t0 + r) * hq + h] : 0.0f;
-            }
-            __syncthreads();
-            if (it + BQ - 1u < wj) continue;  // warp-uniform: every query before every key
-            float s[BQ / 8][4], dpv[BQ / 8][4];
-            atc_scores<BQ / 8, DMAX, FULL>(s, ks, ATC_BR, 16u * w, qs, BQ, ld, dp);
-            atc_scores<BQ / 8, DMAX, FULL>(dpv, vs, ATC_BR, 16u * w, dos, BQ, ld, dp);
+    for (u32 s = 0; s < nsteps; ++s) {
+        if (s + 1u < nsteps) issue(s + 1u);
+        atc_cp_commit();  // possibly empty: one group per step keeps the count uniform
+        atc_cp_wait<1>();
+        __syncthreads();  // tile s visible to every warp
+        const u32 hh = s / ntiles, i0 = j0 + (s - hh * ntiles) * ATC_BT + 16u * hs;  // the warp's first query
+        // Warp-uniform: else every query before every key of the warp, or past the sequence.
+        if (i0 + 15u >= wj && i0 < T) {
+            const u16* qst = st + (s & 1u) * stage;
+            const u16* dost = qst + 3u * ATC_BT * ld;
+            const float* ls = lsd + (s & 1u) * 2u * ATC_BT + 16u * hs;
+            float sc[2][4], dpv[2][4];
+            atc_scores<2, DMAX, FULL>(sc, ks, ATC_BR, 16u * wg, qst + 16u * hs * ld, ATC_BT, ld, dp);
+            atc_scores<2, DMAX, FULL>(dpv, vs, ATC_BR, 16u * wg, dost + 16u * hs * ld, ATC_BT, ld, dp);
 #pragma unroll
-            for (int nt = 0; nt < BQ / 8; ++nt)
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const u32 ii = 8u * nt + 2u * t + e, i = it + ii;
-                    const float li = lse_t[ii], di = del_t[ii];
+                    const u32 ii = 8u * nt + 2u * t + e, i = i0 + ii;
+                    const float li = ls[ii], di = ls[ATC_BT + ii];
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf)
-                        atc_pds(s[nt][2 * hf + e], dpv[nt][2 * hf + e], i >= jr[hf] && i < T, scale, li, di);
+                        atc_pds(sc[nt][2 * hf + e], dpv[nt][2 * hf + e], i >= jr[hf] && i < T, scale, li, di);
                 }
-#pragma unroll
-            for (int kk = 0; kk < BQ / 16; ++kk) {
-                if (it + 16u * kk + 15u < wj) continue;  // every query before every key: p = 0
-                u32 a[3][4];
-                atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
-                atc_wsum<DMAX, FULL>(adv, a, dos, BQ, ld, 16u * kk, dp);
-                atc_acc_to_a(a, dpv[2 * kk], dpv[2 * kk + 1]);
-                atc_wsum<DMAX, FULL>(adk, a, qs, BQ, ld, 16u * kk, dp);
-            }
+            u32 a[3][4];
+            atc_acc_to_a(a, sc[0], sc[1]);
+            atc_wsum<DMAX, FULL>(adv, a, dost, ATC_BT, ld, 16u * hs, dp);
+            atc_acc_to_a(a, dpv[0], dpv[1]);
+            atc_wsum<DMAX, FULL>(adk, a, qst, ATC_BT, ld, 16u * hs, dp);
         }
+        __syncthreads();  // every warp is done with stage s & 1 before it is refilled
     }
-    atc_store<DMAX>(dk, adk, t0, wj, T, kstride, (u64)kh * D, D, scale, true);
-    atc_store<DMAX>(dv, adv, t0, wj, T, kstride, (u64)kh * D, D, 1.0f, false);
+    atc_cp_wait<0>();
+    // Exchange through the (now free) k, v planes: half 0 hands its dv partial to half 1,
+    // half 1 its dk partial to half 0; each adds the partner's partial to its own.
+    float* xbuf = reinterpret_cast<float*>(sm);
+    float* mine = xbuf + w * (DMAX * 16);  // [DMAX/8 * 4][32] per warp
+    const float* theirs = xbuf + (w ^ 4u) * (DMAX * 16);
+    const u64 kstride = (u64)hkv * D;
+    if (hs == 0) {
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32 + lane] = adv[nt][e];
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(nt * 4 + e) * 32 + lane] = adk[nt][e];
+    }
+    __syncthreads();
+    if (hs == 0) {
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) adk[nt][e] = __fadd_rn(adk[nt][e], theirs[(nt * 4 + e) * 32 + lane]);
+        atc_store<DMAX>(dk, adk, t0, wj, T, kstride, (u64)kh * D, D, scale, true);
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) adv[nt][e] = __fadd_rn(adv[nt][e], theirs[(nt * 4 + e) * 32 + lane]);
+        atc_store<DMAX>(dv, adv, t0, wj, T, kstride, (u64)kh * D, D, 1.0f, false);
+    }
 }
 
-// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
-// straight-line body when D is the largest, a guarded one below). The second launch bound is
-// the blocks per SM the shared memory allows at the largest D.
-#define ATC_FWD_CALL(DM, BK)                                                                       \
+// Instantiations of the plane kernels (suffix: the largest D; a straight-line body when D is
+// the largest, a guarded one below). The second launch bound is the blocks per SM the shared
+// memory allows at the largest D.
+#define ATC_PL_DQ_ARGS                                                                             \
+    const u16 *__restrict__ qp, const u16 *__restrict__ dop, const u16 *__restrict__ kp,           \
+        const u16 *__restrict__ vp, const float *__restrict__ lse, const float *__restrict__ delta, \
+        const u32 *__restrict__ offsets, float *__restrict__ dq, u64 n, u32 hq, u32 hkv, u32 D,     \
+        float scale
+#define ATC_PL_DKDV_ARGS                                                                           \
+    const u16 *__restrict__ qp, const u16 *__restrict__ dop, const u16 *__restrict__ kp,           \
+        const u16 *__restrict__ vp, const float *__restrict__ lse, const float *__restrict__ delta, \
+        const u32 *__restrict__ offsets, float *__restrict__ dk, float *__restrict__ dv, u64 n,     \
+        u32 hq, u32 hkv, u32 D, float scale
+#define ATC_PL_DQ_CALL(DM)                                                                         \
     if (D == DM)                                                                                  \
-        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
+        attn_bwd_dq_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale); \
     else                                                                                          \
-        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
-#define ATC_DQ_CALL(DM, BK)                                                                        \
+        attn_bwd_dq_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale)
+#define ATC_PL_DKDV_CALL(DM)                                                                       \
     if (D == DM)                                                                                  \
-        attn_bwd_dq_tc_body<DM, BK, true>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale); \
+        attn_bwd_dkdv_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \
+                                         scale);                                                  \
     else                                                                                          \
-        attn_bwd_dq_tc_body<DM, BK, false>(dout, q, k, v, lse, delta, offsets, dq, hq, hkv, D, scale)
-#define ATC_DKDV_CALL(DM, BQ)                                                                      \
-    if (D == DM)                                                                                  \
-        attn_bwd_dkdv_tc_body<DM, BQ, true>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
-                                            scale);                                               \
-    else                                                                                          \
-        attn_bwd_dkdv_tc_body<DM, BQ, false>(dout, q, k, v, lse, delta, offsets, dk, dv, hq, hkv, D, \
-                                             scale)
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
-    ATC_FWD_CALL(64, 64);
+        attn_bwd_dkdv_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \
+                                          scale)
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dq_tc_64(ATC_PL_DQ_ARGS) {
+    ATC_PL_DQ_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
-    ATC_FWD_CALL(128, 32);
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dq_tc_128(ATC_PL_DQ_ARGS) {
+    ATC_PL_DQ_CALL(128);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dq_tc_64(ATT_DQ_ARGS) {
-    ATC_DQ_CALL(64, 64);
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dkdv_tc_64(ATC_PL_DKDV_ARGS) {
+    ATC_PL_DKDV_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dq_tc_128(ATT_DQ_ARGS) {
-    ATC_DQ_CALL(128, 32);
-}
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dkdv_tc_64(ATT_DKDV_ARGS) {
-    ATC_DKDV_CALL(64, 64);
-}
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dkdv_tc_128(ATT_DKDV_ARGS) {
-    ATC_DKDV_CALL(128, 32);
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dkdv_tc_128(ATC_PL_DKDV_ARGS) {
+    ATC_PL_DKDV_CALL(128);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).

@@ -2300,9 +2300,11 @@ impl Backend for CudaBackend {
     ) -> DResult<()> {
         let n = layout.num_tokens();
         let max_len = layout.lens().iter().copied().max().unwrap_or(0);
+        // Unspecified contents: the backward writes every scratch element it reads (delta,
+        // then the operands' BF16 planes) before reading it.
         let mut delta = self
             .gpu
-            .zeros::<f32>(attention::backward_scratch_len(n, shape))
+            .empty::<f32>(attention::backward_scratch_len(n, shape))
             .map_err(de)?;
         self.attn
             .backward(

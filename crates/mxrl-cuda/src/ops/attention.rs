@@ -18,8 +18,13 @@
 //! leading part products with `mma.m16n8k16` (f32 accumulation): the f32 operands, scores and
 //! probabilities enter with all their bits, nothing is rounded to BF16 that the reference
 //! keeps in f32, and the error is bounded by `mxrl_tensor::tolerance::AttnSums::Bf16x3Mma`.
-//! Blocks of 4 warps, 16 rows per warp; key (query) tiles of 64 for `D ≤ 64`, 32 for
-//! `D ≤ 128` (shared memory: three BF16 planes per tile). The CUDA-core ones (any `D ≤ 256`,
+//! The forward: blocks of 4 warps, 16 rows per warp; key tiles of 64 for `D ≤ 64`, 32 for
+//! `D ≤ 128` (shared memory: three BF16 planes per tile), split as they are loaded. The
+//! backward splits `q, dout, k, v` once per call into BF16 planes in its scratch
+//! ([`backward_scratch_len`]: 1.5× the four operands' f32 bytes) and its kernels copy tiles of
+//! them with `cp.async`, the streamed tiles (32 keys or queries) double buffered; blocks of
+//! 8 warps, each pair of warps sharing 16 rows and taking one half of every tile (the two
+//! partial sums added once at the end). The CUDA-core ones (any `D ≤ 256`,
 //! and the fallback above 128) are register-tiled: each thread computes
 //! 4 rows × 2 or 4 columns of a score tile (one accumulator per score, the `D` products added
 //! in index order) and 4 rows × `4·NCH` columns of a weighted sum; each kernel comes in three
@@ -56,8 +61,12 @@ const BR: usize = 64;
 const BF: usize = 64;
 /// Largest `D` of the tensor-core kernels (`ATC_MAX_D`).
 const TC_MAX_D: usize = 128;
-/// Threads per block of the tensor-core kernels (`ATC_THREADS`).
+/// Threads per block of the tensor-core forward (`ATC_THREADS`).
 const TC_THREADS: u32 = 128;
+/// Threads per block of the tensor-core backward kernels (`ATC_BWD_THREADS`).
+const TC_BWD_THREADS: u32 = 256;
+/// Keys (dq) or queries (dk/dv) per streamed tile of the tensor-core backward (`ATC_BT`).
+const TC_BT: usize = 32;
 /// Keys per dq tile (`ATT_BK`).
 const BK: usize = 32;
 /// Row stride of the probability tiles (`ATT_PS`).
@@ -128,11 +137,23 @@ fn tc_ld(d: usize) -> usize {
 fn smem_fwd_tc(d: usize) -> usize {
     2 * 3 * tc_ld(d) * (BR + 2 * tc_tile(d))
 }
+/// The backward's resident planes (64 rows of two operands) and two stages of the streamed
+/// ones (`TC_BT` rows of two operands), BF16.
 fn smem_dq_tc(d: usize) -> usize {
-    2 * 3 * tc_ld(d) * (2 * BR + 2 * tc_tile(d))
+    2 * 3 * tc_ld(d) * (2 * BR + 4 * TC_BT)
 }
+/// As dq, plus the two stages' lse and delta (f32).
 fn smem_dkdv_tc(d: usize) -> usize {
-    smem_dq_tc(d) + 4 * 2 * tc_tile(d)
+    smem_dq_tc(d) + 4 * 2 * 2 * TC_BT
+}
+/// `D` rounded up to 16: the row width of the BF16 planes of the tensor-core backward.
+fn tc_dp(d: usize) -> usize {
+    d.div_ceil(16) * 16
+}
+/// f32 elements of the scratch holding the three BF16 planes (`[3][N][H][dp]`) of an
+/// `[N, H·D]` operand.
+fn plane_len(n: usize, heads: usize, d: usize) -> usize {
+    3 * n * heads * tc_dp(d) / 2
 }
 /// Largest `D` of each tensor-core instantiation (`_tc_64`, `_tc_128`).
 const TC_CLASS_MAX_D: [usize; 2] = [64, 128];
@@ -162,9 +183,20 @@ fn smem_dec(d: usize) -> usize {
         + 2 * DEC_G)
 }
 
-/// Elements of the `delta` scratch [`Attention::backward`] needs: `N·Hq` (at least one).
+/// Elements (f32) of the scratch [`Attention::backward`] needs: `delta` (`N·Hq`, rounded up
+/// to a multiple of 4), and for `D ≤ 128` (the tensor-core kernels) the three BF16 planes of
+/// `q`, `dout` (`3·N·Hq·dp` BF16 each, `dp` = `D` rounded up to 16) and of `k`, `v`
+/// (`3·N·Hkv·dp` each): `6·N·(Hq + Hkv)·dp` bytes, 1.5× the f32 size of the four operands
+/// when `D` is a multiple of 16. At least one element.
 pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
-    (n * shape.q_heads).max(1)
+    let delta = (n * shape.q_heads).next_multiple_of(4);
+    let planes = if shape.head_dim <= TC_MAX_D {
+        2 * plane_len(n, shape.q_heads, shape.head_dim)
+            + 2 * plane_len(n, shape.kv_heads, shape.head_dim)
+    } else {
+        0
+    };
+    (delta + planes).max(1)
 }
 
 /// Where [`Attention::decode`]'s output goes: f32, or its BF16 rounding alone.
@@ -227,6 +259,7 @@ pub struct Attention {
     fwd_tc: [CudaFunction; 2],
     dq_tc: [CudaFunction; 2],
     dkdv_tc: [CudaFunction; 2],
+    split: CudaFunction,
     append: CudaFunction,
     dec_partial: CudaFunction,
     dec_combine: CudaFunction,
@@ -253,6 +286,7 @@ impl Attention {
             fwd_tc: [f("attn_fwd_tc_64")?, f("attn_fwd_tc_128")?],
             dq_tc: [f("attn_bwd_dq_tc_64")?, f("attn_bwd_dq_tc_128")?],
             dkdv_tc: [f("attn_bwd_dkdv_tc_64")?, f("attn_bwd_dkdv_tc_128")?],
+            split: f("attn_split_planes")?,
             fwd: [f("attn_fwd_64")?, f("attn_fwd_128")?, f("attn_fwd_256")?],
             delta: f("attn_bwd_delta")?,
             dq: [
@@ -336,8 +370,8 @@ impl Attention {
             let c = usize::from(d > 64);
             match which {
                 0 => (&self.fwd_tc[c], TC_THREADS, smem_fwd_tc(d)),
-                1 => (&self.dq_tc[c], TC_THREADS, smem_dq_tc(d)),
-                _ => (&self.dkdv_tc[c], TC_THREADS, smem_dkdv_tc(d)),
+                1 => (&self.dq_tc[c], TC_BWD_THREADS, smem_dq_tc(d)),
+                _ => (&self.dkdv_tc[c], TC_BWD_THREADS, smem_dkdv_tc(d)),
             }
         } else {
             match which {
@@ -461,8 +495,10 @@ impl Attention {
 
     /// Training backward: `dout, out: [N, Hq·D]`, `q`, `k, v`, `lse` (from
     /// [`Attention::forward`]) → `dq: [N, Hq·D]`, `dk, dv: [N, Hkv·D]` (overwritten on the
-    /// sequences' rows). `delta: [N·Hq]` scratch ([`backward_scratch_len`]) receives
-    /// `rowsum(dout∘out)`. With `p_ij = exp(s_ij − lse_i)` and
+    /// sequences' rows). `delta`: the scratch ([`backward_scratch_len`], contents unspecified
+    /// on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`; with the tensor-core
+    /// kernels the rest receives the BF16 planes of `q, dout, k, v` (`attn_split_planes`) the
+    /// dq and dk/dv kernels read. With `p_ij = exp(s_ij − lse_i)` and
     /// `ds_ij = p_ij·(dout_i·v_j − delta_i)`: `dq_i = scale·Σ_j ds_ij k_j`,
     /// `dk_j = scale·Σ_{h,i} ds_ij q_i`, `dv_j = Σ_{h,i} p_ij dout_i` (the group's query heads in
     /// order). f32 accumulation, no atomics. Offsets and `max_len` as in the forward.
@@ -500,7 +536,12 @@ impl Attention {
         check_len(g, "attention backward v", v.len(), n * hkv * d)?;
         check_len(g, "attention backward out", out.len(), n * hq * d)?;
         check_len(g, "attention backward lse", lse.len(), n * hq)?;
-        check_len(g, "attention backward delta", delta.len(), n * hq)?;
+        check_len(
+            g,
+            "attention backward scratch",
+            delta.len(),
+            backward_scratch_len(n, shape),
+        )?;
         check_len(g, "attention backward dq", dq.len(), n * hq * d)?;
         check_len(g, "attention backward dk", dk.len(), n * hkv * d)?;
         check_len(g, "attention backward dv", dv.len(), n * hkv * d)?;
@@ -513,6 +554,9 @@ impl Attention {
         }
         let (n64, hq32, hkv32, d32, scale) =
             (n as u64, hq as u32, hkv as u32, d as u32, shape.scale());
+        // The scratch: delta, then (tensor cores) the planes of q, dout, k, v; every part
+        // starts at a multiple of 4 f32 (16 bytes: the kernels' cp.async sources).
+        let (mut delta, mut planes) = delta.split_at_mut((n * hq).next_multiple_of(4));
         let cfg = LaunchConfig {
             grid_dim: ((n * hq).div_ceil(WARPS) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -521,18 +565,106 @@ impl Attention {
         let mut b = g.stream().launch_builder(&self.delta);
         b.arg(dout)
             .arg(out)
-            .arg(&mut *delta)
+            .arg(&mut delta)
             .arg(&n64)
             .arg(&hq32)
             .arg(&d32);
         // SAFETY: warp r·Hq + h < N·Hq reads dout/out[(r·Hq + h)·D + d], d < D (N·Hq·D checked)
-        // and writes delta[r·Hq + h] (N·Hq checked); types match (2 × const float*, float*, u64,
-        // u32, u32).
+        // and writes delta[r·Hq + h] (N·Hq ≤ the first part of the checked scratch); types
+        // match (2 × const float*, float*, u64, u32, u32).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        let delta_v = delta.as_view();
 
-        let delta_v = delta.slice(..);
+        let dq_grid = (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32);
+        let dkdv_grid = (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32);
+        if self.tensor_cores(d) {
+            let (ql, kl) = (plane_len(n, hq, d), plane_len(n, hkv, d));
+            let dp32 = tc_dp(d) as u32;
+            // SAFETY: the scratch holds 2·(ql + kl) f32 past delta (checked above); u16 is
+            // plain data, and each part is written whole by attn_split_planes before it is read.
+            let mut p16 = unsafe { planes.transmute_mut::<u16>(4 * (ql + kl)) }
+                .ok_or_else(|| g.err("attention backward: scratch too short for the planes"))?;
+            let (mut qdo, mut kv) = p16.split_at_mut(4 * ql);
+            let (mut qp, mut dop) = qdo.split_at_mut(2 * ql);
+            let (mut kp, mut vp) = kv.split_at_mut(2 * kl);
+            for (x, p, heads) in [
+                (q, &mut qp, hq),
+                (dout, &mut dop, hq),
+                (k, &mut kp, hkv),
+                (v, &mut vp, hkv),
+            ] {
+                let pairs = n * heads * tc_dp(d) / 2;
+                let cfg = LaunchConfig {
+                    grid_dim: (pairs.div_ceil(256).min(1 << 20) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let heads32 = heads as u32;
+                let mut b = g.stream().launch_builder(&self.split);
+                b.arg(x).arg(p).arg(&n64).arg(&heads32).arg(&d32).arg(&dp32);
+                // SAFETY: reads x[(r·H + h)·D + c], c < D, r < N (N·H·D checked for q, dout,
+                // k, v) and writes the three planes' elements ((p·N + r)·H + h)·dp + c,
+                // p < 3, c < dp: 3·N·H·dp BF16, the part of the scratch passed (u16);
+                // types match (const float*, u16*, u64, u32, u32, u32).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+            let (qv, dov, kv_, vv) = (qp.as_view(), dop.as_view(), kp.as_view(), vp.as_view());
+            let cfg = LaunchConfig {
+                grid_dim: dq_grid,
+                block_dim: (dq_threads, 1, 1),
+                shared_mem_bytes: dq_smem as u32,
+            };
+            let mut b = g.stream().launch_builder(dq_func);
+            b.arg(&qv)
+                .arg(&dov)
+                .arg(&kv_)
+                .arg(&vv)
+                .arg(lse)
+                .arg(&delta_v)
+                .arg(offsets)
+                .arg(dq)
+                .arg(&n64)
+                .arg(&hq32)
+                .arg(&hkv32)
+                .arg(&d32)
+                .arg(&scale);
+            // SAFETY: block (b, h, z) reads the planes of rows offsets[b] + i < offsets[B] ≤ N
+            // (3·N·H·dp BF16 each, written above; cp.async sources 16-byte aligned: the
+            // scratch parts start at multiples of 16 bytes and dp is a multiple of 8), lse and
+            // delta (N·Hq) of those rows and writes dq (N·Hq·D checked); the kernel's shared
+            // memory ≤ the attribute set in `new` for its instantiation; types match the kernel
+            // (4 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            let cfg = LaunchConfig {
+                grid_dim: dkdv_grid,
+                block_dim: (dkdv_threads, 1, 1),
+                shared_mem_bytes: dkdv_smem as u32,
+            };
+            let mut b = g.stream().launch_builder(dkdv_func);
+            b.arg(&qv)
+                .arg(&dov)
+                .arg(&kv_)
+                .arg(&vv)
+                .arg(lse)
+                .arg(&delta_v)
+                .arg(offsets)
+                .arg(dk)
+                .arg(dv)
+                .arg(&n64)
+                .arg(&hq32)
+                .arg(&hkv32)
+                .arg(&d32)
+                .arg(&scale);
+            // SAFETY: as dq: key rows offsets[b] + j (j < T_b) of the k, v planes and of dk/dv
+            // (N·Hkv·D checked), query rows offsets[b] + i (i < T_b) of the q, dout planes and
+            // lse/delta (N·Hq), heads kh·g + hh < Hq; the kernel's shared memory ≤ the
+            // attribute set in `new` for its instantiation; types match the kernel.
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            return Ok(());
+        }
+
         let cfg = LaunchConfig {
-            grid_dim: (num_seqs as u32, hq as u32, max_len.div_ceil(BR) as u32),
+            grid_dim: dq_grid,
             block_dim: (dq_threads, 1, 1),
             shared_mem_bytes: dq_smem as u32,
         };
@@ -555,7 +687,7 @@ impl Attention {
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
 
         let cfg = LaunchConfig {
-            grid_dim: (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32),
+            grid_dim: dkdv_grid,
             block_dim: (dkdv_threads, 1, 1),
             shared_mem_bytes: dkdv_smem as u32,
         };
