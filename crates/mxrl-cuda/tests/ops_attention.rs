@@ -580,4 +580,34 @@ fn attention_launchers_refuse_bad_geometry_and_short_buffers() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("slots"), "{e}");
+    // The backward's BF16 planes are copied with 16-byte cp.async: a scratch one element off
+    // a 16-byte boundary is refused.
+    let s = shape(2, 1, 8);
+    let len = backward_scratch_len(n, s);
+    let mut wide = g.zeros::<f32>(len + 1).unwrap();
+    let (mut gq, mut gk) = (
+        g.zeros::<f32>(n * 2 * 8).unwrap(),
+        g.zeros::<f32>(n * 8).unwrap(),
+    );
+    let mut gv = g.zeros::<f32>(n * 8).unwrap();
+    let e = ops
+        .backward(
+            &buf.as_view(),
+            &buf.as_view(),
+            &buf.as_view(),
+            &buf.as_view(),
+            &buf.as_view(),
+            &lse.as_view(),
+            &off.as_view(),
+            1,
+            4,
+            n,
+            s,
+            &mut wide.slice_mut(1..len + 1),
+            &mut gq.as_view_mut(),
+            &mut gk.as_view_mut(),
+            &mut gv.as_view_mut(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("aligned"), "{e}");
 }

@@ -186,7 +186,7 @@ fn smem_dec(d: usize) -> usize {
 /// Elements (f32) of the scratch [`Attention::backward`] needs: `delta` (`N·Hq`, rounded up
 /// to a multiple of 4), and for `D ≤ 128` (the tensor-core kernels) the three BF16 planes of
 /// `q`, `dout` (`3·N·Hq·dp` BF16 each, `dp` = `D` rounded up to 16) and of `k`, `v`
-/// (`3·N·Hkv·dp` each): `6·N·(Hq + Hkv)·dp` bytes, 1.5× the f32 size of the four operands
+/// (`3·N·Hkv·dp` each): `12·N·(Hq + Hkv)·dp` bytes, 1.5× the f32 size of the four operands
 /// when `D` is a multiple of 16. At least one element.
 pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
     let delta = (n * shape.q_heads).next_multiple_of(4);
@@ -495,8 +495,8 @@ impl Attention {
 
     /// Training backward: `dout, out: [N, Hq·D]`, `q`, `k, v`, `lse` (from
     /// [`Attention::forward`]) → `dq: [N, Hq·D]`, `dk, dv: [N, Hkv·D]` (overwritten on the
-    /// sequences' rows). `delta`: the scratch ([`backward_scratch_len`], contents unspecified
-    /// on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`; with the tensor-core
+    /// sequences' rows). `delta`: the scratch ([`backward_scratch_len`], 16-byte aligned,
+    /// contents unspecified on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`; with the tensor-core
     /// kernels the rest receives the BF16 planes of `q, dout, k, v` (`attn_split_planes`) the
     /// dq and dk/dv kernels read. With `p_ij = exp(s_ij − lse_i)` and
     /// `ds_ij = p_ij·(dout_i·v_j − delta_i)`: `dq_i = scale·Σ_j ds_ij k_j`,
@@ -542,6 +542,16 @@ impl Attention {
             delta.len(),
             backward_scratch_len(n, shape),
         )?;
+        {
+            // The planes are copied with 16-byte cp.async.
+            let stream = g.stream();
+            check_align(
+                g,
+                "attention backward scratch",
+                delta.device_ptr(stream).0,
+                16,
+            )?;
+        }
         check_len(g, "attention backward dq", dq.len(), n * hq * d)?;
         check_len(g, "attention backward dk", dk.len(), n * hkv * d)?;
         check_len(g, "attention backward dv", dv.len(), n * hkv * d)?;
