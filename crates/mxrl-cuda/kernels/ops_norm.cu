@@ -21,24 +21,30 @@ __device__ __forceinline__ void rmsnorm_fwd_rows(const float* __restrict__ x, co
     }
 }
 
+// The kernels below take the argument list of their one-warp-per-row twins (`rows`: the grid
+// has one block per row), so that the launcher picks either with the same arguments.
+
 // y = the f32 rows.
 extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float* __restrict__ w,
-                                       float* __restrict__ y, float* __restrict__ rstd, u32 d,
-                                       float eps) {
+                                       float* __restrict__ y, float* __restrict__ rstd, u32 rows,
+                                       u32 d, float eps) {
+    (void)rows;
     rmsnorm_fwd_rows<true, false>(x, w, y, nullptr, rstd, d, eps);
 }
 
 // y = their bf16 bit patterns: rmsnorm_fwd followed by to_bf16 in one pass, bitwise.
 extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const float* __restrict__ w,
-                                            u16* __restrict__ y, float* __restrict__ rstd, u32 d,
-                                            float eps) {
+                                            u16* __restrict__ y, float* __restrict__ rstd, u32 rows,
+                                            u32 d, float eps) {
+    (void)rows;
     rmsnorm_fwd_rows<false, true>(x, w, nullptr, y, rstd, d, eps);
 }
 
 // Both in one pass: y (f32) and yb = bf16(y), bitwise.
 extern "C" __global__ void rmsnorm_fwd_both(const float* __restrict__ x, const float* __restrict__ w,
                                             float* __restrict__ y, u16* __restrict__ yb,
-                                            float* __restrict__ rstd, u32 d, float eps) {
+                                            float* __restrict__ rstd, u32 rows, u32 d, float eps) {
+    (void)rows;
     rmsnorm_fwd_rows<true, true>(x, w, y, yb, rstd, d, eps);
 }
 
@@ -173,7 +179,8 @@ extern "C" __global__ void add_rmsnorm_fwd(float* x, const float* __restrict__ r
 // dx[r,j] = (rs * w[j]) * dy[r,j] - x[r,j] * c (overwritten).
 extern "C" __global__ void rmsnorm_bwd_dx(const float* __restrict__ dy, const float* __restrict__ x,
                                           const float* __restrict__ w, const float* __restrict__ rstd,
-                                          float* __restrict__ dx, u32 d) {
+                                          float* __restrict__ dx, u32 rows, u32 d) {
+    (void)rows;  // one block per row; the argument list of rmsnorm_bwd_dx_w
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const float* xr = x + r * d;

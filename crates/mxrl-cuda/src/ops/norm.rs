@@ -116,11 +116,19 @@ impl Norm {
         self.block_rows.set(on);
     }
 
-    fn warp_cfg(&self, rows: usize, d: usize) -> Option<LaunchConfig> {
-        if self.block_rows.get() {
-            None
-        } else {
-            warp_rows_cfg(rows, d)
+    /// The one-block-per-row kernel `block` with its launch shape `cfg`, or its
+    /// one-warp-per-row twin `warp` (same arguments, same bits) where the width allows it.
+    fn pick<'a>(
+        &self,
+        block: &'a CudaFunction,
+        warp: &'a CudaFunction,
+        cfg: LaunchConfig,
+        rows: usize,
+        d: usize,
+    ) -> (&'a CudaFunction, LaunchConfig) {
+        match warp_rows_cfg(rows, d) {
+            Some(w) if !self.block_rows.get() => (warp, w),
+            _ => (block, cfg),
         }
     }
 
@@ -176,26 +184,19 @@ impl Norm {
             return Ok(());
         };
         let (d32, rows32) = (d as u32, rows as u32);
-        if let Some(cfg) = self.warp_cfg(rows, d) {
-            let mut b = self.gpu.stream().launch_builder(&self.fwd_w);
-            b.arg(x)
-                .arg(w)
-                .arg(y)
-                .arg(rstd)
-                .arg(&rows32)
-                .arg(&d32)
-                .arg(&eps);
-            // SAFETY: warp r < rows (the rest return) reads x row r and w[..d], writes y row r
-            // and rstd[r] (all checked above); types match (const float*, const float*,
-            // float*, float*, u32, u32, float).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-            return Ok(());
-        }
-        let mut b = self.gpu.stream().launch_builder(&self.fwd);
-        b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
-        // SAFETY: block r < rows reads x[r·d .. (r+1)·d] and w[..d], writes the same range of y
-        // and rstd[r]; every buffer holds at least that (checked above); argument types match
-        // (const float*, const float*, float*, float*, u32, float).
+        let (f, cfg) = self.pick(&self.fwd, &self.fwd_w, cfg, rows, d);
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(x)
+            .arg(w)
+            .arg(y)
+            .arg(rstd)
+            .arg(&rows32)
+            .arg(&d32)
+            .arg(&eps);
+        // SAFETY: row r < rows (one block, or one warp with the rest returning) reads
+        // x[r·d .. (r+1)·d] and w[..d], writes the same range of y and rstd[r]; every buffer
+        // holds at least that (checked above); argument types match (const float*,
+        // const float*, float*, float*, u32, u32, float).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -222,23 +223,17 @@ impl Norm {
             return Ok(());
         };
         let (d32, rows32) = (d as u32, rows as u32);
-        if let Some(cfg) = self.warp_cfg(rows, d) {
-            let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16_w);
-            b.arg(x)
-                .arg(w)
-                .arg(y)
-                .arg(rstd)
-                .arg(&rows32)
-                .arg(&d32)
-                .arg(&eps);
-            // SAFETY: as `forward`'s warp-per-row launch, with u16 output elements.
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-            return Ok(());
-        }
-        let mut b = self.gpu.stream().launch_builder(&self.fwd_bf16);
-        b.arg(x).arg(w).arg(y).arg(rstd).arg(&d32).arg(&eps);
+        let (f, cfg) = self.pick(&self.fwd_bf16, &self.fwd_bf16_w, cfg, rows, d);
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(x)
+            .arg(w)
+            .arg(y)
+            .arg(rstd)
+            .arg(&rows32)
+            .arg(&d32)
+            .arg(&eps);
         // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
-        // const float*, u16*, float*, u32, float).
+        // const float*, u16*, float*, u32, u32, float).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -272,24 +267,18 @@ impl Norm {
             return Ok(());
         };
         let (d32, rows32) = (d as u32, rows as u32);
-        if let Some(cfg) = self.warp_cfg(rows, d) {
-            let mut b = self.gpu.stream().launch_builder(&self.fwd_both_w);
-            b.arg(x)
-                .arg(w)
-                .arg(y)
-                .arg(yb)
-                .arg(rstd)
-                .arg(&rows32)
-                .arg(&d32)
-                .arg(&eps);
-            // SAFETY: as `forward`'s warp-per-row launch, also writing yb row r (checked).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-            return Ok(());
-        }
-        let mut b = self.gpu.stream().launch_builder(&self.fwd_both);
-        b.arg(x).arg(w).arg(y).arg(yb).arg(rstd).arg(&d32).arg(&eps);
+        let (f, cfg) = self.pick(&self.fwd_both, &self.fwd_both_w, cfg, rows, d);
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(x)
+            .arg(w)
+            .arg(y)
+            .arg(yb)
+            .arg(rstd)
+            .arg(&rows32)
+            .arg(&d32)
+            .arg(&eps);
         // SAFETY: as `forward`, also writing yb[r·d .. (r+1)·d] (checked); argument types match
-        // (const float*, const float*, float*, u16*, float*, u32, float).
+        // (const float*, const float*, float*, u16*, float*, u32, u32, float).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -396,25 +385,19 @@ impl Norm {
             block_dim: (row_threads(d), 1, 1),
             shared_mem_bytes: 0,
         };
-        if let Some(cfg) = self.warp_cfg(rows, d) {
-            let mut b = self.gpu.stream().launch_builder(&self.bwd_dx_w);
-            b.arg(dy)
-                .arg(x)
-                .arg(w)
-                .arg(rstd)
-                .arg(&mut *dx)
-                .arg(&rows32)
-                .arg(&d32);
-            // SAFETY: warp r < rows (the rest return) reads dy, x rows r, w[..d], rstd[r] and
-            // writes dx row r (all checked); types match (4 × const float*, float*, u32, u32).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-        } else {
-            let mut b = self.gpu.stream().launch_builder(&self.bwd_dx);
-            b.arg(dy).arg(x).arg(w).arg(rstd).arg(&mut *dx).arg(&d32);
-            // SAFETY: block r < rows reads dy, x rows r (rows·d checked), w[..d], rstd[r] and
-            // writes dx row r (rows·d checked); types match (4 × const float*, float*, u32).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-        }
+        let (f, cfg) = self.pick(&self.bwd_dx, &self.bwd_dx_w, cfg, rows, d);
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(dy)
+            .arg(x)
+            .arg(w)
+            .arg(rstd)
+            .arg(&mut *dx)
+            .arg(&rows32)
+            .arg(&d32);
+        // SAFETY: row r < rows (one block, or one warp with the rest returning) reads dy, x
+        // rows r (rows·d checked), w[..d], rstd[r] and writes dx row r (rows·d checked); types
+        // match (4 × const float*, float*, u32, u32).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
 
         let rpc = rows_per_chunk(rows);
         let chunks = rows.div_ceil(rpc);
