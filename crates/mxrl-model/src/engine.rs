@@ -853,14 +853,15 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Backward of [`Engine::lin`] / [`Engine::glin`] (`host_offsets`: the expert offsets;
-    /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`. `fresh`: `g` is a
-    /// pending zero ([`Engine::zero_grads`]): the grouped and block-format backwards overwrite
-    /// it, the dense BF16 one zeroes it first.
+    /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`. `dy` is f32, or
+    /// already rounded to BF16 for routed experts stored in BF16 (whose GEMMs take it as their
+    /// operand as it is). `fresh`: `g` is a pending zero ([`Engine::zero_grads`]): the grouped
+    /// and block-format backwards overwrite it, the dense BF16 one zeroes it first.
     #[allow(clippy::too_many_arguments)]
     fn lin_bwd(
         &self,
         i: usize,
-        dy: &B::F32,
+        dy: ActRef<'_, B>,
         x: ActRef<'_, B>,
         offsets: Option<(&B::U32, &[u32])>,
         rows: usize,
@@ -882,76 +883,49 @@ impl<B: Backend> Engine<B> {
         } else {
             GradWrite::Accumulate
         };
-        match (&p.q, x, offsets) {
-            (Some(q), ActRef::F32(x), o) => {
+        match (&p.q, x, offsets, dy) {
+            (Some(q), ActRef::F32(x), o, ActRef::F32(dy)) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
                 b.grouped_qlinear_backward(
                     x, &q.w, &p.master, dy, dev, host, rows, k, n, dx, g, dw_write,
                 )
             }
-            (None, ActRef::Bf16(x), None) => {
+            (None, ActRef::Bf16(x), None, ActRef::F32(dy)) => {
                 b.linear_backward(dy, x, self.op(i), rows, k, n, Some(dx), g)
             }
-            (None, ActRef::Bf16(x), Some((off, host))) => b.grouped_linear_backward(
-                dy,
-                x,
-                self.op(i),
-                off,
-                Some(host),
-                self.cfg.num_experts,
-                rows,
-                k,
-                n,
-                dx,
-                g,
-                dw_write,
-            ),
+            (None, ActRef::Bf16(x), Some((off, host)), ActRef::F32(dy)) => b
+                .grouped_linear_backward(
+                    dy,
+                    x,
+                    self.op(i),
+                    off,
+                    Some(host),
+                    self.cfg.num_experts,
+                    rows,
+                    k,
+                    n,
+                    dx,
+                    g,
+                    dw_write,
+                ),
+            (None, ActRef::Bf16(x), Some((off, host)), ActRef::Bf16(dyb)) => b
+                .grouped_linear_backward_bf16(
+                    dyb,
+                    x,
+                    self.op(i),
+                    off,
+                    Some(host),
+                    self.cfg.num_experts,
+                    rows,
+                    k,
+                    n,
+                    dx,
+                    g,
+                    dw_write,
+                ),
             _ => return Err(self.wrong_input(i)),
         }
         .map_err(dev)
-    }
-
-    /// [`Engine::lin_bwd`] of routed BF16 experts (`i` stored in BF16, `x` its BF16 rows)
-    /// from `dy` already rounded to BF16: the grouped GEMMs take `dyb` as their operand, so no
-    /// f32 copy of `dy` is written or converted.
-    #[allow(clippy::too_many_arguments)]
-    fn lin_bwd_bf16(
-        &self,
-        i: usize,
-        dyb: &B::Bf16,
-        x: ActRef<'_, B>,
-        offsets: (&B::U32, &[u32]),
-        rows: usize,
-        k: usize,
-        n: usize,
-        dx: &mut B::F32,
-        g: &mut B::F32,
-        fresh: bool,
-    ) -> Result<()> {
-        let (ActRef::Bf16(x), None) = (x, &self.params[i].q) else {
-            return Err(self.wrong_input(i));
-        };
-        let dw_write = if fresh {
-            GradWrite::Overwrite
-        } else {
-            GradWrite::Accumulate
-        };
-        self.b
-            .grouped_linear_backward_bf16(
-                dyb,
-                x,
-                self.op(i),
-                offsets.0,
-                Some(offsets.1),
-                self.cfg.num_experts,
-                rows,
-                k,
-                n,
-                dx,
-                g,
-                dw_write,
-            )
-            .map_err(dev)
     }
 
     fn wrong_input(&self, i: usize) -> ModelError {
@@ -2943,7 +2917,7 @@ impl<B: Backend> Engine<B> {
                     let mut dact = o(n * m.f)?;
                     self.lin_bwd(
                         m.down,
-                        &dx,
+                        ActRef::F32(&dx),
                         act.r(),
                         None,
                         n,
@@ -2959,7 +2933,7 @@ impl<B: Backend> Engine<B> {
                     let x = self.input(m.gate_up, t.h2b.as_ref(), t.h2.as_ref())?;
                     self.lin_bwd(
                         m.gate_up,
-                        &dgu,
+                        ActRef::F32(&dgu),
                         x,
                         None,
                         n,
@@ -2988,12 +2962,10 @@ impl<B: Backend> Engine<B> {
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let rows = n * k;
                     let mut dweights = z(rows)?;
-                    let mut dact = o(rows * m.f)?;
-                    let fresh = std::mem::replace(&mut pending_zero[m.down], false);
                     // Experts stored in BF16 take their output gradient as BF16 straight from
                     // the combine (and the gate/up gradient from SwiGLU); block formats need
                     // the f32 values.
-                    if self.params[m.down].q.is_none() {
+                    let dy = if self.params[m.down].q.is_none() {
                         let mut dyb = b.empty_bf16(rows * hd).map_err(dev)?;
                         b.combine_backward_bf16(
                             &dx,
@@ -3007,72 +2979,50 @@ impl<B: Backend> Engine<B> {
                             &mut dweights,
                         )
                         .map_err(dev)?;
-                        let off = (&route.offsets, ho);
-                        self.lin_bwd_bf16(
-                            m.down,
-                            &dyb,
-                            act.r(),
-                            off,
-                            rows,
-                            m.f,
-                            hd,
-                            &mut dact,
-                            &mut g[m.down],
-                            fresh,
-                        )?;
+                        Act::Bf16(dyb)
                     } else {
                         let mut dy = o(rows * hd)?;
                         b.combine_backward(&dx, y, route, n, e, k, hd, &mut dy, &mut dweights)
                             .map_err(dev)?;
-                        self.lin_bwd(
-                            m.down,
-                            &dy,
-                            act.r(),
-                            off,
-                            rows,
-                            m.f,
-                            hd,
-                            &mut dact,
-                            &mut g[m.down],
-                            fresh,
-                        )?;
-                    }
-                    let mut dxg = o(rows * hd)?;
-                    let fresh = std::mem::replace(&mut pending_zero[m.gate_up], false);
-                    let xg = rows_made(xg.as_ref(), "the experts' gathered input")?.r();
-                    if self.params[m.gate_up].q.is_none() {
+                        Act::F32(dy)
+                    };
+                    let mut dact = o(rows * m.f)?;
+                    self.lin_bwd(
+                        m.down,
+                        dy.r(),
+                        act.r(),
+                        off,
+                        rows,
+                        m.f,
+                        hd,
+                        &mut dact,
+                        &mut g[m.down],
+                        std::mem::replace(&mut pending_zero[m.down], false),
+                    )?;
+                    let dgu = if self.params[m.gate_up].q.is_none() {
                         let mut dgub = b.empty_bf16(rows * 2 * m.f).map_err(dev)?;
                         b.swiglu_backward_bf16(&dact, gu, rows, m.f, &mut dgub)
                             .map_err(dev)?;
-                        self.lin_bwd_bf16(
-                            m.gate_up,
-                            &dgub,
-                            xg,
-                            (&route.offsets, ho),
-                            rows,
-                            hd,
-                            2 * m.f,
-                            &mut dxg,
-                            &mut g[m.gate_up],
-                            fresh,
-                        )?;
+                        Act::Bf16(dgub)
                     } else {
                         let mut dgu = o(rows * 2 * m.f)?;
                         b.swiglu_backward(&dact, gu, rows, m.f, &mut dgu)
                             .map_err(dev)?;
-                        self.lin_bwd(
-                            m.gate_up,
-                            &dgu,
-                            xg,
-                            off,
-                            rows,
-                            hd,
-                            2 * m.f,
-                            &mut dxg,
-                            &mut g[m.gate_up],
-                            fresh,
-                        )?;
-                    }
+                        Act::F32(dgu)
+                    };
+                    let mut dxg = o(rows * hd)?;
+                    self.lin_bwd(
+                        m.gate_up,
+                        dgu.r(),
+                        rows_made(xg.as_ref(), "the experts' gathered input")?.r(),
+                        off,
+                        rows,
+                        hd,
+                        2 * m.f,
+                        &mut dxg,
+                        &mut g[m.gate_up],
+                        std::mem::replace(&mut pending_zero[m.gate_up], false),
+                    )?;
                     b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
                         .map_err(dev)?;
                     let mut dlogits = o(n * e)?;
@@ -3112,7 +3062,7 @@ impl<B: Backend> Engine<B> {
             let x = self.input(l.attn.o, t.attb.as_ref(), Some(&t.att))?;
             self.lin_bwd(
                 l.attn.o,
-                &dx,
+                ActRef::F32(&dx),
                 x,
                 None,
                 n,
@@ -3168,7 +3118,18 @@ impl<B: Backend> Engine<B> {
                 }
                 let out = if j == 0 { &mut dh1 } else { &mut tmp };
                 let x = self.input(wi, t.h1b.as_ref(), t.h1.as_ref())?;
-                self.lin_bwd(wi, dd, x, None, n, hd, width, out, &mut g[wi], false)?;
+                self.lin_bwd(
+                    wi,
+                    ActRef::F32(dd),
+                    x,
+                    None,
+                    n,
+                    hd,
+                    width,
+                    out,
+                    &mut g[wi],
+                    false,
+                )?;
                 if j > 0 {
                     b.add(&mut dh1, &tmp, n * hd).map_err(dev)?;
                 }
