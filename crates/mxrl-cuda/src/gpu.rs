@@ -408,7 +408,7 @@ fn keep_freed_memory(ctx: &CudaContext) {
     use cudarc::driver::sys;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: plain driver queries on this context's device; `pool` is written by the driver
-    // and `threshold` outlives the call that reads it.
+    // and is live when its threshold is set.
     unsafe {
         if ctx.bind_to_thread().is_err()
             || sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
@@ -416,13 +416,26 @@ fn keep_freed_memory(ctx: &CudaContext) {
         {
             return;
         }
-        let mut threshold: u64 = u64::MAX;
-        let _ = sys::cuMemPoolSetAttribute(
+        keep_pool_memory(pool);
+    }
+}
+
+/// Sets `pool`'s release threshold to the maximum: memory freed to it stays in it (best
+/// effort; a refusal leaves the driver's default).
+///
+/// # Safety
+/// `pool` is a live memory pool.
+unsafe fn keep_pool_memory(pool: cudarc::driver::sys::CUmemoryPool) {
+    use cudarc::driver::sys;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: `threshold` outlives the call that reads it; `pool` is live (caller).
+    let _ = unsafe {
+        sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             (&mut threshold as *mut u64).cast(),
-        );
-    }
+        )
+    };
 }
 
 /// Bytes of each of the two page-locked host buffers that host → device copies of weight
@@ -776,18 +789,13 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(|x| self.err(format!("{x:?}")))?;
-        // SAFETY: creates a pool with the properties above; the driver writes `pool`, and the
-        // threshold outlives the call that reads it.
+        // SAFETY: creates a pool with the properties above; the driver writes `pool`, which is
+        // live when its threshold is set.
         unsafe {
             sys::cuMemPoolCreate(&mut pool, &props)
                 .result()
                 .map_err(|x| self.err(format!("memory pool for recordings: {x:?}")))?;
-            let mut threshold: u64 = u64::MAX;
-            let _ = sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            );
+            keep_pool_memory(pool);
         }
         let a = Arena {
             side,
