@@ -678,14 +678,22 @@ __device__ __forceinline__ void atc_frag_b_tr(u32 (&b)[3][4], const u16* tile, u
 
 // c[nt] (n8 tiles nt < NT, columns n0 + 8 nt) = rows m0.. of A . rows of B^T over the
 // reduction 0 .. dp (k16 steps < dp / 16), A and B both with the reduction along their rows.
+// The k16 steps go to NS = max(1, 8 / NT) accumulator sets in turn (step ks to set ks % NS;
+// each set's products in step order, the six part products of a step as in atc_mma6), and
+// c = ((set 0 + set 1) + set 2) + set 3: 8 independent mma chains however narrow the tile.
 // FULL: dp == DMAX (no guards: straight-line code the compiler can pipeline).
 template <int NT, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 arows, u32 m0, const u16* B,
                                            u32 brows, u32 ld, u32 dp) {
+    constexpr int NS = NT >= 8 ? 1 : 8 / NT;
+    static_assert(DMAX / 16 >= NS, "every accumulator set gets a step");
+    float cs[NS][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int q = 0; q < NS; ++q)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) c[nt][e] = 0.0f;
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) cs[q][nt][e] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < DMAX / 16; ++ks) {
         if (FULL || 16u * ks < dp) {
@@ -693,9 +701,18 @@ __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 
             atc_frag_a(a, A, arows, ld, m0, 16u * ks);
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) atc_frag_b_nt(b[np], B, brows, ld, 16u * np, 16u * ks);
-            atc_mma6<NT / 2>(c, 0, a, b);
+            atc_mma6<NT / 2>(cs[ks % NS], 0, a, b);
         }
     }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = cs[0][nt][e];
+#pragma unroll
+            for (int q = 1; q < NS; ++q) x = __fadd_rn(x, cs[q][nt][e]);
+            c[nt][e] = x;
+        }
 }
 
 // acc[nt] (columns 8 nt < dp) += P . X for the k16 step kk of a warp's probability tile (A
