@@ -523,9 +523,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(A
 // statistics (max, exp, row sums, log), the masking and ds = p (dp - delta) run in IEEE f32
 // on the CUDA cores in the fixed orders described below.
 //
-// Blocks of ATC_THREADS = 4 warps own ATC_BR = 64 rows (query rows in the forward and dq, key
-// rows in dk/dv), 16 per warp: warp w computes the score tile of its 16 rows against the
-// block's current tile of keys (or queries) in shared memory, applies the softmax step in
+// Blocks of 8 warps (ATC_THREADS) own 128 query rows (forward) or 64 rows (query rows in dq,
+// key rows in dk/dv; there two warps share 16 rows, see below), 16 per warp: a warp computes
+// the score tile of its 16 rows against the block's current tile of keys (or queries) in
+// shared memory, applies the softmax step in
 // registers (mma accumulator layout: lane = 4g + t holds rows g and g + 8, columns 2t, 2t + 1
 // of every n8 tile), splits the probabilities into the three BF16 parts of an mma A fragment
 // (the accumulator layout of two adjacent n8 tiles is the A layout of one k16 step) and adds
@@ -539,7 +540,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(A
 // of a later row reaches the earlier rows of its 16-row diagonal step (the reference never
 // reads it there: its own row is non-finite in both).
 #define ATC_MAX_D 128
-#define ATC_THREADS 128
 #define ATC_BR 64
 
 __device__ __forceinline__ u32 atc_saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -612,19 +612,19 @@ __device__ __forceinline__ void atc_acc_to_a(u32 (&a)[3][4], const float (&c0)[4
 
 // Loads rows r0 .. r0+ROWS-1 (those < r_end; the rest zero) of the head slice `head_off` of a
 // [*, row_stride] f32 matrix, split into the three planes of `tile` ([3][ROWS][ld] BF16),
-// columns D..dp zero. Thread i of the block takes the column pairs i, i + ATC_THREADS, ... of
+// columns D..dp zero. Thread i of the block (NTHR threads) takes the column pairs i, i + NTHR, ... of
 // a [ROWS][DMAX/2] pair grid (D even: a pair is entirely inside or outside the row; pairs at
 // or past dp are not stored): every load is issued before the first split, so their latencies
 // overlap. FULL: D == DMAX (no column guards).
-template <int ROWS, int DMAX, bool FULL>
+template <int ROWS, int DMAX, bool FULL, int NTHR>
 __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restrict__ src, u64 base_row,
                                          u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp) {
-    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / ATC_THREADS;
-    static_assert((ROWS * PAIRS) % ATC_THREADS == 0, "the pair grid must fill the block");
+    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / NTHR;
+    static_assert((ROWS * PAIRS) % NTHR == 0, "the pair grid must fill the block");
     float x[ITERS], y[ITERS];
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        const u32 idx = threadIdx.x + it * NTHR, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
         const u32 r = r0 + rr;
         x[it] = 0.0f;
         y[it] = 0.0f;
@@ -636,7 +636,7 @@ __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restr
     }
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        const u32 idx = threadIdx.x + it * NTHR, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
         if (FULL || c < dp) {
             u32 p0, p1, p2;
             atc_split2(x[it], y[it], p0, p1, p2);
@@ -776,113 +776,6 @@ __device__ __forceinline__ void atc_store(float* __restrict__ dst, const float (
     }
 }
 
-// Training forward. Grid (B, hq, ceil(max_len / 64)), block ATC_THREADS; block (b, h, z) owns
-// query rows row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w
-// rows row0 + 16w ... Per key tile of BK keys kt < min(row0 + 64, T) (the warp skips tiles
-// wholly after its rows): s = fl(q.k) * scale masked to j <= i, j < T (else -inf); per row the
-// running max m (quad max), alpha = exp(m_old - m), p = exp(s - m), the thread's partial row
-// sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in key order).
-// At the end l is the quad sum of the partials (xor 1 then 2), out = o / l, lse = m + log(l).
-// Dynamic shared memory (BF16): 3 * ld * (64 + 2 * BK) (q, k, v planes).
-template <int DMAX, int BK, bool FULL>
-__device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, const float* __restrict__ k,
-                                                 const float* __restrict__ v, const u32* __restrict__ offsets,
-                                                 float* __restrict__ out, float* __restrict__ lse, u32 hq,
-                                                 u32 hkv, u32 D, float scale) {
-    extern __shared__ float4 smem4[];
-    u16* sm = reinterpret_cast<u16*>(smem4);
-    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
-    u16* qs = sm;
-    u16* ks = qs + 3u * ATC_BR * ld;
-    u16* vs = ks + 3u * BK * ld;
-    const u32 b = blockIdx.x, h = blockIdx.y;
-    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
-    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_BR;
-    if (row0 >= T) return;  // block-uniform
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const u32 kh = h / (hq / hkv);
-    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
-    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
-    const u32 wr = row0 + 16u * w;  // the warp's first row
-    const u32 ir[2] = {wr + g, wr + g + 8u};
-    float o[DMAX / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < DMAX / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
-    float m[2] = {att_neg_inf(), att_neg_inf()}, l[2] = {0.0f, 0.0f};
-    // Tile 0 holds key 0 <= i, 0 < T for every row of the block (rows past T included; they are
-    // never stored): each row's max is finite from the first tile on.
-    const u32 kend = min(row0 + ATC_BR, T);
-    for (u32 kt = 0; kt < kend; kt += BK) {
-        __syncthreads();  // the previous tile's products are done with k and v
-        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
-        __syncthreads();
-        if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
-        float s[BK / 8][4];
-        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const u32 i = ir[hf];
-            float mx = att_neg_inf();
-#pragma unroll
-            for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const u32 j = kt + 8u * nt + 2u * t + e;
-                    float& x = s[nt][2 * hf + e];
-                    x = (j <= i && j < T) ? __fmul_rn(x, scale) : att_neg_inf();
-                    mx = fmaxf(mx, x);
-                }
-            const float m_new = fmaxf(m[hf], atc_qmax(mx));
-            const float alpha = expf(__fsub_rn(m[hf], m_new));  // 0 on the first tile
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[nt][2 * hf + e];
-                    x = expf(__fsub_rn(x, m_new));  // masked: exp(-inf) = 0
-                    rs = __fadd_rn(rs, x);
-                }
-            l[hf] = __fadd_rn(__fmul_rn(l[hf], alpha), rs);
-            m[hf] = m_new;
-#pragma unroll
-            for (int nt = 0; nt < DMAX / 8; ++nt) {
-                o[nt][2 * hf] = __fmul_rn(o[nt][2 * hf], alpha);
-                o[nt][2 * hf + 1] = __fmul_rn(o[nt][2 * hf + 1], alpha);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
-            u32 a[3][4];
-            atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
-            atc_wsum<DMAX, FULL>(o, a, vs, BK, ld, 16u * kk, dp);
-        }
-    }
-    float lt[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) lt[hf] = atc_qsum(l[hf]);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const u32 i = ir[hf];
-        if (i < T) {
-            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
-#pragma unroll
-            for (int nt = 0; nt < DMAX / 8; ++nt) {
-                const u32 c = 8u * nt + 2u * t;
-                if (c < D) {
-                    orow[c] = __fdiv_rn(o[nt][2 * hf], lt[hf]);
-                    orow[c + 1] = __fdiv_rn(o[nt][2 * hf + 1], lt[hf]);
-                }
-            }
-            if (t == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[hf], logf(lt[hf]));
-        }
-    }
-}
-
 // p = exp(s * scale - lse_i), ds = p * (dp - delta_i) for the pairs j <= i < T, both 0 for
 // the others (s and dp replaced in place).
 __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scale, float lse_i, float del_i) {
@@ -892,36 +785,24 @@ __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scal
     dp = ok ? ds : 0.0f;
 }
 
-// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
-// straight-line body when D is the largest, a guarded one below). The second launch bound is
-// the blocks per SM the shared memory allows at the largest D.
-#define ATC_FWD_CALL(DM, BK)                                                                       \
-    if (D == DM)                                                                                  \
-        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
-    else                                                                                          \
-        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
-    ATC_FWD_CALL(64, 64);
-}
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
-    ATC_FWD_CALL(128, 32);
-}
-// ---- Tensor-core backward on BF16 planes ----
+// ---- Tensor-core kernels on BF16 planes ----
 //
-// The backward splits q, dout, k and v once per call (attn_split_planes) into BF16 planes
+// The forward splits k and v, the backward q, dout, k and v, once per call
+// (attn_split_planes) into BF16 planes
 // [3][N][H][dp] (part, row, head, column; dp = D rounded up to 16, columns D..dp zero) in the
-// launcher's scratch, and the dq / dk,dv kernels copy tiles of those planes into shared memory
+// launcher's scratch, and the kernels copy tiles of those planes into shared memory
 // with cp.async (16-byte copies, rows past the sequence zero-filled), the streamed tiles double
-// buffered: the next tile's copies are in flight while the current one is multiplied. The
-// parts and the part products are those of the kernels above (atc_split2 is the split in both).
-// Blocks of ATC_BWD_THREADS = 8 warps own 64 rows: warp w takes rows 16 (w % 4) .. + 15 of the
+// buffered: the next tile's copies are in flight while the current one is multiplied (the
+// forward splits its q rows as it loads them, once per row). The parts and the part products
+// are those described above (atc_split2 is the split everywhere). The backward's blocks of
+// 8 warps own 64 rows: warp w takes rows 16 (w % 4) .. + 15 of the
 // block and the half hs = w / 4 of each streamed tile of ATC_BT = 32 keys (dq) or queries
 // (dk/dv), i.e. its k16 step hs. Each output element is thus the sum of two partial sums (the
 // steps of half 0 and those of half 1, each in increasing order), added once at the end
 // through shared memory: partial(half 0) + partial(half 1) (f32 addition, commutative, so the
 // bits do not depend on which warp adds). Fixed order, no atomics; the reduction length and
 // the part products are unchanged, so AttnSums::Bf16x3Mma bounds the sums as before.
-#define ATC_BWD_THREADS 256
+#define ATC_THREADS 256
 #define ATC_BT 32
 
 // planes[((p * rows + r) * H + h) * dp + c] = part p of x[r, h*D + c] (0 for c >= D), for
@@ -966,16 +847,16 @@ __device__ __forceinline__ void atc_cp_wait() {
 // Issues the cp.async copies of rows r0 .. r0+ROWS-1 (those < r_end; the rest zero-filled) of
 // head h of a plane set [3][rows][H][dp] (plane = rows * H * dp elements; row r of the
 // sequence at base_row + r) into `tile` ([3][ROWS][ld]), columns 0 .. dp (FULL: dp == DMAX).
-// Thread i of the block takes the 16-byte chunks i, i + ATC_BWD_THREADS, ... of a
+// Thread i of the block takes the 16-byte chunks i, i + ATC_THREADS, ... of a
 // [3][ROWS][DMAX/8] grid.
 template <int ROWS, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_cp_tile(u16* tile, u32 ld, const u16* __restrict__ planes, u64 plane,
                                             u64 base_row, u32 r0, u32 r_end, u32 H, u32 h, u32 dp) {
-    constexpr u32 CPR = DMAX / 8, PER_PLANE = ROWS * CPR, ITERS = 3 * PER_PLANE / ATC_BWD_THREADS;
-    static_assert((3 * PER_PLANE) % ATC_BWD_THREADS == 0, "the chunk grid must fill the block");
+    constexpr u32 CPR = DMAX / 8, PER_PLANE = ROWS * CPR, ITERS = 3 * PER_PLANE / ATC_THREADS;
+    static_assert((3 * PER_PLANE) % ATC_THREADS == 0, "the chunk grid must fill the block");
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * ATC_BWD_THREADS, p = idx / PER_PLANE, rem = idx % PER_PLANE;
+        const u32 idx = threadIdx.x + it * ATC_THREADS, p = idx / PER_PLANE, rem = idx % PER_PLANE;
         const u32 rr = rem / CPR, c = 8u * (rem % CPR), r = r0 + rr;
         if (FULL || c < dp) {
             const bool ok = r < r_end;
@@ -1014,7 +895,7 @@ __device__ __forceinline__ void atc_pair_sum(float (&acc)[DMAX / 8][4], float* x
         }
 }
 
-// dq. Grid (B, hq, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, h, z) owns query rows
+// dq. Grid (B, hq, ceil(max_len / 64)), block ATC_THREADS; block (b, h, z) owns query rows
 // row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w rows
 // row0 + 16 (w % 4) .., half hs = w / 4. Per key tile of ATC_BT keys kt < min(row0 + 64, T)
 // the warp takes keys kt + 16 hs .. + 15 (skipped when all after its rows): S = Q K^T,
@@ -1117,7 +998,7 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp,
     }
 }
 
-// dk, dv. Grid (B, hkv, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, kh, z) owns key
+// dk, dv. Grid (B, hkv, ceil(max_len / 64)), block ATC_THREADS; block (b, kh, z) owns key
 // rows j0 .. j0+63 (j0 = z * 64), warp w keys j0 + 16 (w % 4) .., half hs = w / 4. It walks
 // the group's query heads in increasing order and, per head, query tiles of ATC_BT queries
 // it = j0, j0 + ATC_BT, .. < T; the warp takes queries it + 16 hs .. + 15 (skipped when all
@@ -1269,17 +1150,157 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
     else                                                                                          \
         attn_bwd_dkdv_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \
                                           scale)
-extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dq_tc_64(ATC_PL_DQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dq_tc_64(ATC_PL_DQ_ARGS) {
     ATC_PL_DQ_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dq_tc_128(ATC_PL_DQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dq_tc_128(ATC_PL_DQ_ARGS) {
     ATC_PL_DQ_CALL(128);
 }
-extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dkdv_tc_64(ATC_PL_DKDV_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dkdv_tc_64(ATC_PL_DKDV_ARGS) {
     ATC_PL_DKDV_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dkdv_tc_128(ATC_PL_DKDV_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dkdv_tc_128(ATC_PL_DKDV_ARGS) {
     ATC_PL_DKDV_CALL(128);
+}
+
+// Training forward. Grid (B, hq, ceil(max_len / 128)), block ATC_THREADS (8 warps); block
+// (b, h, z) owns query rows row0 .. row0+127 (row0 = (gridDim.z - 1 - z) * 128: the longest
+// rows first), warp w rows row0 + 16w ... q is split into shared planes as it is loaded (once
+// per row); k and v come as planes [3][N][hkv][dp] (attn_split_planes) in tiles of ATC_BT keys,
+// copied with cp.async and double buffered. Per key tile kt < min(row0 + 128, T) (the warp
+// skips tiles wholly after its rows): s = fl(q.k) * scale masked to j <= i, j < T (else -inf);
+// per row the running max m (quad max), alpha = exp(m_old - m), p = exp(s - m), the thread's
+// partial row sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in
+// key order). At the end l is the quad sum of the partials (xor 1 then 2), out = o / l,
+// lse = m + log(l). Dynamic shared memory (BF16): 3 * ld * (128 + 4 * ATC_BT) (q planes, then
+// two stages of k, v planes).
+#define ATC_FWD_ROWS 128
+template <int DMAX, bool FULL>
+__device__ __forceinline__ void attn_fwd_tcp_body(const float* __restrict__ q, const u16* __restrict__ kp,
+                                                  const u16* __restrict__ vp, const u32* __restrict__ offsets,
+                                                  float* __restrict__ out, float* __restrict__ lse, u64 n, u32 hq,
+                                                  u32 hkv, u32 D, float scale) {
+    constexpr u32 BK = ATC_BT;
+    extern __shared__ float4 smem4[];
+    u16* sm = reinterpret_cast<u16*>(smem4);
+    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
+    u16* qs = sm;
+    u16* st = qs + 3u * ATC_FWD_ROWS * ld;  // stage s: k planes at st + s * 6 * BK * ld, v after
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_FWD_ROWS;
+    if (row0 >= T) return;  // block-uniform
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kplane = n * hkv * dp;
+    const u32 kend = min(row0 + ATC_FWD_ROWS, T), ntiles = (kend + BK - 1u) / BK;
+    const u32 stage = 6u * BK * ld;
+    auto issue = [&](u32 s) {
+        u16* kd = st + (s & 1u) * stage;
+        atc_cp_tile<BK, DMAX, FULL>(kd, ld, kp, kplane, t0, s * BK, T, hkv, kh, dp);
+        atc_cp_tile<BK, DMAX, FULL>(kd + 3u * BK * ld, ld, vp, kplane, t0, s * BK, T, hkv, kh, dp);
+    };
+    issue(0);
+    atc_cp_commit();
+    atc_load<ATC_FWD_ROWS, DMAX, FULL, ATC_THREADS>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    const u32 wr = row0 + 16u * w;  // the warp's first row
+    const u32 ir[2] = {wr + g, wr + g + 8u};
+    float o[DMAX / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+    float m[2] = {att_neg_inf(), att_neg_inf()}, l[2] = {0.0f, 0.0f};
+    // Tile 0 holds key 0 <= i, 0 < T for every row of the block (rows past T included; they are
+    // never stored): each row's max is finite from the first tile on.
+    for (u32 s = 0; s < ntiles; ++s) {
+        if (s + 1u < ntiles) issue(s + 1u);
+        atc_cp_commit();  // possibly empty: one group per step keeps the count uniform
+        atc_cp_wait<1>();
+        __syncthreads();  // tile s (and, on the first, the q planes) visible to every warp
+        const u32 kt = s * BK;
+        if (kt <= wr + 15u) {  // warp-uniform: else every key after every row of the warp
+            const u16* kst = st + (s & 1u) * stage;
+            const u16* vst = kst + 3u * BK * ld;
+            float sc[BK / 8][4];
+            atc_scores<BK / 8, DMAX, FULL>(sc, qs, ATC_FWD_ROWS, 16u * w, kst, BK, ld, dp);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const u32 i = ir[hf];
+                float mx = att_neg_inf();
+#pragma unroll
+                for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const u32 j = kt + 8u * nt + 2u * t + e;
+                        float& x = sc[nt][2 * hf + e];
+                        x = (j <= i && j < T) ? __fmul_rn(x, scale) : att_neg_inf();
+                        mx = fmaxf(mx, x);
+                    }
+                const float m_new = fmaxf(m[hf], atc_qmax(mx));
+                const float alpha = expf(__fsub_rn(m[hf], m_new));  // 0 on the first tile
+                float rs = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = sc[nt][2 * hf + e];
+                        x = expf(__fsub_rn(x, m_new));  // masked: exp(-inf) = 0
+                        rs = __fadd_rn(rs, x);
+                    }
+                l[hf] = __fadd_rn(__fmul_rn(l[hf], alpha), rs);
+                m[hf] = m_new;
+#pragma unroll
+                for (int nt = 0; nt < DMAX / 8; ++nt) {
+                    o[nt][2 * hf] = __fmul_rn(o[nt][2 * hf], alpha);
+                    o[nt][2 * hf + 1] = __fmul_rn(o[nt][2 * hf + 1], alpha);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
+                u32 a[3][4];
+                atc_acc_to_a(a, sc[2 * kk], sc[2 * kk + 1]);
+                atc_wsum<DMAX, FULL>(o, a, vst, BK, ld, 16u * kk, dp);
+            }
+        }
+        __syncthreads();  // every warp is done with stage s & 1 before it is refilled
+    }
+    atc_cp_wait<0>();
+    float lt[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) lt[hf] = atc_qsum(l[hf]);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 i = ir[hf];
+        if (i < T) {
+            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                const u32 c = 8u * nt + 2u * t;
+                if (c < D) {
+                    orow[c] = __fdiv_rn(o[nt][2 * hf], lt[hf]);
+                    orow[c + 1] = __fdiv_rn(o[nt][2 * hf + 1], lt[hf]);
+                }
+            }
+            if (t == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[hf], logf(lt[hf]));
+        }
+    }
+}
+#define ATC_PL_FWD_ARGS                                                                            \
+    const float *__restrict__ q, const u16 *__restrict__ kp, const u16 *__restrict__ vp,           \
+        const u32 *__restrict__ offsets, float *__restrict__ out, float *__restrict__ lse, u64 n,  \
+        u32 hq, u32 hkv, u32 D, float scale
+#define ATC_PL_FWD_CALL(DM)                                                                        \
+    if (D == DM)                                                                                  \
+        attn_fwd_tcp_body<DM, true>(q, kp, vp, offsets, out, lse, n, hq, hkv, D, scale);            \
+    else                                                                                          \
+        attn_fwd_tcp_body<DM, false>(q, kp, vp, offsets, out, lse, n, hq, hkv, D, scale)
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATC_PL_FWD_ARGS) {
+    ATC_PL_FWD_CALL(64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_fwd_tc_128(ATC_PL_FWD_ARGS) {
+    ATC_PL_FWD_CALL(128);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).

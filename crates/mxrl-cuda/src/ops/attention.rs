@@ -61,10 +61,10 @@ const BR: usize = 64;
 const BF: usize = 64;
 /// Largest `D` of the tensor-core kernels (`ATC_MAX_D`).
 const TC_MAX_D: usize = 128;
-/// Threads per block of the tensor-core forward (`ATC_THREADS`).
-const TC_THREADS: u32 = 128;
-/// Threads per block of the tensor-core backward kernels (`ATC_BWD_THREADS`).
-const TC_BWD_THREADS: u32 = 256;
+/// Threads per block of the tensor-core kernels (`ATC_THREADS`).
+const TC_THREADS: u32 = 256;
+/// Query rows per block of the tensor-core forward (`ATC_FWD_ROWS`).
+const TC_FWD_ROWS: usize = 128;
 /// Keys (dq) or queries (dk/dv) per streamed tile of the tensor-core backward (`ATC_BT`).
 const TC_BT: usize = 32;
 /// Keys per dq tile (`ATT_BK`).
@@ -120,22 +120,14 @@ fn smem_dkdv(d: usize) -> usize {
     let bq = dkdv_bq(d);
     4 * (2 * BR * stride(d) + 2 * bq * stride(d) + 2 * bq * PS + 2 * bq)
 }
-/// Keys (forward, dq) or queries (dk/dv) per step of the tensor-core kernels for `D`:
-/// 64 for `D ≤ 64` (`_tc_64`), 32 above (`_tc_128`).
-fn tc_tile(d: usize) -> usize {
-    if d <= 64 {
-        64
-    } else {
-        32
-    }
-}
 /// Row stride (BF16 elements) of the tensor-core kernels' shared planes: `D` rounded up to 16,
 /// plus 8.
 fn tc_ld(d: usize) -> usize {
     d.div_ceil(16) * 16 + 8
 }
+/// The forward's q planes (128 rows) and two stages of k, v planes (`TC_BT` rows each), BF16.
 fn smem_fwd_tc(d: usize) -> usize {
-    2 * 3 * tc_ld(d) * (BR + 2 * tc_tile(d))
+    2 * 3 * tc_ld(d) * (TC_FWD_ROWS + 4 * TC_BT)
 }
 /// The backward's resident planes (64 rows of two operands) and two stages of the streamed
 /// ones (`TC_BT` rows of two operands), BF16.
@@ -181,6 +173,18 @@ fn smem_dec(d: usize) -> usize {
         + DECODE_CHUNK * (d / 2 + 1)
         + DECODE_CHUNK * d / 2
         + 2 * DEC_G)
+}
+
+/// Elements (f32) of the scratch [`Attention::forward`] needs: for `D ≤ 128` (the
+/// tensor-core kernels) the three BF16 planes of `k` and of `v` (`3·N·Hkv·dp` BF16 each, `dp` =
+/// `D` rounded up to 16): `12·N·Hkv·dp` bytes, 1.5× the f32 size of `k, v` when `D` is a
+/// multiple of 16. At least one element.
+pub fn forward_scratch_len(n: usize, shape: AttnShape) -> usize {
+    if shape.head_dim <= TC_MAX_D {
+        (2 * plane_len(n, shape.kv_heads, shape.head_dim)).max(1)
+    } else {
+        1
+    }
 }
 
 /// Elements (f32) of the scratch [`Attention::backward`] needs: `delta` (`N·Hq`, rounded up
@@ -370,8 +374,8 @@ impl Attention {
             let c = usize::from(d > 64);
             match which {
                 0 => (&self.fwd_tc[c], TC_THREADS, smem_fwd_tc(d)),
-                1 => (&self.dq_tc[c], TC_BWD_THREADS, smem_dq_tc(d)),
-                _ => (&self.dkdv_tc[c], TC_BWD_THREADS, smem_dkdv_tc(d)),
+                1 => (&self.dq_tc[c], TC_THREADS, smem_dq_tc(d)),
+                _ => (&self.dkdv_tc[c], TC_THREADS, smem_dkdv_tc(d)),
             }
         } else {
             match which {
@@ -428,12 +432,48 @@ impl Attention {
         Ok(())
     }
 
+    /// `planes` (the `3·N·H·dp` BF16 of [`plane_len`]) ← the three BF16 planes of `x: [N, H·D]`
+    /// (`attn_split_planes`).
+    fn split_planes(
+        &self,
+        x: &CudaView<'_, f32>,
+        planes: &mut CudaViewMut<'_, u16>,
+        n: usize,
+        heads: usize,
+        d: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let dp = tc_dp(d);
+        check_len(g, "attention planes source", x.len(), n * heads * d)?;
+        check_len(g, "attention planes", planes.len(), 3 * n * heads * dp)?;
+        let pairs = n * heads * dp / 2;
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n64, heads32, d32, dp32) = (n as u64, heads as u32, d as u32, dp as u32);
+        let mut b = g.stream().launch_builder(&self.split);
+        b.arg(x)
+            .arg(planes)
+            .arg(&n64)
+            .arg(&heads32)
+            .arg(&d32)
+            .arg(&dp32);
+        // SAFETY: reads x[(r·H + h)·D + c], c < D, r < N (N·H·D checked) and writes the planes'
+        // elements ((p·N + r)·H + h)·dp + c, p < 3, c < dp (3·N·H·dp checked); types match
+        // (const float*, u16*, u64, u32, u32, u32).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))
+    }
+
     /// Training forward: `q: [N, Hq·D]`, `k, v: [N, Hkv·D]`, device `offsets: u32 [B+1]` →
     /// `out: [N, Hq·D]`, `lse: [N, Hq]` (log-sum-exp of the scaled scores of each row, for the
     /// backward). Causal inside each sequence; f32 accumulation. `max_len` must be at least
     /// the longest sequence (`max_b offsets[b+1] − offsets[b]`, known to the host that built the
     /// offsets; rows of longer sequences would be left unwritten), offsets nondecreasing with
-    /// `offsets[B] ≤ N`. Reference: `mxrl_tensor::attention::attention_forward`.
+    /// `offsets[B] ≤ N`. `scratch` ([`forward_scratch_len`], contents unspecified on entry)
+    /// receives the BF16 planes of `k, v` the tensor-core kernel reads. Reference:
+    /// `mxrl_tensor::attention::attention_forward`.
     ///
     /// # Errors
     /// A bad head geometry, short buffers, more shared memory than the device allows; launch
@@ -451,6 +491,7 @@ impl Attention {
         shape: AttnShape,
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
+        scratch: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
         let op = "attention forward";
         self.check_packed(op, offsets, num_seqs, max_len, n, shape)?;
@@ -460,9 +501,60 @@ impl Attention {
         check_len(&self.gpu, "attention forward v", v.len(), n * hkv * d)?;
         check_len(&self.gpu, "attention forward out", out.len(), n * hq * d)?;
         check_len(&self.gpu, "attention forward lse", lse.len(), n * hq)?;
+        check_len(
+            &self.gpu,
+            "attention forward scratch",
+            scratch.len(),
+            forward_scratch_len(n, shape),
+        )?;
         let (func, threads, smem) = self.training_kernel(0, d);
         self.check_smem(op, d, smem)?;
         if num_seqs == 0 || max_len == 0 {
+            return Ok(());
+        }
+        if self.tensor_cores(d) {
+            let g = &self.gpu;
+            let kl = plane_len(n, hkv, d);
+            // SAFETY: the scratch holds 2·kl f32 (checked above); u16 is plain data, and each
+            // part is written whole by attn_split_planes before it is read.
+            let mut p16 = unsafe { scratch.transmute_mut::<u16>(4 * kl) }
+                .ok_or_else(|| g.err("attention forward: scratch too short for the planes"))?;
+            let (mut kp, mut vp) = p16.split_at_mut(2 * kl);
+            self.split_planes(k, &mut kp, n, hkv, d)?;
+            self.split_planes(v, &mut vp, n, hkv, d)?;
+            let (kv_, vv) = (kp.as_view(), vp.as_view());
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    num_seqs as u32,
+                    hq as u32,
+                    max_len.div_ceil(TC_FWD_ROWS) as u32,
+                ),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (n64, hq32, hkv32, d32, scale) =
+                (n as u64, hq as u32, hkv as u32, d as u32, shape.scale());
+            let mut b = g.stream().launch_builder(func);
+            b.arg(q)
+                .arg(&kv_)
+                .arg(&vv)
+                .arg(offsets)
+                .arg(out)
+                .arg(lse)
+                .arg(&n64)
+                .arg(&hq32)
+                .arg(&hkv32)
+                .arg(&d32)
+                .arg(&scale);
+            // SAFETY: block (b, h, z) reads offsets[b], offsets[b+1] (B+1 checked) and touches
+            // rows offsets[b] + i for i < T_b ≤ max_len (reads and writes guarded by i < T_b),
+            // rows < offsets[B] ≤ N of q/out (N·Hq·D checked), of the k, v planes (3·N·Hkv·dp
+            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch parts
+            // start at multiples of 16 bytes and dp is a multiple of 8) and lse (N·Hq checked);
+            // its shared memory ≤ the attribute set in `new` for its instantiation; types
+            // match the kernel (const float*, 2 × const u16*, const u32*, 2 × float*, u64,
+            // 3 × u32, float).
+            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             return Ok(());
         }
         let cfg = LaunchConfig {
@@ -488,7 +580,7 @@ impl Attention {
         // (N·Hkv·D checked) and lse (N·Hq checked), head slices h·D + d < Hq·D,
         // kh·D + d < Hkv·D (geometry checked); the instantiation training_kernel picks covers
         // D; its shared memory ≤ the attribute set in `new` for that instantiation (the
-        // largest D of the class); types match (both families take the same arguments).
+        // largest D of the class); types match the kernel.
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -589,7 +681,6 @@ impl Attention {
         let dkdv_grid = (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32);
         if self.tensor_cores(d) {
             let (ql, kl) = (plane_len(n, hq, d), plane_len(n, hkv, d));
-            let dp32 = tc_dp(d) as u32;
             // SAFETY: the scratch holds 2·(ql + kl) f32 past delta (checked above); u16 is
             // plain data, and each part is written whole by attn_split_planes before it is read.
             let mut p16 = unsafe { planes.transmute_mut::<u16>(4 * (ql + kl)) }
@@ -597,27 +688,10 @@ impl Attention {
             let (mut qdo, mut kv) = p16.split_at_mut(4 * ql);
             let (mut qp, mut dop) = qdo.split_at_mut(2 * ql);
             let (mut kp, mut vp) = kv.split_at_mut(2 * kl);
-            for (x, p, heads) in [
-                (q, &mut qp, hq),
-                (dout, &mut dop, hq),
-                (k, &mut kp, hkv),
-                (v, &mut vp, hkv),
-            ] {
-                let pairs = n * heads * tc_dp(d) / 2;
-                let cfg = LaunchConfig {
-                    grid_dim: (pairs.div_ceil(256).min(1 << 20) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let heads32 = heads as u32;
-                let mut b = g.stream().launch_builder(&self.split);
-                b.arg(x).arg(p).arg(&n64).arg(&heads32).arg(&d32).arg(&dp32);
-                // SAFETY: reads x[(r·H + h)·D + c], c < D, r < N (N·H·D checked for q, dout,
-                // k, v) and writes the three planes' elements ((p·N + r)·H + h)·dp + c,
-                // p < 3, c < dp: 3·N·H·dp BF16, the part of the scratch passed (u16);
-                // types match (const float*, u16*, u64, u32, u32, u32).
-                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-            }
+            self.split_planes(q, &mut qp, n, hq, d)?;
+            self.split_planes(dout, &mut dop, n, hq, d)?;
+            self.split_planes(k, &mut kp, n, hkv, d)?;
+            self.split_planes(v, &mut vp, n, hkv, d)?;
             let (qv, dov, kv_, vv) = (qp.as_view(), dop.as_view(), kp.as_view(), vp.as_view());
             let cfg = LaunchConfig {
                 grid_dim: dq_grid,
