@@ -615,10 +615,14 @@ __device__ __forceinline__ void atc_acc_to_a(u32 (&a)[3][4], const float (&c0)[4
 // columns D..dp zero. Thread i of the block (NTHR threads) takes the column pairs i, i + NTHR, ... of
 // a [ROWS][DMAX/2] pair grid (D even: a pair is entirely inside or outside the row; pairs at
 // or past dp are not stored): every load is issued before the first split, so their latencies
-// overlap. FULL: D == DMAX (no column guards).
+// overlap. FULL: D == DMAX (no column guards). With `keep` (not null) the rows < r_end are also
+// stored as planes [3][*][H][dp] of head h (plane = elements per part) in global memory, the
+// layout of attn_split_planes (the same parts: the same bits).
 template <int ROWS, int DMAX, bool FULL, int NTHR>
 __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restrict__ src, u64 base_row,
-                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp) {
+                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp,
+                                         u16* __restrict__ keep = nullptr, u64 plane = 0, u32 H = 0,
+                                         u32 h = 0) {
     constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / NTHR;
     static_assert((ROWS * PAIRS) % NTHR == 0, "the pair grid must fill the block");
     float x[ITERS], y[ITERS];
@@ -644,6 +648,12 @@ __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restr
             *reinterpret_cast<u32*>(tile + o) = p0;
             *reinterpret_cast<u32*>(tile + ROWS * ld + o) = p1;
             *reinterpret_cast<u32*>(tile + 2u * ROWS * ld + o) = p2;
+            if (keep != nullptr && r0 + rr < r_end) {
+                u16* k = keep + ((base_row + r0 + rr) * H + h) * dp + c;
+                *reinterpret_cast<u32*>(k) = p0;
+                *reinterpret_cast<u32*>(k + plane) = p1;
+                *reinterpret_cast<u32*>(k + 2u * plane) = p2;
+            }
         }
     }
 }
@@ -787,8 +797,8 @@ __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scal
 
 // ---- Tensor-core kernels on BF16 planes ----
 //
-// The forward splits k and v, the backward q, dout, k and v, once per call
-// (attn_split_planes) into BF16 planes
+// The forward splits k and v, the backward k and v (attn_split_planes) and q and dout (in the
+// dq kernel, which also keeps them), once per call, into BF16 planes
 // [3][N][H][dp] (part, row, head, column; dp = D rounded up to 16, columns D..dp zero) in the
 // launcher's scratch, and the kernels copy tiles of those planes into shared memory
 // with cp.async (16-byte copies, rows past the sequence zero-filled), the streamed tiles double
@@ -900,11 +910,15 @@ __device__ __forceinline__ void atc_pair_sum(float (&acc)[DMAX / 8][4], float* x
 // row0 + 16 (w % 4) .., half hs = w / 4. Per key tile of ATC_BT keys kt < min(row0 + 64, T)
 // the warp takes keys kt + 16 hs .. + 15 (skipped when all after its rows): S = Q K^T,
 // dP = dO V^T, p and ds (atc_pds), dq += dS K (its k16 steps in key order); at the end
-// dq = scale * (partial(half 0) + partial(half 1)). Planes of q, dout [3][N][hq][dp], of k, v
-// [3][N][hkv][dp] (attn_split_planes). Dynamic shared memory (BF16): 3 * ld * (2 * 64 +
-// 4 * ATC_BT) (q, dout planes, then two stages of k, v planes).
+// dq = scale * (partial(half 0) + partial(half 1)). The block splits its rows of q and dout
+// (f32) into shared planes as it loads them and also writes them, as attn_split_planes would,
+// to the global planes qp, dop [3][N][hq][dp] (every row < T of every head is owned by one
+// block: the dk/dv kernel launched next reads them); k, v come as planes [3][N][hkv][dp]
+// (attn_split_planes). Dynamic shared memory (BF16): 3 * ld * (2 * 64 + 4 * ATC_BT) (q, dout
+// planes, then two stages of k, v planes).
 template <int DMAX, bool FULL>
-__device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp, const u16* __restrict__ dop,
+__device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ dout, const float* __restrict__ q,
+                                                     u16* __restrict__ qp, u16* __restrict__ dop,
                                                      const u16* __restrict__ kp, const u16* __restrict__ vp,
                                                      const float* __restrict__ lse,
                                                      const float* __restrict__ delta,
@@ -924,8 +938,6 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp,
     const u32 g = lane >> 2;
     const u32 kh = h / (hq / hkv);
     const u64 qplane = n * hq * dp, kplane = n * hkv * dp;
-    atc_cp_tile<ATC_BR, DMAX, FULL>(qs, ld, qp, qplane, t0, row0, T, hq, h, dp);
-    atc_cp_tile<ATC_BR, DMAX, FULL>(dos, ld, dop, qplane, t0, row0, T, hq, h, dp);
     const u32 kend = min(row0 + ATC_BR, T), ntiles = (kend + ATC_BT - 1u) / ATC_BT;
     const u32 stage = 6u * ATC_BT * ld;
     auto issue = [&](u32 s) {
@@ -934,7 +946,11 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp,
         atc_cp_tile<ATC_BT, DMAX, FULL>(kd + 3u * ATC_BT * ld, ld, vp, kplane, t0, s * ATC_BT, T, hkv, kh, dp);
     };
     issue(0);
-    atc_cp_commit();  // q, dout and the first key tile
+    atc_cp_commit();  // the first key tile
+    const u64 qstride = (u64)hq * D;
+    atc_load<ATC_BR, DMAX, FULL, ATC_THREADS>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp, qp, qplane, hq, h);
+    atc_load<ATC_BR, DMAX, FULL, ATC_THREADS>(dos, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp, dop, qplane,
+                                              hq, h);
     const u32 wr = row0 + 16u * wg;
     const u32 ir[2] = {wr + g, wr + g + 8u};
     float lse_r[2], del_r[2];
@@ -980,7 +996,6 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp,
     // The stages are free (barrier above): exchange the halves' partials there.
     atc_pair_sum<DMAX>(acc, reinterpret_cast<float*>(st), hs * (DMAX / 16), (hs + 1u) * (DMAX / 16));
     // Half hs stores the n8 tiles [hs * DMAX/16, (hs + 1) * DMAX/16).
-    const u64 qstride = (u64)hq * D;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const u32 r = wr + g + 8u * hf;
@@ -1129,7 +1144,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
 // the largest, a guarded one below). The second launch bound is the blocks per SM the shared
 // memory allows at the largest D.
 #define ATC_PL_DQ_ARGS                                                                             \
-    const u16 *__restrict__ qp, const u16 *__restrict__ dop, const u16 *__restrict__ kp,           \
+    const float *__restrict__ dout, const float *__restrict__ q, u16 *__restrict__ qp,             \
+        u16 *__restrict__ dop, const u16 *__restrict__ kp,                                         \
         const u16 *__restrict__ vp, const float *__restrict__ lse, const float *__restrict__ delta, \
         const u32 *__restrict__ offsets, float *__restrict__ dq, u64 n, u32 hq, u32 hkv, u32 D,     \
         float scale
@@ -1140,9 +1156,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
         u32 hq, u32 hkv, u32 D, float scale
 #define ATC_PL_DQ_CALL(DM)                                                                         \
     if (D == DM)                                                                                  \
-        attn_bwd_dq_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale); \
+        attn_bwd_dq_tcp_body<DM, true>(dout, q, qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, \
+                                       scale);                                                    \
     else                                                                                          \
-        attn_bwd_dq_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale)
+        attn_bwd_dq_tcp_body<DM, false>(dout, q, qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, \
+                                        scale)
 #define ATC_PL_DKDV_CALL(DM)                                                                       \
     if (D == DM)                                                                                  \
         attn_bwd_dkdv_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \

@@ -18,12 +18,13 @@
 //! leading part products with `mma.m16n8k16` (f32 accumulation): the f32 operands, scores and
 //! probabilities enter with all their bits, nothing is rounded to BF16 that the reference
 //! keeps in f32, and the error is bounded by `mxrl_tensor::tolerance::AttnSums::Bf16x3Mma`.
-//! The forward: blocks of 4 warps, 16 rows per warp; key tiles of 64 for `D ≤ 64`, 32 for
-//! `D ≤ 128` (shared memory: three BF16 planes per tile), split as they are loaded. The
-//! backward splits `q, dout, k, v` once per call into BF16 planes in its scratch
-//! ([`backward_scratch_len`]: 1.5× the four operands' f32 bytes) and its kernels copy tiles of
-//! them with `cp.async`, the streamed tiles (32 keys or queries) double buffered; blocks of
-//! 8 warps, each pair of warps sharing 16 rows and taking one half of every tile (the two
+//! Blocks of 8 warps, 16 rows per warp. The operands are split once per call into BF16
+//! planes (`[3][N][H][dp]`, `dp` = `D` rounded up to 16) in the caller's scratch: `k, v` by
+//! a split kernel ([`forward_scratch_len`], [`backward_scratch_len`]), `q` and `dout` of the
+//! backward by the dq kernel as it loads its rows; the kernels copy tiles of the planes with
+//! `cp.async`, the streamed tiles (32 keys or queries) double buffered. The forward's blocks
+//! own 128 query rows and split their `q` rows as they load them; the backward's own 64 rows,
+//! each pair of warps sharing 16 rows and taking one half of every tile (the two
 //! partial sums added once at the end). The CUDA-core ones (any `D ≤ 256`,
 //! and the fallback above 128) are register-tiled: each thread computes
 //! 4 rows × 2 or 4 columns of a score tile (one accumulator per score, the `D` products added
@@ -588,9 +589,10 @@ impl Attention {
     /// Training backward: `dout, out: [N, Hq·D]`, `q`, `k, v`, `lse` (from
     /// [`Attention::forward`]) → `dq: [N, Hq·D]`, `dk, dv: [N, Hkv·D]` (overwritten on the
     /// sequences' rows). `delta`: the scratch ([`backward_scratch_len`], 16-byte aligned,
-    /// contents unspecified on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`; with the tensor-core
-    /// kernels the rest receives the BF16 planes of `q, dout, k, v` (`attn_split_planes`) the
-    /// dq and dk/dv kernels read. With `p_ij = exp(s_ij − lse_i)` and
+    /// contents unspecified on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`;
+    /// with the tensor-core kernels the rest receives the BF16 planes of `k, v`
+    /// (`attn_split_planes`) and of `q, dout` (written by the dq kernel as it splits its rows)
+    /// the dk/dv kernel reads. With `p_ij = exp(s_ij − lse_i)` and
     /// `ds_ij = p_ij·(dout_i·v_j − delta_i)`: `dq_i = scale·Σ_j ds_ij k_j`,
     /// `dk_j = scale·Σ_{h,i} ds_ij q_i`, `dv_j = Σ_{h,i} p_ij dout_i` (the group's query heads in
     /// order). f32 accumulation, no atomics. Offsets and `max_len` as in the forward.
@@ -682,25 +684,26 @@ impl Attention {
         if self.tensor_cores(d) {
             let (ql, kl) = (plane_len(n, hq, d), plane_len(n, hkv, d));
             // SAFETY: the scratch holds 2·(ql + kl) f32 past delta (checked above); u16 is
-            // plain data, and each part is written whole by attn_split_planes before it is read.
+            // plain data; the k, v parts are written whole by attn_split_planes, the q, dout
+            // parts on every row a sequence owns by the dq kernel, before they are read.
             let mut p16 = unsafe { planes.transmute_mut::<u16>(4 * (ql + kl)) }
                 .ok_or_else(|| g.err("attention backward: scratch too short for the planes"))?;
             let (mut qdo, mut kv) = p16.split_at_mut(4 * ql);
             let (mut qp, mut dop) = qdo.split_at_mut(2 * ql);
             let (mut kp, mut vp) = kv.split_at_mut(2 * kl);
-            self.split_planes(q, &mut qp, n, hq, d)?;
-            self.split_planes(dout, &mut dop, n, hq, d)?;
             self.split_planes(k, &mut kp, n, hkv, d)?;
             self.split_planes(v, &mut vp, n, hkv, d)?;
-            let (qv, dov, kv_, vv) = (qp.as_view(), dop.as_view(), kp.as_view(), vp.as_view());
+            let (kv_, vv) = (kp.as_view(), vp.as_view());
             let cfg = LaunchConfig {
                 grid_dim: dq_grid,
                 block_dim: (dq_threads, 1, 1),
                 shared_mem_bytes: dq_smem as u32,
             };
             let mut b = g.stream().launch_builder(dq_func);
-            b.arg(&qv)
-                .arg(&dov)
+            b.arg(dout)
+                .arg(q)
+                .arg(&mut qp)
+                .arg(&mut dop)
                 .arg(&kv_)
                 .arg(&vv)
                 .arg(lse)
@@ -712,13 +715,16 @@ impl Attention {
                 .arg(&hkv32)
                 .arg(&d32)
                 .arg(&scale);
-            // SAFETY: block (b, h, z) reads the planes of rows offsets[b] + i < offsets[B] ≤ N
-            // (3·N·H·dp BF16 each, written above; cp.async sources 16-byte aligned: the
-            // scratch parts start at multiples of 16 bytes and dp is a multiple of 8), lse and
-            // delta (N·Hq) of those rows and writes dq (N·Hq·D checked); the kernel's shared
-            // memory ≤ the attribute set in `new` for its instantiation; types match the kernel
-            // (4 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
+            // SAFETY: block (b, h, z) reads rows offsets[b] + i < offsets[B] ≤ N of q, dout
+            // (N·Hq·D checked), lse and delta (N·Hq), the k, v planes of those rows (3·N·Hkv·dp
+            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch parts
+            // start at multiples of 16 bytes and dp is a multiple of 8), and writes dq
+            // (N·Hq·D checked) and the q, dout planes of its rows (3·N·Hq·dp BF16 each, parts
+            // of the scratch); the kernel's shared memory ≤ the attribute set in `new` for its
+            // instantiation; types match the kernel (2 × const float*, 2 × u16*,
+            // 2 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
             unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            let (qv, dov) = (qp.as_view(), dop.as_view());
             let cfg = LaunchConfig {
                 grid_dim: dkdv_grid,
                 block_dim: (dkdv_threads, 1, 1),
@@ -740,7 +746,8 @@ impl Attention {
                 .arg(&d32)
                 .arg(&scale);
             // SAFETY: as dq: key rows offsets[b] + j (j < T_b) of the k, v planes and of dk/dv
-            // (N·Hkv·D checked), query rows offsets[b] + i (i < T_b) of the q, dout planes and
+            // (N·Hkv·D checked), query rows offsets[b] + i (i < T_b) of the q, dout planes (all
+            // written by the dq kernel: every such row of every head belongs to one dq block) and
             // lse/delta (N·Hq), heads kh·g + hh < Hq; the kernel's shared memory ≤ the
             // attribute set in `new` for its instantiation; types match the kernel.
             unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
