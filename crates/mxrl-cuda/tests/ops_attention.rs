@@ -589,6 +589,26 @@ fn attention_launchers_refuse_bad_geometry_and_short_buffers() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("scratch"), "{e}");
+    // A forward scratch 4 bytes off the 16-byte alignment of its cp.async copies.
+    let mut off1 = g
+        .zeros::<f32>(forward_scratch_len(n, shape(2, 1, 8)) + 1)
+        .unwrap();
+    let e = ops
+        .forward(
+            &buf.as_view(),
+            &buf.as_view(),
+            &buf.as_view(),
+            &off.as_view(),
+            1,
+            4,
+            n,
+            shape(2, 1, 8),
+            &mut out.as_view_mut(),
+            &mut lse.as_view_mut(),
+            &mut off1.slice_mut(1..),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("aligned"), "{e}");
     let cache = g.zeros::<u16>(2 * 8 * 8).unwrap();
     let lens = g.upload(&[1u32, 1, 1]).unwrap();
     let mut scratch = g.zeros::<f32>(1).unwrap();

@@ -139,7 +139,7 @@ fn smem_dq_tc(d: usize) -> usize {
 fn smem_dkdv_tc(d: usize) -> usize {
     smem_dq_tc(d) + 4 * 2 * 2 * TC_BT
 }
-/// `D` rounded up to 16: the row width of the BF16 planes of the tensor-core backward.
+/// `D` rounded up to 16: the row width of the BF16 planes of the tensor-core kernels.
 fn tc_dp(d: usize) -> usize {
     d.div_ceil(16) * 16
 }
@@ -472,9 +472,9 @@ impl Attention {
     /// backward). Causal inside each sequence; f32 accumulation. `max_len` must be at least
     /// the longest sequence (`max_b offsets[b+1] − offsets[b]`, known to the host that built the
     /// offsets; rows of longer sequences would be left unwritten), offsets nondecreasing with
-    /// `offsets[B] ≤ N`. `scratch` ([`forward_scratch_len`], contents unspecified on entry)
-    /// receives the BF16 planes of `k, v` the tensor-core kernel reads. Reference:
-    /// `mxrl_tensor::attention::attention_forward`.
+    /// `offsets[B] ≤ N`. `scratch` ([`forward_scratch_len`], 16-byte aligned, contents
+    /// unspecified on entry) receives the BF16 planes of `k, v` the tensor-core kernel reads.
+    /// Reference: `mxrl_tensor::attention::attention_forward`.
     ///
     /// # Errors
     /// A bad head geometry, short buffers, more shared memory than the device allows; launch
@@ -508,6 +508,16 @@ impl Attention {
             scratch.len(),
             forward_scratch_len(n, shape),
         )?;
+        {
+            // The planes are copied with 16-byte cp.async.
+            let stream = self.gpu.stream();
+            check_align(
+                &self.gpu,
+                "attention forward scratch",
+                scratch.device_ptr(stream).0,
+                16,
+            )?;
+        }
         let (func, threads, smem) = self.training_kernel(0, d);
         self.check_smem(op, d, smem)?;
         if num_seqs == 0 || max_len == 0 {
@@ -550,9 +560,9 @@ impl Attention {
             // SAFETY: block (b, h, z) reads offsets[b], offsets[b+1] (B+1 checked) and touches
             // rows offsets[b] + i for i < T_b ≤ max_len (reads and writes guarded by i < T_b),
             // rows < offsets[B] ≤ N of q/out (N·Hq·D checked), of the k, v planes (3·N·Hkv·dp
-            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch parts
-            // start at multiples of 16 bytes and dp is a multiple of 8) and lse (N·Hq checked);
-            // its shared memory ≤ the attribute set in `new` for its instantiation; types
+            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch is
+            // (checked), its parts start at multiples of 16 bytes and dp is a multiple of 8)
+            // and lse (N·Hq checked); its shared memory ≤ the attribute set in `new` for its instantiation; types
             // match the kernel (const float*, 2 × const u16*, const u32*, 2 × float*, u64,
             // 3 × u32, float).
             unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
@@ -717,9 +727,9 @@ impl Attention {
                 .arg(&scale);
             // SAFETY: block (b, h, z) reads rows offsets[b] + i < offsets[B] ≤ N of q, dout
             // (N·Hq·D checked), lse and delta (N·Hq), the k, v planes of those rows (3·N·Hkv·dp
-            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch parts
-            // start at multiples of 16 bytes and dp is a multiple of 8), and writes dq
-            // (N·Hq·D checked) and the q, dout planes of its rows (3·N·Hq·dp BF16 each, parts
+            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch is
+            // (checked), its parts start at multiples of 16 bytes and dp is a multiple of 8),
+            // and writes dq (N·Hq·D checked) and the q, dout planes of its rows (3·N·Hq·dp BF16 each, parts
             // of the scratch); the kernel's shared memory ≤ the attribute set in `new` for its
             // instantiation; types match the kernel (2 × const float*, 2 × u16*,
             // 2 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
