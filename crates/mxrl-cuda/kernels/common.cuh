@@ -49,6 +49,16 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// SwiGLU's exp, evaluated as (float)exp((double)x): within 1 ulp of the exact value (CUDA's
+// f64 exp is within 1 ulp of f64, then one round-to-nearest conversion), as the CPU's libm
+// expf (0.502 ulp).
+__device__ __forceinline__ float swiglu_exp(float x) { return (float)exp((double)x); }
+
+// silu(g) = g / (1 + exp(-g)) (PyTorch's formula, mxrl_tensor::activation::silu).
+__device__ __forceinline__ float swiglu_silu(float g) {
+    return __fdiv_rn(g, __fadd_rn(1.0f, swiglu_exp(-g)));
+}
+
 // Block reductions over blockDim.x threads (a multiple of 32, at most 1024); `scratch` holds 32
 // floats of shared memory. Every thread returns the total.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -431,12 +431,18 @@ GROUPED_TILES(NT_ENTRY)
 GROUPED_TILES(NN_ENTRY)
 GROUPED_TILES(TN_ENTRY)
 
-// ---- Small-M forward (decode): each used expert's weight bytes are read once, with 16-byte
-// loads, and applied to all its rows (up to SM_RB rows per pass; more rows take more passes
-// over the same, cache-resident, weight slice).
+// ---- Small-M forwards (decode): the weight bytes are read once, with 16-byte loads, and
+// applied to all rows (up to SM_RB rows per pass; more rows take more passes over the same,
+// cache-resident, weight slice). One warp owns NB output columns; lane l sums k = 8l + 256i + h
+// in increasing i, then h, then a butterfly over the lanes (warp_sum). The U weight chunks of
+// consecutive i are loaded before any is used (U·NB 16-byte loads in flight per lane); that
+// changes when bytes arrive, not the order of the sums. Each term is __fmaf_rn(x, w, acc):
+// a product of two BF16 values has at most 16 significant bits, so it is exact in f32 unless
+// it falls below f32's normal range (|x·w| < 2⁻¹²⁶), and the fused add gives the bits of the
+// IEEE multiply-then-add wherever the product is exact (the bound two_order_sum_bound holds
+// either way: an unrounded product is only closer).
 #define SM_WARPS 8
-#define SM_NB 4    // output columns per warp
-#define SM_RB 8    // rows per pass
+#define SM_RB 8  // rows per pass
 
 __device__ __forceinline__ void widen8(uint4 v, float* f) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
@@ -447,10 +453,50 @@ __device__ __forceinline__ void widen8(uint4 v, float* f) {
     }
 }
 
+// acc[r][q] = Σ_k x_r[k]·w_q[k] for rows r < nr (xr[r]: row r's K elements) and columns q < NB
+// (wr[q]: that column's K weights), in the lane order above; acc is this lane's partial (the
+// caller reduces it with warp_sum). K is a multiple of 8; x and w rows 16-byte aligned.
+template <int NB, int U>
+__device__ __forceinline__ void small_m_dot(const u16* const (&xr)[SM_RB], u32 nr, const u16* const (&wr)[NB],
+                                            u32 K, int lane, float (&acc)[SM_RB][NB]) {
+#pragma unroll
+    for (int r = 0; r < SM_RB; ++r)
+#pragma unroll
+        for (int q = 0; q < NB; ++q) acc[r][q] = 0.0f;
+    for (u32 k0 = (u32)lane * 8; k0 < K; k0 += 256 * U) {
+        uint4 raw[U][NB];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (k0 + 256 * u < K)
+#pragma unroll
+                for (int q = 0; q < NB; ++q) raw[u][q] = *reinterpret_cast<const uint4*>(wr[q] + k0 + 256 * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 k = k0 + 256 * u;
+            if (k >= K) break;
+            float wv[NB][8];
+#pragma unroll
+            for (int q = 0; q < NB; ++q) widen8(raw[u][q], wv[q]);
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) {
+                if ((u32)r < nr) {
+                    float xv[8];
+                    widen8(*reinterpret_cast<const uint4*>(xr[r] + k), xv);
+#pragma unroll
+                    for (int q = 0; q < NB; ++q)
+#pragma unroll
+                        for (int h = 0; h < 8; ++h) acc[r][q] = __fmaf_rn(xv[h], wv[q][h], acc[r][q]);
+                }
+            }
+        }
+    }
+}
+
 // Forward, small M: y[r, n] = Σ_k x[r, k]·w[e][n, k] (same operands and layout as
 // grouped_nt_tiled). Grid (ceil(N / (SM_WARPS·SM_NB)), E), block SM_WARPS·32. Warp w of block
-// (bx, e) owns columns (bx·SM_WARPS + w)·SM_NB .. +SM_NB of expert e. Lane l sums k = 8l + 256i
-// + h in increasing i then h (f32, separate multiply and add), then a butterfly over the lanes.
+// (bx, e) owns columns (bx·SM_WARPS + w)·SM_NB .. +SM_NB of expert e.
+#define SM_NB 4  // output columns per warp
+#define SM_U 2   // chunks in flight
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
     grouped_nt_small_m(const u16* __restrict__ x, const u16* __restrict__ w, const u32* __restrict__ off,
                        float* __restrict__ y, u32 E, u32 R, u32 N, u32 K) {
@@ -462,29 +508,16 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
     const u64 n0 = ((u64)blockIdx.x * SM_WARPS + warp) * SM_NB;
     if (n0 >= N) return;  // N is a multiple of 8, so n0 < N implies n0 + SM_NB <= N
     const u16* we = w + (u64)e * N * K + n0 * K;
+    const u16* wr[SM_NB];
+#pragma unroll
+    for (int q = 0; q < SM_NB; ++q) wr[q] = we + q * (u64)K;
     for (u64 rb = lo; rb < hi; rb += SM_RB) {
         const u32 nr = (u32)min((u64)SM_RB, hi - rb);
+        const u16* xr[SM_RB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) xr[r] = x + (rb + min((u32)r, nr - 1)) * K;
         float acc[SM_RB][SM_NB];
-#pragma unroll
-        for (int r = 0; r < SM_RB; ++r)
-#pragma unroll
-            for (int q = 0; q < SM_NB; ++q) acc[r][q] = 0.0f;
-        for (u64 k = (u64)lane * 8; k < K; k += 256) {
-            float wv[SM_NB][8];
-#pragma unroll
-            for (int q = 0; q < SM_NB; ++q) widen8(*reinterpret_cast<const uint4*>(we + q * (u64)K + k), wv[q]);
-#pragma unroll
-            for (int r = 0; r < SM_RB; ++r) {
-                if ((u32)r < nr) {
-                    float xv[8];
-                    widen8(*reinterpret_cast<const uint4*>(x + (rb + r) * K + k), xv);
-#pragma unroll
-                    for (int q = 0; q < SM_NB; ++q)
-#pragma unroll
-                        for (int h = 0; h < 8; ++h) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(xv[h], wv[q][h]));
-                }
-            }
-        }
+        small_m_dot<SM_NB, SM_U>(xr, nr, wr, K, lane, acc);
 #pragma unroll
         for (int r = 0; r < SM_RB; ++r) {
             if ((u32)r < nr) {
@@ -496,4 +529,107 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
             }
         }
     }
+}
+
+// Fused MoE gate/up + SwiGLU, small M (decode): for packed row p of expert e (rows
+// offsets[e]..offsets[e+1]), token t = min(perm[p] / top_k, T − 1) (perm: packed row →
+// token·top_k + slot),
+//   g = Σ_k x[t, k]·w[e][j, k],  u = Σ_k x[t, k]·w[e][F + j, k],
+//   act[p, j] = bf16(silu(g)·u),
+// each sum exactly as grouped_nt_small_m sums that column, so act has the bits of gathering the
+// rows, grouped_nt_small_m over w [E, 2F, K], then swiglu_fwd_bf16_only. Warp w of block (bx, e)
+// owns features j = (bx·SM_WARPS + w)·2 .. +2 (its NB = 4 columns: two gate, two up). Grid
+// (ceil(F / (2·SM_WARPS)), E); F and K multiples of 8.
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    grouped_gate_up_swiglu_small_m(const u16* __restrict__ x, const u32* __restrict__ perm, u32 top_k, u32 T,
+                                   const u16* __restrict__ w, const u32* __restrict__ off,
+                                   u16* __restrict__ act, u32 E, u32 R, u32 F, u32 K) {
+    const u32 e = blockIdx.y;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    if (lo == hi || T == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 j0 = ((u64)blockIdx.x * SM_WARPS + warp) * 2;
+    if (j0 >= F) return;  // F is even, so j0 < F implies j0 + 2 <= F
+    const u16* we = w + (u64)e * 2 * F * K;
+    const u16* const wr[4] = {we + j0 * K, we + (j0 + 1) * K, we + (F + j0) * K, we + (F + j0 + 1) * K};
+    for (u64 rb = lo; rb < hi; rb += SM_RB) {
+        const u32 nr = (u32)min((u64)SM_RB, hi - rb);
+        const u16* xr[SM_RB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) {
+            const u32 t = min(perm[rb + min((u32)r, nr - 1)] / top_k, T - 1);
+            xr[r] = x + (u64)t * K;
+        }
+        float acc[SM_RB][4];
+        small_m_dot<4, SM_U>(xr, nr, wr, K, lane, acc);
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) {
+            if ((u32)r < nr) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const float g = warp_sum(acc[r][q]), u = warp_sum(acc[r][2 + q]);
+                    if (lane == q) act[(rb + r) * F + j0 + q] = f32_to_bf16(__fmul_rn(swiglu_silu(g), u));
+                }
+            }
+        }
+    }
+}
+
+// Dense forward, small M, of up to three weights sharing one input (a layer's q, k and v
+// projections; or one linear): y_i[r, n] = Σ_k x[r, k]·w_i[n, k] for r < M, n < N_i, summed as
+// grouped_nt_small_m sums. Warp w of block bx owns DS_NB columns; the blocks run over w_0's
+// column groups, then w_1's, then w_2's (N_i = 0: no blocks). Grid Σ_i ceil(N_i / (SM_WARPS·
+// DS_NB)); every N_i and K multiples of 8. Two entry points: DS_NB = 2 (wide outputs) and 1
+// (narrow ones such as a router, so more warps share the bytes).
+template <int NB>
+__device__ __forceinline__ void dense_small_m_body(const u16* __restrict__ x, u32 M, u32 K, const u16* w0, float* y0,
+                                                   u32 n0, const u16* w1, float* y1, u32 n1, const u16* w2,
+                                                   float* y2, u32 n2) {
+    constexpr u32 COLS = SM_WARPS * NB;
+    const u32 b0 = (n0 + COLS - 1) / COLS, b1 = (n1 + COLS - 1) / COLS;
+    u32 bx = blockIdx.x;
+    const u16* w;
+    float* y;
+    u32 N;
+    if (bx < b0) {
+        w = w0, y = y0, N = n0;
+    } else if (bx < b0 + b1) {
+        w = w1, y = y1, N = n1, bx -= b0;
+    } else {
+        w = w2, y = y2, N = n2, bx -= b0 + b1;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 c0 = ((u64)bx * SM_WARPS + warp) * NB;
+    if (c0 >= N) return;  // N is a multiple of 8, so c0 < N implies c0 + NB <= N
+    const u16* wr[NB];
+#pragma unroll
+    for (int q = 0; q < NB; ++q) wr[q] = w + (c0 + q) * K;
+    for (u64 rb = 0; rb < M; rb += SM_RB) {
+        const u32 nr = (u32)min((u64)SM_RB, M - rb);
+        const u16* xr[SM_RB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) xr[r] = x + (rb + min((u32)r, nr - 1)) * K;
+        float acc[SM_RB][NB];
+        small_m_dot<NB, 8 / NB>(xr, nr, wr, K, lane, acc);
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) {
+            if ((u32)r < nr) {
+#pragma unroll
+                for (int q = 0; q < NB; ++q) {
+                    const float s = warp_sum(acc[r][q]);
+                    if (lane == q) y[(rb + r) * N + c0 + q] = s;
+                }
+            }
+        }
+    }
+}
+#define DENSE_SMALL_M_ARGS                                                                                  \
+    const u16 *__restrict__ x, u32 M, u32 K, const u16 *w0, float *y0, u32 n0, const u16 *w1, float *y1, u32 n1, \
+        const u16 *w2, float *y2, u32 n2
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) dense_nt_small_m_nb2(DENSE_SMALL_M_ARGS) {
+    dense_small_m_body<2>(x, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
+}
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) dense_nt_small_m_nb1(DENSE_SMALL_M_ARGS) {
+    dense_small_m_body<1>(x, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
 }

@@ -1,16 +1,8 @@
 // SwiGLU forward and backward on a fused gate/up activation gu [rows, 2F] (gate in columns
 // 0..F, up in F..2F). Reference: mxrl_tensor::activation::{swiglu_forward, swiglu_backward}
-// (the same f32 operation sequence, no FMA contraction). exp is evaluated as
-// (float)exp((double)x): within 1 ulp of the exact value (CUDA's f64 exp is within 1 ulp of
-// f64, then one round-to-nearest conversion), as the CPU's libm expf (0.502 ulp); the bound
-// is mxrl_tensor::tolerance::swiglu_{forward,backward}_bound(s) with one ulp per device.
-
-__device__ __forceinline__ float swiglu_exp(float x) { return (float)exp((double)x); }
-
-// silu(g) = g / (1 + exp(-g)) (PyTorch's formula, mxrl_tensor::activation::silu).
-__device__ __forceinline__ float swiglu_silu(float g) {
-    return __fdiv_rn(g, __fadd_rn(1.0f, swiglu_exp(-g)));
-}
+// (the same f32 operation sequence, no FMA contraction); exp and silu are common.cuh's
+// swiglu_exp / swiglu_silu (shared with the fused small-M gate/up kernel of ops_gemm.cu); the
+// bound is mxrl_tensor::tolerance::swiglu_{forward,backward}_bound(s) with one ulp per device.
 
 // Rows r = blockIdx.x, blockIdx.x + gridDim.x, ... (grid-stride); columns j = threadIdx.x,
 // threadIdx.x + blockDim.x, ... < f: no index division, coalesced rows.

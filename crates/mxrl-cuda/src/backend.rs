@@ -15,7 +15,7 @@ use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
 use crate::ops::embed_backward::{EmbedBackward, EmbedGrouping};
 use crate::ops::engine::EngineOps;
-use crate::ops::gemm::{Gemm, Grouped};
+use crate::ops::gemm::{dense_small_m_rows, Gemm, Grouped, GroupedPath, DENSE_SMALL_M_OUTPUTS};
 use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK};
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
@@ -40,6 +40,32 @@ use mxrl_tensor::SeqLayout;
 use std::cell::Cell;
 
 mod fp8;
+
+/// Whether a dense BF16 forward of `m` rows runs on the small-M kernel
+/// ([`Gemm::dense_nt_small_m`]): at most [`dense_small_m_rows`] rows and every width a multiple
+/// of 8 (its 16-byte loads); a shape-only choice, so equal shapes always take the same path.
+fn small_m_dense(m: usize, k: usize, ns: &[usize]) -> bool {
+    m >= 1
+        && m <= dense_small_m_rows()
+        && k.is_multiple_of(8)
+        && !ns.is_empty()
+        && ns.iter().all(|n| n.is_multiple_of(8))
+}
+
+/// Whether decode's BF16 routed gate/up runs fused with the gather and SwiGLU on the small-M
+/// kernel (`MXRL_MOE_FUSED=off`: the three ops, the gate/up on the fragment kernels).
+fn moe_fused_small_m() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("MXRL_MOE_FUSED")
+                .ok()
+                .as_deref()
+                .map(str::trim),
+            Some("off" | "0" | "false")
+        )
+    })
+}
 
 fn de(e: CudaError) -> DeviceError {
     match e {
@@ -1503,9 +1529,90 @@ impl Backend for CudaBackend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()> {
+        if small_m_dense(m, k, &[n]) {
+            return self
+                .gemm
+                .dense_nt_small_m(
+                    &x.as_view(),
+                    m,
+                    k,
+                    &mut [(&w.as_view(), n, &mut y.as_view_mut())],
+                )
+                .map_err(de);
+        }
         self.gemm
             .dense_nt(&x.as_view(), &w.as_view(), &mut y.as_view_mut(), m, n, k)
             .map_err(de)
+    }
+
+    fn linear_shared(
+        &self,
+        x: &Self::Bf16,
+        m: usize,
+        k: usize,
+        outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        let ns: Vec<usize> = outs.iter().map(|o| o.1).collect();
+        if outs.len() <= DENSE_SMALL_M_OUTPUTS && small_m_dense(m, k, &ns) {
+            // One launch; each output is summed as `linear` sums it alone.
+            let views: Vec<_> = outs.iter().map(|o| o.0.as_view()).collect();
+            let mut ys: Vec<_> = outs.iter_mut().map(|o| o.2.as_view_mut()).collect();
+            let mut args: Vec<_> = views
+                .iter()
+                .zip(ys.iter_mut())
+                .zip(&ns)
+                .map(|((w, y), &n)| (w, n, y))
+                .collect();
+            return self
+                .gemm
+                .dense_nt_small_m(&x.as_view(), m, k, &mut args)
+                .map_err(de);
+        }
+        for (w, n, y) in outs.iter_mut() {
+            self.linear(x, w, m, k, *n, y)?;
+        }
+        Ok(())
+    }
+
+    fn moe_gate_up_swiglu_bf16(
+        &self,
+        xb: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        f: usize,
+        w: &Self::Bf16,
+        act: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let rows = n * top_k;
+        let s = Grouped {
+            experts: e,
+            rows,
+            n: 2 * f,
+            k: h,
+        };
+        if moe_fused_small_m() && GroupedPath::for_shape(s) == GroupedPath::SmallM {
+            return self
+                .gemm
+                .grouped_gate_up_swiglu_small_m(
+                    &xb.as_view(),
+                    n,
+                    &route.perm.as_view(),
+                    top_k,
+                    &w.as_view(),
+                    &route.offsets.as_view(),
+                    &mut act.as_view_mut(),
+                    s,
+                )
+                .map_err(de);
+        }
+        let mut xg = self.empty_bf16(rows * h)?;
+        self.gather_rows_bf16(xb, route, n, e, top_k, h, &mut xg)?;
+        let mut gu = self.empty_f32(rows * 2 * f)?;
+        self.grouped_linear(&xg, w, &route.offsets, None, e, rows, h, 2 * f, &mut gu)?;
+        self.swiglu_bf16(&gu, rows, f, act)
     }
 
     fn grouped_linear(

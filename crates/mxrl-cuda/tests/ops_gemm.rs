@@ -811,3 +811,229 @@ fn bf16_fragment_kernels_match_reference() {
         .to_string();
     assert!(err.contains("split 3"), "{err}");
 }
+
+/// The dense small-M kernel (decode's q/k/v/o and router): every output within the IEEE
+/// two-order bound of the reference, rows past 8 (several passes), widths off the 256-element
+/// lane stride and `k = 8`; both launch shapes (1 and 2 columns per warp) give the same bits,
+/// and three outputs in one launch give the bits of three launches.
+#[test]
+fn dense_small_m_matches_reference_and_fuses_outputs_bitwise() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    // (m, k, [n_i])
+    let cases: [(usize, usize, &[usize]); 7] = [
+        (1, 2048, &[256, 64, 64]),
+        (1, 8, &[8]),
+        (3, 264, &[72, 8]),
+        (8, 520, &[136]),
+        (9, 1032, &[16, 24, 40]),
+        (20, 72, &[64]),
+        (5, 4096, &[32, 32]),
+    ];
+    for (i, &(m, k, ns)) in cases.iter().enumerate() {
+        let seed = 7000 + i as u64;
+        let x = bf16_values(m * k, seed * 8);
+        let ws: Vec<Bf16> = ns
+            .iter()
+            .enumerate()
+            .map(|(j, &n)| bf16_values(n * k, seed * 8 + 1 + j as u64))
+            .collect();
+        let dx = g.upload(&x.bits).unwrap();
+        let dws: Vec<_> = ws.iter().map(|w| g.upload(&w.bits).unwrap()).collect();
+        let run = |nb: usize, which: &[usize]| -> Vec<Vec<f32>> {
+            let mut ys: Vec<_> = which
+                .iter()
+                .map(|&j| g.upload(&vec![f32::NAN; m * ns[j]]).unwrap())
+                .collect();
+            {
+                let views: Vec<_> = which.iter().map(|&j| dws[j].as_view()).collect();
+                let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
+                let mut outs: Vec<_> = views
+                    .iter()
+                    .zip(yv.iter_mut())
+                    .zip(which)
+                    .map(|((w, y), &j)| (w, ns[j], y))
+                    .collect();
+                ops.dense_nt_small_m_with(nb, &dx.as_view(), m, k, &mut outs)
+                    .unwrap();
+            }
+            ys.iter().map(|y| g.download(y).unwrap()).collect()
+        };
+        let all: Vec<usize> = (0..ns.len()).collect();
+        let fused = run(2, &all);
+        assert_eq!(fused, run(1, &all), "case {i}: nb 1 vs 2");
+        for j in 0..ns.len() {
+            assert_eq!(
+                run(2, &[j])[0],
+                fused[j],
+                "case {i}: output {j} alone vs fused"
+            );
+            let n = ns[j];
+            let want = matmul_nt(&x.f, &ws[j].f, m, k, n);
+            let bound = gemm_nt_bounds_with(&x.f, &ws[j].f, m, k, n, two_order_sum_bound);
+            assert_within(
+                &format!("dense small-M case {i} output {j}"),
+                seed,
+                &fused[j],
+                &want,
+                &bound,
+            );
+        }
+    }
+    // Bad shapes: a width off 8, four outputs, a misaligned input.
+    let x = g.zeros::<u16>(64).unwrap();
+    let w = g.zeros::<u16>(64 * 8).unwrap();
+    let mut y = g.zeros::<f32>(64 * 8).unwrap();
+    let err = |r: Result<(), mxrl_cuda::DeviceError>| r.unwrap_err().to_string();
+    let e = err(ops.dense_nt_small_m(
+        &x.as_view(),
+        1,
+        60,
+        &mut [(&w.as_view(), 8, &mut y.as_view_mut())],
+    ));
+    assert!(e.contains("multiples of 8"), "{e}");
+    let e = err(ops.dense_nt_small_m(
+        &x.slice(1..),
+        1,
+        56,
+        &mut [(&w.as_view(), 8, &mut y.as_view_mut())],
+    ));
+    assert!(e.contains("aligned"), "{e}");
+    let (wv, mut y2, mut y3, mut y4) = (
+        w.as_view(),
+        g.zeros::<f32>(8).unwrap(),
+        g.zeros::<f32>(8).unwrap(),
+        g.zeros::<f32>(8).unwrap(),
+    );
+    let e = err(ops.dense_nt_small_m(
+        &x.as_view(),
+        1,
+        8,
+        &mut [
+            (&wv, 8, &mut y.as_view_mut()),
+            (&wv, 8, &mut y2.as_view_mut()),
+            (&wv, 8, &mut y3.as_view_mut()),
+            (&wv, 8, &mut y4.as_view_mut()),
+        ],
+    ));
+    assert!(e.contains("outputs"), "{e}");
+}
+
+/// Decode's fused routed gate/up + SwiGLU equals gathering the token rows, the grouped small-M
+/// forward and the SwiGLU kernel's BF16 output, bit for bit, on routings with empty experts,
+/// one token, and rows past 8 per expert; rows of no expert are left unwritten.
+#[test]
+fn fused_gate_up_swiglu_equals_gather_gemm_swiglu_bitwise() {
+    use mxrl_cuda::ops::moe::Moe;
+    use mxrl_cuda::ops::swiglu::Swiglu;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let moe = Moe::new(&g).unwrap();
+    let sw = Swiglu::new(&g).unwrap();
+    // (tokens, experts, top_k, F, K)
+    let cases = [
+        (1usize, 16usize, 8usize, 768usize, 2048usize),
+        (5, 16, 4, 24, 264),
+        (32, 8, 2, 40, 72),
+        (3, 70, 3, 16, 8),
+    ];
+    for (ci, &(t, e, top_k, f, k)) in cases.iter().enumerate() {
+        let seed = 9100 + ci as u64;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // Routing: distinct experts per token; packed expert-major, tokens in order.
+        let ids: Vec<Vec<usize>> = (0..t)
+            .map(|_| rand::seq::index::sample(&mut rng, e, top_k).into_vec())
+            .collect();
+        let mut perm = Vec::new();
+        let mut counts = vec![0usize; e];
+        for (ex, c) in counts.iter_mut().enumerate() {
+            for (tok, row) in ids.iter().enumerate() {
+                if let Some(slot) = row.iter().position(|&x| x == ex) {
+                    perm.push((tok * top_k + slot) as u32);
+                    *c += 1;
+                }
+            }
+        }
+        let rows = t * top_k;
+        let off = offsets_of(&counts);
+        let x = bf16_values(t * k, seed * 3);
+        let w = bf16_values(e * 2 * f * k, seed * 3 + 1);
+        let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let (dperm, doff) = (g.upload(&perm).unwrap(), g.upload(&off).unwrap());
+        let s = Grouped {
+            experts: e,
+            rows,
+            n: 2 * f,
+            k,
+        };
+        // Reference chain.
+        let mut xg = g.upload(&vec![0u16; rows * k]).unwrap();
+        moe.gather_rows_bf16(
+            &dx.as_view(),
+            &dperm.as_view(),
+            &doff.as_view(),
+            &mut xg.as_view_mut(),
+            t,
+            k,
+            e,
+            top_k,
+        )
+        .unwrap();
+        let mut gu = g.upload(&vec![f32::NAN; rows * 2 * f]).unwrap();
+        ops.grouped_nt_small_m(
+            &xg.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut gu.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        let mut want = g.upload(&vec![0u16; rows * f]).unwrap();
+        sw.forward_bf16(&gu.as_view(), &mut want.as_view_mut(), rows, f)
+            .unwrap();
+        let want = g.download(&want).unwrap();
+        // Fused, over a sentinel fill.
+        let mut act = g.upload(&vec![0xFFFFu16; rows * f + 5]).unwrap();
+        ops.grouped_gate_up_swiglu_small_m(
+            &dx.as_view(),
+            t,
+            &dperm.as_view(),
+            top_k,
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut act.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        let got = g.download(&act).unwrap();
+        assert_eq!(&got[..rows * f], &want[..], "case {ci}");
+        assert!(
+            got[rows * f..].iter().all(|&b| b == 0xFFFF),
+            "case {ci}: wrote past the rows"
+        );
+        // The gate/up sums themselves are the reference's within the bound (the chain is
+        // checked against the CPU, not only against itself).
+        let xgf: Vec<f32> = perm
+            .iter()
+            .flat_map(|&p| x.f[(p as usize / top_k) * k..(p as usize / top_k + 1) * k].to_vec())
+            .collect();
+        let c = Case {
+            counts: counts.clone(),
+            n: 2 * f,
+            k,
+            extra: 0,
+        };
+        let xgb = Bf16 {
+            bits: xgf.iter().map(|v| (v.to_bits() >> 16) as u16).collect(),
+            f: xgf,
+        };
+        let (ref_gu, bound) = reference_nt(&c, &xgb, &w, two_order_sum_bound);
+        assert_within(
+            &format!("fused case {ci} gate/up"),
+            seed,
+            &g.download(&gu).unwrap(),
+            &ref_gu,
+            &bound,
+        );
+    }
+}

@@ -1364,6 +1364,21 @@ impl<B: Backend> Engine<B> {
                     ],
                 )
                 .map_err(dev)?,
+            // All three BF16: one input, one launch where the device has it.
+            (None, None, None, _) => {
+                let xb = rows_made(h1b.as_ref(), "the attention's BF16 input")?;
+                b.linear_shared(
+                    xb,
+                    n,
+                    hd,
+                    &mut [
+                        (self.op(l.attn.q), qd, &mut q),
+                        (self.op(l.attn.k), kvd, &mut k),
+                        (self.op(l.attn.v), kvd, &mut v),
+                    ],
+                )
+                .map_err(dev)?
+            }
             _ => {
                 for (i, width, y) in [
                     (l.attn.q, qd, &mut q),
@@ -1618,73 +1633,114 @@ impl<B: Backend> Engine<B> {
                     }
                 };
                 let ho = host_offsets.as_deref();
-                let mut gu = e(rows * 2 * m.f)?;
-                // Without a tape (decode, a forward for scoring or generation) no gathered rows
-                // are kept: a block-format gate/up quantizes the token rows and gathers their
-                // operands (the same operands).
-                let taped = matches!(pass, Pass::Prefill { tape: true, .. });
-                let xg = match (&h2, &self.params[m.gate_up].q, taped) {
-                    (Some(h2), Some(q), false) => {
-                        b.grouped_qlinear_gathered(
-                            h2,
-                            &route,
-                            n,
-                            k,
-                            &q.w,
-                            ne,
-                            hd,
-                            2 * m.f,
-                            &mut gu,
-                        )
-                        .map_err(dev)?;
-                        None
-                    }
-                    _ => {
-                        let xg = match &h2 {
-                            Some(h2) => {
-                                let mut xg = e(rows * hd)?;
-                                b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
-                                    .map_err(dev)?;
-                                Act::F32(xg)
-                            }
-                            None => {
-                                let mut xg = eb(rows * hd)?;
-                                b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
-                                    .map_err(dev)?;
-                                Act::Bf16(xg)
-                            }
-                        };
-                        self.glin(
-                            m.gate_up,
-                            xg.r(),
-                            &route.offsets,
-                            ho,
-                            rows,
-                            hd,
-                            2 * m.f,
-                            &mut gu,
-                        )?;
-                        Some(xg)
-                    }
-                };
-                let act = swiglu(&gu, rows, m.f)?;
-                let mut y = e(rows * hd)?;
-                self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
-                // Σ over experts, then + x_mid: the CPU model's `x += out`.
-                let mut out = e(n * hd)?;
-                b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                // Decode with BF16 experts: gather, gate/up and SwiGLU as one op (the device
+                // may fuse them); nothing of it is kept.
+                if let (Pass::Decode { .. }, None, None, None) = (
+                    &*pass,
+                    &h2,
+                    &self.params[m.gate_up].q,
+                    &self.params[m.down].q,
+                ) {
+                    let mut act = eb(rows * m.f)?;
+                    b.moe_gate_up_swiglu_bf16(
+                        h2b_router,
+                        &route,
+                        n,
+                        ne,
+                        k,
+                        hd,
+                        m.f,
+                        self.op(m.gate_up),
+                        &mut act,
+                    )
                     .map_err(dev)?;
-                (
-                    out,
-                    FfnTape::Moe {
-                        route,
-                        host_offsets,
-                        xg,
-                        gu,
-                        act,
-                        y,
-                    },
-                )
+                    let act = Act::Bf16(act);
+                    let mut y = e(rows * hd)?;
+                    self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
+                    let mut out = e(n * hd)?;
+                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                        .map_err(dev)?;
+                    let gu = e(1)?;
+                    (
+                        out,
+                        FfnTape::Moe {
+                            route,
+                            host_offsets,
+                            xg: None,
+                            gu,
+                            act,
+                            y,
+                        },
+                    )
+                } else {
+                    let mut gu = e(rows * 2 * m.f)?;
+                    // Without a tape (decode, a forward for scoring or generation) no gathered rows
+                    // are kept: a block-format gate/up quantizes the token rows and gathers their
+                    // operands (the same operands).
+                    let taped = matches!(pass, Pass::Prefill { tape: true, .. });
+                    let xg = match (&h2, &self.params[m.gate_up].q, taped) {
+                        (Some(h2), Some(q), false) => {
+                            b.grouped_qlinear_gathered(
+                                h2,
+                                &route,
+                                n,
+                                k,
+                                &q.w,
+                                ne,
+                                hd,
+                                2 * m.f,
+                                &mut gu,
+                            )
+                            .map_err(dev)?;
+                            None
+                        }
+                        _ => {
+                            let xg = match &h2 {
+                                Some(h2) => {
+                                    let mut xg = e(rows * hd)?;
+                                    b.gather_f32(h2, &route, n, ne, k, hd, &mut xg)
+                                        .map_err(dev)?;
+                                    Act::F32(xg)
+                                }
+                                None => {
+                                    let mut xg = eb(rows * hd)?;
+                                    b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
+                                        .map_err(dev)?;
+                                    Act::Bf16(xg)
+                                }
+                            };
+                            self.glin(
+                                m.gate_up,
+                                xg.r(),
+                                &route.offsets,
+                                ho,
+                                rows,
+                                hd,
+                                2 * m.f,
+                                &mut gu,
+                            )?;
+                            Some(xg)
+                        }
+                    };
+                    let act = swiglu(&gu, rows, m.f)?;
+                    let mut y = e(rows * hd)?;
+                    self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
+                    // Σ over experts, then + x_mid: the CPU model's `x += out`.
+                    let mut out = e(n * hd)?;
+                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                        .map_err(dev)?;
+                    (
+                        out,
+                        FfnTape::Moe {
+                            route,
+                            host_offsets,
+                            xg,
+                            gu,
+                            act,
+                            y,
+                        },
+                    )
+                }
             }
         };
         Ok((

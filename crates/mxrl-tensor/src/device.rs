@@ -298,6 +298,25 @@ pub trait Backend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()>;
+    /// Several BF16 linears of one input (a layer's q, k and v projections): `y_i [m, n_i] =
+    /// x [m, k] · W_i [n_i, k]ᵀ` for each `(W_i, n_i, y_i)`, each with the bits
+    /// [`Backend::linear`] gives it alone (a device may run them in one launch).
+    ///
+    /// # Errors
+    /// As [`Backend::linear`].
+    #[allow(clippy::type_complexity)]
+    fn linear_shared(
+        &self,
+        x: &Self::Bf16,
+        m: usize,
+        k: usize,
+        outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        for (w, n, y) in outs.iter_mut() {
+            self.linear(x, w, m, k, *n, y)?;
+        }
+        Ok(())
+    }
     /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
     /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)
     /// into the same rows of `y: [R, n]`. `host_offsets`: the same offsets when the caller
@@ -523,6 +542,33 @@ pub trait Backend {
         f: usize,
         out: &mut Self::Bf16,
     ) -> DResult<()>;
+    /// A routed MoE's gate/up projection and SwiGLU without a tape (decode): the BF16 token
+    /// rows `xb: [N, h]` gathered into expert-major rows ([`Backend::gather_rows_bf16`]), times
+    /// the stacked BF16 gate/up weights `w: [E, 2F, h]` ([`Backend::grouped_linear`]), then
+    /// [`Backend::swiglu_bf16`] into `act: [N·k, F]`, with exactly those bits. The default
+    /// composes the three; a device may fuse them (no gathered rows, no f32 `[N·k, 2F]`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn moe_gate_up_swiglu_bf16(
+        &self,
+        xb: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        h: usize,
+        f: usize,
+        w: &Self::Bf16,
+        act: &mut Self::Bf16,
+    ) -> DResult<()> {
+        let rows = n * top_k;
+        let mut xg = self.empty_bf16(rows * h)?;
+        self.gather_rows_bf16(xb, route, n, e, top_k, h, &mut xg)?;
+        let mut gu = self.empty_f32(rows * 2 * f)?;
+        self.grouped_linear(&xg, w, &route.offsets, None, e, rows, h, 2 * f, &mut gu)?;
+        self.swiglu_bf16(&gu, rows, f, act)
+    }
     /// Combine (reference [`combine_forward`] called for experts in order): `out[t] +=
     /// Σ w[t, s]·y[row(t, s)]` over expert-major rows `y: [N·k, h]`.
     ///

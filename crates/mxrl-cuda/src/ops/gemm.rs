@@ -156,6 +156,40 @@ impl Tile {
 const SMALL_M_COLS: usize = 32;
 const SMALL_M_THREADS: u32 = 256;
 
+/// [`Gemm::dense_nt_small_m`]'s outputs per launch (a layer's q, k and v projections).
+pub const DENSE_SMALL_M_OUTPUTS: usize = 3;
+
+/// Rows up to which a dense BF16 forward runs on [`Gemm::dense_nt_small_m`] rather than
+/// cuBLAS ([`dense_small_m_rows`]): the small-M kernel reads the weight once per 8 rows and sums
+/// on CUDA cores, so it wins where the weight bytes dominate (decode).
+pub const DENSE_SMALL_M_ROWS: usize = 8;
+
+/// The row limit for [`Gemm::dense_nt_small_m`] in the engine's dense forwards:
+/// `MXRL_DENSE_SMALL_M` (rows; `0` = always cuBLAS) or [`DENSE_SMALL_M_ROWS`]. Read once.
+pub fn dense_small_m_rows() -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("MXRL_DENSE_SMALL_M")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DENSE_SMALL_M_ROWS)
+    })
+}
+
+/// Output columns per warp of [`Gemm::dense_nt_small_m`] for `cols` output columns in all:
+/// `MXRL_SMALL_M_NB` (1 or 2) if set, else 1 below 4096 columns (more warps share a narrow
+/// weight's bytes), else 2. Only the launch shape changes: every column is summed the same way.
+fn dense_small_m_nb(cols: usize) -> usize {
+    static NB: OnceLock<Option<usize>> = OnceLock::new();
+    let forced = *NB.get_or_init(|| {
+        std::env::var("MXRL_SMALL_M_NB")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&v| v == 1 || v == 2)
+    });
+    forced.unwrap_or(if cols < 4096 { 1 } else { 2 })
+}
+
 /// Operand layouts (A, B contiguous along the output index?) of the forward, dgrad and wgrad.
 const NT_MN: (bool, bool) = (false, false);
 const NN_MN: (bool, bool) = (false, true);
@@ -274,6 +308,9 @@ pub struct Gemm {
     nn_tiled: [CudaFunction; 4],
     tn_tiled: [CudaFunction; 4],
     nt_small_m: CudaFunction,
+    /// `dense_nt_small_m_nb1`, `dense_nt_small_m_nb2`.
+    dense_small_m: [CudaFunction; 2],
+    gate_up_swiglu_small_m: CudaFunction,
 }
 
 fn dim_i32(gpu: &Gpu, what: &str, v: usize) -> Result<i32, DeviceError> {
@@ -312,6 +349,8 @@ impl Gemm {
             nn_tiled,
             tn_tiled,
             nt_small_m: f("grouped_nt_small_m")?,
+            dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
+            gate_up_swiglu_small_m: f("grouped_gate_up_swiglu_small_m")?,
         })
     }
 
@@ -694,6 +733,214 @@ impl Gemm {
         // k = 8l + 256i < K stay inside a row; block (bx, e) reads offsets[e], offsets[e+1]
         // (e < E), clamps them to [0, R], and warps whose columns start at or beyond N exit.
         // Argument types match (const u16*, const u16*, const u32*, float*, u32 × 4).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Dense small-M forwards sharing one input, in one launch: `y_i[m, n_i] = x[m, k] ·
+    /// W_i[n_i, k]ᵀ` for each `(W_i, n_i, y_i)` of `outs` (at most [`DENSE_SMALL_M_OUTPUTS`]),
+    /// x and W BF16, y f32 (overwritten). Each column is summed as [`Gemm::grouped_nt_small_m`]
+    /// sums it (IEEE f32 on CUDA cores, bound `two_order_sum_bound`), whatever the other
+    /// outputs: a layer's q, k and v projections in one launch give the bits of three. The
+    /// weights are read once per 8 rows, so this is for small `m` (decode).
+    ///
+    /// # Errors
+    /// No output or more than three; `k` or an `n_i` not a multiple of 8; short or misaligned
+    /// buffers; sizes beyond u32; launch errors.
+    pub fn dense_nt_small_m(
+        &self,
+        x: &CudaView<'_, u16>,
+        m: usize,
+        k: usize,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+    ) -> Result<(), DeviceError> {
+        let cols = outs.iter().map(|o| o.1).sum();
+        self.dense_nt_small_m_with(dense_small_m_nb(cols), x, m, k, outs)
+    }
+
+    /// [`Gemm::dense_nt_small_m`] with `nb` (1 or 2) output columns per warp instead of the
+    /// launcher's pick: the same bits, another launch shape.
+    ///
+    /// # Errors
+    /// As [`Gemm::dense_nt_small_m`]; `nb` not 1 or 2.
+    pub fn dense_nt_small_m_with(
+        &self,
+        nb: usize,
+        x: &CudaView<'_, u16>,
+        m: usize,
+        k: usize,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "dense_nt_small_m";
+        if nb != 1 && nb != 2 {
+            return Err(g.err(format!("{op}: {nb} columns per warp (1 or 2)")));
+        }
+        if outs.is_empty() || outs.len() > DENSE_SMALL_M_OUTPUTS {
+            return Err(g.err(format!(
+                "{op}: {} outputs (1 to {DENSE_SMALL_M_OUTPUTS})",
+                outs.len()
+            )));
+        }
+        if !k.is_multiple_of(8) || outs.iter().any(|o| !o.1.is_multiple_of(8)) {
+            return Err(g.err(format!(
+                "{op}: k = {k} and every n ({:?}) must be multiples of 8 (16-byte operand loads)",
+                outs.iter().map(|o| o.1).collect::<Vec<_>>()
+            )));
+        }
+        let stream = g.stream();
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, m, k)?)?;
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        for (i, (w, n, y)) in outs.iter_mut().enumerate() {
+            check_len(g, &format!("{op} w{i}"), w.len(), mul(g, op, *n, k)?)?;
+            check_len(g, &format!("{op} y{i}"), y.len(), mul(g, op, m, *n)?)?;
+            check_align(g, &format!("{op} w{i}"), w.device_ptr(stream).0, 16)?;
+        }
+        let cols: usize = outs.iter().map(|o| o.1).sum();
+        for (what, v) in [("m", m), ("k", k), ("columns", cols)] {
+            if u32::try_from(v).is_err() {
+                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
+            }
+        }
+        if m == 0 || cols == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for (_, n, y) in outs.iter_mut() {
+                self.zero(y, m * *n)?;
+            }
+            return Ok(());
+        }
+        let per_block = 8 * nb;
+        let blocks: usize = outs.iter().map(|o| o.1.div_ceil(per_block)).sum();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (SMALL_M_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Unused output slots: no columns (no blocks), any valid pointers.
+        let zero = 0u32;
+        let mut ptrs = Vec::with_capacity(DENSE_SMALL_M_OUTPUTS);
+        for (w, n, y) in outs.iter_mut() {
+            ptrs.push((
+                w.device_ptr(stream).0,
+                y.device_ptr_mut(stream).0,
+                *n as u32,
+            ));
+        }
+        let last = ptrs[ptrs.len() - 1];
+        while ptrs.len() < DENSE_SMALL_M_OUTPUTS {
+            ptrs.push((last.0, last.1, zero));
+        }
+        let (mm, kk) = (m as u32, k as u32);
+        let mut b = g.stream().launch_builder(&self.dense_small_m[nb - 1]);
+        b.arg(x).arg(&mm).arg(&kk);
+        for (w, y, n) in &ptrs {
+            b.arg(w).arg(y).arg(n);
+        }
+        // SAFETY: x holds m·k elements and each W_i n_i·k, y_i m·n_i (checked); k and every
+        // n_i are multiples of 8 and x, W_i 16-byte aligned (checked), so each lane's 16-byte
+        // loads stay inside a row; a block's columns start below its output's n_i or its warps
+        // exit; the padded slots have n = 0 and get no blocks. The device pointers outlive the
+        // launch (borrowed for the call). Argument types match (const u16*, u32, u32, then
+        // (const u16*, float*, u32) × 3).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Fused MoE gate/up projection and SwiGLU for small `M` (decode): `act[p, j] =
+    /// bf16(silu(g)·u)` with `g, u` the gate and up columns `j`, `F + j` of
+    /// `x[t] · W[e]ᵀ` for every packed row `p` of expert `e`, where the token is `t =
+    /// perm[p] / top_k` (`x [T, K]` BF16 token rows, `perm [R]` packed row → `token·top_k +
+    /// slot`, `W [E, 2F, K]` BF16, `act [R, F]` BF16 bit patterns, overwritten on the experts'
+    /// rows). The bits of gathering the rows, [`Gemm::grouped_nt_small_m`] over `W` and the
+    /// SwiGLU kernel's BF16 forward, without the gathered rows or the f32 `[R, 2F]` output.
+    ///
+    /// # Errors
+    /// `f` or `k` not a multiple of 8; short or misaligned buffers; `top_k = 0`; sizes beyond
+    /// u32 or the grid limits; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_gate_up_swiglu_small_m(
+        &self,
+        x: &CudaView<'_, u16>,
+        tokens: usize,
+        perm: &CudaView<'_, u32>,
+        top_k: usize,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        act: &mut CudaViewMut<'_, u16>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "grouped_gate_up_swiglu_small_m";
+        // s.n = 2F columns of W; s.k = K.
+        if !s.n.is_multiple_of(16) || !s.k.is_multiple_of(8) {
+            return Err(g.err(format!(
+                "{op}: 2F = {} must be a multiple of 16 and k = {} of 8 (16-byte operand loads)",
+                s.n, s.k
+            )));
+        }
+        if top_k == 0 {
+            return Err(g.err(format!("{op}: top_k = 0")));
+        }
+        for (what, v) in [
+            ("experts", s.experts),
+            ("rows", s.rows),
+            ("n", s.n),
+            ("k", s.k),
+            ("tokens", tokens),
+            ("top_k", top_k),
+        ] {
+            if u32::try_from(v).is_err() {
+                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
+            }
+        }
+        let f = s.n / 2;
+        let stream = g.stream();
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, tokens, s.k)?)?;
+        check_len(g, &format!("{op} perm"), perm.len(), s.rows)?;
+        let w_len = mul(g, op, mul(g, op, s.experts, s.n)?, s.k)?;
+        check_len(g, &format!("{op} w"), w.len(), w_len)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        check_len(g, &format!("{op} act"), act.len(), mul(g, op, s.rows, f)?)?;
+        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} w"), w.device_ptr(stream).0, 16)?;
+        if s.experts == 0 || s.rows == 0 || f == 0 || tokens == 0 {
+            return Ok(());
+        }
+        if s.experts > 65_535 {
+            return Err(g.err(format!(
+                "{op}: {} experts exceed the grid's y limit 65535",
+                s.experts
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (f.div_ceil(16) as u32, s.experts as u32, 1),
+            block_dim: (SMALL_M_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tk, t, e, r, ff, k) = (
+            top_k as u32,
+            tokens as u32,
+            s.experts as u32,
+            s.rows as u32,
+            f as u32,
+            s.k as u32,
+        );
+        let mut b = g.stream().launch_builder(&self.gate_up_swiglu_small_m);
+        b.arg(x)
+            .arg(perm)
+            .arg(&tk)
+            .arg(&t)
+            .arg(w)
+            .arg(offsets)
+            .arg(act);
+        b.arg(&e).arg(&r).arg(&ff).arg(&k);
+        // SAFETY: x holds T·K, perm R, W E·2F·K, offsets E+1, act R·F elements (checked); the
+        // kernel clamps offsets to [0, R] and tokens to T − 1, reads perm only on experts'
+        // rows, K is a multiple of 8 and x, W 16-byte aligned (checked), so every 16-byte load
+        // stays inside a row; warps whose features start at or beyond F exit. Argument types
+        // match (const u16*, const u32*, u32, u32, const u16*, const u32*, u16*, u32 × 4).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
