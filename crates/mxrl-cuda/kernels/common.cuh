@@ -121,5 +121,75 @@ __device__ __forceinline__ void mxrl_grid_dependency() {
 #endif
 }
 
+// ---- MoE dispatch of up to MOE_SMALL_THREADS flat entries in one block (ops_moe's
+// moe_dispatch_small and ops_router's fused router + dispatch share it).
+#define MOE_INVALID 0xFFFFFFFFu
+#define MOE_SMALL_THREADS 1024
+#define MOE_SMALL_WARPS (MOE_SMALL_THREADS / 32)
+
+__device__ __forceinline__ u32 moe_warp_incl_scan_u32(u32 v) {
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 t = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += t;
+    }
+    return v;
+}
+
+// Dispatch of the flat entries ids[0..total) (total <= MOE_SMALL_THREADS; an id >= e is dropped)
+// by one block of MOE_SMALL_THREADS threads: entry i = threadIdx.x; per-warp counts, per-expert
+// prefix over warps, exclusive scan over experts, then pos = offsets[x] + earlier warps + lanes
+// below. offsets[0..=e], perm[pos] = i and row_of[i] = pos (MOE_INVALID for a dropped id): the
+// stable counting sort of mxrl_tensor::moe::Dispatch (integer counts: no order dependence).
+// Shared: tab[MOE_SMALL_WARPS·e], off[e]. Every thread of the block must call it (barriers);
+// ids may have been written by this block before a __syncthreads().
+__device__ __forceinline__ void moe_dispatch_block(const u32* ids, u32 total, u32 e, u32* __restrict__ offsets,
+                                                   u32* __restrict__ perm, u32* __restrict__ row_of, u32* tab,
+                                                   u32* off) {
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u32 x = tid < total ? ids[tid] : MOE_INVALID;
+    if (x >= e) x = MOE_INVALID;
+    const u32 same = __match_any_sync(FULL_MASK, x);
+    const u32 below = __popc(same & ((1u << lane) - 1u));
+    for (u32 j = tid; j < MOE_SMALL_WARPS * e; j += MOE_SMALL_THREADS) tab[j] = 0;
+    __syncthreads();
+    if (x != MOE_INVALID && below == 0) tab[warp * e + x] = __popc(same);
+    __syncthreads();
+    for (u32 xx = tid; xx < e; xx += MOE_SMALL_THREADS) {
+        u32 run = 0;
+        for (u32 w = 0; w < MOE_SMALL_WARPS; ++w) {
+            const u32 c = tab[w * e + xx];
+            tab[w * e + xx] = run;
+            run += c;
+        }
+        off[xx] = run;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        u32 carry = 0;
+        for (u32 base = 0; base < e; base += 32) {
+            const u32 xx = base + lane;
+            const u32 v = xx < e ? off[xx] : 0;
+            const u32 inc = moe_warp_incl_scan_u32(v);
+            if (xx < e) {
+                off[xx] = carry + inc - v;
+                offsets[xx] = carry + inc - v;
+            }
+            carry += __shfl_sync(FULL_MASK, inc, 31);
+        }
+        if (lane == 0) offsets[e] = carry;
+    }
+    __syncthreads();
+    if (tid < total) {
+        if (x != MOE_INVALID) {
+            const u32 pos = off[x] + tab[warp * e + x] + below;
+            perm[pos] = tid;
+            row_of[tid] = pos;
+        } else {
+            row_of[tid] = MOE_INVALID;
+        }
+    }
+}
 
 #endif

@@ -25,7 +25,6 @@
 #define MOE_WARPS (MOE_THREADS / 32)
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_TOP_K 256
-#define MOE_INVALID 0xFFFFFFFFu
 
 // The entry of thread (blockIdx.x, threadIdx.x): its expert (MOE_INVALID when past the end or
 // out of range), the mask of lanes of its warp with the same expert, and its rank among them.
@@ -71,15 +70,6 @@ __device__ __forceinline__ u32 moe_warp_sum_u32(u32 v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
 }
-__device__ __forceinline__ u32 moe_warp_incl_scan_u32(u32 v) {
-    const u32 lane = threadIdx.x & 31;
-#pragma unroll
-    for (u32 o = 1; o < 32; o <<= 1) {
-        const u32 t = __shfl_up_sync(FULL_MASK, v, o);
-        if (lane >= o) v += t;
-    }
-    return v;
-}
 
 // One block (a multiple of 32 threads): offsets[0..=e] and, in place, the per-block bases.
 extern "C" __global__ void moe_scan(u32* __restrict__ hist, u32 e, u32 g, u32* __restrict__ offsets) {
@@ -120,62 +110,17 @@ extern "C" __global__ void moe_scan(u32* __restrict__ hist, u32 e, u32 g, u32* _
     }
 }
 
-#define MOE_SMALL_THREADS 1024
-#define MOE_SMALL_WARPS (MOE_SMALL_THREADS / 32)
 #define MOE_SMALL_MAX_EXPERTS 256
 
 // The whole dispatch in one block of MOE_SMALL_THREADS threads for total <= MOE_SMALL_THREADS
-// entries and e <= MOE_SMALL_MAX_EXPERTS: entry i = threadIdx.x; per-warp counts, per-expert
-// prefix over warps, exclusive scan over experts, then pos = offsets[x] + earlier warps +
-// lanes below. Writes offsets[0..=e], perm, row_of as moe_scan + moe_scatter do.
-extern "C" __global__ void moe_dispatch_small(const u32* __restrict__ ids, u32 total, u32 e,
-                                              u32* __restrict__ offsets, u32* __restrict__ perm,
-                                              u32* __restrict__ row_of) {
+// entries and e <= MOE_SMALL_MAX_EXPERTS (common.cuh's moe_dispatch_block): writes
+// offsets[0..=e], perm, row_of as moe_scan + moe_scatter do.
+extern "C" __global__ void __launch_bounds__(MOE_SMALL_THREADS)
+    moe_dispatch_small(const u32* __restrict__ ids, u32 total, u32 e, u32* __restrict__ offsets,
+                       u32* __restrict__ perm, u32* __restrict__ row_of) {
     __shared__ u32 tab[MOE_SMALL_WARPS * MOE_SMALL_MAX_EXPERTS];
     __shared__ u32 off[MOE_SMALL_MAX_EXPERTS];
-    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    u32 x = tid < total ? ids[tid] : MOE_INVALID;
-    if (x >= e) x = MOE_INVALID;
-    const u32 same = __match_any_sync(FULL_MASK, x);
-    const u32 below = __popc(same & ((1u << lane) - 1u));
-    for (u32 j = tid; j < MOE_SMALL_WARPS * e; j += MOE_SMALL_THREADS) tab[j] = 0;
-    __syncthreads();
-    if (x != MOE_INVALID && below == 0) tab[warp * e + x] = __popc(same);
-    __syncthreads();
-    for (u32 xx = tid; xx < e; xx += MOE_SMALL_THREADS) {
-        u32 run = 0;
-        for (u32 w = 0; w < MOE_SMALL_WARPS; ++w) {
-            const u32 c = tab[w * e + xx];
-            tab[w * e + xx] = run;
-            run += c;
-        }
-        off[xx] = run;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        u32 carry = 0;
-        for (u32 base = 0; base < e; base += 32) {
-            const u32 xx = base + lane;
-            const u32 v = xx < e ? off[xx] : 0;
-            const u32 inc = moe_warp_incl_scan_u32(v);
-            if (xx < e) {
-                off[xx] = carry + inc - v;
-                offsets[xx] = carry + inc - v;
-            }
-            carry += __shfl_sync(FULL_MASK, inc, 31);
-        }
-        if (lane == 0) offsets[e] = carry;
-    }
-    __syncthreads();
-    if (tid < total) {
-        if (x != MOE_INVALID) {
-            const u32 pos = off[x] + tab[warp * e + x] + below;
-            perm[pos] = tid;
-            row_of[tid] = pos;
-        } else {
-            row_of[tid] = MOE_INVALID;
-        }
-    }
+    moe_dispatch_block(ids, total, e, offsets, perm, row_of, tab, off);
 }
 
 // perm[pos] = i and row_of[i] = pos for every flat entry i = t*k + s (row_of = MOE_INVALID for

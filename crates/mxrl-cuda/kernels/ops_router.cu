@@ -222,3 +222,80 @@ extern "C" __global__ void router_aux_finish(const double* __restrict__ psum, co
     for (u32 x = threadIdx.x; x < e; x += blockDim.x)
         grad[x] = m > 0.0 ? __fmul_rn((float)((double)e * counts[x] / (m * m)), coef) : 0.0f;
 }
+
+// ---- Decode routing in one launch: router_fwd_topk for every token, then the dispatch
+// (moe_dispatch_small's), by one block of MOE_SMALL_THREADS threads, for N·k <=
+// MOE_SMALL_THREADS and e <= ROUTE_SMALL_MAX_E. Warp w < ROUTE_SMALL_WARPS computes tokens
+// w, w + ROUTE_SMALL_WARPS, …; a token's values are router_fwd_topk's bit for bit: the max is
+// order-free (fmaxf ignores NaN, and either zero gives the same exp), the softmax sum and the
+// norm_topk_prob sum run on one lane in index order as one thread does there, and the ranks
+// are the same counts.
+#define ROUTE_SMALL_MAX_E 128
+#define ROUTE_SMALL_WARPS 16
+
+__device__ __forceinline__ void router_topk_row_warp(const float* __restrict__ x, float* __restrict__ probs_row,
+                                                     u32* __restrict__ ids_row, float* __restrict__ w_row, u32 e,
+                                                     u32 k, int norm, float* p, u32* key, u32* sel) {
+    const u32 lane = threadIdx.x & 31;
+    float mx = -__int_as_float(0x7f800000);
+    for (u32 j = lane; j < e; j += 32) {
+        const float v = x[j];
+        p[j] = v;
+        mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    for (u32 j = lane; j < e; j += 32) p[j] = router_exp(__fsub_rn(p[j], mx));
+    __syncwarp();
+    float s = 0.0f;
+    if (lane == 0)
+        for (u32 j = 0; j < e; ++j) s = __fadd_rn(s, p[j]);
+    s = __shfl_sync(FULL_MASK, s, 0);
+    for (u32 j = lane; j < e; j += 32) {
+        const float q = __fdiv_rn(p[j], s);
+        p[j] = q;
+        probs_row[j] = q;
+        key[j] = router_key(q);
+    }
+    __syncwarp();
+    for (u32 i = lane; i < e; i += 32) {
+        const u32 ki = key[i];
+        u32 rank = 0;
+        for (u32 j = 0; j < e; ++j) {
+            const u32 kj = key[j];
+            rank += (kj > ki || (kj == ki && j < i)) ? 1u : 0u;
+        }
+        if (rank < k) sel[rank] = i;
+    }
+    __syncwarp();
+    float sw = 0.0f;
+    if (lane == 0 && norm)
+        for (u32 q = 0; q < k; ++q) sw = __fadd_rn(sw, sel[q] < e ? p[sel[q]] : __int_as_float(0x7fffffff));
+    sw = __shfl_sync(FULL_MASK, sw, 0);
+    for (u32 q = lane; q < k; q += 32) {
+        const u32 id = sel[q];
+        float w = id < e ? p[id] : __int_as_float(0x7fffffff);
+        if (norm) w = __fdiv_rn(w, sw);
+        ids_row[q] = id;
+        w_row[q] = w;
+    }
+    __syncwarp();
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_SMALL_THREADS)
+    router_topk_dispatch_small(const float* __restrict__ logits, float* __restrict__ probs, u32* ids,
+                               float* __restrict__ weights, u32 n, u32 e, u32 k, int norm,
+                               u32* __restrict__ offsets, u32* __restrict__ perm, u32* __restrict__ row_of) {
+    __shared__ float wp[ROUTE_SMALL_WARPS][ROUTE_SMALL_MAX_E];
+    __shared__ u32 wkey[ROUTE_SMALL_WARPS][ROUTE_SMALL_MAX_E];
+    __shared__ u32 wsel[ROUTE_SMALL_WARPS][ROUTE_SMALL_MAX_E];
+    __shared__ u32 tab[MOE_SMALL_WARPS * ROUTE_SMALL_MAX_E];
+    __shared__ u32 off[ROUTE_SMALL_MAX_E];
+    const u32 warp = threadIdx.x >> 5;
+    if (warp < ROUTE_SMALL_WARPS)
+        for (u32 t = warp; t < n; t += ROUTE_SMALL_WARPS)
+            router_topk_row_warp(logits + (u64)t * e, probs + (u64)t * e, ids + (u64)t * k, weights + (u64)t * k, e,
+                                 k, norm, wp[warp], wkey[warp], wsel[warp]);
+    // The block's ids writes are visible to every thread after the barrier.
+    __syncthreads();
+    moe_dispatch_block(ids, n * k, e, offsets, perm, row_of, tab, off);
+}

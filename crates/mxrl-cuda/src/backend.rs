@@ -1906,6 +1906,25 @@ impl Backend for CudaBackend {
         replay: Option<&Self::U32>,
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
+        // Decode-sized batches: the router and the dispatch in one launch (the same bits).
+        if replay.is_none() && Router::dispatch_small_fits(n, e, k) {
+            return self
+                .router
+                .forward_dispatch_small(
+                    &logits.as_view(),
+                    &mut out.probs.as_view_mut(),
+                    &mut out.ids.as_view_mut(),
+                    &mut out.weights.as_view_mut(),
+                    &mut out.offsets.as_view_mut(),
+                    &mut out.perm.as_view_mut(),
+                    &mut out.row_of.as_view_mut(),
+                    n,
+                    e,
+                    k,
+                    norm_topk_prob,
+                )
+                .map_err(de);
+        }
         let replayed = replay.map(|r| r.as_view());
         self.router
             .forward(

@@ -559,3 +559,136 @@ fn router_launcher_rejects_bad_shapes() {
         .unwrap_err();
     assert!(err.to_string().contains("top_k 9"), "{err}");
 }
+
+/// Decode's one-launch routing gives the bits of the router forward followed by the dispatch:
+/// probabilities, ids, weights, offsets, perm and row_of, over token counts up to the block's
+/// 1024 entries, expert counts up to 128, exact ties, NaN logits and both weight modes; a shape
+/// past its limits is refused with a clear error.
+#[test]
+fn router_dispatch_small_equals_router_then_dispatch_bitwise() {
+    let g = gpu();
+    let r = Router::new(&g).unwrap();
+    let moe = Moe::new(&g).unwrap();
+    let cases = [
+        (1usize, 64usize, 8usize, true),
+        (3, 64, 8, false),
+        (17, 8, 2, true),
+        (128, 64, 8, true),
+        (40, 128, 3, false),
+        (1, 1, 1, true),
+        (1024, 4, 1, true),
+    ];
+    for (ci, &(n, e, k, norm)) in cases.iter().enumerate() {
+        let mut logits = values(n * e, 9300 + ci as u64, 3.0);
+        // Exact ties and a NaN in the first rows.
+        if e >= 4 {
+            logits[1] = logits[2];
+            logits[0] = f32::NAN;
+        }
+        if e >= 4 && n >= 2 {
+            logits[e + 3] = logits[e];
+        }
+        let dl = g.upload(&logits).unwrap();
+        let nan = |m: usize| g.upload(&vec![f32::NAN; m]).unwrap();
+        let junk = |m: usize| g.upload(&vec![0xDEADu32; m]).unwrap();
+        // Reference: the two launches.
+        let (mut p1, mut i1, mut w1) = (nan(n * e), junk(n * k), nan(n * k));
+        r.forward(
+            &dl.as_view(),
+            DeviceRouteMode::Compute,
+            &mut p1.as_view_mut(),
+            &mut i1.as_view_mut(),
+            &mut w1.as_view_mut(),
+            n,
+            e,
+            k,
+            norm,
+        )
+        .unwrap();
+        let mut scratch = g.zeros::<u32>(dispatch_scratch_len(n, k, e)).unwrap();
+        let (mut o1, mut pm1, mut ro1) = (junk(e + 1), junk(n * k), junk(n * k));
+        moe.dispatch(
+            &i1.as_view(),
+            n,
+            e,
+            k,
+            &mut scratch.as_view_mut(),
+            &mut o1.as_view_mut(),
+            &mut pm1.as_view_mut(),
+            &mut ro1.as_view_mut(),
+        )
+        .unwrap();
+        // One launch.
+        assert!(Router::dispatch_small_fits(n, e, k), "case {ci}");
+        let (mut p2, mut i2, mut w2) = (nan(n * e), junk(n * k), nan(n * k));
+        let (mut o2, mut pm2, mut ro2) = (junk(e + 1), junk(n * k), junk(n * k));
+        r.forward_dispatch_small(
+            &dl.as_view(),
+            &mut p2.as_view_mut(),
+            &mut i2.as_view_mut(),
+            &mut w2.as_view_mut(),
+            &mut o2.as_view_mut(),
+            &mut pm2.as_view_mut(),
+            &mut ro2.as_view_mut(),
+            n,
+            e,
+            k,
+            norm,
+        )
+        .unwrap();
+        let bits = |b: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
+            g.download(b).unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(&p2), bits(&p1), "case {ci}: probs");
+        assert_eq!(bits(&w2), bits(&w1), "case {ci}: weights");
+        for (what, a, b) in [
+            ("ids", &i2, &i1),
+            ("offsets", &o2, &o1),
+            ("perm", &pm2, &pm1),
+            ("row_of", &ro2, &ro1),
+        ] {
+            assert_eq!(
+                g.download(a).unwrap(),
+                g.download(b).unwrap(),
+                "case {ci}: {what}"
+            );
+        }
+        // And the selection is the top k of the probabilities (not only self-consistent).
+        let p = g.download(&p2).unwrap();
+        let ids = g.download(&i2).unwrap();
+        for t in 0..n {
+            assert_topk_of(
+                &p[t * e..(t + 1) * e],
+                &ids[t * k..(t + 1) * k],
+                e,
+                &format!("case {ci} token {t}"),
+            );
+        }
+    }
+    let err = |r: Result<(), mxrl_cuda::DeviceError>| r.unwrap_err().to_string();
+    let (dl, mut a, mut b, mut c) = (
+        g.zeros::<f32>(129 * 2).unwrap(),
+        g.zeros::<f32>(129 * 2).unwrap(),
+        g.zeros::<u32>(2).unwrap(),
+        g.zeros::<f32>(2).unwrap(),
+    );
+    let (mut o, mut pm, mut ro) = (
+        g.zeros::<u32>(130).unwrap(),
+        g.zeros::<u32>(2).unwrap(),
+        g.zeros::<u32>(2).unwrap(),
+    );
+    let e = err(r.forward_dispatch_small(
+        &dl.as_view(),
+        &mut a.as_view_mut(),
+        &mut b.as_view_mut(),
+        &mut c.as_view_mut(),
+        &mut o.as_view_mut(),
+        &mut pm.as_view_mut(),
+        &mut ro.as_view_mut(),
+        2,
+        129,
+        1,
+        true,
+    ));
+    assert!(e.contains("one block"), "{e}");
+}

@@ -35,6 +35,10 @@ use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKern
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_router.cu");
 
+/// [`Router::forward_dispatch_small`]: at most this many experts (its per-warp shared rows)…
+const ROUTE_SMALL_MAX_EXPERTS: usize = 128;
+/// … and `N·k` entries (one per thread of its one block).
+const ROUTE_SMALL_ENTRIES: usize = 1024;
 /// Largest expert count the router kernels accept.
 pub const MAX_EXPERTS: usize = 1024;
 /// Largest `k` the router kernels accept (`ROUTER_MAX_TOP_K`).
@@ -69,6 +73,7 @@ pub enum ExtraDprobs<'v, 'a> {
 pub struct Router {
     gpu: Gpu,
     fwd_topk: CudaFunction,
+    topk_dispatch_small: CudaFunction,
     fwd_replay_ids: CudaFunction,
     fwd_replay_full: CudaFunction,
     bwd: CudaFunction,
@@ -99,6 +104,7 @@ impl Router {
         Ok(Router {
             gpu: gpu.clone(),
             fwd_topk: f("router_fwd_topk")?,
+            topk_dispatch_small: f("router_topk_dispatch_small")?,
             fwd_replay_ids: f("router_fwd_replay_ids")?,
             fwd_replay_full: f("router_fwd_replay_full")?,
             bwd: f("router_bwd")?,
@@ -207,6 +213,68 @@ impl Router {
                     .map_err(|x| self.gpu.err(x))?;
             }
         }
+        Ok(())
+    }
+
+    /// Whether [`Router::forward_dispatch_small`] takes `n` tokens, `e` experts, top `k`.
+    pub fn dispatch_small_fits(n: usize, e: usize, k: usize) -> bool {
+        n >= 1 && k >= 1 && k <= e && e <= ROUTE_SMALL_MAX_EXPERTS && n * k <= ROUTE_SMALL_ENTRIES
+    }
+
+    /// Decode routing in one launch: [`Router::forward`] in `Compute` mode followed by the MoE
+    /// dispatch ([`crate::ops::moe::Moe::dispatch`]: `offsets [E+1]`, `perm [N·k]`, `row_of
+    /// [N·k]`), with the bits of those two, for `N·k ≤ 1024` and `E ≤ 128`
+    /// ([`Router::dispatch_small_fits`]); one block, so only for decode-sized batches.
+    ///
+    /// # Errors
+    /// A shape [`Router::dispatch_small_fits`] refuses, short buffers; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_dispatch_small(
+        &self,
+        logits: &CudaView<'_, f32>,
+        probs: &mut CudaViewMut<'_, f32>,
+        ids: &mut CudaViewMut<'_, u32>,
+        weights: &mut CudaViewMut<'_, f32>,
+        offsets: &mut CudaViewMut<'_, u32>,
+        perm: &mut CudaViewMut<'_, u32>,
+        row_of: &mut CudaViewMut<'_, u32>,
+        n: usize,
+        e: usize,
+        k: usize,
+        norm_topk_prob: bool,
+    ) -> Result<(), DeviceError> {
+        let what = "router forward + dispatch";
+        self.check_shape(what, n, e, k)?;
+        if !Self::dispatch_small_fits(n, e, k) {
+            return Err(self.gpu.err(format!(
+                "{what}: {n} tokens × top {k} of {e} experts; one block takes N·k ≤ \
+                 {ROUTE_SMALL_ENTRIES} and E ≤ {ROUTE_SMALL_MAX_EXPERTS}"
+            )));
+        }
+        let g = &self.gpu;
+        check_len(g, "router logits", logits.len(), n * e)?;
+        check_len(g, "router probs", probs.len(), n * e)?;
+        check_len(g, "router ids", ids.len(), n * k)?;
+        check_len(g, "router weights", weights.len(), n * k)?;
+        check_len(g, "dispatch offsets", offsets.len(), e + 1)?;
+        check_len(g, "dispatch perm", perm.len(), n * k)?;
+        check_len(g, "dispatch row_of", row_of.len(), n * k)?;
+        let (n32, e32, k32, norm) = (n as u32, e as u32, k as u32, norm_topk_prob as i32);
+        let mut b = g.stream().launch_builder(&self.topk_dispatch_small);
+        b.arg(logits).arg(probs).arg(ids).arg(weights);
+        b.arg(&n32).arg(&e32).arg(&k32).arg(&norm);
+        b.arg(offsets).arg(perm).arg(row_of);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ROUTE_SMALL_ENTRIES as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block of 1024 threads; warps < 16 read logits rows t < N and write probs
+        // rows (N·E checked) and ids/weights rows (N·k checked), with per-warp static shared
+        // rows of E ≤ 128 entries (checked); then thread i < N·k ≤ 1024 reads ids[i], writes
+        // row_of[i] and perm[pos] with pos < offsets[E] ≤ N·k, offsets[0..=E] (E + 1 checked);
+        // types (const float*, float*, u32*, float*, u32, u32, u32, int, u32*, u32*, u32*).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| g.err(x))?;
         Ok(())
     }
 
