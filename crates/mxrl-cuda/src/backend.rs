@@ -52,19 +52,26 @@ fn small_m_dense(m: usize, k: usize, ns: &[usize]) -> bool {
         && ns.iter().all(|n| n.is_multiple_of(8))
 }
 
+/// Whether the environment variable `name` turns a fused path off (`off`, `0`, `false`).
+fn env_off(name: &str) -> bool {
+    matches!(
+        std::env::var(name).ok().as_deref().map(str::trim),
+        Some("off" | "0" | "false")
+    )
+}
+
 /// Whether decode's BF16 routed gate/up runs fused with the gather and SwiGLU on the small-M
 /// kernel (`MXRL_MOE_FUSED=off`: the three ops, the gate/up on the fragment kernels).
 fn moe_fused_small_m() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("MXRL_MOE_FUSED")
-                .ok()
-                .as_deref()
-                .map(str::trim),
-            Some("off" | "0" | "false")
-        )
-    })
+    *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
+}
+
+/// Whether decode-sized routing runs the router and the dispatch in one launch
+/// (`MXRL_ROUTE_FUSED=off`: two launches; the same bits either way).
+fn route_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !env_off("MXRL_ROUTE_FUSED"))
 }
 
 fn de(e: CudaError) -> DeviceError {
@@ -1907,7 +1914,7 @@ impl Backend for CudaBackend {
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
         // Decode-sized batches: the router and the dispatch in one launch (the same bits).
-        if replay.is_none() && Router::dispatch_small_fits(n, e, k) {
+        if replay.is_none() && route_fused() && Router::dispatch_small_fits(n, e, k) {
             return self
                 .router
                 .forward_dispatch_small(
