@@ -633,3 +633,73 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) dense_nt_small_m_nb2
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) dense_nt_small_m_nb1(DENSE_SMALL_M_ARGS) {
     dense_small_m_body<1>(x, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
 }
+
+// RMSNorm of the rows, then dense_nt_small_m of their BF16 rounding (decode's attention input
+// and its q, k and v projections): per pass of up to SM_RB rows, the block (SM_WARPS·32 = 256
+// threads) normalizes each row into shared memory as rmsnorm_fwd_bf16 does with its 256-thread
+// block (rms_row_rstd over the same threads, then bf16((x·rstd)·w)), so for K >= 256 the
+// operands are that kernel's bits; the warps then sum from shared memory exactly as
+// dense_small_m_body sums from global memory. Dynamic shared memory: min(M, SM_RB)·K BF16.
+template <int NB>
+__device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restrict__ x, const float* __restrict__ nw,
+                                                           float eps, u32 M, u32 K, const u16* w0, float* y0, u32 n0,
+                                                           const u16* w1, float* y1, u32 n1, const u16* w2,
+                                                           float* y2, u32 n2) {
+    extern __shared__ __align__(16) u16 gemm_xs[];
+    __shared__ float scratch[32];
+    constexpr u32 COLS = SM_WARPS * NB;
+    const u32 b0 = (n0 + COLS - 1) / COLS, b1 = (n1 + COLS - 1) / COLS;
+    u32 bx = blockIdx.x;
+    const u16* w;
+    float* y;
+    u32 N;
+    if (bx < b0) {
+        w = w0, y = y0, N = n0;
+    } else if (bx < b0 + b1) {
+        w = w1, y = y1, N = n1, bx -= b0;
+    } else {
+        w = w2, y = y2, N = n2, bx -= b0 + b1;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 c0 = ((u64)bx * SM_WARPS + warp) * NB;
+    const u16* wr[NB];
+#pragma unroll
+    for (int q = 0; q < NB; ++q) wr[q] = w + (c0 + q) * K;
+    for (u64 rb = 0; rb < M; rb += SM_RB) {
+        const u32 nr = (u32)min((u64)SM_RB, M - rb);
+        for (u32 r = 0; r < nr; ++r) {
+            const float* xr = x + (rb + r) * K;
+            const float rs = rms_row_rstd(xr, K, eps, scratch);
+            for (u32 j = threadIdx.x; j < K; j += blockDim.x)
+                gemm_xs[r * K + j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), nw[j]));
+        }
+        __syncthreads();
+        if (c0 < N) {  // N is a multiple of 8, so c0 < N implies c0 + NB <= N
+            const u16* xr[SM_RB];
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) xr[r] = gemm_xs + min((u32)r, nr - 1) * K;
+            float acc[SM_RB][NB];
+            small_m_dot<NB, 8 / NB>(xr, nr, wr, K, lane, acc);
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) {
+                if ((u32)r < nr) {
+#pragma unroll
+                    for (int q = 0; q < NB; ++q) {
+                        const float s = warp_sum(acc[r][q]);
+                        if (lane == q) y[(rb + r) * N + c0 + q] = s;
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next pass overwrites the rows
+    }
+}
+#define RMSNORM_DENSE_SMALL_M_ARGS                                                                         \
+    const float *__restrict__ x, const float *__restrict__ nw, float eps, u32 M, u32 K, const u16 *w0, float *y0, \
+        u32 n0, const u16 *w1, float *y1, u32 n1, const u16 *w2, float *y2, u32 n2
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) rmsnorm_dense_small_m_nb2(RMSNORM_DENSE_SMALL_M_ARGS) {
+    rmsnorm_dense_small_m_body<2>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
+}
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) rmsnorm_dense_small_m_nb1(RMSNORM_DENSE_SMALL_M_ARGS) {
+    rmsnorm_dense_small_m_body<1>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
+}

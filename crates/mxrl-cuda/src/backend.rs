@@ -15,7 +15,9 @@ use crate::ops::attention::{self, Attention};
 use crate::ops::elementwise::Elementwise;
 use crate::ops::embed_backward::{EmbedBackward, EmbedGrouping};
 use crate::ops::engine::EngineOps;
-use crate::ops::gemm::{dense_small_m_rows, Gemm, Grouped, GroupedPath, DENSE_SMALL_M_OUTPUTS};
+use crate::ops::gemm::{
+    dense_small_m_rows, Gemm, Grouped, GroupedPath, DENSE_SMALL_M_OUTPUTS, RMSNORM_SMALL_M_MAX_SMEM,
+};
 use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK};
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
@@ -61,11 +63,19 @@ fn env_off(name: &str) -> bool {
 }
 
 /// Whether decode's BF16 routed gate/up runs fused with the gather and SwiGLU on the small-M
-/// kernel (`MXRL_MOE_FUSED=off`: the three ops, the gate/up on the fragment kernels).
+/// kernel (`MXRL_MOE_FUSED=off`: the three ops, the gate/up on the fragment kernels). It is
+/// taken only while the experts average at most half a row each: its sums run on CUDA cores,
+/// and with more rows the fragment kernels' tensor cores win (H100: 26 µs per layer faster at
+/// batch 1 of the benchmark model, 45 µs slower at batch 32; BENCHMARKS.md).
 fn moe_fused_small_m() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
 }
+
+/// Decode routing runs fused up to this many tokens: one token per warp of the fused kernel.
+/// Beyond, a warp takes several tokens in turn and the per-token-block kernel is faster (H100:
+/// +34 µs per layer at 128 tokens, BENCHMARKS.md).
+const ROUTE_FUSED_MAX_TOKENS: usize = 16;
 
 /// Whether decode-sized routing runs the router and the dispatch in one launch
 /// (`MXRL_ROUTE_FUSED=off`: two launches; the same bits either way).
@@ -1581,6 +1591,40 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn rmsnorm_linear_shared(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        eps: f32,
+        m: usize,
+        k: usize,
+        outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        let ns: Vec<usize> = outs.iter().map(|o| o.1).collect();
+        if outs.len() <= DENSE_SMALL_M_OUTPUTS
+            && small_m_dense(m, k, &ns)
+            && k >= 256
+            && Gemm::rmsnorm_small_m_smem(m, k) <= RMSNORM_SMALL_M_MAX_SMEM
+        {
+            let views: Vec<_> = outs.iter().map(|o| o.0.as_view()).collect();
+            let mut ys: Vec<_> = outs.iter_mut().map(|o| o.2.as_view_mut()).collect();
+            let mut args: Vec<_> = views
+                .iter()
+                .zip(ys.iter_mut())
+                .zip(&ns)
+                .map(|((w, y), &n)| (w, n, y))
+                .collect();
+            return self
+                .gemm
+                .rmsnorm_dense_nt_small_m(&x.as_view(), &w.as_view(), eps, m, k, &mut args)
+                .map_err(de);
+        }
+        let mut xb = self.empty_bf16(m * k)?;
+        let mut rstd = self.empty_f32(m)?;
+        self.rmsnorm_bf16(x, w, m, k, eps, &mut xb, &mut rstd)?;
+        self.linear_shared(&xb, m, k, outs)
+    }
+
     fn moe_gate_up_swiglu_bf16(
         &self,
         xb: &Self::Bf16,
@@ -1600,7 +1644,8 @@ impl Backend for CudaBackend {
             n: 2 * f,
             k: h,
         };
-        if moe_fused_small_m() && GroupedPath::for_shape(s) == GroupedPath::SmallM {
+        if moe_fused_small_m() && 2 * rows <= e && GroupedPath::for_shape(s) == GroupedPath::SmallM
+        {
             return self
                 .gemm
                 .grouped_gate_up_swiglu_small_m(
@@ -1914,7 +1959,11 @@ impl Backend for CudaBackend {
         out: &mut RouteBufs<Self>,
     ) -> DResult<()> {
         // Decode-sized batches: the router and the dispatch in one launch (the same bits).
-        if replay.is_none() && route_fused() && Router::dispatch_small_fits(n, e, k) {
+        if replay.is_none()
+            && route_fused()
+            && n <= ROUTE_FUSED_MAX_TOKENS
+            && Router::dispatch_small_fits(n, e, k)
+        {
             return self
                 .router
                 .forward_dispatch_small(

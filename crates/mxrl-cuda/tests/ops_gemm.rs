@@ -1037,3 +1037,112 @@ fn fused_gate_up_swiglu_equals_gather_gemm_swiglu_bitwise() {
         );
     }
 }
+
+/// Decode's fused attention input: RMSNorm then the small-M q/k/v projections in one launch
+/// give the bits of the RMSNorm kernel's BF16 rows followed by the small-M kernel, over one and
+/// two passes of rows, widths from 256 (the norm's full block) and an NaN-free zero row; a width
+/// below 256 is refused.
+#[test]
+fn rmsnorm_dense_small_m_equals_norm_then_small_m_bitwise() {
+    use mxrl_cuda::ops::norm::Norm;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let norm = Norm::new(&g).unwrap();
+    let cases: [(usize, usize, &[usize]); 5] = [
+        (1, 2048, &[256, 64, 64]),
+        (3, 256, &[8]),
+        (8, 264, &[72, 16]),
+        (12, 1032, &[40]),
+        (2, 4096, &[32, 32, 16]),
+    ];
+    let eps = 1e-6f32;
+    for (ci, &(m, k, ns)) in cases.iter().enumerate() {
+        let seed = 9700 + ci as u64;
+        let mut x = mxrl_tensor::gradcheck::test_values(m * k, seed, 3.0);
+        if m > 2 {
+            x[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+        }
+        let nw = mxrl_tensor::gradcheck::test_values(k, seed + 1, 1.5);
+        let (dx, dnw) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap());
+        let ws: Vec<_> = ns
+            .iter()
+            .enumerate()
+            .map(|(j, &n)| {
+                g.upload(&bf16_values(n * k, seed * 4 + j as u64).bits)
+                    .unwrap()
+            })
+            .collect();
+        let run = |fused: bool| -> Vec<Vec<f32>> {
+            let mut ys: Vec<_> = ns
+                .iter()
+                .map(|&n| g.upload(&vec![f32::NAN; m * n]).unwrap())
+                .collect();
+            let mut xb = g.zeros::<u16>(m * k).unwrap();
+            let mut rstd = g.zeros::<f32>(m).unwrap();
+            if !fused {
+                norm.forward_bf16(
+                    &dx.as_view(),
+                    &dnw.as_view(),
+                    &mut xb.as_view_mut(),
+                    &mut rstd.as_view_mut(),
+                    m,
+                    k,
+                    eps,
+                )
+                .unwrap();
+            }
+            {
+                let views: Vec<_> = ws.iter().map(|w| w.as_view()).collect();
+                let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
+                let mut outs: Vec<_> = views
+                    .iter()
+                    .zip(yv.iter_mut())
+                    .zip(ns)
+                    .map(|((w, y), &n)| (w, n, y))
+                    .collect();
+                if fused {
+                    ops.rmsnorm_dense_nt_small_m(
+                        &dx.as_view(),
+                        &dnw.as_view(),
+                        eps,
+                        m,
+                        k,
+                        &mut outs,
+                    )
+                    .unwrap();
+                } else {
+                    ops.dense_nt_small_m(&xb.as_view(), m, k, &mut outs)
+                        .unwrap();
+                }
+            }
+            ys.iter().map(|y| g.download(y).unwrap()).collect()
+        };
+        let (a, b) = (run(true), run(false));
+        for j in 0..ns.len() {
+            let (ab, bb): (Vec<u32>, Vec<u32>) = (
+                a[j].iter().map(|v| v.to_bits()).collect(),
+                b[j].iter().map(|v| v.to_bits()).collect(),
+            );
+            assert_eq!(ab, bb, "case {ci} output {j}");
+            assert!(
+                a[j].iter().all(|v| v.is_finite()),
+                "case {ci} output {j}: unwritten"
+            );
+        }
+    }
+    let x = g.zeros::<f32>(128).unwrap();
+    let w = g.zeros::<u16>(128 * 8).unwrap();
+    let mut y = g.zeros::<f32>(8).unwrap();
+    let e = ops
+        .rmsnorm_dense_nt_small_m(
+            &x.as_view(),
+            &x.as_view(),
+            eps,
+            1,
+            128,
+            &mut [(&w.as_view(), 8, &mut y.as_view_mut())],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("256"), "{e}");
+}

@@ -1340,17 +1340,39 @@ impl<B: Backend> Engine<B> {
         // Block-format linears quantize the f32 normalized rows (as the CPU model's quantized
         // linears do); BF16 ones take their BF16 rounding (made only when one reads it).
         let qkv = [l.attn.q, l.attn.k, l.attn.v];
-        let (h1, h1b) = self.norm_rows(
-            &x_in,
-            l.ln1,
-            n,
-            qkv.iter().any(|&i| self.quantized(i)),
-            qkv.iter().any(|&i| !self.quantized(i)),
-            &mut rstd1,
-        )?;
         let (mut q, mut k, mut v) = (e(n * qd)?, e(n * kvd)?, e(n * kvd)?);
         let p = |i: usize| self.params[i].q.as_ref();
+        let decode = matches!(pass, Pass::Decode { .. });
+        // Decode with BF16 q, k, v: the norm and the three projections as one op (the device
+        // may fuse them); neither the normalized rows nor rstd are kept.
+        let fused_norm = decode && qkv.iter().all(|&i| !self.quantized(i));
+        let (h1, h1b) = if fused_norm {
+            b.rmsnorm_linear_shared(
+                &x_in,
+                self.w(l.ln1),
+                eps,
+                n,
+                hd,
+                &mut [
+                    (self.op(l.attn.q), qd, &mut q),
+                    (self.op(l.attn.k), kvd, &mut k),
+                    (self.op(l.attn.v), kvd, &mut v),
+                ],
+            )
+            .map_err(dev)?;
+            (None, None)
+        } else {
+            self.norm_rows(
+                &x_in,
+                l.ln1,
+                n,
+                qkv.iter().any(|&i| self.quantized(i)),
+                qkv.iter().any(|&i| !self.quantized(i)),
+                &mut rstd1,
+            )?
+        };
         match (p(l.attn.q), p(l.attn.k), p(l.attn.v), h1.as_ref()) {
+            _ if fused_norm => {}
             // All three in a block format: one input, quantized once where the device can.
             (Some(wq), Some(wk), Some(wv), Some(h1)) => b
                 .qlinear_shared(
@@ -1403,7 +1425,6 @@ impl<B: Backend> Engine<B> {
         }
         let mut q_pre = None;
         // Decode runs the q/k norms inside `decode_attn_prep` (nothing is taped there).
-        let decode = matches!(pass, Pass::Decode { .. });
         if let (false, Some([nq, nk])) = (decode, l.attn.qk_norm) {
             let (mut qn, mut kn) = (e(n * qd)?, e(n * kvd)?);
             let (mut rq, mut rk) = (e(n * hq)?, e(n * hkv)?);

@@ -317,6 +317,28 @@ pub trait Backend {
         }
         Ok(())
     }
+    /// [`Backend::rmsnorm_bf16`] of `x [m, k]` with weight `w [k]`, then
+    /// [`Backend::linear_shared`] of the normalized BF16 rows (decode's attention input and its
+    /// q, k, v projections), with exactly those bits; neither the rows nor `rstd` are kept. The
+    /// default composes the two; a device may fuse them.
+    ///
+    /// # Errors
+    /// As the two ops.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn rmsnorm_linear_shared(
+        &self,
+        x: &Self::F32,
+        w: &Self::F32,
+        eps: f32,
+        m: usize,
+        k: usize,
+        outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
+    ) -> DResult<()> {
+        let mut xb = self.empty_bf16(m * k)?;
+        let mut rstd = self.empty_f32(m)?;
+        self.rmsnorm_bf16(x, w, m, k, eps, &mut xb, &mut rstd)?;
+        self.linear_shared(&xb, m, k, outs)
+    }
     /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
     /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)
     /// into the same rows of `y: [R, n]`. `host_offsets`: the same offsets when the caller

@@ -159,6 +159,9 @@ const SMALL_M_THREADS: u32 = 256;
 /// [`Gemm::dense_nt_small_m`]'s outputs per launch (a layer's q, k and v projections).
 pub const DENSE_SMALL_M_OUTPUTS: usize = 3;
 
+/// Most dynamic shared memory [`Gemm::rmsnorm_dense_nt_small_m`] takes (8 rows of 6144).
+pub const RMSNORM_SMALL_M_MAX_SMEM: usize = 96 << 10;
+
 /// Rows up to which a dense BF16 forward runs on [`Gemm::dense_nt_small_m`] rather than
 /// cuBLAS ([`dense_small_m_rows`]): the small-M kernel reads the weight once per 8 rows and sums
 /// on CUDA cores, so it wins where the weight bytes dominate (decode).
@@ -310,6 +313,8 @@ pub struct Gemm {
     nt_small_m: CudaFunction,
     /// `dense_nt_small_m_nb1`, `dense_nt_small_m_nb2`.
     dense_small_m: [CudaFunction; 2],
+    /// `rmsnorm_dense_small_m_nb1`, `rmsnorm_dense_small_m_nb2`.
+    rmsnorm_small_m: [CudaFunction; 2],
     gate_up_swiglu_small_m: CudaFunction,
 }
 
@@ -350,6 +355,17 @@ impl Gemm {
             tn_tiled,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
+            rmsnorm_small_m: {
+                let load = |n: &str| {
+                    let func = f(n)?;
+                    gpu.allow_dynamic_smem(&func, n, RMSNORM_SMALL_M_MAX_SMEM)?;
+                    Ok::<_, DeviceError>(func)
+                };
+                [
+                    load("rmsnorm_dense_small_m_nb1")?,
+                    load("rmsnorm_dense_small_m_nb2")?,
+                ]
+            },
             gate_up_swiglu_small_m: f("grouped_gate_up_swiglu_small_m")?,
         })
     }
@@ -773,6 +789,103 @@ impl Gemm {
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
         let op = "dense_nt_small_m";
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, m, k)?)?;
+        check_align(g, &format!("{op} x"), x.device_ptr(g.stream()).0, 16)?;
+        let Some((cfg, ptrs)) = self.small_m_outputs(op, nb, m, k, outs, 0)? else {
+            return Ok(());
+        };
+        let (mm, kk) = (m as u32, k as u32);
+        let mut b = g.stream().launch_builder(&self.dense_small_m[nb - 1]);
+        b.arg(x).arg(&mm).arg(&kk);
+        for (w, y, n) in &ptrs {
+            b.arg(w).arg(y).arg(n);
+        }
+        // SAFETY: x holds m·k elements and each W_i n_i·k, y_i m·n_i (checked); k and every
+        // n_i are multiples of 8 and x, W_i 16-byte aligned (checked), so each lane's 16-byte
+        // loads stay inside a row; a block's columns start below its output's n_i or its warps
+        // exit; the padded slots have n = 0 and get no blocks. The device pointers outlive the
+        // launch (borrowed for the call). Argument types match (const u16*, u32, u32, then
+        // (const u16*, float*, u32) × 3).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Shared memory [`Gemm::rmsnorm_dense_nt_small_m`] needs for `m` rows of `k`: one pass of
+    /// up to 8 normalized BF16 rows.
+    pub fn rmsnorm_small_m_smem(m: usize, k: usize) -> usize {
+        m.min(8) * k * 2
+    }
+
+    /// RMSNorm, then [`Gemm::dense_nt_small_m`] of the normalized rows' BF16 rounding, in one
+    /// launch: `y_i = bf16((x·rstd)·nw) · W_iᵀ` with `x [m, k]` f32 and the norm weight `nw [k]`
+    /// f32 (decode's attention input and its q, k, v projections). For `k ≥ 256` the operands
+    /// are exactly those of the 256-thread RMSNorm kernel (`Norm::forward_bf16`), and each
+    /// output the bits [`Gemm::dense_nt_small_m`] gives them; no normalized rows are written.
+    ///
+    /// # Errors
+    /// As [`Gemm::dense_nt_small_m`]; `k < 256`; more shared memory than
+    /// [`RMSNORM_SMALL_M_MAX_SMEM`] ([`Gemm::rmsnorm_small_m_smem`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_dense_nt_small_m(
+        &self,
+        x: &CudaView<'_, f32>,
+        nw: &CudaView<'_, f32>,
+        eps: f32,
+        m: usize,
+        k: usize,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "rmsnorm_dense_nt_small_m";
+        if k < 256 {
+            return Err(g.err(format!(
+                "{op}: k = {k}; the 256-thread norm's reduction needs k ≥ 256"
+            )));
+        }
+        let smem = Self::rmsnorm_small_m_smem(m, k);
+        if smem > RMSNORM_SMALL_M_MAX_SMEM {
+            return Err(g.err(format!(
+                "{op}: {m} rows of {k} need {smem} bytes of shared memory (at most \
+                 {RMSNORM_SMALL_M_MAX_SMEM})"
+            )));
+        }
+        check_len(g, &format!("{op} x"), x.len(), mul(g, op, m, k)?)?;
+        check_len(g, &format!("{op} norm weight"), nw.len(), k)?;
+        let cols: usize = outs.iter().map(|o| o.1).sum();
+        let nb = dense_small_m_nb(cols);
+        let Some((cfg, ptrs)) = self.small_m_outputs(op, nb, m, k, outs, smem)? else {
+            return Ok(());
+        };
+        let (mm, kk) = (m as u32, k as u32);
+        let mut b = g.stream().launch_builder(&self.rmsnorm_small_m[nb - 1]);
+        b.arg(x).arg(nw).arg(&eps).arg(&mm).arg(&kk);
+        for (w, y, n) in &ptrs {
+            b.arg(w).arg(y).arg(n);
+        }
+        // SAFETY: x holds m·k and nw k f32 (checked), each W_i n_i·k, y_i m·n_i (checked);
+        // the block writes min(m, 8)·k BF16 of dynamic shared memory (the launch's size,
+        // allowed in `new`) and reads its rows with 16-byte loads (k a multiple of 8); the rest
+        // as dense_nt_small_m. Argument types match (const float*, const float*, float, u32,
+        // u32, then (const u16*, float*, u32) × 3).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Checks the outputs of the small-M dense launchers (count, widths, lengths, alignment)
+    /// and returns the launch shape (`smem` bytes of dynamic shared memory) and the three
+    /// (weight, output, width) slots, padded with empty ones; `None` when there is nothing to
+    /// launch (outputs zeroed when `k = 0`).
+    #[allow(clippy::type_complexity)]
+    fn small_m_outputs(
+        &self,
+        op: &str,
+        nb: usize,
+        m: usize,
+        k: usize,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+        smem: usize,
+    ) -> Result<Option<(LaunchConfig, Vec<(u64, u64, u32)>)>, DeviceError> {
+        let g = &self.gpu;
         if nb != 1 && nb != 2 {
             return Err(g.err(format!("{op}: {nb} columns per warp (1 or 2)")));
         }
@@ -789,8 +902,6 @@ impl Gemm {
             )));
         }
         let stream = g.stream();
-        check_len(g, &format!("{op} x"), x.len(), mul(g, op, m, k)?)?;
-        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
         for (i, (w, n, y)) in outs.iter_mut().enumerate() {
             check_len(g, &format!("{op} w{i}"), w.len(), mul(g, op, *n, k)?)?;
             check_len(g, &format!("{op} y{i}"), y.len(), mul(g, op, m, *n)?)?;
@@ -803,23 +914,22 @@ impl Gemm {
             }
         }
         if m == 0 || cols == 0 {
-            return Ok(());
+            return Ok(None);
         }
         if k == 0 {
             for (_, n, y) in outs.iter_mut() {
                 self.zero(y, m * *n)?;
             }
-            return Ok(());
+            return Ok(None);
         }
         let per_block = 8 * nb;
         let blocks: usize = outs.iter().map(|o| o.1.div_ceil(per_block)).sum();
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (SMALL_M_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32,
         };
         // Unused output slots: no columns (no blocks), any valid pointers.
-        let zero = 0u32;
         let mut ptrs = Vec::with_capacity(DENSE_SMALL_M_OUTPUTS);
         for (w, n, y) in outs.iter_mut() {
             ptrs.push((
@@ -830,22 +940,9 @@ impl Gemm {
         }
         let last = ptrs[ptrs.len() - 1];
         while ptrs.len() < DENSE_SMALL_M_OUTPUTS {
-            ptrs.push((last.0, last.1, zero));
+            ptrs.push((last.0, last.1, 0));
         }
-        let (mm, kk) = (m as u32, k as u32);
-        let mut b = g.stream().launch_builder(&self.dense_small_m[nb - 1]);
-        b.arg(x).arg(&mm).arg(&kk);
-        for (w, y, n) in &ptrs {
-            b.arg(w).arg(y).arg(n);
-        }
-        // SAFETY: x holds m·k elements and each W_i n_i·k, y_i m·n_i (checked); k and every
-        // n_i are multiples of 8 and x, W_i 16-byte aligned (checked), so each lane's 16-byte
-        // loads stay inside a row; a block's columns start below its output's n_i or its warps
-        // exit; the padded slots have n = 0 and get no blocks. The device pointers outlive the
-        // launch (borrowed for the call). Argument types match (const u16*, u32, u32, then
-        // (const u16*, float*, u32) × 3).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-        Ok(())
+        Ok(Some((cfg, ptrs)))
     }
 
     /// Fused MoE gate/up projection and SwiGLU for small `M` (decode): `act[p, j] =
