@@ -30,7 +30,7 @@ mod bench {
     use cudarc::driver::sys::CUevent_flags;
     use mxrl_cuda::gpu::Gpu;
     use mxrl_cuda::ops::attention::{
-        backward_scratch_len, decode_scratch_len, forward_scratch_len, Attention, TrainingKernels,
+        backward_scratch_len, decode_scratch_len, Attention, TrainingKernels,
     };
     use mxrl_cuda::ops::norm::{self, Norm};
     use mxrl_cuda::ops::rope::{Rope, RopeDeviceTable};
@@ -190,7 +190,6 @@ mod bench {
             let doff = g.upload(&offsets)?;
             let mut out = g.zeros::<f32>(qd)?;
             let mut lse = g.zeros::<f32>(n * hq)?;
-            let mut fscratch = g.zeros::<f32>(forward_scratch_len(n, s))?;
             // MACs of one causal product (QK^T or PV) per head: sum over rows of (i+1)·D.
             let macs = (b * hq * t * (t + 1) / 2 * 128) as f64;
             for (ops, fam) in [(&att_cc, "CUDA cores"), (&att, "tensor cores")] {
@@ -206,7 +205,6 @@ mod bench {
                         s,
                         &mut out.as_view_mut(),
                         &mut lse.as_view_mut(),
-                        &mut fscratch.as_view_mut(),
                     )
                 })?;
                 let name = format!("attention forward 8x512, Hq {hq}, Hkv 4, D 128, {fam}");

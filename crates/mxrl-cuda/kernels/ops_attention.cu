@@ -523,10 +523,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(A
 // statistics (max, exp, row sums, log), the masking and ds = p (dp - delta) run in IEEE f32
 // on the CUDA cores in the fixed orders described below.
 //
-// Blocks of 8 warps (ATC_THREADS) own 128 query rows (forward) or 64 rows (query rows in dq,
-// key rows in dk/dv; there two warps share 16 rows, see below), 16 per warp: a warp computes
-// the score tile of its 16 rows against the block's current tile of keys (or queries) in
-// shared memory, applies the softmax step in
+// Blocks of ATC_THREADS = 4 warps own ATC_BR = 64 rows (query rows in the forward and dq, key
+// rows in dk/dv), 16 per warp: warp w computes the score tile of its 16 rows against the
+// block's current tile of keys (or queries) in shared memory, applies the softmax step in
 // registers (mma accumulator layout: lane = 4g + t holds rows g and g + 8, columns 2t, 2t + 1
 // of every n8 tile), splits the probabilities into the three BF16 parts of an mma A fragment
 // (the accumulator layout of two adjacent n8 tiles is the A layout of one k16 step) and adds
@@ -540,6 +539,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attn_bwd_dkdv_256(A
 // of a later row reaches the earlier rows of its 16-row diagonal step (the reference never
 // reads it there: its own row is non-finite in both).
 #define ATC_MAX_D 128
+#define ATC_THREADS 128
 #define ATC_BR 64
 
 __device__ __forceinline__ u32 atc_saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -612,23 +612,19 @@ __device__ __forceinline__ void atc_acc_to_a(u32 (&a)[3][4], const float (&c0)[4
 
 // Loads rows r0 .. r0+ROWS-1 (those < r_end; the rest zero) of the head slice `head_off` of a
 // [*, row_stride] f32 matrix, split into the three planes of `tile` ([3][ROWS][ld] BF16),
-// columns D..dp zero. Thread i of the block (NTHR threads) takes the column pairs i, i + NTHR, ... of
+// columns D..dp zero. Thread i of the block takes the column pairs i, i + ATC_THREADS, ... of
 // a [ROWS][DMAX/2] pair grid (D even: a pair is entirely inside or outside the row; pairs at
 // or past dp are not stored): every load is issued before the first split, so their latencies
-// overlap. FULL: D == DMAX (no column guards). With `keep` (not null) the rows < r_end are also
-// stored as planes [3][*][H][dp] of head h (plane = elements per part) in global memory, the
-// layout of attn_split_planes (the same parts: the same bits).
-template <int ROWS, int DMAX, bool FULL, int NTHR>
+// overlap. FULL: D == DMAX (no column guards).
+template <int ROWS, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restrict__ src, u64 base_row,
-                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp,
-                                         u16* __restrict__ keep = nullptr, u64 plane = 0, u32 H = 0,
-                                         u32 h = 0) {
-    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / NTHR;
-    static_assert((ROWS * PAIRS) % NTHR == 0, "the pair grid must fill the block");
+                                         u32 r0, u32 r_end, u64 row_stride, u64 head_off, u32 D, u32 dp) {
+    constexpr u32 PAIRS = DMAX / 2, ITERS = ROWS * PAIRS / ATC_THREADS;
+    static_assert((ROWS * PAIRS) % ATC_THREADS == 0, "the pair grid must fill the block");
     float x[ITERS], y[ITERS];
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * NTHR, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
         const u32 r = r0 + rr;
         x[it] = 0.0f;
         y[it] = 0.0f;
@@ -640,7 +636,7 @@ __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restr
     }
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * NTHR, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
+        const u32 idx = threadIdx.x + it * ATC_THREADS, rr = idx / PAIRS, c = 2u * (idx % PAIRS);
         if (FULL || c < dp) {
             u32 p0, p1, p2;
             atc_split2(x[it], y[it], p0, p1, p2);
@@ -648,12 +644,6 @@ __device__ __forceinline__ void atc_load(u16* tile, u32 ld, const float* __restr
             *reinterpret_cast<u32*>(tile + o) = p0;
             *reinterpret_cast<u32*>(tile + ROWS * ld + o) = p1;
             *reinterpret_cast<u32*>(tile + 2u * ROWS * ld + o) = p2;
-            if (keep != nullptr && r0 + rr < r_end) {
-                u16* k = keep + ((base_row + r0 + rr) * H + h) * dp + c;
-                *reinterpret_cast<u32*>(k) = p0;
-                *reinterpret_cast<u32*>(k + plane) = p1;
-                *reinterpret_cast<u32*>(k + 2u * plane) = p2;
-            }
         }
     }
 }
@@ -688,22 +678,14 @@ __device__ __forceinline__ void atc_frag_b_tr(u32 (&b)[3][4], const u16* tile, u
 
 // c[nt] (n8 tiles nt < NT, columns n0 + 8 nt) = rows m0.. of A . rows of B^T over the
 // reduction 0 .. dp (k16 steps < dp / 16), A and B both with the reduction along their rows.
-// The k16 steps go to NS = max(1, 8 / NT) accumulator sets in turn (step ks to set ks % NS;
-// each set's products in step order, the six part products of a step as in atc_mma6), and
-// c = ((set 0 + set 1) + set 2) + set 3: 8 independent mma chains however narrow the tile.
 // FULL: dp == DMAX (no guards: straight-line code the compiler can pipeline).
 template <int NT, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 arows, u32 m0, const u16* B,
                                            u32 brows, u32 ld, u32 dp) {
-    constexpr int NS = NT >= 8 ? 1 : 8 / NT;
-    static_assert(DMAX / 16 >= NS, "every accumulator set gets a step");
-    float cs[NS][NT][4];
 #pragma unroll
-    for (int q = 0; q < NS; ++q)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) cs[q][nt][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) c[nt][e] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < DMAX / 16; ++ks) {
         if (FULL || 16u * ks < dp) {
@@ -711,18 +693,9 @@ __device__ __forceinline__ void atc_scores(float (&c)[NT][4], const u16* A, u32 
             atc_frag_a(a, A, arows, ld, m0, 16u * ks);
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) atc_frag_b_nt(b[np], B, brows, ld, 16u * np, 16u * ks);
-            atc_mma6<NT / 2>(cs[ks % NS], 0, a, b);
+            atc_mma6<NT / 2>(c, 0, a, b);
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float x = cs[0][nt][e];
-#pragma unroll
-            for (int q = 1; q < NS; ++q) x = __fadd_rn(x, cs[q][nt][e]);
-            c[nt][e] = x;
-        }
 }
 
 // acc[nt] (columns 8 nt < dp) += P . X for the k16 step kk of a warp's probability tile (A
@@ -786,6 +759,113 @@ __device__ __forceinline__ void atc_store(float* __restrict__ dst, const float (
     }
 }
 
+// Training forward. Grid (B, hq, ceil(max_len / 64)), block ATC_THREADS; block (b, h, z) owns
+// query rows row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w
+// rows row0 + 16w ... Per key tile of BK keys kt < min(row0 + 64, T) (the warp skips tiles
+// wholly after its rows): s = fl(q.k) * scale masked to j <= i, j < T (else -inf); per row the
+// running max m (quad max), alpha = exp(m_old - m), p = exp(s - m), the thread's partial row
+// sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in key order).
+// At the end l is the quad sum of the partials (xor 1 then 2), out = o / l, lse = m + log(l).
+// Dynamic shared memory (BF16): 3 * ld * (64 + 2 * BK) (q, k, v planes).
+template <int DMAX, int BK, bool FULL>
+__device__ __forceinline__ void attn_fwd_tc_body(const float* __restrict__ q, const float* __restrict__ k,
+                                                 const float* __restrict__ v, const u32* __restrict__ offsets,
+                                                 float* __restrict__ out, float* __restrict__ lse, u32 hq,
+                                                 u32 hkv, u32 D, float scale) {
+    extern __shared__ float4 smem4[];
+    u16* sm = reinterpret_cast<u16*>(smem4);
+    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
+    u16* qs = sm;
+    u16* ks = qs + 3u * ATC_BR * ld;
+    u16* vs = ks + 3u * BK * ld;
+    const u32 b = blockIdx.x, h = blockIdx.y;
+    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
+    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_BR;
+    if (row0 >= T) return;  // block-uniform
+    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const u32 kh = h / (hq / hkv);
+    const u64 qstride = (u64)hq * D, kstride = (u64)hkv * D;
+    atc_load<ATC_BR, DMAX, FULL>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
+    const u32 wr = row0 + 16u * w;  // the warp's first row
+    const u32 ir[2] = {wr + g, wr + g + 8u};
+    float o[DMAX / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DMAX / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+    float m[2] = {att_neg_inf(), att_neg_inf()}, l[2] = {0.0f, 0.0f};
+    // Tile 0 holds key 0 <= i, 0 < T for every row of the block (rows past T included; they are
+    // never stored): each row's max is finite from the first tile on.
+    const u32 kend = min(row0 + ATC_BR, T);
+    for (u32 kt = 0; kt < kend; kt += BK) {
+        __syncthreads();  // the previous tile's products are done with k and v
+        atc_load<BK, DMAX, FULL>(ks, ld, k, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        atc_load<BK, DMAX, FULL>(vs, ld, v, t0, kt, T, kstride, (u64)kh * D, D, dp);
+        __syncthreads();
+        if (kt > wr + 15u) continue;  // warp-uniform: every key after every row of the warp
+        float s[BK / 8][4];
+        atc_scores<BK / 8, DMAX, FULL>(s, qs, ATC_BR, 16u * w, ks, BK, ld, dp);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const u32 i = ir[hf];
+            float mx = att_neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 j = kt + 8u * nt + 2u * t + e;
+                    float& x = s[nt][2 * hf + e];
+                    x = (j <= i && j < T) ? __fmul_rn(x, scale) : att_neg_inf();
+                    mx = fmaxf(mx, x);
+                }
+            const float m_new = fmaxf(m[hf], atc_qmax(mx));
+            const float alpha = expf(__fsub_rn(m[hf], m_new));  // 0 on the first tile
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[nt][2 * hf + e];
+                    x = expf(__fsub_rn(x, m_new));  // masked: exp(-inf) = 0
+                    rs = __fadd_rn(rs, x);
+                }
+            l[hf] = __fadd_rn(__fmul_rn(l[hf], alpha), rs);
+            m[hf] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                o[nt][2 * hf] = __fmul_rn(o[nt][2 * hf], alpha);
+                o[nt][2 * hf + 1] = __fmul_rn(o[nt][2 * hf + 1], alpha);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
+            u32 a[3][4];
+            atc_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+            atc_wsum<DMAX, FULL>(o, a, vs, BK, ld, 16u * kk, dp);
+        }
+    }
+    float lt[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) lt[hf] = atc_qsum(l[hf]);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 i = ir[hf];
+        if (i < T) {
+            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
+#pragma unroll
+            for (int nt = 0; nt < DMAX / 8; ++nt) {
+                const u32 c = 8u * nt + 2u * t;
+                if (c < D) {
+                    orow[c] = __fdiv_rn(o[nt][2 * hf], lt[hf]);
+                    orow[c + 1] = __fdiv_rn(o[nt][2 * hf + 1], lt[hf]);
+                }
+            }
+            if (t == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[hf], logf(lt[hf]));
+        }
+    }
+}
+
 // p = exp(s * scale - lse_i), ds = p * (dp - delta_i) for the pairs j <= i < T, both 0 for
 // the others (s and dp replaced in place).
 __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scale, float lse_i, float del_i) {
@@ -795,24 +875,36 @@ __device__ __forceinline__ void atc_pds(float& s, float& dp, bool ok, float scal
     dp = ok ? ds : 0.0f;
 }
 
-// ---- Tensor-core kernels on BF16 planes ----
+// Instantiations (suffix: the largest D; the tile of keys / queries per step second; a
+// straight-line body when D is the largest, a guarded one below). The second launch bound is
+// the blocks per SM the shared memory allows at the largest D.
+#define ATC_FWD_CALL(DM, BK)                                                                       \
+    if (D == DM)                                                                                  \
+        attn_fwd_tc_body<DM, BK, true>(q, k, v, offsets, out, lse, hq, hkv, D, scale);             \
+    else                                                                                          \
+        attn_fwd_tc_body<DM, BK, false>(q, k, v, offsets, out, lse, hq, hkv, D, scale)
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(64, 64);
+}
+extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_128(ATT_FWD_ARGS) {
+    ATC_FWD_CALL(128, 32);
+}
+// ---- Tensor-core backward on BF16 planes ----
 //
-// The forward splits k and v, the backward k and v (attn_split_planes) and q and dout (in the
-// dq kernel, which also keeps them), once per call, into BF16 planes
+// The backward splits q, dout, k and v once per call (attn_split_planes) into BF16 planes
 // [3][N][H][dp] (part, row, head, column; dp = D rounded up to 16, columns D..dp zero) in the
-// launcher's scratch, and the kernels copy tiles of those planes into shared memory
+// launcher's scratch, and the dq / dk,dv kernels copy tiles of those planes into shared memory
 // with cp.async (16-byte copies, rows past the sequence zero-filled), the streamed tiles double
-// buffered: the next tile's copies are in flight while the current one is multiplied (the
-// forward splits its q rows as it loads them, once per row). The parts and the part products
-// are those described above (atc_split2 is the split everywhere). The backward's blocks of
-// 8 warps own 64 rows: warp w takes rows 16 (w % 4) .. + 15 of the
+// buffered: the next tile's copies are in flight while the current one is multiplied. The
+// parts and the part products are those of the kernels above (atc_split2 is the split in both).
+// Blocks of ATC_BWD_THREADS = 8 warps own 64 rows: warp w takes rows 16 (w % 4) .. + 15 of the
 // block and the half hs = w / 4 of each streamed tile of ATC_BT = 32 keys (dq) or queries
 // (dk/dv), i.e. its k16 step hs. Each output element is thus the sum of two partial sums (the
 // steps of half 0 and those of half 1, each in increasing order), added once at the end
 // through shared memory: partial(half 0) + partial(half 1) (f32 addition, commutative, so the
 // bits do not depend on which warp adds). Fixed order, no atomics; the reduction length and
 // the part products are unchanged, so AttnSums::Bf16x3Mma bounds the sums as before.
-#define ATC_THREADS 256
+#define ATC_BWD_THREADS 256
 #define ATC_BT 32
 
 // planes[((p * rows + r) * H + h) * dp + c] = part p of x[r, h*D + c] (0 for c >= D), for
@@ -857,16 +949,16 @@ __device__ __forceinline__ void atc_cp_wait() {
 // Issues the cp.async copies of rows r0 .. r0+ROWS-1 (those < r_end; the rest zero-filled) of
 // head h of a plane set [3][rows][H][dp] (plane = rows * H * dp elements; row r of the
 // sequence at base_row + r) into `tile` ([3][ROWS][ld]), columns 0 .. dp (FULL: dp == DMAX).
-// Thread i of the block takes the 16-byte chunks i, i + ATC_THREADS, ... of a
+// Thread i of the block takes the 16-byte chunks i, i + ATC_BWD_THREADS, ... of a
 // [3][ROWS][DMAX/8] grid.
 template <int ROWS, int DMAX, bool FULL>
 __device__ __forceinline__ void atc_cp_tile(u16* tile, u32 ld, const u16* __restrict__ planes, u64 plane,
                                             u64 base_row, u32 r0, u32 r_end, u32 H, u32 h, u32 dp) {
-    constexpr u32 CPR = DMAX / 8, PER_PLANE = ROWS * CPR, ITERS = 3 * PER_PLANE / ATC_THREADS;
-    static_assert((3 * PER_PLANE) % ATC_THREADS == 0, "the chunk grid must fill the block");
+    constexpr u32 CPR = DMAX / 8, PER_PLANE = ROWS * CPR, ITERS = 3 * PER_PLANE / ATC_BWD_THREADS;
+    static_assert((3 * PER_PLANE) % ATC_BWD_THREADS == 0, "the chunk grid must fill the block");
 #pragma unroll
     for (u32 it = 0; it < ITERS; ++it) {
-        const u32 idx = threadIdx.x + it * ATC_THREADS, p = idx / PER_PLANE, rem = idx % PER_PLANE;
+        const u32 idx = threadIdx.x + it * ATC_BWD_THREADS, p = idx / PER_PLANE, rem = idx % PER_PLANE;
         const u32 rr = rem / CPR, c = 8u * (rem % CPR), r = r0 + rr;
         if (FULL || c < dp) {
             const bool ok = r < r_end;
@@ -905,20 +997,16 @@ __device__ __forceinline__ void atc_pair_sum(float (&acc)[DMAX / 8][4], float* x
         }
 }
 
-// dq. Grid (B, hq, ceil(max_len / 64)), block ATC_THREADS; block (b, h, z) owns query rows
+// dq. Grid (B, hq, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, h, z) owns query rows
 // row0 .. row0+63 (row0 = (gridDim.z - 1 - z) * 64: the longest rows first), warp w rows
 // row0 + 16 (w % 4) .., half hs = w / 4. Per key tile of ATC_BT keys kt < min(row0 + 64, T)
 // the warp takes keys kt + 16 hs .. + 15 (skipped when all after its rows): S = Q K^T,
 // dP = dO V^T, p and ds (atc_pds), dq += dS K (its k16 steps in key order); at the end
-// dq = scale * (partial(half 0) + partial(half 1)). The block splits its rows of q and dout
-// (f32) into shared planes as it loads them and also writes them, as attn_split_planes would,
-// to the global planes qp, dop [3][N][hq][dp] (every row < T of every head is owned by one
-// block: the dk/dv kernel launched next reads them); k, v come as planes [3][N][hkv][dp]
-// (attn_split_planes). Dynamic shared memory (BF16): 3 * ld * (2 * 64 + 4 * ATC_BT) (q, dout
-// planes, then two stages of k, v planes).
+// dq = scale * (partial(half 0) + partial(half 1)). Planes of q, dout [3][N][hq][dp], of k, v
+// [3][N][hkv][dp] (attn_split_planes). Dynamic shared memory (BF16): 3 * ld * (2 * 64 +
+// 4 * ATC_BT) (q, dout planes, then two stages of k, v planes).
 template <int DMAX, bool FULL>
-__device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ dout, const float* __restrict__ q,
-                                                     u16* __restrict__ qp, u16* __restrict__ dop,
+__device__ __forceinline__ void attn_bwd_dq_tcp_body(const u16* __restrict__ qp, const u16* __restrict__ dop,
                                                      const u16* __restrict__ kp, const u16* __restrict__ vp,
                                                      const float* __restrict__ lse,
                                                      const float* __restrict__ delta,
@@ -938,6 +1026,8 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ d
     const u32 g = lane >> 2;
     const u32 kh = h / (hq / hkv);
     const u64 qplane = n * hq * dp, kplane = n * hkv * dp;
+    atc_cp_tile<ATC_BR, DMAX, FULL>(qs, ld, qp, qplane, t0, row0, T, hq, h, dp);
+    atc_cp_tile<ATC_BR, DMAX, FULL>(dos, ld, dop, qplane, t0, row0, T, hq, h, dp);
     const u32 kend = min(row0 + ATC_BR, T), ntiles = (kend + ATC_BT - 1u) / ATC_BT;
     const u32 stage = 6u * ATC_BT * ld;
     auto issue = [&](u32 s) {
@@ -946,11 +1036,7 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ d
         atc_cp_tile<ATC_BT, DMAX, FULL>(kd + 3u * ATC_BT * ld, ld, vp, kplane, t0, s * ATC_BT, T, hkv, kh, dp);
     };
     issue(0);
-    atc_cp_commit();  // the first key tile
-    const u64 qstride = (u64)hq * D;
-    atc_load<ATC_BR, DMAX, FULL, ATC_THREADS>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp, qp, qplane, hq, h);
-    atc_load<ATC_BR, DMAX, FULL, ATC_THREADS>(dos, ld, dout, t0, row0, T, qstride, (u64)h * D, D, dp, dop, qplane,
-                                              hq, h);
+    atc_cp_commit();  // q, dout and the first key tile
     const u32 wr = row0 + 16u * wg;
     const u32 ir[2] = {wr + g, wr + g + 8u};
     float lse_r[2], del_r[2];
@@ -996,6 +1082,7 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ d
     // The stages are free (barrier above): exchange the halves' partials there.
     atc_pair_sum<DMAX>(acc, reinterpret_cast<float*>(st), hs * (DMAX / 16), (hs + 1u) * (DMAX / 16));
     // Half hs stores the n8 tiles [hs * DMAX/16, (hs + 1) * DMAX/16).
+    const u64 qstride = (u64)hq * D;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const u32 r = wr + g + 8u * hf;
@@ -1013,7 +1100,7 @@ __device__ __forceinline__ void attn_bwd_dq_tcp_body(const float* __restrict__ d
     }
 }
 
-// dk, dv. Grid (B, hkv, ceil(max_len / 64)), block ATC_THREADS; block (b, kh, z) owns key
+// dk, dv. Grid (B, hkv, ceil(max_len / 64)), block ATC_BWD_THREADS; block (b, kh, z) owns key
 // rows j0 .. j0+63 (j0 = z * 64), warp w keys j0 + 16 (w % 4) .., half hs = w / 4. It walks
 // the group's query heads in increasing order and, per head, query tiles of ATC_BT queries
 // it = j0, j0 + ATC_BT, .. < T; the warp takes queries it + 16 hs .. + 15 (skipped when all
@@ -1144,8 +1231,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
 // the largest, a guarded one below). The second launch bound is the blocks per SM the shared
 // memory allows at the largest D.
 #define ATC_PL_DQ_ARGS                                                                             \
-    const float *__restrict__ dout, const float *__restrict__ q, u16 *__restrict__ qp,             \
-        u16 *__restrict__ dop, const u16 *__restrict__ kp,                                         \
+    const u16 *__restrict__ qp, const u16 *__restrict__ dop, const u16 *__restrict__ kp,           \
         const u16 *__restrict__ vp, const float *__restrict__ lse, const float *__restrict__ delta, \
         const u32 *__restrict__ offsets, float *__restrict__ dq, u64 n, u32 hq, u32 hkv, u32 D,     \
         float scale
@@ -1156,11 +1242,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
         u32 hq, u32 hkv, u32 D, float scale
 #define ATC_PL_DQ_CALL(DM)                                                                         \
     if (D == DM)                                                                                  \
-        attn_bwd_dq_tcp_body<DM, true>(dout, q, qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, \
-                                       scale);                                                    \
+        attn_bwd_dq_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale); \
     else                                                                                          \
-        attn_bwd_dq_tcp_body<DM, false>(dout, q, qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, \
-                                        scale)
+        attn_bwd_dq_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dq, n, hq, hkv, D, scale)
 #define ATC_PL_DKDV_CALL(DM)                                                                       \
     if (D == DM)                                                                                  \
         attn_bwd_dkdv_tcp_body<DM, true>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \
@@ -1168,157 +1252,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_tcp_body(const u16* __restrict__ q
     else                                                                                          \
         attn_bwd_dkdv_tcp_body<DM, false>(qp, dop, kp, vp, lse, delta, offsets, dk, dv, n, hq, hkv, D, \
                                           scale)
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dq_tc_64(ATC_PL_DQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dq_tc_64(ATC_PL_DQ_ARGS) {
     ATC_PL_DQ_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dq_tc_128(ATC_PL_DQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dq_tc_128(ATC_PL_DQ_ARGS) {
     ATC_PL_DQ_CALL(128);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_bwd_dkdv_tc_64(ATC_PL_DKDV_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 2) attn_bwd_dkdv_tc_64(ATC_PL_DKDV_ARGS) {
     ATC_PL_DKDV_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_bwd_dkdv_tc_128(ATC_PL_DKDV_ARGS) {
+extern "C" __global__ void __launch_bounds__(ATC_BWD_THREADS, 1) attn_bwd_dkdv_tc_128(ATC_PL_DKDV_ARGS) {
     ATC_PL_DKDV_CALL(128);
-}
-
-// Training forward. Grid (B, hq, ceil(max_len / 128)), block ATC_THREADS (8 warps); block
-// (b, h, z) owns query rows row0 .. row0+127 (row0 = (gridDim.z - 1 - z) * 128: the longest
-// rows first), warp w rows row0 + 16w ... q is split into shared planes as it is loaded (once
-// per row); k and v come as planes [3][N][hkv][dp] (attn_split_planes) in tiles of ATC_BT keys,
-// copied with cp.async and double buffered. Per key tile kt < min(row0 + 128, T) (the warp
-// skips tiles wholly after its rows): s = fl(q.k) * scale masked to j <= i, j < T (else -inf);
-// per row the running max m (quad max), alpha = exp(m_old - m), p = exp(s - m), the thread's
-// partial row sum l = l * alpha + (its p in column order), o = o * alpha + P V (k16 steps in
-// key order). At the end l is the quad sum of the partials (xor 1 then 2), out = o / l,
-// lse = m + log(l). Dynamic shared memory (BF16): 3 * ld * (128 + 4 * ATC_BT) (q planes, then
-// two stages of k, v planes).
-#define ATC_FWD_ROWS 128
-template <int DMAX, bool FULL>
-__device__ __forceinline__ void attn_fwd_tcp_body(const float* __restrict__ q, const u16* __restrict__ kp,
-                                                  const u16* __restrict__ vp, const u32* __restrict__ offsets,
-                                                  float* __restrict__ out, float* __restrict__ lse, u64 n, u32 hq,
-                                                  u32 hkv, u32 D, float scale) {
-    constexpr u32 BK = ATC_BT;
-    extern __shared__ float4 smem4[];
-    u16* sm = reinterpret_cast<u16*>(smem4);
-    const u32 dp = (D + 15u) & ~15u, ld = dp + 8u;
-    u16* qs = sm;
-    u16* st = qs + 3u * ATC_FWD_ROWS * ld;  // stage s: k planes at st + s * 6 * BK * ld, v after
-    const u32 b = blockIdx.x, h = blockIdx.y;
-    const u32 t0 = offsets[b], T = offsets[b + 1] - t0;
-    const u32 row0 = (gridDim.z - 1 - blockIdx.z) * ATC_FWD_ROWS;
-    if (row0 >= T) return;  // block-uniform
-    const u32 lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const u32 kh = h / (hq / hkv);
-    const u64 qstride = (u64)hq * D, kplane = n * hkv * dp;
-    const u32 kend = min(row0 + ATC_FWD_ROWS, T), ntiles = (kend + BK - 1u) / BK;
-    const u32 stage = 6u * BK * ld;
-    auto issue = [&](u32 s) {
-        u16* kd = st + (s & 1u) * stage;
-        atc_cp_tile<BK, DMAX, FULL>(kd, ld, kp, kplane, t0, s * BK, T, hkv, kh, dp);
-        atc_cp_tile<BK, DMAX, FULL>(kd + 3u * BK * ld, ld, vp, kplane, t0, s * BK, T, hkv, kh, dp);
-    };
-    issue(0);
-    atc_cp_commit();
-    atc_load<ATC_FWD_ROWS, DMAX, FULL, ATC_THREADS>(qs, ld, q, t0, row0, T, qstride, (u64)h * D, D, dp);
-    const u32 wr = row0 + 16u * w;  // the warp's first row
-    const u32 ir[2] = {wr + g, wr + g + 8u};
-    float o[DMAX / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < DMAX / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
-    float m[2] = {att_neg_inf(), att_neg_inf()}, l[2] = {0.0f, 0.0f};
-    // Tile 0 holds key 0 <= i, 0 < T for every row of the block (rows past T included; they are
-    // never stored): each row's max is finite from the first tile on.
-    for (u32 s = 0; s < ntiles; ++s) {
-        if (s + 1u < ntiles) issue(s + 1u);
-        atc_cp_commit();  // possibly empty: one group per step keeps the count uniform
-        atc_cp_wait<1>();
-        __syncthreads();  // tile s (and, on the first, the q planes) visible to every warp
-        const u32 kt = s * BK;
-        if (kt <= wr + 15u) {  // warp-uniform: else every key after every row of the warp
-            const u16* kst = st + (s & 1u) * stage;
-            const u16* vst = kst + 3u * BK * ld;
-            float sc[BK / 8][4];
-            atc_scores<BK / 8, DMAX, FULL>(sc, qs, ATC_FWD_ROWS, 16u * w, kst, BK, ld, dp);
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const u32 i = ir[hf];
-                float mx = att_neg_inf();
-#pragma unroll
-                for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const u32 j = kt + 8u * nt + 2u * t + e;
-                        float& x = sc[nt][2 * hf + e];
-                        x = (j <= i && j < T) ? __fmul_rn(x, scale) : att_neg_inf();
-                        mx = fmaxf(mx, x);
-                    }
-                const float m_new = fmaxf(m[hf], atc_qmax(mx));
-                const float alpha = expf(__fsub_rn(m[hf], m_new));  // 0 on the first tile
-                float rs = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < BK / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = sc[nt][2 * hf + e];
-                        x = expf(__fsub_rn(x, m_new));  // masked: exp(-inf) = 0
-                        rs = __fadd_rn(rs, x);
-                    }
-                l[hf] = __fadd_rn(__fmul_rn(l[hf], alpha), rs);
-                m[hf] = m_new;
-#pragma unroll
-                for (int nt = 0; nt < DMAX / 8; ++nt) {
-                    o[nt][2 * hf] = __fmul_rn(o[nt][2 * hf], alpha);
-                    o[nt][2 * hf + 1] = __fmul_rn(o[nt][2 * hf + 1], alpha);
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                if (kt + 16u * kk > wr + 15u) continue;  // every key after every row: p = 0
-                u32 a[3][4];
-                atc_acc_to_a(a, sc[2 * kk], sc[2 * kk + 1]);
-                atc_wsum<DMAX, FULL>(o, a, vst, BK, ld, 16u * kk, dp);
-            }
-        }
-        __syncthreads();  // every warp is done with stage s & 1 before it is refilled
-    }
-    atc_cp_wait<0>();
-    float lt[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) lt[hf] = atc_qsum(l[hf]);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const u32 i = ir[hf];
-        if (i < T) {
-            float* orow = out + (u64)(t0 + i) * qstride + (u64)h * D;
-#pragma unroll
-            for (int nt = 0; nt < DMAX / 8; ++nt) {
-                const u32 c = 8u * nt + 2u * t;
-                if (c < D) {
-                    orow[c] = __fdiv_rn(o[nt][2 * hf], lt[hf]);
-                    orow[c + 1] = __fdiv_rn(o[nt][2 * hf + 1], lt[hf]);
-                }
-            }
-            if (t == 0) lse[(u64)(t0 + i) * hq + h] = __fadd_rn(m[hf], logf(lt[hf]));
-        }
-    }
-}
-#define ATC_PL_FWD_ARGS                                                                            \
-    const float *__restrict__ q, const u16 *__restrict__ kp, const u16 *__restrict__ vp,           \
-        const u32 *__restrict__ offsets, float *__restrict__ out, float *__restrict__ lse, u64 n,  \
-        u32 hq, u32 hkv, u32 D, float scale
-#define ATC_PL_FWD_CALL(DM)                                                                        \
-    if (D == DM)                                                                                  \
-        attn_fwd_tcp_body<DM, true>(q, kp, vp, offsets, out, lse, n, hq, hkv, D, scale);            \
-    else                                                                                          \
-        attn_fwd_tcp_body<DM, false>(q, kp, vp, offsets, out, lse, n, hq, hkv, D, scale)
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 2) attn_fwd_tc_64(ATC_PL_FWD_ARGS) {
-    ATC_PL_FWD_CALL(64);
-}
-extern "C" __global__ void __launch_bounds__(ATC_THREADS, 1) attn_fwd_tc_128(ATC_PL_FWD_ARGS) {
-    ATC_PL_FWD_CALL(128);
 }
 
 // delta[r, h] = sum_d dout[r, h*D + d] * out[r, h*D + d] for r < n, h < hq: one warp per (r, h).

@@ -1742,11 +1742,6 @@ impl Backend for CudaBackend {
         lse: &mut Self::F32,
     ) -> DResult<()> {
         let max_len = layout.lens().iter().copied().max().unwrap_or(0);
-        // Unspecified contents: the forward writes the k, v planes before reading them.
-        let mut scratch = self
-            .gpu
-            .empty::<f32>(attention::forward_scratch_len(layout.num_tokens(), shape))
-            .map_err(de)?;
         self.attn
             .forward(
                 &q.as_view(),
@@ -1759,7 +1754,6 @@ impl Backend for CudaBackend {
                 shape,
                 &mut out.as_view_mut(),
                 &mut lse.as_view_mut(),
-                &mut scratch.as_view_mut(),
             )
             .map_err(de)
     }

@@ -14,7 +14,7 @@
 
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::attention::{
-    backward_scratch_len, decode_scratch_len, forward_scratch_len, Attention, TrainingKernels,
+    backward_scratch_len, decode_scratch_len, Attention, TrainingKernels,
 };
 use mxrl_tensor::attention::{attention_backward, attention_decode, attention_forward, AttnShape};
 use mxrl_tensor::gradcheck::test_values;
@@ -115,7 +115,6 @@ fn run_training(
     let doff = g.upload(&offsets).unwrap();
     let mut out = g.zeros::<f32>(n * hq * d).unwrap();
     let mut lse = g.zeros::<f32>(n * hq).unwrap();
-    let mut fscratch = g.zeros::<f32>(forward_scratch_len(n, s)).unwrap();
     ops.forward(
         &dq_.as_view(),
         &dk_.as_view(),
@@ -127,7 +126,6 @@ fn run_training(
         s,
         &mut out.as_view_mut(),
         &mut lse.as_view_mut(),
-        &mut fscratch.as_view_mut(),
     )
     .unwrap();
     let mut delta = g.zeros::<f32>(backward_scratch_len(n, s)).unwrap();
@@ -527,9 +525,6 @@ fn attention_launchers_refuse_bad_geometry_and_short_buffers() {
     let off = g.upload(&[0u32, 4]).unwrap();
     let mut out = g.zeros::<f32>(64 * n).unwrap();
     let mut lse = g.zeros::<f32>(8 * n).unwrap();
-    let mut fscratch = g
-        .zeros::<f32>(forward_scratch_len(n, shape(2, 1, 8)))
-        .unwrap();
     for (s, what) in [
         (shape(3, 2, 8), "multiple"),
         (shape(2, 1, 7), "even"),
@@ -547,7 +542,6 @@ fn attention_launchers_refuse_bad_geometry_and_short_buffers() {
                 s,
                 &mut out.as_view_mut(),
                 &mut lse.as_view_mut(),
-                &mut fscratch.as_view_mut(),
             )
             .unwrap_err();
         assert!(e.to_string().contains(what), "{s:?}: {e}");
@@ -565,50 +559,9 @@ fn attention_launchers_refuse_bad_geometry_and_short_buffers() {
             shape(2, 1, 8),
             &mut out.as_view_mut(),
             &mut small.as_view_mut(),
-            &mut fscratch.as_view_mut(),
         )
         .unwrap_err();
     assert!(e.to_string().contains("lse"), "{e}");
-    // A forward scratch one element short of the k, v planes.
-    let mut short = g
-        .zeros::<f32>(forward_scratch_len(n, shape(2, 1, 8)) - 1)
-        .unwrap();
-    let e = ops
-        .forward(
-            &buf.as_view(),
-            &buf.as_view(),
-            &buf.as_view(),
-            &off.as_view(),
-            1,
-            4,
-            n,
-            shape(2, 1, 8),
-            &mut out.as_view_mut(),
-            &mut lse.as_view_mut(),
-            &mut short.as_view_mut(),
-        )
-        .unwrap_err();
-    assert!(e.to_string().contains("scratch"), "{e}");
-    // A forward scratch 4 bytes off the 16-byte alignment of its cp.async copies.
-    let mut off1 = g
-        .zeros::<f32>(forward_scratch_len(n, shape(2, 1, 8)) + 1)
-        .unwrap();
-    let e = ops
-        .forward(
-            &buf.as_view(),
-            &buf.as_view(),
-            &buf.as_view(),
-            &off.as_view(),
-            1,
-            4,
-            n,
-            shape(2, 1, 8),
-            &mut out.as_view_mut(),
-            &mut lse.as_view_mut(),
-            &mut off1.slice_mut(1..),
-        )
-        .unwrap_err();
-    assert!(e.to_string().contains("aligned"), "{e}");
     let cache = g.zeros::<u16>(2 * 8 * 8).unwrap();
     let lens = g.upload(&[1u32, 1, 1]).unwrap();
     let mut scratch = g.zeros::<f32>(1).unwrap();

@@ -18,13 +18,12 @@
 //! leading part products with `mma.m16n8k16` (f32 accumulation): the f32 operands, scores and
 //! probabilities enter with all their bits, nothing is rounded to BF16 that the reference
 //! keeps in f32, and the error is bounded by `mxrl_tensor::tolerance::AttnSums::Bf16x3Mma`.
-//! Blocks of 8 warps, 16 rows per warp. The operands are split once per call into BF16
-//! planes (`[3][N][H][dp]`, `dp` = `D` rounded up to 16) in the caller's scratch: `k, v` by
-//! a split kernel ([`forward_scratch_len`], [`backward_scratch_len`]), `q` and `dout` of the
-//! backward by the dq kernel as it loads its rows; the kernels copy tiles of the planes with
-//! `cp.async`, the streamed tiles (32 keys or queries) double buffered. The forward's blocks
-//! own 128 query rows and split their `q` rows as they load them; the backward's own 64 rows,
-//! each pair of warps sharing 16 rows and taking one half of every tile (the two
+//! The forward: blocks of 4 warps, 16 rows per warp; key tiles of 64 for `D ≤ 64`, 32 for
+//! `D ≤ 128` (shared memory: three BF16 planes per tile), split as they are loaded. The
+//! backward splits `q, dout, k, v` once per call into BF16 planes in its scratch
+//! ([`backward_scratch_len`]: 1.5× the four operands' f32 bytes) and its kernels copy tiles of
+//! them with `cp.async`, the streamed tiles (32 keys or queries) double buffered; blocks of
+//! 8 warps, each pair of warps sharing 16 rows and taking one half of every tile (the two
 //! partial sums added once at the end). The CUDA-core ones (any `D ≤ 256`,
 //! and the fallback above 128) are register-tiled: each thread computes
 //! 4 rows × 2 or 4 columns of a score tile (one accumulator per score, the `D` products added
@@ -62,10 +61,10 @@ const BR: usize = 64;
 const BF: usize = 64;
 /// Largest `D` of the tensor-core kernels (`ATC_MAX_D`).
 const TC_MAX_D: usize = 128;
-/// Threads per block of the tensor-core kernels (`ATC_THREADS`).
-const TC_THREADS: u32 = 256;
-/// Query rows per block of the tensor-core forward (`ATC_FWD_ROWS`).
-const TC_FWD_ROWS: usize = 128;
+/// Threads per block of the tensor-core forward (`ATC_THREADS`).
+const TC_THREADS: u32 = 128;
+/// Threads per block of the tensor-core backward kernels (`ATC_BWD_THREADS`).
+const TC_BWD_THREADS: u32 = 256;
 /// Keys (dq) or queries (dk/dv) per streamed tile of the tensor-core backward (`ATC_BT`).
 const TC_BT: usize = 32;
 /// Keys per dq tile (`ATT_BK`).
@@ -121,14 +120,22 @@ fn smem_dkdv(d: usize) -> usize {
     let bq = dkdv_bq(d);
     4 * (2 * BR * stride(d) + 2 * bq * stride(d) + 2 * bq * PS + 2 * bq)
 }
+/// Keys (forward, dq) or queries (dk/dv) per step of the tensor-core kernels for `D`:
+/// 64 for `D ≤ 64` (`_tc_64`), 32 above (`_tc_128`).
+fn tc_tile(d: usize) -> usize {
+    if d <= 64 {
+        64
+    } else {
+        32
+    }
+}
 /// Row stride (BF16 elements) of the tensor-core kernels' shared planes: `D` rounded up to 16,
 /// plus 8.
 fn tc_ld(d: usize) -> usize {
     d.div_ceil(16) * 16 + 8
 }
-/// The forward's q planes (128 rows) and two stages of k, v planes (`TC_BT` rows each), BF16.
 fn smem_fwd_tc(d: usize) -> usize {
-    2 * 3 * tc_ld(d) * (TC_FWD_ROWS + 4 * TC_BT)
+    2 * 3 * tc_ld(d) * (BR + 2 * tc_tile(d))
 }
 /// The backward's resident planes (64 rows of two operands) and two stages of the streamed
 /// ones (`TC_BT` rows of two operands), BF16.
@@ -139,7 +146,7 @@ fn smem_dq_tc(d: usize) -> usize {
 fn smem_dkdv_tc(d: usize) -> usize {
     smem_dq_tc(d) + 4 * 2 * 2 * TC_BT
 }
-/// `D` rounded up to 16: the row width of the BF16 planes of the tensor-core kernels.
+/// `D` rounded up to 16: the row width of the BF16 planes of the tensor-core backward.
 fn tc_dp(d: usize) -> usize {
     d.div_ceil(16) * 16
 }
@@ -174,18 +181,6 @@ fn smem_dec(d: usize) -> usize {
         + DECODE_CHUNK * (d / 2 + 1)
         + DECODE_CHUNK * d / 2
         + 2 * DEC_G)
-}
-
-/// Elements (f32) of the scratch [`Attention::forward`] needs: for `D ≤ 128` (the
-/// tensor-core kernels) the three BF16 planes of `k` and of `v` (`3·N·Hkv·dp` BF16 each, `dp` =
-/// `D` rounded up to 16): `12·N·Hkv·dp` bytes, 1.5× the f32 size of `k, v` when `D` is a
-/// multiple of 16. At least one element.
-pub fn forward_scratch_len(n: usize, shape: AttnShape) -> usize {
-    if shape.head_dim <= TC_MAX_D {
-        (2 * plane_len(n, shape.kv_heads, shape.head_dim)).max(1)
-    } else {
-        1
-    }
 }
 
 /// Elements (f32) of the scratch [`Attention::backward`] needs: `delta` (`N·Hq`, rounded up
@@ -375,8 +370,8 @@ impl Attention {
             let c = usize::from(d > 64);
             match which {
                 0 => (&self.fwd_tc[c], TC_THREADS, smem_fwd_tc(d)),
-                1 => (&self.dq_tc[c], TC_THREADS, smem_dq_tc(d)),
-                _ => (&self.dkdv_tc[c], TC_THREADS, smem_dkdv_tc(d)),
+                1 => (&self.dq_tc[c], TC_BWD_THREADS, smem_dq_tc(d)),
+                _ => (&self.dkdv_tc[c], TC_BWD_THREADS, smem_dkdv_tc(d)),
             }
         } else {
             match which {
@@ -433,48 +428,12 @@ impl Attention {
         Ok(())
     }
 
-    /// `planes` (the `3·N·H·dp` BF16 of [`plane_len`]) ← the three BF16 planes of `x: [N, H·D]`
-    /// (`attn_split_planes`).
-    fn split_planes(
-        &self,
-        x: &CudaView<'_, f32>,
-        planes: &mut CudaViewMut<'_, u16>,
-        n: usize,
-        heads: usize,
-        d: usize,
-    ) -> Result<(), DeviceError> {
-        let g = &self.gpu;
-        let dp = tc_dp(d);
-        check_len(g, "attention planes source", x.len(), n * heads * d)?;
-        check_len(g, "attention planes", planes.len(), 3 * n * heads * dp)?;
-        let pairs = n * heads * dp / 2;
-        let cfg = LaunchConfig {
-            grid_dim: (pairs.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (n64, heads32, d32, dp32) = (n as u64, heads as u32, d as u32, dp as u32);
-        let mut b = g.stream().launch_builder(&self.split);
-        b.arg(x)
-            .arg(planes)
-            .arg(&n64)
-            .arg(&heads32)
-            .arg(&d32)
-            .arg(&dp32);
-        // SAFETY: reads x[(r·H + h)·D + c], c < D, r < N (N·H·D checked) and writes the planes'
-        // elements ((p·N + r)·H + h)·dp + c, p < 3, c < dp (3·N·H·dp checked); types match
-        // (const float*, u16*, u64, u32, u32, u32).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))
-    }
-
     /// Training forward: `q: [N, Hq·D]`, `k, v: [N, Hkv·D]`, device `offsets: u32 [B+1]` →
     /// `out: [N, Hq·D]`, `lse: [N, Hq]` (log-sum-exp of the scaled scores of each row, for the
     /// backward). Causal inside each sequence; f32 accumulation. `max_len` must be at least
     /// the longest sequence (`max_b offsets[b+1] − offsets[b]`, known to the host that built the
     /// offsets; rows of longer sequences would be left unwritten), offsets nondecreasing with
-    /// `offsets[B] ≤ N`. `scratch` ([`forward_scratch_len`], 16-byte aligned, contents
-    /// unspecified on entry) receives the BF16 planes of `k, v` the tensor-core kernel reads.
-    /// Reference: `mxrl_tensor::attention::attention_forward`.
+    /// `offsets[B] ≤ N`. Reference: `mxrl_tensor::attention::attention_forward`.
     ///
     /// # Errors
     /// A bad head geometry, short buffers, more shared memory than the device allows; launch
@@ -492,7 +451,6 @@ impl Attention {
         shape: AttnShape,
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
-        scratch: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
         let op = "attention forward";
         self.check_packed(op, offsets, num_seqs, max_len, n, shape)?;
@@ -502,70 +460,9 @@ impl Attention {
         check_len(&self.gpu, "attention forward v", v.len(), n * hkv * d)?;
         check_len(&self.gpu, "attention forward out", out.len(), n * hq * d)?;
         check_len(&self.gpu, "attention forward lse", lse.len(), n * hq)?;
-        check_len(
-            &self.gpu,
-            "attention forward scratch",
-            scratch.len(),
-            forward_scratch_len(n, shape),
-        )?;
-        {
-            // The planes are copied with 16-byte cp.async.
-            let stream = self.gpu.stream();
-            check_align(
-                &self.gpu,
-                "attention forward scratch",
-                scratch.device_ptr(stream).0,
-                16,
-            )?;
-        }
         let (func, threads, smem) = self.training_kernel(0, d);
         self.check_smem(op, d, smem)?;
         if num_seqs == 0 || max_len == 0 {
-            return Ok(());
-        }
-        if self.tensor_cores(d) {
-            let g = &self.gpu;
-            let kl = plane_len(n, hkv, d);
-            // SAFETY: the scratch holds 2·kl f32 (checked above); u16 is plain data, and each
-            // part is written whole by attn_split_planes before it is read.
-            let mut p16 = unsafe { scratch.transmute_mut::<u16>(4 * kl) }
-                .ok_or_else(|| g.err("attention forward: scratch too short for the planes"))?;
-            let (mut kp, mut vp) = p16.split_at_mut(2 * kl);
-            self.split_planes(k, &mut kp, n, hkv, d)?;
-            self.split_planes(v, &mut vp, n, hkv, d)?;
-            let (kv_, vv) = (kp.as_view(), vp.as_view());
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    num_seqs as u32,
-                    hq as u32,
-                    max_len.div_ceil(TC_FWD_ROWS) as u32,
-                ),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            let (n64, hq32, hkv32, d32, scale) =
-                (n as u64, hq as u32, hkv as u32, d as u32, shape.scale());
-            let mut b = g.stream().launch_builder(func);
-            b.arg(q)
-                .arg(&kv_)
-                .arg(&vv)
-                .arg(offsets)
-                .arg(out)
-                .arg(lse)
-                .arg(&n64)
-                .arg(&hq32)
-                .arg(&hkv32)
-                .arg(&d32)
-                .arg(&scale);
-            // SAFETY: block (b, h, z) reads offsets[b], offsets[b+1] (B+1 checked) and touches
-            // rows offsets[b] + i for i < T_b ≤ max_len (reads and writes guarded by i < T_b),
-            // rows < offsets[B] ≤ N of q/out (N·Hq·D checked), of the k, v planes (3·N·Hkv·dp
-            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch is
-            // (checked), its parts start at multiples of 16 bytes and dp is a multiple of 8)
-            // and lse (N·Hq checked); its shared memory ≤ the attribute set in `new` for its instantiation; types
-            // match the kernel (const float*, 2 × const u16*, const u32*, 2 × float*, u64,
-            // 3 × u32, float).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
             return Ok(());
         }
         let cfg = LaunchConfig {
@@ -591,7 +488,7 @@ impl Attention {
         // (N·Hkv·D checked) and lse (N·Hq checked), head slices h·D + d < Hq·D,
         // kh·D + d < Hkv·D (geometry checked); the instantiation training_kernel picks covers
         // D; its shared memory ≤ the attribute set in `new` for that instantiation (the
-        // largest D of the class); types match the kernel.
+        // largest D of the class); types match (both families take the same arguments).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
@@ -599,10 +496,9 @@ impl Attention {
     /// Training backward: `dout, out: [N, Hq·D]`, `q`, `k, v`, `lse` (from
     /// [`Attention::forward`]) → `dq: [N, Hq·D]`, `dk, dv: [N, Hkv·D]` (overwritten on the
     /// sequences' rows). `delta`: the scratch ([`backward_scratch_len`], 16-byte aligned,
-    /// contents unspecified on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`;
-    /// with the tensor-core kernels the rest receives the BF16 planes of `k, v`
-    /// (`attn_split_planes`) and of `q, dout` (written by the dq kernel as it splits its rows)
-    /// the dk/dv kernel reads. With `p_ij = exp(s_ij − lse_i)` and
+    /// contents unspecified on entry), whose first `N·Hq` elements receive `rowsum(dout∘out)`; with the tensor-core
+    /// kernels the rest receives the BF16 planes of `q, dout, k, v` (`attn_split_planes`) the
+    /// dq and dk/dv kernels read. With `p_ij = exp(s_ij − lse_i)` and
     /// `ds_ij = p_ij·(dout_i·v_j − delta_i)`: `dq_i = scale·Σ_j ds_ij k_j`,
     /// `dk_j = scale·Σ_{h,i} ds_ij q_i`, `dv_j = Σ_{h,i} p_ij dout_i` (the group's query heads in
     /// order). f32 accumulation, no atomics. Offsets and `max_len` as in the forward.
@@ -693,27 +589,44 @@ impl Attention {
         let dkdv_grid = (num_seqs as u32, hkv as u32, max_len.div_ceil(BR) as u32);
         if self.tensor_cores(d) {
             let (ql, kl) = (plane_len(n, hq, d), plane_len(n, hkv, d));
+            let dp32 = tc_dp(d) as u32;
             // SAFETY: the scratch holds 2·(ql + kl) f32 past delta (checked above); u16 is
-            // plain data; the k, v parts are written whole by attn_split_planes, the q, dout
-            // parts on every row a sequence owns by the dq kernel, before they are read.
+            // plain data, and each part is written whole by attn_split_planes before it is read.
             let mut p16 = unsafe { planes.transmute_mut::<u16>(4 * (ql + kl)) }
                 .ok_or_else(|| g.err("attention backward: scratch too short for the planes"))?;
             let (mut qdo, mut kv) = p16.split_at_mut(4 * ql);
             let (mut qp, mut dop) = qdo.split_at_mut(2 * ql);
             let (mut kp, mut vp) = kv.split_at_mut(2 * kl);
-            self.split_planes(k, &mut kp, n, hkv, d)?;
-            self.split_planes(v, &mut vp, n, hkv, d)?;
-            let (kv_, vv) = (kp.as_view(), vp.as_view());
+            for (x, p, heads) in [
+                (q, &mut qp, hq),
+                (dout, &mut dop, hq),
+                (k, &mut kp, hkv),
+                (v, &mut vp, hkv),
+            ] {
+                let pairs = n * heads * tc_dp(d) / 2;
+                let cfg = LaunchConfig {
+                    grid_dim: (pairs.div_ceil(256).min(1 << 20) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let heads32 = heads as u32;
+                let mut b = g.stream().launch_builder(&self.split);
+                b.arg(x).arg(p).arg(&n64).arg(&heads32).arg(&d32).arg(&dp32);
+                // SAFETY: reads x[(r·H + h)·D + c], c < D, r < N (N·H·D checked for q, dout,
+                // k, v) and writes the three planes' elements ((p·N + r)·H + h)·dp + c,
+                // p < 3, c < dp: 3·N·H·dp BF16, the part of the scratch passed (u16);
+                // types match (const float*, u16*, u64, u32, u32, u32).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+            let (qv, dov, kv_, vv) = (qp.as_view(), dop.as_view(), kp.as_view(), vp.as_view());
             let cfg = LaunchConfig {
                 grid_dim: dq_grid,
                 block_dim: (dq_threads, 1, 1),
                 shared_mem_bytes: dq_smem as u32,
             };
             let mut b = g.stream().launch_builder(dq_func);
-            b.arg(dout)
-                .arg(q)
-                .arg(&mut qp)
-                .arg(&mut dop)
+            b.arg(&qv)
+                .arg(&dov)
                 .arg(&kv_)
                 .arg(&vv)
                 .arg(lse)
@@ -725,16 +638,13 @@ impl Attention {
                 .arg(&hkv32)
                 .arg(&d32)
                 .arg(&scale);
-            // SAFETY: block (b, h, z) reads rows offsets[b] + i < offsets[B] ≤ N of q, dout
-            // (N·Hq·D checked), lse and delta (N·Hq), the k, v planes of those rows (3·N·Hkv·dp
-            // BF16 each, written above; cp.async sources 16-byte aligned: the scratch is
-            // (checked), its parts start at multiples of 16 bytes and dp is a multiple of 8),
-            // and writes dq (N·Hq·D checked) and the q, dout planes of its rows (3·N·Hq·dp BF16 each, parts
-            // of the scratch); the kernel's shared memory ≤ the attribute set in `new` for its
-            // instantiation; types match the kernel (2 × const float*, 2 × u16*,
-            // 2 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
+            // SAFETY: block (b, h, z) reads the planes of rows offsets[b] + i < offsets[B] ≤ N
+            // (3·N·H·dp BF16 each, written above; cp.async sources 16-byte aligned: the
+            // scratch parts start at multiples of 16 bytes and dp is a multiple of 8), lse and
+            // delta (N·Hq) of those rows and writes dq (N·Hq·D checked); the kernel's shared
+            // memory ≤ the attribute set in `new` for its instantiation; types match the kernel
+            // (4 × const u16*, 2 × const float*, const u32*, float*, u64, 3 × u32, float).
             unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-            let (qv, dov) = (qp.as_view(), dop.as_view());
             let cfg = LaunchConfig {
                 grid_dim: dkdv_grid,
                 block_dim: (dkdv_threads, 1, 1),
@@ -756,8 +666,7 @@ impl Attention {
                 .arg(&d32)
                 .arg(&scale);
             // SAFETY: as dq: key rows offsets[b] + j (j < T_b) of the k, v planes and of dk/dv
-            // (N·Hkv·D checked), query rows offsets[b] + i (i < T_b) of the q, dout planes (all
-            // written by the dq kernel: every such row of every head belongs to one dq block) and
+            // (N·Hkv·D checked), query rows offsets[b] + i (i < T_b) of the q, dout planes and
             // lse/delta (N·Hq), heads kh·g + hh < Hq; the kernel's shared memory ≤ the
             // attribute set in `new` for its instantiation; types match the kernel.
             unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
