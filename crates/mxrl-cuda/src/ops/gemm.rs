@@ -164,9 +164,9 @@ pub const RMSNORM_SMALL_M_MAX_SMEM: usize = 96 << 10;
 
 /// Rows up to which a dense BF16 forward runs on [`Gemm::dense_nt_small_m`] rather than
 /// cuBLAS ([`dense_small_m_rows`]): the small-M kernel reads the weight once per 8 rows and sums
-/// on CUDA cores, so it wins where the weight bytes dominate. Measured on an H100 (BENCHMARKS.md):
-/// faster than cuBLAS at batch 1, slower at batch 8.
-pub const DENSE_SMALL_M_ROWS: usize = 1;
+/// on CUDA cores, so it wins where the weight bytes dominate. Measured on an H100 (BENCHMARKS.md,
+/// decode steps of the benchmark model): faster than cuBLAS at 1 and 2 rows, slower at 4 and 8.
+pub const DENSE_SMALL_M_ROWS: usize = 2;
 
 /// The row limit for [`Gemm::dense_nt_small_m`] in the engine's dense forwards:
 /// `MXRL_DENSE_SMALL_M` (rows; `0` = always cuBLAS) or [`DENSE_SMALL_M_ROWS`]. Read once.
