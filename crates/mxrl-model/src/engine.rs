@@ -1655,13 +1655,17 @@ impl<B: Backend> Engine<B> {
                 };
                 let ho = host_offsets.as_deref();
                 // Decode with BF16 experts: gather, gate/up and SwiGLU as one op (the device
-                // may fuse them); nothing of it is kept.
-                if let (Pass::Decode { .. }, None, None, None) = (
-                    &*pass,
-                    &h2,
-                    &self.params[m.gate_up].q,
-                    &self.params[m.down].q,
-                ) {
+                // may fuse them); nothing of it is kept (`gu` stays a one-element placeholder).
+                let fused = matches!(
+                    (
+                        &*pass,
+                        &h2,
+                        &self.params[m.gate_up].q,
+                        &self.params[m.down].q
+                    ),
+                    (Pass::Decode { .. }, None, None, None)
+                );
+                let (xg, gu, act) = if fused {
                     let mut act = eb(rows * m.f)?;
                     b.moe_gate_up_swiglu_bf16(
                         h2b_router,
@@ -1675,24 +1679,7 @@ impl<B: Backend> Engine<B> {
                         &mut act,
                     )
                     .map_err(dev)?;
-                    let act = Act::Bf16(act);
-                    let mut y = e(rows * hd)?;
-                    self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
-                    let mut out = e(n * hd)?;
-                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
-                        .map_err(dev)?;
-                    let gu = e(1)?;
-                    (
-                        out,
-                        FfnTape::Moe {
-                            route,
-                            host_offsets,
-                            xg: None,
-                            gu,
-                            act,
-                            y,
-                        },
-                    )
+                    (None, e(1)?, Act::Bf16(act))
                 } else {
                     let mut gu = e(rows * 2 * m.f)?;
                     // Without a tape (decode, a forward for scoring or generation) no gathered rows
@@ -1744,24 +1731,25 @@ impl<B: Backend> Engine<B> {
                         }
                     };
                     let act = swiglu(&gu, rows, m.f)?;
-                    let mut y = e(rows * hd)?;
-                    self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
-                    // Σ over experts, then + x_mid: the CPU model's `x += out`.
-                    let mut out = e(n * hd)?;
-                    b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
-                        .map_err(dev)?;
-                    (
-                        out,
-                        FfnTape::Moe {
-                            route,
-                            host_offsets,
-                            xg,
-                            gu,
-                            act,
-                            y,
-                        },
-                    )
-                }
+                    (xg, gu, act)
+                };
+                let mut y = e(rows * hd)?;
+                self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
+                // Σ over experts, then + x_mid: the CPU model's `x += out`.
+                let mut out = e(n * hd)?;
+                b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                    .map_err(dev)?;
+                (
+                    out,
+                    FfnTape::Moe {
+                        route,
+                        host_offsets,
+                        xg,
+                        gu,
+                        act,
+                        y,
+                    },
+                )
             }
         };
         Ok((
