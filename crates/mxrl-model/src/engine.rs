@@ -3026,7 +3026,8 @@ impl<B: Backend> Engine<B> {
                     let off = Some((&route.offsets, ho));
                     let (e, k) = (c.num_experts, c.num_experts_per_tok);
                     let rows = n * k;
-                    let mut dweights = z(rows)?;
+                    // Overwritten by the combine backward.
+                    let mut dweights = o(rows)?;
                     // Experts stored in BF16 take their output gradient as BF16 straight from
                     // the combine (and the gate/up gradient from SwiGLU); block formats need
                     // the f32 values.

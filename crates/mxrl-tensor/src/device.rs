@@ -696,8 +696,9 @@ pub trait Backend {
         f: usize,
         dgu: &mut Self::F32,
     ) -> DResult<()>;
-    /// Combine backward (reference `moe::combine_backward` for experts in order): `dy[row] =
-    /// w·dout[token]` (overwritten, `[N·k, h]`) and `dweights[token, slot] += dout[token]·y[row]`.
+    /// Combine backward (reference `moe::combine_backward` for experts in order, into zeroed
+    /// `dweights`): `dy[row] = w·dout[token]` and `dweights[token, slot] = 0 + dout[token]·y[row]`,
+    /// both overwritten (`[N·k, h]` and `[N, k]`; their contents on entry are not read).
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -2691,6 +2692,8 @@ impl Backend for CpuBackend {
     ) -> DResult<()> {
         need("combine_backward dy", dy.len(), n * k * h)?;
         need("combine_backward dweights", dweights.len(), n * k)?;
+        // Overwritten: the reference accumulates, so from zeros.
+        dweights[..n * k].fill(0.0);
         let routes = Routes {
             top_k: k,
             ids: route.ids[..n * k].to_vec(),
