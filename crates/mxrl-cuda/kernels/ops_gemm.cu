@@ -492,6 +492,25 @@ __device__ __forceinline__ void small_m_dot(const u16* const (&xr)[SM_RB], u32 n
     }
 }
 
+// One pass of up to SM_RB rows: small_m_dot, then the warp sums; lane q < NB stores row r's
+// column q at yp[r·ldy + q] (yp: the pass's first row at the warp's first column).
+template <int NB, int U>
+__device__ __forceinline__ void small_m_pass(const u16* const (&xr)[SM_RB], u32 nr, const u16* const (&wr)[NB],
+                                             u32 K, int lane, float* yp, u64 ldy) {
+    float acc[SM_RB][NB];
+    small_m_dot<NB, U>(xr, nr, wr, K, lane, acc);
+#pragma unroll
+    for (int r = 0; r < SM_RB; ++r) {
+        if ((u32)r < nr) {
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const float s = warp_sum(acc[r][q]);
+                if (lane == q) yp[r * ldy + q] = s;
+            }
+        }
+    }
+}
+
 // Forward, small M: y[r, n] = Σ_k x[r, k]·w[e][n, k] (same operands and layout as
 // grouped_nt_tiled). Grid (ceil(N / (SM_WARPS·SM_NB)), E), block SM_WARPS·32. Warp w of block
 // (bx, e) owns columns (bx·SM_WARPS + w)·SM_NB .. +SM_NB of expert e.
@@ -516,18 +535,7 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
         const u16* xr[SM_RB];
 #pragma unroll
         for (int r = 0; r < SM_RB; ++r) xr[r] = x + (rb + min((u32)r, nr - 1)) * K;
-        float acc[SM_RB][SM_NB];
-        small_m_dot<SM_NB, SM_U>(xr, nr, wr, K, lane, acc);
-#pragma unroll
-        for (int r = 0; r < SM_RB; ++r) {
-            if ((u32)r < nr) {
-#pragma unroll
-                for (int q = 0; q < SM_NB; ++q) {
-                    const float s = warp_sum(acc[r][q]);
-                    if (lane == q) y[(rb + r) * N + n0 + q] = s;
-                }
-            }
-        }
+        small_m_pass<SM_NB, SM_U>(xr, nr, wr, K, lane, y + rb * N + n0, N);
     }
 }
 
@@ -582,25 +590,42 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
 // column groups, then w_1's, then w_2's (N_i = 0: no blocks). Grid Σ_i ceil(N_i / (SM_WARPS·
 // DS_NB)); every N_i and K multiples of 8. Two entry points: DS_NB = 2 (wide outputs) and 1
 // (narrow ones such as a router, so more warps share the bytes).
+// The output of block blockIdx.x among the up to three (blocks run over w_0's column groups,
+// then w_1's, then w_2's) and the first of this warp's NB columns in it.
+struct SmallMSlot {
+    const u16* w;
+    float* y;
+    u32 n;
+    u64 c0;
+};
+template <int NB>
+__device__ __forceinline__ SmallMSlot small_m_slot(const u16* w0, float* y0, u32 n0, const u16* w1, float* y1, u32 n1,
+                                                   const u16* w2, float* y2, u32 n2) {
+    constexpr u32 COLS = SM_WARPS * NB;
+    const u32 b0 = (n0 + COLS - 1) / COLS, b1 = (n1 + COLS - 1) / COLS;
+    u32 bx = blockIdx.x;
+    SmallMSlot o;
+    if (bx < b0) {
+        o.w = w0, o.y = y0, o.n = n0;
+    } else if (bx < b0 + b1) {
+        o.w = w1, o.y = y1, o.n = n1, bx -= b0;
+    } else {
+        o.w = w2, o.y = y2, o.n = n2, bx -= b0 + b1;
+    }
+    o.c0 = ((u64)bx * SM_WARPS + (threadIdx.x >> 5)) * NB;
+    return o;
+}
+
 template <int NB>
 __device__ __forceinline__ void dense_small_m_body(const u16* __restrict__ x, u32 M, u32 K, const u16* w0, float* y0,
                                                    u32 n0, const u16* w1, float* y1, u32 n1, const u16* w2,
                                                    float* y2, u32 n2) {
-    constexpr u32 COLS = SM_WARPS * NB;
-    const u32 b0 = (n0 + COLS - 1) / COLS, b1 = (n1 + COLS - 1) / COLS;
-    u32 bx = blockIdx.x;
-    const u16* w;
-    float* y;
-    u32 N;
-    if (bx < b0) {
-        w = w0, y = y0, N = n0;
-    } else if (bx < b0 + b1) {
-        w = w1, y = y1, N = n1, bx -= b0;
-    } else {
-        w = w2, y = y2, N = n2, bx -= b0 + b1;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 c0 = ((u64)bx * SM_WARPS + warp) * NB;
+    const SmallMSlot o = small_m_slot<NB>(w0, y0, n0, w1, y1, n1, w2, y2, n2);
+    const u16* const w = o.w;
+    float* const y = o.y;
+    const u32 N = o.n;
+    const int lane = threadIdx.x & 31;
+    const u64 c0 = o.c0;
     if (c0 >= N) return;  // N is a multiple of 8, so c0 < N implies c0 + NB <= N
     const u16* wr[NB];
 #pragma unroll
@@ -610,18 +635,7 @@ __device__ __forceinline__ void dense_small_m_body(const u16* __restrict__ x, u3
         const u16* xr[SM_RB];
 #pragma unroll
         for (int r = 0; r < SM_RB; ++r) xr[r] = x + (rb + min((u32)r, nr - 1)) * K;
-        float acc[SM_RB][NB];
-        small_m_dot<NB, 8 / NB>(xr, nr, wr, K, lane, acc);
-#pragma unroll
-        for (int r = 0; r < SM_RB; ++r) {
-            if ((u32)r < nr) {
-#pragma unroll
-                for (int q = 0; q < NB; ++q) {
-                    const float s = warp_sum(acc[r][q]);
-                    if (lane == q) y[(rb + r) * N + c0 + q] = s;
-                }
-            }
-        }
+        small_m_pass<NB, 8 / NB>(xr, nr, wr, K, lane, y + rb * N + c0, N);
     }
 }
 #define DENSE_SMALL_M_ARGS                                                                                  \
@@ -647,21 +661,12 @@ __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restri
                                                            float* y2, u32 n2) {
     extern __shared__ __align__(16) u16 gemm_xs[];
     __shared__ float scratch[32];
-    constexpr u32 COLS = SM_WARPS * NB;
-    const u32 b0 = (n0 + COLS - 1) / COLS, b1 = (n1 + COLS - 1) / COLS;
-    u32 bx = blockIdx.x;
-    const u16* w;
-    float* y;
-    u32 N;
-    if (bx < b0) {
-        w = w0, y = y0, N = n0;
-    } else if (bx < b0 + b1) {
-        w = w1, y = y1, N = n1, bx -= b0;
-    } else {
-        w = w2, y = y2, N = n2, bx -= b0 + b1;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 c0 = ((u64)bx * SM_WARPS + warp) * NB;
+    const SmallMSlot o = small_m_slot<NB>(w0, y0, n0, w1, y1, n1, w2, y2, n2);
+    const u16* const w = o.w;
+    float* const y = o.y;
+    const u32 N = o.n;
+    const int lane = threadIdx.x & 31;
+    const u64 c0 = o.c0;
     const u16* wr[NB];
 #pragma unroll
     for (int q = 0; q < NB; ++q) wr[q] = w + (c0 + q) * K;
@@ -678,18 +683,7 @@ __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restri
             const u16* xr[SM_RB];
 #pragma unroll
             for (int r = 0; r < SM_RB; ++r) xr[r] = gemm_xs + min((u32)r, nr - 1) * K;
-            float acc[SM_RB][NB];
-            small_m_dot<NB, 8 / NB>(xr, nr, wr, K, lane, acc);
-#pragma unroll
-            for (int r = 0; r < SM_RB; ++r) {
-                if ((u32)r < nr) {
-#pragma unroll
-                    for (int q = 0; q < NB; ++q) {
-                        const float s = warp_sum(acc[r][q]);
-                        if (lane == q) y[(rb + r) * N + c0 + q] = s;
-                    }
-                }
-            }
+            small_m_pass<NB, 8 / NB>(xr, nr, wr, K, lane, y + rb * N + c0, N);
         }
         __syncthreads();  // the next pass overwrites the rows
     }

@@ -29,11 +29,12 @@ use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    Backend, DResult, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
+    gather_gate_up_swiglu_bf16, rmsnorm_then_linear_shared, Backend, DResult, Device, DeviceError,
+    GradWrite, RouteBufs, StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -52,6 +53,24 @@ fn small_m_dense(m: usize, k: usize, ns: &[usize]) -> bool {
         && k.is_multiple_of(8)
         && !ns.is_empty()
         && ns.iter().all(|n| n.is_multiple_of(8))
+}
+
+/// The small-M launchers' `(weight view, width, output view)` list of `outs`, passed to `f`.
+#[allow(clippy::type_complexity)]
+fn with_small_m_views<R>(
+    outs: &mut [(&CudaSlice<u16>, usize, &mut CudaSlice<f32>)],
+    f: impl FnOnce(&mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)]) -> R,
+) -> R {
+    let views: Vec<_> = outs.iter().map(|o| o.0.as_view()).collect();
+    let widths: Vec<usize> = outs.iter().map(|o| o.1).collect();
+    let mut ys: Vec<_> = outs.iter_mut().map(|o| o.2.as_view_mut()).collect();
+    let mut args: Vec<_> = views
+        .iter()
+        .zip(ys.iter_mut())
+        .zip(widths)
+        .map(|((w, y), n)| (w, n, y))
+        .collect();
+    f(&mut args)
 }
 
 /// Whether the environment variable `name` turns a fused path off (`off`, `0`, `false`).
@@ -1572,18 +1591,10 @@ impl Backend for CudaBackend {
         let ns: Vec<usize> = outs.iter().map(|o| o.1).collect();
         if outs.len() <= DENSE_SMALL_M_OUTPUTS && small_m_dense(m, k, &ns) {
             // One launch; each output is summed as `linear` sums it alone.
-            let views: Vec<_> = outs.iter().map(|o| o.0.as_view()).collect();
-            let mut ys: Vec<_> = outs.iter_mut().map(|o| o.2.as_view_mut()).collect();
-            let mut args: Vec<_> = views
-                .iter()
-                .zip(ys.iter_mut())
-                .zip(&ns)
-                .map(|((w, y), &n)| (w, n, y))
-                .collect();
-            return self
-                .gemm
-                .dense_nt_small_m(&x.as_view(), m, k, &mut args)
-                .map_err(de);
+            return with_small_m_views(outs, |args| {
+                self.gemm.dense_nt_small_m(&x.as_view(), m, k, args)
+            })
+            .map_err(de);
         }
         for (w, n, y) in outs.iter_mut() {
             self.linear(x, w, m, k, *n, y)?;
@@ -1606,23 +1617,13 @@ impl Backend for CudaBackend {
             && k >= 256
             && Gemm::rmsnorm_small_m_smem(m, k) <= RMSNORM_SMALL_M_MAX_SMEM
         {
-            let views: Vec<_> = outs.iter().map(|o| o.0.as_view()).collect();
-            let mut ys: Vec<_> = outs.iter_mut().map(|o| o.2.as_view_mut()).collect();
-            let mut args: Vec<_> = views
-                .iter()
-                .zip(ys.iter_mut())
-                .zip(&ns)
-                .map(|((w, y), &n)| (w, n, y))
-                .collect();
-            return self
-                .gemm
-                .rmsnorm_dense_nt_small_m(&x.as_view(), &w.as_view(), eps, m, k, &mut args)
-                .map_err(de);
+            return with_small_m_views(outs, |args| {
+                self.gemm
+                    .rmsnorm_dense_nt_small_m(&x.as_view(), &w.as_view(), eps, m, k, args)
+            })
+            .map_err(de);
         }
-        let mut xb = self.empty_bf16(m * k)?;
-        let mut rstd = self.empty_f32(m)?;
-        self.rmsnorm_bf16(x, w, m, k, eps, &mut xb, &mut rstd)?;
-        self.linear_shared(&xb, m, k, outs)
+        rmsnorm_then_linear_shared(self, x, w, eps, m, k, outs)
     }
 
     fn moe_gate_up_swiglu_bf16(
@@ -1660,11 +1661,7 @@ impl Backend for CudaBackend {
                 )
                 .map_err(de);
         }
-        let mut xg = self.empty_bf16(rows * h)?;
-        self.gather_rows_bf16(xb, route, n, e, top_k, h, &mut xg)?;
-        let mut gu = self.empty_f32(rows * 2 * f)?;
-        self.grouped_linear(&xg, w, &route.offsets, None, e, rows, h, 2 * f, &mut gu)?;
-        self.swiglu_bf16(&gu, rows, f, act)
+        gather_gate_up_swiglu_bf16(self, xb, route, n, e, top_k, h, f, w, act)
     }
 
     fn grouped_linear(

@@ -111,6 +111,54 @@ pub enum GradWrite {
     Overwrite,
 }
 
+/// [`Backend::rmsnorm_linear_shared`] as its two ops ([`Backend::rmsnorm_bf16`], then
+/// [`Backend::linear_shared`]): the default, and what a device does where it has no fused kernel.
+///
+/// # Errors
+/// As the two ops.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+pub fn rmsnorm_then_linear_shared<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::F32,
+    w: &B::F32,
+    eps: f32,
+    m: usize,
+    k: usize,
+    outs: &mut [(&B::Bf16, usize, &mut B::F32)],
+) -> DResult<()> {
+    let mut xb = b.empty_bf16(m * k)?;
+    let mut rstd = b.empty_f32(m)?;
+    b.rmsnorm_bf16(x, w, m, k, eps, &mut xb, &mut rstd)?;
+    b.linear_shared(&xb, m, k, outs)
+}
+
+/// [`Backend::moe_gate_up_swiglu_bf16`] as its three ops ([`Backend::gather_rows_bf16`],
+/// [`Backend::grouped_linear`], [`Backend::swiglu_bf16`]): the default, and what a device does
+/// where it has no fused kernel.
+///
+/// # Errors
+/// As the three ops.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_gate_up_swiglu_bf16<B: Backend + ?Sized>(
+    b: &B,
+    xb: &B::Bf16,
+    route: &RouteBufs<B>,
+    n: usize,
+    e: usize,
+    top_k: usize,
+    h: usize,
+    f: usize,
+    w: &B::Bf16,
+    act: &mut B::Bf16,
+) -> DResult<()> {
+    let rows = n * top_k;
+    let mut xg = b.empty_bf16(rows * h)?;
+    b.gather_rows_bf16(xb, route, n, e, top_k, h, &mut xg)?;
+    let mut gu = b.empty_f32(rows * 2 * f)?;
+    b.grouped_linear(&xg, w, &route.offsets, None, e, rows, h, 2 * f, &mut gu)?;
+    b.swiglu_bf16(&gu, rows, f, act)
+}
+
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
 #[allow(clippy::too_many_arguments)]
 pub trait Backend {
@@ -334,10 +382,7 @@ pub trait Backend {
         k: usize,
         outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
     ) -> DResult<()> {
-        let mut xb = self.empty_bf16(m * k)?;
-        let mut rstd = self.empty_f32(m)?;
-        self.rmsnorm_bf16(x, w, m, k, eps, &mut xb, &mut rstd)?;
-        self.linear_shared(&xb, m, k, outs)
+        rmsnorm_then_linear_shared(self, x, w, eps, m, k, outs)
     }
     /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
     /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)
@@ -584,12 +629,7 @@ pub trait Backend {
         w: &Self::Bf16,
         act: &mut Self::Bf16,
     ) -> DResult<()> {
-        let rows = n * top_k;
-        let mut xg = self.empty_bf16(rows * h)?;
-        self.gather_rows_bf16(xb, route, n, e, top_k, h, &mut xg)?;
-        let mut gu = self.empty_f32(rows * 2 * f)?;
-        self.grouped_linear(&xg, w, &route.offsets, None, e, rows, h, 2 * f, &mut gu)?;
-        self.swiglu_bf16(&gu, rows, f, act)
+        gather_gate_up_swiglu_bf16(self, xb, route, n, e, top_k, h, f, w, act)
     }
     /// Combine (reference [`combine_forward`] called for experts in order): `out[t] +=
     /// Σ w[t, s]·y[row(t, s)]` over expert-major rows `y: [N·k, h]`.
