@@ -178,27 +178,7 @@ impl Norm {
         d: usize,
         eps: f32,
     ) -> Result<(), DeviceError> {
-        let Some(cfg) =
-            self.forward_cfg(x.len(), w.len(), &[("y", y.len())], rstd.len(), rows, d)?
-        else {
-            return Ok(());
-        };
-        let (d32, rows32) = (d as u32, rows as u32);
-        let (f, cfg) = self.pick(&self.fwd, &self.fwd_w, cfg, rows, d);
-        let mut b = self.gpu.stream().launch_builder(f);
-        b.arg(x)
-            .arg(w)
-            .arg(y)
-            .arg(rstd)
-            .arg(&rows32)
-            .arg(&d32)
-            .arg(&eps);
-        // SAFETY: row r < rows (one block, or one warp with the rest returning) reads
-        // x[r·d .. (r+1)·d] and w[..d], writes the same range of y and rstd[r]; every buffer
-        // holds at least that (checked above); argument types match (const float*,
-        // const float*, float*, float*, u32, u32, float).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
-        Ok(())
+        self.forward_to((&self.fwd, &self.fwd_w), x, w, y, rstd, rows, d, eps)
     }
 
     /// [`Norm::forward`] writing `y` as BF16 bit patterns (round to nearest even): the forward
@@ -217,13 +197,39 @@ impl Norm {
         d: usize,
         eps: f32,
     ) -> Result<(), DeviceError> {
+        self.forward_to(
+            (&self.fwd_bf16, &self.fwd_bf16_w),
+            x,
+            w,
+            y,
+            rstd,
+            rows,
+            d,
+            eps,
+        )
+    }
+
+    /// The launch of [`Norm::forward`] / [`Norm::forward_bf16`]: `kernels` = (one block per
+    /// row, one warp per row), `y`'s elements f32 or BF16 bit patterns.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_to<T: cudarc::driver::DeviceRepr>(
+        &self,
+        (block, warp): (&CudaFunction, &CudaFunction),
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, T>,
+        rstd: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
         let Some(cfg) =
             self.forward_cfg(x.len(), w.len(), &[("y", y.len())], rstd.len(), rows, d)?
         else {
             return Ok(());
         };
         let (d32, rows32) = (d as u32, rows as u32);
-        let (f, cfg) = self.pick(&self.fwd_bf16, &self.fwd_bf16_w, cfg, rows, d);
+        let (f, cfg) = self.pick(block, warp, cfg, rows, d);
         let mut b = self.gpu.stream().launch_builder(f);
         b.arg(x)
             .arg(w)
@@ -232,8 +238,11 @@ impl Norm {
             .arg(&rows32)
             .arg(&d32)
             .arg(&eps);
-        // SAFETY: as `forward`, with u16 output elements; argument types match (const float*,
-        // const float*, u16*, float*, u32, u32, float).
+        // SAFETY: row r < rows (one block, or one warp with the rest returning) reads
+        // x[r·d .. (r+1)·d] and w[..d], writes the same range of y and rstd[r]; every buffer
+        // holds at least that (checked above); both kernel pairs take (const float*,
+        // const float*, T*, float*, u32, u32, float) with T the element type of `y` (float for
+        // `fwd`, u16 for `fwd_bf16`), which the callers pass.
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
