@@ -192,4 +192,31 @@ __device__ __forceinline__ void moe_dispatch_block(const u32* ids, u32 total, u3
     }
 }
 
+// The most experts per token the MoE kernels take (their per-token shared tables).
+#define MOE_MAX_TOP_K 256
+
+// Token t's packed rows (rows_s[s] = row_of[t*k + s]), weights (w_s[s] = w[t*k + s] when w is
+// given) and its valid slots in ascending packed row order (order_s[0..nvalid)): ascending row
+// = ascending expert (then slot), the order in which the CPU reference visits a token's
+// experts. Every thread of the block returns nvalid.
+__device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, const float* __restrict__ w,
+                                               u64 t, u32 k, u32* rows_s, float* w_s, u32* order_s) {
+    for (u32 s = threadIdx.x; s < k; s += blockDim.x) {
+        rows_s[s] = row_of[t * k + s];
+        if (w) w_s[s] = w[t * k + s];
+    }
+    __syncthreads();
+    for (u32 s = threadIdx.x; s < k; s += blockDim.x) {
+        const u32 r = rows_s[s];
+        if (r == MOE_INVALID) continue;
+        u32 rank = 0;
+        for (u32 s2 = 0; s2 < k; ++s2) rank += rows_s[s2] < r ? 1u : 0u;
+        order_s[rank] = s;
+    }
+    u32 nvalid = 0;
+    for (u32 s2 = 0; s2 < k; ++s2) nvalid += rows_s[s2] != MOE_INVALID ? 1u : 0u;
+    __syncthreads();
+    return nvalid;
+}
+
 #endif

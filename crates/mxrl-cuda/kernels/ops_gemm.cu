@@ -584,6 +584,82 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
     }
 }
 
+// Fused MoE down projection, combine and residual, small M (decode, BF16 experts): for token t,
+// its valid slots s in ascending packed row order (moe_token_order: the combine's order), row
+// p = row_of[t·top_k + s] of expert e = ids[t·top_k + s], and column j < H,
+//   y_s = Σ_k act[p, k]·w[e][j, k]   (summed exactly as grouped_nt_small_m sums column j),
+//   out[t, j] = (((0 + rw_s0·y_s0) + rw_s1·y_s1) + …) + res[t, j]   (res may be null),
+// which are the bits of grouped_nt_small_m over w [E, H, F] into y [R, H], then moe_combine
+// with the residual, without the f32 y. Warp w of block (bx, t) owns column bx·SM_WARPS + w;
+// it loads the weight chunks of DC_G experts, DC_U chunks deep, before using any (DC_G·DC_U
+// 16-byte loads in flight per lane), and each expert's sum keeps the lane order of
+// small_m_dot. Grid (ceil(H / SM_WARPS), T); F a multiple of 8; act and w 16-byte aligned.
+#define DC_G 4  // experts in flight
+#define DC_U 3  // chunks per expert in flight
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    grouped_down_combine_small_m(const u16* __restrict__ act, const u32* __restrict__ ids,
+                                 const u32* __restrict__ row_of, const float* __restrict__ rw, u32 top_k,
+                                 const u16* __restrict__ w, const float* __restrict__ res,
+                                 float* __restrict__ out, u32 E, u32 H, u32 F) {
+    __shared__ u32 rows_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    __shared__ u32 order_s[MOE_MAX_TOP_K];
+    __shared__ u32 e_s[MOE_MAX_TOP_K];
+    const u64 t = blockIdx.y;
+    for (u32 s = threadIdx.x; s < top_k; s += blockDim.x) e_s[s] = min(ids[t * top_k + s], E - 1);
+    const u32 nv = moe_token_order(row_of, rw, t, top_k, rows_s, w_s, order_s);  // barriers inside
+    const int lane = threadIdx.x & 31;
+    const u64 j = (u64)blockIdx.x * SM_WARPS + (threadIdx.x >> 5);
+    if (j >= H) return;
+    float o = 0.0f;
+    for (u32 q0 = 0; q0 < nv; q0 += DC_G) {
+        const u32 g = min((u32)DC_G, nv - q0);
+        const u16* wr[DC_G];
+        const u16* xr[DC_G];
+#pragma unroll
+        for (int q = 0; q < DC_G; ++q) {
+            const u32 s = order_s[q0 + min((u32)q, g - 1)];
+            wr[q] = w + ((u64)e_s[s] * H + j) * F;
+            xr[q] = act + (u64)rows_s[s] * F;
+        }
+        float acc[DC_G];
+#pragma unroll
+        for (int q = 0; q < DC_G; ++q) acc[q] = 0.0f;
+        for (u32 k0 = (u32)lane * 8; k0 < F; k0 += 256 * DC_U) {
+            uint4 raw[DC_U][DC_G];
+#pragma unroll
+            for (int u = 0; u < DC_U; ++u)
+                if (k0 + 256 * u < F)
+#pragma unroll
+                    for (int q = 0; q < DC_G; ++q)
+                        if ((u32)q < g) raw[u][q] = *reinterpret_cast<const uint4*>(wr[q] + k0 + 256 * u);
+#pragma unroll
+            for (int u = 0; u < DC_U; ++u) {
+                const u32 k = k0 + 256 * u;
+                if (k >= F) break;
+#pragma unroll
+                for (int q = 0; q < DC_G; ++q) {
+                    if ((u32)q < g) {
+                        float wv[8], xv[8];
+                        widen8(raw[u][q], wv);
+                        widen8(*reinterpret_cast<const uint4*>(xr[q] + k), xv);
+#pragma unroll
+                        for (int h = 0; h < 8; ++h) acc[q] = __fmaf_rn(xv[h], wv[h], acc[q]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < DC_G; ++q) {
+            if ((u32)q < g) {
+                const float y = warp_sum(acc[q]);
+                o = __fadd_rn(o, __fmul_rn(w_s[order_s[q0 + q]], y));
+            }
+        }
+    }
+    if (lane == 0) out[t * H + j] = res != nullptr ? __fadd_rn(o, res[t * H + j]) : o;
+}
+
 // Dense forward, small M, of up to three weights sharing one input (a layer's q, k and v
 // projections; or one linear): y_i[r, n] = Σ_k x[r, k]·w_i[n, k] for r < M, n < N_i, summed as
 // grouped_nt_small_m sums. Warp w of block bx owns DS_NB columns; the blocks run over w_0's

@@ -33,8 +33,8 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    gather_gate_up_swiglu_bf16, rmsnorm_then_linear_shared, Backend, DResult, Device, DeviceError,
-    GradWrite, RouteBufs, StoredBytes,
+    gather_gate_up_swiglu_bf16, grouped_down_then_combine_add, rmsnorm_then_linear_shared, Backend,
+    DResult, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -89,6 +89,14 @@ fn env_off(name: &str) -> bool {
 fn moe_fused_small_m() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
+}
+
+/// Whether decode's BF16 routed down projection runs fused with the combine and the residual
+/// add on the small-M kernel (`MXRL_MOE_DOWN_FUSED=off`: the two ops, the down projection on
+/// the fragment kernels); taken where the fused gate/up is (`moe_fused_small_m`).
+fn moe_down_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| moe_fused_small_m() && !env_off("MXRL_MOE_DOWN_FUSED"))
 }
 
 /// Decode routing runs fused up to this many tokens: one token per warp of the fused kernel.
@@ -1662,6 +1670,46 @@ impl Backend for CudaBackend {
                 .map_err(de);
         }
         gather_gate_up_swiglu_bf16(self, xb, route, n, e, top_k, h, f, w, act)
+    }
+
+    fn moe_down_combine_bf16(
+        &self,
+        act: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        f: usize,
+        h: usize,
+        w: &Self::Bf16,
+        residual: &Self::F32,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        let rows = n * top_k;
+        let s = Grouped {
+            experts: e,
+            rows,
+            n: h,
+            k: f,
+        };
+        if moe_down_fused() && 2 * rows <= e && GroupedPath::for_shape(s) == GroupedPath::SmallM {
+            return self
+                .gemm
+                .grouped_down_combine_small_m(
+                    &act.as_view(),
+                    &route.ids.as_view(),
+                    &route.row_of.as_view(),
+                    &route.weights.as_view(),
+                    top_k,
+                    &w.as_view(),
+                    Some(&residual.as_view()),
+                    &mut out.as_view_mut(),
+                    n,
+                    s,
+                )
+                .map_err(de);
+        }
+        grouped_down_then_combine_add(self, act, route, n, e, top_k, f, h, w, residual, out)
     }
 
     fn grouped_linear(

@@ -1038,6 +1038,190 @@ fn fused_gate_up_swiglu_equals_gather_gemm_swiglu_bitwise() {
     }
 }
 
+/// Decode's fused routed down projection: the small-M down GEMM, the combine in ascending
+/// expert order and the residual add in one launch give the bits of the small-M kernel into
+/// `y` followed by the combine kernel (with and without the residual), for one token of the
+/// benchmark shape, several tokens sharing experts, a dropped slot (expert id out of range:
+/// no row, no contribution), more slots than the kernel keeps in flight, and odd widths; bad
+/// shapes are refused.
+#[test]
+fn fused_down_combine_equals_small_m_then_combine_bitwise() {
+    use mxrl_cuda::ops::moe::Moe;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let moe = Moe::new(&g).unwrap();
+    // (tokens, experts, top_k, H, F, drop one slot)
+    let cases = [
+        (1usize, 64usize, 8usize, 2048usize, 768usize, false),
+        (4, 16, 4, 72, 264, false),
+        (3, 6, 5, 40, 8, true),
+        (2, 70, 11, 24, 1032, true),
+    ];
+    for (ci, &(t, e, top_k, h, f, drop)) in cases.iter().enumerate() {
+        let seed = 9300 + ci as u64;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // Routing: distinct experts per token (one slot of the last token out of range when
+        // `drop`), dispatched expert-major with flat indices in order (the dispatch's sort).
+        let mut ids: Vec<u32> = (0..t)
+            .flat_map(|_| {
+                rand::seq::index::sample(&mut rng, e, top_k)
+                    .into_iter()
+                    .map(|x| x as u32)
+            })
+            .collect();
+        if drop {
+            ids[t * top_k - 2] = e as u32;
+        }
+        let rows_total = t * top_k;
+        let mut row_of = vec![u32::MAX; rows_total];
+        let mut counts = vec![0usize; e];
+        let mut pos = 0u32;
+        for (ex, c) in counts.iter_mut().enumerate() {
+            for (i, &x) in ids.iter().enumerate() {
+                if x as usize == ex {
+                    row_of[i] = pos;
+                    pos += 1;
+                    *c += 1;
+                }
+            }
+        }
+        let valid = pos as usize;
+        let off = offsets_of(&counts);
+        let weights: Vec<f32> = (0..rows_total)
+            .map(|_| rng.gen_range(0.01f32..1.0))
+            .collect();
+        let act = bf16_values(rows_total * f, seed * 5);
+        let w = bf16_values(e * h * f, seed * 5 + 1);
+        let res: Vec<f32> = mxrl_tensor::gradcheck::test_values(t * h, seed * 5 + 2, 3.0);
+        let (dact, dw) = (g.upload(&act.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let (dids, drow, doff) = (
+            g.upload(&ids).unwrap(),
+            g.upload(&row_of).unwrap(),
+            g.upload(&off).unwrap(),
+        );
+        let (dweights, dres) = (g.upload(&weights).unwrap(), g.upload(&res).unwrap());
+        // The packed rows the dispatch made: `valid` of them (the grouped kernel's R).
+        let s = Grouped {
+            experts: e,
+            rows: valid,
+            n: h,
+            k: f,
+        };
+        let mut y = g.upload(&vec![f32::NAN; rows_total * h]).unwrap();
+        ops.grouped_nt_small_m(
+            &dact.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut y.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        let fs = Grouped {
+            rows: rows_total,
+            ..s
+        };
+        for with_res in [true, false] {
+            let mut want = g.upload(&vec![f32::NAN; t * h]).unwrap();
+            if with_res {
+                moe.combine_add(
+                    &y.as_view(),
+                    &dweights.as_view(),
+                    &drow.as_view(),
+                    &dres.as_view(),
+                    &mut want.as_view_mut(),
+                    t,
+                    h,
+                    top_k,
+                )
+                .unwrap();
+            } else {
+                moe.combine(
+                    &y.as_view(),
+                    &dweights.as_view(),
+                    &drow.as_view(),
+                    &mut want.as_view_mut(),
+                    t,
+                    h,
+                    top_k,
+                )
+                .unwrap();
+            }
+            let want = g.download(&want).unwrap();
+            let mut out = g.upload(&vec![f32::NAN; t * h + 3]).unwrap();
+            let dres_view = dres.as_view();
+            ops.grouped_down_combine_small_m(
+                &dact.as_view(),
+                &dids.as_view(),
+                &drow.as_view(),
+                &dweights.as_view(),
+                top_k,
+                &dw.as_view(),
+                with_res.then_some(&dres_view),
+                &mut out.as_view_mut(),
+                t,
+                fs,
+            )
+            .unwrap();
+            let got = g.download(&out).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got[..t * h]),
+                bits(&want),
+                "case {ci} (residual {with_res})"
+            );
+            assert!(
+                got[t * h..].iter().all(|v| v.is_nan()),
+                "case {ci}: wrote past the output"
+            );
+        }
+        assert_eq!(
+            valid < rows_total,
+            drop,
+            "case {ci}: the dropped slot has no row"
+        );
+    }
+    // Refusals: F not a multiple of 8, rows that are not tokens × top_k.
+    let z16 = g.upload(&vec![0u16; 4096]).unwrap();
+    let z32 = g.upload(&vec![0u32; 64]).unwrap();
+    let zf = g.upload(&vec![0f32; 4096]).unwrap();
+    let mut o = g.upload(&vec![0f32; 4096]).unwrap();
+    for (tokens, s) in [
+        (
+            2,
+            Grouped {
+                experts: 2,
+                rows: 4,
+                n: 8,
+                k: 12,
+            },
+        ),
+        (
+            3,
+            Grouped {
+                experts: 2,
+                rows: 4,
+                n: 8,
+                k: 8,
+            },
+        ),
+    ] {
+        assert!(ops
+            .grouped_down_combine_small_m(
+                &z16.as_view(),
+                &z32.as_view(),
+                &z32.as_view(),
+                &zf.as_view(),
+                2,
+                &z16.as_view(),
+                None,
+                &mut o.as_view_mut(),
+                tokens,
+                s,
+            )
+            .is_err());
+    }
+}
+
 /// Decode's fused attention input: RMSNorm then the small-M q/k/v projections in one launch
 /// give the bits of the RMSNorm kernel's BF16 rows followed by the small-M kernel, over one and
 /// two passes of rows, widths from 256 (the norm's full block) and an NaN-free zero row; a width

@@ -1733,12 +1733,35 @@ impl<B: Backend> Engine<B> {
                     let act = swiglu(&gu, rows, m.f)?;
                     (xg, gu, act)
                 };
-                let mut y = e(rows * hd)?;
-                self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
                 // Σ over experts, then + x_mid: the CPU model's `x += out`.
                 let mut out = e(n * hd)?;
-                b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
-                    .map_err(dev)?;
+                let y = match (&act, fused) {
+                    // Decode with BF16 experts: the down projection, the combine and the
+                    // residual as one op (the device may fuse them); `y` stays a placeholder.
+                    (Act::Bf16(a), true) => {
+                        b.moe_down_combine_bf16(
+                            a,
+                            &route,
+                            n,
+                            ne,
+                            k,
+                            m.f,
+                            hd,
+                            self.op(m.down),
+                            &x_mid,
+                            &mut out,
+                        )
+                        .map_err(dev)?;
+                        e(1)?
+                    }
+                    _ => {
+                        let mut y = e(rows * hd)?;
+                        self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
+                        b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
+                            .map_err(dev)?;
+                        y
+                    }
+                };
                 (
                     out,
                     FfnTape::Moe {

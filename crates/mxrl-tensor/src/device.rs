@@ -159,6 +159,31 @@ pub fn gather_gate_up_swiglu_bf16<B: Backend + ?Sized>(
     b.swiglu_bf16(&gu, rows, f, act)
 }
 
+/// [`Backend::moe_down_combine_bf16`] as its two ops ([`Backend::grouped_linear`],
+/// [`Backend::combine_add`]): the default, and what a device does where it has no fused kernel.
+///
+/// # Errors
+/// As the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_down_then_combine_add<B: Backend + ?Sized>(
+    b: &B,
+    act: &B::Bf16,
+    route: &RouteBufs<B>,
+    n: usize,
+    e: usize,
+    top_k: usize,
+    f: usize,
+    h: usize,
+    w: &B::Bf16,
+    residual: &B::F32,
+    out: &mut B::F32,
+) -> DResult<()> {
+    let rows = n * top_k;
+    let mut y = b.empty_f32(rows * h)?;
+    b.grouped_linear(act, w, &route.offsets, None, e, rows, f, h, &mut y)?;
+    b.combine_add(&y, route, n, e, top_k, h, residual, out)
+}
+
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
 #[allow(clippy::too_many_arguments)]
 pub trait Backend {
@@ -630,6 +655,29 @@ pub trait Backend {
         act: &mut Self::Bf16,
     ) -> DResult<()> {
         gather_gate_up_swiglu_bf16(self, xb, route, n, e, top_k, h, f, w, act)
+    }
+    /// A routed MoE's down projection and combine without a tape (decode): the BF16 activation
+    /// rows `act: [N·k, F]` (expert-major, as routed) times the stacked BF16 down weights `w:
+    /// [E, h, F]` ([`Backend::grouped_linear`]), then [`Backend::combine_add`] with
+    /// `residual: [N, h]` into `out: [N, h]`, with exactly those bits. The default composes
+    /// the two; a device may fuse them (no f32 `[N·k, h]`).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn moe_down_combine_bf16(
+        &self,
+        act: &Self::Bf16,
+        route: &RouteBufs<Self>,
+        n: usize,
+        e: usize,
+        top_k: usize,
+        f: usize,
+        h: usize,
+        w: &Self::Bf16,
+        residual: &Self::F32,
+        out: &mut Self::F32,
+    ) -> DResult<()> {
+        grouped_down_then_combine_add(self, act, route, n, e, top_k, f, h, w, residual, out)
     }
     /// Combine (reference [`combine_forward`] called for experts in order): `out[t] +=
     /// Σ w[t, s]·y[row(t, s)]` over expert-major rows `y: [N·k, h]`.

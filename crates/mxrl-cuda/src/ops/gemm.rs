@@ -317,6 +317,7 @@ pub struct Gemm {
     /// `rmsnorm_dense_small_m_nb1`, `rmsnorm_dense_small_m_nb2`.
     rmsnorm_small_m: [CudaFunction; 2],
     gate_up_swiglu_small_m: CudaFunction,
+    down_combine_small_m: CudaFunction,
 }
 
 fn dim_i32(gpu: &Gpu, what: &str, v: usize) -> Result<i32, DeviceError> {
@@ -368,6 +369,7 @@ impl Gemm {
                 ]
             },
             gate_up_swiglu_small_m: f("grouped_gate_up_swiglu_small_m")?,
+            down_combine_small_m: f("grouped_down_combine_small_m")?,
         })
     }
 
@@ -1039,6 +1041,114 @@ impl Gemm {
         // rows, K is a multiple of 8 and x, W 16-byte aligned (checked), so every 16-byte load
         // stays inside a row; warps whose features start at or beyond F exit. Argument types
         // match (const u16*, const u32*, u32, u32, const u16*, const u32*, u16*, u32 × 4).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Fused MoE down projection, combine and residual for small `M` (decode): for every token
+    /// `t < tokens` and column `j < H`, `out[t, j] = Σ_s rw[t, s]·y_s + residual[t, j]` over
+    /// the token's valid slots in ascending packed row order (the combine's), where `y_s` is
+    /// column `j` of `act[row_of[t, s]] · W[ids[t, s]]ᵀ` (`act [R, F]` BF16 packed rows, `W
+    /// [E, H, F]` BF16, `ids`, `row_of`, `rw [tokens·top_k]` as routing wrote them, `out
+    /// [tokens, H]` overwritten). The bits of [`Gemm::grouped_nt_small_m`] into `y [R, H]`
+    /// followed by [`crate::ops::moe::Moe::combine_add`] (or `combine` without a residual),
+    /// without the f32 `y`. `s`: `experts`, `rows = tokens·top_k`, `n = H`, `k = F`.
+    ///
+    /// # Errors
+    /// `F` not a multiple of 8; `top_k` outside 1..=256; short or misaligned buffers; sizes
+    /// beyond u32 or the grid limits; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_down_combine_small_m(
+        &self,
+        act: &CudaView<'_, u16>,
+        ids: &CudaView<'_, u32>,
+        row_of: &CudaView<'_, u32>,
+        rw: &CudaView<'_, f32>,
+        top_k: usize,
+        w: &CudaView<'_, u16>,
+        residual: Option<&CudaView<'_, f32>>,
+        out: &mut CudaViewMut<'_, f32>,
+        tokens: usize,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "grouped_down_combine_small_m";
+        if !s.k.is_multiple_of(8) {
+            return Err(g.err(format!(
+                "{op}: F = {} must be a multiple of 8 (16-byte operand loads)",
+                s.k
+            )));
+        }
+        if top_k == 0 || top_k > 256 {
+            return Err(g.err(format!("{op}: top_k {top_k}; 1..=256 supported")));
+        }
+        if tokens.checked_mul(top_k) != Some(s.rows) {
+            return Err(g.err(format!(
+                "{op}: {} rows for {tokens} tokens × top_k {top_k}",
+                s.rows
+            )));
+        }
+        for (what, v) in [
+            ("experts", s.experts),
+            ("rows", s.rows),
+            ("H", s.n),
+            ("F", s.k),
+        ] {
+            if u32::try_from(v).is_err() {
+                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
+            }
+        }
+        let stream = g.stream();
+        check_len(g, &format!("{op} act"), act.len(), mul(g, op, s.rows, s.k)?)?;
+        for (what, len) in [("ids", ids.len()), ("row_of", row_of.len())] {
+            check_len(g, &format!("{op} {what}"), len, s.rows)?;
+        }
+        check_len(g, &format!("{op} weights"), rw.len(), s.rows)?;
+        let w_len = mul(g, op, mul(g, op, s.experts, s.n)?, s.k)?;
+        check_len(g, &format!("{op} w"), w.len(), w_len)?;
+        let out_len = mul(g, op, tokens, s.n)?;
+        check_len(g, &format!("{op} out"), out.len(), out_len)?;
+        if let Some(r) = residual {
+            check_len(g, &format!("{op} residual"), r.len(), out_len)?;
+        }
+        check_align(g, &format!("{op} act"), act.device_ptr(stream).0, 16)?;
+        check_align(g, &format!("{op} w"), w.device_ptr(stream).0, 16)?;
+        if tokens == 0 || s.n == 0 {
+            return Ok(());
+        }
+        if s.experts == 0 {
+            return Err(g.err(format!("{op}: no experts")));
+        }
+        if tokens > 65_535 {
+            return Err(g.err(format!(
+                "{op}: {tokens} tokens exceed the grid's y limit 65535"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                s.n.div_ceil(SMALL_M_THREADS as usize / 32) as u32,
+                tokens as u32,
+                1,
+            ),
+            block_dim: (SMALL_M_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tk, e, h, f) = (top_k as u32, s.experts as u32, s.n as u32, s.k as u32);
+        let null: u64 = 0;
+        let mut b = g.stream().launch_builder(&self.down_combine_small_m);
+        b.arg(act).arg(ids).arg(row_of).arg(rw).arg(&tk).arg(w);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        b.arg(out).arg(&e).arg(&h).arg(&f);
+        // SAFETY: act holds R·F, ids / row_of / rw R, W E·H·F, out (and the residual) T·H
+        // elements (checked). The kernel reads only valid rows (row_of < R is written by the
+        // dispatch for every valid slot; MOE_INVALID slots are skipped), clamps expert ids to
+        // E − 1, F is a multiple of 8 and act, W are 16-byte aligned (checked), so every
+        // 16-byte load stays inside a row; warps past H exit after the block's barriers.
+        // Argument types match (const u16*, const u32*, const u32*, const float*, u32, const
+        // u16*, const float* or null, float*, u32 × 3).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
