@@ -299,3 +299,73 @@ extern "C" __global__ void __launch_bounds__(MOE_SMALL_THREADS)
     __syncthreads();
     moe_dispatch_block(ids, n * k, e, offsets, perm, row_of, tab, off);
 }
+
+// ---- Decode's residual add, RMSNorm, router and routing in one launch (one block of
+// MOE_SMALL_THREADS threads, for n <= ROUTE_SMALL_TOKENS tokens, N·k <= MOE_SMALL_THREADS and
+// e <= ROUTE_SMALL_MAX_E):
+//   x[t] = x[t] + res[t]; rstd[t], yb[t] = bf16((x[t]·rstd[t])·nw) — add_rmsnorm_fwd's bits:
+//     threads below 256 take the columns add_rmsnorm_fwd's 256-thread block (or its
+//     ceil32(d)-thread block, one column per thread, for d < 256) gives them, in the same
+//     order; the other threads add +0 to the block sum, which block_sum's zero-filled last
+//     stage then holds anyway, so the reduction is the same expression;
+//   logits[t, c] = Σ_j yb[t, j]·wr[c, j] — dense_nt_small_m's sums (small_m_pass, warp c mod 32
+//     owns column c), from the BF16 rows kept in shared memory;
+//   then router_topk_dispatch_small's routing of the logits (this block wrote them: visible
+//   after the barrier). The rows pass through shared memory SM_RB at a time (fewer where d is
+//   wide); the routing tables reuse that memory afterwards.
+#define ANR_NORM_THREADS 256
+#define ANR_SMEM (ROUTE_SMALL_WARPS * ROUTE_SMALL_MAX_E * 12 + MOE_SMALL_WARPS * ROUTE_SMALL_MAX_E * 4 + ROUTE_SMALL_MAX_E * 4)
+extern "C" __global__ void __launch_bounds__(MOE_SMALL_THREADS)
+    add_norm_route_small(float* x, const float* __restrict__ res, const float* __restrict__ nw, float eps, u32 d,
+                         u16* __restrict__ yb, float* __restrict__ rstd, const u16* __restrict__ wr,
+                         float* logits, float* __restrict__ probs, u32* ids, float* __restrict__ weights, u32 n,
+                         u32 e, u32 k, int norm, u32* __restrict__ offsets, u32* __restrict__ perm,
+                         u32* __restrict__ row_of) {
+    __shared__ __align__(16) unsigned char sm[ANR_SMEM];
+    __shared__ float scratch[32];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    u16* xs = reinterpret_cast<u16*>(sm);
+    const u32 rpp = min((u32)SM_RB, (u32)(ANR_SMEM / (2 * (u64)d)));  // >= 1 (checked by the host)
+    for (u32 rb = 0; rb < n; rb += rpp) {
+        const u32 nr = min(rpp, n - rb);
+        for (u32 r = 0; r < nr; ++r) {
+            float* xr = x + (u64)(rb + r) * d;
+            const float* rr = res + (u64)(rb + r) * d;
+            float ss = 0.0f;
+            if (tid < ANR_NORM_THREADS)
+                for (u32 j = tid; j < d; j += ANR_NORM_THREADS) {
+                    const float v = __fadd_rn(xr[j], rr[j]);
+                    xr[j] = v;
+                    ss = __fadd_rn(ss, __fmul_rn(v, v));
+                }
+            const float rs = rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
+            if (tid == 0) rstd[rb + r] = rs;
+            if (tid < ANR_NORM_THREADS)
+                for (u32 j = tid; j < d; j += ANR_NORM_THREADS) {
+                    const u16 b = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), nw[j]));
+                    yb[(u64)(rb + r) * d + j] = b;
+                    xs[r * d + j] = b;
+                }
+        }
+        __syncthreads();
+        const u16* xrp[SM_RB];
+#pragma unroll
+        for (int r = 0; r < SM_RB; ++r) xrp[r] = xs + min((u32)r, nr - 1) * d;
+        for (u32 c = warp; c < e; c += MOE_SMALL_WARPS) {
+            const u16* const wq[1] = {wr + (u64)c * d};
+            small_m_pass<1, 8>(xrp, nr, wq, d, (int)lane, logits + (u64)rb * e + c, e);
+        }
+        __syncthreads();  // the logits are written; the next pass overwrites the rows
+    }
+    float(*wp)[ROUTE_SMALL_MAX_E] = reinterpret_cast<float(*)[ROUTE_SMALL_MAX_E]>(sm);
+    u32(*wkey)[ROUTE_SMALL_MAX_E] = reinterpret_cast<u32(*)[ROUTE_SMALL_MAX_E]>(sm + ROUTE_SMALL_WARPS * ROUTE_SMALL_MAX_E * 4);
+    u32(*wsel)[ROUTE_SMALL_MAX_E] = reinterpret_cast<u32(*)[ROUTE_SMALL_MAX_E]>(sm + ROUTE_SMALL_WARPS * ROUTE_SMALL_MAX_E * 8);
+    u32* tab = reinterpret_cast<u32*>(sm + ROUTE_SMALL_WARPS * ROUTE_SMALL_MAX_E * 12);
+    u32* off = tab + MOE_SMALL_WARPS * ROUTE_SMALL_MAX_E;
+    if (warp < ROUTE_SMALL_WARPS)
+        for (u32 t = warp; t < n; t += ROUTE_SMALL_WARPS)
+            router_topk_row_warp(logits + (u64)t * e, probs + (u64)t * e, ids + (u64)t * k, weights + (u64)t * k, e,
+                                 k, norm, wp[warp], wkey[warp], wsel[warp]);
+    __syncthreads();
+    moe_dispatch_block(ids, n * k, e, offsets, perm, row_of, tab, off);
+}

@@ -692,3 +692,163 @@ fn router_dispatch_small_equals_router_then_dispatch_bitwise() {
     ));
     assert!(e.contains("one block"), "{e}");
 }
+
+/// Decode's residual add, RMSNorm, router and routing in one launch give the bits of the three
+/// (the add + RMSNorm kernel's x, BF16 rows and rstd; the small-M router's logits; the
+/// one-launch routing's probabilities, ids, weights, offsets, perm and row_of), for one and
+/// two tokens of the benchmark width, widths below the norm's 256 threads and not a multiple
+/// of them, more rows than one pass of shared rows (a width that leaves room for three), 128
+/// experts and both weight modes; shapes past its limits are refused.
+#[test]
+fn add_norm_route_small_equals_add_norm_router_route_bitwise() {
+    use mxrl_cuda::ops::gemm::Gemm;
+    use mxrl_cuda::ops::norm::Norm;
+    use mxrl_cuda::ops::router::RouteOut;
+    let g = gpu();
+    let r = Router::new(&g).unwrap();
+    let norm = Norm::new(&g).unwrap();
+    let gemm = Gemm::new(&g).unwrap();
+    // (tokens, width, experts, top_k, norm_topk_prob)
+    let cases = [
+        (1usize, 2048usize, 64usize, 8usize, true),
+        (2, 2048, 128, 8, false),
+        (2, 40, 8, 2, true),
+        (1, 264, 16, 3, true),
+        (11, 72, 8, 2, true),
+        (5, 6000, 8, 2, false),
+    ];
+    let eps = 1e-6f32;
+    let bf16 = |v: &[f32]| -> Vec<u16> {
+        v.iter()
+            .map(|x| half::bf16::from_f32(*x).to_bits())
+            .collect()
+    };
+    for (ci, &(n, d, e, k, normp)) in cases.iter().enumerate() {
+        let seed = 9400 + ci as u64;
+        let x = values(n * d, seed, 2.0);
+        let res = values(n * d, seed + 100, 2.0);
+        let nw = values(d, seed + 200, 1.5);
+        let rw = bf16(&values(e * d, seed + 300, 0.2));
+        let (dres, dnw, drw) = (
+            g.upload(&res).unwrap(),
+            g.upload(&nw).unwrap(),
+            g.upload(&rw).unwrap(),
+        );
+        let nan = |m: usize| g.upload(&vec![f32::NAN; m]).unwrap();
+        let junk = |m: usize| g.upload(&vec![0xDEADu32; m]).unwrap();
+        let junk16 = |m: usize| g.upload(&vec![0xFFFFu16; m]).unwrap();
+        // The three launches.
+        let mut x1 = g.upload(&x).unwrap();
+        let (mut yb1, mut rs1, mut lg1) = (junk16(n * d), nan(n), nan(n * e));
+        norm.forward_add(
+            &mut x1.as_view_mut(),
+            &dres.as_view(),
+            &dnw.as_view(),
+            None,
+            Some(&mut yb1.as_view_mut()),
+            &mut rs1.as_view_mut(),
+            n,
+            d,
+            eps,
+        )
+        .unwrap();
+        gemm.dense_nt_small_m(
+            &yb1.as_view(),
+            n,
+            d,
+            &mut [(&drw.as_view(), e, &mut lg1.as_view_mut())],
+        )
+        .unwrap();
+        let (mut p1, mut i1, mut w1) = (nan(n * e), junk(n * k), nan(n * k));
+        let (mut o1, mut pm1, mut ro1) = (junk(e + 1), junk(n * k), junk(n * k));
+        r.forward_dispatch_small(
+            &lg1.as_view(),
+            &mut p1.as_view_mut(),
+            &mut i1.as_view_mut(),
+            &mut w1.as_view_mut(),
+            &mut o1.as_view_mut(),
+            &mut pm1.as_view_mut(),
+            &mut ro1.as_view_mut(),
+            n,
+            e,
+            k,
+            normp,
+        )
+        .unwrap();
+        // One launch.
+        assert!(Router::add_norm_route_fits(n, d, e, k), "case {ci}");
+        let mut x2 = g.upload(&x).unwrap();
+        let (mut yb2, mut rs2, mut lg2) = (junk16(n * d), nan(n), nan(n * e));
+        let (mut p2, mut i2, mut w2) = (nan(n * e), junk(n * k), nan(n * k));
+        let (mut o2, mut pm2, mut ro2) = (junk(e + 1), junk(n * k), junk(n * k));
+        r.add_norm_route_small(
+            &mut x2.as_view_mut(),
+            &dres.as_view(),
+            &dnw.as_view(),
+            eps,
+            &mut yb2.as_view_mut(),
+            &mut rs2.as_view_mut(),
+            &drw.as_view(),
+            &mut lg2.as_view_mut(),
+            RouteOut {
+                probs: &mut p2.as_view_mut(),
+                ids: &mut i2.as_view_mut(),
+                weights: &mut w2.as_view_mut(),
+                offsets: &mut o2.as_view_mut(),
+                perm: &mut pm2.as_view_mut(),
+                row_of: &mut ro2.as_view_mut(),
+            },
+            n,
+            d,
+            e,
+            k,
+            normp,
+        )
+        .unwrap();
+        let bits = |b: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
+            g.download(b).unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for (what, a, b) in [
+            ("x", &x2, &x1),
+            ("rstd", &rs2, &rs1),
+            ("logits", &lg2, &lg1),
+            ("probs", &p2, &p1),
+            ("weights", &w2, &w1),
+        ] {
+            assert_eq!(bits(a), bits(b), "case {ci}: {what}");
+        }
+        assert_eq!(
+            g.download(&yb2).unwrap(),
+            g.download(&yb1).unwrap(),
+            "case {ci}: rows"
+        );
+        for (what, a, b) in [
+            ("ids", &i2, &i1),
+            ("offsets", &o2, &o1),
+            ("perm", &pm2, &pm1),
+            ("row_of", &ro2, &ro1),
+        ] {
+            assert_eq!(
+                g.download(a).unwrap(),
+                g.download(b).unwrap(),
+                "case {ci}: {what}"
+            );
+        }
+        // The add itself is the residual sum (not only self-consistent).
+        let got_x = g.download(&x2).unwrap();
+        assert!(
+            got_x
+                .iter()
+                .zip(x.iter().zip(&res))
+                .all(|(g, (a, b))| g.to_bits() == (a + b).to_bits()),
+            "case {ci}: x + res"
+        );
+    }
+    for (n, d, e, k) in [
+        (1usize, 12usize, 8usize, 2usize),
+        (1, 24_000, 8, 2),
+        (2, 64, 200, 2),
+    ] {
+        assert!(!Router::add_norm_route_fits(n, d, e, k), "{n} {d} {e} {k}");
+    }
+}
