@@ -431,8 +431,85 @@ GROUPED_TILES(NT_ENTRY)
 GROUPED_TILES(NN_ENTRY)
 GROUPED_TILES(TN_ENTRY)
 
-// ---- Small-M forwards (decode): widen8, small_m_dot and small_m_pass live in common.cuh.
+// ---- Small-M forwards (decode): the weight bytes are read once, with 16-byte loads, and
+// applied to all rows (up to SM_RB rows per pass; more rows take more passes over the same,
+// cache-resident, weight slice). One warp owns NB output columns; lane l sums k = 8l + 256i + h
+// in increasing i, then h, then a butterfly over the lanes (warp_sum). The U weight chunks of
+// consecutive i are loaded before any is used (U·NB 16-byte loads in flight per lane); that
+// changes when bytes arrive, not the order of the sums. Each term is __fmaf_rn(x, w, acc):
+// a product of two BF16 values has at most 16 significant bits, so it is exact in f32 unless
+// it falls below f32's normal range (|x·w| < 2⁻¹²⁶), and the fused add gives the bits of the
+// IEEE multiply-then-add wherever the product is exact (the bound two_order_sum_bound holds
+// either way: an unrounded product is only closer).
 #define SM_WARPS 8
+#define SM_RB 8  // rows per pass
+
+__device__ __forceinline__ void widen8(uint4 v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        f[2 * q] = __uint_as_float(w[q] << 16);
+        f[2 * q + 1] = __uint_as_float(w[q] & 0xFFFF0000u);
+    }
+}
+
+// acc[r][q] = Σ_k x_r[k]·w_q[k] for rows r < nr (xr[r]: row r's K elements) and columns q < NB
+// (wr[q]: that column's K weights), in the lane order above; acc is this lane's partial (the
+// caller reduces it with warp_sum). K is a multiple of 8; x and w rows 16-byte aligned.
+template <int NB, int U>
+__device__ __forceinline__ void small_m_dot(const u16* const (&xr)[SM_RB], u32 nr, const u16* const (&wr)[NB],
+                                            u32 K, int lane, float (&acc)[SM_RB][NB]) {
+#pragma unroll
+    for (int r = 0; r < SM_RB; ++r)
+#pragma unroll
+        for (int q = 0; q < NB; ++q) acc[r][q] = 0.0f;
+    for (u32 k0 = (u32)lane * 8; k0 < K; k0 += 256 * U) {
+        uint4 raw[U][NB];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (k0 + 256 * u < K)
+#pragma unroll
+                for (int q = 0; q < NB; ++q) raw[u][q] = *reinterpret_cast<const uint4*>(wr[q] + k0 + 256 * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 k = k0 + 256 * u;
+            if (k >= K) break;
+            float wv[NB][8];
+#pragma unroll
+            for (int q = 0; q < NB; ++q) widen8(raw[u][q], wv[q]);
+#pragma unroll
+            for (int r = 0; r < SM_RB; ++r) {
+                if ((u32)r < nr) {
+                    float xv[8];
+                    widen8(*reinterpret_cast<const uint4*>(xr[r] + k), xv);
+#pragma unroll
+                    for (int q = 0; q < NB; ++q)
+#pragma unroll
+                        for (int h = 0; h < 8; ++h) acc[r][q] = __fmaf_rn(xv[h], wv[q][h], acc[r][q]);
+                }
+            }
+        }
+    }
+}
+
+// One pass of up to SM_RB rows: small_m_dot, then the warp sums; lane q < NB stores row r's
+// column q at yp[r·ldy + q] (yp: the pass's first row at the warp's first column).
+template <int NB, int U>
+__device__ __forceinline__ void small_m_pass(const u16* const (&xr)[SM_RB], u32 nr, const u16* const (&wr)[NB],
+                                             u32 K, int lane, float* yp, u64 ldy) {
+    float acc[SM_RB][NB];
+    small_m_dot<NB, U>(xr, nr, wr, K, lane, acc);
+#pragma unroll
+    for (int r = 0; r < SM_RB; ++r) {
+        if ((u32)r < nr) {
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                const float s = warp_sum(acc[r][q]);
+                if (lane == q) yp[r * ldy + q] = s;
+            }
+        }
+    }
+}
 
 // Forward, small M: y[r, n] = Σ_k x[r, k]·w[e][n, k] (same operands and layout as
 // grouped_nt_tiled). Grid (ceil(N / (SM_WARPS·SM_NB)), E), block SM_WARPS·32. Warp w of block

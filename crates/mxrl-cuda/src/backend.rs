@@ -25,7 +25,7 @@ use crate::ops::optim::{AdamWParam, Optim};
 use crate::ops::qgemm::{mxfp8_fast_eligible, Mxfp8Decode, QGemm};
 use crate::ops::qlinear::QLinear;
 use crate::ops::rope::{Rope, RopeDeviceTable};
-use crate::ops::router::{DeviceRouteMode, ExtraDprobs, RouteOut, Router};
+use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
 use crate::ops::swiglu::Swiglu;
 use crate::DeviceError as CudaError;
@@ -33,9 +33,8 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    add_norm_then_route, gather_gate_up_swiglu_bf16, grouped_down_then_combine_add,
-    rmsnorm_then_linear_shared, Backend, DResult, Device, DeviceError, GradWrite, RouteBufs,
-    StoredBytes,
+    gather_gate_up_swiglu_bf16, grouped_down_then_combine_add, rmsnorm_then_linear_shared, Backend,
+    DResult, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -98,14 +97,6 @@ fn moe_fused_small_m() -> bool {
 fn moe_down_fused() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| moe_fused_small_m() && !env_off("MXRL_MOE_DOWN_FUSED"))
-}
-
-/// Whether decode's residual add, RMSNorm, router and routing of a routed MoE layer run as one
-/// launch (`MXRL_NORM_ROUTE_FUSED=off`: three) where the router runs on the small-M kernel
-/// and the routing in one launch anyway (the same bits either way).
-fn norm_route_fused() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !env_off("MXRL_NORM_ROUTE_FUSED"))
 }
 
 /// Decode routing runs fused up to this many tokens: one token per warp of the fused kernel.
@@ -1994,77 +1985,6 @@ impl Backend for CudaBackend {
                 &mut out.as_view_mut(),
             )
             .map_err(de)
-    }
-
-    fn add_norm_route(
-        &self,
-        x: &mut Self::F32,
-        res: &Self::F32,
-        norm_w: &Self::F32,
-        n: usize,
-        d: usize,
-        eps: f32,
-        yb: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-        router_w: &Self::Bf16,
-        e: usize,
-        k: usize,
-        norm_topk_prob: bool,
-        logits: &mut Self::F32,
-        out: &mut RouteBufs<Self>,
-    ) -> DResult<()> {
-        // Where the three ops would run the small-M router and the one-launch routing: one
-        // launch with their bits.
-        if norm_route_fused()
-            && route_fused()
-            && n <= ROUTE_FUSED_MAX_TOKENS
-            && small_m_dense(n, d, &[e])
-            && Router::add_norm_route_fits(n, d, e, k)
-        {
-            return self
-                .router
-                .add_norm_route_small(
-                    &mut x.as_view_mut(),
-                    &res.as_view(),
-                    &norm_w.as_view(),
-                    eps,
-                    &mut yb.as_view_mut(),
-                    &mut rstd.as_view_mut(),
-                    &router_w.as_view(),
-                    &mut logits.as_view_mut(),
-                    RouteOut {
-                        probs: &mut out.probs.as_view_mut(),
-                        ids: &mut out.ids.as_view_mut(),
-                        weights: &mut out.weights.as_view_mut(),
-                        offsets: &mut out.offsets.as_view_mut(),
-                        perm: &mut out.perm.as_view_mut(),
-                        row_of: &mut out.row_of.as_view_mut(),
-                    },
-                    n,
-                    d,
-                    e,
-                    k,
-                    norm_topk_prob,
-                )
-                .map_err(de);
-        }
-        add_norm_then_route(
-            self,
-            x,
-            res,
-            norm_w,
-            n,
-            d,
-            eps,
-            yb,
-            rstd,
-            router_w,
-            e,
-            k,
-            norm_topk_prob,
-            logits,
-            out,
-        )
     }
 
     fn route(

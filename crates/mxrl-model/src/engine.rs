@@ -1532,57 +1532,15 @@ impl<B: Backend> Engine<B> {
         };
         // x_mid = o + x_in (the same f32 sum as the CPU model's `x += o`) and its norm in one
         // op. The router (a BF16 linear) reads the BF16 rows of an MoE layer.
-        let u = |m: usize| b.empty_u32(m).map_err(dev);
-        // Router and dispatch write every entry of these.
-        let route_bufs = |ne: usize, rows: usize| -> Result<RouteBufs<B>> {
-            Ok(RouteBufs {
-                ids: u(rows)?,
-                weights: e(rows)?,
-                probs: e(n * ne)?,
-                offsets: u(ne + 1)?,
-                perm: u(rows)?,
-                row_of: u(rows)?,
-            })
-        };
-        // Decode of a routed layer with BF16 experts: the add, the norm, the router and the
-        // routing as one op (the device may fuse them); its logits and routes go to the MoE.
-        let mut routed = None;
-        let (h2, h2b) = match &l.ffn {
-            Ffn::Moe(m) if decode && !self.quantized(gate_up) => {
-                let (ne, k) = (c.num_experts, c.num_experts_per_tok);
-                let mut hb = eb(n * hd)?;
-                let mut logits = e(n * ne)?;
-                let mut route = route_bufs(ne, n * k)?;
-                b.add_norm_route(
-                    &mut x_mid,
-                    &x_in,
-                    self.w(l.ln2),
-                    n,
-                    hd,
-                    eps,
-                    &mut hb,
-                    &mut rstd2,
-                    self.op(m.router),
-                    ne,
-                    k,
-                    c.norm_topk_prob,
-                    &mut logits,
-                    &mut route,
-                )
-                .map_err(dev)?;
-                routed = Some(route);
-                (None, Some(hb))
-            }
-            _ => self.add_norm_rows(
-                &mut x_mid,
-                &x_in,
-                l.ln2,
-                n,
-                self.quantized(gate_up),
-                matches!(l.ffn, Ffn::Moe(_)) || !self.quantized(gate_up),
-                &mut rstd2,
-            )?,
-        };
+        let (h2, h2b) = self.add_norm_rows(
+            &mut x_mid,
+            &x_in,
+            l.ln2,
+            n,
+            self.quantized(gate_up),
+            matches!(l.ffn, Ffn::Moe(_)) || !self.quantized(gate_up),
+            &mut rstd2,
+        )?;
         // SwiGLU of `rows` rows into the down projection's input: f32 for a block-format
         // down projection, else BF16.
         let swiglu = |gu: &B::F32, rows: usize, f: usize| -> Result<Act<B>> {
@@ -1616,25 +1574,28 @@ impl<B: Backend> Engine<B> {
             Ffn::Moe(m) => {
                 let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
+                let mut logits = e(n * ne)?;
                 let h2b_router = rows_made(h2b.as_ref(), "the router's BF16 input")?;
-                let route = match routed.take() {
-                    Some(route) => route,
-                    None => {
-                        let mut logits = e(n * ne)?;
-                        b.linear(h2b_router, self.op(m.router), n, hd, ne, &mut logits)
-                            .map_err(dev)?;
-                        let mut route = route_bufs(ne, rows)?;
-                        let replay = match pass {
-                            Pass::Prefill {
-                                replay: Some(r), ..
-                            } => r[li].as_ref(),
-                            _ => None,
-                        };
-                        b.route(&logits, n, ne, k, c.norm_topk_prob, replay, &mut route)
-                            .map_err(dev)?;
-                        route
-                    }
+                b.linear(h2b_router, self.op(m.router), n, hd, ne, &mut logits)
+                    .map_err(dev)?;
+                // Router and dispatch write every entry of these.
+                let u = |m: usize| b.empty_u32(m).map_err(dev);
+                let mut route = RouteBufs {
+                    ids: u(rows)?,
+                    weights: e(rows)?,
+                    probs: e(n * ne)?,
+                    offsets: u(ne + 1)?,
+                    perm: u(rows)?,
+                    row_of: u(rows)?,
                 };
+                let replay = match pass {
+                    Pass::Prefill {
+                        replay: Some(r), ..
+                    } => r[li].as_ref(),
+                    _ => None,
+                };
+                b.route(&logits, n, ne, k, c.norm_topk_prob, replay, &mut route)
+                    .map_err(dev)?;
                 match pass {
                     Pass::Prefill {
                         cache: Some(st),

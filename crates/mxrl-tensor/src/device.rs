@@ -184,35 +184,6 @@ pub fn grouped_down_then_combine_add<B: Backend + ?Sized>(
     b.combine_add(&y, route, n, e, top_k, h, residual, out)
 }
 
-/// [`Backend::add_norm_route`] as its three ops ([`Backend::add_rmsnorm`] into the BF16 rows,
-/// [`Backend::linear`], [`Backend::route`] without replay): the default, and what a device
-/// does where it has no fused kernel.
-///
-/// # Errors
-/// As the three ops.
-#[allow(clippy::too_many_arguments)]
-pub fn add_norm_then_route<B: Backend + ?Sized>(
-    b: &B,
-    x: &mut B::F32,
-    res: &B::F32,
-    norm_w: &B::F32,
-    n: usize,
-    d: usize,
-    eps: f32,
-    yb: &mut B::Bf16,
-    rstd: &mut B::F32,
-    router_w: &B::Bf16,
-    e: usize,
-    k: usize,
-    norm_topk_prob: bool,
-    logits: &mut B::F32,
-    out: &mut RouteBufs<B>,
-) -> DResult<()> {
-    b.add_rmsnorm(x, res, norm_w, n, d, eps, None, Some(&mut *yb), rstd)?;
-    b.linear(yb, router_w, n, d, e, logits)?;
-    b.route(logits, n, e, k, norm_topk_prob, None, out)
-}
-
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
 #[allow(clippy::too_many_arguments)]
 pub trait Backend {
@@ -574,49 +545,6 @@ pub trait Backend {
     ) -> DResult<()> {
         decode_attn_prep_ops(
             self, q, k, v, norms, eps, rows, shape, pos, table, lens, max_len, k_cache, v_cache,
-        )
-    }
-    /// A routed MoE layer's input without a tape (decode): `x += res` and its RMSNorm into the
-    /// BF16 rows `yb: [n, d]` (and `rstd`) as [`Backend::add_rmsnorm`], the router logits
-    /// `yb · router_wᵀ` into `logits: [n, e]` ([`Backend::linear`]), then [`Backend::route`]
-    /// (top `k`, no replay) into `out`, with exactly those bits. The default composes the
-    /// three; a device may fuse them.
-    ///
-    /// # Errors
-    /// Short buffers; device failure.
-    fn add_norm_route(
-        &self,
-        x: &mut Self::F32,
-        res: &Self::F32,
-        norm_w: &Self::F32,
-        n: usize,
-        d: usize,
-        eps: f32,
-        yb: &mut Self::Bf16,
-        rstd: &mut Self::F32,
-        router_w: &Self::Bf16,
-        e: usize,
-        k: usize,
-        norm_topk_prob: bool,
-        logits: &mut Self::F32,
-        out: &mut RouteBufs<Self>,
-    ) -> DResult<()> {
-        add_norm_then_route(
-            self,
-            x,
-            res,
-            norm_w,
-            n,
-            d,
-            eps,
-            yb,
-            rstd,
-            router_w,
-            e,
-            k,
-            norm_topk_prob,
-            logits,
-            out,
         )
     }
     /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):

@@ -27,10 +27,10 @@
 //!   is bitwise the reference's (times the coefficient in f32, as the model applies it).
 #![allow(unsafe_code)]
 
-use super::{check_align, check_len};
+use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_router.cu");
@@ -39,29 +39,6 @@ pub const SOURCE: &str = include_str!("../../kernels/ops_router.cu");
 const ROUTE_SMALL_MAX_EXPERTS: usize = 128;
 /// … and `N·k` entries (one per thread of its one block).
 const ROUTE_SMALL_ENTRIES: usize = 1024;
-/// `add_norm_route_small`'s shared memory (`ANR_SMEM`: the routing tables, which hold the BF16
-/// rows before): its widest row is half of it in BF16 elements.
-const ADD_NORM_ROUTE_SMEM: usize = 16 * ROUTE_SMALL_MAX_EXPERTS * 12
-    + 32 * ROUTE_SMALL_MAX_EXPERTS * 4
-    + ROUTE_SMALL_MAX_EXPERTS * 4;
-
-/// The routing outputs of [`Router::add_norm_route_small`] (as
-/// [`Router::forward_dispatch_small`] writes them).
-pub struct RouteOut<'r, 'a> {
-    /// Probabilities `[N, E]`.
-    pub probs: &'r mut CudaViewMut<'a, f32>,
-    /// Expert ids `[N, k]`.
-    pub ids: &'r mut CudaViewMut<'a, u32>,
-    /// Combine weights `[N, k]`.
-    pub weights: &'r mut CudaViewMut<'a, f32>,
-    /// Expert offsets `[E + 1]`.
-    pub offsets: &'r mut CudaViewMut<'a, u32>,
-    /// Packed row → flat slot, `[N·k]`.
-    pub perm: &'r mut CudaViewMut<'a, u32>,
-    /// Flat slot → packed row, `[N·k]`.
-    pub row_of: &'r mut CudaViewMut<'a, u32>,
-}
-
 /// Largest expert count the router kernels accept.
 pub const MAX_EXPERTS: usize = 1024;
 /// Largest `k` the router kernels accept (`ROUTER_MAX_TOP_K`).
@@ -97,7 +74,6 @@ pub struct Router {
     gpu: Gpu,
     fwd_topk: CudaFunction,
     topk_dispatch_small: CudaFunction,
-    add_norm_route_small: CudaFunction,
     fwd_replay_ids: CudaFunction,
     fwd_replay_full: CudaFunction,
     bwd: CudaFunction,
@@ -129,7 +105,6 @@ impl Router {
             gpu: gpu.clone(),
             fwd_topk: f("router_fwd_topk")?,
             topk_dispatch_small: f("router_topk_dispatch_small")?,
-            add_norm_route_small: f("add_norm_route_small")?,
             fwd_replay_ids: f("router_fwd_replay_ids")?,
             fwd_replay_full: f("router_fwd_replay_full")?,
             bwd: f("router_bwd")?,
@@ -299,104 +274,6 @@ impl Router {
         // rows of E ≤ 128 entries (checked); then thread i < N·k ≤ 1024 reads ids[i], writes
         // row_of[i] and perm[pos] with pos < offsets[E] ≤ N·k, offsets[0..=E] (E + 1 checked);
         // types (const float*, float*, u32*, float*, u32, u32, u32, int, u32*, u32*, u32*).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| g.err(x))?;
-        Ok(())
-    }
-
-    /// Whether [`Router::add_norm_route_small`] takes `n` tokens of width `d`, `e` experts,
-    /// top `k`: [`Router::dispatch_small_fits`], `d` a positive multiple of 8 whose BF16 row
-    /// fits the kernel's shared rows.
-    pub fn add_norm_route_fits(n: usize, d: usize, e: usize, k: usize) -> bool {
-        Self::dispatch_small_fits(n, e, k)
-            && d > 0
-            && d.is_multiple_of(8)
-            && 2 * d <= ADD_NORM_ROUTE_SMEM
-    }
-
-    /// Decode's residual add, RMSNorm, router and routing in one launch (one block): `x += res`
-    /// and its RMSNorm (`norm_w [d]`, `eps`) into the BF16 rows `yb [n, d]` and `rstd [n]` with
-    /// the bits of [`crate::ops::norm::Norm::forward_add`]; the router logits `yb · router_wᵀ`
-    /// (`router_w [E, d]` BF16) into `logits [n, E]` with the bits of
-    /// [`crate::ops::gemm::Gemm::dense_nt_small_m`]; then [`Router::forward_dispatch_small`]'s
-    /// routing. For the shapes [`Router::add_norm_route_fits`] takes.
-    ///
-    /// # Errors
-    /// A shape it refuses; short or misaligned buffers; launch errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_norm_route_small(
-        &self,
-        x: &mut CudaViewMut<'_, f32>,
-        res: &CudaView<'_, f32>,
-        norm_w: &CudaView<'_, f32>,
-        eps: f32,
-        yb: &mut CudaViewMut<'_, u16>,
-        rstd: &mut CudaViewMut<'_, f32>,
-        router_w: &CudaView<'_, u16>,
-        logits: &mut CudaViewMut<'_, f32>,
-        route: RouteOut<'_, '_>,
-        n: usize,
-        d: usize,
-        e: usize,
-        k: usize,
-        norm_topk_prob: bool,
-    ) -> Result<(), DeviceError> {
-        let what = "add + rmsnorm + router + dispatch";
-        self.check_shape(what, n, e, k)?;
-        let g = &self.gpu;
-        if !Self::add_norm_route_fits(n, d, e, k) {
-            return Err(g.err(format!(
-                "{what}: {n} tokens of width {d} × top {k} of {e} experts; one block takes \
-                 N·k ≤ {ROUTE_SMALL_ENTRIES}, E ≤ {ROUTE_SMALL_MAX_EXPERTS} and a width that \
-                 is a multiple of 8 up to {}",
-                ADD_NORM_ROUTE_SMEM / 2
-            )));
-        }
-        let nd = n * d;
-        check_len(g, "add_norm_route x", x.len(), nd)?;
-        check_len(g, "add_norm_route res", res.len(), nd)?;
-        check_len(g, "add_norm_route norm weight", norm_w.len(), d)?;
-        check_len(g, "add_norm_route yb", yb.len(), nd)?;
-        check_len(g, "add_norm_route rstd", rstd.len(), n)?;
-        check_len(g, "add_norm_route router weight", router_w.len(), e * d)?;
-        check_len(g, "router logits", logits.len(), n * e)?;
-        check_len(g, "router probs", route.probs.len(), n * e)?;
-        check_len(g, "router ids", route.ids.len(), n * k)?;
-        check_len(g, "router weights", route.weights.len(), n * k)?;
-        check_len(g, "dispatch offsets", route.offsets.len(), e + 1)?;
-        check_len(g, "dispatch perm", route.perm.len(), n * k)?;
-        check_len(g, "dispatch row_of", route.row_of.len(), n * k)?;
-        let stream = g.stream();
-        check_align(
-            g,
-            "add_norm_route router weight",
-            router_w.device_ptr(stream).0,
-            16,
-        )?;
-        let (n32, d32, e32, k32, norm) = (
-            n as u32,
-            d as u32,
-            e as u32,
-            k as u32,
-            norm_topk_prob as i32,
-        );
-        let mut b = g.stream().launch_builder(&self.add_norm_route_small);
-        b.arg(x).arg(res).arg(norm_w).arg(&eps).arg(&d32);
-        b.arg(yb).arg(rstd).arg(router_w).arg(logits);
-        b.arg(route.probs).arg(route.ids).arg(route.weights);
-        b.arg(&n32).arg(&e32).arg(&k32).arg(&norm);
-        b.arg(route.offsets).arg(route.perm).arg(route.row_of);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (ROUTE_SMALL_ENTRIES as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: one block of 1024 threads. It reads and writes x rows t < n, reads res rows
-        // t < n, norm_w[..d], router_w[..E·d] (16-byte loads: d a multiple of 8, the weight
-        // 16-byte aligned, checked), writes yb[..n·d], rstd[..n], logits[..n·E], and its
-        // shared BF16 rows hold at least one row (2·d ≤ ADD_NORM_ROUTE_SMEM, checked); the
-        // routing is forward_dispatch_small's (same bounds, checked above). Types (float*,
-        // const float*, const float*, float, u32, u16*, float*, const u16*, float*, float*,
-        // u32*, float*, u32, u32, u32, int, u32*, u32*, u32*).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|x| g.err(x))?;
         Ok(())
     }
