@@ -91,12 +91,30 @@ fn moe_fused_small_m() -> bool {
     *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
 }
 
-/// Whether decode's BF16 routed down projection runs fused with the combine and the residual
-/// add on the small-M kernel (`MXRL_MOE_DOWN_FUSED=off`: the two ops, the down projection on
-/// the fragment kernels); taken where the fused gate/up is (`moe_fused_small_m`).
-fn moe_down_fused() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| moe_fused_small_m() && !env_off("MXRL_MOE_DOWN_FUSED"))
+/// [`moe_down_fused_tokens`]' default (H100, BENCHMARKS.md: at one token 0.837 against 0.864 ms
+/// per batch-1 step unfused, within that call's run-to-run spread; at 2 and 4 tokens slower).
+const MOE_DOWN_FUSED_TOKENS: usize = 1;
+
+/// Up to how many tokens decode's BF16 routed down projection runs fused with the combine and
+/// the residual add on the small-M kernel (`MXRL_MOE_DOWN_FUSED=N`; `0` or `off`: never, the
+/// two ops with the down projection on the fragment kernels), where the fused gate/up runs
+/// (`moe_fused_small_m`). Default [`MOE_DOWN_FUSED_TOKENS`]: the kernel reads each token's experts apart, so tokens
+/// that share an expert read its weights again (H100: +20 µs per layer at 4 tokens).
+fn moe_down_fused_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        if !moe_fused_small_m() {
+            return 0;
+        }
+        match std::env::var("MXRL_MOE_DOWN_FUSED")
+            .as_deref()
+            .map(str::trim)
+        {
+            Ok("off") => 0,
+            Ok(v) => v.parse().unwrap_or(MOE_DOWN_FUSED_TOKENS),
+            Err(_) => MOE_DOWN_FUSED_TOKENS,
+        }
+    })
 }
 
 /// Decode routing runs fused up to this many tokens: one token per warp of the fused kernel.
@@ -1692,7 +1710,10 @@ impl Backend for CudaBackend {
             n: h,
             k: f,
         };
-        if moe_down_fused() && 2 * rows <= e && GroupedPath::for_shape(s) == GroupedPath::SmallM {
+        if n <= moe_down_fused_tokens()
+            && 2 * rows <= e
+            && GroupedPath::for_shape(s) == GroupedPath::SmallM
+        {
             return self
                 .gemm
                 .grouped_down_combine_small_m(

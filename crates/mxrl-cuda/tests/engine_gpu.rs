@@ -545,7 +545,8 @@ fn gpu_engine_block_format_experts_follow_the_cpu_engine() {
 
 /// Decode of single sequences at a width where every fused decode path applies (hidden 256:
 /// the norm fused into the q/k/v small-M kernel; one or two rows: the small-M dense linears;
-/// top-2 of 8 experts: the fused gate/up, the fused down projection with the combine, and
+/// top-2 of 8 experts: the fused gate/up, the fused down projection with the combine (one
+/// sequence), and
 /// routing in one launch) follows the CPU engine:
 /// greedy tokens agree wherever the CPU's margin exceeds twice the observed logit difference,
 /// and two runs give the same bits (the fused kernels' bits against the unfused ones are
