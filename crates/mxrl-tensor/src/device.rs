@@ -637,8 +637,11 @@ pub trait Backend {
     /// A routed MoE's gate/up projection and SwiGLU without a tape (decode): the BF16 token
     /// rows `xb: [N, h]` gathered into expert-major rows ([`Backend::gather_rows_bf16`]), times
     /// the stacked BF16 gate/up weights `w: [E, 2F, h]` ([`Backend::grouped_linear`]), then
-    /// [`Backend::swiglu_bf16`] into `act: [N·k, F]`, with exactly those bits. The default
-    /// composes the three; a device may fuse them (no gathered rows, no f32 `[N·k, 2F]`).
+    /// [`Backend::swiglu_bf16`] into `act: [N·k, F]`. The default composes the three; a device
+    /// may fuse them (no gathered rows, no f32 `[N·k, 2F]`), with the same products and each
+    /// gate/up sum in an order of its own (the CUDA kernel sums as its small-M grouped GEMM
+    /// does, while its `grouped_linear` may take the fragment kernels): the same bits for the
+    /// same shapes on one device, bounded differences against the composition.
     ///
     /// # Errors
     /// Short buffers; device failure.
@@ -659,8 +662,9 @@ pub trait Backend {
     /// A routed MoE's down projection and combine without a tape (decode): the BF16 activation
     /// rows `act: [N·k, F]` (expert-major, as routed) times the stacked BF16 down weights `w:
     /// [E, h, F]` ([`Backend::grouped_linear`]), then [`Backend::combine_add`] with
-    /// `residual: [N, h]` into `out: [N, h]`, with exactly those bits. The default composes
-    /// the two; a device may fuse them (no f32 `[N·k, h]`).
+    /// `residual: [N, h]` into `out: [N, h]`. The default composes the two; a device may fuse
+    /// them (no f32 `[N·k, h]`), with the same products, the combine's order, and each down
+    /// projection sum in an order of its own (as `moe_gate_up_swiglu_bf16`).
     ///
     /// # Errors
     /// Short buffers; device failure.
