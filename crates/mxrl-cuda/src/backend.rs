@@ -91,6 +91,12 @@ fn moe_fused_small_m() -> bool {
     *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
 }
 
+/// Whether a decode projection of the routed experts is small enough for the fused small-M
+/// kernels: at most half a row per expert on average, on the small-M path.
+fn moe_fused_shape(s: Grouped) -> bool {
+    2 * s.rows <= s.experts && GroupedPath::for_shape(s) == GroupedPath::SmallM
+}
+
 /// [`moe_down_fused_tokens`]' default (H100, BENCHMARKS.md: at one token 0.837 against 0.864 ms
 /// per batch-1 step unfused, within that call's run-to-run spread; at 2 and 4 tokens slower).
 const MOE_DOWN_FUSED_TOKENS: usize = 1;
@@ -1671,8 +1677,7 @@ impl Backend for CudaBackend {
             n: 2 * f,
             k: h,
         };
-        if moe_fused_small_m() && 2 * rows <= e && GroupedPath::for_shape(s) == GroupedPath::SmallM
-        {
+        if moe_fused_small_m() && moe_fused_shape(s) {
             return self
                 .gemm
                 .grouped_gate_up_swiglu_small_m(
@@ -1710,10 +1715,7 @@ impl Backend for CudaBackend {
             n: h,
             k: f,
         };
-        if n <= moe_down_fused_tokens()
-            && 2 * rows <= e
-            && GroupedPath::for_shape(s) == GroupedPath::SmallM
-        {
+        if n <= moe_down_fused_tokens() && moe_fused_shape(s) {
             return self
                 .gemm
                 .grouped_down_combine_small_m(
