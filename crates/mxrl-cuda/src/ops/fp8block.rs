@@ -33,7 +33,7 @@
 
 use super::gemm::Grouped;
 use super::qgemm::{frag_row_blocks, frag_split, FragRows, FRAG_COLS, FRAG_MAX_SPLIT};
-use super::{check_align, check_len, mul};
+use super::{check_align, check_len, check_u32, mul};
 use crate::cuda::CudaDevice;
 use crate::gpu::Gpu;
 use crate::DeviceError;
@@ -275,11 +275,11 @@ impl Fp8Block {
         if offsets.is_none() && experts != 1 {
             return Err(g.err(format!("{op}: a dense call with {experts} weights")));
         }
-        for (what, v) in [("experts", experts), ("rows", rows), ("n", n), ("k", k)] {
-            if u32::try_from(v).is_err() {
-                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
-            }
-        }
+        check_u32(
+            g,
+            op,
+            &[("experts", experts), ("rows", rows), ("n", n), ("k", k)],
+        )?;
         let kb = k / FP8_BLOCK;
         let xn = mul(g, op, rows, k)?;
         let wn = mul(g, op, mul(g, op, experts, n)?, k)?;

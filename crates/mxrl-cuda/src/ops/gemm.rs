@@ -29,7 +29,7 @@
 //! rows, never an out-of-bounds access); rows outside every expert's range are not written.
 #![allow(unsafe_code)]
 
-use super::{check_align, check_len, mul};
+use super::{check_align, check_len, check_u32, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -595,16 +595,16 @@ impl Gemm {
                 s.n, s.k
             )));
         }
-        for (what, v) in [
-            ("experts", s.experts),
-            ("rows", s.rows),
-            ("n", s.n),
-            ("k", s.k),
-        ] {
-            if u32::try_from(v).is_err() {
-                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
-            }
-        }
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("n", s.n),
+                ("k", s.k),
+            ],
+        )?;
         let a_len = mul(g, op, s.rows, a.1)?;
         check_len(g, &format!("{op} activation"), a.0.len(), a_len)?;
         check_len(g, &format!("{op} weight/operand"), b.len(), b_len)?;
@@ -911,11 +911,7 @@ impl Gemm {
             check_align(g, &format!("{op} w{i}"), w.device_ptr(stream).0, 16)?;
         }
         let cols: usize = outs.iter().map(|o| o.1).sum();
-        for (what, v) in [("m", m), ("k", k), ("columns", cols)] {
-            if u32::try_from(v).is_err() {
-                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
-            }
-        }
+        check_u32(g, op, &[("m", m), ("k", k), ("columns", cols)])?;
         if m == 0 || cols == 0 {
             return Ok(None);
         }
@@ -983,18 +979,18 @@ impl Gemm {
         if top_k == 0 {
             return Err(g.err(format!("{op}: top_k = 0")));
         }
-        for (what, v) in [
-            ("experts", s.experts),
-            ("rows", s.rows),
-            ("n", s.n),
-            ("k", s.k),
-            ("tokens", tokens),
-            ("top_k", top_k),
-        ] {
-            if u32::try_from(v).is_err() {
-                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
-            }
-        }
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("n", s.n),
+                ("k", s.k),
+                ("tokens", tokens),
+                ("top_k", top_k),
+            ],
+        )?;
         let f = s.n / 2;
         let stream = g.stream();
         check_len(g, &format!("{op} x"), x.len(), mul(g, op, tokens, s.k)?)?;
@@ -1088,16 +1084,16 @@ impl Gemm {
                 s.rows
             )));
         }
-        for (what, v) in [
-            ("experts", s.experts),
-            ("rows", s.rows),
-            ("H", s.n),
-            ("F", s.k),
-        ] {
-            if u32::try_from(v).is_err() {
-                return Err(g.err(format!("{op}: {what} = {v} exceeds u32")));
-            }
-        }
+        check_u32(
+            g,
+            op,
+            &[
+                ("experts", s.experts),
+                ("rows", s.rows),
+                ("H", s.n),
+                ("F", s.k),
+            ],
+        )?;
         let stream = g.stream();
         check_len(g, &format!("{op} act"), act.len(), mul(g, op, s.rows, s.k)?)?;
         for (what, len) in [("ids", ids.len()), ("row_of", row_of.len())] {

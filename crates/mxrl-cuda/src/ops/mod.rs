@@ -62,6 +62,22 @@ pub(crate) fn mul(
         .ok_or_else(|| gpu.err(format!("{what}: {a} × {b} elements overflow")))
 }
 
+/// A launcher's size check: every named dimension fits a kernel's `u32` argument, or an error
+/// naming the first that does not.
+#[cfg(feature = "cuda")]
+pub(crate) fn check_u32(
+    gpu: &crate::gpu::Gpu,
+    op: &str,
+    dims: &[(&str, usize)],
+) -> Result<(), crate::DeviceError> {
+    for &(what, v) in dims {
+        if u32::try_from(v).is_err() {
+            return Err(gpu.err(format!("{op}: {what} = {v} exceeds u32")));
+        }
+    }
+    Ok(())
+}
+
 /// A launcher's alignment check: the device address is a multiple of `bytes`, or an error
 /// naming the buffer.
 #[cfg(feature = "cuda")]

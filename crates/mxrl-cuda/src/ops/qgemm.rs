@@ -55,7 +55,7 @@
 #![allow(unsafe_code)]
 
 use super::gemm::Grouped;
-use super::{check_align, check_len, mul};
+use super::{check_align, check_len, check_u32, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{
@@ -522,15 +522,6 @@ fn grid_x(gpu: &Gpu, op: &str, blocks: usize) -> Result<u32, DeviceError> {
         return Err(gpu.err(format!("{op}: {blocks} blocks exceed the grid's x limit")));
     }
     Ok(blocks as u32)
-}
-
-fn check_u32(gpu: &Gpu, op: &str, dims: &[(&str, usize)]) -> Result<(), DeviceError> {
-    for &(what, v) in dims {
-        if u32::try_from(v).is_err() {
-            return Err(gpu.err(format!("{op}: {what} = {v} exceeds u32")));
-        }
-    }
-    Ok(())
 }
 
 fn check_multiple(gpu: &Gpu, op: &str, k: usize, of: usize, why: &str) -> Result<(), DeviceError> {
