@@ -137,6 +137,25 @@ __device__ __forceinline__ u32 moe_warp_incl_scan_u32(u32 v) {
     return v;
 }
 
+// The exclusive scan over experts by one warp (every lane calls it): off[x] = offsets[x] =
+// Σ_{x' < x} counts[x'] for x < e, offsets[e] = Σ_x counts[x], 32 experts per step with the
+// carry between steps. counts may be off itself (each lane reads its entry before writing it).
+__device__ __forceinline__ void moe_expert_scan_warp(const u32* counts, u32 e, u32* off, u32* __restrict__ offsets) {
+    const u32 lane = threadIdx.x & 31;
+    u32 carry = 0;
+    for (u32 base = 0; base < e; base += 32) {
+        const u32 x = base + lane;
+        const u32 v = x < e ? counts[x] : 0;
+        const u32 inc = moe_warp_incl_scan_u32(v);
+        if (x < e) {
+            off[x] = carry + inc - v;
+            offsets[x] = carry + inc - v;
+        }
+        carry += __shfl_sync(FULL_MASK, inc, 31);
+    }
+    if (lane == 0) offsets[e] = carry;
+}
+
 // Dispatch of the flat entries ids[0..total) (total <= MOE_SMALL_THREADS; an id >= e is dropped)
 // by one block of MOE_SMALL_THREADS threads: entry i = threadIdx.x; per-warp counts, per-expert
 // prefix over warps, exclusive scan over experts, then pos = offsets[x] + earlier warps + lanes
@@ -166,20 +185,7 @@ __device__ __forceinline__ void moe_dispatch_block(const u32* ids, u32 total, u3
         off[xx] = run;
     }
     __syncthreads();
-    if (warp == 0) {
-        u32 carry = 0;
-        for (u32 base = 0; base < e; base += 32) {
-            const u32 xx = base + lane;
-            const u32 v = xx < e ? off[xx] : 0;
-            const u32 inc = moe_warp_incl_scan_u32(v);
-            if (xx < e) {
-                off[xx] = carry + inc - v;
-                offsets[xx] = carry + inc - v;
-            }
-            carry += __shfl_sync(FULL_MASK, inc, 31);
-        }
-        if (lane == 0) offsets[e] = carry;
-    }
+    if (warp == 0) moe_expert_scan_warp(off, e, off, offsets);
     __syncthreads();
     if (tid < total) {
         if (x != MOE_INVALID) {

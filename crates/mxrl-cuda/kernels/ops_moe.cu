@@ -82,20 +82,7 @@ extern "C" __global__ void moe_scan(u32* __restrict__ hist, u32 e, u32 g, u32* _
         if (lane == 0) tot[x] = s;
     }
     __syncthreads();
-    if (warp == 0) {
-        u32 carry = 0;
-        for (u32 base = 0; base < e; base += 32) {
-            const u32 x = base + lane;
-            const u32 v = x < e ? tot[x] : 0;
-            const u32 inc = moe_warp_incl_scan_u32(v);
-            if (x < e) {
-                off[x] = carry + inc - v;
-                offsets[x] = carry + inc - v;
-            }
-            carry += __shfl_sync(FULL_MASK, inc, 31);
-        }
-        if (lane == 0) offsets[e] = carry;
-    }
+    if (warp == 0) moe_expert_scan_warp(tot, e, off, offsets);
     __syncthreads();
     for (u32 x = warp; x < e; x += nw) {
         u32 carry = off[x];
