@@ -19,6 +19,18 @@ __device__ __forceinline__ u32 router_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Expert i's rank in the order (key descending, index ascending) among key[0..e): the number
+// of experts before it; sel[rank] = i when the rank is below k (the top-k selection).
+__device__ __forceinline__ void router_select(const u32* key, u32 e, u32 k, u32 i, u32* sel) {
+    const u32 ki = key[i];
+    u32 rank = 0;
+    for (u32 j = 0; j < e; ++j) {
+        const u32 kj = key[j];
+        rank += (kj > ki || (kj == ki && j < i)) ? 1u : 0u;
+    }
+    if (rank < k) sel[rank] = i;
+}
+
 // p[0..e) (shared) = softmax(logits row), also written to probs_row:
 // m = max (NaN ignored, as f32::max), p_j = exp(x_j − m), s = Σ_j p_j (index order, from 0),
 // p_j /= s. Ends with a barrier.
@@ -84,15 +96,7 @@ extern "C" __global__ void router_fwd_topk(const float* __restrict__ logits, flo
     router_softmax_row(logits + t * e, probs + t * e, e, p, scratch, &sum_s);
     for (u32 j = threadIdx.x; j < e; j += blockDim.x) key[j] = router_key(p[j]);
     __syncthreads();
-    for (u32 i = threadIdx.x; i < e; i += blockDim.x) {
-        const u32 ki = key[i];
-        u32 rank = 0;
-        for (u32 j = 0; j < e; ++j) {
-            const u32 kj = key[j];
-            rank += (kj > ki || (kj == ki && j < i)) ? 1u : 0u;
-        }
-        if (rank < k) sel[rank] = i;
-    }
+    for (u32 i = threadIdx.x; i < e; i += blockDim.x) router_select(key, e, k, i, sel);
     __syncthreads();
     router_weights(p, sel, e, k, norm, ids + t * k, weights + t * k, &sum_s);
 }
@@ -257,15 +261,7 @@ __device__ __forceinline__ void router_topk_row_warp(const float* __restrict__ x
         key[j] = router_key(q);
     }
     __syncwarp();
-    for (u32 i = lane; i < e; i += 32) {
-        const u32 ki = key[i];
-        u32 rank = 0;
-        for (u32 j = 0; j < e; ++j) {
-            const u32 kj = key[j];
-            rank += (kj > ki || (kj == ki && j < i)) ? 1u : 0u;
-        }
-        if (rank < k) sel[rank] = i;
-    }
+    for (u32 i = lane; i < e; i += 32) router_select(key, e, k, i, sel);
     __syncwarp();
     float sw = 0.0f;
     if (lane == 0 && norm)
