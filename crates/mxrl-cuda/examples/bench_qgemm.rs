@@ -9,7 +9,8 @@
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N] [--large]`
 //! (`--large`: only the table of decode batches of 128–1024 sequences, see `large`;
-//! `--large --batches 2048,4096 [--busy]`: other batch sizes, one busy expert)
+//! `--large --batches 2048,4096 [--busy]`: other batch sizes, one busy expert; `--dense`: only
+//! the attention's dense projections at 3–128 rows, cuBLAS against the fragment kernels)
 //!
 //! Every figure is the median of `--reps` (20) calls timed one by one with CUDA events after
 //! 3 warm-up calls; L2 is flushed (a 256 MiB memset, outside the timed interval) before each
@@ -292,6 +293,119 @@ mod bench {
         }
     }
 
+    /// `--dense`: the dense projections of a decode step of the benchmark model (q, k, v
+    /// `[2048 | 512 | 512, 2048]` on one input; o `[2048, 2048]`; the router `[64, 2048]`;
+    /// the lm_head `[32000, 2048]`) at 3–128 rows:
+    /// cuBLAS (`Gemm::dense_nt`, one GEMM per weight: the engine's path for them before)
+    /// against the fragment kernels' dense launch (`QGemm::dense_nt_frag_bf16_multi`, q, k
+    /// and v in one launch) at each split of the reduction, the launcher's pick starred, and
+    /// a device copy of the weight bytes (read + write: the memory floor's upper side).
+    fn dense(g: &Gpu, gemm: &Gemm, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize) {
+        use mxrl_cuda::ops::qgemm::dense_frag_plan;
+        const Q: usize = 2048;
+        const KV: usize = 512;
+        let k = HIDDEN;
+        let bf = |n: usize, seed: u64| -> CudaSlice<u16> {
+            let host: Vec<u16> = bytes(2 * n, seed, |b| b)
+                .chunks(2)
+                .map(|p| {
+                    let exp = if p[1] & 1 == 0 { 125u16 } else { 127 };
+                    (u16::from(p[1] >> 7) << 15) | (exp << 7) | u16::from(p[0] & 0x7F)
+                })
+                .collect();
+            g.upload(&host).expect("upload")
+        };
+        const ROUTER: usize = EXPERTS;
+        const VOCAB: usize = 32_000;
+        let (wq, wk, wv, wo) = (bf(Q * k, 1), bf(KV * k, 2), bf(KV * k, 3), bf(Q * k, 4));
+        let (wr, wh) = (bf(ROUTER * k, 6), bf(VOCAB * k, 7));
+        let max_rows = 128;
+        let x = bf(max_rows * k, 5);
+        let whole = g.upload(&[0u32, u32::MAX]).expect("upload");
+        let (mut yq, mut yk, mut yv, mut yh) = (
+            g.zeros::<f32>(max_rows * Q).expect("alloc"),
+            g.zeros::<f32>(max_rows * KV).expect("alloc"),
+            g.zeros::<f32>(max_rows * KV).expect("alloc"),
+            g.zeros::<f32>(max_rows * VOCAB).expect("alloc"),
+        );
+        println!(
+            "\n| rows | projection | weight MB | copy µs | cuBLAS µs | split 1 | 2 | 4 | 8 | 16 | pick GB/s | pick ÷ cuBLAS |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for m in [3usize, 4, 8, 16, 32, 64, 128] {
+            for proj in ["q, k, v", "o", "router", "lm_head"] {
+                let (ws, ns): (Vec<&CudaSlice<u16>>, Vec<usize>) = match proj {
+                    "o" => (vec![&wo], vec![Q]),
+                    "router" => (vec![&wr], vec![ROUTER]),
+                    "lm_head" => (vec![&wh], vec![VOCAB]),
+                    _ => (vec![&wq, &wk, &wv], vec![Q, KV, KV]),
+                };
+                let total: usize = ns.iter().sum();
+                let bytes = 2 * total * k;
+                let src = g.zeros::<u8>(bytes).expect("alloc");
+                let mut dst = g.zeros::<u8>(bytes).expect("alloc");
+                let copy = median_us(g, flush, reps, || {
+                    g.stream().memcpy_dtod(&src, &mut dst).expect("copy");
+                });
+                let xv = x.slice(0..m * k);
+                let mut ys: Vec<&mut CudaSlice<f32>> = if ns.len() == 1 {
+                    vec![&mut yh]
+                } else {
+                    vec![&mut yq, &mut yk, &mut yv]
+                };
+                let cublas = median_us(g, flush, reps, || {
+                    for ((w, &n), y) in ws.iter().zip(&ns).zip(ys.iter_mut()) {
+                        gemm.dense_nt(&xv, &w.as_view(), &mut y.slice_mut(0..m * n), m, n, k)
+                            .expect("cuBLAS");
+                    }
+                });
+                let (fr, pick) = dense_frag_plan(m, k);
+                let mut t = Vec::new();
+                for split in [1usize, 2, 4, 8, 16] {
+                    t.push(median_us(g, flush, reps, || {
+                        let wvs: Vec<_> = ws.iter().map(|w| w.as_view()).collect();
+                        let mut yvs: Vec<_> = ys
+                            .iter_mut()
+                            .zip(&ns)
+                            .map(|(y, &n)| y.slice_mut(0..m * n))
+                            .collect();
+                        let mut outs: Vec<_> = wvs
+                            .iter()
+                            .zip(yvs.iter_mut())
+                            .zip(&ns)
+                            .map(|((w, y), &n)| (w, n, y))
+                            .collect();
+                        q.dense_nt_frag_bf16_multi_with(
+                            fr,
+                            split,
+                            &xv,
+                            &whole.as_view(),
+                            &mut outs,
+                            m,
+                            k,
+                        )
+                        .expect("fragments");
+                    }));
+                }
+                let pick_us = t[pick.trailing_zeros() as usize];
+                let cell = |i: usize| {
+                    let star = if 1usize << i == pick { "*" } else { "" };
+                    format!("{:.1}{star}", t[i])
+                };
+                println!(
+                    "| {m} | {proj} | {:.1} | {copy:.1} | {cublas:.1} | {} | {} | {} | {} | {} | {:.0} | {:.2} |",
+                    bytes as f64 / 1e6,
+                    cell(0),
+                    cell(1),
+                    cell(2),
+                    cell(3),
+                    cell(4),
+                    bytes as f64 / pick_us / 1e3,
+                    pick_us / cublas
+                );
+            }
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
         let reps = args
@@ -309,6 +423,10 @@ mod bench {
             g.name()
         );
         let mut flush = g.zeros::<u8>(FLUSH_BYTES).expect("flush buffer");
+        if args.iter().any(|a| a == "--dense") {
+            dense(&g, &gemm, &q, &mut flush, reps);
+            return;
+        }
         if args.iter().any(|a| a == "--large") {
             let batches: Vec<usize> = args
                 .iter()

@@ -901,7 +901,7 @@ template <class F, int TG>
 __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                 const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                 const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                float* __restrict__ y, u32 R, u32 N, u32 K) {
+                                                float* __restrict__ y, u32 R, u32 N, u32 K, u32 bx) {
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
     extern __shared__ float red[];     // [KS][NACC][32] when KS > 1
     const u32 e = blockIdx.y;
@@ -912,7 +912,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     if (lo + blockIdx.z * 8 * TG >= hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 KS = blockDim.x >> 5;
-    const u32 n0 = blockIdx.x * QF_COLS;
+    const u32 n0 = bx * QF_COLS;
     const u32 rowb = F::row_bytes(K), sk = F::scale_row(K);
     const u32 steps = (rowb + 63) / 64;  // super-steps of 64 code bytes per row
     const u32 elems = F::CHUNK * 4;      // elements per super-step
@@ -1030,16 +1030,47 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
 #define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                       \
+        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);                       \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
-        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K);                   \
+        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);                   \
     }
 // BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
 #define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K);                  \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);                  \
+    }
+// BF16, up to three dense weights on one input in one launch (q, k and v; or one linear),
+// blocks of up to QF_DENSE_MAX_WARPS warps splitting the reduction:
+// block column bx of the grid runs weight i's column block bx − (the column blocks of weights
+// < i) with weight i's values, output and N (a weight with N = 0 has no blocks); one group of
+// rows (`off` = {0, ≥ R}), E = 1. Each weight's blocks are those of QF_ENTRY_BF16 on it alone,
+// so the outputs are the single launches' bits.
+#define QF_DENSE_MAX_WARPS 16  // a dense launch has few column blocks: up to 16 warps split K
+#define QF_ENTRY_BF16X3(name, TG, MINB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QF_DENSE_MAX_WARPS * 32, MINB)                               \
+        name(const u16* __restrict__ x, const u16* __restrict__ w0, float* __restrict__ y0, u32 N0,             \
+             const u16* __restrict__ w1, float* __restrict__ y1, u32 N1, const u16* __restrict__ w2,            \
+             float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R, u32 K) {                      \
+        const u32 b0 = N0 / QF_COLS, b1 = N1 / QF_COLS;                                                        \
+        u32 bx = blockIdx.x;                                                                                   \
+        const u16* w = w0;                                                                                     \
+        float* y = y0;                                                                                         \
+        u32 N = N0;                                                                                            \
+        if (bx >= b0 + b1) {                                                                                   \
+            bx -= b0 + b1;                                                                                     \
+            w = w2;                                                                                            \
+            y = y2;                                                                                            \
+            N = N2;                                                                                            \
+        } else if (bx >= b0) {                                                                                 \
+            bx -= b0;                                                                                          \
+            w = w1;                                                                                            \
+            y = y1;                                                                                            \
+            N = N1;                                                                                            \
+        }                                                                                                      \
+        const u8* wb = reinterpret_cast<const u8*>(w);                                                         \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, wb, wb, nullptr, off, y, R, N, K, bx);                         \
     }
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, QfMxfp8, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, QfMxfp8, 2, 2)
@@ -1057,6 +1088,10 @@ QF_ENTRY_BF16(qgemm_frag_bf16_t1, 1, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t2, 2, 2)
 QF_ENTRY_BF16(qgemm_frag_bf16_t4, 4, 1)
 QF_ENTRY_BF16(qgemm_frag_bf16_t8, 8, 1)
+QF_ENTRY_BF16X3(qgemm_frag_bf16x3_t1, 1, 2)
+QF_ENTRY_BF16X3(qgemm_frag_bf16x3_t2, 2, 2)
+QF_ENTRY_BF16X3(qgemm_frag_bf16x3_t4, 4, 1)
+QF_ENTRY_BF16X3(qgemm_frag_bf16x3_t8, 8, 1)
 
 // ---- the fragment kernels with the operands staged in shared memory ----
 //

@@ -812,6 +812,156 @@ fn bf16_fragment_kernels_match_reference() {
     assert!(err.contains("split 3"), "{err}");
 }
 
+/// The fragment kernels' dense launch (`QGemm::dense_nt_frag_bf16_multi`, decode's q/k/v and
+/// o projections at 3–128 rows): up to three weights of different widths in one launch, each
+/// output within `tensor_core_sum_bound` of the reference and bit for bit the one-expert
+/// `grouped_nt_frag_bf16_with` of its weight alone at the same rows per pass and split (the
+/// launcher's plan and every other split); rows past one pass (several row blocks, a ragged
+/// last pass); a second run the same bits; four weights, widths off the 32-column blocks and a
+/// split of 3 refused by name.
+#[test]
+fn dense_fragment_launch_matches_reference_and_single_weights_bitwise() {
+    use mxrl_cuda::ops::qgemm::{dense_frag_plan, FragLayout, FragRows, QGemm};
+    let g = gpu();
+    let q = QGemm::new(&g).unwrap();
+    let whole = g.upload(&[0u32, u32::MAX]).unwrap();
+    // (m, k, [n_i])
+    let cases: [(usize, usize, &[usize]); 6] = [
+        (3, 2048, &[256, 64, 64]),
+        (8, 256, &[64, 32, 96]),
+        (32, 512, &[128]),
+        (37, 96, &[32, 64]),
+        (128, 64, &[32, 32, 32]),
+        (200, 128, &[64, 32]),
+    ];
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for (ci, &(m, k, ns)) in cases.iter().enumerate() {
+        let seed = 300 + ci as u64;
+        let x = bf16_values(m * k, seed * 7 + 1);
+        let ws: Vec<Bf16> = ns
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| bf16_values(n * k, seed * 7 + 2 + i as u64))
+            .collect();
+        let dx = g.upload(&x.bits).unwrap();
+        let dws: Vec<_> = ws.iter().map(|w| g.upload(&w.bits).unwrap()).collect();
+        // The multi launch of weights `which` at (rows per pass, split), or the plan's.
+        let multi = |which: &[usize], plan: Option<(FragRows, usize)>| -> Vec<Vec<f32>> {
+            let mut ys: Vec<_> = which
+                .iter()
+                .map(|&i| g.upload(&vec![f32::NAN; m * ns[i]]).unwrap())
+                .collect();
+            {
+                let wv: Vec<_> = which.iter().map(|&i| dws[i].as_view()).collect();
+                let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
+                let mut outs: Vec<_> = wv
+                    .iter()
+                    .zip(yv.iter_mut())
+                    .zip(which)
+                    .map(|((w, y), &i)| (w, ns[i], y))
+                    .collect();
+                let (xv, ov) = (dx.as_view(), whole.as_view());
+                match plan {
+                    Some((fr, split)) => {
+                        q.dense_nt_frag_bf16_multi_with(fr, split, &xv, &ov, &mut outs, m, k)
+                    }
+                    None => q.dense_nt_frag_bf16_multi(&xv, &ov, &mut outs, m, k),
+                }
+                .unwrap();
+            }
+            ys.iter().map(|y| g.download(y).unwrap()).collect()
+        };
+        // Weight i alone as a one-expert grouped launch (splits up to 8).
+        let single = |i: usize, fr: FragRows, split: usize| -> Vec<f32> {
+            let n = ns[i];
+            let s = Grouped {
+                experts: 1,
+                rows: m,
+                n,
+                k,
+            };
+            let off = g.upload(&[0u32, m as u32]).unwrap();
+            let mut y = g.upload(&vec![f32::NAN; m * n]).unwrap();
+            q.grouped_nt_frag_bf16_with(
+                fr,
+                FragLayout::Split(split),
+                &dx.as_view(),
+                &dws[i].as_view(),
+                &off.as_view(),
+                &mut y.as_view_mut(),
+                s,
+            )
+            .unwrap();
+            g.download(&y).unwrap()
+        };
+        let all: Vec<usize> = (0..ns.len()).collect();
+        let (fr, split) = dense_frag_plan(m, k);
+        let auto = multi(&all, None);
+        assert!(
+            auto.iter().zip(multi(&all, None)).all(|(a, b)| same(a, &b)),
+            "case {ci}: a second run differs"
+        );
+        for sp in [1usize, 2, 4, 8, 16] {
+            let got = multi(&all, Some((fr, sp)));
+            if sp == split {
+                assert!(
+                    got.iter().zip(&auto).all(|(a, b)| same(a, b)),
+                    "case {ci}: the plan's split {split} differs from the launcher"
+                );
+            }
+            for (i, y) in got.iter().enumerate() {
+                let c = Case {
+                    counts: vec![m],
+                    n: ns[i],
+                    k,
+                    extra: 0,
+                };
+                let (want, bound) = reference_nt(&c, &x, &ws[i], tensor_core_sum_bound);
+                let what = format!("dense fragment m {m} k {k} split {sp} weight {i} of {ns:?}");
+                assert_grouped(&what, seed, y, &want, &bound);
+                assert!(
+                    same(y, &multi(&[i], Some((fr, sp)))[0]),
+                    "{what}: differs from a launch of its weight alone"
+                );
+                if sp <= 8 {
+                    assert!(
+                        same(y, &single(i, fr, sp)),
+                        "{what}: differs from its one-expert grouped launch"
+                    );
+                }
+            }
+        }
+    }
+    // Refusals by name: four weights, a width off the 32-column blocks, a split of 3.
+    let (m, k) = (4usize, 64usize);
+    let dx = g.upload(&bf16_values(m * k, 1).bits).unwrap();
+    let dw = g.upload(&bf16_values(48 * k, 2).bits).unwrap();
+    let mut ys: Vec<_> = (0..4).map(|_| g.zeros::<f32>(m * 48).unwrap()).collect();
+    let wv = dw.as_view();
+    let mut call = |n: usize, count: usize, split: Option<usize>| -> String {
+        let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
+        let mut outs: Vec<_> = yv.iter_mut().take(count).map(|y| (&wv, n, y)).collect();
+        let (xv, ov) = (dx.as_view(), whole.as_view());
+        match split {
+            Some(sp) => {
+                q.dense_nt_frag_bf16_multi_with(FragRows::R8, sp, &xv, &ov, &mut outs, m, k)
+            }
+            None => q.dense_nt_frag_bf16_multi(&xv, &ov, &mut outs, m, k),
+        }
+        .unwrap_err()
+        .to_string()
+    };
+    let e = call(32, 4, None);
+    assert!(
+        e.contains("dense_nt_frag_bf16_multi") && e.contains("4 weights"),
+        "{e}"
+    );
+    let e = call(48, 1, None);
+    assert!(e.contains("n = 48") && e.contains("multiple of 32"), "{e}");
+    let e = call(32, 1, Some(3));
+    assert!(e.contains("split 3"), "{e}");
+}
+
 /// The dense small-M kernel (decode's q/k/v/o and router): every output within the IEEE
 /// two-order bound of the reference, rows past 8 (several passes), widths off the 256-element
 /// lane stride and `k = 8`; both launch shapes (1 and 2 columns per warp) give the same bits,

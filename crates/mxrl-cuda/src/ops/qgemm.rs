@@ -192,6 +192,8 @@ pub struct QGemm {
     frag_mxfp8f: [CudaFunction; 4],
     frag_nvfp4: [CudaFunction; 4],
     frag_bf16: [CudaFunction; 4],
+    /// Up to three dense BF16 weights on one input ([`QGemm::dense_nt_frag_bf16_multi`]).
+    frag_bf16x3: [CudaFunction; 4],
     staged_mxfp8: [CudaFunction; 4],
     staged_mxfp8f: [CudaFunction; 4],
     staged_nvfp4: [CudaFunction; 4],
@@ -327,6 +329,50 @@ pub type Fp8DenseOut<'a, 'b> = (
     CudaViewMut<'b, f32>,
     usize,
 );
+
+/// The most warps a block of [`QGemm::dense_nt_frag_bf16_multi`] splits the reduction over
+/// (`QF_DENSE_MAX_WARPS`).
+pub const DENSE_FRAG_MAX_SPLIT: usize = 16;
+
+/// [`QGemm::dense_nt_frag_bf16_multi`]'s rows per pass and split for `rows` rows of dense
+/// weights with rows of `k`: the smallest pass that holds the rows (at most
+/// [`FragRows::largest`] for BF16, 32 rows), and the deepest split up to
+/// [`dense_frag_max_split`] warps that leaves each warp at least `FRAG_MIN_STEPS[0]`
+/// super-steps of 64 bytes per row. A dense launch has few column blocks (`n / 32`), and each
+/// warp's super-steps run one after another, so a deep split is a short chain. Changes the
+/// f32 summation order (deterministic for a shape), not the products.
+pub fn dense_frag_plan(rows: usize, k: usize) -> (FragRows, usize) {
+    let fr = FragRows::for_rows(rows, 1, FragRows::largest(None));
+    let steps = frag_row_bytes(None, k).div_ceil(64);
+    let mut split = dense_frag_max_split(rows);
+    while split > 1 && steps < FRAG_MIN_STEPS[0] * split {
+        split /= 2;
+    }
+    (fr, split)
+}
+
+/// The deepest split [`dense_frag_plan`] takes for `rows` rows: [`DENSE_FRAG_MAX_SPLIT`] (16
+/// warps) up to 32 rows, 8 up to 64, 4 beyond — each pass of 32 rows past the first adds row
+/// blocks, so the warps per column block multiply. Measured on an H100 (`bench_qgemm --dense`
+/// under Nsight Compute, q/k/v of the benchmark model, BENCHMARKS.md): 8.7 µs at 16 warps
+/// against 10.2 at 8 for 3 rows; 13.2 at 8 against 16.9 at 16 for 64 rows; 18.8 at 4 against
+/// 23.1 at 8 for 128 rows.
+pub fn dense_frag_max_split(rows: usize) -> usize {
+    if rows <= 32 {
+        DENSE_FRAG_MAX_SPLIT
+    } else if rows <= 64 {
+        8
+    } else {
+        4
+    }
+}
+
+/// Blocks per column block of [`QGemm::dense_nt_frag_bf16_multi`]: one per pass of `fr` rows
+/// over the `rows`, at most [`DENSE_ROW_BLOCKS`]. Changes which block runs a pass, not any
+/// sum.
+pub fn dense_frag_row_blocks(rows: usize, fr: FragRows) -> usize {
+    rows.div_ceil(fr.rows()).clamp(1, DENSE_ROW_BLOCKS)
+}
 
 /// The launchers' layout for a step: [`FragLayout::Staged`] from [`STAGED_ROWS_PER_EXPERT`]
 /// rows per expert on average, where its shared memory fits; else [`FragLayout::Split`] of
@@ -564,6 +610,18 @@ impl QGemm {
         let frag_nvfp4 = [a?, b?, c?, d?];
         let [a, b, c, d] = frag("bf16");
         let frag_bf16 = [a?, b?, c?, d?];
+        let frag_bf16x3 = ["t1", "t2", "t4", "t8"].map(|t| {
+            let name = format!("qgemm_frag_bf16x3_{t}");
+            let func = f(&name)?;
+            gpu.allow_dynamic_smem(
+                &func,
+                &name,
+                frag_smem_bytes(FragRows::R64, DENSE_FRAG_MAX_SPLIT),
+            )?;
+            Ok::<_, DeviceError>(func)
+        });
+        let [a, b, c, d] = frag_bf16x3;
+        let frag_bf16x3 = [a?, b?, c?, d?];
         // The staged kernels' stages and scale rows: up to STAGED_SMEM_MAX (checked per launch).
         let staged = |fmt: &str| {
             ["t1", "t2", "t4", "t8"].map(|t| {
@@ -617,6 +675,7 @@ impl QGemm {
             frag_mxfp8f,
             frag_nvfp4,
             frag_bf16,
+            frag_bf16x3,
             staged_mxfp8,
             staged_mxfp8f,
             staged_nvfp4,
@@ -1544,6 +1603,128 @@ impl QGemm {
         // below K, and writes y at those rows, columns < N; barriers and shared memory as
         // grouped_nt_frag_mxfp8. Argument types match (const u16*, const u8*, const u8*,
         // const u32*, float*, u32 × 4): device pointers of u16 buffers passed as bytes.
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Dense BF16 linears on one input, up to three per launch (a layer's q, k and v
+    /// projections, or one linear): `y_i = x · W_iᵀ` for each `(W_i [n_i, k], n_i, y_i [rows,
+    /// n_i])` of `outs`, on the fragment kernels ([`QGemm::grouped_nt_frag_bf16`]'s split
+    /// layout) with each weight as a one-expert group (`whole_rows` = `[0, u32::MAX]`), the
+    /// column blocks of all weights side by side in one grid. [`dense_frag_plan`] picks the
+    /// rows per pass, the split and the row blocks from the shape alone; each output's blocks
+    /// are those of a one-weight launch, so the bits do not depend on which weights share it.
+    /// For decode batches of 3–128 rows, where cuBLAS runs each weight as a GEMM of a few
+    /// dozen blocks.
+    ///
+    /// # Errors
+    /// No output or more than three; `n_i` not a multiple of [`FRAG_COLS`]; as
+    /// [`QGemm::grouped_nt_frag_bf16`] per weight.
+    #[allow(clippy::type_complexity)]
+    pub fn dense_nt_frag_bf16_multi(
+        &self,
+        x: &CudaView<'_, u16>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let (fr, split) = dense_frag_plan(rows, k);
+        self.dense_nt_frag_bf16_multi_with(fr, split, x, whole_rows, outs, rows, k)
+    }
+
+    /// [`QGemm::dense_nt_frag_bf16_multi`] with `fr` rows per pass and `split` warps per block
+    /// (1, 2, 4, 8 or 16).
+    ///
+    /// # Errors
+    /// As [`QGemm::dense_nt_frag_bf16_multi`]; `split` not 1, 2, 4, 8 or 16.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub fn dense_nt_frag_bf16_multi_with(
+        &self,
+        fr: FragRows,
+        split: usize,
+        x: &CudaView<'_, u16>,
+        whole_rows: &CudaView<'_, u32>,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let op = "dense_nt_frag_bf16_multi";
+        let g = &self.gpu;
+        if outs.is_empty() || outs.len() > 3 {
+            return Err(g.err(format!("{op}: {} weights (one to three)", outs.len())));
+        }
+        check_multiple(g, op, k, 32, "64-byte super-steps of BF16 weight rows")?;
+        let total: usize = outs.iter().map(|o| o.1).sum();
+        let all = Grouped {
+            experts: 1,
+            rows,
+            n: total,
+            k,
+        };
+        if !matches!(split, 1 | 2 | 4 | 8 | 16) {
+            return Err(g.err(format!("{op}: split {split} is not 1, 2, 4, 8 or 16 warps")));
+        }
+        if !Self::frag_fits(all.n, all.k) {
+            return Err(g.err(format!(
+                "{op}: n = {} must be a multiple of {FRAG_COLS} (columns per block)",
+                all.n
+            )));
+        }
+        for (w, n, y) in outs.iter_mut() {
+            let s = Grouped {
+                experts: 1,
+                rows,
+                n: *n,
+                k,
+            };
+            if !Self::frag_fits(s.n, s.k) {
+                return Err(g.err(format!(
+                    "{op}: n = {} must be a multiple of {FRAG_COLS} (columns per block)",
+                    s.n
+                )));
+            }
+            self.check_dims(op, s)?;
+            self.check_rows_io(op, s, x, whole_rows, y)?;
+            check_len(g, &format!("{op} w"), w.len(), mul(g, op, s.n, s.k)?)?;
+            check_align(g, &format!("{op} w"), w.device_ptr(g.stream()).0, 16)?;
+        }
+        if rows == 0 || total == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x(g, op, total / FRAG_COLS)?,
+                1,
+                dense_frag_row_blocks(rows, fr) as u32,
+            ),
+            block_dim: (32 * split as u32, 1, 1),
+            shared_mem_bytes: frag_smem_bytes(fr, split) as u32,
+        };
+        let (r, k32) = (rows as u32, k as u32);
+        let null = 0u64;
+        let zero = 0u32;
+        let ns: Vec<u32> = outs.iter().map(|o| o.1 as u32).collect();
+        let missing = 3 - outs.len();
+        let mut b = g.stream().launch_builder(&self.frag_bf16x3[fr.index()]);
+        b.arg(x);
+        for (i, (w, _, y)) in outs.iter_mut().enumerate() {
+            b.arg(*w).arg(&mut **y).arg(&ns[i]);
+        }
+        for _ in 0..missing {
+            // A missing weight: N = 0, no blocks, its pointers never read.
+            b.arg(&null).arg(&null).arg(&zero);
+        }
+        b.arg(whole_rows).arg(&r).arg(&k32);
+        // SAFETY: each weight was checked as a one-expert grouped_nt_frag_bf16 call (w n·k, y
+        // rows·n, x rows·k elements, whole_rows 2, n % 32 == 0, k % 32 == 0, x and w 16-byte
+        // aligned, sizes within u32); block column bx runs weight i's column block
+        // bx − Σ_{j<i} n_j/32 < n_i/32 with that weight's pointers and N (grid x = Σ n_i/32),
+        // so it touches exactly what that single call's block would; missing weights have
+        // N = 0 and no blocks. Shared memory for `split` warps' partial sums (≤ the amount
+        // allowed at load: R64 at DENSE_FRAG_MAX_SPLIT); blocks of 32·split ≤ 512 threads,
+        // the kernels' launch bound. Argument types match (const u16*, then three × (const
+        // u16*, float*, u32), const u32*, u32, u32).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
