@@ -381,7 +381,7 @@ pub fn dense_frag_row_blocks(rows: usize, fr: FragRows) -> usize {
 /// at up to 26 rows per expert: MXFP8 118.5 against 127.0 µs, NVFP4 85.2 against 103.6, BF16
 /// 175.6 against 182.4).
 pub fn frag_layout(s: Grouped, format: Option<LowByte>, rows: FragRows) -> FragLayout {
-    if rows_per_expert(s) >= STAGED_ROWS_PER_EXPERT
+    if rows_per_expert(s) >= staged_layout_rows()
         && staged_smem_bytes(format, s.k, rows) <= STAGED_SMEM_MAX
     {
         FragLayout::Staged
@@ -438,6 +438,19 @@ pub const DENSE_ROW_BLOCKS: usize = 64;
 
 /// Average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`].
 pub const STAGED_ROWS_PER_EXPERT: usize = 9;
+
+/// The average rows per expert from which [`frag_layout`] takes [`FragLayout::Staged`]:
+/// `MXRL_STAGED_ROWS` (for comparisons; the passes and row blocks keep their
+/// [`STAGED_ROWS_PER_EXPERT`] rule) or [`STAGED_ROWS_PER_EXPERT`]. Read once.
+pub fn staged_layout_rows() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MXRL_STAGED_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(STAGED_ROWS_PER_EXPERT)
+    })
+}
 
 /// The launchers' rows per pass for weights of `format` (`None`: BF16): in the staged layout
 /// (from [`STAGED_ROWS_PER_EXPERT`] rows per expert on average), the smallest pass that holds
