@@ -55,6 +55,81 @@ fn small_m_dense(m: usize, k: usize, ns: &[usize]) -> bool {
         && ns.iter().all(|n| n.is_multiple_of(8))
 }
 
+/// Which dense BF16 forwards (past [`dense_small_m_rows`]) run on the fragment kernels
+/// ([`QGemm::dense_nt_frag_bf16_multi`]) rather than cuBLAS: launches of at most `max_rows`
+/// rows whose weights' widths add up to `min_cols ..= max_cols`. cuBLAS runs q, k and v of a
+/// decode step as three GEMMs of a few dozen blocks each, far from the memory bandwidth; the
+/// fragment kernels put the three weights' 32-column blocks in one grid, deep splits of the
+/// reduction shortening each warp's chain of loads. A shape-only choice, so equal shapes
+/// always take the same path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseFrag {
+    /// Most rows (`0`: never).
+    pub max_rows: usize,
+    /// Fewest output columns of one launch (all its weights).
+    pub min_cols: usize,
+    /// Most output columns of one launch.
+    pub max_cols: usize,
+}
+
+impl DenseFrag {
+    /// Never: every dense BF16 forward past the small-M rows on cuBLAS.
+    pub const OFF: DenseFrag = DenseFrag {
+        max_rows: 0,
+        min_cols: 0,
+        max_cols: 0,
+    };
+
+    /// The default: up to 128 rows (decode batches), launches of 3072 to 8192 columns (96 to
+    /// 256 column blocks: q, k and v of the benchmark model together). Measured on an H100
+    /// (`bench_qgemm --dense` under Nsight Compute, BENCHMARKS.md): q, k and v (3072
+    /// columns) in one launch took 0.40–0.82× cuBLAS's three GEMMs at 3–128 rows; a single
+    /// 2048-wide weight (64 blocks for 132 SMs) 1.0× at up to 8 rows and 1.2–1.7× beyond; the
+    /// router (64 columns) and the lm_head (32 000) were never faster. In the recorded decode
+    /// step of the benchmark model (same card, two runs each way): BF16 batch 4 / 8 / 32
+    /// 1.30 / 1.72 / 2.37 against 1.36 / 1.78 / 2.43 ms, NVFP4 experts 1.06 / 1.26 / 1.54
+    /// against 1.14 / 1.31 / 1.60 ms; batch 128 unchanged.
+    pub const DEFAULT: DenseFrag = DenseFrag {
+        max_rows: 128,
+        min_cols: 3072,
+        max_cols: 8192,
+    };
+
+    /// [`DenseFrag::DEFAULT`] with `MXRL_DENSE_FRAG` (rows; `0` or `off` = never) and
+    /// `MXRL_DENSE_FRAG_COLS=MIN,MAX` applied.
+    pub fn from_env() -> Self {
+        let mut d = DenseFrag::DEFAULT;
+        match std::env::var("MXRL_DENSE_FRAG").as_deref().map(str::trim) {
+            Ok("off") => d.max_rows = 0,
+            Ok(v) => d.max_rows = v.parse().unwrap_or(d.max_rows),
+            Err(_) => {}
+        }
+        if let Some((lo, hi)) = std::env::var("MXRL_DENSE_FRAG_COLS").ok().and_then(|v| {
+            let (a, b) = v.trim().split_once(',')?;
+            Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+        }) {
+            (d.min_cols, d.max_cols) = (lo, hi);
+        }
+        d
+    }
+
+    /// Whether a dense BF16 forward of `m` rows by weights of widths `ns` with rows of `k`
+    /// takes the fragment kernels: past the small-M kernel's rows, within these limits, at
+    /// most three weights, `k` a multiple of 32 and every width of
+    /// [`crate::ops::qgemm::FRAG_COLS`].
+    pub fn takes(&self, m: usize, k: usize, ns: &[usize]) -> bool {
+        let total: usize = ns.iter().sum();
+        m > dense_small_m_rows()
+            && m <= self.max_rows
+            && total >= self.min_cols
+            && total <= self.max_cols
+            && k.is_multiple_of(32)
+            && !ns.is_empty()
+            && ns.len() <= 3
+            && ns.iter().all(|&n| QGemm::frag_fits(n, k))
+    }
+}
+
 /// The small-M launchers' `(weight view, width, output view)` list of `outs`, passed to `f`.
 #[allow(clippy::type_complexity)]
 fn with_small_m_views<R>(
@@ -259,6 +334,9 @@ pub struct CudaBackend {
     /// Average rows per expert from which the routed-expert GEMMs run one cuBLAS call per
     /// expert ([`PER_EXPERT_ROWS`] unless set by [`CudaBackend::set_per_expert_rows`]).
     per_expert_rows: Cell<usize>,
+    /// Which dense BF16 forwards take the fragment kernels ([`DenseFrag::from_env`] unless set
+    /// by [`CudaBackend::set_dense_frag`]).
+    dense_frag: Cell<DenseFrag>,
 }
 
 impl CudaBackend {
@@ -291,6 +369,7 @@ impl CudaBackend {
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
+            dense_frag: Cell::new(DenseFrag::from_env()),
             gpu,
         })
     }
@@ -305,6 +384,12 @@ impl CudaBackend {
     /// the grouped kernels). Both give the same products, summed in another order.
     pub fn set_per_expert_rows(&self, rows: usize) {
         self.per_expert_rows.set(rows);
+    }
+
+    /// Which dense BF16 forwards run on the fragment kernels instead of cuBLAS
+    /// ([`DenseFrag`]); both give the same products, summed in another order.
+    pub fn set_dense_frag(&self, d: DenseFrag) {
+        self.dense_frag.set(d);
     }
 
     /// `cuda:N (name)`.
@@ -1608,6 +1693,17 @@ impl Backend for CudaBackend {
                 )
                 .map_err(de);
         }
+        if let (true, Ok(q)) = (self.dense_frag.get().takes(m, k, &[n]), &self.qgemm) {
+            return q
+                .dense_nt_frag_bf16_multi(
+                    &x.as_view(),
+                    &self.whole_rows.as_view(),
+                    &mut [(&w.as_view(), n, &mut y.as_view_mut())],
+                    m,
+                    k,
+                )
+                .map_err(de);
+        }
         self.gemm
             .dense_nt(&x.as_view(), &w.as_view(), &mut y.as_view_mut(), m, n, k)
             .map_err(de)
@@ -1625,6 +1721,14 @@ impl Backend for CudaBackend {
             // One launch; each output is summed as `linear` sums it alone.
             return with_small_m_views(outs, |args| {
                 self.gemm.dense_nt_small_m(&x.as_view(), m, k, args)
+            })
+            .map_err(de);
+        }
+        if let (true, Ok(q)) = (self.dense_frag.get().takes(m, k, &ns), &self.qgemm) {
+            // One launch; each output has the bits of a launch of its weight alone on these
+            // kernels (not of `linear`, which takes cuBLAS below `min_cols`).
+            return with_small_m_views(outs, |args| {
+                q.dense_nt_frag_bf16_multi(&x.as_view(), &self.whole_rows.as_view(), args, m, k)
             })
             .map_err(de);
         }

@@ -11,7 +11,7 @@
 //! printed, not asserted.
 #![cfg(feature = "cuda")]
 
-use mxrl_cuda::backend::CudaBackend;
+use mxrl_cuda::backend::{CudaBackend, DenseFrag};
 use mxrl_model::engine::{cpu_engine, Engine};
 use mxrl_model::{Arch, LinearPrecision, Model, ModelConfig, SeqInput};
 use mxrl_tensor::optim::AdamWConfig;
@@ -105,8 +105,30 @@ fn gpu_engine_logprobs_are_deterministic_and_close_to_the_cpu_engine() {
 
 #[test]
 fn gpu_engine_decode_is_deterministic_and_follows_the_cpu_engine() {
+    decode_follows_the_cpu_engine(None);
+}
+
+/// The same with every dense BF16 forward of 3–128 rows on the fragment kernels' dense launch
+/// (`DenseFrag` at every width: the test model's q/k/v, o and lm_head; the default takes only
+/// launches of 3072–8192 columns, none of this model's).
+#[test]
+fn gpu_engine_decode_on_the_dense_fragment_kernels_follows_the_cpu_engine() {
+    decode_follows_the_cpu_engine(Some(DenseFrag {
+        max_rows: 128,
+        min_cols: 0,
+        max_cols: usize::MAX,
+    }));
+}
+
+fn decode_follows_the_cpu_engine(dense: Option<DenseFrag>) {
     let m = model();
-    let (g, c) = (gpu_engine(&m), cpu_engine(&m, 64).unwrap());
+    let b = CudaBackend::new(0)
+        .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"));
+    if let Some(d) = dense {
+        b.set_dense_frag(d);
+    }
+    let g = Engine::from_model(&m, b, 64).unwrap();
+    let c = cpu_engine(&m, 64).unwrap();
     let s = seqs();
     let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
     let v = config().vocab_size;

@@ -372,8 +372,11 @@ pub trait Backend {
         y: &mut Self::F32,
     ) -> DResult<()>;
     /// Several BF16 linears of one input (a layer's q, k and v projections): `y_i [m, n_i] =
-    /// x [m, k] · W_i [n_i, k]ᵀ` for each `(W_i, n_i, y_i)`, each with the bits
-    /// [`Backend::linear`] gives it alone (a device may run them in one launch).
+    /// x [m, k] · W_i [n_i, k]ᵀ` for each `(W_i, n_i, y_i)`: the products of
+    /// [`Backend::linear`], each sum in an order the device fixes for the call's shapes (the
+    /// same bits on one device for the same shapes). The default calls [`Backend::linear`] per
+    /// weight; a device may run them in one launch, summing in another order than `linear`
+    /// alone (CUDA: q, k and v of a decode batch on the fragment kernels).
     ///
     /// # Errors
     /// As [`Backend::linear`].
