@@ -49,16 +49,20 @@ mod bench {
         nv_amax: CudaSlice<f32>,
     }
 
-    fn weights(g: &Gpu, n: usize, k: usize, seed: u64) -> Weights {
-        let len = EXPERTS * n * k;
-        let b = bytes(2 * len, seed, |b| b);
-        let bf16: Vec<u16> = b
+    /// `len` random BF16 bit patterns with values in ±[0.25, 2).
+    fn bf16_bits(len: usize, seed: u64) -> Vec<u16> {
+        bytes(2 * len, seed, |b| b)
             .chunks(2)
             .map(|p| {
                 let exp = if p[1] & 1 == 0 { 125u16 } else { 127 };
                 (u16::from(p[1] >> 7) << 15) | (exp << 7) | u16::from(p[0] & 0x7F)
             })
-            .collect();
+            .collect()
+    }
+
+    fn weights(g: &Gpu, n: usize, k: usize, seed: u64) -> Weights {
+        let len = EXPERTS * n * k;
+        let bf16 = bf16_bits(len, seed);
         let up = |v: &[u8]| g.upload(v).expect("upload");
         Weights {
             bf16: g.upload(&bf16).expect("upload"),
@@ -305,16 +309,7 @@ mod bench {
         const Q: usize = 2048;
         const KV: usize = 512;
         let k = HIDDEN;
-        let bf = |n: usize, seed: u64| -> CudaSlice<u16> {
-            let host: Vec<u16> = bytes(2 * n, seed, |b| b)
-                .chunks(2)
-                .map(|p| {
-                    let exp = if p[1] & 1 == 0 { 125u16 } else { 127 };
-                    (u16::from(p[1] >> 7) << 15) | (exp << 7) | u16::from(p[0] & 0x7F)
-                })
-                .collect();
-            g.upload(&host).expect("upload")
-        };
+        let bf = |n: usize, seed: u64| g.upload(&bf16_bits(n, seed)).expect("upload");
         const ROUTER: usize = EXPERTS;
         const VOCAB: usize = 32_000;
         let (wq, wk, wv, wo) = (bf(Q * k, 1), bf(KV * k, 2), bf(KV * k, 3), bf(Q * k, 4));
