@@ -1030,16 +1030,16 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
 #define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);                       \
+        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);               \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
-        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);                   \
+        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);           \
     }
 // BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
 #define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);                  \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);          \
     }
 // BF16, up to three dense weights on one input in one launch (q, k and v; or one linear),
 // blocks of up to QF_DENSE_MAX_WARPS warps splitting the reduction:
@@ -1049,9 +1049,9 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // so the outputs are the single launches' bits.
 #define QF_DENSE_MAX_WARPS 16  // a dense launch has few column blocks: up to 16 warps split K
 #define QF_ENTRY_BF16X3(name, TG, MINB)                                                                        \
-    extern "C" __global__ void __launch_bounds__(QF_DENSE_MAX_WARPS * 32, MINB)                               \
-        name(const u16* __restrict__ x, const u16* __restrict__ w0, float* __restrict__ y0, u32 N0,             \
-             const u16* __restrict__ w1, float* __restrict__ y1, u32 N1, const u16* __restrict__ w2,            \
+    extern "C" __global__ void __launch_bounds__(QF_DENSE_MAX_WARPS * 32, MINB)                                \
+        name(const u16* __restrict__ x, const u16* __restrict__ w0, float* __restrict__ y0, u32 N0,            \
+             const u16* __restrict__ w1, float* __restrict__ y1, u32 N1, const u16* __restrict__ w2,           \
              float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R, u32 K) {                      \
         const u32 b0 = N0 / QF_COLS, b1 = N1 / QF_COLS;                                                        \
         u32 bx = blockIdx.x;                                                                                   \
