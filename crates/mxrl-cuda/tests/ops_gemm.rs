@@ -7,7 +7,7 @@
 //! an entry a kernel forgets to write fails the comparison.
 #![cfg(feature = "cuda")]
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
 use mxrl_tensor::device::GradWrite;
@@ -46,6 +46,35 @@ fn bf16_values(n: usize, seed: u64) -> Bf16 {
 fn assert_within(what: &str, seed: u64, got: &[f32], want: &[f32], bound: &[f64]) {
     let v = violations(got, want, |i| bound[i]);
     assert!(v.is_empty(), "{what} (seed {seed}): {v:?}");
+}
+
+/// The dense launchers' `(weight, width, output)` list for the weights `which` of `dws` (widths
+/// `ns`, outputs `[m, ns[j]]` filled with NaN), handed to `launch`; the outputs downloaded.
+#[allow(clippy::type_complexity)]
+fn dense_outs(
+    g: &Gpu,
+    dws: &[CudaSlice<u16>],
+    ns: &[usize],
+    m: usize,
+    which: &[usize],
+    launch: impl FnOnce(&mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)]),
+) -> Vec<Vec<f32>> {
+    let mut ys: Vec<_> = which
+        .iter()
+        .map(|&j| g.upload(&vec![f32::NAN; m * ns[j]]).unwrap())
+        .collect();
+    {
+        let views: Vec<_> = which.iter().map(|&j| dws[j].as_view()).collect();
+        let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
+        let mut outs: Vec<_> = views
+            .iter()
+            .zip(yv.iter_mut())
+            .zip(which)
+            .map(|((w, y), &j)| (w, ns[j], y))
+            .collect();
+        launch(&mut outs);
+    }
+    ys.iter().map(|y| g.download(y).unwrap()).collect()
 }
 
 fn random_case(seed: u64) -> Case {
@@ -847,29 +876,16 @@ fn dense_fragment_launch_matches_reference_and_single_weights_bitwise() {
         let dws: Vec<_> = ws.iter().map(|w| g.upload(&w.bits).unwrap()).collect();
         // The multi launch of weights `which` at (rows per pass, split), or the plan's.
         let multi = |which: &[usize], plan: Option<(FragRows, usize)>| -> Vec<Vec<f32>> {
-            let mut ys: Vec<_> = which
-                .iter()
-                .map(|&i| g.upload(&vec![f32::NAN; m * ns[i]]).unwrap())
-                .collect();
-            {
-                let wv: Vec<_> = which.iter().map(|&i| dws[i].as_view()).collect();
-                let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
-                let mut outs: Vec<_> = wv
-                    .iter()
-                    .zip(yv.iter_mut())
-                    .zip(which)
-                    .map(|((w, y), &i)| (w, ns[i], y))
-                    .collect();
+            dense_outs(&g, &dws, ns, m, which, |outs| {
                 let (xv, ov) = (dx.as_view(), whole.as_view());
                 match plan {
                     Some((fr, split)) => {
-                        q.dense_nt_frag_bf16_multi_with(fr, split, &xv, &ov, &mut outs, m, k)
+                        q.dense_nt_frag_bf16_multi_with(fr, split, &xv, &ov, outs, m, k)
                     }
-                    None => q.dense_nt_frag_bf16_multi(&xv, &ov, &mut outs, m, k),
+                    None => q.dense_nt_frag_bf16_multi(&xv, &ov, outs, m, k),
                 }
-                .unwrap();
-            }
-            ys.iter().map(|y| g.download(y).unwrap()).collect()
+                .unwrap()
+            })
         };
         // Weight i alone as a one-expert grouped launch (splits up to 8).
         let single = |i: usize, fr: FragRows, split: usize| -> Vec<f32> {
@@ -991,23 +1007,10 @@ fn dense_small_m_matches_reference_and_fuses_outputs_bitwise() {
         let dx = g.upload(&x.bits).unwrap();
         let dws: Vec<_> = ws.iter().map(|w| g.upload(&w.bits).unwrap()).collect();
         let run = |nb: usize, which: &[usize]| -> Vec<Vec<f32>> {
-            let mut ys: Vec<_> = which
-                .iter()
-                .map(|&j| g.upload(&vec![f32::NAN; m * ns[j]]).unwrap())
-                .collect();
-            {
-                let views: Vec<_> = which.iter().map(|&j| dws[j].as_view()).collect();
-                let mut yv: Vec<_> = ys.iter_mut().map(|y| y.as_view_mut()).collect();
-                let mut outs: Vec<_> = views
-                    .iter()
-                    .zip(yv.iter_mut())
-                    .zip(which)
-                    .map(|((w, y), &j)| (w, ns[j], y))
-                    .collect();
-                ops.dense_nt_small_m_with(nb, &dx.as_view(), m, k, &mut outs)
-                    .unwrap();
-            }
-            ys.iter().map(|y| g.download(y).unwrap()).collect()
+            dense_outs(&g, &dws, ns, m, which, |outs| {
+                ops.dense_nt_small_m_with(nb, &dx.as_view(), m, k, outs)
+                    .unwrap()
+            })
         };
         let all: Vec<usize> = (0..ns.len()).collect();
         let fused = run(2, &all);

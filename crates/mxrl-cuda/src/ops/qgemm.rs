@@ -601,39 +601,26 @@ impl QGemm {
             m.load_function(n)
                 .map_err(|x| gpu.err(format!("kernel {n}: {x:?}")))
         };
-        // The fragment kernels' reduction array at its largest (FragRows::R64, split 8: 64
-        // KiB) is past the 48 KiB a launch gets without asking.
-        let frag = |fmt: &str| {
+        // The fragment kernels' reduction array at its largest (FragRows::R64 at their most
+        // warps: 64 KiB for split 8, 128 for the dense entries' 16) is past the 48 KiB a
+        // launch gets without asking.
+        let frag = |fmt: &str, split: usize| {
             ["t1", "t2", "t4", "t8"].map(|t| {
                 let name = format!("qgemm_frag_{fmt}_{t}");
                 let func = f(&name)?;
-                gpu.allow_dynamic_smem(
-                    &func,
-                    &name,
-                    frag_smem_bytes(FragRows::R64, FRAG_MAX_SPLIT),
-                )?;
+                gpu.allow_dynamic_smem(&func, &name, frag_smem_bytes(FragRows::R64, split))?;
                 Ok::<_, DeviceError>(func)
             })
         };
-        let [a, b, c, d] = frag("mxfp8");
+        let [a, b, c, d] = frag("mxfp8", FRAG_MAX_SPLIT);
         let frag_mxfp8 = [a?, b?, c?, d?];
-        let [a, b, c, d] = frag("mxfp8f");
+        let [a, b, c, d] = frag("mxfp8f", FRAG_MAX_SPLIT);
         let frag_mxfp8f = [a?, b?, c?, d?];
-        let [a, b, c, d] = frag("nvfp4");
+        let [a, b, c, d] = frag("nvfp4", FRAG_MAX_SPLIT);
         let frag_nvfp4 = [a?, b?, c?, d?];
-        let [a, b, c, d] = frag("bf16");
+        let [a, b, c, d] = frag("bf16", FRAG_MAX_SPLIT);
         let frag_bf16 = [a?, b?, c?, d?];
-        let frag_bf16x3 = ["t1", "t2", "t4", "t8"].map(|t| {
-            let name = format!("qgemm_frag_bf16x3_{t}");
-            let func = f(&name)?;
-            gpu.allow_dynamic_smem(
-                &func,
-                &name,
-                frag_smem_bytes(FragRows::R64, DENSE_FRAG_MAX_SPLIT),
-            )?;
-            Ok::<_, DeviceError>(func)
-        });
-        let [a, b, c, d] = frag_bf16x3;
+        let [a, b, c, d] = frag("bf16x3", DENSE_FRAG_MAX_SPLIT);
         let frag_bf16x3 = [a?, b?, c?, d?];
         // The staged kernels' stages and scale rows: up to STAGED_SMEM_MAX (checked per launch).
         let staged = |fmt: &str| {
@@ -1669,20 +1656,8 @@ impl QGemm {
         }
         check_multiple(g, op, k, 32, "64-byte super-steps of BF16 weight rows")?;
         let total: usize = outs.iter().map(|o| o.1).sum();
-        let all = Grouped {
-            experts: 1,
-            rows,
-            n: total,
-            k,
-        };
         if !matches!(split, 1 | 2 | 4 | 8 | 16) {
             return Err(g.err(format!("{op}: split {split} is not 1, 2, 4, 8 or 16 warps")));
-        }
-        if !Self::frag_fits(all.n, all.k) {
-            return Err(g.err(format!(
-                "{op}: n = {} must be a multiple of {FRAG_COLS} (columns per block)",
-                all.n
-            )));
         }
         for (w, n, y) in outs.iter_mut() {
             let s = Grouped {
