@@ -222,6 +222,23 @@ pub struct Grouped {
     pub k: usize,
 }
 
+impl Grouped {
+    /// Refuses a shape whose experts, rows, `n` or `k` exceed u32 (the kernels' index type),
+    /// naming `op` and the dimension.
+    pub(crate) fn check_u32(self, gpu: &Gpu, op: &str) -> Result<(), DeviceError> {
+        check_u32(
+            gpu,
+            op,
+            &[
+                ("experts", self.experts),
+                ("rows", self.rows),
+                ("n", self.n),
+                ("k", self.k),
+            ],
+        )
+    }
+}
+
 /// Which kernel a grouped forward runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupedPath {
@@ -595,16 +612,7 @@ impl Gemm {
                 s.n, s.k
             )));
         }
-        check_u32(
-            g,
-            op,
-            &[
-                ("experts", s.experts),
-                ("rows", s.rows),
-                ("n", s.n),
-                ("k", s.k),
-            ],
-        )?;
+        s.check_u32(g, op)?;
         let a_len = mul(g, op, s.rows, a.1)?;
         check_len(g, &format!("{op} activation"), a.0.len(), a_len)?;
         check_len(g, &format!("{op} weight/operand"), b.len(), b_len)?;
@@ -979,18 +987,8 @@ impl Gemm {
         if top_k == 0 {
             return Err(g.err(format!("{op}: top_k = 0")));
         }
-        check_u32(
-            g,
-            op,
-            &[
-                ("experts", s.experts),
-                ("rows", s.rows),
-                ("n", s.n),
-                ("k", s.k),
-                ("tokens", tokens),
-                ("top_k", top_k),
-            ],
-        )?;
+        s.check_u32(g, op)?;
+        check_u32(g, op, &[("tokens", tokens), ("top_k", top_k)])?;
         let f = s.n / 2;
         let stream = g.stream();
         check_len(g, &format!("{op} x"), x.len(), mul(g, op, tokens, s.k)?)?;

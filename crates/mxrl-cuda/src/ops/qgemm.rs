@@ -829,16 +829,7 @@ impl QGemm {
     /// Sizes of a grouped GEMM within u32 and the experts within the grid's y limit.
     fn check_dims(&self, op: &str, s: Grouped) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        check_u32(
-            g,
-            op,
-            &[
-                ("experts", s.experts),
-                ("rows", s.rows),
-                ("n", s.n),
-                ("k", s.k),
-            ],
-        )?;
+        s.check_u32(g, op)?;
         if s.experts > 65_535 {
             return Err(g.err(format!(
                 "{op}: {} experts exceed the grid's y limit 65535",
