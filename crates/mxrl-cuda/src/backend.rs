@@ -99,11 +99,7 @@ impl DenseFrag {
     /// `MXRL_DENSE_FRAG_COLS=MIN,MAX` applied.
     pub fn from_env() -> Self {
         let mut d = DenseFrag::DEFAULT;
-        match std::env::var("MXRL_DENSE_FRAG").as_deref().map(str::trim) {
-            Ok("off") => d.max_rows = 0,
-            Ok(v) => d.max_rows = v.parse().unwrap_or(d.max_rows),
-            Err(_) => {}
-        }
+        d.max_rows = env_count("MXRL_DENSE_FRAG", d.max_rows);
         if let Some((lo, hi)) = std::env::var("MXRL_DENSE_FRAG_COLS").ok().and_then(|v| {
             let (a, b) = v.trim().split_once(',')?;
             Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
@@ -156,6 +152,16 @@ fn env_off(name: &str) -> bool {
     )
 }
 
+/// A count from the environment variable `name`: `off` is 0, a number is itself, anything else
+/// (or unset) is `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    match std::env::var(name).as_deref().map(str::trim) {
+        Ok("off") => 0,
+        Ok(v) => v.parse().unwrap_or(default),
+        Err(_) => default,
+    }
+}
+
 /// Whether decode's BF16 routed gate/up runs fused with the gather and SwiGLU on the small-M
 /// kernel (`MXRL_MOE_FUSED=off`: the three ops, the gate/up on the fragment kernels). It is
 /// taken only while the experts average at most half a row each: its sums run on CUDA cores,
@@ -187,14 +193,7 @@ fn moe_down_fused_tokens() -> usize {
         if !moe_fused_small_m() {
             return 0;
         }
-        match std::env::var("MXRL_MOE_DOWN_FUSED")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("off") => 0,
-            Ok(v) => v.parse().unwrap_or(MOE_DOWN_FUSED_TOKENS),
-            Err(_) => MOE_DOWN_FUSED_TOKENS,
-        }
+        env_count("MXRL_MOE_DOWN_FUSED", MOE_DOWN_FUSED_TOKENS)
     })
 }
 
