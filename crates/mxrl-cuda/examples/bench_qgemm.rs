@@ -10,7 +10,8 @@
 //! `cargo run --release -p mxrl-cuda --features cuda --example bench_qgemm [-- --reps N] [--large]`
 //! (`--large`: only the table of decode batches of 128–1024 sequences, see `large`;
 //! `--large --batches 2048,4096 [--busy]`: other batch sizes, one busy expert; `--dense`: only
-//! the attention's dense projections at 3–128 rows, cuBLAS against the fragment kernels)
+//! the attention's dense projections at 3–128 rows, cuBLAS against the fragment kernels;
+//! `--frag [--batches 8,32]`: only the routed experts' fragment kernels, every split)
 //!
 //! Every figure is the median of `--reps` (20) calls timed one by one with CUDA events after
 //! 3 warm-up calls; L2 is flushed (a 256 MiB memset, outside the timed interval) before each
@@ -297,6 +298,81 @@ mod bench {
         }
     }
 
+    /// `--frag`: only the routed experts' fragment kernels at decode batches `batches` (8 and
+    /// 32 unless `--batches`): BF16, MXFP8 (fast decode) and NVFP4 weights, every split of the
+    /// reduction and the staged layout, the launchers' pick starred; GB/s of the used experts'
+    /// weight bytes. Few launches, so it can run under a profiler.
+    fn frag_only(g: &Gpu, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize, batches: &[usize]) {
+        let max_rows = batches.iter().copied().max().unwrap_or(0) * TOP_K;
+        let kmax = HIDDEN.max(MOE_INTER);
+        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
+        let x = g.upload(&xf).expect("upload x");
+        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
+        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
+        q.quant_act_nvfp4_f16(
+            &x.as_view(),
+            max_rows,
+            kmax,
+            &mut xq.as_view_mut(),
+            &mut xamax.as_view_mut(),
+        )
+        .expect("act NVFP4 (binary16)");
+        let mut y = g
+            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
+            .expect("alloc");
+        println!(
+            "\n| step | weights | split 1 µs | 2 | 4 | 8 | staged | pick GB/s |\n|---|---|---:|---:|---:|---:|---:|---:|"
+        );
+        for (pi, &(name, n, k)) in PROJS.iter().enumerate() {
+            let w = weights(g, n, k, 10 * pi as u64 + 1);
+            for &batch in batches {
+                let counts = route(batch, 100 + batch as u64);
+                let used = counts.iter().filter(|&&c| c > 0).count();
+                let r = batch * TOP_K;
+                let off = g.upload(&offsets(&counts)).expect("offsets");
+                let s = Grouped {
+                    experts: EXPERTS,
+                    rows: r,
+                    n,
+                    k,
+                };
+                for fmt in ["BF16", "Mxfp8 fast", "Nvfp4"] {
+                    let f = low_byte(fmt);
+                    let rows = frag_rows(s, f);
+                    let pick = split_for(fmt, s, rows);
+                    let bytes = used
+                        * match f {
+                            None => 2 * n * k,
+                            Some(f) => f.weight_bytes(n, k),
+                        };
+                    let mut cells = Vec::new();
+                    let mut pick_us = f64::NAN;
+                    let layouts = [1usize, 2, 4, 8]
+                        .map(FragLayout::Split)
+                        .into_iter()
+                        .chain([FragLayout::Staged]);
+                    for layout in layouts {
+                        let us = median_us(g, flush, reps, || {
+                            frag_call(q, fmt, rows, layout, &xq, &xamax, &w, &off, &mut y, s)
+                        });
+                        let star = if layout == pick {
+                            pick_us = us;
+                            "*"
+                        } else {
+                            ""
+                        };
+                        cells.push(format!("{us:.1}{star}"));
+                    }
+                    println!(
+                        "| b={batch} ({r} rows, {used} experts) {name} | {fmt} ({rows:?}) | {} | {:.0} |",
+                        cells.join(" | "),
+                        bytes as f64 / pick_us / 1e3
+                    );
+                }
+            }
+        }
+    }
+
     /// `--dense`: the dense projections of a decode step of the benchmark model (q, k, v
     /// `[2048 | 512 | 512, 2048]` on one input; o `[2048, 2048]`; the router `[64, 2048]`;
     /// the lm_head `[32000, 2048]`) at 3–128 rows:
@@ -422,9 +498,8 @@ mod bench {
             dense(&g, &gemm, &q, &mut flush, reps);
             return;
         }
-        if args.iter().any(|a| a == "--large") {
-            let batches: Vec<usize> = args
-                .iter()
+        let batches_or = |default: &[usize]| -> Vec<usize> {
+            args.iter()
                 .position(|a| a == "--batches")
                 .map(|i| {
                     args[i + 1]
@@ -432,7 +507,14 @@ mod bench {
                         .map(|b| b.parse().expect("--batches N,N,…"))
                         .collect()
                 })
-                .unwrap_or_else(|| vec![128, 256, 512, 1024]);
+                .unwrap_or_else(|| default.to_vec())
+        };
+        if args.iter().any(|a| a == "--frag") {
+            frag_only(&g, &q, &mut flush, reps, &batches_or(&[8, 32]));
+            return;
+        }
+        if args.iter().any(|a| a == "--large") {
+            let batches = batches_or(&[128, 256, 512, 1024]);
             let busy = args.iter().any(|a| a == "--busy");
             large(&g, &gemm, &q, &mut flush, reps, &batches, busy);
             return;
