@@ -157,6 +157,36 @@ mod bench {
         frag_layout(s, low_byte(fmt), rows)
     }
 
+    /// The buffers the fragment kernels' tables share: activations for `max_rows` rows of up
+    /// to the widest K, quantized as the NVFP4 kernels take them (binary16 operand values, and
+    /// the rows' amax; the other formats read the same bits, and no kernel's time depends on
+    /// the values), and an f32 output wide enough for either projection.
+    struct FragBuffers {
+        xq: CudaSlice<u16>,
+        xamax: CudaSlice<f32>,
+        y: CudaSlice<f32>,
+    }
+
+    fn frag_buffers(g: &Gpu, q: &QGemm, max_rows: usize) -> FragBuffers {
+        let kmax = HIDDEN.max(MOE_INTER);
+        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
+        let x = g.upload(&xf).expect("upload x");
+        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
+        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
+        q.quant_act_nvfp4_f16(
+            &x.as_view(),
+            max_rows,
+            kmax,
+            &mut xq.as_view_mut(),
+            &mut xamax.as_view_mut(),
+        )
+        .expect("act NVFP4 (binary16)");
+        let y = g
+            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
+            .expect("alloc");
+        FragBuffers { xq, xamax, y }
+    }
+
     /// `--large`: decode batches of 128, 256, 512 and 1024 sequences (16, 32, 64 and 128 rows
     /// per expert on average): the fragment kernels in passes of 16, 32 and 64 rows, each with
     /// the reduction split ([`frag_split`]) and staged ([`FragLayout::Staged`]), the
@@ -178,22 +208,7 @@ mod bench {
     ) {
         let projs = PROJS;
         let max_rows = batches.iter().copied().max().unwrap_or(0) * TOP_K;
-        let kmax = HIDDEN.max(MOE_INTER);
-        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
-        let x = g.upload(&xf).expect("upload x");
-        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
-        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
-        q.quant_act_nvfp4(
-            &x.as_view(),
-            max_rows,
-            kmax,
-            &mut xq.as_view_mut(),
-            &mut xamax.as_view_mut(),
-        )
-        .expect("act NVFP4");
-        let mut y = g
-            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
-            .expect("alloc");
+        let FragBuffers { xq, xamax, mut y } = frag_buffers(g, q, max_rows);
         let mut wb = g
             .zeros::<u16>(EXPERTS * 2 * MOE_INTER * HIDDEN)
             .expect("alloc");
@@ -304,22 +319,7 @@ mod bench {
     /// weight bytes. Few launches, so it can run under a profiler.
     fn frag_only(g: &Gpu, q: &QGemm, flush: &mut CudaSlice<u8>, reps: usize, batches: &[usize]) {
         let max_rows = batches.iter().copied().max().unwrap_or(0) * TOP_K;
-        let kmax = HIDDEN.max(MOE_INTER);
-        let xf: Vec<f32> = mxrl_tensor::gradcheck::test_values(max_rows * kmax, 5, 3.0);
-        let x = g.upload(&xf).expect("upload x");
-        let mut xq = g.zeros::<u16>(max_rows * kmax).expect("alloc");
-        let mut xamax = g.zeros::<f32>(max_rows).expect("alloc");
-        q.quant_act_nvfp4_f16(
-            &x.as_view(),
-            max_rows,
-            kmax,
-            &mut xq.as_view_mut(),
-            &mut xamax.as_view_mut(),
-        )
-        .expect("act NVFP4 (binary16)");
-        let mut y = g
-            .zeros::<f32>(max_rows * HIDDEN.max(2 * MOE_INTER))
-            .expect("alloc");
+        let FragBuffers { xq, xamax, mut y } = frag_buffers(g, q, max_rows);
         println!(
             "\n| step | weights | split 1 µs | 2 | 4 | 8 | staged | pick GB/s |\n|---|---|---:|---:|---:|---:|---:|---:|"
         );
