@@ -948,13 +948,8 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
         for (int tg = 0; tg < TG; ++tg) rows_ok |= (rb + 8 * tg + g < hi ? 1u : 0u) << tg;
         const u16* const xb = x + (u64)(rb + g) * K + t * F::CHUNK;
         const u64 x8 = 8 * (u64)K;
-        uint4 wq[4];
-        u32 sr[4];
-        load_w(warp, wq, sr);
-        for (u32 kt = warp; kt < steps; kt += KS) {
-            uint4 nq[4];
-            u32 ns[4];
-            load_w(kt + KS, nq, ns);
+        // Super-step kt on its weight chunks wq and scales sr.
+        auto step = [&](u32 kt, const uint4 (&wq)[4], const u32 (&sr)[4]) {
             // Activation chunk of this super-step: elements kt·elems + t·CHUNK .. + CHUNK of row
             // rb + 8·tg + g (zeros past the expert's rows or past K).
             // Loaded VG uint4 per row at a time (all XV of them unless TG · XV > 16 registers'
@@ -979,11 +974,18 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
                 }
                 qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                wq[i] = nq[i];
-                sr[i] = ns[i];
-            }
+        };
+        // Each super-step's loads are issued before the previous one is decoded: two buffers
+        // take turns (no copy from the one loaded into the one decoded).
+        uint4 wq0[4], wq1[4];
+        u32 sr0[4], sr1[4];
+        load_w(warp, wq0, sr0);
+        for (u32 kt = warp; kt < steps; kt += 2 * KS) {
+            load_w(kt + KS, wq1, sr1);
+            step(kt, wq0, sr0);
+            if (kt + KS >= steps) break;
+            load_w(kt + 2 * KS, wq0, sr0);
+            step(kt + KS, wq1, sr1);
         }
         // Output of fragment entry q of tile j, token group tg held by lane l: column row g'
         // (+8 for q ≥ 2) of the tile, activation row 2t' (+1 for odd q) of the group.
