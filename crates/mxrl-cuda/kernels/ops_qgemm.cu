@@ -975,8 +975,8 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
                 qf_mma_steps<F, TG, VG>(wq, sp, xa, v0, acc);
             }
         };
-        // Each super-step's loads are issued before the previous one is decoded: two buffers
-        // take turns (no copy from the one loaded into the one decoded).
+        // The next super-step's loads are issued before the current one is decoded, into the
+        // other of two register sets that take turns (nothing is copied between them).
         uint4 wq0[4], wq1[4];
         u32 sr0[4], sr1[4];
         load_w(warp, wq0, sr0);
