@@ -1049,30 +1049,38 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // < i) with weight i's values, output and N (a weight with N = 0 has no blocks); one group of
 // rows (`off` = {0, ≥ R}), E = 1. Each weight's blocks are those of QF_ENTRY_BF16 on it alone,
 // so the outputs are the single launches' bits.
+// The multi-weight launches (up to three weights on one input, their column blocks of `cols`
+// columns side by side in one grid): the weight grid column bx belongs to, with bx made
+// relative to that weight's first column block. Weight i has N_i / cols blocks (none for
+// N_i = 0).
+__device__ __forceinline__ u32 qf_multi_weight(u32& bx, u32 N0, u32 N1, u32 cols) {
+    const u32 b0 = N0 / cols, b1 = N1 / cols;
+    if (bx >= b0 + b1) {
+        bx -= b0 + b1;
+        return 2;
+    }
+    if (bx >= b0) {
+        bx -= b0;
+        return 1;
+    }
+    return 0;
+}
+// Argument i (0, 1 or 2) of a multi-weight launch's three.
+template <class T>
+__device__ __forceinline__ T qf_of3(u32 i, T a, T b, T c) {
+    return i == 0 ? a : i == 1 ? b : c;
+}
 #define QF_DENSE_MAX_WARPS 16  // a dense launch has few column blocks: up to 16 warps split K
 #define QF_ENTRY_BF16X3(name, TG, MINB)                                                                        \
     extern "C" __global__ void __launch_bounds__(QF_DENSE_MAX_WARPS * 32, MINB)                                \
         name(const u16* __restrict__ x, const u16* __restrict__ w0, float* __restrict__ y0, u32 N0,            \
              const u16* __restrict__ w1, float* __restrict__ y1, u32 N1, const u16* __restrict__ w2,           \
              float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R, u32 K) {                      \
-        const u32 b0 = N0 / QF_COLS, b1 = N1 / QF_COLS;                                                        \
         u32 bx = blockIdx.x;                                                                                   \
-        const u16* w = w0;                                                                                     \
-        float* y = y0;                                                                                         \
-        u32 N = N0;                                                                                            \
-        if (bx >= b0 + b1) {                                                                                   \
-            bx -= b0 + b1;                                                                                     \
-            w = w2;                                                                                            \
-            y = y2;                                                                                            \
-            N = N2;                                                                                            \
-        } else if (bx >= b0) {                                                                                 \
-            bx -= b0;                                                                                          \
-            w = w1;                                                                                            \
-            y = y1;                                                                                            \
-            N = N1;                                                                                            \
-        }                                                                                                      \
-        const u8* wb = reinterpret_cast<const u8*>(w);                                                         \
-        qgemm_frag_body<QfBf16, TG>(x, nullptr, wb, wb, nullptr, off, y, R, N, K, bx);                         \
+        const u32 i = qf_multi_weight(bx, N0, N1, QF_COLS);                                                    \
+        const u8* wb = reinterpret_cast<const u8*>(qf_of3(i, w0, w1, w2));                                     \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, wb, wb, nullptr, off, qf_of3(i, y0, y1, y2), R,                \
+                                    qf_of3(i, N0, N1, N2), K, bx);                                             \
     }
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, QfMxfp8, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, QfMxfp8, 2, 2)
@@ -1413,27 +1421,11 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
              const float* __restrict__ s1, float* __restrict__ y1, u32 N1, const u8* __restrict__ c2,           \
              const float* __restrict__ s2, float* __restrict__ y2, u32 N2, const u32* __restrict__ off, u32 R,  \
              u32 K) {                                                                                          \
-        const u32 b0 = N0 / 128, b1 = N1 / 128;                                                                \
         u32 bx = blockIdx.x;                                                                                   \
-        const u8* codes = c0;                                                                                  \
-        const float* ws = s0;                                                                                  \
-        float* y = y0;                                                                                         \
-        u32 N = N0;                                                                                            \
-        if (bx >= b0 + b1) {                                                                                   \
-            bx -= b0 + b1;                                                                                     \
-            codes = c2;                                                                                        \
-            ws = s2;                                                                                           \
-            y = y2;                                                                                            \
-            N = N2;                                                                                            \
-        } else if (bx >= b0) {                                                                                 \
-            bx -= b0;                                                                                          \
-            codes = c1;                                                                                        \
-            ws = s1;                                                                                           \
-            y = y1;                                                                                            \
-            N = N1;                                                                                            \
-        }                                                                                                      \
-        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, codes, reinterpret_cast<const u8*>(ws), nullptr, off, y, R, N, \
-                                          K, bx);                                                              \
+        const u32 i = qf_multi_weight(bx, N0, N1, 128);                                                        \
+        qgemm_fragsm_body<QfFp8b, TG, ST>(x, xs, qf_of3(i, c0, c1, c2),                                        \
+                                          reinterpret_cast<const u8*>(qf_of3(i, s0, s1, s2)), nullptr, off,    \
+                                          qf_of3(i, y0, y1, y2), R, qf_of3(i, N0, N1, N2), K, bx);             \
     }
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t1, QfMxfp8, 1)
 QS_ENTRY_MXFP8(qgemm_fragsm_mxfp8_t2, QfMxfp8, 2)
