@@ -430,21 +430,22 @@ mod bench {
                     }
                 });
                 let (fr, pick) = dense_frag_plan(m, k);
+                // The launch's argument list, built once: not inside the timed calls.
+                let wvs: Vec<_> = ws.iter().map(|w| w.as_view()).collect();
+                let mut yvs: Vec<_> = ys
+                    .iter_mut()
+                    .zip(&ns)
+                    .map(|(y, &n)| y.slice_mut(0..m * n))
+                    .collect();
+                let mut outs: Vec<_> = wvs
+                    .iter()
+                    .zip(yvs.iter_mut())
+                    .zip(&ns)
+                    .map(|((w, y), &n)| (w, n, y))
+                    .collect();
                 let mut t = Vec::new();
                 for split in [1usize, 2, 4, 8, 16] {
                     t.push(median_us(g, flush, reps, || {
-                        let wvs: Vec<_> = ws.iter().map(|w| w.as_view()).collect();
-                        let mut yvs: Vec<_> = ys
-                            .iter_mut()
-                            .zip(&ns)
-                            .map(|(y, &n)| y.slice_mut(0..m * n))
-                            .collect();
-                        let mut outs: Vec<_> = wvs
-                            .iter()
-                            .zip(yvs.iter_mut())
-                            .zip(&ns)
-                            .map(|((w, y), &n)| (w, n, y))
-                            .collect();
                         q.dense_nt_frag_bf16_multi_with(
                             fr,
                             split,
