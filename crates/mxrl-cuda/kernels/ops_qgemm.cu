@@ -174,26 +174,119 @@ __device__ __forceinline__ uint4 pack_f16x8(const float v[8]) {
     return o;
 }
 
+// Where an activation quantizer reads the f32 values of its row `row` (chunk c = elements
+// 8c .. 8c+8), so that the op that would have written them is fused into the quantizer:
+// - ActPlain: x [rows, K] itself;
+// - ActGather: routed row p is token row perm[p] / top_k of x [tokens, K] (moe_gather_f32's
+//   mapping): the quantizer of the gathered rows, without the gathered copy;
+// - ActSwiglu: SwiGLU of the fused gate/up row gu [rows, 2K] (gate in 0..K, up in K..2K), the
+//   value swiglu_fwd writes: fl(silu(g) · u) with common.cuh's swiglu_silu.
+// Each row is quantized alone (MXFP8 1×32 blocks, NVFP4's per-token amax), so the fused
+// quantizers write the bytes the unfused ops followed by the plain quantizer write.
+#define QAM_THREADS 256
+struct ActPlain {
+    const float* x;
+    u64 k;
+    __device__ __forceinline__ void load(u64 row, u64 c, float v[8]) const { load8(x + row * k, c * 8, v); }
+};
+struct ActGather {
+    const float* x;
+    const u32* perm;
+    u32 top_k;
+    u64 k;
+    __device__ __forceinline__ void load(u64 row, u64 c, float v[8]) const {
+        load8(x + (u64)(perm[row] / top_k) * k, c * 8, v);
+    }
+};
+struct ActSwiglu {
+    const float* gu;
+    u64 k;
+    __device__ __forceinline__ void load(u64 row, u64 c, float v[8]) const {
+        const float* g = gu + row * 2 * k;
+        float gv[8], uv[8];
+        load8(g, c * 8, gv);
+        load8(g + k, c * 8, uv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(swiglu_silu(gv[j]), uv[j]);
+    }
+};
+
+// MXFP8 row-wise of row `row` (chunks c = t, t + blockDim.x, ... < K/8 of the block's threads;
+// four threads per 32-block): quant_act_mxfp8's operations per chunk, written to out[row, :].
+template <class Src>
+__device__ __forceinline__ void quant_act_mxfp8_row(const Src& src, u64 row, u16* __restrict__ out, u64 k) {
+    const u64 chunks = k / 8;
+    for (u64 base = 0; base < chunks; base += blockDim.x) {
+        const u64 c = base + threadIdx.x;
+        const bool active = c < chunks;  // chunks % 4 == 0: the four threads of a block agree
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (active) src.load(row, c, v);
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+        m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 1));
+        m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 2));
+        const u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
+        const float inv = ue8m0_reciprocal(s);
+        u32 w0 = 0, w1 = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            w0 |= e4m3_encode(__fmul_rn(v[j], inv)) << (8 * j);
+            w1 |= e4m3_encode(__fmul_rn(v[4 + j], inv)) << (8 * j);
+        }
+        if (!active) continue;
+        float d[8];
+        mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
+        *reinterpret_cast<uint4*>(out + row * k + c * 8) = pack_bf16x8(d);
+    }
+}
+
+// quant_act_mxfp8 of gathered rows (grid: one block per routed row p < tokens·top_k; rows past
+// offsets[e] exist only for dropped ids and are left untouched, as moe_gather_f32 leaves them).
+extern "C" __global__ void __launch_bounds__(QAM_THREADS)
+    quant_act_mxfp8_gather(const float* __restrict__ x, const u32* __restrict__ perm,
+                           const u32* __restrict__ offsets, u32 e, u32 top_k, u64 k, u16* __restrict__ out) {
+    const u64 p = blockIdx.x;
+    if (p >= offsets[e]) return;
+    quant_act_mxfp8_row(ActGather{x, perm, top_k, k}, p, out, k);
+}
+
+// quant_act_mxfp8 of SwiGLU(gu) (grid: one block per row): swiglu_fwd then quant_act_mxfp8.
+extern "C" __global__ void __launch_bounds__(QAM_THREADS)
+    quant_act_mxfp8_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ out) {
+    quant_act_mxfp8_row(ActSwiglu{gu, k}, blockIdx.x, out, k);
+}
+
 // NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
 // row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16, or
 // with F16 in binary16 (both exact: ≤ 6 significant bits in [2^-10, 2688]; the fragment
 // kernels multiply binary16). One block of QA_THREADS per row: a pass for the amax, then the
 // quantization pass (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16;
-// two threads per 16-element block).
+// two threads per 16-element block). With CACHE > 0 a thread keeps the values of its first
+// CACHE chunks in registers between the passes (sources that compute their values, SwiGLU,
+// then compute each value once); later chunks are read again.
 #define QA_THREADS 128
-template <bool F16>
-__device__ __forceinline__ void quant_act_nvfp4_body(const float* __restrict__ x, u16* __restrict__ pre,
+template <bool F16, int CACHE, class Src>
+__device__ __forceinline__ void quant_act_nvfp4_body(const Src& src, u64 row, u16* __restrict__ pre,
                                                      float* __restrict__ amax, u64 k) {
     __shared__ float warp_max_s[QA_THREADS / 32];
-    const u64 row = blockIdx.x;
-    const float* xr = x + row * k;
     const u64 chunks = k / 8;
+    float cache[CACHE > 0 ? CACHE : 1][8];
     float m = 0.0f;
-    for (u64 c = threadIdx.x; c < chunks; c += QA_THREADS) {
-        float v[8];
-        load8(xr, c * 8, v);
+    {
+        int i = 0;
+        for (u64 c = threadIdx.x; c < chunks; c += QA_THREADS, ++i) {
+            float v[8];
+            src.load(row, c, v);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+            for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
+#pragma unroll
+            for (int ci = 0; ci < CACHE; ++ci)
+                if (i == ci) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) cache[ci][j] = v[j];
+                }
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, o));
@@ -208,11 +301,22 @@ __device__ __forceinline__ void quant_act_nvfp4_body(const float* __restrict__ x
     if (a == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
     const float s_dec = __fdiv_rn(1.0f, s_enc);
     const float mult = __fmul_rn(s_enc, MXRL_R6);
-    for (u64 base = 0; base < chunks; base += QA_THREADS) {
+    int i = 0;
+    for (u64 base = 0; base < chunks; base += QA_THREADS, ++i) {
         const u64 c = base + threadIdx.x;
         const bool active = c < chunks;  // chunks is even: both threads of a 16-block agree
         float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (active) load8(xr, c * 8, v);
+        if (active) {
+            bool cached = false;
+#pragma unroll
+            for (int ci = 0; ci < CACHE; ++ci)
+                if (i == ci) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) v[j] = cache[ci][j];
+                    cached = true;
+                }
+            if (!cached) src.load(row, c, v);
+        }
         float bmax = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) bmax = nan_ignoring_max(bmax, fabsf(v[j]));
@@ -236,11 +340,37 @@ __device__ __forceinline__ void quant_act_nvfp4_body(const float* __restrict__ x
 }
 extern "C" __global__ void __launch_bounds__(QA_THREADS)
     quant_act_nvfp4(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
-    quant_act_nvfp4_body<false>(x, pre, amax, k);
+    quant_act_nvfp4_body<false, 0>(ActPlain{x, k}, blockIdx.x, pre, amax, k);
 }
 extern "C" __global__ void __launch_bounds__(QA_THREADS)
     quant_act_nvfp4_f16(const float* __restrict__ x, u16* __restrict__ pre, float* __restrict__ amax, u64 k) {
-    quant_act_nvfp4_body<true>(x, pre, amax, k);
+    quant_act_nvfp4_body<true, 0>(ActPlain{x, k}, blockIdx.x, pre, amax, k);
+}
+
+// quant_act_nvfp4[_f16] of gathered rows (grid: one block per routed row p < tokens·top_k;
+// rows past offsets[e] are left untouched, as moe_gather_f32 leaves them): the token rows'
+// quantization followed by the gathers of their operands and amaxes, in one launch.
+#define QA_GATHER(NAME, F16)                                                                              \
+    extern "C" __global__ void __launch_bounds__(QA_THREADS)                                              \
+        NAME(const float* __restrict__ x, const u32* __restrict__ perm, const u32* __restrict__ offsets, \
+             u32 e, u32 top_k, u64 k, u16* __restrict__ pre, float* __restrict__ amax) {                  \
+        const u64 p = blockIdx.x;                                                                         \
+        if (p >= offsets[e]) return;                                                                      \
+        quant_act_nvfp4_body<F16, 2>(ActGather{x, perm, top_k, k}, p, pre, amax, k);                      \
+    }
+QA_GATHER(quant_act_nvfp4_gather, false)
+QA_GATHER(quant_act_nvfp4_f16_gather, true)
+
+// quant_act_nvfp4[_f16] of SwiGLU(gu) (grid: one block per row; each value computed once for
+// K ≤ 2048): swiglu_fwd followed by the quantizer, in one launch.
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ pre, float* __restrict__ amax) {
+    quant_act_nvfp4_body<false, 2>(ActSwiglu{gu, k}, blockIdx.x, pre, amax, k);
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_f16_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ pre,
+                               float* __restrict__ amax) {
+    quant_act_nvfp4_body<true, 2>(ActSwiglu{gu, k}, blockIdx.x, pre, amax, k);
 }
 
 // FP8 block 1×128 along K (Scheme::FP8_BLOCK_ACT) of x [rows, K] f32 as the staged FP8-block

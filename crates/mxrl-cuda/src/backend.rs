@@ -22,7 +22,7 @@ use crate::ops::head::{Head, HeadGradGemm, HeadOutputs, HeadShape, DEFAULT_CHUNK
 use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
-use crate::ops::qgemm::{mxfp8_fast_eligible, Mxfp8Decode, QGemm};
+use crate::ops::qgemm::{mxfp8_fast_eligible, ActRows, Mxfp8Decode, QGemm};
 use crate::ops::qlinear::QLinear;
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
@@ -895,7 +895,8 @@ impl Backend for CudaBackend {
         if w.format == Format::Fp8Block {
             return self.fp8_forward(x, w, Some(offsets), experts, rows, k, n, y);
         }
-        let act = self.quant_act_rows(x, w, rows, rows, k, "grouped_qlinear")?;
+        let xv = x.as_view();
+        let act = self.quant_act_rows(&ActRows::Rows(&xv), w, rows, k, "grouped_qlinear")?;
         self.grouped_qlinear_on(&act, w, offsets, experts, rows, k, n, y)
     }
 
@@ -916,19 +917,40 @@ impl Backend for CudaBackend {
             return self.fp8_forward_gathered(x, route, tokens, top_k, w, experts, k, n, y);
         }
         // Each row is quantized alone (MXFP8 blocks along k, NVFP4's per-token factor): the
-        // tokens' rows once, then their operands gathered, are the gathered rows' operands.
-        let act = self.quant_act_rows(x, w, tokens, rows, k, "grouped_qlinear")?;
-        let xg = self.gather_token_rows_u16(&act.xq, route, tokens, top_k, experts, k)?;
-        let amax = match &act.amax {
-            Some(a) => Some(self.gather_token_rows_f32(a, route, tokens, top_k, experts, 1)?),
-            None => None,
+        // quantizer reads the routed rows through the permutation (one launch, no gathered
+        // copy), the operands of the gathered rows.
+        let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
+        let src = ActRows::Gather {
+            x: &xv,
+            tokens,
+            perm: &perm,
+            offsets: &offs,
+            experts,
+            top_k,
         };
-        let act = QuantRows {
-            xq: xg,
-            amax,
-            f16: act.f16,
-        };
+        let act = self.quant_act_rows(&src, w, rows, k, "grouped_qlinear")?;
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
+    }
+
+    fn grouped_qlinear_swiglu(
+        &self,
+        gu: &Self::F32,
+        w: &QExperts,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        f: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        if !matches!(w.format, Format::Mxfp8 | Format::Nvfp4) {
+            let mut a = self.gpu.empty::<f32>((rows * f).max(1)).map_err(de)?;
+            self.swiglu_f32(gu, rows, f, &mut a)?;
+            return self.grouped_qlinear(&a, w, offsets, experts, rows, f, n, y);
+        }
+        let guv = gu.as_view();
+        let act = self.quant_act_rows(&ActRows::Swiglu(&guv), w, rows, f, "grouped_qlinear")?;
+        self.grouped_qlinear_on(&act, w, offsets, experts, rows, f, n, y)
     }
 
     fn quantize_weights(
@@ -1096,7 +1118,8 @@ impl Backend for CudaBackend {
         }
         match w.format {
             Format::Mxfp8 => {
-                let act = self.quant_act_rows(x, w, rows, rows, k, "qlinear")?;
+                let xv = x.as_view();
+                let act = self.quant_act_rows(&ActRows::Rows(&xv), w, rows, k, "qlinear")?;
                 self.mxfp8_dense_on(&act.xq, w, rows, k, n, y)
             }
             other => Err(dev(format!(
@@ -1118,7 +1141,8 @@ impl Backend for CudaBackend {
                 .all(|(w, n, _)| (w.format, w.e, w.n, w.k) == (f, 1, *n, k))
         };
         if outs.len() > 1 && dense(Format::Mxfp8) {
-            let act = self.quant_act_rows(x, outs[0].0, rows, rows, k, "qlinear")?;
+            let xv = x.as_view();
+            let act = self.quant_act_rows(&ActRows::Rows(&xv), outs[0].0, rows, k, "qlinear")?;
             for (w, n, y) in outs.iter_mut() {
                 self.mxfp8_dense_on(&act.xq, w, rows, k, *n, y)?;
             }
@@ -2932,15 +2956,15 @@ impl CudaBackend {
         QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts
     }
 
-    /// Quantizes `rows` rows `x: [rows, k]` as the activations of the MXFP8 / NVFP4 weights `w`
-    /// (dense or routed experts) for a GEMM of `gemm_rows` rows (the rows gathered from them):
-    /// NVFP4 in binary16 where that GEMM takes the fragment kernels, BF16 otherwise.
+    /// Quantizes the `rows` rows `src` names (token rows, gathered rows, or SwiGLU of a gate/up
+    /// output) as the activations of the MXFP8 / NVFP4 weights `w` (dense or routed experts):
+    /// NVFP4 in binary16 where a GEMM of `rows` rows takes the fragment kernels, BF16
+    /// otherwise.
     fn quant_act_rows(
         &self,
-        x: &CudaSlice<f32>,
+        src: &ActRows<'_, '_>,
         w: &QExperts,
         rows: usize,
-        gemm_rows: usize,
         k: usize,
         op: &str,
     ) -> DResult<QuantRows> {
@@ -2950,10 +2974,10 @@ impl CudaBackend {
             .as_ref()
             .map_err(|e| dev(format!("{op}: the low-byte kernels did not load: {e}")))?;
         let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        let mut ov = xq.as_view_mut();
         match w.format {
             Format::Mxfp8 => {
-                q.quant_act_mxfp8(&x.as_view(), rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
+                q.quant_act_mxfp8_from(src, rows, k, &mut ov).map_err(de)?;
                 Ok(QuantRows {
                     xq,
                     amax: None,
@@ -2963,14 +2987,9 @@ impl CudaBackend {
             Format::Nvfp4 => {
                 let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
                 let mut xa = amax.slice_mut(0..rows);
-                let f16 = Self::qfrag_path(w.e, gemm_rows, k, w.n);
-                let (xv, mut ov) = (x.as_view(), xq.as_view_mut());
-                if f16 {
-                    q.quant_act_nvfp4_f16(&xv, rows, k, &mut ov, &mut xa)
-                } else {
-                    q.quant_act_nvfp4(&xv, rows, k, &mut ov, &mut xa)
-                }
-                .map_err(de)?;
+                let f16 = Self::qfrag_path(w.e, rows, k, w.n);
+                q.quant_act_nvfp4_from(src, f16, rows, k, &mut ov, &mut xa)
+                    .map_err(de)?;
                 Ok(QuantRows {
                     xq,
                     amax: Some(amax),

@@ -28,10 +28,12 @@
 use half::{bf16, f16};
 use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::gemm::{Gemm, Grouped};
+use mxrl_cuda::ops::moe::Moe;
 use mxrl_cuda::ops::qgemm::{
-    frag_layout, frag_rows, mxfp8_fast_eligible, FragLayout, FragRows, LowByte, Mxfp8Decode, QGemm,
-    QLanes, MXFP8_FAST_MAX_SCALE,
+    frag_layout, frag_rows, mxfp8_fast_eligible, ActRows, FragLayout, FragRows, LowByte,
+    Mxfp8Decode, QGemm, QLanes, MXFP8_FAST_MAX_SCALE,
 };
+use mxrl_cuda::ops::swiglu::Swiglu;
 use mxrl_formats::{
     e2m1_decode, e4m3_decode, quantize, Format, Padding, QuantizedTensor, ScaleLayout, Scales,
     Scheme,
@@ -366,6 +368,167 @@ fn nvfp4_activation_values_and_row_amax_equal_the_contract_library() {
 }
 
 // ---------------------------------------------------------------- weight dequantization
+
+/// A dispatch built on the host: `tokens · top_k` slots with random experts, slot `s` of
+/// token `s / top_k` dropped (expert id `experts`, placed nowhere) when `drop` says so;
+/// `perm` lists the placed slots expert by expert (slot order within an expert, as the
+/// device's dispatch orders them), `offsets` the experts' ranges; the entries of `perm` past
+/// `offsets[experts]` are arbitrary (here `u32::MAX`, which a kernel must never read).
+fn host_dispatch(
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    seed: u64,
+    drop: impl Fn(usize) -> bool,
+) -> (Vec<u32>, Vec<u32>) {
+    use rand::Rng;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let slots = tokens * top_k;
+    let ids: Vec<usize> = (0..slots)
+        .map(|s| {
+            if drop(s) {
+                experts
+            } else {
+                rng.gen_range(0..experts)
+            }
+        })
+        .collect();
+    let mut perm = Vec::with_capacity(slots);
+    let mut offsets = vec![0u32];
+    for e in 0..experts {
+        perm.extend((0..slots).filter(|&s| ids[s] == e).map(|s| s as u32));
+        offsets.push(perm.len() as u32);
+    }
+    perm.resize(slots, u32::MAX);
+    (perm, offsets)
+}
+
+#[test]
+fn fused_activation_quantizers_equal_the_ops_they_replace_bitwise() {
+    // Each fused quantizer (the routed rows read through the dispatch's permutation; SwiGLU
+    // computed in the quantizer) against the ops it replaces — Moe::gather or Swiglu::forward
+    // into a buffer, then the plain quantizer — bit for bit, on every value family; rows past
+    // offsets[E] (dropped slots) must stay as they were. K past 2048 takes the NVFP4
+    // quantizer's second read of a row (its register cache holds 2048 values).
+    let (_l, g) = gpu();
+    let ops = QGemm::new(&g).unwrap();
+    let moe = Moe::new(&g).unwrap();
+    let sw = Swiglu::new(&g).unwrap();
+    let (top_k, experts) = (3usize, 5usize);
+    for f in LowByte::ALL {
+        let ks: &[usize] = match f {
+            LowByte::Mxfp8 => &[32, 160, 768, 2048, 2080],
+            LowByte::Nvfp4 => &[16, 96, 768, 2048, 2064, 4096],
+        };
+        for (ki, &k) in ks.iter().enumerate() {
+            for tokens in [1usize, 5, 33] {
+                let rows = tokens * top_k;
+                let seed = 700 + 10 * ki as u64 + tokens as u64;
+                // Every fourth slot of the larger batches dropped.
+                let (perm, offsets) =
+                    host_dispatch(tokens, top_k, experts, seed, |s| tokens > 1 && s % 4 == 1);
+                let placed = offsets[experts] as usize;
+                let (dperm, doffs) = (g.upload(&perm).unwrap(), g.upload(&offsets).unwrap());
+                let x_families = act_families(tokens, k, seed);
+                let gu_families = act_families(rows, 2 * k, seed + 5);
+                for ((name, x, _), (gname, gu, _)) in x_families.iter().zip(&gu_families) {
+                    let dx = g.upload(x).unwrap();
+                    let dgu = g.upload(gu).unwrap();
+                    // The rows the unfused ops write: gathered (NaN past `placed`) and SwiGLU.
+                    let mut xg = g.upload(&vec![f32::NAN; rows * k]).unwrap();
+                    moe.gather(
+                        &dx.as_view(),
+                        &dperm.as_view(),
+                        &doffs.as_view(),
+                        &mut xg.as_view_mut(),
+                        tokens,
+                        k,
+                        experts,
+                        top_k,
+                    )
+                    .unwrap();
+                    let mut h = g.upload(&vec![f32::NAN; rows * k]).unwrap();
+                    sw.forward(&dgu.as_view(), &mut h.as_view_mut(), None, rows, k)
+                        .unwrap();
+                    let (xv, pv, ov) = (dx.as_view(), dperm.as_view(), doffs.as_view());
+                    let gather = ActRows::Gather {
+                        x: &xv,
+                        tokens,
+                        perm: &pv,
+                        offsets: &ov,
+                        experts,
+                        top_k,
+                    };
+                    let guv = dgu.as_view();
+                    let swiglu = ActRows::Swiglu(&guv);
+                    let (xgv, hv) = (xg.as_view(), h.as_view());
+                    let cases = [
+                        (format!("gathered {name}"), &gather, &xgv, placed),
+                        (format!("SwiGLU of {gname}"), &swiglu, &hv, rows),
+                    ];
+                    for (what, src, plain, valid) in cases {
+                        let what = format!("{f:?} {what} [{rows}, {k}] (seed {seed})");
+                        let plain_src = ActRows::Rows(plain);
+                        for f16 in match f {
+                            LowByte::Mxfp8 => vec![false],
+                            LowByte::Nvfp4 => vec![false, true],
+                        } {
+                            // Both into buffers of 0xFFFF / NaN; the plain run's rows past
+                            // `valid` are quantized from NaN and not compared.
+                            let run = |src: &ActRows<'_, '_>| {
+                                let mut pre = g.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+                                let mut am = g.upload(&vec![f32::NAN; rows]).unwrap();
+                                let (mut p, mut a) = (pre.as_view_mut(), am.as_view_mut());
+                                match f {
+                                    LowByte::Mxfp8 => {
+                                        ops.quant_act_mxfp8_from(src, rows, k, &mut p)
+                                    }
+                                    LowByte::Nvfp4 => {
+                                        ops.quant_act_nvfp4_from(src, f16, rows, k, &mut p, &mut a)
+                                    }
+                                }
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                                (g.download(&pre).unwrap(), g.download(&am).unwrap())
+                            };
+                            let (got, got_amax) = run(src);
+                            let (want, want_amax) = run(&plain_src);
+                            let what = format!("{what}{}", if f16 { " (binary16)" } else { "" });
+                            let bad = (0..valid * k).find(|&i| got[i] != want[i]);
+                            assert!(
+                                bad.is_none(),
+                                "{what}: element {:?} is {:#06x}, the unfused ops give {:#06x}",
+                                bad,
+                                got[bad.unwrap_or(0)],
+                                want[bad.unwrap_or(0)]
+                            );
+                            assert!(
+                                got[valid * k..].iter().all(|&b| b == 0xFFFF),
+                                "{what}: a row past the {valid} placed rows was written"
+                            );
+                            if f == LowByte::Nvfp4 {
+                                for r in 0..rows {
+                                    let (a, b) = (got_amax[r], want_amax[r]);
+                                    if r < valid {
+                                        assert_eq!(
+                                            a.to_bits(),
+                                            b.to_bits(),
+                                            "{what}: row {r} amax {a:e}, unfused {b:e}"
+                                        );
+                                    } else {
+                                        assert!(
+                                            a.is_nan(),
+                                            "{what}: amax of unplaced row {r} written"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
 
 #[test]
 fn mxfp8_weight_dequantization_decodes_every_code_under_every_scale_range() {

@@ -1665,6 +1665,9 @@ impl<B: Backend> Engine<B> {
                     ),
                     (Pass::Decode { .. }, None, None, None)
                 );
+                // Without a tape (decode, a forward for scoring or generation) nothing of the
+                // gate/up is kept.
+                let taped = matches!(pass, Pass::Prefill { tape: true, .. });
                 let (xg, gu, act) = if fused {
                     let mut act = eb(rows * m.f)?;
                     b.moe_gate_up_swiglu_bf16(
@@ -1682,10 +1685,8 @@ impl<B: Backend> Engine<B> {
                     (None, e(1)?, Act::Bf16(act))
                 } else {
                     let mut gu = e(rows * 2 * m.f)?;
-                    // Without a tape (decode, a forward for scoring or generation) no gathered rows
-                    // are kept: a block-format gate/up quantizes the token rows and gathers their
-                    // operands (the same operands).
-                    let taped = matches!(pass, Pass::Prefill { tape: true, .. });
+                    // Without a tape no gathered rows are kept: a block-format gate/up quantizes
+                    // the routed rows as it gathers them (the same operands).
                     let xg = match (&h2, &self.params[m.gate_up].q, taped) {
                         (Some(h2), Some(q), false) => {
                             b.grouped_qlinear_gathered(
@@ -1730,7 +1731,12 @@ impl<B: Backend> Engine<B> {
                             Some(xg)
                         }
                     };
-                    let act = swiglu(&gu, rows, m.f)?;
+                    // Without a tape a block-format down projection may quantize SwiGLU's
+                    // rows as it computes them (the same operands): `act` stays a placeholder.
+                    let act = match (&self.params[m.down].q, taped) {
+                        (Some(_), false) => Act::F32(e(1)?),
+                        _ => swiglu(&gu, rows, m.f)?,
+                    };
                     (xg, gu, act)
                 };
                 // Σ over experts, then + x_mid: the CPU model's `x += out`.
@@ -1756,7 +1762,30 @@ impl<B: Backend> Engine<B> {
                     }
                     _ => {
                         let mut y = e(rows * hd)?;
-                        self.glin(m.down, act.r(), &route.offsets, ho, rows, m.f, hd, &mut y)?;
+                        match (&self.params[m.down].q, taped) {
+                            (Some(q), false) => b
+                                .grouped_qlinear_swiglu(
+                                    &gu,
+                                    &q.w,
+                                    &route.offsets,
+                                    ne,
+                                    rows,
+                                    m.f,
+                                    hd,
+                                    &mut y,
+                                )
+                                .map_err(dev)?,
+                            _ => self.glin(
+                                m.down,
+                                act.r(),
+                                &route.offsets,
+                                ho,
+                                rows,
+                                m.f,
+                                hd,
+                                &mut y,
+                            )?,
+                        }
                         b.combine_add(&y, &route, n, ne, k, hd, &x_mid, &mut out)
                             .map_err(dev)?;
                         y

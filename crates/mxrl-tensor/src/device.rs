@@ -1204,6 +1204,30 @@ pub trait Backend {
         self.gather_f32(x, route, tokens, experts, top_k, k, &mut xg)?;
         self.grouped_qlinear(&xg, w, &route.offsets, experts, rows, k, n, y)
     }
+    /// [`Backend::grouped_qlinear`] of the SwiGLU of a fused gate/up output `gu: [rows, 2f]`
+    /// (the rows [`Backend::swiglu_f32`] writes, `k = f`), for a forward that keeps no
+    /// activation (decode). Every block format quantizes each row alone, so a device may
+    /// compute SwiGLU inside its activation quantizer: the same operands. The default runs
+    /// `swiglu_f32`, then `grouped_qlinear`.
+    ///
+    /// # Errors
+    /// As [`Backend::grouped_qlinear`].
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_swiglu(
+        &self,
+        gu: &Self::F32,
+        w: &Self::QExperts,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        f: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut a = self.empty_f32(rows * f)?;
+        self.swiglu_f32(gu, rows, f, &mut a)?;
+        self.grouped_qlinear(&a, w, offsets, experts, rows, f, n, y)
+    }
     /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
     ///
     /// # Errors

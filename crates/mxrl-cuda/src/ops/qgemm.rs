@@ -74,6 +74,33 @@ const QM_THREADS: u32 = (QM_WARPS * 32) as u32;
 const QA_THREADS: u32 = 128;
 const THREADS: u32 = 256;
 
+/// Where a fused activation quantizer ([`QGemm::quant_act_mxfp8_from`],
+/// [`QGemm::quant_act_nvfp4_from`]) reads the f32 values of its rows.
+pub enum ActRows<'a, 'b> {
+    /// `x [rows, k]` itself (the plain quantizer).
+    Rows(&'a CudaView<'b, f32>),
+    /// The expert-major routed rows of [`super::moe::Moe::gather`]: row `p` is token row
+    /// `perm[p] / top_k` of `x [tokens, k]`, for `p < offsets[experts]` (read on the device);
+    /// `rows = tokens · top_k`.
+    Gather {
+        /// Token rows `[tokens, k]`.
+        x: &'a CudaView<'b, f32>,
+        /// Token count.
+        tokens: usize,
+        /// The dispatch's permutation (`tokens · top_k` slots).
+        perm: &'a CudaView<'b, u32>,
+        /// The experts' row ranges (`experts + 1`).
+        offsets: &'a CudaView<'b, u32>,
+        /// Expert count.
+        experts: usize,
+        /// Experts per token.
+        top_k: usize,
+    },
+    /// SwiGLU of a fused gate/up output `gu [rows, 2k]` (gate in `0..k`, up in `k..2k`): the
+    /// values [`super::swiglu::Swiglu`]'s f32 forward writes.
+    Swiglu(&'a CudaView<'b, f32>),
+}
+
 /// The stored block format of a low-byte weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LowByte {
@@ -180,6 +207,13 @@ pub struct QGemm {
     act_mxfp8: CudaFunction,
     act_nvfp4: CudaFunction,
     act_nvfp4_f16: CudaFunction,
+    /// The activation quantizers fused with the op that makes their rows
+    /// ([`QGemm::quant_act_mxfp8_from`], [`QGemm::quant_act_nvfp4_from`]): MXFP8 gathered /
+    /// SwiGLU, NVFP4 gathered / SwiGLU in BF16 and in binary16.
+    act_mxfp8_gather: CudaFunction,
+    act_mxfp8_swiglu: CudaFunction,
+    act_nvfp4_gather: [CudaFunction; 2],
+    act_nvfp4_swiglu: [CudaFunction; 2],
     deq_mxfp8: CudaFunction,
     deq_nvfp4: CudaFunction,
     scale_rows: CudaFunction,
@@ -656,6 +690,16 @@ impl QGemm {
             act_mxfp8: f("quant_act_mxfp8")?,
             act_nvfp4: f("quant_act_nvfp4")?,
             act_nvfp4_f16: f("quant_act_nvfp4_f16")?,
+            act_mxfp8_gather: f("quant_act_mxfp8_gather")?,
+            act_mxfp8_swiglu: f("quant_act_mxfp8_swiglu")?,
+            act_nvfp4_gather: [
+                f("quant_act_nvfp4_gather")?,
+                f("quant_act_nvfp4_f16_gather")?,
+            ],
+            act_nvfp4_swiglu: [
+                f("quant_act_nvfp4_swiglu")?,
+                f("quant_act_nvfp4_f16_swiglu")?,
+            ],
             deq_mxfp8: f("dequant_mxfp8_bf16")?,
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
             scale_rows: f("nvfp4_scale_rows")?,
@@ -824,6 +868,211 @@ impl QGemm {
         // Argument types match (const float*, u16*, float*, u64).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// [`QGemm::quant_act_mxfp8`] of the rows `src` names, in one launch: the gathered token
+    /// rows or the SwiGLU of a gate/up output quantized without first writing them. Every row
+    /// is quantized alone, so `out [rows, k]` holds the bytes of the unfused ops followed by
+    /// [`QGemm::quant_act_mxfp8`] (rows past a gather's `offsets[experts]` are left untouched,
+    /// as [`super::moe::Moe::gather`] leaves them).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 32, short or misaligned buffers (16-byte aligned), a gather's
+    /// shape past the dispatch's limits, launch errors.
+    pub fn quant_act_mxfp8_from(
+        &self,
+        src: &ActRows<'_, '_>,
+        rows: usize,
+        k: usize,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_mxfp8_from";
+        if let ActRows::Rows(x) = src {
+            return self.quant_act_mxfp8(x, rows, k, out);
+        }
+        check_multiple(g, op, k, 32, "MXFP8 blocks of 32")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} out"), out.len(), len)?;
+        self.check_act_rows(op, src, rows, k)?;
+        if len == 0 {
+            return Ok(());
+        }
+        check_align(
+            g,
+            &format!("{op} out"),
+            out.device_ptr_mut(g.stream()).0,
+            16,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, rows)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k64 = k as u64;
+        match src {
+            ActRows::Rows(_) => unreachable!("plain rows returned above"),
+            ActRows::Gather {
+                x,
+                perm,
+                offsets,
+                experts,
+                top_k,
+                ..
+            } => {
+                let (e32, k32) = (*experts as u32, *top_k as u32);
+                let mut b = g.stream().launch_builder(&self.act_mxfp8_gather);
+                b.arg(*x)
+                    .arg(*perm)
+                    .arg(*offsets)
+                    .arg(&e32)
+                    .arg(&k32)
+                    .arg(&k64)
+                    .arg(out);
+                // SAFETY: block p < rows = tokens·top_k (checked against perm, out) returns
+                // unless p < offsets[experts]; it reads token row perm[p] / top_k < tokens
+                // (the dispatch's permutation of tokens·top_k slots) of x [tokens, k] and
+                // writes row p of out, 16-byte chunks (k % 32 == 0, bases checked aligned).
+                // Every warp of a block runs the same chunk loop (shuffles complete). Types
+                // (const float*, const u32*, const u32*, u32, u32, u64, u16*).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+            ActRows::Swiglu(gu) => {
+                let mut b = g.stream().launch_builder(&self.act_mxfp8_swiglu);
+                b.arg(*gu).arg(&k64).arg(out);
+                // SAFETY: block r < rows reads row r of gu [rows, 2k] and writes row r of out
+                // [rows, k] (lengths checked), 16-byte chunks (k % 32 == 0, bases aligned).
+                // Types (const float*, u64, u16*).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`QGemm::quant_act_nvfp4`] (`f16`: [`QGemm::quant_act_nvfp4_f16`]) of the rows `src`
+    /// names, in one launch: `out_pre [rows, k]` and `amax [rows]` hold the bytes of the
+    /// unfused ops (the gathers of the token rows' operands and amaxes, or SwiGLU) followed by
+    /// the quantizer (rows past a gather's `offsets[experts]` are left untouched).
+    ///
+    /// # Errors
+    /// As [`QGemm::quant_act_mxfp8_from`], with NVFP4's blocks of 16.
+    pub fn quant_act_nvfp4_from(
+        &self,
+        src: &ActRows<'_, '_>,
+        f16: bool,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_nvfp4_from";
+        if let ActRows::Rows(x) = src {
+            return if f16 {
+                self.quant_act_nvfp4_f16(x, rows, k, out_pre, amax)
+            } else {
+                self.quant_act_nvfp4(x, rows, k, out_pre, amax)
+            };
+        }
+        check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} out_pre"), out_pre.len(), len)?;
+        check_len(g, &format!("{op} amax"), amax.len(), rows)?;
+        self.check_act_rows(op, src, rows, k)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let ptr = out_pre.device_ptr_mut(g.stream()).0;
+        check_align(g, &format!("{op} out_pre"), ptr, 16)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, rows)?, 1, 1),
+            block_dim: (QA_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k64 = k as u64;
+        let which = usize::from(f16);
+        match src {
+            ActRows::Rows(_) => unreachable!("plain rows returned above"),
+            ActRows::Gather {
+                x,
+                perm,
+                offsets,
+                experts,
+                top_k,
+                ..
+            } => {
+                let (e32, k32) = (*experts as u32, *top_k as u32);
+                let mut b = g.stream().launch_builder(&self.act_nvfp4_gather[which]);
+                b.arg(*x)
+                    .arg(*perm)
+                    .arg(*offsets)
+                    .arg(&e32)
+                    .arg(&k32)
+                    .arg(&k64)
+                    .arg(out_pre)
+                    .arg(amax);
+                // SAFETY: block p < rows = tokens·top_k (checked against perm, out_pre, amax)
+                // returns unless p < offsets[experts]; it reads token row perm[p] / top_k <
+                // tokens of x [tokens, k], writes row p of out_pre (16-byte chunks, k % 16 ==
+                // 0, bases aligned) and amax[p]. Every warp runs the same chunk loop (shuffles
+                // and the barrier complete; a block returns before either or not at all).
+                // Types (const float*, const u32*, const u32*, u32, u32, u64, u16*, float*).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+            ActRows::Swiglu(gu) => {
+                let mut b = g.stream().launch_builder(&self.act_nvfp4_swiglu[which]);
+                b.arg(*gu).arg(&k64).arg(out_pre).arg(amax);
+                // SAFETY: block r < rows reads row r of gu [rows, 2k], writes row r of out_pre
+                // [rows, k] and amax[r] (lengths checked; 16-byte chunks, k % 16 == 0, bases
+                // aligned). Types (const float*, u64, u16*, float*).
+                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The lengths, alignment and shape of a fused quantizer's source of `rows` rows of `k`.
+    fn check_act_rows(
+        &self,
+        op: &str,
+        src: &ActRows<'_, '_>,
+        rows: usize,
+        k: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let stream = g.stream();
+        match src {
+            ActRows::Rows(x) => {
+                check_len(g, &format!("{op} x"), x.len(), mul(g, op, rows, k)?)?;
+                check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)
+            }
+            ActRows::Gather {
+                x,
+                tokens,
+                perm,
+                offsets,
+                experts,
+                top_k,
+            } => {
+                let slots = mul(g, op, *tokens, *top_k)?;
+                if slots != rows || *top_k == 0 || *experts == 0 {
+                    return Err(g.err(format!(
+                        "{op}: {rows} gathered rows from {tokens} tokens × top-{top_k} over \
+                         {experts} experts (rows must be tokens · top_k, both nonzero)"
+                    )));
+                }
+                check_u32(g, op, &[("experts", *experts), ("top_k", *top_k)])?;
+                check_len(g, &format!("{op} x"), x.len(), mul(g, op, *tokens, k)?)?;
+                check_len(g, &format!("{op} perm"), perm.len(), rows)?;
+                check_len(g, &format!("{op} offsets"), offsets.len(), experts + 1)?;
+                check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)
+            }
+            ActRows::Swiglu(gu) => {
+                let len = mul(g, op, rows, mul(g, op, 2, k)?)?;
+                check_len(g, &format!("{op} gate/up"), gu.len(), len)?;
+                check_align(g, &format!("{op} gate/up"), gu.device_ptr(stream).0, 16)
+            }
+        }
     }
 
     /// Sizes of a grouped GEMM within u32 and the experts within the grid's y limit.
