@@ -88,11 +88,71 @@ __device__ __forceinline__ float rms_rstd_of_sum(float ss, u32 d, float eps) {
 // 1 / sqrt(Σ_j x[j]² / d + eps) of one row, summed by the block (threads j, j + blockDim.x, …
 // in order, then block_sum): the RMSNorm kernels' reduction, so every caller gets the same
 // bits. Every thread of the block must call it (barriers inside); all get the result.
+// The row loops of these kernels read a thread's elements j = threadIdx.x + i·blockDim.x in
+// batches of ROW_BATCH (every load of a batch issued before the first is used), then use them
+// in increasing j: the order of a one-element-at-a-time loop, so the same bits, with one memory
+// latency per batch instead of one per element.
+#define ROW_BATCH 8
 __device__ __forceinline__ float rms_row_rstd(const float* __restrict__ xr, u32 d, float eps, float* scratch) {
     float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(xr[j], xr[j]));
+    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
+        float v[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u32 j = j0 + i * blockDim.x;
+            v[i] = j < d ? xr[j] : 0.0f;
+        }
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i)
+            if (j0 + i * blockDim.x < d) ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
+    }
     return rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
 }
+
+// f(j, src[j]) for this thread's j = threadIdx.x + i·blockDim.x < n in increasing j, the loads
+// batched as rms_row_rstd's (the order, hence the bits, of the one-element-at-a-time loop).
+template <class F>
+__device__ __forceinline__ void row_for_each(const float* src, u64 n, F f) {
+    for (u64 j0 = threadIdx.x; j0 < n; j0 += ROW_BATCH * (u64)blockDim.x) {
+        float v[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u64 j = j0 + (u64)i * blockDim.x;
+            v[i] = j < n ? src[j] : 0.0f;
+        }
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u64 j = j0 + (u64)i * blockDim.x;
+            if (j < n) f(j, v[i]);
+        }
+    }
+}
+
+// v[j] = (xr[j] · rs) · w[j] for j < d, written as f32 to yr (F32) and as bf16(v) to ybr (B16),
+// the loads batched as rms_row_rstd's.
+template <bool F32, bool B16>
+__device__ __forceinline__ void rmsnorm_scale_row(const float* xr, const float* __restrict__ w, float rs,
+                                                  float* __restrict__ yr, u16* __restrict__ ybr, u32 d) {
+    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
+        float xv[ROW_BATCH], wv[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u32 j = j0 + i * blockDim.x;
+            xv[i] = j < d ? xr[j] : 0.0f;
+            wv[i] = j < d ? w[j] : 0.0f;
+        }
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u32 j = j0 + i * blockDim.x;
+            if (j < d) {
+                const float v = __fmul_rn(__fmul_rn(xv[i], rs), wv[i]);
+                if (F32) yr[j] = v;
+                if (B16) ybr[j] = f32_to_bf16(v);
+            }
+        }
+    }
+}
+
 
 // Zeroes a fragment kernel's accumulators: [2 column tiles][TG token groups][4 entries of the
 // m16n8 fragment] (ops_qgemm's fragment kernels, ops_fp8block's).

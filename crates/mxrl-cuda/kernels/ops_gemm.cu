@@ -751,8 +751,7 @@ __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restri
         for (u32 r = 0; r < nr; ++r) {
             const float* xr = x + (rb + r) * K;
             const float rs = rms_row_rstd(xr, K, eps, scratch);
-            for (u32 j = threadIdx.x; j < K; j += blockDim.x)
-                gemm_xs[r * K + j] = f32_to_bf16(__fmul_rn(__fmul_rn(xr[j], rs), nw[j]));
+            rmsnorm_scale_row<false, true>(xr, nw, rs, nullptr, gemm_xs + r * K, K);
         }
         __syncthreads();
         if (c0 < N) {  // N is a multiple of 8, so c0 < N implies c0 + NB <= N

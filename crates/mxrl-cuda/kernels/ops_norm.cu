@@ -14,11 +14,7 @@ __device__ __forceinline__ void rmsnorm_fwd_rows(const float* __restrict__ x, co
     const float* xr = x + r * d;
     const float rs = rms_row_rstd(xr, d, eps, scratch);
     if (threadIdx.x == 0) rstd[r] = rs;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
-        if (F32) y[r * d + j] = v;
-        if (B16) yb[r * d + j] = f32_to_bf16(v);
-    }
+    rmsnorm_scale_row<F32, B16>(xr, w, rs, y + (F32 ? r * d : 0), yb + (B16 ? r * d : 0), d);
 }
 
 // The kernels below take the argument list of their one-warp-per-row twins (`rows`: the grid
@@ -160,18 +156,29 @@ extern "C" __global__ void add_rmsnorm_fwd(float* x, const float* __restrict__ r
     float* xr = x + r * d;
     const float* rr = res + r * d;
     float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = __fadd_rn(xr[j], rr[j]);
-        xr[j] = v;
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
+        float xv[ROW_BATCH], rv[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u32 j = j0 + i * blockDim.x;
+            xv[i] = j < d ? xr[j] : 0.0f;
+            rv[i] = j < d ? rr[j] : 0.0f;
+        }
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u32 j = j0 + i * blockDim.x;
+            if (j < d) {
+                const float v = __fadd_rn(xv[i], rv[i]);
+                xr[j] = v;
+                ss = __fadd_rn(ss, __fmul_rn(v, v));
+            }
+        }
     }
     const float rs = rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
     if (threadIdx.x == 0) rstd[r] = rs;
-    for (u32 j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = __fmul_rn(__fmul_rn(xr[j], rs), w[j]);
-        if (y != nullptr) y[r * d + j] = v;
-        if (yb != nullptr) yb[r * d + j] = f32_to_bf16(v);
-    }
+    if (y != nullptr && yb != nullptr) rmsnorm_scale_row<true, true>(xr, w, rs, y + r * d, yb + r * d, d);
+    else if (y != nullptr) rmsnorm_scale_row<true, false>(xr, w, rs, y + r * d, nullptr, d);
+    else if (yb != nullptr) rmsnorm_scale_row<false, true>(xr, w, rs, nullptr, yb + r * d, d);
 }
 
 // dx of the backward, one block per row r < rows:

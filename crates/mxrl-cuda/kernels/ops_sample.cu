@@ -73,10 +73,9 @@ __device__ __forceinline__ u32 block_argmax(float v, u32 i, float* sv, u32* si) 
 __device__ void count_mass_ge(const float* p, u64 V, u32 th, double* red, double* count,
                               double* mass) {
     double c = 0.0, s = 0.0;
-    for (u64 j = threadIdx.x; j < V; j += blockDim.x) {
-        const float x = p[j];
+    row_for_each(p, V, [&](u64, float x) {
         if (__float_as_uint(x) >= th) { c += 1.0; s = __dadd_rn(s, (double)x); }
-    }
+    });
     *count = block_sum_f64(c, red);
     *mass = block_sum_f64(s, red);
 }
@@ -118,16 +117,15 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
     if (greedy) {
         float bv = NEG_INF_F;
         u32 bi = 0xFFFFFFFFu;
-        for (u64 j = tid; j < V; j += blockDim.x) {
-            const float x = z[j];
+        row_for_each(z, V, [&](u64 j, float x) {
             if (bi == 0xFFFFFFFFu || x > bv) { bv = x; bi = (u32)j; }
-        }
+        });
         const u32 best = block_argmax(bv, bi, fred, ired);
         float mx = NEG_INF_F;
-        for (u64 j = tid; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+        row_for_each(z, V, [&](u64, float x) { mx = fmaxf(mx, x); });
         mx = block_max(mx, fred);
         float s = 0.0f;
-        for (u64 j = tid; j < V; j += blockDim.x) s = __fadd_rn(s, expf(__fsub_rn(z[j], mx)));
+        row_for_each(z, V, [&](u64, float x) { s = __fadd_rn(s, expf(__fsub_rn(x, mx))); });
         s = block_sum(s, fred);
         if (tid == 0) {
             out_tok[b] = best;
@@ -138,14 +136,14 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
 
     // p_v = exp(z_v/τ − m), and the f32 Σp for the logprob's lse.
     float mx = NEG_INF_F;
-    for (u64 j = tid; j < V; j += blockDim.x) mx = fmaxf(mx, __fmul_rn(z[j], inv_t));
+    row_for_each(z, V, [&](u64, float x) { mx = fmaxf(mx, __fmul_rn(x, inv_t)); });
     mx = block_max(mx, fred);
     float s32 = 0.0f;
-    for (u64 j = tid; j < V; j += blockDim.x) {
-        const float e = expf(__fsub_rn(__fmul_rn(z[j], inv_t), mx));
+    row_for_each(z, V, [&](u64 j, float x) {
+        const float e = expf(__fsub_rn(__fmul_rn(x, inv_t), mx));
         p[j] = e;
         s32 = __fadd_rn(s32, e);
-    }
+    });
     s32 = block_sum(s32, fred);
     __syncthreads();
 
