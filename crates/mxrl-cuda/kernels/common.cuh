@@ -181,6 +181,35 @@ __device__ __forceinline__ void mxrl_grid_dependency() {
 #endif
 }
 
+#define BUSY_NONE 0xFFFFFFFFu
+// The y-th expert (from 0, ascending) that has rows (offsets clamped to [0, R]), or BUSY_NONE
+// when fewer than y + 1 experts have any (ops_qgemm's fragment kernels on grids of fewer block
+// rows than experts). Warp 0 scans the offsets 32 experts at a time; every thread of the block
+// must call it (one barrier) and gets the result.
+__device__ __forceinline__ u32 nth_busy_expert(const u32* __restrict__ off, u32 E, u32 R, u32 y) {
+    __shared__ u32 found_s;
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u32 carry = 0, found = BUSY_NONE;
+        for (u32 base = 0; base < E && found == BUSY_NONE; base += 32) {
+            const u32 e = base + lane;
+            u32 lo = 0, hi = 0;  // expert e's rows, clamped to [0, R] (expert_rows)
+            if (e < E) {
+                hi = min(off[e + 1], R);
+                lo = min(off[e], hi);
+            }
+            const u32 busy = __ballot_sync(FULL_MASK, lo < hi);
+            const u32 before = carry + __popc(busy & ((1u << lane) - 1u));
+            const u32 hit = __ballot_sync(FULL_MASK, lo < hi && before == y);
+            if (hit != 0u) found = base + (u32)__ffs(hit) - 1u;
+            carry += __popc(busy);
+        }
+        if (lane == 0) found_s = found;
+    }
+    __syncthreads();
+    return found_s;
+}
+
 // ---- MoE dispatch of up to MOE_SMALL_THREADS flat entries in one block (ops_moe's
 // moe_dispatch_small and ops_router's fused router + dispatch share it).
 #define MOE_INVALID 0xFFFFFFFFu

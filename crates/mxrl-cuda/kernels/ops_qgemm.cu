@@ -1031,10 +1031,9 @@ template <class F, int TG>
 __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const float* __restrict__ x_amax,
                                                 const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                 const float* __restrict__ w_amax, const u32* __restrict__ off,
-                                                float* __restrict__ y, u32 R, u32 N, u32 K, u32 bx) {
+                                                float* __restrict__ y, u32 R, u32 N, u32 K, u32 bx, u32 e) {
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
     extern __shared__ float red[];     // [KS][NACC][32] when KS > 1
-    const u32 e = blockIdx.y;
     u32 lo, hi;
     qm_expert_rows(off, e, R, lo, hi);
     // Passes z, z + Z, … of the expert's rows (Z = gridDim.z): a busy expert's passes are
@@ -1160,18 +1159,28 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 
 // Entry points: suffix = token groups of 8 rows per pass; blocks of 32 · KS threads.
 // F: QfMxfp8, or QfMxfp8Fast (suffix mxfp8f) for eligible weights.
+// Block row y of the grid is expert y; a grid of fewer rows than experts (the launcher's
+// choice when most experts are idle: fewer rows than half the experts) gives row y the y-th
+// busy expert instead (nth_busy_expert), so a decode step's few busy experts do not wait
+// behind the blocks of the idle ones.
 #define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);               \
+        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        if (e == BUSY_NONE) return;                                                                            \
+        qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x, e);            \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
-        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x);           \
+        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        if (e == BUSY_NONE) return;                                                                            \
+        qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x, e);        \
     }
 // BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
 #define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x);          \
+        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        if (e == BUSY_NONE) return;                                                                            \
+        qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x, e);       \
     }
 // BF16, up to three dense weights on one input in one launch (q, k and v; or one linear),
 // blocks of up to QF_DENSE_MAX_WARPS warps splitting the reduction:
@@ -1210,7 +1219,7 @@ __device__ __forceinline__ T qf_of3(u32 i, T a, T b, T c) {
         const u32 i = qf_multi_weight(bx, N0, N1, QF_COLS);                                                    \
         const u8* wb = reinterpret_cast<const u8*>(qf_of3(i, w0, w1, w2));                                     \
         qgemm_frag_body<QfBf16, TG>(x, nullptr, wb, wb, nullptr, off, qf_of3(i, y0, y1, y2), R,                \
-                                    qf_of3(i, N0, N1, N2), K, bx);                                             \
+                                    qf_of3(i, N0, N1, N2), K, bx, 0);                                          \
     }
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t1, QfMxfp8, 1, 2)
 QF_ENTRY_MXFP8(qgemm_frag_mxfp8_t2, QfMxfp8, 2, 2)

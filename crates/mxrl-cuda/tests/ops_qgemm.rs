@@ -696,6 +696,17 @@ fn gemm_cases() -> Vec<(u64, Case)> {
             },
         ),
         (2, routed(1, 2, 96, 2048)),
+        // Fewer rows than half the experts, one row of no expert: the fragment grid takes a
+        // block row per row, each on the next busy expert (qgemm::frag_expert_rows).
+        (
+            7,
+            Case {
+                counts: vec![0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+                n: 64,
+                k: 64,
+                extra: 1,
+            },
+        ),
         (3, routed(32, 3, 68, 768)),
         (
             4,
@@ -1205,6 +1216,17 @@ fn fragment_kernels_on_stored_bytes_match_the_cpu_emulation() {
             },
         ),
         (54, routed(1, 54, 64, 2048)),
+        // Fewer rows than half the experts (an expert of two rows, a row of no expert): the
+        // grid has a block row per row, each on the next busy expert (frag_expert_rows).
+        (
+            62,
+            Case {
+                counts: vec![0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+                n: 64,
+                k: 64,
+                extra: 1,
+            },
+        ),
         (55, routed(32, 55, 128, 768)),
         // Prefill-sized decode batches: 64 rows per pass and more, ragged last passes.
         (
