@@ -132,12 +132,11 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
 // MXFP8 row-wise (1×32 blocks along K) of x [rows, K] f32, written as the dequantized values
 // in BF16: out = bf16(fl(ue8m0_decode(s) · e4m3_value(q))). Four threads per block, eight
 // consecutive elements each (mxfp8_row's mapping and operation order); n_blocks = rows·K/32.
-extern "C" __global__ void __launch_bounds__(256)
-    quant_act_mxfp8(const float* __restrict__ x, u16* __restrict__ out, u64 n_blocks) {
-    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool active = (t >> 2) < n_blocks;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) load8(x, t * 8, v);
+// One thread's eight consecutive values v of a 32-block whose four threads are consecutive
+// lanes (4i .. 4i+3; every lane of the warp calls it, inactive ones with zeros): the block's
+// UE8M0 scale from the four maxima, the E4M3 codes, and their BF16 dequantization stored at
+// out when `active`.
+__device__ __forceinline__ void mxfp8_act_encode8(const float (&v)[8], bool active, u16* out) {
     float m = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
@@ -154,7 +153,16 @@ extern "C" __global__ void __launch_bounds__(256)
     if (!active) return;
     float d[8];
     mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
-    *reinterpret_cast<uint4*>(out + t * 8) = pack_bf16x8(d);
+    *reinterpret_cast<uint4*>(out) = pack_bf16x8(d);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_mxfp8(const float* __restrict__ x, u16* __restrict__ out, u64 n_blocks) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = (t >> 2) < n_blocks;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) load8(x, t * 8, v);
+    mxfp8_act_encode8(v, active, out + t * 8);
 }
 
 // Two f32 values as a binary16 pair (low half: lo), rounded to nearest even.
@@ -212,7 +220,7 @@ struct ActSwiglu {
 };
 
 // MXFP8 row-wise of row `row` (chunks c = t, t + blockDim.x, ... < K/8 of the block's threads;
-// four threads per 32-block): quant_act_mxfp8's operations per chunk, written to out[row, :].
+// four threads per 32-block): quant_act_mxfp8's encoding per chunk, written to out[row, :].
 template <class Src>
 __device__ __forceinline__ void quant_act_mxfp8_row(const Src& src, u64 row, u16* __restrict__ out, u64 k) {
     const u64 chunks = k / 8;
@@ -221,23 +229,7 @@ __device__ __forceinline__ void quant_act_mxfp8_row(const Src& src, u64 row, u16
         const bool active = c < chunks;  // chunks % 4 == 0: the four threads of a block agree
         float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         if (active) src.load(row, c, v);
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
-        m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 1));
-        m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 2));
-        const u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
-        const float inv = ue8m0_reciprocal(s);
-        u32 w0 = 0, w1 = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            w0 |= e4m3_encode(__fmul_rn(v[j], inv)) << (8 * j);
-            w1 |= e4m3_encode(__fmul_rn(v[4 + j], inv)) << (8 * j);
-        }
-        if (!active) continue;
-        float d[8];
-        mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
-        *reinterpret_cast<uint4*>(out + row * k + c * 8) = pack_bf16x8(d);
+        mxfp8_act_encode8(v, active, out + row * k + c * 8);
     }
 }
 

@@ -33,8 +33,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    gather_gate_up_swiglu_bf16, grouped_down_then_combine_add, rmsnorm_then_linear_shared, Backend,
-    DResult, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
+    gather_gate_up_swiglu_bf16, grouped_down_then_combine_add, rmsnorm_then_linear_shared,
+    swiglu_then_grouped_qlinear, Backend, DResult, Device, DeviceError, GradWrite, RouteBufs,
+    StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -944,9 +945,7 @@ impl Backend for CudaBackend {
         y: &mut Self::F32,
     ) -> DResult<()> {
         if !matches!(w.format, Format::Mxfp8 | Format::Nvfp4) {
-            let mut a = self.gpu.empty::<f32>((rows * f).max(1)).map_err(de)?;
-            self.swiglu_f32(gu, rows, f, &mut a)?;
-            return self.grouped_qlinear(&a, w, offsets, experts, rows, f, n, y);
+            return swiglu_then_grouped_qlinear(self, gu, w, offsets, experts, rows, f, n, y);
         }
         let guv = gu.as_view();
         let act = self.quant_act_rows(&ActRows::Swiglu(&guv), w, rows, f, "grouped_qlinear")?;

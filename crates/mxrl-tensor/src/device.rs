@@ -184,6 +184,29 @@ pub fn grouped_down_then_combine_add<B: Backend + ?Sized>(
     b.combine_add(&y, route, n, e, top_k, h, residual, out)
 }
 
+/// [`Backend::grouped_qlinear_swiglu`] as its two ops ([`Backend::swiglu_f32`],
+/// [`Backend::grouped_qlinear`]): the default, and what a device does where it has no fused
+/// quantizer for the weights' format.
+///
+/// # Errors
+/// As the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_then_grouped_qlinear<B: Backend + ?Sized>(
+    b: &B,
+    gu: &B::F32,
+    w: &B::QExperts,
+    offsets: &B::U32,
+    experts: usize,
+    rows: usize,
+    f: usize,
+    n: usize,
+    y: &mut B::F32,
+) -> DResult<()> {
+    let mut a = b.empty_f32(rows * f)?;
+    b.swiglu_f32(gu, rows, f, &mut a)?;
+    b.grouped_qlinear(&a, w, offsets, experts, rows, f, n, y)
+}
+
 /// The op set of a device. Shapes in each doc; buffers may be longer than needed.
 #[allow(clippy::too_many_arguments)]
 pub trait Backend {
@@ -1207,8 +1230,8 @@ pub trait Backend {
     /// [`Backend::grouped_qlinear`] of the SwiGLU of a fused gate/up output `gu: [rows, 2f]`
     /// (the rows [`Backend::swiglu_f32`] writes, `k = f`), for a forward that keeps no
     /// activation (decode). Every block format quantizes each row alone, so a device may
-    /// compute SwiGLU inside its activation quantizer: the same operands. The default runs
-    /// `swiglu_f32`, then `grouped_qlinear`.
+    /// compute SwiGLU inside its activation quantizer: the same operands. The default is
+    /// [`swiglu_then_grouped_qlinear`].
     ///
     /// # Errors
     /// As [`Backend::grouped_qlinear`].
@@ -1224,9 +1247,7 @@ pub trait Backend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<()> {
-        let mut a = self.empty_f32(rows * f)?;
-        self.swiglu_f32(gu, rows, f, &mut a)?;
-        self.grouped_qlinear(&a, w, offsets, experts, rows, f, n, y)
+        swiglu_then_grouped_qlinear(self, gu, w, offsets, experts, rows, f, n, y)
     }
     /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
     ///

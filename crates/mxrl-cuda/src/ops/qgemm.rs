@@ -918,49 +918,8 @@ impl QGemm {
             out.device_ptr_mut(g.stream()).0,
             16,
         )?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid_x(g, op, rows)?, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let k64 = k as u64;
-        match src {
-            ActRows::Rows(_) => unreachable!("plain rows returned above"),
-            ActRows::Gather {
-                x,
-                perm,
-                offsets,
-                experts,
-                top_k,
-                ..
-            } => {
-                let (e32, k32) = (*experts as u32, *top_k as u32);
-                let mut b = g.stream().launch_builder(&self.act_mxfp8_gather);
-                b.arg(*x)
-                    .arg(*perm)
-                    .arg(*offsets)
-                    .arg(&e32)
-                    .arg(&k32)
-                    .arg(&k64)
-                    .arg(out);
-                // SAFETY: block p < rows = tokens·top_k (checked against perm, out) returns
-                // unless p < offsets[experts]; it reads token row perm[p] / top_k < tokens
-                // (the dispatch's permutation of tokens·top_k slots) of x [tokens, k] and
-                // writes row p of out, 16-byte chunks (k % 32 == 0, bases checked aligned).
-                // Every warp of a block runs the same chunk loop (shuffles complete). Types
-                // (const float*, const u32*, const u32*, u32, u32, u64, u16*).
-                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-            }
-            ActRows::Swiglu(gu) => {
-                let mut b = g.stream().launch_builder(&self.act_mxfp8_swiglu);
-                b.arg(*gu).arg(&k64).arg(out);
-                // SAFETY: block r < rows reads row r of gu [rows, 2k] and writes row r of out
-                // [rows, k] (lengths checked), 16-byte chunks (k % 32 == 0, bases aligned).
-                // Types (const float*, u64, u16*).
-                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-            }
-        }
-        Ok(())
+        let fs = (&self.act_mxfp8_gather, &self.act_mxfp8_swiglu);
+        self.launch_act_rows(src, fs, THREADS, rows, k, out, None)
     }
 
     /// [`QGemm::quant_act_nvfp4`] (`f16`: [`QGemm::quant_act_nvfp4_f16`]) of the rows `src`
@@ -998,50 +957,66 @@ impl QGemm {
         }
         let ptr = out_pre.device_ptr_mut(g.stream()).0;
         check_align(g, &format!("{op} out_pre"), ptr, 16)?;
+        let w = usize::from(f16);
+        let fs = (&self.act_nvfp4_gather[w], &self.act_nvfp4_swiglu[w]);
+        self.launch_act_rows(src, fs, QA_THREADS, rows, k, out_pre, Some(amax))
+    }
+
+    /// Launches a fused quantizer over `src` (checked by the caller: lengths, alignment, shape)
+    /// with one block of `threads` per row: `fs` = (gathered, SwiGLU) kernels, whose arguments
+    /// are the source's, then `k`, `out` and (NVFP4) `amax`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_act_rows(
+        &self,
+        src: &ActRows<'_, '_>,
+        fs: (&CudaFunction, &CudaFunction),
+        threads: u32,
+        rows: usize,
+        k: usize,
+        out: &mut CudaViewMut<'_, u16>,
+        amax: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "fused activation quantizer";
         let cfg = LaunchConfig {
             grid_dim: (grid_x(g, op, rows)?, 1, 1),
-            block_dim: (QA_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let k64 = k as u64;
-        let which = usize::from(f16);
-        match src {
-            ActRows::Rows(_) => unreachable!("plain rows returned above"),
+        let (e32, t32) = match src {
+            ActRows::Gather { experts, top_k, .. } => (*experts as u32, *top_k as u32),
+            _ => (0, 0),
+        };
+        let mut b = match src {
+            ActRows::Rows(_) => unreachable!("plain rows take the plain quantizers"),
             ActRows::Gather {
-                x,
-                perm,
-                offsets,
-                experts,
-                top_k,
-                ..
+                x, perm, offsets, ..
             } => {
-                let (e32, k32) = (*experts as u32, *top_k as u32);
-                let mut b = g.stream().launch_builder(&self.act_nvfp4_gather[which]);
-                b.arg(*x)
-                    .arg(*perm)
-                    .arg(*offsets)
-                    .arg(&e32)
-                    .arg(&k32)
-                    .arg(&k64)
-                    .arg(out_pre)
-                    .arg(amax);
-                // SAFETY: block p < rows = tokens·top_k (checked against perm, out_pre, amax)
-                // returns unless p < offsets[experts]; it reads token row perm[p] / top_k <
-                // tokens of x [tokens, k], writes row p of out_pre (16-byte chunks, k % 16 ==
-                // 0, bases aligned) and amax[p]. Every warp runs the same chunk loop (shuffles
-                // and the barrier complete; a block returns before either or not at all).
-                // Types (const float*, const u32*, const u32*, u32, u32, u64, u16*, float*).
-                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+                let mut b = g.stream().launch_builder(fs.0);
+                b.arg(*x).arg(*perm).arg(*offsets).arg(&e32).arg(&t32);
+                b
             }
             ActRows::Swiglu(gu) => {
-                let mut b = g.stream().launch_builder(&self.act_nvfp4_swiglu[which]);
-                b.arg(*gu).arg(&k64).arg(out_pre).arg(amax);
-                // SAFETY: block r < rows reads row r of gu [rows, 2k], writes row r of out_pre
-                // [rows, k] and amax[r] (lengths checked; 16-byte chunks, k % 16 == 0, bases
-                // aligned). Types (const float*, u64, u16*, float*).
-                unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+                let mut b = g.stream().launch_builder(fs.1);
+                b.arg(*gu);
+                b
             }
+        };
+        b.arg(&k64).arg(out);
+        if let Some(a) = amax {
+            b.arg(a);
         }
+        // SAFETY: the caller checked every length against rows·k (x: tokens·k, perm: rows,
+        // offsets: experts + 1, gate/up: rows·2k, out: rows·k, amax: rows), k a multiple of
+        // the format's block (so 16-byte chunks stay inside a row) and the bases 16-byte
+        // aligned. Block r < rows reads row r's source (token row perm[r] / top_k < tokens,
+        // the dispatch's permutation of tokens·top_k slots, for r < offsets[experts], else it
+        // returns; or gate/up row r) and writes row r of out and amax[r] only. Every warp of a
+        // block runs the same chunk loop (shuffles and barriers complete). Argument types
+        // match the kernels' (const float*, [const u32*, const u32*, u32, u32,] u64, u16*
+        // [, float*]).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 
