@@ -12,6 +12,10 @@
 //!   (f32) and the GEMM operand `pre = e2m1(code) · e4m3(block scale)` as BF16 (the
 //!   `Operand::Nvfp4 { pre }` values of `mxrl_tensor::qlinear`); [`QGemm::quant_act_nvfp4_f16`]
 //!   the same values in binary16, the fragment kernels' operand.
+//! - [`QGemm::quant_act_mxfp8_from`] / [`QGemm::quant_act_nvfp4_from`]: the same quantizers
+//!   reading their rows through the dispatch permutation ([`ActRows::Gather`]) or computing
+//!   SwiGLU of a gate/up output ([`ActRows::Swiglu`]); reference: `moe::Moe::gather` or
+//!   `swiglu::Swiglu::forward`, then the plain quantizer (bit for bit).
 //! - [`QGemm::grouped_nt_small_m_mxfp8`] / [`QGemm::grouped_nt_small_m_nvfp4`]: per expert,
 //!   `y = x · W_eᵀ` on those operands (NVFP4: then `y = fl(y · α)`,
 //!   α = [`mxrl_tensor::qlinear::nvfp4_alpha`]`(x_amax[r], w_amax[e])`); reference
@@ -49,7 +53,9 @@
 //! block multiples, then launches on the GPU's one stream without allocating or reading
 //! anything back, so a decode step that uses them can be captured in a CUDA graph. The
 //! grouped layout is [`super::gemm`]'s: rows of expert `e` are `offsets[e]..offsets[e+1]`
-//! (device `u32 [E+1]`, clamped to `[0, R]` in the kernels), weights stacked per expert.
+//! (device `u32 [E+1]`, clamped to `[0, R]` in the kernels), weights stacked per expert. The
+//! fragment kernels' grid has a block row per expert, or one per row where most experts are
+//! idle ([`frag_expert_rows`]).
 //! Needs sm_89 or newer (`cvt.rn.f16x2.e4m3x2`): [`QGemm::new`] fails with NVRTC's message
 //! elsewhere.
 #![allow(unsafe_code)]
