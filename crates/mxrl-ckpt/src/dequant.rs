@@ -1,4 +1,4 @@
-//! `dequantize`: any checkpoint [`crate::convert`] writes (and DeepSeek-style block FP8) back to
+//! `dequantize`: any checkpoint [`crate::convert()`] writes (and DeepSeek-style block FP8) back to
 //! a BF16 Hugging Face checkpoint.
 //!
 //! Stored forms are recognized per weight `P` from the tensors present (config.json is not

@@ -1,7 +1,7 @@
 //! Reading an mxrl-converted checkpoint back as stored quantized tensors, for a model that
 //! runs the stored bytes as they are (never dequantized and re-quantized).
 //!
-//! [`load_quantized`] reads what [`crate::convert`] wrote: `mxrl.json` (contract, recipe,
+//! [`load_quantized`] reads what [`crate::convert()`] wrote: `mxrl.json` (contract, recipe,
 //! per-tensor format, stored tensor names and NVFP4 amax), `config.json` and the shards. Every
 //! weight comes back under its Hugging Face name as either
 //!

@@ -697,7 +697,7 @@ impl Gpu {
     }
 
     /// A zero-filled device buffer. While this stream records a graph, from the recording's
-    /// [`Arena`] (the zeros are recorded as a memory set).
+    /// arena (`Arena`) (the zeros are recorded as a memory set).
     ///
     /// # Errors
     /// Out of device memory (the driver's message).
@@ -717,7 +717,7 @@ impl Gpu {
     }
 
     /// A device buffer whose contents are unspecified (for outputs an op overwrites whole).
-    /// While this stream records a graph, from the recording's [`Arena`].
+    /// While this stream records a graph, from the recording's arena (`Arena`).
     ///
     /// # Errors
     /// Out of device memory (the driver's message).

@@ -15,7 +15,7 @@
 //!   never pays for a digest nobody asks for).
 //! - **Limits are checked before anything is allocated or queued** ([`Limits`]): each of the
 //!   three services has its own message size limit (enforced by tonic from the length prefix,
-//!   before buffering; its refusal is re-typed as `LIMIT_EXCEEDED` by [`TypedOversize`]); a
+//!   before buffering; its refusal is re-typed as `LIMIT_EXCEEDED` by `TypedOversize`); a
 //!   weight update's header is bounded by the model's tensor count and weight bytes, and its
 //!   buckets may not exceed what the header announced; generate and score requests are bounded
 //!   in sequences, lengths (by default the model's `max_position_embeddings`) and token ids,
