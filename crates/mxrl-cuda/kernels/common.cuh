@@ -85,74 +85,58 @@ __device__ __forceinline__ float rms_rstd_of_sum(float ss, u32 d, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
 }
 
-// 1 / sqrt(Σ_j x[j]² / d + eps) of one row, summed by the block (threads j, j + blockDim.x, …
-// in order, then block_sum): the RMSNorm kernels' reduction, so every caller gets the same
-// bits. Every thread of the block must call it (barriers inside); all get the result.
 // The row loops of these kernels read a thread's elements j = threadIdx.x + i·blockDim.x in
 // batches of ROW_BATCH (every load of a batch issued before the first is used), then use them
 // in increasing j: the order of a one-element-at-a-time loop, so the same bits, with one memory
-// latency per batch instead of one per element.
+// latency per batch instead of one per element. row_batched(n, load, use): use(j, load(j)) for
+// this thread's j < n in that order.
 #define ROW_BATCH 8
-__device__ __forceinline__ float rms_row_rstd(const float* __restrict__ xr, u32 d, float eps, float* scratch) {
-    float ss = 0.0f;
-    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
-        float v[ROW_BATCH];
+template <class Load, class Use>
+__device__ __forceinline__ void row_batched(u64 n, Load load, Use use) {
+    using T = decltype(load(u64{0}));
+    for (u64 j0 = threadIdx.x; j0 < n; j0 += ROW_BATCH * (u64)blockDim.x) {
+        T v[ROW_BATCH];
 #pragma unroll
         for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u32 j = j0 + i * blockDim.x;
-            v[i] = j < d ? xr[j] : 0.0f;
+            const u64 j = j0 + (u64)i * blockDim.x;
+            v[i] = j < n ? load(j) : T{};
         }
 #pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i)
-            if (j0 + i * blockDim.x < d) ss = __fadd_rn(ss, __fmul_rn(v[i], v[i]));
+        for (u32 i = 0; i < ROW_BATCH; ++i) {
+            const u64 j = j0 + (u64)i * blockDim.x;
+            if (j < n) use(j, v[i]);
+        }
     }
+}
+
+// f(j, src[j]) for this thread's j < n, batched as row_batched.
+template <class F>
+__device__ __forceinline__ void row_for_each(const float* src, u64 n, F f) {
+    row_batched(n, [&](u64 j) { return src[j]; }, f);
+}
+
+// 1 / sqrt(Σ_j x[j]² / d + eps) of one row, summed by the block (threads j, j + blockDim.x, …
+// in order, then block_sum): the RMSNorm kernels' reduction, so every caller gets the same
+// bits. Every thread of the block must call it (barriers inside); all get the result.
+__device__ __forceinline__ float rms_row_rstd(const float* __restrict__ xr, u32 d, float eps, float* scratch) {
+    float ss = 0.0f;
+    row_for_each(xr, d, [&](u64, float v) { ss = __fadd_rn(ss, __fmul_rn(v, v)); });
     return rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
 }
 
-// f(j, src[j]) for this thread's j = threadIdx.x + i·blockDim.x < n in increasing j, the loads
-// batched as rms_row_rstd's (the order, hence the bits, of the one-element-at-a-time loop).
-template <class F>
-__device__ __forceinline__ void row_for_each(const float* src, u64 n, F f) {
-    for (u64 j0 = threadIdx.x; j0 < n; j0 += ROW_BATCH * (u64)blockDim.x) {
-        float v[ROW_BATCH];
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u64 j = j0 + (u64)i * blockDim.x;
-            v[i] = j < n ? src[j] : 0.0f;
-        }
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u64 j = j0 + (u64)i * blockDim.x;
-            if (j < n) f(j, v[i]);
-        }
-    }
-}
-
 // v[j] = (xr[j] · rs) · w[j] for j < d, written as f32 to yr (F32) and as bf16(v) to ybr (B16),
-// the loads batched as rms_row_rstd's.
+// the loads batched as row_batched's.
 template <bool F32, bool B16>
 __device__ __forceinline__ void rmsnorm_scale_row(const float* xr, const float* __restrict__ w, float rs,
                                                   float* __restrict__ yr, u16* __restrict__ ybr, u32 d) {
-    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
-        float xv[ROW_BATCH], wv[ROW_BATCH];
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u32 j = j0 + i * blockDim.x;
-            xv[i] = j < d ? xr[j] : 0.0f;
-            wv[i] = j < d ? w[j] : 0.0f;
-        }
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u32 j = j0 + i * blockDim.x;
-            if (j < d) {
-                const float v = __fmul_rn(__fmul_rn(xv[i], rs), wv[i]);
-                if (F32) yr[j] = v;
-                if (B16) ybr[j] = f32_to_bf16(v);
-            }
-        }
-    }
+    row_batched(
+        d, [&](u64 j) { return make_float2(xr[j], w[j]); },
+        [&](u64 j, float2 xw) {
+            const float v = __fmul_rn(__fmul_rn(xw.x, rs), xw.y);
+            if (F32) yr[j] = v;
+            if (B16) ybr[j] = f32_to_bf16(v);
+        });
 }
-
 
 // Zeroes a fragment kernel's accumulators: [2 column tiles][TG token groups][4 entries of the
 // m16n8 fragment] (ops_qgemm's fragment kernels, ops_fp8block's).
@@ -181,8 +165,15 @@ __device__ __forceinline__ void mxrl_grid_dependency() {
 #endif
 }
 
+// Rows [lo, hi) of expert e of a grouped layout (offsets off[0..=E]), clamped so that
+// 0 <= lo <= hi <= R.
+__device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
+    hi = min(off[e + 1], R);
+    lo = min(off[e], hi);
+}
+
 #define BUSY_NONE 0xFFFFFFFFu
-// The y-th expert (from 0, ascending) that has rows (offsets clamped to [0, R]), or BUSY_NONE
+// The y-th expert (from 0, ascending) that has rows (expert_rows), or BUSY_NONE
 // when fewer than y + 1 experts have any (ops_qgemm's fragment kernels on grids of fewer block
 // rows than experts). Warp 0 scans the offsets 32 experts at a time; every thread of the block
 // must call it (one barrier) and gets the result.
@@ -193,11 +184,8 @@ __device__ __forceinline__ u32 nth_busy_expert(const u32* __restrict__ off, u32 
         u32 carry = 0, found = BUSY_NONE;
         for (u32 base = 0; base < E && found == BUSY_NONE; base += 32) {
             const u32 e = base + lane;
-            u32 lo = 0, hi = 0;  // expert e's rows, clamped to [0, R] (expert_rows)
-            if (e < E) {
-                hi = min(off[e + 1], R);
-                lo = min(off[e], hi);
-            }
+            u32 lo = 0, hi = 0;
+            if (e < E) expert_rows(off, e, R, lo, hi);
             const u32 busy = __ballot_sync(FULL_MASK, lo < hi);
             const u32 before = carry + __popc(busy & ((1u << lane) - 1u));
             const u32 hit = __ballot_sync(FULL_MASK, lo < hi && before == y);

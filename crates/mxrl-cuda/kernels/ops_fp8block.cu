@@ -186,8 +186,8 @@ __device__ __forceinline__ void f8_grouped(const u8* __restrict__ xc, const floa
                                            const u8* __restrict__ wc, const float* __restrict__ ws,
                                            const u32* __restrict__ off, float* __restrict__ y, u32 R, u32 N, u32 K) {
     const u32 e = blockIdx.y;
-    const u32 hi = min(off[e + 1], R);
-    const u32 lo = min(off[e], hi);
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;  // the whole CTA: no barrier is skipped by part of it
     f8_body<MT>(xc, xs, wc, ws, y, e, lo, hi, N, K);
 }
@@ -325,8 +325,8 @@ __device__ __forceinline__ void f8f_body(const u8* __restrict__ xc, const float*
     float* f8f_y = f8f_smem;
     float* f8f_red = f8f_smem + NACC * 32;
     const u32 e = blockIdx.y;
-    const u32 hi = min(off[e + 1], R);
-    const u32 lo = min(off[e], hi);
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
     // Passes z, z + Z, … of the expert's rows (Z = gridDim.z, qgemm::frag_row_blocks). The
     // whole block returns: no barrier is skipped by part of it.
     if (lo + blockIdx.z * 8u * TG >= hi) return;

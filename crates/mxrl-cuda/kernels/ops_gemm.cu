@@ -24,11 +24,6 @@
                                  // conflict-free ldmatrix rows)
 #define NO_EXPERT 0xFFFFFFFFu
 
-// Rows [lo, hi) of expert e, clamped so that 0 <= lo <= hi <= R.
-__device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
-    hi = min(off[e + 1], R);
-    lo = min(off[e], hi);
-}
 
 // Maps row tile t (blockIdx.y) to (expert, first row, end row): tiles are numbered expert by
 // expert, ceil(rows_e / BM) per expert. Warp 0 scans the offsets 32 experts at a time

@@ -156,24 +156,13 @@ extern "C" __global__ void add_rmsnorm_fwd(float* x, const float* __restrict__ r
     float* xr = x + r * d;
     const float* rr = res + r * d;
     float ss = 0.0f;
-    for (u32 j0 = threadIdx.x; j0 < d; j0 += ROW_BATCH * blockDim.x) {
-        float xv[ROW_BATCH], rv[ROW_BATCH];
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u32 j = j0 + i * blockDim.x;
-            xv[i] = j < d ? xr[j] : 0.0f;
-            rv[i] = j < d ? rr[j] : 0.0f;
-        }
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) {
-            const u32 j = j0 + i * blockDim.x;
-            if (j < d) {
-                const float v = __fadd_rn(xv[i], rv[i]);
-                xr[j] = v;
-                ss = __fadd_rn(ss, __fmul_rn(v, v));
-            }
-        }
-    }
+    row_batched(
+        d, [&](u64 j) { return make_float2(xr[j], rr[j]); },
+        [&](u64 j, float2 xres) {
+            const float v = __fadd_rn(xres.x, xres.y);
+            xr[j] = v;
+            ss = __fadd_rn(ss, __fmul_rn(v, v));
+        });
     const float rs = rms_rstd_of_sum(block_sum(ss, scratch), d, eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     if (y != nullptr && yb != nullptr) rmsnorm_scale_row<true, true>(xr, w, rs, y + r * d, yb + r * d, d);

@@ -417,10 +417,6 @@ extern "C" __global__ void __launch_bounds__(256)
 #define QM_RB 8  // rows per pass
 #define QM_MIN_BLOCKS 2  // resident blocks per SM the register budget is cut for (≤ 128 registers)
 
-__device__ __forceinline__ void qm_expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
-    hi = min(off[e + 1], R);
-    lo = min(off[e], hi);
-}
 
 // Sum over the LPC lanes of a group (butterfly, fixed order; every lane of the group ends
 // with the total).
@@ -521,7 +517,7 @@ __device__ __forceinline__ void qgemm_body(const u16* __restrict__ x, const floa
                                            float* __restrict__ y, u32 R, u32 N, u32 K) {
     const u32 e = blockIdx.y;
     u32 lo, hi;
-    qm_expert_rows(off, e, R, lo, hi);
+    expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;
     u32 n0, sub;
     bool active;
@@ -638,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
         u32 lo, hi;
-        qm_expert_rows(off, e, R, lo, hi);
+        expert_rows(off, e, R, lo, hi);
         if (r >= lo && r < hi) atomicMin(&owner, e);
     }
     __syncthreads();
@@ -694,7 +690,7 @@ __device__ __forceinline__ void qgemm_tc_body(const u16* __restrict__ x, const f
     __shared__ __align__(128) u16 Bs[QT_BN * QT_LD];
     const u32 e = blockIdx.y;
     u32 lo, hi;
-    qm_expert_rows(off, e, R, lo, hi);
+    expert_rows(off, e, R, lo, hi);
     if (lo == hi) return;
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 n0 = blockIdx.x * QT_BN;
@@ -1027,7 +1023,7 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
     constexpr int NACC = 2 * TG * 4;  // accumulators per lane: tile × token group × fragment
     extern __shared__ float red[];     // [KS][NACC][32] when KS > 1
     u32 lo, hi;
-    qm_expert_rows(off, e, R, lo, hi);
+    expert_rows(off, e, R, lo, hi);
     // Passes z, z + Z, … of the expert's rows (Z = gridDim.z): a busy expert's passes are
     // spread over Z blocks. The whole block returns: no barrier is skipped by part of it.
     if (lo + blockIdx.z * 8 * TG >= hi) return;
@@ -1442,7 +1438,7 @@ __device__ __forceinline__ void qgemm_fragsm_body(const u16* __restrict__ x, con
     extern __shared__ __align__(16) u8 qs_mem[];
     const u32 e = blockIdx.y;
     u32 lo, hi;
-    qm_expert_rows(off, e, R, lo, hi);
+    expert_rows(off, e, R, lo, hi);
     constexpr u32 XROWS = 8 * TG;
     // Passes z, z + Z, … of the expert's rows (Z = gridDim.z), as qgemm_frag_body. The whole
     // block returns: no barrier is skipped by part of it.

@@ -1666,8 +1666,13 @@ impl<B: Backend> Engine<B> {
                     (Pass::Decode { .. }, None, None, None)
                 );
                 // Without a tape (decode, a forward for scoring or generation) nothing of the
-                // gate/up is kept.
+                // gate/up is kept, and a block-format down projection may quantize SwiGLU's
+                // rows as it computes them (the same operands): its stored weights then.
                 let taped = matches!(pass, Pass::Prefill { tape: true, .. });
+                let swiglu_down = match taped {
+                    true => None,
+                    false => self.params[m.down].q.as_ref(),
+                };
                 let (xg, gu, act) = if fused {
                     let mut act = eb(rows * m.f)?;
                     b.moe_gate_up_swiglu_bf16(
@@ -1731,11 +1736,10 @@ impl<B: Backend> Engine<B> {
                             Some(xg)
                         }
                     };
-                    // Without a tape a block-format down projection may quantize SwiGLU's
-                    // rows as it computes them (the same operands): `act` stays a placeholder.
-                    let act = match (&self.params[m.down].q, taped) {
-                        (Some(_), false) => Act::F32(e(1)?),
-                        _ => swiglu(&gu, rows, m.f)?,
+                    // SwiGLU inside the down projection: `act` stays a placeholder.
+                    let act = match swiglu_down {
+                        Some(_) => Act::F32(e(1)?),
+                        None => swiglu(&gu, rows, m.f)?,
                     };
                     (xg, gu, act)
                 };
@@ -1762,8 +1766,8 @@ impl<B: Backend> Engine<B> {
                     }
                     _ => {
                         let mut y = e(rows * hd)?;
-                        match (&self.params[m.down].q, taped) {
-                            (Some(q), false) => b
+                        match swiglu_down {
+                            Some(q) => b
                                 .grouped_qlinear_swiglu(
                                     &gu,
                                     &q.w,
@@ -1775,7 +1779,7 @@ impl<B: Backend> Engine<B> {
                                     &mut y,
                                 )
                                 .map_err(dev)?,
-                            _ => self.glin(
+                            None => self.glin(
                                 m.down,
                                 act.r(),
                                 &route.offsets,
