@@ -80,6 +80,21 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// f(j, src[j]) for j = j0, j0 + 1, … < j1 (one thread's contiguous span) in that order, the
+// loads issued ROW_BATCH at a time before any is used; f returns true to stop (the rest of the
+// span is not visited). The order of the one-element loop, so the same bits.
+template <class F>
+__device__ __forceinline__ void span_until(const float* src, u64 j0, u64 j1, F f) {
+    for (u64 b = j0; b < j1; b += ROW_BATCH) {
+        float v[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) v[i] = b + i < j1 ? src[b + i] : 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i)
+            if (b + i < j1 && f(b + i, v[i])) return;
+    }
+}
+
 // 1 / sqrt(ss / d + eps): RMSNorm's rstd from a row's sum of squares.
 __device__ __forceinline__ float rms_rstd_of_sum(float ss, u32 d, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));

@@ -46,6 +46,24 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
     return warp_sum_f64(t);
 }
 
+// One thread's walk over entries 0 .. n of a shared array in order, use(i, load(i)), with the
+// loads of PREFIX_BATCH entries issued before the first of them is used (the loop-carried sum
+// in `use` then waits on one load per batch instead of one per entry; the same order, the same
+// bits).
+#define PREFIX_BATCH 16
+template <class Load, class Use>
+__device__ __forceinline__ void prefix_batched(u32 n, Load load, Use use) {
+    using T = decltype(load(0u));
+    for (u32 i0 = 0; i0 < n; i0 += PREFIX_BATCH) {
+        T v[PREFIX_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < PREFIX_BATCH; ++i) v[i] = i0 + i < n ? load(i0 + i) : T{};
+#pragma unroll
+        for (u32 i = 0; i < PREFIX_BATCH; ++i)
+            if (i0 + i < n) use(i0 + i, v[i]);
+    }
+}
+
 // (value, index) maximum, ties to the lower index. Every thread returns the winner's index.
 __device__ __forceinline__ u32 block_argmax(float v, u32 i, float* sv, u32* si) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -121,9 +139,9 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
             if (bi == 0xFFFFFFFFu || x > bv) { bv = x; bi = (u32)j; }
         });
         const u32 best = block_argmax(bv, bi, fred, ired);
-        float mx = NEG_INF_F;
-        row_for_each(z, V, [&](u64, float x) { mx = fmaxf(mx, x); });
-        mx = block_max(mx, fred);
+        // The maximum is the winner's value: without NaN it is the row's fmaxf (a +0 / -0
+        // difference gives the same exps, sum and logprob), with one the sum is NaN either way.
+        const float mx = z[best];
         float s = 0.0f;
         row_for_each(z, V, [&](u64, float x) { s = __fadd_rn(s, expf(__fsub_rn(x, mx))); });
         s = block_sum(s, fred);
@@ -181,24 +199,31 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
     const u64 j0 = (u64)tid * per < V ? (u64)tid * per : V;
     const u64 j1 = j0 + per < V ? j0 + per : V;
     u32 nt = 0;
-    for (u64 j = j0; j < j1; ++j) nt += (__float_as_uint(p[j]) == thk);
+    span_until(p, j0, j1, [&](u64, float x) {
+        nt += (__float_as_uint(x) == thk);
+        return false;
+    });
     ties[tid] = nt;
     __syncthreads();
     if (tid == 0) {
         u32 acc = 0;
-        for (int i = 0; i < (int)blockDim.x; ++i) { const u32 x = ties[i]; ties[i] = acc; acc += x; }
+        prefix_batched(blockDim.x, [&](u32 i) { return ties[i]; }, [&](u32 i, u32 x) {
+            ties[i] = acc;
+            acc += x;
+        });
     }
     __syncthreads();
     double km = 0.0;
     u32 last = 0xFFFFFFFFu;
     {
         u32 rank = ties[tid];
-        for (u64 j = j0; j < j1; ++j) {
-            const u32 bits = __float_as_uint(p[j]);
+        span_until(p, j0, j1, [&](u64 j, float x) {
+            const u32 bits = __float_as_uint(x);
             bool kept = bits > thk;
             if (bits == thk) { kept = rank < need; ++rank; }
-            if (kept) { km = __dadd_rn(km, (double)p[j]); last = (u32)j; }
-        }
+            if (kept) { km = __dadd_rn(km, (double)x); last = (u32)j; }
+            return false;
+        });
     }
     kmass[tid] = km;
     klast[tid] = last;
@@ -206,12 +231,15 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
     if (tid == 0) {
         double acc = 0.0;
         u32 lastk = 0;
-        for (int i = 0; i < (int)blockDim.x; ++i) {
-            const double x = kmass[i];
+        struct MassLast {
+            double m;
+            u32 last;
+        };
+        prefix_batched(blockDim.x, [&](u32 i) { return MassLast{kmass[i], klast[i]}; }, [&](u32 i, MassLast x) {
             kmass[i] = acc;
-            acc = __dadd_rn(acc, x);
-            if (klast[i] != 0xFFFFFFFFu) lastk = klast[i];
-        }
+            acc = __dadd_rn(acc, x.m);
+            if (x.last != 0xFFFFFFFFu) lastk = x.last;
+        });
         kmass[blockDim.x] = acc;
         chosen = lastk;  // fallback: the last kept token (as the reference's)
     }
@@ -221,15 +249,16 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
         double acc = kmass[tid];
         u32 rank = ties[tid];
         u32 tok = last;
-        for (u64 j = j0; j < j1; ++j) {
-            const u32 bits = __float_as_uint(p[j]);
+        span_until(p, j0, j1, [&](u64 j, float x) {
+            const u32 bits = __float_as_uint(x);
             bool kept = bits > thk;
             if (bits == thk) { kept = rank < need; ++rank; }
             if (kept) {
-                acc = __dadd_rn(acc, (double)p[j]);
-                if (u < acc) { tok = (u32)j; break; }
+                acc = __dadd_rn(acc, (double)x);
+                if (u < acc) { tok = (u32)j; return true; }
             }
-        }
+            return false;
+        });
         chosen = tok;
     }
     __syncthreads();
