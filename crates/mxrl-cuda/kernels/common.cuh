@@ -80,21 +80,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
-// f(j, src[j]) for j = j0, j0 + 1, … < j1 (one thread's contiguous span) in that order, the
-// loads issued ROW_BATCH at a time before any is used; f returns true to stop (the rest of the
-// span is not visited). The order of the one-element loop, so the same bits.
-template <class F>
-__device__ __forceinline__ void span_until(const float* src, u64 j0, u64 j1, F f) {
-    for (u64 b = j0; b < j1; b += ROW_BATCH) {
-        float v[ROW_BATCH];
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i) v[i] = b + i < j1 ? src[b + i] : 0.0f;
-#pragma unroll
-        for (u32 i = 0; i < ROW_BATCH; ++i)
-            if (b + i < j1 && f(b + i, v[i])) return;
-    }
-}
-
 // 1 / sqrt(ss / d + eps): RMSNorm's rstd from a row's sum of squares.
 __device__ __forceinline__ float rms_rstd_of_sum(float ss, u32 d, float eps) {
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)d), eps)));
@@ -128,6 +113,21 @@ __device__ __forceinline__ void row_batched(u64 n, Load load, Use use) {
 template <class F>
 __device__ __forceinline__ void row_for_each(const float* src, u64 n, F f) {
     row_batched(n, [&](u64 j) { return src[j]; }, f);
+}
+
+// f(j, src[j]) for j = j0, j0 + 1, … < j1 (one thread's contiguous span) in that order, the
+// loads issued ROW_BATCH at a time before any is used; f returns true to stop (the rest of the
+// span is not visited). The order of the one-element loop, so the same bits.
+template <class F>
+__device__ __forceinline__ void span_until(const float* src, u64 j0, u64 j1, F f) {
+    for (u64 b = j0; b < j1; b += ROW_BATCH) {
+        float v[ROW_BATCH];
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i) v[i] = b + i < j1 ? src[b + i] : 0.0f;
+#pragma unroll
+        for (u32 i = 0; i < ROW_BATCH; ++i)
+            if (b + i < j1 && f(b + i, v[i])) return;
+    }
 }
 
 // 1 / sqrt(Σ_j x[j]² / d + eps) of one row, summed by the block (threads j, j + blockDim.x, …
@@ -185,6 +185,95 @@ __device__ __forceinline__ void mxrl_grid_dependency() {
 __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, u32 R, u32& lo, u32& hi) {
     hi = min(off[e + 1], R);
     lo = min(off[e], hi);
+}
+
+// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) at position p (NaN past
+// the table), for the decode preps.
+__device__ __forceinline__ void rope_pair(float a, float b, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, u32 p, u32 max_pos, u32 half, u32 i,
+                                          float& lo, float& hi) {
+    if (p >= max_pos) {
+        lo = __int_as_float(0x7fc00000);
+        hi = lo;
+        return;
+    }
+    const float c = cos_t[(u64)p * half + i];
+    const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
+    lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// One head of a decode step's q or k, by one warp, for D = 32·NW (NW even), in two steps so
+// that a kernel can issue the loads early and use them later. decode_prep_load reads the head's
+// row x (lane l: x[l + 32w], w < NW), the RMSNorm weights (w_norm not null), and the RoPE table
+// entries of the lane's rotation pairs i = 32w + lane, i + D/2 (w < NW/2) at position p (none
+// past the table). decode_prep_finish: with the norm, x <- (x·rs)·w as rmsnorm_fwd does at its
+// blockDim = row_threads(D) = D (each "warp" w of that block summed by the same xor butterfly,
+// side by side in registers, then the NW warp sums by one more butterfly over the lanes holding
+// them, zeros beyond, as block_sum does: the same bits); then rope_pair's rotation (NaN past
+// the table). lo[w] / hi[w] are the rotated pair.
+template <int NW>
+struct DecodePrepRow {
+    float x[NW], w[NW], c[NW / 2], s[NW / 2];
+    bool norm, rotate;
+};
+template <int NW>
+__device__ __forceinline__ void decode_prep_load(const float* x, const float* __restrict__ w_norm, u32 d,
+                                                 const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                 u32 p, u32 max_pos, DecodePrepRow<NW>& r) {
+    const u32 lane = threadIdx.x & 31, half = d / 2;
+    r.norm = w_norm != nullptr;
+    r.rotate = p < max_pos;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) r.x[w] = x[32 * w + lane];
+    if (r.norm)
+#pragma unroll
+        for (int w = 0; w < NW; ++w) r.w[w] = w_norm[32 * w + lane];
+    if (r.rotate)
+#pragma unroll
+        for (int w = 0; w < NW / 2; ++w) {
+            r.c[w] = cos_t[(u64)p * half + 32 * w + lane];
+            r.s[w] = sin_t[(u64)p * half + 32 * w + lane];
+        }
+}
+template <int NW>
+__device__ __forceinline__ void decode_prep_finish(const DecodePrepRow<NW>& r, float eps, u32 d, float (&lo)[NW / 2],
+                                                   float (&hi)[NW / 2]) {
+    const u32 lane = threadIdx.x & 31;
+    float xv[NW];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) xv[w] = r.x[w];
+    if (r.norm) {
+        float t = 0.0f;  // lane w < NW: warp w's sum, as block_sum's scratch[lane]
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float sw = warp_sum(__fadd_rn(0.0f, __fmul_rn(xv[w], xv[w])));
+            t = lane == (u32)w ? sw : t;
+        }
+        const float rs = rms_rstd_of_sum(warp_sum(t), d, eps);
+#pragma unroll
+        for (int w = 0; w < NW; ++w) xv[w] = __fmul_rn(__fmul_rn(xv[w], rs), r.w[w]);
+    }
+    constexpr int HW = NW / 2;
+#pragma unroll
+    for (int w = 0; w < HW; ++w) {
+        if (!r.rotate) {  // rope_pair past the table
+            lo[w] = __int_as_float(0x7fc00000);
+            hi[w] = lo[w];
+            continue;
+        }
+        const float a = xv[w], b = xv[w + HW], cw = r.c[w], sw = __fmul_rn(1.0f, r.s[w]);
+        lo[w] = __fsub_rn(__fmul_rn(a, cw), __fmul_rn(b, sw));
+        hi[w] = __fadd_rn(__fmul_rn(b, cw), __fmul_rn(a, sw));
+    }
+}
+template <int NW>
+__device__ __forceinline__ void decode_prep_head(const float* x, const float* __restrict__ w_norm, float eps, u32 d,
+                                                 const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                 u32 p, u32 max_pos, float (&lo)[NW / 2], float (&hi)[NW / 2]) {
+    DecodePrepRow<NW> r;
+    decode_prep_load<NW>(x, w_norm, d, cos_t, sin_t, p, max_pos, r);
+    decode_prep_finish<NW>(r, eps, d, lo, hi);
 }
 
 #define BUSY_NONE 0xFFFFFFFFu

@@ -1329,11 +1329,29 @@ __device__ __forceinline__ void att_dec_store(float* out, u16* outb, u64 i, floa
 #define ATT_DEC_THREADS (ATT_DEC_WARPS * 32)
 // Rows of K and of V a thread loads before storing them (16-byte loads).
 #define ATT_DEC_LOADS 8
-extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS)
-attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-                    const u32* __restrict__ lens, float* __restrict__ part_m,
-                    float* __restrict__ part_l, float* __restrict__ part_o, float* __restrict__ out,
-                    u16* __restrict__ outb, u32 hq, u32 hkv, u32 D, u32 max_len, float scale) {
+// The fused kernel's own inputs (attn_decode_fused); all null / 0 in attn_decode_partial.
+struct AttDecPrep {
+    const float* q_raw;  // [B, hq·D]: the q rows before their norm and rotation
+    const float* k_raw;  // [B, hkv·D]: the new k rows, likewise
+    const float* v_new;  // [B, hkv·D]: the new v rows
+    const float* wq;     // q / k RMSNorm weights [D] (both null: no norm)
+    const float* wk;
+    float eps;
+    const float* cos_t;  // RoPE table [max_pos, D/2]
+    const float* sin_t;
+    const u32* pos;      // [B]: the new row's position
+    u32 max_pos;
+    u16* kc;             // the caches, written at [b, len - 1, kh]
+    u16* vc;
+};
+
+template <int NW>
+__device__ __forceinline__ void attn_decode_body(const float* __restrict__ q, const u16* kc, const u16* vc,
+                                                 const u32* __restrict__ lens, float* __restrict__ part_m,
+                                                 float* __restrict__ part_l, float* __restrict__ part_o,
+                                                 float* __restrict__ out, u16* __restrict__ outb, u32 hq, u32 hkv,
+                                                 u32 D, u32 max_len, float scale, const AttDecPrep& pr) {
+    constexpr bool FUSED = NW > 0;
     extern __shared__ float4 smem4[];
     const u32 half = D >> 1, kst = half + 1;
     float* qs = reinterpret_cast<float*>(smem4);       // [D/2][ATT_DEC_G] pairs
@@ -1356,6 +1374,24 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
     const u32 k0 = split * ATT_DEC_CHUNK;
     if (k0 >= len) return;
     const u32 jn = min(len - k0, (u32)ATT_DEC_CHUNK);
+    // Fused: the loads of the first pass's query heads (warp w: head w) and, in the chunk
+    // holding the new position (len - 1), of the new k row (the last warp) are issued before
+    // the chunk is staged; their norm and rotation (decode_prep_finish: decode_attn_prep's
+    // bits) come after.
+    constexpr int PW = NW > 0 ? NW : 2;
+    constexpr int HW = PW / 2;
+    constexpr u32 K_WARP = ATT_DEC_WARPS - 1;
+    const bool appends = FUSED && len - 1 - k0 < (u32)ATT_DEC_CHUNK;
+    DecodePrepRow<PW> qpre, kpre;
+    if constexpr (FUSED) {
+        const u32 p = pr.pos[b];
+        if (w < min(g, (u32)ATT_DEC_G))
+            decode_prep_load<PW>(pr.q_raw + ((u64)b * hq + (u64)kh * g + w) * D, pr.wq, D, pr.cos_t, pr.sin_t, p,
+                                 pr.max_pos, qpre);
+        if (appends && w == K_WARP)
+            decode_prep_load<PW>(pr.k_raw + ((u64)b * hkv + kh) * D, pr.wk, D, pr.cos_t, pr.sin_t, p, pr.max_pos,
+                                 kpre);
+    }
     const u64 row32 = ((u64)hkv * D) >> 1;  // words per cache position (D even)
     // Weighted sums: this thread's column pair and group of heads (half <= 128).
     const u32 ngrp = ATT_DEC_THREADS / half, vcol = tid % half, vgrp = tid / half;
@@ -1398,14 +1434,66 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
             }
         }
     }
+    if constexpr (FUSED) {
+        // The new row into the cache (kv_append's bytes) and over its staged copy (what was
+        // read from the cache before it was written).
+        if (appends) {
+            __syncthreads();  // staging done: nothing rewrites the row after this
+            const u32 jl = len - 1 - k0;
+            const u64 o = ((u64)b * max_len + (len - 1)) * ((u64)hkv * D) + (u64)kh * D;
+            u16* krow = reinterpret_cast<u16*>(ks + jl * kst);
+            u16* vrow = reinterpret_cast<u16*>(vs + jl * half);
+            if (w == K_WARP) {
+                float klo[HW], khi[HW];
+                decode_prep_finish<PW>(kpre, pr.eps, D, klo, khi);
+#pragma unroll
+                for (int i = 0; i < HW; ++i) {
+                    const u32 d = 32 * i + lane;
+                    const u16 lo = f32_to_bf16(klo[i]), hi = f32_to_bf16(khi[i]);
+                    pr.kc[o + d] = lo;
+                    pr.kc[o + d + half] = hi;
+                    krow[d] = lo;
+                    krow[d + half] = hi;
+                }
+            }
+            const float* vr = pr.v_new + ((u64)b * hkv + kh) * D;
+            for (u32 d = tid; d < D; d += ATT_DEC_THREADS) {
+                const u16 x = f32_to_bf16(vr[d]);
+                pr.vc[o + d] = x;
+                vrow[d] = x;
+            }
+        }
+    }
     const u32 kj = tid & (ATT_DEC_CHUNK - 1), hq4 = 4 * (tid >> 6);  // scores: key, first head
     for (u32 hb = 0; hb < g; hb += ATT_DEC_G) {
         const u32 gn = min((u32)ATT_DEC_G, g - hb);
         const u32 h0 = kh * g + hb;
         __syncthreads();  // staging done; the previous pass is done with qs and ss
-        for (u32 idx = tid; idx < gn * D; idx += ATT_DEC_THREADS) {
-            const u32 hh = idx / D, d = idx - hh * D;
-            qs[(d >> 1) * (2 * ATT_DEC_G) + 2 * hh + (d & 1)] = q[((u64)b * hq + h0) * D + idx];
+        if constexpr (FUSED) {
+            // Warp w normalizes and rotates the pass's heads w, w + ATT_DEC_WARPS, … (the
+            // values decode_attn_prep writes back to q).
+            for (u32 hh = w; hh < gn; hh += ATT_DEC_WARPS) {
+                float lo[HW], hi[HW];
+                if (hb == 0 && hh == w) {
+                    decode_prep_finish<PW>(qpre, pr.eps, D, lo, hi);
+                } else {
+                    DecodePrepRow<PW> r;
+                    decode_prep_load<PW>(pr.q_raw + ((u64)b * hq + h0 + hh) * D, pr.wq, D, pr.cos_t, pr.sin_t,
+                                         pr.pos[b], pr.max_pos, r);
+                    decode_prep_finish<PW>(r, pr.eps, D, lo, hi);
+                }
+#pragma unroll
+                for (int i = 0; i < HW; ++i) {
+                    const u32 d = 32 * i + lane, e = d + half;
+                    qs[(d >> 1) * (2 * ATT_DEC_G) + 2 * hh + (d & 1)] = lo[i];
+                    qs[(e >> 1) * (2 * ATT_DEC_G) + 2 * hh + (e & 1)] = hi[i];
+                }
+            }
+        } else {
+            for (u32 idx = tid; idx < gn * D; idx += ATT_DEC_THREADS) {
+                const u32 hh = idx / D, d = idx - hh * D;
+                qs[(d >> 1) * (2 * ATT_DEC_G) + 2 * hh + (d & 1)] = q[((u64)b * hq + h0) * D + idx];
+            }
         }
         __syncthreads();
         if (kj < jn && hq4 < gn) {
@@ -1488,6 +1576,41 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS)
+attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+                    const u32* __restrict__ lens, float* __restrict__ part_m,
+                    float* __restrict__ part_l, float* __restrict__ part_o, float* __restrict__ out,
+                    u16* __restrict__ outb, u32 hq, u32 hkv, u32 D, u32 max_len, float scale) {
+    const AttDecPrep none{};
+    attn_decode_body<0>(q, kc, vc, lens, part_m, part_l, part_o, out, outb, hq, hkv, D, max_len, scale, none);
+}
+
+// decode_attn_prep and the decode attention's first pass in one launch
+// (Backend::decode_attention), for D = 32·NW: block (b, kh, s) computes its query heads' rows
+// itself (decode_prep_load / _finish: the values decode_attn_prep leaves in q; the first pass's
+// loads issued before the chunk is staged), and the chunk holding the new position also the new
+// k row, which it writes with v's to the caches at [b, len - 1, kh] (kv_append's bytes) and over
+// its staged copy; then attn_decode_partial's work (attn_decode_combine follows for caches of
+// several chunks). q_raw and k_raw are only read. 1 <= len <= max_len appends; other lengths
+// write the combine's zeros / NaN (one chunk) or nothing (the combine writes them) and append
+// nothing, as the unfused ops do.
+#define ATT_DEC_FUSED_ARGS                                                                                  \
+    const float *__restrict__ q_raw, const float *__restrict__ k_raw, const float *__restrict__ v_new,       \
+        const float *__restrict__ wq, const float *__restrict__ wk, float eps, const float *__restrict__ cos_t, \
+        const float *__restrict__ sin_t, const u32 *__restrict__ pos, u32 max_pos, u16 *kc, u16 *vc,          \
+        const u32 *__restrict__ lens, float *__restrict__ part_m,                                             \
+        float *__restrict__ part_l, float *__restrict__ part_o, float *__restrict__ out, u16 *__restrict__ outb, \
+        u32 hq, u32 hkv, u32 D, u32 max_len, float scale
+#define ATT_DEC_FUSED_ENTRY(name, NW)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS) name(ATT_DEC_FUSED_ARGS) {                  \
+        const AttDecPrep pr{q_raw, k_raw, v_new, wq, wk, eps, cos_t, sin_t, pos, max_pos, kc, vc};            \
+        attn_decode_body<NW>(nullptr, kc, vc, lens, part_m, part_l, part_o, out, outb, hq, hkv, D, max_len, scale, \
+                             pr);                                                                              \
+    }
+ATT_DEC_FUSED_ENTRY(attn_decode_fused_w2, 2)
+ATT_DEC_FUSED_ENTRY(attn_decode_fused_w4, 4)
+ATT_DEC_FUSED_ENTRY(attn_decode_fused_w8, 8)
 
 // Decode, pass 2. Grid (B, hq), block 32*k threads over d < D. Combines the sequence's chunks
 // 0 .. ceil(len/CHUNK) in increasing order: M = max m_s, L = sum l_s exp(m_s - M),

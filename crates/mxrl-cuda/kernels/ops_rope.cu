@@ -29,22 +29,6 @@ extern "C" __global__ void rope_apply(float* __restrict__ x, const float* __rest
     v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
-// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) at position p (NaN past
-// the table), for the decode preps.
-__device__ __forceinline__ void rope_pair(float a, float b, const float* __restrict__ cos_t,
-                                          const float* __restrict__ sin_t, u32 p, u32 max_pos, u32 half, u32 i,
-                                          float& lo, float& hi) {
-    if (p >= max_pos) {
-        lo = __int_as_float(0x7fc00000);
-        hi = lo;
-        return;
-    }
-    const float c = cos_t[(u64)p * half + i];
-    const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
-    lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
 // The decode preps' output of the rotated pair (lo, hi) = (x[i], x[i + half]): back to the row,
 // and for an appended k row its BF16 to the cache row at o.
 __device__ __forceinline__ void rope_store(float* __restrict__ x, u16* __restrict__ kc, u64 o, u32 i, u32 half,
@@ -103,12 +87,9 @@ extern "C" __global__ void decode_attn_prep(float* __restrict__ q, float* __rest
 }
 
 // decode_attn_prep with one warp per (row, head) and DPW_HEADS of them per block, for D = 64,
-// 128 or 256 (NW = D/32 elements per lane; every head width of the supported models): lane l
-// holds elements l + 32w (w < D/32), so a rotation pair i, i + D/2 lies in one lane. The row sum runs
-// rmsnorm_fwd's reduction tree at blockDim = row_threads(D) = D: each "warp" w of that block
-// is summed by the same xor butterfly (run here side by side in registers), then the D/32 warp
-// sums by one more butterfly over lanes holding them (zeros beyond), as block_sum does: the
-// same bits. Item it = blockIdx.x·DPW_HEADS + warp is (r, h) = (it / (hq + hkv), it % (hq + hkv)).
+// 128 or 256 (NW = D/32 elements per lane; every head width of the supported models): the
+// head's norm and rotation are decode_prep_head's (common.cuh), bitwise decode_attn_prep's.
+// Item it = blockIdx.x·DPW_HEADS + warp is (r, h) = (it / (hq + hkv), it % (hq + hkv)).
 #define DPW_HEADS 8
 template <int NW>
 __device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v,
@@ -126,33 +107,15 @@ __device__ __forceinline__ void dpw_body(float* __restrict__ q, float* __restric
     const bool is_q = h < hq;
     const u32 kh = h - hq;
     float* x = is_q ? q + (r * hq + h) * (u64)d : k + (r * hkv + kh) * (u64)d;
-    float xv[NW];
-#pragma unroll
-    for (int w = 0; w < NW; ++w) xv[w] = x[32 * w + lane];
-    if (norm) {
-        const float* wt = is_q ? wq : wk;
-        float t = 0.0f;  // lane w < NW: warp w's sum, as block_sum's scratch[lane]
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const float sw = warp_sum(__fadd_rn(0.0f, __fmul_rn(xv[w], xv[w])));
-            t = lane == (u32)w ? sw : t;
-        }
-        const float rs = rms_rstd_of_sum(warp_sum(t), d, eps);
-#pragma unroll
-        for (int w = 0; w < NW; ++w) xv[w] = __fmul_rn(__fmul_rn(xv[w], rs), wt[32 * w + lane]);
-    }
     constexpr int HW = NW / 2;
-    const u32 half = d / 2, p = pos[r];
+    float lo[HW], hi[HW];
+    decode_prep_head<NW>(x, norm ? (is_q ? wq : wk) : nullptr, eps, d, cos_t, sin_t, pos[r], max_pos, lo, hi);
+    const u32 half = d / 2;
     const u32 len = lens[r];
     const bool append = !is_q && len != 0 && len <= max_len;
     const u64 o = ((u64)r * max_len + (len - 1)) * ((u64)hkv * d) + (u64)kh * d;
 #pragma unroll
-    for (int w = 0; w < HW; ++w) {
-        const u32 i = 32 * w + lane;
-        float lo, hi;
-        rope_pair(xv[w], xv[w + HW], cos_t, sin_t, p, max_pos, half, i, lo, hi);
-        rope_store(x, kc, o, i, half, lo, hi, append);
-    }
+    for (int w = 0; w < HW; ++w) rope_store(x, kc, o, 32 * w + lane, half, lo[w], hi[w], append);
     if (append) {
         const float* vr = v + (r * hkv + kh) * (u64)d;
         for (u32 j = lane; j < d; j += 32) vc[o + j] = f32_to_bf16(vr[j]);

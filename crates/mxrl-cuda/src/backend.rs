@@ -33,9 +33,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    gather_gate_up_swiglu_bf16, grouped_down_then_combine_add, rmsnorm_then_linear_shared,
-    swiglu_then_grouped_qlinear, Backend, DResult, Device, DeviceError, GradWrite, RouteBufs,
-    StoredBytes,
+    decode_attention_ops, gather_gate_up_swiglu_bf16, grouped_down_then_combine_add,
+    rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear, Backend, DResult, DecodeAttnOut,
+    Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -2076,6 +2076,69 @@ impl Backend for CudaBackend {
                 layout.num_seqs(),
                 kv_width,
                 max_len,
+            )
+            .map_err(de)
+    }
+
+    fn decode_attention(
+        &self,
+        q: &mut Self::F32,
+        k: &mut Self::F32,
+        v: &Self::F32,
+        norms: Option<[&Self::F32; 2]>,
+        eps: f32,
+        rows: usize,
+        shape: AttnShape,
+        pos: &Self::U32,
+        table: &Self::Rope,
+        lens: &Self::U32,
+        max_len: usize,
+        (k_cache, v_cache): (&mut Self::Bf16, &mut Self::Bf16),
+        out: DecodeAttnOut<'_, Self>,
+    ) -> DResult<()> {
+        // Head widths the fused kernel takes, with a table of that width: one launch.
+        if !Attention::fuses_decode(shape.head_dim) || table.head_dim() != shape.head_dim {
+            return decode_attention_ops(
+                self,
+                (q, k, v),
+                norms,
+                eps,
+                rows,
+                shape,
+                pos,
+                table,
+                lens,
+                max_len,
+                (k_cache, v_cache),
+                out,
+            );
+        }
+        let mut scratch = self.attn_decode_scratch(rows, max_len, shape)?;
+        let norm_views = norms.map(|[a, b]| (a.as_view(), b.as_view()));
+        let (mut o32, mut o16);
+        let outs = match out {
+            DecodeAttnOut::F32(o) => {
+                o32 = o.as_view_mut();
+                (Some(&mut o32), None)
+            }
+            DecodeAttnOut::Bf16(o) => {
+                o16 = o.as_view_mut();
+                (None, Some(&mut o16))
+            }
+        };
+        self.attn
+            .decode_fused(
+                (&q.as_view(), &k.as_view(), &v.as_view()),
+                norm_views.as_ref().map(|(a, b)| (a, b)),
+                eps,
+                &pos.as_view(),
+                table,
+                &lens.as_view(),
+                (rows, rows, max_len),
+                shape,
+                (&mut k_cache.as_view_mut(), &mut v_cache.as_view_mut()),
+                &mut scratch.as_view_mut(),
+                outs,
             )
             .map_err(de)
     }

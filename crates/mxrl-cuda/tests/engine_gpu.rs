@@ -569,7 +569,9 @@ fn gpu_engine_block_format_experts_follow_the_cpu_engine() {
 /// the norm fused into the q/k/v small-M kernel; one or two rows: the small-M dense linears;
 /// top-2 of 8 experts: the fused gate/up, the fused down projection with the combine (one
 /// sequence), and
-/// routing in one launch) follows the CPU engine:
+/// routing in one launch; head width 64: the attention with its q/k norms, RoPE and cache
+/// append in one launch, over a cache of three chunks, prompts of 9 and of 70 tokens so that
+/// decode reads one chunk and two) follows the CPU engine:
 /// greedy tokens agree wherever the CPU's margin exceeds twice the observed logit difference,
 /// and two runs give the same bits (the fused kernels' bits against the unfused ones are
 /// `ops_gemm`'s and `ops_router`'s tests).
@@ -581,17 +583,24 @@ fn gpu_decode_of_one_and_two_sequences_on_the_fused_paths_follows_the_cpu_engine
     cfg.head_dim = 64;
     let mut m = Model::random(&cfg, 9).unwrap();
     m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
-    let (g, c) = (gpu_engine(&m), cpu_engine(&m, 64).unwrap());
+    let b = CudaBackend::new(0).unwrap();
+    let (g, c) = (
+        Engine::from_model(&m, b, 160).unwrap(),
+        cpu_engine(&m, 160).unwrap(),
+    );
     let v = cfg.vocab_size;
-    for batch in [1usize, 2] {
-        let s = seqs();
-        let prompts: Vec<&[u32]> = s.iter().take(batch).map(|q| &q[..q.len().min(9)]).collect();
-        let (mut sg, mut zg) = g.prefill(&prompts, 32).unwrap();
-        let (mut sc, mut zc) = c.prefill(&prompts, 32).unwrap();
+    let long: Vec<Vec<u32>> = seqs()
+        .iter()
+        .map(|q| q.iter().cycle().take(70).copied().collect())
+        .collect();
+    for (batch, plen) in [(1usize, 9usize), (2, 9), (1, 70), (2, 70)] {
+        let prompts: Vec<&[u32]> = long.iter().take(batch).map(|q| &q[..plen]).collect();
+        let (mut sg, mut zg) = g.prefill(&prompts, 150).unwrap();
+        let (mut sc, mut zc) = c.prefill(&prompts, 150).unwrap();
         let mut compared = 0;
         for step in 0..8 {
             let d = max_abs_diff(&zg, &zc);
-            println!("batch {batch} step {step}: max |logit gpu - cpu| = {d:.3e}");
+            println!("batch {batch}, prompt {plen}, step {step}: max |logit gpu - cpu| = {d:.3e}");
             assert!(zg.iter().all(|x| x.is_finite()));
             let mut next = Vec::new();
             for b in 0..batch {
@@ -605,7 +614,10 @@ fn gpu_decode_of_one_and_two_sequences_on_the_fused_paths_follows_the_cpu_engine
                     .fold(f32::NEG_INFINITY, f32::max);
                 if (rc[ac] - second) as f64 > 2.0 * d {
                     compared += 1;
-                    assert_eq!(ag, ac, "batch {batch} step {step} sequence {b}");
+                    assert_eq!(
+                        ag, ac,
+                        "batch {batch} prompt {plen} step {step} sequence {b}"
+                    );
                 }
                 next.push(ac as u32);
             }
@@ -614,7 +626,7 @@ fn gpu_decode_of_one_and_two_sequences_on_the_fused_paths_follows_the_cpu_engine
         }
         assert!(compared > 0, "batch {batch}: no decidable step");
         let run = || {
-            let (mut st, mut z) = g.prefill(&prompts, 32).unwrap();
+            let (mut st, mut z) = g.prefill(&prompts, 150).unwrap();
             for t in 0..3u32 {
                 z = g.decode_step(&mut st, &vec![t + 1; batch]).unwrap();
             }

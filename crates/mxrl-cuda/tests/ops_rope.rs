@@ -212,3 +212,198 @@ fn fused_decode_attention_prep_is_bitwise_the_ops_it_replaces() {
         }
     }
 }
+
+/// `Backend::decode_attention` on the CUDA backend (for D = 64, 128, 256 one launch with the
+/// q/k norms and RoPE computed per block and the new k/v rows appended by the block of their
+/// chunk, then the chunks' combine) gives the bits of the ops it stands for
+/// (`decode_attention_ops`: `decode_attn_prep`, then the decode attention), in the caches and in
+/// the f32 and BF16 outputs: caches of one chunk (written directly) and of several (lengths at
+/// and past chunk boundaries), 1, 4 and 16 query heads per kv head (16: two passes of eight),
+/// rows of length 0 or past the cache (zeros / NaN, nothing appended), positions past the
+/// table (NaN rows), with and without q/k norms, and a head width the fused kernel does not
+/// take (6: the ops themselves); two steps in a row on the same caches.
+#[test]
+fn fused_decode_attention_is_bitwise_the_ops_it_replaces() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::attention::AttnShape;
+    use mxrl_tensor::device::{decode_attention_ops, Backend, DecodeAttnOut};
+
+    struct Case {
+        rows: usize,
+        shape: AttnShape,
+        max_pos: usize,
+        max_len: usize,
+        lens: Vec<u32>,
+        seed: u64,
+    }
+    /// Outputs of two steps (lengths `lens`, then `lens + 1` where below the cache): out, caches.
+    fn run<B: Backend>(b: &B, fused: bool, c: &Case, norms: bool, bf16: bool) -> Vec<Vec<u32>> {
+        let (rows, s) = (c.rows, c.shape);
+        let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
+        let cache = rows * c.max_len * hkv * d;
+        let fill = |seed| {
+            let x = b.upload_f32(&test_values(cache, seed, 2.0)).unwrap();
+            let mut y = b.zeros_bf16(cache).unwrap();
+            b.to_bf16(&x, &mut y, cache).unwrap();
+            y
+        };
+        let (mut kc, mut vc) = (fill(c.seed + 10), fill(c.seed + 11));
+        let wq = b.upload_f32(&test_values(d, c.seed + 3, 1.0)).unwrap();
+        let wk = b.upload_f32(&test_values(d, c.seed + 4, 1.0)).unwrap();
+        let table = b.rope_table(c.max_pos, d, 1e6).unwrap();
+        let mut got = Vec::new();
+        for step in 0..2u32 {
+            let lens: Vec<u32> = c
+                .lens
+                .iter()
+                .map(|&l| {
+                    if l == 0 || l as usize >= c.max_len {
+                        l
+                    } else {
+                        l + step
+                    }
+                })
+                .collect();
+            let pos: Vec<u32> = lens.iter().map(|&l| l.saturating_sub(1)).collect();
+            let seed = c.seed + 100 * u64::from(step);
+            let mut q = b
+                .upload_f32(&test_values(rows * hq * d, seed, 2.0))
+                .unwrap();
+            let mut k = b
+                .upload_f32(&test_values(rows * hkv * d, seed + 1, 2.0))
+                .unwrap();
+            let v = b
+                .upload_f32(&test_values(rows * hkv * d, seed + 2, 2.0))
+                .unwrap();
+            let (pos, lens) = (b.upload_u32(&pos).unwrap(), b.upload_u32(&lens).unwrap());
+            let n = rows * hq * d;
+            let mut o32 = b.zeros_f32(n).unwrap();
+            let mut o16 = b.zeros_bf16(n).unwrap();
+            let out = if bf16 {
+                DecodeAttnOut::Bf16(&mut o16)
+            } else {
+                DecodeAttnOut::F32(&mut o32)
+            };
+            let w = norms.then_some([&wq, &wk]);
+            if fused {
+                b.decode_attention(
+                    &mut q,
+                    &mut k,
+                    &v,
+                    w,
+                    1e-6,
+                    rows,
+                    s,
+                    &pos,
+                    &table,
+                    &lens,
+                    c.max_len,
+                    (&mut kc, &mut vc),
+                    out,
+                )
+                .unwrap();
+            } else {
+                decode_attention_ops(
+                    b,
+                    (&mut q, &mut k, &v),
+                    w,
+                    1e-6,
+                    rows,
+                    s,
+                    &pos,
+                    &table,
+                    &lens,
+                    c.max_len,
+                    (&mut kc, &mut vc),
+                    out,
+                )
+                .unwrap();
+            }
+            let h = |x: &B::Bf16, n| -> Vec<u32> {
+                b.download_bf16(x, n)
+                    .unwrap()
+                    .into_iter()
+                    .map(u32::from)
+                    .collect()
+            };
+            got.push(if bf16 {
+                h(&o16, n)
+            } else {
+                bits(&b.download_f32(&o32, n).unwrap())
+            });
+            got.push(h(&kc, cache));
+            got.push(h(&vc, cache));
+        }
+        got
+    }
+    let shape = |q_heads, kv_heads, head_dim| AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    let cases = [
+        // Several chunks (max_len 200: four), Qwen3's layout; lengths 0 and past the cache,
+        // a position past the table (row 6: len 200 → position 199 ≥ 150).
+        Case {
+            rows: 7,
+            shape: shape(16, 4, 128),
+            max_pos: 150,
+            max_len: 200,
+            lens: vec![1, 64, 65, 127, 0, 201, 200],
+            seed: 4100,
+        },
+        // One chunk: the blocks write the output directly.
+        Case {
+            rows: 3,
+            shape: shape(4, 2, 64),
+            max_pos: 64,
+            max_len: 60,
+            lens: vec![1, 33, 59],
+            seed: 4200,
+        },
+        // D = 256, one query head per kv head, three chunks.
+        Case {
+            rows: 2,
+            shape: shape(2, 2, 256),
+            max_pos: 160,
+            max_len: 150,
+            lens: vec![129, 70],
+            seed: 4300,
+        },
+        // Sixteen query heads per kv head: two passes per block.
+        Case {
+            rows: 2,
+            shape: shape(32, 2, 64),
+            max_pos: 128,
+            max_len: 100,
+            lens: vec![99, 12],
+            seed: 4400,
+        },
+        // A head width without a fused kernel: the ops.
+        Case {
+            rows: 2,
+            shape: shape(3, 1, 6),
+            max_pos: 80,
+            max_len: 70,
+            lens: vec![66, 3],
+            seed: 4500,
+        },
+    ];
+    let gpu_b = CudaBackend::new(0).unwrap();
+    for (i, c) in cases.iter().enumerate() {
+        for (norms, bf16) in [(true, true), (false, false), (true, false)] {
+            let fused = run(&gpu_b, true, c, norms, bf16);
+            let ops = run(&gpu_b, false, c, norms, bf16);
+            let what = ["output", "k cache", "v cache"];
+            for (j, (a, b)) in fused.iter().zip(&ops).enumerate() {
+                assert_eq!(
+                    a,
+                    b,
+                    "case {i} (norms {norms}, bf16 {bf16}), step {}: {} differs",
+                    j / 3,
+                    what[j % 3]
+                );
+            }
+        }
+    }
+}

@@ -23,7 +23,7 @@ use crate::error::{ModelError, Result};
 use crate::model::{Model, RoutingTrace, SeqInput};
 use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
-use mxrl_tensor::device::{Backend, CpuBackend, DeviceError, GradWrite, RouteBufs};
+use mxrl_tensor::device::{Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, RouteBufs};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
@@ -1477,8 +1477,18 @@ impl<B: Backend> Engine<B> {
                 pos,
                 ..
             } => {
+                debug_assert_eq!(*batch, n);
                 let norms = l.attn.qk_norm.map(|[nq, nk]| [self.w(nq), self.w(nk)]);
-                b.decode_attn_prep(
+                // The q/k norms, RoPE, the cache append and the attention as one op (the
+                // device may fuse them). The lengths are read on the device: a recorded step
+                // replays at any length.
+                let mut ab = None;
+                let out = if decode_bf16 {
+                    DecodeAttnOut::Bf16(ab.insert(eb(n * qd)?))
+                } else {
+                    DecodeAttnOut::F32(&mut att)
+                };
+                b.decode_attention(
                     &mut q,
                     &mut k,
                     &v,
@@ -1490,24 +1500,11 @@ impl<B: Backend> Engine<B> {
                     &self.rope,
                     lens,
                     *max_len,
-                    &mut kc[li],
-                    &mut vc[li],
+                    (&mut kc[li], &mut vc[li]),
+                    out,
                 )
                 .map_err(dev)?;
-                // The lengths are read on the device: a recorded step replays at any length.
-                if decode_bf16 {
-                    let mut ab = eb(n * qd)?;
-                    b.attention_decode_bf16(
-                        &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut ab,
-                    )
-                    .map_err(dev)?;
-                    attb = Some(ab);
-                } else {
-                    b.attention_decode(
-                        &q, &kc[li], &vc[li], lens, *batch, *max_len, shape, &mut att,
-                    )
-                    .map_err(dev)?;
-                }
+                attb = ab;
             }
         }
         if attb.is_none() && !self.quantized(l.attn.o) {

@@ -573,6 +573,46 @@ pub trait Backend {
             self, q, k, v, norms, eps, rows, shape, pos, table, lens, max_len, k_cache, v_cache,
         )
     }
+    /// A decode step's attention with the preparation of its inputs, as one op:
+    /// [`Backend::decode_attn_prep`], then [`Backend::attention_decode`] into `out`
+    /// ([`DecodeAttnOut::F32`]) or [`Backend::attention_decode_bf16`] ([`DecodeAttnOut::Bf16`]).
+    /// The default runs exactly those ops; a backend that fuses them gives the same bits (the
+    /// caches and the output). `q` and `k` hold unspecified values afterwards.
+    ///
+    /// # Errors
+    /// As the ops it stands for.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attention(
+        &self,
+        q: &mut Self::F32,
+        k: &mut Self::F32,
+        v: &Self::F32,
+        norms: Option<[&Self::F32; 2]>,
+        eps: f32,
+        rows: usize,
+        shape: AttnShape,
+        pos: &Self::U32,
+        table: &Self::Rope,
+        lens: &Self::U32,
+        max_len: usize,
+        (k_cache, v_cache): (&mut Self::Bf16, &mut Self::Bf16),
+        out: DecodeAttnOut<'_, Self>,
+    ) -> DResult<()> {
+        decode_attention_ops(
+            self,
+            (q, k, v),
+            norms,
+            eps,
+            rows,
+            shape,
+            pos,
+            table,
+            lens,
+            max_len,
+            (k_cache, v_cache),
+            out,
+        )
+    }
     /// Router forward + dispatch (reference [`router_forward`], [`Dispatch::new`]):
     /// `logits: [N, E]` → routes, probabilities and the expert-major dispatch. With `replay`
     /// (expert ids `[N, k]`, slot order) those experts are used instead of the top-k and the
@@ -1581,6 +1621,47 @@ impl StoredBytes<'_> {
         q.validate()
             .map_err(|e| format!("tensor {}: {e}", self.name))?;
         Ok(q)
+    }
+}
+
+/// Where [`Backend::decode_attention`] writes the attention: f32, or its BF16 rounding alone.
+pub enum DecodeAttnOut<'a, B: Backend + ?Sized> {
+    /// `[rows, Hq·D]` f32.
+    F32(&'a mut B::F32),
+    /// `[rows, Hq·D]` BF16 (the bits `to_bf16` of the f32 output gives).
+    Bf16(&'a mut B::Bf16),
+}
+
+/// [`Backend::decode_attention`] as the ops it stands for (the trait's default, and the
+/// reference a fused implementation is tested against).
+///
+/// # Errors
+/// As those ops.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_ops<B: Backend + ?Sized>(
+    b: &B,
+    (q, k, v): (&mut B::F32, &mut B::F32, &B::F32),
+    norms: Option<[&B::F32; 2]>,
+    eps: f32,
+    rows: usize,
+    shape: AttnShape,
+    pos: &B::U32,
+    table: &B::Rope,
+    lens: &B::U32,
+    max_len: usize,
+    (k_cache, v_cache): (&mut B::Bf16, &mut B::Bf16),
+    out: DecodeAttnOut<'_, B>,
+) -> DResult<()> {
+    b.decode_attn_prep(
+        q, k, v, norms, eps, rows, shape, pos, table, lens, max_len, k_cache, v_cache,
+    )?;
+    match out {
+        DecodeAttnOut::F32(o) => {
+            b.attention_decode(q, k_cache, v_cache, lens, rows, max_len, shape, o)
+        }
+        DecodeAttnOut::Bf16(o) => {
+            b.attention_decode_bf16(q, k_cache, v_cache, lens, rows, max_len, shape, o)
+        }
     }
 }
 

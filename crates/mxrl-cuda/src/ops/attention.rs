@@ -263,6 +263,8 @@ pub struct Attention {
     append: CudaFunction,
     dec_partial: CudaFunction,
     dec_combine: CudaFunction,
+    /// `attn_decode_fused_w2/w4/w8`: D = 64, 128, 256.
+    dec_fused: [CudaFunction; 3],
     /// Dynamic shared memory per block the device allows (opt-in) and the attributes grant.
     smem_limit: usize,
 }
@@ -302,6 +304,11 @@ impl Attention {
             append: f("kv_append")?,
             dec_partial: f("attn_decode_partial")?,
             dec_combine: f("attn_decode_combine")?,
+            dec_fused: [
+                f("attn_decode_fused_w2")?,
+                f("attn_decode_fused_w4")?,
+                f("attn_decode_fused_w8")?,
+            ],
             smem_limit: gpu
                 .ctx()
                 .attribute(
@@ -315,6 +322,10 @@ impl Attention {
             smem_dec(MAX_HEAD_DIM),
             "attn_decode_partial".to_string(),
         )];
+        for (i, f) in a.dec_fused.iter().enumerate() {
+            let d = 64 << i;
+            limits.push((f, smem_dec(d), format!("attn_decode_fused (D = {d})")));
+        }
         for (c, &dmax) in CLASS_MAX_D.iter().enumerate() {
             limits.push((&a.fwd[c], smem_fwd(dmax), format!("attn_fwd_{dmax}")));
             limits.push((&a.dq[c], smem_dq(dmax), format!("attn_bwd_dq_{dmax}")));
@@ -1005,6 +1016,168 @@ impl Attention {
         // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes row b,
         // head h of the output that is not null (batch·Hq·D checked); types match (3 × const
         // float*, const u32*, float*, u16* — a null one passed as a 0 u64 — and 4 × u32).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// Whether [`Attention::decode_fused`] takes heads of width `d` (64, 128 or 256).
+    pub fn fuses_decode(d: usize) -> bool {
+        matches!(d, 64 | 128 | 256)
+    }
+
+    /// A decode step's attention with its inputs' preparation: what `Rope::decode_attn_prep`
+    /// (per-head q/k RMSNorm with `norms`, RoPE at `pos`, the new k and v rows appended to the
+    /// caches at `lens[b] − 1`) followed by [`Attention::decode_bf16`] (a BF16 output) or
+    /// [`Attention::decode`] (f32) give, bit for bit, in one launch for a cache of one chunk
+    /// and two for more (the chunks' combine). `q` and `k` are the projections before their norm
+    /// and rotation and are only read. Head widths 64, 128, 256 ([`Attention::fuses_decode`]);
+    /// the table's width must be `D`.
+    ///
+    /// # Errors
+    /// As the two ops; another head width.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_fused(
+        &self,
+        (q, k, v): (&CudaView<'_, f32>, &CudaView<'_, f32>, &CudaView<'_, f32>),
+        norms: Option<(&CudaView<'_, f32>, &CudaView<'_, f32>)>,
+        eps: f32,
+        pos: &CudaView<'_, u32>,
+        table: &super::rope::RopeDeviceTable,
+        lens: &CudaView<'_, u32>,
+        (batch, slots, max_len): (usize, usize, usize),
+        shape: AttnShape,
+        (k_cache, v_cache): (&mut CudaViewMut<'_, u16>, &mut CudaViewMut<'_, u16>),
+        scratch: &mut CudaViewMut<'_, f32>,
+        mut out: (
+            Option<&mut CudaViewMut<'_, f32>>,
+            Option<&mut CudaViewMut<'_, u16>>,
+        ),
+    ) -> Result<(), DeviceError> {
+        let op = "fused decode attention";
+        check_shape(&self.gpu, op, shape)?;
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let g = &self.gpu;
+        let func = match d {
+            64 => &self.dec_fused[0],
+            128 => &self.dec_fused[1],
+            256 => &self.dec_fused[2],
+            _ => return Err(g.err(format!("{op}: head_dim {d} is not 64, 128 or 256"))),
+        };
+        if table.head_dim != d {
+            return Err(g.err(format!(
+                "{op}: head width {d} but a RoPE table of {}",
+                table.head_dim
+            )));
+        }
+        self.check_smem(op, d, smem_dec(d))?;
+        let row = hkv * d;
+        self.check_cache(op, batch, slots, max_len, row)?;
+        let out_len = match &out {
+            (Some(o), None) => o.len(),
+            (None, Some(o)) => o.len(),
+            _ => return Err(g.err(format!("{op}: exactly one output (f32 or BF16)"))),
+        };
+        for (what, have, need) in [
+            ("q", q.len(), batch * hq * d),
+            ("k", k.len(), batch * row),
+            ("v", v.len(), batch * row),
+            ("pos", pos.len(), batch),
+            ("lens", lens.len(), batch),
+            ("k_cache", k_cache.len(), slots * max_len * row),
+            ("v_cache", v_cache.len(), slots * max_len * row),
+            ("out", out_len, batch * hq * d),
+            (
+                "scratch",
+                scratch.len(),
+                decode_scratch_len(batch, max_len, shape),
+            ),
+        ] {
+            check_len(g, &format!("{op} {what}"), have, need)?;
+        }
+        if let Some((wq, wk)) = &norms {
+            check_len(g, &format!("{op} q norm"), wq.len(), d)?;
+            check_len(g, &format!("{op} k norm"), wk.len(), d)?;
+        }
+        {
+            let stream = g.stream();
+            check_align(g, &format!("{op} k_cache"), k_cache.device_ptr(stream).0, 4)?;
+            check_align(g, &format!("{op} v_cache"), v_cache.device_ptr(stream).0, 4)?;
+        }
+        if max_len == 0 {
+            return Err(g.err(format!("{op}: a KV cache of max_len 0 holds no keys")));
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let nsplit = max_len.div_ceil(DECODE_CHUNK);
+        if nsplit > MAX_GRID_YZ {
+            return Err(g.err(format!("{op}: max_len {max_len} too large")));
+        }
+        let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
+        let (mut part_m, mut rest) = scratch.split_at_mut(parts);
+        let (mut part_l, mut part_o) = rest.split_at_mut(parts);
+        let null: u64 = 0;
+        let (wq, wk) = match norms {
+            Some((a, b)) => (a.device_ptr(g.stream()).0, b.device_ptr(g.stream()).0),
+            None => (0, 0),
+        };
+        let (hq32, hkv32, d32, ml32, maxp32, scale) = (
+            hq as u32,
+            hkv as u32,
+            d as u32,
+            max_len as u32,
+            table.max_pos as u32,
+            shape.scale(),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, hkv as u32, nsplit as u32),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: smem_dec(d) as u32,
+        };
+        let mut b = g.stream().launch_builder(func);
+        b.arg(q).arg(k).arg(v).arg(&wq).arg(&wk).arg(&eps);
+        b.arg(&table.cos).arg(&table.sin).arg(pos).arg(&maxp32);
+        b.arg(k_cache).arg(v_cache).arg(lens);
+        b.arg(&mut part_m).arg(&mut part_l).arg(&mut part_o);
+        match &mut out {
+            (Some(o), _) => b.arg(&mut **o).arg(&null),
+            (None, Some(o)) => b.arg(&null).arg(&mut **o),
+            (None, None) => unreachable!("checked above"),
+        };
+        b.arg(&hq32).arg(&hkv32).arg(&d32).arg(&ml32).arg(&scale);
+        // SAFETY: block (b, kh, s), b < batch ≤ slots: reads q row b's heads of kh, k's and v's
+        // head kh of row b (batch·Hq·D, batch·Hkv·D checked), the norm weights below D
+        // (checked; null pointers only without norms, then never read), pos[b], lens[b] and the
+        // table below max_pos·D/2 only when pos[b] < max_pos; it writes the caches at
+        // (b·max_len + lens[b] − 1)·Hkv·D + kh·D + j only when 1 ≤ lens[b] ≤ max_len (slots ·
+        // max_len·Hkv·D checked) and reads cache positions < lens[b]; partials and out as
+        // attn_decode_partial (scratch = decode_scratch_len checked); shared memory
+        // smem_dec(D) ≤ the attribute (allowed in `new`). Types match ATT_DEC_FUSED_ARGS (3 ×
+        // const float*, 2 × const float* as u64, float, 2 × const float*, const u32*, u32, 2 ×
+        // u16*, const u32*, 3 × float*, float*, u16* — the null one a 0 u64 — 4 × u32, float).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        drop(b);
+        if nsplit == 1 {
+            return Ok(());
+        }
+        let ns32 = nsplit as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, hq as u32, 1),
+            block_dim: (d.div_ceil(32).clamp(1, 8) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = g.stream().launch_builder(&self.dec_combine);
+        let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
+        b.arg(&pm).arg(&pl).arg(&po).arg(lens);
+        match &mut out {
+            (Some(o), _) => b.arg(&mut **o).arg(&null),
+            (None, Some(o)) => b.arg(&null).arg(&mut **o),
+            (None, None) => unreachable!("checked above"),
+        };
+        b.arg(&hq32).arg(&d32).arg(&ml32).arg(&ns32);
+        // SAFETY: as in `decode_to`'s combine: block (b, h) reads lens[b] and the partials the
+        // fused launch wrote for (b, h) (chunks below ceil(lens[b]/64) ≤ nsplit) and writes row
+        // b, head h of the output that is not null (batch·Hq·D checked); types match.
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }

@@ -20,10 +20,10 @@ const DPW_HEADS: u64 = 8;
 
 /// cos/sin of positions `0..max_pos` on the device: `[max_pos, D/2]` each, f32.
 pub struct RopeDeviceTable {
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
-    max_pos: usize,
-    head_dim: usize,
+    pub(crate) cos: CudaSlice<f32>,
+    pub(crate) sin: CudaSlice<f32>,
+    pub(crate) max_pos: usize,
+    pub(crate) head_dim: usize,
 }
 
 impl RopeDeviceTable {
