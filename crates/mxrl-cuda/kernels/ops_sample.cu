@@ -46,24 +46,6 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
     return warp_sum_f64(t);
 }
 
-// One thread's walk over entries 0 .. n of a shared array in order, use(i, load(i)), with the
-// loads of PREFIX_BATCH entries issued before the first of them is used (the loop-carried sum
-// in `use` then waits on one load per batch instead of one per entry; the same order, the same
-// bits).
-#define PREFIX_BATCH 16
-template <class Load, class Use>
-__device__ __forceinline__ void prefix_batched(u32 n, Load load, Use use) {
-    using T = decltype(load(0u));
-    for (u32 i0 = 0; i0 < n; i0 += PREFIX_BATCH) {
-        T v[PREFIX_BATCH];
-#pragma unroll
-        for (u32 i = 0; i < PREFIX_BATCH; ++i) v[i] = i0 + i < n ? load(i0 + i) : T{};
-#pragma unroll
-        for (u32 i = 0; i < PREFIX_BATCH; ++i)
-            if (i0 + i < n) use(i0 + i, v[i]);
-    }
-}
-
 // (value, index) maximum, ties to the lower index. Every thread returns the winner's index.
 __device__ __forceinline__ u32 block_argmax(float v, u32 i, float* sv, u32* si) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -207,10 +189,7 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
     __syncthreads();
     if (tid == 0) {
         u32 acc = 0;
-        prefix_batched(blockDim.x, [&](u32 i) { return ties[i]; }, [&](u32 i, u32 x) {
-            ties[i] = acc;
-            acc += x;
-        });
+        for (int i = 0; i < (int)blockDim.x; ++i) { const u32 x = ties[i]; ties[i] = acc; acc += x; }
     }
     __syncthreads();
     double km = 0.0;
@@ -231,15 +210,12 @@ sample_rows(const float* __restrict__ logits, u64 V, int greedy, float inv_t, u6
     if (tid == 0) {
         double acc = 0.0;
         u32 lastk = 0;
-        struct MassLast {
-            double m;
-            u32 last;
-        };
-        prefix_batched(blockDim.x, [&](u32 i) { return MassLast{kmass[i], klast[i]}; }, [&](u32 i, MassLast x) {
+        for (int i = 0; i < (int)blockDim.x; ++i) {
+            const double x = kmass[i];
             kmass[i] = acc;
-            acc = __dadd_rn(acc, x.m);
-            if (x.last != 0xFFFFFFFFu) lastk = x.last;
-        });
+            acc = __dadd_rn(acc, x);
+            if (klast[i] != 0xFFFFFFFFu) lastk = klast[i];
+        }
         kmass[blockDim.x] = acc;
         chosen = lastk;  // fallback: the last kept token (as the reference's)
     }
