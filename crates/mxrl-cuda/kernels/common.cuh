@@ -187,8 +187,15 @@ __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, 
     lo = min(off[e], hi);
 }
 
-// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) at position p (NaN past
-// the table), for the decode preps.
+// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) by the table entries
+// c = cos[p, i], sn = sin[p, i] (sign +1: the same products and sums).
+__device__ __forceinline__ void rope_rotate(float a, float b, float c, float sn, float& lo, float& hi) {
+    const float s = __fmul_rn(1.0f, sn);
+    lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// rope_rotate at position p, reading the table (NaN past it), for the decode preps.
 __device__ __forceinline__ void rope_pair(float a, float b, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, u32 p, u32 max_pos, u32 half, u32 i,
                                           float& lo, float& hi) {
@@ -197,10 +204,7 @@ __device__ __forceinline__ void rope_pair(float a, float b, const float* __restr
         hi = lo;
         return;
     }
-    const float c = cos_t[(u64)p * half + i];
-    const float s = __fmul_rn(1.0f, sin_t[(u64)p * half + i]);
-    lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    rope_rotate(a, b, cos_t[(u64)p * half + i], sin_t[(u64)p * half + i], lo, hi);
 }
 
 // One head of a decode step's q or k, by one warp, for D = 32·NW (NW even), in two steps so
@@ -262,9 +266,7 @@ __device__ __forceinline__ void decode_prep_finish(const DecodePrepRow<NW>& r, f
             hi[w] = lo[w];
             continue;
         }
-        const float a = xv[w], b = xv[w + HW], cw = r.c[w], sw = __fmul_rn(1.0f, r.s[w]);
-        lo[w] = __fsub_rn(__fmul_rn(a, cw), __fmul_rn(b, sw));
-        hi[w] = __fadd_rn(__fmul_rn(b, cw), __fmul_rn(a, sw));
+        rope_rotate(xv[w], xv[w + HW], r.c[w], r.s[w], lo[w], hi[w]);
     }
 }
 template <int NW>
