@@ -31,8 +31,11 @@
 //! instantiations by the column chunks `NCH = ceil(D/64)` (1, 2 or 4), picked here by `D`.
 //! Decode splits each sequence into chunks of
 //! [`DECODE_CHUNK`] keys (a constant, so a sequence's result does not depend on the batch) and
-//! combines the chunks in order. Every reduction order depends only on the shapes and the
-//! offsets/lengths, so equal inputs give equal bits.
+//! combines the chunks in order. For head widths 64, 128 and 256 the decode step's q/k norms,
+//! RoPE and cache append run inside the chunks' launch ([`Attention::decode_fused`]: each block
+//! prepares its query heads, the new position's block its k row; the bits of the separate ops).
+//! Every reduction order depends only on the shapes and the offsets/lengths, so equal inputs give
+//! equal bits.
 //!
 //! References: `mxrl_tensor::attention::{attention_forward, attention_backward,
 //! attention_decode}`; the summation order differs (online softmax), bounds in
