@@ -2119,11 +2119,11 @@ impl Backend for CudaBackend {
         let outs = match out {
             DecodeAttnOut::F32(o) => {
                 o32 = o.as_view_mut();
-                (Some(&mut o32), None)
+                attention::DecodeOut::F32(&mut o32)
             }
             DecodeAttnOut::Bf16(o) => {
                 o16 = o.as_view_mut();
-                (None, Some(&mut o16))
+                attention::DecodeOut::Bf16(&mut o16)
             }
         };
         self.attn

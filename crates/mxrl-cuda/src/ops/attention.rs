@@ -202,9 +202,11 @@ pub fn backward_scratch_len(n: usize, shape: AttnShape) -> usize {
     (delta + planes).max(1)
 }
 
-/// Where [`Attention::decode`]'s output goes: f32, or its BF16 rounding alone.
-enum DecodeOut<'a, 'b> {
+/// Where a decode attention's output goes: f32, or its BF16 rounding alone.
+pub enum DecodeOut<'a, 'b> {
+    /// `[batch, Hq·D]` f32.
     F32(&'a mut CudaViewMut<'b, f32>),
+    /// `[batch, Hq·D]` BF16 bit patterns (the bits `to_bf16` of the f32 output gives).
     Bf16(&'a mut CudaViewMut<'b, u16>),
 }
 
@@ -947,26 +949,18 @@ impl Attention {
         let null: u64 = 0;
         let need = decode_scratch_len(batch, max_len, shape);
         check_len(g, "attention decode scratch", scratch.len(), need)?;
-        if max_len == 0 {
-            return Err(g.err("attention decode: a KV cache of max_len 0 holds no keys"));
-        }
-        if batch == 0 {
+        let Some(nsplit) = self.decode_splits("attention decode", batch, max_len)? else {
             return Ok(());
-        }
-        let nsplit = max_len.div_ceil(DECODE_CHUNK);
-        if nsplit > MAX_GRID_YZ {
-            return Err(g.err(format!("attention decode: max_len {max_len} too large")));
-        }
+        };
         // One chunk: the partial kernel writes `out` and takes no scratch.
         let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
         let (mut part_m, mut rest) = scratch.split_at_mut(parts);
         let (mut part_l, mut part_o) = rest.split_at_mut(parts);
-        let (hq32, hkv32, d32, ml32, ns32, scale) = (
+        let (hq32, hkv32, d32, ml32, scale) = (
             hq as u32,
             hkv as u32,
             d as u32,
             max_len as u32,
-            nsplit as u32,
             shape.scale(),
         );
         // Scoped: the builder borrows the partial buffers mutably until it is dropped.
@@ -1002,13 +996,58 @@ impl Attention {
         if nsplit == 1 {
             return Ok(());
         }
+        let parts = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
+        self.launch_combine(parts, lens, out, batch, shape, max_len, nsplit)
+    }
+
+    /// The decode's number of chunks for a cache of `max_len` (`None`: no sequences, nothing
+    /// to launch).
+    fn decode_splits(
+        &self,
+        op: &str,
+        batch: usize,
+        max_len: usize,
+    ) -> Result<Option<usize>, DeviceError> {
+        if max_len == 0 {
+            return Err(self
+                .gpu
+                .err(format!("{op}: a KV cache of max_len 0 holds no keys")));
+        }
+        if batch == 0 {
+            return Ok(None);
+        }
+        let nsplit = max_len.div_ceil(DECODE_CHUNK);
+        if nsplit > MAX_GRID_YZ {
+            return Err(self.gpu.err(format!("{op}: max_len {max_len} too large")));
+        }
+        Ok(Some(nsplit))
+    }
+
+    /// The decode's second pass (`attn_decode_combine`): the chunks' partials of every
+    /// (sequence, query head) combined in order into `out`. The callers checked the shapes:
+    /// partials `[batch, Hq, nsplit]` (+ `D` each for `part_o`), `lens [batch]`, `out
+    /// [batch, Hq·D]`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_combine(
+        &self,
+        (pm, pl, po): (CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>),
+        lens: &CudaView<'_, u32>,
+        mut out: DecodeOut<'_, '_>,
+        batch: usize,
+        shape: AttnShape,
+        max_len: usize,
+        nsplit: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let (hq, d) = (shape.q_heads, shape.head_dim);
+        let null: u64 = 0;
+        let (hq32, d32, ml32, ns32) = (hq as u32, d as u32, max_len as u32, nsplit as u32);
         let cfg = LaunchConfig {
             grid_dim: (batch as u32, hq as u32, 1),
             block_dim: (d.div_ceil(32).clamp(1, 8) as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = g.stream().launch_builder(&self.dec_combine);
-        let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
         b.arg(&pm).arg(&pl).arg(&po).arg(lens);
         match &mut out {
             DecodeOut::F32(o) => b.arg(&mut **o).arg(&null),
@@ -1017,8 +1056,9 @@ impl Attention {
         b.arg(&hq32).arg(&d32).arg(&ml32).arg(&ns32);
         // SAFETY: block (b, h) reads lens[b] and, for 1 ≤ lens[b] ≤ max_len, the partials of
         // chunks s < ceil(lens[b]/64) ≤ nsplit that pass 1 wrote for (b, h); it writes row b,
-        // head h of the output that is not null (batch·Hq·D checked); types match (3 × const
-        // float*, const u32*, float*, u16* — a null one passed as a 0 u64 — and 4 × u32).
+        // head h of the output that is not null (batch·Hq·D, the callers checked); types match
+        // (3 × const float*, const u32*, float*, u16* — a null one passed as a 0 u64 — and
+        // 4 × u32).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -1051,10 +1091,7 @@ impl Attention {
         shape: AttnShape,
         (k_cache, v_cache): (&mut CudaViewMut<'_, u16>, &mut CudaViewMut<'_, u16>),
         scratch: &mut CudaViewMut<'_, f32>,
-        mut out: (
-            Option<&mut CudaViewMut<'_, f32>>,
-            Option<&mut CudaViewMut<'_, u16>>,
-        ),
+        mut out: DecodeOut<'_, '_>,
     ) -> Result<(), DeviceError> {
         let op = "fused decode attention";
         check_shape(&self.gpu, op, shape)?;
@@ -1075,11 +1112,6 @@ impl Attention {
         self.check_smem(op, d, smem_dec(d))?;
         let row = hkv * d;
         self.check_cache(op, batch, slots, max_len, row)?;
-        let out_len = match &out {
-            (Some(o), None) => o.len(),
-            (None, Some(o)) => o.len(),
-            _ => return Err(g.err(format!("{op}: exactly one output (f32 or BF16)"))),
-        };
         for (what, have, need) in [
             ("q", q.len(), batch * hq * d),
             ("k", k.len(), batch * row),
@@ -1088,7 +1120,7 @@ impl Attention {
             ("lens", lens.len(), batch),
             ("k_cache", k_cache.len(), slots * max_len * row),
             ("v_cache", v_cache.len(), slots * max_len * row),
-            ("out", out_len, batch * hq * d),
+            ("out", out.len(), batch * hq * d),
             (
                 "scratch",
                 scratch.len(),
@@ -1106,16 +1138,9 @@ impl Attention {
             check_align(g, &format!("{op} k_cache"), k_cache.device_ptr(stream).0, 4)?;
             check_align(g, &format!("{op} v_cache"), v_cache.device_ptr(stream).0, 4)?;
         }
-        if max_len == 0 {
-            return Err(g.err(format!("{op}: a KV cache of max_len 0 holds no keys")));
-        }
-        if batch == 0 {
+        let Some(nsplit) = self.decode_splits(op, batch, max_len)? else {
             return Ok(());
-        }
-        let nsplit = max_len.div_ceil(DECODE_CHUNK);
-        if nsplit > MAX_GRID_YZ {
-            return Err(g.err(format!("{op}: max_len {max_len} too large")));
-        }
+        };
         let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
         let (mut part_m, mut rest) = scratch.split_at_mut(parts);
         let (mut part_l, mut part_o) = rest.split_at_mut(parts);
@@ -1143,9 +1168,8 @@ impl Attention {
         b.arg(k_cache).arg(v_cache).arg(lens);
         b.arg(&mut part_m).arg(&mut part_l).arg(&mut part_o);
         match &mut out {
-            (Some(o), _) => b.arg(&mut **o).arg(&null),
-            (None, Some(o)) => b.arg(&null).arg(&mut **o),
-            (None, None) => unreachable!("checked above"),
+            DecodeOut::F32(o) => b.arg(&mut **o).arg(&null),
+            DecodeOut::Bf16(o) => b.arg(&null).arg(&mut **o),
         };
         b.arg(&hq32).arg(&hkv32).arg(&d32).arg(&ml32).arg(&scale);
         // SAFETY: block (b, kh, s), b < batch ≤ slots: reads q row b's heads of kh, k's and v's
@@ -1163,25 +1187,7 @@ impl Attention {
         if nsplit == 1 {
             return Ok(());
         }
-        let ns32 = nsplit as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (batch as u32, hq as u32, 1),
-            block_dim: (d.div_ceil(32).clamp(1, 8) as u32 * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = g.stream().launch_builder(&self.dec_combine);
-        let (pm, pl, po) = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
-        b.arg(&pm).arg(&pl).arg(&po).arg(lens);
-        match &mut out {
-            (Some(o), _) => b.arg(&mut **o).arg(&null),
-            (None, Some(o)) => b.arg(&null).arg(&mut **o),
-            (None, None) => unreachable!("checked above"),
-        };
-        b.arg(&hq32).arg(&d32).arg(&ml32).arg(&ns32);
-        // SAFETY: as in `decode_to`'s combine: block (b, h) reads lens[b] and the partials the
-        // fused launch wrote for (b, h) (chunks below ceil(lens[b]/64) ≤ nsplit) and writes row
-        // b, head h of the output that is not null (batch·Hq·D checked); types match.
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-        Ok(())
+        let parts = (part_m.slice(..), part_l.slice(..), part_o.slice(..));
+        self.launch_combine(parts, lens, out, batch, shape, max_len, nsplit)
     }
 }
