@@ -909,49 +909,21 @@ impl Attention {
         scratch: &mut CudaViewMut<'_, f32>,
         mut out: DecodeOut<'_, '_>,
     ) -> Result<(), DeviceError> {
-        check_shape(&self.gpu, "attention decode", shape)?;
-        self.check_smem("attention decode", shape.head_dim, smem_dec(shape.head_dim))?;
-        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-        let row = hkv * d;
-        self.check_cache("attention decode", batch, slots, max_len, row)?;
-        let g = &self.gpu;
-        check_len(g, "attention decode q", q.len(), batch * hq * d)?;
-        check_len(
-            g,
-            "attention decode k_cache",
-            k_cache.len(),
-            slots * max_len * row,
-        )?;
-        check_len(
-            g,
-            "attention decode v_cache",
-            v_cache.len(),
-            slots * max_len * row,
-        )?;
-        check_len(g, "attention decode lens", lens.len(), batch)?;
-        {
-            let stream = g.stream();
-            check_align(
-                g,
-                "attention decode k_cache",
-                k_cache.device_ptr(stream).0,
-                4,
-            )?;
-            check_align(
-                g,
-                "attention decode v_cache",
-                v_cache.device_ptr(stream).0,
-                4,
-            )?;
-        }
-        check_len(g, "attention decode out", out.len(), batch * hq * d)?;
-        // The kernels take both outputs and write the one that is not null.
-        let null: u64 = 0;
-        let need = decode_scratch_len(batch, max_len, shape);
-        check_len(g, "attention decode scratch", scratch.len(), need)?;
-        let Some(nsplit) = self.decode_splits("attention decode", batch, max_len)? else {
+        let Some(nsplit) = self.check_decode(
+            "attention decode",
+            q.len(),
+            (k_cache, v_cache),
+            (lens.len(), out.len(), scratch.len()),
+            (batch, slots, max_len),
+            shape,
+        )?
+        else {
             return Ok(());
         };
+        let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let g = &self.gpu;
+        // The kernels take both outputs and write the one that is not null.
+        let null: u64 = 0;
         // One chunk: the partial kernel writes `out` and takes no scratch.
         let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
         let (mut part_m, mut rest) = scratch.split_at_mut(parts);
@@ -1000,25 +972,51 @@ impl Attention {
         self.launch_combine(parts, lens, out, batch, shape, max_len, nsplit)
     }
 
-    /// The decode's number of chunks for a cache of `max_len` (`None`: no sequences, nothing
-    /// to launch).
-    fn decode_splits(
+    /// What both decodes check: the head geometry, the shared memory, the cache's shape, the
+    /// lengths of `q` (`q_len`), the caches, `lens`, `out` and `scratch`
+    /// ([`decode_scratch_len`]), the caches' 4-byte alignment; returns the number of chunks
+    /// (`None`: no sequences, nothing to launch).
+    fn check_decode(
         &self,
         op: &str,
-        batch: usize,
-        max_len: usize,
+        q_len: usize,
+        (k_cache, v_cache): (&CudaView<'_, u16>, &CudaView<'_, u16>),
+        (lens_len, out_len, scratch_len): (usize, usize, usize),
+        (batch, slots, max_len): (usize, usize, usize),
+        shape: AttnShape,
     ) -> Result<Option<usize>, DeviceError> {
+        let g = &self.gpu;
+        check_shape(g, op, shape)?;
+        let (hq, d) = (shape.q_heads, shape.head_dim);
+        self.check_smem(op, d, smem_dec(d))?;
+        let row = shape.kv_heads * d;
+        self.check_cache(op, batch, slots, max_len, row)?;
+        for (what, have, need) in [
+            ("q", q_len, batch * hq * d),
+            ("k_cache", k_cache.len(), slots * max_len * row),
+            ("v_cache", v_cache.len(), slots * max_len * row),
+            ("lens", lens_len, batch),
+            ("out", out_len, batch * hq * d),
+            (
+                "scratch",
+                scratch_len,
+                decode_scratch_len(batch, max_len, shape),
+            ),
+        ] {
+            check_len(g, &format!("{op} {what}"), have, need)?;
+        }
+        let stream = g.stream();
+        check_align(g, &format!("{op} k_cache"), k_cache.device_ptr(stream).0, 4)?;
+        check_align(g, &format!("{op} v_cache"), v_cache.device_ptr(stream).0, 4)?;
         if max_len == 0 {
-            return Err(self
-                .gpu
-                .err(format!("{op}: a KV cache of max_len 0 holds no keys")));
+            return Err(g.err(format!("{op}: a KV cache of max_len 0 holds no keys")));
         }
         if batch == 0 {
             return Ok(None);
         }
         let nsplit = max_len.div_ceil(DECODE_CHUNK);
         if nsplit > MAX_GRID_YZ {
-            return Err(self.gpu.err(format!("{op}: max_len {max_len} too large")));
+            return Err(g.err(format!("{op}: max_len {max_len} too large")));
         }
         Ok(Some(nsplit))
     }
@@ -1094,7 +1092,6 @@ impl Attention {
         mut out: DecodeOut<'_, '_>,
     ) -> Result<(), DeviceError> {
         let op = "fused decode attention";
-        check_shape(&self.gpu, op, shape)?;
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let g = &self.gpu;
         let func = match d {
@@ -1109,23 +1106,18 @@ impl Attention {
                 table.head_dim
             )));
         }
-        self.check_smem(op, d, smem_dec(d))?;
-        let row = hkv * d;
-        self.check_cache(op, batch, slots, max_len, row)?;
+        let splits = self.check_decode(
+            op,
+            q.len(),
+            (&k_cache.as_view(), &v_cache.as_view()),
+            (lens.len(), out.len(), scratch.len()),
+            (batch, slots, max_len),
+            shape,
+        )?;
         for (what, have, need) in [
-            ("q", q.len(), batch * hq * d),
-            ("k", k.len(), batch * row),
-            ("v", v.len(), batch * row),
+            ("k", k.len(), batch * hkv * d),
+            ("v", v.len(), batch * hkv * d),
             ("pos", pos.len(), batch),
-            ("lens", lens.len(), batch),
-            ("k_cache", k_cache.len(), slots * max_len * row),
-            ("v_cache", v_cache.len(), slots * max_len * row),
-            ("out", out.len(), batch * hq * d),
-            (
-                "scratch",
-                scratch.len(),
-                decode_scratch_len(batch, max_len, shape),
-            ),
         ] {
             check_len(g, &format!("{op} {what}"), have, need)?;
         }
@@ -1133,12 +1125,7 @@ impl Attention {
             check_len(g, &format!("{op} q norm"), wq.len(), d)?;
             check_len(g, &format!("{op} k norm"), wk.len(), d)?;
         }
-        {
-            let stream = g.stream();
-            check_align(g, &format!("{op} k_cache"), k_cache.device_ptr(stream).0, 4)?;
-            check_align(g, &format!("{op} v_cache"), v_cache.device_ptr(stream).0, 4)?;
-        }
-        let Some(nsplit) = self.decode_splits(op, batch, max_len)? else {
+        let Some(nsplit) = splits else {
             return Ok(());
         };
         let parts = if nsplit == 1 { 0 } else { batch * hq * nsplit };
