@@ -187,10 +187,11 @@ __device__ __forceinline__ void expert_rows(const u32* __restrict__ off, u32 e, 
     lo = min(off[e], hi);
 }
 
-// rope_apply's forward rotation of the pair (a, b) = (x[i], x[i + half]) by the table entries
-// c = cos[p, i], sn = sin[p, i] (sign +1: the same products and sums).
-__device__ __forceinline__ void rope_rotate(float a, float b, float c, float sn, float& lo, float& hi) {
-    const float s = __fmul_rn(1.0f, sn);
+// The RoPE rotation of the pair (a, b) = (x[i], x[i + half]) by the table entries
+// c = cos[p, i], sn = sin[p, i]: s = sign·sn, lo = a·c − b·s, hi = b·c + a·s (rope_apply's,
+// sign +1 forward, −1 backward; the decode preps' with +1).
+__device__ __forceinline__ void rope_rotate(float a, float b, float c, float sn, float sign, float& lo, float& hi) {
+    const float s = __fmul_rn(sign, sn);
     lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     hi = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
@@ -204,7 +205,7 @@ __device__ __forceinline__ void rope_pair(float a, float b, const float* __restr
         hi = lo;
         return;
     }
-    rope_rotate(a, b, cos_t[(u64)p * half + i], sin_t[(u64)p * half + i], lo, hi);
+    rope_rotate(a, b, cos_t[(u64)p * half + i], sin_t[(u64)p * half + i], 1.0f, lo, hi);
 }
 
 // One head of a decode step's q or k, by one warp, for D = 32·NW (NW even), in two steps so
@@ -266,7 +267,7 @@ __device__ __forceinline__ void decode_prep_finish(const DecodePrepRow<NW>& r, f
             hi[w] = lo[w];
             continue;
         }
-        rope_rotate(xv[w], xv[w + HW], r.c[w], r.s[w], lo[w], hi[w]);
+        rope_rotate(xv[w], xv[w + HW], r.c[w], r.s[w], 1.0f, lo[w], hi[w]);
     }
 }
 template <int NW>

@@ -22,11 +22,7 @@ extern "C" __global__ void rope_apply(float* __restrict__ x, const float* __rest
         v[i + half] = __int_as_float(0x7fc00000);
         return;
     }
-    const float c = cos_t[(u64)p * half + i];
-    const float s = __fmul_rn(sign, sin_t[(u64)p * half + i]);
-    const float a = v[i], b = v[i + half];
-    v[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    v[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    rope_rotate(v[i], v[i + half], cos_t[(u64)p * half + i], sin_t[(u64)p * half + i], sign, v[i], v[i + half]);
 }
 
 // The decode preps' output of the rotated pair (lo, hi) = (x[i], x[i + half]): back to the row,
