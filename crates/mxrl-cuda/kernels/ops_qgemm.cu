@@ -1150,23 +1150,26 @@ __device__ __forceinline__ void qgemm_frag_body(const u16* __restrict__ x, const
 // Block row y of the grid is expert y; a grid of fewer rows than experts (the launcher's
 // choice when most experts are idle: fewer rows than half the experts) gives row y the y-th
 // busy expert instead (nth_busy_expert), so a decode step's few busy experts do not wait
-// behind the blocks of the idle ones.
+// behind the blocks of the idle ones. BUSY_NONE: no expert for this row.
+__device__ __forceinline__ u32 qf_block_expert(const u32* __restrict__ off, u32 E, u32 R) {
+    return gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;
+}
 #define QF_ENTRY_MXFP8(name, F, TG, MINB)                                                                      \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        const u32 e = qf_block_expert(off, E, R);                                                              \
         if (e == BUSY_NONE) return;                                                                            \
         qgemm_frag_body<F, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x, e);            \
     }
 #define QF_ENTRY_NVFP4(name, TG, MINB)                                                                         \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_NVFP4_ARGS) {             \
-        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        const u32 e = qf_block_expert(off, E, R);                                                              \
         if (e == BUSY_NONE) return;                                                                            \
         qgemm_frag_body<QfNvfp4, TG>(x, x_amax, codes, scales, w_amax, off, y, R, N, K, blockIdx.x, e);        \
     }
 // BF16 weights: the MXFP8 argument list with `codes` the BF16 bytes and `scales` unused.
 #define QF_ENTRY_BF16(name, TG, MINB)                                                                          \
     extern "C" __global__ void __launch_bounds__(QF_MAX_WARPS * 32, MINB) name(QGEMM_MXFP8_ARGS) {             \
-        const u32 e = gridDim.y < E ? nth_busy_expert(off, E, R, blockIdx.y) : blockIdx.y;                     \
+        const u32 e = qf_block_expert(off, E, R);                                                              \
         if (e == BUSY_NONE) return;                                                                            \
         qgemm_frag_body<QfBf16, TG>(x, nullptr, codes, scales, nullptr, off, y, R, N, K, blockIdx.x, e);       \
     }
