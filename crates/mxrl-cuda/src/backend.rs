@@ -2100,7 +2100,9 @@ impl Backend for CudaBackend {
         if !Attention::fuses_decode(shape.head_dim) || table.head_dim() != shape.head_dim {
             return decode_attention_ops(
                 self,
-                (q, k, v),
+                q,
+                k,
+                v,
                 norms,
                 eps,
                 rows,

@@ -285,40 +285,28 @@ fn fused_decode_attention_is_bitwise_the_ops_it_replaces() {
                 DecodeAttnOut::F32(&mut o32)
             };
             let w = norms.then_some([&wq, &wk]);
-            if fused {
-                b.decode_attention(
-                    &mut q,
-                    &mut k,
-                    &v,
-                    w,
-                    1e-6,
-                    rows,
-                    s,
-                    &pos,
-                    &table,
-                    &lens,
-                    c.max_len,
-                    (&mut kc, &mut vc),
-                    out,
-                )
-                .unwrap();
+            let op = if fused {
+                B::decode_attention
             } else {
-                decode_attention_ops(
-                    b,
-                    (&mut q, &mut k, &v),
-                    w,
-                    1e-6,
-                    rows,
-                    s,
-                    &pos,
-                    &table,
-                    &lens,
-                    c.max_len,
-                    (&mut kc, &mut vc),
-                    out,
-                )
-                .unwrap();
-            }
+                decode_attention_ops::<B>
+            };
+            op(
+                b,
+                &mut q,
+                &mut k,
+                &v,
+                w,
+                1e-6,
+                rows,
+                s,
+                &pos,
+                &table,
+                &lens,
+                c.max_len,
+                (&mut kc, &mut vc),
+                out,
+            )
+            .unwrap();
             let h = |x: &B::Bf16, n| -> Vec<u32> {
                 b.download_bf16(x, n)
                     .unwrap()

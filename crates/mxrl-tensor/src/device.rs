@@ -600,7 +600,9 @@ pub trait Backend {
     ) -> DResult<()> {
         decode_attention_ops(
             self,
-            (q, k, v),
+            q,
+            k,
+            v,
             norms,
             eps,
             rows,
@@ -1640,7 +1642,9 @@ pub enum DecodeAttnOut<'a, B: Backend + ?Sized> {
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention_ops<B: Backend + ?Sized>(
     b: &B,
-    (q, k, v): (&mut B::F32, &mut B::F32, &B::F32),
+    q: &mut B::F32,
+    k: &mut B::F32,
+    v: &B::F32,
     norms: Option<[&B::F32; 2]>,
     eps: f32,
     rows: usize,
