@@ -267,7 +267,11 @@ CUresult cuEventCreate(void** e, unsigned) {
     *e = new Event();
     return OK;
 }
+// Recorded on a capturing stream, an event only marks a point for other streams to wait on
+// (a branch forked from the recording) and becomes no graph node, as in CUDA; the event may
+// be destroyed before the graph runs.
 CUresult cuEventRecord(void* e, void* s) {
+    if (stream_of(s)->capturing) return OK;
     Event* ev = (Event*)e;
     submit(s, [ev] { ev->t = std::chrono::steady_clock::now(); }, "event");
     return OK;

@@ -725,11 +725,25 @@ extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) dense_nt_small_m_nb1
 // block (rms_row_rstd over the same threads, then bf16((x·rstd)·w)), so for K >= 256 the
 // operands are that kernel's bits; the warps then sum from shared memory exactly as
 // dense_small_m_body sums from global memory. Dynamic shared memory: min(M, SM_RB)·K BF16.
-template <int NB>
+//
+// ADD (decode's residual add, norm and router; M <= SM_RB, one pass): the rows are x = o + res,
+// formed, squared and summed as add_rmsnorm_fwd does with its 256-thread block (each thread
+// its columns in row_batched order) and kept in shared memory (after the BF16 rows:
+// M·K f32 more); block 0 also writes add_rmsnorm_fwd's outputs — the sums to an.x, rstd,
+// the normalized rows to an.y (f32, when not null) and an.yb (BF16) — so every output has the
+// bits of add_rmsnorm_fwd followed by dense_nt_small_m.
+struct AddNormOut {
+    const float* res;
+    float* x;
+    float* y;
+    u16* yb;
+    float* rstd;
+};
+template <int NB, bool ADD>
 __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restrict__ x, const float* __restrict__ nw,
                                                            float eps, u32 M, u32 K, const u16* w0, float* y0, u32 n0,
                                                            const u16* w1, float* y1, u32 n1, const u16* w2,
-                                                           float* y2, u32 n2) {
+                                                           float* y2, u32 n2, AddNormOut an) {
     extern __shared__ __align__(16) u16 gemm_xs[];
     __shared__ float scratch[32];
     const SmallMSlot o = small_m_slot<NB>(w0, y0, n0, w1, y1, n1, w2, y2, n2);
@@ -744,8 +758,31 @@ __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restri
     for (u64 rb = 0; rb < M; rb += SM_RB) {
         const u32 nr = (u32)min((u64)SM_RB, M - rb);
         for (u32 r = 0; r < nr; ++r) {
-            const float* xr = x + (rb + r) * K;
-            const float rs = rms_row_rstd(xr, K, eps, scratch);
+            const u64 row = (rb + r) * K;
+            const float* xr = x + row;
+            float rs;
+            if (ADD) {
+                float* sr = reinterpret_cast<float*>(gemm_xs + (u64)M * K) + (u64)r * K;
+                const bool first = blockIdx.x == 0;
+                float ss = 0.0f;
+                row_batched(
+                    K, [&](u64 j) { return make_float2(xr[j], an.res[row + j]); },
+                    [&](u64 j, float2 xres) {
+                        const float v = __fadd_rn(xres.x, xres.y);
+                        sr[j] = v;
+                        if (first) an.x[row + j] = v;
+                        ss = __fadd_rn(ss, __fmul_rn(v, v));
+                    });
+                rs = rms_rstd_of_sum(block_sum(ss, scratch), K, eps);
+                xr = sr;  // each thread reads back only the sums it wrote itself
+                if (first) {
+                    if (threadIdx.x == 0) an.rstd[rb + r] = rs;
+                    if (an.y != nullptr) rmsnorm_scale_row<true, true>(xr, nw, rs, an.y + row, an.yb + row, K);
+                    else rmsnorm_scale_row<false, true>(xr, nw, rs, nullptr, an.yb + row, K);
+                }
+            } else {
+                rs = rms_row_rstd(xr, K, eps, scratch);
+            }
             rmsnorm_scale_row<false, true>(xr, nw, rs, nullptr, gemm_xs + r * K, K);
         }
         __syncthreads();
@@ -762,8 +799,21 @@ __device__ __forceinline__ void rmsnorm_dense_small_m_body(const float* __restri
     const float *__restrict__ x, const float *__restrict__ nw, float eps, u32 M, u32 K, const u16 *w0, float *y0, \
         u32 n0, const u16 *w1, float *y1, u32 n1, const u16 *w2, float *y2, u32 n2
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) rmsnorm_dense_small_m_nb2(RMSNORM_DENSE_SMALL_M_ARGS) {
-    rmsnorm_dense_small_m_body<2>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
+    rmsnorm_dense_small_m_body<2, false>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2, AddNormOut{});
 }
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32) rmsnorm_dense_small_m_nb1(RMSNORM_DENSE_SMALL_M_ARGS) {
-    rmsnorm_dense_small_m_body<1>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2);
+    rmsnorm_dense_small_m_body<1, false>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2, AddNormOut{});
+}
+// x = the attention's projection o; an.res the residual (see ADD above).
+#define ADD_RMSNORM_DENSE_SMALL_M_ARGS                                                                     \
+    RMSNORM_DENSE_SMALL_M_ARGS, const float *__restrict__ res, float *x_out, float *y_out, u16 *yb_out, float *rstd
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    add_rmsnorm_dense_small_m_nb2(ADD_RMSNORM_DENSE_SMALL_M_ARGS) {
+    rmsnorm_dense_small_m_body<2, true>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2,
+                                        AddNormOut{res, x_out, y_out, yb_out, rstd});
+}
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
+    add_rmsnorm_dense_small_m_nb1(ADD_RMSNORM_DENSE_SMALL_M_ARGS) {
+    rmsnorm_dense_small_m_body<1, true>(x, nw, eps, M, K, w0, y0, n0, w1, y1, n1, w2, y2, n2,
+                                        AddNormOut{res, x_out, y_out, yb_out, rstd});
 }

@@ -33,9 +33,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    decode_attention_ops, gather_gate_up_swiglu_bf16, grouped_down_then_combine_add,
-    rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear, Backend, DResult, DecodeAttnOut,
-    Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
+    add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
+    grouped_down_then_combine_add, rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear,
+    Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -171,6 +171,13 @@ fn env_count(name: &str, default: usize) -> usize {
 fn moe_fused_small_m() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| !env_off("MXRL_MOE_FUSED"))
+}
+
+/// Whether decode's residual add, norm and router run as one kernel where the shape allows
+/// (`MXRL_ADD_NORM_ROUTER=off`: the add-and-norm kernel, then the router's small-M linear).
+fn add_norm_router_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !env_off("MXRL_ADD_NORM_ROUTER"))
 }
 
 /// Whether a decode projection of the routed experts is small enough for the fused small-M
@@ -337,6 +344,11 @@ pub struct CudaBackend {
     /// Which dense BF16 forwards take the fragment kernels ([`DenseFrag::from_env`] unless set
     /// by [`CudaBackend::set_dense_frag`]).
     dense_frag: Cell<DenseFrag>,
+    /// Whether [`Backend::prefetch_weights`] leaves its ranges for the next fused decode
+    /// attention (`MXRL_DECODE_PREFETCH=on|off`; [`CudaBackend::set_prefetch`]).
+    prefetch: Cell<bool>,
+    /// The ranges (device address, bytes) the next fused decode attention prefetches.
+    pending_prefetch: Cell<[(u64, u64); 2]>,
 }
 
 impl CudaBackend {
@@ -370,6 +382,13 @@ impl CudaBackend {
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
             dense_frag: Cell::new(DenseFrag::from_env()),
+            prefetch: Cell::new(matches!(
+                std::env::var("MXRL_DECODE_PREFETCH")
+                    .as_deref()
+                    .map(str::trim),
+                Ok("on")
+            )),
+            pending_prefetch: Cell::new([(0, 0); 2]),
             gpu,
         })
     }
@@ -390,6 +409,12 @@ impl CudaBackend {
     /// ([`DenseFrag`]); both give the same products, summed in another order.
     pub fn set_dense_frag(&self, d: DenseFrag) {
         self.dense_frag.set(d);
+    }
+
+    /// Whether a decode step's fused attention prefetches the weights of the GEMMs after it
+    /// into L2 ([`Backend::prefetch_weights`]). Results do not depend on it.
+    pub fn set_prefetch(&self, on: bool) {
+        self.prefetch.set(on);
     }
 
     /// `cuda:N (name)`.
@@ -1760,6 +1785,21 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn prefetch_weights(&self, weights: &[&Self::Bf16]) -> DResult<()> {
+        use cudarc::driver::DevicePtr;
+        if !self.prefetch.get() {
+            return Ok(());
+        }
+        // The next fused decode attention issues it (a latency-bound kernel with the memory
+        // idle); a hint no attention takes is replaced by the next one.
+        let mut r = [(0u64, 0u64); 2];
+        for (r, w) in r.iter_mut().zip(weights) {
+            *r = (w.device_ptr(self.gpu.stream()).0, 2 * w.len() as u64);
+        }
+        self.pending_prefetch.set(r);
+        Ok(())
+    }
+
     fn rmsnorm_linear_shared(
         &self,
         x: &Self::F32,
@@ -1782,6 +1822,51 @@ impl Backend for CudaBackend {
             .map_err(de);
         }
         rmsnorm_then_linear_shared(self, x, w, eps, m, k, outs)
+    }
+
+    fn add_rmsnorm_linear(
+        &self,
+        (o, res, x): (&mut Self::F32, &Self::F32, &mut Self::F32),
+        w: &Self::F32,
+        (rows, d, eps): (usize, usize, f32),
+        (y, yb, rstd): (Option<&mut Self::F32>, &mut Self::Bf16, &mut Self::F32),
+        (lw, n, out): (&Self::Bf16, usize, &mut Self::F32),
+    ) -> DResult<()> {
+        // Where `linear` takes the small-M kernel and the norm the 256-thread block: one
+        // launch with both ops' bits.
+        if add_norm_router_fused()
+            && small_m_dense(rows, d, &[n])
+            && d >= 256
+            && rows <= 8
+            && Gemm::add_rmsnorm_small_m_smem(rows, d) <= RMSNORM_SMALL_M_MAX_SMEM
+        {
+            let mut yv = y.map(|y| y.as_view_mut());
+            return self
+                .gemm
+                .add_rmsnorm_dense_nt_small_m(
+                    (&o.as_view(), &res.as_view()),
+                    &w.as_view(),
+                    eps,
+                    rows,
+                    d,
+                    (
+                        &mut x.as_view_mut(),
+                        yv.as_mut(),
+                        &mut yb.as_view_mut(),
+                        &mut rstd.as_view_mut(),
+                    ),
+                    (&lw.as_view(), n, &mut out.as_view_mut()),
+                )
+                .map_err(de);
+        }
+        add_rmsnorm_then_linear(
+            self,
+            (o, res, x),
+            w,
+            (rows, d, eps),
+            (y, yb, rstd),
+            (lw, n, out),
+        )
     }
 
     fn moe_gate_up_swiglu_bf16(
@@ -2141,6 +2226,7 @@ impl Backend for CudaBackend {
                 (&mut k_cache.as_view_mut(), &mut v_cache.as_view_mut()),
                 &mut scratch.as_view_mut(),
                 outs,
+                self.pending_prefetch.replace([(0, 0); 2]),
             )
             .map_err(de)
     }

@@ -1488,3 +1488,140 @@ fn rmsnorm_dense_small_m_equals_norm_then_small_m_bitwise() {
         .to_string();
     assert!(e.contains("256"), "{e}");
 }
+
+/// Decode's residual add, norm and router in one launch against the two launches it replaces
+/// (`Norm::forward_add` on a copy of the projection, then `dense_nt_small_m` of its BF16
+/// rows), bit for bit on every output: the sum, rstd, the BF16 and f32 rows and the router's
+/// logits; with and without the f32 rows, a zero row, 1 to 8 rows. The projection is only read.
+#[test]
+fn add_rmsnorm_dense_small_m_equals_add_norm_then_small_m_bitwise() {
+    use mxrl_cuda::ops::norm::Norm;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let norm = Norm::new(&g).unwrap();
+    // (rows, k, n, f32 rows too); the last is wide enough to show a changed reduction order
+    // (see rmsnorm_dense_small_m_equals_norm_then_small_m_bitwise).
+    let cases: [(usize, usize, usize, bool); 6] = [
+        (1, 2048, 64, true),
+        (2, 2048, 64, false),
+        (3, 256, 8, true),
+        (8, 1032, 40, false),
+        (5, 264, 16, true),
+        (4, 4096, 128, true),
+    ];
+    let eps = 1e-6f32;
+    for (ci, &(m, k, n, with_y)) in cases.iter().enumerate() {
+        let seed = 9800 + ci as u64;
+        let mut o = mxrl_tensor::gradcheck::test_values(m * k, seed, 3.0);
+        let res = mxrl_tensor::gradcheck::test_values(m * k, seed + 2, 2.0);
+        if m > 2 {
+            // A row whose sum is zero: o = -res.
+            for j in k..2 * k {
+                o[j] = -res[j];
+            }
+        }
+        let nw = mxrl_tensor::gradcheck::test_values(k, seed + 1, 1.5);
+        let w = g.upload(&bf16_values(n * k, seed * 4).bits).unwrap();
+        let (d_o, d_res, d_nw) = (
+            g.upload(&o).unwrap(),
+            g.upload(&res).unwrap(),
+            g.upload(&nw).unwrap(),
+        );
+        let run = |fused: bool| -> Vec<Vec<u32>> {
+            let nan = |len: usize| g.upload(&vec![f32::NAN; len]).unwrap();
+            let (mut x, mut y, mut rstd, mut out) = (nan(m * k), nan(m * k), nan(m), nan(m * n));
+            let mut yb = g.upload(&vec![0xFFFFu16; m * k]).unwrap();
+            if fused {
+                let mut yv = y.as_view_mut();
+                ops.add_rmsnorm_dense_nt_small_m(
+                    (&d_o.as_view(), &d_res.as_view()),
+                    &d_nw.as_view(),
+                    eps,
+                    m,
+                    k,
+                    (
+                        &mut x.as_view_mut(),
+                        with_y.then_some(&mut yv),
+                        &mut yb.as_view_mut(),
+                        &mut rstd.as_view_mut(),
+                    ),
+                    (&w.as_view(), n, &mut out.as_view_mut()),
+                )
+                .unwrap();
+            } else {
+                x = g.upload(&o).unwrap();
+                let mut yv = y.as_view_mut();
+                norm.forward_add(
+                    &mut x.as_view_mut(),
+                    &d_res.as_view(),
+                    &d_nw.as_view(),
+                    with_y.then_some(&mut yv),
+                    Some(&mut yb.as_view_mut()),
+                    &mut rstd.as_view_mut(),
+                    m,
+                    k,
+                    eps,
+                )
+                .unwrap();
+                ops.dense_nt_small_m(
+                    &yb.as_view(),
+                    m,
+                    k,
+                    &mut [(&w.as_view(), n, &mut out.as_view_mut())],
+                )
+                .unwrap();
+            }
+            let f = |v: &CudaSlice<f32>| -> Vec<u32> {
+                g.download(v).unwrap().iter().map(|x| x.to_bits()).collect()
+            };
+            let yb_bits = g
+                .download(&yb)
+                .unwrap()
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect();
+            let mut all = vec![f(&x), f(&rstd), yb_bits, f(&out)];
+            if with_y {
+                all.push(f(&y));
+            }
+            all
+        };
+        let (a, b) = (run(true), run(false));
+        let what = ["sum", "rstd", "BF16 rows", "router output", "f32 rows"];
+        for (j, (a, b)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(a, b, "case {ci} ({m} × {k} → {n}): {} differs", what[j]);
+        }
+        let out = f32::from_bits(a[3][0]);
+        assert!(out.is_finite(), "case {ci}: router output unwritten");
+        assert_eq!(
+            g.download(&d_o).unwrap(),
+            o,
+            "case {ci}: the projection was written"
+        );
+    }
+    // Refusals: more than one pass of rows; a norm too narrow for the 256-thread reduction.
+    let z = |len: usize| g.zeros::<f32>(len).unwrap();
+    let w = g.zeros::<u16>(2048 * 8).unwrap();
+    for (m, k, want) in [(9, 256, "8"), (1, 128, "256")] {
+        let (o, mut x, mut rstd, mut out) = (z(m * k), z(m * k), z(m), z(m * 8));
+        let mut yb = g.zeros::<u16>(m * k).unwrap();
+        let e = ops
+            .add_rmsnorm_dense_nt_small_m(
+                (&o.as_view(), &o.as_view()),
+                &o.as_view(),
+                eps,
+                m,
+                k,
+                (
+                    &mut x.as_view_mut(),
+                    None,
+                    &mut yb.as_view_mut(),
+                    &mut rstd.as_view_mut(),
+                ),
+                (&w.slice(..8 * k), 8, &mut out.as_view_mut()),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{m} × {k}: {e}");
+    }
+}

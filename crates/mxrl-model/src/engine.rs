@@ -720,6 +720,16 @@ impl<B: Backend> Engine<B> {
             .expect("linear weights carry a BF16 operand")
     }
 
+    /// [`Backend::prefetch_weights`] of the BF16 weights among the linears `ids` (a decode
+    /// step's hint; block-format weights are left alone).
+    fn prefetch(&self, ids: impl Iterator<Item = usize>) -> Result<()> {
+        let ws: Vec<&B::Bf16> = ids
+            .filter(|&i| !self.quantized(i))
+            .map(|i| self.op(i))
+            .collect();
+        self.b.prefetch_weights(&ws).map_err(dev)
+    }
+
     /// Whether linear parameter `i` runs in a block format (its input is the f32 rows).
     fn quantized(&self, i: usize) -> bool {
         self.params[i].q.is_some()
@@ -1418,6 +1428,15 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
+        if decode {
+            // The o projection's and the router's weights head for the device's cache while
+            // the attention runs.
+            let router = match &l.ffn {
+                Ffn::Moe(m) => Some(m.router),
+                Ffn::Dense(_) => None,
+            };
+            self.prefetch(std::iter::once(l.attn.o).chain(router))?;
+        }
         if let Some([bq, bk, bv]) = l.attn.bias {
             b.add_bias(&mut q, self.w(bq), n, qd).map_err(dev)?;
             b.add_bias(&mut k, self.w(bk), n, kvd).map_err(dev)?;
@@ -1512,14 +1531,24 @@ impl<B: Backend> Engine<B> {
             b.to_bf16(&att, &mut ab, n * qd).map_err(dev)?;
             attb = Some(ab);
         }
+        // Decode of an MoE layer runs the residual add, the norm and the router as one op (the
+        // device may fuse them), so the o projection writes a buffer of its own there.
+        let router_fused = match (&l.ffn, decode) {
+            (Ffn::Moe(m), true) => Some(m.router),
+            _ => None,
+        };
         let mut x_mid = e(n * hd)?;
+        let mut o_out = match router_fused {
+            Some(_) => Some(e(n * hd)?),
+            None => None,
+        };
         self.lin(
             l.attn.o,
             self.input(l.attn.o, attb.as_ref(), Some(&att))?,
             n,
             qd,
             hd,
-            &mut x_mid,
+            o_out.as_mut().unwrap_or(&mut x_mid),
         )?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
@@ -1529,15 +1558,40 @@ impl<B: Backend> Engine<B> {
         };
         // x_mid = o + x_in (the same f32 sum as the CPU model's `x += o`) and its norm in one
         // op. The router (a BF16 linear) reads the BF16 rows of an MoE layer.
-        let (h2, h2b) = self.add_norm_rows(
-            &mut x_mid,
-            &x_in,
-            l.ln2,
-            n,
-            self.quantized(gate_up),
-            matches!(l.ffn, Ffn::Moe(_)) || !self.quantized(gate_up),
-            &mut rstd2,
-        )?;
+        let mut router_logits = None;
+        let (h2, h2b) = match (router_fused, o_out.as_mut()) {
+            (Some(router), Some(o)) => {
+                let (mut h, mut hb) = self.norm_bufs(n, self.quantized(gate_up), true)?;
+                let mut logits = e(n * c.num_experts)?;
+                b.add_rmsnorm_linear(
+                    (o, &x_in, &mut x_mid),
+                    self.w(l.ln2),
+                    (n, hd, eps),
+                    (
+                        h.as_mut(),
+                        hb.as_mut().ok_or_else(|| {
+                            ModelError::Input(
+                                "the router's BF16 input was not made (internal)".into(),
+                            )
+                        })?,
+                        &mut rstd2,
+                    ),
+                    (self.op(router), c.num_experts, &mut logits),
+                )
+                .map_err(dev)?;
+                router_logits = Some(logits);
+                (h, hb)
+            }
+            _ => self.add_norm_rows(
+                &mut x_mid,
+                &x_in,
+                l.ln2,
+                n,
+                self.quantized(gate_up),
+                matches!(l.ffn, Ffn::Moe(_)) || !self.quantized(gate_up),
+                &mut rstd2,
+            )?,
+        };
         // SwiGLU of `rows` rows into the down projection's input: f32 for a block-format
         // down projection, else BF16.
         let swiglu = |gu: &B::F32, rows: usize, f: usize| -> Result<Act<B>> {
@@ -1571,10 +1625,16 @@ impl<B: Backend> Engine<B> {
             Ffn::Moe(m) => {
                 let (ne, k) = (c.num_experts, c.num_experts_per_tok);
                 let rows = n * k;
-                let mut logits = e(n * ne)?;
                 let h2b_router = rows_made(h2b.as_ref(), "the router's BF16 input")?;
-                b.linear(h2b_router, self.op(m.router), n, hd, ne, &mut logits)
-                    .map_err(dev)?;
+                let logits = match router_logits.take() {
+                    Some(l) => l,
+                    None => {
+                        let mut logits = e(n * ne)?;
+                        b.linear(h2b_router, self.op(m.router), n, hd, ne, &mut logits)
+                            .map_err(dev)?;
+                        logits
+                    }
+                };
                 // Router and dispatch write every entry of these.
                 let u = |m: usize| b.empty_u32(m).map_err(dev);
                 let mut route = RouteBufs {

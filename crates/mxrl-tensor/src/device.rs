@@ -132,6 +132,26 @@ pub fn rmsnorm_then_linear_shared<B: Backend + ?Sized>(
     b.linear_shared(&xb, m, k, outs)
 }
 
+/// [`Backend::add_rmsnorm_linear`] as its two ops ([`Backend::add_rmsnorm`] in `o`'s buffer,
+/// which then becomes `x`, and [`Backend::linear`]): the default, and what a device does where
+/// it has no fused kernel.
+///
+/// # Errors
+/// As the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm_then_linear<B: Backend + ?Sized>(
+    b: &B,
+    (o, res, x): (&mut B::F32, &B::F32, &mut B::F32),
+    w: &B::F32,
+    (rows, d, eps): (usize, usize, f32),
+    (y, yb, rstd): (Option<&mut B::F32>, &mut B::Bf16, &mut B::F32),
+    (lw, n, out): (&B::Bf16, usize, &mut B::F32),
+) -> DResult<()> {
+    b.add_rmsnorm(o, res, w, rows, d, eps, y, Some(&mut *yb), rstd)?;
+    std::mem::swap(o, x);
+    b.linear(yb, lw, rows, d, n, out)
+}
+
 /// [`Backend::moe_gate_up_swiglu_bf16`] as its three ops ([`Backend::gather_rows_bf16`],
 /// [`Backend::grouped_linear`], [`Backend::swiglu_bf16`]): the default, and what a device does
 /// where it has no fused kernel.
@@ -416,6 +436,17 @@ pub trait Backend {
         }
         Ok(())
     }
+    /// A hint before later ops of this step read `weights` (BF16 linear operands): the device
+    /// may start moving their bytes into its caches during the ops in between (CUDA, when
+    /// enabled: the next fused decode attention's blocks issue an L2 prefetch of the first
+    /// two). Changes no result; the default, and the CPU backend, do nothing.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn prefetch_weights(&self, weights: &[&Self::Bf16]) -> DResult<()> {
+        let _ = weights;
+        Ok(())
+    }
     /// [`Backend::rmsnorm_bf16`] of `x [m, k]` with weight `w [k]`, then
     /// [`Backend::linear_shared`] of the normalized BF16 rows (decode's attention input and its
     /// q, k, v projections), with exactly those bits; neither the rows nor `rstd` are kept. The
@@ -434,6 +465,33 @@ pub trait Backend {
         outs: &mut [(&Self::Bf16, usize, &mut Self::F32)],
     ) -> DResult<()> {
         rmsnorm_then_linear_shared(self, x, w, eps, m, k, outs)
+    }
+    /// Decode's residual add, RMSNorm and router of an MoE layer in one op: `x = o + res` (the
+    /// f32 sum of [`Backend::add`]), its norm into `y` (f32, when given) and `yb` (BF16) with
+    /// `rstd`, then `out [rows, n] = yb · lwᵀ` — the bits of [`Backend::add_rmsnorm`] followed
+    /// by [`Backend::linear`] (`lw [n, d]`). `o` holds the attention's projection on entry and
+    /// anything after; `x` is overwritten. The default composes the two ops; a device may fuse
+    /// them (CUDA: for the rows its small-M linear takes).
+    ///
+    /// # Errors
+    /// As the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm_linear(
+        &self,
+        (o, res, x): (&mut Self::F32, &Self::F32, &mut Self::F32),
+        w: &Self::F32,
+        (rows, d, eps): (usize, usize, f32),
+        (y, yb, rstd): (Option<&mut Self::F32>, &mut Self::Bf16, &mut Self::F32),
+        (lw, n, out): (&Self::Bf16, usize, &mut Self::F32),
+    ) -> DResult<()> {
+        add_rmsnorm_then_linear(
+            self,
+            (o, res, x),
+            w,
+            (rows, d, eps),
+            (y, yb, rstd),
+            (lw, n, out),
+        )
     }
     /// Per-expert linear over expert-major packed rows: for every expert `e`, rows
     /// `offsets[e]..offsets[e+1]` of `x: [R, k]` times `W[e]: [n, k]` (stacked `[E, n, k]`)

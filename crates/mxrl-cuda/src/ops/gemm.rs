@@ -333,6 +333,7 @@ pub struct Gemm {
     dense_small_m: [CudaFunction; 2],
     /// `rmsnorm_dense_small_m_nb1`, `rmsnorm_dense_small_m_nb2`.
     rmsnorm_small_m: [CudaFunction; 2],
+    add_rmsnorm_small_m: [CudaFunction; 2],
     gate_up_swiglu_small_m: CudaFunction,
     down_combine_small_m: CudaFunction,
 }
@@ -366,6 +367,12 @@ impl Gemm {
         let nn_tiled = [a?, b?, c?, d?];
         let [a, b, c, d] = tiled("tn", TN_MN);
         let tn_tiled = [a?, b?, c?, d?];
+        // The small-M kernels that stage normalized rows in dynamic shared memory.
+        let with_smem = |n: &str| {
+            let func = f(n)?;
+            gpu.allow_dynamic_smem(&func, n, RMSNORM_SMALL_M_MAX_SMEM)?;
+            Ok::<_, DeviceError>(func)
+        };
         Ok(Gemm {
             gpu: gpu.clone(),
             blas: blas_for(gpu)?,
@@ -374,17 +381,14 @@ impl Gemm {
             tn_tiled,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
-            rmsnorm_small_m: {
-                let load = |n: &str| {
-                    let func = f(n)?;
-                    gpu.allow_dynamic_smem(&func, n, RMSNORM_SMALL_M_MAX_SMEM)?;
-                    Ok::<_, DeviceError>(func)
-                };
-                [
-                    load("rmsnorm_dense_small_m_nb1")?,
-                    load("rmsnorm_dense_small_m_nb2")?,
-                ]
-            },
+            rmsnorm_small_m: [
+                with_smem("rmsnorm_dense_small_m_nb1")?,
+                with_smem("rmsnorm_dense_small_m_nb2")?,
+            ],
+            add_rmsnorm_small_m: [
+                with_smem("add_rmsnorm_dense_small_m_nb1")?,
+                with_smem("add_rmsnorm_dense_small_m_nb2")?,
+            ],
             gate_up_swiglu_small_m: f("grouped_gate_up_swiglu_small_m")?,
             down_combine_small_m: f("grouped_down_combine_small_m")?,
         })
@@ -846,14 +850,100 @@ impl Gemm {
         k: usize,
         outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
     ) -> Result<(), DeviceError> {
+        let smem = Self::rmsnorm_small_m_smem(m, k);
+        self.norm_small_m(
+            "rmsnorm_dense_nt_small_m",
+            x,
+            nw,
+            eps,
+            m,
+            k,
+            outs,
+            smem,
+            None,
+        )
+    }
+
+    /// Shared memory [`Gemm::add_rmsnorm_dense_nt_small_m`] needs for `m` rows of `k`: the
+    /// normalized BF16 rows and the f32 sums.
+    pub fn add_rmsnorm_small_m_smem(m: usize, k: usize) -> usize {
+        m * k * 6
+    }
+
+    /// Decode's residual add, RMSNorm and a narrow linear (an MoE layer's router) in one
+    /// launch: `x_out = o + res`, `rstd`, `yb` (and `y` when given) the norm of `x_out` with
+    /// weight `nw` — the bits `Norm::forward_add` writes, for `k ≥ 256` — and
+    /// `out = yb · Wᵀ` with the bits of [`Gemm::dense_nt_small_m`]. `o, res, x_out, y: [m, k]`
+    /// f32, `yb [m, k]` BF16, `rstd [m]`; `o` is only read. At most 8 rows.
+    ///
+    /// # Errors
+    /// As [`Gemm::rmsnorm_dense_nt_small_m`]; more than 8 rows; short outputs.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn add_rmsnorm_dense_nt_small_m(
+        &self,
+        (o, res): (&CudaView<'_, f32>, &CudaView<'_, f32>),
+        nw: &CudaView<'_, f32>,
+        eps: f32,
+        m: usize,
+        k: usize,
+        (x_out, y, yb, rstd): (
+            &mut CudaViewMut<'_, f32>,
+            Option<&mut CudaViewMut<'_, f32>>,
+            &mut CudaViewMut<'_, u16>,
+            &mut CudaViewMut<'_, f32>,
+        ),
+        out: (&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>),
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let op = "rmsnorm_dense_nt_small_m";
+        let op = "add_rmsnorm_dense_nt_small_m";
+        if m > 8 {
+            return Err(g.err(format!("{op}: {m} rows (at most 8: one pass)")));
+        }
+        let mk = mul(g, op, m, k)?;
+        check_len(g, &format!("{op} residual"), res.len(), mk)?;
+        check_len(g, &format!("{op} sum"), x_out.len(), mk)?;
+        check_len(g, &format!("{op} BF16 rows"), yb.len(), mk)?;
+        check_len(g, &format!("{op} rstd"), rstd.len(), m)?;
+        let stream = g.stream();
+        let y_ptr = match y {
+            Some(y) => {
+                check_len(g, &format!("{op} f32 rows"), y.len(), mk)?;
+                y.device_ptr_mut(stream).0
+            }
+            None => 0,
+        };
+        let add = AddNormPtrs {
+            res: res.device_ptr(stream).0,
+            x: x_out.device_ptr_mut(stream).0,
+            y: y_ptr,
+            yb: yb.device_ptr_mut(stream).0,
+            rstd: rstd.device_ptr_mut(stream).0,
+        };
+        let smem = Self::add_rmsnorm_small_m_smem(m, k);
+        self.norm_small_m(op, o, nw, eps, m, k, &mut [out], smem, Some(add))
+    }
+
+    /// The launch of [`Gemm::rmsnorm_dense_nt_small_m`] and (`add`: the residual and the
+    /// norm's outputs) [`Gemm::add_rmsnorm_dense_nt_small_m`].
+    #[allow(clippy::too_many_arguments)]
+    fn norm_small_m(
+        &self,
+        op: &str,
+        x: &CudaView<'_, f32>,
+        nw: &CudaView<'_, f32>,
+        eps: f32,
+        m: usize,
+        k: usize,
+        outs: &mut [(&CudaView<'_, u16>, usize, &mut CudaViewMut<'_, f32>)],
+        smem: usize,
+        add: Option<AddNormPtrs>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
         if k < 256 {
             return Err(g.err(format!(
                 "{op}: k = {k}; the 256-thread norm's reduction needs k ≥ 256"
             )));
         }
-        let smem = Self::rmsnorm_small_m_smem(m, k);
         if smem > RMSNORM_SMALL_M_MAX_SMEM {
             return Err(g.err(format!(
                 "{op}: {m} rows of {k} need {smem} bytes of shared memory (at most \
@@ -868,16 +958,26 @@ impl Gemm {
             return Ok(());
         };
         let (mm, kk) = (m as u32, k as u32);
-        let mut b = g.stream().launch_builder(&self.rmsnorm_small_m[nb - 1]);
+        let func = match add {
+            Some(_) => &self.add_rmsnorm_small_m[nb - 1],
+            None => &self.rmsnorm_small_m[nb - 1],
+        };
+        let mut b = g.stream().launch_builder(func);
         b.arg(x).arg(nw).arg(&eps).arg(&mm).arg(&kk);
         for (w, y, n) in &ptrs {
             b.arg(w).arg(y).arg(n);
         }
+        if let Some(a) = &add {
+            b.arg(&a.res).arg(&a.x).arg(&a.y).arg(&a.yb).arg(&a.rstd);
+        }
         // SAFETY: x holds m·k and nw k f32 (checked), each W_i n_i·k, y_i m·n_i (checked);
-        // the block writes min(m, 8)·k BF16 of dynamic shared memory (the launch's size,
-        // allowed in `new`) and reads its rows with 16-byte loads (k a multiple of 8); the rest
-        // as dense_nt_small_m. Argument types match (const float*, const float*, float, u32,
-        // u32, then (const u16*, float*, u32) × 3).
+        // the block writes `smem` bytes of dynamic shared memory (the launch's size, allowed
+        // in `new`: min(m, 8)·k BF16, and with `add` m ≤ 8 rows of k f32 after them) and reads
+        // its rows with 16-byte loads (k a multiple of 8); with `add`, block 0 writes m·k
+        // elements of x, yb and y (when not null) and m of rstd, and every block reads m·k of
+        // res (all checked by the caller); the rest as dense_nt_small_m. Argument types match
+        // (const float*, const float*, float, u32, u32, then (const u16*, float*, u32) × 3,
+        // then with `add` const float*, float*, float* — 0 for none — u16*, float*).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
@@ -1301,4 +1401,14 @@ impl Gemm {
             shared_mem_bytes: tile.smem_bytes(a_mn, b_mn) as u32,
         })
     }
+}
+
+/// The residual and the norm's outputs of [`Gemm::add_rmsnorm_dense_nt_small_m`] (device
+/// addresses, `y` 0 for none).
+struct AddNormPtrs {
+    res: u64,
+    x: u64,
+    y: u64,
+    yb: u64,
+    rstd: u64,
 }
