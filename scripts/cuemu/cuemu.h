@@ -347,8 +347,6 @@ inline void cp_async_wait(unsigned n) { cuemu::cp_async_wait(n); }
 // griddepcontrol.wait / launch_dependents: cuemu runs a stream's work in order, one grid at a
 // time, so every grid a kernel depends on has finished before it starts.
 inline void grid_dependency() {}
-// cp.async.bulk.prefetch.L2 / prefetch.global.L2: a cache hint, nothing to model (no cache).
-inline void l2_prefetch(const void*, unsigned long long) {}
 void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr, bool trans);
 // d = a·b + c for one m16n8k16 tile (kind 0: BF16, 1: binary16) or m16n8k32 (kind 2: E4M3).
 void mma(int kind, float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2, unsigned a3,

@@ -40,8 +40,6 @@ ASM = [
     ("cp.async.wait_group %0;", "cuemu_ptx::cp_async_wait({i0})"),
     ("cp.async.wait_all;", "cuemu_ptx::cp_async_wait(0)"),
     ("griddepcontrol.wait;", "cuemu_ptx::grid_dependency()"),
-    ("cp.async.bulk.prefetch.L2.global [%0], %1;", "cuemu_ptx::l2_prefetch({i0}, {i1})"),
-    ("prefetch.global.L2 [%0];", "cuemu_ptx::l2_prefetch({i0}, 128u)"),
     ("griddepcontrol.launch_dependents;", "cuemu_ptx::grid_dependency()"),
 ]
 

@@ -410,30 +410,3 @@ __device__ __forceinline__ u32 moe_token_order(const u32* __restrict__ row_of, c
 }
 
 #endif
-
-// Thread t of T's share of an L2 prefetch of R byte ranges (base p[r], n[r] bytes; bases
-// 16-byte aligned): the ranges cut into L2P_CHUNK-byte chunks, chunk c (counted over the
-// ranges in order) issued by thread c mod T. sm_90 issues one bulk prefetch per chunk (a
-// chunk's tail below 16 bytes is left out), older devices one line prefetch per 128 bytes. A
-// cache hint: nothing is read into registers or written.
-#define L2P_CHUNK 16384u
-template <int R>
-__device__ __forceinline__ void l2_prefetch_share(const u8* const (&p)[R], const u64 (&n)[R], u64 t, u64 T) {
-    u64 c = t, first = 0;  // first: chunks of the ranges before range r
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const u64 chunks = (n[r] + L2P_CHUNK - 1) / L2P_CHUNK;
-        for (; c < first + chunks; c += T) {
-            const u64 off = (c - first) * L2P_CHUNK;
-            const u64 len = min((u64)L2P_CHUNK, n[r] - off);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            const u32 bytes = (u32)(len & ~(u64)15);
-            if (bytes != 0u)
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p[r] + off), "r"(bytes) : "memory");
-#else
-            for (u64 b = 0; b < len; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p[r] + off + b));
-#endif
-        }
-        first += chunks;
-    }
-}

@@ -1594,24 +1594,16 @@ attn_decode_partial(const float* __restrict__ q, const u16* __restrict__ kc, con
 // its staged copy; then attn_decode_partial's work (attn_decode_combine follows for caches of
 // several chunks). q_raw and k_raw are only read. 1 <= len <= max_len appends; other lengths
 // write the combine's zeros / NaN (one chunk) or nothing (the combine writes them) and append
-// nothing, as the unfused ops do. pf0 / pf1 (pf0_n / pf1_n bytes, 0 for none): byte ranges
-// the blocks' first warps prefetch into L2 first (l2_prefetch_share; Backend::prefetch_weights:
-// the weights of the GEMMs that follow, on their way while this latency-bound kernel runs).
+// nothing, as the unfused ops do.
 #define ATT_DEC_FUSED_ARGS                                                                                  \
     const float *__restrict__ q_raw, const float *__restrict__ k_raw, const float *__restrict__ v_new,       \
         const float *__restrict__ wq, const float *__restrict__ wk, float eps, const float *__restrict__ cos_t, \
         const float *__restrict__ sin_t, const u32 *__restrict__ pos, u32 max_pos, u16 *kc, u16 *vc,          \
         const u32 *__restrict__ lens, float *__restrict__ part_m,                                             \
         float *__restrict__ part_l, float *__restrict__ part_o, float *__restrict__ out, u16 *__restrict__ outb, \
-        u32 hq, u32 hkv, u32 D, u32 max_len, float scale, const u8 *pf0, u64 pf0_n, const u8 *pf1, u64 pf1_n
+        u32 hq, u32 hkv, u32 D, u32 max_len, float scale
 #define ATT_DEC_FUSED_ENTRY(name, NW)                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS) name(ATT_DEC_FUSED_ARGS) {                  \
-        if (threadIdx.x < 32) {                                                                                \
-            const u8* const pf[2] = {pf0, pf1};                                                                \
-            const u64 pn[2] = {pf0_n, pf1_n};                                                                  \
-            const u64 blk = ((u64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;               \
-            l2_prefetch_share<2>(pf, pn, blk * 32 + threadIdx.x, (u64)gridDim.x * gridDim.y * gridDim.z * 32); \
-        }                                                                                                      \
         const AttDecPrep pr{q_raw, k_raw, v_new, wq, wk, eps, cos_t, sin_t, pos, max_pos, kc, vc};            \
         attn_decode_body<NW>(nullptr, kc, vc, lens, part_m, part_l, part_o, out, outb, hq, hkv, D, max_len, scale, \
                              pr);                                                                              \

@@ -344,11 +344,6 @@ pub struct CudaBackend {
     /// Which dense BF16 forwards take the fragment kernels ([`DenseFrag::from_env`] unless set
     /// by [`CudaBackend::set_dense_frag`]).
     dense_frag: Cell<DenseFrag>,
-    /// Whether [`Backend::prefetch_weights`] leaves its ranges for the next fused decode
-    /// attention (`MXRL_DECODE_PREFETCH=on|off`; [`CudaBackend::set_prefetch`]).
-    prefetch: Cell<bool>,
-    /// The ranges (device address, bytes) the next fused decode attention prefetches.
-    pending_prefetch: Cell<[(u64, u64); 2]>,
 }
 
 impl CudaBackend {
@@ -382,13 +377,6 @@ impl CudaBackend {
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
             dense_frag: Cell::new(DenseFrag::from_env()),
-            prefetch: Cell::new(matches!(
-                std::env::var("MXRL_DECODE_PREFETCH")
-                    .as_deref()
-                    .map(str::trim),
-                Ok("on")
-            )),
-            pending_prefetch: Cell::new([(0, 0); 2]),
             gpu,
         })
     }
@@ -409,12 +397,6 @@ impl CudaBackend {
     /// ([`DenseFrag`]); both give the same products, summed in another order.
     pub fn set_dense_frag(&self, d: DenseFrag) {
         self.dense_frag.set(d);
-    }
-
-    /// Whether a decode step's fused attention prefetches the weights of the GEMMs after it
-    /// into L2 ([`Backend::prefetch_weights`]). Results do not depend on it.
-    pub fn set_prefetch(&self, on: bool) {
-        self.prefetch.set(on);
     }
 
     /// `cuda:N (name)`.
@@ -1785,21 +1767,6 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn prefetch_weights(&self, weights: &[&Self::Bf16]) -> DResult<()> {
-        use cudarc::driver::DevicePtr;
-        if !self.prefetch.get() {
-            return Ok(());
-        }
-        // The next fused decode attention issues it (a latency-bound kernel with the memory
-        // idle); a hint no attention takes is replaced by the next one.
-        let mut r = [(0u64, 0u64); 2];
-        for (r, w) in r.iter_mut().zip(weights) {
-            *r = (w.device_ptr(self.gpu.stream()).0, 2 * w.len() as u64);
-        }
-        self.pending_prefetch.set(r);
-        Ok(())
-    }
-
     fn rmsnorm_linear_shared(
         &self,
         x: &Self::F32,
@@ -2226,7 +2193,6 @@ impl Backend for CudaBackend {
                 (&mut k_cache.as_view_mut(), &mut v_cache.as_view_mut()),
                 &mut scratch.as_view_mut(),
                 outs,
-                self.pending_prefetch.replace([(0, 0); 2]),
             )
             .map_err(de)
     }

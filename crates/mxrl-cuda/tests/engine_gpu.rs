@@ -322,43 +322,6 @@ fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
     }
 }
 
-/// The decode attention's L2 prefetch of the o projection's and the router's weights
-/// (`Backend::prefetch_weights`, at a head width with a fused attention kernel) changes no bits
-/// of a recorded decode step over eight replays.
-#[test]
-fn gpu_decode_with_the_attention_prefetch_gives_the_same_bits() {
-    let mut cfg = config();
-    cfg.hidden_size = 256;
-    cfg.num_heads = 4;
-    cfg.head_dim = 64;
-    let mut m = Model::random(&cfg, 11).unwrap();
-    m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
-    let s = seqs();
-    let prompts: Vec<&[u32]> = s.iter().map(|q| &q[..q.len().min(9)]).collect();
-    let run = |prefetch: bool| {
-        let b = CudaBackend::new(0).unwrap();
-        b.set_prefetch(prefetch);
-        let g = Engine::from_model(&m, b, 64).unwrap();
-        let (mut st, z) = g.prefill(&prompts, 40).unwrap();
-        let mut all = vec![bits(&[z])];
-        for t in 0..8 {
-            let z = g
-                .decode_step(&mut st, &decode_feed(prompts.len(), cfg.vocab_size, t))
-                .unwrap();
-            all.push(bits(&[z]));
-        }
-        assert!(
-            st.graph_status().0,
-            "decode steps were not recorded as a graph"
-        );
-        all
-    };
-    let (plain, warmed) = (run(false), run(true));
-    for (t, (a, b)) in warmed.iter().zip(&plain).enumerate() {
-        assert_eq!(a, b, "step {t}: the prefetching step differs");
-    }
-}
-
 #[test]
 fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
     let m = model();

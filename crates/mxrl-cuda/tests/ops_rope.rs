@@ -198,7 +198,6 @@ fn fused_decode_attention_prep_is_bitwise_the_ops_it_replaces() {
         },
     ];
     let gpu_b = CudaBackend::new(0).unwrap();
-    gpu_b.set_prefetch(true);
     for (i, c) in cases.iter().enumerate() {
         for norms in [true, false] {
             let what = ["q", "k", "k cache", "v cache"];
@@ -287,11 +286,6 @@ fn fused_decode_attention_is_bitwise_the_ops_it_replaces() {
             };
             let w = norms.then_some([&wq, &wk]);
             let op = if fused {
-                // The second step's launch also carries an L2 prefetch (of the caches: a
-                // hint that changes nothing it computes).
-                if step == 1 {
-                    b.prefetch_weights(&[&kc, &vc]).unwrap();
-                }
                 B::decode_attention
             } else {
                 decode_attention_ops::<B>

@@ -720,16 +720,6 @@ impl<B: Backend> Engine<B> {
             .expect("linear weights carry a BF16 operand")
     }
 
-    /// [`Backend::prefetch_weights`] of the BF16 weights among the linears `ids` (a decode
-    /// step's hint; block-format weights are left alone).
-    fn prefetch(&self, ids: impl Iterator<Item = usize>) -> Result<()> {
-        let ws: Vec<&B::Bf16> = ids
-            .filter(|&i| !self.quantized(i))
-            .map(|i| self.op(i))
-            .collect();
-        self.b.prefetch_weights(&ws).map_err(dev)
-    }
-
     /// Whether linear parameter `i` runs in a block format (its input is the f32 rows).
     fn quantized(&self, i: usize) -> bool {
         self.params[i].q.is_some()
@@ -1427,15 +1417,6 @@ impl<B: Backend> Engine<B> {
                     )?;
                 }
             }
-        }
-        if decode {
-            // The o projection's and the router's weights head for the device's cache while
-            // the attention runs.
-            let router = match &l.ffn {
-                Ffn::Moe(m) => Some(m.router),
-                Ffn::Dense(_) => None,
-            };
-            self.prefetch(std::iter::once(l.attn.o).chain(router))?;
         }
         if let Some([bq, bk, bv]) = l.attn.bias {
             b.add_bias(&mut q, self.w(bq), n, qd).map_err(dev)?;

@@ -436,17 +436,6 @@ pub trait Backend {
         }
         Ok(())
     }
-    /// A hint before later ops of this step read `weights` (BF16 linear operands): the device
-    /// may start moving their bytes into its caches during the ops in between (CUDA, when
-    /// enabled: the next fused decode attention's blocks issue an L2 prefetch of the first
-    /// two). Changes no result; the default, and the CPU backend, do nothing.
-    ///
-    /// # Errors
-    /// Device errors.
-    fn prefetch_weights(&self, weights: &[&Self::Bf16]) -> DResult<()> {
-        let _ = weights;
-        Ok(())
-    }
     /// [`Backend::rmsnorm_bf16`] of `x [m, k]` with weight `w [k]`, then
     /// [`Backend::linear_shared`] of the normalized BF16 rows (decode's attention input and its
     /// q, k, v projections), with exactly those bits; neither the rows nor `rstd` are kept. The

@@ -1090,7 +1090,6 @@ impl Attention {
         (k_cache, v_cache): (&mut CudaViewMut<'_, u16>, &mut CudaViewMut<'_, u16>),
         scratch: &mut CudaViewMut<'_, f32>,
         mut out: DecodeOut<'_, '_>,
-        prefetch: [(u64, u64); 2],
     ) -> Result<(), DeviceError> {
         let op = "fused decode attention";
         let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
@@ -1160,11 +1159,7 @@ impl Attention {
             DecodeOut::Bf16(o) => b.arg(&null).arg(&mut **o),
         };
         b.arg(&hq32).arg(&hkv32).arg(&d32).arg(&ml32).arg(&scale);
-        for (p, n) in &prefetch {
-            b.arg(p).arg(n);
-        }
-        // SAFETY (the prefetch ranges: the caller's live buffers, only prefetched into L2):
-        // block (b, kh, s), b < batch ≤ slots: reads q row b's heads of kh, k's and v's
+        // SAFETY: block (b, kh, s), b < batch ≤ slots: reads q row b's heads of kh, k's and v's
         // head kh of row b (batch·Hq·D, batch·Hkv·D checked), the norm weights below D
         // (checked; null pointers only without norms, then never read), pos[b], lens[b] and the
         // table below max_pos·D/2 only when pos[b] < max_pos; it writes the caches at
