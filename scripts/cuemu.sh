@@ -12,6 +12,9 @@
 #       named ones) on a stand-in CUDA installation whose every kernel runs under cuemu
 #       (libcuda, libnvrtc and libcublas from scripts/cuemu/fake.sh). Slow: minutes per binary.
 #       CUEMU_TEST_THREADS=N runs N tests of a binary at a time (default 1).
+#       CUEMU_FAULT=FILE.sed plants a fault: the sed script edits the copied kernel sources,
+#       and the stand-in runs the edited kernels where the tests compile the real ones, so the
+#       tests meant to catch the fault must fail (a script that changes nothing is refused).
 #   CUEMU_TRACE_GRAPHS=1 (any program run on the stand-in, e.g.
 #   `LD_LIBRARY_PATH=target/cuemu/fake/lib target/release/mxrl bench model --device cuda --small
 #   --train-seqs 0 --batches 1 --steps 1 --reps 1`) lists every captured CUDA graph's nodes on
@@ -30,7 +33,24 @@ target/release/examples/nvrtc_check --sources "$out/src" >/dev/null
 if [[ $mode == tests ]]; then
   mkdir -p "$out/srcs"
   rm -f "$out"/srcs/*.cu && cp "$out"/src/*.cu "$out/srcs/"
-  scripts/cuemu/fake.sh "$out/srcs" "$out/fake"
+  if [[ -n ${CUEMU_FAULT:-} ]]; then
+    sed -i -f "$CUEMU_FAULT" "$out"/srcs/*.cu
+    echo "cuemu: planted fault ($CUEMU_FAULT):"
+    changed=0
+    for f in "$out"/srcs/*.cu; do
+      if ! cmp -s "$f" "$out/src/${f##*/}"; then
+        changed=1
+        diff "$out/src/${f##*/}" "$f" | sed "s|^|  ${f##*/}: |" || true
+      fi
+    done
+    if ((changed == 0)); then
+      echo "cuemu: $CUEMU_FAULT changed no kernel source" >&2
+      exit 2
+    fi
+    scripts/cuemu/fake.sh "$out/srcs" "$out/fake" "$out/src"
+  else
+    scripts/cuemu/fake.sh "$out/srcs" "$out/fake"
+  fi
   mapfile -t bins < <(cargo test --release -p mxrl-cuda --features cuda --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys
