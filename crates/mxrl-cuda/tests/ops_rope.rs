@@ -13,6 +13,15 @@ fn gpu() -> Gpu {
     Gpu::shared(0).unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is unusable: {e}"))
 }
 
+/// Attention heads: `q_heads` query heads of width `head_dim` over `kv_heads` kv heads.
+fn shape(q_heads: usize, kv_heads: usize, head_dim: usize) -> mxrl_tensor::attention::AttnShape {
+    mxrl_tensor::attention::AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim,
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -154,11 +163,6 @@ fn fused_decode_attention_prep_is_bitwise_the_ops_it_replaces() {
         lens: Vec<u32>,
         seed: u64,
     }
-    let shape = |q_heads, kv_heads, head_dim| AttnShape {
-        q_heads,
-        kv_heads,
-        head_dim,
-    };
     let cases = [
         Case {
             rows: 5,
@@ -324,11 +328,6 @@ fn fused_decode_attention_is_bitwise_the_ops_it_replaces() {
         }
         got
     }
-    let shape = |q_heads, kv_heads, head_dim| AttnShape {
-        q_heads,
-        kv_heads,
-        head_dim,
-    };
     let cases = [
         // Several chunks (max_len 200: four), Qwen3's layout; lengths 0 and past the cache,
         // a position past the table (row 6: len 200 → position 199 ≥ 150).
