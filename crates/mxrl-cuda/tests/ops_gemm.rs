@@ -1022,6 +1022,23 @@ fn dense_small_m_matches_reference_and_fuses_outputs_bitwise() {
                 "case {i}: output {j} alone vs fused"
             );
             let n = ns[j];
+            // The same column sums as the grouped small-M kernel over one expert, whose loop
+            // loads each chunk set as it goes (the dense kernels load their first ahead).
+            let grouped = run_nt(
+                &g,
+                &ops,
+                &Case {
+                    n,
+                    k,
+                    counts: vec![m],
+                    extra: 0,
+                },
+                &x,
+                &ws[j],
+                GroupedPath::SmallM,
+                None,
+            );
+            assert_eq!(grouped, fused[j], "case {i}: output {j} vs grouped small-M");
             let want = matmul_nt(&x.f, &ws[j].f, m, k, n);
             let bound = gemm_nt_bounds_with(&x.f, &ws[j].f, m, k, n, two_order_sum_bound);
             assert_within(
