@@ -1514,22 +1514,22 @@ impl<B: Backend> Engine<B> {
         }
         // Decode of an MoE layer runs the residual add, the norm and the router as one op (the
         // device may fuse them), so the o projection writes a buffer of its own there.
-        let router_fused = match (&l.ffn, decode) {
-            (Ffn::Moe(m), true) => Some(m.router),
+        // `fused`: the router and the o projection's own buffer.
+        let mut fused = match (&l.ffn, decode) {
+            (Ffn::Moe(m), true) => Some((m.router, e(n * hd)?)),
             _ => None,
         };
         let mut x_mid = e(n * hd)?;
-        let mut o_out = match router_fused {
-            Some(_) => Some(e(n * hd)?),
-            None => None,
-        };
         self.lin(
             l.attn.o,
             self.input(l.attn.o, attb.as_ref(), Some(&att))?,
             n,
             qd,
             hd,
-            o_out.as_mut().unwrap_or(&mut x_mid),
+            match fused.as_mut() {
+                Some((_, o)) => o,
+                None => &mut x_mid,
+            },
         )?;
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         let mut rstd2 = e(n)?;
@@ -1540,8 +1540,8 @@ impl<B: Backend> Engine<B> {
         // x_mid = o + x_in (the same f32 sum as the CPU model's `x += o`) and its norm in one
         // op. The router (a BF16 linear) reads the BF16 rows of an MoE layer.
         let mut router_logits = None;
-        let (h2, h2b) = match (router_fused, o_out.as_mut()) {
-            (Some(router), Some(o)) => {
+        let (h2, h2b) = match fused.as_mut() {
+            Some((router, o)) => {
                 let (mut h, mut hb) = self.norm_bufs(n, self.quantized(gate_up), true)?;
                 let mut logits = e(n * c.num_experts)?;
                 b.add_rmsnorm_linear(
@@ -1557,7 +1557,7 @@ impl<B: Backend> Engine<B> {
                         })?,
                         &mut rstd2,
                     ),
-                    (self.op(router), c.num_experts, &mut logits),
+                    (self.op(*router), c.num_experts, &mut logits),
                 )
                 .map_err(dev)?;
                 router_logits = Some(logits);
