@@ -180,6 +180,14 @@ fn add_norm_router_fused() -> bool {
     *ON.get_or_init(|| !env_off("MXRL_ADD_NORM_ROUTER"))
 }
 
+/// Whether the small-M kernels with the RMSNorm in front take `m` rows of `k` into outputs of
+/// widths `ns`, needing `smem` bytes of shared memory: the small-M linear's rows, and the
+/// 256-thread norm's reduction and the shared-memory limit that `Gemm::norm_small_m` refuses
+/// outside of.
+fn norm_small_m_shape(m: usize, k: usize, ns: &[usize], smem: usize) -> bool {
+    small_m_dense(m, k, ns) && k >= 256 && smem <= RMSNORM_SMALL_M_MAX_SMEM
+}
+
 /// Whether a decode projection of the routed experts is small enough for the fused small-M
 /// kernels: at most half a row per expert on average, on the small-M path.
 fn moe_fused_shape(s: Grouped) -> bool {
@@ -1778,9 +1786,7 @@ impl Backend for CudaBackend {
     ) -> DResult<()> {
         let ns: Vec<usize> = outs.iter().map(|o| o.1).collect();
         if outs.len() <= DENSE_SMALL_M_OUTPUTS
-            && small_m_dense(m, k, &ns)
-            && k >= 256
-            && Gemm::rmsnorm_small_m_smem(m, k) <= RMSNORM_SMALL_M_MAX_SMEM
+            && norm_small_m_shape(m, k, &ns, Gemm::rmsnorm_small_m_smem(m, k))
         {
             return with_small_m_views(outs, |args| {
                 self.gemm
@@ -1802,10 +1808,8 @@ impl Backend for CudaBackend {
         // Where `linear` takes the small-M kernel and the norm the 256-thread block: one
         // launch with both ops' bits.
         if add_norm_router_fused()
-            && small_m_dense(rows, d, &[n])
-            && d >= 256
             && rows <= 8
-            && Gemm::add_rmsnorm_small_m_smem(rows, d) <= RMSNORM_SMALL_M_MAX_SMEM
+            && norm_small_m_shape(rows, d, &[n], Gemm::add_rmsnorm_small_m_smem(rows, d))
         {
             let mut yv = y.map(|y| y.as_view_mut());
             return self

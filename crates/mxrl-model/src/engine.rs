@@ -1513,8 +1513,8 @@ impl<B: Backend> Engine<B> {
             attb = Some(ab);
         }
         // Decode of an MoE layer runs the residual add, the norm and the router as one op (the
-        // device may fuse them), so the o projection writes a buffer of its own there.
-        // `fused`: the router and the o projection's own buffer.
+        // device may fuse them), so the o projection writes a buffer of its own there:
+        // `fused` holds the router and that buffer.
         let mut fused = match (&l.ffn, decode) {
             (Ffn::Moe(m), true) => Some((m.router, e(n * hd)?)),
             _ => None,
@@ -1563,7 +1563,7 @@ impl<B: Backend> Engine<B> {
                 router_logits = Some(logits);
                 (h, hb)
             }
-            _ => self.add_norm_rows(
+            None => self.add_norm_rows(
                 &mut x_mid,
                 &x_in,
                 l.ln2,
