@@ -27,6 +27,7 @@
 #include <vector>
 
 #define __CUDA_ARCH__ 900
+#define __CUDA_ARCH_FEAT_SM90_ALL 1  // the op modules are compiled for compute_90a on sm_90
 #define __global__
 #define __device__
 #define __host__
@@ -74,6 +75,7 @@ const dim3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
 unsigned char* dyn_smem();
+unsigned g_smem_bytes_now();  // the running launch's dynamic shared memory
 void syncthreads();
 void syncwarp(unsigned mask);
 [[noreturn]] void fail(const char* what);
@@ -348,6 +350,16 @@ inline void cp_async_wait(unsigned n) { cuemu::cp_async_wait(n); }
 // time, so every grid a kernel depends on has finished before it starts.
 inline void grid_dependency() {}
 void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr, bool trans);
+// wgmma.mma_async m64nNk16 f32 += bf16·bf16 with both operands from shared-memory descriptors
+// (ta / tb: MN-major), computed for the calling thread's N / 2 accumulators when issued; the
+// fences and the commit / wait of its groups have nothing left to order.
+void wgmma_bf16(int n, unsigned long long da, unsigned long long db, unsigned scale_d, int ta, int tb, float* const* d);
+template <class... F>
+inline void wgmma_bf16_n(unsigned long long da, unsigned long long db, unsigned scale_d, int ta, int tb, F&... d) {
+    float* const p[] = {&d...};
+    wgmma_bf16((int)(2 * sizeof...(F)), da, db, scale_d, ta, tb, p);
+}
+inline void wgmma_nop() {}
 // d = a·b + c for one m16n8k16 tile (kind 0: BF16, 1: binary16) or m16n8k32 (kind 2: E4M3).
 void mma(int kind, float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
          unsigned b0, unsigned b1);

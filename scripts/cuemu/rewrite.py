@@ -40,6 +40,12 @@ ASM = [
     ("cp.async.wait_group %0;", "cuemu_ptx::cp_async_wait({i0})"),
     ("cp.async.wait_all;", "cuemu_ptx::cp_async_wait(0)"),
     ("griddepcontrol.wait;", "cuemu_ptx::grid_dependency()"),
+    ("{ .reg .pred p; setp.ne.b32 p, %130, 0; wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+     "cuemu_ptx::wgmma_bf16_n({i0}, {i1}, {i2}, {i3}, {i4}, {oall})"),
+    ("wgmma.fence.sync.aligned;", "cuemu_ptx::wgmma_nop()"),
+    ("wgmma.commit_group.sync.aligned;", "cuemu_ptx::wgmma_nop()"),
+    ("wgmma.wait_group.sync.aligned %0;", "cuemu_ptx::wgmma_nop()"),
+    ("fence.proxy.async.shared::cta;", "cuemu_ptx::wgmma_nop()"),
     ("griddepcontrol.launch_dependents;", "cuemu_ptx::grid_dependency()"),
 ]
 
@@ -126,6 +132,7 @@ def rewrite_asm(body, where):
         if norm.startswith(key) or norm == key:
             args = {f"o{k}": e for k, (_, e) in enumerate(outs)}
             args.update({f"i{k}": e for k, (_, e) in enumerate(ins)})
+            args["oall"] = ", ".join(e for _, e in outs)
             try:
                 return call.format(**args)
             except KeyError as e:

@@ -35,7 +35,9 @@ namespace cuemu {
 namespace {
 constexpr size_t STACK = 256 * 1024;
 constexpr size_t SMEM_MAX = 232448;  // sm_90's largest opt-in dynamic shared memory per block
-alignas(128) unsigned char g_smem[SMEM_MAX];
+// 256 KB aligned: the dynamic window's shared addresses are 2^31 + offset, so the 18-bit
+// address of a wgmma matrix descriptor is the offset itself.
+alignas(262144) unsigned char g_smem[SMEM_MAX];
 
 struct Copy {
     void* dst;
@@ -141,6 +143,7 @@ const dim3& block_idx() { return g_block; }
 const dim3& block_dim() { return g_bdim; }
 const dim3& grid_dim() { return g_grid; }
 unsigned char* dyn_smem() { return g_smem; }
+unsigned g_smem_bytes_now() { return g_smem_bytes; }
 unsigned lane_id() { return g_cur->linear % 32; }
 
 void syncthreads() {
@@ -429,5 +432,44 @@ void mma(int kind, float& d0, float& d1, float& d2, float& d3, unsigned a0, unsi
     d1 = d[1];
     d2 = d[2];
     d3 = d[3];
+}
+
+// ---- wgmma (m64nNk16, f32 += bf16 · bf16, both operands in shared memory) ----
+// Each thread computes its own accumulators at issue time, straight from shared memory: the
+// kernels may not write a stage's buffers before the wgmma.wait_group and barrier that follow
+// its multiplies, so the values are those the tensor cores would read. Per k16 step the 16
+// exact products and the accumulator are added in f64 and rounded once, as `mma` above.
+namespace {
+// The byte at element (mn, k) of a descriptor's matrix: CUTLASS's canonical SW128 layouts
+// (K-major: 8-row groups SBO apart, rows 128 bytes; MN-major: 64-wide atoms LBO apart, 8-row
+// groups of the reduction SBO apart, rows 128 bytes), then the 128-byte swizzle on the
+// shared address (bits 4-6 ^= bits 7-9).
+const unsigned char* wg_elem(unsigned long long desc, bool mn_major, int mn, int k) {
+    if ((desc >> 62) != 1) cuemu::fail("wgmma: only the 128-byte swizzle is modelled");
+    if ((desc >> 49) & 7) cuemu::fail("wgmma: a nonzero descriptor base offset is not modelled");
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4, sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    unsigned a = mn_major ? start + (mn / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (mn % 64) * 2
+                          : start + (mn / 8) * sbo + (mn % 8) * 128 + k * 2;
+    a ^= ((a >> 7) & 7u) << 4;
+    if (a + 2 > cuemu::g_smem_bytes_now()) cuemu::fail("wgmma: a descriptor reads past the dynamic shared memory");
+    return (const unsigned char*)cuemu_shared_ptr((1u << 31) + a);
+}
+double wg_bf16(const unsigned char* p) {
+    unsigned short h;
+    std::memcpy(&h, p, 2);
+    return (double)__uint_as_float((unsigned)h << 16);
+}
+}  // namespace
+
+void wgmma_bf16(int n, unsigned long long da, unsigned long long db, unsigned scale_d, int ta, int tb, float* const* d) {
+    const unsigned x = cuemu::thread_idx().x % 128, w = x / 32, lane = x % 32, g = lane / 4, t = lane % 4;
+    for (int j = 0; j < n / 8; ++j)
+        for (int q = 0; q < 4; ++q) {
+            const int m = 16 * w + g + 8 * (q >> 1), c = 8 * j + 2 * t + (q & 1);
+            double s = scale_d ? (double)*d[4 * j + q] : 0.0;
+            for (int k = 0; k < 16; ++k) s += wg_bf16(wg_elem(da, ta != 0, m, k)) * wg_bf16(wg_elem(db, tb != 0, c, k));
+            *d[4 * j + q] = (float)s;
+        }
 }
 }  // namespace cuemu_ptx

@@ -168,7 +168,8 @@ mod bench {
                     }
                     .expect("cuBLAS");
                 });
-                for tile in Tile::ALL {
+                let mut t128_bits: Option<Vec<u32>> = None;
+                for tile in ops.tiles() {
                     let t = time(&g, reps, || {
                         let (av, dv, wv, ov) =
                             (a.as_view(), d.as_view(), w.as_view(), off.as_view());
@@ -196,6 +197,24 @@ mod bench {
                         }
                         .expect("grouped");
                     });
+                    if op != "wgrad" && matches!(tile, Tile::T128 | Tile::W128x256) {
+                        // The same sums in the same k16 order: compare the bits of the two
+                        // tiles' outputs (the forward / dgrad overwrite `out`).
+                        let bits: Vec<u32> = g
+                            .download(&out)
+                            .expect("download")
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect();
+                        match &t128_bits {
+                            None => t128_bits = Some(bits),
+                            Some(b) => println!(
+                                "bits {tile:?} vs T128, {case} {op}: {} of {} differ",
+                                b.iter().zip(&bits).filter(|(x, y)| x != y).count(),
+                                b.len()
+                            ),
+                        }
+                    }
                     rows_out.push(Row {
                         case: case.clone(),
                         op: format!("{op} grouped {tile:?}"),
@@ -208,27 +227,47 @@ mod bench {
                 }
                 if op == "wgrad" {
                     // A fresh step's wgrad: dW overwritten (0 + Σ), not read.
-                    let t = time(&g, reps, || {
-                        ops.grouped_tn_with(
-                            Tile::T128,
-                            &d.as_view(),
-                            &a.as_view(),
-                            &off.as_view(),
-                            &mut dw_max.as_view_mut(),
-                            s,
-                            GradWrite::Overwrite,
-                        )
-                        .expect("grouped");
-                    });
-                    rows_out.push(Row {
-                        case: case.clone(),
-                        op: "wgrad grouped T128, overwrite".into(),
-                        ms: t,
-                        flops,
-                        weight_bytes: wb,
-                        copy_ms: cp,
-                        cublas_ms: Some(cb),
-                    });
+                    let mut first: Option<Vec<u32>> = None;
+                    for tile in ops.tiles() {
+                        if !matches!(tile, Tile::T128 | Tile::W128x256) {
+                            continue;
+                        }
+                        let t = time(&g, reps, || {
+                            ops.grouped_tn_with(
+                                tile,
+                                &d.as_view(),
+                                &a.as_view(),
+                                &off.as_view(),
+                                &mut dw_max.as_view_mut(),
+                                s,
+                                GradWrite::Overwrite,
+                            )
+                            .expect("grouped");
+                        });
+                        let bits: Vec<u32> = g
+                            .download(&dw_max.slice(0..EXPERTS * n * k))
+                            .expect("download")
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect();
+                        match &first {
+                            None => first = Some(bits),
+                            Some(b) => println!(
+                                "bits {tile:?} vs T128, {case} wgrad: {} of {} differ",
+                                b.iter().zip(&bits).filter(|(x, y)| x != y).count(),
+                                b.len()
+                            ),
+                        }
+                        rows_out.push(Row {
+                            case: case.clone(),
+                            op: format!("wgrad grouped {tile:?}, overwrite"),
+                            ms: t,
+                            flops,
+                            weight_bytes: wb,
+                            copy_ms: cp,
+                            cublas_ms: Some(cb),
+                        });
+                    }
                 }
                 if op == "fwd" {
                     // The same grouped forward as one cublasGemmEx per expert (the host's copy
@@ -317,7 +356,7 @@ mod bench {
                     copy_ms: cp,
                     cublas_ms: Some(cb),
                 });
-                for tile in Tile::ALL {
+                for tile in ops.tiles() {
                     let tiled = time(&g, reps, || {
                         ops.grouped_nt_tiled_with(
                             tile,

@@ -1,7 +1,8 @@
 //! Host-side compile check of the engine's op kernels: NVRTC compiles each module exactly as
 //! [`mxrl_cuda::gpu::Gpu::module`] does (prelude + common helpers + source, the engine's
-//! options, `compute_90`), no GPU needed. Writes the PTX next to `--out DIR` when given, so
-//! `ptxas -arch=sm_90 -v` can report registers, shared memory and spills.
+//! options, `compute_90a` as on an H100 or H200), no GPU needed. Writes the PTX next to
+//! `--out DIR` when given, so `ptxas -arch=sm_90a -v` can report registers, shared memory and
+//! spills.
 //!
 //! `cargo run --release -p mxrl-cuda --features cuda --example nvrtc_check [-- --out DIR]`
 //! (needs `libnvrtc` on the library path). `--sources DIR` instead writes each module's full
@@ -33,7 +34,7 @@ fn main() {
     }
     let mut failed = 0;
     for (name, src) in modules {
-        match mxrl_cuda::gpu::compile_op_module(name, src, Some("compute_90")) {
+        match mxrl_cuda::gpu::compile_op_module(name, src, Some("compute_90a")) {
             Ok(ptx) => {
                 println!("ok   {name}");
                 if let Some(dir) = &out {

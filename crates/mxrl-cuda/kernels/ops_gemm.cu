@@ -426,6 +426,297 @@ GROUPED_TILES(NT_ENTRY)
 GROUPED_TILES(NN_ENTRY)
 GROUPED_TILES(TN_ENTRY)
 
+// ---- Hopper warpgroup kernels (sm_90a: `wgmma`). Tile 128 × 256 outputs per block of two
+// warpgroups (256 threads); warpgroup g owns output rows 64·g .. 64·g + 63 and all 256
+// columns (m64n256k16, 128 f32 accumulators per thread). Operand tiles are staged 64 deep
+// along the reduction, WG_ST stages of both operands in dynamic shared memory (1024-byte
+// aligned), filled with 16-byte cp.async copies (zero-filled outside the valid range) in the
+// 128-byte swizzled layouts the tensor cores read through matrix descriptors:
+// - K-contiguous ("K-major") tile [ROWS][64]: row i is 128 bytes at i·128; its 16-byte chunk
+//   c (reduction 8c .. 8c + 7) sits at chunk position c ^ (i & 7). Descriptor: stride between
+//   8-row groups (SBO) 1024 bytes, leading offset unused (1); the k16 step s starts 32·s bytes
+//   into the row.
+// - MN-contiguous ("MN-major") tile: 64-wide output groups (atoms) of 64 reduction rows × 128
+//   bytes, 8192 bytes apart (LBO); in atom a, reduction row j holds outputs 64a .. 64a + 63
+//   with 16-byte chunk c at position c ^ (j & 7); 8-row groups 1024 bytes apart (SBO); the
+//   k16 step s starts 2048·s bytes in.
+// The descriptors' layouts are CUTLASS's canonical GMMA layouts (cute/atom/
+// mma_traits_sm90_gmma.hpp, SW128, K-major and MN-major). The accumulator fragment of
+// m64nNk16 is mma.m16n8's per warp (warp w of the group: rows 16w + g, 16w + g + 8; regs
+// 4j .. 4j + 3 cover columns 8j + 2t, 8j + 2t + 1), so the sums per k16 group are the
+// tensor cores' as in the mma.sync kernels; only the grouping of the reduction into
+// instructions changes nothing else: stages in increasing order, k16 steps in increasing
+// order within a stage (deterministic, no atomics).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_BM 128
+#define WG_BN 256
+#define WG_BK 64
+#define WG_ST 4
+#define WG_THREADS 256
+#define WG_ATOM 8192u                                          // bytes of one MN-major atom
+#define WG_A_BYTES (WG_BM * WG_BK * 2)                         // one stage of A (16 KB)
+#define WG_B_BYTES (WG_BN * WG_BK * 2)                         // one stage of B (32 KB)
+#define WG_SMEM (WG_ST * (WG_A_BYTES + WG_B_BYTES) + 1024)     // + the alignment slack
+
+// A shared-memory matrix descriptor: start address, leading and stride byte offsets (all in
+// 16-byte units, 14 bits each), 128-byte swizzle (layout type 1 in bits 62-63).
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's completed cp.async writes to shared memory before the tensor cores'
+// (async proxy) reads that follow the next barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d += A·B for one m64n256k16 step; TA / TB: the operand is MN-major (transposed).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_256(float (&d)[128], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+// The cp.async copies of one operand tile, ROWS outputs × 64 reductions per stage, in the
+// swizzled layouts above. Thread x copies chunks v = x + 256·c: K-major, row v / 8, chunk
+// v % 8 (the same chunk and row & 7 for every c); MN-major, reduction row v / (ROWS / 8),
+// output chunk v % (ROWS / 8) (the same for every c). So a thread keeps one source pointer,
+// one destination offset and its bound, and a stage costs a compare and a copy per chunk.
+template <bool MN, int ROWS>
+struct WgLoader {
+    static constexpr int PER = ROWS * WG_BK / 8 / WG_THREADS;       // chunks per thread
+    static constexpr int CPR = MN ? ROWS / 8 : WG_BK / 8;          // chunks per tile row
+    static constexpr int RSTEP = WG_THREADS / CPR;                 // tile rows between c and c + 1
+    const u16* base;
+    const u16* src;   // chunk 0's source at the next stage to issue
+    u64 ld;           // elements between rows of the source
+    u32 dst;          // chunk 0's byte offset in a stage's tile
+    u32 out_room;     // K-major: valid rows from this thread's first row (0 if none)
+    u32 red0;         // this thread's reduction offset in a stage (K-major: chunk·8; MN: its row)
+    u64 red_next, red_end;
+
+    __device__ __forceinline__ void init(const Operand& op, u64 red_lo) {
+        base = op.p;
+        ld = op.ld;
+        red_next = red_lo;
+        red_end = op.red_end;
+        const u32 x = threadIdx.x;
+        const u32 a = x / CPR, b = x % CPR;  // (tile row, chunk in row) of chunk 0
+        if (MN) {
+            // a: reduction row j; b: output chunk (atom b / 8, chunk b % 8 in the atom).
+            dst = (b / 8) * WG_ATOM + a * 128 + (((b % 8) ^ (a & 7)) << 4);
+            const u64 o = op.out0 + 8 * b;
+            out_room = o < op.out_end ? 1u : 0u;
+            red0 = a;
+            src = out_room ? op.p + (red_lo + a) * op.ld + o : op.p;
+        } else {
+            // a: output row i; b: reduction chunk.
+            dst = a * 128 + ((b ^ (a & 7)) << 4);
+            const u64 o = op.out0 + a;
+            out_room = o < op.out_end ? (u32)min(op.out_end - o, (u64)0xFFFFFFFFu) : 0u;
+            red0 = 8 * b;
+            src = out_room ? op.p + o * op.ld + red_lo + 8 * b : op.p;
+        }
+    }
+
+    __device__ __forceinline__ void issue(u32 tile) {
+#pragma unroll
+        for (int c = 0; c < PER; ++c) {
+            bool ok;
+            const u16* s;
+            if (MN) {
+                ok = out_room != 0 && red_next + red0 + (u64)(c * RSTEP) < red_end;
+                s = src + (u64)(c * RSTEP) * ld;
+            } else {
+                ok = (u32)(c * RSTEP) < out_room && red_next + red0 < red_end;
+                s = src + (u64)(c * RSTEP) * ld;
+            }
+            const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst + (u32)(c * RSTEP * 128)),
+                         "l"(ok ? s : base), "r"(n)
+                         : "memory");
+        }
+        if (out_room) src += MN ? (u64)WG_BK * ld : (u64)WG_BK;
+        red_next += WG_BK;
+    }
+};
+
+// acc = Σ_{r in [red_lo, red_end)} A(o_m, r)·B(o_n, r) for the block's 128 × 256 tile: stages
+// of 64 in increasing order, each as four k16 steps in increasing order. Pipeline: WG_ST - 2
+// stages of copies in flight ahead of the stage being multiplied; the copies of stage
+// kt + WG_ST - 2 go to the buffer of stage kt - 2, whose multiplies every warpgroup has
+// waited for (wgmma.wait_group 1 after issuing stage kt - 1) before the barrier of stage kt.
+template <bool A_MN, bool B_MN>
+__device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
+                                            float (&acc)[128]) {
+    extern __shared__ __align__(128) u8 wg_smem[];
+    const u32 s0 = (smem_addr(wg_smem) + 1023u) & ~1023u;
+    const u32 As = s0, Bs = s0 + WG_ST * WG_A_BYTES;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + WG_BK - 1) / WG_BK : 0;
+    if (nk64 == 0) return;
+    const u32 nk = (u32)nk64;
+    const u32 wg = threadIdx.x >> 7;
+    WgLoader<A_MN, WG_BM> la;
+    WgLoader<B_MN, WG_BN> lb;
+    la.init(A, red_lo);
+    lb.init(B, red_lo);
+#pragma unroll
+    for (int st = 0; st < WG_ST - 2; ++st) {
+        if ((u32)st < nk) {
+            la.issue(As + st * WG_A_BYTES);
+            lb.issue(Bs + st * WG_B_BYTES);
+        }
+        cp_async_commit();
+    }
+    // This warpgroup's A rows: K-major, 64 rows = 8 row groups of 1024 bytes; MN-major, atom wg.
+    const u32 a_off = A_MN ? wg * WG_ATOM : wg * 64u * 128u;
+    constexpr u32 A_K16 = A_MN ? 2048u : 32u, B_K16 = B_MN ? 2048u : 32u;
+    constexpr u32 A_LBO = A_MN ? WG_ATOM : 16u, B_LBO = B_MN ? WG_ATOM : 16u;
+    for (u32 kt = 0; kt < nk; ++kt) {
+        cp_async_wait<WG_ST - 3>();  // this thread's copies of stage kt have landed
+        fence_proxy_async();
+        __syncthreads();  // everyone's have; every warpgroup is done with stage kt - 2
+        const u32 nxt = kt + WG_ST - 2;
+        if (nxt < nk) {
+            la.issue(As + (nxt % WG_ST) * WG_A_BYTES);
+            lb.issue(Bs + (nxt % WG_ST) * WG_B_BYTES);
+        }
+        cp_async_commit();
+        const u32 cur = kt % WG_ST;
+        const u32 a_st = As + cur * WG_A_BYTES + a_off, b_st = Bs + cur * WG_B_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < WG_BK / 16; ++s)
+            wgmma_256<A_MN ? 1 : 0, B_MN ? 1 : 0>(acc, wg_desc(a_st + s * A_K16, A_LBO, 1024u),
+                                                  wg_desc(b_st + s * B_K16, B_LBO, 1024u));
+        wg_commit();
+        wg_wait<1>();
+    }
+    wg_wait<0>();
+}
+
+// out[(row0 + m)·ld + col0 + c] (mode as store_tile) for the 128 × 256 tile. STORE_ADD reads
+// the old values of 8 column groups (16 float2) before it writes any, so the loads overlap
+// instead of waiting on each other's stores.
+__device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
+                                         u64 col_end, const float (&acc)[128], int mode) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const u64 rbase = row0 + 64 * (warp >> 2) + 16 * (warp & 3) + g;
+    constexpr int JB = 8;  // column groups per batch
+#pragma unroll
+    for (int j0 = 0; j0 < WG_BN / 8; j0 += JB) {
+        float2 old[JB][2];
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u64 c = col0 + (j0 + jj) * 8 + 2 * t, r = rbase + h * 8;
+                old[jj][h] = make_float2(0.0f, 0.0f);
+                if (mode == STORE_ADD && c < col_end && r < row_end)
+                    old[jj][h] = *reinterpret_cast<const float2*>(out + r * ld + c);
+            }
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+            const int j = j0 + jj;
+            const u64 c = col0 + j * 8 + 2 * t;
+            if (c >= col_end) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u64 r = rbase + h * 8;
+                if (r >= row_end) continue;
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if (mode != STORE_SET) {
+                    v.x = __fadd_rn(old[jj][h].x, v.x);
+                    v.y = __fadd_rn(old[jj][h].y, v.y);
+                }
+                *reinterpret_cast<float2*>(out + r * ld + c) = v;
+            }
+        }
+    }
+}
+
+// The three grouped GEMMs on the warpgroup tile (shapes, grids and outputs as the mma.sync
+// entries above, with BM = 128, BN = 256).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256(GROUPED_ARGS) {
+    __shared__ u32 job[3];
+    locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 n0 = (u64)blockIdx.x * WG_BN;
+    const Operand A = {a, K, r0, r1, K};
+    const Operand B = {b + e * (u64)N * K, K, n0, N, K};
+    float acc[128];
+    wg_mainloop<false, false>(A, B, 0, K, acc);
+    wg_store(out, N, r0, r1, n0, N, acc, STORE_SET);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nn_tw128x256(GROUPED_ARGS) {
+    __shared__ u32 job[3];
+    locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 c0 = (u64)blockIdx.x * WG_BN;
+    const Operand A = {a, N, r0, r1, N};
+    const Operand B = {b + e * (u64)N * K, K, c0, K, N};
+    float acc[128];
+    wg_mainloop<false, true>(A, B, 0, N, acc);
+    wg_store(out, K, r0, r1, c0, K, acc, STORE_SET);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256(GROUPED_ARGS, u32 overwrite) {
+    const u32 e = blockIdx.z;
+    u32 lo, hi;
+    expert_rows(off, e, R, lo, hi);
+    const u64 n0 = (u64)blockIdx.x * WG_BM, k0 = (u64)blockIdx.y * WG_BN;
+    float* const dwe = out + (u64)e * N * K;
+    float acc[128];
+    if (lo == hi) {
+        if (overwrite) {
+#pragma unroll
+            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+            wg_store(dwe, K, n0, N, k0, K, acc, STORE_SET);
+        }
+        return;
+    }
+    const Operand A = {a, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
+    const Operand B = {b, K, k0, K, hi};  // element (k, r) at x[r·K + k]
+    wg_mainloop<true, true>(A, B, lo, hi, acc);
+    wg_store(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 // ---- Small-M forwards (decode): the weight bytes are read once, with 16-byte loads, and
 // applied to all rows (up to SM_RB rows per pass; more rows take more passes over the same,
 // cache-resident, weight slice). One warp owns NB output columns; lane l sums k = 8l + 256i + h

@@ -288,16 +288,7 @@ impl CudaDevice {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|x| e(format!("compute capability: {x:?}")))?;
-        let arch: Option<&'static str> = match (major, minor) {
-            (7, 5) => Some("compute_75"),
-            (8, 0) => Some("compute_80"),
-            (8, 6) => Some("compute_86"),
-            (8, 9) => Some("compute_89"),
-            (9, 0) => Some("compute_90"),
-            (10, 0) => Some("compute_100"),
-            (12, 0) => Some("compute_120"),
-            _ => None,
-        };
+        let arch = crate::gpu::arch_for(major, minor);
         let mut options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
         if let Some(a) = arch {
             options.push(format!("--gpu-architecture={a}"));

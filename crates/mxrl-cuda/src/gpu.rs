@@ -339,7 +339,7 @@ pub fn arch_for(major: i32, minor: i32) -> Option<&'static str> {
         (8, 0) => Some("compute_80"),
         (8, 6) => Some("compute_86"),
         (8, 9) => Some("compute_89"),
-        (9, 0) => Some("compute_90"),
+        (9, 0) => Some("compute_90a"),
         (10, 0) => Some("compute_100"),
         (12, 0) => Some("compute_120"),
         _ => None,
@@ -603,6 +603,12 @@ impl Gpu {
         };
         THREAD_GPUS.with(|t| t.borrow_mut().insert(ordinal, g.clone()));
         Ok(g)
+    }
+
+    /// Whether the op modules are compiled for Hopper's own instructions (`compute_90a`:
+    /// `wgmma`), i.e. the device is an sm_90 GPU (H100, H200).
+    pub fn has_wgmma(&self) -> bool {
+        self.arch == Some("compute_90a")
     }
 
     /// `cuda:N (device name)`.

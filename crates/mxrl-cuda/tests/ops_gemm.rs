@@ -227,7 +227,7 @@ fn grouped_forward_tiled_and_small_m_match_reference() {
         let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
         let (want, tc) = reference_nt(&c, &x, &w, tensor_core_sum_bound);
         let (_, ieee) = reference_nt(&c, &x, &w, two_order_sum_bound);
-        for tile in Tile::ALL {
+        for tile in ops.tiles() {
             let tiled = run_nt(&g, &ops, &c, &x, &w, GroupedPath::Tiled, Some(tile));
             assert_grouped(
                 &format!("tiled {tile:?} nt {c:?}"),
@@ -321,7 +321,7 @@ fn grouped_dgrad_matches_reference() {
         }
         let (ddy, dw) = (g.upload(&dy.bits).unwrap(), g.upload(&w.bits).unwrap());
         let doff = g.upload(&off).unwrap();
-        for tile in Tile::ALL {
+        for tile in ops.tiles() {
             let mut dx = g.upload(&vec![f32::NAN; s.rows * k]).unwrap();
             ops.grouped_nn_with(
                 tile,
@@ -382,7 +382,7 @@ fn grouped_wgrad_accumulates_per_expert_and_leaves_empty_experts_untouched() {
         let off = offsets_of(&c.counts);
         let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
         let doff = g.upload(&off).unwrap();
-        for tile in Tile::ALL {
+        for tile in ops.tiles() {
             let got = run_tn(
                 &g,
                 &ops,
@@ -452,7 +452,7 @@ fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
         let doff = g.upload(&off).unwrap();
         let len = s.experts * n * k;
         let ops_in = (&ddy, &dx, &doff);
-        for tile in Tile::ALL {
+        for tile in ops.tiles() {
             let run = |init: f32, write: GradWrite| {
                 run_tn(&g, &ops, tile, ops_in, &vec![init; len], s, write)
             };
@@ -466,6 +466,62 @@ fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
                 bad.is_none(),
                 "seed {seed} {tile:?} {c:?}: overwrite differs from accumulating into zeros at {bad:?}"
             );
+        }
+    }
+}
+
+/// Every tile sums each output in the same k16 groups in increasing order (mma.sync
+/// m16n8k16 or wgmma m64n256k16, one k16 step per instruction), so all tiles give the same
+/// bits: forward, dgrad and a fresh wgrad. This is what lets the device pick a tile by shape
+/// (the `wgmma` tile on sm_90) without changing any result.
+#[test]
+fn grouped_tiles_give_the_same_bits() {
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let tiles = ops.tiles();
+    assert_eq!(
+        tiles.contains(&Tile::W128x256),
+        g.has_wgmma(),
+        "the wgmma tile is offered exactly on sm_90 devices"
+    );
+    for (seed, c) in all_cases() {
+        let s = c.shape();
+        let (n, k) = (s.n, s.k);
+        let a = bf16_values(s.rows * k.max(n), seed * 13 + 1);
+        let w = bf16_values(s.experts * n * k, seed * 13 + 2);
+        let (da, dw) = (g.upload(&a.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+        let run = |which: usize, tile: Tile| -> Vec<u32> {
+            let len = match which {
+                0 => s.rows * n,
+                1 => s.rows * k,
+                _ => s.experts * n * k,
+            };
+            let mut out = g.upload(&vec![f32::NAN; len]).unwrap();
+            let (av, wv, ov) = (da.as_view(), dw.as_view(), doff.as_view());
+            let mut yv = out.as_view_mut();
+            match which {
+                0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
+                1 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
+                _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s, GradWrite::Overwrite),
+            }
+            .unwrap();
+            g.download(&out)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for (which, op) in ["forward", "dgrad", "wgrad"].iter().enumerate() {
+            let base = run(which, Tile::T128);
+            for &tile in &tiles {
+                let got = run(which, tile);
+                let bad = got.iter().zip(&base).position(|(x, y)| x != y);
+                assert!(
+                    bad.is_none(),
+                    "seed {seed} {op} {c:?}: {tile:?} differs from T128 at {bad:?}"
+                );
+            }
         }
     }
 }
@@ -502,7 +558,7 @@ fn grouped_kernels_are_deterministic() {
             .map(|v| v.to_bits())
             .collect()
     };
-    for tile in Tile::ALL {
+    for tile in ops.tiles() {
         for which in 0..4 {
             assert_eq!(
                 run(which, tile),

@@ -11,8 +11,12 @@
 //! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand
 //! tiles in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
 //! 128 × 128 tile), read fragments with `ldmatrix` (`.trans` where the source is contiguous
-//! along the output index) and multiply with `mma.sync.m16n8k16` BF16 → f32. Only the
-//! summation order differs from the reference; the
+//! along the output index) and multiply with `mma.sync.m16n8k16` BF16 → f32. On sm_90 the
+//! large-expert default is [`Tile::W128x256`]: two warpgroups of `wgmma.m64n256k16` reading
+//! both operands from 128-byte swizzled shared-memory tiles, about twice as fast on the
+//! training shapes and bit for bit the same sums (every tile adds each output's products in
+//! the same k16 groups in increasing order; tested). Only the summation order differs from
+//! the reference; the
 //! bounds are `mxrl_tensor::tolerance::gemm_*_bounds_with` with
 //! `mxrl_tensor::tolerance::tensor_core_sum_bound` (tensor cores: cuBLAS and the tiled grouped
 //! kernels) or `two_order_sum_bound` (the small-M kernel: IEEE f32 adds on CUDA cores).
@@ -57,18 +61,28 @@ pub enum Tile {
     /// 128 × 128 outputs, 8 warps, three stages 64 deep instead of four 32 deep (half the
     /// barriers per reduction step).
     T128k64,
+    /// 128 × 256 outputs, two warpgroups of Hopper's `wgmma` (m64n256k16, operands read from
+    /// shared memory in 128-byte swizzled layouts), four stages 64 deep. sm_90 only
+    /// ([`Gpu::has_wgmma`]).
+    W128x256,
 }
 
 impl Tile {
     /// Every tile.
-    pub const ALL: [Tile; 4] = [Tile::T64, Tile::T128, Tile::T32x128, Tile::T128k64];
+    pub const ALL: [Tile; 5] = [
+        Tile::T64,
+        Tile::T128,
+        Tile::T32x128,
+        Tile::T128k64,
+        Tile::W128x256,
+    ];
 
     /// Output rows of the tile (rows of the activation for forward and dgrad, rows of the
     /// expert weight for wgrad).
     pub fn rows(self) -> usize {
         match self {
             Tile::T64 => 64,
-            Tile::T128 | Tile::T128k64 => 128,
+            Tile::T128 | Tile::T128k64 | Tile::W128x256 => 128,
             Tile::T32x128 => 32,
         }
     }
@@ -78,13 +92,14 @@ impl Tile {
         match self {
             Tile::T64 => 64,
             Tile::T128 | Tile::T32x128 | Tile::T128k64 => 128,
+            Tile::W128x256 => 256,
         }
     }
 
     fn threads(self) -> u32 {
         match self {
             Tile::T64 => 128,
-            Tile::T128 | Tile::T32x128 | Tile::T128k64 => 256,
+            Tile::T128 | Tile::T32x128 | Tile::T128k64 | Tile::W128x256 => 256,
         }
     }
 
@@ -93,6 +108,7 @@ impl Tile {
     fn stages(self) -> (usize, usize) {
         match self {
             Tile::T128k64 => (64, 3),
+            Tile::W128x256 => (64, 4),
             _ => (32, 4),
         }
     }
@@ -102,6 +118,10 @@ impl Tile {
     /// else `BK × (rows + 8)` (the kernel's `TileSize`).
     fn smem_bytes(self, a_mn: bool, b_mn: bool) -> usize {
         let (bk, st) = self.stages();
+        if self == Tile::W128x256 {
+            // Unpadded swizzled tiles in either layout, plus 1024 bytes to align the first.
+            return st * (self.rows() + self.cols()) * bk * 2 + 1024;
+        }
         let tile = |rows: usize, mn: bool| {
             if mn {
                 bk * (rows + 8)
@@ -118,6 +138,7 @@ impl Tile {
             Tile::T128 => 1,
             Tile::T32x128 => 2,
             Tile::T128k64 => 3,
+            Tile::W128x256 => 4,
         }
     }
 
@@ -128,6 +149,7 @@ impl Tile {
             Tile::T128 => "128",
             Tile::T32x128 => "32x128",
             Tile::T128k64 => "128k64",
+            Tile::W128x256 => "w128x256",
         }
     }
 
@@ -325,9 +347,13 @@ fn blas_for(gpu: &Gpu) -> Result<Arc<Mutex<Blas>>, DeviceError> {
 pub struct Gemm {
     gpu: Gpu,
     blas: Arc<Mutex<Blas>>,
-    nt_tiled: [CudaFunction; 4],
-    nn_tiled: [CudaFunction; 4],
-    tn_tiled: [CudaFunction; 4],
+    /// The tiled grouped kernels by [`Tile::index`] (`None`: a tile this device cannot run).
+    nt_tiled: [Option<CudaFunction>; 5],
+    nn_tiled: [Option<CudaFunction>; 5],
+    tn_tiled: [Option<CudaFunction>; 5],
+    /// Whether the default tiles are the `wgmma` ones ([`Tile::W128x256`]) for large experts:
+    /// on an sm_90 device unless `MXRL_WGMMA=off`.
+    wgmma: bool,
     nt_small_m: CudaFunction,
     /// `dense_nt_small_m_nb1`, `dense_nt_small_m_nb2`.
     dense_small_m: [CudaFunction; 2],
@@ -355,18 +381,23 @@ impl Gemm {
         };
         let tiled = |kind: &str, (a_mn, b_mn): (bool, bool)| {
             Tile::ALL.map(|t| {
+                if t == Tile::W128x256 && !gpu.has_wgmma() {
+                    return Ok(None);
+                }
                 let name = format!("grouped_{kind}_t{}", t.suffix());
                 let func = f(&name)?;
                 gpu.allow_dynamic_smem(&func, &name, t.smem_bytes(a_mn, b_mn))?;
-                Ok::<_, DeviceError>(func)
+                Ok::<_, DeviceError>(Some(func))
             })
         };
-        let [a, b, c, d] = tiled("nt", NT_MN);
-        let nt_tiled = [a?, b?, c?, d?];
-        let [a, b, c, d] = tiled("nn", NN_MN);
-        let nn_tiled = [a?, b?, c?, d?];
-        let [a, b, c, d] = tiled("tn", TN_MN);
-        let tn_tiled = [a?, b?, c?, d?];
+        let [a, b, c, d, w] = tiled("nt", NT_MN);
+        let nt_tiled = [a?, b?, c?, d?, w?];
+        let [a, b, c, d, w] = tiled("nn", NN_MN);
+        let nn_tiled = [a?, b?, c?, d?, w?];
+        let [a, b, c, d, w] = tiled("tn", TN_MN);
+        let tn_tiled = [a?, b?, c?, d?, w?];
+        let wgmma = gpu.has_wgmma()
+            && !std::env::var("MXRL_WGMMA").is_ok_and(|v| v.eq_ignore_ascii_case("off"));
         // The small-M kernels that stage normalized rows in dynamic shared memory.
         let with_smem = |n: &str| {
             let func = f(n)?;
@@ -379,6 +410,7 @@ impl Gemm {
             nt_tiled,
             nn_tiled,
             tn_tiled,
+            wgmma,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
             rmsnorm_small_m: [
@@ -671,7 +703,7 @@ impl Gemm {
         y: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        self.grouped_nt_tiled_with(Tile::for_forward(s), x, w, offsets, y, s)
+        self.grouped_nt_tiled_with(self.forward_tile(s), x, w, offsets, y, s)
     }
 
     /// [`Gemm::grouped_nt`] on the tensor-core tiles (`tile.rows()` × `tile.cols()` outputs per
@@ -698,7 +730,9 @@ impl Gemm {
         }
         let cfg = self.row_tile_grid("grouped_nt", tile, s, s.n, NT_MN)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.nt_tiled[tile.index()]);
+        let mut b =
+            g.stream()
+                .launch_builder(self.tiled_kernel(&self.nt_tiled, tile, "grouped_nt")?);
         b.arg(x).arg(w).arg(offsets).arg(y);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: x holds R·K, w E·N·K, offsets E+1 and y R·N elements (checked); n, k are
@@ -1249,7 +1283,7 @@ impl Gemm {
 
     /// Grouped dgrad `dX[r, :] = dY[r, :] · W[e]` for every row `r` of expert `e`: `dY [R, N]`
     /// BF16, `W [E, N, K]` BF16, `dX [R, K]` f32 (overwritten on the experts' rows), f32
-    /// accumulation on tensor cores, one launch with [`Tile::for_shape`]. Reference, per
+    /// accumulation on tensor cores, one launch with [`Gemm::tile`]. Reference, per
     /// expert: [`mxrl_tensor::gemm::matmul_nn`] on the widened values.
     ///
     /// # Errors
@@ -1262,7 +1296,7 @@ impl Gemm {
         dx: &mut CudaViewMut<'_, f32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        self.grouped_nn_with(Tile::for_shape(s), dy, w, offsets, dx, s)
+        self.grouped_nn_with(self.tile(s), dy, w, offsets, dx, s)
     }
 
     /// [`Gemm::grouped_nn`] with block tile `tile`: grid `(⌈R/rows⌉ + E, ⌈K/cols⌉)`.
@@ -1287,7 +1321,9 @@ impl Gemm {
         }
         let cfg = self.row_tile_grid("grouped_nn", tile, s, s.k, NN_MN)?;
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let mut b = g.stream().launch_builder(&self.nn_tiled[tile.index()]);
+        let mut b =
+            g.stream()
+                .launch_builder(self.tiled_kernel(&self.nn_tiled, tile, "grouped_nn")?);
         b.arg(dy).arg(w).arg(offsets).arg(dx);
         b.arg(&e).arg(&r).arg(&n).arg(&k);
         // SAFETY: dy holds R·N, w E·N·K, offsets E+1 and dx R·K elements (checked); n, k are
@@ -1305,7 +1341,7 @@ impl Gemm {
     /// leave their `dW[e]` untouched. With [`GradWrite::Overwrite`] the old value is taken as
     /// +0 instead of being read (`0 + Σ`: the bits of accumulating into a zeroed buffer, one
     /// f32 read of `dW` fewer) and experts without rows get zeros. One launch with
-    /// [`Tile::for_shape`]. Reference, per expert: [`mxrl_tensor::gemm::matmul_tn`] on the
+    /// [`Gemm::wgrad_tile`]. Reference, per expert: [`mxrl_tensor::gemm::matmul_tn`] on the
     /// widened values plus the old dW.
     ///
     /// # Errors
@@ -1319,7 +1355,7 @@ impl Gemm {
         s: Grouped,
         write: GradWrite,
     ) -> Result<(), DeviceError> {
-        self.grouped_tn_with(Tile::for_shape(s), dy, x, offsets, dw, s, write)
+        self.grouped_tn_with(self.wgrad_tile(s, write), dy, x, offsets, dw, s, write)
     }
 
     /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/rows⌉, ⌈K/cols⌉, E)`.
@@ -1365,7 +1401,9 @@ impl Gemm {
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let overwrite = u32::from(write == GradWrite::Overwrite);
-        let mut b = g.stream().launch_builder(&self.tn_tiled[tile.index()]);
+        let mut b =
+            g.stream()
+                .launch_builder(self.tiled_kernel(&self.tn_tiled, tile, "grouped_tn")?);
         b.arg(dy).arg(x).arg(offsets).arg(dw);
         b.arg(&e).arg(&r).arg(&n).arg(&k).arg(&overwrite);
         // SAFETY: dy holds R·N, x R·K, offsets E+1 and dw E·N·K elements (checked); n, k are
@@ -1375,6 +1413,56 @@ impl Gemm {
         // block size `tile.threads()`. Argument types match (…, u32 × 5).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// The tiles this device runs ([`Tile::W128x256`] only on sm_90).
+    pub fn tiles(&self) -> Vec<Tile> {
+        Tile::ALL
+            .into_iter()
+            .filter(|t| self.nt_tiled[t.index()].is_some())
+            .collect()
+    }
+
+    /// The tile of the plain dgrad and wgrad launchers: [`Tile::W128x256`] for experts of 128
+    /// rows or more on average where the device has `wgmma` (unless `MXRL_WGMMA=off`), else
+    /// [`Tile::for_shape`].
+    pub fn tile(&self, s: Grouped) -> Tile {
+        match Tile::for_shape(s) {
+            Tile::T128 if self.wgmma => Tile::W128x256,
+            t => t,
+        }
+    }
+
+    /// The wgrad's tile: as [`Gemm::tile`] when it overwrites; an accumulating wgrad keeps
+    /// [`Tile::for_shape`] (its read of the old dW was slower in the `wgmma` tile's epilogue
+    /// on an H100: BENCHMARKS.md).
+    pub fn wgrad_tile(&self, s: Grouped, write: GradWrite) -> Tile {
+        match write {
+            GradWrite::Overwrite => self.tile(s),
+            GradWrite::Accumulate => Tile::for_shape(s),
+        }
+    }
+
+    /// The forward's tile: as [`Gemm::tile`], with [`Tile::for_forward`] where `wgmma` is not
+    /// used.
+    pub fn forward_tile(&self, s: Grouped) -> Tile {
+        match self.tile(s) {
+            Tile::W128x256 => Tile::W128x256,
+            _ => Tile::for_forward(s),
+        }
+    }
+
+    fn tiled_kernel<'a>(
+        &self,
+        kernels: &'a [Option<CudaFunction>; 5],
+        tile: Tile,
+        op: &str,
+    ) -> Result<&'a CudaFunction, DeviceError> {
+        kernels[tile.index()].as_ref().ok_or_else(|| {
+            self.gpu.err(format!(
+                "{op}: the {tile:?} tile needs Hopper's wgmma (an sm_90 device); this one has none"
+            ))
+        })
     }
 
     /// Launch shape of the row-tiled grouped kernels: `(⌈cols/tile cols⌉, ⌈R/rows⌉ + E)` blocks.
