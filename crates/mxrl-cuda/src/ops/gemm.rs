@@ -1341,7 +1341,7 @@ impl Gemm {
     /// leave their `dW[e]` untouched. With [`GradWrite::Overwrite`] the old value is taken as
     /// +0 instead of being read (`0 + Σ`: the bits of accumulating into a zeroed buffer, one
     /// f32 read of `dW` fewer) and experts without rows get zeros. One launch with
-    /// [`Gemm::wgrad_tile`]. Reference, per expert: [`mxrl_tensor::gemm::matmul_tn`] on the
+    /// [`Gemm::tile`]. Reference, per expert: [`mxrl_tensor::gemm::matmul_tn`] on the
     /// widened values plus the old dW.
     ///
     /// # Errors
@@ -1355,7 +1355,7 @@ impl Gemm {
         s: Grouped,
         write: GradWrite,
     ) -> Result<(), DeviceError> {
-        self.grouped_tn_with(self.wgrad_tile(s, write), dy, x, offsets, dw, s, write)
+        self.grouped_tn_with(self.tile(s), dy, x, offsets, dw, s, write)
     }
 
     /// [`Gemm::grouped_tn`] with block tile `tile`: grid `(⌈N/rows⌉, ⌈K/cols⌉, E)`.
@@ -1430,16 +1430,6 @@ impl Gemm {
         match Tile::for_shape(s) {
             Tile::T128 if self.wgmma => Tile::W128x256,
             t => t,
-        }
-    }
-
-    /// The wgrad's tile: as [`Gemm::tile`] when it overwrites; an accumulating wgrad keeps
-    /// [`Tile::for_shape`] (its read of the old dW was slower in the `wgmma` tile's epilogue
-    /// on an H100: BENCHMARKS.md).
-    pub fn wgrad_tile(&self, s: Grouped, write: GradWrite) -> Tile {
-        match write {
-            GradWrite::Overwrite => self.tile(s),
-            GradWrite::Accumulate => Tile::for_shape(s),
         }
     }
 
