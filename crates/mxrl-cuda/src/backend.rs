@@ -1189,6 +1189,7 @@ impl Backend for CudaBackend {
         x: &Self::F32,
         w: &QExperts,
         master: &Self::F32,
+        master_bf16: Option<&Self::Bf16>,
         dy: &Self::F32,
         dev_offsets: Option<&Self::U32>,
         host_offsets: &[u32],
@@ -1226,6 +1227,11 @@ impl Backend for CudaBackend {
             ("dx", dx.len(), rows * k),
             ("dw", dw.len(), groups * n * k),
             ("master", master.len(), groups * n * k),
+            (
+                "master_bf16",
+                master_bf16.map_or(groups * n * k, |b| b.len()),
+                groups * n * k,
+            ),
         ] {
             if got < want {
                 return Err(dev(format!(
@@ -1247,8 +1253,14 @@ impl Backend for CudaBackend {
             ));
         }
         let wlen = groups * n * k;
-        // The weights' dgrad operand (parts × [E, N, K] BF16), once per weight version.
-        if w.train.get().is_none() {
+        // The weights' dgrad operand (parts × [E, N, K] BF16): the high-precision mode's is
+        // the caller's BF16 copy of the master where it keeps one (the bits `bf16(master)`
+        // gives); otherwise made once per weight version.
+        let kept = match (mode, master_bf16) {
+            (BackwardMode::HighPrecision, Some(b)) => Some(b),
+            _ => None,
+        };
+        if kept.is_none() && w.train.get().is_none() {
             let op = match (mode, format) {
                 (BackwardMode::HighPrecision, _) => self.bf16(master, wlen)?,
                 (BackwardMode::Dequantized, Format::Mxfp8) => self.experts_bf16(q, w)?,
@@ -1278,8 +1290,15 @@ impl Backend for CudaBackend {
             };
             let _ = w.train.set(op);
         }
-        let wop = w.train.get().expect("set above");
-        let parts = wop.len() / wlen.max(1);
+        let wop = match kept {
+            Some(b) => b,
+            None => w.train.get().expect("set above"),
+        };
+        let parts = if kept.is_some() {
+            1
+        } else {
+            wop.len() / wlen.max(1)
+        };
         // The grouped kernels read the offsets on the device: the caller's, else uploaded.
         let uploaded;
         let offsets = match (groups == 1, dev_offsets) {

@@ -446,6 +446,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
             &xd,
             &qd,
             &md,
+            None,
             &dyd,
             None,
             &offsets,
@@ -467,7 +468,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
             let mut dxf = cb.zeros_f32(rows * k).unwrap();
             let mut dwf = cb.upload_f32(&vec![init; groups * n * k]).unwrap();
             cb.grouped_qlinear_backward(
-                &xd, &qd, &md, &dyd, None, &offsets, rows, k, n, &mut dxf, &mut dwf, write,
+                &xd, &qd, &md, None, &dyd, None, &offsets, rows, k, n, &mut dxf, &mut dwf, write,
             )
             .unwrap();
             cb.download_f32(&dwf, groups * n * k).unwrap()
@@ -482,6 +483,42 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{tag}: overwriting dW differs from accumulating into zeros"
         );
+        // The caller's BF16 copy of the master (what the optimizer step writes) gives the bits
+        // of rounding the master here: the high-precision mode multiplies it, the others do
+        // not read it.
+        {
+            let mut mb = cb.empty_bf16(groups * n * k).unwrap();
+            cb.to_bf16(&md, &mut mb, groups * n * k).unwrap();
+            let mut dxc = cb.zeros_f32(rows * k).unwrap();
+            let mut dwc = cb.upload_f32(&acc).unwrap();
+            cb.grouped_qlinear_backward(
+                &xd,
+                &qd,
+                &md,
+                Some(&mb),
+                &dyd,
+                None,
+                &offsets,
+                rows,
+                k,
+                n,
+                &mut dxc,
+                &mut dwc,
+                GradWrite::Accumulate,
+            )
+            .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&cb.download_f32(&dxc, rows * k).unwrap()),
+                bits(&dx),
+                "{tag}: dx with the kept BF16 copy"
+            );
+            assert_eq!(
+                bits(&cb.download_f32(&dwc, groups * n * k).unwrap()),
+                bits(&dw),
+                "{tag}: dW with the kept BF16 copy"
+            );
+        }
         for g in 0..groups {
             let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
             let m = b - a;
@@ -560,6 +597,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
             &xd,
             &q1d,
             &md1,
+            None,
             &dyd,
             None,
             &dense,
@@ -577,6 +615,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 &x,
                 &q1c,
                 &w1.to_vec(),
+                None,
                 &dy,
                 None,
                 &dense,

@@ -887,7 +887,19 @@ impl<B: Backend> Engine<B> {
             (Some(q), ActRef::F32(x), o, ActRef::F32(dy)) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
                 b.grouped_qlinear_backward(
-                    x, &q.w, &p.master, dy, dev, host, rows, k, n, dx, g, dw_write,
+                    x,
+                    &q.w,
+                    &p.master,
+                    p.op.as_ref(),
+                    dy,
+                    dev,
+                    host,
+                    rows,
+                    k,
+                    n,
+                    dx,
+                    g,
+                    dw_write,
                 )
             }
             (None, ActRef::Bf16(x), None, ActRef::F32(dy)) => {

@@ -1497,8 +1497,11 @@ pub trait Backend {
     /// bytes the forward quantized), then [`PreparedWeight::backward_accumulate`] with `dy`:
     /// writes those rows of `dx [rows, k]` and **accumulates** `dW` into the group's part of
     /// `dw [groups·n, k]`. `master` holds the f32 weights `w` was quantized from (the
-    /// high-precision operand of the `HighPrecision` and `Lowp` modes). Bitwise the CPU
-    /// model's on the CPU; a device multiplies the same operands, summed in another order.
+    /// high-precision operand of the `HighPrecision` and `Lowp` modes); `master_bf16`, where
+    /// the caller keeps one, is `bf16(master)` (round to nearest even: the BF16 copy the
+    /// optimizer step writes with the master), which a device may multiply instead of
+    /// rounding `master` again (the same operand). Bitwise the CPU model's on the CPU; a device
+    /// multiplies the same operands, summed in another order.
     /// `dw_write` [`GradWrite::Overwrite`]: `dw` (all `groups·n·k` values) is written as if it
     /// had been zeroed first.
     ///
@@ -1511,6 +1514,7 @@ pub trait Backend {
         x: &Self::F32,
         w: &Self::QExperts,
         master: &Self::F32,
+        master_bf16: Option<&Self::Bf16>,
         dy: &Self::F32,
         offsets: Option<&Self::U32>,
         host_offsets: &[u32],
@@ -2085,6 +2089,7 @@ impl Backend for CpuBackend {
         x: &Vec<f32>,
         w: &Vec<PreparedWeight>,
         _master: &Vec<f32>,
+        _master_bf16: Option<&Vec<f32>>,
         dy: &Vec<f32>,
         _offsets: Option<&Vec<u32>>,
         host_offsets: &[u32],
