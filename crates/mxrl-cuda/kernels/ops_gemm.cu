@@ -630,12 +630,22 @@ __device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, 
 
 // out[(row0 + m)·ld + col0 + c] (mode as store_tile) for the 128 × 256 tile. STORE_ADD reads
 // the old values of 8 column groups (16 float2) before it writes any, so the loads overlap
-// instead of waiting on each other's stores.
+// instead of waiting on each other's stores. With x_amax (STORE_SET only), each sum is stored
+// as fl(sum · α), α = fl(fl(x_amax[r] · wa) · MXRL_NVFP4_ALPHA_FACTOR_INV): the bits of
+// storing the sums and then running nvfp4_scale_rows (ops_qgemm) over the rows.
 __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
-                                         u64 col_end, const float (&acc)[128], int mode) {
+                                         u64 col_end, const float (&acc)[128], int mode,
+                                         const float* __restrict__ x_amax = nullptr, float wa = 0.0f) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const u64 rbase = row0 + 64 * (warp >> 2) + 16 * (warp & 3) + g;
+    float alpha[2] = {1.0f, 1.0f};
+    if (x_amax != nullptr) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (rbase + h * 8 < row_end)
+                alpha[h] = __fmul_rn(__fmul_rn(x_amax[rbase + h * 8], wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
+    }
     constexpr int JB = 8;  // column groups per batch
 #pragma unroll
     for (int j0 = 0; j0 < WG_BN / 8; j0 += JB) {
@@ -662,6 +672,9 @@ __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 ro
                 if (mode != STORE_SET) {
                     v.x = __fadd_rn(old[jj][h].x, v.x);
                     v.y = __fadd_rn(old[jj][h].y, v.y);
+                } else if (x_amax != nullptr) {
+                    v.x = __fmul_rn(v.x, alpha[h]);
+                    v.y = __fmul_rn(v.y, alpha[h]);
                 }
                 *reinterpret_cast<float2*>(out + r * ld + c) = v;
             }
@@ -671,7 +684,10 @@ __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 ro
 
 // The three grouped GEMMs on the warpgroup tile (shapes, grids and outputs as the mma.sync
 // entries above, with BM = 128, BN = 256).
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256(GROUPED_ARGS) {
+__device__ __forceinline__ void wg_nt_body(const u16* __restrict__ a, const u16* __restrict__ b,
+                                           const u32* __restrict__ off, float* __restrict__ out, u32 E, u32 R,
+                                           u32 N, u32 K, const float* __restrict__ x_amax,
+                                           const float* __restrict__ w_amax) {
     __shared__ u32 job[3];
     locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
     if (job[0] == NO_EXPERT) return;
@@ -681,7 +697,16 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256
     const Operand B = {b + e * (u64)N * K, K, n0, N, K};
     float acc[128];
     wg_mainloop<false, false>(A, B, 0, K, acc);
-    wg_store(out, N, r0, r1, n0, N, acc, STORE_SET);
+    wg_store(out, N, r0, r1, n0, N, acc, STORE_SET, x_amax, x_amax != nullptr ? w_amax[e] : 0.0f);
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256(GROUPED_ARGS) {
+    wg_nt_body(a, b, off, out, E, R, N, K, nullptr, nullptr);
+}
+// The forward with NVFP4's α applied to each row as it is stored (wg_store): y = fl(Σ · α),
+// x_amax [R] the rows' amax, w_amax [E] the experts'.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    grouped_nt_tw128x256_alpha(GROUPED_ARGS, const float* __restrict__ x_amax, const float* __restrict__ w_amax) {
+    wg_nt_body(a, b, off, out, E, R, N, K, x_amax, w_amax);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nn_tw128x256(GROUPED_ARGS) {
     __shared__ u32 job[3];

@@ -3253,6 +3253,24 @@ impl CudaBackend {
                         .map_err(de);
                 }
                 let wb = self.experts_bf16(q, w)?;
+                // Large experts on sm_90: α applied in the GEMM's own stores (same bits).
+                let per_expert = rows >= self.per_expert_rows.get().saturating_mul(experts.max(1));
+                if !per_expert
+                    && self
+                        .gemm
+                        .grouped_nt_alpha(
+                            &xq.as_view(),
+                            &wb.as_view(),
+                            &offsets.as_view(),
+                            &mut y.as_view_mut(),
+                            s,
+                            &xa,
+                            &w.amax.as_view(),
+                        )
+                        .map_err(de)?
+                {
+                    return Ok(());
+                }
                 self.grouped_linear(xq, &wb, offsets, None, experts, rows, k, n, y)?;
                 q.nvfp4_scale_rows(
                     &mut y.as_view_mut(),

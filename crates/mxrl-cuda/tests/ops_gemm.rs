@@ -526,6 +526,110 @@ fn grouped_tiles_give_the_same_bits() {
     }
 }
 
+/// NVFP4's per-row factor applied in the `wgmma` forward's stores gives the bits of the plain
+/// forward followed by `nvfp4_scale_rows`; rows of no expert stay untouched. On devices
+/// without `wgmma` (or shapes below its tile) the launcher declines and launches nothing.
+#[test]
+fn grouped_nt_alpha_equals_grouped_nt_then_nvfp4_scale_rows_bitwise() {
+    use mxrl_cuda::ops::qgemm::QGemm;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let q = QGemm::new(&g).unwrap();
+    let cases = [
+        (
+            3000,
+            Case {
+                counts: vec![300, 0, 260, 129],
+                n: 264,
+                k: 136,
+                extra: 5,
+            },
+        ),
+        (
+            3001,
+            Case {
+                counts: vec![1000],
+                n: 520,
+                k: 64,
+                extra: 0,
+            },
+        ),
+        // Below the wgmma tile's 128 rows per expert: declined everywhere.
+        (
+            3002,
+            Case {
+                counts: vec![100, 90],
+                n: 64,
+                k: 64,
+                extra: 0,
+            },
+        ),
+    ];
+    for (seed, c) in cases {
+        let s = c.shape();
+        let x = bf16_values(s.rows * s.k, seed * 3 + 1);
+        let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
+        let xa: Vec<f32> = mxrl_tensor::gradcheck::test_values(s.rows, seed * 3 + 3, 4.0)
+            .iter()
+            .map(|v| v.abs() + 0.01)
+            .collect();
+        let wa: Vec<f32> = mxrl_tensor::gradcheck::test_values(s.experts, seed * 3 + 4, 4.0)
+            .iter()
+            .map(|v| v.abs() + 0.01)
+            .collect();
+        let (dx, dw) = (g.upload(&x.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let (dxa, dwa) = (g.upload(&xa).unwrap(), g.upload(&wa).unwrap());
+        let doff = g.upload(&offsets_of(&c.counts)).unwrap();
+        let mut two = g.upload(&vec![f32::NAN; s.rows * s.n]).unwrap();
+        ops.grouped_nt(
+            &dx.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut two.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        q.nvfp4_scale_rows(
+            &mut two.as_view_mut(),
+            &dxa.as_view(),
+            &dwa.as_view(),
+            &doff.as_view(),
+            s,
+        )
+        .unwrap();
+        let mut one = g.upload(&vec![f32::NAN; s.rows * s.n]).unwrap();
+        let took = ops
+            .grouped_nt_alpha(
+                &dx.as_view(),
+                &dw.as_view(),
+                &doff.as_view(),
+                &mut one.as_view_mut(),
+                s,
+                &dxa.as_view(),
+                &dwa.as_view(),
+            )
+            .unwrap();
+        let wide = c.counts.iter().sum::<usize>() >= 128 * s.experts;
+        assert_eq!(took, g.has_wgmma() && wide, "seed {seed}: launched");
+        let bits = |y: &CudaSlice<f32>| -> Vec<u32> {
+            g.download(y).unwrap()[..s.rows * s.n]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        if took {
+            let (a, b) = (bits(&one), bits(&two));
+            let bad = a.iter().zip(&b).position(|(p, q)| p != q);
+            assert!(bad.is_none(), "seed {seed} {c:?}: differs at {bad:?}");
+        } else {
+            assert!(
+                bits(&one).iter().all(|&v| f32::from_bits(v).is_nan()),
+                "seed {seed}: a declined call wrote y"
+            );
+        }
+    }
+}
+
 #[test]
 fn grouped_kernels_are_deterministic() {
     let g = gpu();

@@ -351,6 +351,8 @@ pub struct Gemm {
     nt_tiled: [Option<CudaFunction>; 5],
     nn_tiled: [Option<CudaFunction>; 5],
     tn_tiled: [Option<CudaFunction>; 5],
+    /// `grouped_nt_tw128x256_alpha` (sm_90 only).
+    nt_alpha: Option<CudaFunction>,
     /// Whether the default tiles are the `wgmma` ones ([`Tile::W128x256`]) for large experts:
     /// on an sm_90 device unless `MXRL_WGMMA=off`.
     wgmma: bool,
@@ -396,6 +398,14 @@ impl Gemm {
         let nn_tiled = [a?, b?, c?, d?, w?];
         let [a, b, c, d, w] = tiled("tn", TN_MN);
         let tn_tiled = [a?, b?, c?, d?, w?];
+        let nt_alpha = if gpu.has_wgmma() {
+            let name = "grouped_nt_tw128x256_alpha";
+            let func = f(name)?;
+            gpu.allow_dynamic_smem(&func, name, Tile::W128x256.smem_bytes(NT_MN.0, NT_MN.1))?;
+            Some(func)
+        } else {
+            None
+        };
         let wgmma = gpu.has_wgmma()
             && !std::env::var("MXRL_WGMMA").is_ok_and(|v| v.eq_ignore_ascii_case("off"));
         // The small-M kernels that stage normalized rows in dynamic shared memory.
@@ -410,6 +420,7 @@ impl Gemm {
             nt_tiled,
             nn_tiled,
             tn_tiled,
+            nt_alpha,
             wgmma,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
@@ -744,6 +755,55 @@ impl Gemm {
         // float*, u32 × 4).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// [`Gemm::grouped_nt`] with NVFP4's per-row factor applied as each output is stored, in
+    /// the one launch of the `wgmma` tile: `y[r, n] = fl(Σ · α)`, `α = fl(fl(x_amax[r] ·
+    /// w_amax[e]) · (1 / factor))` for the rows `r` of expert `e` — the bits of
+    /// [`Gemm::grouped_nt`] followed by `QGemm::nvfp4_scale_rows`, without writing and reading
+    /// `y` a second time. Returns `false` without launching anything where the shape does not
+    /// take the `wgmma` tile ([`Gemm::forward_tile`]); the caller then runs the two steps.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`]; `x_amax` shorter than the rows or `w_amax` than the experts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_nt_alpha(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+        x_amax: &CudaView<'_, f32>,
+        w_amax: &CudaView<'_, f32>,
+    ) -> Result<bool, DeviceError> {
+        let Some(func) = self.nt_alpha.as_ref() else {
+            return Ok(false);
+        };
+        if GroupedPath::for_shape(s) != GroupedPath::Tiled || self.forward_tile(s) != Tile::W128x256
+        {
+            return Ok(false);
+        }
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let y_len = mul(g, "y", s.rows, s.n)?;
+        self.check_grouped("grouped_nt_alpha", s, (x, s.k), w, w_len, offsets, y, y_len)?;
+        check_len(g, "grouped_nt_alpha x_amax", x_amax.len(), s.rows)?;
+        check_len(g, "grouped_nt_alpha w_amax", w_amax.len(), s.experts)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(true);
+        }
+        let cfg = self.row_tile_grid("grouped_nt_alpha", Tile::W128x256, s, s.n, NT_MN)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(func);
+        b.arg(x).arg(w).arg(offsets).arg(y);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        b.arg(x_amax).arg(w_amax);
+        // SAFETY: as grouped_nt_tiled_with's launch on the W128x256 tile; x_amax holds R and
+        // w_amax E values (checked): the kernel reads x_amax[r] for rows r < R of its tile and
+        // w_amax[e] for its expert e < E. Argument types match (…, u32 × 4, const float* × 2).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(true)
     }
 
     /// [`Gemm::grouped_nt`] on the small-M kernel: grid `(⌈N/32⌉, E)`, each block reads its
