@@ -97,6 +97,18 @@ mod bench {
         }
     }
 
+    /// Keeps the first output's bits; for a later one prints how many differ from them.
+    fn same_bits(first: &mut Option<Vec<u32>>, bits: Vec<u32>, what: &str) {
+        match first {
+            None => *first = Some(bits),
+            Some(b) => println!(
+                "bits {what}: {} of {} differ",
+                b.iter().zip(&bits).filter(|(x, y)| x != y).count(),
+                b.len()
+            ),
+        }
+    }
+
     /// Time of copying `bytes` device to device (the floor of reading them once).
     fn copy_ms(g: &Gpu, reps: usize, bytes: usize) -> f64 {
         let src = g.zeros::<u8>(bytes).expect("alloc");
@@ -206,14 +218,11 @@ mod bench {
                             .iter()
                             .map(|v| v.to_bits())
                             .collect();
-                        match &t128_bits {
-                            None => t128_bits = Some(bits),
-                            Some(b) => println!(
-                                "bits {tile:?} vs T128, {case} {op}: {} of {} differ",
-                                b.iter().zip(&bits).filter(|(x, y)| x != y).count(),
-                                b.len()
-                            ),
-                        }
+                        same_bits(
+                            &mut t128_bits,
+                            bits,
+                            &format!("{tile:?} vs T128, {case} {op}"),
+                        );
                     }
                     rows_out.push(Row {
                         case: case.clone(),
@@ -250,14 +259,7 @@ mod bench {
                             .iter()
                             .map(|v| v.to_bits())
                             .collect();
-                        match &first {
-                            None => first = Some(bits),
-                            Some(b) => println!(
-                                "bits {tile:?} vs T128, {case} wgrad: {} of {} differ",
-                                b.iter().zip(&bits).filter(|(x, y)| x != y).count(),
-                                b.len()
-                            ),
-                        }
+                        same_bits(&mut first, bits, &format!("{tile:?} vs T128, {case} wgrad"));
                         rows_out.push(Row {
                             case: case.clone(),
                             op: format!("wgrad grouped {tile:?}, overwrite"),

@@ -683,42 +683,38 @@ __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 ro
 }
 
 // The three grouped GEMMs on the warpgroup tile (shapes, grids and outputs as the mma.sync
-// entries above, with BM = 128, BN = 256).
-__device__ __forceinline__ void wg_nt_body(const u16* __restrict__ a, const u16* __restrict__ b,
-                                           const u32* __restrict__ off, float* __restrict__ out, u32 E, u32 R,
-                                           u32 N, u32 K, const float* __restrict__ x_amax,
-                                           const float* __restrict__ w_amax) {
+// entries above, with BM = 128, BN = 256). Forward (NN false) and dgrad (NN true) share a
+// body: rows of expert e times its weight [N, K], the reduction over K (forward) or N (dgrad),
+// the output columns N or K; the weight is K-contiguous for the forward, MN-contiguous for the
+// dgrad.
+template <bool NN>
+__device__ __forceinline__ void wg_row_body(const u16* __restrict__ a, const u16* __restrict__ b,
+                                            const u32* __restrict__ off, float* __restrict__ out, u32 E, u32 R,
+                                            u32 N, u32 K, const float* __restrict__ x_amax,
+                                            const float* __restrict__ w_amax) {
     __shared__ u32 job[3];
     locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
     if (job[0] == NO_EXPERT) return;
     const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 n0 = (u64)blockIdx.x * WG_BN;
-    const Operand A = {a, K, r0, r1, K};
-    const Operand B = {b + e * (u64)N * K, K, n0, N, K};
+    const u64 red = NN ? N : K, cols = NN ? K : N;
+    const u64 c0 = (u64)blockIdx.x * WG_BN;
+    const Operand A = {a, red, r0, r1, red};
+    const Operand B = {b + e * (u64)N * K, K, c0, cols, red};
     float acc[128];
-    wg_mainloop<false, false>(A, B, 0, K, acc);
-    wg_store(out, N, r0, r1, n0, N, acc, STORE_SET, x_amax, x_amax != nullptr ? w_amax[e] : 0.0f);
+    wg_mainloop<false, NN>(A, B, 0, red, acc);
+    wg_store(out, cols, r0, r1, c0, cols, acc, STORE_SET, x_amax, x_amax != nullptr ? w_amax[e] : 0.0f);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256(GROUPED_ARGS) {
-    wg_nt_body(a, b, off, out, E, R, N, K, nullptr, nullptr);
+    wg_row_body<false>(a, b, off, out, E, R, N, K, nullptr, nullptr);
 }
 // The forward with NVFP4's α applied to each row as it is stored (wg_store): y = fl(Σ · α),
 // x_amax [R] the rows' amax, w_amax [E] the experts'.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     grouped_nt_tw128x256_alpha(GROUPED_ARGS, const float* __restrict__ x_amax, const float* __restrict__ w_amax) {
-    wg_nt_body(a, b, off, out, E, R, N, K, x_amax, w_amax);
+    wg_row_body<false>(a, b, off, out, E, R, N, K, x_amax, w_amax);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nn_tw128x256(GROUPED_ARGS) {
-    __shared__ u32 job[3];
-    locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
-    if (job[0] == NO_EXPERT) return;
-    const u64 e = job[0], r0 = job[1], r1 = job[2];
-    const u64 c0 = (u64)blockIdx.x * WG_BN;
-    const Operand A = {a, N, r0, r1, N};
-    const Operand B = {b + e * (u64)N * K, K, c0, K, N};
-    float acc[128];
-    wg_mainloop<false, true>(A, B, 0, N, acc);
-    wg_store(out, K, r0, r1, c0, K, acc, STORE_SET);
+    wg_row_body<true>(a, b, off, out, E, R, N, K, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256(GROUPED_ARGS, u32 overwrite) {
     const u32 e = blockIdx.z;

@@ -470,6 +470,60 @@ fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
     }
 }
 
+/// A grouped op of [`grouped_bits`].
+#[derive(Debug, Clone, Copy)]
+enum GroupedOp {
+    /// The tiled forward.
+    Forward,
+    /// The small-M forward (the tile is not used).
+    SmallM,
+    Dgrad,
+    Wgrad,
+}
+
+impl GroupedOp {
+    const ALL: [GroupedOp; 4] = [
+        GroupedOp::Forward,
+        GroupedOp::SmallM,
+        GroupedOp::Dgrad,
+        GroupedOp::Wgrad,
+    ];
+}
+
+/// The output bits of `op` on `tile` over the activation `a` (also the wgrad's `dy` and `x`),
+/// the stacked weight `w` and the offsets, into a buffer filled with `init` (the wgrad with
+/// `write`).
+fn grouped_bits(
+    g: &Gpu,
+    ops: &Gemm,
+    op: GroupedOp,
+    tile: Tile,
+    (a, w, off): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u32>),
+    s: Grouped,
+    (init, write): (f32, GradWrite),
+) -> Vec<u32> {
+    let len = match op {
+        GroupedOp::Forward | GroupedOp::SmallM => s.rows * s.n,
+        GroupedOp::Dgrad => s.rows * s.k,
+        GroupedOp::Wgrad => s.experts * s.n * s.k,
+    };
+    let mut out = g.upload(&vec![init; len]).unwrap();
+    let (av, wv, ov) = (a.as_view(), w.as_view(), off.as_view());
+    let mut yv = out.as_view_mut();
+    match op {
+        GroupedOp::Forward => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
+        GroupedOp::SmallM => ops.grouped_nt_small_m(&av, &wv, &ov, &mut yv, s),
+        GroupedOp::Dgrad => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
+        GroupedOp::Wgrad => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s, write),
+    }
+    .unwrap();
+    g.download(&out)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// Every tile sums each output in the same k16 groups in increasing order (mma.sync
 /// m16n8k16 or wgmma m64n256k16, one k16 step per instruction), so all tiles give the same
 /// bits: forward, dgrad and a fresh wgrad. This is what lets the device pick a tile by shape
@@ -491,35 +545,18 @@ fn grouped_tiles_give_the_same_bits() {
         let w = bf16_values(s.experts * n * k, seed * 13 + 2);
         let (da, dw) = (g.upload(&a.bits).unwrap(), g.upload(&w.bits).unwrap());
         let doff = g.upload(&offsets_of(&c.counts)).unwrap();
-        let run = |which: usize, tile: Tile| -> Vec<u32> {
-            let len = match which {
-                0 => s.rows * n,
-                1 => s.rows * k,
-                _ => s.experts * n * k,
-            };
-            let mut out = g.upload(&vec![f32::NAN; len]).unwrap();
-            let (av, wv, ov) = (da.as_view(), dw.as_view(), doff.as_view());
-            let mut yv = out.as_view_mut();
-            match which {
-                0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
-                1 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
-                _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s, GradWrite::Overwrite),
-            }
-            .unwrap();
-            g.download(&out)
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
+        let run = |op: GroupedOp, tile: Tile| {
+            let nan = (f32::NAN, GradWrite::Overwrite);
+            grouped_bits(&g, &ops, op, tile, (&da, &dw, &doff), s, nan)
         };
-        for (which, op) in ["forward", "dgrad", "wgrad"].iter().enumerate() {
-            let base = run(which, Tile::T128);
+        for op in [GroupedOp::Forward, GroupedOp::Dgrad, GroupedOp::Wgrad] {
+            let base = run(op, Tile::T128);
             for &tile in &tiles {
-                let got = run(which, tile);
+                let got = run(op, tile);
                 let bad = got.iter().zip(&base).position(|(x, y)| x != y);
                 assert!(
                     bad.is_none(),
-                    "seed {seed} {op} {c:?}: {tile:?} differs from T128 at {bad:?}"
+                    "seed {seed} {op:?} {c:?}: {tile:?} differs from T128 at {bad:?}"
                 );
             }
         }
@@ -640,34 +677,16 @@ fn grouped_kernels_are_deterministic() {
     let w = bf16_values(s.experts * s.n * s.k, 12);
     let (da, dw) = (g.upload(&a.bits).unwrap(), g.upload(&w.bits).unwrap());
     let doff = g.upload(&offsets_of(&c.counts)).unwrap();
-    let run = |which: usize, tile: Tile| -> Vec<u32> {
-        let len = match which {
-            0 | 1 => s.rows * s.n,
-            2 => s.rows * s.k,
-            _ => s.experts * s.n * s.k,
-        };
-        let mut out = g.zeros::<f32>(len).unwrap();
-        let (av, wv, ov) = (da.as_view(), dw.as_view(), doff.as_view());
-        let mut yv = out.as_view_mut();
-        match which {
-            0 => ops.grouped_nt_tiled_with(tile, &av, &wv, &ov, &mut yv, s),
-            1 => ops.grouped_nt_small_m(&av, &wv, &ov, &mut yv, s),
-            2 => ops.grouped_nn_with(tile, &av, &wv, &ov, &mut yv, s),
-            _ => ops.grouped_tn_with(tile, &av, &av, &ov, &mut yv, s, GradWrite::Accumulate),
-        }
-        .unwrap();
-        g.download(&out)
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
+    let run = |op: GroupedOp, tile: Tile| {
+        let zeros = (0.0, GradWrite::Accumulate);
+        grouped_bits(&g, &ops, op, tile, (&da, &dw, &doff), s, zeros)
     };
     for tile in ops.tiles() {
-        for which in 0..4 {
+        for op in GroupedOp::ALL {
             assert_eq!(
-                run(which, tile),
-                run(which, tile),
-                "kernel {which} ({tile:?}): two runs differ"
+                run(op, tile),
+                run(op, tile),
+                "{op:?} ({tile:?}): two runs differ"
             );
         }
     }

@@ -637,6 +637,22 @@ impl Gemm {
             .map_err(|e| self.gpu.err(format!("memset: {e:?}")))
     }
 
+    /// [`Gemm::check_grouped`] for a forward: `x [R, K]`, `w [E, N, K]`, `y [R, N]`.
+    fn check_nt(
+        &self,
+        op: &str,
+        s: Grouped,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let y_len = mul(g, "y", s.rows, s.n)?;
+        self.check_grouped(op, s, (x, s.k), w, w_len, offsets, y, y_len)
+    }
+
     /// Checks a grouped shape and its buffers: `n`, `k` multiples of 8, sizes within the
     /// kernels' u32 range, operand lengths and alignments. `a` is `[R, a_cols]`, `b` the
     /// stacked weight `[E, n, k]`, `out` has `out_len` elements.
@@ -733,9 +749,7 @@ impl Gemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
-        let y_len = mul(g, "y", s.rows, s.n)?;
-        self.check_grouped("grouped_nt", s, (x, s.k), w, w_len, offsets, y, y_len)?;
+        self.check_nt("grouped_nt", s, x, w, offsets, y)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
@@ -785,9 +799,7 @@ impl Gemm {
             return Ok(false);
         }
         let g = &self.gpu;
-        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
-        let y_len = mul(g, "y", s.rows, s.n)?;
-        self.check_grouped("grouped_nt_alpha", s, (x, s.k), w, w_len, offsets, y, y_len)?;
+        self.check_nt("grouped_nt_alpha", s, x, w, offsets, y)?;
         check_len(g, "grouped_nt_alpha x_amax", x_amax.len(), s.rows)?;
         check_len(g, "grouped_nt_alpha w_amax", w_amax.len(), s.experts)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
@@ -823,18 +835,7 @@ impl Gemm {
         s: Grouped,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
-        let y_len = mul(g, "y", s.rows, s.n)?;
-        self.check_grouped(
-            "grouped_nt_small_m",
-            s,
-            (x, s.k),
-            w,
-            w_len,
-            offsets,
-            y,
-            y_len,
-        )?;
+        self.check_nt("grouped_nt_small_m", s, x, w, offsets, y)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
             return Ok(());
         }
