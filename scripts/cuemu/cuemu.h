@@ -8,13 +8,16 @@
 // contraction, denormals kept: the kernels' --fmad=false --ftz=false), the binary16 / BF16 /
 // E4M3 conversions the kernels spell in PTX, shuffles, ballots, ldmatrix, cp.async (copies are
 // deferred until the cp.async.wait_group that covers them, with the source-size zero fill),
-// __syncthreads (a barrier over the block's threads that have not exited). What it does not:
-// timing, occupancy, and the tensor cores' internal summation: mma.sync adds the exact products
-// of a tile (and the accumulator) in f64 and rounds once, which is one valid order but not the
-// hardware's, so two kernels agree bit for bit here exactly when they issue the same mma
-// sequence on the same fragments. Misuse that the hardware would not report reliably is a hard
-// error: a warp collective whose lanes do not all arrive (deadlock), an exited lane in a
-// collective's mask.
+// __syncthreads (a barrier over the block's threads that have not exited), and wgmma with both
+// BF16 operands in shared memory (CUTLASS's canonical 128-byte-swizzled layouts read through
+// the matrix descriptors; each thread's accumulators computed when it issues the instruction,
+// so a kernel that overwrites a stage before waiting for its wgmma group is not caught). What
+// it does not: timing, occupancy, and the tensor cores' internal summation: mma.sync adds the
+// exact products of a tile (and the accumulator) in f64 and rounds once, which is one valid
+// order but not the hardware's, so two kernels agree bit for bit here exactly when they issue
+// the same mma sequence on the same fragments (a wgmma k16 step adds each output's 16 products
+// as one mma does). Misuse that the hardware would not report reliably is a hard error: a warp
+// collective whose lanes do not all arrive (deadlock), an exited lane in a collective's mask.
 #pragma once
 #include <cmath>
 #include <math.h>

@@ -718,7 +718,7 @@ impl Gemm {
         Ok(path)
     }
 
-    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Tile::for_forward`].
+    /// [`Gemm::grouped_nt`] on the tensor-core tiles with [`Gemm::forward_tile`].
     ///
     /// # Errors
     /// As [`Gemm::grouped_nt`].
