@@ -458,7 +458,7 @@ const unsigned char* wg_elem(unsigned long long desc, bool mn_major, int mn, int
 double wg_bf16(const unsigned char* p) {
     unsigned short h;
     std::memcpy(&h, p, 2);
-    return (double)__uint_as_float((unsigned)h << 16);
+    return elem(0, h, 0);
 }
 }  // namespace
 

@@ -443,10 +443,10 @@ GROUPED_TILES(TN_ENTRY)
 // The descriptors' layouts are CUTLASS's canonical GMMA layouts (cute/atom/
 // mma_traits_sm90_gmma.hpp, SW128, K-major and MN-major). The accumulator fragment of
 // m64nNk16 is mma.m16n8's per warp (warp w of the group: rows 16w + g, 16w + g + 8; regs
-// 4j .. 4j + 3 cover columns 8j + 2t, 8j + 2t + 1), so the sums per k16 group are the
-// tensor cores' as in the mma.sync kernels; only the grouping of the reduction into
-// instructions changes nothing else: stages in increasing order, k16 steps in increasing
-// order within a stage (deterministic, no atomics).
+// 4j .. 4j + 3 cover columns 8j + 2t, 8j + 2t + 1). Each instruction adds one k16 group of
+// products to the accumulators, as an mma.sync m16n8k16 does, and the groups come in the
+// mma.sync kernels' order (stages in increasing order, k16 steps in increasing order within
+// a stage), so the sums are theirs bit for bit (deterministic, no atomics).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WG_BM 128
 #define WG_BN 256
@@ -456,7 +456,8 @@ GROUPED_TILES(TN_ENTRY)
 #define WG_ATOM 8192u                                          // bytes of one MN-major atom
 #define WG_A_BYTES (WG_BM * WG_BK * 2)                         // one stage of A (16 KB)
 #define WG_B_BYTES (WG_BN * WG_BK * 2)                         // one stage of B (32 KB)
-#define WG_SMEM (WG_ST * (WG_A_BYTES + WG_B_BYTES) + 1024)     // + the alignment slack
+// Dynamic shared memory: WG_ST stages of both, plus 1024 bytes to align the first (the
+// launcher's Tile::smem_bytes).
 
 // A shared-memory matrix descriptor: start address, leading and stride byte offsets (all in
 // 16-byte units, 14 bits each), 128-byte swizzle (layout type 1 in bits 62-63).
@@ -553,15 +554,10 @@ struct WgLoader {
     __device__ __forceinline__ void issue(u32 tile) {
 #pragma unroll
         for (int c = 0; c < PER; ++c) {
-            bool ok;
-            const u16* s;
-            if (MN) {
-                ok = out_room != 0 && red_next + red0 + (u64)(c * RSTEP) < red_end;
-                s = src + (u64)(c * RSTEP) * ld;
-            } else {
-                ok = (u32)(c * RSTEP) < out_room && red_next + red0 < red_end;
-                s = src + (u64)(c * RSTEP) * ld;
-            }
+            // MN-major: chunk c is reduction row red0 + c·RSTEP; K-major: output row c·RSTEP on.
+            const bool ok = MN ? out_room != 0 && red_next + red0 + (u64)(c * RSTEP) < red_end
+                               : (u32)(c * RSTEP) < out_room && red_next + red0 < red_end;
+            const u16* s = src + (u64)(c * RSTEP) * ld;
             const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst + (u32)(c * RSTEP * 128)),
                          "l"(ok ? s : base), "r"(n)

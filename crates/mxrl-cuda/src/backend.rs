@@ -473,6 +473,12 @@ impl CudaBackend {
     /// cuBLAS call (faster than the one-launch grouped kernel at these sizes, measured by
     /// `bench_gemm`); `None` for decode-sized batches, which stay in one launch with no host
     /// round trip (CUDA-graph capturable). The caller's host copy is used when given.
+    /// Whether `rows` routed rows over `experts` run one cuBLAS call per expert
+    /// (`--per-expert-rows`) instead of the grouped kernels.
+    fn per_expert_path(&self, experts: usize, rows: usize) -> bool {
+        rows >= self.per_expert_rows.get().saturating_mul(experts.max(1))
+    }
+
     fn per_expert_offsets(
         &self,
         offsets: &CudaSlice<u32>,
@@ -480,7 +486,7 @@ impl CudaBackend {
         experts: usize,
         rows: usize,
     ) -> DResult<Option<Vec<u32>>> {
-        if rows < self.per_expert_rows.get().saturating_mul(experts.max(1)) {
+        if !self.per_expert_path(experts, rows) {
             return Ok(None);
         }
         let o = match host {
@@ -1290,14 +1296,12 @@ impl Backend for CudaBackend {
             };
             let _ = w.train.set(op);
         }
-        let wop = match kept {
-            Some(b) => b,
-            None => w.train.get().expect("set above"),
-        };
-        let parts = if kept.is_some() {
-            1
-        } else {
-            wop.len() / wlen.max(1)
+        let (wop, parts) = match kept {
+            Some(b) => (b, 1),
+            None => {
+                let t = w.train.get().expect("set above");
+                (t, t.len() / wlen.max(1))
+            }
         };
         // The grouped kernels read the offsets on the device: the caller's, else uploaded.
         let uploaded;
@@ -3254,8 +3258,7 @@ impl CudaBackend {
                 }
                 let wb = self.experts_bf16(q, w)?;
                 // Large experts on sm_90: α applied in the GEMM's own stores (same bits).
-                let per_expert = rows >= self.per_expert_rows.get().saturating_mul(experts.max(1));
-                if !per_expert
+                if !self.per_expert_path(experts, rows)
                     && self
                         .gemm
                         .grouped_nt_alpha(

@@ -438,41 +438,41 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         CpuBackend
             .grouped_qlinear(&x, &qc, &offsets.to_vec(), groups, rows, k, n, &mut yc)
             .unwrap();
-        // Backward, accumulating into `acc`.
+        // Backward into a dW that holds `dw0` (dx overwritten), with or without the caller's
+        // BF16 copy of the master.
         let dyd = cb.upload_f32(&dy).unwrap();
-        let mut dxd = cb.zeros_f32(rows * k).unwrap();
-        let mut dwd = cb.upload_f32(&acc).unwrap();
-        cb.grouped_qlinear_backward(
-            &xd,
-            &qd,
-            &md,
-            None,
-            &dyd,
-            None,
-            &offsets,
-            rows,
-            k,
-            n,
-            &mut dxd,
-            &mut dwd,
-            GradWrite::Accumulate,
-        )
-        .unwrap();
-        let (dx, dw) = (
-            cb.download_f32(&dxd, rows * k).unwrap(),
-            cb.download_f32(&dwd, groups * n * k).unwrap(),
-        );
-        // A fresh dW: overwriting a buffer of NaNs gives, bit for bit, what accumulating into
-        // zeros gives (zeros for groups without rows).
-        let fresh = |init: f32, write: GradWrite| {
-            let mut dxf = cb.zeros_f32(rows * k).unwrap();
-            let mut dwf = cb.upload_f32(&vec![init; groups * n * k]).unwrap();
+        let backward = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
+                        dw0: &[f32],
+                        write: GradWrite| {
+            let mut dxd = cb.zeros_f32(rows * k).unwrap();
+            let mut dwd = cb.upload_f32(dw0).unwrap();
             cb.grouped_qlinear_backward(
-                &xd, &qd, &md, None, &dyd, None, &offsets, rows, k, n, &mut dxf, &mut dwf, write,
+                &xd,
+                &qd,
+                &md,
+                master_bf16,
+                &dyd,
+                None,
+                &offsets,
+                rows,
+                k,
+                n,
+                &mut dxd,
+                &mut dwd,
+                write,
             )
             .unwrap();
-            cb.download_f32(&dwf, groups * n * k).unwrap()
+            (
+                cb.download_f32(&dxd, rows * k).unwrap(),
+                cb.download_f32(&dwd, groups * n * k).unwrap(),
+            )
         };
+        // Accumulating into `acc`.
+        let (dx, dw) = backward(None, &acc, GradWrite::Accumulate);
+        // A fresh dW: overwriting a buffer of NaNs gives, bit for bit, what accumulating into
+        // zeros gives (zeros for groups without rows).
+        let fresh =
+            |init: f32, write: GradWrite| backward(None, &vec![init; groups * n * k], write).1;
         let (over, zero) = (
             fresh(f32::NAN, GradWrite::Overwrite),
             fresh(0.0, GradWrite::Accumulate),
@@ -486,39 +486,12 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         // The caller's BF16 copy of the master (what the optimizer step writes) gives the bits
         // of rounding the master here: the high-precision mode multiplies it, the others do
         // not read it.
-        {
-            let mut mb = cb.empty_bf16(groups * n * k).unwrap();
-            cb.to_bf16(&md, &mut mb, groups * n * k).unwrap();
-            let mut dxc = cb.zeros_f32(rows * k).unwrap();
-            let mut dwc = cb.upload_f32(&acc).unwrap();
-            cb.grouped_qlinear_backward(
-                &xd,
-                &qd,
-                &md,
-                Some(&mb),
-                &dyd,
-                None,
-                &offsets,
-                rows,
-                k,
-                n,
-                &mut dxc,
-                &mut dwc,
-                GradWrite::Accumulate,
-            )
-            .unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&cb.download_f32(&dxc, rows * k).unwrap()),
-                bits(&dx),
-                "{tag}: dx with the kept BF16 copy"
-            );
-            assert_eq!(
-                bits(&cb.download_f32(&dwc, groups * n * k).unwrap()),
-                bits(&dw),
-                "{tag}: dW with the kept BF16 copy"
-            );
-        }
+        let mut mb = cb.empty_bf16(groups * n * k).unwrap();
+        cb.to_bf16(&md, &mut mb, groups * n * k).unwrap();
+        let (dxc, dwc) = backward(Some(&mb), &acc, GradWrite::Accumulate);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&dxc), bits(&dx), "{tag}: dx with the kept BF16 copy");
+        assert_eq!(bits(&dwc), bits(&dw), "{tag}: dW with the kept BF16 copy");
         for g in 0..groups {
             let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
             let m = b - a;
