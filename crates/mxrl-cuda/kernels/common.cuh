@@ -37,6 +37,63 @@ __device__ __forceinline__ void split_bf16x3(float v, u16& hi, u16& mid, u16& lo
     lo = f32_to_bf16(__fsub_rn(r1, bf16_to_f32(mid)));
 }
 
+// One AdamW element update in the operation order of mxrl_tensor::optim::adamw_update, f32:
+//   g = g_raw·sc               (the clipping coefficient; 1 when not clipping)
+//   p ← p·decay;  m ← β₁·m + (1−β₁)·g;  v ← β₂·v + ((1−β₂)·g)·g
+//   p ← p − (step_size·m) / (√v / bc2_sqrt + ε)
+// with decay = 1 − lr·wd, step_size = lr/(1−β₁ᵗ), bc2_sqrt = √(1−β₂ᵗ) computed on the host
+// exactly as the reference does. Every AdamW kernel (ops_optim.cu's, and the one that also
+// quantizes the new weights in ops_qgemm.cu) updates through this function.
+__device__ __forceinline__ void adamw_elem(float g_raw, float sc, float& p, float& m, float& v, float beta1,
+                                           float beta2, float one_m_beta1, float one_m_beta2, float eps,
+                                           float step_size, float bc2_sqrt, float decay) {
+    const float g = __fmul_rn(g_raw, sc);
+    float pi = __fmul_rn(p, decay);
+    m = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(one_m_beta1, g));
+    v = __fadd_rn(__fmul_rn(beta2, v), __fmul_rn(__fmul_rn(one_m_beta2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
+    p = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, m), denom));
+}
+
+// Eight f32 values (BF16-exact, or rounded to nearest even) as eight BF16 bit patterns.
+__device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
+    uint4 o;
+    o.x = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
+    o.y = (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16);
+    o.z = (u32)f32_to_bf16(v[4]) | ((u32)f32_to_bf16(v[5]) << 16);
+    o.w = (u32)f32_to_bf16(v[6]) | ((u32)f32_to_bf16(v[7]) << 16);
+    return o;
+}
+
+// AdamW over the eight elements [i, i + 8) (adamw_elem; 16-byte aligned f32 buffers): the new
+// weights are left in w (and stored, with m, v and, when write_bf16 != 0, their BF16 copy).
+__device__ __forceinline__ void adamw8(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                                       float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16, float sc,
+                                       u64 i, float w[8], float beta1, float beta2, float one_m_beta1,
+                                       float one_m_beta2, float eps, float step_size, float bc2_sqrt,
+                                       float decay) {
+    float g[8], mm[8], vv[8];
+    *reinterpret_cast<float4*>(w) = *reinterpret_cast<const float4*>(p + i);
+    *reinterpret_cast<float4*>(w + 4) = *reinterpret_cast<const float4*>(p + i + 4);
+    *reinterpret_cast<float4*>(g) = *reinterpret_cast<const float4*>(grad + i);
+    *reinterpret_cast<float4*>(g + 4) = *reinterpret_cast<const float4*>(grad + i + 4);
+    *reinterpret_cast<float4*>(mm) = *reinterpret_cast<const float4*>(m + i);
+    *reinterpret_cast<float4*>(mm + 4) = *reinterpret_cast<const float4*>(m + i + 4);
+    *reinterpret_cast<float4*>(vv) = *reinterpret_cast<const float4*>(v + i);
+    *reinterpret_cast<float4*>(vv + 4) = *reinterpret_cast<const float4*>(v + i + 4);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        adamw_elem(g[j], sc, w[j], mm[j], vv[j], beta1, beta2, one_m_beta1, one_m_beta2, eps, step_size,
+                   bc2_sqrt, decay);
+    *reinterpret_cast<float4*>(p + i) = *reinterpret_cast<const float4*>(w);
+    *reinterpret_cast<float4*>(p + i + 4) = *reinterpret_cast<const float4*>(w + 4);
+    *reinterpret_cast<float4*>(m + i) = *reinterpret_cast<const float4*>(mm);
+    *reinterpret_cast<float4*>(m + i + 4) = *reinterpret_cast<const float4*>(mm + 4);
+    *reinterpret_cast<float4*>(v + i) = *reinterpret_cast<const float4*>(vv);
+    *reinterpret_cast<float4*>(v + i + 4) = *reinterpret_cast<const float4*>(vv + 4);
+    if (write_bf16) *reinterpret_cast<uint4*>(p_bf16 + i) = pack_bf16x8(w);
+}
+
 // Warp reductions (butterfly: every lane ends with the same value, fixed order).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -2,12 +2,9 @@
 // norm (deterministic two-stage f64 reduction) and gradient scaling. References
 // (mxrl_tensor::optim): adamw_update, global_grad_norm, clip_grad_norm.
 
-// One AdamW step over i < n, the operation order of mxrl_tensor::optim::adamw_update in f32:
-//   g = grad[i]·scale[0]       (the clipping coefficient; 1 when not clipping)
-//   p ← p·decay;  m ← β₁·m + (1−β₁)·g;  v ← β₂·v + ((1−β₂)·g)·g
-//   p ← p − (step_size·m) / (√v / bc2_sqrt + ε);  p_bf16 = bf16(p)
-// with decay = 1 − lr·wd, step_size = lr/(1−β₁ᵗ), bc2_sqrt = √(1−β₂ᵗ) computed on the host
-// exactly as the reference does; p_bf16 is written only when write_bf16 != 0. Grid-stride.
+// One AdamW step over i < n (common.cuh's adamw_elem, the operation order of
+// mxrl_tensor::optim::adamw_update in f32) with p_bf16 = bf16(p) written when write_bf16 != 0.
+// Grid-stride.
 extern "C" __global__ void adamw_step(float* __restrict__ p, const float* __restrict__ grad,
                                       float* __restrict__ m, float* __restrict__ v,
                                       u16* __restrict__ p_bf16, int write_bf16,
@@ -18,17 +15,28 @@ extern "C" __global__ void adamw_step(float* __restrict__ p, const float* __rest
     const float sc = scale[0];
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x) {
-        const float g = __fmul_rn(grad[i], sc);
-        float pi = __fmul_rn(p[i], decay);
-        const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(one_m_beta1, g));
-        const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(one_m_beta2, g), g));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-        pi = __fsub_rn(pi, __fdiv_rn(__fmul_rn(step_size, mi), denom));
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_elem(grad[i], sc, pi, mi, vi, beta1, beta2, one_m_beta1, one_m_beta2, eps, step_size,
+                   bc2_sqrt, decay);
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;
         if (write_bf16) p_bf16[i] = f32_to_bf16(pi);
     }
+}
+
+// adamw_step over n8 chunks of eight elements (float4 accesses; every buffer 16-byte aligned,
+// n = 8·n8): the same update per element (adamw8 → adamw_elem), so the same bits.
+extern "C" __global__ void __launch_bounds__(256)
+    adamw_step8(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
+                const float* __restrict__ scale, u64 n8, float beta1, float beta2, float one_m_beta1,
+                float one_m_beta2, float eps, float step_size, float bc2_sqrt, float decay) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n8) return;
+    float w[8];
+    adamw8(p, grad, m, v, p_bf16, write_bf16, scale[0], t * 8, w, beta1, beta2, one_m_beta1, one_m_beta2,
+           eps, step_size, bc2_sqrt, decay);
 }
 
 __device__ __forceinline__ double warp_sum_f64(double v) {

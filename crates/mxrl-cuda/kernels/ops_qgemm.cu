@@ -117,16 +117,6 @@ __device__ __forceinline__ void nvfp4_decode8(u32 w, u32 sf2, float v[8]) {
 // Binary16 splat of an E4M3 block-scale byte.
 __device__ __forceinline__ u32 e4m3_f16_splat(u32 b) { return e4m3x2_to_f16x2((b & 0xFFu) * 0x101u); }
 
-// Eight f32 values (BF16-exact, or rounded to nearest even) as eight BF16 bit patterns.
-__device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
-    uint4 o;
-    o.x = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
-    o.y = (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16);
-    o.z = (u32)f32_to_bf16(v[4]) | ((u32)f32_to_bf16(v[5]) << 16);
-    o.w = (u32)f32_to_bf16(v[6]) | ((u32)f32_to_bf16(v[7]) << 16);
-    return o;
-}
-
 // ---- activation quantizers (reference: mxrl_formats::quantize, then the qlinear operand) ----
 
 // MXFP8 row-wise (1×32 blocks along K) of x [rows, K] f32, written as the dequantized values
@@ -889,6 +879,12 @@ struct QfMxfp8Fast : QfMxfp8 {
     }
 };
 
+// A code word holds a NaN byte (0x7F / 0xFF; masked with 0x7F7F7F7F, a byte of 0x7F carries
+// into its top bit).
+__device__ __forceinline__ bool mxfp8_nan_word(u32 w) {
+    return (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0u;
+}
+
 // Eligibility for QfMxfp8Fast of stored MXFP8 weights: clears *ok when a code byte is NaN
 // (0x7F / 0xFF) or a scale byte exceeds MXFP8_FAST_MAX_SCALE (*ok set to 1 by the caller; every
 // writer writes 0, so the result does not depend on the order). Grid-stride over the codes'
@@ -898,11 +894,140 @@ extern "C" __global__ void mxfp8_fast_check(const u32* __restrict__ codes, u64 n
     const u64 stride = (u64)gridDim.x * blockDim.x;
     bool bad = false;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nc / 4; i += stride) {
-        const u32 m = codes[i] & 0x7F7F7F7Fu;  // a byte of 0x7F carries into its top bit
-        bad |= ((m + 0x01010101u) & 0x80808080u) != 0u;
+        bad |= mxfp8_nan_word(codes[i]);
     }
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < ns; i += stride) bad |= scales[i] > MXFP8_FAST_MAX_SCALE;
     if (bad) *ok = 0u;
+}
+
+// One AdamW step of MXFP8-stored weights followed by their row-wise quantization, in one pass
+// over the master: thread t < n8 takes elements [8t, 8t + 8) (a quarter of a 32-element
+// block along K; K % 32 == 0, so every block lies in one row), updates p, m, v with
+// adamw_elem (ops_optim.cu's adamw_step: the same bits), writes p_bf16 = bf16(p) when
+// write_bf16 != 0, then quantizes the new values with mxfp8_quarter_encode (mxfp8_row_f32:
+// the same codes and scale bytes) and, when write_deq != 0, writes deq = the BF16 of their
+// contract dequantization (dequant_mxfp8_bf16's values, the large-M forward's operand).
+// Clears *fast_ok when a code byte is NaN or a scale byte exceeds MXFP8_FAST_MAX_SCALE
+// (mxfp8_fast_check's rule; *ok set to 1 by the caller, every writer writes 0). Every lane
+// of a warp joins the block shuffles; lanes past n8 with zeros, writing nothing.
+extern "C" __global__ void __launch_bounds__(256)
+    adamw_mxfp8_row(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                    float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
+                    const float* __restrict__ scale, u8* __restrict__ codes, u8* __restrict__ scales,
+                    u16* __restrict__ deq, int write_deq, u32* __restrict__ fast_ok, u64 n8, float beta1,
+                    float beta2, float one_m_beta1, float one_m_beta2, float eps, float step_size,
+                    float bc2_sqrt, float decay) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = t < n8;
+    float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) adamw8(p, grad, m, v, p_bf16, write_bf16, scale[0], t * 8, w, beta1, beta2, one_m_beta1,
+                       one_m_beta2, eps, step_size, bc2_sqrt, decay);
+    u32 w0, w1, s;
+    mxfp8_quarter_encode(w, w0, w1, s);
+    const bool bad = active && (mxfp8_nan_word(w0) || mxfp8_nan_word(w1) || s > MXFP8_FAST_MAX_SCALE);
+    if (active) {
+        *reinterpret_cast<uint2*>(codes + t * 8) = make_uint2(w0, w1);
+        if ((t & 3u) == 0u) scales[t >> 2] = (u8)s;
+        if (write_deq) {
+            float d[8];
+            mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
+            *reinterpret_cast<uint4*>(deq + t * 8) = pack_bf16x8(d);
+        }
+    }
+    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_ok = 0u;
+}
+
+// adamw_mxfp8_row's pass over tiles of 32 rows × 64 columns (one block of 256 threads each:
+// thread (r, c8) = (t / 8, t % 8) takes row r's columns [8·c8, 8·c8 + 8), so the four threads
+// of a 32-element block along K are adjacent lanes; rows of k % 64 == 0, tile (tr, tc) =
+// (blockIdx.x / (k/64), blockIdx.x % (k/64))) that also writes col = the BF16 of the contract
+// dequantization of the new values' column-wise MXFP8 (32×1 blocks along the rows, one per
+// column of a tile): qlinear_mxfp8_col_segments_bf16's values for whole 32-row segments (the
+// lowp backward's dgrad operand of weights whose row count per weight is a multiple of 32).
+// The column amax is the largest magnitude of four partial maxima (NaN ignored: the same value
+// in any order).
+extern "C" __global__ void __launch_bounds__(256)
+    adamw_mxfp8_rowcol(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                       float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
+                       const float* __restrict__ scale, u8* __restrict__ codes, u8* __restrict__ scales,
+                       u16* __restrict__ deq, int write_deq, u16* __restrict__ col, u32* __restrict__ fast_ok,
+                       u64 k, float beta1, float beta2, float one_m_beta1, float one_m_beta2, float eps,
+                       float step_size, float bc2_sqrt, float decay) {
+    __shared__ float tile[32][65];
+    __shared__ float part[4][64];
+    const u64 tpr = k / 64, tr = blockIdx.x / tpr, tc = blockIdx.x - tr * tpr;
+    const u32 r = threadIdx.x >> 3, c8 = threadIdx.x & 7u;
+    const u64 i = (tr * 32 + r) * k + tc * 64 + c8 * 8;
+    float w[8];
+    adamw8(p, grad, m, v, p_bf16, write_bf16, scale[0], i, w, beta1, beta2, one_m_beta1, one_m_beta2, eps,
+           step_size, bc2_sqrt, decay);
+    u32 w0, w1, s;
+    mxfp8_quarter_encode(w, w0, w1, s);
+    const bool bad = mxfp8_nan_word(w0) || mxfp8_nan_word(w1) || s > MXFP8_FAST_MAX_SCALE;
+    *reinterpret_cast<uint2*>(codes + i) = make_uint2(w0, w1);
+    if ((c8 & 3u) == 0u) scales[i / 32] = (u8)s;
+    if (write_deq) {
+        float d[8];
+        mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
+        *reinterpret_cast<uint4*>(deq + i) = pack_bf16x8(d);
+    }
+    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_ok = 0u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile[r][c8 * 8 + j] = w[j];
+    __syncthreads();
+    // Column c's block: thread (q, c) = (t / 64, t % 64) holds rows [8q, 8q + 8).
+    const u32 c = threadIdx.x & 63u, q = threadIdx.x >> 6;
+    float mx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mx = nan_ignoring_max(mx, fabsf(tile[q * 8 + j][c]));
+    part[q][c] = mx;
+    __syncthreads();
+    mx = nan_ignoring_max(nan_ignoring_max(part[0][c], part[1][c]), nan_ignoring_max(part[2][c], part[3][c]));
+    const u32 sc = ue8m0_round_up(__fmul_rn(mx, MXRL_R448));
+    const float inv = ue8m0_reciprocal(sc), dec = ue8m0_decode(sc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float x = tile[q * 8 + j][c];
+        tile[q * 8 + j][c] = __fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(x, inv))));
+    }
+    __syncthreads();
+    float d[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] = tile[r][c8 * 8 + j];
+    *reinterpret_cast<uint4*>(col + i) = pack_bf16x8(d);
+}
+
+// One AdamW step of a stack of NVFP4-stored weights (group_len elements each) with each
+// weight's amax of the new values (for its per-tensor NVFP4 quantization) in the same pass:
+// thread t < n8 updates elements [8t, 8t + 8) as adamw_mxfp8_row does (adamw_elem; p_bf16 when
+// write_bf16 != 0), then raises amax_bits[weight] (zeroed by the caller) to the largest
+// magnitude of its new values, NaN ignored (amax_kernel's rule: a value ≥ 0, never NaN, so the
+// unsigned order of the bits is the numeric order and atomicMax gives the same bits in any
+// order). A warp whose lanes all hold one weight's values takes one atomic. group_len % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+    adamw_amax_groups(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                      float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
+                      const float* __restrict__ scale, u32* __restrict__ amax_bits, u64 group_len, u64 n8,
+                      float beta1, float beta2, float one_m_beta1, float one_m_beta2, float eps,
+                      float step_size, float bc2_sqrt, float decay) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool active = t < n8;
+    float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) adamw8(p, grad, m, v, p_bf16, write_bf16, scale[0], t * 8, w, beta1, beta2, one_m_beta1,
+                       one_m_beta2, eps, step_size, bc2_sqrt, decay);
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a = nan_ignoring_max(a, fabsf(w[j]));
+    const u64 none = ~0ull;
+    const u64 grp = active ? (t * 8) / group_len : none;
+    const u64 g0 = __shfl_sync(FULL_MASK, grp, 0), g31 = __shfl_sync(FULL_MASK, grp, 31);
+    if (g0 == g31 && g0 != none) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) a = nan_ignoring_max(a, __shfl_xor_sync(FULL_MASK, a, off));
+        if ((threadIdx.x & 31u) == 0u) atomicMax(amax_bits + g0, __float_as_uint(a));
+    } else if (active) {
+        atomicMax(amax_bits + grp, __float_as_uint(a));
+    }
 }
 
 // Every code under every eligible scale byte through both MXFP8 decoders (for the tests):

@@ -255,20 +255,27 @@ __device__ __forceinline__ void nvfp4_block16(const float v[16], float s_dec, fl
 // (blocks are contiguous in memory because K % 32 == 0). Scales [M, K/32] row-major = block
 // index. Lanes past the end join the shuffles with zeros and write nothing.
 // One thread's quarter of a block: v holds its eight elements (zeros when inactive); every
-// lane of the warp calls it (shuffles).
-__device__ __forceinline__ void mxfp8_row_quarter(const float v[8], bool active, u64 t, u8* data, u8* scales) {
+// lane of the warp calls it (shuffles). Gives the quarter's codes (w0: elements 0..3, w1:
+// 4..7, one byte each) and the block's scale byte s.
+__device__ __forceinline__ void mxfp8_quarter_encode(const float v[8], u32& w0, u32& w1, u32& s) {
     float m = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = nan_ignoring_max(m, fabsf(v[j]));
     m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 1));
     m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, 2));
-    u32 s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
+    s = ue8m0_round_up(__fmul_rn(m, MXRL_R448));
     float inv = ue8m0_reciprocal(s);
     float y[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(v[j], inv);
-    const u32 w0 = e4m3x2_exact(y[0], y[1]) | (e4m3x2_exact(y[2], y[3]) << 16);
-    const u32 w1 = e4m3x2_exact(y[4], y[5]) | (e4m3x2_exact(y[6], y[7]) << 16);
+    w0 = e4m3x2_exact(y[0], y[1]) | (e4m3x2_exact(y[2], y[3]) << 16);
+    w1 = e4m3x2_exact(y[4], y[5]) | (e4m3x2_exact(y[6], y[7]) << 16);
+}
+
+// mxfp8_quarter_encode, stored as quarter t of the row-wise layout when active.
+__device__ __forceinline__ void mxfp8_row_quarter(const float v[8], bool active, u64 t, u8* data, u8* scales) {
+    u32 w0, w1, s;
+    mxfp8_quarter_encode(v, w0, w1, s);
     if (!active) return;
     *reinterpret_cast<uint2*>(data + t * 8) = make_uint2(w0, w1);
     if ((t & 3u) == 0u) scales[t >> 2] = (u8)s;

@@ -35,7 +35,8 @@ use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
     add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
     grouped_down_then_combine_add, rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear,
-    Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, RouteBufs, StoredBytes,
+    AdamWUpdate, Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, RouteBufs,
+    StoredBytes, StoredLayout,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -257,15 +258,66 @@ pub struct QExperts {
     pub spec: LinearSpec,
     /// The weights' operand of the training backward's dgrad, for every expert at once
     /// (BF16, `parts` stacks of `[E, N, K]`, module doc of [`Backend::grouped_qlinear_backward`]
-    /// here), made on the first backward of this weight version.
+    /// here), made on the first backward of this weight version (MXFP8 `lowp`: written by the
+    /// optimizer pass that made the weights, where its tiles allow).
     pub train: std::cell::OnceCell<CudaSlice<u16>>,
     /// MXFP8: every scale byte ≤ 134 and no NaN code, so the fragment kernels may decode
     /// with [`Mxfp8Decode::Fast`] (the same bits); checked once when the weights are made.
-    pub fast_decode: bool,
-    /// A dense MXFP8 weight's forward operand: its contract dequantization to BF16 `[N, K]`,
-    /// made by the first forward of this weight version that is not being recorded into a
-    /// graph (a recorded step reuses it; the weights never change within a version).
+    pub fast_decode: FastDecode,
+    /// MXFP8 weights' forward operand on BF16 tensor cores: their contract dequantization
+    /// to BF16 (`[E, N, K]`). Written by the optimizer pass that made the weights
+    /// (`Backend::adamw_requantize`), where the large-M grouped forward and the dequantized
+    /// backward take it; a dense weight's is otherwise made by its first forward of this
+    /// version that is not being recorded into a graph (a recorded step reuses it; the weights
+    /// never change within a version).
     pub serve: std::cell::OnceCell<CudaSlice<u16>>,
+}
+
+/// Whether stored MXFP8 weights may take [`Mxfp8Decode::Fast`]: known on the host, or a
+/// device flag written by the kernel that made the weights (`QGemm::adamw_mxfp8`), read back
+/// once, on the first use outside graph recording.
+pub struct FastDecode {
+    known: std::cell::Cell<Option<bool>>,
+    flag: Option<CudaSlice<u32>>,
+}
+
+impl FastDecode {
+    /// An answer known on the host.
+    pub fn known(v: bool) -> Self {
+        FastDecode {
+            known: std::cell::Cell::new(Some(v)),
+            flag: None,
+        }
+    }
+
+    /// An answer in a device flag (1: eligible), read when first asked for.
+    pub fn on_device(flag: CudaSlice<u32>) -> Self {
+        FastDecode {
+            known: std::cell::Cell::new(None),
+            flag: Some(flag),
+        }
+    }
+
+    /// The answer: `None` only while `gpu`'s stream records a graph and the flag has not
+    /// been read yet (a read would synchronize; the caller takes the general decode, which
+    /// gives the same bits).
+    ///
+    /// # Errors
+    /// The copy of the flag failed.
+    pub fn get(&self, gpu: &Gpu) -> Result<Option<bool>, CudaError> {
+        if let Some(v) = self.known.get() {
+            return Ok(Some(v));
+        }
+        let Some(flag) = &self.flag else {
+            return Ok(Some(false));
+        };
+        if gpu.capturing()? {
+            return Ok(None);
+        }
+        let v = gpu.download(flag)?[0] == 1;
+        self.known.set(Some(v));
+        Ok(Some(v))
+    }
 }
 
 impl QExperts {
@@ -537,6 +589,26 @@ impl CudaBackend {
         spec: LinearSpec,
         name: &(dyn Fn(usize) -> String + Sync),
     ) -> DResult<QExperts> {
+        let ql = self.nvfp4_weight_checks(master, groups, n, k, spec, name)?;
+        // One device call for the stack: each weight keeps its own amax (the bytes of each
+        // weight quantized alone).
+        let stack = ql
+            .quantize_nvfp4_stack(&master.slice(0..groups * n * k), groups, n, k)
+            .map_err(|e| self.stack_err(name, groups, e))?;
+        self.nvfp4_experts(stack, groups, n, k, spec)
+    }
+
+    /// The device's conditions on NVFP4 weights (per-token activations, one amax per weight,
+    /// the master long enough); returns the quantizers.
+    fn nvfp4_weight_checks(
+        &self,
+        master: &CudaSlice<f32>,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+        name: &(dyn Fn(usize) -> String + Sync),
+    ) -> DResult<&QLinear> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
         if spec.act_scaling() != ActScaling::PerToken {
             return Err(dev(format!(
@@ -564,19 +636,35 @@ impl CudaBackend {
                 master.len()
             )));
         }
-        // One device call for the stack: each weight keeps its own amax (the bytes of each
-        // weight quantized alone).
-        let crate::ops::qlinear::Nvfp4Stack {
-            codes,
-            scales,
-            amax_bits: bits,
-        } = ql
-            .quantize_nvfp4_stack(&master.slice(0..groups * n * k), groups, n, k)
-            .map_err(|e| dev(format!("{}..{}: {e}", name(0), name(groups.max(1) - 1))))?;
+        Ok(ql)
+    }
+
+    /// A device error naming the weights of a stack.
+    fn stack_err(
+        &self,
+        name: &(dyn Fn(usize) -> String + Sync),
+        groups: usize,
+        e: CudaError,
+    ) -> DeviceError {
+        DeviceError::new(
+            self.gpu.name(),
+            format!("{}..{}: {e}", name(0), name(groups.max(1) - 1)),
+        )
+    }
+
+    /// NVFP4 weights as [`QExperts`] keeps them (each amax as f32 beside the bytes).
+    fn nvfp4_experts(
+        &self,
+        stack: crate::ops::qlinear::Nvfp4Stack,
+        groups: usize,
+        n: usize,
+        k: usize,
+        spec: LinearSpec,
+    ) -> DResult<QExperts> {
         let mut amax = self.gpu.empty::<f32>(groups.max(1)).map_err(de)?;
         if groups > 0 {
             self.ew
-                .copy_f32_bits(&bits.as_view(), &mut amax, 0, groups)
+                .copy_f32_bits(&stack.amax_bits.as_view(), &mut amax, 0, groups)
                 .map_err(de)?;
         }
         Ok(QExperts {
@@ -584,14 +672,63 @@ impl CudaBackend {
             e: groups,
             n,
             k,
-            codes,
-            scales,
+            codes: stack.codes,
+            scales: stack.scales,
             amax,
             spec,
-            fast_decode: false,
+            fast_decode: FastDecode::known(false),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
+    }
+
+    /// [`Backend::adamw_requantize`] of NVFP4 weights: the step finds each weight's amax of
+    /// its new values in the same pass (`QGemm::adamw_amax_groups`), then one launch
+    /// quantizes the blocks (the bytes of [`CudaBackend::quantize_nvfp4_groups`]).
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_nvfp4(
+        &self,
+        q: &QGemm,
+        param: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        update: &AdamWUpdate<'_>,
+        op: Option<&mut CudaSlice<u16>>,
+        stored: &StoredLayout<'_>,
+    ) -> DResult<QExperts> {
+        let (groups, n, k, spec, name) =
+            (stored.groups, stored.n, stored.k, stored.spec, stored.name);
+        let ql = self.nvfp4_weight_checks(param, groups, n, k, spec, name)?;
+        let len = groups * n * k;
+        let scale = self.grad_scale_buffer(update.grad_scale)?;
+        let bits = {
+            let mut pv = param.slice_mut(0..len);
+            let gv = grad.slice(0..len);
+            let mut mv = m.slice_mut(0..len);
+            let mut vv = v.slice_mut(0..len);
+            let mut ov = op.map(|o| o.slice_mut(0..len));
+            q.adamw_amax_groups(
+                AdamWParam {
+                    param: &mut pv,
+                    grad: &gv,
+                    m: &mut mv,
+                    v: &mut vv,
+                    param_bf16: ov.as_mut(),
+                    n: len,
+                    weight_decay: update.weight_decay,
+                },
+                &scale.as_view(),
+                update.step,
+                update.cfg,
+                n * k,
+            )
+            .map_err(|e| self.stack_err(name, groups, e))?
+        };
+        let stack = ql
+            .nvfp4_stack_with_amax(&InputView::F32(param.slice(0..len)), groups, n, k, bits)
+            .map_err(|e| self.stack_err(name, groups, e))?;
+        self.nvfp4_experts(stack, groups, n, k, spec)
     }
 
     /// `bf16(x[..n])` in a new buffer (every element written by the conversion).
@@ -829,7 +966,9 @@ impl Backend for CudaBackend {
             scales: self.gpu.upload(&scales).map_err(de)?,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
-            fast_decode: format == Format::Mxfp8 && mxfp8_fast_eligible(&codes, &scales),
+            fast_decode: FastDecode::known(
+                format == Format::Mxfp8 && mxfp8_fast_eligible(&codes, &scales),
+            ),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -894,10 +1033,12 @@ impl Backend for CudaBackend {
             scales,
             amax: self.gpu.upload(&amax).map_err(de)?,
             spec,
-            fast_decode: format == Format::Mxfp8
-                && weights
-                    .iter()
-                    .all(|w| mxfp8_fast_eligible(w.data, w.scales)),
+            fast_decode: FastDecode::known(
+                format == Format::Mxfp8
+                    && weights
+                        .iter()
+                        .all(|w| mxfp8_fast_eligible(w.data, w.scales)),
+            ),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -1041,7 +1182,7 @@ impl Backend for CudaBackend {
             scales: q.scales,
             amax: self.gpu.zeros::<f32>(1).map_err(de)?,
             spec,
-            fast_decode,
+            fast_decode: FastDecode::known(fast_decode),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -1060,7 +1201,7 @@ impl Backend for CudaBackend {
             scales: s.clone_dtod(&w.scales).map_err(e)?,
             amax: s.clone_dtod(&w.amax).map_err(e)?,
             spec: w.spec,
-            fast_decode: w.fast_decode,
+            fast_decode: FastDecode::known(w.fast_decode.get(&self.gpu).map_err(de)? == Some(true)),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })
@@ -1261,9 +1402,11 @@ impl Backend for CudaBackend {
         let wlen = groups * n * k;
         // The weights' dgrad operand (parts × [E, N, K] BF16): the high-precision mode's is
         // the caller's BF16 copy of the master where it keeps one (the bits `bf16(master)`
-        // gives); otherwise made once per weight version.
-        let kept = match (mode, master_bf16) {
-            (BackwardMode::HighPrecision, Some(b)) => Some(b),
+        // gives), MXFP8's dequantized one the forward operand the optimizer's pass wrote (the
+        // bits `experts_bf16` gives); otherwise made once per weight version.
+        let kept = match (mode, master_bf16, format) {
+            (BackwardMode::HighPrecision, Some(b), _) => Some(b),
+            (BackwardMode::Dequantized, _, Format::Mxfp8) => w.serve.get(),
             _ => None,
         };
         if kept.is_none() && w.train.get().is_none() {
@@ -2966,6 +3109,111 @@ impl Backend for CudaBackend {
             .map_err(de)
     }
 
+    fn adamw_requantize(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        update: &AdamWUpdate<'_>,
+        op: Option<&mut Self::Bf16>,
+        stored: &StoredLayout<'_>,
+    ) -> DResult<QExperts> {
+        let (groups, n, k, spec) = (stored.groups, stored.n, stored.k, stored.spec);
+        let row_wise = spec.weight_scheme() == Some(Scheme::MXFP8_ROW);
+        let q = match self.qgemm.as_ref() {
+            Ok(q) if row_wise && k.is_multiple_of(32) => q,
+            Ok(q) if spec.format() == Format::Nvfp4 && k.is_multiple_of(16) => {
+                return self.adamw_nvfp4(q, param, grad, m, v, update, op, stored)
+            }
+            // Other formats: the step, then the device quantizers.
+            _ => {
+                self.adamw(
+                    param,
+                    grad,
+                    m,
+                    v,
+                    groups * n * k,
+                    update.step,
+                    update.cfg,
+                    update.weight_decay,
+                    update.grad_scale,
+                    op,
+                )?;
+                return self.quantize_weights(
+                    param,
+                    groups,
+                    n,
+                    k,
+                    spec,
+                    stored.name,
+                    stored.version,
+                );
+            }
+        };
+        // MXFP8 row-wise: one pass writes the master, the moments, the BF16 copy, the stored
+        // bytes and the large-M forward's BF16 operand (kept as `serve`), and the fast-decode
+        // flag; for the `lowp` backward also its column-wise dgrad operand (kept as `train`)
+        // where the tiles allow (weights of whole 32-row blocks, K a multiple of 64).
+        let len = groups * n * k;
+        let scale = self.grad_scale_buffer(update.grad_scale)?;
+        let mut codes = self.gpu.empty::<u8>(len).map_err(de)?;
+        let mut scales = self.gpu.empty::<u8>(len / 32).map_err(de)?;
+        let mut deq = self.gpu.empty::<u16>(len).map_err(de)?;
+        let mut col = match spec.backward() {
+            BackwardMode::Lowp if n.is_multiple_of(32) && k.is_multiple_of(64) => {
+                Some(self.gpu.empty::<u16>(len).map_err(de)?)
+            }
+            _ => None,
+        };
+        let flag = {
+            let mut cv = col.as_mut().map(|c| c.as_view_mut());
+            let mut pv = param.slice_mut(0..len);
+            let gv = grad.slice(0..len);
+            let mut mv = m.slice_mut(0..len);
+            let mut vv = v.slice_mut(0..len);
+            let mut ov = op.map(|o| o.slice_mut(0..len));
+            q.adamw_mxfp8(
+                AdamWParam {
+                    param: &mut pv,
+                    grad: &gv,
+                    m: &mut mv,
+                    v: &mut vv,
+                    param_bf16: ov.as_mut(),
+                    n: len,
+                    weight_decay: update.weight_decay,
+                },
+                &scale.as_view(),
+                update.step,
+                update.cfg,
+                k,
+                &mut codes.as_view_mut(),
+                &mut scales.as_view_mut(),
+                Some(&mut deq.as_view_mut()),
+                cv.as_mut(),
+            )
+            .map_err(|e| DeviceError::new(self.gpu.name(), format!("{}: {e}", (stored.name)(0))))?
+        };
+        let (serve, train) = (std::cell::OnceCell::new(), std::cell::OnceCell::new());
+        let _ = serve.set(deq);
+        if let Some(c) = col {
+            let _ = train.set(c);
+        }
+        Ok(QExperts {
+            format: Format::Mxfp8,
+            e: groups,
+            n,
+            k,
+            codes,
+            scales,
+            amax: self.gpu.zeros::<f32>(1).map_err(de)?,
+            spec,
+            fast_decode: FastDecode::on_device(flag),
+            train,
+            serve,
+        })
+    }
+
     fn fill_zero(&self, x: &mut Self::F32, n: usize) -> DResult<()> {
         self.gpu
             .stream()
@@ -3194,7 +3442,7 @@ impl CudaBackend {
         match (w.format, &act.amax) {
             (Format::Mxfp8, None) => {
                 if frag {
-                    let decode = if w.fast_decode {
+                    let decode = if w.fast_decode.get(&self.gpu).map_err(de)? == Some(true) {
                         Mxfp8Decode::Fast
                     } else {
                         Mxfp8Decode::General
@@ -3223,8 +3471,16 @@ impl CudaBackend {
                         )
                         .map_err(de);
                 }
-                let wb = self.experts_bf16(q, w)?;
-                self.grouped_linear(xq, &wb, offsets, None, experts, rows, k, n, y)
+                // The operand the optimizer's pass wrote with the weights, else made here.
+                let made;
+                let wb = match w.serve.get() {
+                    Some(b) => b,
+                    None => {
+                        made = self.experts_bf16(q, w)?;
+                        &made
+                    }
+                };
+                self.grouped_linear(xq, wb, offsets, None, experts, rows, k, n, y)
             }
             (Format::Nvfp4, Some(x_amax)) => {
                 let xa = x_amax.slice(0..rows);

@@ -635,3 +635,90 @@ fn gpu_decode_of_one_and_two_sequences_on_the_fused_paths_follows_the_cpu_engine
         assert_eq!(run(), run(), "batch {batch}: two runs differ");
     }
 }
+
+/// After optimizer steps of block-format experts (MXFP8 quantized in the optimizer's own pass
+/// on the device, NVFP4 by the device quantizers after it), every stored weight holds the
+/// contract's bytes for the new master (`PreparedWeight::quantize` of the downloaded master),
+/// and the forward — 549 rows per expert, the dequantized large-M path, whose MXFP8 operand the
+/// optimizer's pass also wrote — and the backward (whose `dequantized` and `lowp` MXFP8 dgrad
+/// operands that pass wrote too) give the same bits as weights installed from those bytes.
+#[test]
+fn gpu_optimizer_step_stores_the_contract_bytes_of_the_new_masters() {
+    use mxrl_formats::Format;
+    use mxrl_tensor::qlinear::{BackwardMode, LinearSpec, PreparedWeight};
+    let mut c = config();
+    c.num_experts = 2;
+    c.num_experts_per_tok = 1;
+    let mut m = Model::random(&c, 21).unwrap();
+    m.set_precision_by(|_, _| LinearPrecision::Bf16).unwrap();
+    let seq: Vec<u32> = (0..1100u32).map(|i| (i * 29 + 5) % 96).collect();
+    let batch = [SeqInput::next_token(&seq)];
+    assert!((seq.len() - 1) / c.num_experts > mxrl_cuda::backend::QFRAG_ROWS_PER_EXPERT);
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        ..AdamWConfig::default()
+    };
+    for (format, mode) in [
+        (Format::Mxfp8, BackwardMode::HighPrecision),
+        (Format::Mxfp8, BackwardMode::Dequantized),
+        (Format::Mxfp8, BackwardMode::Lowp),
+        (Format::Nvfp4, BackwardMode::HighPrecision),
+    ] {
+        let spec = LinearSpec::new(format, mode).unwrap();
+        let b = CudaBackend::new(0).unwrap();
+        let mut g = Engine::from_model(&m, b, 1200).unwrap();
+        g.quantize_experts(spec).unwrap();
+        g.enable_training().unwrap();
+        for _ in 0..2 {
+            g.step(&batch);
+            g.optimizer_step(&cfg, 0.1, Some(1.0)).unwrap();
+        }
+        let lp = g.logprobs(&batch, 1.0).unwrap();
+        assert!(lp[0].iter().all(|x| x.is_finite()), "{format:?} {mode:?}");
+        let names: Vec<String> = g.param_names().iter().map(|s| s.to_string()).collect();
+        let grads = |g: &mut Engine<CudaBackend>| -> Vec<Vec<f32>> {
+            g.step(&batch);
+            names.iter().map(|n| g.grad_values(n).unwrap()).collect()
+        };
+        let before = grads(&mut g);
+        let mut checked = 0;
+        for name in &names {
+            let Some((spec, groups, n, k)) = g.stored_layout(name).unwrap() else {
+                continue;
+            };
+            let master = g.param_values(name).unwrap();
+            let stored = g.stored_weights(name).unwrap().unwrap();
+            let mut fresh = Vec::new();
+            for (gi, got) in stored.iter().enumerate() {
+                let gname = Engine::<CudaBackend>::stored_name(name, gi, groups);
+                let w = &master[gi * n * k..(gi + 1) * n * k];
+                let want = PreparedWeight::quantize(&gname, w, n, k, spec, 2).unwrap();
+                let t = want.stored().unwrap();
+                assert!(
+                    got.data == t.data
+                        && got.scales == t.scales
+                        && got
+                            .amax
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .eq(t.amax.iter().map(|v| v.to_bits())),
+                    "{format:?} {mode:?}: {gname} differs from the contract's bytes of its master"
+                );
+                fresh.push(want);
+            }
+            g.install_stored(name, fresh).unwrap();
+            checked += 1;
+        }
+        assert!(checked > 0, "{format:?} {mode:?}: no stored weight");
+        let again = g.logprobs(&batch, 1.0).unwrap();
+        assert_eq!(
+            bits(&lp),
+            bits(&again),
+            "{format:?} {mode:?}: the forward on the installed bytes"
+        );
+        assert!(
+            bits(&before) == bits(&grads(&mut g)),
+            "{format:?} {mode:?}: the gradients on the installed bytes"
+        );
+    }
+}

@@ -18,7 +18,9 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     mxrl_tensor::gradcheck::test_values(n, seed, scale)
 }
 
-const SIZES: &[usize] = &[0, 1, 257, 70_001, 3];
+/// Sizes of the tensors of one step: multiples of 8 (8 192, 4 096) take the eight-element
+/// AdamW kernel, the others the grid-stride one.
+const SIZES: &[usize] = &[0, 1, 257, 70_001, 8_192, 3, 4_096];
 
 /// The device norm and the reference's, and the bound between them (sum of exact f64 squares
 /// in two orders, then a correctly rounded sqrt on each side: `Δ√S ≤ ΔS/(2√S) + 2u·√S`).
@@ -109,7 +111,7 @@ fn adamw_step_is_bitwise_adamw_update_with_bf16_copy() {
         beta2: 0.95,
         eps: 1e-8,
     };
-    let wds = [0.0f32, 0.1, 0.01, 0.05, 0.0];
+    let wds = [0.0f32, 0.1, 0.01, 0.05, 0.02, 0.0, 0.0];
     let mut p: Vec<Vec<f32>> = SIZES
         .iter()
         .enumerate()
@@ -139,8 +141,8 @@ fn adamw_step_is_bitwise_adamw_update_with_bf16_copy() {
         }
         for i in 0..SIZES.len() {
             let n = SIZES[i];
-            // The last tensor has no BF16 copy (a norm weight): its buffer stays zero.
-            let with_copy = i + 1 < SIZES.len();
+            // The last two tensors have no BF16 copy (norm weights): their buffers stay zero.
+            let with_copy = i + 2 < SIZES.len();
             let mut bview = db[i].as_view_mut();
             let param = AdamWParam {
                 param: &mut dp[i].as_view_mut(),
@@ -210,4 +212,296 @@ fn optim_rejects_step_zero_and_short_buffers() {
     assert!(run(0).is_err());
     let e = run(1).unwrap_err().to_string();
     assert!(e.contains("adamw v"), "{e}");
+}
+
+/// f32 bit patterns with every NaN as one value: a NaN's payload is the hardware's (the GPU
+/// writes its canonical NaN where the CPU keeps an operand's), so NaN compares as NaN.
+fn nan_as_one(x: &[f32]) -> Vec<u32> {
+    x.iter()
+        .map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() })
+        .collect()
+}
+
+/// BF16 bit patterns with every NaN as one value (see [`nan_as_one`]).
+fn bf16_nan_as_one(x: &[u16]) -> Vec<u16> {
+    x.iter()
+        .map(|&b| if b & 0x7FFF > 0x7F80 { u16::MAX } else { b })
+        .collect()
+}
+
+/// E4M3 codes with both NaN codes (0x7F, 0xFF: the sign of a NaN is the hardware's) as one.
+fn e4m3_nan_as_one(x: &[u8]) -> Vec<u8> {
+    x.iter()
+        .map(|&c| if c & 0x7F == 0x7F { u8::MAX } else { c })
+        .collect()
+}
+
+/// The MXFP8 weights' optimizer step in one pass (`QGemm::adamw_mxfp8`) against its
+/// references step by step (NaN compared as NaN): `adamw_update` (master, moments: bitwise), `round_bf16` (the
+/// copy), the contract's row-wise MXFP8 quantizer (codes and scale bytes: byte-equal), the
+/// contract dequantization rounded to BF16 (the forward operand) and the fast-decode rule
+/// (no NaN code, no scale byte above 134). The weights mix ordinary rows with blocks of
+/// zeros, huge values (scale bytes above 134), tiny ones (subnormal E4M3 codes and scale
+/// bytes below 3, whose BF16 operand is rounded) and a NaN gradient (NaN codes). Where asked,
+/// the same pass writes the column-wise operand: the contract's column-wise MXFP8 of the new
+/// master, dequantized and rounded to BF16.
+#[test]
+fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
+    use mxrl_cuda::ops::qgemm::QGemm;
+    use mxrl_formats::{reference, Padding, Scheme};
+    let g = gpu();
+    let q = QGemm::new(&g).unwrap();
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+    };
+    let bits = nan_as_one;
+    let bf = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
+    // (rows, k, special values, a BF16 copy, the column-wise operand): rows of 64 and 2048
+    // columns, the launch's last warp part-filled (rows·k/8 not a multiple of 32), an empty
+    // stack, and whole 32 × 64 tiles with the column-wise operand.
+    for (case, &(rows, k, special, copy, with_col)) in [
+        (3usize, 64usize, true, true, false),
+        (37, 2048, true, false, false),
+        (5, 96, false, true, false),
+        (0, 32, false, true, false),
+        (64, 128, true, true, true),
+        (96, 2048, false, false, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let n = rows * k;
+        let mut p = values(n, 500 + case as u64, 1.0);
+        let mut m = values(n, 510 + case as u64, 0.01);
+        let mut v: Vec<f32> = values(n, 520 + case as u64, 1e-3)
+            .iter()
+            .map(|x| x * x)
+            .collect();
+        let mut grad = values(n, 530 + case as u64, 0.5);
+        if special {
+            // Block 0 of row 0 zero (master, moments and gradient: stays 0 without decay);
+            // block 1 huge; block 0 of the last row tiny; one NaN gradient in row 1.
+            for i in 0..32 {
+                p[i] = 0.0;
+                m[i] = 0.0;
+                v[i] = 0.0;
+                grad[i] = 0.0;
+                p[32 + i] = 3.0e37 * (1.0 + i as f32 / 64.0);
+                let t = (rows - 1) * k + i;
+                p[t] = 1.0e-39 * (i as f32 - 16.0);
+                m[t] = 0.0;
+                grad[t] = 0.0;
+            }
+            grad[k + 7] = f32::NAN;
+        }
+        let wd = if special { 0.0 } else { 0.1 };
+        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
+        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
+        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
+        let mut codes = g.zeros::<u8>(n.max(8)).unwrap();
+        let mut scales = g.zeros::<u8>((n / 32).max(1)).unwrap();
+        let mut deq = g.zeros::<u16>(n.max(1)).unwrap();
+        let mut col = g.zeros::<u16>(n.max(1)).unwrap();
+        let mut cview = col.as_view_mut();
+        let one = g.upload(&[0.75f32]).unwrap();
+        let step = 3;
+        let mut bview = db.as_view_mut();
+        let flag = q
+            .adamw_mxfp8(
+                AdamWParam {
+                    param: &mut dp.as_view_mut(),
+                    grad: &dg.as_view(),
+                    m: &mut dm.as_view_mut(),
+                    v: &mut dv.as_view_mut(),
+                    param_bf16: copy.then_some(&mut bview),
+                    n,
+                    weight_decay: wd,
+                },
+                &one.as_view(),
+                step,
+                &cfg,
+                k,
+                &mut codes.as_view_mut(),
+                &mut scales.as_view_mut(),
+                Some(&mut deq.as_view_mut()),
+                with_col.then_some(&mut cview),
+            )
+            .unwrap();
+        let gs: Vec<f32> = grad.iter().map(|&x| x * 0.75).collect();
+        adamw_update(&mut p, &gs, &mut m, &mut v, step, &cfg, wd);
+        let what = format!("case {case} ({rows}×{k})");
+        assert_eq!(
+            bits(&g.download(&dp).unwrap()[..n]),
+            bits(&p),
+            "{what}: master"
+        );
+        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
+        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
+        let want_copy: Vec<u16> = if copy {
+            p.iter().map(|&x| bf(x)).collect()
+        } else {
+            vec![0; n]
+        };
+        assert_eq!(
+            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
+            bf16_nan_as_one(&want_copy),
+            "{what}: BF16 copy"
+        );
+        let (want_codes, want_scales, want_deq) = if n == 0 {
+            (vec![], vec![], vec![])
+        } else {
+            let t =
+                reference::quantize(&p, &[rows, k], Scheme::MXFP8_ROW, Padding::Reject).unwrap();
+            let d: Vec<u16> = t.dequantize().unwrap().iter().map(|&x| bf(x)).collect();
+            (t.data.clone(), t.scales.as_bytes().unwrap().to_vec(), d)
+        };
+        assert_eq!(
+            e4m3_nan_as_one(&g.download(&codes).unwrap()[..n]),
+            e4m3_nan_as_one(&want_codes),
+            "{what}: codes"
+        );
+        assert_eq!(
+            &g.download(&scales).unwrap()[..n / 32],
+            &want_scales[..],
+            "{what}: scale bytes"
+        );
+        assert_eq!(
+            bf16_nan_as_one(&g.download(&deq).unwrap()[..n]),
+            bf16_nan_as_one(&want_deq),
+            "{what}: operand"
+        );
+        if with_col {
+            let t =
+                reference::quantize(&p, &[rows, k], Scheme::MXFP8_COL, Padding::Reject).unwrap();
+            let want: Vec<u16> = t.dequantize().unwrap().iter().map(|&x| bf(x)).collect();
+            assert_eq!(
+                bf16_nan_as_one(&g.download(&col).unwrap()[..n]),
+                bf16_nan_as_one(&want),
+                "{what}: column-wise operand"
+            );
+        }
+        let fast =
+            !want_codes.iter().any(|&c| c & 0x7F == 0x7F) && want_scales.iter().all(|&s| s <= 134);
+        if special {
+            assert!(!fast, "{what}: the special values rule the fast decode out");
+            assert!(
+                want_codes.iter().any(|&c| c & 0x7F == 0x7F),
+                "{what}: a NaN code"
+            );
+        }
+        assert_eq!(
+            g.download(&flag).unwrap()[0] == 1,
+            fast,
+            "{what}: fast-decode flag"
+        );
+    }
+}
+
+/// The NVFP4 weights' optimizer step (`QGemm::adamw_amax_groups`) against `adamw_update`
+/// (bitwise; NaN as NaN) and each weight's amax of its new values (NaN ignored, the contract's rule) as
+/// f32 bits: weights whose boundaries fall inside a warp's span (group lengths of 48 and
+/// 136 elements) and weights of whole warps (one atomic per warp), an all-zero weight (amax
+/// 0), a NaN gradient (ignored by the amax unless every value is NaN) and an infinite one.
+#[test]
+fn adamw_amax_groups_is_adamw_update_then_each_weights_amax() {
+    use mxrl_cuda::ops::qgemm::QGemm;
+    let g = gpu();
+    let q = QGemm::new(&g).unwrap();
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+    };
+    let bits = nan_as_one;
+    for (case, &(groups, len)) in [(7usize, 48usize), (3, 136), (2, 4096), (16, 256), (0, 16)]
+        .iter()
+        .enumerate()
+    {
+        let n = groups * len;
+        let mut p = values(n, 600 + case as u64, 2.0);
+        let mut m = values(n, 610 + case as u64, 0.01);
+        let mut v: Vec<f32> = values(n, 620 + case as u64, 1e-3)
+            .iter()
+            .map(|x| x * x)
+            .collect();
+        let mut grad = values(n, 630 + case as u64, 0.5);
+        // Each weight's largest value in an odd lane's eight of its warp (a warp's lanes
+        // hold 256 consecutive values), so a reduction that skips lanes is seen.
+        for w in 0..groups {
+            let lane = 2 * (w % 16) + 1;
+            p[w * len + (8 * lane + 3) % len] = 10.0 + w as f32;
+        }
+        if groups >= 2 {
+            for i in 0..len {
+                p[i] = 0.0;
+                m[i] = 0.0;
+                v[i] = 0.0;
+                grad[i] = 0.0;
+            }
+            grad[len + 5] = f32::NAN;
+            grad[n - 1] = f32::INFINITY;
+        }
+        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
+        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
+        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
+        let sc = g.upload(&[1.0f32]).unwrap();
+        let step = 2;
+        let mut bview = db.as_view_mut();
+        let amax = q
+            .adamw_amax_groups(
+                AdamWParam {
+                    param: &mut dp.as_view_mut(),
+                    grad: &dg.as_view(),
+                    m: &mut dm.as_view_mut(),
+                    v: &mut dv.as_view_mut(),
+                    param_bf16: Some(&mut bview),
+                    n,
+                    weight_decay: 0.0,
+                },
+                &sc.as_view(),
+                step,
+                &cfg,
+                len,
+            )
+            .unwrap();
+        adamw_update(&mut p, &grad, &mut m, &mut v, step, &cfg, 0.0);
+        let what = format!("case {case} ({groups} × {len})");
+        assert_eq!(
+            bits(&g.download(&dp).unwrap()[..n]),
+            bits(&p),
+            "{what}: master"
+        );
+        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
+        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
+        let copy: Vec<u16> = p
+            .iter()
+            .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
+            .collect();
+        assert_eq!(
+            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
+            bf16_nan_as_one(&copy),
+            "{what}: BF16 copy"
+        );
+        let want: Vec<u32> = p
+            .chunks(len)
+            .map(|w| {
+                w.iter()
+                    .fold(0.0f32, |a, &x| if x.abs() > a { x.abs() } else { a })
+                    .to_bits()
+            })
+            .collect();
+        if groups >= 2 {
+            assert_eq!(want[0], 0, "{what}: the zero weight");
+            assert!(p[len + 5].is_nan(), "{what}: a NaN value");
+        }
+        assert_eq!(
+            &g.download(&amax).unwrap()[..groups],
+            &want[..],
+            "{what}: amax"
+        );
+    }
 }

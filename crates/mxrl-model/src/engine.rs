@@ -23,7 +23,10 @@ use crate::error::{ModelError, Result};
 use crate::model::{Model, RoutingTrace, SeqInput};
 use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
-use mxrl_tensor::device::{Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, RouteBufs};
+use mxrl_tensor::device::{
+    AdamWUpdate, Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, RouteBufs,
+    StoredLayout,
+};
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
@@ -3367,26 +3370,56 @@ impl<B: Backend> Engine<B> {
         st.step += 1;
         for (i, p) in self.params.iter_mut().enumerate() {
             let wd = if p.decay { weight_decay } else { 0.0 };
-            b.adamw(
-                &mut p.master,
-                &st.grads[i],
-                &mut st.m[i],
-                &mut st.v[i],
-                p.len,
-                st.step,
-                cfg,
-                wd,
-                grad_scale,
-                p.op.as_mut(),
-            )
-            .map_err(dev)?;
+            match p.q.as_mut() {
+                // Block-format linears: the new master and its stored weights in one call.
+                Some(q) => {
+                    let base = p.name.clone();
+                    let groups = q.groups;
+                    let name = move |g: usize| group_name(&base, g, groups);
+                    let update = AdamWUpdate {
+                        step: st.step,
+                        cfg,
+                        weight_decay: wd,
+                        grad_scale,
+                    };
+                    let stored = StoredLayout {
+                        groups,
+                        n: q.n,
+                        k: q.k,
+                        spec: q.spec,
+                        name: &name,
+                        version: st.step,
+                    };
+                    q.w = b
+                        .adamw_requantize(
+                            &mut p.master,
+                            &st.grads[i],
+                            &mut st.m[i],
+                            &mut st.v[i],
+                            &update,
+                            p.op.as_mut(),
+                            &stored,
+                        )
+                        .map_err(dev)?;
+                }
+                None => b
+                    .adamw(
+                        &mut p.master,
+                        &st.grads[i],
+                        &mut st.m[i],
+                        &mut st.v[i],
+                        p.len,
+                        st.step,
+                        cfg,
+                        wd,
+                        grad_scale,
+                        p.op.as_mut(),
+                    )
+                    .map_err(dev)?,
+            }
             if let Some(c) = p.compute.as_mut() {
                 b.round_bf16(&p.master, c, p.len).map_err(dev)?;
             }
-        }
-        // Block-format linears: the stored weights of the new masters.
-        for i in 0..self.params.len() {
-            self.requantize(i)?;
         }
         Ok(norm)
     }

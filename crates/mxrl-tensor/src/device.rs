@@ -1120,6 +1120,47 @@ pub trait Backend {
         grad_scale: f32,
         op: Option<&mut Self::Bf16>,
     ) -> DResult<()>;
+    /// One AdamW step of a block-format linear's master (as [`Backend::adamw`] on
+    /// `param[..n]`, `n = stored.groups · stored.n · stored.k`) followed by its stored weights:
+    /// the new master quantized for `stored.spec` (as [`Backend::quantize_weights`]). The
+    /// default runs those two; a device may do both in one pass over the master (the same
+    /// bits and bytes).
+    ///
+    /// # Errors
+    /// As [`Backend::adamw`] and [`Backend::quantize_weights`].
+    fn adamw_requantize(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        update: &AdamWUpdate<'_>,
+        op: Option<&mut Self::Bf16>,
+        stored: &StoredLayout<'_>,
+    ) -> DResult<Self::QExperts> {
+        let n = stored.groups * stored.n * stored.k;
+        self.adamw(
+            param,
+            grad,
+            m,
+            v,
+            n,
+            update.step,
+            update.cfg,
+            update.weight_decay,
+            update.grad_scale,
+            op,
+        )?;
+        self.quantize_weights(
+            param,
+            stored.groups,
+            stored.n,
+            stored.k,
+            stored.spec,
+            stored.name,
+            stored.version,
+        )
+    }
     /// Bias gradient: `db[j] += Σ_r dy[r, j]` over `rows` rows in row order.
     ///
     /// # Errors
@@ -1754,6 +1795,37 @@ pub fn decode_attn_prep_ops<B: Backend + ?Sized>(
     b.rope(q, rows, hq, d, pos, table)?;
     b.rope(k, rows, hkv, d, pos, table)?;
     b.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
+}
+
+/// One AdamW step's settings for [`Backend::adamw_requantize`] (those of [`Backend::adamw`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWUpdate<'a> {
+    /// Step number, from 1.
+    pub step: u64,
+    /// Learning rate, betas, epsilon.
+    pub cfg: &'a crate::optim::AdamWConfig,
+    /// This parameter's weight decay.
+    pub weight_decay: f32,
+    /// The clipping coefficient multiplying the gradient first (1 for none).
+    pub grad_scale: f32,
+}
+
+/// The stored weights a block-format linear's master is quantized into
+/// ([`Backend::quantize_weights`]' arguments): `groups` weights `[n, k]` back to back.
+#[derive(Clone, Copy)]
+pub struct StoredLayout<'a> {
+    /// Weights in the stack (routed experts), 1 for a dense linear.
+    pub groups: usize,
+    /// Output rows of each weight.
+    pub n: usize,
+    /// Input columns.
+    pub k: usize,
+    /// The spec the weights are stored for.
+    pub spec: LinearSpec,
+    /// `name(g)` names weight `g` in errors.
+    pub name: &'a (dyn Fn(usize) -> String + Sync),
+    /// The weights' version tag.
+    pub version: u64,
 }
 
 /// The weight scheme of `spec` for [`Backend::upload_stored`] (refusing a BF16 spec and an

@@ -74,7 +74,7 @@ impl CudaBackend {
             // Unused for FP8 block (QExperts::bytes counts amax for NVFP4 only).
             amax: self.gpu.upload(&[0.0f32]).map_err(de)?,
             spec,
-            fast_decode: false,
+            fast_decode: super::FastDecode::known(false),
             train: std::cell::OnceCell::new(),
             serve: std::cell::OnceCell::new(),
         })

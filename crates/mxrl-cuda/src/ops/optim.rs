@@ -13,7 +13,9 @@
 use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use mxrl_tensor::optim::AdamWConfig;
 
 /// Kernel source of this family.
@@ -54,6 +56,43 @@ pub struct AdamWParam<'a, 'b> {
     pub weight_decay: f32,
 }
 
+/// The eight f32 terms of an AdamW kernel (`adamw_elem` in `kernels/common.cuh`), computed on
+/// the host the way the reference computes them: `lr/(1−β₁ᵗ)` and `√(1−β₂ᵗ)` in f64 rounded to
+/// f32, `1 − lr·wd` in f32.
+pub(crate) struct AdamWTerms {
+    v: [f32; 8],
+}
+
+impl AdamWTerms {
+    pub(crate) fn new(cfg: &AdamWConfig, step: u64, weight_decay: f32) -> Self {
+        let bc1 = 1.0 - (cfg.beta1 as f64).powi(step as i32);
+        let bc2 = 1.0 - (cfg.beta2 as f64).powi(step as i32);
+        let step_size = (cfg.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let decay = 1.0 - cfg.lr * weight_decay;
+        AdamWTerms {
+            v: [
+                cfg.beta1,
+                cfg.beta2,
+                1.0 - cfg.beta1,
+                1.0 - cfg.beta2,
+                cfg.eps,
+                step_size,
+                bc2_sqrt,
+                decay,
+            ],
+        }
+    }
+
+    /// Pushes the terms in the kernels' order (β₁, β₂, 1−β₁, 1−β₂, ε, step size, √(1−β₂ᵗ),
+    /// decay): the last eight arguments of every AdamW kernel.
+    pub(crate) fn args<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        for x in &self.v {
+            b.arg(x);
+        }
+    }
+}
+
 /// Result of [`Optim::grad_norm`]: device scalars.
 pub struct GradNorm {
     /// `√(Σ g²)` (f64, `[1]`).
@@ -68,6 +107,7 @@ pub struct GradNorm {
 pub struct Optim {
     gpu: Gpu,
     adamw: CudaFunction,
+    adamw8: CudaFunction,
     partial: CudaFunction,
     final_: CudaFunction,
     scale: CudaFunction,
@@ -91,6 +131,7 @@ impl Optim {
         Ok(Optim {
             gpu: gpu.clone(),
             adamw: f("adamw_step")?,
+            adamw8: f("adamw_step8")?,
             partial: f("sumsq_partial")?,
             final_: f("sumsq_final")?,
             scale: f("scale_inplace")?,
@@ -130,16 +171,31 @@ impl Optim {
         if n == 0 {
             return Ok(());
         }
-        // The reference's host-side terms, computed the same way.
-        let bc1 = 1.0 - (cfg.beta1 as f64).powi(step as i32);
-        let bc2 = 1.0 - (cfg.beta2 as f64).powi(step as i32);
-        let step_size = (cfg.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let decay = 1.0 - cfg.lr * p.weight_decay;
-        let (omb1, omb2) = (1.0 - cfg.beta1, 1.0 - cfg.beta2);
-        let n64 = n as u64;
+        let t = AdamWTerms::new(cfg, step, p.weight_decay);
+        // Eight elements per thread (float4 accesses) where every buffer allows it.
+        let stream = g.stream();
+        let aligned = |ptr: u64| ptr.is_multiple_of(16);
+        let vec8 = n.is_multiple_of(8)
+            && aligned(p.param.device_ptr(stream).0)
+            && aligned(p.grad.device_ptr(stream).0)
+            && aligned(p.m.device_ptr(stream).0)
+            && aligned(p.v.device_ptr(stream).0)
+            && p.param_bf16
+                .as_ref()
+                .is_none_or(|b| aligned(b.device_ptr(stream).0));
+        let (n64, f, cfg) = if vec8 {
+            let n8 = n / 8;
+            let cfg = LaunchConfig {
+                grid_dim: (n8.div_ceil(THREADS as usize) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (n8 as u64, &self.adamw8, cfg)
+        } else {
+            (n as u64, &self.adamw, grid(n))
+        };
         let write_bf16: i32 = p.param_bf16.is_some() as i32;
-        let mut b = g.stream().launch_builder(&self.adamw);
+        let mut b = stream.launch_builder(f);
         b.arg(&mut *p.param)
             .arg(p.grad)
             .arg(&mut *p.m)
@@ -148,22 +204,15 @@ impl Optim {
             Some(x) => b.arg(x),
             None => b.arg(&self.no_bf16),
         };
-        b.arg(&write_bf16)
-            .arg(grad_scale)
-            .arg(&n64)
-            .arg(&cfg.beta1)
-            .arg(&cfg.beta2)
-            .arg(&omb1)
-            .arg(&omb2)
-            .arg(&cfg.eps)
-            .arg(&step_size)
-            .arg(&bc2_sqrt)
-            .arg(&decay);
-        // SAFETY: grid-stride over i < n: reads grad[i], reads/writes p[i], m[i], v[i], writes
-        // p_bf16[i] only when a copy of ≥ n elements was given (write_bf16 = 1; the stand-in
-        // is never written), reads grad_scale[0] (≥ 1, checked); the argument list matches
-        // the kernel's (five pointers, i32, pointer, u64, eight f32).
-        unsafe { crate::gpu::launch_op(&mut b, grid(n)) }.map_err(|e| g.err(e))?;
+        b.arg(&write_bf16).arg(grad_scale).arg(&n64);
+        t.args(&mut b);
+        // SAFETY: adamw_step: grid-stride over i < n; adamw_step8: thread t < n8 = n/8 over
+        // i in [8t, 8t + 8), every buffer 16-byte aligned (checked above, float4 accesses).
+        // Either reads grad[i], reads/writes p[i], m[i], v[i], writes p_bf16[i] only when a
+        // copy of ≥ n elements was given (write_bf16 = 1; the stand-in is never written),
+        // reads grad_scale[0] (≥ 1, checked); the argument lists match the kernels' (five
+        // pointers, i32, pointer, u64, eight f32).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
 

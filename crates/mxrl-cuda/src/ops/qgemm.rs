@@ -221,6 +221,15 @@ impl QLanes {
     }
 }
 
+/// One thread per eight elements (`n8` of them), blocks of 256: the AdamW passes' grid.
+fn threads_8(n8: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n8.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The loaded low-byte kernels of one GPU.
 pub struct QGemm {
     gpu: Gpu,
@@ -236,6 +245,9 @@ pub struct QGemm {
     act_nvfp4_swiglu: [CudaFunction; 2],
     deq_mxfp8: CudaFunction,
     deq_nvfp4: CudaFunction,
+    adamw_mxfp8: CudaFunction,
+    adamw_mxfp8_rowcol: CudaFunction,
+    adamw_amax: CudaFunction,
     scale_rows: CudaFunction,
     mxfp8: [CudaFunction; 3],
     nvfp4: [CudaFunction; 3],
@@ -722,6 +734,9 @@ impl QGemm {
             ],
             deq_mxfp8: f("dequant_mxfp8_bf16")?,
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
+            adamw_mxfp8: f("adamw_mxfp8_row")?,
+            adamw_mxfp8_rowcol: f("adamw_mxfp8_rowcol")?,
+            adamw_amax: f("adamw_amax_groups")?,
             scale_rows: f("nvfp4_scale_rows")?,
             mxfp8: [
                 f("qgemm_mxfp8_l32")?,
@@ -1591,6 +1606,222 @@ impl QGemm {
         // types match (const u32*, u64, const u8*, u64, u32*).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(g.download(&ok)?[0] == 1)
+    }
+
+    /// The checks of an AdamW pass over `p` in rows of `k` (`k` a positive multiple of
+    /// `block`, `p.n` of `k`): step ≥ 1, lengths, 16-byte aligned f32 and BF16 buffers.
+    fn check_adamw(
+        &self,
+        op: &str,
+        p: &crate::ops::optim::AdamWParam<'_, '_>,
+        grad_scale: &CudaView<'_, f32>,
+        step: u64,
+        k: usize,
+        block: usize,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        if step == 0 {
+            return Err(g.err("AdamW step counts from 1"));
+        }
+        let n = p.n;
+        if k == 0 || !k.is_multiple_of(block) || !n.is_multiple_of(k) {
+            return Err(g.err(format!(
+                "{op}: {n} elements in rows of {k} (K must be a positive multiple of {block})"
+            )));
+        }
+        check_len(g, &format!("{op} param"), p.param.len(), n)?;
+        check_len(g, &format!("{op} grad"), p.grad.len(), n)?;
+        check_len(g, &format!("{op} m"), p.m.len(), n)?;
+        check_len(g, &format!("{op} v"), p.v.len(), n)?;
+        check_len(g, &format!("{op} grad scale"), grad_scale.len(), 1)?;
+        let stream = g.stream();
+        for (what, ptr) in [
+            ("param", p.param.device_ptr(stream).0),
+            ("grad", p.grad.device_ptr(stream).0),
+            ("m", p.m.device_ptr(stream).0),
+            ("v", p.v.device_ptr(stream).0),
+        ] {
+            check_align(g, &format!("{op} {what}"), ptr, 16)?;
+        }
+        if let Some(b) = &p.param_bf16 {
+            check_len(g, &format!("{op} bf16 copy"), b.len(), n)?;
+            check_align(g, &format!("{op} bf16 copy"), b.device_ptr(stream).0, 16)?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW step of MXFP8-stored weights and their quantization in one pass
+    /// (`adamw_mxfp8_row`): `p.param` (`p.n` elements, rows of `k` with `k % 32 == 0`) is
+    /// updated as [`crate::ops::optim::Optim::adamw_step`] updates it (the same bits; also
+    /// `p.m`, `p.v` and the BF16 copy when given), then quantized row-wise into `codes`
+    /// (`n` bytes) and `scales` (`n/32`), the bytes `mxfp8_row_f32` gives for the new values.
+    /// `deq`, when given, receives their contract dequantization in BF16 (the values of
+    /// [`QGemm::dequant_weights_mxfp8`]). Returns a device flag: 1 when the weights may take
+    /// [`Mxfp8Decode::Fast`] ([`QGemm::mxfp8_fast_check`]'s answer), else 0; reading it is
+    /// left to the caller (no synchronization here). `col`, when given, receives the BF16 of
+    /// the contract dequantization of the new values' column-wise MXFP8 in blocks of 32 rows
+    /// from row 0 (`QLinear::mxfp8_col_groups_bf16`'s values for weights of a multiple of 32
+    /// rows each; `adamw_mxfp8_rowcol`, which needs `k % 64 == 0` and whole 32-row blocks).
+    ///
+    /// # Errors
+    /// `step = 0`, `k` not a multiple of 32 or `p.n` not of `k`, with `col` `k` not a multiple
+    /// of 64 or the rows not of 32, short buffers, buffers not 16-byte (f32, BF16) or 8-byte
+    /// (codes) aligned; launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_mxfp8(
+        &self,
+        p: crate::ops::optim::AdamWParam<'_, '_>,
+        grad_scale: &CudaView<'_, f32>,
+        step: u64,
+        cfg: &mxrl_tensor::optim::AdamWConfig,
+        k: usize,
+        codes: &mut CudaViewMut<'_, u8>,
+        scales: &mut CudaViewMut<'_, u8>,
+        deq: Option<&mut CudaViewMut<'_, u16>>,
+        col: Option<&mut CudaViewMut<'_, u16>>,
+    ) -> Result<cudarc::driver::CudaSlice<u32>, DeviceError> {
+        let g = &self.gpu;
+        let op = "adamw_mxfp8";
+        self.check_adamw(
+            op,
+            &p,
+            grad_scale,
+            step,
+            k,
+            if col.is_some() { 64 } else { 32 },
+        )?;
+        let n = p.n;
+        if let Some(c) = &col {
+            let rows = n / k;
+            if !rows.is_multiple_of(32) {
+                return Err(g.err(format!(
+                    "{op}: the column-wise operand takes whole 32-row blocks ({rows} rows)"
+                )));
+            }
+            check_len(g, &format!("{op} column-wise operand"), c.len(), n)?;
+            check_align(
+                g,
+                &format!("{op} column-wise operand"),
+                c.device_ptr(g.stream()).0,
+                16,
+            )?;
+        }
+        check_len(g, &format!("{op} codes"), codes.len(), n)?;
+        check_len(g, &format!("{op} scales"), scales.len(), n / 32)?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 8)?;
+        if let Some(d) = &deq {
+            check_len(g, &format!("{op} dequantized"), d.len(), n)?;
+            check_align(g, &format!("{op} dequantized"), d.device_ptr(stream).0, 16)?;
+        }
+        let mut ok = g.upload(&[1u32])?;
+        if n == 0 {
+            return Ok(ok);
+        }
+        let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
+        let n8 = (n / 8) as u64;
+        let (write_bf16, write_deq) = (p.param_bf16.is_some() as i32, deq.is_some() as i32);
+        let (mut no_copy, mut no_deq) = (None, None);
+        let f = if col.is_some() {
+            &self.adamw_mxfp8_rowcol
+        } else {
+            &self.adamw_mxfp8
+        };
+        let mut b = stream.launch_builder(f);
+        b.arg(&mut *p.param)
+            .arg(p.grad)
+            .arg(&mut *p.m)
+            .arg(&mut *p.v);
+        match p.param_bf16 {
+            Some(x) => b.arg(x),
+            None => b.arg(no_copy.insert(g.empty::<u16>(8)?)),
+        };
+        b.arg(&write_bf16).arg(grad_scale).arg(codes).arg(scales);
+        match deq {
+            Some(d) => b.arg(d),
+            None => b.arg(no_deq.insert(g.empty::<u16>(8)?)),
+        };
+        b.arg(&write_deq);
+        let k64 = k as u64;
+        let launch = match col {
+            Some(c) => {
+                b.arg(c).arg(&mut ok).arg(&k64);
+                LaunchConfig {
+                    grid_dim: (((n / k / 32) * (k / 64)) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            }
+            None => {
+                b.arg(&mut ok).arg(&n8);
+                threads_8(n8)
+            }
+        };
+        t.args(&mut b);
+        // SAFETY: adamw_mxfp8_row: thread t < n8 covers elements [8t, 8t + 8) < n;
+        // adamw_mxfp8_rowcol: block (tr, tc) < (rows/32, k/64) covers rows [32tr, 32tr + 32)
+        // < rows = n/k (a multiple of 32, checked) and columns [64tc, 64tc + 64) < k, thread
+        // (r, c8) elements [(32tr + r)·k + 64tc + 8c8, +8) < n. Either reads and writes those
+        // elements of param, m, v (16-byte aligned: float4 accesses), reads grad there, writes
+        // codes there (8-byte aligned), scales at element/32 < n/32, the BF16 copy and deq
+        // there only when given (n elements, 16-byte aligned; the 8-element stand-ins are
+        // never written), col there (rowcol only: n elements, 16-byte aligned), and ok[0];
+        // reads grad_scale[0] (all checked). The argument lists match the kernels' (pointers,
+        // i32, pointers, i32, [u16*,] u32*, u64, eight f32).
+        unsafe { crate::gpu::launch_op(&mut b, launch) }.map_err(|e| g.err(e))?;
+        Ok(ok)
+    }
+
+    /// One AdamW step of a stack of weights of `group_len` elements each (`p.n` a multiple,
+    /// `group_len % 8 == 0`), as [`crate::ops::optim::Optim::adamw_step`] (the same bits;
+    /// also `p.m`, `p.v` and the BF16 copy when given), returning each weight's amax of its new
+    /// values as f32 bits (NaN ignored: the bits of the NVFP4 per-tensor amax,
+    /// `qlinear_amax_groups`'), found in the same pass (`adamw_amax_groups`).
+    ///
+    /// # Errors
+    /// `step = 0`, `group_len` not a multiple of 8 or `p.n` not of it, short or misaligned
+    /// buffers; launch errors.
+    pub fn adamw_amax_groups(
+        &self,
+        p: crate::ops::optim::AdamWParam<'_, '_>,
+        grad_scale: &CudaView<'_, f32>,
+        step: u64,
+        cfg: &mxrl_tensor::optim::AdamWConfig,
+        group_len: usize,
+    ) -> Result<cudarc::driver::CudaSlice<u32>, DeviceError> {
+        let g = &self.gpu;
+        self.check_adamw("adamw_amax_groups", &p, grad_scale, step, group_len, 8)?;
+        let n = p.n;
+        let mut bits = g.zeros::<u32>((n / group_len).max(1))?;
+        if n == 0 {
+            return Ok(bits);
+        }
+        let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
+        let (n8, gl) = ((n / 8) as u64, group_len as u64);
+        let write_bf16 = p.param_bf16.is_some() as i32;
+        let mut no_copy = None;
+        let mut b = g.stream().launch_builder(&self.adamw_amax);
+        b.arg(&mut *p.param)
+            .arg(p.grad)
+            .arg(&mut *p.m)
+            .arg(&mut *p.v);
+        match p.param_bf16 {
+            Some(x) => b.arg(x),
+            None => b.arg(no_copy.insert(g.empty::<u16>(8)?)),
+        };
+        b.arg(&write_bf16)
+            .arg(grad_scale)
+            .arg(&mut bits)
+            .arg(&gl)
+            .arg(&n8);
+        t.args(&mut b);
+        // SAFETY: thread t < n8 reads and writes elements [8t, 8t + 8) < n of param, m, v
+        // (16-byte aligned), reads grad there, writes the BF16 copy there only when given (n
+        // elements, 16-byte aligned; the stand-in is never written), and raises bits[8t /
+        // group_len] < n / group_len; reads grad_scale[0] (all checked). The argument list
+        // matches the kernel's (pointers, i32, pointers, u64, u64, eight f32).
+        unsafe { crate::gpu::launch_op(&mut b, threads_8(n8)) }.map_err(|e| g.err(e))?;
+        Ok(bits)
     }
 
     /// Every E4M3 code under every scale byte up to 134 through both MXFP8 decoders of the

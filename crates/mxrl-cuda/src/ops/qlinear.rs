@@ -1034,9 +1034,28 @@ impl QLinear {
             }
             .map_err(|e| g.err(e))?;
         }
+        self.nvfp4_stack_with_amax(&w, experts, n, k, bits)
+    }
+
+    /// The blocks of [`QLinear::quantize_nvfp4_stack`] given each weight's amax (`bits`, f32
+    /// bit patterns, one per weight: e.g. found by the optimizer pass that wrote `w`,
+    /// `QGemm::adamw_amax_groups`): one launch.
+    ///
+    /// # Errors
+    /// `k` not whole 16-blocks, short input or amax; driver errors.
+    pub fn nvfp4_stack_with_amax(
+        &self,
+        w: &InputView<'_>,
+        experts: usize,
+        n: usize,
+        k: usize,
+        bits: CudaSlice<u32>,
+    ) -> Result<Nvfp4Stack, DeviceError> {
+        let g = &self.gpu;
+        check_len(g, "NVFP4 weight stack amax", bits.len(), experts)?;
         let q = self
             .quant
-            .nvfp4_with_amax(&w, [experts, n * k], AmaxScope::PerRow, bits)?;
+            .nvfp4_with_amax(w, [experts, n * k], AmaxScope::PerRow, bits)?;
         let bits = q
             .amax_bits
             .ok_or_else(|| g.err("NVFP4 quantizer returned no amax"))?;
