@@ -35,8 +35,8 @@ use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
     add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
     grouped_down_then_combine_add, rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear,
-    AdamWUpdate, Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, RouteBufs,
-    StoredBytes, StoredLayout,
+    AdamWUpdate, Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, OutGrad,
+    RouteBufs, StoredBytes, StoredLayout,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -1337,7 +1337,7 @@ impl Backend for CudaBackend {
         w: &QExperts,
         master: &Self::F32,
         master_bf16: Option<&Self::Bf16>,
-        dy: &Self::F32,
+        dy: OutGrad<'_, Self::F32, Self::Bf16>,
         dev_offsets: Option<&Self::U32>,
         host_offsets: &[u32],
         rows: usize,
@@ -1368,9 +1368,13 @@ impl Backend for CudaBackend {
                 host_offsets.len()
             )));
         }
+        let dy_len = match dy {
+            OutGrad::F32(d) => d.len(),
+            OutGrad::Bf16(d) => d.len(),
+        };
         for (what, got, want) in [
             ("x", x.len(), rows * k),
-            ("dy", dy.len(), rows * n),
+            ("dy", dy_len, rows * n),
             ("dx", dx.len(), rows * k),
             ("dw", dw.len(), groups * n * k),
             ("master", master.len(), groups * n * k),
@@ -1549,8 +1553,28 @@ impl Backend for CudaBackend {
             }
             return Ok(());
         }
+        // bf16(dy) for the modes that take no other: as handed over, else rounded here.
+        let made_dyb;
+        let dyb = match dy {
+            OutGrad::Bf16(d) if w.spec.rounds_dy_to_bf16() => Some(d),
+            OutGrad::Bf16(_) => {
+                return Err(dev(format!(
+                    "grouped_qlinear_backward: the {} backward takes dy in f32",
+                    mode.name()
+                )))
+            }
+            OutGrad::F32(d) if w.spec.rounds_dy_to_bf16() => {
+                made_dyb = self.bf16(d, rows * n)?;
+                Some(&made_dyb)
+            }
+            OutGrad::F32(_) => None,
+        };
+        let dyb = || dyb.ok_or_else(|| dev("grouped_qlinear_backward: no bf16(dy)".into()));
         match (mode, format) {
             (BackwardMode::Lowp, _) => {
+                let OutGrad::F32(dy) = dy else {
+                    unreachable!("refused above")
+                };
                 let mut dyr = self.gpu.empty::<u16>(rows * n).map_err(de)?;
                 q.quant_act_mxfp8(&dy.slice(0..rows * n), rows, n, &mut dyr.as_view_mut())
                     .map_err(de)?;
@@ -1566,22 +1590,19 @@ impl Backend for CudaBackend {
                 wgrad(&dyc, &xc.as_view(), dw)
             }
             (BackwardMode::HighPrecision, _) => {
-                let dyb = self.bf16(dy, rows * n)?;
-                dgrad(&dyb, dx)?;
+                dgrad(dyb()?, dx)?;
                 let xb = self.bf16(x, rows * k)?;
-                wgrad(&dyb, &xb.as_view(), dw)
+                wgrad(dyb()?, &xb.as_view(), dw)
             }
             (BackwardMode::Dequantized, Format::Mxfp8) => {
-                let dyb = self.bf16(dy, rows * n)?;
-                dgrad(&dyb, dx)?;
+                dgrad(dyb()?, dx)?;
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
                 q.quant_act_mxfp8(&x.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
-                wgrad(&dyb, &xq.as_view(), dw)
+                wgrad(dyb()?, &xq.as_view(), dw)
             }
             (BackwardMode::Dequantized, _) => {
-                let dyb = self.bf16(dy, rows * n)?;
-                dgrad(&dyb, dx)?;
+                dgrad(dyb()?, dx)?;
                 let scheme = w
                     .spec
                     .activation_scheme()
@@ -1612,7 +1633,7 @@ impl Backend for CudaBackend {
                     .map_err(de)?;
                 drop(qx);
                 for p in 0..3 {
-                    wgrad(&dyb, &xp.slice(p * rows * k..(p + 1) * rows * k), dw)?;
+                    wgrad(dyb()?, &xp.slice(p * rows * k..(p + 1) * rows * k), dw)?;
                 }
                 Ok(())
             }

@@ -24,7 +24,7 @@ use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::qlinear::QLinear;
 use mxrl_cuda::DeviceInput;
 use mxrl_formats::{quantize, Format, Padding, QuantizedTensor, Scheme};
-use mxrl_tensor::device::GradWrite;
+use mxrl_tensor::device::{GradWrite, OutGrad};
 use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::qlinear::{nvfp4_alpha, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::tolerance::{
@@ -441,9 +441,10 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         // Backward into a dW that holds `dw0` (dx overwritten), with or without the caller's
         // BF16 copy of the master.
         let dyd = cb.upload_f32(&dy).unwrap();
-        let backward = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
-                        dw0: &[f32],
-                        write: GradWrite| {
+        let backward_dy = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
+                           dw0: &[f32],
+                           write: GradWrite,
+                           dy: OutGrad<'_, _, _>| {
             let mut dxd = cb.zeros_f32(rows * k).unwrap();
             let mut dwd = cb.upload_f32(dw0).unwrap();
             cb.grouped_qlinear_backward(
@@ -451,7 +452,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 &qd,
                 &md,
                 master_bf16,
-                &dyd,
+                dy,
                 None,
                 &offsets,
                 rows,
@@ -461,11 +462,17 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 &mut dwd,
                 write,
             )
-            .unwrap();
-            (
-                cb.download_f32(&dxd, rows * k).unwrap(),
-                cb.download_f32(&dwd, groups * n * k).unwrap(),
-            )
+            .map(|()| {
+                (
+                    cb.download_f32(&dxd, rows * k).unwrap(),
+                    cb.download_f32(&dwd, groups * n * k).unwrap(),
+                )
+            })
+        };
+        let backward = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
+                        dw0: &[f32],
+                        write: GradWrite| {
+            backward_dy(master_bf16, dw0, write, OutGrad::F32(&dyd)).unwrap()
         };
         // Accumulating into `acc`.
         let (dx, dw) = backward(None, &acc, GradWrite::Accumulate);
@@ -492,6 +499,21 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&dxc), bits(&dx), "{tag}: dx with the kept BF16 copy");
         assert_eq!(bits(&dwc), bits(&dw), "{tag}: dW with the kept BF16 copy");
+        // dy handed over in BF16 (what the combine and SwiGLU backwards write for these
+        // modes) gives the bits of rounding it here; `lowp` refuses it.
+        let mut dyb = cb.empty_bf16(rows * n).unwrap();
+        cb.to_bf16(&dyd, &mut dyb, rows * n).unwrap();
+        let with_bf16_dy = backward_dy(None, &acc, GradWrite::Accumulate, OutGrad::Bf16(&dyb));
+        if s.rounds_dy_to_bf16() {
+            let (dxb, dwb) = with_bf16_dy.unwrap();
+            assert_eq!(bits(&dxb), bits(&dx), "{tag}: dx with a BF16 dy");
+            assert_eq!(bits(&dwb), bits(&dw), "{tag}: dW with a BF16 dy");
+        } else {
+            assert!(
+                with_bf16_dy.is_err(),
+                "{tag}: a BF16 dy for the lowp backward"
+            );
+        }
         for g in 0..groups {
             let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
             let m = b - a;
@@ -571,7 +593,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
             &q1d,
             &md1,
             None,
-            &dyd,
+            OutGrad::F32(&dyd),
             None,
             &dense,
             rows,
@@ -589,7 +611,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 &q1c,
                 &w1.to_vec(),
                 None,
-                &dy,
+                OutGrad::F32(&dy),
                 None,
                 &dense,
                 rows,

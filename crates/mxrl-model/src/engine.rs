@@ -24,7 +24,7 @@ use crate::model::{Model, RoutingTrace, SeqInput};
 use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    AdamWUpdate, Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, RouteBufs,
+    AdamWUpdate, Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, OutGrad, RouteBufs,
     StoredLayout,
 };
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
@@ -857,8 +857,9 @@ impl<B: Backend> Engine<B> {
 
     /// Backward of [`Engine::lin`] / [`Engine::glin`] (`host_offsets`: the expert offsets;
     /// `None` for a dense linear): writes `dx`, accumulates `dW` into `g`. `dy` is f32, or
-    /// already rounded to BF16 for routed experts stored in BF16 (whose GEMMs take it as their
-    /// operand as it is). `fresh`: `g` is a pending zero ([`Engine::zero_grads`]): the grouped
+    /// already rounded to BF16 for routed experts whose backward takes only `bf16(dy)`
+    /// ([`Engine::bf16_dy`]: stored in BF16, whose GEMMs take it as their operand as it is,
+    /// or a block format's `HighPrecision` / `Dequantized` backward). `fresh`: `g` is a pending zero ([`Engine::zero_grads`]): the grouped
     /// and block-format backwards overwrite it, the dense BF16 one zeroes it first.
     #[allow(clippy::too_many_arguments)]
     fn lin_bwd(
@@ -887,8 +888,12 @@ impl<B: Backend> Engine<B> {
             GradWrite::Accumulate
         };
         match (&p.q, x, offsets, dy) {
-            (Some(q), ActRef::F32(x), o, ActRef::F32(dy)) => {
+            (Some(q), ActRef::F32(x), o, dy) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
+                let dy = match dy {
+                    ActRef::F32(d) => OutGrad::F32(d),
+                    ActRef::Bf16(d) => OutGrad::Bf16(d),
+                };
                 b.grouped_qlinear_backward(
                     x,
                     &q.w,
@@ -1218,6 +1223,15 @@ impl<B: Backend> Engine<B> {
             w,
         });
         Ok(())
+    }
+
+    /// Whether linear parameter `i`'s backward takes its output gradient rounded to BF16
+    /// (stored in BF16, or a block format whose backward multiplies only `bf16(dy)`).
+    fn bf16_dy(&self, i: usize) -> bool {
+        self.params[i]
+            .q
+            .as_ref()
+            .is_none_or(|q| q.spec.rounds_dy_to_bf16())
     }
 
     /// Whether linear parameter `i` runs in BF16 whatever a plan says (the router and
@@ -3137,10 +3151,11 @@ impl<B: Backend> Engine<B> {
                     let rows = n * k;
                     // Overwritten by the combine backward.
                     let mut dweights = o(rows)?;
-                    // Experts stored in BF16 take their output gradient as BF16 straight from
-                    // the combine (and the gate/up gradient from SwiGLU); block formats need
-                    // the f32 values.
-                    let dy = if self.params[m.down].q.is_none() {
+                    // Experts stored in BF16, and block formats whose backward multiplies
+                    // only bf16(dy), take their output gradient as BF16 straight from the
+                    // combine (and the gate/up gradient from SwiGLU); `lowp` needs the f32
+                    // values.
+                    let dy = if self.bf16_dy(m.down) {
                         let mut dyb = b.empty_bf16(rows * hd).map_err(dev)?;
                         b.combine_backward_bf16(
                             &dx,
@@ -3174,7 +3189,7 @@ impl<B: Backend> Engine<B> {
                         &mut g[m.down],
                         std::mem::replace(&mut pending_zero[m.down], false),
                     )?;
-                    let dgu = if self.params[m.gate_up].q.is_none() {
+                    let dgu = if self.bf16_dy(m.gate_up) {
                         let mut dgub = b.empty_bf16(rows * 2 * m.f).map_err(dev)?;
                         b.swiglu_backward_bf16(&dact, gu, rows, m.f, &mut dgub)
                             .map_err(dev)?;

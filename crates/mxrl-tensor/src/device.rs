@@ -1541,8 +1541,10 @@ pub trait Backend {
     /// high-precision operand of the `HighPrecision` and `Lowp` modes); `master_bf16`, where
     /// the caller keeps one, is `bf16(master)` (round to nearest even: the BF16 copy the
     /// optimizer step writes with the master), which a device may multiply instead of
-    /// rounding `master` again (the same operand). Bitwise the CPU model's on the CPU; a device
-    /// multiplies the same operands, summed in another order.
+    /// rounding `master` again (the same operand). `dy` may come rounded to BF16 already
+    /// ([`OutGrad::Bf16`]) where the mode multiplies only `bf16(dy)`
+    /// ([`LinearSpec::rounds_dy_to_bf16`]; an error otherwise). Bitwise the CPU model's on the
+    /// CPU; a device multiplies the same operands, summed in another order.
     /// `dw_write` [`GradWrite::Overwrite`]: `dw` (all `groups·n·k` values) is written as if it
     /// had been zeroed first.
     ///
@@ -1556,7 +1558,7 @@ pub trait Backend {
         w: &Self::QExperts,
         master: &Self::F32,
         master_bf16: Option<&Self::Bf16>,
-        dy: &Self::F32,
+        dy: OutGrad<'_, Self::F32, Self::Bf16>,
         offsets: Option<&Self::U32>,
         host_offsets: &[u32],
         rows: usize,
@@ -1795,6 +1797,15 @@ pub fn decode_attn_prep_ops<B: Backend + ?Sized>(
     b.rope(q, rows, hq, d, pos, table)?;
     b.rope(k, rows, hkv, d, pos, table)?;
     b.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
+}
+
+/// The output gradient of a linear as its producer wrote it
+/// ([`Backend::grouped_qlinear_backward`]): f32, or rounded to BF16 (a backend's BF16 buffer).
+pub enum OutGrad<'a, F, H> {
+    /// f32 values.
+    F32(&'a F),
+    /// The values rounded to BF16 (round to nearest even).
+    Bf16(&'a H),
 }
 
 /// One AdamW step's settings for [`Backend::adamw_requantize`] (those of [`Backend::adamw`]).
@@ -2162,7 +2173,7 @@ impl Backend for CpuBackend {
         w: &Vec<PreparedWeight>,
         _master: &Vec<f32>,
         _master_bf16: Option<&Vec<f32>>,
-        dy: &Vec<f32>,
+        dy: OutGrad<'_, Vec<f32>, Vec<f32>>,
         _offsets: Option<&Vec<u32>>,
         host_offsets: &[u32],
         rows: usize,
@@ -2178,6 +2189,23 @@ impl Backend for CpuBackend {
             host_offsets.len(),
             groups + 1,
         )?;
+        // A BF16 dy (values already rounded) is the operand the backward would round to.
+        let dy = match dy {
+            OutGrad::F32(d) => d,
+            OutGrad::Bf16(d) => {
+                if let Some(pw) = w.iter().find(|pw| !pw.spec().rounds_dy_to_bf16()) {
+                    return Err(DeviceError::new(
+                        "cpu",
+                        format!(
+                            "grouped_qlinear_backward {}: the {} backward takes dy in f32",
+                            pw.name(),
+                            pw.spec().backward().name()
+                        ),
+                    ));
+                }
+                d
+            }
+        };
         need("grouped_qlinear_backward x", x.len(), rows * k)?;
         need("grouped_qlinear_backward dy", dy.len(), rows * n)?;
         need("grouped_qlinear_backward dx", dx.len(), rows * k)?;

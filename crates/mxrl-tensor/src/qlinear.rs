@@ -186,6 +186,12 @@ impl LinearSpec {
     pub fn backward(&self) -> BackwardMode {
         self.backward
     }
+    /// Whether the backward multiplies the output gradient only as `bf16(dy)` (the
+    /// `HighPrecision` and `Dequantized` modes), so a producer may hand it over rounded to
+    /// BF16 already (the same operand); `Lowp` quantizes the f32 `dy` itself.
+    pub fn rounds_dy_to_bf16(&self) -> bool {
+        self.backward != BackwardMode::Lowp
+    }
     /// The NVFP4 activation amax scope (meaningful for NVFP4 only).
     pub fn act_scaling(&self) -> ActScaling {
         self.act_scaling
