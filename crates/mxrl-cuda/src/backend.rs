@@ -33,7 +33,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_formats::{Format, Scheme};
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
-    add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
+    adamw_then_quantize, add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
     grouped_down_then_combine_add, rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear,
     AdamWUpdate, Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, OutGrad,
     RouteBufs, StoredBytes, StoredLayout,
@@ -702,29 +702,11 @@ impl CudaBackend {
         let ql = self.nvfp4_weight_checks(param, groups, n, k, spec, name)?;
         let len = groups * n * k;
         let scale = self.grad_scale_buffer(update.grad_scale)?;
-        let bits = {
-            let mut pv = param.slice_mut(0..len);
-            let gv = grad.slice(0..len);
-            let mut mv = m.slice_mut(0..len);
-            let mut vv = v.slice_mut(0..len);
-            let mut ov = op.map(|o| o.slice_mut(0..len));
-            q.adamw_amax_groups(
-                AdamWParam {
-                    param: &mut pv,
-                    grad: &gv,
-                    m: &mut mv,
-                    v: &mut vv,
-                    param_bf16: ov.as_mut(),
-                    n: len,
-                    weight_decay: update.weight_decay,
-                },
-                &scale.as_view(),
-                update.step,
-                update.cfg,
-                n * k,
-            )
-            .map_err(|e| self.stack_err(name, groups, e))?
-        };
+        let wd = update.weight_decay;
+        let bits = with_adamw_param(param, grad, m, v, op, len, wd, |p| {
+            q.adamw_amax_groups(p, &scale.as_view(), update.step, update.cfg, n * k)
+        })
+        .map_err(|e| self.stack_err(name, groups, e))?;
         let stack = ql
             .nvfp4_stack_with_amax(&InputView::F32(param.slice(0..len)), groups, n, k, bits)
             .map_err(|e| self.stack_err(name, groups, e))?;
@@ -758,6 +740,33 @@ impl CudaBackend {
         .map_err(de)?;
         Ok(wb)
     }
+}
+
+/// One parameter's AdamW operands as views of the whole buffers (the launchers check their
+/// lengths against `n`), handed to `f`.
+#[allow(clippy::too_many_arguments)]
+fn with_adamw_param<R>(
+    param: &mut CudaSlice<f32>,
+    grad: &CudaSlice<f32>,
+    m: &mut CudaSlice<f32>,
+    v: &mut CudaSlice<f32>,
+    op: Option<&mut CudaSlice<u16>>,
+    n: usize,
+    weight_decay: f32,
+    f: impl FnOnce(AdamWParam<'_, '_>) -> R,
+) -> R {
+    let (mut pv, gv) = (param.as_view_mut(), grad.as_view());
+    let (mut mv, mut vv) = (m.as_view_mut(), v.as_view_mut());
+    let mut ov = op.map(|o| o.as_view_mut());
+    f(AdamWParam {
+        param: &mut pv,
+        grad: &gv,
+        m: &mut mv,
+        v: &mut vv,
+        param_bf16: ov.as_mut(),
+        n,
+        weight_decay,
+    })
 }
 
 impl Backend for CudaBackend {
@@ -3107,27 +3116,10 @@ impl Backend for CudaBackend {
         op: Option<&mut Self::Bf16>,
     ) -> DResult<()> {
         let scale = self.grad_scale_buffer(grad_scale)?;
-        let mut pv = param.as_view_mut();
-        let gv = grad.as_view();
-        let mut mv = m.as_view_mut();
-        let mut vv = v.as_view_mut();
-        let mut ov = op.map(|o| o.as_view_mut());
-        self.optim
-            .adamw_step(
-                AdamWParam {
-                    param: &mut pv,
-                    grad: &gv,
-                    m: &mut mv,
-                    v: &mut vv,
-                    param_bf16: ov.as_mut(),
-                    n,
-                    weight_decay,
-                },
-                &scale.as_view(),
-                step,
-                cfg,
-            )
-            .map_err(de)
+        with_adamw_param(param, grad, m, v, op, n, weight_decay, |p| {
+            self.optim.adamw_step(p, &scale.as_view(), step, cfg)
+        })
+        .map_err(de)
     }
 
     fn adamw_requantize(
@@ -3148,29 +3140,7 @@ impl Backend for CudaBackend {
                 return self.adamw_nvfp4(q, param, grad, m, v, update, op, stored)
             }
             // Other formats: the step, then the device quantizers.
-            _ => {
-                self.adamw(
-                    param,
-                    grad,
-                    m,
-                    v,
-                    groups * n * k,
-                    update.step,
-                    update.cfg,
-                    update.weight_decay,
-                    update.grad_scale,
-                    op,
-                )?;
-                return self.quantize_weights(
-                    param,
-                    groups,
-                    n,
-                    k,
-                    spec,
-                    stored.name,
-                    stored.version,
-                );
-            }
+            _ => return adamw_then_quantize(self, param, grad, m, v, update, op, stored),
         };
         // MXFP8 row-wise: one pass writes the master, the moments, the BF16 copy, the stored
         // bytes and the large-M forward's BF16 operand (kept as `serve`), and the fast-decode
@@ -3187,23 +3157,11 @@ impl Backend for CudaBackend {
             }
             _ => None,
         };
-        let flag = {
-            let mut cv = col.as_mut().map(|c| c.as_view_mut());
-            let mut pv = param.slice_mut(0..len);
-            let gv = grad.slice(0..len);
-            let mut mv = m.slice_mut(0..len);
-            let mut vv = v.slice_mut(0..len);
-            let mut ov = op.map(|o| o.slice_mut(0..len));
+        let mut cv = col.as_mut().map(|c| c.as_view_mut());
+        let wd = update.weight_decay;
+        let flag = with_adamw_param(param, grad, m, v, op, len, wd, |p| {
             q.adamw_mxfp8(
-                AdamWParam {
-                    param: &mut pv,
-                    grad: &gv,
-                    m: &mut mv,
-                    v: &mut vv,
-                    param_bf16: ov.as_mut(),
-                    n: len,
-                    weight_decay: update.weight_decay,
-                },
+                p,
                 &scale.as_view(),
                 update.step,
                 update.cfg,
@@ -3213,8 +3171,8 @@ impl Backend for CudaBackend {
                 Some(&mut deq.as_view_mut()),
                 cv.as_mut(),
             )
-            .map_err(|e| DeviceError::new(self.gpu.name(), format!("{}: {e}", (stored.name)(0))))?
-        };
+        })
+        .map_err(|e| DeviceError::new(self.gpu.name(), format!("{}: {e}", (stored.name)(0))))?;
         let (serve, train) = (std::cell::OnceCell::new(), std::cell::OnceCell::new());
         let _ = serve.set(deq);
         if let Some(c) = col {

@@ -237,11 +237,11 @@ fn e4m3_nan_as_one(x: &[u8]) -> Vec<u8> {
 }
 
 /// The MXFP8 weights' optimizer step in one pass (`QGemm::adamw_mxfp8`) against its
-/// references step by step (NaN compared as NaN): `adamw_update` (master, moments: bitwise), `round_bf16` (the
-/// copy), the contract's row-wise MXFP8 quantizer (codes and scale bytes: byte-equal), the
-/// contract dequantization rounded to BF16 (the forward operand) and the fast-decode rule
-/// (no NaN code, no scale byte above 134). The weights mix ordinary rows with blocks of
-/// zeros, huge values (scale bytes above 134), tiny ones (subnormal E4M3 codes and scale
+/// references step by step (NaN compared as NaN): `adamw_update` (master, moments:
+/// bitwise), `round_bf16` (the copy), the contract's row-wise MXFP8 quantizer (codes and
+/// scale bytes: byte-equal), the contract dequantization rounded to BF16 (the forward
+/// operand) and the fast-decode rule (no NaN code, no scale byte above 134). The weights mix
+/// ordinary rows with blocks of zeros, huge values (scale bytes above 134), tiny ones (subnormal E4M3 codes and scale
 /// bytes below 3, whose BF16 operand is rounded) and a NaN gradient (NaN codes). Where asked,
 /// the same pass writes the column-wise operand: the contract's column-wise MXFP8 of the new
 /// master, dequantized and rounded to BF16.
@@ -401,10 +401,11 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
 }
 
 /// The NVFP4 weights' optimizer step (`QGemm::adamw_amax_groups`) against `adamw_update`
-/// (bitwise; NaN as NaN) and each weight's amax of its new values (NaN ignored, the contract's rule) as
-/// f32 bits: weights whose boundaries fall inside a warp's span (group lengths of 48 and
-/// 136 elements) and weights of whole warps (one atomic per warp), an all-zero weight (amax
-/// 0), a NaN gradient (ignored by the amax unless every value is NaN) and an infinite one.
+/// (bitwise; NaN as NaN) and each weight's amax of its new values (NaN ignored, the
+/// contract's rule) as f32 bits: weights whose boundaries fall inside a warp's span (group
+/// lengths of 48 and 136 elements) and weights of whole warps (one atomic per warp), an
+/// all-zero weight (amax 0), a NaN gradient (ignored by the amax unless every value is NaN)
+/// and an infinite one.
 #[test]
 fn adamw_amax_groups_is_adamw_update_then_each_weights_amax() {
     use mxrl_cuda::ops::qgemm::QGemm;

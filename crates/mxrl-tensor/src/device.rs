@@ -1138,28 +1138,7 @@ pub trait Backend {
         op: Option<&mut Self::Bf16>,
         stored: &StoredLayout<'_>,
     ) -> DResult<Self::QExperts> {
-        let n = stored.groups * stored.n * stored.k;
-        self.adamw(
-            param,
-            grad,
-            m,
-            v,
-            n,
-            update.step,
-            update.cfg,
-            update.weight_decay,
-            update.grad_scale,
-            op,
-        )?;
-        self.quantize_weights(
-            param,
-            stored.groups,
-            stored.n,
-            stored.k,
-            stored.spec,
-            stored.name,
-            stored.version,
-        )
+        adamw_then_quantize(self, param, grad, m, v, update, op, stored)
     }
     /// Bias gradient: `db[j] += Σ_r dy[r, j]` over `rows` rows in row order.
     ///
@@ -1806,6 +1785,47 @@ pub enum OutGrad<'a, F, H> {
     F32(&'a F),
     /// The values rounded to BF16 (round to nearest even).
     Bf16(&'a H),
+}
+
+/// [`Backend::adamw_requantize`] as two calls: [`Backend::adamw`], then
+/// [`Backend::quantize_weights`] of the new master (the trait's default, and a device's way
+/// for the formats it does not fuse).
+///
+/// # Errors
+/// As the two calls.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_then_quantize<B: Backend + ?Sized>(
+    b: &B,
+    param: &mut B::F32,
+    grad: &B::F32,
+    m: &mut B::F32,
+    v: &mut B::F32,
+    update: &AdamWUpdate<'_>,
+    op: Option<&mut B::Bf16>,
+    stored: &StoredLayout<'_>,
+) -> DResult<B::QExperts> {
+    let n = stored.groups * stored.n * stored.k;
+    b.adamw(
+        param,
+        grad,
+        m,
+        v,
+        n,
+        update.step,
+        update.cfg,
+        update.weight_decay,
+        update.grad_scale,
+        op,
+    )?;
+    b.quantize_weights(
+        param,
+        stored.groups,
+        stored.n,
+        stored.k,
+        stored.spec,
+        stored.name,
+        stored.version,
+    )
 }
 
 /// One AdamW step's settings for [`Backend::adamw_requantize`] (those of [`Backend::adamw`]).

@@ -56,6 +56,31 @@ pub struct AdamWParam<'a, 'b> {
     pub weight_decay: f32,
 }
 
+impl<'a> AdamWParam<'a, '_> {
+    /// Pushes the first five arguments of every AdamW kernel — param, grad, m, v and the BF16
+    /// copy (`stand_in`, never written, when there is none) — and returns the kernels'
+    /// `write_bf16` flag.
+    pub(crate) fn push_buffers<'c>(
+        self,
+        b: &mut cudarc::driver::LaunchArgs<'c>,
+        stand_in: &'c CudaSlice<u16>,
+    ) -> i32
+    where
+        'a: 'c,
+    {
+        let write_bf16 = self.param_bf16.is_some() as i32;
+        b.arg(&mut *self.param)
+            .arg(self.grad)
+            .arg(&mut *self.m)
+            .arg(&mut *self.v);
+        match self.param_bf16 {
+            Some(x) => b.arg(x),
+            None => b.arg(stand_in),
+        };
+        write_bf16
+    }
+}
+
 /// The eight f32 terms of an AdamW kernel (`adamw_elem` in `kernels/common.cuh`), computed on
 /// the host the way the reference computes them: `lr/(1−β₁ᵗ)` and `√(1−β₂ᵗ)` in f64 rounded to
 /// f32, `1 − lr·wd` in f32.
@@ -194,16 +219,8 @@ impl Optim {
         } else {
             (n as u64, &self.adamw, grid(n))
         };
-        let write_bf16: i32 = p.param_bf16.is_some() as i32;
         let mut b = stream.launch_builder(f);
-        b.arg(&mut *p.param)
-            .arg(p.grad)
-            .arg(&mut *p.m)
-            .arg(&mut *p.v);
-        match p.param_bf16 {
-            Some(x) => b.arg(x),
-            None => b.arg(&self.no_bf16),
-        };
+        let write_bf16 = p.push_buffers(&mut b, &self.no_bf16);
         b.arg(&write_bf16).arg(grad_scale).arg(&n64);
         t.args(&mut b);
         // SAFETY: adamw_step: grid-stride over i < n; adamw_step8: thread t < n8 = n/8 over

@@ -65,7 +65,8 @@ use super::{check_align, check_len, check_u32, mul};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{
-    CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 
 /// Kernel source of this family (the module's name is `ops_qgemm`).
@@ -248,6 +249,9 @@ pub struct QGemm {
     adamw_mxfp8: CudaFunction,
     adamw_mxfp8_rowcol: CudaFunction,
     adamw_amax: CudaFunction,
+    /// An 8-element stand-in for an absent optional output of the AdamW passes (never
+    /// written).
+    no_u16: CudaSlice<u16>,
     scale_rows: CudaFunction,
     mxfp8: [CudaFunction; 3],
     nvfp4: [CudaFunction; 3],
@@ -737,6 +741,7 @@ impl QGemm {
             adamw_mxfp8: f("adamw_mxfp8_row")?,
             adamw_mxfp8_rowcol: f("adamw_mxfp8_rowcol")?,
             adamw_amax: f("adamw_amax_groups")?,
+            no_u16: gpu.zeros(8)?,
             scale_rows: f("nvfp4_scale_rows")?,
             mxfp8: [
                 f("qgemm_mxfp8_l32")?,
@@ -1679,7 +1684,7 @@ impl QGemm {
         scales: &mut CudaViewMut<'_, u8>,
         deq: Option<&mut CudaViewMut<'_, u16>>,
         col: Option<&mut CudaViewMut<'_, u16>>,
-    ) -> Result<cudarc::driver::CudaSlice<u32>, DeviceError> {
+    ) -> Result<CudaSlice<u32>, DeviceError> {
         let g = &self.gpu;
         let op = "adamw_mxfp8";
         self.check_adamw(
@@ -1720,26 +1725,18 @@ impl QGemm {
         }
         let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
         let n8 = (n / 8) as u64;
-        let (write_bf16, write_deq) = (p.param_bf16.is_some() as i32, deq.is_some() as i32);
-        let (mut no_copy, mut no_deq) = (None, None);
+        let write_deq = deq.is_some() as i32;
         let f = if col.is_some() {
             &self.adamw_mxfp8_rowcol
         } else {
             &self.adamw_mxfp8
         };
         let mut b = stream.launch_builder(f);
-        b.arg(&mut *p.param)
-            .arg(p.grad)
-            .arg(&mut *p.m)
-            .arg(&mut *p.v);
-        match p.param_bf16 {
-            Some(x) => b.arg(x),
-            None => b.arg(no_copy.insert(g.empty::<u16>(8)?)),
-        };
+        let write_bf16 = p.push_buffers(&mut b, &self.no_u16);
         b.arg(&write_bf16).arg(grad_scale).arg(codes).arg(scales);
         match deq {
             Some(d) => b.arg(d),
-            None => b.arg(no_deq.insert(g.empty::<u16>(8)?)),
+            None => b.arg(&self.no_u16),
         };
         b.arg(&write_deq);
         let k64 = k as u64;
@@ -1788,7 +1785,7 @@ impl QGemm {
         step: u64,
         cfg: &mxrl_tensor::optim::AdamWConfig,
         group_len: usize,
-    ) -> Result<cudarc::driver::CudaSlice<u32>, DeviceError> {
+    ) -> Result<CudaSlice<u32>, DeviceError> {
         let g = &self.gpu;
         self.check_adamw("adamw_amax_groups", &p, grad_scale, step, group_len, 8)?;
         let n = p.n;
@@ -1798,17 +1795,8 @@ impl QGemm {
         }
         let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
         let (n8, gl) = ((n / 8) as u64, group_len as u64);
-        let write_bf16 = p.param_bf16.is_some() as i32;
-        let mut no_copy = None;
         let mut b = g.stream().launch_builder(&self.adamw_amax);
-        b.arg(&mut *p.param)
-            .arg(p.grad)
-            .arg(&mut *p.m)
-            .arg(&mut *p.v);
-        match p.param_bf16 {
-            Some(x) => b.arg(x),
-            None => b.arg(no_copy.insert(g.empty::<u16>(8)?)),
-        };
+        let write_bf16 = p.push_buffers(&mut b, &self.no_u16);
         b.arg(&write_bf16)
             .arg(grad_scale)
             .arg(&mut bits)
@@ -1817,7 +1805,7 @@ impl QGemm {
         t.args(&mut b);
         // SAFETY: thread t < n8 reads and writes elements [8t, 8t + 8) < n of param, m, v
         // (16-byte aligned), reads grad there, writes the BF16 copy there only when given (n
-        // elements, 16-byte aligned; the stand-in is never written), and raises bits[8t /
+        // elements, 16-byte aligned; the stand-in no_u16 is never written), and raises bits[8t /
         // group_len] < n / group_len; reads grad_scale[0] (all checked). The argument list
         // matches the kernel's (pointers, i32, pointers, u64, u64, eight f32).
         unsafe { crate::gpu::launch_op(&mut b, threads_8(n8)) }.map_err(|e| g.err(e))?;
