@@ -907,14 +907,14 @@ extern "C" __global__ void mxfp8_fast_check(const u32* __restrict__ codes, u64 n
 // write_bf16 != 0, then quantizes the new values with mxfp8_quarter_encode (mxfp8_row_f32:
 // the same codes and scale bytes) and, when write_deq != 0, writes deq = the BF16 of their
 // contract dequantization (dequant_mxfp8_bf16's values, the large-M forward's operand).
-// Clears *fast_ok when a code byte is NaN or a scale byte exceeds MXFP8_FAST_MAX_SCALE
-// (mxfp8_fast_check's rule; *ok set to 1 by the caller, every writer writes 0). Every lane
+// Sets *fast_bad when a code byte is NaN or a scale byte exceeds MXFP8_FAST_MAX_SCALE
+// (mxfp8_fast_check's rule; *fast_bad zeroed by the caller, every writer writes 1). Every lane
 // of a warp joins the block shuffles; lanes past n8 with zeros, writing nothing.
 extern "C" __global__ void __launch_bounds__(256)
     adamw_mxfp8_row(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
                     float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
                     const float* __restrict__ scale, u8* __restrict__ codes, u8* __restrict__ scales,
-                    u16* __restrict__ deq, int write_deq, u32* __restrict__ fast_ok, u64 n8, float beta1,
+                    u16* __restrict__ deq, int write_deq, u32* __restrict__ fast_bad, u64 n8, float beta1,
                     float beta2, float one_m_beta1, float one_m_beta2, float eps, float step_size,
                     float bc2_sqrt, float decay) {
     const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -934,7 +934,7 @@ extern "C" __global__ void __launch_bounds__(256)
             *reinterpret_cast<uint4*>(deq + t * 8) = pack_bf16x8(d);
         }
     }
-    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_ok = 0u;
+    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_bad = 1u;
 }
 
 // adamw_mxfp8_row's pass over tiles of 32 rows × 64 columns (one block of 256 threads each:
@@ -950,7 +950,7 @@ extern "C" __global__ void __launch_bounds__(256)
     adamw_mxfp8_rowcol(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
                        float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
                        const float* __restrict__ scale, u8* __restrict__ codes, u8* __restrict__ scales,
-                       u16* __restrict__ deq, int write_deq, u16* __restrict__ col, u32* __restrict__ fast_ok,
+                       u16* __restrict__ deq, int write_deq, u16* __restrict__ col, u32* __restrict__ fast_bad,
                        u64 k, float beta1, float beta2, float one_m_beta1, float one_m_beta2, float eps,
                        float step_size, float bc2_sqrt, float decay) {
     __shared__ float tile[32][65];
@@ -971,7 +971,7 @@ extern "C" __global__ void __launch_bounds__(256)
         mxfp8_decode8(w0, w1, ue8m0_decode(s), d);
         *reinterpret_cast<uint4*>(deq + i) = pack_bf16x8(d);
     }
-    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_ok = 0u;
+    if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_bad = 1u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) tile[r][c8 * 8 + j] = w[j];
     __syncthreads();

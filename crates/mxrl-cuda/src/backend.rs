@@ -290,7 +290,7 @@ impl FastDecode {
         }
     }
 
-    /// An answer in a device flag (1: eligible), read when first asked for.
+    /// An answer in a device flag (0: eligible, 1: not), read when first asked for.
     pub fn on_device(flag: CudaSlice<u32>) -> Self {
         FastDecode {
             known: std::cell::Cell::new(None),
@@ -314,7 +314,7 @@ impl FastDecode {
         if gpu.capturing()? {
             return Ok(None);
         }
-        let v = gpu.download(flag)?[0] == 1;
+        let v = gpu.download(flag)?[0] == 0;
         self.known.set(Some(v));
         Ok(Some(v))
     }

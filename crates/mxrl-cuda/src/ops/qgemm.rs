@@ -1661,9 +1661,9 @@ impl QGemm {
     /// `p.m`, `p.v` and the BF16 copy when given), then quantized row-wise into `codes`
     /// (`n` bytes) and `scales` (`n/32`), the bytes `mxfp8_row_f32` gives for the new values.
     /// `deq`, when given, receives their contract dequantization in BF16 (the values of
-    /// [`QGemm::dequant_weights_mxfp8`]). Returns a device flag: 1 when the weights may take
-    /// [`Mxfp8Decode::Fast`] ([`QGemm::mxfp8_fast_check`]'s answer), else 0; reading it is
-    /// left to the caller (no synchronization here). `col`, when given, receives the BF16 of
+    /// [`QGemm::dequant_weights_mxfp8`]). Returns a device flag: 0 when the weights may take
+    /// [`Mxfp8Decode::Fast`] ([`QGemm::mxfp8_fast_check`]'s answer), else 1 (zeroed on the
+    /// stream, no upload); reading it is left to the caller (no synchronization here). `col`, when given, receives the BF16 of
     /// the contract dequantization of the new values' column-wise MXFP8 in blocks of 32 rows
     /// from row 0 (`QLinear::mxfp8_col_groups_bf16`'s values for weights of a multiple of 32
     /// rows each; `adamw_mxfp8_rowcol`, which needs `k % 64 == 0` and whole 32-row blocks).
@@ -1719,9 +1719,9 @@ impl QGemm {
             check_len(g, &format!("{op} dequantized"), d.len(), n)?;
             check_align(g, &format!("{op} dequantized"), d.device_ptr(stream).0, 16)?;
         }
-        let mut ok = g.upload(&[1u32])?;
+        let mut bad = g.zeros::<u32>(1)?;
         if n == 0 {
-            return Ok(ok);
+            return Ok(bad);
         }
         let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
         let n8 = (n / 8) as u64;
@@ -1742,7 +1742,7 @@ impl QGemm {
         let k64 = k as u64;
         let launch = match col {
             Some(c) => {
-                b.arg(c).arg(&mut ok).arg(&k64);
+                b.arg(c).arg(&mut bad).arg(&k64);
                 LaunchConfig {
                     grid_dim: (((n / k / 32) * (k / 64)) as u32, 1, 1),
                     block_dim: (256, 1, 1),
@@ -1750,7 +1750,7 @@ impl QGemm {
                 }
             }
             None => {
-                b.arg(&mut ok).arg(&n8);
+                b.arg(&mut bad).arg(&n8);
                 threads_8(n8)
             }
         };
@@ -1762,11 +1762,11 @@ impl QGemm {
         // elements of param, m, v (16-byte aligned: float4 accesses), reads grad there, writes
         // codes there (8-byte aligned), scales at element/32 < n/32, the BF16 copy and deq
         // there only when given (n elements, 16-byte aligned; the 8-element stand-ins are
-        // never written), col there (rowcol only: n elements, 16-byte aligned), and ok[0];
+        // never written), col there (rowcol only: n elements, 16-byte aligned), and bad[0];
         // reads grad_scale[0] (all checked). The argument lists match the kernels' (pointers,
         // i32, pointers, i32, [u16*,] u32*, u64, eight f32).
         unsafe { crate::gpu::launch_op(&mut b, launch) }.map_err(|e| g.err(e))?;
-        Ok(ok)
+        Ok(bad)
     }
 
     /// One AdamW step of a stack of weights of `group_len` elements each (`p.n` a multiple,
