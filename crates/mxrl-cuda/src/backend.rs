@@ -1333,8 +1333,10 @@ impl Backend for CudaBackend {
     /// products are the CPU's and only the f32 summation order differs:
     /// - `HighPrecision`: dgrad `bf16(dy)·bf16(W)`, wgrad `bf16(dy)ᵀ·bf16(x)`.
     /// - `Dequantized`: `bf16(dy)` times the contract dequantization of the stored `W` and of
-    ///   the forward's quantized `x` (re-quantized here: the same bytes); NVFP4's has up to 24
-    ///   significant bits and runs as three BF16 parts.
+    ///   the forward's quantized `x` (re-quantized here: the same bytes). NVFP4's `x̂` has up
+    ///   to 24 significant bits and its wgrad runs on three BF16 parts; its dgrad multiplies
+    ///   the weights' exact `e2m1 × e4m3` values and applies each weight's per-tensor factor
+    ///   to the sum (`QGemm::nvfp4_weight_factor_rows`).
     /// - `Lowp` (MXFP8): dgrad `q_row(dy)·q_col(W)`, wgrad `q_col(dy)ᵀ·q_col(x)`, the
     ///   column-wise blocks of `x` and `dy` starting at each group's first row (each group is
     ///   its own tensor, as on the CPU), those of `W` at each weight's first row.
@@ -1425,17 +1427,11 @@ impl Backend for CudaBackend {
         if kept.is_none() && w.train.get().is_none() {
             let op = match (mode, format) {
                 (BackwardMode::HighPrecision, _) => self.bf16(master, wlen)?,
-                (BackwardMode::Dequantized, Format::Mxfp8) => self.experts_bf16(q, w)?,
-                (BackwardMode::Dequantized, Format::Nvfp4) => ql
-                    .nvfp4_split3_weights(
-                        &w.codes.as_view(),
-                        &w.scales.as_view(),
-                        &w.amax.as_view(),
-                        groups,
-                        n,
-                        k,
-                    )
-                    .map_err(de)?,
+                // NVFP4: `e2m1 × e4m3` (exact in BF16); the weight's per-tensor factor
+                // follows the dgrad's sum.
+                (BackwardMode::Dequantized, Format::Mxfp8 | Format::Nvfp4) => {
+                    self.experts_bf16(q, w)?
+                }
                 (BackwardMode::Lowp, Format::Mxfp8) => {
                     let per_weight: Vec<u32> = (0..=groups).map(|g| (g * n) as u32).collect();
                     let segs = ql.col_segments(&per_weight, groups * n).map_err(de)?;
@@ -1612,6 +1608,29 @@ impl Backend for CudaBackend {
             }
             (BackwardMode::Dequantized, _) => {
                 dgrad(dyb()?, dx)?;
+                // dx = g(W) · (bf16(dy) · (e2m1 × e4m3)) per group: the contract's f32 values
+                // Ŵ = fl(e2m1 · fl(fl(sf · amax) · R2688)) with the factor taken out of the
+                // sum (each product's relative change below 4u, then one rounding of the sum).
+                let dense_offsets;
+                let offs = match &offsets {
+                    Some(o) => *o,
+                    None => {
+                        dense_offsets = self.gpu.upload(host_offsets).map_err(de)?;
+                        &dense_offsets
+                    }
+                };
+                q.nvfp4_weight_factor_rows(
+                    &mut dx.as_view_mut(),
+                    &w.amax.as_view(),
+                    &offs.as_view(),
+                    Grouped {
+                        experts: groups,
+                        rows,
+                        n: k,
+                        k: n,
+                    },
+                )
+                .map_err(de)?;
                 let scheme = w
                     .spec
                     .activation_scheme()

@@ -253,6 +253,7 @@ pub struct QGemm {
     /// written).
     no_u16: CudaSlice<u16>,
     scale_rows: CudaFunction,
+    weight_factor_rows: CudaFunction,
     mxfp8: [CudaFunction; 3],
     nvfp4: [CudaFunction; 3],
     tc_mxfp8: CudaFunction,
@@ -743,6 +744,7 @@ impl QGemm {
             adamw_amax: f("adamw_amax_groups")?,
             no_u16: gpu.zeros(8)?,
             scale_rows: f("nvfp4_scale_rows")?,
+            weight_factor_rows: f("nvfp4_weight_factor_rows")?,
             mxfp8: [
                 f("qgemm_mxfp8_l32")?,
                 f("qgemm_mxfp8_l16")?,
@@ -2677,6 +2679,52 @@ impl QGemm {
         // scans offsets[e], offsets[e+1] for e < E, reads x_amax[r] and w_amax[owner < E] and
         // rewrites y[r·N .. r·N + N]. Argument types match (float*, const float*, const
         // float*, const u32*, u32 × 3).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
+    }
+
+    /// The weights' per-tensor factor of NVFP4's dequantization, after a sum over their
+    /// `e2m1 × e4m3` values ([`QGemm::dequant_weights_nvfp4`]): `y[r, :] = fl(y[r, :] · g(e))`,
+    /// `g(e) = fl(w_amax[e] · R2688)`, for the expert `e` owning row `r` (`offsets` as the
+    /// grouped GEMMs, clamped to `[0, R]`); rows of no expert are untouched. The `dequantized`
+    /// backward's dgrad `bf16(dy) · Ŵ` of NVFP4 experts is this after a grouped GEMM on those
+    /// exact BF16 operands, one GEMM instead of three on the split f32 values.
+    ///
+    /// # Errors
+    /// Short buffers, sizes beyond u32 or the grid; launch errors.
+    pub fn nvfp4_weight_factor_rows(
+        &self,
+        y: &mut CudaViewMut<'_, f32>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "nvfp4_weight_factor_rows";
+        check_u32(
+            g,
+            op,
+            &[("experts", s.experts), ("rows", s.rows), ("n", s.n)],
+        )?;
+        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
+        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
+        if s.experts == 0 || s.rows == 0 || s.n == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, s.rows)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, r, n) = (s.experts as u32, s.rows as u32, s.n as u32);
+        let mut b = g.stream().launch_builder(&self.weight_factor_rows);
+        b.arg(y).arg(w_amax).arg(offsets);
+        b.arg(&e).arg(&r).arg(&n);
+        // SAFETY: y holds R·N, w_amax E, offsets E+1 elements (checked); block r < R scans
+        // offsets[e], offsets[e+1] for e < E, reads w_amax[owner < E] and rewrites
+        // y[r·N .. r·N + N] (16-byte accesses only where that row starts 16-byte aligned and
+        // N % 4 == 0). Argument types match (float*, const float*, const u32*, u32 × 3).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }

@@ -970,28 +970,6 @@ impl QLinear {
         Ok(out)
     }
 
-    /// [`QLinear::nvfp4_split3_rows`] of a stack of `experts` NVFP4 weights `[n, k]` with one
-    /// f32 amax each (the layout of the backend's stored experts): `[3, experts·n, k]`.
-    ///
-    /// # Errors
-    /// As [`QLinear::nvfp4_split3_rows`]; fewer than `experts` amax values.
-    pub fn nvfp4_split3_weights(
-        &self,
-        codes: &CudaView<'_, u8>,
-        scales: &CudaView<'_, u8>,
-        amax: &CudaView<'_, f32>,
-        experts: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<CudaSlice<u16>, DeviceError> {
-        check_len(&self.gpu, "NVFP4 weight amax", amax.len(), experts)?;
-        // SAFETY: u32 and f32 have one size and alignment; the view covers `experts` f32
-        // values (checked), read as their bits.
-        let bits = unsafe { amax.transmute::<u32>(experts) }
-            .ok_or_else(|| self.gpu.err("NVFP4 weight amax view"))?;
-        self.nvfp4_split3_rows(codes, scales, &bits, experts * n, k, n.max(1))
-    }
-
     /// NVFP4 of a stack of `experts` weights `[n, k]` (f32), each quantized as its own tensor
     /// (one per-tensor amax each, the weight scheme's bytes) in three
     /// launches for the whole stack: the amax of every row, the largest per weight
