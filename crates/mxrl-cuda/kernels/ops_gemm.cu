@@ -628,19 +628,26 @@ __device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, 
 // the old values of 8 column groups (16 float2) before it writes any, so the loads overlap
 // instead of waiting on each other's stores. With x_amax (STORE_SET only), each sum is stored
 // as fl(sum · α), α = fl(fl(x_amax[r] · wa) · MXRL_NVFP4_ALPHA_FACTOR_INV): the bits of
-// storing the sums and then running nvfp4_scale_rows (ops_qgemm) over the rows.
+// storing the sums and then running nvfp4_scale_rows (ops_qgemm) over the rows. With wfactor
+// instead (STORE_SET only), every sum is stored as fl(sum · wa): the bits of storing the sums
+// and then running nvfp4_weight_factor_rows with wa = fl(w_amax[e] · R2688).
 __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
                                          u64 col_end, const float (&acc)[128], int mode,
-                                         const float* __restrict__ x_amax = nullptr, float wa = 0.0f) {
+                                         const float* __restrict__ x_amax = nullptr, float wa = 0.0f,
+                                         bool wfactor = false) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const u64 rbase = row0 + 64 * (warp >> 2) + 16 * (warp & 3) + g;
     float alpha[2] = {1.0f, 1.0f};
+    const bool scaled = x_amax != nullptr || wfactor;
     if (x_amax != nullptr) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             if (rbase + h * 8 < row_end)
                 alpha[h] = __fmul_rn(__fmul_rn(x_amax[rbase + h * 8], wa), MXRL_NVFP4_ALPHA_FACTOR_INV);
+    } else if (wfactor) {
+        alpha[0] = wa;
+        alpha[1] = wa;
     }
     constexpr int JB = 8;  // column groups per batch
 #pragma unroll
@@ -668,7 +675,7 @@ __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 ro
                 if (mode != STORE_SET) {
                     v.x = __fadd_rn(old[jj][h].x, v.x);
                     v.y = __fadd_rn(old[jj][h].y, v.y);
-                } else if (x_amax != nullptr) {
+                } else if (scaled) {
                     v.x = __fmul_rn(v.x, alpha[h]);
                     v.y = __fmul_rn(v.y, alpha[h]);
                 }
@@ -682,7 +689,8 @@ __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 ro
 // entries above, with BM = 128, BN = 256). Forward (NN false) and dgrad (NN true) share a
 // body: rows of expert e times its weight [N, K], the reduction over K (forward) or N (dgrad),
 // the output columns N or K; the weight is K-contiguous for the forward, MN-contiguous for the
-// dgrad.
+// dgrad. x_amax and w_amax: NVFP4's α per row (wg_store); w_amax alone (the dgrad): each
+// expert's per-tensor weight factor fl(w_amax[e] · R2688).
 template <bool NN>
 __device__ __forceinline__ void wg_row_body(const u16* __restrict__ a, const u16* __restrict__ b,
                                             const u32* __restrict__ off, float* __restrict__ out, u32 E, u32 R,
@@ -698,7 +706,9 @@ __device__ __forceinline__ void wg_row_body(const u16* __restrict__ a, const u16
     const Operand B = {b + e * (u64)N * K, K, c0, cols, red};
     float acc[128];
     wg_mainloop<false, NN>(A, B, 0, red, acc);
-    wg_store(out, cols, r0, r1, c0, cols, acc, STORE_SET, x_amax, x_amax != nullptr ? w_amax[e] : 0.0f);
+    const bool wfactor = x_amax == nullptr && w_amax != nullptr;
+    const float wa = x_amax != nullptr ? w_amax[e] : (wfactor ? __fmul_rn(w_amax[e], MXRL_R2688) : 0.0f);
+    wg_store(out, cols, r0, r1, c0, cols, acc, STORE_SET, x_amax, wa, wfactor);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nt_tw128x256(GROUPED_ARGS) {
     wg_row_body<false>(a, b, off, out, E, R, N, K, nullptr, nullptr);
@@ -711,6 +721,12 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_nn_tw128x256(GROUPED_ARGS) {
     wg_row_body<true>(a, b, off, out, E, R, N, K, nullptr, nullptr);
+}
+// The dgrad of NVFP4 weights given as their e2m1 × e4m3 values, with each expert's per-tensor
+// factor applied as the sums are stored (wg_store): dx = fl(Σ · fl(w_amax[e] · R2688)).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    grouped_nn_tw128x256_wfactor(GROUPED_ARGS, const float* __restrict__ w_amax) {
+    wg_row_body<true>(a, b, off, out, E, R, N, K, nullptr, w_amax);
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256(GROUPED_ARGS, u32 overwrite) {
     const u32 e = blockIdx.z;

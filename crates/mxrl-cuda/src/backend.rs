@@ -1607,30 +1607,47 @@ impl Backend for CudaBackend {
                 wgrad(dyb()?, &xq.as_view(), dw)
             }
             (BackwardMode::Dequantized, _) => {
-                dgrad(dyb()?, dx)?;
                 // dx = g(W) · (bf16(dy) · (e2m1 × e4m3)) per group: the contract's f32 values
                 // Ŵ = fl(e2m1 · fl(fl(sf · amax) · R2688)) with the factor taken out of the
-                // sum (each product's relative change below 4u, then one rounding of the sum).
-                let dense_offsets;
-                let offs = match &offsets {
-                    Some(o) => *o,
-                    None => {
-                        dense_offsets = self.gpu.upload(host_offsets).map_err(de)?;
-                        &dense_offsets
-                    }
+                // sum (each product's relative change below 4u, then one rounding of the sum),
+                // applied in the GEMM's stores where the shape takes the `wgmma` tile.
+                let stored = match &offsets {
+                    Some(o) => self
+                        .gemm
+                        .grouped_nn_wfactor(
+                            &dyb()?.as_view(),
+                            &wop.slice(0..wlen),
+                            &o.as_view(),
+                            &mut dx.as_view_mut(),
+                            s,
+                            &w.amax.as_view(),
+                        )
+                        .map_err(de)?,
+                    None => false,
                 };
-                q.nvfp4_weight_factor_rows(
-                    &mut dx.as_view_mut(),
-                    &w.amax.as_view(),
-                    &offs.as_view(),
-                    Grouped {
-                        experts: groups,
-                        rows,
-                        n: k,
-                        k: n,
-                    },
-                )
-                .map_err(de)?;
+                if !stored {
+                    dgrad(dyb()?, dx)?;
+                    let dense_offsets;
+                    let offs = match &offsets {
+                        Some(o) => *o,
+                        None => {
+                            dense_offsets = self.gpu.upload(host_offsets).map_err(de)?;
+                            &dense_offsets
+                        }
+                    };
+                    q.nvfp4_weight_factor_rows(
+                        &mut dx.as_view_mut(),
+                        &w.amax.as_view(),
+                        &offs.as_view(),
+                        Grouped {
+                            experts: groups,
+                            rows,
+                            n: k,
+                            k: n,
+                        },
+                    )
+                    .map_err(de)?;
+                }
                 let scheme = w
                     .spec
                     .activation_scheme()

@@ -667,6 +667,126 @@ fn grouped_nt_alpha_equals_grouped_nt_then_nvfp4_scale_rows_bitwise() {
     }
 }
 
+/// NVFP4's per-tensor weight factor applied in the `wgmma` dgrad's stores gives the bits of
+/// the plain dgrad followed by `nvfp4_weight_factor_rows`, and those are `fl(dx · fl(w_amax[e]
+/// · R2688))` of the plain dgrad's values on the rows of expert `e` (rows of no expert stay
+/// untouched). On devices without `wgmma` (or shapes below its tile) the launcher declines and
+/// launches nothing.
+#[test]
+fn grouped_nn_wfactor_equals_grouped_nn_then_nvfp4_weight_factor_rows_bitwise() {
+    use mxrl_cuda::ops::qgemm::QGemm;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let q = QGemm::new(&g).unwrap();
+    let cases = [
+        (
+            3100,
+            Case {
+                counts: vec![300, 0, 260, 129],
+                n: 136,
+                k: 264,
+                extra: 5,
+            },
+        ),
+        (
+            3101,
+            Case {
+                counts: vec![1000],
+                n: 64,
+                k: 520,
+                extra: 0,
+            },
+        ),
+        // Below the wgmma tile's 128 rows per expert: declined everywhere.
+        (
+            3102,
+            Case {
+                counts: vec![100, 90],
+                n: 64,
+                k: 64,
+                extra: 0,
+            },
+        ),
+    ];
+    for (seed, c) in cases {
+        let s = c.shape();
+        let dy = bf16_values(s.rows * s.n, seed * 3 + 1);
+        let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
+        // Amax values over several binades, one of them zero (a zero weight).
+        let mut wa: Vec<f32> = mxrl_tensor::gradcheck::test_values(s.experts, seed * 3 + 4, 4.0)
+            .iter()
+            .map(|v| v.abs() * 1000.0 + 0.01)
+            .collect();
+        if s.experts > 1 {
+            wa[s.experts - 1] = 0.0;
+        }
+        let (ddy, dw) = (g.upload(&dy.bits).unwrap(), g.upload(&w.bits).unwrap());
+        let dwa = g.upload(&wa).unwrap();
+        let offsets = offsets_of(&c.counts);
+        let doff = g.upload(&offsets).unwrap();
+        let bits = |y: &CudaSlice<f32>| -> Vec<u32> {
+            g.download(y).unwrap()[..s.rows * s.k]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let mut two = g.upload(&vec![f32::NAN; s.rows * s.k]).unwrap();
+        ops.grouped_nn(
+            &ddy.as_view(),
+            &dw.as_view(),
+            &doff.as_view(),
+            &mut two.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        let plain = bits(&two);
+        q.nvfp4_weight_factor_rows(&mut two.as_view_mut(), &dwa.as_view(), &doff.as_view(), {
+            let mut t = s;
+            (t.n, t.k) = (s.k, s.n);
+            t
+        })
+        .unwrap();
+        let scaled = bits(&two);
+        for (e, r) in offsets.windows(2).enumerate() {
+            let gf = wa[e] * mxrl_formats::R2688;
+            for i in r[0] as usize * s.k..r[1] as usize * s.k {
+                let want = (f32::from_bits(plain[i]) * gf).to_bits();
+                assert_eq!(scaled[i], want, "seed {seed}: expert {e} element {i}");
+            }
+        }
+        let owned = offsets[0] as usize * s.k..offsets[s.experts] as usize * s.k;
+        for i in (0..s.rows * s.k).filter(|i| !owned.contains(i)) {
+            assert!(
+                f32::from_bits(scaled[i]).is_nan(),
+                "seed {seed}: row of no expert written at {i}"
+            );
+        }
+        let mut one = g.upload(&vec![f32::NAN; s.rows * s.k]).unwrap();
+        let took = ops
+            .grouped_nn_wfactor(
+                &ddy.as_view(),
+                &dw.as_view(),
+                &doff.as_view(),
+                &mut one.as_view_mut(),
+                s,
+                &dwa.as_view(),
+            )
+            .unwrap();
+        let wide = c.counts.iter().sum::<usize>() >= 128 * s.experts;
+        assert_eq!(took, g.has_wgmma() && wide, "seed {seed}: launched");
+        if took {
+            let a = bits(&one);
+            let bad = a.iter().zip(&scaled).position(|(p, q)| p != q);
+            assert!(bad.is_none(), "seed {seed} {c:?}: differs at {bad:?}");
+        } else {
+            assert!(
+                bits(&one).iter().all(|&v| f32::from_bits(v).is_nan()),
+                "seed {seed}: a declined call wrote dx"
+            );
+        }
+    }
+}
+
 #[test]
 fn grouped_kernels_are_deterministic() {
     let g = gpu();

@@ -353,6 +353,8 @@ pub struct Gemm {
     tn_tiled: [Option<CudaFunction>; 5],
     /// `grouped_nt_tw128x256_alpha` (sm_90 only).
     nt_alpha: Option<CudaFunction>,
+    /// `grouped_nn_tw128x256_wfactor` (sm_90 only).
+    nn_wfactor: Option<CudaFunction>,
     /// Whether the default tiles are the `wgmma` ones ([`Tile::W128x256`]) for large experts:
     /// on an sm_90 device unless `MXRL_WGMMA=off`.
     wgmma: bool,
@@ -398,14 +400,16 @@ impl Gemm {
         let nn_tiled = [a?, b?, c?, d?, w?];
         let [a, b, c, d, w] = tiled("tn", TN_MN);
         let tn_tiled = [a?, b?, c?, d?, w?];
-        let nt_alpha = if gpu.has_wgmma() {
-            let name = "grouped_nt_tw128x256_alpha";
+        let wgmma_only = |name: &str, (a_mn, b_mn): (bool, bool)| {
+            if !gpu.has_wgmma() {
+                return Ok::<_, DeviceError>(None);
+            }
             let func = f(name)?;
-            gpu.allow_dynamic_smem(&func, name, Tile::W128x256.smem_bytes(NT_MN.0, NT_MN.1))?;
-            Some(func)
-        } else {
-            None
+            gpu.allow_dynamic_smem(&func, name, Tile::W128x256.smem_bytes(a_mn, b_mn))?;
+            Ok(Some(func))
         };
+        let nt_alpha = wgmma_only("grouped_nt_tw128x256_alpha", NT_MN)?;
+        let nn_wfactor = wgmma_only("grouped_nn_tw128x256_wfactor", NN_MN)?;
         let wgmma = gpu.has_wgmma()
             && !std::env::var("MXRL_WGMMA").is_ok_and(|v| v.eq_ignore_ascii_case("off"));
         // The small-M kernels that stage normalized rows in dynamic shared memory.
@@ -421,6 +425,7 @@ impl Gemm {
             nn_tiled,
             tn_tiled,
             nt_alpha,
+            nn_wfactor,
             wgmma,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
@@ -1394,6 +1399,60 @@ impl Gemm {
         // (Σ⌈rows_e/rows⌉ ≤ ⌈R/rows⌉ + E); block size `tile.threads()`. Argument types match.
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
+    }
+
+    /// [`Gemm::grouped_nn`] of NVFP4 weights given as their `e2m1 × e4m3` values, with each
+    /// expert's per-tensor factor applied as the sums are stored, in the one launch of the
+    /// `wgmma` tile: `dX[r, :] = fl(Σ · g(e))`, `g(e) = fl(w_amax[e] · R2688)` — the bits of
+    /// [`Gemm::grouped_nn`] followed by `QGemm::nvfp4_weight_factor_rows`. Returns `false`
+    /// without launching anything where the shape does not take the `wgmma` tile
+    /// ([`Gemm::tile`]); the caller then runs the two steps.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nn`]; `w_amax` shorter than the experts.
+    pub fn grouped_nn_wfactor(
+        &self,
+        dy: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dx: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+        w_amax: &CudaView<'_, f32>,
+    ) -> Result<bool, DeviceError> {
+        let Some(func) = self.nn_wfactor.as_ref() else {
+            return Ok(false);
+        };
+        if self.tile(s) != Tile::W128x256 {
+            return Ok(false);
+        }
+        let g = &self.gpu;
+        let w_len = mul(g, "w", mul(g, "w", s.experts, s.n)?, s.k)?;
+        let dx_len = mul(g, "dx", s.rows, s.k)?;
+        self.check_grouped(
+            "grouped_nn_wfactor",
+            s,
+            (dy, s.n),
+            w,
+            w_len,
+            offsets,
+            dx,
+            dx_len,
+        )?;
+        check_len(g, "grouped_nn_wfactor w_amax", w_amax.len(), s.experts)?;
+        if s.experts == 0 || s.rows == 0 || s.k == 0 {
+            return Ok(true);
+        }
+        let cfg = self.row_tile_grid("grouped_nn_wfactor", Tile::W128x256, s, s.k, NN_MN)?;
+        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
+        let mut b = g.stream().launch_builder(func);
+        b.arg(dy).arg(w).arg(offsets).arg(dx);
+        b.arg(&e).arg(&r).arg(&n).arg(&k);
+        b.arg(w_amax);
+        // SAFETY: as grouped_nn_with's launch on the W128x256 tile; w_amax holds E values
+        // (checked): the kernel reads w_amax[e] for its expert e < E. Argument types match
+        // (…, u32 × 4, const float*).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(true)
     }
 
     /// Grouped wgrad `dW[e] += dY[rows of e]ᵀ · X[rows of e]` for every expert: `dY [R, N]`
