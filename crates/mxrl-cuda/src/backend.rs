@@ -36,7 +36,7 @@ use mxrl_tensor::device::{
     adamw_then_quantize, add_rmsnorm_then_linear, decode_attention_ops, gather_gate_up_swiglu_bf16,
     grouped_down_then_combine_add, rmsnorm_then_linear_shared, swiglu_then_grouped_qlinear,
     AdamWUpdate, Backend, DResult, DecodeAttnOut, Device, DeviceError, GradWrite, OutGrad,
-    RouteBufs, StoredBytes, StoredLayout,
+    RouteBufs, SavedX, StoredBytes, StoredLayout,
 };
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::qlinear::{ActScaling, BackwardMode, LinearSpec, PreparedWeight};
@@ -1344,7 +1344,7 @@ impl Backend for CudaBackend {
     /// The weights' operand is made once per weight version (`QExperts::train`).
     fn grouped_qlinear_backward(
         &self,
-        x: &Self::F32,
+        x: SavedX<'_, Self::F32, Self::Bf16>,
         w: &QExperts,
         master: &Self::F32,
         master_bf16: Option<&Self::Bf16>,
@@ -1383,8 +1383,12 @@ impl Backend for CudaBackend {
             OutGrad::F32(d) => d.len(),
             OutGrad::Bf16(d) => d.len(),
         };
+        let x_len = match x {
+            SavedX::F32(x) => x.len(),
+            SavedX::Bf16(x) => x.len(),
+        };
         for (what, got, want) in [
-            ("x", x.len(), rows * k),
+            ("x", x_len, rows * k),
             ("dy", dy_len, rows * n),
             ("dx", dx.len(), rows * k),
             ("dw", dw.len(), groups * n * k),
@@ -1575,6 +1579,19 @@ impl Backend for CudaBackend {
             OutGrad::F32(_) => None,
         };
         let dyb = || dyb.ok_or_else(|| dev("grouped_qlinear_backward: no bf16(dy)".into()));
+        // x: f32 for the modes that quantize it; bf16(x), as handed over or rounded here, for
+        // the high-precision one.
+        let (x, xb) = match x {
+            SavedX::F32(x) => (Some(x), None),
+            SavedX::Bf16(xb) if w.spec.rounds_x_to_bf16() => (None, Some(xb)),
+            SavedX::Bf16(_) => {
+                return Err(dev(format!(
+                    "grouped_qlinear_backward: the {} backward takes x in f32",
+                    mode.name()
+                )))
+            }
+        };
+        let x = || x.ok_or_else(|| dev("grouped_qlinear_backward: no f32 x".into()));
         match (mode, format) {
             (BackwardMode::Lowp, _) => {
                 let OutGrad::F32(dy) = dy else {
@@ -1590,19 +1607,26 @@ impl Backend for CudaBackend {
                     .mxfp8_col_groups_bf16(&dy.slice(0..rows * n), &segs, n)
                     .map_err(de)?;
                 let xc = ql
-                    .mxfp8_col_groups_bf16(&x.slice(0..rows * k), &segs, k)
+                    .mxfp8_col_groups_bf16(&x()?.slice(0..rows * k), &segs, k)
                     .map_err(de)?;
                 wgrad(&dyc, &xc.as_view(), dw)
             }
             (BackwardMode::HighPrecision, _) => {
                 dgrad(dyb()?, dx)?;
-                let xb = self.bf16(x, rows * k)?;
-                wgrad(dyb()?, &xb.as_view(), dw)
+                let made;
+                let xb = match xb {
+                    Some(b) => b,
+                    None => {
+                        made = self.bf16(x()?, rows * k)?;
+                        &made
+                    }
+                };
+                wgrad(dyb()?, &xb.slice(0..rows * k), dw)
             }
             (BackwardMode::Dequantized, Format::Mxfp8) => {
                 dgrad(dyb()?, dx)?;
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-                q.quant_act_mxfp8(&x.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
+                q.quant_act_mxfp8(&x()?.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
                 wgrad(dyb()?, &xq.as_view(), dw)
             }
@@ -1656,7 +1680,7 @@ impl Backend for CudaBackend {
                 let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
                 quant
                     .quantize_view_into(
-                        &InputView::F32(x.slice(0..rows * k)),
+                        &InputView::F32(x()?.slice(0..rows * k)),
                         [rows, k],
                         scheme,
                         &mut qx,

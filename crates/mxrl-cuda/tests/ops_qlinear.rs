@@ -26,7 +26,7 @@ use mxrl_cuda::gpu::Gpu;
 use mxrl_cuda::ops::qlinear::QLinear;
 use mxrl_cuda::DeviceInput;
 use mxrl_formats::{quantize, Format, Padding, QuantizedTensor, Scheme};
-use mxrl_tensor::device::{GradWrite, OutGrad};
+use mxrl_tensor::device::{GradWrite, OutGrad, SavedX};
 use mxrl_tensor::gradcheck::test_values;
 use mxrl_tensor::qlinear::{nvfp4_alpha, BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::tolerance::{
@@ -462,14 +462,15 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         // Backward into a dW that holds `dw0` (dx overwritten), with or without the caller's
         // BF16 copy of the master.
         let dyd = cb.upload_f32(&dy).unwrap();
-        let backward_dy = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
-                           dw0: &[f32],
-                           write: GradWrite,
-                           dy: OutGrad<'_, _, _>| {
+        let backward_x_dy = |x: SavedX<'_, _, _>,
+                             master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
+                             dw0: &[f32],
+                             write: GradWrite,
+                             dy: OutGrad<'_, _, _>| {
             let mut dxd = cb.zeros_f32(rows * k).unwrap();
             let mut dwd = cb.upload_f32(dw0).unwrap();
             cb.grouped_qlinear_backward(
-                &xd,
+                x,
                 &qd,
                 &md,
                 master_bf16,
@@ -489,6 +490,12 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                     cb.download_f32(&dwd, groups * n * k).unwrap(),
                 )
             })
+        };
+        let backward_dy = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
+                           dw0: &[f32],
+                           write: GradWrite,
+                           dy: OutGrad<'_, _, _>| {
+            backward_x_dy(SavedX::F32(&xd), master_bf16, dw0, write, dy)
         };
         let backward = |master_bf16: Option<&cudarc::driver::CudaSlice<u16>>,
                         dw0: &[f32],
@@ -534,6 +541,25 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
                 with_bf16_dy.is_err(),
                 "{tag}: a BF16 dy for the lowp backward"
             );
+        }
+        // x kept in BF16 (the forward's gathered BF16 rows, for the high-precision mode) gives
+        // the bits of rounding it here; the modes that quantize the f32 x refuse it.
+        let mut xb = cb.empty_bf16(rows * k).unwrap();
+        cb.to_bf16(&xd, &mut xb, rows * k).unwrap();
+        let with_bf16_x = backward_x_dy(
+            SavedX::Bf16(&xb),
+            None,
+            &acc,
+            GradWrite::Accumulate,
+            OutGrad::F32(&dyd),
+        );
+        if s.rounds_x_to_bf16() {
+            let (dxb, dwb) = with_bf16_x.unwrap();
+            assert_eq!(bits(&dxb), bits(&dx), "{tag}: dx with a BF16 x");
+            assert_eq!(bits(&dwb), bits(&dw), "{tag}: dW with a BF16 x");
+        } else {
+            let e = with_bf16_x.unwrap_err().to_string();
+            assert!(e.contains("takes x in f32"), "{tag}: {e}");
         }
         for g in 0..groups {
             let (a, b) = (offsets[g] as usize, offsets[g + 1] as usize);
@@ -610,7 +636,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let md1 = cb.upload_f32(w1).unwrap();
         let dense = [0u32, rows as u32];
         cb.grouped_qlinear_backward(
-            &xd,
+            SavedX::F32(&xd),
             &q1d,
             &md1,
             None,
@@ -628,7 +654,7 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let (mut dx1c, mut dw1c) = (vec![0f32; rows * k], acc[..n * k].to_vec());
         CpuBackend
             .grouped_qlinear_backward(
-                &x,
+                SavedX::F32(&x),
                 &q1c,
                 &w1.to_vec(),
                 None,

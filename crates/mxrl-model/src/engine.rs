@@ -25,7 +25,7 @@ use mxrl_formats::QuantizedTensor;
 use mxrl_tensor::attention::AttnShape;
 use mxrl_tensor::device::{
     AdamWUpdate, Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, OutGrad, RouteBufs,
-    StoredLayout,
+    SavedX, StoredLayout,
 };
 use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
@@ -888,11 +888,15 @@ impl<B: Backend> Engine<B> {
             GradWrite::Accumulate
         };
         match (&p.q, x, offsets, dy) {
-            (Some(q), ActRef::F32(x), o, dy) => {
+            (Some(q), x, o, dy) => {
                 let (dev, host) = o.map_or((None, &dense[..]), |o| (Some(o.0), o.1));
                 let dy = match dy {
                     ActRef::F32(d) => OutGrad::F32(d),
                     ActRef::Bf16(d) => OutGrad::Bf16(d),
+                };
+                let x = match x {
+                    ActRef::F32(x) => SavedX::F32(x),
+                    ActRef::Bf16(x) => SavedX::Bf16(x),
                 };
                 b.grouped_qlinear_backward(
                     x,
@@ -1760,6 +1764,27 @@ impl<B: Backend> Engine<B> {
                     // Without a tape no gathered rows are kept: a block-format gate/up quantizes
                     // the routed rows as it gathers them (the same operands).
                     let xg = match (&h2, &self.params[m.gate_up].q, taped) {
+                        // A backward that multiplies only bf16(x) keeps the gathered rows of
+                        // the norm's BF16 output (the same values), and the forward
+                        // quantizes the routed rows as it gathers them (the same operands).
+                        (Some(h2), Some(q), true) if q.spec.rounds_x_to_bf16() => {
+                            b.grouped_qlinear_gathered(
+                                h2,
+                                &route,
+                                n,
+                                k,
+                                &q.w,
+                                ne,
+                                hd,
+                                2 * m.f,
+                                &mut gu,
+                            )
+                            .map_err(dev)?;
+                            let mut xg = eb(rows * hd)?;
+                            b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
+                                .map_err(dev)?;
+                            Some(Act::Bf16(xg))
+                        }
                         (Some(h2), Some(q), false) => {
                             b.grouped_qlinear_gathered(
                                 h2,

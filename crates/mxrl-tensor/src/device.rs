@@ -1522,8 +1522,9 @@ pub trait Backend {
     /// optimizer step writes with the master), which a device may multiply instead of
     /// rounding `master` again (the same operand). `dy` may come rounded to BF16 already
     /// ([`OutGrad::Bf16`]) where the mode multiplies only `bf16(dy)`
-    /// ([`LinearSpec::rounds_dy_to_bf16`]; an error otherwise). Bitwise the CPU model's on the
-    /// CPU; a device multiplies the same operands, summed in another order.
+    /// ([`LinearSpec::rounds_dy_to_bf16`]; an error otherwise), and `x` likewise where it
+    /// multiplies only `bf16(x)` ([`LinearSpec::rounds_x_to_bf16`]). Bitwise the CPU model's
+    /// on the CPU; a device multiplies the same operands, summed in another order.
     /// `dw_write` [`GradWrite::Overwrite`]: `dw` (all `groups·n·k` values) is written as if it
     /// had been zeroed first.
     ///
@@ -1533,7 +1534,7 @@ pub trait Backend {
     #[allow(clippy::too_many_arguments)]
     fn grouped_qlinear_backward(
         &self,
-        x: &Self::F32,
+        x: SavedX<'_, Self::F32, Self::Bf16>,
         w: &Self::QExperts,
         master: &Self::F32,
         master_bf16: Option<&Self::Bf16>,
@@ -1778,14 +1779,22 @@ pub fn decode_attn_prep_ops<B: Backend + ?Sized>(
     b.kv_append(k, v, lens, rows, hkv * d, max_len, k_cache, v_cache)
 }
 
-/// The output gradient of a linear as its producer wrote it
-/// ([`Backend::grouped_qlinear_backward`]): f32, or rounded to BF16 (a backend's BF16 buffer).
-pub enum OutGrad<'a, F, H> {
+/// Values handed to an op as their producer wrote them: f32, or rounded to BF16 (a backend's
+/// BF16 buffer).
+pub enum F32OrBf16<'a, F, H> {
     /// f32 values.
     F32(&'a F),
     /// The values rounded to BF16 (round to nearest even).
     Bf16(&'a H),
 }
+
+/// The output gradient of a linear ([`Backend::grouped_qlinear_backward`]).
+pub type OutGrad<'a, F, H> = F32OrBf16<'a, F, H>;
+
+/// The input rows a linear's backward takes ([`Backend::grouped_qlinear_backward`]): f32, or
+/// rounded to BF16 where the backward multiplies only `bf16(x)`
+/// ([`LinearSpec::rounds_x_to_bf16`]).
+pub type SavedX<'a, F, H> = F32OrBf16<'a, F, H>;
 
 /// [`Backend::adamw_requantize`] as two calls: [`Backend::adamw`], then
 /// [`Backend::quantize_weights`] of the new master (the trait's default, and a device's way
@@ -2189,7 +2198,7 @@ impl Backend for CpuBackend {
 
     fn grouped_qlinear_backward(
         &self,
-        x: &Vec<f32>,
+        x: SavedX<'_, Vec<f32>, Vec<f32>>,
         w: &Vec<PreparedWeight>,
         _master: &Vec<f32>,
         _master_bf16: Option<&Vec<f32>>,
@@ -2224,6 +2233,23 @@ impl Backend for CpuBackend {
                     ));
                 }
                 d
+            }
+        };
+        // A BF16 x likewise (the high-precision context keeps bf16(x): the same values).
+        let x = match x {
+            SavedX::F32(x) => x,
+            SavedX::Bf16(x) => {
+                if let Some(pw) = w.iter().find(|pw| !pw.spec().rounds_x_to_bf16()) {
+                    return Err(DeviceError::new(
+                        "cpu",
+                        format!(
+                            "grouped_qlinear_backward {}: the {} backward takes x in f32",
+                            pw.name(),
+                            pw.spec().backward().name()
+                        ),
+                    ));
+                }
+                x
             }
         };
         need("grouped_qlinear_backward x", x.len(), rows * k)?;

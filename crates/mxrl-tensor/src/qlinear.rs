@@ -192,6 +192,12 @@ impl LinearSpec {
     pub fn rounds_dy_to_bf16(&self) -> bool {
         self.backward != BackwardMode::Lowp
     }
+    /// Whether the backward multiplies the input only as `bf16(x)` (the `HighPrecision` mode,
+    /// BF16 weights' one), so the forward may keep `x` rounded to BF16 (the same operand); the
+    /// other modes quantize the f32 `x`.
+    pub fn rounds_x_to_bf16(&self) -> bool {
+        self.backward == BackwardMode::HighPrecision
+    }
     /// The NVFP4 activation amax scope (meaningful for NVFP4 only).
     pub fn act_scaling(&self) -> ActScaling {
         self.act_scaling
