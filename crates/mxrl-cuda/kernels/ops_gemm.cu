@@ -630,7 +630,8 @@ __device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, 
 // as fl(sum · α), α = fl(fl(x_amax[r] · wa) · MXRL_NVFP4_ALPHA_FACTOR_INV): the bits of
 // storing the sums and then running nvfp4_scale_rows (ops_qgemm) over the rows. With wfactor
 // instead (STORE_SET only), every sum is stored as fl(sum · wa): the bits of storing the sums
-// and then running nvfp4_weight_factor_rows with wa = fl(w_amax[e] · R2688).
+// and then running nvfp4_scale_rows with per_row 0 (QGemm::nvfp4_weight_factor_rows), whose
+// factor is wa = fl(w_amax[e] · R2688).
 __device__ __forceinline__ void wg_store(float* __restrict__ out, u64 ld, u64 row0, u64 row_end, u64 col0,
                                          u64 col_end, const float (&acc)[128], int mode,
                                          const float* __restrict__ x_amax = nullptr, float wa = 0.0f,

@@ -629,42 +629,32 @@ __device__ __forceinline__ u32 block_row_owner(const u32* __restrict__ off, u32 
 }
 
 // y[r, :] = fl(y[r, :] · α(r, e)) for the expert e that owns row r; rows of no expert are
-// untouched. One block per row.
+// untouched. One block per row; four columns per thread where the row starts 16-byte aligned
+// and N % 4 == 0. per_row != 0: NVFP4's output factor α = fl(fl(x_amax[r] · w_amax[e]) ·
+// (1 / factor)); per_row == 0: the weight's per-tensor factor of the contract's
+// dequantization, α = fl(w_amax[e] · R2688), applied after a sum over e2m1 · e4m3 operands (the
+// `dequantized` backward's dgrad; x_amax is not read).
 extern "C" __global__ void __launch_bounds__(256)
     nvfp4_scale_rows(float* __restrict__ y, const float* __restrict__ x_amax, const float* __restrict__ w_amax,
-                     const u32* __restrict__ off, u32 E, u32 R, u32 N) {
+                     const u32* __restrict__ off, u32 E, u32 R, u32 N, u32 per_row) {
     const u32 r = blockIdx.x;
     const u32 e = block_row_owner(off, E, R, r);
     if (e == NO_OWNER) return;
-    const float alpha = __fmul_rn(__fmul_rn(x_amax[r], w_amax[e]), MXRL_NVFP4_ALPHA_FACTOR_INV);
-    float* yr = y + (u64)r * N;
-    for (u32 n = threadIdx.x; n < N; n += blockDim.x) yr[n] = __fmul_rn(yr[n], alpha);
-}
-
-// y[r, :] = fl(y[r, :] · g(e)), g(e) = fl(w_amax[e] · R2688), for the expert e that owns row r
-// (rows of no expert untouched; one block per row): the weight's per-tensor factor of the
-// contract's dequantization, applied after a sum over e2m1 · e4m3 operands (the `dequantized`
-// backward's dgrad). Four columns per thread where the row starts 16-byte aligned and N % 4 == 0.
-extern "C" __global__ void __launch_bounds__(256)
-    nvfp4_weight_factor_rows(float* __restrict__ y, const float* __restrict__ w_amax, const u32* __restrict__ off,
-                             u32 E, u32 R, u32 N) {
-    const u32 r = blockIdx.x;
-    const u32 e = block_row_owner(off, E, R, r);
-    if (e == NO_OWNER) return;
-    const float g = __fmul_rn(w_amax[e], MXRL_R2688);
+    const float alpha = per_row ? __fmul_rn(__fmul_rn(x_amax[r], w_amax[e]), MXRL_NVFP4_ALPHA_FACTOR_INV)
+                                : __fmul_rn(w_amax[e], MXRL_R2688);
     float* yr = y + (u64)r * N;
     if ((N & 3u) == 0 && (reinterpret_cast<size_t>(yr) & 15u) == 0) {
         float4* y4 = reinterpret_cast<float4*>(yr);
         for (u32 n = threadIdx.x; n < N / 4; n += blockDim.x) {
             float4 v = y4[n];
-            v.x = __fmul_rn(v.x, g);
-            v.y = __fmul_rn(v.y, g);
-            v.z = __fmul_rn(v.z, g);
-            v.w = __fmul_rn(v.w, g);
+            v.x = __fmul_rn(v.x, alpha);
+            v.y = __fmul_rn(v.y, alpha);
+            v.z = __fmul_rn(v.z, alpha);
+            v.w = __fmul_rn(v.w, alpha);
             y4[n] = v;
         }
     } else {
-        for (u32 n = threadIdx.x; n < N; n += blockDim.x) yr[n] = __fmul_rn(yr[n], g);
+        for (u32 n = threadIdx.x; n < N; n += blockDim.x) yr[n] = __fmul_rn(yr[n], alpha);
     }
 }
 

@@ -563,6 +563,30 @@ fn grouped_tiles_give_the_same_bits() {
     }
 }
 
+/// The shapes of the store-factor tests (seeds from `seed0`): ragged experts with an empty one
+/// and rows of no expert, one large expert, and experts below the `wgmma` tile's 128 rows
+/// (declined everywhere). `dgrad`: the output columns (`k`) are the wide side.
+fn store_factor_cases(seed0: u64, dgrad: bool) -> [(u64, Case); 3] {
+    let case = |counts: Vec<usize>, wide: usize, narrow: usize, extra: usize| {
+        let (n, k) = if dgrad {
+            (narrow, wide)
+        } else {
+            (wide, narrow)
+        };
+        Case {
+            counts,
+            n,
+            k,
+            extra,
+        }
+    };
+    [
+        (seed0, case(vec![300, 0, 260, 129], 264, 136, 5)),
+        (seed0 + 1, case(vec![1000], 520, 64, 0)),
+        (seed0 + 2, case(vec![100, 90], 64, 64, 0)),
+    ]
+}
+
 /// NVFP4's per-row factor applied in the `wgmma` forward's stores gives the bits of the plain
 /// forward followed by `nvfp4_scale_rows`; rows of no expert stay untouched. On devices
 /// without `wgmma` (or shapes below its tile) the launcher declines and launches nothing.
@@ -572,37 +596,7 @@ fn grouped_nt_alpha_equals_grouped_nt_then_nvfp4_scale_rows_bitwise() {
     let g = gpu();
     let ops = Gemm::new(&g).unwrap();
     let q = QGemm::new(&g).unwrap();
-    let cases = [
-        (
-            3000,
-            Case {
-                counts: vec![300, 0, 260, 129],
-                n: 264,
-                k: 136,
-                extra: 5,
-            },
-        ),
-        (
-            3001,
-            Case {
-                counts: vec![1000],
-                n: 520,
-                k: 64,
-                extra: 0,
-            },
-        ),
-        // Below the wgmma tile's 128 rows per expert: declined everywhere.
-        (
-            3002,
-            Case {
-                counts: vec![100, 90],
-                n: 64,
-                k: 64,
-                extra: 0,
-            },
-        ),
-    ];
-    for (seed, c) in cases {
+    for (seed, c) in store_factor_cases(3000, false) {
         let s = c.shape();
         let x = bf16_values(s.rows * s.k, seed * 3 + 1);
         let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);
@@ -678,37 +672,7 @@ fn grouped_nn_wfactor_equals_grouped_nn_then_nvfp4_weight_factor_rows_bitwise() 
     let g = gpu();
     let ops = Gemm::new(&g).unwrap();
     let q = QGemm::new(&g).unwrap();
-    let cases = [
-        (
-            3100,
-            Case {
-                counts: vec![300, 0, 260, 129],
-                n: 136,
-                k: 264,
-                extra: 5,
-            },
-        ),
-        (
-            3101,
-            Case {
-                counts: vec![1000],
-                n: 64,
-                k: 520,
-                extra: 0,
-            },
-        ),
-        // Below the wgmma tile's 128 rows per expert: declined everywhere.
-        (
-            3102,
-            Case {
-                counts: vec![100, 90],
-                n: 64,
-                k: 64,
-                extra: 0,
-            },
-        ),
-    ];
-    for (seed, c) in cases {
+    for (seed, c) in store_factor_cases(3100, true) {
         let s = c.shape();
         let dy = bf16_values(s.rows * s.n, seed * 3 + 1);
         let w = bf16_values(s.experts * s.n * s.k, seed * 3 + 2);

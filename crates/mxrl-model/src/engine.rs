@@ -1761,13 +1761,12 @@ impl<B: Backend> Engine<B> {
                     (None, e(1)?, Act::Bf16(act))
                 } else {
                     let mut gu = e(rows * 2 * m.f)?;
-                    // Without a tape no gathered rows are kept: a block-format gate/up quantizes
-                    // the routed rows as it gathers them (the same operands).
+                    // A block-format gate/up quantizes the routed rows as it gathers them (the
+                    // same operands) where no f32 gathered rows are kept: without a tape, and
+                    // for a backward that multiplies only bf16(x), which keeps the gathered
+                    // rows of the norm's BF16 output (the same values).
                     let xg = match (&h2, &self.params[m.gate_up].q, taped) {
-                        // A backward that multiplies only bf16(x) keeps the gathered rows of
-                        // the norm's BF16 output (the same values), and the forward
-                        // quantizes the routed rows as it gathers them (the same operands).
-                        (Some(h2), Some(q), true) if q.spec.rounds_x_to_bf16() => {
+                        (Some(h2), Some(q), taped) if !taped || q.spec.rounds_x_to_bf16() => {
                             b.grouped_qlinear_gathered(
                                 h2,
                                 &route,
@@ -1780,25 +1779,15 @@ impl<B: Backend> Engine<B> {
                                 &mut gu,
                             )
                             .map_err(dev)?;
-                            let mut xg = eb(rows * hd)?;
-                            b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
-                                .map_err(dev)?;
-                            Some(Act::Bf16(xg))
-                        }
-                        (Some(h2), Some(q), false) => {
-                            b.grouped_qlinear_gathered(
-                                h2,
-                                &route,
-                                n,
-                                k,
-                                &q.w,
-                                ne,
-                                hd,
-                                2 * m.f,
-                                &mut gu,
-                            )
-                            .map_err(dev)?;
-                            None
+                            match taped {
+                                true => {
+                                    let mut xg = eb(rows * hd)?;
+                                    b.gather_rows_bf16(h2b_router, &route, n, ne, k, hd, &mut xg)
+                                        .map_err(dev)?;
+                                    Some(Act::Bf16(xg))
+                                }
+                                false => None,
+                            }
                         }
                         _ => {
                             let xg = match &h2 {

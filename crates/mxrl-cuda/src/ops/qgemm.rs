@@ -253,7 +253,6 @@ pub struct QGemm {
     /// written).
     no_u16: CudaSlice<u16>,
     scale_rows: CudaFunction,
-    weight_factor_rows: CudaFunction,
     mxfp8: [CudaFunction; 3],
     nvfp4: [CudaFunction; 3],
     tc_mxfp8: CudaFunction,
@@ -744,7 +743,6 @@ impl QGemm {
             adamw_amax: f("adamw_amax_groups")?,
             no_u16: gpu.zeros(8)?,
             scale_rows: f("nvfp4_scale_rows")?,
-            weight_factor_rows: f("nvfp4_weight_factor_rows")?,
             mxfp8: [
                 f("qgemm_mxfp8_l32")?,
                 f("qgemm_mxfp8_l16")?,
@@ -2652,35 +2650,7 @@ impl QGemm {
         offsets: &CudaView<'_, u32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
-        let g = &self.gpu;
-        let op = "nvfp4_scale_rows";
-        check_u32(
-            g,
-            op,
-            &[("experts", s.experts), ("rows", s.rows), ("n", s.n)],
-        )?;
-        check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
-        check_len(g, &format!("{op} x_amax"), x_amax.len(), s.rows)?;
-        check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
-        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
-        if s.experts == 0 || s.rows == 0 || s.n == 0 {
-            return Ok(());
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid_x(g, op, s.rows)?, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (e, r, n) = (s.experts as u32, s.rows as u32, s.n as u32);
-        let mut b = g.stream().launch_builder(&self.scale_rows);
-        b.arg(y).arg(x_amax).arg(w_amax).arg(offsets);
-        b.arg(&e).arg(&r).arg(&n);
-        // SAFETY: y holds R·N, x_amax R, w_amax E, offsets E+1 elements (checked); block r < R
-        // scans offsets[e], offsets[e+1] for e < E, reads x_amax[r] and w_amax[owner < E] and
-        // rewrites y[r·N .. r·N + N]. Argument types match (float*, const float*, const
-        // float*, const u32*, u32 × 3).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-        Ok(())
+        self.scale_rows("nvfp4_scale_rows", y, Some(x_amax), w_amax, offsets, s)
     }
 
     /// The weights' per-tensor factor of NVFP4's dequantization, after a sum over their
@@ -2699,14 +2669,30 @@ impl QGemm {
         offsets: &CudaView<'_, u32>,
         s: Grouped,
     ) -> Result<(), DeviceError> {
+        self.scale_rows("nvfp4_weight_factor_rows", y, None, w_amax, offsets, s)
+    }
+
+    /// The launch of `nvfp4_scale_rows`: α per row from `x_amax` and the expert's `w_amax`,
+    /// or (`x_amax` `None`) the expert's weight factor alone.
+    fn scale_rows(
+        &self,
+        op: &str,
+        y: &mut CudaViewMut<'_, f32>,
+        x_amax: Option<&CudaView<'_, f32>>,
+        w_amax: &CudaView<'_, f32>,
+        offsets: &CudaView<'_, u32>,
+        s: Grouped,
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let op = "nvfp4_weight_factor_rows";
         check_u32(
             g,
             op,
             &[("experts", s.experts), ("rows", s.rows), ("n", s.n)],
         )?;
         check_len(g, &format!("{op} y"), y.len(), mul(g, op, s.rows, s.n)?)?;
+        if let Some(xa) = x_amax {
+            check_len(g, &format!("{op} x_amax"), xa.len(), s.rows)?;
+        }
         check_len(g, &format!("{op} w_amax"), w_amax.len(), s.experts)?;
         check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
         if s.experts == 0 || s.rows == 0 || s.n == 0 {
@@ -2718,13 +2704,19 @@ impl QGemm {
             shared_mem_bytes: 0,
         };
         let (e, r, n) = (s.experts as u32, s.rows as u32, s.n as u32);
-        let mut b = g.stream().launch_builder(&self.weight_factor_rows);
-        b.arg(y).arg(w_amax).arg(offsets);
-        b.arg(&e).arg(&r).arg(&n);
-        // SAFETY: y holds R·N, w_amax E, offsets E+1 elements (checked); block r < R scans
-        // offsets[e], offsets[e+1] for e < E, reads w_amax[owner < E] and rewrites
-        // y[r·N .. r·N + N] (16-byte accesses only where that row starts 16-byte aligned and
-        // N % 4 == 0). Argument types match (float*, const float*, const u32*, u32 × 3).
+        let per_row = u32::from(x_amax.is_some());
+        let mut b = g.stream().launch_builder(&self.scale_rows);
+        // Without x_amax the kernel does not read that pointer: w_amax stands in.
+        b.arg(y)
+            .arg(x_amax.unwrap_or(w_amax))
+            .arg(w_amax)
+            .arg(offsets);
+        b.arg(&e).arg(&r).arg(&n).arg(&per_row);
+        // SAFETY: y holds R·N, w_amax E, offsets E+1 and (per_row = 1) x_amax R elements
+        // (checked); block r < R scans offsets[e], offsets[e+1] for e < E, reads w_amax[owner
+        // < E], x_amax[r] only when per_row = 1, and rewrites y[r·N .. r·N + N] (16-byte
+        // accesses only where that row starts 16-byte aligned and N % 4 == 0). Argument types
+        // match (float*, const float*, const float*, const u32*, u32 × 4).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
