@@ -342,7 +342,8 @@ impl QExperts {
 pub const PER_EXPERT_ROWS: usize = usize::MAX;
 
 /// Block-format routed experts pick their kernels by the average rows per expert: up to
-/// [`QFRAG_ROWS_PER_EXPERT`], where the weights' shape fits ([`QGemm::frag_fits`]: `N` a
+/// [`QFRAG_ROWS_PER_EXPERT`] ([`QFRAG_WGMMA_ROWS_PER_EXPERT`] where the dequantized path runs
+/// on the `wgmma` tile), where the weights' shape fits ([`QGemm::frag_fits`]: `N` a
 /// multiple of 32), the tensor-core kernels with the stored bytes decoded straight into mma
 /// fragments (decode batches); beyond that, weights dequantized to BF16 for the tiled
 /// tensor-core grouped GEMMs (prefill, scoring). Off the fragment kernels' shapes the small-M
@@ -361,6 +362,17 @@ pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_E
 /// path's time; with one expert holding 1/8 of the rows (the rollouts' routing), 0.85–0.93×
 /// at 256 rows per expert and 0.91–1.02× at 768 (prefill-sized steps).
 pub const QFRAG_ROWS_PER_EXPERT: usize = 512;
+
+/// Where the dequantized path's grouped GEMMs run on the `wgmma` tile (sm_90, at least 128
+/// rows per expert on average: [`crate::ops::gemm::Gemm::forward_tile`]), MXFP8 and NVFP4 experts take the
+/// fragment kernels up to this many rows per expert on average instead of
+/// [`QFRAG_ROWS_PER_EXPERT`]. Measured by Nsight Compute on an H100 in a training step of the
+/// benchmark config (64 experts, 511 rows each, BENCHMARKS.md): the MXFP8 fragment kernel took
+/// 0.99 / 0.50 ms (gate/up, down) where the `wgmma` tile on the BF16 operand took 0.43 /
+/// 0.26 ms, plus about 0.14 ms to dequantize a stack where the optimizer's pass did not write
+/// the operand; at half the rows the fragment kernels take half the passes and the two paths
+/// meet.
+pub const QFRAG_WGMMA_ROWS_PER_EXPERT: usize = 256;
 
 /// Average rows per expert up to which BF16 routed experts take the fragment kernels
 /// ([`QGemm::grouped_nt_frag_bf16`]); the tiled kernels beyond. Measured on an H200
@@ -3382,8 +3394,20 @@ impl CudaBackend {
     /// Whether a grouped MXFP8 / NVFP4 linear of `rows` rows over `experts` experts runs on
     /// the fragment kernels ([`QGemm::grouped_nt_frag_mxfp8`] and NVFP4's, which take NVFP4
     /// activations in binary16).
-    fn qfrag_path(experts: usize, rows: usize, k: usize, n: usize) -> bool {
-        QGemm::frag_fits(n, k) && rows <= QFRAG_ROWS_PER_EXPERT * experts
+    /// The shapes alone decide (the same rows take the same kernels, hence the same bits, in
+    /// every engine holding these weights).
+    fn qfrag_path(&self, experts: usize, rows: usize, k: usize, n: usize) -> bool {
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
+        let most = match self.gemm.forward_tile(s) {
+            crate::ops::gemm::Tile::W128x256 => QFRAG_WGMMA_ROWS_PER_EXPERT,
+            _ => QFRAG_ROWS_PER_EXPERT,
+        };
+        QGemm::frag_fits(n, k) && rows <= most.saturating_mul(experts)
     }
 
     /// Quantizes the `rows` rows `src` names (token rows, gathered rows, or SwiGLU of a gate/up
@@ -3417,7 +3441,7 @@ impl CudaBackend {
             Format::Nvfp4 => {
                 let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
                 let mut xa = amax.slice_mut(0..rows);
-                let f16 = Self::qfrag_path(w.e, rows, k, w.n);
+                let f16 = self.qfrag_path(w.e, rows, k, w.n);
                 q.quant_act_nvfp4_from(src, f16, rows, k, &mut ov, &mut xa)
                     .map_err(de)?;
                 Ok(QuantRows {
@@ -3463,7 +3487,7 @@ impl CudaBackend {
             n,
             k,
         };
-        let frag = Self::qfrag_path(experts, rows, k, n);
+        let frag = self.qfrag_path(experts, rows, k, n);
         if w.format == Format::Nvfp4 && act.f16 != frag {
             return Err(dev(format!(
                 "grouped_qlinear: NVFP4 activations quantized for the {} kernels, called for \
