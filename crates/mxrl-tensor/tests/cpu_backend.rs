@@ -53,3 +53,83 @@ fn combine_backward_overwrites_dweights() {
     }
     assert_eq!(bits(&dw_nan), bits(&want));
 }
+
+/// `grouped_qlinear_backward` takes `x` and `dy` already rounded to BF16 where the mode
+/// multiplies only their BF16 values, with the bits of the f32 inputs, and refuses them, naming
+/// the weight and the mode, where the mode quantizes the f32 values (`x`: every mode but
+/// `high_precision`; `dy`: `lowp`).
+#[test]
+fn grouped_qlinear_backward_takes_bf16_inputs_only_where_the_mode_rounds_them() {
+    use mxrl_formats::Format;
+    use mxrl_tensor::device::{GradWrite, OutGrad, SavedX};
+    use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
+    let b = CpuBackend;
+    let (groups, n, k, rows) = (2usize, 32usize, 64usize, 10usize);
+    let offsets = [0u32, 4, 10];
+    let master = test_values(groups * n * k, 11, 1.0);
+    let x = test_values(rows * k, 12, 2.0);
+    let dy = test_values(rows * n, 13, 0.5);
+    let round = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&a| half::bf16::from_f32(a).to_f32())
+            .collect()
+    };
+    let (xb, dyb) = (round(&x), round(&dy));
+    let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+    for (format, mode) in [
+        (Format::Mxfp8, BackwardMode::HighPrecision),
+        (Format::Mxfp8, BackwardMode::Dequantized),
+        (Format::Mxfp8, BackwardMode::Lowp),
+        (Format::Nvfp4, BackwardMode::HighPrecision),
+        (Format::Nvfp4, BackwardMode::Dequantized),
+    ] {
+        let spec = LinearSpec::new(format, mode).unwrap();
+        let name = |g: usize| format!("w{g}");
+        let w = b
+            .quantize_weights(&master, groups, n, k, spec, &name, 0)
+            .unwrap();
+        let run = |x: SavedX<'_, Vec<f32>, Vec<f32>>, dy: OutGrad<'_, Vec<f32>, Vec<f32>>| {
+            let (mut dx, mut dw) = (vec![0f32; rows * k], vec![0f32; groups * n * k]);
+            b.grouped_qlinear_backward(
+                x,
+                &w,
+                &master,
+                None,
+                dy,
+                None,
+                &offsets,
+                rows,
+                k,
+                n,
+                &mut dx,
+                &mut dw,
+                GradWrite::Overwrite,
+            )
+            .map(|()| (bits(&dx), bits(&dw)))
+            .map_err(|e| e.to_string())
+        };
+        let want = run(SavedX::F32(&x), OutGrad::F32(&dy)).unwrap();
+        let with_x = run(SavedX::Bf16(&xb), OutGrad::F32(&dy));
+        match mode {
+            BackwardMode::HighPrecision => assert_eq!(with_x.unwrap(), want, "{spec}: BF16 x"),
+            _ => {
+                let e = with_x.unwrap_err();
+                assert!(
+                    e.contains("w0") && e.contains("takes x in f32"),
+                    "{spec}: {e}"
+                );
+            }
+        }
+        let with_dy = run(SavedX::F32(&x), OutGrad::Bf16(&dyb));
+        match mode {
+            BackwardMode::Lowp => {
+                let e = with_dy.unwrap_err();
+                assert!(
+                    e.contains("w0") && e.contains("takes dy in f32"),
+                    "{spec}: {e}"
+                );
+            }
+            _ => assert_eq!(with_dy.unwrap(), want, "{spec}: BF16 dy"),
+        }
+    }
+}
