@@ -364,8 +364,8 @@ pub const QSMALL_M_ROWS_PER_EXPERT: usize = crate::ops::gemm::SMALL_M_ROWS_PER_E
 pub const QFRAG_ROWS_PER_EXPERT: usize = 512;
 
 /// Where the dequantized path's grouped GEMMs run on the `wgmma` tile (sm_90, at least 128
-/// rows per expert on average: [`crate::ops::gemm::Gemm::forward_tile`]), MXFP8 and NVFP4 experts take the
-/// fragment kernels up to this many rows per expert on average instead of
+/// rows per expert on average: [`crate::ops::gemm::Gemm::forward_tile`]), MXFP8 and NVFP4
+/// experts take the fragment kernels up to this many rows per expert on average instead of
 /// [`QFRAG_ROWS_PER_EXPERT`]. Measured by Nsight Compute on an H100 in a training step of the
 /// benchmark config (64 experts, 511 rows each, BENCHMARKS.md): the MXFP8 fragment kernel took
 /// 0.99 / 0.50 ms (gate/up, down) where the `wgmma` tile on the BF16 operand took 0.43 /
@@ -1464,12 +1464,10 @@ impl Backend for CudaBackend {
             };
             let _ = w.train.set(op);
         }
-        let (wop, parts) = match kept {
-            Some(b) => (b, 1),
-            None => {
-                let t = w.train.get().expect("set above");
-                (t, t.len() / wlen.max(1))
-            }
+        // One `[E, N, K]` BF16 operand in every mode (the products are exact in BF16).
+        let wop = match kept {
+            Some(b) => b,
+            None => w.train.get().expect("set above"),
         };
         // The grouped kernels read the offsets on the device: the caller's, else uploaded.
         let uploaded;
@@ -1496,40 +1494,20 @@ impl Backend for CudaBackend {
             k,
         };
         let (r0, r1) = (host_offsets[0] as usize, host_offsets[groups] as usize);
-        // dx = a · Σ parts of W (overwrites the groups' rows); dW += b ᵀ · c.
+        // dx = a · W (overwrites the groups' rows); dW += b ᵀ · c.
         let dgrad = |a: &CudaSlice<u16>, dx: &mut CudaSlice<f32>| -> DResult<()> {
-            for p in 0..parts {
-                let wp = wop.slice(p * wlen..(p + 1) * wlen);
-                match &offsets {
-                    None => {
-                        let (a, mut d) = (a.slice(r0 * n..r1 * n), dx.slice_mut(r0 * k..r1 * k));
-                        if p == 0 {
-                            self.gemm.dense_nn(&a, &wp, &mut d, r1 - r0, n, k)
-                        } else {
-                            self.gemm.dense_nn_acc(&a, &wp, &mut d, r1 - r0, n, k)
-                        }
-                        .map_err(de)?;
-                    }
-                    Some(o) if p == 0 => self
-                        .gemm
+            let wp = wop.slice(0..wlen);
+            match &offsets {
+                None => {
+                    let (a, mut d) = (a.slice(r0 * n..r1 * n), dx.slice_mut(r0 * k..r1 * k));
+                    self.gemm.dense_nn(&a, &wp, &mut d, r1 - r0, n, k)
+                }
+                Some(o) => {
+                    self.gemm
                         .grouped_nn(&a.as_view(), &wp, &o.as_view(), &mut dx.as_view_mut(), s)
-                        .map_err(de)?,
-                    Some(o) => {
-                        let mut t = self.gpu.empty::<f32>(rows * k).map_err(de)?;
-                        self.gemm
-                            .grouped_nn(&a.as_view(), &wp, &o.as_view(), &mut t.as_view_mut(), s)
-                            .map_err(de)?;
-                        self.ew
-                            .add_inplace(
-                                &mut dx.slice_mut(r0 * k..r1 * k),
-                                &t.slice(r0 * k..r1 * k),
-                                (r1 - r0) * k,
-                            )
-                            .map_err(de)?;
-                    }
                 }
             }
-            Ok(())
+            .map_err(de)
         };
         // dW is still to be zeroed (`GradWrite::Overwrite`) until the first wgrad writes it.
         let dw_pending = Cell::new(dw_write == GradWrite::Overwrite);

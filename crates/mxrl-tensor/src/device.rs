@@ -2009,6 +2009,31 @@ fn group_rows(
     Ok((a, b))
 }
 
+/// The values of operand `what` of the CPU backward of weights `w`: as given in f32, or
+/// already rounded to BF16 where every weight's mode multiplies only their BF16 rounding
+/// (`rounds`); otherwise an error naming the first weight that takes f32 and its mode.
+fn cpu_operand<'a>(
+    v: F32OrBf16<'a, Vec<f32>, Vec<f32>>,
+    w: &[PreparedWeight],
+    what: &str,
+    rounds: fn(&LinearSpec) -> bool,
+) -> DResult<&'a Vec<f32>> {
+    match v {
+        F32OrBf16::F32(v) => Ok(v),
+        F32OrBf16::Bf16(v) => match w.iter().find(|pw| !rounds(&pw.spec())) {
+            Some(pw) => Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "grouped_qlinear_backward {}: the {} backward takes {what} in f32",
+                    pw.name(),
+                    pw.spec().backward().name()
+                ),
+            )),
+            None => Ok(v),
+        },
+    }
+}
+
 fn need(what: &str, got: usize, want: usize) -> DResult<()> {
     if got < want {
         return Err(DeviceError::new(
@@ -2218,40 +2243,9 @@ impl Backend for CpuBackend {
             host_offsets.len(),
             groups + 1,
         )?;
-        // A BF16 dy (values already rounded) is the operand the backward would round to.
-        let dy = match dy {
-            OutGrad::F32(d) => d,
-            OutGrad::Bf16(d) => {
-                if let Some(pw) = w.iter().find(|pw| !pw.spec().rounds_dy_to_bf16()) {
-                    return Err(DeviceError::new(
-                        "cpu",
-                        format!(
-                            "grouped_qlinear_backward {}: the {} backward takes dy in f32",
-                            pw.name(),
-                            pw.spec().backward().name()
-                        ),
-                    ));
-                }
-                d
-            }
-        };
-        // A BF16 x likewise (the high-precision context keeps bf16(x): the same values).
-        let x = match x {
-            SavedX::F32(x) => x,
-            SavedX::Bf16(x) => {
-                if let Some(pw) = w.iter().find(|pw| !pw.spec().rounds_x_to_bf16()) {
-                    return Err(DeviceError::new(
-                        "cpu",
-                        format!(
-                            "grouped_qlinear_backward {}: the {} backward takes x in f32",
-                            pw.name(),
-                            pw.spec().backward().name()
-                        ),
-                    ));
-                }
-                x
-            }
-        };
+        // BF16 values (already rounded) are the operand the backward would round them to.
+        let dy = cpu_operand(dy, w, "dy", LinearSpec::rounds_dy_to_bf16)?;
+        let x = cpu_operand(x, w, "x", LinearSpec::rounds_x_to_bf16)?;
         need("grouped_qlinear_backward x", x.len(), rows * k)?;
         need("grouped_qlinear_backward dy", dy.len(), rows * n)?;
         need("grouped_qlinear_backward dx", dx.len(), rows * k)?;

@@ -1663,10 +1663,11 @@ impl QGemm {
     /// `deq`, when given, receives their contract dequantization in BF16 (the values of
     /// [`QGemm::dequant_weights_mxfp8`]). Returns a device flag: 0 when the weights may take
     /// [`Mxfp8Decode::Fast`] ([`QGemm::mxfp8_fast_check`]'s answer), else 1 (zeroed on the
-    /// stream, no upload); reading it is left to the caller (no synchronization here). `col`, when given, receives the BF16 of
-    /// the contract dequantization of the new values' column-wise MXFP8 in blocks of 32 rows
-    /// from row 0 (`QLinear::mxfp8_col_groups_bf16`'s values for weights of a multiple of 32
-    /// rows each; `adamw_mxfp8_rowcol`, which needs `k % 64 == 0` and whole 32-row blocks).
+    /// stream, no upload); reading it is left to the caller (no synchronization here). `col`,
+    /// when given, receives the BF16 of the contract dequantization of the new values'
+    /// column-wise MXFP8 in blocks of 32 rows from row 0 (`QLinear::mxfp8_col_groups_bf16`'s
+    /// values for weights of a multiple of 32 rows each; `adamw_mxfp8_rowcol`, which needs
+    /// `k % 64 == 0` and whole 32-row blocks).
     ///
     /// # Errors
     /// `step = 0`, `k` not a multiple of 32 or `p.n` not of `k`, with `col` `k` not a multiple
