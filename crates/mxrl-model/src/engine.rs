@@ -27,7 +27,7 @@ use mxrl_tensor::device::{
     AdamWUpdate, Backend, CpuBackend, DecodeAttnOut, DeviceError, GradWrite, OutGrad, RouteBufs,
     SavedX, StoredLayout,
 };
-use mxrl_tensor::qlinear::{LinearSpec, PreparedWeight};
+use mxrl_tensor::qlinear::{BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
 
@@ -1133,6 +1133,17 @@ impl<B: Backend> Engine<B> {
         Ok(self.describe())
     }
 
+    /// Bytes of the BF16 GEMM operands the engine holds beside the f32 masters: every BF16
+    /// linear's (and a tied embedding's), and a block-format linear's only under the
+    /// `high_precision` backward, the one mode that multiplies it.
+    pub fn bf16_operand_bytes(&self) -> usize {
+        self.params
+            .iter()
+            .filter(|p| p.op.is_some())
+            .map(|p| 2 * p.len)
+            .sum()
+    }
+
     /// Whether any linear runs in a block format.
     pub fn runs_block_formats(&self) -> bool {
         self.params.iter().any(|p| p.q.is_some())
@@ -1161,7 +1172,7 @@ impl<B: Backend> Engine<B> {
     fn set_linear_spec(&mut self, i: usize, spec: Option<LinearSpec>) -> Result<()> {
         let Some(spec) = spec else {
             self.params[i].q = None;
-            return Ok(());
+            return self.keep_bf16_operand(i, true);
         };
         let groups = match self.plan_linears().iter().find(|x| x.0 == i) {
             Some(&(_, g)) => g,
@@ -1176,6 +1187,27 @@ impl<B: Backend> Engine<B> {
         let (n, k) = (p.shape[0] / groups, p.shape[1]);
         let q = self.quantize_param(i, spec, groups, n, k)?;
         self.params[i].q = Some(q);
+        self.keep_bf16_operand(i, spec.backward() == BackwardMode::HighPrecision)
+    }
+
+    /// Keeps (`keep`: made from the master where it is missing) or frees linear parameter
+    /// `i`'s BF16 operand `bf16(master)`. BF16 linears multiply it; of the block formats'
+    /// backward modes only `high_precision` does (the weight operand of its dgrad), so a
+    /// `lowp` or `dequantized` linear holds none and the optimizer step writes none: 2 bytes
+    /// per weight less to write per step and to hold. Exports read the master's BF16
+    /// rounding where there is no operand (the same bits).
+    fn keep_bf16_operand(&mut self, i: usize, keep: bool) -> Result<()> {
+        let b = &self.b;
+        let p = &mut self.params[i];
+        match (keep, p.op.is_some()) {
+            (true, false) => {
+                let mut o = b.empty_bf16(p.len).map_err(dev)?;
+                b.to_bf16(&p.master, &mut o, p.len).map_err(dev)?;
+                p.op = Some(o);
+            }
+            (false, true) => p.op = None,
+            _ => {}
+        }
         Ok(())
     }
 

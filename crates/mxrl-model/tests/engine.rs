@@ -294,6 +294,53 @@ fn engine_block_format_experts_equal_the_cpu_model_bitwise() {
     }
 }
 
+/// A block-format linear keeps the BF16 operand `bf16(master)` only under the
+/// `high_precision` backward (the one mode that multiplies it): `lowp` and `dequantized`
+/// experts free it, and running them in BF16 again makes it anew from the master, with the
+/// BF16 logprobs and exported weights of before, bit for bit.
+#[test]
+fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_it() {
+    let mut c = small(Arch::Qwen3Moe);
+    c.moe_intermediate_size = 32;
+    let s = seqs();
+    let batch: Vec<SeqInput> = s
+        .iter()
+        .map(|q| SeqInput {
+            tokens: q,
+            targets: &q[..],
+        })
+        .collect();
+    let m = bf16_model(&c, 21);
+    let experts: usize = m
+        .params()
+        .iter()
+        .filter(|p| p.name.contains(".experts."))
+        .map(|p| p.data.len())
+        .sum();
+    assert!(experts > 0);
+    let mut e = cpu_engine(&m, 64).unwrap();
+    let all = e.bf16_operand_bytes();
+    let lp = e.logprobs(&batch, 1.0).unwrap();
+    let weights = e.weights_bf16().unwrap();
+    for (format, mode, kept) in [
+        (Format::Mxfp8, BackwardMode::Lowp, false),
+        (Format::Mxfp8, BackwardMode::Dequantized, false),
+        (Format::Mxfp8, BackwardMode::HighPrecision, true),
+        (Format::Nvfp4, BackwardMode::Dequantized, false),
+        (Format::Nvfp4, BackwardMode::HighPrecision, true),
+    ] {
+        let spec = LinearSpec::new(format, mode).unwrap();
+        e.quantize_experts(spec).unwrap();
+        let want = if kept { all } else { all - 2 * experts };
+        assert_eq!(e.bf16_operand_bytes(), want, "{format:?} {mode:?}");
+        // The export reads the master's rounding where no operand is kept: the same bits.
+        assert_eq!(e.weights_bf16().unwrap(), weights, "{format:?} {mode:?}");
+        e.quantize_experts(LinearSpec::bf16()).unwrap();
+        assert_eq!(e.bf16_operand_bytes(), all, "{format:?} {mode:?}");
+        assert_eq!(e.logprobs(&batch, 1.0).unwrap(), lp, "{format:?} {mode:?}");
+    }
+}
+
 #[test]
 fn engine_refuses_shared_experts_and_bad_input_with_named_errors() {
     let mut c = small(Arch::Qwen2Moe);
