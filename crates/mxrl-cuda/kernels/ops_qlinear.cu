@@ -68,6 +68,70 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// qlinear_mxfp8_col_segments_bf16 over tiles of one segment × 64 columns (cols % 64 == 0; one
+// block of 256 threads per tile, tile (j, tc) = (blockIdx.x / (cols/64), blockIdx.x % (cols/64));
+// thread (r, c8) = (t / 8, t % 8) loads row r0 + r's columns [64·tc + 8·c8, +8) with one pair of
+// 16-byte loads, rows past the segment as zeros), so a warp reads four rows' 256 contiguous
+// bytes and writes 128 (the same values: the column amax is the largest magnitude of four
+// partial maxima, NaN ignored, the same value in any order). With write_row != 0 it also writes
+// row_out = quant_act_mxfp8's values for the segment's rows (1×32 blocks along the columns:
+// the four threads of a block are adjacent lanes; mxfp8_quarter_encode, then the contract
+// dequantization fl(ue8m0_decode(s) · e4m3_value(q)) in BF16), so the Lowp backward's two
+// operands of dy come from one read of it. Rows outside every segment are not written.
+extern "C" __global__ void __launch_bounds__(256)
+    qlinear_mxfp8_rowcol_segments_bf16(const float* __restrict__ x, const u32* __restrict__ seg,
+                                       u16* __restrict__ col_out, u16* __restrict__ row_out, int write_row,
+                                       u64 cols) {
+    __shared__ float tile[32][65];
+    __shared__ float part[4][64];
+    const u64 tpr = cols / 64, j = blockIdx.x / tpr, tc = blockIdx.x - j * tpr;
+    const u64 r0 = seg[2 * j];
+    const u32 len = seg[2 * j + 1];
+    const u32 r = threadIdx.x >> 3, c8 = threadIdx.x & 7u;
+    const bool live = r < len;
+    const u64 i = (r0 + r) * cols + tc * 64 + c8 * 8;
+    float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (live) load8(x, i, w);
+    if (write_row) {
+        u32 w0, w1, s;
+        mxfp8_quarter_encode(w, w0, w1, s);
+        if (live) {
+            const float dec = ue8m0_decode(s);
+            float d[8];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                d[b] = __fmul_rn(dec, e4m3_value((w0 >> (8 * b)) & 0xFFu));
+                d[4 + b] = __fmul_rn(dec, e4m3_value((w1 >> (8 * b)) & 0xFFu));
+            }
+            *reinterpret_cast<uint4*>(row_out + i) = pack_bf16x8(d);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < 8; ++b) tile[r][c8 * 8 + b] = w[b];
+    __syncthreads();
+    // Column c's block: thread (q, c) = (t / 64, t % 64) holds rows [8q, 8q + 8).
+    const u32 c = threadIdx.x & 63u, q = threadIdx.x >> 6;
+    float mx = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) mx = nan_ignoring_max(mx, fabsf(tile[q * 8 + b][c]));
+    part[q][c] = mx;
+    __syncthreads();
+    mx = nan_ignoring_max(nan_ignoring_max(part[0][c], part[1][c]), nan_ignoring_max(part[2][c], part[3][c]));
+    const u32 sc = ue8m0_round_up(__fmul_rn(mx, MXRL_R448));
+    const float inv = ue8m0_reciprocal(sc), dec = ue8m0_decode(sc);
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        const float v = tile[q * 8 + b][c];
+        tile[q * 8 + b][c] = __fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(v, inv))));
+    }
+    __syncthreads();
+    if (!live) return;
+    float d[8];
+#pragma unroll
+    for (int b = 0; b < 8; ++b) d[b] = tile[r][c8 * 8 + b];
+    *reinterpret_cast<uint4*>(col_out + i) = pack_bf16x8(d);
+}
+
 // out[g] = the largest of row_bits[g·rows_per_group .. (g+1)·rows_per_group): row amaxes as
 // f32 bit patterns (≥ 0 and never NaN, so the unsigned order of the bits is the numeric
 // order), giving the amax of each group of rows (a weight of a stack) as the per-tensor pass

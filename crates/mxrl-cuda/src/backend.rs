@@ -1587,15 +1587,21 @@ impl Backend for CudaBackend {
                 let OutGrad::F32(dy) = dy else {
                     unreachable!("refused above")
                 };
+                let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
+                let dy = dy.slice(0..rows * n);
                 let mut dyr = self.gpu.empty::<u16>(rows * n).map_err(de)?;
-                q.quant_act_mxfp8(&dy.slice(0..rows * n), rows, n, &mut dyr.as_view_mut())
-                    .map_err(de)?;
+                // dy's row-wise (dgrad) and column-wise (wgrad) operands from one read of it
+                // where the width takes the tiles, else one pass each.
+                let dyc = if QLinear::rowcol_fits(n) {
+                    ql.mxfp8_rowcol_groups_bf16(&dy, &segs, n, &mut dyr.as_view_mut())
+                        .map_err(de)?
+                } else {
+                    q.quant_act_mxfp8(&dy, rows, n, &mut dyr.as_view_mut())
+                        .map_err(de)?;
+                    ql.mxfp8_col_groups_bf16(&dy, &segs, n).map_err(de)?
+                };
                 dgrad(&dyr, dx)?;
                 drop(dyr);
-                let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
-                let dyc = ql
-                    .mxfp8_col_groups_bf16(&dy.slice(0..rows * n), &segs, n)
-                    .map_err(de)?;
                 let xc = ql
                     .mxfp8_col_groups_bf16(&x()?.slice(0..rows * k), &segs, k)
                     .map_err(de)?;

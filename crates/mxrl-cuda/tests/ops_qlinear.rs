@@ -790,3 +790,100 @@ fn gathered_and_shared_quantized_linears_give_the_unfused_bits() {
         }
     }
 }
+
+/// The `Lowp` backward's operands of a grouped tensor, bit for bit the contract library's:
+/// every group's rows quantized column-wise as their own tensor (32×1 blocks from the group's
+/// first row, the last one zero-padded) and, from the same read of `dy`, row-wise (1×32
+/// blocks), both dequantized into BF16 — for widths that take the 64-column tiles (64, 192)
+/// and one that takes the one-thread-per-column kernel (96), on ragged groups (an empty one,
+/// one of a single row, groups past 32 rows) with zeros, a large and a tiny block mixed in.
+#[test]
+fn lowp_row_and_column_operands_of_groups_equal_the_library() {
+    let (_g, l) = layer();
+    let offsets = [0u32, 37, 37, 38, 101, 103];
+    let rows = 107; // rows past the last group are no group's
+    for (ci, cols) in [64usize, 192, 96].into_iter().enumerate() {
+        let seed = 1300 + ci as u64;
+        let mut x = test_values(rows * cols, seed, 3.0);
+        // Magnitudes spread over 2⁻⁴..2⁴ by row and column, so a block's largest value (and
+        // its scale) comes from any of its rows or columns; zero rows, a block of large and
+        // one of tiny values.
+        for (i, v) in x.iter_mut().enumerate() {
+            let (r, c) = (i / cols, i % cols);
+            *v *= 2f32.powi(((r * 5 + c * 3) % 9) as i32 - 4);
+        }
+        x[..cols].iter_mut().for_each(|v| *v = 0.0);
+        for r in 40..50 {
+            x[r * cols + 5] = 3.0e4 * (r as f32 - 44.5);
+            x[r * cols + 9] = 1.0e-30 * (r as f32 - 44.5);
+        }
+        let xd = l.gpu().upload(&x).unwrap();
+        let segs = l.col_segments(&offsets, rows).unwrap();
+        let col = l.mxfp8_col_groups_bf16(&xd.as_view(), &segs, cols).unwrap();
+        let col = l.gpu().download(&col).unwrap();
+        let bits =
+            |v: &[f32]| -> Vec<u16> { v.iter().map(|&f| bf16::from_f32(f).to_bits()).collect() };
+        let row = if QLinear::rowcol_fits(cols) {
+            let mut rd = l.gpu().upload(&vec![0xDEADu16; rows * cols]).unwrap();
+            let col2 = l
+                .mxfp8_rowcol_groups_bf16(&xd.as_view(), &segs, cols, &mut rd.as_view_mut())
+                .unwrap();
+            assert_eq!(
+                l.gpu().download(&col2).unwrap(),
+                col,
+                "{cols} columns: col twice"
+            );
+            Some(l.gpu().download(&rd).unwrap())
+        } else {
+            assert!(l
+                .mxfp8_rowcol_groups_bf16(
+                    &xd.as_view(),
+                    &segs,
+                    cols,
+                    &mut l.gpu().zeros::<u16>(rows * cols).unwrap().as_view_mut()
+                )
+                .is_err());
+            None
+        };
+        for w in offsets.windows(2) {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            if a == b {
+                continue;
+            }
+            let part = &x[a * cols..b * cols];
+            let want = bits(&deq(&q(
+                part,
+                b - a,
+                cols,
+                Scheme::MXFP8_COL,
+                Padding::Zero,
+            )));
+            assert_eq!(
+                &col[a * cols..b * cols],
+                &want[..],
+                "{cols} columns, rows {a}..{b}: column-wise"
+            );
+            if let Some(row) = &row {
+                let want = bits(&deq(&q(
+                    part,
+                    b - a,
+                    cols,
+                    Scheme::MXFP8_ROW,
+                    Padding::Reject,
+                )));
+                assert_eq!(
+                    &row[a * cols..b * cols],
+                    &want[..],
+                    "{cols} columns, rows {a}..{b}: row-wise"
+                );
+            }
+        }
+        // Rows outside every group keep what they held.
+        if let Some(row) = &row {
+            assert!(
+                row[103 * cols..].iter().all(|&v| v == 0xDEAD),
+                "{cols} columns"
+            );
+        }
+    }
+}
