@@ -1116,6 +1116,58 @@ impl Backend for CudaBackend {
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
     }
 
+    fn keeps_forward_operand(&self, spec: &LinearSpec) -> bool {
+        // MXFP8's `dequantized` wgrad multiplies exactly the forward's activation operand
+        // (the BF16 of its contract dequantization, every row quantized alone).
+        spec.format() == Format::Mxfp8 && spec.backward() == BackwardMode::Dequantized
+    }
+
+    fn grouped_qlinear_gathered_kept(
+        &self,
+        x: &Self::F32,
+        route: &RouteBufs<Self>,
+        tokens: usize,
+        top_k: usize,
+        w: &QExperts,
+        experts: usize,
+        k: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<Self::Bf16> {
+        self.kept_operand_spec(w, "grouped_qlinear_gathered_kept")?;
+        let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
+        let src = ActRows::Gather {
+            x: &xv,
+            tokens,
+            perm: &perm,
+            offsets: &offs,
+            experts,
+            top_k,
+        };
+        let rows = tokens * top_k;
+        let act = self.quant_act_rows(&src, w, rows, k, "grouped_qlinear")?;
+        self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)?;
+        Ok(act.xq)
+    }
+
+    fn grouped_qlinear_swiglu_kept(
+        &self,
+        gu: &Self::F32,
+        w: &QExperts,
+        offsets: &Self::U32,
+        experts: usize,
+        rows: usize,
+        f: usize,
+        n: usize,
+        y: &mut Self::F32,
+    ) -> DResult<Self::Bf16> {
+        self.kept_operand_spec(w, "grouped_qlinear_swiglu_kept")?;
+        let guv = gu.as_view();
+        let act = self.quant_act_rows(&ActRows::Swiglu(&guv), w, rows, f, "grouped_qlinear")?;
+        self.grouped_qlinear_on(&act, w, offsets, experts, rows, f, n, y)?;
+        Ok(act.xq)
+    }
+
     fn grouped_qlinear_swiglu(
         &self,
         gu: &Self::F32,
@@ -1397,7 +1449,7 @@ impl Backend for CudaBackend {
         };
         let x_len = match x {
             SavedX::F32(x) => x.len(),
-            SavedX::Bf16(x) => x.len(),
+            SavedX::Bf16(x) | SavedX::Operand(x) => x.len(),
         };
         for (what, got, want) in [
             ("x", x_len, rows * k),
@@ -1571,12 +1623,20 @@ impl Backend for CudaBackend {
         let dyb = || dyb.ok_or_else(|| dev("grouped_qlinear_backward: no bf16(dy)".into()));
         // x: f32 for the modes that quantize it; bf16(x), as handed over or rounded here, for
         // the high-precision one.
-        let (x, xb) = match x {
-            SavedX::F32(x) => (Some(x), None),
-            SavedX::Bf16(xb) if w.spec.rounds_x_to_bf16() => (None, Some(xb)),
+        let (x, xb, kept_x) = match x {
+            SavedX::F32(x) => (Some(x), None, None),
+            SavedX::Bf16(xb) if w.spec.rounds_x_to_bf16() => (None, Some(xb), None),
             SavedX::Bf16(_) => {
                 return Err(dev(format!(
                     "grouped_qlinear_backward: the {} backward takes x in f32",
+                    mode.name()
+                )))
+            }
+            SavedX::Operand(o) if self.keeps_forward_operand(&w.spec) => (None, None, Some(o)),
+            SavedX::Operand(_) => {
+                return Err(dev(format!(
+                    "grouped_qlinear_backward: no forward operand is kept for {format:?} with \
+                     the {} backward",
                     mode.name()
                 )))
             }
@@ -1621,6 +1681,10 @@ impl Backend for CudaBackend {
             }
             (BackwardMode::Dequantized, Format::Mxfp8) => {
                 dgrad(dyb()?, dx)?;
+                // The forward's operand where it was kept, else the same bytes again.
+                if let Some(xq) = kept_x {
+                    return wgrad(dyb()?, &xq.slice(0..rows * k), dw);
+                }
                 let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
                 q.quant_act_mxfp8(&x()?.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
                     .map_err(de)?;
@@ -3392,6 +3456,21 @@ impl CudaBackend {
             _ => QFRAG_ROWS_PER_EXPERT,
         };
         QGemm::frag_fits(n, k) && rows <= most.saturating_mul(experts)
+    }
+
+    /// Refuses weights whose spec keeps no forward operand ([`Backend::keeps_forward_operand`]).
+    fn kept_operand_spec(&self, w: &QExperts, op: &str) -> DResult<()> {
+        if self.keeps_forward_operand(&w.spec) {
+            return Ok(());
+        }
+        Err(DeviceError::new(
+            self.gpu.name(),
+            format!(
+                "{op}: no forward operand is kept for {:?} with the {} backward",
+                w.format,
+                w.spec.backward().name()
+            ),
+        ))
     }
 
     /// Quantizes the `rows` rows `src` names (token rows, gathered rows, or SwiGLU of a gate/up

@@ -887,3 +887,126 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
         }
     }
 }
+
+/// The forward operand a taped forward keeps (`Backend::keeps_forward_operand`: MXFP8 with
+/// the `dequantized` backward): `grouped_qlinear_swiglu_kept` gives the bits of SwiGLU
+/// followed by `grouped_qlinear`, and the backward on the kept operand
+/// (`SavedX::Operand`) gives, bit for bit, the `dx` and `dW` of the backward on the f32
+/// rows (which quantizes them again). Specs that keep none refuse both.
+#[test]
+fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::device::Backend;
+    let (_g, _) = layer();
+    let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
+    let (groups, n, f) = (3usize, 64usize, 96usize);
+    let offsets = [0u32, 37, 37, 70];
+    let rows = 70;
+    let mut kept_specs = 0;
+    for (si, s) in specs()
+        .into_iter()
+        .filter(|s| s.format() != Format::Bf16)
+        .enumerate()
+    {
+        let seed = 1500 + 10 * si as u64;
+        let tag = format!("{s} grouped [{groups}·{n}, {f}]");
+        let master = test_values(groups * n * f, seed, 1.0);
+        let gu = test_values(rows * 2 * f, seed + 1, 2.0);
+        let dy = test_values(rows * n, seed + 2, 0.5);
+        let name = |g: usize| format!("w{g}");
+        let md = cb.upload_f32(&master).unwrap();
+        let qd = cb.quantize_weights(&md, groups, n, f, s, &name, 0).unwrap();
+        let (gud, od) = (
+            cb.upload_f32(&gu).unwrap(),
+            cb.upload_u32(&offsets).unwrap(),
+        );
+        let mut act = cb.zeros_f32(rows * f).unwrap();
+        cb.swiglu_f32(&gud, rows, f, &mut act).unwrap();
+        let mut y = cb.zeros_f32(rows * n).unwrap();
+        cb.grouped_qlinear(&act, &qd, &od, groups, rows, f, n, &mut y)
+            .unwrap();
+        let mut yk = cb.zeros_f32(rows * n).unwrap();
+        let kept = cb.grouped_qlinear_swiglu_kept(&gud, &qd, &od, groups, rows, f, n, &mut yk);
+        if !cb.keeps_forward_operand(&s) {
+            assert!(kept.is_err(), "{tag}: a spec that keeps no operand");
+            continue;
+        }
+        let kept = kept.unwrap();
+        kept_specs += 1;
+        assert_eq!(
+            bits(&cb.download_f32(&y, rows * n).unwrap()),
+            bits(&cb.download_f32(&yk, rows * n).unwrap()),
+            "{tag}: forward"
+        );
+        let dyd = cb.upload_f32(&dy).unwrap();
+        let backward = |x: SavedX<'_, _, _>| {
+            let mut dxd = cb.zeros_f32(rows * f).unwrap();
+            let mut dwd = cb.zeros_f32(groups * n * f).unwrap();
+            cb.grouped_qlinear_backward(
+                x,
+                &qd,
+                &md,
+                None,
+                OutGrad::F32(&dyd),
+                None,
+                &offsets,
+                rows,
+                f,
+                n,
+                &mut dxd,
+                &mut dwd,
+                GradWrite::Overwrite,
+            )
+            .unwrap();
+            (
+                bits(&cb.download_f32(&dxd, rows * f).unwrap()),
+                bits(&cb.download_f32(&dwd, groups * n * f).unwrap()),
+            )
+        };
+        let (dx, dw) = backward(SavedX::F32(&act));
+        let (dxk, dwk) = backward(SavedX::Operand(&kept));
+        assert_eq!(dx, dxk, "{tag}: dx");
+        assert_eq!(dw, dwk, "{tag}: dW");
+        assert!(dw.iter().any(|&b| b != 0), "{tag}: dW all zero");
+    }
+    assert_eq!(
+        kept_specs, 1,
+        "MXFP8 `dequantized` keeps its forward operand"
+    );
+    // A spec that keeps none refuses the operand in the backward too.
+    let s = LinearSpec::new(Format::Mxfp8, BackwardMode::Lowp).unwrap();
+    let master = test_values(n * f, 7, 1.0);
+    let md = cb.upload_f32(&master).unwrap();
+    let qd = cb
+        .quantize_weights(&md, 1, n, f, s, &|g| format!("w{g}"), 0)
+        .unwrap();
+    let op = cb.zeros_bf16(8 * f).unwrap();
+    let dyd = cb.zeros_f32(8 * n).unwrap();
+    let (mut dxd, mut dwd) = (cb.zeros_f32(8 * f).unwrap(), cb.zeros_f32(n * f).unwrap());
+    let e = cb
+        .grouped_qlinear_backward(
+            SavedX::Operand(&op),
+            &qd,
+            &md,
+            None,
+            OutGrad::F32(&dyd),
+            None,
+            &[0, 8],
+            8,
+            f,
+            n,
+            &mut dxd,
+            &mut dwd,
+            GradWrite::Overwrite,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no forward operand") && e.contains("lowp"),
+        "{e}"
+    );
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

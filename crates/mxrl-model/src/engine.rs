@@ -171,10 +171,13 @@ enum FfnTape<B: Backend> {
 }
 
 /// The input rows of a linear as its backward needs them: the BF16 operand of a BF16
-/// linear, the f32 rows a block-format linear quantizes.
+/// linear, the f32 rows a block-format linear quantizes, or the activation operand a
+/// block-format forward multiplied where the backend keeps it for the backward
+/// ([`Backend::keeps_forward_operand`]).
 enum Act<B: Backend> {
     Bf16(B::Bf16),
     F32(B::F32),
+    Operand(B::Bf16),
 }
 
 impl<B: Backend> Act<B> {
@@ -182,6 +185,7 @@ impl<B: Backend> Act<B> {
         match self {
             Act::Bf16(x) => ActRef::Bf16(x),
             Act::F32(x) => ActRef::F32(x),
+            Act::Operand(x) => ActRef::Operand(x),
         }
     }
 }
@@ -190,6 +194,7 @@ impl<B: Backend> Act<B> {
 enum ActRef<'a, B: Backend> {
     Bf16(&'a B::Bf16),
     F32(&'a B::F32),
+    Operand(&'a B::Bf16),
 }
 
 impl<B: Backend> Clone for ActRef<'_, B> {
@@ -893,10 +898,12 @@ impl<B: Backend> Engine<B> {
                 let dy = match dy {
                     ActRef::F32(d) => OutGrad::F32(d),
                     ActRef::Bf16(d) => OutGrad::Bf16(d),
+                    ActRef::Operand(_) => return Err(self.wrong_input(i)),
                 };
                 let x = match x {
                     ActRef::F32(x) => SavedX::F32(x),
                     ActRef::Bf16(x) => SavedX::Bf16(x),
+                    ActRef::Operand(x) => SavedX::Operand(x),
                 };
                 b.grouped_qlinear_backward(
                     x,
@@ -1776,7 +1783,14 @@ impl<B: Backend> Engine<B> {
                     true => None,
                     false => self.params[m.down].q.as_ref(),
                 };
-                let (xg, gu, act) = if fused {
+                // With a tape, a backend that keeps the down projection's activation operand
+                // computes SwiGLU inside its quantizer too, and the tape holds that operand
+                // instead of the f32 SwiGLU rows (the SwiGLU backward reads `gu`).
+                let kept_down = match (taped, &self.params[m.down].q) {
+                    (true, Some(q)) if b.keeps_forward_operand(&q.spec) => Some(q),
+                    _ => None,
+                };
+                let (xg, gu, mut act) = if fused {
                     let mut act = eb(rows * m.f)?;
                     b.moe_gate_up_swiglu_bf16(
                         h2b_router,
@@ -1798,6 +1812,24 @@ impl<B: Backend> Engine<B> {
                     // for a backward that multiplies only bf16(x), which keeps the gathered
                     // rows of the norm's BF16 output (the same values).
                     let xg = match (&h2, &self.params[m.gate_up].q, taped) {
+                        // A backend that keeps the quantizer's operand for the backward: the
+                        // tape holds it instead of the f32 gathered rows.
+                        (Some(h2), Some(q), true) if b.keeps_forward_operand(&q.spec) => {
+                            let xq = b
+                                .grouped_qlinear_gathered_kept(
+                                    h2,
+                                    &route,
+                                    n,
+                                    k,
+                                    &q.w,
+                                    ne,
+                                    hd,
+                                    2 * m.f,
+                                    &mut gu,
+                                )
+                                .map_err(dev)?;
+                            Some(Act::Operand(xq))
+                        }
                         (Some(h2), Some(q), taped) if !taped || q.spec.rounds_x_to_bf16() => {
                             b.grouped_qlinear_gathered(
                                 h2,
@@ -1850,14 +1882,15 @@ impl<B: Backend> Engine<B> {
                         }
                     };
                     // SwiGLU inside the down projection: `act` stays a placeholder.
-                    let act = match swiglu_down {
-                        Some(_) => Act::F32(e(1)?),
-                        None => swiglu(&gu, rows, m.f)?,
+                    let act = match (swiglu_down, kept_down) {
+                        (Some(_), _) | (_, Some(_)) => Act::F32(e(1)?),
+                        (None, None) => swiglu(&gu, rows, m.f)?,
                     };
                     (xg, gu, act)
                 };
                 // Σ over experts, then + x_mid: the CPU model's `x += out`.
                 let mut out = e(n * hd)?;
+                let mut kept_act = None;
                 let y = match (&act, fused) {
                     // Decode with BF16 experts: the down projection, the combine and the
                     // residual as one op (the device may fuse them); `y` stays a placeholder.
@@ -1879,8 +1912,23 @@ impl<B: Backend> Engine<B> {
                     }
                     _ => {
                         let mut y = e(rows * hd)?;
-                        match swiglu_down {
-                            Some(q) => b
+                        match (swiglu_down, kept_down) {
+                            (_, Some(q)) => {
+                                kept_act = Some(
+                                    b.grouped_qlinear_swiglu_kept(
+                                        &gu,
+                                        &q.w,
+                                        &route.offsets,
+                                        ne,
+                                        rows,
+                                        m.f,
+                                        hd,
+                                        &mut y,
+                                    )
+                                    .map_err(dev)?,
+                                )
+                            }
+                            (Some(q), None) => b
                                 .grouped_qlinear_swiglu(
                                     &gu,
                                     &q.w,
@@ -1892,7 +1940,7 @@ impl<B: Backend> Engine<B> {
                                     &mut y,
                                 )
                                 .map_err(dev)?,
-                            None => self.glin(
+                            (None, None) => self.glin(
                                 m.down,
                                 act.r(),
                                 &route.offsets,
@@ -1908,6 +1956,9 @@ impl<B: Backend> Engine<B> {
                         y
                     }
                 };
+                if let Some(xq) = kept_act {
+                    act = Act::Operand(xq);
+                }
                 (
                     out,
                     FfnTape::Moe {

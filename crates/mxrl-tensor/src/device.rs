@@ -1358,6 +1358,60 @@ pub trait Backend {
     ) -> DResult<()> {
         swiglu_then_grouped_qlinear(self, gu, w, offsets, experts, rows, f, n, y)
     }
+    /// Whether a taped forward of routed experts stored for `spec` may keep the activation
+    /// operand its backward multiplies, as the forward's quantizer wrote it
+    /// ([`Backend::grouped_qlinear_gathered_kept`], [`Backend::grouped_qlinear_swiglu_kept`]),
+    /// and hand it to [`Backend::grouped_qlinear_backward`] as [`SavedX::Operand`] instead of
+    /// the f32 rows that backward would quantize again (the same bytes). The default: never.
+    fn keeps_forward_operand(&self, _spec: &LinearSpec) -> bool {
+        false
+    }
+    /// [`Backend::grouped_qlinear_gathered`], returning the activation operand `[rows, k]` it
+    /// multiplied, for weights whose spec [`Backend::keeps_forward_operand`] takes.
+    ///
+    /// # Errors
+    /// As [`Backend::grouped_qlinear_gathered`]; a spec the backend keeps no operand of (the
+    /// default: every spec).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_gathered_kept(
+        &self,
+        _x: &Self::F32,
+        _route: &RouteBufs<Self>,
+        _tokens: usize,
+        _top_k: usize,
+        _w: &Self::QExperts,
+        _experts: usize,
+        _k: usize,
+        _n: usize,
+        _y: &mut Self::F32,
+    ) -> DResult<Self::Bf16> {
+        Err(DeviceError::new(
+            "backend",
+            "grouped_qlinear_gathered_kept: this backend keeps no forward operand",
+        ))
+    }
+    /// [`Backend::grouped_qlinear_swiglu`], returning the activation operand `[rows, f]` it
+    /// multiplied, for weights whose spec [`Backend::keeps_forward_operand`] takes.
+    ///
+    /// # Errors
+    /// As [`Backend::grouped_qlinear_gathered_kept`].
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_qlinear_swiglu_kept(
+        &self,
+        _gu: &Self::F32,
+        _w: &Self::QExperts,
+        _offsets: &Self::U32,
+        _experts: usize,
+        _rows: usize,
+        _f: usize,
+        _n: usize,
+        _y: &mut Self::F32,
+    ) -> DResult<Self::Bf16> {
+        Err(DeviceError::new(
+            "backend",
+            "grouped_qlinear_swiglu_kept: this backend keeps no forward operand",
+        ))
+    }
     /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
     ///
     /// # Errors
@@ -1791,10 +1845,17 @@ pub enum F32OrBf16<'a, F, H> {
 /// The output gradient of a linear ([`Backend::grouped_qlinear_backward`]).
 pub type OutGrad<'a, F, H> = F32OrBf16<'a, F, H>;
 
-/// The input rows a linear's backward takes ([`Backend::grouped_qlinear_backward`]): f32, or
-/// rounded to BF16 where the backward multiplies only `bf16(x)`
-/// ([`LinearSpec::rounds_x_to_bf16`]).
-pub type SavedX<'a, F, H> = F32OrBf16<'a, F, H>;
+/// The input rows a linear's backward takes ([`Backend::grouped_qlinear_backward`]).
+pub enum SavedX<'a, F, H> {
+    /// The f32 rows.
+    F32(&'a F),
+    /// The rows rounded to BF16, where the backward multiplies only `bf16(x)`
+    /// ([`LinearSpec::rounds_x_to_bf16`]).
+    Bf16(&'a H),
+    /// The activation operand the backward's wgrad multiplies, as the forward's quantizer
+    /// wrote it, from a backend that keeps it ([`Backend::keeps_forward_operand`]).
+    Operand(&'a H),
+}
 
 /// [`Backend::adamw_requantize`] as two calls: [`Backend::adamw`], then
 /// [`Backend::quantize_weights`] of the new master (the trait's default, and a device's way
@@ -2245,6 +2306,17 @@ impl Backend for CpuBackend {
         )?;
         // BF16 values (already rounded) are the operand the backward would round them to.
         let dy = cpu_operand(dy, w, "dy", LinearSpec::rounds_dy_to_bf16)?;
+        let x = match x {
+            SavedX::F32(v) => F32OrBf16::F32(v),
+            SavedX::Bf16(v) => F32OrBf16::Bf16(v),
+            SavedX::Operand(_) => {
+                return Err(DeviceError::new(
+                    "cpu",
+                    "grouped_qlinear_backward: the CPU backend keeps no forward operand (x in \
+                     f32 or BF16)",
+                ))
+            }
+        };
         let x = cpu_operand(x, w, "x", LinearSpec::rounds_x_to_bf16)?;
         need("grouped_qlinear_backward x", x.len(), rows * k)?;
         need("grouped_qlinear_backward dy", dy.len(), rows * n)?;

@@ -57,7 +57,8 @@ fn combine_backward_overwrites_dweights() {
 /// `grouped_qlinear_backward` takes `x` and `dy` already rounded to BF16 where the mode
 /// multiplies only their BF16 values, with the bits of the f32 inputs, and refuses them, naming
 /// the weight and the mode, where the mode quantizes the f32 values (`x`: every mode but
-/// `high_precision`; `dy`: `lowp`).
+/// `high_precision`; `dy`: `lowp`); a kept forward operand is refused in every mode (the CPU
+/// backend keeps none).
 #[test]
 fn grouped_qlinear_backward_takes_bf16_inputs_only_where_the_mode_rounds_them() {
     use mxrl_formats::Format;
@@ -120,6 +121,10 @@ fn grouped_qlinear_backward_takes_bf16_inputs_only_where_the_mode_rounds_them() 
                 );
             }
         }
+        // The CPU backend keeps no forward operand: refused in every mode.
+        assert!(!b.keeps_forward_operand(&spec), "{spec}");
+        let e = run(SavedX::Operand(&xb), OutGrad::F32(&dy)).unwrap_err();
+        assert!(e.contains("keeps no forward operand"), "{spec}: {e}");
         let with_dy = run(SavedX::F32(&x), OutGrad::Bf16(&dyb));
         match mode {
             BackwardMode::Lowp => {
