@@ -239,6 +239,89 @@ extern "C" __global__ void __launch_bounds__(QAM_THREADS)
     quant_act_mxfp8_row(ActSwiglu{gu, k}, blockIdx.x, out, k);
 }
 
+// Column-wise MXFP8 of a 32 × 64 tile (32×1 blocks, one per column), dequantized by the
+// contract: thread (r, c8) = (t / 8, t % 8) of the block's 256 gives its eight values w of row
+// r, columns [8·c8, 8·c8 + 8) (zeros for rows past the data: the zero padding, which leaves a
+// block's amax as it is) and gets back in d their values fl(ue8m0_decode(s) · e4m3_value(q)).
+// The column amax is the largest magnitude of four partial maxima (NaN ignored: the same value
+// in any order). Every thread of the block calls it (barriers).
+__device__ __forceinline__ void mxfp8_col_tile32x64(float (&tile)[32][65], float (&part)[4][64],
+                                                    const float (&w)[8], float (&d)[8]) {
+    const u32 r = threadIdx.x >> 3, c8 = threadIdx.x & 7u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile[r][c8 * 8 + j] = w[j];
+    __syncthreads();
+    // Column c's block: thread (q, c) = (t / 64, t % 64) holds rows [8q, 8q + 8).
+    const u32 c = threadIdx.x & 63u, q = threadIdx.x >> 6;
+    float mx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mx = nan_ignoring_max(mx, fabsf(tile[q * 8 + j][c]));
+    part[q][c] = mx;
+    __syncthreads();
+    mx = nan_ignoring_max(nan_ignoring_max(part[0][c], part[1][c]), nan_ignoring_max(part[2][c], part[3][c]));
+    const u32 sc = ue8m0_round_up(__fmul_rn(mx, MXRL_R448));
+    const float inv = ue8m0_reciprocal(sc), dec = ue8m0_decode(sc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float x = tile[q * 8 + j][c];
+        tile[q * 8 + j][c] = __fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(x, inv))));
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] = tile[r][c8 * 8 + j];
+}
+
+// Column-wise MXFP8 of the rows `src` names in row segments of at most 32 rows (segment j:
+// rows seg[2j] .. seg[2j] + seg[2j+1], never across a group, each one 32×1 block per column
+// zero-padded: the contract's column-wise quantization of each group's rows as its own
+// tensor), dequantized into BF16 col_out [rows, k]; with write_row != 0 also row_out =
+// quant_act_mxfp8's values of those rows (mxfp8_act_encode8: the four threads of a 1×32
+// block are adjacent lanes), from the same read. One block of 256 threads per tile of a
+// segment × 64 columns (k % 64 == 0; tile (j, tc) = (blockIdx.x / (k/64), blockIdx.x %
+// (k/64)), thread (r, c8) = (t / 8, t % 8) reading row seg[2j] + r's chunk 8·tc + c8). Rows
+// outside every segment are not written.
+template <class Src>
+__device__ __forceinline__ void mxfp8_rowcol_segments(const Src& src, const u32* __restrict__ seg,
+                                                      u16* __restrict__ col_out, u16* __restrict__ row_out,
+                                                      int write_row, u64 k) {
+    __shared__ float tile[32][65];
+    __shared__ float part[4][64];
+    const u64 tpr = k / 64, j = blockIdx.x / tpr, tc = blockIdx.x - j * tpr;
+    const u64 r0 = seg[2 * j];
+    const u32 len = seg[2 * j + 1];
+    const u32 r = threadIdx.x >> 3, c8 = threadIdx.x & 7u;
+    const bool live = r < len;
+    const u64 at = (r0 + r) * k + tc * 64 + c8 * 8;
+    float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (live) src.load(r0 + r, tc * 8 + c8, w);
+    if (write_row) mxfp8_act_encode8(w, live, row_out + at);
+    float d[8];
+    mxfp8_col_tile32x64(tile, part, w, d);
+    if (live) *reinterpret_cast<uint4*>(col_out + at) = pack_bf16x8(d);
+}
+
+// mxfp8_rowcol_segments of x [rows, k] itself.
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_mxfp8_rowcol(const float* __restrict__ x, const u32* __restrict__ seg, u16* __restrict__ col_out,
+                           u16* __restrict__ row_out, int write_row, u64 k) {
+    mxfp8_rowcol_segments(ActPlain{x, k}, seg, col_out, row_out, write_row, k);
+}
+
+// mxfp8_rowcol_segments of the gathered rows (row p: token row perm[p] / top_k of x).
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_mxfp8_rowcol_gather(const float* __restrict__ x, const u32* __restrict__ perm, u32 top_k,
+                                  const u32* __restrict__ seg, u16* __restrict__ col_out,
+                                  u16* __restrict__ row_out, int write_row, u64 k) {
+    mxfp8_rowcol_segments(ActGather{x, perm, top_k, k}, seg, col_out, row_out, write_row, k);
+}
+
+// mxfp8_rowcol_segments of SwiGLU(gu) (gu [rows, 2k]).
+extern "C" __global__ void __launch_bounds__(256)
+    quant_act_mxfp8_rowcol_swiglu(const float* __restrict__ gu, const u32* __restrict__ seg,
+                                  u16* __restrict__ col_out, u16* __restrict__ row_out, int write_row, u64 k) {
+    mxfp8_rowcol_segments(ActSwiglu{gu, k}, seg, col_out, row_out, write_row, k);
+}
+
 // NVFP4 per token (one amax per row, AmaxScope::PerRow) of x [rows, K] f32: amax[row] = the
 // row's max|x| (NaN ignored, from +0), pre = e2m1_value(code) · e4m3_value(scale) in BF16, or
 // with F16 in binary16 (both exact: ≤ 6 significant bits in [2^-10, 2688]; the fragment
@@ -995,28 +1078,8 @@ extern "C" __global__ void __launch_bounds__(256)
         *reinterpret_cast<uint4*>(deq + i) = pack_bf16x8(d);
     }
     if (__any_sync(FULL_MASK, bad) && (threadIdx.x & 31u) == 0u) *fast_bad = 1u;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) tile[r][c8 * 8 + j] = w[j];
-    __syncthreads();
-    // Column c's block: thread (q, c) = (t / 64, t % 64) holds rows [8q, 8q + 8).
-    const u32 c = threadIdx.x & 63u, q = threadIdx.x >> 6;
-    float mx = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) mx = nan_ignoring_max(mx, fabsf(tile[q * 8 + j][c]));
-    part[q][c] = mx;
-    __syncthreads();
-    mx = nan_ignoring_max(nan_ignoring_max(part[0][c], part[1][c]), nan_ignoring_max(part[2][c], part[3][c]));
-    const u32 sc = ue8m0_round_up(__fmul_rn(mx, MXRL_R448));
-    const float inv = ue8m0_reciprocal(sc), dec = ue8m0_decode(sc);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float x = tile[q * 8 + j][c];
-        tile[q * 8 + j][c] = __fmul_rn(dec, e4m3_value(e4m3_encode(__fmul_rn(x, inv))));
-    }
-    __syncthreads();
     float d[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) d[j] = tile[r][c8 * 8 + j];
+    mxfp8_col_tile32x64(tile, part, w, d);
     *reinterpret_cast<uint4*>(col + i) = pack_bf16x8(d);
 }
 

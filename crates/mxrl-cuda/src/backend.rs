@@ -1116,16 +1116,24 @@ impl Backend for CudaBackend {
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
     }
 
-    fn keeps_forward_operand(&self, spec: &LinearSpec) -> bool {
+    fn keeps_forward_operand(&self, spec: &LinearSpec, k: usize) -> bool {
         // MXFP8's `dequantized` wgrad multiplies exactly the forward's activation operand
-        // (the BF16 of its contract dequantization, every row quantized alone).
-        spec.format() == Format::Mxfp8 && spec.backward() == BackwardMode::Dequantized
+        // (the BF16 of its contract dequantization, every row quantized alone); `lowp`'s the
+        // column-wise copy, which the forward's quantizer makes from the same read where the
+        // width takes its tiles.
+        spec.format() == Format::Mxfp8
+            && match spec.backward() {
+                BackwardMode::Dequantized => true,
+                BackwardMode::Lowp => QLinear::rowcol_fits(k),
+                BackwardMode::HighPrecision => false,
+            }
     }
 
     fn grouped_qlinear_gathered_kept(
         &self,
         x: &Self::F32,
         route: &RouteBufs<Self>,
+        host_offsets: &[u32],
         tokens: usize,
         top_k: usize,
         w: &QExperts,
@@ -1134,7 +1142,6 @@ impl Backend for CudaBackend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<Self::Bf16> {
-        self.kept_operand_spec(w, "grouped_qlinear_gathered_kept")?;
         let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
         let src = ActRows::Gather {
             x: &xv,
@@ -1145,9 +1152,9 @@ impl Backend for CudaBackend {
             top_k,
         };
         let rows = tokens * top_k;
-        let act = self.quant_act_rows(&src, w, rows, k, "grouped_qlinear")?;
+        let (act, kept) = self.kept_operands(&src, w, host_offsets, rows, k, "gathered")?;
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)?;
-        Ok(act.xq)
+        Ok(kept.unwrap_or(act.xq))
     }
 
     fn grouped_qlinear_swiglu_kept(
@@ -1155,17 +1162,18 @@ impl Backend for CudaBackend {
         gu: &Self::F32,
         w: &QExperts,
         offsets: &Self::U32,
+        host_offsets: &[u32],
         experts: usize,
         rows: usize,
         f: usize,
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<Self::Bf16> {
-        self.kept_operand_spec(w, "grouped_qlinear_swiglu_kept")?;
         let guv = gu.as_view();
-        let act = self.quant_act_rows(&ActRows::Swiglu(&guv), w, rows, f, "grouped_qlinear")?;
+        let src = ActRows::Swiglu(&guv);
+        let (act, kept) = self.kept_operands(&src, w, host_offsets, rows, f, "swiglu")?;
         self.grouped_qlinear_on(&act, w, offsets, experts, rows, f, n, y)?;
-        Ok(act.xq)
+        Ok(kept.unwrap_or(act.xq))
     }
 
     fn grouped_qlinear_swiglu(
@@ -1632,7 +1640,7 @@ impl Backend for CudaBackend {
                     mode.name()
                 )))
             }
-            SavedX::Operand(o) if self.keeps_forward_operand(&w.spec) => (None, None, Some(o)),
+            SavedX::Operand(o) if self.keeps_forward_operand(&w.spec, k) => (None, None, Some(o)),
             SavedX::Operand(_) => {
                 return Err(dev(format!(
                     "grouped_qlinear_backward: no forward operand is kept for {format:?} with \
@@ -1653,8 +1661,13 @@ impl Backend for CudaBackend {
                 // dy's row-wise (dgrad) and column-wise (wgrad) operands from one read of it
                 // where the width takes the tiles, else one pass each.
                 let dyc = if QLinear::rowcol_fits(n) {
-                    ql.mxfp8_rowcol_groups_bf16(&dy, &segs, n, &mut dyr.as_view_mut())
-                        .map_err(de)?
+                    ql.mxfp8_rowcol_groups_bf16(
+                        &ActRows::Rows(&dy),
+                        &segs,
+                        n,
+                        &mut dyr.as_view_mut(),
+                    )
+                    .map_err(de)?
                 } else {
                     q.quant_act_mxfp8(&dy, rows, n, &mut dyr.as_view_mut())
                         .map_err(de)?;
@@ -1662,6 +1675,10 @@ impl Backend for CudaBackend {
                 };
                 dgrad(&dyr, dx)?;
                 drop(dyr);
+                // The forward's column-wise copy of x where it was kept, else made here.
+                if let Some(xc) = kept_x {
+                    return wgrad(&dyc, &xc.slice(0..rows * k), dw);
+                }
                 let xc = ql
                     .mxfp8_col_groups_bf16(&x()?.slice(0..rows * k), &segs, k)
                     .map_err(de)?;
@@ -3458,18 +3475,51 @@ impl CudaBackend {
         QGemm::frag_fits(n, k) && rows <= most.saturating_mul(experts)
     }
 
-    /// Refuses weights whose spec keeps no forward operand ([`Backend::keeps_forward_operand`]).
-    fn kept_operand_spec(&self, w: &QExperts, op: &str) -> DResult<()> {
-        if self.keeps_forward_operand(&w.spec) {
-            return Ok(());
-        }
-        Err(DeviceError::new(
-            self.gpu.name(),
-            format!(
-                "{op}: no forward operand is kept for {:?} with the {} backward",
+    /// The forward's activation operand of the rows `src` names and, for `lowp`, the
+    /// column-wise copy its wgrad multiplies (groups of `host_offsets`), from one read:
+    /// `(operand, Some(copy))`; for `dequantized`, `(operand, None)`, the operand kept itself.
+    /// Refuses weights whose spec keeps none ([`Backend::keeps_forward_operand`]).
+    fn kept_operands(
+        &self,
+        src: &ActRows<'_, '_>,
+        w: &QExperts,
+        host_offsets: &[u32],
+        rows: usize,
+        k: usize,
+        what: &str,
+    ) -> DResult<(QuantRows, Option<CudaSlice<u16>>)> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if !self.keeps_forward_operand(&w.spec, k) {
+            return Err(dev(format!(
+                "grouped_qlinear_{what}_kept: no forward operand is kept for {:?} with the {} \
+                 backward and {k} columns",
                 w.format,
                 w.spec.backward().name()
-            ),
+            )));
+        }
+        if w.spec.backward() != BackwardMode::Lowp {
+            return Ok((
+                self.quant_act_rows(src, w, rows, k, "grouped_qlinear")?,
+                None,
+            ));
+        }
+        let ql = self.qlin.as_ref().map_err(|e| {
+            dev(format!(
+                "grouped_qlinear_{what}_kept: the quantized linear did not load: {e}"
+            ))
+        })?;
+        let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
+        let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+        let col = ql
+            .mxfp8_rowcol_groups_bf16(src, &segs, k, &mut xq.as_view_mut())
+            .map_err(de)?;
+        Ok((
+            QuantRows {
+                xq,
+                amax: None,
+                f16: false,
+            },
+            Some(col),
         ))
     }
 

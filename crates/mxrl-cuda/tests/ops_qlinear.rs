@@ -23,6 +23,7 @@
 
 use half::bf16;
 use mxrl_cuda::gpu::Gpu;
+use mxrl_cuda::ops::qgemm::ActRows;
 use mxrl_cuda::ops::qlinear::QLinear;
 use mxrl_cuda::DeviceInput;
 use mxrl_formats::{quantize, Format, Padding, QuantizedTensor, Scheme};
@@ -826,7 +827,12 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
         let row = if QLinear::rowcol_fits(cols) {
             let mut rd = l.gpu().upload(&vec![0xDEADu16; rows * cols]).unwrap();
             let col2 = l
-                .mxfp8_rowcol_groups_bf16(&xd.as_view(), &segs, cols, &mut rd.as_view_mut())
+                .mxfp8_rowcol_groups_bf16(
+                    &ActRows::Rows(&xd.as_view()),
+                    &segs,
+                    cols,
+                    &mut rd.as_view_mut(),
+                )
                 .unwrap();
             assert_eq!(
                 l.gpu().download(&col2).unwrap(),
@@ -837,7 +843,7 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
         } else {
             assert!(l
                 .mxfp8_rowcol_groups_bf16(
-                    &xd.as_view(),
+                    &ActRows::Rows(&xd.as_view()),
                     &segs,
                     cols,
                     &mut l.gpu().zeros::<u16>(rows * cols).unwrap().as_view_mut()
@@ -888,20 +894,21 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
     }
 }
 
-/// The forward operand a taped forward keeps (`Backend::keeps_forward_operand`: MXFP8 with
-/// the `dequantized` backward): `grouped_qlinear_swiglu_kept` gives the bits of SwiGLU
-/// followed by `grouped_qlinear`, and the backward on the kept operand
-/// (`SavedX::Operand`) gives, bit for bit, the `dx` and `dW` of the backward on the f32
-/// rows (which quantizes them again). Specs that keep none refuse both.
+/// The forward operands a taped forward keeps (`Backend::keeps_forward_operand`: MXFP8 with
+/// the `dequantized` backward, the row-wise operand; with `lowp`, the column-wise copy made
+/// from the same read): `grouped_qlinear_{swiglu,gathered}_kept` give the bits of SwiGLU /
+/// the gather followed by `grouped_qlinear`, and the backward on the kept operand
+/// (`SavedX::Operand`) gives, bit for bit, the `dx` and `dW` of the backward on the f32 rows
+/// (which quantizes them again). Specs that keep none refuse both.
 #[test]
 fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
     use mxrl_cuda::backend::CudaBackend;
-    use mxrl_tensor::device::Backend;
+    use mxrl_tensor::device::{Backend, RouteBufs};
     let (_g, _) = layer();
     let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
-    let (groups, n, f) = (3usize, 64usize, 96usize);
-    let offsets = [0u32, 37, 37, 70];
-    let rows = 70;
+    // 35 tokens × top-2 over 3 experts: 70 routed rows; `f` takes the 64-column tiles.
+    let (groups, n, f, tokens, top_k) = (3usize, 64usize, 128usize, 35usize, 2usize);
+    let rows = tokens * top_k;
     let mut kept_specs = 0;
     for (si, s) in specs()
         .into_iter()
@@ -911,34 +918,64 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
         let seed = 1500 + 10 * si as u64;
         let tag = format!("{s} grouped [{groups}·{n}, {f}]");
         let master = test_values(groups * n * f, seed, 1.0);
-        let gu = test_values(rows * 2 * f, seed + 1, 2.0);
-        let dy = test_values(rows * n, seed + 2, 0.5);
         let name = |g: usize| format!("w{g}");
         let md = cb.upload_f32(&master).unwrap();
         let qd = cb.quantize_weights(&md, groups, n, f, s, &name, 0).unwrap();
-        let (gud, od) = (
-            cb.upload_f32(&gu).unwrap(),
-            cb.upload_u32(&offsets).unwrap(),
-        );
-        let mut act = cb.zeros_f32(rows * f).unwrap();
-        cb.swiglu_f32(&gud, rows, f, &mut act).unwrap();
-        let mut y = cb.zeros_f32(rows * n).unwrap();
-        cb.grouped_qlinear(&act, &qd, &od, groups, rows, f, n, &mut y)
+        // The routes of random logits.
+        let logits = cb
+            .upload_f32(&test_values(tokens * groups, seed + 1, 3.0))
             .unwrap();
+        let u = |m: usize| cb.zeros_u32(m).unwrap();
+        let mut rb = RouteBufs::<CudaBackend> {
+            ids: u(rows),
+            weights: cb.zeros_f32(rows).unwrap(),
+            probs: cb.zeros_f32(tokens * groups).unwrap(),
+            offsets: u(groups + 1),
+            perm: u(rows),
+            row_of: u(rows),
+        };
+        cb.route(&logits, tokens, groups, top_k, true, None, &mut rb)
+            .unwrap();
+        let offsets = cb.download_u32(&rb.offsets, groups + 1).unwrap();
+        assert_eq!(offsets[groups] as usize, rows, "{tag}: routes");
+        let x = cb
+            .upload_f32(&test_values(tokens * f, seed + 2, 2.0))
+            .unwrap();
+        let gu = cb
+            .upload_f32(&test_values(rows * 2 * f, seed + 3, 2.0))
+            .unwrap();
+        let dyd = cb
+            .upload_f32(&test_values(rows * n, seed + 4, 0.5))
+            .unwrap();
+        // The f32 rows each source names.
+        let mut xg = cb.zeros_f32(rows * f).unwrap();
+        cb.gather_f32(&x, &rb, tokens, groups, top_k, f, &mut xg)
+            .unwrap();
+        let mut act = cb.zeros_f32(rows * f).unwrap();
+        cb.swiglu_f32(&gu, rows, f, &mut act).unwrap();
+        let keeps = cb.keeps_forward_operand(&s, f);
         let mut yk = cb.zeros_f32(rows * n).unwrap();
-        let kept = cb.grouped_qlinear_swiglu_kept(&gud, &qd, &od, groups, rows, f, n, &mut yk);
-        if !cb.keeps_forward_operand(&s) {
-            assert!(kept.is_err(), "{tag}: a spec that keeps no operand");
+        let kept = [
+            cb.grouped_qlinear_gathered_kept(
+                &x, &rb, &offsets, tokens, top_k, &qd, groups, f, n, &mut yk,
+            ),
+            cb.grouped_qlinear_swiglu_kept(
+                &gu,
+                &qd,
+                &rb.offsets,
+                &offsets,
+                groups,
+                rows,
+                f,
+                n,
+                &mut cb.zeros_f32(rows * n).unwrap(),
+            ),
+        ];
+        if !keeps {
+            assert!(kept.iter().all(|k| k.is_err()), "{tag}: keeps no operand");
             continue;
         }
-        let kept = kept.unwrap();
         kept_specs += 1;
-        assert_eq!(
-            bits(&cb.download_f32(&y, rows * n).unwrap()),
-            bits(&cb.download_f32(&yk, rows * n).unwrap()),
-            "{tag}: forward"
-        );
-        let dyd = cb.upload_f32(&dy).unwrap();
         let backward = |x: SavedX<'_, _, _>| {
             let mut dxd = cb.zeros_f32(rows * f).unwrap();
             let mut dwd = cb.zeros_f32(groups * n * f).unwrap();
@@ -948,7 +985,7 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
                 &md,
                 None,
                 OutGrad::F32(&dyd),
-                None,
+                Some(&rb.offsets),
                 &offsets,
                 rows,
                 f,
@@ -963,18 +1000,32 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
                 bits(&cb.download_f32(&dwd, groups * n * f).unwrap()),
             )
         };
-        let (dx, dw) = backward(SavedX::F32(&act));
-        let (dxk, dwk) = backward(SavedX::Operand(&kept));
-        assert_eq!(dx, dxk, "{tag}: dx");
-        assert_eq!(dw, dwk, "{tag}: dW");
-        assert!(dw.iter().any(|&b| b != 0), "{tag}: dW all zero");
+        for ((what, rows_f32), kept) in [("gathered", &xg), ("swiglu", &act)].into_iter().zip(kept)
+        {
+            let kept = kept.unwrap();
+            if what == "gathered" {
+                let mut y = cb.zeros_f32(rows * n).unwrap();
+                cb.grouped_qlinear(rows_f32, &qd, &rb.offsets, groups, rows, f, n, &mut y)
+                    .unwrap();
+                assert_eq!(
+                    bits(&cb.download_f32(&y, rows * n).unwrap()),
+                    bits(&cb.download_f32(&yk, rows * n).unwrap()),
+                    "{tag} {what}: forward"
+                );
+            }
+            let (dx, dw) = backward(SavedX::F32(rows_f32));
+            let (dxk, dwk) = backward(SavedX::Operand(&kept));
+            assert_eq!(dx, dxk, "{tag} {what}: dx");
+            assert_eq!(dw, dwk, "{tag} {what}: dW");
+            assert!(dw.iter().any(|&b| b != 0), "{tag} {what}: dW all zero");
+        }
     }
     assert_eq!(
-        kept_specs, 1,
-        "MXFP8 `dequantized` keeps its forward operand"
+        kept_specs, 2,
+        "MXFP8 `dequantized` and `lowp` keep an operand"
     );
     // A spec that keeps none refuses the operand in the backward too.
-    let s = LinearSpec::new(Format::Mxfp8, BackwardMode::Lowp).unwrap();
+    let s = LinearSpec::new(Format::Nvfp4, BackwardMode::HighPrecision).unwrap();
     let master = test_values(n * f, 7, 1.0);
     let md = cb.upload_f32(&master).unwrap();
     let qd = cb
@@ -1002,7 +1053,7 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("no forward operand") && e.contains("lowp"),
+        e.contains("no forward operand") && e.contains("high_precision"),
         "{e}"
     );
 }

@@ -39,6 +39,11 @@ fn rows_made<'a, T>(rows: Option<&'a T>, what: &str) -> Result<&'a T> {
     rows.ok_or_else(|| ModelError::Input(format!("{what} was not made (internal)")))
 }
 
+/// The host expert offsets of a taped forward (downloaded for every pass outside decode).
+fn taped_offsets(ho: Option<&[u32]>) -> Result<&[u32]> {
+    ho.ok_or_else(|| ModelError::Input("a taped forward without host expert offsets".into()))
+}
+
 fn dev(e: DeviceError) -> ModelError {
     ModelError::Device(e.to_string())
 }
@@ -1787,7 +1792,7 @@ impl<B: Backend> Engine<B> {
                 // computes SwiGLU inside its quantizer too, and the tape holds that operand
                 // instead of the f32 SwiGLU rows (the SwiGLU backward reads `gu`).
                 let kept_down = match (taped, &self.params[m.down].q) {
-                    (true, Some(q)) if b.keeps_forward_operand(&q.spec) => Some(q),
+                    (true, Some(q)) if b.keeps_forward_operand(&q.spec, m.f) => Some(q),
                     _ => None,
                 };
                 let (xg, gu, mut act) = if fused {
@@ -1814,11 +1819,12 @@ impl<B: Backend> Engine<B> {
                     let xg = match (&h2, &self.params[m.gate_up].q, taped) {
                         // A backend that keeps the quantizer's operand for the backward: the
                         // tape holds it instead of the f32 gathered rows.
-                        (Some(h2), Some(q), true) if b.keeps_forward_operand(&q.spec) => {
+                        (Some(h2), Some(q), true) if b.keeps_forward_operand(&q.spec, hd) => {
                             let xq = b
                                 .grouped_qlinear_gathered_kept(
                                     h2,
                                     &route,
+                                    taped_offsets(ho)?,
                                     n,
                                     k,
                                     &q.w,
@@ -1919,6 +1925,7 @@ impl<B: Backend> Engine<B> {
                                         &gu,
                                         &q.w,
                                         &route.offsets,
+                                        taped_offsets(ho)?,
                                         ne,
                                         rows,
                                         m.f,

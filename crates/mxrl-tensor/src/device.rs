@@ -1358,16 +1358,18 @@ pub trait Backend {
     ) -> DResult<()> {
         swiglu_then_grouped_qlinear(self, gu, w, offsets, experts, rows, f, n, y)
     }
-    /// Whether a taped forward of routed experts stored for `spec` may keep the activation
-    /// operand its backward multiplies, as the forward's quantizer wrote it
+    /// Whether a taped forward of routed experts stored for `spec`, with inputs of `k`
+    /// columns, may keep the activation operand its backward's wgrad multiplies, made by the
+    /// forward's quantizer from the same read of the rows
     /// ([`Backend::grouped_qlinear_gathered_kept`], [`Backend::grouped_qlinear_swiglu_kept`]),
     /// and hand it to [`Backend::grouped_qlinear_backward`] as [`SavedX::Operand`] instead of
     /// the f32 rows that backward would quantize again (the same bytes). The default: never.
-    fn keeps_forward_operand(&self, _spec: &LinearSpec) -> bool {
+    fn keeps_forward_operand(&self, _spec: &LinearSpec, _k: usize) -> bool {
         false
     }
-    /// [`Backend::grouped_qlinear_gathered`], returning the activation operand `[rows, k]` it
-    /// multiplied, for weights whose spec [`Backend::keeps_forward_operand`] takes.
+    /// [`Backend::grouped_qlinear_gathered`], returning the activation operand `[rows, k]` the
+    /// backward's wgrad multiplies (`host_offsets`: the experts' row offsets), for weights
+    /// whose spec [`Backend::keeps_forward_operand`] takes.
     ///
     /// # Errors
     /// As [`Backend::grouped_qlinear_gathered`]; a spec the backend keeps no operand of (the
@@ -1377,6 +1379,7 @@ pub trait Backend {
         &self,
         _x: &Self::F32,
         _route: &RouteBufs<Self>,
+        _host_offsets: &[u32],
         _tokens: usize,
         _top_k: usize,
         _w: &Self::QExperts,
@@ -1390,8 +1393,9 @@ pub trait Backend {
             "grouped_qlinear_gathered_kept: this backend keeps no forward operand",
         ))
     }
-    /// [`Backend::grouped_qlinear_swiglu`], returning the activation operand `[rows, f]` it
-    /// multiplied, for weights whose spec [`Backend::keeps_forward_operand`] takes.
+    /// [`Backend::grouped_qlinear_swiglu`], returning the activation operand `[rows, f]` the
+    /// backward's wgrad multiplies (`host_offsets`: the experts' row offsets), for weights
+    /// whose spec [`Backend::keeps_forward_operand`] takes.
     ///
     /// # Errors
     /// As [`Backend::grouped_qlinear_gathered_kept`].
@@ -1401,6 +1405,7 @@ pub trait Backend {
         _gu: &Self::F32,
         _w: &Self::QExperts,
         _offsets: &Self::U32,
+        _host_offsets: &[u32],
         _experts: usize,
         _rows: usize,
         _f: usize,
@@ -1853,7 +1858,9 @@ pub enum SavedX<'a, F, H> {
     /// ([`LinearSpec::rounds_x_to_bf16`]).
     Bf16(&'a H),
     /// The activation operand the backward's wgrad multiplies, as the forward's quantizer
-    /// wrote it, from a backend that keeps it ([`Backend::keeps_forward_operand`]).
+    /// wrote it, from a backend that keeps it ([`Backend::keeps_forward_operand`]): MXFP8
+    /// `dequantized`, the row-wise operand; `lowp`, the column-wise copy in the groups' 32-row
+    /// blocks.
     Operand(&'a H),
 }
 

@@ -122,7 +122,7 @@ fn grouped_qlinear_backward_takes_bf16_inputs_only_where_the_mode_rounds_them() 
             }
         }
         // The CPU backend keeps no forward operand: refused in every mode.
-        assert!(!b.keeps_forward_operand(&spec), "{spec}");
+        assert!(!b.keeps_forward_operand(&spec, k), "{spec}");
         let e = run(SavedX::Operand(&xb), OutGrad::F32(&dy)).unwrap_err();
         assert!(e.contains("keeps no forward operand"), "{spec}: {e}");
         let with_dy = run(SavedX::F32(&x), OutGrad::Bf16(&dyb));

@@ -242,6 +242,8 @@ pub struct QGemm {
     /// SwiGLU, NVFP4 gathered / SwiGLU in BF16 and in binary16.
     act_mxfp8_gather: CudaFunction,
     act_mxfp8_swiglu: CudaFunction,
+    /// `quant_act_mxfp8_rowcol{,_gather,_swiglu}`.
+    act_mxfp8_rowcol: [CudaFunction; 3],
     act_nvfp4_gather: [CudaFunction; 2],
     act_nvfp4_swiglu: [CudaFunction; 2],
     deq_mxfp8: CudaFunction,
@@ -728,6 +730,11 @@ impl QGemm {
             act_nvfp4_f16: f("quant_act_nvfp4_f16")?,
             act_mxfp8_gather: f("quant_act_mxfp8_gather")?,
             act_mxfp8_swiglu: f("quant_act_mxfp8_swiglu")?,
+            act_mxfp8_rowcol: [
+                f("quant_act_mxfp8_rowcol")?,
+                f("quant_act_mxfp8_rowcol_gather")?,
+                f("quant_act_mxfp8_rowcol_swiglu")?,
+            ],
             act_nvfp4_gather: [
                 f("quant_act_nvfp4_gather")?,
                 f("quant_act_nvfp4_f16_gather")?,
@@ -986,6 +993,101 @@ impl QGemm {
         let w = usize::from(f16);
         let fs = (&self.act_nvfp4_gather[w], &self.act_nvfp4_swiglu[w]);
         self.launch_act_rows(src, fs, QA_THREADS, rows, k, out_pre, Some(amax))
+    }
+
+    /// Column-wise MXFP8 of the rows `src` names (`rows` of `k`, `k % 64 == 0`) in the row
+    /// segments `seg` (`count` pairs `[first row, rows ≤ 32]`, never across a group), each
+    /// segment one 32×1 block per column zero-padded, dequantized into BF16 `col_out [rows,
+    /// k]`; with `row_out`, also [`QGemm::quant_act_mxfp8`]'s values of those rows, from the
+    /// same read. One launch over tiles of a segment × 64 columns
+    /// (`quant_act_mxfp8_rowcol{,_gather,_swiglu}`); rows outside every segment are left
+    /// untouched. The segments must lie in `0..rows` (`QLinear::col_segments` builds them so).
+    ///
+    /// # Errors
+    /// `k` not a multiple of 64, short or misaligned buffers (16-byte), a gather's shape past
+    /// the dispatch's limits, launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn quant_act_mxfp8_rowcol(
+        &self,
+        src: &ActRows<'_, '_>,
+        rows: usize,
+        k: usize,
+        seg: &CudaView<'_, u32>,
+        count: usize,
+        col_out: &mut CudaViewMut<'_, u16>,
+        row_out: Option<&mut CudaViewMut<'_, u16>>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_mxfp8_rowcol";
+        check_multiple(g, op, k, 64, "tiles of 64 columns")?;
+        let len = mul(g, op, rows, k)?;
+        self.check_act_rows(op, src, rows, k)?;
+        check_len(
+            g,
+            &format!("{op} segments"),
+            seg.len(),
+            mul(g, op, 2, count)?,
+        )?;
+        let stream = g.stream();
+        check_len(g, &format!("{op} column-wise out"), col_out.len(), len)?;
+        check_align(
+            g,
+            &format!("{op} column-wise out"),
+            col_out.device_ptr_mut(stream).0,
+            16,
+        )?;
+        if let Some(r) = &row_out {
+            check_len(g, &format!("{op} row-wise out"), r.len(), len)?;
+            check_align(g, &format!("{op} row-wise out"), r.device_ptr(stream).0, 16)?;
+        }
+        if count == 0 || len == 0 {
+            return Ok(());
+        }
+        let tiles = mul(g, op, count, k / 64)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x(g, op, tiles)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (write_row, k64) = (i32::from(row_out.is_some()), k as u64);
+        let t32 = match src {
+            ActRows::Gather { top_k, .. } => *top_k as u32,
+            _ => 0,
+        };
+        let mut b = match src {
+            ActRows::Rows(x) => {
+                let mut b = stream.launch_builder(&self.act_mxfp8_rowcol[0]);
+                b.arg(*x);
+                b
+            }
+            ActRows::Gather { x, perm, .. } => {
+                let mut b = stream.launch_builder(&self.act_mxfp8_rowcol[1]);
+                b.arg(*x).arg(*perm).arg(&t32);
+                b
+            }
+            ActRows::Swiglu(gu) => {
+                let mut b = stream.launch_builder(&self.act_mxfp8_rowcol[2]);
+                b.arg(*gu);
+                b
+            }
+        };
+        b.arg(seg).arg(col_out);
+        match row_out {
+            Some(r) => b.arg(r),
+            None => b.arg(&self.no_u16),
+        };
+        b.arg(&write_row).arg(&k64);
+        // SAFETY: block (j, tc) < (count, k/64) reads seg[2j], seg[2j+1] (2·count held,
+        // checked); its threads read row p = seg[2j] + r < rows of the source (the segments lie
+        // in 0..rows, the caller's contract: x rows·k, a gather's perm[p] < tokens·top_k slots
+        // of x tokens·k, gate/up rows·2k, all checked) at chunk 8·tc + c8 < k/8, and write
+        // col_out (and row_out when write_row != 0) at p·k + 64·tc + 8·c8 + [0, 8) < rows·k
+        // (both hold rows·k, 16-byte aligned, checked; the stand-in for an absent row_out is
+        // never written). Every thread reaches the barriers and every lane the shuffles.
+        // Argument types match (const float*, [const u32*, u32,] const u32*, u16*, u16*, int,
+        // u64).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
     }
 
     /// Launches a fused quantizer over `src` (checked by the caller: lengths, alignment, shape)

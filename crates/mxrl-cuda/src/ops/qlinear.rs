@@ -63,16 +63,15 @@
 //! Deterministic: cuBLAS on one handle per stream without atomics, element-wise kernels.
 #![allow(unsafe_code)]
 
+use super::check_len;
 use super::elementwise::Elementwise;
 use super::gemm::{Gemm, Grouped};
-use super::qgemm::QGemm;
-use super::{check_align, check_len};
+use super::qgemm::{ActRows, QGemm};
 use crate::cuda::{CudaDevice, DeviceInput, DeviceQuantized, InputView};
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use mxrl_formats::{AmaxScope, Format, Scheme, MXFP8_BLOCK};
 use mxrl_tensor::qlinear::{BackwardMode, LinearSpec};
@@ -309,10 +308,7 @@ pub struct QLinear {
     deq_col: CudaFunction,
     split3: CudaFunction,
     col_groups: CudaFunction,
-    rowcol_groups: CudaFunction,
     amax_groups: CudaFunction,
-    /// Stand-in for an absent `u16` output (never written).
-    no_u16: CudaSlice<u16>,
 }
 
 impl QLinear {
@@ -335,9 +331,7 @@ impl QLinear {
             deq_col: f("qlinear_dequant_mxfp8_col_bf16")?,
             split3: f("qlinear_nvfp4_dequant_split3")?,
             col_groups: f("qlinear_mxfp8_col_segments_bf16")?,
-            rowcol_groups: f("qlinear_mxfp8_rowcol_segments_bf16")?,
             amax_groups: f("qlinear_amax_groups")?,
-            no_u16: gpu.zeros(8)?,
         })
     }
 
@@ -1106,7 +1100,7 @@ impl QLinear {
         check_len(g, "column-wise input", x.len(), n)?;
         let mut out = g.empty::<u16>(n)?;
         if Self::rowcol_fits(cols) && x.device_ptr(g.stream()).0 % 16 == 0 {
-            self.rowcol_launch(x, segs, cols, &mut out.as_view_mut(), None)?;
+            self.rowcol_launch(&ActRows::Rows(x), segs, cols, &mut out.as_view_mut(), None)?;
             return Ok(out);
         }
         if let (Some(seg), true) = (&segs.seg, cols > 0) {
@@ -1125,94 +1119,62 @@ impl QLinear {
     }
 
     /// Whether [`QLinear::mxfp8_rowcol_groups_bf16`] takes tensors of `cols` columns (tiles of
-    /// 64 columns; [`QLinear::mxfp8_col_groups_bf16`] runs on the same kernel then).
+    /// 64 columns; [`QLinear::mxfp8_col_groups_bf16`] runs on the same kernels then).
     pub fn rowcol_fits(cols: usize) -> bool {
         cols > 0 && cols.is_multiple_of(64)
     }
 
-    /// [`QLinear::mxfp8_col_groups_bf16`] of `x [rows, cols]` (returned) and, from the same
-    /// read of `x`, its row-wise MXFP8 (1×32 blocks along the columns) dequantized into BF16
-    /// in `row_out [rows, cols]` for the rows of the groups: the values
-    /// [`crate::ops::qgemm::QGemm::quant_act_mxfp8`] writes there (the rows outside every
-    /// group are left as they were). What the `Lowp` backward multiplies of `dy`: the dgrad's
-    /// row-wise operand and the wgrad's column-wise one. One launch
-    /// (`qlinear_mxfp8_rowcol_segments_bf16`).
+    /// [`QLinear::mxfp8_col_groups_bf16`] of the rows `src` names (`segs.rows` of `cols`:
+    /// `x` itself, gathered token rows, or SwiGLU of a gate/up output), returned, and from the
+    /// same read their row-wise MXFP8 (1×32 blocks along the columns) dequantized into BF16 in
+    /// `row_out [rows, cols]` for the rows of the groups: the values
+    /// [`QGemm::quant_act_mxfp8`] writes there (rows outside every group are left as they
+    /// were). The two operands the `Lowp` backward multiplies of one tensor: `dy`'s (dgrad and
+    /// wgrad), or the forward's row-wise operand of `x` with the column-wise copy its wgrad
+    /// takes. One launch (`quant_act_mxfp8_rowcol{,_gather,_swiglu}`).
     ///
     /// # Errors
     /// `cols` not a multiple of 64 ([`QLinear::rowcol_fits`]), short or misaligned buffers
     /// (16-byte), driver errors.
     pub fn mxfp8_rowcol_groups_bf16(
         &self,
-        x: &CudaView<'_, f32>,
+        src: &ActRows<'_, '_>,
         segs: &ColSegments,
         cols: usize,
         row_out: &mut CudaViewMut<'_, u16>,
     ) -> Result<CudaSlice<u16>, DeviceError> {
         let g = &self.gpu;
-        let op = "mxfp8_rowcol_groups_bf16";
         if !Self::rowcol_fits(cols) {
-            return Err(g.err(format!("{op}: {cols} columns, a multiple of 64 needed")));
+            return Err(g.err(format!(
+                "mxfp8_rowcol_groups_bf16: {cols} columns, a multiple of 64 needed"
+            )));
         }
-        let n = segs.rows * cols;
-        check_len(g, &format!("{op} input"), x.len(), n)?;
-        check_len(g, &format!("{op} row-wise output"), row_out.len(), n)?;
-        let stream = g.stream();
-        check_align(g, &format!("{op} input"), x.device_ptr(stream).0, 16)?;
-        check_align(
-            g,
-            &format!("{op} row-wise output"),
-            row_out.device_ptr_mut(stream).0,
-            16,
-        )?;
-        let mut out = g.empty::<u16>(n)?;
-        self.rowcol_launch(x, segs, cols, &mut out.as_view_mut(), Some(row_out))?;
+        let mut out = g.empty::<u16>(segs.rows * cols)?;
+        self.rowcol_launch(src, segs, cols, &mut out.as_view_mut(), Some(row_out))?;
         Ok(out)
     }
 
-    /// `qlinear_mxfp8_rowcol_segments_bf16` over `segs` (`cols` a multiple of 64, `x`,
-    /// `col_out` and `row_out` holding `segs.rows · cols` elements, 16-byte aligned: the
-    /// callers check).
+    /// [`QGemm::quant_act_mxfp8_rowcol`] over `segs` (segments that lie in `0..segs.rows`, as
+    /// [`QLinear::col_segments`] builds them).
     fn rowcol_launch(
         &self,
-        x: &CudaView<'_, f32>,
+        src: &ActRows<'_, '_>,
         segs: &ColSegments,
         cols: usize,
         col_out: &mut CudaViewMut<'_, u16>,
         row_out: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<(), DeviceError> {
-        let g = &self.gpu;
         let Some(seg) = &segs.seg else {
             return Ok(());
         };
-        let blocks = segs.count * (cols / 64);
-        let grid_x = u32::try_from(blocks)
-            .map_err(|_| g.err(format!("mxfp8 column-wise groups: {blocks} tiles")))?;
-        let (c64, write_row) = (cols as u64, row_out.is_some() as i32);
-        let mut b = g.stream().launch_builder(&self.rowcol_groups);
-        b.arg(x).arg(seg).arg(col_out);
-        match row_out {
-            Some(r) => b.arg(r),
-            None => b.arg(&self.no_u16),
-        };
-        b.arg(&write_row).arg(&c64);
-        // SAFETY: block (j, tc) < (count, cols/64) reads seg[2j], seg[2j+1] (2·count held);
-        // its threads read x and write col_out (and row_out when write_row != 0) only at
-        // (r0 + r)·cols + 64·tc + 8·c8 + [0, 8) for r < len, where every segment lies in
-        // 0..rows (built by col_segments from offsets checked against rows), so < rows·cols,
-        // which x, col_out and row_out hold, 16-byte aligned (the callers check; the stand-in
-        // for an absent row_out is never written). Argument types match (const float*, const
-        // u32*, u16*, u16*, int, u64).
-        unsafe {
-            crate::gpu::launch_op(
-                &mut b,
-                LaunchConfig {
-                    grid_dim: (grid_x, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )
-        }
-        .map_err(|e| g.err(e))?;
-        Ok(())
+        self.qgemm.quant_act_mxfp8_rowcol(
+            src,
+            segs.rows,
+            cols,
+            &seg.as_view(),
+            segs.count,
+            col_out,
+            row_out,
+        )
     }
 }
