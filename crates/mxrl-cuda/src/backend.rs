@@ -1103,16 +1103,9 @@ impl Backend for CudaBackend {
         // Each row is quantized alone (MXFP8 blocks along k, NVFP4's per-token factor): the
         // quantizer reads the routed rows through the permutation (one launch, no gathered
         // copy), the operands of the gathered rows.
-        let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
-        let src = ActRows::Gather {
-            x: &xv,
-            tokens,
-            perm: &perm,
-            offsets: &offs,
-            experts,
-            top_k,
-        };
-        let act = self.quant_act_rows(&src, w, rows, k, "grouped_qlinear")?;
+        let act = with_gathered(x, route, tokens, top_k, experts, |src| {
+            self.quant_act_rows(src, w, rows, k, "grouped_qlinear")
+        })?;
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)
     }
 
@@ -1142,17 +1135,10 @@ impl Backend for CudaBackend {
         n: usize,
         y: &mut Self::F32,
     ) -> DResult<Self::Bf16> {
-        let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
-        let src = ActRows::Gather {
-            x: &xv,
-            tokens,
-            perm: &perm,
-            offsets: &offs,
-            experts,
-            top_k,
-        };
         let rows = tokens * top_k;
-        let (act, kept) = self.kept_operands(&src, w, host_offsets, rows, k, "gathered")?;
+        let (act, kept) = with_gathered(x, route, tokens, top_k, experts, |src| {
+            self.kept_operands(src, w, host_offsets, rows, k, "gathered")
+        })?;
         self.grouped_qlinear_on(&act, w, &route.offsets, experts, rows, k, n, y)?;
         Ok(kept.unwrap_or(act.xq))
     }
@@ -3722,6 +3708,27 @@ impl CudaBackend {
             ))),
         }
     }
+}
+
+/// The routed rows of token rows `x` (`route`'s permutation and offsets) as a fused
+/// quantizer's source, handed to `f`.
+fn with_gathered<R>(
+    x: &CudaSlice<f32>,
+    route: &RouteBufs<CudaBackend>,
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    f: impl FnOnce(&ActRows<'_, '_>) -> DResult<R>,
+) -> DResult<R> {
+    let (xv, perm, offs) = (x.as_view(), route.perm.as_view(), route.offsets.as_view());
+    f(&ActRows::Gather {
+        x: &xv,
+        tokens,
+        perm: &perm,
+        offsets: &offs,
+        experts,
+        top_k,
+    })
 }
 
 #[cfg(test)]

@@ -30,6 +30,16 @@ fn bf16_model(c: &ModelConfig, seed: u64) -> Model {
     m
 }
 
+/// Each sequence scored on its own tokens (targets = tokens).
+fn scored(s: &[Vec<u32>]) -> Vec<SeqInput<'_>> {
+    s.iter()
+        .map(|q| SeqInput {
+            tokens: q,
+            targets: q,
+        })
+        .collect()
+}
+
 fn seqs() -> Vec<Vec<u32>> {
     vec![
         vec![1, 5, 9, 2, 14, 3, 33, 21, 8],
@@ -44,13 +54,7 @@ fn logprobs_bitwise(arch: Arch) {
     let m = bf16_model(&c, 7);
     let e = cpu_engine(&m, 64).unwrap();
     let s = seqs();
-    let batch: Vec<SeqInput> = s
-        .iter()
-        .map(|q| SeqInput {
-            tokens: q,
-            targets: &q[..],
-        })
-        .collect();
+    let batch = scored(&s);
     for temperature in [1.0f32, 0.7] {
         let want = m
             .forward(
@@ -200,13 +204,7 @@ fn engine_block_format_experts_equal_the_cpu_model_bitwise() {
     let mut c = small(Arch::Qwen3Moe);
     c.moe_intermediate_size = 32; // MXFP8 blocks of 32 along K of the down projection
     let s = seqs();
-    let batch: Vec<SeqInput> = s
-        .iter()
-        .map(|q| SeqInput {
-            tokens: q,
-            targets: &q[..],
-        })
-        .collect();
+    let batch = scored(&s);
     for format in [Format::Mxfp8, Format::Nvfp4] {
         let spec = LinearSpec::new(format, BackwardMode::HighPrecision).unwrap();
         let mut m = bf16_model(&c, 12);
@@ -303,13 +301,7 @@ fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_i
     let mut c = small(Arch::Qwen3Moe);
     c.moe_intermediate_size = 32;
     let s = seqs();
-    let batch: Vec<SeqInput> = s
-        .iter()
-        .map(|q| SeqInput {
-            tokens: q,
-            targets: &q[..],
-        })
-        .collect();
+    let batch = scored(&s);
     let m = bf16_model(&c, 21);
     let experts: usize = m
         .params()
