@@ -416,6 +416,9 @@ pub struct CudaBackend {
     /// Which dense BF16 forwards take the fragment kernels ([`DenseFrag::from_env`] unless set
     /// by [`CudaBackend::set_dense_frag`]).
     dense_frag: Cell<DenseFrag>,
+    /// Whether taped forwards keep the operands their backward multiplies
+    /// ([`Backend::keeps_forward_operand`]; on unless [`CudaBackend::set_keep_forward_operands`]).
+    keep_operands: Cell<bool>,
 }
 
 impl CudaBackend {
@@ -448,6 +451,7 @@ impl CudaBackend {
             grad_scale: std::sync::Mutex::new(None),
             peak: Cell::new(0),
             per_expert_rows: Cell::new(PER_EXPERT_ROWS),
+            keep_operands: Cell::new(true),
             dense_frag: Cell::new(DenseFrag::from_env()),
             gpu,
         })
@@ -463,6 +467,13 @@ impl CudaBackend {
     /// the grouped kernels). Both give the same products, summed in another order.
     pub fn set_per_expert_rows(&self, rows: usize) {
         self.per_expert_rows.set(rows);
+    }
+
+    /// Whether taped forwards of MXFP8 `dequantized` / `lowp` experts keep the activation
+    /// operand their backward multiplies (on by default) or the f32 rows, which the backward
+    /// quantizes again: the same operands, so the same bits (what the tests compare).
+    pub fn set_keep_forward_operands(&self, on: bool) {
+        self.keep_operands.set(on);
     }
 
     /// Which dense BF16 forwards run on the fragment kernels instead of cuBLAS
@@ -1114,7 +1125,8 @@ impl Backend for CudaBackend {
         // (the BF16 of its contract dequantization, every row quantized alone); `lowp`'s the
         // column-wise copy, which the forward's quantizer makes from the same read where the
         // width takes its tiles.
-        spec.format() == Format::Mxfp8
+        self.keep_operands.get()
+            && spec.format() == Format::Mxfp8
             && match spec.backward() {
                 BackwardMode::Dequantized => true,
                 BackwardMode::Lowp => QLinear::rowcol_fits(k),
