@@ -3553,7 +3553,10 @@ impl<B: Backend> Engine<B> {
     /// Out of device memory.
     pub fn use_bf16_params(&mut self) -> Result<()> {
         for i in 0..self.params.len() {
-            if self.params[i].op.is_none() && self.params[i].compute.is_none() {
+            // Block-format linears multiply their stored weights (and may hold no BF16
+            // operand): they need no BF16 value either.
+            let p = &self.params[i];
+            if p.op.is_none() && p.compute.is_none() && p.q.is_none() {
                 let c = self.b.zeros_f32(self.params[i].len).map_err(dev)?;
                 self.params[i].compute = Some(c);
             }

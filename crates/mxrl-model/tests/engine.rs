@@ -311,6 +311,8 @@ fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_i
         .sum();
     assert!(experts > 0);
     let mut e = cpu_engine(&m, 64).unwrap();
+    // As an RL run prepares its engine: BF16 values, then the plan.
+    e.use_bf16_params().unwrap();
     let all = e.bf16_operand_bytes();
     let lp = e.logprobs(&batch, 1.0).unwrap();
     let weights = e.weights_bf16().unwrap();
@@ -325,7 +327,12 @@ fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_i
         e.quantize_experts(spec).unwrap();
         let want = if kept { all } else { all - 2 * experts };
         assert_eq!(e.bf16_operand_bytes(), want, "{format:?} {mode:?}");
-        // The export reads the master's rounding where no operand is kept: the same bits.
+        // The export reads the master's rounding where no operand is kept: the same bits,
+        // also after running every parameter at its BF16 value again (which adds no operand
+        // and no BF16 value for a block-format linear).
+        assert_eq!(e.weights_bf16().unwrap(), weights, "{format:?} {mode:?}");
+        e.use_bf16_params().unwrap();
+        assert_eq!(e.bf16_operand_bytes(), want, "{format:?} {mode:?}");
         assert_eq!(e.weights_bf16().unwrap(), weights, "{format:?} {mode:?}");
         e.quantize_experts(LinearSpec::bf16()).unwrap();
         assert_eq!(e.bf16_operand_bytes(), all, "{format:?} {mode:?}");
