@@ -54,8 +54,19 @@ fn up_f32(l: &QLinear, v: &[f32]) -> Arc<DeviceInput> {
 }
 
 fn up_bf16(l: &QLinear, v: &[f32]) -> Arc<DeviceInput> {
-    let bits: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-    Arc::new(DeviceInput::Bf16(l.gpu().upload(&bits).expect("upload")))
+    Arc::new(DeviceInput::Bf16(
+        l.gpu().upload(&bf16_bits(v)).expect("upload"),
+    ))
+}
+
+/// The BF16 bit patterns of `v` (round to nearest even).
+fn bf16_bits(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+}
+
+/// The bit patterns of `v`, for bitwise comparisons.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn down(l: &QLinear, v: &cudarc::driver::CudaSlice<f32>) -> Vec<f32> {
@@ -525,7 +536,6 @@ fn the_engine_backends_grouped_quantized_linears_match_the_cpu_backend() {
         let mut mb = cb.empty_bf16(groups * n * k).unwrap();
         cb.to_bf16(&md, &mut mb, groups * n * k).unwrap();
         let (dxc, dwc) = backward(Some(&mb), &acc, GradWrite::Accumulate);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&dxc), bits(&dx), "{tag}: dx with the kept BF16 copy");
         assert_eq!(bits(&dwc), bits(&dw), "{tag}: dW with the kept BF16 copy");
         // dy handed over in BF16 (what the combine and SwiGLU backwards write for these
@@ -707,7 +717,6 @@ fn gathered_and_shared_quantized_linears_give_the_unfused_bits() {
     let (_g, _) = layer();
     let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
     let (experts, top_k, n, k) = (4usize, 2usize, 128usize, 256usize);
-    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
     let nan = |len: usize| cb.upload_f32(&vec![f32::NAN; len]).unwrap();
     let mut specs: Vec<LinearSpec> = [Format::Mxfp8, Format::Nvfp4]
         .into_iter()
@@ -750,8 +759,8 @@ fn gathered_and_shared_quantized_linears_give_the_unfused_bits() {
             cb.grouped_qlinear_gathered(&xd, &r, tokens, top_k, &qd, experts, k, n, &mut got)
                 .unwrap();
             assert_eq!(
-                bits(cb.download_f32(&got, rows * n).unwrap()),
-                bits(cb.download_f32(&want, rows * n).unwrap()),
+                bits(&cb.download_f32(&got, rows * n).unwrap()),
+                bits(&cb.download_f32(&want, rows * n).unwrap()),
                 "{tag}: grouped_qlinear_gathered"
             );
             if s.format() == Format::Nvfp4 {
@@ -783,8 +792,8 @@ fn gathered_and_shared_quantized_linears_give_the_unfused_bits() {
                 let mut one = cb.zeros_f32(tokens * w).unwrap();
                 cb.qlinear(&xd, q, tokens, k, w, &mut one).unwrap();
                 assert_eq!(
-                    bits(cb.download_f32(y, tokens * w).unwrap()),
-                    bits(cb.download_f32(&one, tokens * w).unwrap()),
+                    bits(&cb.download_f32(y, tokens * w).unwrap()),
+                    bits(&cb.download_f32(&one, tokens * w).unwrap()),
                     "{tag}: qlinear_shared, width {w}"
                 );
             }
@@ -822,8 +831,6 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
         let segs = l.col_segments(&offsets, rows).unwrap();
         let col = l.mxfp8_col_groups_bf16(&xd.as_view(), &segs, cols).unwrap();
         let col = l.gpu().download(&col).unwrap();
-        let bits =
-            |v: &[f32]| -> Vec<u16> { v.iter().map(|&f| bf16::from_f32(f).to_bits()).collect() };
         let row = if QLinear::rowcol_fits(cols) {
             let mut rd = l.gpu().upload(&vec![0xDEADu16; rows * cols]).unwrap();
             let col2 = l
@@ -857,7 +864,7 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
                 continue;
             }
             let part = &x[a * cols..b * cols];
-            let want = bits(&deq(&q(
+            let want = bf16_bits(&deq(&q(
                 part,
                 b - a,
                 cols,
@@ -870,7 +877,7 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
                 "{cols} columns, rows {a}..{b}: column-wise"
             );
             if let Some(row) = &row {
-                let want = bits(&deq(&q(
+                let want = bf16_bits(&deq(&q(
                     part,
                     b - a,
                     cols,
@@ -1056,8 +1063,4 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
         e.contains("no forward operand") && e.contains("high_precision"),
         "{e}"
     );
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
