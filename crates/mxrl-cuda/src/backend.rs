@@ -1174,6 +1174,57 @@ impl Backend for CudaBackend {
         Ok(kept.unwrap_or(act.xq))
     }
 
+    fn qlinear_backward_operand(
+        &self,
+        x: &Self::F32,
+        spec: &LinearSpec,
+        host_offsets: &[u32],
+        rows: usize,
+        k: usize,
+    ) -> DResult<Self::Bf16> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        if !self.keeps_forward_operand(spec, k) {
+            return Err(dev(format!(
+                "qlinear_backward_operand: no operand is kept for {:?} with the {} backward \
+                 at {k} columns",
+                spec.format(),
+                spec.backward().name()
+            )));
+        }
+        if x.len() < rows * k {
+            return Err(dev(format!(
+                "qlinear_backward_operand x: {} elements, {} needed",
+                x.len(),
+                rows * k
+            )));
+        }
+        let x = x.slice(0..rows * k);
+        // What grouped_qlinear_backward makes from f32 rows: lowp's column-wise copy per
+        // group, MXFP8 dequantized's row-wise forward operand.
+        match spec.backward() {
+            BackwardMode::Lowp => {
+                let ql = self.qlin.as_ref().map_err(|e| {
+                    dev(format!(
+                        "qlinear_backward_operand: the quantized linear did not load: {e}"
+                    ))
+                })?;
+                let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
+                ql.mxfp8_col_groups_bf16(&x, &segs, k).map_err(de)
+            }
+            _ => {
+                let q = self.qgemm.as_ref().map_err(|e| {
+                    dev(format!(
+                        "qlinear_backward_operand: the low-byte kernels did not load: {e}"
+                    ))
+                })?;
+                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+                q.quant_act_mxfp8(&x, rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                Ok(xq)
+            }
+        }
+    }
+
     fn grouped_qlinear_swiglu(
         &self,
         gu: &Self::F32,

@@ -13,7 +13,7 @@
 
 use mxrl_cuda::backend::{CudaBackend, DenseFrag};
 use mxrl_model::engine::{cpu_engine, Engine};
-use mxrl_model::{Arch, LinearPrecision, Model, ModelConfig, SeqInput};
+use mxrl_model::{Arch, LinearPrecision, Model, ModelConfig, SeqInput, TensorRole};
 use mxrl_tensor::optim::AdamWConfig;
 use mxrl_tensor::sample::{sample_rows, SampleParams};
 use mxrl_tensor::tolerance::lse_bound;
@@ -725,9 +725,11 @@ fn gpu_optimizer_step_stores_the_contract_bytes_of_the_new_masters() {
 
 /// Training MXFP8 `lowp` and `dequantized` experts on the operands their taped forward kept
 /// (`Backend::keeps_forward_operand`; gate/up from the gathered rows, down from SwiGLU's, both
-/// widths on the 64-column tiles) gives, bit for bit, the logprobs, gradients and masters of
-/// the same training on the f32 rows the backward quantizes again
-/// (`CudaBackend::set_keep_forward_operands(false)`), over two steps with the optimizer.
+/// widths on the 64-column tiles), and attention linears whose q, k and v backwards take one
+/// operand made once (`Backend::qlinear_backward_operand`), gives, bit for bit, the
+/// logprobs, gradients and masters of the same training on the f32 rows each backward
+/// quantizes again (`CudaBackend::set_keep_forward_operands(false)`), over two steps with the
+/// optimizer.
 #[test]
 fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
     use mxrl_formats::Format;
@@ -755,8 +757,14 @@ fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
                 keep,
                 "{mode:?}"
             );
-            let mut g = Engine::from_model(&m, b, 64).unwrap();
-            g.quantize_experts(spec).unwrap();
+            // Block-format experts and attention linears (q, k and v share one input).
+            let mut mq = m.clone();
+            mq.set_precision_by(|_, role| match role {
+                TensorRole::Attention | TensorRole::Expert => LinearPrecision::Quantized(spec),
+                _ => LinearPrecision::Bf16,
+            })
+            .unwrap();
+            let (mut g, _) = Engine::from_model_as_run(&mq, b, 64).unwrap();
             g.enable_training().unwrap();
             let names: Vec<String> = g.param_names().iter().map(|s| s.to_string()).collect();
             let mut out = Vec::new();

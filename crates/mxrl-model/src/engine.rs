@@ -3398,6 +3398,26 @@ impl<B: Backend> Engine<B> {
             }
             let mut dh1 = o(n * hd)?;
             let mut tmp = o(n * hd)?;
+            // q, k and v of one spec multiply one input: what their backwards take from the
+            // f32 rows (bf16 of them, or the operand a backend keeps), made once.
+            let spec = |i: usize| self.params[i].q.as_ref().map(|q| q.spec);
+            let shared = match (spec(l.attn.q), t.h1.as_ref()) {
+                (Some(s), Some(h1)) if spec(l.attn.k) == Some(s) && spec(l.attn.v) == Some(s) => {
+                    if s.rounds_x_to_bf16() {
+                        let mut xb = b.empty_bf16(n * hd).map_err(dev)?;
+                        b.to_bf16(h1, &mut xb, n * hd).map_err(dev)?;
+                        Some(Act::Bf16(xb))
+                    } else if b.keeps_forward_operand(&s, hd) {
+                        let op = b
+                            .qlinear_backward_operand(h1, &s, &[0, n as u32], n, hd)
+                            .map_err(dev)?;
+                        Some(Act::Operand(op))
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            };
             for (j, (wi, dd, width)) in [
                 (l.attn.q, &dq, qd),
                 (l.attn.k, &dk, kvd),
@@ -3411,7 +3431,10 @@ impl<B: Backend> Engine<B> {
                         .map_err(dev)?;
                 }
                 let out = if j == 0 { &mut dh1 } else { &mut tmp };
-                let x = self.input(wi, t.h1b.as_ref(), t.h1.as_ref())?;
+                let x = match &shared {
+                    Some(x) => x.r(),
+                    None => self.input(wi, t.h1b.as_ref(), t.h1.as_ref())?,
+                };
                 self.lin_bwd(
                     wi,
                     ActRef::F32(dd),

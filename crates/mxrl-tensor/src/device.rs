@@ -1417,6 +1417,29 @@ pub trait Backend {
             "grouped_qlinear_swiglu_kept: this backend keeps no forward operand",
         ))
     }
+    /// The activation operand `[rows, k]` that [`Backend::grouped_qlinear_backward`]'s wgrad
+    /// multiplies for a weight stored for `spec`, made from the f32 rows `x` as that
+    /// backward would make it (`host_offsets`: the groups' row offsets; `[0, rows]` for a
+    /// dense linear), for specs [`Backend::keeps_forward_operand`] takes: several linears
+    /// of one input (q, k and v) then hand the same operand to each backward as
+    /// [`SavedX::Operand`] instead of quantizing the rows once per linear (the same bytes).
+    ///
+    /// # Errors
+    /// A spec the backend keeps no operand of (the default: every spec); short buffers;
+    /// device failure.
+    fn qlinear_backward_operand(
+        &self,
+        _x: &Self::F32,
+        _spec: &LinearSpec,
+        _host_offsets: &[u32],
+        _rows: usize,
+        _k: usize,
+    ) -> DResult<Self::Bf16> {
+        Err(DeviceError::new(
+            "backend",
+            "qlinear_backward_operand: this backend keeps no forward operand",
+        ))
+    }
     /// Gathers `x: [N, h]` rows into expert-major packed f32 rows `[N·k, h]` per `perm`.
     ///
     /// # Errors
