@@ -1881,9 +1881,9 @@ pub enum SavedX<'a, F, H> {
     /// ([`LinearSpec::rounds_x_to_bf16`]).
     Bf16(&'a H),
     /// The activation operand the backward's wgrad multiplies, as the forward's quantizer
-    /// wrote it, from a backend that keeps it ([`Backend::keeps_forward_operand`]): MXFP8
-    /// `dequantized`, the row-wise operand; `lowp`, the column-wise copy in the groups' 32-row
-    /// blocks.
+    /// wrote it (or [`Backend::qlinear_backward_operand`] made it), from a backend that keeps
+    /// it ([`Backend::keeps_forward_operand`]): MXFP8 `dequantized`, the row-wise operand;
+    /// `lowp`, the column-wise copy in the groups' 32-row blocks.
     Operand(&'a H),
 }
 
