@@ -7,7 +7,16 @@
 # Usage: scripts/device_ab.sh BIN_A BIN_B [RECIPES] [REPS]
 #   RECIPES default bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block (bf16 is added
 #   when missing: the ratios need it); REPS default 2.
+#   BUDGET_S (optional): seconds this script may take; a pair of runs (one per binary)
+#   starts only while at least twice RUN_S (default 70) of them are left, and a run is cut at
+#   what is left, so a short call still ends with the table of the runs that finished.
 set -uo pipefail
+t0=$(date +%s)
+# Seconds left, at least 1 (`timeout 0` would mean no limit).
+left() {
+  local l=$(( ${BUDGET_S:-100000} - ($(date +%s) - t0) ))
+  echo $(( l < 1 ? 1 : l ))
+}
 a=$1
 b=$2
 recipes=${3:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}
@@ -16,10 +25,11 @@ reps=${4:-2}
 out=${OUT:-/tmp/mxrl-device}
 mkdir -p "$out"
 for r in $(seq 1 "$reps"); do
+  (( $(left) < 2 * ${RUN_S:-70} )) && break
   for bin in "$a" "$b"; do
     log="$out/ab_$(basename "$bin")_$r.txt"
-    "$bin" bench model --device cuda --train-recipes "$recipes" --train-steps 3 --batches 1 \
-      --steps 2 --prefill 16 --reps 1 >"$log" 2>&1
+    timeout "$(left)" "$bin" bench model --device cuda --train-recipes "$recipes" --train-steps 3 \
+      --batches 1 --steps 2 --prefill 16 --reps 1 >"$log" 2>&1
     echo "$(basename "$bin") run $r: rc=$?"
   done
 done
