@@ -329,11 +329,16 @@ extern "C" __global__ void __launch_bounds__(256)
 // quantization pass (the operation order of quant.cu's NVFP4 block encoder nvfp4_block16;
 // two threads per 16-element block). With CACHE > 0 a thread keeps the values of its first
 // CACHE chunks in registers between the passes (sources that compute their values, SwiGLU,
-// then compute each value once); later chunks are read again.
+// then compute each value once); later chunks are read again. With PARTS, also the three BF16
+// parts of the contract dequantization of every element (quant.cu's nvfp4_dequant_at of the
+// codes, scale and amax just made, then common.cuh's split_bf16x3: hi + mid + lo, exact) at
+// parts[row·k + i], parts[pstride + row·k + i], parts[2·pstride + row·k + i]: the
+// `dequantized` wgrad's operand (qlinear_nvfp4_dequant_split3's values) from the same pass.
 #define QA_THREADS 128
-template <bool F16, int CACHE, class Src>
+template <bool F16, int CACHE, bool PARTS = false, class Src>
 __device__ __forceinline__ void quant_act_nvfp4_body(const Src& src, u64 row, u16* __restrict__ pre,
-                                                     float* __restrict__ amax, u64 k) {
+                                                     float* __restrict__ amax, u64 k,
+                                                     u16* __restrict__ parts = nullptr, u64 pstride = 0) {
     __shared__ float warp_max_s[QA_THREADS / 32];
     const u64 chunks = k / 8;
     float cache[CACHE > 0 ? CACHE : 1][8];
@@ -401,6 +406,18 @@ __device__ __forceinline__ void quant_act_nvfp4_body(const Src& src, u64 row, u1
         float d[8];
         nvfp4_decode8(word, sf2, d);
         *reinterpret_cast<uint4*>(pre + row * k + c * 8) = F16 ? pack_f16x8(d) : pack_bf16x8(d);
+        if (PARTS) {
+            const float dq = __fmul_rn(__fmul_rn(e4m3_value(scale), a), MXRL_R2688);
+            u16 h[3][8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                split_bf16x3(__fmul_rn(e2m1_value((word >> (4 * j)) & 0xFu), dq), h[0][j], h[1][j], h[2][j]);
+#pragma unroll
+            for (int p = 0; p < 3; ++p)
+                *reinterpret_cast<uint4*>(parts + p * pstride + row * k + c * 8) =
+                    make_uint4(h[p][0] | ((u32)h[p][1] << 16), h[p][2] | ((u32)h[p][3] << 16),
+                               h[p][4] | ((u32)h[p][5] << 16), h[p][6] | ((u32)h[p][7] << 16));
+        }
     }
 }
 extern "C" __global__ void __launch_bounds__(QA_THREADS)
@@ -426,6 +443,21 @@ extern "C" __global__ void __launch_bounds__(QA_THREADS)
 QA_GATHER(quant_act_nvfp4_gather, false)
 QA_GATHER(quant_act_nvfp4_f16_gather, true)
 
+// quant_act_nvfp4[_f16]_gather that also writes the three BF16 parts of every element's
+// contract dequantization (quant_act_nvfp4_body's PARTS; part planes of pstride elements):
+// the `dequantized` backward's wgrad operand, kept by a taped forward.
+#define QA_GATHER_PARTS(NAME, F16)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QA_THREADS)                                              \
+        NAME(const float* __restrict__ x, const u32* __restrict__ perm, const u32* __restrict__ offsets, \
+             u32 e, u32 top_k, u64 k, u16* __restrict__ pre, float* __restrict__ amax,                    \
+             u16* __restrict__ parts, u64 pstride) {                                                      \
+        const u64 p = blockIdx.x;                                                                         \
+        if (p >= offsets[e]) return;                                                                      \
+        quant_act_nvfp4_body<F16, 2, true>(ActGather{x, perm, top_k, k}, p, pre, amax, k, parts, pstride); \
+    }
+QA_GATHER_PARTS(quant_act_nvfp4_parts_gather, false)
+QA_GATHER_PARTS(quant_act_nvfp4_f16_parts_gather, true)
+
 // quant_act_nvfp4[_f16] of SwiGLU(gu) (grid: one block per row; each value computed once for
 // K ≤ 2048): swiglu_fwd followed by the quantizer, in one launch.
 extern "C" __global__ void __launch_bounds__(QA_THREADS)
@@ -436,6 +468,17 @@ extern "C" __global__ void __launch_bounds__(QA_THREADS)
     quant_act_nvfp4_f16_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ pre,
                                float* __restrict__ amax) {
     quant_act_nvfp4_body<true, 2>(ActSwiglu{gu, k}, blockIdx.x, pre, amax, k);
+}
+// quant_act_nvfp4[_f16]_swiglu with the parts (as quant_act_nvfp4_parts_gather).
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_parts_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ pre,
+                                 float* __restrict__ amax, u16* __restrict__ parts, u64 pstride) {
+    quant_act_nvfp4_body<false, 2, true>(ActSwiglu{gu, k}, blockIdx.x, pre, amax, k, parts, pstride);
+}
+extern "C" __global__ void __launch_bounds__(QA_THREADS)
+    quant_act_nvfp4_f16_parts_swiglu(const float* __restrict__ gu, u64 k, u16* __restrict__ pre,
+                                     float* __restrict__ amax, u16* __restrict__ parts, u64 pstride) {
+    quant_act_nvfp4_body<true, 2, true>(ActSwiglu{gu, k}, blockIdx.x, pre, amax, k, parts, pstride);
 }
 
 // FP8 block 1×128 along K (Scheme::FP8_BLOCK_ACT) of x [rows, K] f32 as the staged FP8-block

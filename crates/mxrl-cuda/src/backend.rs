@@ -1124,13 +1124,16 @@ impl Backend for CudaBackend {
         // MXFP8's `dequantized` wgrad multiplies exactly the forward's activation operand
         // (the BF16 of its contract dequantization, every row quantized alone); `lowp`'s the
         // column-wise copy, which the forward's quantizer makes from the same read where the
-        // width takes its tiles.
+        // width takes its tiles. NVFP4's `dequantized` (per-token scales) multiplies the three
+        // BF16 parts of the rows' contract dequantization, which its quantizer writes too.
         self.keep_operands.get()
-            && spec.format() == Format::Mxfp8
-            && match spec.backward() {
-                BackwardMode::Dequantized => true,
-                BackwardMode::Lowp => QLinear::rowcol_fits(k),
-                BackwardMode::HighPrecision => false,
+            && match (spec.format(), spec.backward()) {
+                (Format::Mxfp8, BackwardMode::Dequantized) => true,
+                (Format::Mxfp8, BackwardMode::Lowp) => QLinear::rowcol_fits(k),
+                (Format::Nvfp4, BackwardMode::Dequantized) => {
+                    spec.act_scaling() == ActScaling::PerToken
+                }
+                _ => false,
             }
     }
 
@@ -1199,18 +1202,23 @@ impl Backend for CudaBackend {
             )));
         }
         let x = x.slice(0..rows * k);
+        let ql = || {
+            self.qlin.as_ref().map_err(|e| {
+                dev(format!(
+                    "qlinear_backward_operand: the quantized linear did not load: {e}"
+                ))
+            })
+        };
         // What grouped_qlinear_backward makes from f32 rows: lowp's column-wise copy per
-        // group, MXFP8 dequantized's row-wise forward operand.
-        match spec.backward() {
-            BackwardMode::Lowp => {
-                let ql = self.qlin.as_ref().map_err(|e| {
-                    dev(format!(
-                        "qlinear_backward_operand: the quantized linear did not load: {e}"
-                    ))
-                })?;
+        // group, NVFP4 dequantized's three parts, MXFP8 dequantized's row-wise forward
+        // operand.
+        match (spec.format(), spec.backward()) {
+            (_, BackwardMode::Lowp) => {
+                let ql = ql()?;
                 let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
                 ql.mxfp8_col_groups_bf16(&x, &segs, k).map_err(de)
             }
+            (Format::Nvfp4, _) => self.nvfp4_parts(ql()?, &x, spec, rows, k),
             _ => {
                 let q = self.qgemm.as_ref().map_err(|e| {
                     dev(format!(
@@ -1798,35 +1806,22 @@ impl Backend for CudaBackend {
                     )
                     .map_err(de)?;
                 }
-                let scheme = w
-                    .spec
-                    .activation_scheme()
-                    .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
-                let quant = ql.quantizer();
-                let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
-                quant
-                    .quantize_view_into(
-                        &InputView::F32(x()?.slice(0..rows * k)),
-                        [rows, k],
-                        scheme,
-                        &mut qx,
-                    )
-                    .map_err(de)?;
-                let amax = qx
-                    .amax_bits
-                    .as_ref()
-                    .ok_or_else(|| dev("NVFP4 activations without their amax".into()))?;
-                let xp = ql
-                    .nvfp4_split3_rows(
-                        &qx.data.as_view(),
-                        &qx.scales.as_view(),
-                        &amax.as_view(),
-                        rows,
-                        k,
-                        1,
-                    )
-                    .map_err(de)?;
-                drop(qx);
+                // x's three BF16 parts: the forward's where it kept them, else made here.
+                let made;
+                let xp = match kept_x {
+                    Some(xp) if xp.len() < 3 * rows * k => {
+                        return Err(dev(format!(
+                            "grouped_qlinear_backward: a kept NVFP4 operand of {} elements, \
+                             3 parts of {rows} × {k} needed",
+                            xp.len()
+                        )))
+                    }
+                    Some(xp) => xp,
+                    None => {
+                        made = self.nvfp4_parts(ql, &x()?.slice(0..rows * k), &w.spec, rows, k)?;
+                        &made
+                    }
+                };
                 for p in 0..3 {
                     wgrad(dyb()?, &xp.slice(p * rows * k..(p + 1) * rows * k), dw)?;
                 }
@@ -3524,10 +3519,52 @@ impl CudaBackend {
         QGemm::frag_fits(n, k) && rows <= most.saturating_mul(experts)
     }
 
+    /// The NVFP4 `dequantized` wgrad's operand of f32 rows `x [rows, k]`: the three BF16 parts
+    /// `[3, rows, k]` of their contract dequantization (quantized with `spec`'s activation
+    /// scheme, per-row amax), split exactly.
+    fn nvfp4_parts(
+        &self,
+        ql: &QLinear,
+        x: &CudaView<'_, f32>,
+        spec: &LinearSpec,
+        rows: usize,
+        k: usize,
+    ) -> DResult<CudaSlice<u16>> {
+        let dev = |m: String| DeviceError::new(self.gpu.name(), m);
+        let scheme = spec
+            .activation_scheme()
+            .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
+        let quant = ql.quantizer();
+        let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
+        quant
+            .quantize_view_into(
+                &InputView::F32(x.slice(0..rows * k)),
+                [rows, k],
+                scheme,
+                &mut qx,
+            )
+            .map_err(de)?;
+        let amax = qx
+            .amax_bits
+            .as_ref()
+            .ok_or_else(|| dev("NVFP4 activations without their amax".into()))?;
+        ql.nvfp4_split3_rows(
+            &qx.data.as_view(),
+            &qx.scales.as_view(),
+            &amax.as_view(),
+            rows,
+            k,
+            1,
+        )
+        .map_err(de)
+    }
+
     /// The forward's activation operand of the rows `src` names and, for `lowp`, the
     /// column-wise copy its wgrad multiplies (groups of `host_offsets`), from one read:
-    /// `(operand, Some(copy))`; for `dequantized`, `(operand, None)`, the operand kept itself.
-    /// Refuses weights whose spec keeps none ([`Backend::keeps_forward_operand`]).
+    /// `(operand, Some(copy))`; for NVFP4 `dequantized`, `(operand, Some(parts))`, the three
+    /// BF16 parts of the rows' dequantization; for MXFP8 `dequantized`, `(operand, None)`,
+    /// the operand kept itself. Refuses weights whose spec keeps none
+    /// ([`Backend::keeps_forward_operand`]).
     fn kept_operands(
         &self,
         src: &ActRows<'_, '_>,
@@ -3545,6 +3582,34 @@ impl CudaBackend {
                 w.format,
                 w.spec.backward().name()
             )));
+        }
+        if w.format == Format::Nvfp4 {
+            let q = self.qgemm.as_ref().map_err(|e| {
+                dev(format!(
+                    "grouped_qlinear_{what}_kept: the low-byte kernels did not load: {e}"
+                ))
+            })?;
+            let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+            let mut amax = self.gpu.empty::<f32>(rows.max(1)).map_err(de)?;
+            let f16 = self.qfrag_path(w.e, rows, k, w.n);
+            let parts = q
+                .quant_act_nvfp4_parts_from(
+                    src,
+                    f16,
+                    rows,
+                    k,
+                    &mut xq.as_view_mut(),
+                    &mut amax.slice_mut(0..rows),
+                )
+                .map_err(de)?;
+            return Ok((
+                QuantRows {
+                    xq,
+                    amax: Some(amax),
+                    f16,
+                },
+                Some(parts),
+            ));
         }
         if w.spec.backward() != BackwardMode::Lowp {
             return Ok((

@@ -723,9 +723,9 @@ fn gpu_optimizer_step_stores_the_contract_bytes_of_the_new_masters() {
     }
 }
 
-/// Training MXFP8 `lowp` and `dequantized` experts on the operands their taped forward kept
-/// (`Backend::keeps_forward_operand`; gate/up from the gathered rows, down from SwiGLU's, both
-/// widths on the 64-column tiles), and attention linears whose q, k and v backwards take one
+/// Training MXFP8 `lowp` and `dequantized` and NVFP4 `dequantized` experts on the operands
+/// their taped forward kept (`Backend::keeps_forward_operand`; gate/up from the gathered
+/// rows, down from SwiGLU's, both widths on the 64-column tiles), and attention linears whose q, k and v backwards take one
 /// operand made once (`Backend::qlinear_backward_operand`), gives, bit for bit, the
 /// logprobs, gradients and masters of the same training on the f32 rows each backward
 /// quantizes again (`CudaBackend::set_keep_forward_operands(false)`), over two steps with the
@@ -746,8 +746,12 @@ fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
         lr: 1e-2,
         ..AdamWConfig::default()
     };
-    for mode in [BackwardMode::Lowp, BackwardMode::Dequantized] {
-        let spec = LinearSpec::new(Format::Mxfp8, mode).unwrap();
+    for (format, mode) in [
+        (Format::Mxfp8, BackwardMode::Lowp),
+        (Format::Mxfp8, BackwardMode::Dequantized),
+        (Format::Nvfp4, BackwardMode::Dequantized),
+    ] {
+        let spec = LinearSpec::new(format, mode).unwrap();
         let run = |keep: bool| {
             let b = CudaBackend::new(0).unwrap();
             b.set_keep_forward_operands(keep);
@@ -755,12 +759,16 @@ fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
                 b.keeps_forward_operand(&spec, c.hidden_size)
                     && b.keeps_forward_operand(&spec, c.moe_intermediate_size),
                 keep,
-                "{mode:?}"
+                "{format:?} {mode:?}"
             );
-            // Block-format experts and attention linears (q, k and v share one input).
+            // Block-format experts and MXFP8 attention linears (q, k and v share one input;
+            // dense NVFP4 linears have no device path, as in the NVFP4 recipes).
             let mut mq = m.clone();
             mq.set_precision_by(|_, role| match role {
-                TensorRole::Attention | TensorRole::Expert => LinearPrecision::Quantized(spec),
+                TensorRole::Expert => LinearPrecision::Quantized(spec),
+                TensorRole::Attention if format == Format::Mxfp8 => {
+                    LinearPrecision::Quantized(spec)
+                }
                 _ => LinearPrecision::Bf16,
             })
             .unwrap();
@@ -797,11 +805,11 @@ fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
         .iter()
         .enumerate()
         {
-            assert!(kept[i] == f32_rows[i], "{mode:?}: {what}");
+            assert!(kept[i] == f32_rows[i], "{format:?} {mode:?}: {what}");
         }
         assert!(
             kept[0].iter().flatten().any(|&b| b != 0),
-            "{mode:?}: all gradients zero"
+            "{format:?} {mode:?}: all gradients zero"
         );
     }
 }

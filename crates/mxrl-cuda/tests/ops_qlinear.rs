@@ -903,7 +903,8 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
 
 /// The forward operands a taped forward keeps (`Backend::keeps_forward_operand`: MXFP8 with
 /// the `dequantized` backward, the row-wise operand; with `lowp`, the column-wise copy made
-/// from the same read): `grouped_qlinear_{swiglu,gathered}_kept` give the bits of SwiGLU /
+/// from the same read; NVFP4 with `dequantized`, the three BF16 parts of the rows'
+/// dequantization): `grouped_qlinear_{swiglu,gathered}_kept` give the bits of SwiGLU /
 /// the gather followed by `grouped_qlinear`, and the backward on the kept operand
 /// (`SavedX::Operand`) gives, bit for bit, the `dx` and `dW` of the backward on the f32 rows
 /// (which quantizes them again). Specs that keep none refuse both.
@@ -913,124 +914,129 @@ fn the_kept_forward_operand_gives_the_backward_of_the_f32_rows() {
     use mxrl_tensor::device::{Backend, RouteBufs};
     let (_g, _) = layer();
     let cb = CudaBackend::new(0).unwrap_or_else(|e| panic!("GPU 0 is unusable: {e}"));
-    // 35 tokens × top-2 over 3 experts: 70 routed rows; `f` takes the 64-column tiles.
-    let (groups, n, f, tokens, top_k) = (3usize, 64usize, 128usize, 35usize, 2usize);
-    let rows = tokens * top_k;
-    let mut kept_specs = 0;
-    for (si, s) in specs()
-        .into_iter()
-        .filter(|s| s.format() != Format::Bf16)
-        .enumerate()
-    {
-        let seed = 1500 + 10 * si as u64;
-        let tag = format!("{s} grouped [{groups}·{n}, {f}]");
-        let master = test_values(groups * n * f, seed, 1.0);
-        let name = |g: usize| format!("w{g}");
-        let md = cb.upload_f32(&master).unwrap();
-        let qd = cb.quantize_weights(&md, groups, n, f, s, &name, 0).unwrap();
-        // The routes of random logits.
-        let logits = cb
-            .upload_f32(&test_values(tokens * groups, seed + 1, 3.0))
-            .unwrap();
-        let u = |m: usize| cb.zeros_u32(m).unwrap();
-        let mut rb = RouteBufs::<CudaBackend> {
-            ids: u(rows),
-            weights: cb.zeros_f32(rows).unwrap(),
-            probs: cb.zeros_f32(tokens * groups).unwrap(),
-            offsets: u(groups + 1),
-            perm: u(rows),
-            row_of: u(rows),
-        };
-        cb.route(&logits, tokens, groups, top_k, true, None, &mut rb)
-            .unwrap();
-        let offsets = cb.download_u32(&rb.offsets, groups + 1).unwrap();
-        assert_eq!(offsets[groups] as usize, rows, "{tag}: routes");
-        let x = cb
-            .upload_f32(&test_values(tokens * f, seed + 2, 2.0))
-            .unwrap();
-        let gu = cb
-            .upload_f32(&test_values(rows * 2 * f, seed + 3, 2.0))
-            .unwrap();
-        let dyd = cb
-            .upload_f32(&test_values(rows * n, seed + 4, 0.5))
-            .unwrap();
-        // The f32 rows each source names.
-        let mut xg = cb.zeros_f32(rows * f).unwrap();
-        cb.gather_f32(&x, &rb, tokens, groups, top_k, f, &mut xg)
-            .unwrap();
-        let mut act = cb.zeros_f32(rows * f).unwrap();
-        cb.swiglu_f32(&gu, rows, f, &mut act).unwrap();
-        let keeps = cb.keeps_forward_operand(&s, f);
-        let mut yk = cb.zeros_f32(rows * n).unwrap();
-        let kept = [
-            cb.grouped_qlinear_gathered_kept(
-                &x, &rb, &offsets, tokens, top_k, &qd, groups, f, n, &mut yk,
-            ),
-            cb.grouped_qlinear_swiglu_kept(
-                &gu,
-                &qd,
-                &rb.offsets,
-                &offsets,
-                groups,
-                rows,
-                f,
-                n,
-                &mut cb.zeros_f32(rows * n).unwrap(),
-            ),
-        ];
-        if !keeps {
-            assert!(kept.iter().all(|k| k.is_err()), "{tag}: keeps no operand");
-            continue;
-        }
-        kept_specs += 1;
-        let backward = |x: SavedX<'_, _, _>| {
-            let mut dxd = cb.zeros_f32(rows * f).unwrap();
-            let mut dwd = cb.zeros_f32(groups * n * f).unwrap();
-            cb.grouped_qlinear_backward(
-                x,
-                &qd,
-                &md,
-                None,
-                OutGrad::F32(&dyd),
-                Some(&rb.offsets),
-                &offsets,
-                rows,
-                f,
-                n,
-                &mut dxd,
-                &mut dwd,
-                GradWrite::Overwrite,
-            )
-            .unwrap();
-            (
-                bits(&cb.download_f32(&dxd, rows * f).unwrap()),
-                bits(&cb.download_f32(&dwd, groups * n * f).unwrap()),
-            )
-        };
-        for ((what, rows_f32), kept) in [("gathered", &xg), ("swiglu", &act)].into_iter().zip(kept)
+    // 35 tokens × top-2 over 3 experts: 70 routed rows (the fragment kernels, NVFP4 in
+    // binary16); 800 tokens: 1 600 rows (the tiles, NVFP4 in BF16). `f` takes the 64-column
+    // tiles.
+    let (groups, n, f, top_k) = (3usize, 64usize, 128usize, 2usize);
+    for tokens in [35usize, 800] {
+        let rows = tokens * top_k;
+        let mut kept_specs = 0;
+        for (si, s) in specs()
+            .into_iter()
+            .filter(|s| s.format() != Format::Bf16)
+            .enumerate()
         {
-            let kept = kept.unwrap();
-            if what == "gathered" {
-                let mut y = cb.zeros_f32(rows * n).unwrap();
-                cb.grouped_qlinear(rows_f32, &qd, &rb.offsets, groups, rows, f, n, &mut y)
-                    .unwrap();
-                assert_eq!(
-                    bits(&cb.download_f32(&y, rows * n).unwrap()),
-                    bits(&cb.download_f32(&yk, rows * n).unwrap()),
-                    "{tag} {what}: forward"
-                );
+            let seed = 1500 + 10 * si as u64;
+            let tag = format!("{s} grouped [{groups}·{n}, {f}], {rows} rows");
+            let master = test_values(groups * n * f, seed, 1.0);
+            let name = |g: usize| format!("w{g}");
+            let md = cb.upload_f32(&master).unwrap();
+            let qd = cb.quantize_weights(&md, groups, n, f, s, &name, 0).unwrap();
+            // The routes of random logits.
+            let logits = cb
+                .upload_f32(&test_values(tokens * groups, seed + 1, 3.0))
+                .unwrap();
+            let u = |m: usize| cb.zeros_u32(m).unwrap();
+            let mut rb = RouteBufs::<CudaBackend> {
+                ids: u(rows),
+                weights: cb.zeros_f32(rows).unwrap(),
+                probs: cb.zeros_f32(tokens * groups).unwrap(),
+                offsets: u(groups + 1),
+                perm: u(rows),
+                row_of: u(rows),
+            };
+            cb.route(&logits, tokens, groups, top_k, true, None, &mut rb)
+                .unwrap();
+            let offsets = cb.download_u32(&rb.offsets, groups + 1).unwrap();
+            assert_eq!(offsets[groups] as usize, rows, "{tag}: routes");
+            let x = cb
+                .upload_f32(&test_values(tokens * f, seed + 2, 2.0))
+                .unwrap();
+            let gu = cb
+                .upload_f32(&test_values(rows * 2 * f, seed + 3, 2.0))
+                .unwrap();
+            let dyd = cb
+                .upload_f32(&test_values(rows * n, seed + 4, 0.5))
+                .unwrap();
+            // The f32 rows each source names.
+            let mut xg = cb.zeros_f32(rows * f).unwrap();
+            cb.gather_f32(&x, &rb, tokens, groups, top_k, f, &mut xg)
+                .unwrap();
+            let mut act = cb.zeros_f32(rows * f).unwrap();
+            cb.swiglu_f32(&gu, rows, f, &mut act).unwrap();
+            let keeps = cb.keeps_forward_operand(&s, f);
+            let mut yk = cb.zeros_f32(rows * n).unwrap();
+            let kept = [
+                cb.grouped_qlinear_gathered_kept(
+                    &x, &rb, &offsets, tokens, top_k, &qd, groups, f, n, &mut yk,
+                ),
+                cb.grouped_qlinear_swiglu_kept(
+                    &gu,
+                    &qd,
+                    &rb.offsets,
+                    &offsets,
+                    groups,
+                    rows,
+                    f,
+                    n,
+                    &mut cb.zeros_f32(rows * n).unwrap(),
+                ),
+            ];
+            if !keeps {
+                assert!(kept.iter().all(|k| k.is_err()), "{tag}: keeps no operand");
+                continue;
             }
-            let (dx, dw) = backward(SavedX::F32(rows_f32));
-            let (dxk, dwk) = backward(SavedX::Operand(&kept));
-            assert_eq!(dx, dxk, "{tag} {what}: dx");
-            assert_eq!(dw, dwk, "{tag} {what}: dW");
-            assert!(dw.iter().any(|&b| b != 0), "{tag} {what}: dW all zero");
+            kept_specs += 1;
+            let backward = |x: SavedX<'_, _, _>| {
+                let mut dxd = cb.zeros_f32(rows * f).unwrap();
+                let mut dwd = cb.zeros_f32(groups * n * f).unwrap();
+                cb.grouped_qlinear_backward(
+                    x,
+                    &qd,
+                    &md,
+                    None,
+                    OutGrad::F32(&dyd),
+                    Some(&rb.offsets),
+                    &offsets,
+                    rows,
+                    f,
+                    n,
+                    &mut dxd,
+                    &mut dwd,
+                    GradWrite::Overwrite,
+                )
+                .unwrap();
+                (
+                    bits(&cb.download_f32(&dxd, rows * f).unwrap()),
+                    bits(&cb.download_f32(&dwd, groups * n * f).unwrap()),
+                )
+            };
+            for ((what, rows_f32), kept) in
+                [("gathered", &xg), ("swiglu", &act)].into_iter().zip(kept)
+            {
+                let kept = kept.unwrap();
+                if what == "gathered" {
+                    let mut y = cb.zeros_f32(rows * n).unwrap();
+                    cb.grouped_qlinear(rows_f32, &qd, &rb.offsets, groups, rows, f, n, &mut y)
+                        .unwrap();
+                    assert_eq!(
+                        bits(&cb.download_f32(&y, rows * n).unwrap()),
+                        bits(&cb.download_f32(&yk, rows * n).unwrap()),
+                        "{tag} {what}: forward"
+                    );
+                }
+                let (dx, dw) = backward(SavedX::F32(rows_f32));
+                let (dxk, dwk) = backward(SavedX::Operand(&kept));
+                assert_eq!(dx, dxk, "{tag} {what}: dx");
+                assert_eq!(dw, dwk, "{tag} {what}: dW");
+                assert!(dw.iter().any(|&b| b != 0), "{tag} {what}: dW all zero");
+            }
         }
+        assert_eq!(
+            kept_specs, 3,
+            "MXFP8 `dequantized` and `lowp`, NVFP4 `dequantized` keep an operand"
+        );
     }
-    assert_eq!(
-        kept_specs, 2,
-        "MXFP8 `dequantized` and `lowp` keep an operand"
-    );
     // A spec that keeps none refuses the operand in the backward too.
     let s = LinearSpec::new(Format::Nvfp4, BackwardMode::HighPrecision).unwrap();
     let master = test_values(n * f, 7, 1.0);

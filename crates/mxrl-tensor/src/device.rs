@@ -1367,9 +1367,9 @@ pub trait Backend {
     fn keeps_forward_operand(&self, _spec: &LinearSpec, _k: usize) -> bool {
         false
     }
-    /// [`Backend::grouped_qlinear_gathered`], returning the activation operand `[rows, k]` the
-    /// backward's wgrad multiplies (`host_offsets`: the experts' row offsets), for weights
-    /// whose spec [`Backend::keeps_forward_operand`] takes.
+    /// [`Backend::grouped_qlinear_gathered`], returning the activation operand the backward's
+    /// wgrad multiplies (`[rows, k]`, or its parts: [`SavedX::Operand`]; `host_offsets`: the
+    /// experts' row offsets), for weights whose spec [`Backend::keeps_forward_operand`] takes.
     ///
     /// # Errors
     /// As [`Backend::grouped_qlinear_gathered`]; a spec the backend keeps no operand of (the
@@ -1393,9 +1393,9 @@ pub trait Backend {
             "grouped_qlinear_gathered_kept: this backend keeps no forward operand",
         ))
     }
-    /// [`Backend::grouped_qlinear_swiglu`], returning the activation operand `[rows, f]` the
-    /// backward's wgrad multiplies (`host_offsets`: the experts' row offsets), for weights
-    /// whose spec [`Backend::keeps_forward_operand`] takes.
+    /// [`Backend::grouped_qlinear_swiglu`], returning the activation operand the backward's
+    /// wgrad multiplies (`[rows, f]`, or its parts: [`SavedX::Operand`]; `host_offsets`: the
+    /// experts' row offsets), for weights whose spec [`Backend::keeps_forward_operand`] takes.
     ///
     /// # Errors
     /// As [`Backend::grouped_qlinear_gathered_kept`].
@@ -1417,8 +1417,8 @@ pub trait Backend {
             "grouped_qlinear_swiglu_kept: this backend keeps no forward operand",
         ))
     }
-    /// The activation operand `[rows, k]` that [`Backend::grouped_qlinear_backward`]'s wgrad
-    /// multiplies for a weight stored for `spec`, made from the f32 rows `x` as that
+    /// The activation operand (`[rows, k]`, or its parts: [`SavedX::Operand`]) that
+    /// [`Backend::grouped_qlinear_backward`]'s wgrad multiplies for a weight stored for `spec`, made from the f32 rows `x` as that
     /// backward would make it (`host_offsets`: the groups' row offsets; `[0, rows]` for a
     /// dense linear), for specs [`Backend::keeps_forward_operand`] takes: several linears
     /// of one input (q, k and v) then hand the same operand to each backward as
@@ -1883,7 +1883,8 @@ pub enum SavedX<'a, F, H> {
     /// The activation operand the backward's wgrad multiplies, as the forward's quantizer
     /// wrote it (or [`Backend::qlinear_backward_operand`] made it), from a backend that keeps
     /// it ([`Backend::keeps_forward_operand`]): MXFP8 `dequantized`, the row-wise operand;
-    /// `lowp`, the column-wise copy in the groups' 32-row blocks.
+    /// `lowp`, the column-wise copy in the groups' 32-row blocks; NVFP4 `dequantized`, the
+    /// three BF16 parts `[3, rows, k]` of the rows' contract dequantization.
     Operand(&'a H),
 }
 

@@ -246,6 +246,9 @@ pub struct QGemm {
     act_mxfp8_rowcol: [CudaFunction; 3],
     act_nvfp4_gather: [CudaFunction; 2],
     act_nvfp4_swiglu: [CudaFunction; 2],
+    /// `quant_act_nvfp4[_f16]_parts_{gather,swiglu}` ([`QGemm::quant_act_nvfp4_parts_from`]).
+    act_nvfp4_parts_gather: [CudaFunction; 2],
+    act_nvfp4_parts_swiglu: [CudaFunction; 2],
     deq_mxfp8: CudaFunction,
     deq_nvfp4: CudaFunction,
     adamw_mxfp8: CudaFunction,
@@ -743,6 +746,14 @@ impl QGemm {
                 f("quant_act_nvfp4_swiglu")?,
                 f("quant_act_nvfp4_f16_swiglu")?,
             ],
+            act_nvfp4_parts_gather: [
+                f("quant_act_nvfp4_parts_gather")?,
+                f("quant_act_nvfp4_f16_parts_gather")?,
+            ],
+            act_nvfp4_parts_swiglu: [
+                f("quant_act_nvfp4_parts_swiglu")?,
+                f("quant_act_nvfp4_f16_parts_swiglu")?,
+            ],
             deq_mxfp8: f("dequant_mxfp8_bf16")?,
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
             adamw_mxfp8: f("adamw_mxfp8_row")?,
@@ -952,7 +963,7 @@ impl QGemm {
             16,
         )?;
         let fs = (&self.act_mxfp8_gather, &self.act_mxfp8_swiglu);
-        self.launch_act_rows(src, fs, THREADS, rows, k, out, None)
+        self.launch_act_rows(src, fs, THREADS, rows, k, out, None, None)
     }
 
     /// [`QGemm::quant_act_nvfp4`] (`f16`: [`QGemm::quant_act_nvfp4_f16`]) of the rows `src`
@@ -992,7 +1003,61 @@ impl QGemm {
         check_align(g, &format!("{op} out_pre"), ptr, 16)?;
         let w = usize::from(f16);
         let fs = (&self.act_nvfp4_gather[w], &self.act_nvfp4_swiglu[w]);
-        self.launch_act_rows(src, fs, QA_THREADS, rows, k, out_pre, Some(amax))
+        self.launch_act_rows(src, fs, QA_THREADS, rows, k, out_pre, Some(amax), None)
+    }
+
+    /// [`QGemm::quant_act_nvfp4_from`] of gathered or SwiGLU rows that also returns, from the
+    /// same pass, the three BF16 parts `[3, rows, k]` (`hi`, `mid`, `lo` planes) of every
+    /// element's contract dequantization, `fl(e2m1 · fl(fl(e4m3(scale) · amax) · R2688))`
+    /// split exactly (`QLinear::nvfp4_split3_rows`'s values for the same codes, scales and
+    /// per-row amax): the operand the NVFP4 `dequantized` backward's wgrad multiplies.
+    ///
+    /// # Errors
+    /// Plain rows (they take the unfused quantizer and the split), and as
+    /// [`QGemm::quant_act_nvfp4_from`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn quant_act_nvfp4_parts_from(
+        &self,
+        src: &ActRows<'_, '_>,
+        f16: bool,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+    ) -> Result<CudaSlice<u16>, DeviceError> {
+        let g = &self.gpu;
+        let op = "quant_act_nvfp4_parts_from";
+        if let ActRows::Rows(_) = src {
+            return Err(g.err(format!("{op}: plain rows have no fused split")));
+        }
+        check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
+        let len = mul(g, op, rows, k)?;
+        check_len(g, &format!("{op} out_pre"), out_pre.len(), len)?;
+        check_len(g, &format!("{op} amax"), amax.len(), rows)?;
+        self.check_act_rows(op, src, rows, k)?;
+        let mut parts = g.empty::<u16>(mul(g, op, 3, len)?)?;
+        if rows == 0 {
+            return Ok(parts);
+        }
+        let ptr = out_pre.device_ptr_mut(g.stream()).0;
+        check_align(g, &format!("{op} out_pre"), ptr, 16)?;
+        let w = usize::from(f16);
+        let fs = (
+            &self.act_nvfp4_parts_gather[w],
+            &self.act_nvfp4_parts_swiglu[w],
+        );
+        let mut pv = parts.as_view_mut();
+        self.launch_act_rows(
+            src,
+            fs,
+            QA_THREADS,
+            rows,
+            k,
+            out_pre,
+            Some(amax),
+            Some(&mut pv),
+        )?;
+        Ok(parts)
     }
 
     /// Column-wise MXFP8 of the rows `src` names (`rows` of `k`, `k % 64 == 0`) in the row
@@ -1103,6 +1168,7 @@ impl QGemm {
         k: usize,
         out: &mut CudaViewMut<'_, u16>,
         amax: Option<&mut CudaViewMut<'_, f32>>,
+        parts: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
         let op = "fused activation quantizer";
@@ -1135,15 +1201,20 @@ impl QGemm {
         if let Some(a) = amax {
             b.arg(a);
         }
+        let pstride = (rows * k) as u64;
+        if let Some(p) = parts {
+            b.arg(p).arg(&pstride);
+        }
         // SAFETY: the caller checked every length against rows·k (x: tokens·k, perm: rows,
         // offsets: experts + 1, gate/up: rows·2k, out: rows·k, amax: rows), k a multiple of
         // the format's block (so 16-byte chunks stay inside a row) and the bases 16-byte
         // aligned. Block r < rows reads row r's source (token row perm[r] / top_k < tokens,
         // the dispatch's permutation of tokens·top_k slots, for r < offsets[experts], else it
-        // returns; or gate/up row r) and writes row r of out and amax[r] only. Every warp of a
-        // block runs the same chunk loop (shuffles and barriers complete). Argument types
-        // match the kernels' (const float*, [const u32*, const u32*, u32, u32,] u64, u16*
-        // [, float*]).
+        // returns; or gate/up row r) and writes row r of out and amax[r] only, and with parts
+        // (3·rows·k held, 16-byte aligned: a fresh allocation) row r of each of its three
+        // planes of rows·k. Every warp of a block runs the same chunk loop (shuffles and
+        // barriers complete). Argument types match the kernels' (const float*, [const u32*,
+        // const u32*, u32, u32,] u64, u16* [, float* [, u16*, u64]]).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
