@@ -982,7 +982,6 @@ impl QGemm {
         out_pre: &mut CudaViewMut<'_, u16>,
         amax: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
-        let g = &self.gpu;
         let op = "quant_act_nvfp4_from";
         if let ActRows::Rows(x) = src {
             return if f16 {
@@ -991,19 +990,8 @@ impl QGemm {
                 self.quant_act_nvfp4(x, rows, k, out_pre, amax)
             };
         }
-        check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
-        let len = mul(g, op, rows, k)?;
-        check_len(g, &format!("{op} out_pre"), out_pre.len(), len)?;
-        check_len(g, &format!("{op} amax"), amax.len(), rows)?;
-        self.check_act_rows(op, src, rows, k)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let ptr = out_pre.device_ptr_mut(g.stream()).0;
-        check_align(g, &format!("{op} out_pre"), ptr, 16)?;
-        let w = usize::from(f16);
-        let fs = (&self.act_nvfp4_gather[w], &self.act_nvfp4_swiglu[w]);
-        self.launch_act_rows(src, fs, QA_THREADS, rows, k, out_pre, Some(amax), None)
+        self.nvfp4_fused(op, src, f16, rows, k, out_pre, amax, false)
+            .map(|_| ())
     }
 
     /// [`QGemm::quant_act_nvfp4_from`] of gathered or SwiGLU rows that also returns, from the
@@ -1025,28 +1013,54 @@ impl QGemm {
         out_pre: &mut CudaViewMut<'_, u16>,
         amax: &mut CudaViewMut<'_, f32>,
     ) -> Result<CudaSlice<u16>, DeviceError> {
-        let g = &self.gpu;
         let op = "quant_act_nvfp4_parts_from";
         if let ActRows::Rows(_) = src {
-            return Err(g.err(format!("{op}: plain rows have no fused split")));
+            return Err(self
+                .gpu
+                .err(format!("{op}: plain rows have no fused split")));
         }
+        let parts = self.nvfp4_fused(op, src, f16, rows, k, out_pre, amax, true)?;
+        Ok(parts.expect("asked for"))
+    }
+
+    /// The fused NVFP4 quantizer of gathered or SwiGLU rows, with the dequantization's three
+    /// parts where `with_parts` (returned).
+    #[allow(clippy::too_many_arguments)]
+    fn nvfp4_fused(
+        &self,
+        op: &str,
+        src: &ActRows<'_, '_>,
+        f16: bool,
+        rows: usize,
+        k: usize,
+        out_pre: &mut CudaViewMut<'_, u16>,
+        amax: &mut CudaViewMut<'_, f32>,
+        with_parts: bool,
+    ) -> Result<Option<CudaSlice<u16>>, DeviceError> {
+        let g = &self.gpu;
         check_multiple(g, op, k, 16, "NVFP4 blocks of 16")?;
         let len = mul(g, op, rows, k)?;
         check_len(g, &format!("{op} out_pre"), out_pre.len(), len)?;
         check_len(g, &format!("{op} amax"), amax.len(), rows)?;
         self.check_act_rows(op, src, rows, k)?;
-        let mut parts = g.empty::<u16>(mul(g, op, 3, len)?)?;
+        let mut parts = match with_parts {
+            true => Some(g.empty::<u16>(mul(g, op, 3, len)?)?),
+            false => None,
+        };
         if rows == 0 {
             return Ok(parts);
         }
         let ptr = out_pre.device_ptr_mut(g.stream()).0;
         check_align(g, &format!("{op} out_pre"), ptr, 16)?;
         let w = usize::from(f16);
-        let fs = (
-            &self.act_nvfp4_parts_gather[w],
-            &self.act_nvfp4_parts_swiglu[w],
-        );
-        let mut pv = parts.as_view_mut();
+        let fs = match with_parts {
+            true => (
+                &self.act_nvfp4_parts_gather[w],
+                &self.act_nvfp4_parts_swiglu[w],
+            ),
+            false => (&self.act_nvfp4_gather[w], &self.act_nvfp4_swiglu[w]),
+        };
+        let mut pv = parts.as_mut().map(|p| p.as_view_mut());
         self.launch_act_rows(
             src,
             fs,
@@ -1055,7 +1069,7 @@ impl QGemm {
             k,
             out_pre,
             Some(amax),
-            Some(&mut pv),
+            pv.as_mut(),
         )?;
         Ok(parts)
     }
