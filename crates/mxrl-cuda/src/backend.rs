@@ -23,7 +23,7 @@ use crate::ops::moe::{self, Moe};
 use crate::ops::norm::{self, Norm};
 use crate::ops::optim::{AdamWParam, Optim};
 use crate::ops::qgemm::{mxfp8_fast_eligible, ActRows, Mxfp8Decode, QGemm};
-use crate::ops::qlinear::QLinear;
+use crate::ops::qlinear::{ColSegments, QLinear};
 use crate::ops::rope::{Rope, RopeDeviceTable};
 use crate::ops::router::{DeviceRouteMode, ExtraDprobs, Router};
 use crate::ops::sample::Sampler;
@@ -469,9 +469,10 @@ impl CudaBackend {
         self.per_expert_rows.set(rows);
     }
 
-    /// Whether taped forwards of MXFP8 `dequantized` / `lowp` experts keep the activation
-    /// operand their backward multiplies (on by default) or the f32 rows, which the backward
-    /// quantizes again: the same operands, so the same bits (what the tests compare).
+    /// Whether taped forwards of MXFP8 `dequantized` / `lowp` and NVFP4 `dequantized` experts
+    /// keep the activation operand their backward multiplies, and q, k and v share one made
+    /// once (on by default), or the backward makes it from the f32 rows for each linear: the
+    /// same operands, so the same bits (what the tests compare).
     pub fn set_keep_forward_operands(&self, on: bool) {
         self.keep_operands.set(on);
     }
@@ -1201,36 +1202,7 @@ impl Backend for CudaBackend {
                 rows * k
             )));
         }
-        let x = x.slice(0..rows * k);
-        let ql = || {
-            self.qlin.as_ref().map_err(|e| {
-                dev(format!(
-                    "qlinear_backward_operand: the quantized linear did not load: {e}"
-                ))
-            })
-        };
-        // What grouped_qlinear_backward makes from f32 rows: lowp's column-wise copy per
-        // group, NVFP4 dequantized's three parts, MXFP8 dequantized's row-wise forward
-        // operand.
-        match (spec.format(), spec.backward()) {
-            (_, BackwardMode::Lowp) => {
-                let ql = ql()?;
-                let segs = ql.col_segments(host_offsets, rows).map_err(de)?;
-                ql.mxfp8_col_groups_bf16(&x, &segs, k).map_err(de)
-            }
-            (Format::Nvfp4, _) => self.nvfp4_parts(ql()?, &x, spec, rows, k),
-            _ => {
-                let q = self.qgemm.as_ref().map_err(|e| {
-                    dev(format!(
-                        "qlinear_backward_operand: the low-byte kernels did not load: {e}"
-                    ))
-                })?;
-                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-                q.quant_act_mxfp8(&x, rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
-                Ok(xq)
-            }
-        }
+        self.wgrad_x_operand(&x.slice(0..rows * k), spec, None, host_offsets, rows, k)
     }
 
     fn grouped_qlinear_swiglu(
@@ -1736,9 +1708,8 @@ impl Backend for CudaBackend {
                 if let Some(xc) = kept_x {
                     return wgrad(&dyc, &xc.slice(0..rows * k), dw);
                 }
-                let xc = ql
-                    .mxfp8_col_groups_bf16(&x()?.slice(0..rows * k), &segs, k)
-                    .map_err(de)?;
+                let xv = x()?.slice(0..rows * k);
+                let xc = self.wgrad_x_operand(&xv, &w.spec, Some(&segs), host_offsets, rows, k)?;
                 wgrad(&dyc, &xc.as_view(), dw)
             }
             (BackwardMode::HighPrecision, _) => {
@@ -1759,9 +1730,8 @@ impl Backend for CudaBackend {
                 if let Some(xq) = kept_x {
                     return wgrad(dyb()?, &xq.slice(0..rows * k), dw);
                 }
-                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
-                q.quant_act_mxfp8(&x()?.slice(0..rows * k), rows, k, &mut xq.as_view_mut())
-                    .map_err(de)?;
+                let xv = x()?.slice(0..rows * k);
+                let xq = self.wgrad_x_operand(&xv, &w.spec, None, host_offsets, rows, k)?;
                 wgrad(dyb()?, &xq.as_view(), dw)
             }
             (BackwardMode::Dequantized, _) => {
@@ -1818,7 +1788,8 @@ impl Backend for CudaBackend {
                     }
                     Some(xp) => xp,
                     None => {
-                        made = self.nvfp4_parts(ql, &x()?.slice(0..rows * k), &w.spec, rows, k)?;
+                        let xv = x()?.slice(0..rows * k);
+                        made = self.wgrad_x_operand(&xv, &w.spec, None, host_offsets, rows, k)?;
                         &made
                     }
                 };
@@ -3519,44 +3490,88 @@ impl CudaBackend {
         QGemm::frag_fits(n, k) && rows <= most.saturating_mul(experts)
     }
 
-    /// The NVFP4 `dequantized` wgrad's operand of f32 rows `x [rows, k]`: the three BF16 parts
-    /// `[3, rows, k]` of their contract dequantization (quantized with `spec`'s activation
-    /// scheme, per-row amax), split exactly.
-    fn nvfp4_parts(
+    /// The activation operand [`Backend::grouped_qlinear_backward`]'s wgrad multiplies for
+    /// weights stored for `spec`, made from the f32 rows `x [rows, k]` (groups of
+    /// `host_offsets`): `lowp`'s column-wise MXFP8 copy per group (`segs`: those groups'
+    /// column segments where the caller has them), NVFP4 `dequantized`'s three BF16 parts
+    /// `[3, rows, k]` of the rows' contract dequantization (per-row amax, split exactly),
+    /// MXFP8 `dequantized`'s row-wise forward operand. What a taped forward keeps instead
+    /// ([`Backend::keeps_forward_operand`]) are these bytes.
+    fn wgrad_x_operand(
         &self,
-        ql: &QLinear,
         x: &CudaView<'_, f32>,
         spec: &LinearSpec,
+        segs: Option<&ColSegments>,
+        host_offsets: &[u32],
         rows: usize,
         k: usize,
     ) -> DResult<CudaSlice<u16>> {
         let dev = |m: String| DeviceError::new(self.gpu.name(), m);
-        let scheme = spec
-            .activation_scheme()
-            .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
-        let quant = ql.quantizer();
-        let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
-        quant
-            .quantize_view_into(
-                &InputView::F32(x.slice(0..rows * k)),
-                [rows, k],
-                scheme,
-                &mut qx,
-            )
-            .map_err(de)?;
-        let amax = qx
-            .amax_bits
-            .as_ref()
-            .ok_or_else(|| dev("NVFP4 activations without their amax".into()))?;
-        ql.nvfp4_split3_rows(
-            &qx.data.as_view(),
-            &qx.scales.as_view(),
-            &amax.as_view(),
-            rows,
-            k,
-            1,
-        )
-        .map_err(de)
+        let ql = || {
+            self.qlin.as_ref().map_err(|e| {
+                dev(format!(
+                    "the wgrad's operand: the quantized linear did not load: {e}"
+                ))
+            })
+        };
+        match (spec.format(), spec.backward()) {
+            (Format::Mxfp8, BackwardMode::Lowp) => {
+                let ql = ql()?;
+                let made;
+                let segs = match segs {
+                    Some(s) => s,
+                    None => {
+                        made = ql.col_segments(host_offsets, rows).map_err(de)?;
+                        &made
+                    }
+                };
+                ql.mxfp8_col_groups_bf16(x, segs, k).map_err(de)
+            }
+            (Format::Nvfp4, BackwardMode::Dequantized) => {
+                let ql = ql()?;
+                let scheme = spec
+                    .activation_scheme()
+                    .ok_or_else(|| dev("NVFP4 without an activation scheme".into()))?;
+                let quant = ql.quantizer();
+                let mut qx = quant.alloc_quantized([rows, k], scheme).map_err(de)?;
+                quant
+                    .quantize_view_into(
+                        &InputView::F32(x.slice(0..rows * k)),
+                        [rows, k],
+                        scheme,
+                        &mut qx,
+                    )
+                    .map_err(de)?;
+                let amax = qx
+                    .amax_bits
+                    .as_ref()
+                    .ok_or_else(|| dev("NVFP4 activations without their amax".into()))?;
+                ql.nvfp4_split3_rows(
+                    &qx.data.as_view(),
+                    &qx.scales.as_view(),
+                    &amax.as_view(),
+                    rows,
+                    k,
+                    1,
+                )
+                .map_err(de)
+            }
+            (Format::Mxfp8, BackwardMode::Dequantized) => {
+                let q = self.qgemm.as_ref().map_err(|e| {
+                    dev(format!(
+                        "the wgrad's operand: the low-byte kernels did not load: {e}"
+                    ))
+                })?;
+                let mut xq = self.gpu.empty::<u16>(rows * k).map_err(de)?;
+                q.quant_act_mxfp8(x, rows, k, &mut xq.as_view_mut())
+                    .map_err(de)?;
+                Ok(xq)
+            }
+            (f, m) => Err(dev(format!(
+                "the wgrad's operand: none is made for {f:?} with the {} backward",
+                m.name()
+            ))),
+        }
     }
 
     /// The forward's activation operand of the rows `src` names and, for `lowp`, the
