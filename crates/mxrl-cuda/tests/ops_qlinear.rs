@@ -841,9 +841,11 @@ fn lowp_row_and_column_operands_of_groups_equal_the_library() {
                     &mut rd.as_view_mut(),
                 )
                 .unwrap();
+            // Rows outside every group are unspecified in both (fresh allocations).
+            let held = offsets[offsets.len() - 1] as usize * cols;
             assert_eq!(
-                l.gpu().download(&col2).unwrap(),
-                col,
+                l.gpu().download(&col2).unwrap()[..held],
+                col[..held],
                 "{cols} columns: col twice"
             );
             Some(l.gpu().download(&rd).unwrap())
