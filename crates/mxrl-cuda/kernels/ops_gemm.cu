@@ -749,6 +749,191 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256
     wg_mainloop<true, true>(A, B, lo, hi, acc);
     wg_store(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
 }
+
+// ---- FP8-block forward on the warpgroup tile ----
+// y = x · Wᵀ for E4M3 codes with f32 scale_inv blocks (activations 1×128 along K, weights
+// 128×128), with the arithmetic of the CPU emulation (mxrl_tensor::qlinear::FP8_BLOCK_EMULATION,
+// as ops_fp8block.cu): for every 128-wide K block b, in increasing order,
+//     P_b = Σ_{k∈b} e4m3(x[r,k]) · e4m3(W[n,k])          (a fresh f32 accumulator per block)
+//     y   = fl(y + fl(fl(sx[r,b] · sw[e,n/128,b]) · P_b))  (y starts at +0)
+// Operands: x the activation codes' values as BF16 [R, K] (quant_act_fp8_block_bf16), xs their
+// scale_inv [R, K/128]; wc the weight codes [E, N, K] (bytes), ws [E, N/128, K/128]. E4M3 values
+// (≤ 4 significant bits, magnitudes 2⁻⁹ .. 448) are exact in BF16, and every product of two is
+// exact in f32, so only the order of P_b's f32 sum differs from the CPU (bound
+// mxrl_tensor::tolerance::fp8_block_sum_bound); the promotion runs on CUDA cores with the CPU's
+// operations in the CPU's order.
+// Tile: 128 rows × 128 columns (one weight scale tile per K block), two warpgroups of
+// m64n128k16 (warpgroup g: rows 64·g .. 64·g + 63), stages 64 deep (two per K block). The
+// activation tile is copied as grouped_nt_tw128x256's (WgLoader, K-major swizzled); the weight
+// codes are copied raw (cp.async, 128 rows × 64 bytes per stage) and each thread decodes 32 of
+// them into the BF16 K-major swizzled tile (two buffers, so the decode of stage kt + 1 overlaps
+// the multiplies of stage kt). P_b accumulates in part[64]: the first k16 step of a K block
+// overwrites it (scale-d 0). After the block's second stage each thread waits for its
+// multiplies and promotes its 64 sums into acc[64].
+// Requirements (the launcher's): N and K multiples of 128; x 16-byte aligned; wc 16-byte
+// aligned. Grid (N/128, ⌈R/128⌉ + E), 256 threads, F8W_SMEM bytes of dynamic shared memory.
+#define F8W_BN 128
+#define F8W_ST 4
+#define F8W_A_BYTES (WG_BM * WG_BK * 2)    // one stage of x (16 KB)
+#define F8W_RAW_BYTES (F8W_BN * WG_BK)     // one stage of raw weight codes (8 KB)
+#define F8W_B_BYTES (F8W_BN * WG_BK * 2)   // one decoded weight tile (16 KB)
+
+// d (+)= A·B for one m64n128k16 step; scale_d 0 overwrites d. Both operands K-major.
+__device__ __forceinline__ void wgmma_128(float (&d)[64], u64 da, u64 db, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(0), "n"(0));
+}
+
+// The BF16 bits of one E4M3 code (its low byte), exactly: the magnitude bits shifted into an
+// f32's exponent and top mantissa bits give 1.m·2^(e−127) (e ≥ 1) or the subnormal m·2⁻¹²⁹
+// (e = 0), and one exact multiply by 2¹²⁰ moves the bias from 127 to 7; the sign is copied.
+// NaN codes (magnitude 0x7F) give a quiet NaN.
+__device__ __forceinline__ u32 f8w_bf16(u32 code) {
+    const u32 mag = code & 0x7Fu;
+    const float v = __fmul_rn(__uint_as_float(mag << 20), __uint_as_float(0x7B800000u));  // · 2¹²⁰
+    const u32 h = (__float_as_uint(v) >> 16) | ((code & 0x80u) << 8);
+    return mag == 0x7Fu ? (h | 0x7FC0u) : h;
+}
+
+// Eight codes (two words) as four BF16 pairs (element 2i in the low half of word i).
+__device__ __forceinline__ uint4 f8w_decode8(u32 lo, u32 hi) {
+    uint4 r;
+    r.x = f8w_bf16(lo) | (f8w_bf16(lo >> 8) << 16);
+    r.y = f8w_bf16(lo >> 16) | (f8w_bf16(lo >> 24) << 16);
+    r.z = f8w_bf16(hi) | (f8w_bf16(hi >> 8) << 16);
+    r.w = f8w_bf16(hi >> 16) | (f8w_bf16(hi >> 24) << 16);
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    grouped_nt_fp8b_tw128x128(const u16* __restrict__ x, const float* __restrict__ xs, const u8* __restrict__ wc,
+                              const float* __restrict__ ws, const u32* __restrict__ off, float* __restrict__ y, u32 E,
+                              u32 R, u32 N, u32 K) {
+    extern __shared__ __align__(128) u8 wg_smem[];
+    __shared__ u32 job[3];
+    locate_row_tile<WG_BM>(off, E, R, blockIdx.y, job);
+    if (job[0] == NO_EXPERT) return;
+    const u64 e = job[0], r0 = job[1], r1 = job[2];
+    const u64 c0 = (u64)blockIdx.x * F8W_BN;
+    const u32 kb_n = K / MXRL_FP8_BLOCK;
+    const u32 s0 = (smem_addr(wg_smem) + 1023u) & ~1023u;
+    const u32 As = s0, Raw = As + F8W_ST * F8W_A_BYTES, Bs = Raw + F8W_ST * F8W_RAW_BYTES;
+    u8* const smem0 = wg_smem + (s0 - smem_addr(wg_smem));
+    const u32 nk = K / WG_BK;
+    const u32 tid = threadIdx.x, wg = tid >> 7;
+    WgLoader<false, WG_BM> la;
+    la.init(Operand{x, K, r0, r1, K}, 0);
+    // Raw weight codes: chunk v = tid + 256·c (c = 0, 1) of a stage is row v / 4, bytes
+    // 16·(v % 4) .. of the stage's 64; every row and column lies inside the weight (N, K
+    // multiples of 128).
+    const u8* const wrow = wc + (e * N + c0) * (u64)K;
+    auto issue_raw = [&](u32 kt) {
+        const u32 slot = Raw + (kt % F8W_ST) * F8W_RAW_BYTES;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const u32 v = tid + 256u * c, row = v >> 2, q = v & 3u;
+            const u8* src = wrow + (u64)row * K + (u64)kt * WG_BK + 16u * q;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(slot + row * 64u + 16u * q), "l"(src),
+                         "r"(16u)
+                         : "memory");
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < F8W_ST - 2; ++st) {
+        if ((u32)st < nk) {
+            la.issue(As + st * F8W_A_BYTES);
+            issue_raw(st);
+        }
+        cp_async_commit();
+    }
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        acc[i] = 0.0f;
+        part[i] = 0.0f;
+    }
+    // This thread's rows (wg_store's fragment map) and the weight scales' row for this tile.
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u64 rbase = r0 + 64 * (warp >> 2) + 16 * (warp & 3) + g;
+    const float* const wsr = ws + (e * (N / F8W_BN) + blockIdx.x) * (u64)kb_n;
+    // The decode's share: raw row tid / 2, codes 32·(tid % 2) .. + 31 → BF16 chunks 4·(tid % 2) ..
+    const u32 drow = tid >> 1, dhalf = tid & 1u;
+    for (u32 kt = 0; kt < nk; ++kt) {
+        cp_async_wait<F8W_ST - 3>();  // this thread's copies of stage kt have landed
+        __syncthreads();              // everyone's have; the multiplies of stage kt - 2 are done
+        const u32 nxt = kt + F8W_ST - 2;
+        if (nxt < nk) {
+            la.issue(As + (nxt % F8W_ST) * F8W_A_BYTES);
+            issue_raw(nxt);
+        }
+        cp_async_commit();
+        // Decode stage kt's weight codes into buffer kt % 2 (its last reader, stage kt - 2, is done).
+        {
+            const u8* raw = smem0 + (Raw - s0) + (kt % F8W_ST) * F8W_RAW_BYTES + drow * 64u + 32u * dhalf;
+            const uint4 w0 = *reinterpret_cast<const uint4*>(raw);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(raw + 16);
+            u8* const dst = smem0 + (Bs - s0) + (kt & 1u) * F8W_B_BYTES + drow * 128u;
+            const u32 words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const u32 chunk = 4u * dhalf + (u32)q;
+                *reinterpret_cast<uint4*>(dst + ((chunk ^ (drow & 7u)) << 4)) = f8w_decode8(words[2 * q], words[2 * q + 1]);
+            }
+        }
+        fence_proxy_async();
+        __syncthreads();  // every decoded chunk is written before any warpgroup multiplies
+        const u32 a_st = As + (kt % F8W_ST) * F8W_A_BYTES + wg * 64u * 128u;
+        const u32 b_st = Bs + (kt & 1u) * F8W_B_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int s = 0; s < WG_BK / 16; ++s)
+            wgmma_128(part, wg_desc(a_st + s * 32u, 16u, 1024u), wg_desc(b_st + s * 32u, 16u, 1024u),
+                      (kt & 1u) == 0u && s == 0 ? 0u : 1u);
+        wg_commit();
+        if ((kt & 1u) == 0u) {
+            wg_wait<1>();  // stage kt - 1's multiplies are done (its buffer is decoded into next)
+            continue;
+        }
+        wg_wait<0>();
+        // Promotion of K block kb: term = fl(fl(sx[r, kb] · sw) · P_b), y = fl(y + term).
+        const u32 kb = kt >> 1;
+        const float sw = wsr[kb];
+        float sc[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u64 r = rbase + 8 * h;
+            sc[h] = r < r1 ? __fmul_rn(xs[r * kb_n + kb], sw) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[4 * j + q] = __fadd_rn(acc[4 * j + q], __fmul_rn(sc[q >> 1], part[4 * j + q]));
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const u64 c = c0 + j * 8 + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u64 r = rbase + 8 * h;
+            if (r < r1) *reinterpret_cast<float2*>(y + r * N + c) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+    }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- Small-M forwards (decode): the weight bytes are read once, with 16-byte loads, and
