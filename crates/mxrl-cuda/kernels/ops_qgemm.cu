@@ -1144,6 +1144,60 @@ extern "C" __global__ void __launch_bounds__(256)
     *reinterpret_cast<uint4*>(col + i) = pack_bf16x8(d);
 }
 
+// One AdamW step of FP8-block-stored weights [rows, k] (rows = groups·N; N and k multiples of
+// 128, so no tile crosses two weights) followed by their 128×128-tile quantization, in one pass
+// over the master: one block of 256 threads per tile (tile t = the row-major index in
+// [rows/128, k/128], as quant.cu's fp8_block_weight numbers them and its scale_inv is stored).
+// Thread x takes the chunks c = x + 256·j (j < 8) of eight elements (row c / 16 of the tile,
+// columns 8·(c % 16) ..: a warp reads two rows' 512 contiguous bytes), updates them with
+// adamw8 (adamw_elem: ops_optim.cu's adamw_step bits; p_bf16 = bf16(p) when write_bf16 != 0)
+// and keeps the new values; the tile's amax of them (NaN ignored: the same value in any order)
+// gives fp8_block_scale's scale and scale_inv, and the codes are e4m3_encode(fl(w · scale)):
+// fp8_block_weight_f32's bytes for the new master, without reading it again.
+extern "C" __global__ void __launch_bounds__(256)
+    adamw_fp8_block(float* __restrict__ p, const float* __restrict__ grad, float* __restrict__ m,
+                    float* __restrict__ v, u16* __restrict__ p_bf16, int write_bf16,
+                    const float* __restrict__ scale, u8* __restrict__ codes, float* __restrict__ scales, u64 k,
+                    int pow2, float beta1, float beta2, float one_m_beta1, float one_m_beta2, float eps,
+                    float step_size, float bc2_sqrt, float decay) {
+    __shared__ float warp_max_s[8];
+    const u64 tpr = k / MXRL_FP8_BLOCK, tr = blockIdx.x / tpr, tc = blockIdx.x - tr * tpr;
+    const float sc = scale[0];
+    float w[8][8];
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = threadIdx.x + 256u * (u32)j;
+        const u64 i = (tr * MXRL_FP8_BLOCK + (c >> 4)) * k + tc * MXRL_FP8_BLOCK + (c & 15u) * 8u;
+        adamw8(p, grad, m, v, p_bf16, write_bf16, sc, i, w[j], beta1, beta2, one_m_beta1, one_m_beta2, eps,
+               step_size, bc2_sqrt, decay);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) a = nan_ignoring_max(a, fabsf(w[j][q]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a = nan_ignoring_max(a, __shfl_xor_sync(FULL_MASK, a, off));
+    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = a;
+    __syncthreads();
+    float am = 0.0f;
+#pragma unroll
+    for (int x = 0; x < 8; ++x) am = nan_ignoring_max(am, warp_max_s[x]);
+    float inv;
+    const float s = fp8_block_scale(am, pow2 != 0, inv);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 c = threadIdx.x + 256u * (u32)j;
+        const u64 i = (tr * MXRL_FP8_BLOCK + (c >> 4)) * k + tc * MXRL_FP8_BLOCK + (c & 15u) * 8u;
+        u32 lo = 0u, hi = 0u;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            lo |= e4m3_encode(__fmul_rn(w[j][q], s)) << (8 * q);
+            hi |= e4m3_encode(__fmul_rn(w[j][q + 4], s)) << (8 * q);
+        }
+        *reinterpret_cast<uint2*>(codes + i) = make_uint2(lo, hi);
+    }
+    if (threadIdx.x == 0u) scales[blockIdx.x] = inv;
+}
+
 // One AdamW step of a stack of NVFP4-stored weights (group_len elements each) with each
 // weight's amax of the new values (for its per-tensor NVFP4 quantization) in the same pass:
 // thread t < n8 updates elements [8t, 8t + 8) as adamw_mxfp8_row does (adamw_elem; p_bf16 when

@@ -3291,6 +3291,13 @@ impl Backend for CudaBackend {
             Ok(q) if spec.format() == Format::Nvfp4 && k.is_multiple_of(16) => {
                 return self.adamw_nvfp4(q, param, grad, m, v, update, op, stored)
             }
+            Ok(q)
+                if spec.format() == Format::Fp8Block
+                    && n.is_multiple_of(mxrl_formats::FP8_BLOCK)
+                    && k.is_multiple_of(mxrl_formats::FP8_BLOCK) =>
+            {
+                return self.adamw_fp8_block(q, param, grad, m, v, update, op, stored)
+            }
             // Other formats: the step, then the device quantizers.
             _ => return adamw_then_quantize(self, param, grad, m, v, update, op, stored),
         };

@@ -433,6 +433,100 @@ mod engine_backend {
         }
     }
 
+    /// The optimizer step of FP8-block weights in one pass on the device
+    /// (`Backend::adamw_requantize`: `QGemm::adamw_fp8_block`) gives the bits of the two calls
+    /// it fuses (`adamw`, then `quantize_weights` of the new master) on the same backend —
+    /// master, moments, BF16 copy and stored bytes — and those bytes are the CPU backend's for
+    /// the downloaded master.
+    #[test]
+    fn fp8_block_optimizer_pass_equals_adamw_then_quantize() {
+        use mxrl_tensor::device::{adamw_then_quantize, AdamWUpdate, StoredLayout};
+        use mxrl_tensor::optim::AdamWConfig;
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let cb = backend();
+        let (groups, n, k) = (3usize, 256usize, 384usize);
+        let len = groups * n * k;
+        let seed = 6060;
+        let master = test_values(len, seed, 1.0);
+        let grad = test_values(len, seed + 1, 0.3);
+        let m0 = test_values(len, seed + 2, 0.01);
+        let v0: Vec<f32> = test_values(len, seed + 3, 0.03)
+            .iter()
+            .map(|x| x * x)
+            .collect();
+        let cfg = AdamWConfig {
+            lr: 1e-2,
+            ..AdamWConfig::default()
+        };
+        let update = AdamWUpdate {
+            step: 2,
+            cfg: &cfg,
+            weight_decay: 0.1,
+            grad_scale: 0.5,
+        };
+        let name = |g: usize| format!("w{g}");
+        let stored = StoredLayout {
+            groups,
+            n,
+            k,
+            spec: spec(),
+            name: &name,
+            version: 0,
+        };
+        let run = |fused: bool| {
+            let mut p = cb.upload_f32(&master).unwrap();
+            let gd = cb.upload_f32(&grad).unwrap();
+            let mut m = cb.upload_f32(&m0).unwrap();
+            let mut v = cb.upload_f32(&v0).unwrap();
+            let mut copy = cb.zeros_bf16(len).unwrap();
+            let q = if fused {
+                cb.adamw_requantize(
+                    &mut p,
+                    &gd,
+                    &mut m,
+                    &mut v,
+                    &update,
+                    Some(&mut copy),
+                    &stored,
+                )
+            } else {
+                adamw_then_quantize(
+                    &cb,
+                    &mut p,
+                    &gd,
+                    &mut m,
+                    &mut v,
+                    &update,
+                    Some(&mut copy),
+                    &stored,
+                )
+            }
+            .unwrap();
+            let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (
+                bits(cb.download_f32(&p, len).unwrap()),
+                bits(cb.download_f32(&m, len).unwrap()),
+                bits(cb.download_f32(&v, len).unwrap()),
+                cb.download_bf16(&copy, len).unwrap(),
+                cb.stored_weights(&q).unwrap(),
+            )
+        };
+        let (fused, plain) = (run(true), run(false));
+        assert!(fused.0 == plain.0, "master");
+        assert!(fused.1 == plain.1, "m");
+        assert!(fused.2 == plain.2, "v");
+        assert!(fused.3 == plain.3, "BF16 copy");
+        assert!(fused.4 == plain.4, "stored bytes");
+        let new_master: Vec<f32> = fused.0.iter().map(|&b| f32::from_bits(b)).collect();
+        let qc = CpuBackend
+            .quantize_weights(&new_master, groups, n, k, spec(), &name, 0)
+            .unwrap();
+        assert!(
+            CpuBackend.stored_weights(&qc).unwrap() == fused.4,
+            "the CPU's bytes for the new master"
+        );
+    }
+
     /// Weights whose N is not a multiple of 128 (not whole 128×128 tiles) are refused by
     /// name on the device, as the CPU refuses them.
     #[test]

@@ -506,3 +506,168 @@ fn adamw_amax_groups_is_adamw_update_then_each_weights_amax() {
         );
     }
 }
+
+/// The FP8-block weights' optimizer step in one pass (`QGemm::adamw_fp8_block`) against its
+/// references step by step (NaN compared as NaN): `adamw_update` (master, moments: bitwise),
+/// `round_bf16` (the copy) and the contract's 128×128-tile quantizer of the new master
+/// (`Scheme::FP8_BLOCK_WEIGHT`: codes byte-equal, `scale_inv` bit-equal). One tile, several
+/// tiles over rows and columns, and an empty stack; the special case holds a tile whose
+/// values are all zero (scale 1), one of huge values, one of values below E4M3's subnormals
+/// and a NaN gradient (a NaN code, ignored by its tile's amax). Row counts or K that are not
+/// multiples of 128 are refused.
+#[test]
+fn adamw_fp8_block_is_adamw_update_then_the_contract_quantizer() {
+    use mxrl_cuda::ops::qgemm::QGemm;
+    use mxrl_formats::{reference, Padding, Scales, Scheme};
+    let g = gpu();
+    let q = QGemm::new(&g).unwrap();
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+    };
+    let bits = nan_as_one;
+    let bf = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
+    for (case, &(rows, k, special, copy)) in [
+        (128usize, 128usize, false, true),
+        (256, 384, true, false),
+        (384, 256, true, true),
+        (0, 128, false, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let n = rows * k;
+        let mut p = values(n, 700 + case as u64, 1.0);
+        let mut m = values(n, 710 + case as u64, 0.01);
+        let mut v: Vec<f32> = values(n, 720 + case as u64, 1e-3)
+            .iter()
+            .map(|x| x * x)
+            .collect();
+        let mut grad = values(n, 730 + case as u64, 0.5);
+        if special {
+            // Tile (0, 0) all zero (master, moments and gradient: stays 0 without decay); tile
+            // (0, 1) huge; tile (1, 0) tiny; one NaN gradient in tile (1, 1).
+            for r in 0..128 {
+                for c in 0..128 {
+                    let z = r * k + c;
+                    p[z] = 0.0;
+                    m[z] = 0.0;
+                    v[z] = 0.0;
+                    grad[z] = 0.0;
+                    p[r * k + 128 + c] = 3.0e37 * (1.0 + c as f32 / 256.0);
+                    let t = (128 + r) * k + c;
+                    p[t] = 1.0e-39 * (c as f32 - 64.0);
+                    m[t] = 0.0;
+                    grad[t] = 0.0;
+                }
+            }
+            grad[130 * k + 131] = f32::NAN;
+        }
+        let wd = if special { 0.0 } else { 0.1 };
+        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
+        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
+        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
+        let mut codes = g.zeros::<u8>(n.max(8)).unwrap();
+        let tiles = rows / 128 * (k / 128);
+        let mut scales = g.zeros::<u8>((4 * tiles).max(4)).unwrap();
+        let scale = g.upload(&[0.75f32]).unwrap();
+        let step = 4;
+        let mut bview = db.as_view_mut();
+        q.adamw_fp8_block(
+            AdamWParam {
+                param: &mut dp.as_view_mut(),
+                grad: &dg.as_view(),
+                m: &mut dm.as_view_mut(),
+                v: &mut dv.as_view_mut(),
+                param_bf16: copy.then_some(&mut bview),
+                n,
+                weight_decay: wd,
+            },
+            &scale.as_view(),
+            step,
+            &cfg,
+            k,
+            &mut codes.as_view_mut(),
+            &mut scales.as_view_mut(),
+        )
+        .unwrap();
+        let gs: Vec<f32> = grad.iter().map(|&x| x * 0.75).collect();
+        adamw_update(&mut p, &gs, &mut m, &mut v, step, &cfg, wd);
+        let what = format!("case {case} ({rows}×{k})");
+        assert_eq!(
+            bits(&g.download(&dp).unwrap()[..n]),
+            bits(&p),
+            "{what}: master"
+        );
+        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
+        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
+        let want_copy: Vec<u16> = if copy {
+            p.iter().map(|&x| bf(x)).collect()
+        } else {
+            vec![0; n]
+        };
+        assert_eq!(
+            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
+            bf16_nan_as_one(&want_copy),
+            "{what}: BF16 copy"
+        );
+        if n == 0 {
+            continue;
+        }
+        let t =
+            reference::quantize(&p, &[rows, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Reject).unwrap();
+        assert_eq!(
+            e4m3_nan_as_one(&g.download(&codes).unwrap()[..n]),
+            e4m3_nan_as_one(&t.data),
+            "{what}: codes"
+        );
+        let Scales::F32(want_scales) = &t.scales else {
+            panic!("FP8-block scales are f32")
+        };
+        let got: Vec<u32> = g.download(&scales).unwrap()[..4 * tiles]
+            .chunks(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let want: Vec<u32> = want_scales.iter().map(|s| s.to_bits()).collect();
+        assert_eq!(got, want, "{what}: scale_inv");
+        if special {
+            assert!(
+                t.data.iter().any(|&c| c & 0x7F == 0x7F),
+                "{what}: a NaN code"
+            );
+            assert_eq!(want_scales[0], 1.0, "{what}: the zero tile's scale_inv");
+        }
+    }
+    // Shapes off the tiles are refused.
+    for (rows, k) in [(64usize, 128usize), (128, 96)] {
+        let n = rows * k;
+        let (mut dp, dg) = (g.zeros::<f32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
+        let (mut dm, mut dv) = (g.zeros::<f32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
+        let mut codes = g.zeros::<u8>(n).unwrap();
+        let mut scales = g.zeros::<u8>(64).unwrap();
+        let scale = g.upload(&[1.0f32]).unwrap();
+        let e = q
+            .adamw_fp8_block(
+                AdamWParam {
+                    param: &mut dp.as_view_mut(),
+                    grad: &dg.as_view(),
+                    m: &mut dm.as_view_mut(),
+                    v: &mut dv.as_view_mut(),
+                    param_bf16: None,
+                    n,
+                    weight_decay: 0.0,
+                },
+                &scale.as_view(),
+                1,
+                &cfg,
+                k,
+                &mut codes.as_view_mut(),
+                &mut scales.as_view_mut(),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("adamw_fp8_block"), "[{rows}, {k}]: {e}");
+    }
+}

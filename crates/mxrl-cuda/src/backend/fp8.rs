@@ -84,6 +84,42 @@ impl CudaBackend {
         })
     }
 
+    /// `adamw_requantize` for FP8-block weights (N and K multiples of 128): the AdamW step and
+    /// the 128×128-tile quantization of the new master in one pass (`QGemm::adamw_fp8_block`:
+    /// the bits of `adamw` followed by `quantize_weights`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn adamw_fp8_block(
+        &self,
+        q: &QGemm,
+        param: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        update: &mxrl_tensor::device::AdamWUpdate<'_>,
+        op: Option<&mut CudaSlice<u16>>,
+        stored: &mxrl_tensor::device::StoredLayout<'_>,
+    ) -> DResult<QExperts> {
+        let (groups, n, k) = (stored.groups, stored.n, stored.k);
+        let len = groups * n * k;
+        let tiles = (groups * n / FP8_BLOCK) * (k / FP8_BLOCK);
+        let scale = self.grad_scale_buffer(update.grad_scale)?;
+        let mut codes = self.gpu.empty::<u8>(len.max(1)).map_err(de)?;
+        let mut scales = self.gpu.empty::<u8>((4 * tiles).max(4)).map_err(de)?;
+        super::with_adamw_param(param, grad, m, v, op, len, update.weight_decay, |p| {
+            q.adamw_fp8_block(
+                p,
+                &scale.as_view(),
+                update.step,
+                update.cfg,
+                k,
+                &mut codes.as_view_mut(),
+                &mut scales.as_view_mut(),
+            )
+        })
+        .map_err(|e| self.fp8_err(format!("{}: {e}", (stored.name)(0))))?;
+        self.fp8_experts(stored.spec, groups, n, k, codes, scales)
+    }
+
     /// `upload_experts` for FP8 block: every weight's stored codes and f32 scales, checked to
     /// be 128×128 weight tiles of `[n, k]` with N and K multiples of 128.
     pub(super) fn fp8_upload_experts(&self, experts: Vec<PreparedWeight>) -> DResult<QExperts> {

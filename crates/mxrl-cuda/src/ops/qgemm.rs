@@ -253,6 +253,7 @@ pub struct QGemm {
     deq_nvfp4: CudaFunction,
     adamw_mxfp8: CudaFunction,
     adamw_mxfp8_rowcol: CudaFunction,
+    adamw_fp8_block: CudaFunction,
     adamw_amax: CudaFunction,
     /// An 8-element stand-in for an absent optional output of the AdamW passes (never
     /// written).
@@ -759,6 +760,7 @@ impl QGemm {
             deq_nvfp4: f("dequant_nvfp4_bf16")?,
             adamw_mxfp8: f("adamw_mxfp8_row")?,
             adamw_mxfp8_rowcol: f("adamw_mxfp8_rowcol")?,
+            adamw_fp8_block: f("adamw_fp8_block")?,
             adamw_amax: f("adamw_amax_groups")?,
             no_u16: gpu.zeros(8)?,
             scale_rows: f("nvfp4_scale_rows")?,
@@ -2000,6 +2002,83 @@ impl QGemm {
         // matches the kernel's (pointers, i32, pointers, u64, u64, eight f32).
         unsafe { crate::gpu::launch_op(&mut b, threads_8(n8)) }.map_err(|e| g.err(e))?;
         Ok(bits)
+    }
+
+    /// One AdamW step of FP8-block-stored weights `[p.n / k, k]` (row count and `k` multiples
+    /// of 128) and their 128×128-tile quantization in one pass (`adamw_fp8_block`): the master,
+    /// moments and BF16 copy as [`crate::ops::optim::Optim::adamw_step`] (the same bits), then
+    /// `codes` (E4M3, `p.n` bytes) and `scales` (the tiles' f32 `scale_inv` as little-endian
+    /// bytes, row-major over `[rows/128, k/128]`) those of `Scheme::FP8_BLOCK_WEIGHT` for the
+    /// new master (quant.cu's `fp8_block_weight_f32`), without reading the master again.
+    ///
+    /// # Errors
+    /// `step = 0`, `k` or the row count not a multiple of 128, short or misaligned buffers;
+    /// launch errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_fp8_block(
+        &self,
+        p: crate::ops::optim::AdamWParam<'_, '_>,
+        grad_scale: &CudaView<'_, f32>,
+        step: u64,
+        cfg: &mxrl_tensor::optim::AdamWConfig,
+        k: usize,
+        codes: &mut CudaViewMut<'_, u8>,
+        scales: &mut CudaViewMut<'_, u8>,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        let op = "adamw_fp8_block";
+        self.check_adamw(op, &p, grad_scale, step, k, 128)?;
+        let n = p.n;
+        let rows = n / k;
+        if !rows.is_multiple_of(128) {
+            return Err(g.err(format!(
+                "{op}: 128×128 tiles need whole 128-row blocks ({rows} rows)"
+            )));
+        }
+        let tiles = (rows / 128) * (k / 128);
+        check_len(g, &format!("{op} codes"), codes.len(), n)?;
+        check_len(g, &format!("{op} scales"), scales.len(), 4 * tiles)?;
+        let stream = g.stream();
+        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 8)?;
+        check_align(g, &format!("{op} scales"), scales.device_ptr(stream).0, 4)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let grid = u32::try_from(tiles)
+            .ok()
+            .filter(|&t| t <= i32::MAX as u32)
+            .ok_or_else(|| g.err(format!("{op}: {tiles} tiles exceed the grid")))?;
+        let mxrl_formats::Scheme::Fp8Block(ws) = mxrl_formats::Scheme::FP8_BLOCK_WEIGHT else {
+            return Err(g.err("FP8_BLOCK_WEIGHT is not an FP8-block scheme"));
+        };
+        let pow2 = i32::from(ws.scale_rule == mxrl_formats::ScaleRule::F32PowerOfTwo);
+        let t = crate::ops::optim::AdamWTerms::new(cfg, step, p.weight_decay);
+        let mut b = stream.launch_builder(&self.adamw_fp8_block);
+        let write_bf16 = p.push_buffers(&mut b, &self.no_u16);
+        let k64 = k as u64;
+        b.arg(&write_bf16)
+            .arg(grad_scale)
+            .arg(codes)
+            .arg(scales)
+            .arg(&k64)
+            .arg(&pow2);
+        t.args(&mut b);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: block (tr, tc) < (rows/128, k/128) covers rows [128tr, 128tr + 128) < rows =
+        // n/k (a multiple of 128, checked) and columns [128tc, 128tc + 128) < k; thread x's
+        // chunks j < 8 are elements [(128tr + c/16)·k + 128tc + 8(c%16), +8), c = x + 256j <
+        // 2048, all < n. It reads and writes those elements of param, m, v (16-byte aligned:
+        // float4 accesses), reads grad there, writes the BF16 copy there only when given (n
+        // elements, 16-byte aligned; the stand-in is never written), codes there (8-byte
+        // aligned uint2) and scales[blockIdx] < tiles (4-byte aligned floats), and reads
+        // grad_scale[0] (all checked). The argument list matches the kernel's (pointers, i32,
+        // pointers, u64, i32, eight f32).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
+        Ok(())
     }
 
     /// Every E4M3 code under every scale byte up to 134 through both MXFP8 decoders of the
