@@ -42,8 +42,6 @@ ASM = [
     ("griddepcontrol.wait;", "cuemu_ptx::grid_dependency()"),
     ("{ .reg .pred p; setp.ne.b32 p, %130, 0; wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
      "cuemu_ptx::wgmma_bf16_n({i0}, {i1}, {i2}, {i3}, {i4}, {oall})"),
-    ("{ .reg .pred p; setp.ne.b32 p, %66, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-     "cuemu_ptx::wgmma_bf16_n({i0}, {i1}, {i2}, {i3}, {i4}, {oall})"),
     ("wgmma.fence.sync.aligned;", "cuemu_ptx::wgmma_nop()"),
     ("wgmma.commit_group.sync.aligned;", "cuemu_ptx::wgmma_nop()"),
     ("wgmma.wait_group.sync.aligned %0;", "cuemu_ptx::wgmma_nop()"),

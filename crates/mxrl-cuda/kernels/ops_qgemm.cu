@@ -499,24 +499,6 @@ extern "C" __global__ void __launch_bounds__(256)
     if (lane == 0u) scales[b] = inv;
 }
 
-// quant_act_fp8_block_f16 with the codes' values written as BF16 (exact for the same reason)
-// instead: the operand of ops_gemm's grouped_nt_fp8b_tw128x128.
-__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 pair) {
-    return (__float_as_uint(e4m3_value(pair)) >> 16) | (__float_as_uint(e4m3_value(pair >> 8)) & 0xFFFF0000u);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    quant_act_fp8_block_bf16(const float* __restrict__ x, u16* __restrict__ out, float* __restrict__ scales,
-                             u64 n_blocks, int pow2) {
-    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (b >= n_blocks) return;  // the whole warp (its lanes share b)
-    const u32 lane = threadIdx.x & 31u;
-    float inv;
-    const u32 w = fp8_block_act_word(x, b, lane, pow2 != 0, inv);
-    *reinterpret_cast<uint2*>(out + b * MXRL_FP8_BLOCK + 4u * lane) =
-        make_uint2(e4m3x2_to_bf16x2(w), e4m3x2_to_bf16x2(w >> 16));
-    if (lane == 0u) scales[b] = inv;
-}
-
 // ---- plain weight dequantization to BF16 (large-M path; eight elements per thread) ----
 
 // MXFP8 row-wise [n, K/32]-scaled codes (n = E·N rows, K % 32 == 0): out = bf16 of the

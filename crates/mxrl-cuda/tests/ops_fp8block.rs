@@ -16,9 +16,7 @@
 //!   for every split and rows per pass and from run to run; the staged kernels
 //!   (`QGemm::grouped_nt_staged_fp8_block_with`, every rows per pass) the bits of the `F16`
 //!   fragment kernels, and their activation quantizer (`QGemm::quant_act_fp8_block`) the
-//!   reference's codes as binary16 values and its scales (`quant_act_fp8_block_bf16`: as
-//!   BF16 values); on sm_90 the `wgmma` tile (`Gemm::grouped_nt_fp8_block`) within the bound
-//!   on ragged groups and bit for bit where block sums are exact; up to three dense weights in one
+//!   reference's codes as binary16 values and its scales; up to three dense weights in one
 //!   launch (`QGemm::dense_nt_staged_fp8_block_multi`) the bits of their own launches;
 //! - (with `cuda`) the engine backend's FP8-block linears (`CudaBackend::quantize_weights`,
 //!   `upload_experts`, `stored_weights`, `checksum_qweights`, `grouped_qlinear`, `qlinear`)
@@ -388,9 +386,8 @@ mod engine_backend {
         );
     }
 
-    /// Many rows per expert (on sm_90 the `wgmma` tile, several row tiles per expert; else the
-    /// tiled kernels, more passes than grid CTAs along the rows) and a larger K: the grouped
-    /// forward stays within the bound.
+    /// Many rows per expert (the tiled kernels, more passes than grid CTAs along the rows) and
+    /// a larger K: the grouped forward stays within the bound.
     #[test]
     fn fp8_block_forward_with_many_rows_per_expert() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -605,17 +602,6 @@ mod gemm_kernels {
         /// The staged kernels (`QGemm::grouped_nt_staged_fp8_block_with`) with rows per pass
         /// (`None`: the launcher's choice) and stages.
         Staged(Option<FragRows>, usize),
-        /// The `wgmma` tile (`Gemm::grouped_nt_fp8_block`, sm_90) on the BF16 operand.
-        Wgmma,
-    }
-
-    /// The `wgmma` tile's activation operand on the host: the BF16 bits of each code's E4M3
-    /// value (exact).
-    fn bf16_operand(codes: &[u8]) -> Vec<u16> {
-        codes
-            .iter()
-            .map(|&c| half::bf16::from_f32(e4m3_decode(c)).to_bits())
-            .collect()
     }
 
     /// The staged kernels' activation operand on the host: the binary16 bits of each code's
@@ -641,8 +627,6 @@ mod gemm_kernels {
         /// The staged kernels' operand: binary16 code values and the f32 scale_inv.
         xh: CudaSlice<u16>,
         xsf: CudaSlice<f32>,
-        /// The `wgmma` tile's operand: BF16 code values.
-        xb: CudaSlice<u16>,
         off: CudaSlice<u32>,
     }
 
@@ -690,7 +674,6 @@ mod gemm_kernels {
                 xc: up(&qx.data),
                 xs: up(&le_bytes(f32_scales(&qx))),
                 xh: g.upload(&f16_operand(&qx.data)).expect("upload"),
-                xb: g.upload(&bf16_operand(&qx.data)).expect("upload"),
                 xsf: g.upload(f32_scales(&qx)).expect("upload"),
                 off: g.upload(&offsets).expect("upload"),
                 offsets,
@@ -728,17 +711,6 @@ mod gemm_kernels {
                         rows.unwrap_or_else(|| frag_rows(self.s, None)),
                         stages,
                         &self.xh.as_view(),
-                        &self.xsf.as_view(),
-                        &wc,
-                        &ws,
-                        &off,
-                        &mut yv,
-                        self.s,
-                    ),
-                Kernel::Wgmma => mxrl_cuda::ops::gemm::Gemm::new(g)
-                    .expect("GEMM kernels")
-                    .grouped_nt_fp8_block(
-                        &self.xb.as_view(),
                         &self.xsf.as_view(),
                         &wc,
                         &ws,
@@ -1001,9 +973,6 @@ mod gemm_kernels {
                 }
             }
             p.check_against(&g, &f, Kernel::Tiled, &want);
-            if g.has_wgmma() {
-                p.check_against(&g, &f, Kernel::Wgmma, &want);
-            }
             let frag = p.run(&g, &f, Kernel::Frag(Fp8FragMma::F16, None));
             for fr in [
                 None,
@@ -1080,9 +1049,6 @@ mod gemm_kernels {
         let p = Problem::new(&g, offsets, rows, weights, x, seed);
         let spec = LinearSpec::new(Format::Fp8Block, BackwardMode::Dequantized).unwrap();
         let mut kernels = vec![Kernel::Tiled];
-        if g.has_wgmma() {
-            kernels.push(Kernel::Wgmma);
-        }
         for fr in FragRows::ALL {
             for stages in FP8_STAGES {
                 kernels.push(Kernel::Staged(Some(fr), stages));
@@ -1162,31 +1128,6 @@ mod gemm_kernels {
                     bits(&sc),
                     bits(f32_scales(&want)),
                     "{fam} {scheme}: scale_inv"
-                );
-                // The BF16 operand of the `wgmma` tile: the same codes' values, the same scales.
-                let mut out = g.upload(&vec![0xFFFFu16; rows * k]).expect("upload");
-                let mut sc = g.upload(&vec![f32::NAN; rows * k / 128]).expect("upload");
-                q.quant_act_fp8_block_bf16(
-                    &xd.as_view(),
-                    rows,
-                    k,
-                    fs.scale_rule == mxrl_formats::ScaleRule::F32PowerOfTwo,
-                    &mut out.as_view_mut(),
-                    &mut sc.as_view_mut(),
-                )
-                .expect("quant_act_fp8_block_bf16");
-                let (out, sc) = (g.download(&out).unwrap(), g.download(&sc).unwrap());
-                for (i, (&h, &c)) in out.iter().zip(&want.data).enumerate() {
-                    let (got, v) = (half::bf16::from_bits(h).to_f32(), e4m3_decode(c));
-                    assert!(
-                        got.to_bits() == v.to_bits() || (got.is_nan() && v.is_nan()),
-                        "{fam} {scheme}: element {i}: BF16 operand {got} for code {c:#04x} ({v})"
-                    );
-                }
-                assert_eq!(
-                    bits(&sc),
-                    bits(f32_scales(&want)),
-                    "{fam} {scheme}: scale_inv beside the BF16 operand"
                 );
             }
         }

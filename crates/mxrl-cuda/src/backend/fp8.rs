@@ -11,11 +11,7 @@
 //!   deeper-staged dense kernels ([`QGemm::dense_nt_staged_fp8_block_multi`]), up to three
 //!   weights on one input (q, k, v) in one launch;
 //! - fewer rows: routed experts on the fragment kernels (sm_89+), dense weights on the tiled
-//!   kernels; more rows per routed expert: the tiled kernels;
-//! - before both, on an sm_90 device from `FP8B_WGMMA_ROWS_PER_EXPERT` rows per weight (the
-//!   training step's routed experts and dense linears, long prefills): the `wgmma` tile
-//!   (`Gemm::grouped_nt_fp8_block`) on BF16 operands from `QGemm::quant_act_fp8_block_bf16`,
-//!   the weight codes decoded in shared memory.
+//!   kernels; more rows per routed expert: the tiled kernels.
 //!
 //! References: the CPU backend's `upload_experts`,
 //! `quantize_weights`, `grouped_qlinear`, `qlinear` and `stored_weights` on
@@ -251,22 +247,18 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let s = Grouped {
-            experts,
-            rows,
-            n,
-            k,
-        };
-        if let Some(q) = self.fp8_wgmma(s) {
-            let (xb, xs) = self.fp8_act(q, x, rows, k, true)?;
-            // A dense weight: one expert of every row.
-            let off = offsets.unwrap_or(&self.whole_rows);
-            return self.fp8_wgmma_gemm(&xb, &xs, w, off, y, s);
-        }
         if let Some(q) = self.fp8_staged(rows, experts, n, k, offsets.is_some()) {
-            let (xh, xs) = self.fp8_act(q, x, rows, k, false)?;
+            let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
             return match offsets {
-                Some(o) => self.fp8_staged_gemm(q, &xh, &xs, w, o, y, s),
+                Some(o) => {
+                    let s = Grouped {
+                        experts,
+                        rows,
+                        n,
+                        k,
+                    };
+                    self.fp8_staged_gemm(q, &xh, &xs, w, o, y, s)
+                }
                 // A dense weight: one group of every row, on the dense kernels' stages.
                 None => self.fp8_staged_dense(q, &xh, &xs, &mut [(w, n, y)], rows, k),
             };
@@ -274,6 +266,12 @@ impl CudaBackend {
         let qx = ops
             .quantize_act(&x.slice(0..rows * k), rows, k)
             .map_err(de)?;
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
         let off = offsets.map(|o| o.as_view());
         let (xc, xs) = (qx.codes.as_view(), qx.scales.as_view());
         let (wc, ws) = (w.codes.as_view(), w.scales.as_view());
@@ -328,16 +326,14 @@ impl CudaBackend {
         fits.then(|| self.qgemm.as_ref().ok()).flatten()
     }
 
-    /// `x [rows, k]` quantized 1×128 as the staged kernels' operand (binary16 code values) or,
-    /// with `bf16`, the `wgmma` tile's (BF16 code values), and f32 `scale_inv [rows, k/128]`
-    /// (the bytes of [`Scheme::FP8_BLOCK_ACT`]).
-    fn fp8_act(
+    /// `x [rows, k]` quantized 1×128 as the staged kernels' operand: binary16 code values and
+    /// f32 `scale_inv [rows, k/128]` (the bytes of [`Scheme::FP8_BLOCK_ACT`]).
+    fn fp8_act_f16(
         &self,
         q: &QGemm,
         x: &CudaSlice<f32>,
         rows: usize,
         k: usize,
-        bf16: bool,
     ) -> DResult<(CudaSlice<u16>, CudaSlice<f32>)> {
         let Scheme::Fp8Block(act) = Scheme::FP8_BLOCK_ACT else {
             return Err(self.fp8_err("FP8_BLOCK_ACT is not an FP8-block scheme".into()));
@@ -348,57 +344,21 @@ impl CudaBackend {
             .gpu
             .empty::<f32>((rows * k / FP8_BLOCK).max(1))
             .map_err(de)?;
-        let xv = x.slice(0..rows * k);
-        let mut sv = xs.slice_mut(0..rows * k / FP8_BLOCK);
-        if bf16 {
-            q.quant_act_fp8_block_bf16(&xv, rows, k, pow2, &mut xh.as_view_mut(), &mut sv)
-        } else {
-            q.quant_act_fp8_block(&xv, rows, k, pow2, &mut xh.as_view_mut(), &mut sv)
-        }
+        q.quant_act_fp8_block(
+            &x.slice(0..rows * k),
+            rows,
+            k,
+            pow2,
+            &mut xh.as_view_mut(),
+            &mut xs.slice_mut(0..rows * k / FP8_BLOCK),
+        )
         .map_err(de)?;
         Ok((xh, xs))
     }
 
-    /// The low-byte kernels when the `wgmma` FP8-block tile takes a step of shape `s`
-    /// (`Gemm::fp8_block_wgmma_takes`: an sm_90 device, `n` and `k` multiples of 128, from
-    /// `FP8B_WGMMA_ROWS_PER_EXPERT` rows per weight on average — the training step's and long
-    /// prefills' shapes); `None` otherwise.
-    fn fp8_wgmma(&self, s: Grouped) -> Option<&QGemm> {
-        if !self.gemm.fp8_block_wgmma_takes(s) {
-            return None;
-        }
-        self.qgemm.as_ref().ok()
-    }
-
-    /// `y = x · Wᵀ` of the stored FP8-block weights `w` on the `wgmma` tile
-    /// (`Gemm::grouped_nt_fp8_block`), from the BF16 operand `xb` and scale rows `xs` as
-    /// [`CudaBackend::fp8_act`] writes them with `bf16`.
-    #[allow(clippy::too_many_arguments)]
-    fn fp8_wgmma_gemm(
-        &self,
-        xb: &CudaSlice<u16>,
-        xs: &CudaSlice<f32>,
-        w: &QExperts,
-        offsets: &CudaSlice<u32>,
-        y: &mut CudaSlice<f32>,
-        s: Grouped,
-    ) -> DResult<()> {
-        self.gemm
-            .grouped_nt_fp8_block(
-                &xb.as_view(),
-                &xs.slice(0..s.rows * s.k / FP8_BLOCK),
-                &w.codes.as_view(),
-                &w.scales.as_view(),
-                &offsets.as_view(),
-                &mut y.as_view_mut(),
-                s,
-            )
-            .map_err(de)
-    }
-
     /// `y = x · Wᵀ` of the stored FP8-block weights `w` (`experts` of them, rows grouped by
     /// `offsets`) on the staged kernels, from `x`'s operand `xh` and scale rows `xs` as
-    /// [`CudaBackend::fp8_act`] writes them.
+    /// [`CudaBackend::fp8_act_f16`] writes them.
     #[allow(clippy::too_many_arguments)]
     fn fp8_staged_gemm(
         &self,
@@ -471,14 +431,7 @@ impl CudaBackend {
         y: &mut CudaSlice<f32>,
     ) -> DResult<()> {
         let rows = tokens * top_k;
-        let s = Grouped {
-            experts,
-            rows,
-            n,
-            k,
-        };
-        let wgmma = self.fp8_wgmma(s);
-        let Some(q) = wgmma.or_else(|| self.fp8_staged(rows, experts, n, k, true)) else {
+        let Some(q) = self.fp8_staged(rows, experts, n, k, true) else {
             let xg = self.gather_token_rows_f32(x, route, tokens, top_k, experts, k)?;
             return self.fp8_forward(&xg, w, Some(&route.offsets), experts, rows, k, n, y);
         };
@@ -493,13 +446,16 @@ impl CudaBackend {
             y.len(),
             tokens,
         )?;
-        let (xh, xs) = self.fp8_act(q, x, tokens, k, wgmma.is_some())?;
+        let (xh, xs) = self.fp8_act_f16(q, x, tokens, k)?;
         let kb = k / FP8_BLOCK;
         let xg = self.gather_token_rows_u16(&xh, route, tokens, top_k, experts, k)?;
         let sg = self.gather_token_rows_f32(&xs, route, tokens, top_k, experts, kb)?;
-        if wgmma.is_some() {
-            return self.fp8_wgmma_gemm(&xg, &sg, w, &route.offsets, y, s);
-        }
+        let s = Grouped {
+            experts,
+            rows,
+            n,
+            k,
+        };
         self.fp8_staged_gemm(q, &xg, &sg, w, &route.offsets, y, s)
     }
 
@@ -520,29 +476,12 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let dense = |n: usize| Grouped {
-            experts: 1,
-            rows,
-            n,
-            k,
-        };
-        let wgmma = outs
-            .iter()
-            .map(|(_, n, _)| self.fp8_wgmma(dense(*n)))
-            .collect::<Option<Vec<_>>>();
-        if let Some(q) = wgmma.and_then(|v| v.first().copied()) {
-            let (xb, xs) = self.fp8_act(q, x, rows, k, true)?;
-            for (w, n, y) in outs.iter_mut() {
-                self.fp8_wgmma_gemm(&xb, &xs, w, &self.whole_rows, y, dense(*n))?;
-            }
-            return Ok(());
-        }
         let staged = outs
             .iter()
             .map(|(_, n, _)| self.fp8_staged(rows, 1, *n, k, false))
             .collect::<Option<Vec<_>>>();
         if let Some(q) = staged.and_then(|v| v.first().copied()) {
-            let (xh, xs) = self.fp8_act(q, x, rows, k, false)?;
+            let (xh, xs) = self.fp8_act_f16(q, x, rows, k)?;
             return self.fp8_staged_dense(q, &xh, &xs, outs, rows, k);
         }
         let qx = ops

@@ -41,7 +41,6 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg,
 };
-use mxrl_formats::FP8_BLOCK;
 use mxrl_tensor::device::GradWrite;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -190,16 +189,6 @@ pub const RMSNORM_SMALL_M_MAX_SMEM: usize = 96 << 10;
 /// on CUDA cores, so it wins where the weight bytes dominate. Measured on an H100 (BENCHMARKS.md,
 /// decode steps of the benchmark model): faster than cuBLAS at 1 and 2 rows, slower at 4 and 8.
 pub const DENSE_SMALL_M_ROWS: usize = 2;
-
-/// Rows per expert on average from which the FP8-block forward runs on the `wgmma` tile
-/// ([`Gemm::fp8_block_wgmma_takes`]); fewer take the staged and fragment kernels of
-/// `ops_qgemm` / `ops_fp8block`, which are built for decode and prefill.
-pub const FP8B_WGMMA_ROWS_PER_EXPERT: usize = 256;
-
-/// Dynamic shared memory of `grouped_nt_fp8b_tw128x128`: four stages of the activation tile
-/// (128 × 64 BF16) and of the raw weight codes (128 × 64 bytes), two decoded weight tiles
-/// (128 × 64 BF16), and 1 024 bytes to align the first.
-const FP8B_WGMMA_SMEM: usize = 4 * (128 * 64 * 2 + 128 * 64) + 2 * 128 * 64 * 2 + 1024;
 
 /// The row limit for [`Gemm::dense_nt_small_m`] in the engine's dense forwards:
 /// `MXRL_DENSE_SMALL_M` (rows; `0` = always cuBLAS) or [`DENSE_SMALL_M_ROWS`]. Read once.
@@ -366,8 +355,6 @@ pub struct Gemm {
     nt_alpha: Option<CudaFunction>,
     /// `grouped_nn_tw128x256_wfactor` (sm_90 only).
     nn_wfactor: Option<CudaFunction>,
-    /// `grouped_nt_fp8b_tw128x128` (sm_90 only).
-    nt_fp8b: Option<CudaFunction>,
     /// Whether the default tiles are the `wgmma` ones ([`Tile::W128x256`]) for large experts:
     /// on an sm_90 device unless `MXRL_WGMMA=off`.
     wgmma: bool,
@@ -423,14 +410,6 @@ impl Gemm {
         };
         let nt_alpha = wgmma_only("grouped_nt_tw128x256_alpha", NT_MN)?;
         let nn_wfactor = wgmma_only("grouped_nn_tw128x256_wfactor", NN_MN)?;
-        let nt_fp8b = if gpu.has_wgmma() {
-            let name = "grouped_nt_fp8b_tw128x128";
-            let func = f(name)?;
-            gpu.allow_dynamic_smem(&func, name, FP8B_WGMMA_SMEM)?;
-            Some(func)
-        } else {
-            None
-        };
         let wgmma = gpu.has_wgmma()
             && !std::env::var("MXRL_WGMMA").is_ok_and(|v| v.eq_ignore_ascii_case("off"));
         // The small-M kernels that stage normalized rows in dynamic shared memory.
@@ -447,7 +426,6 @@ impl Gemm {
             tn_tiled,
             nt_alpha,
             nn_wfactor,
-            nt_fp8b,
             wgmma,
             nt_small_m: f("grouped_nt_small_m")?,
             dense_small_m: [f("dense_nt_small_m_nb1")?, f("dense_nt_small_m_nb2")?],
@@ -843,132 +821,6 @@ impl Gemm {
         // w_amax[e] for its expert e < E. Argument types match (…, u32 × 4, const float* × 2).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(true)
-    }
-
-    /// Whether [`Gemm::grouped_nt_fp8_block`] takes a step of shape `s`: where the device has
-    /// `wgmma` (unless `MXRL_WGMMA=off`), `n` and `k` are multiples of 128 and the experts
-    /// hold [`FP8B_WGMMA_ROWS_PER_EXPERT`] rows or more on average.
-    pub fn fp8_block_wgmma_takes(&self, s: Grouped) -> bool {
-        self.wgmma
-            && self.nt_fp8b.is_some()
-            && s.experts > 0
-            && s.rows >= FP8B_WGMMA_ROWS_PER_EXPERT * s.experts
-            && s.n.is_multiple_of(FP8_BLOCK)
-            && s.k.is_multiple_of(FP8_BLOCK)
-    }
-
-    /// FP8-block forward on the `wgmma` tile (`grouped_nt_fp8b_tw128x128`): `y [R, N] = x ·
-    /// W_eᵀ` per expert (rows of expert `e`: `offsets[e] .. offsets[e+1]`, clamped to `[0,
-    /// R]`; a dense weight is one expert with offsets `[0, ≥ R]`) with the arithmetic of
-    /// `mxrl_tensor::qlinear::FP8_BLOCK_EMULATION`: per 128-wide K block `b`, in increasing
-    /// order, a fresh f32 sum `P_b` of the exact E4M3 × E4M3 products on BF16 tensor cores,
-    /// then `y = fl(y + fl(fl(sx·sw) · P_b))` on CUDA cores. `x`: the codes' values as BF16
-    /// `[R, K]` (`QGemm::quant_act_fp8_block_bf16`), `x_scales` `[R, K/128]`; `codes [E, N,
-    /// K]` E4M3 bytes, `w_scales` the f32 `scale_inv [E, N/128, K/128]` as little-endian bytes
-    /// (4-byte aligned, as `QExperts` keeps them). The weight codes are
-    /// decoded to BF16 in shared memory, stage by stage. Outputs within
-    /// `mxrl_tensor::tolerance::fp8_block_sum_bound` of the CPU emulation; rows outside every
-    /// expert are not written.
-    ///
-    /// # Errors
-    /// No `wgmma` kernel on this device, `n` or `k` not a multiple of 128, short or misaligned
-    /// buffers (x and codes 16-byte, y 8-byte), grid limits; launch errors.
-    #[allow(clippy::too_many_arguments)]
-    pub fn grouped_nt_fp8_block(
-        &self,
-        x: &CudaView<'_, u16>,
-        x_scales: &CudaView<'_, f32>,
-        codes: &CudaView<'_, u8>,
-        w_scales: &CudaView<'_, u8>,
-        offsets: &CudaView<'_, u32>,
-        y: &mut CudaViewMut<'_, f32>,
-        s: Grouped,
-    ) -> Result<(), DeviceError> {
-        let g = &self.gpu;
-        let op = "grouped_nt_fp8_block";
-        let Some(func) = self.nt_fp8b.as_ref() else {
-            return Err(g.err(format!(
-                "{op}: the wgmma FP8-block tile needs an sm_90 device"
-            )));
-        };
-        if !s.n.is_multiple_of(FP8_BLOCK) || !s.k.is_multiple_of(FP8_BLOCK) {
-            return Err(g.err(format!(
-                "{op}: N = {} and K = {} must be multiples of {FP8_BLOCK}",
-                s.n, s.k
-            )));
-        }
-        let kb = s.k / FP8_BLOCK;
-        check_len(g, &format!("{op} x"), x.len(), s.rows * s.k)?;
-        check_len(g, &format!("{op} x_scales"), x_scales.len(), s.rows * kb)?;
-        check_len(
-            g,
-            &format!("{op} codes"),
-            codes.len(),
-            s.experts * s.n * s.k,
-        )?;
-        check_len(
-            g,
-            &format!("{op} w_scales"),
-            w_scales.len(),
-            4 * s.experts * (s.n / FP8_BLOCK) * kb,
-        )?;
-        check_len(g, &format!("{op} offsets"), offsets.len(), s.experts + 1)?;
-        check_len(g, &format!("{op} y"), y.len(), s.rows * s.n)?;
-        if s.experts == 0 || s.rows == 0 || s.n == 0 || s.k == 0 {
-            return Ok(());
-        }
-        let stream = g.stream();
-        check_align(g, &format!("{op} x"), x.device_ptr(stream).0, 16)?;
-        check_align(g, &format!("{op} codes"), codes.device_ptr(stream).0, 16)?;
-        check_align(
-            g,
-            &format!("{op} w_scales"),
-            w_scales.device_ptr(stream).0,
-            4,
-        )?;
-        check_align(
-            g,
-            &format!("{op} x_scales"),
-            x_scales.device_ptr(stream).0,
-            4,
-        )?;
-        check_align(g, &format!("{op} y"), y.device_ptr_mut(stream).0, 8)?;
-        let gy = s.rows.div_ceil(128) + s.experts;
-        let gx = s.n / FP8_BLOCK;
-        if gx > i32::MAX as usize || gy > 65_535 {
-            return Err(g.err(format!("{op}: grid ({gx}, {gy}) exceeds the launch limits")));
-        }
-        check_u32(
-            g,
-            op,
-            &[("E", s.experts), ("R", s.rows), ("N", s.n), ("K", s.k)],
-        )?;
-        let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
-        let cfg = LaunchConfig {
-            grid_dim: (gx as u32, gy as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: FP8B_WGMMA_SMEM as u32,
-        };
-        let mut b = stream.launch_builder(func);
-        b.arg(x)
-            .arg(x_scales)
-            .arg(codes)
-            .arg(w_scales)
-            .arg(offsets)
-            .arg(y);
-        b.arg(&e).arg(&r).arg(&n).arg(&k);
-        // SAFETY: x holds R·K BF16 values, x_scales R·K/128, codes E·N·K bytes, w_scales the
-        // bytes of E·(N/128)·(K/128) f32 (4-byte aligned, read as floats), offsets E+1 and y R·N (checked); N and K are multiples of 128
-        // (checked), so every weight row and 64-byte stage the kernel copies lies inside
-        // expert e's codes, and x's 16-byte copies are zero-filled (not read) for rows past
-        // the tile's expert; x and codes are 16-byte aligned and y 8-byte aligned (checked).
-        // The kernel clamps offsets to [0, R], reads x_scales[r] and writes y[r] only for rows
-        // r of its expert (< R), and the grid covers Σ⌈rows_e/128⌉ ≤ ⌈R/128⌉ + E row tiles
-        // (surplus blocks exit). 256 threads and FP8B_WGMMA_SMEM bytes of dynamic shared memory
-        // (allowed at load) are the kernel's. Argument types match (const u16*, const float*,
-        // const u8*, const float* (the scale bytes), const u32*, float*, u32 × 4).
-        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-        Ok(())
     }
 
     /// [`Gemm::grouped_nt`] on the small-M kernel: grid `(⌈N/32⌉, E)`, each block reads its

@@ -275,7 +275,6 @@ pub struct QGemm {
     staged_nvfp4: [CudaFunction; 4],
     staged_bf16: [CudaFunction; 4],
     act_fp8b: CudaFunction,
-    act_fp8b_bf16: CudaFunction,
     mxfp8_fast_check: CudaFunction,
     mxfp8_decode_table: CudaFunction,
     /// [stage count of FP8_STAGES][rows per pass].
@@ -786,7 +785,6 @@ impl QGemm {
             staged_nvfp4,
             staged_bf16,
             act_fp8b: f("quant_act_fp8_block_f16")?,
-            act_fp8b_bf16: f("quant_act_fp8_block_bf16")?,
             mxfp8_fast_check: f("mxfp8_fast_check")?,
             mxfp8_decode_table: f("mxfp8_decode_table")?,
             staged_fp8b,
@@ -2458,43 +2456,8 @@ impl QGemm {
         out: &mut CudaViewMut<'_, u16>,
         scales: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), DeviceError> {
-        self.quant_act_fp8_block_as(false, x, rows, k, pow2, out, scales)
-    }
-
-    /// [`QGemm::quant_act_fp8_block`] with the codes' values written as BF16 (exact, as
-    /// binary16): the operand of `Gemm::grouped_nt_fp8_block` (`quant_act_fp8_block_bf16`).
-    ///
-    /// # Errors
-    /// As [`QGemm::quant_act_fp8_block`].
-    pub fn quant_act_fp8_block_bf16(
-        &self,
-        x: &CudaView<'_, f32>,
-        rows: usize,
-        k: usize,
-        pow2: bool,
-        out: &mut CudaViewMut<'_, u16>,
-        scales: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), DeviceError> {
-        self.quant_act_fp8_block_as(true, x, rows, k, pow2, out, scales)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn quant_act_fp8_block_as(
-        &self,
-        bf16: bool,
-        x: &CudaView<'_, f32>,
-        rows: usize,
-        k: usize,
-        pow2: bool,
-        out: &mut CudaViewMut<'_, u16>,
-        scales: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let op = if bf16 {
-            "quant_act_fp8_block_bf16"
-        } else {
-            "quant_act_fp8_block"
-        };
+        let op = "quant_act_fp8_block";
         check_multiple(g, op, k, 128, "FP8 blocks of 128")?;
         let len = mul(g, op, rows, k)?;
         check_len(g, &format!("{op} x"), x.len(), len)?;
@@ -2513,12 +2476,7 @@ impl QGemm {
             shared_mem_bytes: 0,
         };
         let pow2 = i32::from(pow2);
-        let func = if bf16 {
-            &self.act_fp8b_bf16
-        } else {
-            &self.act_fp8b
-        };
-        let mut b = g.stream().launch_builder(func);
+        let mut b = g.stream().launch_builder(&self.act_fp8b);
         b.arg(x).arg(out).arg(scales).arg(&n_blocks).arg(&pow2);
         // SAFETY: x and out hold rows·k elements, scales rows·k/128 (checked); warp w of the
         // grid (8 per block of 256) handles block w < n_blocks only — elements 128w + 4l ..
