@@ -379,12 +379,27 @@ pub fn compile_op_module(
     })
 }
 
-/// Where the PTX of module `name` with key `key` is kept between processes: under the folder
-/// `MXRL_PTX_CACHE` names (unset: no cache, every process compiles). The key hashes the full
-/// source and the NVRTC options (architecture included).
+/// NVRTC's version, where the library loads.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    use cudarc::nvrtc::sys;
+    // SAFETY: a library presence check, then a query writing two ints that outlive it.
+    unsafe {
+        if !sys::is_culib_present() {
+            return None;
+        }
+        let (mut major, mut minor) = (0, 0);
+        (sys::nvrtcVersion(&mut major, &mut minor) == sys::nvrtcResult::NVRTC_SUCCESS)
+            .then_some((major, minor))
+    }
+}
+
+/// Where the PTX of module `name` with key `key` is kept between processes: in
+/// [`crate::ptx_cache::ptx_cache_dir`], named by the module, the key (which hashes the full source and the NVRTC
+/// options, architecture included) and NVRTC's version, so PTX from another NVRTC is never
+/// read. `None`: no cache folder, or NVRTC's version unknown.
 fn ptx_cache_path(name: &str, key: &str) -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os("MXRL_PTX_CACHE").filter(|d| !d.is_empty())?;
-    Some(std::path::Path::new(&dir).join(format!("{name}-{key}.ptx")))
+    let (major, minor) = nvrtc_version()?;
+    Some(crate::ptx_cache::ptx_cache_dir()?.join(format!("{name}-{key}-nvrtc{major}.{minor}.ptx")))
 }
 
 /// Writes `ptx` to `path` through a temporary file renamed when complete (best effort: a
@@ -677,27 +692,48 @@ impl Gpu {
             return Ok(m.clone());
         }
         let cached = ptx_cache_path(name, &key);
-        let ptx = match cached
+        let from_disk = cached
             .as_ref()
             .and_then(|p| std::fs::read_to_string(p).ok())
-        {
-            Some(src) => Ptx::from_src(src),
+            .and_then(|src| match self.ctx.load_module(Ptx::from_src(src)) {
+                Ok(m) => Some(m),
+                Err(x) => {
+                    // A damaged or foreign file: compile anew and replace it.
+                    eprintln!(
+                        "mxrl-cuda: the cached {} did not load ({x:?}); compiling {name} anew",
+                        cached
+                            .as_ref()
+                            .map_or_else(String::new, |p| p.display().to_string())
+                    );
+                    None
+                }
+            });
+        let m = match from_disk {
+            Some(m) => m,
             None => {
                 eprintln!(
-                    "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options {:?}",
-                    self.name, self.options
+                    "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options \
+                     {:?}{}",
+                    self.name,
+                    self.options,
+                    match &cached {
+                        Some(p) => format!("; kept in {}", p.display()),
+                        None => String::new(),
+                    }
                 );
                 let ptx = compile_op_module(name, source, self.arch).map_err(|e| self.err(e))?;
-                if let Some(p) = &cached {
-                    store_ptx(p, &ptx.to_src());
+                let src = cached.as_ref().map(|_| ptx.to_src());
+                let m = self
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
+                // Kept only once it loaded here.
+                if let (Some(p), Some(src)) = (&cached, src) {
+                    store_ptx(p, &src);
                 }
-                ptx
+                m
             }
         };
-        let m = self
-            .ctx
-            .load_module(ptx)
-            .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
         cache.insert((self.ordinal, key), m.clone());
         Ok(m)
     }

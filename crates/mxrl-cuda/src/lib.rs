@@ -44,6 +44,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod ops;
+pub mod ptx_cache;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     CudaDevice, DeviceInput, DeviceQuantized, InputView, QuantizeTiming, NVFP4_ROW_CHUNKS,
