@@ -358,13 +358,7 @@ __device__ __forceinline__ void quant_act_nvfp4_body(const Src& src, u64 row, u1
                 }
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, o));
-    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = m;
-    __syncthreads();
-    float a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < QA_THREADS / 32; ++w) a = nan_ignoring_max(a, warp_max_s[w]);
+    const float a = block_nan_ignoring_max<QA_THREADS>(m, warp_max_s);
     if (threadIdx.x == 0) amax[row] = a;
     float s_enc = __fdiv_rn(MXRL_NVFP4_NUMERATOR, a);
     s_enc = s_enc > MXRL_F32_MAX ? MXRL_F32_MAX : s_enc;
@@ -1156,13 +1150,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int q = 0; q < 8; ++q) a = nan_ignoring_max(a, fabsf(w[j][q]));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) a = nan_ignoring_max(a, __shfl_xor_sync(FULL_MASK, a, off));
-    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = a;
-    __syncthreads();
-    float am = 0.0f;
-#pragma unroll
-    for (int x = 0; x < 8; ++x) am = nan_ignoring_max(am, warp_max_s[x]);
+    const float am = block_nan_ignoring_max<256>(a, warp_max_s);
     float inv;
     const float s = fp8_block_scale(am, pow2 != 0, inv);
 #pragma unroll

@@ -127,6 +127,21 @@ __device__ __forceinline__ float ue8m0_reciprocal(u32 b) {
 // max(|x|) ignoring NaN: a NaN never wins a comparison.
 __device__ __forceinline__ float nan_ignoring_max(float acc, float a) { return a > acc ? a : acc; }
 
+// The largest of a block's per-thread maxima m (NaN ignored: the same value in any order): a
+// warp butterfly, then the THREADS / 32 warps' results in warp order; every thread returns it.
+// warp_max_s holds THREADS / 32 floats; every thread of the block calls it (one barrier).
+template <int THREADS>
+__device__ __forceinline__ float block_nan_ignoring_max(float m, float* warp_max_s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, o));
+    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = m;
+    __syncthreads();
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) a = nan_ignoring_max(a, warp_max_s[w]);
+    return a;
+}
+
 // ---- fast exact encoders (same bytes as the rules above; used by the quantizer kernels) ----
 
 // Two f32 -> two E4M3 bytes (lo in bits 0..7, hi in bits 8..15). On sm_89+ the hardware
@@ -736,13 +751,7 @@ __device__ void fp8_block_weight(const T* x, u8* data, float* scales, u64 tiles_
         const u64 idx = (r0 + i / MXRL_FP8_BLOCK) * cols + c0 + i % MXRL_FP8_BLOCK;
         m = nan_ignoring_max(m, fabsf(load(x, idx)));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = nan_ignoring_max(m, __shfl_xor_sync(FULL_MASK, m, off));
-    if ((threadIdx.x & 31u) == 0u) warp_max_s[threadIdx.x >> 5] = m;
-    __syncthreads();
-    float a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < FP8W_THREADS / 32; ++w) a = nan_ignoring_max(a, warp_max_s[w]);
+    const float a = block_nan_ignoring_max<FP8W_THREADS>(m, warp_max_s);
     float inv;
     const float scale = fp8_block_scale(a, pow2, inv);
     for (u32 i = threadIdx.x; i < tile_elems; i += FP8W_THREADS) {

@@ -236,6 +236,100 @@ fn e4m3_nan_as_one(x: &[u8]) -> Vec<u8> {
         .collect()
 }
 
+/// One case of an optimizer pass that also quantizes: the host master, moments and gradient
+/// (seeded as every pass test seeds them), their device copies and a BF16 copy buffer; the
+/// reference step on the host and the bitwise checks of what the pass wrote.
+struct PassCase {
+    n: usize,
+    p: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    grad: Vec<f32>,
+}
+
+impl PassCase {
+    /// `n` values from `seed`: the master of magnitude `scale`, the moments, the gradient.
+    fn new(n: usize, seed: u64, scale: f32) -> Self {
+        PassCase {
+            n,
+            p: values(n, seed, scale),
+            m: values(n, seed + 10, 0.01),
+            v: values(n, seed + 20, 1e-3).iter().map(|x| x * x).collect(),
+            grad: values(n, seed + 30, 0.5),
+        }
+    }
+
+    /// Uploads the state, runs `pass` on it (with the BF16 copy when `copy`), then steps the
+    /// host state with `adamw_update` on the gradient times `grad_scale` and checks the
+    /// device's master, moments (bitwise, NaN as NaN) and BF16 copy (`round_bf16` of the new
+    /// master; zeros when not asked). Returns what `pass` returned.
+    #[allow(clippy::too_many_arguments)]
+    fn run<R>(
+        &mut self,
+        g: &Gpu,
+        what: &str,
+        copy: bool,
+        grad_scale: f32,
+        step: u64,
+        cfg: &AdamWConfig,
+        wd: f32,
+        pass: impl FnOnce(AdamWParam<'_, '_>, &cudarc::driver::CudaView<'_, f32>) -> R,
+    ) -> R {
+        let n = self.n;
+        let (mut dp, dg) = (g.upload(&self.p).unwrap(), g.upload(&self.grad).unwrap());
+        let (mut dm, mut dv) = (g.upload(&self.m).unwrap(), g.upload(&self.v).unwrap());
+        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
+        let sc = g.upload(&[grad_scale]).unwrap();
+        let out = {
+            let mut bview = db.as_view_mut();
+            pass(
+                AdamWParam {
+                    param: &mut dp.as_view_mut(),
+                    grad: &dg.as_view(),
+                    m: &mut dm.as_view_mut(),
+                    v: &mut dv.as_view_mut(),
+                    param_bf16: copy.then_some(&mut bview),
+                    n,
+                    weight_decay: wd,
+                },
+                &sc.as_view(),
+            )
+        };
+        let gs: Vec<f32> = self.grad.iter().map(|&x| x * grad_scale).collect();
+        adamw_update(&mut self.p, &gs, &mut self.m, &mut self.v, step, cfg, wd);
+        let bits = nan_as_one;
+        assert_eq!(
+            bits(&g.download(&dp).unwrap()[..n]),
+            bits(&self.p),
+            "{what}: master"
+        );
+        assert_eq!(
+            bits(&g.download(&dm).unwrap()[..n]),
+            bits(&self.m),
+            "{what}: m"
+        );
+        assert_eq!(
+            bits(&g.download(&dv).unwrap()[..n]),
+            bits(&self.v),
+            "{what}: v"
+        );
+        let want_copy: Vec<u16> = if copy {
+            self.p
+                .iter()
+                .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
+                .collect()
+        } else {
+            vec![0; n]
+        };
+        assert_eq!(
+            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
+            bf16_nan_as_one(&want_copy),
+            "{what}: BF16 copy"
+        );
+        out
+    }
+}
+
 /// The MXFP8 weights' optimizer step in one pass (`QGemm::adamw_mxfp8`) against its
 /// references step by step (NaN compared as NaN): `adamw_update` (master, moments:
 /// bitwise), `round_bf16` (the copy), the contract's row-wise MXFP8 quantizer (codes and
@@ -257,7 +351,6 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
         beta2: 0.95,
         eps: 1e-8,
     };
-    let bits = nan_as_one;
     let bf = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
     // (rows, k, special values, a BF16 copy, the column-wise operand): rows of 64 and 2048
     // columns, the launch's last warp part-filled (rows·k/8 not a multiple of 32), an empty
@@ -274,53 +367,35 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
     .enumerate()
     {
         let n = rows * k;
-        let mut p = values(n, 500 + case as u64, 1.0);
-        let mut m = values(n, 510 + case as u64, 0.01);
-        let mut v: Vec<f32> = values(n, 520 + case as u64, 1e-3)
-            .iter()
-            .map(|x| x * x)
-            .collect();
-        let mut grad = values(n, 530 + case as u64, 0.5);
+        let mut c = PassCase::new(n, 500 + case as u64, 1.0);
         if special {
             // Block 0 of row 0 zero (master, moments and gradient: stays 0 without decay);
             // block 1 huge; block 0 of the last row tiny; one NaN gradient in row 1.
             for i in 0..32 {
-                p[i] = 0.0;
-                m[i] = 0.0;
-                v[i] = 0.0;
-                grad[i] = 0.0;
-                p[32 + i] = 3.0e37 * (1.0 + i as f32 / 64.0);
+                c.p[i] = 0.0;
+                c.m[i] = 0.0;
+                c.v[i] = 0.0;
+                c.grad[i] = 0.0;
+                c.p[32 + i] = 3.0e37 * (1.0 + i as f32 / 64.0);
                 let t = (rows - 1) * k + i;
-                p[t] = 1.0e-39 * (i as f32 - 16.0);
-                m[t] = 0.0;
-                grad[t] = 0.0;
+                c.p[t] = 1.0e-39 * (i as f32 - 16.0);
+                c.m[t] = 0.0;
+                c.grad[t] = 0.0;
             }
-            grad[k + 7] = f32::NAN;
+            c.grad[k + 7] = f32::NAN;
         }
         let wd = if special { 0.0 } else { 0.1 };
-        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
-        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
-        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
         let mut codes = g.zeros::<u8>(n.max(8)).unwrap();
         let mut scales = g.zeros::<u8>((n / 32).max(1)).unwrap();
         let mut deq = g.zeros::<u16>(n.max(1)).unwrap();
         let mut col = g.zeros::<u16>(n.max(1)).unwrap();
         let mut cview = col.as_view_mut();
-        let one = g.upload(&[0.75f32]).unwrap();
         let step = 3;
-        let mut bview = db.as_view_mut();
-        let flag = q
-            .adamw_mxfp8(
-                AdamWParam {
-                    param: &mut dp.as_view_mut(),
-                    grad: &dg.as_view(),
-                    m: &mut dm.as_view_mut(),
-                    v: &mut dv.as_view_mut(),
-                    param_bf16: copy.then_some(&mut bview),
-                    n,
-                    weight_decay: wd,
-                },
-                &one.as_view(),
+        let what = format!("case {case} ({rows}×{k})");
+        let flag = c.run(&g, &what, copy, 0.75, step, &cfg, wd, |p, scale| {
+            q.adamw_mxfp8(
+                p,
+                scale,
                 step,
                 &cfg,
                 k,
@@ -329,32 +404,13 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
                 Some(&mut deq.as_view_mut()),
                 with_col.then_some(&mut cview),
             )
-            .unwrap();
-        let gs: Vec<f32> = grad.iter().map(|&x| x * 0.75).collect();
-        adamw_update(&mut p, &gs, &mut m, &mut v, step, &cfg, wd);
-        let what = format!("case {case} ({rows}×{k})");
-        assert_eq!(
-            bits(&g.download(&dp).unwrap()[..n]),
-            bits(&p),
-            "{what}: master"
-        );
-        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
-        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
-        let want_copy: Vec<u16> = if copy {
-            p.iter().map(|&x| bf(x)).collect()
-        } else {
-            vec![0; n]
-        };
-        assert_eq!(
-            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
-            bf16_nan_as_one(&want_copy),
-            "{what}: BF16 copy"
-        );
+            .unwrap()
+        });
+        let p = &c.p;
         let (want_codes, want_scales, want_deq) = if n == 0 {
             (vec![], vec![], vec![])
         } else {
-            let t =
-                reference::quantize(&p, &[rows, k], Scheme::MXFP8_ROW, Padding::Reject).unwrap();
+            let t = reference::quantize(p, &[rows, k], Scheme::MXFP8_ROW, Padding::Reject).unwrap();
             let d: Vec<u16> = t.dequantize().unwrap().iter().map(|&x| bf(x)).collect();
             (t.data.clone(), t.scales.as_bytes().unwrap().to_vec(), d)
         };
@@ -374,8 +430,7 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
             "{what}: operand"
         );
         if with_col {
-            let t =
-                reference::quantize(&p, &[rows, k], Scheme::MXFP8_COL, Padding::Reject).unwrap();
+            let t = reference::quantize(p, &[rows, k], Scheme::MXFP8_COL, Padding::Reject).unwrap();
             let want: Vec<u16> = t.dequantize().unwrap().iter().map(|&x| bf(x)).collect();
             assert_eq!(
                 bf16_nan_as_one(&g.download(&col).unwrap()[..n]),
@@ -417,76 +472,34 @@ fn adamw_amax_groups_is_adamw_update_then_each_weights_amax() {
         beta2: 0.95,
         eps: 1e-8,
     };
-    let bits = nan_as_one;
     for (case, &(groups, len)) in [(7usize, 48usize), (3, 136), (2, 4096), (16, 256), (0, 16)]
         .iter()
         .enumerate()
     {
         let n = groups * len;
-        let mut p = values(n, 600 + case as u64, 2.0);
-        let mut m = values(n, 610 + case as u64, 0.01);
-        let mut v: Vec<f32> = values(n, 620 + case as u64, 1e-3)
-            .iter()
-            .map(|x| x * x)
-            .collect();
-        let mut grad = values(n, 630 + case as u64, 0.5);
+        let mut c = PassCase::new(n, 600 + case as u64, 2.0);
         // Each weight's largest value in an odd lane's eight of its warp (a warp's lanes
         // hold 256 consecutive values), so a reduction that skips lanes is seen.
         for w in 0..groups {
             let lane = 2 * (w % 16) + 1;
-            p[w * len + (8 * lane + 3) % len] = 10.0 + w as f32;
+            c.p[w * len + (8 * lane + 3) % len] = 10.0 + w as f32;
         }
         if groups >= 2 {
             for i in 0..len {
-                p[i] = 0.0;
-                m[i] = 0.0;
-                v[i] = 0.0;
-                grad[i] = 0.0;
+                c.p[i] = 0.0;
+                c.m[i] = 0.0;
+                c.v[i] = 0.0;
+                c.grad[i] = 0.0;
             }
-            grad[len + 5] = f32::NAN;
-            grad[n - 1] = f32::INFINITY;
+            c.grad[len + 5] = f32::NAN;
+            c.grad[n - 1] = f32::INFINITY;
         }
-        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
-        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
-        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
-        let sc = g.upload(&[1.0f32]).unwrap();
         let step = 2;
-        let mut bview = db.as_view_mut();
-        let amax = q
-            .adamw_amax_groups(
-                AdamWParam {
-                    param: &mut dp.as_view_mut(),
-                    grad: &dg.as_view(),
-                    m: &mut dm.as_view_mut(),
-                    v: &mut dv.as_view_mut(),
-                    param_bf16: Some(&mut bview),
-                    n,
-                    weight_decay: 0.0,
-                },
-                &sc.as_view(),
-                step,
-                &cfg,
-                len,
-            )
-            .unwrap();
-        adamw_update(&mut p, &grad, &mut m, &mut v, step, &cfg, 0.0);
         let what = format!("case {case} ({groups} × {len})");
-        assert_eq!(
-            bits(&g.download(&dp).unwrap()[..n]),
-            bits(&p),
-            "{what}: master"
-        );
-        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
-        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
-        let copy: Vec<u16> = p
-            .iter()
-            .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
-            .collect();
-        assert_eq!(
-            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
-            bf16_nan_as_one(&copy),
-            "{what}: BF16 copy"
-        );
+        let amax = c.run(&g, &what, true, 1.0, step, &cfg, 0.0, |p, scale| {
+            q.adamw_amax_groups(p, scale, step, &cfg, len).unwrap()
+        });
+        let p = &c.p;
         let want: Vec<u32> = p
             .chunks(len)
             .map(|w| {
@@ -527,8 +540,6 @@ fn adamw_fp8_block_is_adamw_update_then_the_contract_quantizer() {
         beta2: 0.95,
         eps: 1e-8,
     };
-    let bits = nan_as_one;
-    let bf = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
     for (case, &(rows, k, special, copy)) in [
         (128usize, 128usize, false, true),
         (256, 384, true, false),
@@ -539,85 +550,50 @@ fn adamw_fp8_block_is_adamw_update_then_the_contract_quantizer() {
     .enumerate()
     {
         let n = rows * k;
-        let mut p = values(n, 700 + case as u64, 1.0);
-        let mut m = values(n, 710 + case as u64, 0.01);
-        let mut v: Vec<f32> = values(n, 720 + case as u64, 1e-3)
-            .iter()
-            .map(|x| x * x)
-            .collect();
-        let mut grad = values(n, 730 + case as u64, 0.5);
+        let mut c = PassCase::new(n, 700 + case as u64, 1.0);
         if special {
             // Tile (0, 0) all zero (master, moments and gradient: stays 0 without decay); tile
             // (0, 1) huge; tile (1, 0) tiny; one NaN gradient in tile (1, 1).
             for r in 0..128 {
-                for c in 0..128 {
-                    let z = r * k + c;
-                    p[z] = 0.0;
-                    m[z] = 0.0;
-                    v[z] = 0.0;
-                    grad[z] = 0.0;
-                    p[r * k + 128 + c] = 3.0e37 * (1.0 + c as f32 / 256.0);
-                    let t = (128 + r) * k + c;
-                    p[t] = 1.0e-39 * (c as f32 - 64.0);
-                    m[t] = 0.0;
-                    grad[t] = 0.0;
+                for col in 0..128 {
+                    let z = r * k + col;
+                    c.p[z] = 0.0;
+                    c.m[z] = 0.0;
+                    c.v[z] = 0.0;
+                    c.grad[z] = 0.0;
+                    c.p[r * k + 128 + col] = 3.0e37 * (1.0 + col as f32 / 256.0);
+                    let t = (128 + r) * k + col;
+                    c.p[t] = 1.0e-39 * (col as f32 - 64.0);
+                    c.m[t] = 0.0;
+                    c.grad[t] = 0.0;
                 }
             }
-            grad[130 * k + 131] = f32::NAN;
+            c.grad[130 * k + 131] = f32::NAN;
         }
         let wd = if special { 0.0 } else { 0.1 };
-        let (mut dp, dg) = (g.upload(&p).unwrap(), g.upload(&grad).unwrap());
-        let (mut dm, mut dv) = (g.upload(&m).unwrap(), g.upload(&v).unwrap());
-        let mut db = g.zeros::<u16>(n.max(1)).unwrap();
         let mut codes = g.zeros::<u8>(n.max(8)).unwrap();
         let tiles = rows / 128 * (k / 128);
         let mut scales = g.zeros::<u8>((4 * tiles).max(4)).unwrap();
-        let scale = g.upload(&[0.75f32]).unwrap();
         let step = 4;
-        let mut bview = db.as_view_mut();
-        q.adamw_fp8_block(
-            AdamWParam {
-                param: &mut dp.as_view_mut(),
-                grad: &dg.as_view(),
-                m: &mut dm.as_view_mut(),
-                v: &mut dv.as_view_mut(),
-                param_bf16: copy.then_some(&mut bview),
-                n,
-                weight_decay: wd,
-            },
-            &scale.as_view(),
-            step,
-            &cfg,
-            k,
-            &mut codes.as_view_mut(),
-            &mut scales.as_view_mut(),
-        )
-        .unwrap();
-        let gs: Vec<f32> = grad.iter().map(|&x| x * 0.75).collect();
-        adamw_update(&mut p, &gs, &mut m, &mut v, step, &cfg, wd);
         let what = format!("case {case} ({rows}×{k})");
-        assert_eq!(
-            bits(&g.download(&dp).unwrap()[..n]),
-            bits(&p),
-            "{what}: master"
-        );
-        assert_eq!(bits(&g.download(&dm).unwrap()[..n]), bits(&m), "{what}: m");
-        assert_eq!(bits(&g.download(&dv).unwrap()[..n]), bits(&v), "{what}: v");
-        let want_copy: Vec<u16> = if copy {
-            p.iter().map(|&x| bf(x)).collect()
-        } else {
-            vec![0; n]
-        };
-        assert_eq!(
-            bf16_nan_as_one(&g.download(&db).unwrap()[..n]),
-            bf16_nan_as_one(&want_copy),
-            "{what}: BF16 copy"
-        );
+        c.run(&g, &what, copy, 0.75, step, &cfg, wd, |p, scale| {
+            q.adamw_fp8_block(
+                p,
+                scale,
+                step,
+                &cfg,
+                k,
+                &mut codes.as_view_mut(),
+                &mut scales.as_view_mut(),
+            )
+            .unwrap()
+        });
+        let p = &c.p;
         if n == 0 {
             continue;
         }
         let t =
-            reference::quantize(&p, &[rows, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Reject).unwrap();
+            reference::quantize(p, &[rows, k], Scheme::FP8_BLOCK_WEIGHT, Padding::Reject).unwrap();
         assert_eq!(
             e4m3_nan_as_one(&g.download(&codes).unwrap()[..n]),
             e4m3_nan_as_one(&t.data),
