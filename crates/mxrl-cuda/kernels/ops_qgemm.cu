@@ -330,9 +330,9 @@ extern "C" __global__ void __launch_bounds__(256)
 // two threads per 16-element block). With CACHE > 0 a thread keeps the values of its first
 // CACHE chunks in registers between the passes (sources that compute their values, SwiGLU,
 // then compute each value once); later chunks are read again. With PARTS, also the three BF16
-// parts of the contract dequantization of every element (quant.cu's nvfp4_dequant_at of the
-// codes, scale and amax just made, then common.cuh's split_bf16x3: hi + mid + lo, exact) at
-// parts[row·k + i], parts[pstride + row·k + i], parts[2·pstride + row·k + i]: the
+// parts of the contract dequantization of every element (nvfp4_dequant_at's value, through
+// quant.cu's nvfp4_dequant_mult, for the codes, scale and amax just made, then common.cuh's
+// split_bf16x3: hi + mid + lo, exact) at parts[row·k + i], parts[pstride + row·k + i], parts[2·pstride + row·k + i]: the
 // `dequantized` wgrad's operand (qlinear_nvfp4_dequant_split3's values) from the same pass.
 #define QA_THREADS 128
 template <bool F16, int CACHE, bool PARTS = false, class Src>
@@ -401,7 +401,7 @@ __device__ __forceinline__ void quant_act_nvfp4_body(const Src& src, u64 row, u1
         nvfp4_decode8(word, sf2, d);
         *reinterpret_cast<uint4*>(pre + row * k + c * 8) = F16 ? pack_f16x8(d) : pack_bf16x8(d);
         if (PARTS) {
-            const float dq = __fmul_rn(__fmul_rn(e4m3_value(scale), a), MXRL_R2688);
+            const float dq = nvfp4_dequant_mult(scale, a);
             u16 h[3][8];
 #pragma unroll
             for (int j = 0; j < 8; ++j)

@@ -634,14 +634,19 @@ NVFP4_ROW_ENTRY(2)
 NVFP4_ROW_ENTRY(4)
 NVFP4_ROW_ENTRY(8)
 
-// x = fl(e2m1_value(code) * fl(fl(sf * amax) * R2688)).
+// The contract's dequantization multiplier of an NVFP4 block with scale byte `scale` and
+// amax `amax`: fl(fl(e4m3_value(scale) * amax) * R2688); an element is fl(e2m1_value(code) *
+// multiplier).
+__device__ __forceinline__ float nvfp4_dequant_mult(u32 scale, float amax) {
+    return __fmul_rn(__fmul_rn(e4m3_value(scale), amax), MXRL_R2688);
+}
+
 // Element i of an NVFP4 tensor with rows of `cols` elements, dequantized as the contract says:
 // fl(e2m1_value(code) * fl(fl(e4m3_value(scale) * amax) * R2688)), amax per row or amax[0].
 __device__ __forceinline__ float nvfp4_dequant_at(const u8* data, const u8* scales, const u32* amax_bits, u64 i, u64 cols, bool per_row) {
     u32 code = (data[i >> 1] >> (4u * (u32)(i & 1u))) & 0xFu;
     float a = __uint_as_float(amax_bits[per_row ? i / cols : 0]);
-    float mult = __fmul_rn(__fmul_rn(e4m3_value(scales[i / MXRL_NVFP4_BLOCK]), a), MXRL_R2688);
-    return __fmul_rn(e2m1_value(code), mult);
+    return __fmul_rn(e2m1_value(code), nvfp4_dequant_mult(scales[i / MXRL_NVFP4_BLOCK], a));
 }
 
 extern "C" __global__ void nvfp4_dequantize(const u8* data, const u8* scales, const u32* amax_bits, float* out, u64 n, u64 cols, int per_row) {

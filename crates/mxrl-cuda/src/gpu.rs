@@ -394,9 +394,9 @@ fn nvrtc_version() -> Option<(i32, i32)> {
 }
 
 /// Where the PTX of module `name` with key `key` is kept between processes: in
-/// [`crate::ptx_cache::ptx_cache_dir`], named by the module, the key (which hashes the full source and the NVRTC
-/// options, architecture included) and NVRTC's version, so PTX from another NVRTC is never
-/// read. `None`: no cache folder, or NVRTC's version unknown.
+/// [`crate::ptx_cache::ptx_cache_dir`], named by the module, the key (which hashes the full
+/// source and the NVRTC options, architecture included) and NVRTC's version, so PTX from
+/// another NVRTC is never read. `None`: no cache folder, or NVRTC's version unknown.
 fn ptx_cache_path(name: &str, key: &str) -> Option<std::path::PathBuf> {
     let (major, minor) = nvrtc_version()?;
     Some(crate::ptx_cache::ptx_cache_dir()?.join(format!("{name}-{key}-nvrtc{major}.{minor}.ptx")))
@@ -692,22 +692,20 @@ impl Gpu {
             return Ok(m.clone());
         }
         let cached = ptx_cache_path(name, &key);
-        let from_disk = cached
-            .as_ref()
-            .and_then(|p| std::fs::read_to_string(p).ok())
-            .and_then(|src| match self.ctx.load_module(Ptx::from_src(src)) {
+        let from_disk = cached.as_ref().and_then(|p| {
+            let src = std::fs::read_to_string(p).ok()?;
+            match self.ctx.load_module(Ptx::from_src(src)) {
                 Ok(m) => Some(m),
                 Err(x) => {
                     // A damaged or foreign file: compile anew and replace it.
                     eprintln!(
                         "mxrl-cuda: the cached {} did not load ({x:?}); compiling {name} anew",
-                        cached
-                            .as_ref()
-                            .map_or_else(String::new, |p| p.display().to_string())
+                        p.display()
                     );
                     None
                 }
-            });
+            }
+        });
         let m = match from_disk {
             Some(m) => m,
             None => {

@@ -236,6 +236,14 @@ fn e4m3_nan_as_one(x: &[u8]) -> Vec<u8> {
         .collect()
 }
 
+/// The AdamW settings of the optimizer-pass tests.
+const PASS_CFG: AdamWConfig = AdamWConfig {
+    lr: 1e-2,
+    beta1: 0.9,
+    beta2: 0.95,
+    eps: 1e-8,
+};
+
 /// One case of an optimizer pass that also quantizes: the host master, moments and gradient
 /// (seeded as every pass test seeds them), their device copies and a BF16 copy buffer; the
 /// reference step on the host and the bitwise checks of what the pass wrote.
@@ -345,12 +353,7 @@ fn adamw_mxfp8_is_adamw_update_then_the_contract_quantizer() {
     use mxrl_formats::{reference, Padding, Scheme};
     let g = gpu();
     let q = QGemm::new(&g).unwrap();
-    let cfg = AdamWConfig {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-    };
+    let cfg = PASS_CFG;
     let bf = |x: f32| (round_bf16(x).to_bits() >> 16) as u16;
     // (rows, k, special values, a BF16 copy, the column-wise operand): rows of 64 and 2048
     // columns, the launch's last warp part-filled (rows·k/8 not a multiple of 32), an empty
@@ -466,12 +469,7 @@ fn adamw_amax_groups_is_adamw_update_then_each_weights_amax() {
     use mxrl_cuda::ops::qgemm::QGemm;
     let g = gpu();
     let q = QGemm::new(&g).unwrap();
-    let cfg = AdamWConfig {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-    };
+    let cfg = PASS_CFG;
     for (case, &(groups, len)) in [(7usize, 48usize), (3, 136), (2, 4096), (16, 256), (0, 16)]
         .iter()
         .enumerate()
@@ -534,12 +532,7 @@ fn adamw_fp8_block_is_adamw_update_then_the_contract_quantizer() {
     use mxrl_formats::{reference, Padding, Scales, Scheme};
     let g = gpu();
     let q = QGemm::new(&g).unwrap();
-    let cfg = AdamWConfig {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-    };
+    let cfg = PASS_CFG;
     for (case, &(rows, k, special, copy)) in [
         (128usize, 128usize, false, true),
         (256, 384, true, false),

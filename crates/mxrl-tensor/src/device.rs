@@ -1418,11 +1418,12 @@ pub trait Backend {
         ))
     }
     /// The activation operand (`[rows, k]`, or its parts: [`SavedX::Operand`]) that
-    /// [`Backend::grouped_qlinear_backward`]'s wgrad multiplies for a weight stored for `spec`, made from the f32 rows `x` as that
-    /// backward would make it (`host_offsets`: the groups' row offsets; `[0, rows]` for a
-    /// dense linear), for specs [`Backend::keeps_forward_operand`] takes: several linears
-    /// of one input (q, k and v) then hand the same operand to each backward as
-    /// [`SavedX::Operand`] instead of quantizing the rows once per linear (the same bytes).
+    /// [`Backend::grouped_qlinear_backward`]'s wgrad multiplies for a weight stored for
+    /// `spec`, made from the f32 rows `x` as that backward would make it (`host_offsets`: the
+    /// groups' row offsets; `[0, rows]` for a dense linear), for specs
+    /// [`Backend::keeps_forward_operand`] takes: several linears of one input (q, k and v)
+    /// then hand the same operand to each backward as [`SavedX::Operand`] instead of
+    /// quantizing the rows once per linear (the same bytes).
     ///
     /// # Errors
     /// A spec the backend keeps no operand of (the default: every spec); short buffers;
