@@ -800,6 +800,7 @@ impl Backend for CudaBackend {
     type Rope = RopeDeviceTable;
     type Graph = DeviceGraph;
     type QExperts = QExperts;
+    type NormParts = crate::ops::optim::NormParts;
 
     fn device(&self) -> Device {
         Device::Cuda(self.gpu.ordinal())
@@ -3250,6 +3251,35 @@ impl Backend for CudaBackend {
         let views: Vec<_> = grads.iter().map(|(g, _)| g.as_view()).collect();
         let lens: Vec<usize> = grads.iter().map(|(_, n)| *n).collect();
         let r = self.optim.grad_norm(&views, &lens, None).map_err(de)?;
+        let v = self.gpu.download(&r.norm).map_err(de)?;
+        Ok(v[0])
+    }
+
+    fn grad_norm_begin(&self, lens: &[usize]) -> DResult<Self::NormParts> {
+        self.optim.grad_norm_begin(lens).map_err(de)
+    }
+
+    /// The buffers' partials run on a second stream, alongside the ops queued after them.
+    fn grad_norm_add(
+        &self,
+        parts: &mut Self::NormParts,
+        bufs: &[(usize, &Self::F32)],
+    ) -> DResult<()> {
+        let views: Vec<_> = bufs.iter().map(|(i, g)| (*i, g.as_view())).collect();
+        self.optim.grad_norm_add(parts, &views, true).map_err(de)
+    }
+
+    fn grad_norm_finish(
+        &self,
+        parts: Self::NormParts,
+        grads: &[(&Self::F32, usize)],
+    ) -> DResult<f64> {
+        let views: Vec<_> = grads.iter().map(|(g, _)| g.as_view()).collect();
+        let lens: Vec<usize> = grads.iter().map(|(_, n)| *n).collect();
+        let r = self
+            .optim
+            .grad_norm_finish(parts, &views, &lens, None)
+            .map_err(de)?;
         let v = self.gpu.download(&r.norm).map_err(de)?;
         Ok(v[0])
     }

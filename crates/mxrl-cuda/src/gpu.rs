@@ -558,9 +558,11 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|x| e(format!("new stream: {x:?}")))?;
-        // SAFETY: every buffer of the engine is created and used on this one stream, so the
-        // per-buffer events cudarc records to order work across streams are never needed (and
-        // events recorded outside a CUDA-graph capture cannot be waited on inside it).
+        // SAFETY: every buffer of the engine is created and used on this one stream (the one
+        // exception, the gradient norm's partial sums on a second stream, orders itself with
+        // explicit waits: `ops::optim::Optim::grad_norm_add`), so the per-buffer events cudarc
+        // records to order work across streams are never needed (and events recorded outside
+        // a CUDA-graph capture cannot be waited on inside it).
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx);
         Ok(Gpu {

@@ -813,3 +813,72 @@ fn gpu_training_on_kept_forward_operands_gives_the_bits_of_the_f32_rows() {
         );
     }
 }
+
+/// The gradient norm begun in the step's last backward (`backward_last`: each layer's
+/// gradients summed on a second stream while the layers below run) gives the optimizer step
+/// the bits of `backward` + `optimizer_step`: the same norms, masters and logprobs over three
+/// steps — one micro-batch; two, the second the last; and a `backward_last` followed by
+/// another `backward`, whose early sums must be dropped (kept, they would hold the layers'
+/// gradients before the second micro-batch's were added, and give another norm).
+#[test]
+fn gpu_norm_begun_in_the_last_backward_gives_the_plain_steps_bits() {
+    let m = model();
+    let mut plain = gpu_engine(&m);
+    let mut early = gpu_engine(&m);
+    plain.enable_training().unwrap();
+    early.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+    let dl = |lp: &[Vec<f32>]| -> Vec<Vec<f32>> {
+        lp.iter()
+            .map(|l| vec![-1.0 / ntok as f32; l.len()])
+            .collect()
+    };
+    let cfg = AdamWConfig {
+        lr: 3e-3,
+        ..Default::default()
+    };
+    let (mb1, mb2) = batch.split_at(2);
+    // Per step: the micro-batches and, per engine, which backward each one runs (true: last).
+    let steps: [(Vec<&[SeqInput]>, Vec<bool>); 3] = [
+        (vec![&batch[..]], vec![true]),
+        (vec![mb1, mb2], vec![false, true]),
+        (vec![mb1, mb2], vec![true, false]),
+    ];
+    for (k, (mbs, last)) in steps.iter().enumerate() {
+        let mut norms = [0.0f64; 2];
+        for (j, e) in [&mut plain, &mut early].into_iter().enumerate() {
+            e.zero_grads().unwrap();
+            for (mb, &is_last) in mbs.iter().zip(last) {
+                let (lp, tape) = e.forward_train(mb, 1.0).unwrap();
+                if j == 1 && is_last {
+                    e.backward_last(&tape, &dl(&lp)).unwrap();
+                } else {
+                    e.backward(&tape, &dl(&lp)).unwrap();
+                }
+            }
+            norms[j] = e.optimizer_step(&cfg, 0.1, Some(0.05)).unwrap();
+        }
+        assert_eq!(
+            norms[0].to_bits(),
+            norms[1].to_bits(),
+            "step {k}: norm {} (backward) vs {} (begun in the last backward)",
+            norms[0],
+            norms[1]
+        );
+        assert!(norms[0] > 0.05, "step {k}: the clipping path is taken");
+    }
+    for n in plain.param_names() {
+        assert_eq!(
+            bits(&[plain.param_values(n).unwrap()]),
+            bits(&[early.param_values(n).unwrap()]),
+            "master {n}"
+        );
+    }
+    assert_eq!(
+        bits(&plain.logprobs(&batch, 1.0).unwrap()),
+        bits(&early.logprobs(&batch, 1.0).unwrap()),
+        "logprobs after the steps"
+    );
+}

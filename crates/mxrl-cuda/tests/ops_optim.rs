@@ -101,6 +101,86 @@ fn grad_norm_matches_global_grad_norm_and_clip_scale() {
     }
 }
 
+/// A gradient norm whose buffers are handed in early — on the second stream, in any order,
+/// some never (summed by the finishing call) — has `grad_norm`'s bits. Each handed-in buffer
+/// was rewritten on the main stream just before (`scale` by 2, several times, the last queued
+/// right before the hand-in): a second stream that did not wait for the main one would sum
+/// older values, and a final sum that did not wait for the second stream would read partials
+/// not yet written (zeros). Bad hand-ins are refused.
+#[test]
+fn grad_norm_handed_in_early_has_the_bits_of_grad_norm() {
+    let g = gpu();
+    let ops = Optim::new(&g).unwrap();
+    // Past 2 048 blocks of 256 (the stage-1 cap) too, so a buffer spans many partial slots.
+    let sizes: &[usize] = &[0, 1, 257, 70_001, 8_192, 3, 600_000, 4_096];
+    let two = g.upload(&[2.0f32]).unwrap();
+    let orders: [&[usize]; 3] = [&[6, 1, 3], &[0, 1, 2, 3, 4, 5, 6, 7], &[7, 5, 3, 6, 2]];
+    for (case, order) in orders.into_iter().enumerate() {
+        let mut dev: Vec<_> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| g.upload(&values(n, 40 + i as u64, 0.5)).unwrap())
+            .collect();
+        let mut parts = ops.grad_norm_begin(sizes).unwrap();
+        for (k, &i) in order.iter().enumerate() {
+            for _ in 0..3 {
+                ops.scale(&mut dev[i].as_view_mut(), &two.as_view(), sizes[i])
+                    .unwrap();
+            }
+            // On the second stream, every third on the main stream.
+            let bufs = vec![(i, dev[i].as_view())];
+            ops.grad_norm_add(&mut parts, &bufs, k % 3 != 2).unwrap();
+        }
+        let views: Vec<_> = dev.iter().map(|d| d.as_view()).collect();
+        let early = ops
+            .grad_norm_finish(parts, &views, sizes, Some(1.0))
+            .unwrap();
+        let plain = ops.grad_norm(&views, sizes, Some(1.0)).unwrap();
+        let (e, p) = (
+            g.download(&early.norm).unwrap()[0],
+            g.download(&plain.norm).unwrap()[0],
+        );
+        assert_eq!(e.to_bits(), p.to_bits(), "case {case}: norm {e} vs {p}");
+        assert_eq!(
+            g.download(&early.scale).unwrap()[0].to_bits(),
+            g.download(&plain.scale).unwrap()[0].to_bits(),
+            "case {case}: clipping coefficient"
+        );
+        // And the norm of the values as rewritten (8 times the first ones where scaled).
+        let host: Vec<Vec<f32>> = dev
+            .iter()
+            .zip(sizes)
+            .map(|(d, &n)| g.download(d).unwrap()[..n].to_vec())
+            .collect();
+        let want = global_grad_norm(&host.iter().map(|x| x.as_slice()).collect::<Vec<_>>());
+        let bound = norm_bound(&host);
+        assert!(
+            (e - want).abs() <= bound,
+            "case {case}: norm {e} vs reference {want}, bound {bound:e}"
+        );
+    }
+    // Refusals: an index past the list, a buffer twice, a short buffer, other lengths.
+    let dev: Vec<_> = sizes
+        .iter()
+        .map(|&n| g.upload(&values(n, 7, 1.0)).unwrap())
+        .collect();
+    let mut parts = ops.grad_norm_begin(sizes).unwrap();
+    let past = ops.grad_norm_add(&mut parts, &[(sizes.len(), dev[1].as_view())], true);
+    assert!(past.is_err(), "an index past the list is refused");
+    ops.grad_norm_add(&mut parts, &[(3, dev[3].as_view())], true)
+        .unwrap();
+    let twice = ops.grad_norm_add(&mut parts, &[(3, dev[3].as_view())], true);
+    assert!(twice.is_err(), "a buffer handed in twice is refused");
+    let short = ops.grad_norm_add(&mut parts, &[(6, dev[2].as_view())], true);
+    assert!(short.is_err(), "a short buffer is refused");
+    let views: Vec<_> = dev.iter().map(|d| d.as_view()).collect();
+    let other = ops.grad_norm_finish(parts, &views[1..], &sizes[1..], None);
+    assert!(
+        other.is_err(),
+        "lengths other than the begun ones are refused"
+    );
+}
+
 #[test]
 fn adamw_step_is_bitwise_adamw_update_with_bf16_copy() {
     let g = gpu();

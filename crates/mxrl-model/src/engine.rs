@@ -121,6 +121,8 @@ struct Layer {
     attn: Attention,
     ln2: usize,
     ffn: Ffn,
+    /// The indices of this layer's parameters (every one of them, contiguous).
+    params: std::ops::Range<usize>,
 }
 
 /// The per-head q/k norms' inputs and reciprocal RMS: `(q_pre, rstd_q, k_pre, rstd_k)`.
@@ -250,6 +252,11 @@ pub struct Engine<B: Backend> {
 
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
 struct TrainState<B: Backend> {
+    /// The gradient norm begun by [`Engine::backward_last`] (its layers' buffers handed in as
+    /// each became final); dropped by anything that writes a gradient after it. Declared
+    /// first so that it is dropped first: a device finishes its reads of the gradients
+    /// before their buffers are freed.
+    norm_parts: Option<B::NormParts>,
     grads: Vec<B::F32>,
     /// Per parameter: zeroed by [`Engine::zero_grads`] but not yet written, its buffer's
     /// contents unspecified (the routed experts' wgrad overwrites instead of accumulating, so
@@ -511,6 +518,7 @@ impl<B: Backend> Engine<B> {
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let a = format!("{p}.self_attn");
+            let first = params.len();
             let mut one = |params: &mut Vec<Param<B>>,
                            name: String,
                            shape: &[usize],
@@ -677,6 +685,7 @@ impl<B: Backend> Engine<B> {
                 },
                 ln2,
                 ffn,
+                params: first..params.len(),
             });
         }
         let norm = {
@@ -3068,6 +3077,7 @@ impl<B: Backend> Engine<B> {
             m: self.params.iter().map(z).collect::<Result<_>>()?,
             v: self.params.iter().map(z).collect::<Result<_>>()?,
             step: 0,
+            norm_parts: None,
         });
         Ok(())
     }
@@ -3085,6 +3095,7 @@ impl<B: Backend> Engine<B> {
             .train
             .as_mut()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        st.norm_parts = None;
         // The routed experts' gradients are only written by their wgrad, which takes a pending
         // zero as "overwrite"; the rest are zeroed here.
         let mut deferred = vec![false; self.params.len()];
@@ -3126,6 +3137,23 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// Training not enabled, `dlogprobs` of the wrong shape, device failures.
     pub fn backward(&mut self, tape: &Tape<B>, dlogprobs: &[Vec<f32>]) -> Result<()> {
+        self.backward_with(tape, dlogprobs, false)
+    }
+
+    /// [`Engine::backward`] of the step's last micro-batch: every gradient is final once it
+    /// returns, so the global gradient norm of the next [`Engine::optimizer_step`] starts
+    /// here, each layer's buffers summed as soon as its backward is done (on a device, while
+    /// the layers below run). The norm, and so the step, has the bits of `backward` followed
+    /// by `optimizer_step`; a gradient written after this call (another backward,
+    /// [`Engine::zero_grads`]) discards the early sums.
+    ///
+    /// # Errors
+    /// As [`Engine::backward`].
+    pub fn backward_last(&mut self, tape: &Tape<B>, dlogprobs: &[Vec<f32>]) -> Result<()> {
+        self.backward_with(tape, dlogprobs, true)
+    }
+
+    fn backward_with(&mut self, tape: &Tape<B>, dlogprobs: &[Vec<f32>], last: bool) -> Result<()> {
         let layout = &tape.layout;
         if dlogprobs.len() != layout.num_seqs()
             || dlogprobs
@@ -3143,7 +3171,25 @@ impl<B: Backend> Engine<B> {
             .train
             .take()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
-        let r = self.backward_into(tape, dlogprobs, &mut st.grads, &mut st.pending_zero);
+        // Early sums of an earlier backward_last no longer describe the gradients.
+        st.norm_parts = None;
+        let mut parts = None;
+        let r = (|| {
+            if last {
+                let lens: Vec<usize> = self.params.iter().map(|p| p.len).collect();
+                parts = Some(self.b.grad_norm_begin(&lens).map_err(dev)?);
+            }
+            self.backward_into(
+                tape,
+                dlogprobs,
+                &mut st.grads,
+                &mut st.pending_zero,
+                parts.as_mut(),
+            )
+        })();
+        if r.is_ok() {
+            st.norm_parts = parts;
+        }
         self.train = Some(st);
         r
     }
@@ -3154,6 +3200,7 @@ impl<B: Backend> Engine<B> {
         dlogprobs: &[Vec<f32>],
         g: &mut [B::F32],
         pending_zero: &mut [bool],
+        mut norm_parts: Option<&mut B::NormParts>,
     ) -> Result<()> {
         let b = &self.b;
         let c = &self.cfg;
@@ -3464,6 +3511,18 @@ impl<B: Backend> Engine<B> {
             )
             .map_err(dev)?;
             b.add(&mut dx, &dxi, n * hd).map_err(dev)?;
+            if let Some(parts) = norm_parts.as_deref_mut() {
+                // No later op of this backward writes this layer's gradients: their norm
+                // partials may run alongside the layers below. A gradient still pending its
+                // zero is not final yet (the optimizer step zeroes it, then sums it).
+                let ready: Vec<(usize, &B::F32)> = l
+                    .params
+                    .clone()
+                    .filter(|&i| !pending_zero[i])
+                    .map(|i| (i, &g[i]))
+                    .collect();
+                b.grad_norm_add(parts, &ready).map_err(dev)?;
+            }
         }
         b.embed_backward(&dx, &tape.tokens_dev, &tape.tokens, hd, &mut g[self.embed])
             .map_err(dev)?;
@@ -3497,7 +3556,10 @@ impl<B: Backend> Engine<B> {
                 .zip(&self.params)
                 .map(|(g, p)| (g, p.len))
                 .collect();
-            b.grad_norm(&views).map_err(dev)?
+            match st.norm_parts.take() {
+                Some(parts) => b.grad_norm_finish(parts, &views).map_err(dev)?,
+                None => b.grad_norm(&views).map_err(dev)?,
+            }
         };
         if !norm.is_finite() {
             return Err(ModelError::Input(format!(

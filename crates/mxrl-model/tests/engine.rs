@@ -429,7 +429,10 @@ fn gradients_bitwise(arch: Arch) {
     let (lp, tape) = e.forward_train(&batch, temperature).unwrap();
     assert_eq!(lp, logprobs);
     e.zero_grads().unwrap();
-    e.backward(&tape, &dl).unwrap();
+    // The step's last backward: it also begins the optimizer step's gradient norm, layer by
+    // layer (every layer's parameters handed in once, checked by the backend); the gradients
+    // and the norm are `backward`'s.
+    e.backward_last(&tape, &dl).unwrap();
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
     assert!(names.len() > 10);
     for name in &names {

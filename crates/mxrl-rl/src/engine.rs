@@ -312,6 +312,43 @@ impl<B: Backend> EngineTrainer<B> {
     }
 }
 
+impl<B: Backend + 'static> EngineTrainer<B> {
+    /// Backward of the last forward's micro-batch; `last`: the step's last one
+    /// ([`Engine::backward_last`]).
+    fn backward_with(&mut self, dlogp: &[Vec<f32>], last: bool) -> Result<(), PolicyError> {
+        let tape = self
+            .tape
+            .take()
+            .ok_or_else(|| PolicyError::Invalid("backward without a training forward".into()))?;
+        if dlogp.len() != self.resp_lens.len()
+            || dlogp
+                .iter()
+                .zip(&self.resp_lens)
+                .any(|(d, &(_, r))| d.len() != r)
+        {
+            return Err(PolicyError::Invalid(format!(
+                "backward: gradient rows of lengths {:?} for responses of lengths {:?}",
+                dlogp.iter().map(Vec::len).collect::<Vec<_>>(),
+                self.resp_lens.iter().map(|r| r.1).collect::<Vec<_>>()
+            )));
+        }
+        let full: Vec<Vec<f32>> = dlogp
+            .iter()
+            .zip(&self.resp_lens)
+            .map(|(d, &(t, r))| {
+                let mut v = vec![0.0f32; t - r];
+                v.extend_from_slice(d);
+                v
+            })
+            .collect();
+        if last {
+            self.engine.backward_last(&tape, &full).map_err(be)
+        } else {
+            self.engine.backward(&tape, &full).map_err(be)
+        }
+    }
+}
+
 impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     fn forward(
         &mut self,
@@ -360,32 +397,11 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
     }
 
     fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
-        let tape = self
-            .tape
-            .take()
-            .ok_or_else(|| PolicyError::Invalid("backward without a training forward".into()))?;
-        if dlogp.len() != self.resp_lens.len()
-            || dlogp
-                .iter()
-                .zip(&self.resp_lens)
-                .any(|(d, &(_, r))| d.len() != r)
-        {
-            return Err(PolicyError::Invalid(format!(
-                "backward: gradient rows of lengths {:?} for responses of lengths {:?}",
-                dlogp.iter().map(Vec::len).collect::<Vec<_>>(),
-                self.resp_lens.iter().map(|r| r.1).collect::<Vec<_>>()
-            )));
-        }
-        let full: Vec<Vec<f32>> = dlogp
-            .iter()
-            .zip(&self.resp_lens)
-            .map(|(d, &(t, r))| {
-                let mut v = vec![0.0f32; t - r];
-                v.extend_from_slice(d);
-                v
-            })
-            .collect();
-        self.engine.backward(&tape, &full).map_err(be)
+        self.backward_with(dlogp, false)
+    }
+
+    fn backward_last(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
+        self.backward_with(dlogp, true)
     }
 
     fn params(&mut self) -> Vec<ParamMut<'_>> {

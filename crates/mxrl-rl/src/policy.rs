@@ -340,6 +340,14 @@ pub trait TrainPolicy {
     /// the last forward.
     fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError>;
 
+    /// [`TrainPolicy::backward`] of the last micro-batch before
+    /// [`TrainPolicy::optimizer_step`]: a trainer may start that step's work on gradients
+    /// that are final (the device engine's gradient norm, layer by layer). Same result as
+    /// `backward`, which it defaults to.
+    fn backward_last(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
+        self.backward(dlogp)
+    }
+
     /// Named parameters with their gradients.
     fn params(&mut self) -> Vec<ParamMut<'_>>;
 
@@ -498,6 +506,9 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
     }
     fn backward(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
         (**self).backward(dlogp)
+    }
+    fn backward_last(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
+        (**self).backward_last(dlogp)
     }
     fn params(&mut self) -> Vec<ParamMut<'_>> {
         (**self).params()

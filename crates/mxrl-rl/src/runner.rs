@@ -654,6 +654,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         let mut agree: Vec<(usize, usize)> = Vec::new();
         let mut hid: Vec<(f64, usize)> = Vec::new();
         let (mut loss, mut clipped, mut corrected, mut ref_kl_sum) = (0f64, 0usize, 0usize, 0f64);
+        let n_mb = samples.len().div_ceil(cfg.micro_batch.max(1));
         for (mb_i, mb) in samples.chunks(cfg.micro_batch).enumerate() {
             let base = mb_i * cfg.micro_batch;
             // The trainer's probes are compared with the rollout's: only where there are some.
@@ -682,7 +683,11 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             clipped += st.clipped_tokens;
             corrected += st.is_corrected_tokens;
             ref_kl_sum += st.ref_kl_sum;
-            self.trainer.backward(&dlogp)?;
+            if mb_i + 1 == n_mb {
+                self.trainer.backward_last(&dlogp)?;
+            } else {
+                self.trainer.backward(&dlogp)?;
+            }
             for (f, s) in fw.iter().zip(mb) {
                 ent_sum += f.entropy.iter().map(|&e| e as f64).sum::<f64>();
                 if let (Some(a), Some(b)) = (&f.routing, &s.routing) {
@@ -930,7 +935,7 @@ pub fn sft_until<T: TrainPolicy>(
                 what: format!("the SFT loss ({loss})"),
             });
         }
-        trainer.backward(&d)?;
+        trainer.backward_last(&d)?;
         let norm = optimizer_step(trainer, &mut opt)?;
         if !norm.is_finite() {
             return Err(RunError::NonFinite {

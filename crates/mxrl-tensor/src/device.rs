@@ -243,6 +243,9 @@ pub trait Backend {
     /// The routed experts' weights of one projection in a block format, as stored
     /// ([`Backend::upload_experts`]).
     type QExperts;
+    /// A gradient norm whose buffers are summed one by one as they become final
+    /// ([`Backend::grad_norm_begin`]).
+    type NormParts;
 
     /// The device.
     fn device(&self) -> Device;
@@ -1100,6 +1103,36 @@ pub trait Backend {
     /// # Errors
     /// Device failure.
     fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64>;
+    /// Starts a [`Backend::grad_norm`] over buffers of lengths `lens` (in the order the
+    /// finishing call lists them) whose buffers are handed in one by one, each as soon as no
+    /// later op writes it: a device may sum a buffer's squares while the ops that follow run
+    /// (the backward of the layers below it). The result is [`Backend::grad_norm`]'s, bit for
+    /// bit.
+    ///
+    /// # Errors
+    /// Device failure.
+    fn grad_norm_begin(&self, lens: &[usize]) -> DResult<Self::NormParts>;
+    /// Hands in buffers `(i, grad)` of a [`Backend::grad_norm_begin`]: the first `lens[i]`
+    /// entries of each are final (no op may write them before
+    /// [`Backend::grad_norm_finish`]).
+    ///
+    /// # Errors
+    /// An index out of range or handed in twice, a short buffer; device failure.
+    fn grad_norm_add(
+        &self,
+        parts: &mut Self::NormParts,
+        bufs: &[(usize, &Self::F32)],
+    ) -> DResult<()>;
+    /// The norm of `grads` (the buffers and lengths of the `grad_norm_begin`, in its order),
+    /// those not handed in summed now: [`Backend::grad_norm`]`(grads)`, bit for bit.
+    ///
+    /// # Errors
+    /// Lengths other than the `grad_norm_begin`'s; device failure.
+    fn grad_norm_finish(
+        &self,
+        parts: Self::NormParts,
+        grads: &[(&Self::F32, usize)],
+    ) -> DResult<f64>;
     /// One AdamW step on `param[..n]` (reference `optim::adamw_update`, step `t ≥ 1`) on the
     /// gradient multiplied by `grad_scale` first (`fl(g · s)`, the clipping coefficient, 1 for
     /// none: the same bits as scaling the gradient in place and stepping; the gradient buffer
@@ -2194,6 +2227,9 @@ impl Backend for CpuBackend {
     type Rope = Vec<f32>;
     type Graph = Infallible;
     type QExperts = Vec<PreparedWeight>;
+    /// The lengths of the `grad_norm_begin` and which buffers were handed in (the CPU sums
+    /// every buffer in the finishing call, in order, as `optim::global_grad_norm` does).
+    type NormParts = (Vec<usize>, Vec<bool>);
 
     fn device(&self) -> Device {
         Device::Cpu
@@ -3408,6 +3444,52 @@ impl Backend for CpuBackend {
     fn grad_norm(&self, grads: &[(&Vec<f32>, usize)]) -> DResult<f64> {
         let slices: Vec<&[f32]> = grads.iter().map(|(g, n)| &g[..*n]).collect();
         Ok(crate::optim::global_grad_norm(&slices))
+    }
+
+    fn grad_norm_begin(&self, lens: &[usize]) -> DResult<(Vec<usize>, Vec<bool>)> {
+        Ok((lens.to_vec(), vec![false; lens.len()]))
+    }
+
+    fn grad_norm_add(
+        &self,
+        parts: &mut (Vec<usize>, Vec<bool>),
+        bufs: &[(usize, &Vec<f32>)],
+    ) -> DResult<()> {
+        let (lens, added) = parts;
+        for &(i, grad) in bufs {
+            let Some(&n) = lens.get(i) else {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("grad_norm_add: buffer {i} handed in, {} begun", lens.len()),
+                ));
+            };
+            if std::mem::replace(&mut added[i], true) {
+                return Err(DeviceError::new(
+                    "cpu",
+                    format!("grad_norm_add: buffer {i} handed in twice"),
+                ));
+            }
+            need("grad_norm_add grad", grad.len(), n)?;
+        }
+        Ok(())
+    }
+
+    fn grad_norm_finish(
+        &self,
+        parts: (Vec<usize>, Vec<bool>),
+        grads: &[(&Vec<f32>, usize)],
+    ) -> DResult<f64> {
+        let lens: Vec<usize> = grads.iter().map(|(_, n)| *n).collect();
+        if lens != parts.0 {
+            return Err(DeviceError::new(
+                "cpu",
+                format!(
+                    "grad_norm_finish: lengths {lens:?}, begun with {:?}",
+                    parts.0
+                ),
+            ));
+        }
+        self.grad_norm(grads)
     }
 
     fn adamw(

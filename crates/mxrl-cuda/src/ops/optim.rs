@@ -14,9 +14,11 @@ use super::check_len;
 use crate::gpu::Gpu;
 use crate::DeviceError;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use mxrl_tensor::optim::AdamWConfig;
+use std::sync::Arc;
 
 /// Kernel source of this family.
 pub const SOURCE: &str = include_str!("../../kernels/ops_optim.cu");
@@ -128,6 +130,38 @@ pub struct GradNorm {
     pub scale: CudaSlice<f32>,
 }
 
+/// A gradient norm whose buffers are handed in one at a time ([`Optim::grad_norm_begin`]).
+pub struct NormParts {
+    /// Stage-1 block partials of every buffer, in [`Optim::grad_norm`]'s slots.
+    partial: CudaSlice<f64>,
+    lens: Vec<usize>,
+    /// First slot of each buffer.
+    offs: Vec<usize>,
+    /// Slots in all.
+    total: usize,
+    added: Vec<bool>,
+    /// (second stream, main stream) once a buffer ran on the second stream.
+    side: Option<(Arc<CudaStream>, Arc<CudaStream>)>,
+}
+
+impl NormParts {
+    /// Makes the main stream wait for the partials queued on the second stream.
+    fn join(&mut self) -> Result<(), cudarc::driver::DriverError> {
+        if let Some((side, main)) = self.side.take() {
+            main.join(&side)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NormParts {
+    /// The partials buffer is freed in the main stream's order: that stream waits for the
+    /// second one first, so no partial is written after the free.
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
+}
+
 /// The loaded kernels.
 pub struct Optim {
     gpu: Gpu,
@@ -140,6 +174,8 @@ pub struct Optim {
     one: CudaSlice<f32>,
     /// A one-element stand-in for an absent BF16 copy (never written).
     no_bf16: CudaSlice<u16>,
+    /// The second stream of [`Optim::grad_norm_add`].
+    side: std::sync::OnceLock<Arc<CudaStream>>,
 }
 
 impl Optim {
@@ -162,6 +198,7 @@ impl Optim {
             scale: f("scale_inplace")?,
             one: gpu.upload(&[1.0f32])?,
             no_bf16: gpu.zeros(1)?,
+            side: std::sync::OnceLock::new(),
         })
     }
 
@@ -261,15 +298,154 @@ impl Optim {
         Ok(self.gpu.download(&r.norm)?[0])
     }
 
-    /// Global L2 norm of many gradient buffers (`grads[i]` of `lens[i]` elements) and the
-    /// clipping coefficient for `max_norm` (`None`: no clipping, scale 1). f64 accumulation of
-    /// exact squares in a fixed two-stage tree. References:
-    /// `mxrl_tensor::optim::{global_grad_norm, clip_grad_norm}`.
+    /// Global gradient norm of `grads[i][..lens[i]]` and the clipping coefficient for
+    /// `max_norm` (`None`: no clipping, scale 1). f64 accumulation of exact squares in a fixed
+    /// two-stage tree. References: `mxrl_tensor::optim::{global_grad_norm, clip_grad_norm}`.
+    /// The same as [`Optim::grad_norm_begin`] and [`Optim::grad_norm_finish`] with nothing
+    /// handed in between.
     ///
     /// # Errors
     /// Mismatched lists, short buffers, out of device memory; launch errors.
     pub fn grad_norm(
         &self,
+        grads: &[CudaView<'_, f32>],
+        lens: &[usize],
+        max_norm: Option<f64>,
+    ) -> Result<GradNorm, DeviceError> {
+        let parts = self.grad_norm_begin(lens)?;
+        self.grad_norm_finish(parts, grads, lens, max_norm)
+    }
+
+    /// Starts a gradient norm over buffers of lengths `lens` whose stage-1 partials may be
+    /// launched one buffer at a time ([`Optim::grad_norm_add`]) before
+    /// [`Optim::grad_norm_finish`] launches the rest and the final sum. Every buffer's
+    /// partials land in the slots [`Optim::grad_norm`] gives them and are computed by the same
+    /// launch, so the norm is its bits whatever was handed in, in whatever order.
+    ///
+    /// # Errors
+    /// Out of device memory.
+    pub fn grad_norm_begin(&self, lens: &[usize]) -> Result<NormParts, DeviceError> {
+        let mut offs = Vec::with_capacity(lens.len());
+        let mut total = 0usize;
+        for &n in lens {
+            offs.push(total);
+            if n > 0 {
+                total += norm_blocks(n);
+            }
+        }
+        Ok(NormParts {
+            partial: self.gpu.zeros(total.max(1))?,
+            lens: lens.to_vec(),
+            offs,
+            total,
+            added: vec![false; lens.len()],
+            side: None,
+        })
+    }
+
+    /// Launches the stage-1 partials of buffers `bufs` (index in the `grad_norm_begin`'s
+    /// list, its first `lens[i]` entries). With `concurrent`, they run on a second stream
+    /// after everything queued so far on the main stream, alongside what is queued after
+    /// them; the buffers must then not be written until [`Optim::grad_norm_finish`] (which,
+    /// like dropping the parts, makes the main stream wait for that stream).
+    ///
+    /// # Errors
+    /// An index out of range or handed in twice, a short buffer; launch errors.
+    pub fn grad_norm_add(
+        &self,
+        parts: &mut NormParts,
+        bufs: &[(usize, CudaView<'_, f32>)],
+        concurrent: bool,
+    ) -> Result<(), DeviceError> {
+        let g = &self.gpu;
+        for (i, x) in bufs {
+            let Some(&n) = parts.lens.get(*i) else {
+                return Err(g.err(format!(
+                    "grad norm: buffer {i} handed in, {} begun",
+                    parts.lens.len()
+                )));
+            };
+            if parts.added[*i] {
+                return Err(g.err(format!("grad norm: buffer {i} handed in twice")));
+            }
+            check_len(g, &format!("grad norm buffer {i}"), x.len(), n)?;
+        }
+        let stream = if concurrent {
+            let main = g.stream();
+            let side = match &parts.side {
+                Some((s, _)) => s.clone(),
+                None => {
+                    let s = self.side_stream()?;
+                    parts.side = Some((s.clone(), main.clone()));
+                    s
+                }
+            };
+            // The side stream starts these partials once everything queued so far on the main
+            // stream (the backward that wrote the buffers) is done.
+            side.join(main)
+                .map_err(|e| g.err(format!("grad norm: stream wait: {e:?}")))?;
+            side
+        } else {
+            g.stream().clone()
+        };
+        for (i, x) in bufs {
+            self.launch_partial(&stream, parts, *i, x)?;
+            parts.added[*i] = true;
+        }
+        Ok(())
+    }
+
+    /// Stage 1 for buffer `i` on `stream`: block partials into its slots.
+    fn launch_partial(
+        &self,
+        stream: &Arc<CudaStream>,
+        parts: &mut NormParts,
+        i: usize,
+        x: &CudaView<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        let n = parts.lens[i];
+        if n == 0 {
+            return Ok(());
+        }
+        let nb = norm_blocks(n);
+        let off = parts.offs[i];
+        let mut dst = parts.partial.slice_mut(off..off + nb);
+        let n64 = n as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (nb as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.partial);
+        b.arg(x).arg(&n64).arg(&mut dst);
+        // SAFETY: grid-stride over i < n reads x[i] (≥ n, checked by the caller); block k < nb
+        // writes dst[k] (nb elements).
+        unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// The second stream of [`Optim::grad_norm_add`] (made on first use).
+    fn side_stream(&self) -> Result<Arc<CudaStream>, DeviceError> {
+        if let Some(s) = self.side.get() {
+            return Ok(s.clone());
+        }
+        let s = self
+            .gpu
+            .ctx()
+            .new_stream()
+            .map_err(|e| self.gpu.err(format!("grad norm: new stream: {e:?}")))?;
+        Ok(self.side.get_or_init(|| s).clone())
+    }
+
+    /// Launches the partials of the buffers not handed in (main stream), makes the main
+    /// stream wait for the second stream's, then sums them: the norm and clipping coefficient
+    /// of [`Optim::grad_norm`] over `grads` and `lens` (the `grad_norm_begin`'s lengths).
+    ///
+    /// # Errors
+    /// Lengths other than the `grad_norm_begin`'s, short buffers; launch errors.
+    pub fn grad_norm_finish(
+        &self,
+        mut parts: NormParts,
         grads: &[CudaView<'_, f32>],
         lens: &[usize],
         max_norm: Option<f64>,
@@ -282,56 +458,54 @@ impl Optim {
                 lens.len()
             )));
         }
+        if lens != parts.lens.as_slice() {
+            let at = lens
+                .iter()
+                .zip(&parts.lens)
+                .position(|(a, b)| a != b)
+                .unwrap_or(lens.len().min(parts.lens.len()));
+            return Err(g.err(format!(
+                "grad norm: {} buffers finished, {} begun (first difference at buffer {at})",
+                lens.len(),
+                parts.lens.len()
+            )));
+        }
         if let Some(mn) = max_norm {
             if mn.is_nan() || mn < 0.0 {
                 return Err(g.err(format!("grad norm: max_norm {mn} must be ≥ 0")));
             }
         }
         for (i, (x, &n)) in grads.iter().zip(lens).enumerate() {
-            check_len(g, &format!("grad norm buffer {i}"), x.len(), n)?;
-        }
-        let total_blocks: usize = lens
-            .iter()
-            .filter(|&&n| n > 0)
-            .map(|&n| norm_blocks(n))
-            .sum();
-        let mut partial: CudaSlice<f64> = g.zeros(total_blocks.max(1))?;
-        let mut off = 0usize;
-        for (x, &n) in grads.iter().zip(lens) {
-            if n == 0 {
-                continue;
+            if !parts.added[i] {
+                check_len(g, &format!("grad norm buffer {i}"), x.len(), n)?;
             }
-            let nb = norm_blocks(n);
-            let mut dst = partial.slice_mut(off..off + nb);
-            let n64 = n as u64;
-            let cfg = LaunchConfig {
-                grid_dim: (nb as u32, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = g.stream().launch_builder(&self.partial);
-            b.arg(x).arg(&n64).arg(&mut dst);
-            // SAFETY: grid-stride over i < n reads x[i] (≥ n, checked); block k < nb writes
-            // dst[k] (nb elements).
-            unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
-            off += nb;
         }
+        let main = g.stream().clone();
+        for (i, x) in grads.iter().enumerate() {
+            if !parts.added[i] {
+                self.launch_partial(&main, &mut parts, i, x)?;
+                parts.added[i] = true;
+            }
+        }
+        parts
+            .join()
+            .map_err(|e| g.err(format!("grad norm: stream wait: {e:?}")))?;
         let mut norm: CudaSlice<f64> = g.zeros(1)?;
         let mut scale: CudaSlice<f32> = g.zeros(1)?;
-        let np = total_blocks as u64;
+        let np = parts.total as u64;
         let mn = max_norm.unwrap_or(-1.0);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = g.stream().launch_builder(&self.final_);
-        b.arg(&partial)
+        let mut b = main.launch_builder(&self.final_);
+        b.arg(&parts.partial)
             .arg(&np)
             .arg(&mn)
             .arg(&mut norm)
             .arg(&mut scale);
-        // SAFETY: one block reads partial[0..np) (np = total_blocks ≤ its length) and writes
+        // SAFETY: one block reads partial[0..np) (np = total ≤ its length) and writes
         // norm[0], scale[0] (one element each).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(GradNorm { norm, scale })
