@@ -284,12 +284,6 @@ pub enum HostTensor<'a> {
     Stored(Vec<mxrl_tensor::device::StoredBytes<'a>>),
 }
 
-/// A parameter's replacement, built before anything is swapped in.
-enum Fresh<B: Backend> {
-    Bf16(B::F32, Option<B::Bf16>, Option<B::F32>),
-    Stored(B::QExperts),
-}
-
 /// A batch being decoded: BF16 KV caches `[slots, max_len, Hkv·D]` per layer, the current
 /// length of every sequence, and the step's device buffers (token ids, positions and lengths
 /// going up; logits, sampled ids and logprobs). After one plain step, a device with graphs
@@ -3831,9 +3825,10 @@ impl<B: Backend> Engine<B> {
 
     /// Installs an update from [`Engine::export_device`] of an engine of the same
     /// configuration and plan: the checksums of the buffers are taken on the device and
-    /// compared with `expected` first; then every new master (the BF16 values widened), BF16
-    /// operand (the buffer itself), BF16 value and stored weight set is built, and only then
-    /// are they swapped in. On any error nothing changes.
+    /// compared with `expected` first; only then are they put in place: the BF16 buffers as
+    /// operands, the masters and BF16 values rewritten from them in place, the stored weight
+    /// sets swapped. On any error nothing changes (short of a device fault while they are put
+    /// in place).
     ///
     /// # Errors
     /// Wrong count, a tensor of another kind than this engine runs it as, a checksum mismatch
@@ -3886,7 +3881,7 @@ impl<B: Backend> Engine<B> {
     /// stored weights ([`Backend::upload_stored`]). Every entry is checked against its
     /// parameter (kind, byte count, the stored weights' count and byte counts) before
     /// anything is copied; every new buffer is built before the first parameter is replaced.
-    /// On any error nothing changes.
+    /// On any error nothing changes (short of a device fault while they are put in place).
     ///
     /// # Errors
     /// Wrong count, an entry of another kind or size than its parameter (the tensor named),
@@ -3957,44 +3952,30 @@ impl<B: Backend> Engine<B> {
         self.swap_in(bufs)
     }
 
-    /// Builds every parameter's replacement from `bufs` (checked to match the parameters'
-    /// kinds and sizes): the master widened from the BF16 values on the device, the BF16
-    /// operand (the buffer itself) and the BF16 value; then swaps them all in.
+    /// Puts `bufs` (checked to match the parameters' kinds and sizes, every one already
+    /// built) in place: a stored weight set replaces the old one; BF16 values become the
+    /// parameter's BF16 operand (where it has one), and its master (and BF16 value) are
+    /// rewritten from them in place, exactly (`f32(bf16)`). Nothing is allocated here, so an
+    /// update that ran out of memory did so while its buffers were built, before anything
+    /// changed, and the old masters are not held beside new ones (a BF16 update's peak is
+    /// its 2 bytes per value, not 6). A launch that fails here (a device fault) may leave the
+    /// parameters before it updated.
     fn swap_in(&mut self, bufs: Vec<DeviceTensor<B>>) -> Result<()> {
-        let np = self.params.len();
         let b = &self.b;
-        let mut fresh: Vec<Fresh<B>> = Vec::with_capacity(np);
-        for (buf, p) in bufs.into_iter().zip(&self.params) {
-            let buf = match buf {
+        for (buf, p) in bufs.into_iter().zip(self.params.iter_mut()) {
+            match buf {
                 DeviceTensor::Stored(w) => {
-                    fresh.push(Fresh::Stored(w));
-                    continue;
-                }
-                DeviceTensor::Bf16(x) => x,
-            };
-            let mut master = b.empty_f32(p.len).map_err(dev)?;
-            b.widen_bf16(&buf, &mut master, p.len).map_err(dev)?;
-            let compute = match p.compute {
-                Some(_) => {
-                    let mut c = b.empty_f32(p.len).map_err(dev)?;
-                    b.round_bf16(&master, &mut c, p.len).map_err(dev)?;
-                    Some(c)
-                }
-                None => None,
-            };
-            let op = p.op.as_ref().map(|_| buf);
-            fresh.push(Fresh::Bf16(master, op, compute));
-        }
-        for (p, f) in self.params.iter_mut().zip(fresh) {
-            match f {
-                Fresh::Bf16(master, op, compute) => {
-                    p.master = master;
-                    p.op = op;
-                    p.compute = compute;
-                }
-                Fresh::Stored(w) => {
                     if let Some(q) = p.q.as_mut() {
                         q.w = w;
+                    }
+                }
+                DeviceTensor::Bf16(x) => {
+                    b.widen_bf16(&x, &mut p.master, p.len).map_err(dev)?;
+                    if let Some(c) = p.compute.as_mut() {
+                        b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+                    }
+                    if p.op.is_some() {
+                        p.op = Some(x);
                     }
                 }
             }
