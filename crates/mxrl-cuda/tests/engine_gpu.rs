@@ -322,6 +322,16 @@ fn gpu_decode_graph_with_programmatic_edges_gives_the_plain_bits() {
     }
 }
 
+/// `∂L/∂logprob` of the mean negative logprob over every token of `batch` (`−1/N` each).
+fn nll_grads(batch: &[SeqInput]) -> impl Fn(&[Vec<f32>]) -> Vec<Vec<f32>> {
+    let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
+    move |lp: &[Vec<f32>]| {
+        lp.iter()
+            .map(|l| vec![-1.0 / ntok as f32; l.len()])
+            .collect()
+    }
+}
+
 #[test]
 fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
     let m = model();
@@ -332,11 +342,7 @@ fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
     let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
-    let dl = |lp: &[Vec<f32>]| -> Vec<Vec<f32>> {
-        lp.iter()
-            .map(|l| vec![-1.0 / ntok as f32; l.len()])
-            .collect()
-    };
+    let dl = nll_grads(&batch);
     // Gradients: GPU twice (bitwise), GPU vs CPU printed per parameter.
     let grads = |e: &mut Engine<CudaBackend>| {
         let (lp, tape) = e.forward_train(&batch, 1.0).unwrap();
@@ -829,12 +835,7 @@ fn gpu_norm_begun_in_the_last_backward_gives_the_plain_steps_bits() {
     early.enable_training().unwrap();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
-    let dl = |lp: &[Vec<f32>]| -> Vec<Vec<f32>> {
-        lp.iter()
-            .map(|l| vec![-1.0 / ntok as f32; l.len()])
-            .collect()
-    };
+    let dl = nll_grads(&batch);
     let cfg = AdamWConfig {
         lr: 3e-3,
         ..Default::default()

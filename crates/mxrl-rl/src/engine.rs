@@ -332,15 +332,7 @@ impl<B: Backend + 'static> EngineTrainer<B> {
                 self.resp_lens.iter().map(|r| r.1).collect::<Vec<_>>()
             )));
         }
-        let full: Vec<Vec<f32>> = dlogp
-            .iter()
-            .zip(&self.resp_lens)
-            .map(|(d, &(t, r))| {
-                let mut v = vec![0.0f32; t - r];
-                v.extend_from_slice(d);
-                v
-            })
-            .collect();
+        let full = crate::policy::full_sequence_grads(dlogp, &self.resp_lens);
         if last {
             self.engine.backward_last(&tape, &full).map_err(be)
         } else {

@@ -392,15 +392,7 @@ impl TrainPolicy for MoeTrainer {
                 self.resp_lens.len()
             )));
         }
-        let full: Vec<Vec<f32>> = dlogp
-            .iter()
-            .zip(&self.resp_lens)
-            .map(|(d, &(t, r))| {
-                let mut v = vec![0.0f32; t - r];
-                v.extend_from_slice(d);
-                v
-            })
-            .collect();
+        let full = crate::policy::full_sequence_grads(dlogp, &self.resp_lens);
         self.model
             .backward_accumulate(&tape, &full, 0.0)
             .map_err(be)

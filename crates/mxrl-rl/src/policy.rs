@@ -552,3 +552,20 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
         (**self).set_probes(on)
     }
 }
+
+/// The gradient rows of whole sequences from those of their responses: `resp_lens[s] = (t, r)`
+/// (sequence and response lengths), `t − r` zeros (the prompt) before each response's row.
+pub(crate) fn full_sequence_grads(
+    dlogp: &[Vec<f32>],
+    resp_lens: &[(usize, usize)],
+) -> Vec<Vec<f32>> {
+    dlogp
+        .iter()
+        .zip(resp_lens)
+        .map(|(d, &(t, r))| {
+            let mut v = vec![0.0f32; t - r];
+            v.extend_from_slice(d);
+            v
+        })
+        .collect()
+}
