@@ -755,7 +755,7 @@ impl Gpu {
         }
         self.stream
             .alloc_zeros::<T>(len.max(1))
-            .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+            .map_err(|x| self.alloc_err::<T>(len, x))
     }
 
     /// A device buffer whose contents are unspecified (for outputs an op overwrites whole).
@@ -768,8 +768,32 @@ impl Gpu {
             return Ok(s);
         }
         // SAFETY: `T: DeviceRepr` is plain data; callers only read elements an op has written.
-        unsafe { self.stream.alloc::<T>(len.max(1)) }
-            .map_err(|x| self.err(format!("allocating {len} elements: {x:?}")))
+        unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(|x| self.alloc_err::<T>(len, x))
+    }
+
+    /// The error of a failed allocation of `len` elements: its size in bytes and, when the
+    /// device is out of memory, how much of it is free (the rest is held by this process's
+    /// buffers and pools or by other processes).
+    fn alloc_err<T>(&self, len: usize, x: cudarc::driver::DriverError) -> DeviceError {
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
+        if x.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let room = match self.ctx.mem_get_info() {
+                Ok((free, total)) => {
+                    format!(
+                        " ({:.2} GiB of the device's {:.2} GiB free)",
+                        gib(free),
+                        gib(total)
+                    )
+                }
+                Err(_) => String::new(),
+            };
+            return self.err(format!(
+                "out of device memory allocating {len} elements, {:.3} GiB{room}",
+                gib(bytes)
+            ));
+        }
+        self.err(format!("allocating {len} elements ({bytes} bytes): {x:?}"))
     }
 
     /// `len` elements from the recording's [`Arena`] when this thread is recording this

@@ -12,6 +12,9 @@
 //! And the way back: `download_f32_with` / `download_u32_with`, read back through the one
 //! page-locked read-back buffer (`Gpu::download_with`) as it grows and is reused, give exactly
 //! what `download_f32` / `download_u32` give, once per call, and refuse a short buffer.
+//!
+//! And a buffer larger than the device (an update of a model that does not fit) fails with an
+//! error that says so, with its size and the device's free memory.
 #![cfg(feature = "cuda")]
 
 use mxrl_cuda::backend::CudaBackend;
@@ -174,4 +177,19 @@ fn read_backs_through_the_page_locked_buffer_are_the_downloads() {
         .download_u32_with(&ud, big + 1, &mut |_| called = true)
         .is_err());
     assert!(!called);
+}
+
+#[test]
+fn an_allocation_past_the_device_memory_says_how_large_and_how_much_is_free() {
+    let b = gpu();
+    // 2⁴³ f32 values: 32 TiB, past any device.
+    let e = match b.zeros_f32(1 << 43) {
+        Ok(_) => panic!("a 32 TiB buffer was allocated"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("out of device memory allocating 8796093022208 elements, 32768.000 GiB"),
+        "{e}"
+    );
+    assert!(e.contains("GiB free)"), "{e}");
 }
