@@ -734,7 +734,8 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
 
     fn load_local(
         &mut self,
-        version: u64,
+        // The caller's error names the version (`SyncError::Policy`).
+        _version: u64,
         update: &mut LocalExport,
     ) -> Option<Result<(), PolicyError>> {
         let u = update.take::<DeviceUpdate<B>>()?;
@@ -745,15 +746,14 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
                 || u.lens != self.engine.param_lens()
             {
                 return Err(PolicyError::Update(format!(
-                    "version {version}: the device update's tensors ({}) are not this engine's \
-                     ({})",
+                    "the device update's tensors ({}) are not this engine's ({})",
                     u.names.len(),
                     names.len()
                 )));
             }
             self.engine
                 .install_device(u.bufs, &u.sums)
-                .map_err(|e| PolicyError::Update(format!("version {version}: {e}")))
+                .map_err(|e| PolicyError::Update(e.to_string()))
         })())
     }
 

@@ -63,12 +63,12 @@ pub enum SyncError {
         current: u64,
     },
     /// The policy refused the tensors.
-    #[error("weight update v{version}: {source}")]
+    #[error("weight update v{version}: {error}")]
     Policy {
         /// Update version.
         version: u64,
-        /// The policy's error.
-        source: PolicyError,
+        /// The policy's error (in the message, not a separate cause, so it is said once).
+        error: PolicyError,
     },
     /// The header announces more than the receiver accepts (checked before anything is
     /// allocated).
@@ -515,7 +515,7 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
         }
         self.policy
             .load_weights_versioned(version, tensors)
-            .map_err(|source| SyncError::Policy { version, source })?;
+            .map_err(|error| SyncError::Policy { version, error })?;
         self.version = version;
         Ok(())
     }
@@ -541,7 +541,7 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
             });
         }
         if let Some(r) = self.policy.load_update(u) {
-            r.map_err(|source| SyncError::Policy { version, source })?;
+            r.map_err(|error| SyncError::Policy { version, error })?;
             self.version = version;
             return Ok(ApplyReport {
                 version,
@@ -577,7 +577,7 @@ impl<P: RolloutPolicy> RolloutEngine<P> {
         }
         let r = self.policy.load_local(version, update)?;
         Some(
-            r.map_err(|source| SyncError::Policy { version, source })
+            r.map_err(|error| SyncError::Policy { version, error })
                 .map(|()| {
                     self.version = version;
                     ApplyReport {
@@ -735,10 +735,17 @@ mod tests {
         // A well-formed update whose tensor has the wrong shape is refused by the policy.
         let mut bad = ex.clone();
         bad[0].shape = vec![1, 1];
-        assert!(matches!(
-            eng.apply(&WeightUpdate::build(1, "h", &bad, 1 << 10)),
-            Err(SyncError::Policy { .. })
-        ));
+        let e = eng
+            .apply(&WeightUpdate::build(1, "h", &bad, 1 << 10))
+            .unwrap_err();
+        assert!(matches!(e, SyncError::Policy { .. }), "{e}");
+        // Said once: the version and the policy's message, and no separate cause repeating it.
+        assert!(
+            e.to_string()
+                .starts_with("weight update v1: weight update: expected"),
+            "{e}"
+        );
+        assert!(std::error::Error::source(&e).is_none(), "{e}");
         assert_eq!(eng.version, 0);
         eng.check(&before).unwrap();
     }
