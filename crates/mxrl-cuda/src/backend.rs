@@ -3248,11 +3248,9 @@ impl Backend for CudaBackend {
     }
 
     fn grad_norm(&self, grads: &[(&Self::F32, usize)]) -> DResult<f64> {
-        let views: Vec<_> = grads.iter().map(|(g, _)| g.as_view()).collect();
         let lens: Vec<usize> = grads.iter().map(|(_, n)| *n).collect();
-        let r = self.optim.grad_norm(&views, &lens, None).map_err(de)?;
-        let v = self.gpu.download(&r.norm).map_err(de)?;
-        Ok(v[0])
+        let parts = self.grad_norm_begin(&lens)?;
+        self.grad_norm_finish(parts, grads)
     }
 
     fn grad_norm_begin(&self, lens: &[usize]) -> DResult<Self::NormParts> {

@@ -171,6 +171,12 @@ fn grad_norm_handed_in_early_has_the_bits_of_grad_norm() {
         .unwrap();
     let twice = ops.grad_norm_add(&mut parts, &[(3, dev[3].as_view())], true);
     assert!(twice.is_err(), "a buffer handed in twice is refused");
+    let pair = [(4, dev[4].as_view()), (4, dev[4].as_view())];
+    let listed_twice = ops.grad_norm_add(&mut parts, &pair, true);
+    assert!(
+        listed_twice.is_err(),
+        "a buffer listed twice in one call is refused"
+    );
     let short = ops.grad_norm_add(&mut parts, &[(6, dev[2].as_view())], true);
     assert!(short.is_err(), "a short buffer is refused");
     let views: Vec<_> = dev.iter().map(|d| d.as_view()).collect();

@@ -310,9 +310,7 @@ impl<B: Backend> EngineTrainer<B> {
         }
         Ok(())
     }
-}
 
-impl<B: Backend + 'static> EngineTrainer<B> {
     /// Backward of the last forward's micro-batch; `last`: the step's last one
     /// ([`Engine::backward_last`]).
     fn backward_with(&mut self, dlogp: &[Vec<f32>], last: bool) -> Result<(), PolicyError> {

@@ -358,14 +358,14 @@ impl Optim {
         concurrent: bool,
     ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        for (i, x) in bufs {
+        for (k, (i, x)) in bufs.iter().enumerate() {
             let Some(&n) = parts.lens.get(*i) else {
                 return Err(g.err(format!(
                     "grad norm: buffer {i} handed in, {} begun",
                     parts.lens.len()
                 )));
             };
-            if parts.added[*i] {
+            if parts.added[*i] || bufs[..k].iter().any(|(j, _)| j == i) {
                 return Err(g.err(format!("grad norm: buffer {i} handed in twice")));
             }
             check_len(g, &format!("grad norm buffer {i}"), x.len(), n)?;
