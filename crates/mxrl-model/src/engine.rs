@@ -55,7 +55,9 @@ struct Param<B: Backend> {
     /// Shape as the engine holds it (routed experts stacked: `[E·rows, cols]`).
     shape: Vec<usize>,
     len: usize,
-    master: B::F32,
+    /// The f32 master; `None` once [`Engine::drop_masters`] freed it (the forward reads the
+    /// BF16 operand, BF16 value or stored weights instead).
+    master: Option<B::F32>,
     op: Option<B::Bf16>,
     /// With BF16 parameters ([`Engine::use_bf16_params`]): the BF16 value of a parameter
     /// without a GEMM operand (norms, biases, an untied embedding), as f32; the forward reads
@@ -66,6 +68,24 @@ struct Param<B: Backend> {
     /// A linear in a block format: the stored quantized weights the forward multiplies
     /// (rebuilt from the master by every optimizer step).
     q: Option<QParam<B>>,
+}
+
+impl<B: Backend> Param<B> {
+    /// The f32 master, or an error naming the parameter once [`Engine::drop_masters`] freed it.
+    fn master(&self) -> Result<&B::F32> {
+        self.master.as_ref().ok_or_else(|| no_master(&self.name))
+    }
+}
+
+/// The error of a call that needs a master [`Engine::drop_masters`] freed.
+fn no_master(name: &str) -> ModelError {
+    ModelError::BadTensor {
+        name: name.into(),
+        message: "this engine only samples and scores (its f32 masters were freed by \
+                  drop_masters): it has no master to read, train or re-quantize; new weights \
+                  come in as a weight update"
+            .into(),
+    }
 }
 
 /// A linear weight in a block format: `groups` weights `[n, k]` (the routed experts of a
@@ -490,7 +510,7 @@ impl<B: Backend> Engine<B> {
                 name,
                 shape,
                 len: vals.len(),
-                master,
+                master: Some(master),
                 op,
                 compute: None,
                 decay,
@@ -726,7 +746,10 @@ impl<B: Backend> Engine<B> {
 
     fn w(&self, i: usize) -> &B::F32 {
         let p = &self.params[i];
-        p.compute.as_ref().unwrap_or(&p.master)
+        p.compute
+            .as_ref()
+            .or(p.master.as_ref())
+            .expect("drop_masters keeps the master of a parameter read as f32")
     }
 
     fn op(&self, i: usize) -> &B::Bf16 {
@@ -916,7 +939,7 @@ impl<B: Backend> Engine<B> {
                 b.grouped_qlinear_backward(
                     x,
                     &q.w,
-                    &p.master,
+                    p.master()?,
                     p.op.as_ref(),
                     dy,
                     dev,
@@ -1185,6 +1208,8 @@ impl<B: Backend> Engine<B> {
     /// Runs linear parameter `i` in the block format of `spec` (quantized from its master
     /// now), or with its BF16 operand (`None`).
     fn set_linear_spec(&mut self, i: usize, spec: Option<LinearSpec>) -> Result<()> {
+        // Both ways build from the master: refused before anything changes without one.
+        self.params[i].master()?;
         let Some(spec) = spec else {
             self.params[i].q = None;
             return self.keep_bf16_operand(i, true);
@@ -1217,7 +1242,7 @@ impl<B: Backend> Engine<B> {
         match (keep, p.op.is_some()) {
             (true, false) => {
                 let mut o = b.empty_bf16(p.len).map_err(dev)?;
-                b.to_bf16(&p.master, &mut o, p.len).map_err(dev)?;
+                b.to_bf16(p.master()?, &mut o, p.len).map_err(dev)?;
                 p.op = Some(o);
             }
             (false, true) => p.op = None,
@@ -1239,7 +1264,7 @@ impl<B: Backend> Engine<B> {
         let name = move |g: usize| group_name(&base, g, groups);
         let w = self
             .b
-            .quantize_weights(&p.master, groups, n, k, spec, &name, self.adam_step())
+            .quantize_weights(p.master()?, groups, n, k, spec, &name, self.adam_step())
             .map_err(dev)?;
         Ok(QParam {
             spec,
@@ -3063,6 +3088,9 @@ impl<B: Backend> Engine<B> {
         if self.train.is_some() {
             return Ok(());
         }
+        if let Some(p) = self.params.iter().find(|p| p.master.is_none()) {
+            return Err(no_master(&p.name));
+        }
         let b = &self.b;
         let z = |p: &Param<B>| b.zeros_f32(p.len).map_err(dev);
         self.train = Some(TrainState {
@@ -3568,6 +3596,8 @@ impl<B: Backend> Engine<B> {
         st.step += 1;
         for (i, p) in self.params.iter_mut().enumerate() {
             let wd = if p.decay { weight_decay } else { 0.0 };
+            let name = p.name.clone();
+            let master = p.master.as_mut().ok_or_else(|| no_master(&name))?;
             match p.q.as_mut() {
                 // Block-format linears: the new master and its stored weights in one call.
                 Some(q) => {
@@ -3590,7 +3620,7 @@ impl<B: Backend> Engine<B> {
                     };
                     q.w = b
                         .adamw_requantize(
-                            &mut p.master,
+                            master,
                             &st.grads[i],
                             &mut st.m[i],
                             &mut st.v[i],
@@ -3602,7 +3632,7 @@ impl<B: Backend> Engine<B> {
                 }
                 None => b
                     .adamw(
-                        &mut p.master,
+                        master,
                         &st.grads[i],
                         &mut st.m[i],
                         &mut st.v[i],
@@ -3616,15 +3646,16 @@ impl<B: Backend> Engine<B> {
                     .map_err(dev)?,
             }
             if let Some(c) = p.compute.as_mut() {
-                b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+                b.round_bf16(master, c, p.len).map_err(dev)?;
             }
         }
         Ok(norm)
     }
 
     /// Runs every parameter at its BF16 value, as a BF16 recipe stores it: linear weights
-    /// already multiply their BF16 operand; from now on norms, biases and an untied embedding
-    /// are read as `f32(bf16(master))` too (refreshed after every optimizer step and
+    /// already multiply their BF16 operand; from now on norms, biases and the embedding (tied
+    /// or not: a tied one's gather reads it beside the lm_head's BF16 operand) are read as
+    /// `f32(bf16(master))` too (refreshed after every optimizer step and
     /// [`Engine::set_param_values`]), so the forward computes with exactly the values
     /// [`Engine::weights_bf16`] exports. The f32 masters keep the optimizer's updates.
     ///
@@ -3633,9 +3664,10 @@ impl<B: Backend> Engine<B> {
     pub fn use_bf16_params(&mut self) -> Result<()> {
         for i in 0..self.params.len() {
             // Block-format linears multiply their stored weights (and may hold no BF16
-            // operand): they need no BF16 value either.
+            // operand): they need no BF16 value either. A tied embedding is gathered as f32
+            // beside its BF16 operand (the lm_head's): it gets the BF16 value too.
             let p = &self.params[i];
-            if p.op.is_none() && p.compute.is_none() && p.q.is_none() {
+            if (p.op.is_none() || i == self.embed) && p.compute.is_none() && p.q.is_none() {
                 let c = self.b.zeros_f32(self.params[i].len).map_err(dev)?;
                 self.params[i].compute = Some(c);
             }
@@ -3644,15 +3676,61 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Frees what only training reads, for an engine that samples and scores (a rollout
+    /// engine, a frozen reference): the f32 master of every parameter whose forward reads
+    /// something else (a linear's BF16 operand, the BF16 value of a norm, bias or untied
+    /// embedding, a block-format linear's stored weights), and the BF16 operand of
+    /// block-format linears (only their `high_precision` backward multiplies it). Call it after
+    /// [`Engine::use_bf16_params`] and [`Engine::apply_plan`]: at 4 or 6 bytes per weight, it
+    /// is most of what such an engine held beyond its 2 (BF16) or fewer (stored) bytes. The
+    /// forward's values are unchanged: a parameter the forward reads as f32 without a BF16
+    /// value (before [`Engine::use_bf16_params`]: norms, biases, the embedding) keeps its
+    /// master. Weight updates ([`Engine::install_host`],
+    /// [`Engine::install_device`]) keep working; training, re-quantizing, setting values and
+    /// reading masters ([`Engine::to_model`], [`Engine::param_values`]) are refused with an
+    /// error naming the parameter. Returns the bytes freed.
+    ///
+    /// # Errors
+    /// Training is enabled ([`Engine::enable_training`]).
+    pub fn drop_masters(&mut self) -> Result<usize> {
+        if self.train.is_some() {
+            return Err(ModelError::Input(
+                "drop_masters on an engine that trains: its optimizer updates the masters".into(),
+            ));
+        }
+        let embed = self.embed;
+        let mut freed = 0;
+        for (i, p) in self.params.iter_mut().enumerate() {
+            let read_as_f32 =
+                p.compute.is_none() && p.q.is_none() && (p.op.is_none() || i == embed);
+            if read_as_f32 {
+                continue;
+            }
+            if p.master.take().is_some() {
+                freed += 4 * p.len;
+            }
+            if p.q.is_some() && p.op.take().is_some() {
+                freed += 2 * p.len;
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Parameters that hold an f32 master (all of them unless [`Engine::drop_masters`]).
+    pub fn masters_held(&self) -> usize {
+        self.params.iter().filter(|p| p.master.is_some()).count()
+    }
+
     /// Rewrites parameter `i`'s BF16 operand and BF16 value from its master.
     fn refresh_copies(&mut self, i: usize) -> Result<()> {
         let b = &self.b;
         let p = &mut self.params[i];
+        let master = p.master.as_ref().ok_or_else(|| no_master(&p.name))?;
         if let Some(op) = p.op.as_mut() {
-            b.to_bf16(&p.master, op, p.len).map_err(dev)?;
+            b.to_bf16(master, op, p.len).map_err(dev)?;
         }
         if let Some(c) = p.compute.as_mut() {
-            b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+            b.round_bf16(master, c, p.len).map_err(dev)?;
         }
         self.requantize(i)
     }
@@ -3697,7 +3775,8 @@ impl<B: Backend> Engine<B> {
                 ),
             });
         }
-        self.params[i].master = self.b.upload_f32(values).map_err(dev)?;
+        self.params[i].master()?;
+        self.params[i].master = Some(self.b.upload_f32(values).map_err(dev)?);
         self.refresh_copies(i)
     }
 
@@ -3727,8 +3806,14 @@ impl<B: Backend> Engine<B> {
         let b = &self.b;
         Ok(match (&p.op, &p.compute) {
             (Some(op), _) => b.download_bf16(op, p.len).map_err(dev)?,
-            (None, c) => b
-                .download_f32(c.as_ref().unwrap_or(&p.master), p.len)
+            (None, Some(c)) => b
+                .download_f32(c, p.len)
+                .map_err(dev)?
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+            (None, None) => b
+                .download_f32(p.master()?, p.len)
                 .map_err(dev)?
                 .into_iter()
                 .map(|v| half::bf16::from_f32(v).to_bits())
@@ -3745,7 +3830,7 @@ impl<B: Backend> Engine<B> {
         let mut m = Model::zeros(&self.cfg)?;
         let mut ps = m.params_mut();
         for p in &self.params {
-            let v = self.b.download_f32(&p.master, p.len).map_err(dev)?;
+            let v = self.b.download_f32(p.master()?, p.len).map_err(dev)?;
             match p.name.split_once(".experts.*.") {
                 Some((base, tail)) => {
                     let e = self.cfg.num_experts;
@@ -3791,8 +3876,11 @@ impl<B: Backend> Engine<B> {
                     b.copy_bf16(op, &mut buf, p.len).map_err(dev)?;
                 }
                 None => {
-                    b.to_bf16(p.compute.as_ref().unwrap_or(&p.master), &mut buf, p.len)
-                        .map_err(dev)?;
+                    let src = match &p.compute {
+                        Some(c) => c,
+                        None => p.master()?,
+                    };
+                    b.to_bf16(src, &mut buf, p.len).map_err(dev)?;
                     b.checksum_bf16(&buf, p.len, &mut sums, i).map_err(dev)?;
                 }
             }
@@ -3970,9 +4058,17 @@ impl<B: Backend> Engine<B> {
                     }
                 }
                 DeviceTensor::Bf16(x) => {
-                    b.widen_bf16(&x, &mut p.master, p.len).map_err(dev)?;
-                    if let Some(c) = p.compute.as_mut() {
-                        b.round_bf16(&p.master, c, p.len).map_err(dev)?;
+                    match (p.master.as_mut(), p.compute.as_mut()) {
+                        (Some(m), c) => {
+                            b.widen_bf16(&x, m, p.len).map_err(dev)?;
+                            if let Some(c) = c {
+                                b.round_bf16(m, c, p.len).map_err(dev)?;
+                            }
+                        }
+                        // No master (`drop_masters`): the BF16 value is the update's
+                        // values widened, as `round_bf16(widen(x))` would give.
+                        (None, Some(c)) => b.widen_bf16(&x, c, p.len).map_err(dev)?,
+                        (None, None) => {}
                     }
                     if p.op.is_some() {
                         p.op = Some(x);
@@ -4110,12 +4206,17 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// Device failure.
     pub fn first_non_finite_param(&self) -> Result<Option<String>> {
-        let views: Vec<(&B::F32, usize)> = self.params.iter().map(|p| (&p.master, p.len)).collect();
+        let views: Vec<(&B::F32, usize)> = self
+            .params
+            .iter()
+            .filter_map(|p| Some((p.master.as_ref()?, p.len)))
+            .collect();
         if self.b.grad_norm(&views).map_err(dev)?.is_finite() {
             return Ok(None);
         }
         for p in &self.params {
-            let v = self.b.download_f32(&p.master, p.len).map_err(dev)?;
+            let Some(m) = &p.master else { continue };
+            let v = self.b.download_f32(m, p.len).map_err(dev)?;
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
                 return Ok(Some(format!("weight {}[{i}] = {}", p.name, v[i])));
             }
@@ -4137,7 +4238,7 @@ impl<B: Backend> Engine<B> {
                     name: name.into(),
                     message: "not a parameter of this engine".into(),
                 })?;
-        self.b.download_f32(&p.master, p.len).map_err(dev)
+        self.b.download_f32(p.master()?, p.len).map_err(dev)
     }
 
     /// A parameter's gradient, copied to the host (names as [`Engine::param_values`]).

@@ -340,6 +340,106 @@ fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_i
     }
 }
 
+/// An engine that only samples and scores frees its f32 masters (and a block-format linear's
+/// BF16 operand): its logprobs and samples keep their bits, a weight update gives it exactly
+/// the logprobs of an engine that kept its masters and took the same update, and everything
+/// that needs a master (training, re-quantizing, reading masters) is refused by name without
+/// changing the engine. Also with a tied embedding, whose gather reads its BF16 value once
+/// the engine runs BF16 parameters, so an engine that took an update computes exactly as the
+/// one that sent it.
+#[test]
+fn an_engine_without_masters_scores_samples_and_takes_updates_as_one_with_them() {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let mut c = small(arch);
+        c.moe_intermediate_size = 32;
+        let s = seqs();
+        let batch = scored(&s);
+        let prompts: Vec<&[u32]> = s.iter().map(|q| q.as_slice()).collect();
+        let sp = SampleParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            top_k: 0,
+            seed: 5,
+            step: 0,
+        };
+        let (m, m2) = (bf16_model(&c, 21), bf16_model(&c, 22));
+        let experts: usize = m
+            .params()
+            .iter()
+            .filter(|p| p.name.contains(".experts."))
+            .map(|p| p.data.len())
+            .sum();
+        for spec in [
+            LinearSpec::bf16(),
+            LinearSpec::new(Format::Mxfp8, BackwardMode::HighPrecision).unwrap(),
+        ] {
+            let tag = format!("{arch:?} {spec:?}");
+            let prepared = |m: &Model| {
+                let mut e = cpu_engine(m, 64).unwrap();
+                e.use_bf16_params().unwrap();
+                if spec.weight_scheme().is_some() {
+                    e.quantize_experts(spec).unwrap();
+                }
+                e
+            };
+            let mut e = prepared(&m);
+            let lp = e.logprobs(&batch, 1.0).unwrap();
+            let gen = e.generate(&prompts, 6, &sp, &[]).unwrap();
+            let ops = e.bf16_operand_bytes();
+            let all = e.masters_held();
+            assert!(all > 0, "{tag}");
+            let freed = e.drop_masters().unwrap();
+            assert_eq!(e.masters_held(), 0, "{tag}");
+            let hp_ops = if spec.weight_scheme().is_some() {
+                2 * experts
+            } else {
+                0
+            };
+            assert_eq!(e.bf16_operand_bytes(), ops - hp_ops, "{tag}");
+            let params: usize = m.params().iter().map(|p| p.data.len()).sum();
+            assert_eq!(freed, 4 * params + hp_ops, "{tag}");
+            assert_eq!(e.logprobs(&batch, 1.0).unwrap(), lp, "{tag}");
+            let again = e.generate(&prompts, 6, &sp, &[]).unwrap();
+            for (a, b) in again.iter().zip(&gen) {
+                assert_eq!(a.tokens, b.tokens, "{tag}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a.logprobs), bits(&b.logprobs), "{tag}");
+            }
+            assert_eq!(e.first_non_finite_param().unwrap(), None, "{tag}");
+            // What needs a master is refused by name and changes nothing.
+            for err in [
+                e.enable_training().unwrap_err().to_string(),
+                e.to_model().unwrap_err().to_string(),
+                e.quantize_experts(LinearSpec::bf16())
+                    .unwrap_err()
+                    .to_string(),
+                e.set_param_values("model.norm.weight", &vec![1.0; c.hidden_size])
+                    .unwrap_err()
+                    .to_string(),
+            ] {
+                assert!(err.contains("drop_masters"), "{tag}: {err}");
+            }
+            assert_eq!(e.logprobs(&batch, 1.0).unwrap(), lp, "{tag}");
+            // A weight update: the same logprobs as an engine that kept its masters.
+            let source = prepared(&m2);
+            let mut full = prepared(&m);
+            for target in [&mut e, &mut full] {
+                let (bufs, sums) = source.export_device().unwrap();
+                target.install_device(bufs, &sums).unwrap();
+            }
+            let want = source.logprobs(&batch, 1.0).unwrap();
+            assert_ne!(want, lp, "{tag}: the update changes the model");
+            assert_eq!(full.logprobs(&batch, 1.0).unwrap(), want, "{tag}");
+            assert_eq!(e.logprobs(&batch, 1.0).unwrap(), want, "{tag}");
+            let a = e.generate(&prompts, 6, &sp, &[]).unwrap();
+            let b = full.generate(&prompts, 6, &sp, &[]).unwrap();
+            for (a, b) in a.iter().zip(&b) {
+                assert_eq!(a.tokens, b.tokens, "{tag}");
+            }
+        }
+    }
+}
+
 #[test]
 fn engine_refuses_shared_experts_and_bad_input_with_named_errors() {
     let mut c = small(Arch::Qwen2Moe);

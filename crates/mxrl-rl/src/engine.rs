@@ -259,17 +259,24 @@ impl<B: Backend> EngineTrainer<B> {
     /// # Errors
     /// A plan that stores a tensor in a block format (named); out of device memory.
     pub fn new(engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
-        let mut t = Self::frozen(engine, plan)?;
+        let mut t = Self::with_plan(engine, plan)?;
         t.engine.enable_training().map_err(be)?;
         Ok(t)
     }
 
     /// A frozen copy for the reference policy: runs the training forward, never steps (no
-    /// gradients or moments are allocated).
+    /// gradients or moments are allocated, and the f32 masters are freed:
+    /// [`Engine::drop_masters`]).
     ///
     /// # Errors
     /// As [`EngineTrainer::new`].
-    pub fn frozen(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+    pub fn frozen(engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
+        let mut t = Self::with_plan(engine, plan)?;
+        t.engine.drop_masters().map_err(be)?;
+        Ok(t)
+    }
+
+    fn with_plan(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
         engine_for_plan(&mut engine, plan)?;
         let names = engine.param_names().into_iter().map(String::from).collect();
         Ok(EngineTrainer {
@@ -558,13 +565,17 @@ impl<B: Backend> std::fmt::Debug for EngineRollout<B> {
 }
 
 impl<B: Backend> EngineRollout<B> {
-    /// Samples from `engine` under `plan` (BF16 recipes) with its current weights until the
-    /// first [`RolloutPolicy::load_weights`].
+    /// Samples from `engine` under `plan` with its current weights until the first
+    /// [`RolloutPolicy::load_weights`]; the engine's f32 masters are freed
+    /// ([`Engine::drop_masters`]): sampling and scoring read the BF16 operands and stored
+    /// weights, and weight updates write those.
     ///
     /// # Errors
     /// As [`EngineTrainer::new`].
     pub fn new(mut engine: Engine<B>, plan: &PrecisionPlan) -> Result<Self, PolicyError> {
         engine_for_plan(&mut engine, plan)?;
+        // Sampling and scoring read the BF16 operands and stored weights only.
+        engine.drop_masters().map_err(be)?;
         Ok(EngineRollout {
             engine,
             record: Record {

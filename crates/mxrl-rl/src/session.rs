@@ -169,9 +169,9 @@ pub fn build(model: &Model, recipe: &str) -> Result<Built<MoeTrainer, MoeRollout
     })
 }
 
-/// [`build`] on the device engine (BF16 recipes): trainer, rollout and frozen reference are
-/// three engines made by `backend` from `model`'s weights, sequences up to `max_pos` tokens;
-/// the rollout starts with the trainer's exported weights.
+/// [`build`] on the device engine: trainer, rollout and frozen reference are three engines
+/// made by `backend` from `model`'s weights, sequences up to `max_pos` tokens; the rollout
+/// starts with the trainer's exported weights. Only the trainer holds f32 masters.
 ///
 /// # Errors
 /// A recipe that stores a tensor in a block format (named), a model the engine cannot run, a
@@ -189,10 +189,13 @@ pub fn build_engine<B: mxrl_tensor::device::Backend + 'static>(
     let mut engine = || -> Result<Engine<B>, RunError> {
         Engine::from_model(model, backend()?, max_pos).map_err(be)
     };
-    let trainer = EngineTrainer::new(engine()?, &plan)?;
-    let mut rollout = EngineRollout::new(engine()?, &plan)?;
-    rollout.load_weights(&trainer.export_weights()?)?;
+    // The two engines without masters first: each holds its f32 masters only until it is
+    // built, so the device's peak is the trainer's 18 bytes per parameter plus their 2 each
+    // (BF16 recipes), not plus the masters too.
     let reference = Some(EngineTrainer::frozen(engine()?, &plan)?);
+    let mut rollout = EngineRollout::new(engine()?, &plan)?;
+    let trainer = EngineTrainer::new(engine()?, &plan)?;
+    rollout.load_weights(&trainer.export_weights()?)?;
     Ok(Built {
         trainer,
         rollout,
