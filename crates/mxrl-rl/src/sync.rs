@@ -63,7 +63,7 @@ pub enum SyncError {
         current: u64,
     },
     /// The policy refused the tensors.
-    #[error("weight update v{version}: {error}")]
+    #[error("weight update v{version}: {}", policy_reason(error))]
     Policy {
         /// Update version.
         version: u64,
@@ -97,6 +97,15 @@ pub enum SyncError {
         /// What differs.
         msg: String,
     },
+}
+
+/// A policy's refusal as [`SyncError::Policy`] words it: an update's own error without its
+/// "weight update: " (the version's prefix says it), any other error as it is.
+fn policy_reason(e: &PolicyError) -> String {
+    match e {
+        PolicyError::Update(m) => m.clone(),
+        e => e.to_string(),
+    }
 }
 
 /// The header of an update.
@@ -741,8 +750,7 @@ mod tests {
         assert!(matches!(e, SyncError::Policy { .. }), "{e}");
         // Said once: the version and the policy's message, and no separate cause repeating it.
         assert!(
-            e.to_string()
-                .starts_with("weight update v1: weight update: expected"),
+            e.to_string().starts_with("weight update v1: expected"),
             "{e}"
         );
         assert!(std::error::Error::source(&e).is_none(), "{e}");
