@@ -780,22 +780,36 @@ impl Model {
     /// Random initialization from a seed (HF `_init_weights`: linear and embedding weights
     /// `N(0, initializer_range²)`, norms 1, biases 0). Same seed → same bytes.
     pub fn random(config: &ModelConfig, seed: u64) -> Result<Self> {
+        use rayon::prelude::*;
         let mut m = Model::zeros(config)?;
         let std = config.initializer_range as f64;
-        let mut rng = NormalRng::new(seed);
         {
             let mut ps = m.params_mut();
+            // One stream over every sampled value in parameter order, drawn in chunks on all
+            // cores: each chunk starts its generator at its first value's place in the stream
+            // (`NormalRng::at`), so the values are those of one sequential pass.
+            const CHUNK: usize = 1 << 20;
+            let mut chunks: Vec<(u64, &mut [f32])> = Vec::new();
+            let mut at = 0u64;
             for p in ps.iter_mut() {
                 match p.role {
                     TensorRole::Norm => p.data.fill(1.0),
                     TensorRole::Bias => p.data.fill(0.0),
                     _ => {
-                        for x in p.data.iter_mut() {
-                            *x = (rng.sample() * std) as f32;
+                        for c in p.data.chunks_mut(CHUNK) {
+                            let n = c.len() as u64;
+                            chunks.push((at, c));
+                            at += n;
                         }
                     }
                 }
             }
+            chunks.into_par_iter().for_each(|(at, c)| {
+                let mut rng = NormalRng::at(seed, at);
+                for x in c {
+                    *x = (rng.sample() * std) as f32;
+                }
+            });
         }
         Ok(m)
     }
