@@ -331,9 +331,14 @@ fn train<T: TrainPolicy, R: RolloutPolicy>(
                 "sft: measured reward {r:.3} ≥ {:.3} after {took} steps: warm-up done",
                 s.target
             ),
-            r => eprintln!(
-                "sft: warning: the measured reward ({}) did not reach {:.3} in {took} steps",
-                r.map_or("not measured".into(), |r| format!("{r:.3}")),
+            Some(r) => eprintln!(
+                "sft: warning: the measured reward {r:.3} did not reach {:.3} in {took} steps",
+                s.target
+            ),
+            None => eprintln!(
+                "sft: warning: the reward was never measured (every {} steps; {took} ran), so \
+                 the warm-up did not reach {:.3}",
+                s.every.max(1),
                 s.target
             ),
         }
