@@ -24,8 +24,12 @@
 #   STEPS=3 PROMPTS=8 MAX_NEW_TOKENS=32 LAYERS=1 SFT_STEPS=40 RECIPES=bf16,mxfp8,nvfp4-hp \
 #     NOISE_SEEDS=none OUT=runs/ablation-gpu-real-reduced scripts/ablation-gpu-real.sh
 #                                                 # reduced: a few minutes on one H200
-# Memory: the trainer holds f32 masters, gradients and AdamW moments (16 bytes per parameter,
-# ~40 GB at 4 layers), the rollout and the frozen reference their own copies. Disk: a run's
+# Memory: the trainer holds f32 masters, gradients and AdamW moments and the BF16 weights (18
+# bytes per parameter), the rollout and the frozen reference the BF16 weights only (2 bytes
+# each; block formats fewer): 22 bytes per parameter. Measured on an H100 80GB (64 × 8
+# samples, MICRO_BATCH=16, responses up to 64 tokens): 4 layers peak at 60.5 GiB, 5 layers at
+# 75.3 GiB (the most it holds; a larger MICRO_BATCH needs more); one H200 has room for about 8
+# layers (computed). Disk: a run's
 # checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers), so by
 # default none is written (CHECKPOINT_EVERY=0: runs cannot be resumed); CHECKPOINT_EVERY=N
 # writes one every N steps and at the end (~30 GB per run on the output's disk).
