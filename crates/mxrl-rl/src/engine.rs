@@ -799,6 +799,25 @@ mod tests {
     use crate::sync::check_equal;
     use mxrl_tensor::device::CpuBackend;
 
+    /// Without the reference (as SFT builds them), trainer and rollout are those of the full
+    /// build: the same exported bytes, the same rollout weights.
+    #[test]
+    fn engines_built_without_the_reference_equal_the_full_builds() {
+        let (model, _) = demo_model(2).unwrap();
+        for recipe in ["bf16", "mxfp8"] {
+            let full = build_engine(&model, recipe, 32, || Ok(CpuBackend)).unwrap();
+            let two = crate::session::build_engines(&model, recipe, 32, false, || Ok(CpuBackend))
+                .unwrap();
+            assert!(
+                full.reference.is_some() && two.reference.is_none(),
+                "{recipe}"
+            );
+            let (a, b) = (&full.trainer, &two.trainer);
+            check_equal(&a.export_weights().unwrap(), &b.export_weights().unwrap()).unwrap();
+            check_equal(&full.rollout.weights(), &two.rollout.weights()).unwrap();
+        }
+    }
+
     /// A wire update is installed only whole: one tensor with a wrong byte count — the last
     /// BF16 tensor, or the scales of one stored block-format weight — is refused naming it,
     /// with every earlier (valid) tensor left uninstalled and the old weights serving; the

@@ -180,6 +180,21 @@ pub fn build_engine<B: mxrl_tensor::device::Backend + 'static>(
     model: &Model,
     recipe: &str,
     max_pos: usize,
+    backend: impl FnMut() -> Result<B, RunError>,
+) -> Result<Built<EngineTrainer<B>, EngineRollout<B>>, RunError> {
+    build_engines(model, recipe, max_pos, true, backend)
+}
+
+/// [`build_engine`] without the frozen reference (`reference` false: [`Built::reference`] is
+/// `None`, one engine fewer to build and hold), e.g. for SFT, which never scores against one.
+///
+/// # Errors
+/// As [`build_engine`].
+pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
+    model: &Model,
+    recipe: &str,
+    max_pos: usize,
+    reference: bool,
     mut backend: impl FnMut() -> Result<B, RunError>,
 ) -> Result<Built<EngineTrainer<B>, EngineRollout<B>>, RunError> {
     use mxrl_model::engine::Engine;
@@ -192,7 +207,10 @@ pub fn build_engine<B: mxrl_tensor::device::Backend + 'static>(
     // The two engines without masters first: each holds its f32 masters only until it is
     // built, so the device's peak is the trainer's 18 bytes per parameter plus their 2 each
     // (BF16 recipes), not plus the masters too.
-    let reference = Some(EngineTrainer::frozen(engine()?, &plan)?);
+    let reference = match reference {
+        true => Some(EngineTrainer::frozen(engine()?, &plan)?),
+        false => None,
+    };
     let mut rollout = EngineRollout::new(engine()?, &plan)?;
     let trainer = EngineTrainer::new(engine()?, &plan)?;
     rollout.load_weights(&trainer.export_weights()?)?;

@@ -244,10 +244,11 @@ fn sft_on_device(
         trainer: mut t,
         rollout: mut r,
         ..
-    } = mxrl_rl::session::build_engine(
+    } = mxrl_rl::session::build_engines(
         model,
         "bf16",
         model.config().max_position_embeddings,
+        false,
         || {
             let b = mxrl_cuda::backend::CudaBackend::new(0).map_err(|e| {
                 mxrl_rl::runner::RunError::Policy(mxrl_rl::PolicyError::Backend(format!(
