@@ -30,6 +30,15 @@ fn bf16_model(c: &ModelConfig, seed: u64) -> Model {
     m
 }
 
+/// The routed experts' weights of `m` (values).
+fn expert_values(m: &Model) -> usize {
+    m.params()
+        .iter()
+        .filter(|p| p.name.contains(".experts."))
+        .map(|p| p.data.len())
+        .sum()
+}
+
 /// Each sequence scored on its own tokens (targets = tokens).
 fn scored(s: &[Vec<u32>]) -> Vec<SeqInput<'_>> {
     s.iter()
@@ -303,12 +312,7 @@ fn block_format_linears_keep_a_bf16_operand_only_where_the_backward_multiplies_i
     let s = seqs();
     let batch = scored(&s);
     let m = bf16_model(&c, 21);
-    let experts: usize = m
-        .params()
-        .iter()
-        .filter(|p| p.name.contains(".experts."))
-        .map(|p| p.data.len())
-        .sum();
+    let experts = expert_values(&m);
     assert!(experts > 0);
     let mut e = cpu_engine(&m, 64).unwrap();
     // As an RL run prepares its engine: BF16 values, then the plan.
@@ -363,12 +367,7 @@ fn an_engine_without_masters_scores_samples_and_takes_updates_as_one_with_them()
             step: 0,
         };
         let (m, m2) = (bf16_model(&c, 21), bf16_model(&c, 22));
-        let experts: usize = m
-            .params()
-            .iter()
-            .filter(|p| p.name.contains(".experts."))
-            .map(|p| p.data.len())
-            .sum();
+        let experts = expert_values(&m);
         for spec in [
             LinearSpec::bf16(),
             LinearSpec::new(Format::Mxfp8, BackwardMode::HighPrecision).unwrap(),
