@@ -29,7 +29,9 @@
 # each; block formats fewer): 22 bytes per parameter. Measured on an H100 80GB (64 × 8
 # samples, MICRO_BATCH=16, responses up to 64 tokens): 4 layers peak at 60.5 GiB, 5 layers at
 # 75.3 GiB (the most it holds; a larger MICRO_BATCH needs more); one H200 has room for about 8
-# layers (computed). Disk: a run's
+# layers (computed). The warm-up (`mxrl demo --size real`) asks the GPU first: a depth whose
+# weights and optimizer state cannot fit is refused before any work, one that may not fit is
+# warned about, each with the depth that should. Disk: a run's
 # checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers), so by
 # default none is written (CHECKPOINT_EVERY=0: runs cannot be resumed); CHECKPOINT_EVERY=N
 # writes one every N steps and at the end (~30 GB per run on the output's disk).

@@ -95,6 +95,57 @@ fn moe_parameters(c: &ModelConfig) -> usize {
     c.num_layers * (attention + experts + 2 * h) + 2 * c.vocab_size * h + h
 }
 
+/// Device bytes per parameter a real-width run holds at least: its SFT warm-up (BF16: the
+/// trainer's f32 master, gradient and two AdamW moments and BF16 weight, the rollout's BF16
+/// weight) and a BF16 RL run (also the frozen reference's BF16 weight), before activations.
+const WARMUP_BYTES: usize = 20;
+const RL_BYTES: usize = 22;
+
+/// Whether the real-width model `c` can fit a GPU with `free` bytes free (`gpu` names it):
+/// an error when even the warm-up's weights and optimizer state exceed it, a warning when a
+/// BF16 RL run's, with a tenth more for activations, do; each names the most layers that pass
+/// without a warning.
+fn real_fit(c: &ModelConfig, gpu: &str, free: usize) -> Result<Option<String>> {
+    let params = moe_parameters(c);
+    let most = |bytes: usize| {
+        (0..=c.num_layers).rev().find(|&l| {
+            let d = ModelConfig {
+                num_layers: l,
+                ..c.clone()
+            };
+            bytes * moe_parameters(&d) * 11 / 10 <= free
+        })
+    };
+    let gb = |b: usize| b as f64 / 1e9;
+    let layers = |l: Option<usize>| match l {
+        Some(0) | None => "not even one layer fits".to_string(),
+        Some(l) => format!("--layers {l} should fit"),
+    };
+    anyhow::ensure!(
+        WARMUP_BYTES * params <= free,
+        "--size real --layers {}: {:.2} B parameters need at least {:.1} GB of device memory \
+         before any activation ({WARMUP_BYTES} bytes per parameter: the trainer's f32 master, \
+         gradient, AdamW moments and BF16 weight, the rollout's BF16 weight), and {gpu} \
+         has {:.1} GB free; {}",
+        c.num_layers,
+        gb(params),
+        gb(WARMUP_BYTES * params),
+        gb(free),
+        layers(most(RL_BYTES))
+    );
+    Ok((RL_BYTES * params * 11 / 10 > free).then(|| {
+        format!(
+            "demo: warning: --layers {}: a BF16 RL run holds {RL_BYTES} bytes per parameter, \
+             {:.1} GB, plus activations, and {gpu} has {:.1} GB free: it may run out \
+             of memory; {}",
+            c.num_layers,
+            gb(RL_BYTES * params),
+            gb(free),
+            layers(most(RL_BYTES))
+        )
+    }))
+}
+
 /// Vocabulary of the BPE tokenizer `--size real` trains on the task's text.
 pub const REAL_VOCAB: usize = 512;
 
@@ -256,6 +307,15 @@ pub fn run(a: Args) -> Result<()> {
         Size::Large => large_demo_config(),
         Size::Real => real_config_scaled(a.layers.unwrap_or(4), REAL_VOCAB, a.real_shrink),
     };
+    if a.size == Size::Real && a.device.device == super::device::Device::Cuda {
+        // Before minutes of warm-up: a depth that cannot fit is refused, one that may not is
+        // warned about.
+        if let Some((gpu, free, _)) = super::device::gpu_memory() {
+            if let Some(w) = real_fit(&want, &gpu, free)? {
+                eprintln!("{w}");
+            }
+        }
+    }
     if let Some((_, codec)) = &tokenizer {
         want.vocab_size = codec.vocab_size;
     }
@@ -450,6 +510,34 @@ pub fn run(a: Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The real-width depth check against an 80 GB H100's free memory (84 GB): five layers
+    /// (measured to fit, 75.3 GiB at peak) pass silently, six are warned about with five
+    /// suggested, seven are refused (their warm-up alone needs 87 GB); a GPU too small for one
+    /// layer says so.
+    #[test]
+    fn real_width_depths_that_cannot_fit_are_refused_before_the_warm_up() {
+        let c = |l| real_config_scaled(l, REAL_VOCAB, 1);
+        let free = 84_000_000_000;
+        assert_eq!(moe_parameters(&c(5)), 3_117_702_400);
+        assert!(real_fit(&c(4), "H100", free).unwrap().is_none());
+        assert!(real_fit(&c(5), "H100", free).unwrap().is_none());
+        let w = real_fit(&c(6), "H100", free).unwrap().unwrap();
+        assert!(
+            w.contains("--layers 6") && w.contains("--layers 5 should fit"),
+            "{w}"
+        );
+        let e = real_fit(&c(7), "H100", free).unwrap_err().to_string();
+        assert!(
+            e.contains("--layers 7") && e.contains("87.3 GB") && e.contains("H100"),
+            "{e}"
+        );
+        assert!(e.contains("--layers 5 should fit"), "{e}");
+        let e = real_fit(&c(1), "small", 1_000_000_000)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not even one layer fits"), "{e}");
+    }
 
     /// The point of `--worked`: decoding, not prefill, dominates a rollout. With the
     /// tokenizer `--size real` trains (here for 1-digit chains of 3 operations, the task's

@@ -223,6 +223,22 @@ fn engine_policies(_: &mxrl_model::Model, _: &str) -> Result<(Policies, String)>
     cuda_built().map(|()| unreachable!("cuda_built fails without the feature"))
 }
 
+/// GPU 0 (`cuda:0 (name)`) and its free and total memory in bytes, when a CUDA device
+/// answers (no kernel module is loaded); `None` otherwise (no GPU, or built without the `cuda`
+/// feature).
+#[cfg(feature = "cuda")]
+pub fn gpu_memory() -> Option<(String, usize, usize)> {
+    let g = mxrl_cuda::gpu::Gpu::shared(0).ok()?;
+    let (free, total) = g.ctx().mem_get_info().ok()?;
+    Some((g.name().to_string(), free, total))
+}
+
+/// Without the `cuda` feature there is no GPU to ask.
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_memory() -> Option<(String, usize, usize)> {
+    None
+}
+
 /// Fails in a binary built without CUDA support, saying how to build one (checked before any
 /// work by the commands that run the device engine).
 ///
