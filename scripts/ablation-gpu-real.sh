@@ -27,8 +27,8 @@
 # Memory: the trainer holds f32 masters, gradients and AdamW moments and the BF16 weights (18
 # bytes per parameter), the rollout and the frozen reference the BF16 weights only (2 bytes
 # each; block formats fewer): 22 bytes per parameter. Measured on an H100 80GB (64 × 8
-# samples, MICRO_BATCH=16, responses up to 64 tokens): 4 layers peak at 60.5 GiB, 5 layers at
-# 75.3 GiB (the most it holds; a larger MICRO_BATCH needs more); one H200 has room for about 8
+# samples, MICRO_BATCH=16, responses up to 64 tokens): 4 layers peak at 59.1 GiB, 5 layers at
+# 73.6 GiB of its 79.6 (the most it holds; a larger MICRO_BATCH needs more); one H200 has room for about 8
 # layers (computed). The warm-up (`mxrl demo --size real`) asks the GPU first: a depth whose
 # weights and optimizer state cannot fit is refused before any work, one that may not fit is
 # warned about, each with the depth that should. Disk: a run's

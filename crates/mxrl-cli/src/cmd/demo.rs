@@ -512,7 +512,7 @@ mod tests {
     use super::*;
 
     /// The real-width depth check against an 80 GB H100's free memory (84 GB): five layers
-    /// (measured to fit, 75.3 GiB at peak) pass silently, six are warned about with five
+    /// (measured to fit, 73.6 GiB at peak) pass silently, six are warned about with five
     /// suggested, seven are refused (their warm-up alone needs 87 GB); a GPU too small for one
     /// layer says so.
     #[test]
