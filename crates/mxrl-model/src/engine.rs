@@ -75,6 +75,15 @@ impl<B: Backend> Param<B> {
     fn master(&self) -> Result<&B::F32> {
         self.master.as_ref().ok_or_else(|| no_master(&self.name))
     }
+
+    /// What the forward reads as f32 values: the BF16 value where there is one, else the
+    /// master.
+    fn value_f32(&self) -> Result<&B::F32> {
+        match &self.compute {
+            Some(c) => Ok(c),
+            None => self.master(),
+        }
+    }
 }
 
 /// The error of a call that needs a master [`Engine::drop_masters`] freed.
@@ -745,11 +754,18 @@ impl<B: Backend> Engine<B> {
     }
 
     fn w(&self, i: usize) -> &B::F32 {
-        let p = &self.params[i];
-        p.compute
-            .as_ref()
-            .or(p.master.as_ref())
+        self.params[i]
+            .value_f32()
             .expect("drop_masters keeps the master of a parameter read as f32")
+    }
+
+    /// Whether the forward reads parameter `i`'s master itself as f32: it has no BF16 value
+    /// and no stored weights, and no BF16 operand either unless it is the embedding (a tied
+    /// one is gathered as f32 beside the lm_head's operand). [`Engine::use_bf16_params`]
+    /// gives such a parameter a BF16 value; [`Engine::drop_masters`] keeps its master.
+    fn reads_master(&self, i: usize) -> bool {
+        let p = &self.params[i];
+        p.compute.is_none() && p.q.is_none() && (p.op.is_none() || i == self.embed)
     }
 
     fn op(&self, i: usize) -> &B::Bf16 {
@@ -3596,8 +3612,7 @@ impl<B: Backend> Engine<B> {
         st.step += 1;
         for (i, p) in self.params.iter_mut().enumerate() {
             let wd = if p.decay { weight_decay } else { 0.0 };
-            let name = p.name.clone();
-            let master = p.master.as_mut().ok_or_else(|| no_master(&name))?;
+            let master = p.master.as_mut().ok_or_else(|| no_master(&p.name))?;
             match p.q.as_mut() {
                 // Block-format linears: the new master and its stored weights in one call.
                 Some(q) => {
@@ -3666,8 +3681,7 @@ impl<B: Backend> Engine<B> {
             // Block-format linears multiply their stored weights (and may hold no BF16
             // operand): they need no BF16 value either. A tied embedding is gathered as f32
             // beside its BF16 operand (the lm_head's): it gets the BF16 value too.
-            let p = &self.params[i];
-            if (p.op.is_none() || i == self.embed) && p.compute.is_none() && p.q.is_none() {
+            if self.reads_master(i) {
                 let c = self.b.zeros_f32(self.params[i].len).map_err(dev)?;
                 self.params[i].compute = Some(c);
             }
@@ -3698,14 +3712,12 @@ impl<B: Backend> Engine<B> {
                 "drop_masters on an engine that trains: its optimizer updates the masters".into(),
             ));
         }
-        let embed = self.embed;
         let mut freed = 0;
-        for (i, p) in self.params.iter_mut().enumerate() {
-            let read_as_f32 =
-                p.compute.is_none() && p.q.is_none() && (p.op.is_none() || i == embed);
-            if read_as_f32 {
+        for i in 0..self.params.len() {
+            if self.reads_master(i) {
                 continue;
             }
+            let p = &mut self.params[i];
             if p.master.take().is_some() {
                 freed += 4 * p.len;
             }
@@ -3804,16 +3816,10 @@ impl<B: Backend> Engine<B> {
 
     fn bf16_bits(&self, p: &Param<B>) -> Result<Vec<u16>> {
         let b = &self.b;
-        Ok(match (&p.op, &p.compute) {
-            (Some(op), _) => b.download_bf16(op, p.len).map_err(dev)?,
-            (None, Some(c)) => b
-                .download_f32(c, p.len)
-                .map_err(dev)?
-                .into_iter()
-                .map(|v| half::bf16::from_f32(v).to_bits())
-                .collect(),
-            (None, None) => b
-                .download_f32(p.master()?, p.len)
+        Ok(match &p.op {
+            Some(op) => b.download_bf16(op, p.len).map_err(dev)?,
+            None => b
+                .download_f32(p.value_f32()?, p.len)
                 .map_err(dev)?
                 .into_iter()
                 .map(|v| half::bf16::from_f32(v).to_bits())
@@ -3876,11 +3882,7 @@ impl<B: Backend> Engine<B> {
                     b.copy_bf16(op, &mut buf, p.len).map_err(dev)?;
                 }
                 None => {
-                    let src = match &p.compute {
-                        Some(c) => c,
-                        None => p.master()?,
-                    };
-                    b.to_bf16(src, &mut buf, p.len).map_err(dev)?;
+                    b.to_bf16(p.value_f32()?, &mut buf, p.len).map_err(dev)?;
                     b.checksum_bf16(&buf, p.len, &mut sums, i).map_err(dev)?;
                 }
             }

@@ -207,9 +207,10 @@ pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
     // The two engines without masters first: each holds its f32 masters only until it is
     // built, so the device's peak is the trainer's 18 bytes per parameter plus their 2 each
     // (BF16 recipes), not plus the masters too.
-    let reference = match reference {
-        true => Some(EngineTrainer::frozen(engine()?, &plan)?),
-        false => None,
+    let reference = if reference {
+        Some(EngineTrainer::frozen(engine()?, &plan)?)
+    } else {
+        None
     };
     let mut rollout = EngineRollout::new(engine()?, &plan)?;
     let trainer = EngineTrainer::new(engine()?, &plan)?;
