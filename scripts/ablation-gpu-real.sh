@@ -35,6 +35,13 @@
 # checkpoint holds masters and moments (12 bytes per parameter, ~30 GB at 4 layers), so by
 # default none is written (CHECKPOINT_EVERY=0: runs cannot be resumed); CHECKPOINT_EVERY=N
 # writes one every N steps and at the end (~30 GB per run on the output's disk).
+#
+# In parts: ONLY=bf16,nvfp4-hp runs only those runs (names as in the report: a recipe, or
+# bf16-seedS) into OUT and leaves the others; a later call with other names (or none: all)
+# adds them. Finished runs are kept, checkpoint or not, so an ablation too long for one
+# sitting can be run in several, each redoing (or reusing) the same deterministic warm-up:
+# every run records the base model's digest, and a run on another base is refused. RESTART=1
+# discards the runs already in OUT instead.
 set -eu
 STEPS="${STEPS:-100}"
 PROMPTS="${PROMPTS:-64}"
@@ -46,6 +53,13 @@ LR="${LR:-1e-4}"
 SFT_STEPS="${SFT_STEPS:-400}"
 SFT_REWARD="${SFT_REWARD:-0.2}"
 CHECKPOINT_EVERY="${CHECKPOINT_EVERY:-0}"
+ONLY="${ONLY:-}"
+RESTART="${RESTART:-0}"
+case "$RESTART" in
+  1) RESTART_FLAG="--restart" ;;
+  0) RESTART_FLAG="" ;;
+  *) echo "RESTART must be 1 or 0, not '$RESTART'" >&2; exit 2 ;;
+esac
 # The recipes compared: the six presets and fp8-block (every linear dimension of this shape is
 # a multiple of its 128-wide blocks).
 RECIPES="${RECIPES:-bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block}"
@@ -74,4 +88,5 @@ fi
     $WORKED_FLAG --recipes "$RECIPES" \
     --noise-seeds "$NOISE_SEEDS" --steps "$STEPS" --prompts-per-step "$PROMPTS" \
     --samples "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --micro-batch "$MICRO_BATCH" \
-    --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" --restart
+    --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" $RESTART_FLAG \
+    ${ONLY:+--only "$ONLY"}

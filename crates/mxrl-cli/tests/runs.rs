@@ -273,6 +273,82 @@ fn ablate_checks_every_recipe_before_running_and_refuses_a_changed_rerun() {
 }
 
 #[test]
+fn an_ablation_runs_in_parts_and_keeps_finished_runs_without_checkpoints() {
+    let d = tempfile::tempdir().unwrap();
+    base(d.path());
+    let mut args = vec![
+        "ablate",
+        "--model",
+        "base",
+        "--out",
+        "abl",
+        "--recipes",
+        "bf16,mxfp8",
+        "--noise-seeds",
+        "2",
+        "--checkpoint-every",
+        "0",
+    ];
+    args.extend(TINY);
+    // A name that is no run of this ablation: refused before anything is written.
+    let mut typo = args.clone();
+    typo.extend(["--only", "bf16,bf16-seed3"]);
+    let e = fails(&typo, d.path());
+    assert!(
+        e.contains("--only names no run of this ablation: bf16-seed3")
+            && e.contains("its runs are bf16, mxfp8, bf16-seed2"),
+        "{e}"
+    );
+    assert!(!d.path().join("abl").exists());
+
+    // The first part: two of the three runs.
+    let mut part = args.clone();
+    part.extend(["--only", "bf16-seed2,bf16"]);
+    let out = ok(&part, d.path());
+    assert!(out.contains("mxfp8: not in --only, left as it is"), "{out}");
+    let abl = d.path().join("abl");
+    let bf16 = std::fs::read(abl.join("bf16/metrics.jsonl")).unwrap();
+    let seed2 = std::fs::read(abl.join("bf16-seed2/metrics.jsonl")).unwrap();
+    assert!(!abl.join("mxfp8/metrics.jsonl").exists());
+    assert!(!abl.join("bf16/checkpoint.safetensors").exists());
+    let report = std::fs::read_to_string(abl.join("report.md")).unwrap();
+    assert!(
+        report.contains("| `bf16` | 1 |") && !report.contains("| `mxfp8` | 1 |"),
+        "{report}"
+    );
+
+    // The rest: the finished runs are kept as they are (no checkpoint to resume from, and
+    // they are not run again), the missing one runs, and the report holds all three.
+    let out = ok(&args, d.path());
+    assert!(out.contains("bf16: finished (1 steps), kept"), "{out}");
+    assert!(
+        out.contains("bf16-seed2: finished (1 steps), kept"),
+        "{out}"
+    );
+    assert!(!out.contains("recipe bf16 runs on"), "{out}");
+    assert!(out.contains("recipe mxfp8 runs on"), "{out}");
+    assert_eq!(std::fs::read(abl.join("bf16/metrics.jsonl")).unwrap(), bf16);
+    assert_eq!(
+        std::fs::read(abl.join("bf16-seed2/metrics.jsonl")).unwrap(),
+        seed2
+    );
+    let report = std::fs::read_to_string(abl.join("report.md")).unwrap();
+    assert!(report.contains("| `mxfp8` | 1 |"), "{report}");
+
+    // A run cut short (here: its metrics truncated to none) is not finished: it runs again.
+    std::fs::write(abl.join("mxfp8/metrics.jsonl"), "").unwrap();
+    let out = ok(&args, d.path());
+    assert!(out.contains("recipe mxfp8 runs on"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(abl.join("mxfp8/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        1
+    );
+}
+
+#[test]
 fn demo_and_sft_on_an_unwritable_path_name_it_and_a_bad_recipe_costs_nothing() {
     let d = tempfile::tempdir().unwrap();
     // /proc refuses new directories even to root.

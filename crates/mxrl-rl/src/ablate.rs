@@ -1,6 +1,7 @@
 //! The ablation runner: the same RL run once per recipe (identical seeds, prompts and
 //! hyper-parameters), plus a second BF16 seed to measure run-to-run noise; sequential and
-//! resumable (each run resumes from its own checkpoint), then the report.
+//! resumable (each run resumes from its own checkpoint; a finished run is kept, checkpoint or
+//! not), optionally in parts (`only`), then the report.
 
 use crate::metrics::StepMetrics;
 use crate::policy::{RolloutPolicy, TrainPolicy};
@@ -61,6 +62,10 @@ pub struct AblationSpec {
     pub device: String,
     /// Discard the runs already in `out` and start over.
     pub restart: bool,
+    /// Names of the runs ([`AblationSpec::runs`]) this invocation runs; empty: all of them.
+    /// The others are left as they are, so one ablation can be run in parts (on several
+    /// machines, or in several sessions) into one directory.
+    pub only: Vec<String>,
 }
 
 impl AblationSpec {
@@ -209,6 +214,14 @@ pub fn run_summary_line(name: &str, m: &[StepMetrics]) -> String {
     )
 }
 
+/// `Some(steps)` when `dir/metrics.jsonl` holds every step `0..steps` of a run in order (a
+/// finished run, with or without a checkpoint): re-running it would repeat the same steps.
+fn finished_steps(dir: &std::path::Path, steps: u64) -> Option<u64> {
+    let m = crate::metrics::read_jsonl(&dir.join("metrics.jsonl")).ok()?;
+    let complete = m.len() as u64 == steps && m.iter().zip(0..).all(|(x, i)| x.step == i);
+    (steps > 0 && complete).then_some(steps)
+}
+
 /// Fields of `ablation.json` that may change on a re-run ([`crate::manifest::RESUMABLE_FIELDS`]).
 const ABLATION_RESUMABLE: [&str; 4] = [
     "config.steps",
@@ -222,7 +235,9 @@ const ABLATION_RESUMABLE: [&str; 4] = [
 /// Before the first run: `info(recipe)` resolves every recipe (all errors are reported at
 /// once), and `ablation.json` is compared with the one already in `out` (a re-run with
 /// another configuration is refused with the differing fields unless `spec.restart`), then
-/// written. Each run directory gets its own `run.json` ([`crate::manifest::prepare_run_dir`]).
+/// written. Each run directory gets its own `run.json` ([`crate::manifest::prepare_run_dir`]);
+/// a run whose `metrics.jsonl` already holds all its steps is kept without building anything,
+/// and runs not named in `spec.only` (when it names any) are left as they are.
 /// `make(recipe)` builds fresh policies from the same base weights.
 pub fn run_ablation<T, R, I, F>(
     spec: &AblationSpec,
@@ -246,6 +261,22 @@ where
                 "run `{n}` appears twice (repeated recipe or noise seed)"
             )));
         }
+    }
+    let unknown: Vec<&str> = spec
+        .only
+        .iter()
+        .map(String::as_str)
+        .filter(|n| !names.contains(n))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(RunError::Config(format!(
+            "nothing was run; --only names no run of this ablation: {}; its runs are {}",
+            unknown.join(", "),
+            plan.iter()
+                .map(|(n, _, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
     }
     let mut infos: BTreeMap<String, RecipeInfo> = BTreeMap::new();
     let mut bad = Vec::new();
@@ -318,6 +349,10 @@ where
     }
     crate::manifest::write_json_atomic(&mp, &man)?;
     for (name, recipe, seed) in &plan {
+        if !spec.only.is_empty() && !spec.only.contains(name) {
+            eprintln!("mxrl ablate: {name}: not in --only, left as it is");
+            continue;
+        }
         let mut cfg = spec.cfg.clone();
         cfg.seed = *seed;
         let dir = spec.out.join(name);
@@ -334,6 +369,10 @@ where
             config: cfg.clone(),
         };
         crate::manifest::prepare_run_dir(&dir, &rm, spec.restart)?;
+        if let Some(done) = finished_steps(&dir, cfg.steps) {
+            eprintln!("mxrl ablate: {name}: finished ({done} steps), kept");
+            continue;
+        }
         let b = make(recipe)?;
         let mut run = RlRun::new(
             cfg.clone(),

@@ -33,6 +33,11 @@ pub struct Args {
     /// Discard the runs already in the output directory and start over.
     #[arg(long)]
     restart: bool,
+    /// Run only these runs (names as in the report: a recipe, or `bf16-seedS`), comma-
+    /// separated; the others are left as they are. Runs an ablation in parts into one
+    /// directory; runs already finished are kept in any case.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     #[command(flatten)]
     rl: RlArgs,
     #[command(flatten)]
@@ -57,6 +62,15 @@ fn noise_seeds(s: &str) -> Result<NoiseSeeds, String> {
         .map(NoiseSeeds)
 }
 
+/// What an invocation does with the runs of its output directory.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// Discard them and start over.
+    pub restart: bool,
+    /// Run only these (all when empty); finished runs are kept in any case.
+    pub only: Vec<String>,
+}
+
 /// Run an ablation of `model_dir` into `out`; returns the report path.
 pub fn ablate(
     model_dir: &Path,
@@ -64,7 +78,7 @@ pub fn ablate(
     noise_seeds: &[u64],
     out: &Path,
     rl: &RlArgs,
-    restart: bool,
+    selection: &Selection,
     device: Device,
 ) -> Result<PathBuf> {
     if device == Device::Cuda {
@@ -101,7 +115,8 @@ pub fn ablate(
         model_digest: mxrl_rl::manifest::model_digest(model_dir)?,
         task: rl.task_description()?,
         device: device_line,
-        restart,
+        restart: selection.restart,
+        only: selection.only.clone(),
     };
     Ok(run_ablation(
         &spec,
@@ -125,7 +140,10 @@ pub fn run(a: Args) -> Result<()> {
         &a.noise_seeds.0,
         &a.out,
         &a.rl,
-        a.restart,
+        &Selection {
+            restart: a.restart,
+            only: a.only,
+        },
         a.device.device,
     )?;
     eprintln!("report: {}", p.display());
