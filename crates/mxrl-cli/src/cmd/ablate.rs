@@ -91,9 +91,12 @@ pub fn ablate(
     let cfg = rl.config();
     let device_line = match device {
         Device::Cpu => super::device::CPU_LINE.to_string(),
-        Device::Cuda => {
-            "GPU 0: the device engine (block-format linears on their stored bytes)".to_string()
-        }
+        // The card's name: its parts' timings compare only on the same kind of card, so a
+        // part run on another one is refused as another run (`device` differs).
+        Device::Cuda => format!(
+            "{}: the device engine (block-format linears on their stored bytes)",
+            super::device::gpu_memory().map_or_else(|| "GPU 0".to_string(), |g| g.0)
+        ),
     };
     let spec = AblationSpec {
         recipes: recipes.to_vec(),
