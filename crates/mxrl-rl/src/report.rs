@@ -1303,7 +1303,11 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
             "- runs: {} (identical prompts and hyper-parameters; only the precision recipe differs, plus BF16 runs with other seeds for run-to-run noise)",
             man.runs
                 .iter()
-                .map(|r| format!("`{}` (seed {})", r.name, r.seed))
+                .map(|r| if sums.iter().any(|x| x.name == r.name) {
+                    format!("`{}` (seed {})", r.name, r.seed)
+                } else {
+                    format!("`{}` (seed {}; not run yet: no metrics)", r.name, r.seed)
+                })
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -1316,7 +1320,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     let _ = writeln!(
         s,
         "- Timing note: rollout/train times are wall-clock of this machine; {}",
-        if man.device.starts_with("GPU") {
+        if !man.device.is_empty() && !man.device.starts_with("cpu") {
             "on Hopper the block-format products run exactly on BF16 tensor cores (decode reads the stored bytes; the training backward multiplies the mode's exact BF16 operands, NVFP4's dequantized ones as three parts), so the time differences are this engine's, not the formats' on hardware with MXFP8/NVFP4 tensor cores."
         } else {
             "on CPU the block-format GEMMs are emulated (operands quantized by the contract quantizer and decoded exactly, f32 accumulation), so time differences between recipes are not format speedups."
@@ -1474,6 +1478,45 @@ mod tests {
                 ..Default::default()
             })
             .collect()
+    }
+
+    /// A run listed in `ablation.json` without metrics (an ablation run in parts) is named as
+    /// not run yet, and the timing note follows the device line: the CPU reference's, or the
+    /// device engine's on any GPU line.
+    #[test]
+    fn runs_without_metrics_are_named_and_the_timing_note_follows_the_device() {
+        let d = tempfile::tempdir().unwrap();
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, steps(0.0, 0.0, 1.0)),
+                ("nvfp4-dq", "nvfp4-dq", 1, Vec::new()),
+            ],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        assert!(
+            md.contains("`bf16` (seed 1), `nvfp4-dq` (seed 1; not run yet: no metrics)"),
+            "{md}"
+        );
+        assert!(
+            md.contains("on CPU the block-format GEMMs are emulated"),
+            "{md}"
+        );
+        for device in [
+            "cuda:0 (NVIDIA H100 80GB HBM3): the device engine",
+            "GPU 0: the device engine",
+        ] {
+            let p = d.path().join("ablation.json");
+            let mut man: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            man["device"] = device.into();
+            std::fs::write(&p, man.to_string()).unwrap();
+            let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+            assert!(
+                md.contains("on Hopper the block-format products run exactly on BF16"),
+                "{device}: {md}"
+            );
+        }
     }
 
     /// The per-format weight table has a column for every format some run stores, FP8-block
