@@ -10,7 +10,6 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
     DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use mxrl_formats::{
     AmaxScope, Format, FormatError, Fp8BlockScheme, Fp8Blocks, MxBlocks, Nvfp4Blocks,
     QuantizedTensor, ScaleLayout, ScaleRule, Scales, Scheme, Usage, FP8_BLOCK, MXFP8_BLOCK,
@@ -300,29 +299,15 @@ impl CudaDevice {
             match cache.get(&(ordinal, cache_key.clone())) {
                 Some(m) => m.clone(),
                 None => {
-                    // SAFETY: only asks whether the NVRTC library can be found.
-                    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-                        return Err(e("the NVRTC library (libnvrtc) cannot be loaded".into()));
-                    }
-                    eprintln!(
-                        "mxrl-cuda: compiling quantizer kernels for {name} (module key \
-                         {cache_key}) with NVRTC options {options:?}"
-                    );
-                    let opts = CompileOptions {
-                        fmad: Some(false),
-                        ftz: Some(false),
-                        prec_div: Some(true),
-                        prec_sqrt: Some(true),
-                        use_fast_math: None,
+                    let m = crate::gpu::load_module_cached(
+                        &ctx,
+                        &name,
+                        "mxrl_quant",
+                        &source,
+                        &cache_key,
                         arch,
-                        name: Some("mxrl_quant.cu".into()),
-                        ..Default::default()
-                    };
-                    let ptx = compile_ptx_with_opts(&source, opts)
-                        .map_err(|x| e(format!("NVRTC compile failed: {x}")))?;
-                    let m = ctx
-                        .load_module(ptx)
-                        .map_err(|x| e(format!("load module: {x:?}")))?;
+                        &options,
+                    )?;
                     cache.insert((ordinal, cache_key.clone()), m.clone());
                     m
                 }

@@ -356,6 +356,15 @@ pub fn compile_op_module(
     source: &str,
     arch: Option<&'static str>,
 ) -> Result<Ptx, DeviceError> {
+    compile_source(name, &op_module_source(source), arch)
+}
+
+/// Compiles the complete `source` of module `name` with the engine's NVRTC options for `arch`.
+fn compile_source(
+    name: &str,
+    source: &str,
+    arch: Option<&'static str>,
+) -> Result<Ptx, DeviceError> {
     // SAFETY: only asks whether the NVRTC library can be found.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(DeviceError::Cuda {
@@ -373,10 +382,72 @@ pub fn compile_op_module(
         name: Some(format!("{name}.cu")),
         ..Default::default()
     };
-    compile_ptx_with_opts(op_module_source(source), opts).map_err(|x| DeviceError::Cuda {
+    compile_ptx_with_opts(source, opts).map_err(|x| DeviceError::Cuda {
         device: "nvrtc".into(),
         what: format!("NVRTC compile of {name} failed: {x}"),
     })
+}
+
+/// Module `name` on `ctx`, from its complete `source` compiled with the engine's NVRTC options
+/// for `arch` (`options` as listed in messages; `key` = [`crate::module_cache_key`] of both):
+/// the PTX kept in the disk cache ([`crate::ptx_cache`]) when it is there and loads, else
+/// compiled by NVRTC, loaded, and then kept there. `device` names the GPU in messages and
+/// errors. Every module of the engine, the quantizers' included, is loaded this way.
+///
+/// # Errors
+/// An NVRTC compile error (with its log) or a module load error.
+pub(crate) fn load_module_cached(
+    ctx: &Arc<CudaContext>,
+    device: &str,
+    name: &str,
+    source: &str,
+    key: &str,
+    arch: Option<&'static str>,
+    options: &[String],
+) -> Result<Arc<CudaModule>, DeviceError> {
+    let err = |what: String| DeviceError::Cuda {
+        device: device.to_string(),
+        what,
+    };
+    let cached = ptx_cache_path(name, key);
+    let from_disk = cached.as_ref().and_then(|p| {
+        let src = std::fs::read_to_string(p).ok()?;
+        match ctx.load_module(Ptx::from_src(src)) {
+            Ok(m) => Some(m),
+            Err(x) => {
+                // A damaged or foreign file: compile anew and replace it.
+                eprintln!(
+                    "mxrl-cuda: the cached {} did not load ({x:?}); compiling {name} anew",
+                    p.display()
+                );
+                None
+            }
+        }
+    });
+    if let Some(m) = from_disk {
+        return Ok(m);
+    }
+    eprintln!(
+        "mxrl-cuda: compiling {name} for {device} (module key {key}) with NVRTC options \
+         {options:?}{}",
+        match &cached {
+            Some(p) => format!("; kept in {}", p.display()),
+            None => String::new(),
+        }
+    );
+    let ptx = compile_source(name, source, arch).map_err(|e| match e {
+        DeviceError::Cuda { what, .. } => err(what),
+        other => other,
+    })?;
+    let src = cached.as_ref().map(|_| ptx.to_src());
+    let m = ctx
+        .load_module(ptx)
+        .map_err(|x| err(format!("load module {name}: {x:?}")))?;
+    // Kept only once it loaded here.
+    if let (Some(p), Some(src)) = (&cached, src) {
+        store_ptx(p, &src);
+    }
+    Ok(m)
 }
 
 /// NVRTC's version, where the library loads.
@@ -693,47 +764,15 @@ impl Gpu {
         if let Some(m) = cache.get(&(self.ordinal, key.clone())) {
             return Ok(m.clone());
         }
-        let cached = ptx_cache_path(name, &key);
-        let from_disk = cached.as_ref().and_then(|p| {
-            let src = std::fs::read_to_string(p).ok()?;
-            match self.ctx.load_module(Ptx::from_src(src)) {
-                Ok(m) => Some(m),
-                Err(x) => {
-                    // A damaged or foreign file: compile anew and replace it.
-                    eprintln!(
-                        "mxrl-cuda: the cached {} did not load ({x:?}); compiling {name} anew",
-                        p.display()
-                    );
-                    None
-                }
-            }
-        });
-        let m = match from_disk {
-            Some(m) => m,
-            None => {
-                eprintln!(
-                    "mxrl-cuda: compiling {name} for {} (module key {key}) with NVRTC options \
-                     {:?}{}",
-                    self.name,
-                    self.options,
-                    match &cached {
-                        Some(p) => format!("; kept in {}", p.display()),
-                        None => String::new(),
-                    }
-                );
-                let ptx = compile_op_module(name, source, self.arch).map_err(|e| self.err(e))?;
-                let src = cached.as_ref().map(|_| ptx.to_src());
-                let m = self
-                    .ctx
-                    .load_module(ptx)
-                    .map_err(|x| self.err(format!("load module {name}: {x:?}")))?;
-                // Kept only once it loaded here.
-                if let (Some(p), Some(src)) = (&cached, src) {
-                    store_ptx(p, &src);
-                }
-                m
-            }
-        };
+        let m = load_module_cached(
+            &self.ctx,
+            &self.name,
+            name,
+            &op_module_source(source),
+            &key,
+            self.arch,
+            &self.options,
+        )?;
         cache.insert((self.ordinal, key), m.clone());
         Ok(m)
     }
