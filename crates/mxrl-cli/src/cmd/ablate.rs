@@ -84,7 +84,9 @@ pub fn ablate(
     if device == Device::Cuda {
         super::device::cuda_built()?;
     }
+    let t = std::time::Instant::now();
     let (model, codec) = load_model_dir(model_dir)?;
+    let loaded_s = t.elapsed().as_secs_f64();
     let task = rl.task_spec().source(Some(model_dir))?;
     rl.warn_short_responses()?;
     let c = model.config();
@@ -98,6 +100,13 @@ pub fn ablate(
             super::device::gpu_memory().map_or_else(|| "GPU 0".to_string(), |g| g.0)
         ),
     };
+    let t = std::time::Instant::now();
+    let model_digest = mxrl_rl::manifest::model_digest(model_dir)?;
+    eprintln!(
+        "mxrl ablate: {} loaded in {loaded_s:.1} s, its digest taken in {:.1} s",
+        model_dir.display(),
+        t.elapsed().as_secs_f64()
+    );
     let spec = AblationSpec {
         recipes: recipes.to_vec(),
         noise_seeds: noise_seeds.to_vec(),
@@ -115,7 +124,7 @@ pub fn ablate(
             model.params().num_elements(),
         ),
         model_path: model_dir.display().to_string(),
-        model_digest: mxrl_rl::manifest::model_digest(model_dir)?,
+        model_digest,
         task: rl.task_description()?,
         device: device_line,
         restart: selection.restart,
@@ -127,9 +136,14 @@ pub fn ablate(
         &codec,
         |r| recipe_info(&model, r),
         |r| {
+            let t = std::time::Instant::now();
             let (b, runs_on) = super::device::build_policies(&model, r, device)
                 .map_err(|e| mxrl_rl::runner::RunError::Config(format!("{e:#}")))?;
-            eprintln!("mxrl ablate: recipe {r} runs on {runs_on}");
+            eprintln!(
+                "mxrl ablate: recipe {r} runs on {runs_on} (trainer, rollout and reference \
+                 built in {:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
             Ok(b)
         },
     )?)
