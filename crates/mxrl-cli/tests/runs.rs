@@ -306,6 +306,10 @@ fn an_ablation_runs_in_parts_and_keeps_finished_runs_without_checkpoints() {
     part.extend(["--only", "bf16-seed2,bf16"]);
     let out = ok(&part, d.path());
     assert!(out.contains("mxfp8: not in --only, left as it is"), "{out}");
+    assert!(
+        out.contains("2 of 3 runs finished; not run yet: mxfp8 (the same command"),
+        "{out}"
+    );
     let abl = d.path().join("abl");
     let bf16 = std::fs::read(abl.join("bf16/metrics.jsonl")).unwrap();
     let seed2 = std::fs::read(abl.join("bf16-seed2/metrics.jsonl")).unwrap();
@@ -334,6 +338,7 @@ fn an_ablation_runs_in_parts_and_keeps_finished_runs_without_checkpoints() {
     );
     let report = std::fs::read_to_string(abl.join("report.md")).unwrap();
     assert!(report.contains("| `mxfp8` | 1 |"), "{report}");
+    assert!(!out.contains("not run yet"), "{out}");
 
     // A run cut short (here: its metrics truncated to none) is not finished: it runs again.
     std::fs::write(abl.join("mxfp8/metrics.jsonl"), "").unwrap();

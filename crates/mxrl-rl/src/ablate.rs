@@ -391,5 +391,19 @@ where
             eprintln!("{}", run_summary_line(name, &m));
         }
     }
+    let left: Vec<&str> = plan
+        .iter()
+        .filter(|(n, _, _)| finished_steps(&spec.out.join(n), spec.cfg.steps).is_none())
+        .map(|(n, _, _)| n.as_str())
+        .collect();
+    if !left.is_empty() {
+        eprintln!(
+            "mxrl ablate: {} of {} runs finished; not run yet: {} (the same command without \
+             --only, or --only with their names, runs them; finished runs are kept)",
+            plan.len() - left.len(),
+            plan.len(),
+            left.join(", ")
+        );
+    }
     crate::report::write_report(&spec.out).map_err(|e| RunError::Config(e.to_string()))
 }
