@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::model::Model;
 use mxrl_ckpt::{
-    f32_bytes, to_f32, write_bytes_atomic, write_safetensors_atomic, Checkpoint, Dtype, TensorSpec,
+    f32_bytes, to_f32, write_atomic, write_bytes_atomic, Checkpoint, Dtype, ShardWriter, TensorSpec,
 };
 use std::path::Path;
 
@@ -28,19 +28,38 @@ pub fn hf_names(name: &str) -> Vec<String> {
 
 /// HF-named tensors of a model (f32, gate/up split), e.g. to save a checkpoint HF can read.
 pub fn to_hf_tensors(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    hf_parts(model)
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.to_vec()))
+        .collect()
+}
+
+/// [`to_hf_tensors`] without copying a value: each HF tensor's name, shape and values, the
+/// halves of a fused gate/up parameter as slices of it.
+fn hf_parts(model: &Model) -> Vec<(String, Vec<usize>, &[f32])> {
     let mut out = Vec::new();
     for p in model.params().iter() {
         let names = hf_names(&p.name);
         if names.len() == 2 {
             let (rows, cols) = (p.shape[0] / 2, p.shape[1]);
             let (g, u) = p.data.split_at(rows * cols);
-            out.push((names[0].clone(), vec![rows, cols], g.to_vec()));
-            out.push((names[1].clone(), vec![rows, cols], u.to_vec()));
+            out.push((names[0].clone(), vec![rows, cols], g));
+            out.push((names[1].clone(), vec![rows, cols], u));
         } else {
-            out.push((names[0].clone(), p.shape.clone(), p.data.clone()));
+            out.push((names[0].clone(), p.shape.clone(), &p.data[..]));
         }
     }
     out
+}
+
+/// Little-endian bytes of `v`: the values' own memory on a little-endian machine, a copy
+/// elsewhere.
+fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        std::borrow::Cow::Owned(f32_bytes(v))
+    }
 }
 
 /// The f32 values of the mxrl parameter `name` of shape `shape` read from `ck` (the checkpoint
@@ -121,15 +140,19 @@ pub fn save_hf(model: &Model, dir: &Path) -> Result<()> {
         move |source| ModelError::Write { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let tensors: Vec<(TensorSpec, Vec<u8>)> = to_hf_tensors(model)
-        .into_iter()
-        .map(|(n, s, v)| (TensorSpec::new(n, Dtype::F32, s), f32_bytes(&v)))
+    // Streamed from the parameters' own memory: no copy of the model is made.
+    let parts = hf_parts(model);
+    let specs: Vec<TensorSpec> = parts
+        .iter()
+        .map(|(n, s, _)| TensorSpec::new(n.clone(), Dtype::F32, s.clone()))
         .collect();
-    write_safetensors_atomic(
-        &dir.join("model.safetensors"),
-        &tensors,
-        &Default::default(),
-    )?;
+    write_atomic(&dir.join("model.safetensors"), |tmp| {
+        let mut w = ShardWriter::create(tmp, specs, &Default::default())?;
+        for (n, _, v) in &parts {
+            w.write_tensor(n, &le_bytes(v))?;
+        }
+        w.finish()
+    })?;
     write_bytes_atomic(
         &dir.join("config.json"),
         model.config().to_json().as_bytes(),

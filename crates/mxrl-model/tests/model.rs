@@ -414,6 +414,43 @@ fn same_seed_same_bytes_and_hf_roundtrip() {
     }
 }
 
+/// `save_hf` streams the parameters' own memory into the file; its bytes are those of the
+/// copying writer (`to_hf_tensors`, each tensor's f32 values as little-endian bytes) for both
+/// architectures, and the temporary file is gone.
+#[test]
+fn streamed_hf_save_writes_the_bytes_of_the_copying_writer() {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let m = Model::random(&small(arch), 5).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        mxrl_model::hf::save_hf(&m, dir.path()).unwrap();
+        let copied: Vec<(mxrl_ckpt::TensorSpec, Vec<u8>)> = mxrl_model::hf::to_hf_tensors(&m)
+            .into_iter()
+            .map(|(n, s, v)| {
+                (
+                    mxrl_ckpt::TensorSpec::new(n, mxrl_ckpt::Dtype::F32, s),
+                    mxrl_ckpt::f32_bytes(&v),
+                )
+            })
+            .collect();
+        let want = dir.path().join("want.safetensors");
+        mxrl_ckpt::write_safetensors(&want, &copied, &Default::default()).unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("model.safetensors")).unwrap(),
+            std::fs::read(&want).unwrap(),
+            "{arch:?}"
+        );
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["config.json", "model.safetensors", "want.safetensors"]
+        );
+    }
+}
+
 /// `max_position_embeddings` is written and read back; a config.json without it gets the
 /// default of transformers' Qwen2-MoE/Qwen3-MoE configs.
 #[test]
