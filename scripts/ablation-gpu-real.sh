@@ -39,9 +39,9 @@
 # In parts: ONLY=bf16,nvfp4-hp runs only those runs (names as in the report: a recipe, or
 # bf16-seedS) into OUT and leaves the others; a later call with other names (or none: all)
 # adds them. Finished runs are kept, checkpoint or not, so an ablation too long for one
-# sitting can be run in several, each redoing (or reusing) the same deterministic warm-up:
-# every run records the base model's digest, and a run on another base is refused. RESTART=1
-# discards the runs already in OUT instead.
+# sitting can be run in several, each reusing the warm-up in BASE or redoing it: every run
+# records the base model's digest and the card, and a part on another base or another kind
+# of card is refused. RESTART=1 discards the runs already in OUT instead.
 set -eu
 STEPS="${STEPS:-100}"
 PROMPTS="${PROMPTS:-64}"
