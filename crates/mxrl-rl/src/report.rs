@@ -1172,6 +1172,44 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
             final_range.0, final_range.1
         )),
     }
+    if let NoiseBand::Bootstrap {
+        name, final_range, ..
+    } = &band
+    {
+        // Another BF16 seed, too few for a seed band, still shows seed-to-seed noise: say it.
+        let bf: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe == "bf16").collect();
+        if bf.len() >= 2 {
+            let others: Vec<String> = bf
+                .iter()
+                .filter(|s| &s.name != name)
+                .map(|s| format!("`{}` {:.3}", s.name, s.final_reward))
+                .collect();
+            let (lo, hi) = bf
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), s| {
+                    (a.min(s.final_reward), b.max(s.final_reward))
+                });
+            let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
+            let within = low
+                .iter()
+                .filter(|s| (lo..=hi).contains(&s.final_reward))
+                .count();
+            out.push(format!(
+                "The other BF16 seed{} finish{} at {}: the BF16 runs' final rewards span {lo:.3}–{hi:.3}, {:.3} apart, against the bootstrap band's width of {:.3}{}. {within} of {} low-precision recipes finish inside that span.",
+                if others.len() > 1 { "s" } else { "" },
+                if others.len() > 1 { "" } else { "es" },
+                others.join(", "),
+                hi - lo,
+                final_range.1 - final_range.0,
+                if hi - lo > final_range.1 - final_range.0 {
+                    ": seed-to-seed noise is larger than the band says"
+                } else {
+                    ""
+                },
+                low.len()
+            ));
+        }
+    }
     let band_range = band.final_range();
     let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
     for s in &low {
@@ -1704,6 +1742,34 @@ mod tests {
         let r = reading(&sums).join("\n");
         assert!(
             r.contains("fewer than 3 BF16 seeds, so the band is the 95% bootstrap interval"),
+            "{r}"
+        );
+    }
+
+    /// With two BF16 seeds (too few for a seed band) the reading also gives the span of their
+    /// final rewards and how many low-precision recipes finish inside it.
+    #[test]
+    fn a_second_bf16_seed_gives_the_seed_to_seed_span() {
+        let mut sums = vec![
+            summary("bf16", "bf16", 0.317),
+            summary("mxfp8", "mxfp8", 0.304),
+            summary("fp8-block", "fp8-block", 0.250),
+            summary("bf16-seed2", "bf16", 0.272),
+        ];
+        sums[0].final_ci = (0.278, 0.353);
+        let r = reading(&sums).join("\n");
+        assert!(
+            r.contains("The other BF16 seed finishes at `bf16-seed2` 0.272: the BF16 runs' final rewards span 0.272–0.317, 0.045 apart, against the bootstrap band's width of 0.075. 1 of 2 low-precision recipes finish inside that span."),
+            "{r}"
+        );
+        // One BF16 run: no such line.
+        sums.pop();
+        assert!(!reading(&sums).join("\n").contains("The other BF16 seed"));
+        // A span wider than the band is called out.
+        sums.push(summary("bf16-seed2", "bf16", 0.2));
+        let r = reading(&sums).join("\n");
+        assert!(
+            r.contains("0.117 apart, against the bootstrap band's width of 0.075: seed-to-seed noise is larger than the band says. 2 of 2"),
             "{r}"
         );
     }
