@@ -348,9 +348,14 @@ where
         }
     }
     crate::manifest::write_json_atomic(&mp, &man)?;
+    // Runs left unfinished by this invocation (not in --only and not finished before).
+    let mut left: Vec<&str> = Vec::new();
     for (name, recipe, seed) in &plan {
         if !spec.only.is_empty() && !spec.only.contains(name) {
             eprintln!("mxrl ablate: {name}: not in --only, left as it is");
+            if finished_steps(&spec.out.join(name), spec.cfg.steps).is_none() {
+                left.push(name);
+            }
             continue;
         }
         let mut cfg = spec.cfg.clone();
@@ -391,11 +396,6 @@ where
             eprintln!("{}", run_summary_line(name, &m));
         }
     }
-    let left: Vec<&str> = plan
-        .iter()
-        .filter(|(n, _, _)| finished_steps(&spec.out.join(n), spec.cfg.steps).is_none())
-        .map(|(n, _, _)| n.as_str())
-        .collect();
     if !left.is_empty() {
         eprintln!(
             "mxrl ablate: {} of {} runs finished; not run yet: {} (the same command without \

@@ -1092,19 +1092,12 @@ impl NoiseBand {
     /// From the summaries (`None` without a BF16 run).
     pub fn of(sums: &[RunSummary]) -> Option<NoiseBand> {
         let bf: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe == "bf16").collect();
-        let minmax = |f: fn(&RunSummary) -> f64| {
-            bf.iter()
-                .map(|s| f(s))
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
-                    (a.min(x), b.max(x))
-                })
-        };
         if bf.len() >= MIN_BF16_SEEDS {
             Some(NoiseBand::Seeds {
                 names: bf.iter().map(|s| s.name.clone()).collect(),
-                final_range: minmax(|s| s.final_reward),
+                final_range: span(&bf, |s| s.final_reward),
                 final_mean: mean(bf.iter().map(|s| s.final_reward)),
-                mean_range: minmax(|s| s.mean_reward),
+                mean_range: span(&bf, |s| s.mean_reward),
             })
         } else {
             let b = bf.iter().find(|s| s.name == "bf16").or(bf.first())?;
@@ -1131,6 +1124,15 @@ impl NoiseBand {
             }
         }
     }
+}
+
+/// The smallest and largest `f` over `runs`.
+fn span(runs: &[&RunSummary], f: fn(&RunSummary) -> f64) -> (f64, f64) {
+    runs.iter()
+        .map(|s| f(s))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+            (a.min(x), b.max(x))
+        })
 }
 
 /// Where `x` lies relative to `[lo, hi]`, in words.
@@ -1172,6 +1174,7 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
             final_range.0, final_range.1
         )),
     }
+    let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
     if let NoiseBand::Bootstrap {
         name, final_range, ..
     } = &band
@@ -1184,12 +1187,7 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
                 .filter(|s| &s.name != name)
                 .map(|s| format!("`{}` {:.3}", s.name, s.final_reward))
                 .collect();
-            let (lo, hi) = bf
-                .iter()
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), s| {
-                    (a.min(s.final_reward), b.max(s.final_reward))
-                });
-            let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
+            let (lo, hi) = span(&bf, |s| s.final_reward);
             let within = low
                 .iter()
                 .filter(|s| (lo..=hi).contains(&s.final_reward))
@@ -1211,7 +1209,6 @@ pub fn reading(sums: &[RunSummary]) -> Vec<String> {
         }
     }
     let band_range = band.final_range();
-    let low: Vec<&RunSummary> = sums.iter().filter(|s| s.recipe != "bf16").collect();
     for s in &low {
         out.push(format!(
             "`{}`: final reward {:.3} (95% bootstrap {:.3}–{:.3}), mean {:.3} — against the BF16 band {:.3}–{:.3}: {}.",
