@@ -30,6 +30,7 @@ use mxrl_tensor::device::{
 use mxrl_tensor::qlinear::{BackwardMode, LinearSpec, PreparedWeight};
 use mxrl_tensor::sample::SampleParams;
 use mxrl_tensor::SeqLayout;
+use std::borrow::Cow;
 
 /// A layer's normalized rows: f32 (for block-format linears) and/or BF16 (for BF16 ones).
 type NormRows<B> = (Option<<B as Backend>::F32>, Option<<B as Backend>::Bf16>);
@@ -446,7 +447,7 @@ impl<B: Backend> Engine<B> {
         let ps = model.params();
         Self::build(model.config().clone(), b, max_pos, |name, _| {
             ps.by_name(name)
-                .map(|p| p.data.clone())
+                .map(|p| Cow::Borrowed(p.data.as_slice()))
                 .ok_or_else(|| ModelError::BadTensor {
                     name: name.into(),
                     message: "missing from the model".into(),
@@ -468,26 +469,28 @@ impl<B: Backend> Engine<B> {
         Self::build(cfg.clone(), b, max_pos, |name, shape| {
             let n: usize = shape.iter().product();
             counter += 1;
-            Ok(if name.contains("norm") {
+            Ok(Cow::Owned(if name.contains("norm") {
                 vec![1.0; n]
             } else if name.ends_with("bias") {
                 vec![0.0; n]
             } else {
                 normal_values(n, seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15), std)
-            })
+            }))
         })
     }
 
-    /// Builds the device weights from a source of f32 tensors by HF name and shape (routed
-    /// experts are read per expert and stacked on the host one layer at a time).
+    /// Builds the device weights from a source of f32 tensors by HF name and shape, borrowed
+    /// where the source holds them (a [`Model`]'s parameters are uploaded from their own
+    /// memory) or made for the call (routed experts are read per expert and stacked on the
+    /// host one layer at a time).
     ///
     /// # Errors
     /// A shared expert (not supported by the engine yet), a source error, a device failure.
-    pub fn build(
+    pub fn build<'s>(
         cfg: ModelConfig,
         b: B,
         max_pos: usize,
-        mut src: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+        mut src: impl FnMut(&str, &[usize]) -> Result<Cow<'s, [f32]>>,
     ) -> Result<Self> {
         if cfg.shared_expert_intermediate_size > 0 {
             return Err(ModelError::Unsupported {
@@ -503,11 +506,11 @@ impl<B: Backend> Engine<B> {
         let push = |params: &mut Vec<Param<B>>,
                     name: String,
                     shape: Vec<usize>,
-                    vals: Vec<f32>,
+                    vals: &[f32],
                     linear: bool,
                     decay: bool|
          -> Result<usize> {
-            let master = b.upload_f32(&vals).map_err(dev)?;
+            let master = b.upload_f32(vals).map_err(dev)?;
             let op = if linear {
                 let mut o = b.zeros_bf16(vals.len()).map_err(dev)?;
                 b.to_bf16(&master, &mut o, vals.len()).map_err(dev)?;
@@ -533,7 +536,7 @@ impl<B: Backend> Engine<B> {
             &mut params,
             "model.embed_tokens.weight".into(),
             vec![v, h],
-            embed_vals,
+            &embed_vals,
             cfg.tie_word_embeddings,
             true,
         )?;
@@ -549,7 +552,7 @@ impl<B: Backend> Engine<B> {
                            decay: bool|
              -> Result<usize> {
                 let vals = src(&name, shape)?;
-                push(params, name, shape.to_vec(), vals, linear, decay)
+                push(params, name, shape.to_vec(), &vals, linear, decay)
             };
             let ln1 = one(
                 &mut params,
@@ -658,7 +661,7 @@ impl<B: Backend> Engine<B> {
                     &mut params,
                     format!("{p}.mlp.experts.*.gate_up_proj.weight"),
                     vec![e * 2 * f, h],
-                    gu,
+                    &gu,
                     true,
                     true,
                 )?;
@@ -666,7 +669,7 @@ impl<B: Backend> Engine<B> {
                     &mut params,
                     format!("{p}.mlp.experts.*.down_proj.weight"),
                     vec![e * h, f],
-                    dn,
+                    &dn,
                     true,
                     true,
                 )?;
@@ -717,7 +720,7 @@ impl<B: Backend> Engine<B> {
                 &mut params,
                 "model.norm.weight".into(),
                 vec![h],
-                vals,
+                &vals,
                 false,
                 false,
             )?
@@ -730,7 +733,7 @@ impl<B: Backend> Engine<B> {
                 &mut params,
                 "lm_head.weight".into(),
                 vec![v, h],
-                vals,
+                &vals,
                 true,
                 true,
             )?

@@ -62,7 +62,7 @@ impl<B: Backend> Engine<B> {
                     dtypes.insert(t.dtype.to_string());
                 }
             }
-            read_param(&ck, dir, name, shape)
+            read_param(&ck, dir, name, shape).map(std::borrow::Cow::Owned)
         })?;
         let dtypes: Vec<String> = dtypes.into_iter().collect();
         let shards = ck.shards().len();
@@ -118,7 +118,7 @@ impl<B: Backend> Engine<B> {
                     values.len()
                 )));
             }
-            Ok(values)
+            Ok(std::borrow::Cow::Owned(values))
         })?;
         if let Some(extra) = stored.keys().min() {
             return Err(ModelError::Checkpoint {
