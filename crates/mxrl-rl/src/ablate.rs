@@ -25,6 +25,9 @@ pub struct Built<T, R> {
     pub weight_bytes: BTreeMap<String, u64>,
     /// Quantizer contract hash stamped on weight updates.
     pub contract_hash: String,
+    /// How long the parts of the build took, in order (what, seconds); empty where not
+    /// timed.
+    pub build_phases: Vec<(&'static str, f64)>,
 }
 
 /// What a recipe resolves to before anything runs (validated up front for every recipe).

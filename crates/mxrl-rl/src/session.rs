@@ -166,6 +166,7 @@ pub fn build(model: &Model, recipe: &str) -> Result<Built<MoeTrainer, MoeRollout
         reference,
         weight_bytes: bytes,
         contract_hash: crate::wire::contract_hash().to_string(),
+        build_phases: Vec::new(),
     })
 }
 
@@ -201,6 +202,12 @@ pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
     let plan = plan_for(model.config(), recipe)?;
     let formats = formats_for(model, &plan)?;
     let bytes = weight_bytes(model, &formats);
+    let mut phases = Vec::new();
+    let mut t = std::time::Instant::now();
+    let mut lap = |what: &'static str, phases: &mut Vec<(&'static str, f64)>| {
+        phases.push((what, t.elapsed().as_secs_f64()));
+        t = std::time::Instant::now();
+    };
     let mut engine = || -> Result<Engine<B>, RunError> {
         Engine::from_model(model, backend()?, max_pos).map_err(be)
     };
@@ -208,19 +215,31 @@ pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
     // built, so the device's peak is the trainer's 18 bytes per parameter plus their 2 each
     // (BF16 recipes), not plus the masters too.
     let reference = if reference {
-        Some(EngineTrainer::frozen(engine()?, &plan)?)
+        let e = engine()?;
+        lap("reference uploaded", &mut phases);
+        let r = EngineTrainer::frozen(e, &plan)?;
+        lap("reference planned", &mut phases);
+        Some(r)
     } else {
         None
     };
-    let mut rollout = EngineRollout::new(engine()?, &plan)?;
-    let trainer = EngineTrainer::new(engine()?, &plan)?;
+    let e = engine()?;
+    lap("rollout uploaded", &mut phases);
+    let mut rollout = EngineRollout::new(e, &plan)?;
+    lap("rollout planned", &mut phases);
+    let e = engine()?;
+    lap("trainer uploaded", &mut phases);
+    let trainer = EngineTrainer::new(e, &plan)?;
+    lap("trainer planned", &mut phases);
     rollout.load_weights(&trainer.export_weights()?)?;
+    lap("trainer's weights loaded into the rollout", &mut phases);
     Ok(Built {
         trainer,
         rollout,
         reference,
         weight_bytes: bytes,
         contract_hash: crate::wire::contract_hash().to_string(),
+        build_phases: phases,
     })
 }
 

@@ -101,6 +101,7 @@ where
             .map(|r| Box::new(r) as Box<dyn mxrl_rl::TrainPolicy>),
         weight_bytes: b.weight_bytes,
         contract_hash: b.contract_hash,
+        build_phases: b.build_phases,
     }
 }
 
