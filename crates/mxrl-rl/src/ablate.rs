@@ -63,11 +63,19 @@ pub struct AblationSpec {
     pub task: String,
     /// Where the linear GEMMs run.
     pub device: String,
+    /// What this invocation does with the runs already in `out`.
+    pub selection: Selection,
+}
+
+/// What an ablation invocation does with the runs of its output directory.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Selection {
     /// Discard the runs already in `out` and start over.
     pub restart: bool,
     /// Names of the runs ([`AblationSpec::runs`]) this invocation runs; empty: all of them.
     /// The others are left as they are, so one ablation can be run in parts (on several
-    /// machines, or in several sessions) into one directory.
+    /// machines, or in several sessions) into one directory. Finished runs are kept in any
+    /// case.
     pub only: Vec<String>,
 }
 
@@ -237,10 +245,10 @@ const ABLATION_RESUMABLE: [&str; 4] = [
 ///
 /// Before the first run: `info(recipe)` resolves every recipe (all errors are reported at
 /// once), and `ablation.json` is compared with the one already in `out` (a re-run with
-/// another configuration is refused with the differing fields unless `spec.restart`), then
+/// another configuration is refused with the differing fields unless `spec.selection.restart`), then
 /// written. Each run directory gets its own `run.json` ([`crate::manifest::prepare_run_dir`]);
 /// a run whose `metrics.jsonl` already holds all its steps is kept without building anything,
-/// and runs not named in `spec.only` (when it names any) are left as they are.
+/// and runs not named in `spec.selection.only` (when it names any) are left as they are.
 /// `make(recipe)` builds fresh policies from the same base weights.
 pub fn run_ablation<T, R, I, F>(
     spec: &AblationSpec,
@@ -266,6 +274,7 @@ where
         }
     }
     let unknown: Vec<&str> = spec
+        .selection
         .only
         .iter()
         .map(String::as_str)
@@ -331,7 +340,7 @@ where
         device: spec.device.clone(),
     };
     let mp = spec.out.join("ablation.json");
-    if mp.exists() && !spec.restart {
+    if mp.exists() && !spec.selection.restart {
         let text = std::fs::read_to_string(&mp).map_err(|e| RunError::Checkpoint {
             path: mp.display().to_string(),
             msg: format!("reading: {e}"),
@@ -354,7 +363,7 @@ where
     // Runs left unfinished by this invocation (not in --only and not finished before).
     let mut left: Vec<&str> = Vec::new();
     for (name, recipe, seed) in &plan {
-        if !spec.only.is_empty() && !spec.only.contains(name) {
+        if !spec.selection.only.is_empty() && !spec.selection.only.contains(name) {
             eprintln!("mxrl ablate: {name}: not in --only, left as it is");
             if finished_steps(&spec.out.join(name), spec.cfg.steps).is_none() {
                 left.push(name);
@@ -376,7 +385,7 @@ where
             device: spec.device.clone(),
             config: cfg.clone(),
         };
-        crate::manifest::prepare_run_dir(&dir, &rm, spec.restart)?;
+        crate::manifest::prepare_run_dir(&dir, &rm, spec.selection.restart)?;
         if let Some(done) = finished_steps(&dir, cfg.steps) {
             eprintln!("mxrl ablate: {name}: finished ({done} steps), kept");
             continue;

@@ -4,7 +4,7 @@
 use super::device::Device;
 use super::rl::RlArgs;
 use anyhow::Result;
-use mxrl_rl::ablate::{run_ablation, AblationSpec};
+use mxrl_rl::ablate::{run_ablation, AblationSpec, Selection};
 use mxrl_rl::session::{load_model_dir, recipe_info};
 use std::path::{Path, PathBuf};
 
@@ -60,15 +60,6 @@ fn noise_seeds(s: &str) -> Result<NoiseSeeds, String> {
         })
         .collect::<Result<Vec<u64>, String>>()
         .map(NoiseSeeds)
-}
-
-/// What an invocation does with the runs of its output directory.
-#[derive(Debug, Clone, Default)]
-pub struct Selection {
-    /// Discard them and start over.
-    pub restart: bool,
-    /// Run only these (all when empty); finished runs are kept in any case.
-    pub only: Vec<String>,
 }
 
 /// Run an ablation of `model_dir` into `out`; returns the report path.
@@ -137,8 +128,7 @@ pub fn ablate(
         model_digest,
         task: rl.task_description()?,
         device: device_line,
-        restart: selection.restart,
-        only: selection.only.clone(),
+        selection: selection.clone(),
     };
     Ok(run_ablation(
         &spec,

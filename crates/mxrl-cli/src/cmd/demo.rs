@@ -494,7 +494,7 @@ pub fn run(a: Args) -> Result<()> {
         &[2, 3],
         &out,
         &rl,
-        &super::ablate::Selection::default(),
+        &mxrl_rl::ablate::Selection::default(),
         a.device.device,
     )?;
     eprintln!(
