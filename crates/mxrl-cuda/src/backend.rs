@@ -3107,24 +3107,65 @@ impl Backend for CudaBackend {
         &self,
         dweights: &Self::F32,
         route: &RouteBufs<Self>,
+        extra: Option<&Self::F32>,
         n: usize,
         e: usize,
         k: usize,
         norm_topk_prob: bool,
         dlogits: &mut Self::F32,
     ) -> DResult<()> {
+        let g = extra.map(|g| g.as_view());
         self.router
             .backward(
                 &route.probs.as_view(),
                 &route.ids.as_view(),
                 &route.weights.as_view(),
                 Some(&dweights.as_view()),
-                ExtraDprobs::None,
+                g.as_ref().map_or(ExtraDprobs::None, ExtraDprobs::Broadcast),
                 &mut dlogits.as_view_mut(),
                 n,
                 e,
                 k,
                 norm_topk_prob,
+            )
+            .map_err(de)
+    }
+
+    fn aux_loss_grad(
+        &self,
+        layers: &[(&Self::F32, &Self::U32)],
+        n: usize,
+        e: usize,
+        coef: f32,
+        loss: &mut Self::F32,
+        grad: &mut Self::F32,
+    ) -> DResult<()> {
+        let mut psum = self.gpu.empty::<f64>(e.max(1)).map_err(de)?;
+        let mut counts = self.gpu.empty::<f64>(e.max(1)).map_err(de)?;
+        self.router
+            .aux_reset(&mut psum.as_view_mut(), &mut counts.as_view_mut(), e)
+            .map_err(de)?;
+        for (probs, offsets) in layers {
+            self.router
+                .aux_accumulate(
+                    &probs.as_view(),
+                    &offsets.as_view(),
+                    &mut psum.as_view_mut(),
+                    &mut counts.as_view_mut(),
+                    n,
+                    e,
+                )
+                .map_err(de)?;
+        }
+        self.router
+            .aux_finish(
+                &psum.as_view(),
+                &counts.as_view(),
+                layers.len() * n,
+                e,
+                coef,
+                &mut loss.as_view_mut(),
+                &mut grad.as_view_mut(),
             )
             .map_err(de)
     }

@@ -692,3 +692,96 @@ fn router_dispatch_small_equals_router_then_dispatch_bitwise() {
     ));
     assert!(e.contains("one block"), "{e}");
 }
+
+/// The auxiliary loss as the engine calls it, through the backend: over three MoE layers the
+/// GPU's `[E]` gradient equals the CPU backend's bit for bit (and the reference's
+/// `load_balancing_loss` row times the coefficient), its loss is within `aux_loss_bound`; the
+/// router backward with that gradient added equals the CPU backend's bit for bit on the same
+/// routes (the CPU's, uploaded), and differs from the one without it.
+#[test]
+fn backend_aux_loss_and_the_router_backward_with_it_equal_the_cpu_backend() {
+    use mxrl_cuda::backend::CudaBackend;
+    use mxrl_tensor::device::{Backend, CpuBackend, RouteBufs};
+    let g = CudaBackend::new(0)
+        .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"));
+    let c = CpuBackend;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (n, e, k, layers, coef) = (37usize, 16usize, 4usize, 3usize, 0.01f32);
+    let cpu_routes: Vec<RouteBufs<CpuBackend>> = (0..layers)
+        .map(|l| {
+            let mut r = RouteBufs {
+                ids: vec![0; n * k],
+                weights: vec![0.0; n * k],
+                probs: vec![0.0; n * e],
+                offsets: vec![0; e + 1],
+                perm: vec![0; n * k],
+                row_of: vec![0; n * k],
+            };
+            let logits = values(n * e, 40 + l as u64, 3.0);
+            c.route(&logits, n, e, k, true, None, &mut r).unwrap();
+            r
+        })
+        .collect();
+    let gpu_routes: Vec<RouteBufs<CudaBackend>> = cpu_routes
+        .iter()
+        .map(|r| RouteBufs {
+            ids: g.upload_u32(&r.ids).unwrap(),
+            weights: g.upload_f32(&r.weights).unwrap(),
+            probs: g.upload_f32(&r.probs).unwrap(),
+            offsets: g.upload_u32(&r.offsets).unwrap(),
+            perm: g.upload_u32(&r.perm).unwrap(),
+            row_of: g.upload_u32(&r.row_of).unwrap(),
+        })
+        .collect();
+    let (mut closs, mut cgrad) = (vec![0.0f32; 1], vec![0.0f32; e]);
+    let cl: Vec<_> = cpu_routes.iter().map(|r| (&r.probs, &r.offsets)).collect();
+    c.aux_loss_grad(&cl, n, e, coef, &mut closs, &mut cgrad)
+        .unwrap();
+    let (mut gloss, mut ggrad) = (g.zeros_f32(1).unwrap(), g.zeros_f32(e).unwrap());
+    let gl: Vec<_> = gpu_routes.iter().map(|r| (&r.probs, &r.offsets)).collect();
+    g.aux_loss_grad(&gl, n, e, coef, &mut gloss, &mut ggrad)
+        .unwrap();
+    let refl: Vec<(&[f32], &[u32])> = cpu_routes
+        .iter()
+        .map(|r| (r.probs.as_slice(), r.ids.as_slice()))
+        .collect();
+    let (want, rows) = load_balancing_loss(&refl, e);
+    let want_grad: Vec<f32> = rows[0][..e].iter().map(|x| x * coef).collect();
+    assert!(want_grad.iter().any(|&x| x != 0.0));
+    assert_eq!(bits(&cgrad), bits(&want_grad), "CPU backend aux gradient");
+    assert_eq!(closs[0].to_bits(), want.to_bits(), "CPU backend aux loss");
+    assert_eq!(
+        bits(&g.download_f32(&ggrad, e).unwrap()),
+        bits(&want_grad),
+        "GPU aux gradient"
+    );
+    let gls = g.download_f32(&gloss, 1).unwrap()[0];
+    let b = aux_loss_bound(want, layers * n, e);
+    assert!(
+        (gls as f64 - want as f64).abs() <= b,
+        "GPU aux loss {gls:e} vs {want:e}, bound {b:e}"
+    );
+    let dw = values(n * k, 60, 1.0);
+    let gdw = g.upload_f32(&dw).unwrap();
+    for l in 0..layers {
+        let mut cd = vec![0.0f32; n * e];
+        c.router_backward(&dw, &cpu_routes[l], Some(&cgrad), n, e, k, true, &mut cd)
+            .unwrap();
+        let mut cd0 = vec![0.0f32; n * e];
+        c.router_backward(&dw, &cpu_routes[l], None, n, e, k, true, &mut cd0)
+            .unwrap();
+        assert_ne!(
+            bits(&cd),
+            bits(&cd0),
+            "layer {l}: the aux gradient changes nothing"
+        );
+        let mut gd = g.zeros_f32(n * e).unwrap();
+        g.router_backward(&gdw, &gpu_routes[l], Some(&ggrad), n, e, k, true, &mut gd)
+            .unwrap();
+        assert_eq!(
+            bits(&g.download_f32(&gd, n * e).unwrap()),
+            bits(&cd),
+            "layer {l}: router backward with the aux gradient"
+        );
+    }
+}

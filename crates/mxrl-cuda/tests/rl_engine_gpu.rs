@@ -77,6 +77,7 @@ fn warmed_model(model: mxrl_model::Model, seed: u64) -> (mxrl_model::Model, f64,
                 lr: 3e-3,
                 ..AdamWConfig::default()
             },
+            aux_loss_coef: 0.0,
         },
         &mut |_, l| losses.push(l),
     )

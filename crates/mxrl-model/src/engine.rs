@@ -278,6 +278,9 @@ pub struct Engine<B: Backend> {
     train: Option<TrainState<B>>,
     /// Record decode steps as device graphs and replay them ([`Engine::set_decode_graphs`]).
     graphs: bool,
+    /// Coefficient of the auxiliary load-balancing loss in the backward
+    /// ([`Engine::set_aux_loss_coef`]; 0: none).
+    aux_coef: f32,
 }
 
 /// Gradients, AdamW moments and the step count (allocated by [`Engine::enable_training`]).
@@ -753,6 +756,7 @@ impl<B: Backend> Engine<B> {
             b,
             train: None,
             graphs: true,
+            aux_coef: 0.0,
         })
     }
 
@@ -2461,6 +2465,27 @@ impl<B: Backend> Engine<B> {
         self.graphs = on;
     }
 
+    /// Adds `coef ·` the auxiliary load-balancing loss (HF `load_balancing_loss_func` over the
+    /// MoE layers of each forward, as `Model::backward`'s `aux_loss_coef`) to the loss
+    /// [`Engine::backward`] differentiates; 0 (the default) adds none.
+    ///
+    /// # Errors
+    /// A negative or non-finite coefficient.
+    pub fn set_aux_loss_coef(&mut self, coef: f32) -> Result<()> {
+        if !(coef.is_finite() && coef >= 0.0) {
+            return Err(ModelError::Input(format!(
+                "aux loss coefficient {coef}: must be finite and ≥ 0"
+            )));
+        }
+        self.aux_coef = coef;
+        Ok(())
+    }
+
+    /// The auxiliary loss coefficient ([`Engine::set_aux_loss_coef`]).
+    pub fn aux_loss_coef(&self) -> f32 {
+        self.aux_coef
+    }
+
     fn step_io(&self, slots: usize) -> Result<StepIo<B>> {
         let b = &self.b;
         let v = self.cfg.vocab_size;
@@ -3288,6 +3313,26 @@ impl<B: Backend> Engine<B> {
             &mut g[self.norm],
         )
         .map_err(dev)?;
+        // The auxiliary loss's gradient with respect to every MoE layer's router
+        // probabilities: one `[E]` row, the same for every token and layer.
+        let moe_routes: Vec<(&B::F32, &B::U32)> = tape
+            .layers
+            .iter()
+            .filter_map(|t| match &t.ffn {
+                FfnTape::Moe { route, .. } => Some((&route.probs, &route.offsets)),
+                FfnTape::Dense { .. } => None,
+            })
+            .collect();
+        let aux_grad = if self.aux_coef != 0.0 && !moe_routes.is_empty() {
+            let e = c.num_experts;
+            let mut loss = o(1)?;
+            let mut grad = o(e)?;
+            b.aux_loss_grad(&moe_routes, n, e, self.aux_coef, &mut loss, &mut grad)
+                .map_err(dev)?;
+            Some(grad)
+        } else {
+            None
+        };
         let shape = self.shape();
         for (l, t) in self.layers.iter().zip(&tape.layers).rev() {
             // FFN block: x_out = x_mid + ffn(rmsnorm(x_mid))
@@ -3408,8 +3453,17 @@ impl<B: Backend> Engine<B> {
                     b.gather_backward(&dxg, route, n, e, k, hd, &mut dh2)
                         .map_err(dev)?;
                     let mut dlogits = o(n * e)?;
-                    b.router_backward(&dweights, route, n, e, k, c.norm_topk_prob, &mut dlogits)
-                        .map_err(dev)?;
+                    b.router_backward(
+                        &dweights,
+                        route,
+                        aux_grad.as_ref(),
+                        n,
+                        e,
+                        k,
+                        c.norm_topk_prob,
+                        &mut dlogits,
+                    )
+                    .map_err(dev)?;
                     let mut dr = o(n * hd)?;
                     b.linear_backward(
                         &dlogits,

@@ -495,6 +495,7 @@ fn model_backward(
     batch: &[SeqInput],
     temperature: f32,
     seed: u64,
+    aux_loss_coef: f32,
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, mxrl_model::Grads) {
     let out = m
         .forward(
@@ -512,19 +513,33 @@ fn model_backward(
         .enumerate()
         .map(|(b, l)| test_values(l.len(), seed + b as u64, 1.0))
         .collect();
-    let g = m.backward(out.tape.as_ref().unwrap(), &dl, 0.0).unwrap();
+    let g = m
+        .backward(out.tape.as_ref().unwrap(), &dl, aux_loss_coef)
+        .unwrap();
     (out.logprobs, dl, g)
 }
 
-fn gradients_bitwise(arch: Arch) {
+fn gradients_bitwise(arch: Arch, aux_loss_coef: f32) {
     let c = small(arch);
     let m = bf16_model(&c, 11);
     let mut e = cpu_engine(&m, 64).unwrap();
     e.enable_training().unwrap();
+    e.set_aux_loss_coef(aux_loss_coef).unwrap();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
     let temperature = 0.9;
-    let (logprobs, dl, g) = model_backward(&m, &batch, temperature, 70);
+    let (logprobs, dl, g) = model_backward(&m, &batch, temperature, 70, aux_loss_coef);
+    if aux_loss_coef != 0.0 {
+        // The auxiliary loss reaches the routers: their gradients differ from the policy
+        // loss's alone (else the comparison below could not tell it was applied).
+        let (_, _, g0) = model_backward(&m, &batch, temperature, 70, 0.0);
+        let router = "model.layers.0.mlp.gate.weight";
+        assert_ne!(
+            model_tensor(&m, &g, router, true),
+            model_tensor(&m, &g0, router, true),
+            "the aux loss changes nothing"
+        );
+    }
     let (lp, tape) = e.forward_train(&batch, temperature).unwrap();
     assert_eq!(lp, logprobs);
     e.zero_grads().unwrap();
@@ -610,12 +625,21 @@ fn gradients_bitwise(arch: Arch) {
 
 #[test]
 fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen3() {
-    gradients_bitwise(Arch::Qwen3Moe);
+    gradients_bitwise(Arch::Qwen3Moe, 0.0);
 }
 
 #[test]
 fn engine_gradients_and_adamw_equal_the_cpu_model_bitwise_qwen2_bias_tied() {
-    gradients_bitwise(Arch::Qwen2Moe);
+    gradients_bitwise(Arch::Qwen2Moe, 0.0);
+}
+
+/// With the auxiliary load-balancing loss (`Model::backward`'s `aux_loss_coef`), both
+/// architectures: the engine's gradients and AdamW step are still the CPU model's, bit for
+/// bit.
+#[test]
+fn engine_gradients_with_the_aux_loss_equal_the_cpu_model_bitwise() {
+    gradients_bitwise(Arch::Qwen3Moe, 0.05);
+    gradients_bitwise(Arch::Qwen2Moe, 0.05);
 }
 
 #[path = "common/generation_probes.rs"]
@@ -648,7 +672,7 @@ fn engine_gradients_with_block_format_attention_equal_the_cpu_model_bitwise() {
         .unwrap();
         let (mut e, what) = Engine::from_model_as_run(&m, CpuBackend, 64).unwrap();
         e.enable_training().unwrap();
-        let (logprobs, dl, g) = model_backward(&m, &batch, 1.0, 80);
+        let (logprobs, dl, g) = model_backward(&m, &batch, 1.0, 80, 0.0);
         let (lp, tape) = e.forward_train(&batch, 1.0).unwrap();
         assert_eq!(lp, logprobs, "{mode:?} ({what})");
         e.zero_grads().unwrap();
@@ -710,7 +734,7 @@ fn pending_expert_gradients_read_zero_then_accumulate_over_two_backwards() {
     e.enable_training().unwrap();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    let (_, dl, g) = model_backward(&m, &batch, 1.0, 90);
+    let (_, dl, g) = model_backward(&m, &batch, 1.0, 90, 0.0);
     let (_, tape) = e.forward_train(&batch, 1.0).unwrap();
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
     // A backward, then zero_grads: every gradient reads as zero again, experts included.

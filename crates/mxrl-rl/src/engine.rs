@@ -533,6 +533,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
         self.probes = on;
     }
 
+    fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
+        self.engine.set_aux_loss_coef(coef).map_err(be)
+    }
+
     fn first_non_finite_weight(&mut self) -> Option<String> {
         if let Err(e) = self.flush() {
             return Some(format!("the weights could not be checked: {e}"));

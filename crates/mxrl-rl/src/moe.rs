@@ -155,6 +155,8 @@ pub struct MoeTrainer {
     resp_lens: Vec<(usize, usize)>,
     /// How routing is replayed in the training forward.
     pub replay_kind: ReplayKind,
+    /// Coefficient of the auxiliary load-balancing loss in the backward (0: none).
+    aux_coef: f32,
 }
 
 impl Clone for MoeTrainer {
@@ -171,6 +173,7 @@ impl Clone for MoeTrainer {
             tape: None,
             resp_lens: Vec::new(),
             replay_kind: self.replay_kind,
+            aux_coef: self.aux_coef,
         }
     }
 }
@@ -201,6 +204,7 @@ impl MoeTrainer {
             tape: None,
             resp_lens: Vec::new(),
             replay_kind: ReplayKind::Ids,
+            aux_coef: 0.0,
         })
     }
 
@@ -394,8 +398,18 @@ impl TrainPolicy for MoeTrainer {
         }
         let full = crate::policy::full_sequence_grads(dlogp, &self.resp_lens);
         self.model
-            .backward_accumulate(&tape, &full, 0.0)
+            .backward_accumulate(&tape, &full, self.aux_coef)
             .map_err(be)
+    }
+
+    fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
+        if !(coef.is_finite() && coef >= 0.0) {
+            return Err(PolicyError::Invalid(format!(
+                "aux loss coefficient {coef}: must be finite and ≥ 0"
+            )));
+        }
+        self.aux_coef = coef;
+        Ok(())
     }
 
     fn params(&mut self) -> Vec<ParamMut<'_>> {

@@ -404,6 +404,20 @@ pub trait TrainPolicy {
         Ok(false)
     }
 
+    /// Adds `coef ·` the MoE auxiliary load-balancing loss to what
+    /// [`TrainPolicy::backward`] differentiates (HF `load_balancing_loss_func` over the MoE
+    /// layers of each forward); 0 adds none. The default accepts only 0 (a policy without
+    /// MoE routers).
+    fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
+        if coef == 0.0 {
+            Ok(())
+        } else {
+            Err(PolicyError::Invalid(format!(
+                "aux loss coefficient {coef}: this policy has no MoE router"
+            )))
+        }
+    }
+
     /// Whether [`TrainPolicy::forward`] should return per-layer probes (the loop turns them
     /// off when nothing will be compared with them: no bitwise re-scoring, or the frozen
     /// reference). A policy whose probes cost nothing may ignore it (the default does).
@@ -509,6 +523,9 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
     }
     fn backward_last(&mut self, dlogp: &[Vec<f32>]) -> Result<(), PolicyError> {
         (**self).backward_last(dlogp)
+    }
+    fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
+        (**self).set_aux_loss_coef(coef)
     }
     fn params(&mut self) -> Vec<ParamMut<'_>> {
         (**self).params()

@@ -107,6 +107,16 @@ pub struct RlConfig {
     /// PROBE_SEQUENCES × max_new_tokens × hidden` f32 of device memory during generation.
     #[serde(default = "probes_on")]
     pub probes: bool,
+    /// Coefficient of the MoE auxiliary load-balancing loss added to the GRPO loss (HF
+    /// `load_balancing_loss_func` over the MoE layers of each micro-batch's forward, the
+    /// routes it used — replayed ones included); 0 (the default) adds none. Written into a
+    /// run's configuration only when not 0, so runs made before the field existed keep theirs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub aux_loss_coef: f32,
+}
+
+fn is_zero(x: &f32) -> bool {
+    *x == 0.0
 }
 
 /// Samples per step, from the first, whose per-layer probes are recorded and compared for the
@@ -140,6 +150,7 @@ impl Default for RlConfig {
             spike_factor: 5.0,
             checkpoint_every: 10,
             probes: true,
+            aux_loss_coef: 0.0,
         }
     }
 }
@@ -197,6 +208,12 @@ impl RlConfig {
             "grpo.kl_coef",
             g.kl_coef as f64,
             g.kl_coef >= 0.0,
+            "finite and ≥ 0",
+        );
+        real(
+            "aux_loss_coef",
+            self.aux_loss_coef as f64,
+            self.aux_loss_coef >= 0.0,
             "finite and ≥ 0",
         );
         match g.is_correction {
@@ -466,6 +483,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
             0
         });
         trainer.set_probes(false);
+        trainer.set_aux_loss_coef(cfg.aux_loss_coef)?;
         let mut reference = reference;
         if let Some(r) = reference.as_mut() {
             r.set_probes(false);
@@ -846,6 +864,10 @@ pub struct SftConfig {
     pub seed: u64,
     /// Optimizer.
     pub adam: AdamWConfig,
+    /// Coefficient of the MoE auxiliary load-balancing loss added to the SFT loss (0: none);
+    /// as [`RlConfig::aux_loss_coef`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub aux_loss_coef: f32,
 }
 
 impl SftConfig {
@@ -860,6 +882,12 @@ impl SftConfig {
         }
         if !(self.adam.lr.is_finite() && self.adam.lr > 0.0) {
             bad.push(format!("lr = {}: must be finite and > 0", self.adam.lr));
+        }
+        if !(self.aux_loss_coef.is_finite() && self.aux_loss_coef >= 0.0) {
+            bad.push(format!(
+                "aux_loss_coef = {}: must be finite and ≥ 0",
+                self.aux_loss_coef
+            ));
         }
         if bad.is_empty() {
             Ok(())
@@ -896,6 +924,7 @@ pub fn sft_until<T: TrainPolicy>(
     after: &mut dyn FnMut(&mut T, u64, f64) -> Result<bool, RunError>,
 ) -> Result<u64, RunError> {
     cfg.validate()?;
+    trainer.set_aux_loss_coef(cfg.aux_loss_coef)?;
     let mut opt = AdamW::new(cfg.adam);
     for step in 0..cfg.steps {
         let ps = task.batch(cfg.seed, step, cfg.batch);
@@ -995,6 +1024,48 @@ mod tests {
     use crate::task::ArithmeticTask;
     use mxrl_formats::Format;
 
+    /// The auxiliary-loss coefficient stays out of a configuration's JSON at 0, so runs
+    /// written before it existed compare equal (`--only` parts, resumed runs); set, it is
+    /// written and read back; negative or non-finite, it is refused by name; a policy
+    /// without MoE routers refuses any but 0.
+    #[test]
+    fn the_aux_loss_coefficient_is_written_only_when_set() {
+        let cfg = RlConfig::default();
+        let j = serde_json::to_value(&cfg).unwrap();
+        assert!(j.get("aux_loss_coef").is_none(), "{j}");
+        let back: RlConfig = serde_json::from_value(j).unwrap();
+        assert_eq!(back, cfg);
+        let set = RlConfig {
+            aux_loss_coef: 1e-3,
+            ..cfg.clone()
+        };
+        let j = serde_json::to_value(&set).unwrap();
+        assert!(j.get("aux_loss_coef").is_some(), "{j}");
+        assert_eq!(serde_json::from_value::<RlConfig>(j).unwrap(), set);
+        for bad in [-1e-3, f32::NAN, f32::INFINITY] {
+            let e = RlConfig {
+                aux_loss_coef: bad,
+                ..cfg.clone()
+            }
+            .validate()
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("aux_loss_coef"), "{e}");
+        }
+        let codec = TextCodec::char_level();
+        let mut tr = TabularTrainer::new(
+            TabularShape {
+                buckets: 8,
+                max_len: 3,
+                vocab: codec.vocab_size,
+            },
+            Format::Bf16,
+        );
+        tr.set_aux_loss_coef(0.0).unwrap();
+        let e = tr.set_aux_loss_coef(1e-3).unwrap_err().to_string();
+        assert!(e.contains("no MoE router"), "{e}");
+    }
+
     fn setup(dir: &Path, steps: u64) -> (RlConfig, TabularTrainer, TaskSource, TextCodec) {
         let codec = TextCodec::char_level();
         let task = TaskSource::Arithmetic(ArithmeticTask::default());
@@ -1019,6 +1090,7 @@ mod tests {
                     lr: 1.0,
                     ..AdamWConfig::default()
                 },
+                aux_loss_coef: 0.0,
             },
             &mut |_, _| {},
         )
@@ -1240,6 +1312,7 @@ mod tests {
                 lr: f32::NAN,
                 ..AdamWConfig::default()
             },
+            aux_loss_coef: 0.0,
         };
         let e = sft(&mut tr, &task, &codec, &cfg, &mut |_, _| {}).unwrap_err();
         assert!(e.to_string().contains("lr = NaN"), "{e}");
@@ -1276,6 +1349,7 @@ mod tests {
             batch: 8,
             seed: 1,
             adam: AdamWConfig::default(),
+            aux_loss_coef: 0.0,
         };
         let mut seen = Vec::new();
         let took = sft_until(&mut tr, &task, &codec, &cfg, &mut |_, step, _| {

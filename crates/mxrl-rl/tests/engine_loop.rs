@@ -106,6 +106,7 @@ fn warm(model: mxrl_model::Model, seed: u64) -> mxrl_model::Model {
                 lr: 3e-3,
                 ..AdamWConfig::default()
             },
+            aux_loss_coef: 0.0,
         },
         &mut |_, _| {},
     )

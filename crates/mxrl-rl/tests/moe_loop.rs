@@ -124,6 +124,7 @@ fn reward_rises_in_every_storage_format() {
                     lr: 1.0,
                     ..AdamWConfig::default()
                 },
+                aux_loss_coef: 0.0,
             },
             &mut |_, _| {},
         )
@@ -479,6 +480,7 @@ fn reward_rises_on_the_moe_for_bf16_and_low_precision_recipes() {
                 lr: 3e-3,
                 ..AdamWConfig::default()
             },
+            aux_loss_coef: 0.0,
         },
         &mut |_, _| {},
     )

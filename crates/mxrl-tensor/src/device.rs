@@ -1017,20 +1017,43 @@ pub trait Backend {
         h: usize,
         dx: &mut Self::F32,
     ) -> DResult<()>;
-    /// Router backward (reference `routing::router_backward`, no extra probability gradient):
-    /// `dweights: [N, k]` → `dlogits: [N, E]` (overwritten).
+    /// Router backward (reference `routing::router_backward`): `dweights: [N, k]` →
+    /// `dlogits: [N, E]` (overwritten); `extra: [E]`, when given, is added to every token's
+    /// `∂L/∂probs` first (the auxiliary loss's gradient, [`Backend::aux_loss_grad`]; the
+    /// reference's `[N, E]` with `extra` in every row).
     ///
     /// # Errors
     /// Short buffers; device failure.
+    #[allow(clippy::too_many_arguments)]
     fn router_backward(
         &self,
         dweights: &Self::F32,
         route: &RouteBufs<Self>,
+        extra: Option<&Self::F32>,
         n: usize,
         e: usize,
         k: usize,
         norm_topk_prob: bool,
         dlogits: &mut Self::F32,
+    ) -> DResult<()>;
+    /// The auxiliary load-balancing loss over the MoE layers of one forward (reference
+    /// [`crate::routing::load_balancing_loss`]): `layers` holds each layer's router
+    /// probabilities `[N, E]` and dispatch offsets `[E + 1]` (the count of slots routed to
+    /// expert `x` is `offsets[x+1] − offsets[x]`). Writes `grad: [E]` = `coef · ∂aux/∂probs`,
+    /// the same for every token and layer (bitwise the reference's row times `coef`), and
+    /// `loss: [1]` = `aux` (f64 sums rounded to f32; the order of the probability sums is the
+    /// backend's).
+    ///
+    /// # Errors
+    /// Short buffers; device failure.
+    fn aux_loss_grad(
+        &self,
+        layers: &[(&Self::F32, &Self::U32)],
+        n: usize,
+        e: usize,
+        coef: f32,
+        loss: &mut Self::F32,
+        grad: &mut Self::F32,
     ) -> DResult<()>;
     /// Attention backward (reference `attention::attention_backward`): `dq, dk, dv`
     /// overwritten, from the forward's `q, k, v, out, lse`.
@@ -3304,6 +3327,7 @@ impl Backend for CpuBackend {
         &self,
         dweights: &Vec<f32>,
         route: &RouteBufs<Self>,
+        extra: Option<&Vec<f32>>,
         n: usize,
         e: usize,
         k: usize,
@@ -3311,6 +3335,17 @@ impl Backend for CpuBackend {
         dlogits: &mut Vec<f32>,
     ) -> DResult<()> {
         need("router_backward dlogits", dlogits.len(), n * e)?;
+        let extra = match extra {
+            Some(g) => {
+                need("router_backward extra", g.len(), e)?;
+                let mut rows = Vec::with_capacity(n * e);
+                for _ in 0..n {
+                    rows.extend_from_slice(&g[..e]);
+                }
+                Some(rows)
+            }
+            None => None,
+        };
         let routes = Routes {
             top_k: k,
             ids: route.ids[..n * k].to_vec(),
@@ -3327,9 +3362,48 @@ impl Backend for CpuBackend {
             n,
             e,
             norm_topk_prob,
-            None,
+            extra.as_deref(),
             &mut dlogits[..n * e],
         );
+        Ok(())
+    }
+
+    fn aux_loss_grad(
+        &self,
+        layers: &[(&Vec<f32>, &Vec<u32>)],
+        n: usize,
+        e: usize,
+        coef: f32,
+        loss: &mut Vec<f32>,
+        grad: &mut Vec<f32>,
+    ) -> DResult<()> {
+        need("aux loss", loss.len(), 1)?;
+        need("aux grad", grad.len(), e)?;
+        // The reference's sums from the dispatch's counts: the slots routed to each expert.
+        let mut counts = vec![0.0f64; e];
+        let mut psum = vec![0.0f64; e];
+        for (probs, offsets) in layers {
+            need("aux probs", probs.len(), n * e)?;
+            need("aux offsets", offsets.len(), e + 1)?;
+            for x in 0..e {
+                counts[x] += f64::from(offsets[x + 1] - offsets[x]);
+            }
+            for t in 0..n {
+                for j in 0..e {
+                    psum[j] += probs[t * e + j] as f64;
+                }
+            }
+        }
+        let m = (layers.len() * n) as f64;
+        if m == 0.0 {
+            loss[0] = 0.0;
+            grad[..e].fill(0.0);
+            return Ok(());
+        }
+        loss[0] = ((0..e).map(|j| (counts[j] / m) * (psum[j] / m)).sum::<f64>() * e as f64) as f32;
+        for j in 0..e {
+            grad[j] = (e as f64 * counts[j] / (m * m)) as f32 * coef;
+        }
         Ok(())
     }
 

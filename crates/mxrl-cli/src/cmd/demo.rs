@@ -424,6 +424,7 @@ pub fn run(a: Args) -> Result<()> {
                     sft_steps,
                     64,
                     sft_lr,
+                    0.0,
                     7,
                     &base,
                     false,
@@ -446,6 +447,7 @@ pub fn run(a: Args) -> Result<()> {
                         lr: sft_lr,
                         ..Default::default()
                     },
+                    aux_loss_coef: 0.0,
                 };
                 let loss = super::sft::sft_model_to_dir(
                     &model,

@@ -97,6 +97,12 @@ pub struct RlArgs {
     /// Coefficient of the K3 KL to the frozen reference (≥ 0; the KL is always logged).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = validate::non_negative)]
     pub kl_coef: f32,
+    /// Coefficient of the MoE auxiliary load-balancing loss added to the GRPO loss (≥ 0; HF
+    /// `load_balancing_loss_func` over the MoE layers, e.g. 0.001 as Qwen3-MoE's
+    /// `router_aux_loss_coef`); 0 (the default): none, the router learns from the policy loss
+    /// alone.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = validate::non_negative)]
+    pub aux_loss_coef: f32,
     /// Mean-only group normalisation (no division by the group std).
     #[arg(long)]
     pub mean_only: bool,
@@ -203,6 +209,7 @@ impl RlArgs {
             check_weight_sync: self.check_weight_sync,
             checkpoint_every: self.checkpoint_every,
             probes: !self.no_probes,
+            aux_loss_coef: self.aux_loss_coef,
             ..RlConfig::default()
         }
     }

@@ -40,6 +40,10 @@ pub struct Args {
     /// Learning rate (> 0).
     #[arg(long, allow_negative_numbers = true, default_value_t = 3e-3, value_parser = super::validate::positive)]
     lr: f32,
+    /// Coefficient of the MoE auxiliary load-balancing loss added to the SFT loss (≥ 0; e.g.
+    /// 0.001, Qwen3-MoE's `router_aux_loss_coef`); 0 (the default): none.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = super::validate::non_negative)]
+    aux_loss_coef: f32,
     /// Seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -77,6 +81,7 @@ pub fn sft_to_dir(
     steps: u64,
     batch: usize,
     lr: f32,
+    aux_loss_coef: f32,
     seed: u64,
     out: &Path,
     force: bool,
@@ -141,6 +146,7 @@ pub fn sft_to_dir(
             lr,
             ..AdamWConfig::default()
         },
+        aux_loss_coef,
     };
     sft_model_to_dir(
         &model, &tok_json, &codec, &task, &cfg, None, out, force, device,
@@ -361,6 +367,7 @@ pub fn run(a: Args) -> Result<()> {
         a.steps,
         a.batch,
         a.lr,
+        a.aux_loss_coef,
         a.seed,
         &a.out,
         a.force,
