@@ -495,6 +495,35 @@ impl<B: Backend> Engine<B> {
         max_pos: usize,
         mut src: impl FnMut(&str, &[usize]) -> Result<Cow<'s, [f32]>>,
     ) -> Result<Self> {
+        Self::build_from(cfg, b, max_pos, Some(&mut src))
+    }
+
+    /// An engine of `cfg`'s shape whose every parameter is zero, made on the device without
+    /// host values: for an engine whose weights are installed next (a rollout that takes the
+    /// trainer's weights), so the model is not uploaded for nothing.
+    ///
+    /// # Errors
+    /// As [`Engine::build`].
+    pub fn zeroed(cfg: &ModelConfig, b: B, max_pos: usize) -> Result<Self> {
+        cfg.validate()?;
+        Self::build_from(cfg.clone(), b, max_pos, None)
+    }
+
+    /// [`Engine::build`] from `src`, or with every parameter zero (`None`).
+    #[allow(clippy::type_complexity)]
+    fn build_from<'s>(
+        cfg: ModelConfig,
+        b: B,
+        max_pos: usize,
+        mut src: Option<&mut dyn FnMut(&str, &[usize]) -> Result<Cow<'s, [f32]>>>,
+    ) -> Result<Self> {
+        let zero = src.is_none();
+        let mut src = |name: &str, shape: &[usize]| -> Result<Option<Cow<'s, [f32]>>> {
+            match src.as_mut() {
+                Some(f) => f(name, shape).map(Some),
+                None => Ok(None),
+            }
+        };
         if cfg.shared_expert_intermediate_size > 0 {
             return Err(ModelError::Unsupported {
                 origin: "device engine".into(),
@@ -506,17 +535,25 @@ impl<B: Backend> Engine<B> {
         let (qd, kvd) = (cfg.num_heads * d, cfg.num_kv_heads * d);
         let mut params: Vec<Param<B>> = Vec::new();
         // Uploads one parameter; `linear`: also its BF16 GEMM operand.
+        // Uploads one parameter (`None`: zeros made on the device); `linear`: also its BF16
+        // GEMM operand.
         let push = |params: &mut Vec<Param<B>>,
                     name: String,
                     shape: Vec<usize>,
-                    vals: &[f32],
+                    vals: Option<&[f32]>,
                     linear: bool,
                     decay: bool|
          -> Result<usize> {
-            let master = b.upload_f32(vals).map_err(dev)?;
+            let len: usize = shape.iter().product();
+            let master = match vals {
+                Some(v) => b.upload_f32(v).map_err(dev)?,
+                None => b.zeros_f32(len).map_err(dev)?,
+            };
             let op = if linear {
-                let mut o = b.zeros_bf16(vals.len()).map_err(dev)?;
-                b.to_bf16(&master, &mut o, vals.len()).map_err(dev)?;
+                let mut o = b.zeros_bf16(len).map_err(dev)?;
+                if vals.is_some() {
+                    b.to_bf16(&master, &mut o, len).map_err(dev)?;
+                }
                 Some(o)
             } else {
                 None
@@ -524,7 +561,7 @@ impl<B: Backend> Engine<B> {
             params.push(Param {
                 name,
                 shape,
-                len: vals.len(),
+                len,
                 master: Some(master),
                 op,
                 compute: None,
@@ -539,7 +576,7 @@ impl<B: Backend> Engine<B> {
             &mut params,
             "model.embed_tokens.weight".into(),
             vec![v, h],
-            &embed_vals,
+            embed_vals.as_deref(),
             cfg.tie_word_embeddings,
             true,
         )?;
@@ -555,7 +592,7 @@ impl<B: Backend> Engine<B> {
                            decay: bool|
              -> Result<usize> {
                 let vals = src(&name, shape)?;
-                push(params, name, shape.to_vec(), &vals, linear, decay)
+                push(params, name, shape.to_vec(), vals.as_deref(), linear, decay)
             };
             let ln1 = one(
                 &mut params,
@@ -648,23 +685,30 @@ impl<B: Backend> Engine<B> {
                     true,
                     true,
                 )?;
-                let mut gu = Vec::with_capacity(e * 2 * f * h);
-                let mut dn = Vec::with_capacity(e * h * f);
-                for x in 0..e {
-                    gu.extend_from_slice(&src(
-                        &format!("{p}.mlp.experts.{x}.gate_up_proj.weight"),
-                        &[2 * f, h],
-                    )?);
-                    dn.extend_from_slice(&src(
-                        &format!("{p}.mlp.experts.{x}.down_proj.weight"),
-                        &[h, f],
-                    )?);
+                let (mut gu, mut dn) = (Vec::new(), Vec::new());
+                if !zero {
+                    gu.reserve_exact(e * 2 * f * h);
+                    dn.reserve_exact(e * h * f);
+                    for x in 0..e {
+                        let g = src(
+                            &format!("{p}.mlp.experts.{x}.gate_up_proj.weight"),
+                            &[2 * f, h],
+                        )?;
+                        gu.extend_from_slice(g.as_deref().unwrap_or_default());
+                        let d = src(&format!("{p}.mlp.experts.{x}.down_proj.weight"), &[h, f])?;
+                        dn.extend_from_slice(d.as_deref().unwrap_or_default());
+                    }
                 }
+                let (gu, dn) = if zero {
+                    (None, None)
+                } else {
+                    (Some(gu.as_slice()), Some(dn.as_slice()))
+                };
                 let gate_up = push(
                     &mut params,
                     format!("{p}.mlp.experts.*.gate_up_proj.weight"),
                     vec![e * 2 * f, h],
-                    &gu,
+                    gu,
                     true,
                     true,
                 )?;
@@ -672,7 +716,7 @@ impl<B: Backend> Engine<B> {
                     &mut params,
                     format!("{p}.mlp.experts.*.down_proj.weight"),
                     vec![e * h, f],
-                    &dn,
+                    dn,
                     true,
                     true,
                 )?;
@@ -723,7 +767,7 @@ impl<B: Backend> Engine<B> {
                 &mut params,
                 "model.norm.weight".into(),
                 vec![h],
-                &vals,
+                vals.as_deref(),
                 false,
                 false,
             )?
@@ -736,7 +780,7 @@ impl<B: Backend> Engine<B> {
                 &mut params,
                 "lm_head.weight".into(),
                 vec![v, h],
-                &vals,
+                vals.as_deref(),
                 true,
                 true,
             )?

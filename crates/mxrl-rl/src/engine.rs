@@ -822,6 +822,44 @@ mod tests {
         }
     }
 
+    /// The built rollout starts on zeroed buffers and takes the trainer's weights device to
+    /// device: its weights, and what it samples, are those of a rollout built from the model
+    /// that took the trainer's exported weights through the host (the build before), for every
+    /// kind of stored weight.
+    #[test]
+    fn the_rollout_built_on_zeros_equals_one_built_from_the_model() {
+        let (model, _) = demo_model(2).unwrap();
+        let prompts: Vec<Vec<u32>> = vec![vec![3, 5, 7], vec![4, 2]];
+        let cfg = SamplingConfig {
+            max_new_tokens: 6,
+            ..SamplingConfig::default()
+        };
+        for recipe in ["bf16", "mxfp8", "nvfp4-hp", "fp8-block"] {
+            let mut built = build_engine(&model, recipe, 32, || Ok(CpuBackend)).unwrap();
+            let plan = crate::moe::plan_for(model.config(), recipe).unwrap();
+            let mut before =
+                EngineRollout::new(Engine::from_model(&model, CpuBackend, 32).unwrap(), &plan)
+                    .unwrap();
+            let exported = built.trainer.export_weights().unwrap();
+            before.load_weights(&exported).unwrap();
+            check_equal(&exported, &built.rollout.weights())
+                .unwrap_or_else(|e| panic!("{recipe}: {e}"));
+            check_equal(&before.weights(), &built.rollout.weights())
+                .unwrap_or_else(|e| panic!("{recipe}: {e}"));
+            let a = built.rollout.generate(&prompts, 2, &cfg, 0, 11).unwrap();
+            let b = before.generate(&prompts, 2, &cfg, 0, 11).unwrap();
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!(x.response, y.response, "{recipe}");
+                assert_eq!(
+                    x.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    y.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{recipe}"
+                );
+            }
+            assert_eq!(a.len(), b.len());
+        }
+    }
+
     /// A wire update is installed only whole: one tensor with a wrong byte count — the last
     /// BF16 tensor, or the scales of one stored block-format weight — is refused naming it,
     /// with every earlier (valid) tensor left uninstalled and the old weights serving; the

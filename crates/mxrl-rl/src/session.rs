@@ -208,14 +208,14 @@ pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
         phases.push((what, t.elapsed().as_secs_f64()));
         t = std::time::Instant::now();
     };
-    let mut engine = || -> Result<Engine<B>, RunError> {
+    let engine = |backend: &mut dyn FnMut() -> Result<B, RunError>| -> Result<Engine<B>, RunError> {
         Engine::from_model(model, backend()?, max_pos).map_err(be)
     };
     // The two engines without masters first: each holds its f32 masters only until it is
     // built, so the device's peak is the trainer's 18 bytes per parameter plus their 2 each
     // (BF16 recipes), not plus the masters too.
     let reference = if reference {
-        let e = engine()?;
+        let e = engine(&mut backend)?;
         lap("reference uploaded", &mut phases);
         let r = EngineTrainer::frozen(e, &plan)?;
         lap("reference planned", &mut phases);
@@ -223,15 +223,26 @@ pub fn build_engines<B: mxrl_tensor::device::Backend + 'static>(
     } else {
         None
     };
-    let e = engine()?;
-    lap("rollout uploaded", &mut phases);
+    // The rollout takes the trainer's weights below: its own start on zeroed buffers.
+    let e = Engine::zeroed(model.config(), backend()?, max_pos).map_err(be)?;
+    lap("rollout allocated", &mut phases);
     let mut rollout = EngineRollout::new(e, &plan)?;
     lap("rollout planned", &mut phases);
-    let e = engine()?;
+    let e = engine(&mut backend)?;
     lap("trainer uploaded", &mut phases);
-    let trainer = EngineTrainer::new(e, &plan)?;
+    let mut trainer = EngineTrainer::new(e, &plan)?;
     lap("trainer planned", &mut phases);
-    rollout.load_weights(&trainer.export_weights()?)?;
+    // The trainer's weights into the rollout: device to device where the backend keeps them
+    // there (checksummed on the device), else through the host.
+    let mut local = trainer.local_export().transpose()?;
+    match local
+        .as_mut()
+        .and_then(|x| rollout.load_local(0, x))
+        .transpose()?
+    {
+        Some(()) => {}
+        None => rollout.load_weights(&trainer.export_weights()?)?,
+    }
     lap("trainer's weights loaded into the rollout", &mut phases);
     Ok(Built {
         trainer,
