@@ -534,7 +534,6 @@ impl<B: Backend> Engine<B> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (qd, kvd) = (cfg.num_heads * d, cfg.num_kv_heads * d);
         let mut params: Vec<Param<B>> = Vec::new();
-        // Uploads one parameter; `linear`: also its BF16 GEMM operand.
         // Uploads one parameter (`None`: zeros made on the device); `linear`: also its BF16
         // GEMM operand.
         let push = |params: &mut Vec<Param<B>>,
@@ -545,6 +544,12 @@ impl<B: Backend> Engine<B> {
                     decay: bool|
          -> Result<usize> {
             let len: usize = shape.iter().product();
+            if let Some(v) = vals.filter(|v| v.len() != len) {
+                return Err(ModelError::BadTensor {
+                    name,
+                    message: format!("{} values for shape {shape:?} ({len} expected)", v.len()),
+                });
+            }
             let master = match vals {
                 Some(v) => b.upload_f32(v).map_err(dev)?,
                 None => b.zeros_f32(len).map_err(dev)?,

@@ -763,3 +763,35 @@ fn pending_expert_gradients_read_zero_then_accumulate_over_two_backwards() {
     }
     assert!(experts >= 2, "no routed-expert parameter among {names:?}");
 }
+
+/// A source whose values do not fill a tensor's shape is refused naming the tensor, and an
+/// engine built on zeros holds zeros of the model's layout.
+#[test]
+fn a_short_source_tensor_is_refused_by_name_and_zeroed_engines_hold_zeros() {
+    let c = small(Arch::Qwen3Moe);
+    let e = Engine::build(c.clone(), CpuBackend, 16, |name, shape| {
+        let n: usize = shape.iter().product();
+        let n = if name == "model.norm.weight" {
+            n - 1
+        } else {
+            n
+        };
+        Ok(std::borrow::Cow::Owned(vec![0.5; n]))
+    })
+    .err()
+    .expect("a short tensor is refused")
+    .to_string();
+    assert!(
+        e.contains("model.norm.weight") && e.contains("expected"),
+        "{e}"
+    );
+    let z = Engine::zeroed(&c, CpuBackend, 16).unwrap();
+    let m = Model::random(&c, 3).unwrap();
+    let full = Engine::from_model(&m, CpuBackend, 16).unwrap();
+    assert_eq!(z.param_names(), full.param_names());
+    for name in z.param_names() {
+        let v = z.param_values(name).unwrap();
+        assert_eq!(v.len(), full.param_values(name).unwrap().len(), "{name}");
+        assert!(v.iter().all(|&x| x.to_bits() == 0), "{name}");
+    }
+}
