@@ -3133,9 +3133,10 @@ impl Backend for CudaBackend {
 
     fn aux_loss_grad(
         &self,
-        layers: &[(&Self::F32, &Self::U32)],
+        layers: &[&RouteBufs<Self>],
         n: usize,
         e: usize,
+        _k: usize,
         coef: f32,
         loss: &mut Self::F32,
         grad: &mut Self::F32,
@@ -3145,11 +3146,12 @@ impl Backend for CudaBackend {
         self.router
             .aux_reset(&mut psum.as_view_mut(), &mut counts.as_view_mut(), e)
             .map_err(de)?;
-        for (probs, offsets) in layers {
+        // The slots routed to each expert are the dispatch's row counts (its offsets).
+        for r in layers {
             self.router
                 .aux_accumulate(
-                    &probs.as_view(),
-                    &offsets.as_view(),
+                    &r.probs.as_view(),
+                    &r.offsets.as_view(),
                     &mut psum.as_view_mut(),
                     &mut counts.as_view_mut(),
                     n,

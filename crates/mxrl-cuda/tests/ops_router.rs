@@ -734,12 +734,12 @@ fn backend_aux_loss_and_the_router_backward_with_it_equal_the_cpu_backend() {
         })
         .collect();
     let (mut closs, mut cgrad) = (vec![0.0f32; 1], vec![0.0f32; e]);
-    let cl: Vec<_> = cpu_routes.iter().map(|r| (&r.probs, &r.offsets)).collect();
-    c.aux_loss_grad(&cl, n, e, coef, &mut closs, &mut cgrad)
+    let cl: Vec<_> = cpu_routes.iter().collect();
+    c.aux_loss_grad(&cl, n, e, k, coef, &mut closs, &mut cgrad)
         .unwrap();
     let (mut gloss, mut ggrad) = (g.zeros_f32(1).unwrap(), g.zeros_f32(e).unwrap());
-    let gl: Vec<_> = gpu_routes.iter().map(|r| (&r.probs, &r.offsets)).collect();
-    g.aux_loss_grad(&gl, n, e, coef, &mut gloss, &mut ggrad)
+    let gl: Vec<_> = gpu_routes.iter().collect();
+    g.aux_loss_grad(&gl, n, e, k, coef, &mut gloss, &mut ggrad)
         .unwrap();
     let refl: Vec<(&[f32], &[u32])> = cpu_routes
         .iter()

@@ -2521,11 +2521,7 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// A negative or non-finite coefficient.
     pub fn set_aux_loss_coef(&mut self, coef: f32) -> Result<()> {
-        if !(coef.is_finite() && coef >= 0.0) {
-            return Err(ModelError::Input(format!(
-                "aux loss coefficient {coef}: must be finite and ≥ 0"
-            )));
-        }
+        crate::model::check_aux_loss_coef(coef)?;
         self.aux_coef = coef;
         Ok(())
     }
@@ -3364,23 +3360,26 @@ impl<B: Backend> Engine<B> {
         .map_err(dev)?;
         // The auxiliary loss's gradient with respect to every MoE layer's router
         // probabilities: one `[E]` row, the same for every token and layer.
-        let moe_routes: Vec<(&B::F32, &B::U32)> = tape
-            .layers
-            .iter()
-            .filter_map(|t| match &t.ffn {
-                FfnTape::Moe { route, .. } => Some((&route.probs, &route.offsets)),
-                FfnTape::Dense { .. } => None,
-            })
-            .collect();
-        let aux_grad = if self.aux_coef != 0.0 && !moe_routes.is_empty() {
-            let e = c.num_experts;
+        let moe_routes: Vec<&RouteBufs<B>> = if self.aux_coef != 0.0 {
+            tape.layers
+                .iter()
+                .filter_map(|t| match &t.ffn {
+                    FfnTape::Moe { route, .. } => Some(route),
+                    FfnTape::Dense { .. } => None,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let aux_grad = if moe_routes.is_empty() {
+            None
+        } else {
+            let (e, k) = (c.num_experts, c.num_experts_per_tok);
             let mut loss = o(1)?;
             let mut grad = o(e)?;
-            b.aux_loss_grad(&moe_routes, n, e, self.aux_coef, &mut loss, &mut grad)
+            b.aux_loss_grad(&moe_routes, n, e, k, self.aux_coef, &mut loss, &mut grad)
                 .map_err(dev)?;
             Some(grad)
-        } else {
-            None
         };
         let shape = self.shape();
         for (l, t) in self.layers.iter().zip(&tape.layers).rev() {

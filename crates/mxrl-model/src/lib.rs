@@ -63,8 +63,8 @@ pub use error::{ModelError, Result};
 pub use generate::{sample_token, DecodeStep, FinishReason, Generation, Prefilled, SamplingParams};
 pub use linear::LinearPrecision;
 pub use model::{
-    ForwardOptions, ForwardOutput, HiddenStates, KvCache, Model, ParamsMut, ReplayKind,
-    RoutingTrace, SeqInput, Tape, TrainParamMut, WeightValue,
+    check_aux_loss_coef, ForwardOptions, ForwardOutput, HiddenStates, KvCache, Model, ParamsMut,
+    ReplayKind, RoutingTrace, SeqInput, Tape, TrainParamMut, WeightValue,
 };
 pub use mxrl_tensor::routing::Routes;
 pub use params::{Grads, Param, ParamId, ParamStore, TensorRole};

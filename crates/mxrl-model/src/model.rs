@@ -58,6 +58,21 @@ struct Layer {
     ffn: Ffn,
 }
 
+/// Checks a coefficient of the auxiliary load-balancing loss (`Model::backward`'s
+/// `aux_loss_coef`, `Engine::set_aux_loss_coef`): finite and ≥ 0.
+///
+/// # Errors
+/// Any other value, named.
+pub fn check_aux_loss_coef(coef: f32) -> Result<()> {
+    if coef.is_finite() && coef >= 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::Input(format!(
+            "aux loss coefficient {coef}: must be finite and ≥ 0"
+        )))
+    }
+}
+
 /// Replay input of one layer for the packed batch: ids and weights `[N, k]` (`None`: dense).
 pub(crate) type PackedRoutes = Option<(Vec<u32>, Vec<f32>)>;
 

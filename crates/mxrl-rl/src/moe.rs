@@ -403,11 +403,7 @@ impl TrainPolicy for MoeTrainer {
     }
 
     fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
-        if !(coef.is_finite() && coef >= 0.0) {
-            return Err(PolicyError::Invalid(format!(
-                "aux loss coefficient {coef}: must be finite and ≥ 0"
-            )));
-        }
+        mxrl_model::check_aux_loss_coef(coef).map_err(|e| PolicyError::Invalid(e.to_string()))?;
         self.aux_coef = coef;
         Ok(())
     }

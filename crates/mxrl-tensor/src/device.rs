@@ -1037,20 +1037,20 @@ pub trait Backend {
         dlogits: &mut Self::F32,
     ) -> DResult<()>;
     /// The auxiliary load-balancing loss over the MoE layers of one forward (reference
-    /// [`crate::routing::load_balancing_loss`]): `layers` holds each layer's router
-    /// probabilities `[N, E]` and dispatch offsets `[E + 1]` (the count of slots routed to
-    /// expert `x` is `offsets[x+1] − offsets[x]`). Writes `grad: [E]` = `coef · ∂aux/∂probs`,
-    /// the same for every token and layer (bitwise the reference's row times `coef`), and
-    /// `loss: [1]` = `aux` (f64 sums rounded to f32; the order of the probability sums is the
-    /// backend's).
+    /// [`crate::routing::load_balancing_loss`]) from each layer's routes ([`Backend::route`]:
+    /// probabilities `[N, E]`, and the `N·k` slots routed to the experts). Writes `grad: [E]` =
+    /// `coef · ∂aux/∂probs`, the same for every token and layer (bitwise the reference's row
+    /// times `coef`), and `loss: [1]` = `aux` (f64 sums rounded to f32; the order of the
+    /// probability sums is the backend's).
     ///
     /// # Errors
     /// Short buffers; device failure.
     fn aux_loss_grad(
         &self,
-        layers: &[(&Self::F32, &Self::U32)],
+        layers: &[&RouteBufs<Self>],
         n: usize,
         e: usize,
+        k: usize,
         coef: f32,
         loss: &mut Self::F32,
         grad: &mut Self::F32,
@@ -3370,39 +3370,32 @@ impl Backend for CpuBackend {
 
     fn aux_loss_grad(
         &self,
-        layers: &[(&Vec<f32>, &Vec<u32>)],
+        layers: &[&RouteBufs<Self>],
         n: usize,
         e: usize,
+        k: usize,
         coef: f32,
         loss: &mut Vec<f32>,
         grad: &mut Vec<f32>,
     ) -> DResult<()> {
         need("aux loss", loss.len(), 1)?;
         need("aux grad", grad.len(), e)?;
-        // The reference's sums from the dispatch's counts: the slots routed to each expert.
-        let mut counts = vec![0.0f64; e];
-        let mut psum = vec![0.0f64; e];
-        for (probs, offsets) in layers {
-            need("aux probs", probs.len(), n * e)?;
-            need("aux offsets", offsets.len(), e + 1)?;
-            for x in 0..e {
-                counts[x] += f64::from(offsets[x + 1] - offsets[x]);
-            }
-            for t in 0..n {
-                for j in 0..e {
-                    psum[j] += probs[t * e + j] as f64;
+        let mut refs: Vec<(&[f32], &[u32])> = Vec::with_capacity(layers.len());
+        for r in layers {
+            need("aux probs", r.probs.len(), n * e)?;
+            need("aux ids", r.ids.len(), n * k)?;
+            refs.push((&r.probs[..n * e], &r.ids[..n * k]));
+        }
+        let (l, rows) = crate::routing::load_balancing_loss(&refs, e);
+        loss[0] = l;
+        match rows.iter().find(|g| !g.is_empty()) {
+            // Every token's row is the same: the first one, times the coefficient.
+            Some(g) => {
+                for (d, &x) in grad[..e].iter_mut().zip(&g[..e]) {
+                    *d = x * coef;
                 }
             }
-        }
-        let m = (layers.len() * n) as f64;
-        if m == 0.0 {
-            loss[0] = 0.0;
-            grad[..e].fill(0.0);
-            return Ok(());
-        }
-        loss[0] = ((0..e).map(|j| (counts[j] / m) * (psum[j] / m)).sum::<f64>() * e as f64) as f32;
-        for j in 0..e {
-            grad[j] = (e as f64 * counts[j] / (m * m)) as f32 * coef;
+            None => grad[..e].fill(0.0),
         }
         Ok(())
     }
