@@ -78,19 +78,18 @@ pub fn ablate(
     // The digest reads the same files as the load: both run side by side (on the device
     // host of BENCHMARKS.md, 10 s each for a 10 GB model when run one after the other).
     let t = std::time::Instant::now();
-    let (loaded, digest) = std::thread::scope(|s| {
+    let (loaded, loaded_s, digest, digest_s) = std::thread::scope(|s| {
         let digest = s.spawn(|| {
             let r = mxrl_rl::manifest::model_digest(model_dir);
             (r, t.elapsed().as_secs_f64())
         });
         let loaded = load_model_dir(model_dir);
         let loaded_s = t.elapsed().as_secs_f64();
-        let digest = digest.join().expect("the model digest thread panicked");
-        ((loaded, loaded_s), digest)
+        let (digest, digest_s) = digest.join().expect("the model digest thread panicked");
+        (loaded, loaded_s, digest, digest_s)
     });
-    let (model, codec) = loaded.0?;
-    let loaded_s = loaded.1;
-    let (model_digest, digest_s) = (digest.0?, digest.1);
+    let (model, codec) = loaded?;
+    let model_digest = digest?;
     let task = rl.task_spec().source(Some(model_dir))?;
     rl.warn_short_responses()?;
     let c = model.config();
