@@ -36,6 +36,9 @@
 # default none is written (CHECKPOINT_EVERY=0: runs cannot be resumed); CHECKPOINT_EVERY=N
 # writes one every N steps and at the end (~30 GB per run on the output's disk).
 #
+# AUX_LOSS_COEF=0.001 adds the MoE auxiliary load-balancing loss to the warm-up and every run
+# (default 0: none; the router then learns from the task's loss alone).
+#
 # In parts: ONLY=bf16,nvfp4-hp runs only those runs (names as in the report: a recipe, or
 # bf16-seedS) into OUT and leaves the others; a later call with other names (or none: all)
 # adds them. Finished runs are kept, checkpoint or not, so an ablation too long for one
@@ -75,7 +78,14 @@ case "$WORKED" in
 esac
 # Seeds of the extra BF16 runs (run-to-run noise); `none` for no extra run.
 NOISE_SEEDS="${NOISE_SEEDS:-2}"
-BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS$WORKED_TAG}"
+# The MoE auxiliary load-balancing loss's coefficient in the warm-up and every run (0: none;
+# 0.001 is Qwen3-MoE's); a warm-up is reused only with its own coefficient.
+AUX_LOSS_COEF="${AUX_LOSS_COEF:-0}"
+case "$AUX_LOSS_COEF" in
+  0|0.0) AUX_TAG="" ;;
+  *) AUX_TAG="-aux$AUX_LOSS_COEF" ;;
+esac
+BASE="${BASE:-runs/ablation-gpu-real-base-L$LAYERS$WORKED_TAG$AUX_TAG}"
 OUT="${OUT:-docs/ablation-gpu}"
 if [ -z "${MXRL:-}" ]; then
   cargo build --release -p mxrl-cli --features cuda
@@ -83,10 +93,11 @@ if [ -z "${MXRL:-}" ]; then
 fi
 # Tokenizer and warm-up (reused when BASE already holds them for this task and tokenizer).
 "$MXRL" demo --device cuda --size real --layers "$LAYERS" --task chain --ops "$OPS" --digits "$DIGITS" \
-    $WORKED_FLAG --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --warmup-only --out "$BASE"
+    $WORKED_FLAG --sft-steps "$SFT_STEPS" --sft-reward "$SFT_REWARD" --aux-loss-coef "$AUX_LOSS_COEF" \
+    --warmup-only --out "$BASE"
 "$MXRL" ablate --model "$BASE/base" --device cuda --task chain --ops "$OPS" --digits "$DIGITS" \
     $WORKED_FLAG --recipes "$RECIPES" \
     --noise-seeds "$NOISE_SEEDS" --steps "$STEPS" --prompts-per-step "$PROMPTS" \
     --samples "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --micro-batch "$MICRO_BATCH" \
-    --lr "$LR" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" $RESTART_FLAG \
+    --lr "$LR" --aux-loss-coef "$AUX_LOSS_COEF" --checkpoint-every "$CHECKPOINT_EVERY" --out "$OUT" $RESTART_FLAG \
     ${ONLY:+--only "$ONLY"}

@@ -275,8 +275,11 @@ fn bad_task_and_tokenizer_settings_are_named_before_anything_runs() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// A demo warm-up records its task and auxiliary loss coefficient (`warmup.json`) and is not
+/// reused for another task, tokenizer or coefficient; with `--aux-loss-coef` the warm-up
+/// shows the loss and every run of the demo trains with it.
 #[test]
-fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_another_task() {
+fn demo_records_its_warm_up_and_refuses_to_reuse_it_for_another_task_or_aux_loss() {
     let d = tempfile::tempdir().unwrap();
     let cwd = d.path();
     ok(
@@ -318,6 +321,22 @@ fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_anothe
     assert_eq!(json(&cwd.join("dm/base/config.json"))["vocab_size"], 384);
     let md = std::fs::read_to_string(cwd.join("dm/report.md")).unwrap();
     assert!(md.contains("chains, 2 operations"), "{md}");
+    assert!(!md.contains("Training routing balance"), "{md}");
+    assert!(w.get("aux_loss_coef").is_none(), "{w}");
+    assert!(json(&cwd.join("dm/bf16/run.json"))["config"]
+        .get("aux_loss_coef")
+        .is_none());
+    // The same warm-up with the auxiliary loss is another model: refused, naming both.
+    let with_aux: Vec<&str> = demo
+        .iter()
+        .copied()
+        .chain(["--aux-loss-coef", "0.01"])
+        .collect();
+    let e = fails(&with_aux, cwd);
+    assert!(
+        e.contains("dm/base") && e.contains("--aux-loss-coef 0, not 0.01"),
+        "{e}"
+    );
     // The default task on the same directory would reuse a model warmed up on chains.
     let e = fails(&["demo", "--out", "dm", "--steps", "1"], cwd);
     assert!(
@@ -351,6 +370,43 @@ fn demo_on_the_chain_task_records_its_warm_up_and_refuses_to_reuse_it_for_anothe
     let e = fails(&demo[..7], cwd);
     assert!(
         e.contains("another tokenizer than the char-level one"),
+        "{e}"
+    );
+    // A warm-up with the auxiliary loss records its coefficient, every run of the demo
+    // trains with it, and it is not reused without it.
+    let aux = [
+        "demo",
+        "--out",
+        "da",
+        "--recipes",
+        "bf16",
+        "--steps",
+        "1",
+        "--sft-steps",
+        "1",
+        "--aux-loss-coef",
+        "0.01",
+    ];
+    let out = ok(&aux, cwd);
+    assert!(
+        out.contains("sft step 1/1: loss ") && out.contains(" aux "),
+        "{out}"
+    );
+    let md = std::fs::read_to_string(cwd.join("da/report.md")).unwrap();
+    assert!(md.contains("## Training routing balance"), "{md}");
+    let w = json(&cwd.join("da/warmup.json"));
+    assert_eq!(w["aux_loss_coef"].as_f64().unwrap() as f32, 0.01, "{w}");
+    for run in ["bf16", "bf16-seed2", "bf16-seed3"] {
+        let c = &json(&cwd.join("da").join(run).join("run.json"))["config"];
+        assert_eq!(
+            c["aux_loss_coef"].as_f64().unwrap() as f32,
+            0.01,
+            "{run}: {c}"
+        );
+    }
+    let e = fails(&aux[..9], cwd);
+    assert!(
+        e.contains("da/base") && e.contains("--aux-loss-coef 0.01, not 0"),
         "{e}"
     );
 }

@@ -883,3 +883,105 @@ fn gpu_norm_begun_in_the_last_backward_gives_the_plain_steps_bits() {
         "logprobs after the steps"
     );
 }
+
+/// `∂L/∂logprob` of a batch from its logprobs.
+type DlogProbs = dyn Fn(&[Vec<f32>]) -> Vec<Vec<f32>>;
+
+/// The auxiliary load-balancing loss through the device engine (`set_aux_loss_coef`): it
+/// reaches every MoE layer's router and, through the router's input, the attention below
+/// it (their gradients differ from the policy loss's alone), two runs give the same bits, the engine reports
+/// the loss of the forward it ran (`last_aux_loss`, `None` without the coefficient), and a
+/// few AdamW steps on it alone (a zero policy gradient) lower it. The GPU–CPU differences
+/// of the loss and of the routers' gradients are printed (the routes come from probabilities
+/// that differ by the trunk's summation order, so no composed bound is asserted).
+#[test]
+fn gpu_engine_aux_loss_reaches_the_routers_and_lowers_the_imbalance() {
+    let m = model();
+    let mut g = gpu_engine(&m);
+    let mut c = cpu_engine(&m, 64).unwrap();
+    g.enable_training().unwrap();
+    c.enable_training().unwrap();
+    let s = seqs();
+    let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
+    let dl = nll_grads(&batch);
+    let names: Vec<String> = g.param_names().iter().map(|s| s.to_string()).collect();
+    let routers: Vec<&String> = names
+        .iter()
+        .filter(|n| n.ends_with("mlp.gate.weight"))
+        .collect();
+    assert_eq!(routers.len(), 2, "{names:?}");
+    fn run<B: mxrl_tensor::device::Backend>(
+        e: &mut Engine<B>,
+        batch: &[SeqInput],
+        dl: &DlogProbs,
+        names: &[String],
+        coef: f32,
+    ) -> (Vec<Vec<f32>>, Option<f32>) {
+        e.set_aux_loss_coef(coef).unwrap();
+        let (lp, tape) = e.forward_train(batch, 1.0).unwrap();
+        e.zero_grads().unwrap();
+        e.backward(&tape, &dl(&lp)).unwrap();
+        let grads = names.iter().map(|n| e.grad_values(n).unwrap()).collect();
+        (grads, e.last_aux_loss().unwrap())
+    }
+    let coef = 0.5;
+    let (g0, a0) = run(&mut g, &batch, &dl, &names, 0.0);
+    let (g1, a1) = run(&mut g, &batch, &dl, &names, coef);
+    let (g2, a2) = run(&mut g, &batch, &dl, &names, coef);
+    assert_eq!(a0, None, "no coefficient, no loss");
+    let a1 = a1.expect("the loss of a backward with the coefficient");
+    assert!(a1.is_finite() && a1 > 0.0, "{a1}");
+    assert_eq!(
+        Some(a1.to_bits()),
+        a2.map(f32::to_bits),
+        "aux loss of two runs"
+    );
+    assert_eq!(
+        bits(&g1),
+        bits(&g2),
+        "gradients with the aux loss, two runs"
+    );
+    for (n, (x, y)) in names.iter().zip(g0.iter().zip(&g1)) {
+        if routers.contains(&n) {
+            assert_ne!(x, y, "{n}: the aux loss does not reach it");
+        }
+        if n == "model.layers.2.self_attn.o_proj.weight" {
+            // Layer 2's attention output feeds its router: the router's input gradient
+            // reaches it.
+            assert_ne!(x, y, "{n}: the router's input gradient does not reach it");
+        }
+    }
+    let (c1, ca) = run(&mut c, &batch, &dl, &names, coef);
+    let ca = ca.unwrap();
+    println!("aux loss: gpu {a1}, cpu {ca}");
+    for (n, (x, y)) in names.iter().zip(g1.iter().zip(&c1)) {
+        if routers.contains(&n) {
+            let norm = y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+            let diff = x
+                .iter()
+                .zip(y)
+                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            println!("router {n}: |gpu - cpu| / |cpu| = {:.3e}", diff / norm);
+        }
+    }
+    // The aux loss alone (no policy gradient), at a large coefficient: it falls.
+    let zero = |lp: &[Vec<f32>]| lp.iter().map(|l| vec![0.0; l.len()]).collect::<Vec<_>>();
+    let cfg = AdamWConfig {
+        lr: 3e-2,
+        ..Default::default()
+    };
+    let mut losses = Vec::new();
+    for _ in 0..8 {
+        let (_, a) = run(&mut g, &batch, &zero, &names, 1.0);
+        losses.push(a.unwrap());
+        let norm = g.optimizer_step(&cfg, 0.0, Some(1.0)).unwrap();
+        assert!(norm.is_finite() && norm > 0.0, "{norm}");
+    }
+    println!("aux losses under its own gradient: {losses:?}");
+    assert!(
+        losses[7] < losses[0],
+        "the aux loss did not fall: {losses:?}"
+    );
+}

@@ -298,6 +298,9 @@ struct TrainState<B: Backend> {
     m: Vec<B::F32>,
     v: Vec<B::F32>,
     step: u64,
+    /// The auxiliary load-balancing loss of the last backward (`[1]`, unscaled by the
+    /// coefficient), when it had one ([`Engine::last_aux_loss`]).
+    aux_loss: Option<B::F32>,
 }
 
 /// One parameter of a device-resident weight update ([`Engine::export_device`]).
@@ -3188,6 +3191,7 @@ impl<B: Backend> Engine<B> {
             m: self.params.iter().map(z).collect::<Result<_>>()?,
             v: self.params.iter().map(z).collect::<Result<_>>()?,
             step: 0,
+            aux_loss: None,
             norm_parts: None,
         });
         Ok(())
@@ -3298,11 +3302,30 @@ impl<B: Backend> Engine<B> {
                 parts.as_mut(),
             )
         })();
-        if r.is_ok() {
+        let r = r.map(|aux| {
             st.norm_parts = parts;
-        }
+            st.aux_loss = aux;
+        });
         self.train = Some(st);
         r
+    }
+
+    /// The auxiliary load-balancing loss (HF `load_balancing_loss_func` over the MoE layers,
+    /// not multiplied by the coefficient) of the forward whose backward ran last, when that
+    /// backward added it ([`Engine::set_aux_loss_coef`] non-zero and a MoE layer); `None`
+    /// otherwise. Reads one value from the device.
+    ///
+    /// # Errors
+    /// Training not enabled; device failures.
+    pub fn last_aux_loss(&self) -> Result<Option<f32>> {
+        let st = self
+            .train
+            .as_ref()
+            .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
+        st.aux_loss
+            .as_ref()
+            .map(|l| Ok(self.b.download_f32(l, 1).map_err(dev)?[0]))
+            .transpose()
     }
 
     fn backward_into(
@@ -3312,7 +3335,7 @@ impl<B: Backend> Engine<B> {
         g: &mut [B::F32],
         pending_zero: &mut [bool],
         mut norm_parts: Option<&mut B::NormParts>,
-    ) -> Result<()> {
+    ) -> Result<Option<B::F32>> {
         let b = &self.b;
         let c = &self.cfg;
         let layout = &tape.layout;
@@ -3371,15 +3394,15 @@ impl<B: Backend> Engine<B> {
         } else {
             Vec::new()
         };
-        let aux_grad = if moe_routes.is_empty() {
-            None
+        let (aux_loss, aux_grad) = if moe_routes.is_empty() {
+            (None, None)
         } else {
             let (e, k) = (c.num_experts, c.num_experts_per_tok);
             let mut loss = o(1)?;
             let mut grad = o(e)?;
             b.aux_loss_grad(&moe_routes, n, e, k, self.aux_coef, &mut loss, &mut grad)
                 .map_err(dev)?;
-            Some(grad)
+            (Some(loss), Some(grad))
         };
         let shape = self.shape();
         for (l, t) in self.layers.iter().zip(&tape.layers).rev() {
@@ -3669,7 +3692,7 @@ impl<B: Backend> Engine<B> {
         }
         b.embed_backward(&dx, &tape.tokens_dev, &tape.tokens, hd, &mut g[self.embed])
             .map_err(dev)?;
-        Ok(())
+        Ok(aux_loss)
     }
 
     /// Global gradient norm, clipping to `max_norm` (when given, PyTorch's rule), then one

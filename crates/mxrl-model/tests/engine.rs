@@ -490,13 +490,17 @@ fn model_tensor(m: &Model, g: &mxrl_model::Grads, name: &str, grads: bool) -> Ve
 
 /// The CPU model's training forward of `batch`, random `∂L/∂logprob` (seeds `seed + b` per
 /// sequence) and its backward: (logprobs, dlogprobs, gradients).
+/// The model's logprobs, the `dlogprobs` drawn for them, its gradients, and its forward's
+/// auxiliary loss.
+type ModelBackward = (Vec<Vec<f32>>, Vec<Vec<f32>>, mxrl_model::Grads, Option<f32>);
+
 fn model_backward(
     m: &Model,
     batch: &[SeqInput],
     temperature: f32,
     seed: u64,
     aux_loss_coef: f32,
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, mxrl_model::Grads) {
+) -> ModelBackward {
     let out = m
         .forward(
             batch,
@@ -516,7 +520,7 @@ fn model_backward(
     let g = m
         .backward(out.tape.as_ref().unwrap(), &dl, aux_loss_coef)
         .unwrap();
-    (out.logprobs, dl, g)
+    (out.logprobs, dl, g, out.aux_loss)
 }
 
 fn gradients_bitwise(arch: Arch, aux_loss_coef: f32) {
@@ -528,11 +532,11 @@ fn gradients_bitwise(arch: Arch, aux_loss_coef: f32) {
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
     let temperature = 0.9;
-    let (logprobs, dl, g) = model_backward(&m, &batch, temperature, 70, aux_loss_coef);
+    let (logprobs, dl, g, aux) = model_backward(&m, &batch, temperature, 70, aux_loss_coef);
     if aux_loss_coef != 0.0 {
         // The auxiliary loss reaches the routers: their gradients differ from the policy
         // loss's alone (else the comparison below could not tell it was applied).
-        let (_, _, g0) = model_backward(&m, &batch, temperature, 70, 0.0);
+        let (_, _, g0, _) = model_backward(&m, &batch, temperature, 70, 0.0);
         let router = "model.layers.0.mlp.gate.weight";
         assert_ne!(
             model_tensor(&m, &g, router, true),
@@ -547,6 +551,16 @@ fn gradients_bitwise(arch: Arch, aux_loss_coef: f32) {
     // layer (every layer's parameters handed in once, checked by the backend); the gradients
     // and the norm are `backward`'s.
     e.backward_last(&tape, &dl).unwrap();
+    // The loss itself, as the model's forward reports it (only where it was added).
+    let aux_bits = |x: Option<f32>| x.map(f32::to_bits);
+    assert_eq!(
+        aux_bits(e.last_aux_loss().unwrap()),
+        aux_bits(aux.filter(|_| aux_loss_coef != 0.0)),
+        "{arch:?} aux loss"
+    );
+    if aux_loss_coef != 0.0 {
+        assert!(aux.is_some_and(|a| a > 0.0), "{aux:?}");
+    }
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
     assert!(names.len() > 10);
     for name in &names {
@@ -672,7 +686,7 @@ fn engine_gradients_with_block_format_attention_equal_the_cpu_model_bitwise() {
         .unwrap();
         let (mut e, what) = Engine::from_model_as_run(&m, CpuBackend, 64).unwrap();
         e.enable_training().unwrap();
-        let (logprobs, dl, g) = model_backward(&m, &batch, 1.0, 80, 0.0);
+        let (logprobs, dl, g, _) = model_backward(&m, &batch, 1.0, 80, 0.0);
         let (lp, tape) = e.forward_train(&batch, 1.0).unwrap();
         assert_eq!(lp, logprobs, "{mode:?} ({what})");
         e.zero_grads().unwrap();
@@ -734,7 +748,7 @@ fn pending_expert_gradients_read_zero_then_accumulate_over_two_backwards() {
     e.enable_training().unwrap();
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
-    let (_, dl, g) = model_backward(&m, &batch, 1.0, 90, 0.0);
+    let (_, dl, g, _) = model_backward(&m, &batch, 1.0, 90, 0.0);
     let (_, tape) = e.forward_train(&batch, 1.0).unwrap();
     let names: Vec<String> = e.param_names().iter().map(|s| s.to_string()).collect();
     // A backward, then zero_grads: every gradient reads as zero again, experts included.

@@ -537,6 +537,10 @@ impl<B: Backend + 'static> TrainPolicy for EngineTrainer<B> {
         self.engine.set_aux_loss_coef(coef).map_err(be)
     }
 
+    fn last_aux_loss(&self) -> Result<Option<f64>, PolicyError> {
+        Ok(self.engine.last_aux_loss().map_err(be)?.map(f64::from))
+    }
+
     fn first_non_finite_weight(&mut self) -> Option<String> {
         if let Err(e) = self.flush() {
             return Some(format!("the weights could not be checked: {e}"));

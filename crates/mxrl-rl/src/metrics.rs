@@ -58,6 +58,13 @@ pub struct StepMetrics {
     /// expert's rows. Empty without recorded routes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decode_busiest_share: Vec<f64>,
+    /// The MoE auxiliary load-balancing loss of the training forwards (HF
+    /// `load_balancing_loss_func` over the MoE layers, not multiplied by the coefficient):
+    /// the mean over the step's micro-batches, when the run adds it (`aux_loss_coef` ≠ 0).
+    /// About `k` (the experts per token) when the routing is even, up to `E` when every token
+    /// goes to the same `k` experts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
     /// Rollout wall time (s).
     pub rollout_s: f64,
     /// Where the generation inside the rollout spent its time (prefill, decode steps,

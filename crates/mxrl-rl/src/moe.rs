@@ -157,6 +157,9 @@ pub struct MoeTrainer {
     pub replay_kind: ReplayKind,
     /// Coefficient of the auxiliary load-balancing loss in the backward (0: none).
     aux_coef: f32,
+    /// The auxiliary loss of the last training forward, and of the last backward that
+    /// added it ([`TrainPolicy::last_aux_loss`]).
+    aux: (Option<f32>, Option<f32>),
 }
 
 impl Clone for MoeTrainer {
@@ -174,6 +177,7 @@ impl Clone for MoeTrainer {
             resp_lens: Vec::new(),
             replay_kind: self.replay_kind,
             aux_coef: self.aux_coef,
+            aux: (None, None),
         }
     }
 }
@@ -205,6 +209,7 @@ impl MoeTrainer {
             resp_lens: Vec::new(),
             replay_kind: ReplayKind::Ids,
             aux_coef: 0.0,
+            aux: (None, None),
         })
     }
 
@@ -279,6 +284,14 @@ fn probes_of(h: &HiddenStates, r: usize) -> LayerProbes {
 
 /// Forward a batch through `model`; returns per-sequence (response logprobs, entropy, routing,
 /// probes when `probes`) and the tape when `train`.
+/// What [`model_forward`] returns: per sequence, its response's logprobs and the rest; the
+/// tape of a training forward; the forward's MoE auxiliary loss (`None` without MoE layers).
+struct ModelForward {
+    seqs: Vec<TrainForward>,
+    tape: Option<Tape>,
+    aux_loss: Option<f32>,
+}
+
 fn model_forward(
     model: &Model,
     batch: &[TrainSeq<'_>],
@@ -286,7 +299,7 @@ fn model_forward(
     train: bool,
     probes: bool,
     replay_kind: ReplayKind,
-) -> Result<(Vec<TrainForward>, Option<Tape>), PolicyError> {
+) -> Result<ModelForward, PolicyError> {
     if batch
         .iter()
         .any(|s| s.prompt.is_empty() || s.response.is_empty())
@@ -339,7 +352,11 @@ fn model_forward(
             .map(|h| probes_of(h, r));
         res.push(f);
     }
-    Ok((res, out.tape))
+    Ok(ModelForward {
+        seqs: res,
+        tape: out.tape,
+        aux_loss: out.aux_loss,
+    })
 }
 
 impl TrainPolicy for MoeTrainer {
@@ -349,7 +366,11 @@ impl TrainPolicy for MoeTrainer {
         temperature: f32,
     ) -> Result<Vec<TrainForward>, PolicyError> {
         self.refresh();
-        let (mut fw, tape) = model_forward(
+        let ModelForward {
+            seqs: mut fw,
+            tape,
+            aux_loss,
+        } = model_forward(
             &self.model,
             batch,
             temperature,
@@ -364,19 +385,21 @@ impl TrainPolicy for MoeTrainer {
                 .iter()
                 .map(|s| TrainSeq { replay: None, ..*s })
                 .collect();
-            let (own, _) = model_forward(
+            let own = model_forward(
                 &self.model,
                 &free,
                 temperature,
                 false,
                 false,
                 self.replay_kind,
-            )?;
+            )?
+            .seqs;
             for (f, o) in fw.iter_mut().zip(own) {
                 f.routing = o.routing;
             }
         }
         self.tape = tape;
+        self.aux.0 = aux_loss;
         self.resp_lens = batch
             .iter()
             .map(|s| (s.prompt.len() + s.response.len() - 1, s.response.len()))
@@ -399,7 +422,13 @@ impl TrainPolicy for MoeTrainer {
         let full = crate::policy::full_sequence_grads(dlogp, &self.resp_lens);
         self.model
             .backward_accumulate(&tape, &full, self.aux_coef)
-            .map_err(be)
+            .map_err(be)?;
+        self.aux.1 = self.aux.0.filter(|_| self.aux_coef != 0.0);
+        Ok(())
+    }
+
+    fn last_aux_loss(&self) -> Result<Option<f64>, PolicyError> {
+        Ok(self.aux.1.map(f64::from))
     }
 
     fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
@@ -568,14 +597,15 @@ impl RolloutPolicy for MoeRollout {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, PolicyError> {
-        let (fw, _) = model_forward(
+        let fw = model_forward(
             &self.model,
             batch,
             temperature,
             false,
             false,
             self.replay_kind,
-        )?;
+        )?
+        .seqs;
         Ok(fw.into_iter().map(|f| f.logprobs).collect())
     }
 
@@ -584,14 +614,15 @@ impl RolloutPolicy for MoeRollout {
         batch: &[TrainSeq<'_>],
         temperature: f32,
     ) -> Result<Vec<Scored>, PolicyError> {
-        let (fw, _) = model_forward(
+        let fw = model_forward(
             &self.model,
             batch,
             temperature,
             false,
             true,
             self.replay_kind,
-        )?;
+        )?
+        .seqs;
         Ok(fw
             .into_iter()
             .map(|f| Scored {

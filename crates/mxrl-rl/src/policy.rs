@@ -418,6 +418,13 @@ pub trait TrainPolicy {
         }
     }
 
+    /// The auxiliary load-balancing loss (not multiplied by the coefficient) of the forward
+    /// whose [`TrainPolicy::backward`] ran last, when that backward added it (a non-zero
+    /// [`TrainPolicy::set_aux_loss_coef`]); `None` otherwise (the default).
+    fn last_aux_loss(&self) -> Result<Option<f64>, PolicyError> {
+        Ok(None)
+    }
+
     /// Whether [`TrainPolicy::forward`] should return per-layer probes (the loop turns them
     /// off when nothing will be compared with them: no bitwise re-scoring, or the frozen
     /// reference). A policy whose probes cost nothing may ignore it (the default does).
@@ -526,6 +533,9 @@ impl<P: TrainPolicy + ?Sized> TrainPolicy for Box<P> {
     }
     fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
         (**self).set_aux_loss_coef(coef)
+    }
+    fn last_aux_loss(&self) -> Result<Option<f64>, PolicyError> {
+        (**self).last_aux_loss()
     }
     fn params(&mut self) -> Vec<ParamMut<'_>> {
         (**self).params()

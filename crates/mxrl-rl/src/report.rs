@@ -226,6 +226,10 @@ pub struct RunSummary {
     /// Medians over the steps that recorded `rollout_phases`: prefill s, decode s per decode
     /// step, decode steps, read-back s; `None` when no step did.
     pub phases: Option<[f64; 4]>,
+    /// The MoE auxiliary loss of the steps that recorded it (runs with `aux_loss_coef` ≠ 0):
+    /// its mean over the first and over the last window ([`window_len`] of those steps);
+    /// `None` when no step did.
+    pub aux_loss: Option<(f64, f64)>,
 }
 
 fn mean(v: impl Iterator<Item = f64>) -> f64 {
@@ -294,6 +298,16 @@ pub fn summarize(e: &RunEntry, m: &[StepMetrics]) -> RunSummary {
                     med(|p| p.decode_steps as f64),
                     med(|p| p.readback_s),
                 ]
+            })
+        },
+        aux_loss: {
+            let a: Vec<f64> = m.iter().filter_map(|x| x.aux_loss).collect();
+            let w = window_len(a.len());
+            (!a.is_empty()).then(|| {
+                (
+                    mean(a[..w].iter().copied()),
+                    mean(a[a.len() - w..].iter().copied()),
+                )
             })
         },
         busiest: (0..m
@@ -1041,6 +1055,30 @@ fn routing_section(sums: &[RunSummary]) -> String {
     s
 }
 
+/// The training side's routing balance: per run that added the MoE auxiliary loss, its mean
+/// over the first and the last window of steps; empty when no run did.
+fn aux_section(sums: &[RunSummary]) -> String {
+    let mut s = String::new();
+    if sums.iter().all(|r| r.aux_loss.is_none()) {
+        return s;
+    }
+    let _ = writeln!(s, "\n## Training routing balance\n");
+    let _ = writeln!(
+        s,
+        "The MoE auxiliary load-balancing loss of the training forwards (HF `load_balancing_loss_func` over the MoE layers, before its coefficient; the mean over a step's micro-batches), averaged over the first and the last window of steps. It is about k (the experts per token) when the routing is even and up to E (the expert count) when every token goes to the same k experts."
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(s, "| run | aux loss first → final |");
+    let _ = writeln!(s, "|---|---|");
+    for r in sums {
+        let cell = r
+            .aux_loss
+            .map_or("–".into(), |(a, b)| format!("{a:.3} → {b:.3}"));
+        let _ = writeln!(s, "| `{}` | {cell} |", r.name);
+    }
+    s
+}
+
 fn fmt_bytes(b: u64) -> String {
     if b >= 1 << 20 {
         format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
@@ -1430,6 +1468,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     s.push_str(&drift_section(sums));
     s.push_str(&phases_section(sums));
     s.push_str(&routing_section(sums));
+    s.push_str(&aux_section(sums));
     let _ = writeln!(s, "\n## Plots\n");
     let drift = sums.iter().any(|r| !r.drift.is_empty());
     for (f, t) in [
@@ -1696,6 +1735,33 @@ mod tests {
         assert!(t.contains("| `gpu` | 2.0 | 2.000 | 10 | 4.0 |"), "{t}");
         assert!(t.contains("| `cpu` | – | – | – | – |"), "{t}");
         assert!(phases_section(&[without]).is_empty());
+    }
+
+    /// The aux loss: the means of the first and last windows of the steps that recorded it
+    /// (here 12 of 20: windows of one step), a dash for a run without it, no section when no
+    /// run has it.
+    #[test]
+    fn aux_loss_windows_cover_the_steps_that_recorded_it() {
+        let e = RunEntry {
+            name: "aux".into(),
+            recipe: "bf16".into(),
+            seed: 1,
+            dir: "aux".into(),
+            weight_bytes: BTreeMap::new(),
+            plan_hash: String::new(),
+        };
+        let mut m = steps(0.0, 0.0, 1.0);
+        for (i, x) in m.iter_mut().enumerate().skip(4).take(12) {
+            x.aux_loss = Some(10.0 - i as f64 / 2.0);
+        }
+        let with = summarize(&e, &m);
+        assert_eq!(with.aux_loss, Some((8.0, 2.5)));
+        let without = summary("plain", "bf16", 0.5);
+        assert!(without.aux_loss.is_none());
+        let t = aux_section(&[with, without.clone()]);
+        assert!(t.contains("| `aux` | 8.000 → 2.500 |"), "{t}");
+        assert!(t.contains("| `plain` | – |"), "{t}");
+        assert!(aux_section(&[without]).is_empty());
     }
 
     #[test]

@@ -672,6 +672,8 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
         let mut agree: Vec<(usize, usize)> = Vec::new();
         let mut hid: Vec<(f64, usize)> = Vec::new();
         let (mut loss, mut clipped, mut corrected, mut ref_kl_sum) = (0f64, 0usize, 0usize, 0f64);
+        // The aux loss over the micro-batches that added it: sum, count.
+        let mut aux = (0f64, 0usize);
         let n_mb = samples.len().div_ceil(cfg.micro_batch.max(1));
         for (mb_i, mb) in samples.chunks(cfg.micro_batch).enumerate() {
             let base = mb_i * cfg.micro_batch;
@@ -705,6 +707,10 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 self.trainer.backward_last(&dlogp)?;
             } else {
                 self.trainer.backward(&dlogp)?;
+            }
+            if let Some(a) = self.trainer.last_aux_loss()? {
+                aux.0 += a;
+                aux.1 += 1;
             }
             for (f, s) in fw.iter().zip(mb) {
                 ent_sum += f.entropy.iter().map(|&e| e as f64).sum::<f64>();
@@ -809,6 +815,7 @@ impl<'a, T: TrainPolicy, R: RolloutPolicy> RlRun<'a, T, R> {
                 .collect(),
             hidden_diff: hid.iter().map(|&(s, c)| s / c.max(1) as f64).collect(),
             decode_busiest_share,
+            aux_loss: (aux.1 > 0).then(|| aux.0 / aux.1 as f64),
             rollout_s,
             rollout_phases,
             train_s,

@@ -753,3 +753,54 @@ fn engine_rl_loop_without_probes_reports_no_hidden_diff() {
     );
     assert!(ms.iter().all(|m| m.hidden_diff.is_empty()), "{ms:?}");
 }
+
+/// The MoE auxiliary loss through both trainers: with a coefficient, the engine trainer (CPU
+/// backend) and the model trainer report the same loss bits after every backward and keep the
+/// same logprobs step after step (the loss reaches their gradients alike); without one,
+/// neither reports a loss. Through the RL loop, every step's metrics carry it only when the
+/// run adds it.
+#[test]
+fn both_trainers_report_the_same_aux_loss_and_the_loop_records_it() {
+    let model = demo_model(5).unwrap().0;
+    let codec = TextCodec::char_level();
+    let b = batch_of(&codec, 6);
+    let mut mt = build(&model, "bf16").unwrap().trainer;
+    let mut et = engine_build(&model, "bf16").unwrap().trainer;
+    let c = AdamWConfig {
+        lr: 1e-2,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let (mut om, mut oe) = (AdamW::new(c), AdamW::new(c));
+    sft_step(&mut mt, &mut om, &b);
+    sft_step(&mut et, &mut oe, &b);
+    assert_eq!(mt.last_aux_loss().unwrap(), None);
+    assert_eq!(et.last_aux_loss().unwrap(), None);
+    mt.set_aux_loss_coef(0.5).unwrap();
+    et.set_aux_loss_coef(0.5).unwrap();
+    let mut seen = Vec::new();
+    for step in 0..3 {
+        let lm = sft_step(&mut mt, &mut om, &b);
+        let le = sft_step(&mut et, &mut oe, &b);
+        assert_eq!(bits(&lm), bits(&le), "step {step}");
+        let (am, ae) = (mt.last_aux_loss().unwrap(), et.last_aux_loss().unwrap());
+        let am = am.expect("the model trainer's aux loss");
+        assert!(am.is_finite() && am > 0.0, "{am}");
+        assert_eq!(Some(am.to_bits()), ae.map(f64::to_bits), "step {step}");
+        seen.push(am);
+    }
+    // Each step's loss is of that step's forward, not a value kept from the first.
+    assert!(seen[0] != seen[2], "{seen:?}");
+    let d = tempfile::tempdir().unwrap();
+    let with = RlConfig {
+        aux_loss_coef: 0.01,
+        ..cfg(2, false)
+    };
+    for m in run_engine(&model, "bf16", with, &d.path().join("aux")) {
+        let a = m.aux_loss.expect("a step of a run with the aux loss");
+        assert!(a.is_finite() && a > 0.0, "step {}: {a}", m.step);
+    }
+    for m in run_engine(&model, "bf16", cfg(2, false), &d.path().join("plain")) {
+        assert_eq!(m.aux_loss, None, "step {}", m.step);
+    }
+}

@@ -212,34 +212,57 @@ pub struct Args {
     /// the char-level one; the model's vocabulary becomes the tokenizer's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Coefficient of the MoE auxiliary load-balancing loss in the SFT warm-up and every RL
+    /// run (≥ 0; e.g. 0.001, Qwen3-MoE's `router_aux_loss_coef`); 0 (the default): none. A
+    /// warm-up is reused only with the coefficient it was trained with.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0, value_parser = super::validate::non_negative)]
+    aux_loss_coef: f32,
     #[command(flatten)]
     device: super::device::DeviceArgs,
 }
 
-/// `OUT/warmup.json`: the task a demo's warmed-up model was trained on.
+/// `OUT/warmup.json`: the task a demo's warmed-up model was trained on, and the auxiliary
+/// loss coefficient of its warm-up (absent: 0, as in records from before the field).
 #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
 struct Warmup {
     /// [`TaskSpec::describe`] of the warm-up task.
     task: String,
+    /// The warm-up's MoE auxiliary loss coefficient (`--aux-loss-coef`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    aux_loss_coef: f32,
 }
 
-/// Refuse to reuse the warmed-up model in `out/base` for another task than `task`: the one
-/// recorded in `out/warmup.json`, or 1-digit addition for a directory from before the record.
-fn check_warmup(out: &Path, task: &str) -> Result<()> {
+fn is_zero(x: &f32) -> bool {
+    *x == 0.0
+}
+
+/// Refuse to reuse the warmed-up model in `out/base` for another task than `task` or another
+/// auxiliary loss coefficient than `aux`: the ones recorded in `out/warmup.json`, or 1-digit
+/// addition without the loss for a directory from before the record.
+fn check_warmup(out: &Path, task: &str, aux: f32) -> Result<()> {
     let p = out.join("warmup.json");
     let had = if p.exists() {
         let text =
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-        serde_json::from_str::<Warmup>(&text)
-            .with_context(|| format!("parsing {}", p.display()))?
-            .task
+        serde_json::from_str::<Warmup>(&text).with_context(|| format!("parsing {}", p.display()))?
     } else {
-        TaskSpec::default().describe()?
+        Warmup {
+            task: TaskSpec::default().describe()?,
+            aux_loss_coef: 0.0,
+        }
     };
     anyhow::ensure!(
-        had == task,
-        "{}: the warmed-up model there was trained on {had}, not on {task}; use another --out",
-        out.join("base").display()
+        had.task == task,
+        "{}: the warmed-up model there was trained on {}, not on {task}; use another --out",
+        out.join("base").display(),
+        had.task
+    );
+    anyhow::ensure!(
+        had.aux_loss_coef == aux,
+        "{}: the warmed-up model there was trained with --aux-loss-coef {}, not {aux}; use \
+         another --out",
+        out.join("base").display(),
+        had.aux_loss_coef
     );
     Ok(())
 }
@@ -352,7 +375,7 @@ pub fn run(a: Args) -> Result<()> {
             shape(&have),
             shape(&want)
         );
-        check_warmup(&out, &task_text)?;
+        check_warmup(&out, &task_text, a.aux_loss_coef)?;
         let there = std::fs::read_to_string(base.join("tokenizer.json"))
             .with_context(|| format!("reading {}", base.join("tokenizer.json").display()))?;
         let (json, name) = match (&tokenizer, &a.tokenizer) {
@@ -424,7 +447,7 @@ pub fn run(a: Args) -> Result<()> {
                     sft_steps,
                     64,
                     sft_lr,
-                    0.0,
+                    a.aux_loss_coef,
                     7,
                     &base,
                     false,
@@ -447,7 +470,7 @@ pub fn run(a: Args) -> Result<()> {
                         lr: sft_lr,
                         ..Default::default()
                     },
-                    aux_loss_coef: 0.0,
+                    aux_loss_coef: a.aux_loss_coef,
                 };
                 let loss = super::sft::sft_model_to_dir(
                     &model,
@@ -471,7 +494,10 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("demo: SFT done, loss {loss:.4}");
         mxrl_rl::manifest::write_json_atomic(
             &out.join("warmup.json"),
-            &Warmup { task: task_text },
+            &Warmup {
+                task: task_text,
+                aux_loss_coef: a.aux_loss_coef,
+            },
         )?;
     }
     if a.warmup_only {
@@ -486,6 +512,7 @@ pub fn run(a: Args) -> Result<()> {
     rl.steps = a.steps;
     rl.task = spec.name.clone();
     rl.problems = a.problems.clone();
+    rl.aux_loss_coef = a.aux_loss_coef;
     if let Some(c) = &chain {
         // Room for the longest reference response (one token per character at most).
         rl.max_new_tokens = rl.max_new_tokens.max(c.max_response_chars());

@@ -320,10 +320,14 @@ fn train<T: TrainPolicy, R: RolloutPolicy>(
                 done = r >= s.target;
             }
         }
-        let shown = match reward {
-            Some(r) => format!("loss {loss:.4} reward {r:.3}"),
-            None => format!("loss {loss:.4}"),
-        };
+        let mut shown = format!("loss {loss:.4}");
+        // The MoE auxiliary loss, when the warm-up adds it (even routing: about top-k).
+        if let Some(a) = t.last_aux_loss()? {
+            shown += &format!(" aux {a:.3}");
+        }
+        if let Some(r) = reward {
+            shown += &format!(" reward {r:.3}");
+        }
         if plain {
             eprintln!("sft step {}/{steps}: {shown}", step + 1);
         }
