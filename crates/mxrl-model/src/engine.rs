@@ -3286,8 +3286,10 @@ impl<B: Backend> Engine<B> {
             .train
             .take()
             .ok_or_else(|| ModelError::Input("training is not enabled on this engine".into()))?;
-        // Early sums of an earlier backward_last no longer describe the gradients.
+        // Early sums of an earlier backward_last no longer describe the gradients, nor does
+        // its aux loss this backward's forward.
         st.norm_parts = None;
+        st.aux_loss = None;
         let mut parts = None;
         let r = (|| {
             if last {
