@@ -789,10 +789,53 @@ pub fn write_report(dir: &Path) -> Result<PathBuf, ReportError> {
     if sums.iter().any(|s| !s.drift.is_empty()) {
         draw_drift(&dir.join("drift.png"), &runs, &sums)?;
     }
+    let (aux, busiest) = routing_plotted(&sums);
+    let mut routing: Vec<Panel<'_>> = Vec::new();
+    if aux {
+        routing.push((
+            "MoE auxiliary loss of the training forwards (runs that add it; even routing ≈ k)",
+            "aux loss",
+            Axis::Linear,
+            series(&runs, |m| m.aux_loss.unwrap_or(f64::NAN)),
+            vec![],
+        ));
+    }
+    if busiest {
+        routing.push((
+            "Busiest expert's share of a decode step's routed rows (mean over the MoE layers)",
+            "% of the rows",
+            Axis::Linear,
+            series(&runs, |m| {
+                let v = &m.decode_busiest_share;
+                if v.is_empty() {
+                    f64::NAN
+                } else {
+                    100.0 * v.iter().sum::<f64>() / v.len() as f64
+                }
+            }),
+            vec![],
+        ));
+    }
+    if !routing.is_empty() {
+        draw_png(
+            &dir.join("routing.png"),
+            (1000, 340 * routing.len() as u32 + 220),
+            &routing,
+        )?;
+    }
     let md = render_markdown(&man, &sums);
     let path = dir.join("report.md");
     write_bytes_atomic(&path, md.as_bytes())?;
     Ok(path)
+}
+
+/// Which panels `routing.png` has: the aux loss (a run recorded it), the decode routing (a
+/// run recorded routes); neither: no plot.
+fn routing_plotted(sums: &[RunSummary]) -> (bool, bool) {
+    (
+        sums.iter().any(|s| s.aux_loss.is_some()),
+        sums.iter().any(|s| !s.busiest.is_empty()),
+    )
 }
 
 /// `drift.png`: the per-layer profile (median over steps of each layer's `hidden_diff`, x =
@@ -1471,6 +1514,7 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     s.push_str(&aux_section(sums));
     let _ = writeln!(s, "\n## Plots\n");
     let drift = sums.iter().any(|r| !r.drift.is_empty());
+    let routing = routing_plotted(sums) != (false, false);
     for (f, t) in [
         ("reward.png", "Reward vs step"),
         (
@@ -1486,6 +1530,10 @@ fn render_markdown(man: &Manifest, sums: &[RunSummary]) -> String {
     .chain(drift.then_some((
         "drift.png",
         "Per-layer drift (log scale; steps with 0 left out, counted in the table)",
+    )))
+    .chain(routing.then_some((
+        "routing.png",
+        "Routing balance: the training aux loss and the decode step's busiest expert",
     ))) {
         let _ = writeln!(s, "### {t}\n\n![{t}]({f})\n");
     }
@@ -1974,6 +2022,41 @@ mod tests {
             );
             assert!(md.contains(&format!("]({f})")), "{f} not linked");
         }
+    }
+
+    /// `routing.png` is drawn and linked when a run recorded the aux loss or decode routes
+    /// (here one run each), and neither file nor link exists when none did.
+    #[test]
+    fn the_routing_plot_follows_what_the_runs_recorded() {
+        let d = tempfile::tempdir().unwrap();
+        let mut aux = steps(0.2, 1e-3, 1.0);
+        for (i, x) in aux.iter_mut().enumerate() {
+            x.aux_loss = Some(9.0 - i as f64 / 20.0);
+        }
+        let mut routed = steps(0.3, 1e-3, 1.0);
+        for (i, x) in routed.iter_mut().enumerate() {
+            x.decode_busiest_share = vec![0.1, 0.12 - i as f64 / 1000.0];
+        }
+        write_ablation(
+            d.path(),
+            &[("bf16", "bf16", 1, aux), ("mxfp8", "mxfp8", 1, routed)],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        let b = std::fs::read(d.path().join("routing.png")).unwrap();
+        assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(b.len() > 10_000, "{} bytes: nothing drawn?", b.len());
+        assert!(md.contains("](routing.png)"), "{md}");
+        let d = tempfile::tempdir().unwrap();
+        write_ablation(
+            d.path(),
+            &[
+                ("bf16", "bf16", 1, steps(0.2, 1e-3, 1.0)),
+                ("mxfp8", "mxfp8", 1, steps(0.3, 1e-3, 1.0)),
+            ],
+        );
+        let md = std::fs::read_to_string(write_report(d.path()).unwrap()).unwrap();
+        assert!(!d.path().join("routing.png").exists());
+        assert!(!md.contains("routing.png"), "{md}");
     }
 
     #[test]
