@@ -386,10 +386,10 @@ pub struct Recorded {
     /// The routes of every fed position (the prompt and every new token but the last), when
     /// recorded.
     pub routes: Option<RoutingTrace>,
-    /// When recorded, per layer `[R, H]` row-major (`R` new tokens): the residual stream after
-    /// the layer at the positions that predict them (the prompt's last position, then every
-    /// new token but the last), as the KV-cache decode computed it.
-    pub probes: Option<Vec<Vec<f32>>>,
+    /// When recorded, `[L, R, H]` row-major (`L` layers, `R` new tokens): after each layer,
+    /// the residual stream at the positions that predict the new tokens (the prompt's last
+    /// position, then every new token but the last), as the KV-cache decode computed it.
+    pub probes: Option<Vec<f32>>,
 }
 
 /// The persistent buffers of one decode step of `batch` rows.
@@ -3001,10 +3001,7 @@ impl<B: Backend> Engine<B> {
                 let lens: Vec<usize> = out.iter().map(|s| s.tokens.len()).collect();
                 Some(self.probes_of(st, &lens)?)
             }
-            (None, n) => Some(vec![
-                vec![Vec::new(); self.layers.len()];
-                n.min(prompts.len())
-            ]),
+            (None, n) => Some(vec![Vec::new(); n.min(prompts.len())]),
         }
         .map(|t| t.into_iter().map(Some).collect::<Vec<_>>());
         timing.readback_s = t_read.elapsed().as_secs_f64();
@@ -3024,14 +3021,18 @@ impl<B: Backend> Engine<B> {
 
     /// The recorded probes of `st`'s first sequences (those the table holds): per sequence,
     /// per layer the first `lens[s]` rows `[lens[s], H]`.
-    fn probes_of(&self, st: &DecodeState<B>, lens: &[usize]) -> Result<Vec<Vec<Vec<f32>>>> {
+    fn probes_of(&self, st: &DecodeState<B>, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
         let pt = st
             .probes
             .as_ref()
             .ok_or_else(|| ModelError::Input("no probes were recorded".into()))?;
         let hd = self.cfg.hidden_size;
         let lens = &lens[..pt.slots.min(lens.len())];
-        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(pt.layers.len()); lens.len()];
+        // Each sequence's layers one after another, copied once from the read-back buffer.
+        let mut out: Vec<Vec<f32>> = lens
+            .iter()
+            .map(|&l| Vec::with_capacity(pt.layers.len() * l.min(pt.len) * hd))
+            .collect();
         // The table's first indices, up to the longest response (index-major: one prefix),
         // read back into the backend's host buffer; each sequence's rows are copied from
         // there (index i of slot s at table row i·slots + s).
@@ -3041,12 +3042,10 @@ impl<B: Backend> Engine<B> {
             self.b
                 .download_f32_with(t, most * slots * hd, &mut |all| {
                     for (s, o) in out.iter_mut().enumerate() {
-                        let mut rows = Vec::with_capacity(lens[s] * hd);
                         for i in 0..lens[s].min(pt.len) {
                             let a = (i * slots + s) * hd;
-                            rows.extend_from_slice(&all[a..a + hd]);
+                            o.extend_from_slice(&all[a..a + hd]);
                         }
-                        o.push(rows);
                     }
                 })
                 .map_err(dev)?;

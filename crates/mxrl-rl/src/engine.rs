@@ -653,7 +653,10 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
             .generate_timed(&expanded, cfg.max_new_tokens, &sp, &[eos], self.record)
             .map_err(be)?;
         self.timing = Some(timing);
-        let width = self.engine.config().hidden_size;
+        let (width, layers) = (
+            self.engine.config().hidden_size,
+            self.engine.config().num_layers,
+        );
         Ok(gens
             .into_iter()
             .enumerate()
@@ -661,10 +664,10 @@ impl<B: Backend + 'static> RolloutPolicy for EngineRollout<B> {
                 prompt_index: i / n,
                 prompt: prompts[i / n].clone(),
                 routing: g.routes.and_then(routed),
-                probes: g.probes.map(|per_layer| LayerProbes {
-                    layers: per_layer.len(),
+                probes: g.probes.map(|values| LayerProbes {
+                    layers,
                     width,
-                    values: per_layer.concat(),
+                    values,
                 }),
                 response: g.sampled.tokens,
                 logprobs: g.sampled.logprobs,
