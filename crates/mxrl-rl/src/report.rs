@@ -1078,7 +1078,7 @@ fn routing_section(sums: &[RunSummary]) -> String {
     let _ = writeln!(s, "\n## Decode routing\n");
     let _ = writeln!(
         s,
-        "Per MoE layer, the busiest expert's share of a decode step's routed rows (the rollout's routes; each sequence still decoding sends top-k rows), averaged over a step's decode steps: median over steps. Uniform routing over E experts gives about 1/E; the decode step's expert kernels take as long as the busiest expert's rows."
+        "Per MoE layer, the busiest expert's share of a decode step's routed rows (the rollout's routes; each sequence still decoding sends top-k rows), averaged over a step's decode steps: median over steps. Uniform routing over E experts gives about 1/E, one of every sequence's k routes on the same expert 1/k. The sequences of a decode step are at the same point of their responses and often route alike, so a step's share can be high while the routing over whole sequences is even (the training routing balance below, where recorded)."
     );
     let _ = writeln!(s);
     let head: Vec<String> = (0..layers).map(|l| format!("MoE layer {l}")).collect();
