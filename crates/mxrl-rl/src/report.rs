@@ -425,9 +425,17 @@ fn bounds(series: &Series<'_>, axis: Axis) -> (i64, i64, f64, f64) {
     }
 }
 
+/// A y-axis label: three decimals without trailing zeros (`48`, `12.35`, `0.125`) between
+/// 0.01 and 10⁴, else one significant digit in scientific notation.
 fn y_label(v: &f64) -> String {
     if v.abs() >= 1e-2 && v.abs() < 1e4 || *v == 0.0 {
-        format!("{v:.3}")
+        let s = format!("{v:.3}");
+        let s = s.trim_end_matches('0').trim_end_matches('.');
+        if s == "-0" {
+            "0".into()
+        } else {
+            s.into()
+        }
     } else {
         format!("{v:.0e}")
     }
@@ -1783,6 +1791,25 @@ mod tests {
         assert!(t.contains("| `gpu` | 2.0 | 2.000 | 10 | 4.0 |"), "{t}");
         assert!(t.contains("| `cpu` | – | – | – | – |"), "{t}");
         assert!(phases_section(&[without]).is_empty());
+    }
+
+    #[test]
+    fn y_labels_drop_trailing_zeros() {
+        let l = |v: f64| y_label(&v);
+        assert_eq!(
+            [
+                l(48.0),
+                l(12.35),
+                l(0.125),
+                l(0.1),
+                l(0.0),
+                l(-0.0001),
+                l(1e-4),
+                l(2.5e5)
+            ],
+            ["48", "12.35", "0.125", "0.1", "0", "-1e-4", "1e-4", "2e5"]
+        );
+        assert_eq!(l(-0.0), "0");
     }
 
     /// The aux loss: the means of the first and last windows of the steps that recorded it
