@@ -48,6 +48,15 @@ fn gpu_engine(m: &Model) -> Engine<CudaBackend> {
     Engine::from_model(m, b, 64).unwrap()
 }
 
+/// The GPU and the CPU engine of `m`, both with training enabled.
+fn training_engines(m: &Model) -> (Engine<CudaBackend>, Engine<mxrl_tensor::device::CpuBackend>) {
+    let mut g = gpu_engine(m);
+    let mut c = cpu_engine(m, 64).unwrap();
+    g.enable_training().unwrap();
+    c.enable_training().unwrap();
+    (g, c)
+}
+
 fn seqs() -> Vec<Vec<u32>> {
     (0..5)
         .map(|s| {
@@ -335,10 +344,7 @@ fn nll_grads(batch: &[SeqInput]) -> impl Fn(&[Vec<f32>]) -> Vec<Vec<f32>> {
 #[test]
 fn gpu_engine_training_is_deterministic_close_to_cpu_and_lowers_the_loss() {
     let m = model();
-    let mut g = gpu_engine(&m);
-    let mut c = cpu_engine(&m, 64).unwrap();
-    g.enable_training().unwrap();
-    c.enable_training().unwrap();
+    let (mut g, mut c) = training_engines(&m);
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
     let ntok: usize = batch.iter().map(|b| b.tokens.len()).sum();
@@ -897,10 +903,7 @@ type DlogProbs = dyn Fn(&[Vec<f32>]) -> Vec<Vec<f32>>;
 #[test]
 fn gpu_engine_aux_loss_reaches_the_routers_and_lowers_the_imbalance() {
     let m = model();
-    let mut g = gpu_engine(&m);
-    let mut c = cpu_engine(&m, 64).unwrap();
-    g.enable_training().unwrap();
-    c.enable_training().unwrap();
+    let (mut g, mut c) = training_engines(&m);
     let s = seqs();
     let batch: Vec<SeqInput> = s.iter().map(|q| SeqInput::next_token(q)).collect();
     let dl = nll_grads(&batch);
