@@ -157,9 +157,11 @@ pub struct MoeTrainer {
     pub replay_kind: ReplayKind,
     /// Coefficient of the auxiliary load-balancing loss in the backward (0: none).
     aux_coef: f32,
-    /// The auxiliary loss of the last training forward, and of the last backward that
-    /// added it ([`TrainPolicy::last_aux_loss`]).
-    aux: (Option<f32>, Option<f32>),
+    /// The auxiliary loss of the training forward whose tape is kept (taken with it).
+    forward_aux: Option<f32>,
+    /// The auxiliary loss of the forward whose backward ran last, when that backward added
+    /// it ([`TrainPolicy::last_aux_loss`]).
+    last_aux: Option<f32>,
 }
 
 impl Clone for MoeTrainer {
@@ -177,7 +179,8 @@ impl Clone for MoeTrainer {
             resp_lens: Vec::new(),
             replay_kind: self.replay_kind,
             aux_coef: self.aux_coef,
-            aux: (None, None),
+            forward_aux: None,
+            last_aux: None,
         }
     }
 }
@@ -209,7 +212,8 @@ impl MoeTrainer {
             resp_lens: Vec::new(),
             replay_kind: ReplayKind::Ids,
             aux_coef: 0.0,
-            aux: (None, None),
+            forward_aux: None,
+            last_aux: None,
         })
     }
 
@@ -282,8 +286,6 @@ fn probes_of(h: &HiddenStates, r: usize) -> LayerProbes {
     }
 }
 
-/// Forward a batch through `model`; returns per-sequence (response logprobs, entropy, routing,
-/// probes when `probes`) and the tape when `train`.
 /// What [`model_forward`] returns: per sequence, its response's logprobs and the rest; the
 /// tape of a training forward; the forward's MoE auxiliary loss (`None` without MoE layers).
 struct ModelForward {
@@ -292,6 +294,8 @@ struct ModelForward {
     aux_loss: Option<f32>,
 }
 
+/// Forward a batch through `model`; returns per-sequence (response logprobs, entropy, routing,
+/// probes when `probes`), the tape when `train`, and the auxiliary loss.
 fn model_forward(
     model: &Model,
     batch: &[TrainSeq<'_>],
@@ -399,7 +403,7 @@ impl TrainPolicy for MoeTrainer {
             }
         }
         self.tape = tape;
-        self.aux.0 = aux_loss;
+        self.forward_aux = aux_loss;
         self.resp_lens = batch
             .iter()
             .map(|s| (s.prompt.len() + s.response.len() - 1, s.response.len()))
@@ -412,6 +416,9 @@ impl TrainPolicy for MoeTrainer {
             .tape
             .take()
             .ok_or_else(|| PolicyError::Invalid("backward without a training forward".into()))?;
+        // The forward's loss goes with its tape; an earlier backward's no longer applies.
+        let aux = self.forward_aux.take();
+        self.last_aux = None;
         if dlogp.len() != self.resp_lens.len() {
             return Err(PolicyError::Invalid(format!(
                 "backward: {} gradient rows for {} sequences",
@@ -423,12 +430,12 @@ impl TrainPolicy for MoeTrainer {
         self.model
             .backward_accumulate(&tape, &full, self.aux_coef)
             .map_err(be)?;
-        self.aux.1 = self.aux.0.filter(|_| self.aux_coef != 0.0);
+        self.last_aux = aux.filter(|_| self.aux_coef != 0.0);
         Ok(())
     }
 
     fn last_aux_loss(&self) -> Result<Option<f64>, PolicyError> {
-        Ok(self.aux.1.map(f64::from))
+        Ok(self.last_aux.map(f64::from))
     }
 
     fn set_aux_loss_coef(&mut self, coef: f32) -> Result<(), PolicyError> {
