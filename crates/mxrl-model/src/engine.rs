@@ -693,25 +693,26 @@ impl<B: Backend> Engine<B> {
                     true,
                     true,
                 )?;
-                let (mut gu, mut dn) = (Vec::new(), Vec::new());
+                // Every expert's weights stacked on the host, one layer at a time (none for a
+                // zeroed engine).
+                let mut stacked: Option<(Vec<f32>, Vec<f32>)> = None;
                 if !zero {
-                    gu.reserve_exact(e * 2 * f * h);
-                    dn.reserve_exact(e * h * f);
+                    let mut gu = Vec::with_capacity(e * 2 * f * h);
+                    let mut dn = Vec::with_capacity(e * h * f);
                     for x in 0..e {
-                        let g = src(
-                            &format!("{p}.mlp.experts.{x}.gate_up_proj.weight"),
-                            &[2 * f, h],
-                        )?;
-                        gu.extend_from_slice(g.as_deref().unwrap_or_default());
-                        let d = src(&format!("{p}.mlp.experts.{x}.down_proj.weight"), &[h, f])?;
-                        dn.extend_from_slice(d.as_deref().unwrap_or_default());
+                        let name = format!("{p}.mlp.experts.{x}.gate_up_proj.weight");
+                        if let Some(g) = src(&name, &[2 * f, h])? {
+                            gu.extend_from_slice(&g);
+                        }
+                        let name = format!("{p}.mlp.experts.{x}.down_proj.weight");
+                        if let Some(d) = src(&name, &[h, f])? {
+                            dn.extend_from_slice(&d);
+                        }
                     }
+                    stacked = Some((gu, dn));
                 }
-                let (gu, dn) = if zero {
-                    (None, None)
-                } else {
-                    (Some(gu.as_slice()), Some(dn.as_slice()))
-                };
+                let gu = stacked.as_ref().map(|s| s.0.as_slice());
+                let dn = stacked.as_ref().map(|s| s.1.as_slice());
                 let gate_up = push(
                     &mut params,
                     format!("{p}.mlp.experts.*.gate_up_proj.weight"),
