@@ -1,5 +1,5 @@
 // Small engine ops with no family of their own. References (mxrl_tensor::device::CpuBackend):
-// add_bias, bias_backward, kv_fill. All bitwise with their references: elementwise f32,
+// add_bias, bias_backward, kv_fill, copy_blocks_*. All bitwise with their references: elementwise f32,
 // and bias_backward sums rows in row order exactly as the CPU loop does.
 
 // y[r, j] += b[j], r < rows, j < n.
@@ -31,3 +31,19 @@ extern "C" __global__ void kv_fill(const float* __restrict__ k, const float* __r
         vc[dst + j] = f32_to_bf16(v[r * w + j]);
     }
 }
+
+// Block copies (copy_blocks_*): for pair j < count, dst block map[2j+1] = src block map[2j],
+// blocks of `block` elements; pairs naming a block outside either buffer are skipped. One
+// thread per element of the pairs' blocks.
+#define COPY_BLOCKS(NAME, T)                                                                      \
+    extern "C" __global__ void NAME(const T* __restrict__ src, T* __restrict__ dst,               \
+                                    const u32* __restrict__ map, u64 block, u64 count,            \
+                                    u64 src_blocks, u64 dst_blocks) {                             \
+        const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;                                 \
+        if (i >= count * block) return;                                                           \
+        const u64 j = i / block, e = i - j * block;                                               \
+        const u64 s = map[2 * j], d = map[2 * j + 1];                                             \
+        if (s < src_blocks && d < dst_blocks) dst[d * block + e] = src[s * block + e];           \
+    }
+COPY_BLOCKS(copy_blocks_u16, u16)
+COPY_BLOCKS(copy_blocks_u32, u32)

@@ -1937,6 +1937,63 @@ impl Backend for CudaBackend {
             .map_err(|e| de(self.gpu.err(format!("copy_bf16: {e:?}"))))
     }
 
+    fn copy_blocks_bf16(
+        &self,
+        src: &Self::Bf16,
+        dst: &mut Self::Bf16,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        self.eng
+            .copy_blocks_u16(
+                &src.as_view(),
+                &mut dst.as_view_mut(),
+                &map.as_view(),
+                block,
+                count,
+            )
+            .map_err(de)
+    }
+
+    fn copy_blocks_f32(
+        &self,
+        src: &Self::F32,
+        dst: &mut Self::F32,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        self.eng
+            .copy_blocks_u32(
+                &src.as_view(),
+                &mut dst.as_view_mut(),
+                &map.as_view(),
+                block,
+                count,
+            )
+            .map_err(de)
+    }
+
+    fn copy_blocks_u32(
+        &self,
+        src: &Self::U32,
+        dst: &mut Self::U32,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        self.eng
+            .copy_blocks_u32(
+                &src.as_view(),
+                &mut dst.as_view_mut(),
+                &map.as_view(),
+                block,
+                count,
+            )
+            .map_err(de)
+    }
+
     fn widen_bf16(&self, x: &Self::Bf16, out: &mut Self::F32, n: usize) -> DResult<()> {
         self.ew
             .widen_bf16(&x.as_view(), &mut out.as_view_mut(), n)

@@ -988,3 +988,25 @@ fn gpu_engine_aux_loss_reaches_the_routers_and_lowers_the_imbalance() {
         "the aux loss did not fall: {losses:?}"
     );
 }
+
+#[path = "../../mxrl-model/tests/common/shared_prefill.rs"]
+mod shared_prefill;
+
+/// The shared prefill on the GPU (the check `mxrl-model` runs on the CPU engine,
+/// `shared_prefill_copies_each_distinct_prompts_prefill_to_its_slots`): every slot of a
+/// group of repeated prompts gets, bit for bit, the logits, KV-cache rows, routes and first
+/// probe of its prompt's one prefill, through the device's block copies. Eight samples of
+/// each of three prompts, as a GRPO rollout holds them, and one prompt alone.
+#[test]
+fn gpu_shared_prefill_copies_each_distinct_prompts_prefill_to_its_slots() {
+    let s = seqs();
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .flat_map(|i| std::iter::repeat_n(s[i].clone(), 8))
+        .chain([s[4].clone()])
+        .collect();
+    let b = || {
+        CudaBackend::new(0)
+            .unwrap_or_else(|e| panic!("the `cuda` feature is on but GPU 0 is not usable: {e}"))
+    };
+    shared_prefill::check_shared_prefill(&model(), b, &prompts);
+}

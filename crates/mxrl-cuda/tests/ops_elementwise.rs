@@ -341,3 +341,94 @@ fn capture_rows_matches_the_cpu_backend() {
         );
     }
 }
+
+/// Block copies (a shared prefill's cache rows, routes, logits and probes) on the GPU equal
+/// the CPU backend's, bitwise, for 2- and 4-byte elements: every pair's destination block
+/// takes its source block, pairs naming a block past either buffer are skipped, and blocks
+/// no pair names keep their bytes.
+#[test]
+fn copy_blocks_match_the_cpu_backend() {
+    use mxrl_cuda::ops::engine::EngineOps;
+    use mxrl_tensor::device::{Backend, CpuBackend};
+    let g = gpu();
+    let ops = EngineOps::new(&g).unwrap();
+    let (block, src_blocks, dst_blocks) = (37usize, 7usize, 9usize);
+    // (source, destination): distinct destinations; one source and one destination out of
+    // range; block 8 of dst is named by no pair.
+    let pairs: [(u32, u32); 8] = [
+        (3, 0),
+        (3, 5),
+        (0, 1),
+        (6, 2),
+        (7, 3),
+        (1, 9),
+        (2, 7),
+        (5, 4),
+    ];
+    let map: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
+    let src: Vec<u32> = (0..src_blocks * block)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761))
+        .collect();
+    let before: Vec<u32> = (0..dst_blocks * block).map(|i| !(i as u32)).collect();
+    let mut want = before.clone();
+    CpuBackend
+        .copy_blocks_u32(&src, &mut want, &map, block, pairs.len())
+        .unwrap();
+    for (d, blk) in want.chunks(block).enumerate() {
+        let from = pairs
+            .iter()
+            .find(|p| p.1 as usize == d && (p.0 as usize) < src_blocks);
+        match from {
+            Some(&(s, _)) => assert_eq!(blk, &src[s as usize * block..][..block], "block {d}"),
+            None => assert_eq!(
+                blk,
+                &before[d * block..][..block],
+                "block {d} must keep its bytes"
+            ),
+        }
+    }
+    let dmap = g.upload(&map).unwrap();
+    // 4-byte elements, as u32 and as f32 bits.
+    let (ds, mut dd) = (g.upload(&src).unwrap(), g.upload(&before).unwrap());
+    ops.copy_blocks_u32(
+        &ds.as_view(),
+        &mut dd.as_view_mut(),
+        &dmap.as_view(),
+        block,
+        pairs.len(),
+    )
+    .unwrap();
+    assert_eq!(g.download(&dd).unwrap(), want, "u32");
+    let srcf: Vec<f32> = src.iter().map(|&b| f32::from_bits(b)).collect();
+    let beforef: Vec<f32> = before.iter().map(|&b| f32::from_bits(b)).collect();
+    let (ds, mut dd) = (g.upload(&srcf).unwrap(), g.upload(&beforef).unwrap());
+    ops.copy_blocks_u32(
+        &ds.as_view(),
+        &mut dd.as_view_mut(),
+        &dmap.as_view(),
+        block,
+        pairs.len(),
+    )
+    .unwrap();
+    let got: Vec<u32> = g
+        .download(&dd)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(got, want, "f32 bits");
+    // 2-byte elements: the low halves of the same values.
+    let src16: Vec<u16> = src.iter().map(|&b| b as u16).collect();
+    let before16: Vec<u16> = before.iter().map(|&b| b as u16).collect();
+    let want16: Vec<u16> = want.iter().map(|&b| b as u16).collect();
+    let (ds, mut dd) = (g.upload(&src16).unwrap(), g.upload(&before16).unwrap());
+    ops.copy_blocks_u16(
+        &ds.as_view(),
+        &mut dd.as_view_mut(),
+        &dmap.as_view(),
+        block,
+        pairs.len(),
+    )
+    .unwrap();
+    assert_eq!(g.download(&dd).unwrap(), want16, "u16");
+}

@@ -278,6 +278,8 @@ pub struct Engine<B: Backend> {
     train: Option<TrainState<B>>,
     /// Record decode steps as device graphs and replay them ([`Engine::set_decode_graphs`]).
     graphs: bool,
+    /// Prefill a prompt that several slots decode once ([`Engine::set_shared_prefill`]).
+    shared_prefill: bool,
     /// Coefficient of the auxiliary load-balancing loss in the backward
     /// ([`Engine::set_aux_loss_coef`]; 0: none).
     aux_coef: f32,
@@ -376,6 +378,10 @@ pub struct GenTiming {
     pub decode_steps: u64,
     /// Reading back what was recorded (routes, probes).
     pub readback_s: f64,
+    /// Prompt tokens the prefill ran: every distinct prompt's once with a shared prefill
+    /// ([`Engine::set_shared_prefill`]), else every slot's.
+    #[serde(default)]
+    pub prefill_tokens: u64,
 }
 
 /// One sequence of [`Engine::generate_recording`].
@@ -417,6 +423,11 @@ impl<B: Backend> DecodeState<B> {
     /// Tokens held by every sequence.
     pub fn lens(&self) -> &[u32] {
         &self.lens
+    }
+
+    /// Positions each sequence's cache holds room for.
+    pub fn max_len(&self) -> usize {
+        self.max_len
     }
 
     /// Whether decode steps replay a recorded device graph (`None`: not recorded yet, or
@@ -809,6 +820,7 @@ impl<B: Backend> Engine<B> {
             b,
             train: None,
             graphs: true,
+            shared_prefill: true,
             aux_coef: 0.0,
         })
     }
@@ -2518,6 +2530,16 @@ impl<B: Backend> Engine<B> {
         self.graphs = on;
     }
 
+    /// Prefill every distinct prompt of a generation once (default on): the slots that decode
+    /// the same prompt (a group's samples) take copies of its KV-cache rows, logits, routes
+    /// and probe. Off, every slot's prompt is prefilled as its own sequence. The two agree
+    /// bit for bit where a sequence's prefill does not depend on the batch beside it (the
+    /// CPU backend); on a GPU the kernels are chosen by the batch's shape, so the prefill's
+    /// sums (and from them the sampled tokens) may differ between the two.
+    pub fn set_shared_prefill(&mut self, on: bool) {
+        self.shared_prefill = on;
+    }
+
     /// Adds `coef ·` the auxiliary load-balancing loss (HF `load_balancing_loss_func` over the
     /// MoE layers of each forward, as `Model::backward`'s `aux_loss_coef`) to the loss
     /// [`Engine::backward`] differentiates; 0 (the default) adds none.
@@ -2552,6 +2574,7 @@ impl<B: Backend> Engine<B> {
 
     /// Prefills `prompts` into a new decode state with room for `max_len` tokens per
     /// sequence; the logits of every prompt's last position are left in the state's buffer.
+    /// A prompt that several slots hold is prefilled once ([`Engine::set_shared_prefill`]).
     fn prefill_state(
         &self,
         prompts: &[&[u32]],
@@ -2559,7 +2582,6 @@ impl<B: Backend> Engine<B> {
         capture: Record,
         new_tokens: usize,
     ) -> Result<DecodeState<B>> {
-        let b = &self.b;
         if max_len > self.max_pos {
             return Err(ModelError::Input(format!(
                 "max_len {max_len} exceeds the engine's max positions {}",
@@ -2573,13 +2595,71 @@ impl<B: Backend> Engine<B> {
                 lens[i]
             )));
         }
-        let layout = SeqLayout::new(&lens);
-        let tokens: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
-        self.check_tokens(&tokens, "prompt")?;
-        let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let (distinct, src) = distinct_prompts(prompts);
+        let mut st = self.new_state(&lens, max_len, capture, new_tokens)?;
+        if !self.shared_prefill || distinct.len() == prompts.len() {
+            self.prefill_into(prompts, &mut st)?;
+            return Ok(st);
+        }
+        // The distinct prompts in a state of their own (their cache as long as the longest,
+        // a probe table of their first index only), then copied to the slots that hold them.
+        let dl: Vec<usize> = distinct.iter().map(|p| p.len()).collect();
+        let longest = dl.iter().copied().max().unwrap_or(1);
+        let cap = Record {
+            routes: capture.routes,
+            probes: if capture.probes > 0 {
+                distinct.len()
+            } else {
+                0
+            },
+        };
+        let mut once = self.new_state(&dl, longest, cap, 1)?;
+        self.prefill_into(&distinct, &mut once)?;
+        self.share_prefill(&once, &src, &mut st)?;
+        Ok(st)
+    }
+
+    /// The prompt tokens [`Engine::prefill_state`] runs through the model for `prompts`.
+    fn prefill_tokens(&self, prompts: &[&[u32]]) -> usize {
+        let all = || prompts.iter().map(|p| p.len()).sum();
+        if !self.shared_prefill {
+            return all();
+        }
+        distinct_prompts(prompts).0.iter().map(|p| p.len()).sum()
+    }
+
+    /// The KV cache of layer `layer` of `st` as BF16 bits, keys then values, each `[slots,
+    /// max_len, Hkv·D]` (positions a sequence has not reached hold zeros), e.g. to check
+    /// what a prefill wrote.
+    ///
+    /// # Errors
+    /// No such layer; device failures.
+    pub fn kv_cache(&self, st: &DecodeState<B>, layer: usize) -> Result<(Vec<u16>, Vec<u16>)> {
+        if layer >= st.k.len() {
+            return Err(ModelError::Input(format!(
+                "kv_cache: layer {layer} of {}",
+                st.k.len()
+            )));
+        }
+        let n = st.lens.len() * st.max_len * self.cfg.num_kv_heads * self.cfg.head_dim;
+        let k = self.b.download_bf16(&st.k[layer], n).map_err(dev)?;
+        let v = self.b.download_bf16(&st.v[layer], n).map_err(dev)?;
+        Ok((k, v))
+    }
+
+    /// A decode state for sequences of `lens` tokens with room for `max_len` each: zeroed
+    /// caches, step buffers, and the route and probe tables `capture` asks for.
+    fn new_state(
+        &self,
+        lens: &[usize],
+        max_len: usize,
+        capture: Record,
+        new_tokens: usize,
+    ) -> Result<DecodeState<B>> {
+        let b = &self.b;
         let kvd = self.cfg.num_kv_heads * self.cfg.head_dim;
-        let slots = prompts.len();
-        let mut st = DecodeState {
+        let slots = lens.len();
+        Ok(DecodeState {
             k: (0..self.layers.len())
                 .map(|_| b.zeros_bf16(slots * max_len * kvd).map_err(dev))
                 .collect::<Result<_>>()?,
@@ -2620,10 +2700,91 @@ impl<B: Backend> Engine<B> {
             } else {
                 None
             },
+        })
+    }
+
+    /// Prefills `prompts` (slot `s` holds `prompts[s]`) into `st`, made by
+    /// [`Engine::new_state`] for their lengths: caches, recorded routes and probes, and the
+    /// logits of every prompt's last position.
+    fn prefill_into(&self, prompts: &[&[u32]], st: &mut DecodeState<B>) -> Result<()> {
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let layout = SeqLayout::new(&lens);
+        let tokens: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
+        self.check_tokens(&tokens, "prompt")?;
+        let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let last = self.prefill_hidden(&tokens, &pos, &layout, Some(st))?;
+        self.head_into(&last, prompts.len(), &mut st.io.logits)
+    }
+
+    /// Fills `st` (fresh from [`Engine::new_state`]) from `once`, the prefill of the distinct
+    /// prompts: slot `s` takes distinct prompt `src[s]`'s cache rows, recorded routes, logits
+    /// and first probe, bit for bit.
+    fn share_prefill(
+        &self,
+        once: &DecodeState<B>,
+        src: &[usize],
+        st: &mut DecodeState<B>,
+    ) -> Result<()> {
+        let b = &self.b;
+        let slots = src.len();
+        let idx = |i: usize| {
+            u32::try_from(i).map_err(|_| {
+                ModelError::Input(format!(
+                    "{slots} slots of {} positions are too many to share a prefill",
+                    st.max_len
+                ))
+            })
         };
-        let last = self.prefill_hidden(&tokens, &pos, &layout, Some(&mut st))?;
-        self.head_into(&last, slots, &mut st.io.logits)?;
-        Ok(st)
+        // Position p of slot s: cache row s·max_len + p, route table row p·slots + s.
+        let (mut rows, mut cells) = (Vec::new(), Vec::new());
+        for (s, &d) in src.iter().enumerate() {
+            for p in 0..st.lens[s] as usize {
+                rows.extend([idx(d * once.max_len + p)?, idx(s * st.max_len + p)?]);
+                cells.extend([idx(p * once.lens.len() + d)?, idx(p * slots + s)?]);
+            }
+        }
+        let count = rows.len() / 2;
+        let kvd = self.cfg.num_kv_heads * self.cfg.head_dim;
+        let map = b.upload_u32(&rows).map_err(dev)?;
+        for li in 0..self.layers.len() {
+            b.copy_blocks_bf16(&once.k[li], &mut st.k[li], &map, kvd, count)
+                .map_err(dev)?;
+            b.copy_blocks_bf16(&once.v[li], &mut st.v[li], &map, kvd, count)
+                .map_err(dev)?;
+        }
+        if !st.routes.is_empty() {
+            let kk = self.cfg.num_experts_per_tok;
+            let map = b.upload_u32(&cells).map_err(dev)?;
+            for (from, to) in once.routes.iter().zip(st.routes.iter_mut()) {
+                if let (Some((fi, fw)), Some((ti, tw))) = (from, to) {
+                    b.copy_blocks_u32(fi, ti, &map, kk, count).map_err(dev)?;
+                    b.copy_blocks_f32(fw, tw, &map, kk, count).map_err(dev)?;
+                }
+            }
+        }
+        // Slot s's logits and first probe (index 0 of the tables) from distinct prompt src[s].
+        let pairs: Vec<u32> = src
+            .iter()
+            .enumerate()
+            .map(|(s, &d)| Ok([idx(d)?, idx(s)?]))
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        let map = b.upload_u32(&pairs).map_err(dev)?;
+        b.copy_blocks_f32(
+            &once.io.logits,
+            &mut st.io.logits,
+            &map,
+            self.cfg.vocab_size,
+            slots,
+        )
+        .map_err(dev)?;
+        if let (Some(from), Some(to)) = (&once.probes, &mut st.probes) {
+            for (f, t) in from.layers.iter().zip(to.layers.iter_mut()) {
+                b.copy_blocks_f32(f, t, &map, self.cfg.hidden_size, to.slots)
+                    .map_err(dev)?;
+            }
+        }
+        Ok(())
     }
 
     /// Logits `[T, V]` (f32, on the host) of every position of one sequence.
@@ -3133,6 +3294,7 @@ impl<B: Backend> Engine<B> {
         let mut st = self.prefill_state(prompts, longest + new_tokens, capture, new_tokens)?;
         let (mut ids, mut lps) = self.sample_state(&mut st, p)?;
         timing.prefill_s = t0.elapsed().as_secs_f64();
+        timing.prefill_tokens = self.prefill_tokens(prompts) as u64;
         let t1 = std::time::Instant::now();
         let mut done = vec![false; prompts.len()];
         for t in 0..new_tokens {
@@ -4414,6 +4576,23 @@ pub(crate) fn group_name(name: &str, g: usize, groups: usize) -> String {
             name.to_string()
         }
     }
+}
+
+/// The distinct prompts in order of first appearance, and for every prompt the index of its
+/// distinct copy.
+fn distinct_prompts<'a>(prompts: &[&'a [u32]]) -> (Vec<&'a [u32]>, Vec<usize>) {
+    let mut seen: std::collections::HashMap<&'a [u32], usize> = Default::default();
+    let mut distinct = Vec::new();
+    let src = prompts
+        .iter()
+        .map(|&p| {
+            *seen.entry(p).or_insert_with(|| {
+                distinct.push(p);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (distinct, src)
 }
 
 /// `[B + 1]` row offsets of packed sequences.

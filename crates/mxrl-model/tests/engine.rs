@@ -805,3 +805,19 @@ fn a_short_source_tensor_is_refused_by_name_and_zeroed_engines_hold_zeros() {
         assert!(v.iter().all(|&x| x.to_bits() == 0), "{name}");
     }
 }
+
+#[path = "common/shared_prefill.rs"]
+mod shared_prefill;
+
+/// A prompt that several slots decode (a group's samples) is prefilled once, and its cache
+/// rows, logits, routes and first probe are copied to those slots (the check in
+/// `common/shared_prefill.rs`): groups of three, two and one slots, interleaved.
+#[test]
+fn shared_prefill_copies_each_distinct_prompts_prefill_to_its_slots() {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen2Moe] {
+        let m = bf16_model(&small(arch), 12);
+        let s = seqs();
+        let prompts = [0, 1, 0, 2, 0, 2, 3].map(|i| s[i].clone());
+        shared_prefill::check_shared_prefill(&m, || CpuBackend, &prompts);
+    }
+}

@@ -1779,6 +1779,7 @@ mod tests {
                 decode_s: 0.010 * (i + 1) as f64,
                 decode_steps: 10,
                 readback_s: 0.004,
+                prefill_tokens: 64,
             });
         }
         let with = summarize(&e, &m);

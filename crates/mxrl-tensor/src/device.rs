@@ -318,6 +318,46 @@ pub trait Backend {
     /// # Errors
     /// Short buffers; device failure.
     fn copy_bf16(&self, src: &Self::Bf16, dst: &mut Self::Bf16, n: usize) -> DResult<()>;
+    /// Block copies (bitwise): for `j < count`, the block of `block` values at index
+    /// `map[2j + 1]` of `dst` becomes the block at index `map[2j]` of `src`; a pair naming a
+    /// block outside either buffer is skipped, and the pairs' destinations must be distinct
+    /// (else which copy lands is unspecified). E.g. a prompt's prefilled KV-cache rows copied
+    /// to every slot that decodes it.
+    ///
+    /// # Errors
+    /// A map shorter than `2·count`; device failure.
+    fn copy_blocks_bf16(
+        &self,
+        src: &Self::Bf16,
+        dst: &mut Self::Bf16,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()>;
+    /// [`Backend::copy_blocks_bf16`] on f32 buffers.
+    ///
+    /// # Errors
+    /// As [`Backend::copy_blocks_bf16`].
+    fn copy_blocks_f32(
+        &self,
+        src: &Self::F32,
+        dst: &mut Self::F32,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()>;
+    /// [`Backend::copy_blocks_bf16`] on u32 buffers.
+    ///
+    /// # Errors
+    /// As [`Backend::copy_blocks_bf16`].
+    fn copy_blocks_u32(
+        &self,
+        src: &Self::U32,
+        dst: &mut Self::U32,
+        map: &Self::U32,
+        block: usize,
+        count: usize,
+    ) -> DResult<()>;
     /// `out[i] = f32(x[i])`, `i < n` (exact).
     ///
     /// # Errors
@@ -2126,6 +2166,28 @@ pub fn checksum_stored(ws: &[&mxrl_formats::QuantizedTensor]) -> u64 {
     checksum_bytes(0, &bytes)
 }
 
+/// [`Backend::copy_blocks_bf16`] on host buffers.
+fn copy_blocks<T: Copy>(
+    src: &[T],
+    dst: &mut [T],
+    map: &[u32],
+    block: usize,
+    count: usize,
+) -> DResult<()> {
+    need("copy_blocks map", map.len(), 2 * count)?;
+    if block == 0 {
+        return Ok(());
+    }
+    let (sb, db) = (src.len() / block, dst.len() / block);
+    for pair in map[..2 * count].chunks_exact(2) {
+        let (s, d) = (pair[0] as usize, pair[1] as usize);
+        if s < sb && d < db {
+            dst[d * block..(d + 1) * block].copy_from_slice(&src[s * block..(s + 1) * block]);
+        }
+    }
+    Ok(())
+}
+
 /// Rows `offsets[g]..offsets[g + 1]` of weight `g` of a grouped quantized linear, checked to
 /// lie in `0..rows`, with the weight checked to be `[n, k]`.
 fn group_rows(
@@ -2590,6 +2652,39 @@ impl Backend for CpuBackend {
 
     fn widen_bf16(&self, x: &Vec<f32>, out: &mut Vec<f32>, n: usize) -> DResult<()> {
         self.copy_bf16(x, out, n)
+    }
+
+    fn copy_blocks_bf16(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut Vec<f32>,
+        map: &Vec<u32>,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        copy_blocks(src, dst, map, block, count)
+    }
+
+    fn copy_blocks_f32(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut Vec<f32>,
+        map: &Vec<u32>,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        copy_blocks(src, dst, map, block, count)
+    }
+
+    fn copy_blocks_u32(
+        &self,
+        src: &Vec<u32>,
+        dst: &mut Vec<u32>,
+        map: &Vec<u32>,
+        block: usize,
+        count: usize,
+    ) -> DResult<()> {
+        copy_blocks(src, dst, map, block, count)
     }
 
     fn checksum_bf16(

@@ -60,6 +60,11 @@ pub struct ModelArgs {
     /// Batch sizes of the whole-generation figure (none by default).
     #[arg(long, value_delimiter = ',')]
     generate_batches: Vec<usize>,
+    /// Samples per prompt in the whole generations: each batch holds batch ÷ N distinct
+    /// prompts, each N times, as a GRPO rollout does (every distinct prompt is prefilled
+    /// once); 1 = every prompt distinct.
+    #[arg(long, default_value_t = 1)]
+    generate_samples: usize,
     /// Timed prefill repetitions (after one warm-up).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -191,6 +196,8 @@ struct GenResult {
     decode_ms: f64,
     decode_steps: u64,
     readback_ms: f64,
+    /// Prompt tokens the prefill ran (each distinct prompt once).
+    prefill_tokens: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -534,8 +541,15 @@ fn time_generations<B: Backend>(
 ) -> Result<Vec<GenResult>> {
     let mut out = Vec::new();
     for &bs in &a.generate_batches {
-        let prompts = bench_prompts(bs, a.prompt, e.config().vocab_size, [17, 37, 3]);
-        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let n = a.generate_samples.max(1);
+        if bs % n != 0 {
+            bail!("--generate-batches {bs} is not a multiple of --generate-samples {n}");
+        }
+        let prompts = bench_prompts(bs / n, a.prompt, e.config().vocab_size, [17, 37, 3]);
+        let refs: Vec<&[u32]> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.as_slice(), n))
+            .collect();
         let rec = mxrl_model::engine::Record {
             routes: true,
             probes: 64,
@@ -561,6 +575,7 @@ fn time_generations<B: Backend>(
                     decode_ms: tm.decode_s * 1e3,
                     decode_steps: tm.decode_steps,
                     readback_ms: tm.readback_s * 1e3,
+                    prefill_tokens: tm.prefill_tokens,
                 });
             }
         }
@@ -568,11 +583,12 @@ fn time_generations<B: Backend>(
         let g = runs[runs.len() / 2].clone();
         eprintln!(
             "{label}: generate {} tokens at batch {bs}: {:.1} ms ({:.0} tokens/s; prefill \
-             {:.1} ms, {} decode steps {:.1} ms, read-back {:.1} ms)",
+             {:.1} ms of {} tokens, {} decode steps {:.1} ms, read-back {:.1} ms)",
             a.generate_tokens,
             g.ms,
             g.tokens_per_s,
             g.prefill_ms,
+            g.prefill_tokens,
             g.decode_steps,
             g.decode_ms,
             g.readback_ms
@@ -668,9 +684,10 @@ fn print_results(r: &Results, a: &ModelArgs) -> Result<()> {
     if !r.generate.is_empty() {
         println!();
         println!(
-            "| whole generation ({} new tokens) | batch | ms | tokens/s | vs BF16 | prefill | decode \
-             steps | read-back |",
-            a.generate_tokens
+            "| whole generation ({} new tokens, {} per prompt) | batch | ms | tokens/s | vs BF16 \
+             | prefill | decode steps | read-back |",
+            a.generate_tokens,
+            a.generate_samples.max(1)
         );
         println!("|---|---|---|---|---|---|---|---|");
         let rows = std::iter::once(("BF16".to_string(), &r.generate))

@@ -1,5 +1,5 @@
 //! Small engine ops (kernels `kernels/ops_engine.cu`): bias add and its gradient, scaling,
-//! the prefill KV-cache fill. Bitwise with `mxrl_tensor::device::CpuBackend`.
+//! the prefill KV-cache fill, block copies. Bitwise with `mxrl_tensor::device::CpuBackend`.
 #![allow(unsafe_code)]
 
 use super::check_len as check;
@@ -26,6 +26,8 @@ pub struct EngineOps {
     add_bias: CudaFunction,
     bias_backward: CudaFunction,
     kv_fill: CudaFunction,
+    copy_blocks_u16: CudaFunction,
+    copy_blocks_u32: CudaFunction,
 }
 
 impl EngineOps {
@@ -44,6 +46,8 @@ impl EngineOps {
             add_bias: f("add_bias")?,
             bias_backward: f("bias_backward")?,
             kv_fill: f("kv_fill")?,
+            copy_blocks_u16: f("copy_blocks_u16")?,
+            copy_blocks_u32: f("copy_blocks_u32")?,
         })
     }
 
@@ -154,6 +158,82 @@ impl EngineOps {
         // (b·max_len + p)·w.. with b = row_seq[r] < slots and p = r − offsets[b] < max_len (the
         // caller's contract on the packed layout); cache lengths checked above.
         unsafe { crate::gpu::launch_op(&mut l, cfg) }.map_err(|e| self.gpu.err(e))?;
+        Ok(())
+    }
+
+    /// Block copies of 2-byte elements: `dst[map[2j+1]·block ..][..block] =
+    /// src[map[2j]·block ..][..block]` for `j < count`; pairs naming a block outside either
+    /// buffer are skipped (the map lives on the device).
+    ///
+    /// # Errors
+    /// A short map; launch errors.
+    pub fn copy_blocks_u16(
+        &self,
+        src: &CudaView<'_, u16>,
+        dst: &mut CudaViewMut<'_, u16>,
+        map: &CudaView<'_, u32>,
+        block: usize,
+        count: usize,
+    ) -> Result<(), DeviceError> {
+        let (sb, db) = (src.len() / block.max(1), dst.len() / block.max(1));
+        self.copy_blocks(&self.copy_blocks_u16, src, dst, (sb, db), map, block, count)
+    }
+
+    /// [`EngineOps::copy_blocks_u16`] for 4-byte elements (f32 or u32, copied as bits).
+    ///
+    /// # Errors
+    /// A short map; launch errors.
+    pub fn copy_blocks_u32<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut CudaViewMut<'_, T>,
+        map: &CudaView<'_, u32>,
+        block: usize,
+        count: usize,
+    ) -> Result<(), DeviceError> {
+        assert_eq!(
+            std::mem::size_of::<T>(),
+            4,
+            "copy_blocks_u32 copies 4-byte elements"
+        );
+        let (sb, db) = (src.len() / block.max(1), dst.len() / block.max(1));
+        self.copy_blocks(&self.copy_blocks_u32, src, dst, (sb, db), map, block, count)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn copy_blocks<T: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        src: &CudaView<'_, T>,
+        dst: &mut CudaViewMut<'_, T>,
+        (src_blocks, dst_blocks): (usize, usize),
+        map: &CudaView<'_, u32>,
+        block: usize,
+        count: usize,
+    ) -> Result<(), DeviceError> {
+        check(&self.gpu, "copy_blocks map", map.len(), 2 * count)?;
+        if block * count == 0 {
+            return Ok(());
+        }
+        let (b64, c64, s64, d64) = (
+            block as u64,
+            count as u64,
+            src_blocks as u64,
+            dst_blocks as u64,
+        );
+        let mut l = self.gpu.stream().launch_builder(f);
+        l.arg(src)
+            .arg(dst)
+            .arg(map)
+            .arg(&b64)
+            .arg(&c64)
+            .arg(&s64)
+            .arg(&d64);
+        // SAFETY: thread i < count·block reads map[2j], map[2j+1] (j = i / block < count, the
+        // map's length checked above) and copies one element between blocks that lie inside
+        // src (src_blocks whole blocks) and dst (dst_blocks), the kernel skipping any other.
+        unsafe { crate::gpu::launch_op(&mut l, grid(block * count)) }
+            .map_err(|e| self.gpu.err(e))?;
         Ok(())
     }
 }
