@@ -74,6 +74,9 @@ __device__ void locate_row_tile(const u32* __restrict__ off, u32 E, u32 R, u32 t
 // MN-contiguous tiles).
 
 #define MN_LD(ROWS) ((ROWS) + 8)  // row stride of an MN-contiguous tile (bf16; 144 bytes)
+// Reduction rows of one part before the next part's (the wgrad of stacked parts; Loader):
+// the wgmma tile's stage depth, a multiple of every tile's BK.
+#define PART_ROWS 64
 
 // An operand: element (o, r) (output index o, reduction index r) is p[o·ld + r] when K-
 // contiguous, p[r·ld + o] when MN-contiguous; valid for o < out_end, r < red_end.
@@ -125,6 +128,11 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 // 8 and p is 16-byte aligned, so a 16-byte chunk is entirely valid or entirely outside;
 // K-contiguous chunks run along r, where red_end is a multiple of 8 too, or, for the wgrad's
 // row reduction, always MN-contiguous. Invalid chunks are zero-filled (nothing is read).
+//
+// Parts (the wgrad of an operand given as P stacked parts, P > 1): the stages walk the
+// reduction in PART_ROWS-row groups, each group once per part (part p's source is the
+// operand's shifted by p·pstride), so a group of H = PART_ROWS / BK stages is issued P times
+// before the walk moves on. With P = 1 (H = 1) every stage moves on: the plain walk.
 template <bool MN, int ROWS, int THREADS, int BK>
 struct Loader {
     static constexpr int VPR = MN ? ROWS / 8 : BK / 8;  // 16-byte chunks per tile row
@@ -138,12 +146,22 @@ struct Loader {
     u64 step;             // elements between two stages' sources
     u64 red_next;         // first reduction index of the next stage to issue
     u64 red_end;
+    u64 pstride, poff;    // elements between two parts' sources; the next stage's part's offset
+    u32 parts, halves;    // P and H (comment above)
+    u32 part, half;       // the next stage's part and stage within its row group
 
-    __device__ __forceinline__ void init(const Operand& op, u64 red_lo) {
+    __device__ __forceinline__ void init(const Operand& op, u64 red_lo, u32 nparts = 1, u32 nhalves = 1,
+                                         u64 part_stride = 0) {
         base = op.p;
         red_next = red_lo;
         red_end = op.red_end;
         step = MN ? (u64)BK * op.ld : (u64)BK;
+        pstride = part_stride;
+        poff = 0;
+        parts = nparts;
+        halves = nhalves;
+        part = 0;
+        half = 0;
 #pragma unroll
         for (int c = 0; c < PER; ++c) {
             const int v = threadIdx.x + c * THREADS;
@@ -164,12 +182,33 @@ struct Loader {
             if (CHUNKS % THREADS != 0 && threadIdx.x + c * THREADS >= CHUNKS) continue;
             const bool ok = out_ok[c] && red_next + red[c] < red_end;
             const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst[c]), "l"(ok ? src[c] : base),
-                         "r"(n)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst[c]),
+                         "l"(ok ? src[c] + poff : base), "r"(n)
                          : "memory");
-            if (out_ok[c]) src[c] += step;
         }
-        red_next += BK;
+        // The next stage: the group's next one; else the group again for the next part; else
+        // the next group.
+        if (++half < halves) {
+            advance(1);
+            return;
+        }
+        half = 0;
+        if (++part < parts) {
+            poff += pstride;
+            advance(-(long long)(halves - 1));
+        } else {
+            part = 0;
+            poff = 0;
+            advance(1);
+        }
+    }
+
+    // Moves the stage walk by `by` stages along the reduction.
+    __device__ __forceinline__ void advance(long long by) {
+#pragma unroll
+        for (int c = 0; c < PER; ++c)
+            if (out_ok[c]) src[c] += by * (long long)step;
+        red_next += by * BK;
     }
 };
 
@@ -182,6 +221,13 @@ struct TileSize {
 // reduction in stages of BK in increasing order (fixed: deterministic). Warp w owns output
 // rows (w / WN_WARPS)·(BM/2) .. +BM/2 and columns (w % WN_WARPS)·WNT .. +WNT: MI × NJ mma
 // tiles per k16 step (MI = BM / 32, NJ = WNT / 8).
+//
+// With parts > 1, B is given as that many parts (part p: B's source shifted by p·b_pstride
+// elements) and acc = Σ_p Σ_r A(o_m, r)·B_p(o_n, r): the rows in groups of PART_ROWS in
+// increasing order, each group's rows of part 0, 1, …, parts − 1 in turn (the Loader's walk;
+// A's rows are read again for each part). The k16 groups and their order do not depend on BK,
+// so every tile (and the wgmma one, whose stage is one group) adds the same products in the
+// same k16 groups in the same order.
 template <int BM, int BN, int WNT, int BK_, int STAGES_>
 struct Cfg {
     static constexpr int BK = BK_;  // reduction depth of one shared-memory stage
@@ -197,8 +243,10 @@ struct Cfg {
 
 template <int BM, int BN, int WNT, int BK, int ST, bool A_MN, bool B_MN>
 __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
-                                         float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4]) {
+                                         float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4],
+                                         u32 parts = 1, u64 b_pstride = 0) {
     typedef Cfg<BM, BN, WNT, BK, ST> C;
+    static_assert(PART_ROWS % BK == 0, "a part's row group is whole stages");
     constexpr int S = C::STAGES;
     // S stages of A, then S of B (16-byte multiples each: cp.async destinations stay aligned).
     extern __shared__ __align__(128) u16 gt_smem[];
@@ -212,7 +260,10 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
         for (int j = 0; j < C::NJ; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + C::BK - 1) / C::BK : 0;
+    // H stages per row group (one with a single part), P·H stages per group.
+    const u32 halves = parts > 1 ? PART_ROWS / C::BK : 1;
+    const u64 span = (u64)C::BK * halves;
+    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + span - 1) / span * parts * halves : 0;
     if (nk64 == 0) return;
     const u32 nk = (u32)nk64;
     // This lane's ldmatrix byte offsets within a stage at kk = 0, and the byte step of kk += 16.
@@ -240,8 +291,8 @@ __device__ __forceinline__ void mainloop(const Operand& A, const Operand& B, u64
     }
     Loader<A_MN, BM, C::THREADS, BK> la;
     Loader<B_MN, BN, C::THREADS, BK> lb;
-    la.init(A, red_lo);
-    lb.init(B, red_lo);
+    la.init(A, red_lo, parts, halves, 0);
+    lb.init(B, red_lo, parts, halves, b_pstride);
     // Prologue: stages 0 .. S-2, one commit group each (empty when past the end).
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
@@ -369,10 +420,13 @@ __device__ __forceinline__ void grouped_nn_body(const u16* __restrict__ dy, cons
 // of an expert with no rows exits without touching dw, or, overwriting, writes zeros over its
 // tile. The reduction runs over the expert's rows lo .. hi (stages from lo; rows ≥ hi
 // zero-filled).
+// With parts > 1, x is [parts, R, K] (the parts of one operand, stacked) and the sum runs over
+// every part's rows of the expert: Σ_p Σ_r dy[r, n]·x_p[r, k], in the order of mainloop's parts
+// (row groups of PART_ROWS, each group's rows of part 0, 1, … in turn), added to dw once.
 template <int BM, int BN, int WNT, int BK, int ST>
 __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, const u16* __restrict__ x,
                                                 const u32* __restrict__ off, float* __restrict__ dw, u32 E, u32 R,
-                                                u32 N, u32 K, bool overwrite) {
+                                                u32 N, u32 K, bool overwrite, u32 parts) {
     const u32 e = blockIdx.z;
     u32 lo, hi;
     expert_rows(off, e, R, lo, hi);
@@ -391,7 +445,7 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
     const Operand A = {dy, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {x, K, k0, K, hi};   // element (k, r) at x[r·K + k]
     float acc[Cfg<BM, BN, WNT, BK, ST>::MI][Cfg<BM, BN, WNT, BK, ST>::NJ][4];
-    mainloop<BM, BN, WNT, BK, ST, true, true>(A, B, lo, hi, acc);
+    mainloop<BM, BN, WNT, BK, ST, true, true>(A, B, lo, hi, acc, parts, (u64)R * K);
     store_tile<BM, BN, WNT, BK, ST>(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
 }
 
@@ -407,11 +461,12 @@ __device__ __forceinline__ void grouped_tn_body(const u16* __restrict__ dy, cons
         grouped_##OP##_t##SUFFIX(GROUPED_ARGS) {                                     \
         grouped_##OP##_body<BM, BN, WNT, BK, ST>(a, b, off, out, E, R, N, K);                \
     }
-// The wgrad's entry points take `overwrite` (0: dw += Σ; otherwise dw = +0 + Σ, not read).
-#define TN_ENTRY(SUFFIX, BM, BN, WNT, BK, ST, LB)                                            \
-    extern "C" __global__ void __launch_bounds__ LB                                   \
-        grouped_tn_t##SUFFIX(GROUPED_ARGS, u32 overwrite) {                          \
-        grouped_tn_body<BM, BN, WNT, BK, ST>(a, b, off, out, E, R, N, K, overwrite != 0);    \
+// The wgrad's entry points take `overwrite` (0: dw += Σ; otherwise dw = +0 + Σ, not read) and
+// `parts` (≥ 1: x holds that many stacked [R, K] parts, all summed; grouped_tn_body).
+#define TN_ENTRY(SUFFIX, BM, BN, WNT, BK, ST, LB)                                                \
+    extern "C" __global__ void __launch_bounds__ LB                                       \
+        grouped_tn_t##SUFFIX(GROUPED_ARGS, u32 overwrite, u32 parts) {                   \
+        grouped_tn_body<BM, BN, WNT, BK, ST>(a, b, off, out, E, R, N, K, overwrite != 0, parts); \
     }
 // LB: the launch bounds (threads = Cfg::THREADS; the 64-deep tile also asks for two resident
 // blocks, i.e. at most 128 registers per thread, which the 32-deep ones reach unasked).
@@ -526,12 +581,18 @@ struct WgLoader {
     u32 out_room;     // K-major: valid rows from this thread's first row (0 if none)
     u32 red0;         // this thread's reduction offset in a stage (K-major: chunk·8; MN: its row)
     u64 red_next, red_end;
+    u64 pstride, poff;  // parts (wg_mainloop's): elements between two parts; the next stage's offset
+    u32 parts, part;    // the parts and the next stage's part
 
-    __device__ __forceinline__ void init(const Operand& op, u64 red_lo) {
+    __device__ __forceinline__ void init(const Operand& op, u64 red_lo, u32 nparts = 1, u64 part_stride = 0) {
         base = op.p;
         ld = op.ld;
         red_next = red_lo;
         red_end = op.red_end;
+        parts = nparts;
+        part = 0;
+        pstride = part_stride;
+        poff = 0;
         const u32 x = threadIdx.x;
         const u32 a = x / CPR, b = x % CPR;  // (tile row, chunk in row) of chunk 0
         if (MN) {
@@ -557,12 +618,19 @@ struct WgLoader {
             // MN-major: chunk c is reduction row red0 + c·RSTEP; K-major: output row c·RSTEP on.
             const bool ok = MN ? out_room != 0 && red_next + red0 + (u64)(c * RSTEP) < red_end
                                : (u32)(c * RSTEP) < out_room && red_next + red0 < red_end;
-            const u16* s = src + (u64)(c * RSTEP) * ld;
+            const u16* s = src + poff + (u64)(c * RSTEP) * ld;
             const u32 n = ok ? 16u : 0u;  // src-size 0: nothing is read, the 16 bytes are zeroed
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tile + dst + (u32)(c * RSTEP * 128)),
                          "l"(ok ? s : base), "r"(n)
                          : "memory");
         }
+        // The next stage: the same rows of the next part, else the next rows (of part 0).
+        if (++part < parts) {
+            poff += pstride;
+            return;
+        }
+        part = 0;
+        poff = 0;
         if (out_room) src += MN ? (u64)WG_BK * ld : (u64)WG_BK;
         red_next += WG_BK;
     }
@@ -573,26 +641,35 @@ struct WgLoader {
 // stages of copies in flight ahead of the stage being multiplied; the copies of stage
 // kt + WG_ST - 2 go to the buffer of stage kt - 2, whose multiplies every warpgroup has
 // waited for (wgmma.wait_group 1 after issuing stage kt - 1) before the barrier of stage kt.
+//
+// With parts > 1 (B in parts as in mainloop; a stage is one PART_ROWS row group), stage kt
+// multiplies rows group kt / parts of A by part kt % parts of B: the sum of mainloop's parts,
+// in its order. A's tile of a group is copied once, with the group's first stage, into A
+// buffer (kt / parts) % WG_ST, and kept for the group's other stages: the copy of group g
+// (issued at iteration parts·g − 2) overwrites group g − WG_ST's buffer, whose last stage
+// parts·g − parts·(WG_ST − 1) − 1 ≤ parts·g − 4 every warpgroup is done with by then, and
+// groups g − 3 .. g − 1, still in use, have the other buffers.
 template <bool A_MN, bool B_MN>
 __device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, u64 red_lo, u64 red_end,
-                                            float (&acc)[128]) {
+                                            float (&acc)[128], u32 parts = 1, u64 b_pstride = 0) {
     extern __shared__ __align__(128) u8 wg_smem[];
     const u32 s0 = (smem_addr(wg_smem) + 1023u) & ~1023u;
     const u32 As = s0, Bs = s0 + WG_ST * WG_A_BYTES;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + WG_BK - 1) / WG_BK : 0;
+    static_assert(WG_BK == PART_ROWS, "a stage is one part's row group");
+    const u64 nk64 = red_end > red_lo ? (red_end - red_lo + WG_BK - 1) / WG_BK * parts : 0;
     if (nk64 == 0) return;
     const u32 nk = (u32)nk64;
     const u32 wg = threadIdx.x >> 7;
     WgLoader<A_MN, WG_BM> la;
     WgLoader<B_MN, WG_BN> lb;
     la.init(A, red_lo);
-    lb.init(B, red_lo);
+    lb.init(B, red_lo, parts, b_pstride);
 #pragma unroll
     for (int st = 0; st < WG_ST - 2; ++st) {
         if ((u32)st < nk) {
-            la.issue(As + st * WG_A_BYTES);
+            if ((u32)st % parts == 0) la.issue(As + ((u32)st / parts % WG_ST) * WG_A_BYTES);
             lb.issue(Bs + st * WG_B_BYTES);
         }
         cp_async_commit();
@@ -607,12 +684,12 @@ __device__ __forceinline__ void wg_mainloop(const Operand& A, const Operand& B, 
         __syncthreads();  // everyone's have; every warpgroup is done with stage kt - 2
         const u32 nxt = kt + WG_ST - 2;
         if (nxt < nk) {
-            la.issue(As + (nxt % WG_ST) * WG_A_BYTES);
+            if (nxt % parts == 0) la.issue(As + (nxt / parts % WG_ST) * WG_A_BYTES);
             lb.issue(Bs + (nxt % WG_ST) * WG_B_BYTES);
         }
         cp_async_commit();
         const u32 cur = kt % WG_ST;
-        const u32 a_st = As + cur * WG_A_BYTES + a_off, b_st = Bs + cur * WG_B_BYTES;
+        const u32 a_st = As + (kt / parts % WG_ST) * WG_A_BYTES + a_off, b_st = Bs + cur * WG_B_BYTES;
         wg_fence();
 #pragma unroll
         for (int s = 0; s < WG_BK / 16; ++s)
@@ -729,7 +806,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     grouped_nn_tw128x256_wfactor(GROUPED_ARGS, const float* __restrict__ w_amax) {
     wg_row_body<true>(a, b, off, out, E, R, N, K, nullptr, w_amax);
 }
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256(GROUPED_ARGS, u32 overwrite) {
+// The wgrad (grouped_tn_body's, with its `parts`).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    grouped_tn_tw128x256(GROUPED_ARGS, u32 overwrite, u32 parts) {
     const u32 e = blockIdx.z;
     u32 lo, hi;
     expert_rows(off, e, R, lo, hi);
@@ -746,7 +825,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) grouped_tn_tw128x256
     }
     const Operand A = {a, N, n0, N, hi};  // element (n, r) at dy[r·N + n]
     const Operand B = {b, K, k0, K, hi};  // element (k, r) at x[r·K + k]
-    wg_mainloop<true, true>(A, B, lo, hi, acc);
+    wg_mainloop<true, true>(A, B, lo, hi, acc, parts, (u64)R * K);
     wg_store(dwe, K, n0, N, k0, K, acc, overwrite ? STORE_ADD_ZERO : STORE_ADD);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

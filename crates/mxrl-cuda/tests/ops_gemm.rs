@@ -9,7 +9,9 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use mxrl_cuda::gpu::Gpu;
-use mxrl_cuda::ops::gemm::{Gemm, Grouped, GroupedPath, Tile, SMALL_M_ROWS_PER_EXPERT};
+use mxrl_cuda::ops::gemm::{
+    Gemm, Grouped, GroupedPath, Tile, MAX_TN_PARTS, SMALL_M_ROWS_PER_EXPERT,
+};
 use mxrl_tensor::device::GradWrite;
 use mxrl_tensor::gemm::{matmul_nn, matmul_nt, matmul_tn};
 use mxrl_tensor::precision::round_bf16;
@@ -468,6 +470,209 @@ fn grouped_wgrad_overwrite_equals_accumulating_into_zeros() {
             );
         }
     }
+}
+
+/// The wgrad of an activation given as three stacked BF16 parts in one launch
+/// (`grouped_tn_parts`: NVFP4's `dequantized` backward, `x̂ = p0 + p1 + p2`), on ragged experts
+/// (0 rows, 1 row, odd counts, experts past one 64-row group and past the 128-row wgmma tile
+/// average; N and K past one block tile; rows of no expert), on every tile:
+/// - within the derived bound of the reference: per expert `old + matmul_tn` of `dy` stacked
+///   three times by the stacked parts, `tensor_core_sum_bound` over `3·rows` products plus
+///   the old value (`gemm_tn_bounds_with` on the stacked rows);
+/// - the three-pass result (`grouped_tn` once per part, each pass adding into `dW`) is within
+///   that same bound of the reference (a tensor-core sum of `rows` products per part and three
+///   f32 additions stay inside it), so the two differ by at most twice it;
+/// - deterministic (a second run, the same bits), the same bits on every tile (the sum's order
+///   depends on the rows only), experts without rows untouched, and `GradWrite::Overwrite` over
+///   NaNs the bits of accumulating into zeros.
+///
+/// Planted faults, each failing here under cuemu: part 2 reading part 0's rows (the loaders'
+/// part offset reset for the third part), the `wgmma` tile reading another row group's kept
+/// `dy` tile, and the 32-deep tiles not rewinding to the group's first rows for the next part.
+#[test]
+fn grouped_wgrad_of_three_parts_is_one_sum_within_the_bound_of_three_passes() {
+    const P: usize = 3;
+    let g = gpu();
+    let ops = Gemm::new(&g).unwrap();
+    let cases = [
+        (
+            3001,
+            Case {
+                counts: vec![0, 1, 7, 37, 0, 65, 130, 301],
+                n: 136,
+                k: 264,
+                extra: 3,
+            },
+        ),
+        // One expert of 263 rows and an empty one: 131 rows per expert on average, the
+        // shape the plain launcher gives the wgmma tile.
+        (
+            3002,
+            Case {
+                counts: vec![263, 0],
+                n: 40,
+                k: 264,
+                extra: 0,
+            },
+        ),
+    ];
+    for (seed, c) in cases {
+        let s = c.shape();
+        let (n, k, rows) = (s.n, s.k, s.rows);
+        let dy = bf16_values(rows * n, seed * 17 + 1);
+        let x = bf16_values(P * rows * k, seed * 17 + 2);
+        let old = mxrl_tensor::gradcheck::test_values(s.experts * n * k, seed * 17 + 3, 5.0);
+        let off = offsets_of(&c.counts);
+        let (ddy, dx) = (g.upload(&dy.bits).unwrap(), g.upload(&x.bits).unwrap());
+        let doff = g.upload(&off).unwrap();
+        let len = s.experts * n * k;
+        // Per expert: the reference on the stacked rows and its bound.
+        let mut want = Vec::with_capacity(len);
+        let mut bound = Vec::with_capacity(len);
+        for (e, &m) in c.counts.iter().enumerate() {
+            let r0 = off[e] as usize;
+            let old_e = &old[e * n * k..(e + 1) * n * k];
+            if m == 0 {
+                want.extend_from_slice(old_e);
+                bound.extend(std::iter::repeat_n(0.0, n * k));
+                continue;
+            }
+            let dys: Vec<f32> = (0..P)
+                .flat_map(|_| dy.f[r0 * n..(r0 + m) * n].iter().copied())
+                .collect();
+            let xs: Vec<f32> = (0..P)
+                .flat_map(|p| {
+                    x.f[(p * rows + r0) * k..(p * rows + r0 + m) * k]
+                        .iter()
+                        .copied()
+                })
+                .collect();
+            let sum = matmul_tn(&dys, &xs, n, P * m, k);
+            want.extend(old_e.iter().zip(&sum).map(|(a, b)| a + b));
+            bound.extend(gemm_tn_bounds_with(
+                &dys,
+                &xs,
+                Some(old_e),
+                n,
+                P * m,
+                k,
+                tensor_core_sum_bound,
+            ));
+        }
+        let one = |tile: Tile, init: &[f32], write: GradWrite| {
+            let mut dw = g.upload(init).unwrap();
+            ops.grouped_tn_parts_with(
+                tile,
+                &ddy.as_view(),
+                &dx.as_view(),
+                &doff.as_view(),
+                &mut dw.as_view_mut(),
+                s,
+                P,
+                write,
+            )
+            .unwrap();
+            g.download(&dw).unwrap()
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let mut first: Option<Vec<u32>> = None;
+        for tile in ops.tiles() {
+            let what = format!("seed {seed} {tile:?} {c:?}");
+            let got = one(tile, &old, GradWrite::Accumulate);
+            assert_eq!(
+                bits(&got),
+                bits(&one(tile, &old, GradWrite::Accumulate)),
+                "{what}: two runs differ"
+            );
+            assert_within(
+                &format!("3-part grouped tn {what}"),
+                seed,
+                &got,
+                &want,
+                &bound,
+            );
+            // The three passes: within the same bound of the reference, so within twice it of
+            // the one launch.
+            let mut dw = g.upload(&old).unwrap();
+            for p in 0..P {
+                ops.grouped_tn_with(
+                    tile,
+                    &ddy.as_view(),
+                    &dx.slice(p * rows * k..(p + 1) * rows * k),
+                    &doff.as_view(),
+                    &mut dw.as_view_mut(),
+                    s,
+                    GradWrite::Accumulate,
+                )
+                .unwrap();
+            }
+            let three = g.download(&dw).unwrap();
+            assert_within(&format!("3 passes {what}"), seed, &three, &want, &bound);
+            let twice: Vec<f64> = bound.iter().map(|b| 2.0 * b).collect();
+            assert_within(&format!("1 vs 3 passes {what}"), seed, &got, &three, &twice);
+            // Experts without rows keep their old dW, bit for bit.
+            for (e, &m) in c.counts.iter().enumerate() {
+                let span = e * n * k..(e + 1) * n * k;
+                if m == 0 {
+                    assert_eq!(
+                        bits(&got[span.clone()]),
+                        bits(&old[span]),
+                        "{what}: expert {e}"
+                    );
+                }
+            }
+            // Overwriting NaNs: the bits of accumulating into zeros.
+            assert_eq!(
+                bits(&one(tile, &vec![f32::NAN; len], GradWrite::Overwrite)),
+                bits(&one(tile, &vec![0.0; len], GradWrite::Accumulate)),
+                "{what}: overwrite differs from accumulating into zeros"
+            );
+            // Every tile: the same bits.
+            match &first {
+                None => first = Some(bits(&got)),
+                Some(f) => assert!(*f == bits(&got), "{what}: differs from the first tile"),
+            }
+        }
+    }
+    // Parts out of range are refused by name.
+    let x = g.zeros::<u16>(64 * 64).unwrap();
+    let off = g.upload(&[0u32, 10, 20]).unwrap();
+    let mut y = g.zeros::<f32>(2 * 8 * 64).unwrap();
+    let s = Grouped {
+        experts: 2,
+        rows: 20,
+        n: 8,
+        k: 64,
+    };
+    for parts in [0, MAX_TN_PARTS + 1] {
+        let e = ops
+            .grouped_tn_parts(
+                &x.as_view(),
+                &x.as_view(),
+                &off.as_view(),
+                &mut y.as_view_mut(),
+                s,
+                parts,
+                GradWrite::Accumulate,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parts"), "{e}");
+    }
+    // An x of fewer than parts × R × K elements is refused.
+    let e = ops
+        .grouped_tn_parts(
+            &x.as_view(),
+            &x.slice(0..3 * 20 * 64 - 8),
+            &off.as_view(),
+            &mut y.as_view_mut(),
+            s,
+            3,
+            GradWrite::Accumulate,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("weight/operand"), "{e}");
 }
 
 /// A grouped op of [`grouped_bits`].

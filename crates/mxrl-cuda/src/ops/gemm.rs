@@ -6,7 +6,8 @@
 //! - forward `y[m,n] = x[m,k] · W[n,k]ᵀ` (reference [`mxrl_tensor::gemm::matmul_nt`]),
 //! - dgrad `dx[m,k] = dy[m,n] · W[n,k]` (reference [`mxrl_tensor::gemm::matmul_nn`]),
 //! - wgrad `dW[n,k] += dy[m,n]ᵀ · x[m,k]` (reference [`mxrl_tensor::gemm::matmul_tn`] added to
-//!   the old `dW`),
+//!   the old `dW`), also with `x` given as stacked BF16 parts `x = Σ_p x_p` summed in one
+//!   launch ([`Gemm::grouped_tn_parts`]),
 //!
 //! each on the widened BF16 values. The tiled grouped kernels stage (rows × cols) × 32 operand
 //! tiles in shared memory with 16-byte `cp.async` copies (three stages in flight, two for the
@@ -174,6 +175,9 @@ impl Tile {
         }
     }
 }
+/// Most parts [`Gemm::grouped_tn_parts`] sums in one launch.
+pub const MAX_TN_PARTS: usize = 8;
+
 /// Output columns one block of the small-M kernel covers (`SM_WARPS · SM_NB`).
 const SMALL_M_COLS: usize = 32;
 const SMALL_M_THREADS: u32 = 256;
@@ -1494,8 +1498,60 @@ impl Gemm {
         s: Grouped,
         write: GradWrite,
     ) -> Result<(), DeviceError> {
+        self.grouped_tn_parts_with(tile, dy, x, offsets, dw, s, 1, write)
+    }
+
+    /// Grouped wgrad of an activation given as `parts` stacked BF16 parts `X = Σ_p X_p`
+    /// (`x: [parts, R, K]`, e.g. the three exact BF16 parts of NVFP4's dequantized rows):
+    /// `dW[e] += Σ_p dY[rows of e]ᵀ · X_p[rows of e]` as **one** sum per output on tensor
+    /// cores, over `parts × rows_e` products, added to (or, [`GradWrite::Overwrite`], stored
+    /// over) `dW` once, in one launch with [`Gemm::tile`]. The products are the ones `parts`
+    /// calls of [`Gemm::grouped_tn`] on the parts would add; the sum takes the expert's rows
+    /// in groups of 64 in increasing order, each group's rows of part 0, 1, … in turn (k16
+    /// groups in increasing order within each), the same order on every tile. So it differs
+    /// from those calls only in the summation order: against the per-expert reference
+    /// [`mxrl_tensor::gemm::matmul_tn`] of `dY` stacked `parts` times by the stacked parts
+    /// (plus the old dW), the bound is `tensor_core_sum_bound` over `parts × rows_e` terms (one
+    /// more with the old value). `parts = 1` is [`Gemm::grouped_tn`], bit for bit.
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_nt`]; `parts` not in `1..=`[`MAX_TN_PARTS`]; `x` shorter than
+    /// `parts × R × K`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_tn_parts(
+        &self,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+        parts: usize,
+        write: GradWrite,
+    ) -> Result<(), DeviceError> {
+        self.grouped_tn_parts_with(self.tile(s), dy, x, offsets, dw, s, parts, write)
+    }
+
+    /// [`Gemm::grouped_tn_parts`] with block tile `tile` (grid as [`Gemm::grouped_tn_with`]).
+    ///
+    /// # Errors
+    /// As [`Gemm::grouped_tn_parts`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_tn_parts_with(
+        &self,
+        tile: Tile,
+        dy: &CudaView<'_, u16>,
+        x: &CudaView<'_, u16>,
+        offsets: &CudaView<'_, u32>,
+        dw: &mut CudaViewMut<'_, f32>,
+        s: Grouped,
+        parts: usize,
+        write: GradWrite,
+    ) -> Result<(), DeviceError> {
         let g = &self.gpu;
-        let x_len = mul(g, "x", s.rows, s.k)?;
+        if !(1..=MAX_TN_PARTS).contains(&parts) {
+            return Err(g.err(format!("grouped_tn: {parts} parts (1 to {MAX_TN_PARTS})")));
+        }
+        let x_len = mul(g, "x", mul(g, "x", parts, s.rows)?, s.k)?;
         let dw_len = mul(g, "dw", mul(g, "dw", s.experts, s.n)?, s.k)?;
         self.check_grouped("grouped_tn", s, (dy, s.n), x, x_len, offsets, dw, dw_len)?;
         if s.experts == 0 || s.n == 0 || s.k == 0 {
@@ -1521,16 +1577,24 @@ impl Gemm {
         };
         let (e, r, n, k) = (s.experts as u32, s.rows as u32, s.n as u32, s.k as u32);
         let overwrite = u32::from(write == GradWrite::Overwrite);
+        let parts_u32 = parts as u32;
         let mut b =
             g.stream()
                 .launch_builder(self.tiled_kernel(&self.tn_tiled, tile, "grouped_tn")?);
         b.arg(dy).arg(x).arg(offsets).arg(dw);
-        b.arg(&e).arg(&r).arg(&n).arg(&k).arg(&overwrite);
-        // SAFETY: dy holds R·N, x R·K, offsets E+1 and dw E·N·K elements (checked); n, k are
-        // multiples of 8 with dy, x 16-byte / dw 8-byte aligned (checked); block (·, ·, e)
-        // reads offsets[e], offsets[e+1] (e < E), clamps them to [0, R], and bounds-checks
-        // n < N, k < K and rows < offsets[e+1] (out-of-range chunks zero-filled, not read);
-        // block size `tile.threads()`. Argument types match (…, u32 × 5).
+        b.arg(&e)
+            .arg(&r)
+            .arg(&n)
+            .arg(&k)
+            .arg(&overwrite)
+            .arg(&parts_u32);
+        // SAFETY: dy holds R·N, x parts·R·K, offsets E+1 and dw E·N·K elements (checked;
+        // parts ≤ 8, so the kernel's u32 stage count, ≤ 16·⌈R/64⌉, cannot wrap); n, k are multiples of 8 with
+        // dy, x 16-byte / dw 8-byte aligned (checked; part p starts p·R·K elements, a multiple
+        // of 8, into x); block (·, ·, e) reads offsets[e], offsets[e+1] (e < E), clamps them
+        // to [0, R], and bounds-checks n < N, k < K and rows < offsets[e+1] of each part
+        // (out-of-range chunks zero-filled, not read); block size `tile.threads()`. Argument
+        // types match (…, u32 × 6).
         unsafe { crate::gpu::launch_op(&mut b, cfg) }.map_err(|e| g.err(e))?;
         Ok(())
     }
