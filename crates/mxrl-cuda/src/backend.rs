@@ -1601,40 +1601,51 @@ impl Backend for CudaBackend {
         };
         // dW is still to be zeroed (`GradWrite::Overwrite`) until the first wgrad writes it.
         let dw_pending = Cell::new(dw_write == GradWrite::Overwrite);
-        let wgrad = |b: &CudaSlice<u16>, c: &CudaView<'_, u16>, dw: &mut CudaSlice<f32>| {
-            let overwrite = dw_pending.replace(false);
-            match &offsets {
-                None => {
-                    if overwrite {
-                        self.fill_zero(dw, n * k)?;
-                    }
-                    self.gemm
-                        .dense_tn(
-                            &b.slice(r0 * n..r1 * n),
-                            &c.slice(r0 * k..r1 * k),
-                            &mut dw.slice_mut(0..n * k),
-                            r1 - r0,
-                            n,
-                            k,
-                        )
-                        .map_err(de)
-                }
-                Some(o) => self
-                    .gemm
-                    .grouped_tn(
-                        &b.as_view(),
-                        c,
-                        &o.as_view(),
-                        &mut dw.as_view_mut(),
-                        s,
+        // dW += bᵀ · Σ_p c_p over `parts` stacked [rows, k] parts of c: grouped, one sum over
+        // every part's rows, added once; dense (one group), one cuBLAS pass per part.
+        let wgrad_parts =
+            |b: &CudaSlice<u16>, c: &CudaView<'_, u16>, parts: usize, dw: &mut CudaSlice<f32>| {
+                let overwrite = dw_pending.replace(false);
+                match &offsets {
+                    None => {
                         if overwrite {
-                            GradWrite::Overwrite
-                        } else {
-                            GradWrite::Accumulate
-                        },
-                    )
-                    .map_err(de),
-            }
+                            self.fill_zero(dw, n * k)?;
+                        }
+                        for p in 0..parts {
+                            let part = p * rows * k;
+                            self.gemm
+                                .dense_tn(
+                                    &b.slice(r0 * n..r1 * n),
+                                    &c.slice(part + r0 * k..part + r1 * k),
+                                    &mut dw.slice_mut(0..n * k),
+                                    r1 - r0,
+                                    n,
+                                    k,
+                                )
+                                .map_err(de)?;
+                        }
+                        Ok(())
+                    }
+                    Some(o) => self
+                        .gemm
+                        .grouped_tn_parts(
+                            &b.as_view(),
+                            c,
+                            &o.as_view(),
+                            &mut dw.as_view_mut(),
+                            s,
+                            parts,
+                            if overwrite {
+                                GradWrite::Overwrite
+                            } else {
+                                GradWrite::Accumulate
+                            },
+                        )
+                        .map_err(de),
+                }
+            };
+        let wgrad = |b: &CudaSlice<u16>, c: &CudaView<'_, u16>, dw: &mut CudaSlice<f32>| {
+            wgrad_parts(b, c, 1, dw)
         };
         if r0 == r1 {
             if dw_pending.get() {
@@ -1794,10 +1805,8 @@ impl Backend for CudaBackend {
                         &made
                     }
                 };
-                for p in 0..3 {
-                    wgrad(dyb()?, &xp.slice(p * rows * k..(p + 1) * rows * k), dw)?;
-                }
-                Ok(())
+                // One wgrad over the three parts: a single sum per output, dW written once.
+                wgrad_parts(dyb()?, &xp.slice(0..3 * rows * k), 3, dw)
             }
         }
     }
