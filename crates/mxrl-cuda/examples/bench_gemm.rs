@@ -1,7 +1,8 @@
 //! GEMM family benchmark on the 2.63 B benchmark config (Qwen3-MoE, hidden 2048,
 //! moe_intermediate 768, 64 experts top-8): the grouped expert GEMMs (fused gate/up projection
 //! `[64, 1536, 2048]` and down projection `[64, 2048, 768]`) for a 4096-token training step
-//! (forward, dgrad, wgrad) and for decode steps at batch 1 / 8 / 32 / 128, routed like random
+//! (forward, dgrad, wgrad; and the wgrad of an activation in three BF16 parts, NVFP4's
+//! `dequantized` backward, as three passes and as one launch) and for decode steps at batch 1 / 8 / 32 / 128, routed like random
 //! tokens (8 distinct uniformly random experts per token, fixed seed). Every figure is timed
 //! with CUDA events after warm-up in the same run as its baselines: a cuBLAS dense BF16 GEMM
 //! of the same total FLOPs, and a device-to-device copy of the bytes the grouped op must read
@@ -156,6 +157,8 @@ mod bench {
         let off = g.upload(&offsets(&counts)).expect("offsets");
         let a = bf16_buf(&g, r * HIDDEN.max(2 * MOE_INTER), 2);
         let d = bf16_buf(&g, r * HIDDEN.max(2 * MOE_INTER), 3);
+        // Three parts of x (NVFP4's `dequantized` wgrad operand).
+        let x3 = bf16_buf(&g, 3 * r * HIDDEN.max(MOE_INTER), 4);
         let mut out = g
             .zeros::<f32>(r * HIDDEN.max(2 * MOE_INTER))
             .expect("alloc");
@@ -269,6 +272,69 @@ mod bench {
                             copy_ms: cp,
                             cublas_ms: Some(cb),
                         });
+                    }
+                    // NVFP4 `dequantized`: x in three stacked BF16 parts. Three passes (the
+                    // first overwriting, two accumulating) against one launch over all parts.
+                    let part = |p: usize| x3.slice(p * r * k..(p + 1) * r * k);
+                    let mut first: Option<Vec<u32>> = None;
+                    for tile in ops.tiles() {
+                        if !matches!(tile, Tile::T128 | Tile::W128x256) {
+                            continue;
+                        }
+                        let passes = time(&g, reps, || {
+                            for p in 0..3 {
+                                let write = if p == 0 {
+                                    GradWrite::Overwrite
+                                } else {
+                                    GradWrite::Accumulate
+                                };
+                                ops.grouped_tn_with(
+                                    tile,
+                                    &d.as_view(),
+                                    &part(p),
+                                    &off.as_view(),
+                                    &mut dw_max.as_view_mut(),
+                                    s,
+                                    write,
+                                )
+                                .expect("grouped");
+                            }
+                        });
+                        let one = time(&g, reps, || {
+                            ops.grouped_tn_parts_with(
+                                tile,
+                                &d.as_view(),
+                                &x3.slice(0..3 * r * k),
+                                &off.as_view(),
+                                &mut dw_max.as_view_mut(),
+                                s,
+                                3,
+                                GradWrite::Overwrite,
+                            )
+                            .expect("grouped");
+                        });
+                        let bits: Vec<u32> = g
+                            .download(&dw_max.slice(0..EXPERTS * n * k))
+                            .expect("download")
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect();
+                        same_bits(
+                            &mut first,
+                            bits,
+                            &format!("{tile:?} vs T128, {case} wgrad of 3 parts"),
+                        );
+                        for (what, ms) in [("3 passes", passes), ("one launch", one)] {
+                            rows_out.push(Row {
+                                case: case.clone(),
+                                op: format!("wgrad of 3 parts grouped {tile:?}, {what}"),
+                                ms,
+                                flops: 3.0 * flops,
+                                weight_bytes: wb,
+                                copy_ms: cp,
+                                cublas_ms: Some(3.0 * cb),
+                            });
+                        }
                     }
                 }
                 if op == "fwd" {
