@@ -339,6 +339,8 @@ pub struct DecodeState<B: Backend> {
     routes: Vec<Option<(B::U32, B::F32)>>,
     /// The per-layer probes when they are recorded ([`Record::probes`]).
     probes: Option<ProbeTable<B>>,
+    /// Prompt tokens its prefill ran ([`GenTiming::prefill_tokens`]).
+    prefilled: usize,
 }
 
 /// The probes a generation records on the device: per layer, the residual stream after the
@@ -2616,16 +2618,8 @@ impl<B: Backend> Engine<B> {
         let mut once = self.new_state(&dl, longest, cap, 1)?;
         self.prefill_into(&distinct, &mut once)?;
         self.share_prefill(&once, &src, &mut st)?;
+        st.prefilled = once.prefilled;
         Ok(st)
-    }
-
-    /// The prompt tokens [`Engine::prefill_state`] runs through the model for `prompts`.
-    fn prefill_tokens(&self, prompts: &[&[u32]]) -> usize {
-        let all = || prompts.iter().map(|p| p.len()).sum();
-        if !self.shared_prefill {
-            return all();
-        }
-        distinct_prompts(prompts).0.iter().map(|p| p.len()).sum()
     }
 
     /// The KV cache of layer `layer` of `st` as BF16 bits, keys then values, each `[slots,
@@ -2700,6 +2694,7 @@ impl<B: Backend> Engine<B> {
             } else {
                 None
             },
+            prefilled: 0,
         })
     }
 
@@ -2713,6 +2708,7 @@ impl<B: Backend> Engine<B> {
         self.check_tokens(&tokens, "prompt")?;
         let pos: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
         let last = self.prefill_hidden(&tokens, &pos, &layout, Some(st))?;
+        st.prefilled = tokens.len();
         self.head_into(&last, prompts.len(), &mut st.io.logits)
     }
 
@@ -3001,6 +2997,7 @@ impl<B: Backend> Engine<B> {
             io,
             routes,
             probes,
+            ..
         } = st;
         b.write_u32(&mut io.tokens, tokens).map_err(dev)?;
         b.write_u32(&mut io.pos, lens).map_err(dev)?;
@@ -3294,7 +3291,7 @@ impl<B: Backend> Engine<B> {
         let mut st = self.prefill_state(prompts, longest + new_tokens, capture, new_tokens)?;
         let (mut ids, mut lps) = self.sample_state(&mut st, p)?;
         timing.prefill_s = t0.elapsed().as_secs_f64();
-        timing.prefill_tokens = self.prefill_tokens(prompts) as u64;
+        timing.prefill_tokens = st.prefilled as u64;
         let t1 = std::time::Instant::now();
         let mut done = vec![false; prompts.len()];
         for t in 0..new_tokens {
