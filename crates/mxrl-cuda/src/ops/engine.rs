@@ -175,8 +175,7 @@ impl EngineOps {
         block: usize,
         count: usize,
     ) -> Result<(), DeviceError> {
-        let (sb, db) = (src.len() / block.max(1), dst.len() / block.max(1));
-        self.copy_blocks(&self.copy_blocks_u16, src, dst, (sb, db), map, block, count)
+        self.copy_blocks(&self.copy_blocks_u16, src, dst, map, block, count)
     }
 
     /// [`EngineOps::copy_blocks_u16`] for 4-byte elements (f32 or u32, copied as bits).
@@ -196,17 +195,14 @@ impl EngineOps {
             4,
             "copy_blocks_u32 copies 4-byte elements"
         );
-        let (sb, db) = (src.len() / block.max(1), dst.len() / block.max(1));
-        self.copy_blocks(&self.copy_blocks_u32, src, dst, (sb, db), map, block, count)
+        self.copy_blocks(&self.copy_blocks_u32, src, dst, map, block, count)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn copy_blocks<T: cudarc::driver::DeviceRepr>(
         &self,
         f: &CudaFunction,
         src: &CudaView<'_, T>,
         dst: &mut CudaViewMut<'_, T>,
-        (src_blocks, dst_blocks): (usize, usize),
         map: &CudaView<'_, u32>,
         block: usize,
         count: usize,
@@ -215,6 +211,8 @@ impl EngineOps {
         if block * count == 0 {
             return Ok(());
         }
+        // Whole blocks in each buffer: the kernel skips pairs naming any other.
+        let (src_blocks, dst_blocks) = (src.len() / block, dst.len() / block);
         let (b64, c64, s64, d64) = (
             block as u64,
             count as u64,
